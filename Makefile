@@ -1,0 +1,42 @@
+# freetx: set-up, demo, tests, benchmarks.
+#   make demo    train the default model on 2 CPU processes (sets up first)
+#   make test    run the test suite (sets up first)
+# TORCH picks the torch build installed before the package; the default is the
+# CPU build these machines carry. On a GPU machine: make setup TORCH=torch==2.13.0
+# from the CUDA index, e.g. TORCH="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128".
+
+PYTHON ?= python3
+VENV ?= .venv
+TORCH ?= torch==2.13.0
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.freetx-installed
+
+.PHONY: setup test lint format demo bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet $(TORCH)
+	$(BIN)/pip install --quiet -e ".[dev]"
+	touch $(STAMP)
+
+test: setup
+	$(BIN)/pytest
+
+lint: setup
+	$(BIN)/ruff check freetx recipes tests benchmarks
+	$(BIN)/ruff format --check freetx recipes tests benchmarks
+
+format: setup
+	$(BIN)/ruff check --fix freetx recipes tests benchmarks
+	$(BIN)/ruff format freetx recipes tests benchmarks
+
+demo: setup
+	$(BIN)/freetx run --nproc-per-node 2 full_finetune_fsdp2 --config llm/tiny
+
+bench: setup
+	$(BIN)/python benchmarks/run_all.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info runs

@@ -1,0 +1,75 @@
+"""What several subcommands share: finding a recipe by name or path, reading its schema."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from freetx import registry
+from freetx.errors import FreetxError
+
+
+@dataclass
+class RecipeTarget:
+    """A recipe to validate or run: its file, schema, and whether it runs distributed."""
+
+    path: Path
+    name: str
+    schema: type | None
+    supports_distributed: bool
+
+
+def resolve_recipe_file(name_or_path: str) -> Path:
+    """A built-in recipe name or a path to a .py file -> the file."""
+    recipe = registry.get_recipe(name_or_path)
+    if recipe is not None:
+        return registry.recipe_file(recipe)
+    path = Path(name_or_path).expanduser()
+    if path.suffix == ".py":
+        if not path.is_file():
+            raise FreetxError(f"recipe file {name_or_path} does not exist; check the path.")
+        return path.resolve()
+    hint = registry.closest(name_or_path, [r.name for r in registry.RECIPES])
+    raise FreetxError(
+        f"'{name_or_path}' is not a built-in recipe"
+        + (f" (did you mean '{hint}'?)" if hint else "")
+        + " and not a path to a .py file. `freetx ls` lists the recipes; a copied recipe "
+        "is given by its path, e.g. ./my_recipe.py."
+    )
+
+
+def load_recipe(name_or_path: str) -> RecipeTarget:
+    """Import a recipe file by path (not as __main__) to read its schema and flags.
+
+    The recipe's `recipe_main` must be decorated with `freetx.config.parse`.
+    """
+    path = resolve_recipe_file(name_or_path)
+    module_name = f"freetx_recipe_{path.stem}"
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    if spec is None or spec.loader is None:
+        raise FreetxError(f"cannot load recipe file {path}.")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module  # dataclasses need their module registered
+    try:
+        spec.loader.exec_module(module)
+    except FreetxError:
+        raise
+    except Exception as e:
+        raise FreetxError(
+            f"importing recipe file {path} failed: {type(e).__name__}: {e}. "
+            "Fix the file (run with --debug for the traceback)."
+        ) from e
+    entry = getattr(module, "recipe_main", None)
+    if entry is None or not hasattr(entry, "config_schema"):
+        raise FreetxError(
+            f"{path} has no `recipe_main` decorated with @freetx.config.parse(Schema); "
+            "a recipe file must define one (see any built-in recipe)."
+        )
+    return RecipeTarget(
+        path=path,
+        name=name_or_path,
+        schema=entry.config_schema,
+        supports_distributed=entry.supports_distributed,
+    )

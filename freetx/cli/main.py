@@ -1,0 +1,91 @@
+"""`freetx`: list, copy, print, validate and run recipes.
+
+Each subcommand lives in its own module with `build_parser()` and
+`main(args) -> exit code`; modules import heavy packages (torch, omegaconf)
+only inside `main`, so `freetx --help` and `freetx ls` answer at once.
+Arguments may be mixed freely: `freetx validate CFG k=v --recipe R k2=v2`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+import traceback
+
+from freetx import __version__
+from freetx.errors import FreetxError, debug_enabled, report_error
+
+SUBCOMMANDS = {
+    "ls": "list the built-in recipes and their configs",
+    "cp": "copy a built-in recipe or config to a local file",
+    "cat": "print a config, overrides applied and interpolations resolved",
+    "validate": "check a config against its recipe's schema and components",
+    "run": "run a recipe, in this process or on N processes via torchrun",
+}
+
+EPILOG = """examples:
+  freetx ls
+  freetx cp full_finetune_fsdp2 ./my_recipe.py
+  freetx cat llm/tiny max_steps=10
+  freetx validate llm/tiny batch_size=4
+  freetx run full_finetune_fsdp2 --config llm/tiny
+  freetx run --nproc-per-node 2 ./my_recipe.py --config ./my.yaml max_steps=50
+
+A user error prints one paragraph and exits 1 (2 for usage); --debug or
+FREETX_DEBUG=1 shows the traceback."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="freetx",
+        description="Declarative recipes for distributed PyTorch training.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"freetx {__version__}")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks of user errors")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, help_text in SUBCOMMANDS.items():
+        subparsers.add_parser(name, help=help_text, add_help=False)
+    return parser
+
+
+def _split_global(argv: list[str]) -> tuple[list[str], str | None, list[str]]:
+    """(global flags, subcommand, its arguments)."""
+    for i, arg in enumerate(argv):
+        if not arg.startswith("-"):
+            return argv[:i], arg, argv[i + 1 :]
+    return argv, None, []
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    global_flags, command, rest = _split_global(argv)
+    if "--debug" in global_flags:
+        os.environ["FREETX_DEBUG"] = "1"  # children (torchrun workers) inherit it
+    try:
+        if command == "run":
+            # `run` takes torchrun's launch options before the recipe, so it
+            # parses its own arguments with torchrun's parser.
+            from freetx.cli import run
+
+            return run.main(rest)
+        if command in SUBCOMMANDS:
+            module = importlib.import_module(f"freetx.cli.{command}")
+            return module.main(module.build_parser().parse_intermixed_args(rest))
+        parser = build_parser()
+        parser.parse_args(argv)  # --help, --version, or an unknown command (exit 2)
+        parser.print_help()
+        return 2
+    except FreetxError as e:
+        if debug_enabled():
+            traceback.print_exc()
+        return report_error(e)
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,27 @@
+"""Configs: load YAML, apply overrides, check against a schema, build components.
+
+See `loading.py` for the override grammar, `schema.py` for schema checks,
+`instantiate.py` for `_component_` nodes, `entry.py` for a recipe's entry point.
+"""
+
+from freetx.config.entry import load_recipe_config, parse, write_resolved_config
+from freetx.config.instantiate import check_components, instantiate, to_container
+from freetx.config.loading import apply_overrides, compose, load_config, resolve_config_path
+from freetx.config.schema import apply_schema, check_config
+from freetx.errors import ConfigError
+
+__all__ = [
+    "ConfigError",
+    "apply_overrides",
+    "apply_schema",
+    "check_components",
+    "check_config",
+    "compose",
+    "instantiate",
+    "load_config",
+    "load_recipe_config",
+    "parse",
+    "resolve_config_path",
+    "to_container",
+    "write_resolved_config",
+]

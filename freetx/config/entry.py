@@ -1,0 +1,172 @@
+"""The entry point of every recipe: parse `--config CFG [overrides]`, check, run.
+
+    @freetx.config.parse(FullFinetuneConfig)
+    def recipe_main(cfg: DictConfig) -> None:
+        ...
+
+    if __name__ == "__main__":
+        sys.exit(recipe_main())
+
+Called without arguments, `recipe_main` reads `sys.argv`, loads and checks the
+config against the schema, writes the resolved config to
+`<output_dir>/config.yaml` (rank 0) and runs the recipe. A user error prints as
+one paragraph without a traceback and gives exit code 1; the process group is
+destroyed on the way out, also after an exception. Called with a config
+(`recipe_main(cfg)`, e.g. from a test) it just runs.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from freetx.config.loading import check_override_syntax, compose
+from freetx.config.schema import apply_schema, check_config
+from freetx.errors import ConfigError, FreetxError, UsageError, debug_enabled, report_error
+
+CONFIG_FILE_NAME = "config.yaml"
+
+
+def split_recipe_args(argv: list[str]) -> tuple[str, list[str]]:
+    """`--config CFG k=v ...` (in any order) -> (CFG, overrides)."""
+    config, rest = None, []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg in ("--config", "-c"):
+            if i + 1 >= len(argv):
+                raise UsageError("--config needs a value: a config name or a path to a .yaml file.")
+            config = argv[i + 1]
+            i += 2
+            continue
+        if arg.startswith("--config="):
+            config = arg.split("=", 1)[1]
+        else:
+            rest.append(arg)
+        i += 1
+    if config is None:
+        raise UsageError(
+            "no config given. Pass --config NAME_OR_PATH (`freetx ls` lists the built-in "
+            "configs), then any key=value overrides."
+        )
+    check_override_syntax(rest)
+    return config, rest
+
+
+def load_and_check(
+    config: str, overrides: list[str], schema: type | None
+) -> tuple[DictConfig, list[str]]:
+    """The composed config and every problem found in it (empty when clean)."""
+    cfg = compose(config, overrides)
+    return cfg, check_config(cfg, schema)
+
+
+def load_recipe_config(config: str, overrides: list[str], schema: type | None) -> DictConfig:
+    """Compose, check and type a recipe's config; raise one ConfigError listing all problems."""
+    cfg, problems = load_and_check(config, overrides, schema)
+    if problems:
+        raise ConfigError(problems, fix="Fix them in the YAML file or with key=value overrides.")
+    return apply_schema(cfg, schema) if schema is not None else cfg
+
+
+def write_resolved_config(cfg: DictConfig) -> Path | None:
+    """Save the run's resolved config as `<output_dir>/config.yaml`."""
+    output_dir = cfg.get("output_dir")
+    if not output_dir:
+        return None
+    path = Path(output_dir) / CONFIG_FILE_NAME
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    except OSError as e:
+        raise ConfigError(
+            f"cannot write the run's config to {path}: {e.strerror}.",
+            fix="Pick an output_dir you can write to (output_dir=PATH).",
+        ) from None
+    return path
+
+
+def _destroy_process_group() -> None:
+    if "torch.distributed" in sys.modules:  # a recipe that never imported torch made none
+        from freetx.distributed.runtime import destroy_distributed
+
+        destroy_distributed()
+
+
+def _record_for_torchrun(error: BaseException) -> None:
+    """Write torchrun's error file, so `freetx run` can name the rank that failed first."""
+    if os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+        ErrorHandler().record_exception(error)
+
+
+def _is_peer_failure(error: Exception) -> bool:
+    """A collective that failed because another rank's process ended."""
+    text = str(error)
+    return "closed by peer" in text or "reset by peer" in text or "remote worker" in text
+
+
+def run_from_argv(
+    recipe_main: Callable[[DictConfig], object], schema: type | None, argv: list[str]
+) -> int:
+    """Parse argv, run the recipe, turn user errors into one paragraph; the exit code."""
+    rank = int(os.environ.get("RANK", "0"))
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    prefix = f"freetx [rank {rank}]" if world_size > 1 else "freetx"
+    try:
+        config, overrides = split_recipe_args(argv)
+        cfg = load_recipe_config(config, overrides, schema)
+        if rank == 0:
+            write_resolved_config(cfg)
+    except FreetxError as e:
+        # every rank parses the same config; one message is enough
+        return report_error(e, "freetx") if rank == 0 else e.exit_code
+    try:
+        recipe_main(cfg)
+        return 0
+    except FreetxError as e:
+        _record_for_torchrun(e)
+        if debug_enabled():
+            traceback.print_exc()
+        return report_error(e, prefix)
+    except Exception as e:
+        if world_size > 1 and _is_peer_failure(e) and not debug_enabled():
+            print(
+                f"{prefix}: stopped because another rank failed; its message is above.",
+                file=sys.stderr,
+                flush=True,
+            )
+            os._exit(1)  # the process group is broken: leave without tearing it down
+        _record_for_torchrun(e)
+        raise
+    finally:
+        _destroy_process_group()
+
+
+def parse(schema: type | None = None, *, supports_distributed: bool = True):
+    """Decorate a recipe's `recipe_main(cfg)` so that `recipe_main()` parses sys.argv.
+
+    `schema` is the recipe's config dataclass; `supports_distributed=False`
+    makes `freetx run` refuse launch options for this recipe.
+    """
+
+    def decorate(recipe_main: Callable[[DictConfig], object]):
+        @functools.wraps(recipe_main)
+        def wrapper(cfg: DictConfig | None = None) -> int | None:
+            if cfg is not None:
+                recipe_main(cfg)
+                return None
+            return run_from_argv(recipe_main, schema, sys.argv[1:])
+
+        wrapper.config_schema = schema
+        wrapper.supports_distributed = supports_distributed
+        return wrapper
+
+    return decorate

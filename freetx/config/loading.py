@@ -1,0 +1,147 @@
+"""Load a YAML config, apply command-line overrides, resolve interpolations.
+
+Override grammar (everything after the config on the command line):
+
+    key=value            set a key (created when absent); value parsed as YAML
+    a.b.c=value          set a nested key; list items as `a.b[0]=value`
+    key=[1,2] / {a: 1}   lists and dicts in OmegaConf (YAML flow) syntax
+    key=a=b              the value is `a=b`: the split is on the first `=` only
+    ~key / ~a.b          delete a key
+    node=pkg.mod.fn      when `node` is a `_component_` node and the value is a
+                         dotted name, swap its `_component_` and keep its keys
+
+The command line wins over the file.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from freetx import registry
+from freetx.errors import ConfigError, UsageError
+
+_DOTTED_NAME = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)+$")
+
+
+def resolve_config_path(name_or_path: str) -> Path:
+    """A built-in config name (`llm/tiny`) or a path to a YAML file -> the file."""
+    path = Path(name_or_path).expanduser()
+    if path.suffix in (".yaml", ".yml") and path.is_file():
+        return path.resolve()
+    builtin = registry.config_file(name_or_path)
+    if builtin is not None:
+        return builtin
+    if path.suffix in (".yaml", ".yml"):
+        raise ConfigError(
+            f"config file {name_or_path} does not exist.",
+            fix="Check the path, or use a built-in config name (`freetx ls` lists them).",
+        )
+    hint = registry.closest(name_or_path, registry.config_names())
+    raise ConfigError(
+        f"config '{name_or_path}' is not a built-in config name"
+        + (f" (did you mean '{hint}'?)" if hint else "")
+        + " and is not a path to a .yaml file.",
+        fix="`freetx ls` lists the built-in configs; a path must end in .yaml.",
+    )
+
+
+def load_config(path: str | Path) -> DictConfig:
+    """Read a YAML file into a DictConfig (interpolations not yet resolved)."""
+    try:
+        cfg = OmegaConf.load(path)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist.") from None
+    except Exception as e:  # YAML syntax errors come in several types
+        raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
+    if not isinstance(cfg, DictConfig):
+        raise ConfigError(
+            f"config file {path} holds a {type(cfg).__name__}, not a mapping of keys to values."
+        )
+    return cfg
+
+
+def parse_value(raw: str):
+    """Parse an override's value the way OmegaConf parses YAML values."""
+    return OmegaConf.from_dotlist([f"value={raw}"])["value"]
+
+
+def check_override_syntax(overrides: list[str]) -> None:
+    """Raise a UsageError for an argument that is neither `key=value` nor `~key`."""
+    for item in overrides:
+        key = item[1:] if item.startswith("~") else item.split("=", 1)[0]
+        if not (item.startswith("~") or "=" in item) or not key:
+            raise UsageError(
+                f"'{item}' is not an override. Write overrides as key=value "
+                "(nested: a.b=value) or ~key to delete a key."
+            )
+
+
+def apply_overrides(cfg: DictConfig, overrides: list[str]) -> DictConfig:
+    """Apply `key=value` / `~key` overrides in order; the command line wins."""
+    check_override_syntax(overrides)
+    for item in overrides:
+        if item.startswith("~"):
+            _delete(cfg, item[1:])
+            continue
+        key, raw = item.split("=", 1)
+        _check_parents(cfg, key, item)
+        value = parse_value(raw)
+        existing = OmegaConf.select(cfg, key, default=None, throw_on_missing=False)
+        if (
+            isinstance(existing, DictConfig)
+            and "_component_" in existing
+            and isinstance(value, str)
+            and _DOTTED_NAME.match(value)
+        ):
+            existing["_component_"] = value  # component shorthand: swap the target
+            continue
+        try:
+            OmegaConf.update(cfg, key, value, merge=False)
+        except OmegaConfBaseException as e:
+            raise ConfigError(f"cannot apply override '{item}': {_first_line(e)}") from None
+    return cfg
+
+
+def _check_parents(cfg: DictConfig, key: str, item: str) -> None:
+    """Refuse `lr.x=1` when `lr` is a value: OmegaConf would silently make it a section."""
+    parts = key.split(".")
+    for i in range(1, len(parts)):
+        parent = ".".join(parts[:i])
+        value = OmegaConf.select(cfg, parent, default=None, throw_on_resolution_failure=False)
+        if value is not None and not OmegaConf.is_config(value):
+            raise ConfigError(
+                f"cannot apply override '{item}': '{parent}' holds the value {value!r}, "
+                f"not a section with keys; set '{parent}=...' itself instead."
+            )
+
+
+def _delete(cfg: DictConfig, key: str) -> None:
+    parent_key, _, leaf = key.rpartition(".")
+    parent = OmegaConf.select(cfg, parent_key) if parent_key else cfg
+    if not isinstance(parent, DictConfig) or leaf not in parent:
+        raise ConfigError(f"cannot delete '~{key}': the config has no key '{key}'.")
+    del parent[leaf]
+
+
+def resolve(cfg: DictConfig) -> DictConfig:
+    """Resolve `${...}` interpolations in place, naming the key that fails."""
+    try:
+        OmegaConf.resolve(cfg)
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"cannot resolve an interpolation: {_first_line(e)}") from None
+    return cfg
+
+
+def compose(name_or_path: str, overrides: list[str] | None = None) -> DictConfig:
+    """Load a config by name or path, apply overrides, resolve interpolations."""
+    cfg = load_config(resolve_config_path(name_or_path))
+    apply_overrides(cfg, list(overrides or []))
+    return resolve(cfg)
+
+
+def _first_line(error: Exception) -> str:
+    return str(error).strip().splitlines()[0]

@@ -1,0 +1,164 @@
+"""Check a config against a recipe's schema, reporting every problem at once.
+
+A recipe declares its schema as a dataclass (an OmegaConf structured config).
+Fields typed `Any` hold `_component_` nodes, which stay free-form here and are
+checked by binding their keys to the target's signature (see
+`instantiate.check_components`). Everything else is checked here: unknown keys
+(with the closest valid key as a hint), wrong types, values outside a
+`Literal[...]`, and required keys (default `MISSING`) that are not set.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from typing import Any, Literal, Union
+
+from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
+
+from freetx.config.instantiate import check_components
+from freetx.errors import ConfigError
+
+_NONE = type(None)
+
+
+def _all_keys(schema: type, prefix: str = "") -> list[str]:
+    """Every dotted key a schema defines, for hints across sections."""
+    keys = []
+    for f in dataclasses.fields(schema):
+        path = f"{prefix}{f.name}"
+        keys.append(path)
+        hint = _resolved_hints(schema).get(f.name)
+        if dataclasses.is_dataclass(hint):
+            keys.extend(_all_keys(hint, path + "."))
+    return keys
+
+
+def _resolved_hints(schema: type) -> dict[str, Any]:
+    return typing.get_type_hints(schema)
+
+
+def _suggest(key: str, level_keys: list[str], schema_root: type, path: str) -> str:
+    close = difflib.get_close_matches(key, level_keys, n=1, cutoff=0.6)
+    if close:
+        return f"did you mean '{path}{close[0]}'?"
+    elsewhere = [k for k in _all_keys(schema_root) if k.rsplit(".", 1)[-1] == key]
+    if elsewhere:
+        return f"did you mean '{elsewhere[0]}'?"
+    close = difflib.get_close_matches(key, _all_keys(schema_root), n=1, cutoff=0.75)
+    if close:
+        return f"did you mean '{close[0]}'?"
+    return "valid keys here: " + ", ".join(level_keys) + "."
+
+
+def _describe(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (Union, types.UnionType):
+        return " or ".join(_describe(a) for a in typing.get_args(tp))
+    if tp is _NONE:
+        return "null"
+    if origin in (list, tuple):
+        return "a list"
+    if origin is dict or tp is dict:
+        return "a mapping"
+    if dataclasses.is_dataclass(tp):
+        return "a mapping"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _matches(value: Any, tp: Any) -> bool:
+    """Whether a (resolved) config value fits a type annotation."""
+    if tp is Any:
+        return True
+    origin = typing.get_origin(tp)
+    if origin in (Union, types.UnionType):
+        return any(_matches(value, a) for a in typing.get_args(tp))
+    if origin is Literal:
+        return value in typing.get_args(tp)
+    if tp is _NONE:
+        return value is None
+    if tp is bool:
+        return isinstance(value, bool)
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if tp is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if tp is str:
+        return isinstance(value, str)
+    if origin in (list, tuple) or tp in (list, tuple):
+        if not isinstance(value, ListConfig):
+            return False
+        args = typing.get_args(tp)
+        return not args or all(_matches(v, args[0]) for v in value)
+    if origin is dict or tp is dict:
+        return isinstance(value, DictConfig)
+    if dataclasses.is_dataclass(tp):
+        return isinstance(value, DictConfig)
+    return True
+
+
+def schema_problems(cfg: DictConfig, schema: type) -> list[str]:
+    """Unknown keys, wrong types and missing required keys, each with its path."""
+    problems: list[str] = []
+    _check_level(cfg, schema, "", schema, problems)
+    return problems
+
+
+def _check_level(
+    node: DictConfig, schema: type, path: str, root: type, problems: list[str]
+) -> None:
+    fields = {f.name: f for f in dataclasses.fields(schema)}
+    hints = _resolved_hints(schema)
+    for key in node.keys():
+        key = str(key)
+        if key not in fields:
+            hint = _suggest(key, list(fields), root, path)
+            problems.append(f"unknown key '{path}{key}': {hint}")
+            continue
+        if OmegaConf.is_missing(node, key):
+            continue  # `???`: reported below when the key is required
+        value = node[key]
+        tp = hints[key]
+        if dataclasses.is_dataclass(tp) and isinstance(value, DictConfig):
+            _check_level(value, tp, f"{path}{key}.", root, problems)
+        elif not _matches(value, tp):
+            shown = (
+                OmegaConf.to_container(value)
+                if isinstance(value, (DictConfig, ListConfig))
+                else value
+            )
+            problems.append(f"'{path}{key}' must be {_describe(tp)}, got {shown!r}.")
+    for name, f in fields.items():
+        if name not in node and dataclasses.is_dataclass(hints[name]):
+            _check_level(OmegaConf.create({}), hints[name], f"{path}{name}.", root, problems)
+            continue
+        no_default = f.default is dataclasses.MISSING or (
+            isinstance(f.default, str) and f.default == MISSING
+        )
+        required = no_default and f.default_factory is dataclasses.MISSING
+        if required and (name not in node or OmegaConf.is_missing(node, name)):
+            problems.append(f"missing required key '{path}{name}' ({_describe(hints[name])}).")
+
+
+def check_config(cfg: DictConfig, schema: type | None) -> list[str]:
+    """Every problem with a resolved config: schema first, then components."""
+    problems = schema_problems(cfg, schema) if schema is not None else []
+    return problems + check_components(cfg)
+
+
+def apply_schema(cfg: DictConfig, schema: type) -> DictConfig:
+    """The config merged over the schema's defaults: typed, read-only keys fixed.
+
+    Call after `check_config` found no problems. The result is in struct mode,
+    so reading a key the schema does not define is an error, not a silent None.
+    """
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(schema), cfg)
+    except Exception as e:  # any leftover type error is still the user's config
+        raise ConfigError(f"the config does not fit the recipe's schema: {e}") from None
+    OmegaConf.set_struct(merged, True)
+    return merged

@@ -1,0 +1,110 @@
+"""The process group, the device, and device meshes.
+
+`init_distributed` reads torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK);
+without torchrun it makes a world of size 1 in this process, so every strategy
+(FSDP2, DDP, ZeRO) runs the same code on one process as on many. The backend is
+nccl on CUDA and gloo on CPU, chosen by the device, never hard-coded.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from freetx.errors import ConfigError
+
+DEVICE_CHOICES = ("auto", "cpu", "cuda")
+
+
+@dataclass(frozen=True)
+class DistributedRuntime:
+    """Where this process stands: its rank, the world, its device."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    device: torch.device
+
+    @property
+    def is_rank_zero(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def device_type(self) -> str:
+        return self.device.type
+
+    @property
+    def backend(self) -> str:
+        return dist.get_backend() if dist.is_initialized() else "none"
+
+
+def select_device(device: str, local_rank: int = 0) -> torch.device:
+    """`auto` -> cuda:LOCAL_RANK when CUDA is present, else cpu."""
+    if device not in DEVICE_CHOICES:
+        raise ConfigError(f"device '{device}' is not one of {', '.join(DEVICE_CHOICES)}.")
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(
+                "device: cuda was asked for, but this machine has no usable CUDA device.",
+                fix="Use device=auto (CPU here) or device=cpu.",
+            )
+        if local_rank >= torch.cuda.device_count():
+            raise ConfigError(
+                f"local rank {local_rank} has no GPU: this node has "
+                f"{torch.cuda.device_count()}. Launch at most that many processes per node."
+            )
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def init_distributed(device: str = "auto", timeout_minutes: float = 30.0) -> DistributedRuntime:
+    """Join (or create) the process group and pick this rank's device."""
+    rank = int(os.environ.get("RANK", "0"))
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    torch_device = select_device(device, local_rank)
+    if not dist.is_initialized():
+        # CUDA: nccl for tensors, gloo beside it for CPU-side collectives (DCP metadata).
+        backend = "cuda:nccl,cpu:gloo" if torch_device.type == "cuda" else "gloo"
+        timeout = timedelta(minutes=timeout_minutes)
+        if "MASTER_ADDR" in os.environ:
+            dist.init_process_group(backend, timeout=timeout)
+        else:  # not launched by torchrun: a private world of one
+            dist.init_process_group(
+                backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
+            )
+    return DistributedRuntime(rank, local_rank, world_size, torch_device)
+
+
+def destroy_distributed() -> None:
+    """Leave the process group (safe to call twice, or when none was made)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def build_mesh(runtime: DistributedRuntime, replicate: int = 1) -> DeviceMesh:
+    """A 1-D mesh ("dp_shard",) or, with replicate > 1, a 2-D ("dp_replicate", "dp_shard")."""
+    if replicate < 1 or runtime.world_size % replicate != 0:
+        raise ConfigError(
+            f"distributed.replicate_degree={replicate} does not divide the world size "
+            f"{runtime.world_size}.",
+            fix="Pick a replicate degree that divides the number of processes "
+            "(e.g. 2 for 4 processes: 2 replicas x 2 shards).",
+        )
+    if replicate == 1:
+        return init_device_mesh(
+            runtime.device_type, (runtime.world_size,), mesh_dim_names=("dp_shard",)
+        )
+    return init_device_mesh(
+        runtime.device_type,
+        (replicate, runtime.world_size // replicate),
+        mesh_dim_names=("dp_replicate", "dp_shard"),
+    )

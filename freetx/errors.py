@@ -1,0 +1,86 @@
+"""Errors a user can cause, and how they are shown.
+
+A `FreetxError` carries a message written for the person at the keyboard: what
+is wrong and how to fix it. The CLI and the recipe entry point print it as one
+paragraph without a traceback (set FREETX_DEBUG=1 or pass --debug to see it)
+and exit with `exit_code`.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import textwrap
+
+
+class FreetxError(Exception):
+    """A mistake the user can fix (config, paths, checkpoints, shapes)."""
+
+    exit_code = 1
+
+
+class ConfigError(FreetxError):
+    """A config that cannot be loaded, validated or instantiated.
+
+    Holds one problem or a list of them, so that `freetx validate` can report
+    every problem at once.
+    """
+
+    def __init__(self, problems: str | list[str], fix: str | None = None):
+        self.problems = [problems] if isinstance(problems, str) else list(problems)
+        self.fix = fix
+        super().__init__(self._message())
+
+    def _message(self) -> str:
+        if len(self.problems) == 1:
+            text = self.problems[0]
+        else:
+            text = f"the config has {len(self.problems)} problems:\n" + "\n".join(
+                f"  - {p}" for p in self.problems
+            )
+        if self.fix:
+            text += ("\n" if len(self.problems) > 1 else " ") + self.fix
+        return text
+
+
+class UsageError(FreetxError):
+    """Wrong command-line usage (exit code 2, like argparse)."""
+
+    exit_code = 2
+
+
+class CheckpointError(FreetxError):
+    """A checkpoint that is missing, corrupt or does not match the model."""
+
+
+class DataError(FreetxError):
+    """Data files that are missing, empty or do not fit the config."""
+
+
+def debug_enabled() -> bool:
+    """True when tracebacks should be shown (FREETX_DEBUG=1 or --debug)."""
+    return os.environ.get("FREETX_DEBUG", "").lower() not in ("", "0", "false", "no")
+
+
+def format_error(error: BaseException, prefix: str = "freetx") -> str:
+    """One paragraph: `prefix: error: message`, long lines wrapped, lists kept."""
+    lines = []
+    for i, line in enumerate(str(error).splitlines() or [type(error).__name__]):
+        head = f"{prefix}: error: " if i == 0 else ""
+        indent = " " * 4 if line.startswith("  ") else ""
+        lines.append(
+            textwrap.fill(
+                head + line.strip() if not indent else line.rstrip(),
+                width=100,
+                subsequent_indent=indent + "  " if indent else "  ",
+                break_long_words=False,
+                break_on_hyphens=False,
+            )
+        )
+    return "\n".join(lines)
+
+
+def report_error(error: FreetxError, prefix: str = "freetx") -> int:
+    """Print a user error to stderr and return its exit code."""
+    print(format_error(error, prefix), file=sys.stderr, flush=True)
+    return error.exit_code

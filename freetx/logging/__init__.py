@@ -1,0 +1,21 @@
+"""Metric loggers (progress bar, JSONL, TensorBoard), used on rank 0."""
+
+from freetx.logging.loggers import (
+    JSONLLogger,
+    MetricLogger,
+    MetricLoggers,
+    ProgressBarLogger,
+    TensorBoardLogger,
+    build_metric_loggers,
+    format_value,
+)
+
+__all__ = [
+    "JSONLLogger",
+    "MetricLogger",
+    "MetricLoggers",
+    "ProgressBarLogger",
+    "TensorBoardLogger",
+    "build_metric_loggers",
+    "format_value",
+]

@@ -1,0 +1,179 @@
+"""Metric loggers, chosen in the config by `_component_`, used on rank 0 only.
+
+    metric_loggers:
+      - _component_: freetx.logging.ProgressBarLogger
+      - _component_: freetx.logging.JSONLLogger
+      - _component_: freetx.logging.TensorBoardLogger
+
+Every logger is built with `output_dir` and `total_steps` from the recipe plus
+its own keys from the config, and receives `log(step, {name: float})`.
+"""
+
+from __future__ import annotations
+
+import abc
+import json
+import math
+import sys
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from omegaconf import ListConfig
+
+from freetx.config.instantiate import instantiate
+
+
+def format_value(value: float) -> str:
+    """Compact numbers for one console line: 2.3456, 3.0e-04, 12,345."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return str(value)
+    if isinstance(value, int) or (
+        math.isfinite(value) and value == int(value) and abs(value) >= 1000
+    ):
+        return f"{int(value):,}"
+    if value != 0 and (abs(value) < 1e-2 or abs(value) >= 1e5):
+        return f"{value:.2e}"
+    return f"{value:.4f}"
+
+
+class MetricLogger(abc.ABC):
+    """Base class: receives metrics by step; `close` flushes."""
+
+    def __init__(self, output_dir: str, total_steps: int | None = None):
+        self.output_dir = Path(output_dir)
+        self.total_steps = total_steps
+
+    @abc.abstractmethod
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        """Record the metrics of one step."""
+
+    def write(self, text: str) -> None:
+        """A line of text for the console (banner, notices); most loggers ignore it."""
+
+    def close(self) -> None:
+        pass
+
+
+class ProgressBarLogger(MetricLogger):
+    """A tqdm bar on a terminal; one plain line per logged step otherwise (files, CI)."""
+
+    def __init__(
+        self,
+        output_dir: str,
+        total_steps: int | None = None,
+        keys: list[str] | None = None,
+        tty: bool | None = None,
+    ):
+        super().__init__(output_dir, total_steps)
+        self.keys = list(keys) if keys else None
+        self.tty = sys.stderr.isatty() if tty is None else tty
+        self._bar = None
+        self._position = 0
+
+    def _shown(self, metrics: dict[str, float]) -> dict[str, str]:
+        keys = self.keys or list(metrics)
+        return {k: format_value(metrics[k]) for k in keys if k in metrics}
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        shown = self._shown(metrics)
+        if self.tty:
+            if self._bar is None:
+                from tqdm import tqdm
+
+                self._bar = tqdm(total=self.total_steps, initial=0, dynamic_ncols=True)
+            self._bar.update(step - self._position)
+            self._position = step
+            self._bar.set_postfix(shown, refresh=True)
+        else:
+            total = f"/{self.total_steps}" if self.total_steps else ""
+            fields = " | ".join(f"{k} {v}" for k, v in shown.items())
+            print(f"step {step}{total} | {fields}", flush=True)
+
+    def write(self, text: str) -> None:
+        if self._bar is not None:
+            self._bar.write(text)
+        else:
+            print(text, flush=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+
+class JSONLLogger(MetricLogger):
+    """`<output_dir>/metrics.jsonl`: one JSON object per logged step (appended on resume)."""
+
+    def __init__(
+        self, output_dir: str, total_steps: int | None = None, filename: str = "metrics.jsonl"
+    ):
+        super().__init__(output_dir, total_steps)
+        self.path = self.output_dir / filename
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        record: dict[str, Any] = {"step": step, **metrics, "time": round(time.time(), 3)}
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+class TensorBoardLogger(MetricLogger):
+    """TensorBoard scalars under `<output_dir>/tb/` (`tensorboard --logdir OUTPUT_DIR/tb`)."""
+
+    def __init__(self, output_dir: str, total_steps: int | None = None, subdir: str = "tb"):
+        super().__init__(output_dir, total_steps)
+        from torch.utils.tensorboard import SummaryWriter  # imported only when configured
+
+        self.writer = SummaryWriter(log_dir=str(self.output_dir / subdir))
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        for name, value in metrics.items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                self.writer.add_scalar(name, value, global_step=step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class MetricLoggers:
+    """All of a run's loggers behind one object; empty (silent) on ranks other than 0."""
+
+    def __init__(self, loggers: Iterable[MetricLogger] = (), active: bool = True):
+        self.loggers = list(loggers)
+        self.active = active
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        for logger in self.loggers:
+            logger.log(step, metrics)
+
+    def write(self, text: str) -> None:
+        """Console text (rank 0 only), printed through the progress bar when there is one."""
+        if not self.active:
+            return
+        writers = [lg for lg in self.loggers if type(lg).write is not MetricLogger.write]
+        if writers:
+            writers[0].write(text)
+        else:
+            print(text, flush=True)
+
+    def close(self) -> None:
+        for logger in self.loggers:
+            logger.close()
+
+
+def build_metric_loggers(
+    nodes: ListConfig | list | None, output_dir: str, total_steps: int | None, rank: int
+) -> MetricLoggers:
+    """Instantiate the configured loggers on rank 0; other ranks get a silent one."""
+    if rank != 0 or not nodes:
+        return MetricLoggers([], active=rank == 0)
+    return MetricLoggers(
+        instantiate(node, output_dir=str(output_dir), total_steps=total_steps) for node in nodes
+    )

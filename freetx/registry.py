@@ -1,0 +1,79 @@
+"""The built-in recipes and their configs: names -> files.
+
+Recipes live in the repository's `recipes/` folder and configs in
+`recipe_configs/`; the wheel carries both as `freetx.recipes` and
+`freetx.recipe_configs`. This module imports nothing heavy, so that
+`freetx ls` and `freetx cp` answer at once.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """A built-in recipe: its name, file, configs, and whether it runs distributed."""
+
+    name: str
+    file: str
+    configs: tuple[str, ...]
+    supports_distributed: bool = True
+    description: str = ""
+
+
+RECIPES: tuple[Recipe, ...] = ()
+
+
+def _package_dir(package: str) -> Path:
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError(f"freetx is installed without {package}; reinstall it")
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def recipes_dir() -> Path:
+    """The folder holding the built-in recipe files."""
+    return _package_dir("freetx.recipes")
+
+
+def configs_dir() -> Path:
+    """The folder holding the built-in configs (one subfolder per model family)."""
+    return _package_dir("freetx.recipe_configs")
+
+
+def get_recipe(name: str) -> Recipe | None:
+    """The built-in recipe called `name`, or None."""
+    return next((r for r in RECIPES if r.name == name), None)
+
+
+def recipe_file(recipe: Recipe) -> Path:
+    return recipes_dir() / recipe.file
+
+
+def config_names() -> list[str]:
+    """Every built-in config name, e.g. `llm/tiny`."""
+    return [c for r in RECIPES for c in r.configs]
+
+
+def config_file(name: str) -> Path | None:
+    """The YAML file of the built-in config `name` (with or without .yaml), or None."""
+    name = name.removesuffix(".yaml")
+    if name not in config_names():
+        return None
+    return configs_dir() / f"{name}.yaml"
+
+
+def recipe_for_config(name: str) -> Recipe | None:
+    """The built-in recipe that a built-in config belongs to."""
+    name = name.removesuffix(".yaml")
+    return next((r for r in RECIPES if name in r.configs), None)
+
+
+def closest(name: str, candidates: list[str]) -> str | None:
+    """The candidate closest to `name`, for 'did you mean' hints."""
+    matches = difflib.get_close_matches(name, candidates, n=1, cutoff=0.6)
+    return matches[0] if matches else None

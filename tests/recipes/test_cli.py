@@ -1,0 +1,183 @@
+"""The `freetx` CLI end to end, on the small recipe in tests/assets (1 and 2 processes)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from tests.conftest import ASSETS, run_freetx
+
+RECIPE = str(ASSETS / "echo_recipe.py")
+CONFIG = str(ASSETS / "echo.yaml")
+
+
+def test_help_and_version_are_fast():
+    start = time.perf_counter()
+    result = run_freetx("--help")
+    assert result.returncode == 0 and "validate" in result.stdout
+    # the whole interpreter start-up included; torch must not be imported
+    assert time.perf_counter() - start < 5
+    assert run_freetx("--version").stdout.startswith("freetx ")
+
+
+def test_ls_does_not_import_torch():
+    result = run_freetx("ls")
+    assert result.returncode == 0 and result.stdout.startswith("RECIPE")
+    import subprocess
+    import sys
+
+    probe = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from freetx.cli.main import main; main(['ls']); "
+            "print('torch' in sys.modules, 'omegaconf' in sys.modules)",
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert probe.stdout.strip().endswith("False False")
+
+
+def test_unknown_command_is_a_usage_error():
+    assert run_freetx("bogus").returncode == 2
+
+
+def test_cat_applies_overrides_and_resolves(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("steps: 3\ntotal: ${steps}\nname: x\n")
+    result = run_freetx("cat", str(cfg), "steps=7", "~name")
+    assert result.returncode == 0
+    assert result.stdout == "steps: 7\ntotal: 7\n"
+
+
+def test_cat_missing_config_is_one_paragraph(tmp_path):
+    result = run_freetx("cat", str(tmp_path / "nope.yaml"))
+    assert result.returncode == 1
+    assert "does not exist" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_validate_clean_and_with_problems():
+    ok = run_freetx("validate", CONFIG, "--recipe", RECIPE, "steps=4")
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    bad = run_freetx(
+        "validate", CONFIG, "steps=abc", "--recipe", RECIPE, "optimizer.lrr=1", "stepz=3"
+    )
+    assert bad.returncode == 1
+    assert "3 problems" in bad.stdout
+    assert "did you mean 'steps'" in bad.stdout and "did you mean 'lr'" in bad.stdout
+
+
+def test_validate_a_path_needs_the_recipe():
+    result = run_freetx("validate", CONFIG)
+    assert result.returncode == 1 and "--recipe" in result.stderr
+
+
+def test_run_in_process(tmp_path):
+    result = run_freetx("run", RECIPE, "--config", CONFIG, f"output_dir={tmp_path}", "steps=2")
+    assert result.returncode == 0, result.stderr
+    record = json.loads((tmp_path / "rank0.json").read_text())
+    assert record["world_size"] == 1
+    assert "steps: 2" in (tmp_path / "config.yaml").read_text()
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [1, 2]
+
+
+def test_run_two_processes_both_ranks_run(tmp_path):
+    result = run_freetx(
+        "run", "--nproc-per-node", "2", RECIPE, "--config", CONFIG, f"output_dir={tmp_path}"
+    )
+    assert result.returncode == 0, result.stderr
+    records = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert [r["world_size"] for r in records] == [2, 2]
+    # the all-reduced loss is the same on both ranks
+    assert records[0]["loss"] == records[1]["loss"]
+    # rank 0 alone writes the metrics
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 3
+
+
+@pytest.mark.parametrize("kind", ["user", "crash"])
+def test_a_raising_rank_ends_the_job(tmp_path, kind):
+    start = time.perf_counter()
+    result = run_freetx(
+        "run",
+        "--nproc_per_node",
+        "2",
+        RECIPE,
+        "--config",
+        CONFIG,
+        f"output_dir={tmp_path}",
+        "fail_on_rank=1",
+        f"fail_kind={kind}",
+        timeout=120,
+    )
+    assert result.returncode == 1
+    assert time.perf_counter() - start < 120  # ended, did not hang
+    assert "rank 1 failed" in result.stderr
+    if kind == "user":
+        assert "freetx [rank 1]: error: rank 1 was told to fail" in result.stderr
+        assert "Traceback" not in result.stderr
+    else:
+        assert "RuntimeError: a crash that is not a user error" in result.stderr
+    assert not (tmp_path / "rank0.json").exists()
+
+
+def test_debug_shows_the_traceback(tmp_path):
+    result = run_freetx(
+        "--debug",
+        "run",
+        RECIPE,
+        "--config",
+        CONFIG,
+        f"output_dir={tmp_path}",
+        "fail_on_rank=0",
+        "steps=1",
+    )
+    assert result.returncode == 1 and "Traceback" in result.stderr
+
+
+def test_run_rejects_a_bad_config_before_launching(tmp_path):
+    result = run_freetx(
+        "run",
+        "--nproc-per-node",
+        "2",
+        RECIPE,
+        "--config",
+        CONFIG,
+        f"output_dir={tmp_path}",
+        "stpes=3",
+    )
+    assert result.returncode == 1
+    assert result.stderr.count("did you mean 'steps'") == 1  # once, from the CLI
+    assert not (tmp_path / "config.yaml").exists()
+
+
+@pytest.mark.parametrize(
+    "args,fragment,code",
+    [
+        (["nope_recipe", "--config", CONFIG], "not a built-in recipe", 1),
+        (["./missing.py", "--config", CONFIG], "does not exist", 1),
+        ([RECIPE], "no config given", 2),
+        ([RECIPE, "--config", CONFIG, "steps"], "not an override", 2),
+        ([RECIPE, "--config", "no/such/config"], "not a built-in config name", 1),
+    ],
+)
+def test_run_usage_errors(args, fragment, code):
+    result = run_freetx("run", *args)
+    assert result.returncode == code, result.stderr
+    assert fragment in result.stderr and "Traceback" not in result.stderr
+
+
+def test_recipe_without_distributed_refuses_launch_options(tmp_path):
+    single = tmp_path / "single.py"
+    single.write_text(
+        (ASSETS / "echo_recipe.py")
+        .read_text()
+        .replace("@parse(EchoConfig)", "@parse(EchoConfig, supports_distributed=False)")
+    )
+    result = run_freetx(
+        "run", "--nproc-per-node", "2", str(single), "--config", CONFIG, f"output_dir={tmp_path}"
+    )
+    assert result.returncode == 1 and "one process only" in result.stderr
