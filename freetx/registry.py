@@ -25,7 +25,14 @@ class Recipe:
     description: str = ""
 
 
-RECIPES: tuple[Recipe, ...] = ()
+RECIPES: tuple[Recipe, ...] = (
+    Recipe(
+        name="full_finetune_fsdp2",
+        file="full_finetune_fsdp2.py",
+        configs=("llm/tiny", "llm/small", "llm/instruct_tiny", "llm/llama3_1b", "llm/llama3_8b"),
+        description="decoder LMs: pretrain or fine-tune on fsdp / zero2 / zero1 / ddp / hsdp",
+    ),
+)
 
 
 def _package_dir(package: str) -> Path:

@@ -6,7 +6,7 @@ Override grammar (everything after the config on the command line):
     a.b.c=value          set a nested key; list items as `a.b[0]=value`
     key=[1,2] / {a: 1}   lists and dicts in OmegaConf (YAML flow) syntax
     key=a=b              the value is `a=b`: the split is on the first `=` only
-    ~key / ~a.b          delete a key
+    ~key / ~a.b / ~l[1]  delete a key or a list item
     node=pkg.mod.fn      when `node` is a `_component_` node and the value is a
                          dotted name, swap its `_component_` and keep its keys
 
@@ -18,7 +18,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from freetx import registry
@@ -120,6 +120,13 @@ def _check_parents(cfg: DictConfig, key: str, item: str) -> None:
 
 
 def _delete(cfg: DictConfig, key: str) -> None:
+    item = re.match(r"^(.+)\[(\d+)\]$", key)
+    if item:  # a list element: ~metric_loggers[2]
+        items = OmegaConf.select(cfg, item[1], default=None)
+        if not isinstance(items, ListConfig) or int(item[2]) >= len(items):
+            raise ConfigError(f"cannot delete '~{key}': the config has no list item '{key}'.")
+        del items[int(item[2])]
+        return
     parent_key, _, leaf = key.rpartition(".")
     parent = OmegaConf.select(cfg, parent_key) if parent_key else cfg
     if not isinstance(parent, DictConfig) or leaf not in parent:

@@ -1,0 +1,31 @@
+"""Data: tokenizers, the built-in corpus, packed text and instruction datasets, sampling.
+
+Datasets take rank and world size as arguments (never from the process group),
+and import nothing from the rest of freetx but its errors.
+"""
+
+from freetx.data.instruct import InstructDataset
+from freetx.data.sampling import (
+    IGNORE_INDEX,
+    EvalShard,
+    GlobalBatchSampler,
+    build_eval_loader,
+    build_train_loader,
+    micro_batch_size,
+)
+from freetx.data.text import PackedTextDataset, read_documents
+from freetx.data.tokenizers import ByteTokenizer, HFTokenizer
+
+__all__ = [
+    "IGNORE_INDEX",
+    "ByteTokenizer",
+    "EvalShard",
+    "GlobalBatchSampler",
+    "HFTokenizer",
+    "InstructDataset",
+    "PackedTextDataset",
+    "build_eval_loader",
+    "build_train_loader",
+    "micro_batch_size",
+    "read_documents",
+]

@@ -1,5 +1,16 @@
-"""Process group, device, meshes, and (with the recipes) how models are parallelized."""
+"""Process group, device, meshes, and how models are parallelized and initialized."""
 
+from freetx.distributed.init import canonical_name, materialize
+from freetx.distributed.parallelize import (
+    DistributedConfig,
+    MixedPrecisionConfig,
+    autocast,
+    canonical_strategy,
+    gradient_scaler,
+    gradient_sync,
+    parallelize,
+    unwrap,
+)
 from freetx.distributed.runtime import (
     DistributedRuntime,
     build_mesh,
@@ -9,9 +20,19 @@ from freetx.distributed.runtime import (
 )
 
 __all__ = [
+    "DistributedConfig",
     "DistributedRuntime",
+    "MixedPrecisionConfig",
+    "autocast",
     "build_mesh",
+    "canonical_name",
+    "canonical_strategy",
     "destroy_distributed",
+    "gradient_scaler",
+    "gradient_sync",
     "init_distributed",
+    "materialize",
+    "parallelize",
     "select_device",
+    "unwrap",
 ]

@@ -29,11 +29,9 @@ def format_value(value: float) -> str:
     """Compact numbers for one console line: 2.3456, 3.0e-04, 12,345."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return str(value)
-    if isinstance(value, int) or (
-        math.isfinite(value) and value == int(value) and abs(value) >= 1000
-    ):
-        return f"{int(value):,}"
-    if value != 0 and (abs(value) < 1e-2 or abs(value) >= 1e5):
+    if isinstance(value, int) or (math.isfinite(value) and abs(value) >= 1000):
+        return f"{round(value):,}"
+    if value != 0 and abs(value) < 1e-2:
         return f"{value:.2e}"
     return f"{value:.4f}"
 

@@ -1,0 +1,36 @@
+"""What training loops share: schedules, optimizers, clipping, losses, seeding, meters."""
+
+from freetx.training.checks import check_model_and_data
+from freetx.training.grad import clip_grad_norm
+from freetx.training.loss import CrossEntropyLoss, count_tokens
+from freetx.training.lr_schedule import LRScheduleConfig, build_lr_scheduler, lr_multiplier
+from freetx.training.metrics import (
+    ThroughputMeter,
+    max_over_ranks,
+    measure_matmul_flops,
+    memory_stats,
+    peak_flops,
+    sum_over_ranks,
+)
+from freetx.training.optim import build_optimizer
+from freetx.training.seed import rng_state, seed_everything, set_rng_state
+
+__all__ = [
+    "CrossEntropyLoss",
+    "LRScheduleConfig",
+    "ThroughputMeter",
+    "build_lr_scheduler",
+    "check_model_and_data",
+    "build_optimizer",
+    "clip_grad_norm",
+    "count_tokens",
+    "lr_multiplier",
+    "max_over_ranks",
+    "measure_matmul_flops",
+    "memory_stats",
+    "peak_flops",
+    "rng_state",
+    "seed_everything",
+    "set_rng_state",
+    "sum_over_ranks",
+]

@@ -7,7 +7,9 @@ import time
 
 import pytest
 
-from tests.conftest import ASSETS, run_freetx
+from tests.conftest import ASSETS, REPO, run_freetx
+
+REPO_CONFIGS = REPO / "recipe_configs"
 
 RECIPE = str(ASSETS / "echo_recipe.py")
 CONFIG = str(ASSETS / "echo.yaml")
@@ -181,3 +183,48 @@ def test_recipe_without_distributed_refuses_launch_options(tmp_path):
         "run", "--nproc-per-node", "2", str(single), "--config", CONFIG, f"output_dir={tmp_path}"
     )
     assert result.returncode == 1 and "one process only" in result.stderr
+
+
+def test_ls_lists_recipes_and_configs():
+    result = run_freetx("ls")
+    assert "full_finetune_fsdp2" in result.stdout and "llm/tiny" in result.stdout
+
+
+def test_cp_recipe_and_config(tmp_path):
+    assert run_freetx("cp", "full_finetune_fsdp2", str(tmp_path / "my_ft")).returncode == 0
+    assert (tmp_path / "my_ft.py").read_text().startswith('"""Train a decoder LM')
+    assert run_freetx("cp", "llm/tiny", str(tmp_path)).returncode == 0
+    assert (tmp_path / "tiny.yaml").exists()
+    again = run_freetx("cp", "llm/tiny", str(tmp_path / "tiny.yaml"), "--no-clobber")
+    assert again.returncode == 1 and "already exists" in again.stderr
+    deep = tmp_path / "a" / "b" / "c.yaml"
+    assert run_freetx("cp", "llm/tiny", str(deep)).returncode == 1
+    assert run_freetx("cp", "llm/tiny", str(deep), "--make-parents").returncode == 0
+    wrong = run_freetx("cp", "llm/tiny", str(tmp_path / "x.py"))
+    assert wrong.returncode == 1 and ".yaml" in wrong.stderr
+
+
+def test_validate_builtin_config_with_a_typo_names_max_steps():
+    result = run_freetx("validate", "llm/tiny", "max_stpes=10")
+    assert result.returncode == 1 and "did you mean 'max_steps'" in result.stdout
+
+
+def test_validate_typo_in_a_config_file(tmp_path):
+    cfg = tmp_path / "typo.yaml"
+    cfg.write_text(
+        (REPO_CONFIGS / "llm" / "tiny.yaml").read_text().replace("max_steps:", "max_stpes:")
+    )
+    result = run_freetx("validate", str(cfg), "--recipe", "full_finetune_fsdp2")
+    assert result.returncode == 1
+    assert "unknown key 'max_stpes': did you mean 'max_steps'?" in result.stdout
+    assert "missing required key 'max_steps'" in result.stdout
+
+
+def test_copied_recipe_runs_by_path(tmp_path):
+    run_freetx("cp", "full_finetune_fsdp2", str(tmp_path / "mine.py"))
+    result = run_freetx(
+        "run", str(tmp_path / "mine.py"), "--config", "llm/tiny", f"output_dir={tmp_path / 'out'}",
+        "max_steps=2", "eval.max_batches=1",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "out" / "metrics.jsonl").exists()

@@ -57,6 +57,12 @@ def test_delete_keys():
     assert "lr" not in cfg and "split" not in cfg.data and cfg.data.paths == ["a.txt"]
 
 
+def test_delete_list_item():
+    cfg = OmegaConf.create({"loggers": ["a", "b", "c"]})
+    apply_overrides(cfg, ["~loggers[1]"])
+    assert list(cfg.loggers) == ["a", "c"]
+
+
 def test_delete_missing_key_is_an_error():
     with pytest.raises(ConfigError, match="no key 'nope'"):
         apply_overrides(OmegaConf.create(BASE), ["~nope"])

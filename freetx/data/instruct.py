@@ -1,0 +1,110 @@
+"""Instruction data: `prompt`/`response` pairs, loss on the response tokens only.
+
+Each example is BOS + prompt + response + EOS, cut to `seq_len + 1` tokens and
+padded with PAD; labels are IGNORE_INDEX on the prompt and the padding, so only
+response tokens (and the closing EOS) count in the loss.
+
+Source: a `.jsonl` file with `prompt` and `response` fields, or `builtin`:
+string tasks made from the words of the built-in corpus (reverse a word, spell
+it in capitals, say its length), deterministic from the seed. They need no
+download and have exact answers, so a falling loss is easy to read.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from pathlib import Path
+
+import torch
+from torch.utils.data import Dataset
+
+from freetx.data.corpus import builtin_documents
+from freetx.data.sampling import IGNORE_INDEX
+from freetx.errors import DataError
+
+
+def builtin_examples(count: int, seed: int) -> list[dict[str, str]]:
+    """`count` string-task examples over words from the built-in corpus."""
+    words = sorted({w for doc in builtin_documents() for w in re.findall(r"[a-z]{4,12}", doc)})
+    rng = random.Random(seed)
+    tasks = [
+        ("Reverse the word: {w}\nAnswer: ", lambda w: w[::-1]),
+        ("Write the word in capitals: {w}\nAnswer: ", lambda w: w.upper()),
+        ("How many letters are in {w}?\nAnswer: ", lambda w: str(len(w))),
+    ]
+    examples = []
+    for _ in range(count):
+        word = rng.choice(words)
+        prompt, answer = rng.choice(tasks)
+        examples.append({"prompt": prompt.format(w=word), "response": answer(word)})
+    return examples
+
+
+def read_examples(path: str) -> list[dict[str, str]]:
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise DataError(f"instruction file {path} does not exist; fix dataset.source.")
+    examples = []
+    with open(file, encoding="utf-8") as f:
+        for line_no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}:{line_no} is not valid JSON: {e.msg}.") from None
+            if "prompt" not in record or "response" not in record:
+                raise DataError(f"{path}:{line_no} needs both 'prompt' and 'response' fields.")
+            examples.append({"prompt": str(record["prompt"]), "response": str(record["response"])})
+    if not examples:
+        raise DataError(f"instruction file {path} holds no examples.")
+    return examples
+
+
+class InstructDataset(Dataset):
+    """Prompt/response pairs as fixed-length, response-only-loss samples."""
+
+    def __init__(
+        self,
+        tokenizer,
+        source: str = "builtin",
+        seq_len: int = 64,
+        split: str = "train",
+        val_fraction: float = 0.05,
+        num_builtin_examples: int = 20000,
+        seed: int = 0,
+    ) -> None:
+        if split not in ("train", "validation"):
+            raise DataError(f"split must be 'train' or 'validation', got {split!r}.")
+        examples = (
+            builtin_examples(num_builtin_examples, seed)
+            if source == "builtin"
+            else read_examples(source)
+        )
+        every = max(2, round(1 / val_fraction))
+        keep = [(i % every == every - 1) == (split == "validation") for i in range(len(examples))]
+        self.examples = [e for e, k in zip(examples, keep) if k]
+        if not self.examples:
+            raise DataError(f"the {split} split of {source} is empty; add examples.")
+        self.tokenizer = tokenizer
+        self.seq_len = seq_len
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        tok = self.tokenizer
+        example = self.examples[index]
+        prompt = [tok.bos_id, *tok.encode(example["prompt"])]
+        response = [*tok.encode(example["response"]), tok.eos_id]
+        ids = (prompt + response)[: self.seq_len + 1]
+        targets = ([IGNORE_INDEX] * len(prompt) + response)[: self.seq_len + 1]
+        pad = self.seq_len + 1 - len(ids)
+        ids += [tok.pad_id] * pad
+        targets += [IGNORE_INDEX] * pad
+        return {
+            "input_ids": torch.tensor(ids[:-1], dtype=torch.long),
+            "labels": torch.tensor(targets[1:], dtype=torch.long),
+        }

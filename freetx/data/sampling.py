@@ -1,0 +1,174 @@
+"""Which samples each rank reads: a function of the seed and the global step only.
+
+Training: the data is shuffled once per epoch by a permutation that depends
+only on (seed, epoch). Optimizer step `b` consumes global batch `b`: the
+`global_batch_size` samples at positions [b*G, (b+1)*G) of that order. Rank r
+takes its contiguous slice of the global batch and reads it as
+`accumulation` micro-batches. The world size only decides who reads what, so a
+run resumed at another world size (same global batch) continues with exactly
+the samples the uninterrupted run would have seen.
+
+Evaluation: rank r reads samples r, r+W, r+2W, ...; ranks that run out read
+padding whose labels are all ignored, so every rank runs the same number of
+forward passes (each may be a collective under FSDP).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Any
+
+import torch
+from torch.utils.data import Dataset
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+from freetx.errors import ConfigError, DataError
+
+IGNORE_INDEX = -100
+
+# torchdata 0.11 calls a deprecated torch function on every iterator; not ours to fix
+warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
+
+
+def micro_batch_size(global_batch_size: int, world_size: int, accumulation: int) -> int:
+    """Samples per rank per micro-batch; raises when the split is impossible."""
+    parts = world_size * accumulation
+    if global_batch_size < parts or global_batch_size % parts:
+        raise ConfigError(
+            f"batch_size={global_batch_size} (the global batch per optimizer step) cannot be "
+            f"split into {world_size} rank(s) x {accumulation} accumulation step(s).",
+            fix=f"Use a batch_size that is a multiple of {parts}, or change "
+            "gradient_accumulation_steps.",
+        )
+    return global_batch_size // parts
+
+
+class GlobalBatchSampler:
+    """Yields this rank's micro-batches of indices, forever (epoch after epoch).
+
+    Its state (`global_batch`, `micro`) counts global batches, not this rank's
+    batches, so it means the same thing at any world size.
+    """
+
+    def __init__(
+        self,
+        dataset_size: int,
+        global_batch_size: int,
+        accumulation: int,
+        rank: int,
+        world_size: int,
+        seed: int,
+        shuffle: bool = True,
+    ) -> None:
+        self.micro_batch = micro_batch_size(global_batch_size, world_size, accumulation)
+        if dataset_size < global_batch_size:
+            raise DataError(
+                f"the training set has {dataset_size} samples, fewer than one global batch "
+                f"of {global_batch_size}; lower batch_size or add data."
+            )
+        self.dataset_size = dataset_size
+        self.global_batch_size = global_batch_size
+        self.accumulation = accumulation
+        self.rank = rank
+        self.world_size = world_size
+        self.seed = seed
+        self.shuffle = shuffle
+        self.batches_per_epoch = dataset_size // global_batch_size
+        self.global_batch = 0
+        self.micro = 0
+        self._order_epoch = -1
+        self._order = torch.arange(0)
+
+    def _epoch_order(self, epoch: int) -> torch.Tensor:
+        if epoch != self._order_epoch:
+            if self.shuffle:
+                generator = torch.Generator().manual_seed(self.seed * 100_003 + epoch)
+                self._order = torch.randperm(self.dataset_size, generator=generator)
+            else:
+                self._order = torch.arange(self.dataset_size)
+            self._order_epoch = epoch
+        return self._order
+
+    def indices(self, global_batch: int, micro: int) -> list[int]:
+        """The indices this rank reads for micro-batch `micro` of global batch `global_batch`."""
+        epoch, offset = divmod(global_batch, self.batches_per_epoch)
+        per_rank = self.global_batch_size // self.world_size
+        start = offset * self.global_batch_size + self.rank * per_rank + micro * self.micro_batch
+        return self._epoch_order(epoch)[start : start + self.micro_batch].tolist()
+
+    def __iter__(self):
+        while True:
+            batch = self.indices(self.global_batch, self.micro)
+            self.micro += 1
+            if self.micro == self.accumulation:
+                self.global_batch, self.micro = self.global_batch + 1, 0
+            yield batch
+
+    @property
+    def epoch(self) -> int:
+        return self.global_batch // self.batches_per_epoch
+
+    def state_dict(self) -> dict[str, int]:
+        return {
+            "global_batch": self.global_batch,
+            "micro": self.micro,
+            "world_size": self.world_size,
+            "accumulation": self.accumulation,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        same_split = (state["world_size"], state["accumulation"]) == (
+            self.world_size,
+            self.accumulation,
+        )
+        if state["micro"] != 0 and not same_split:
+            raise DataError(
+                "the data loader's state was saved in the middle of an optimizer step, which "
+                "cannot be mapped onto another world size or accumulation; resume with "
+                f"{state['world_size']} process(es) and {state['accumulation']} accumulation steps."
+            )
+        self.global_batch, self.micro = int(state["global_batch"]), int(state["micro"])
+
+
+class EvalShard(Dataset):
+    """Rank r's strided share of an evaluation set, padded to equal length on every rank."""
+
+    def __init__(self, dataset: Dataset, rank: int, world_size: int) -> None:
+        self.dataset, self.rank, self.world_size = dataset, rank, world_size
+        self.length = math.ceil(len(dataset) / world_size)
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        source = index * self.world_size + self.rank
+        if source < len(self.dataset):
+            return self.dataset[source]
+        padding = dict(self.dataset[0])
+        padding["labels"] = torch.full_like(padding["labels"], IGNORE_INDEX)
+        return padding
+
+
+def build_train_loader(
+    dataset: Dataset,
+    global_batch_size: int,
+    accumulation: int,
+    rank: int,
+    world_size: int,
+    seed: int,
+    num_workers: int = 0,
+    shuffle: bool = True,
+) -> StatefulDataLoader:
+    """A StatefulDataLoader over this rank's micro-batches (see GlobalBatchSampler)."""
+    sampler = GlobalBatchSampler(
+        len(dataset), global_batch_size, accumulation, rank, world_size, seed, shuffle
+    )
+    return StatefulDataLoader(dataset, batch_sampler=sampler, num_workers=num_workers)
+
+
+def build_eval_loader(
+    dataset: Dataset, batch_size: int, rank: int, world_size: int
+) -> StatefulDataLoader:
+    """Every rank gets the same number of batches; padding carries no loss."""
+    return StatefulDataLoader(EvalShard(dataset, rank, world_size), batch_size=batch_size)

@@ -1,0 +1,143 @@
+"""Packed text: documents joined with BOS/EOS into fixed-length sequences.
+
+Sources: `builtin` (the corpus in `corpus.py`), or local files and folders:
+`.txt` (one document per file), `.jsonl` (one document per line, in
+`text_field`), `.parquet` (the `text_field` column; needs pyarrow). The token
+stream is cut into windows of `seq_len + 1` tokens that overlap by one (inputs
+are the first `seq_len`, labels the last), so nothing is padded away and no
+token pair is lost; a trailing partial window is dropped.
+
+Train/validation split: every k-th sequence (k = round(1 / val_fraction)) goes
+to validation, so both splits cover the whole corpus.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from torch.utils.data import Dataset
+
+from freetx.data.corpus import builtin_documents
+from freetx.errors import DataError
+
+TEXT_SUFFIXES = (".txt", ".jsonl", ".parquet")
+
+
+def _expand(source: str) -> list[Path]:
+    path = Path(source).expanduser()
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.suffix in TEXT_SUFFIXES)
+        if not files:
+            raise DataError(f"data folder {source} holds no {', '.join(TEXT_SUFFIXES)} files.")
+        return files
+    if not path.exists():
+        raise DataError(
+            f"data file {source} does not exist; fix dataset.source (a file, a folder, a "
+            "list of them, or `builtin` for the built-in corpus)."
+        )
+    if path.suffix not in TEXT_SUFFIXES:
+        raise DataError(f"data file {source} is not one of {', '.join(TEXT_SUFFIXES)}.")
+    return [path]
+
+
+def _read_file(path: Path, text_field: str) -> list[str]:
+    if path.suffix == ".txt":
+        return [path.read_text(encoding="utf-8")]
+    if path.suffix == ".jsonl":
+        docs = []
+        with open(path, encoding="utf-8") as f:
+            for line_no, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise DataError(f"{path}:{line_no} is not valid JSON: {e.msg}.") from None
+                if text_field not in record:
+                    raise DataError(
+                        f"{path}:{line_no} has no field '{text_field}'; set dataset.text_field "
+                        f"to one of {sorted(record)}."
+                    )
+                docs.append(str(record[text_field]))
+        return docs
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise DataError(f"reading {path} needs pyarrow: pip install pyarrow.") from None
+    table = pq.read_table(path, columns=[text_field])
+    return [str(t) for t in table.column(text_field).to_pylist()]
+
+
+def read_documents(source: str | Sequence[str], text_field: str = "text") -> list[str]:
+    """The documents of a source: `builtin`, a file, a folder, or a list of those."""
+    sources = [source] if isinstance(source, str) else list(source)
+    docs: list[str] = []
+    for item in sources:
+        if item == "builtin":
+            docs.extend(builtin_documents())
+            continue
+        for path in _expand(item):
+            docs.extend(_read_file(path, text_field))
+    docs = [d for d in docs if d.strip()]
+    if not docs:
+        raise DataError(f"dataset.source {source!r} holds no text: every document is empty.")
+    return docs
+
+
+@functools.lru_cache(maxsize=4)
+def _token_stream(source: tuple[str, ...], text_field: str, tokenizer) -> torch.Tensor:
+    ids: list[int] = []
+    for doc in read_documents(list(source), text_field):
+        ids.append(tokenizer.bos_id)
+        ids.extend(tokenizer.encode(doc))
+        ids.append(tokenizer.eos_id)
+    return torch.tensor(ids, dtype=torch.long)
+
+
+class PackedTextDataset(Dataset):
+    """Fixed-length token windows from packed documents, one split of them."""
+
+    def __init__(
+        self,
+        tokenizer,
+        source: str | list[str] = "builtin",
+        seq_len: int = 256,
+        split: str = "train",
+        val_fraction: float = 0.05,
+        text_field: str = "text",
+    ) -> None:
+        if split not in ("train", "validation"):
+            raise DataError(f"split must be 'train' or 'validation', got {split!r}.")
+        if not 0 < val_fraction < 0.5:
+            raise DataError(f"dataset.val_fraction must be in (0, 0.5), got {val_fraction}.")
+        if seq_len < 1:
+            raise DataError(f"dataset.seq_len must be positive, got {seq_len}.")
+        key = (source,) if isinstance(source, str) else tuple(source)
+        self.tokens = _token_stream(key, text_field, tokenizer)
+        self.seq_len = seq_len
+        self.tokenizer = tokenizer
+        total = (len(self.tokens) - 1) // seq_len
+        if total < 2:
+            raise DataError(
+                f"dataset.source {source!r} has {len(self.tokens)} tokens, fewer than two "
+                f"sequences of seq_len={seq_len}; add text or lower dataset.seq_len."
+            )
+        every = max(2, round(1 / val_fraction))
+        is_val = [(i % every) == every - 1 for i in range(total)]
+        self.starts = [i * seq_len for i in range(total) if is_val[i] == (split == "validation")]
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        start = self.starts[index]
+        window = self.tokens[start : start + self.seq_len + 1]
+        return {"input_ids": window[:-1], "labels": window[1:]}
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.starts) * self.seq_len

@@ -1,0 +1,67 @@
+"""Materialize a meta-device model and initialize it, one parameter at a time.
+
+Each parameter is generated whole on the device from a generator seeded by
+(seed, parameter name), then each rank keeps its own shard. So the initial
+weights are the same at any world size and under any strategy, and no rank ever
+holds more than one full parameter beside its shards: an 8B model never
+materializes whole on one rank.
+
+The model supplies `init_parameter(name, full_tensor, generator)` (how to fill
+a parameter) and `init_buffers()` (e.g. RoPE tables).
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+# Wrappers that insert a prefix into parameter names (none of freetx's own do).
+_WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "module.")
+
+
+def canonical_name(name: str) -> str:
+    """A parameter name without wrapper prefixes: the model's own name for it."""
+    for prefix in _WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
+
+def parameter_seed(seed: int, name: str) -> int:
+    """A stable per-parameter seed (Python's hash() differs between processes)."""
+    return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63)
+
+
+@torch.no_grad()
+def materialize(
+    model: nn.Module,
+    device: torch.device,
+    seed: int,
+    buffer_device: torch.device | None = None,
+) -> None:
+    """Allocate a meta model's storage on `device` and fill it deterministically."""
+    model.to_empty(device=device)
+    if buffer_device is not None and buffer_device != device:
+        for module in model.modules():
+            for name, buffer in module.named_buffers(recurse=False):
+                module.register_buffer(
+                    name,
+                    buffer.to(buffer_device),
+                    persistent=name not in module._non_persistent_buffers_set,
+                )
+    for name, param in model.named_parameters():
+        canonical = canonical_name(name)
+        local = param.to_local() if isinstance(param, DTensor) else param
+        full = torch.empty(param.shape, dtype=param.dtype, device=local.device)
+        generator = torch.Generator(device=local.device).manual_seed(
+            parameter_seed(seed, canonical)
+        )
+        model.init_parameter(canonical, full, generator)
+        if isinstance(param, DTensor):
+            shard = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
+            local.copy_(shard.to_local())
+        else:
+            local.copy_(full)
+    model.init_buffers()

@@ -1,0 +1,333 @@
+"""A Llama-style decoder: RoPE, RMSNorm, grouped-query attention, SwiGLU.
+
+Parameter names and the rotate-half RoPE convention follow HF Llama closely
+enough that weights convert by renaming (see freetx.checkpoint.convert).
+`DecoderBlock` is the unit that parallelism wraps (FSDP2 `fully_shard`,
+activation checkpointing, `compile`); the model names it in `block_types`.
+
+Models are built on the meta device, parallelized, then materialized and
+initialized parameter by parameter (`init_parameter`), so a large model never
+exists whole on one rank. Size presets are builder functions that configs name
+by `_component_` (`freetx.models.transformer.tiny`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class TransformerConfig:
+    """The shape of a decoder. Names as Llama users know them."""
+
+    vocab_size: int
+    hidden_dim: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int | None = None  # None: same as num_heads (no grouping)
+    ffn_hidden_dim: int | None = None  # None: SwiGLU's 8/3 * hidden, rounded to 256
+    max_seq_len: int = 2048
+    rope_theta: float = 500000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    dropout: float = 0.0
+    attention_dropout: float = 0.0
+    init_std: float = 0.02
+
+    def __post_init__(self) -> None:
+        if self.num_kv_heads is None:
+            self.num_kv_heads = self.num_heads
+        if self.ffn_hidden_dim is None:
+            self.ffn_hidden_dim = 256 * math.ceil(int(8 * self.hidden_dim / 3) / 256)
+        if self.hidden_dim % self.num_heads:
+            raise ValueError(
+                f"hidden_dim={self.hidden_dim} is not divisible by num_heads={self.num_heads}"
+            )
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads={self.num_heads} is not divisible by num_kv_heads={self.num_kv_heads}"
+            )
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_dim // self.num_heads
+
+
+def rope_tables(head_dim: int, max_seq_len: int, theta: float, device=None):
+    """cos and sin tables [max_seq_len, head_dim] for rotate-half RoPE (HF Llama)."""
+    inv_freq = 1.0 / (
+        theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    )
+    positions = torch.arange(max_seq_len, device=device, dtype=torch.float32)
+    freqs = torch.outer(positions, inv_freq)
+    angles = torch.cat([freqs, freqs], dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [B, heads, T, head_dim]; cos/sin: [T, head_dim]."""
+    return (x * cos + rotate_half(x) * sin).to(x.dtype)
+
+
+class Attention(nn.Module):
+    """Grouped-query attention through `F.scaled_dot_product_attention`.
+
+    `causal=False` gives the bidirectional attention an encoder needs;
+    `queries` and `kv_extra` let a caller take queries from one stream and
+    add a term to the keys/values (the Free Transformer's injection).
+    """
+
+    def __init__(self, cfg: TransformerConfig):
+        super().__init__()
+        self.num_heads = cfg.num_heads
+        self.num_kv_heads = cfg.num_kv_heads
+        self.head_dim = cfg.head_dim
+        self.attention_dropout = cfg.attention_dropout
+        self.wq = nn.Linear(cfg.hidden_dim, cfg.num_heads * cfg.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.hidden_dim, cfg.num_kv_heads * cfg.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.hidden_dim, cfg.num_kv_heads * cfg.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_dim, bias=False)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        causal: bool = True,
+        kv_input: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        batch, seq_len, _ = x.shape
+        kv_source = x if kv_input is None else kv_input
+        q = self.wq(x).view(batch, seq_len, self.num_heads, self.head_dim).transpose(1, 2)
+        k = (
+            self.wk(kv_source)
+            .view(batch, seq_len, self.num_kv_heads, self.head_dim)
+            .transpose(1, 2)
+        )
+        v = (
+            self.wv(kv_source)
+            .view(batch, seq_len, self.num_kv_heads, self.head_dim)
+            .transpose(1, 2)
+        )
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            is_causal=causal,
+            dropout_p=self.attention_dropout if self.training else 0.0,
+            enable_gqa=self.num_kv_heads != self.num_heads,
+        )
+        return self.wo(out.transpose(1, 2).reshape(batch, seq_len, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, cfg: TransformerConfig):
+        super().__init__()
+        self.w1 = nn.Linear(cfg.hidden_dim, cfg.ffn_hidden_dim, bias=False)
+        self.w2 = nn.Linear(cfg.ffn_hidden_dim, cfg.hidden_dim, bias=False)
+        self.w3 = nn.Linear(cfg.hidden_dim, cfg.ffn_hidden_dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class DecoderBlock(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then + ffn(norm(x)). The unit of sharding."""
+
+    def __init__(self, cfg: TransformerConfig):
+        super().__init__()
+        self.attention_norm = nn.RMSNorm(cfg.hidden_dim, eps=cfg.norm_eps)
+        self.attention = Attention(cfg)
+        self.ffn_norm = nn.RMSNorm(cfg.hidden_dim, eps=cfg.norm_eps)
+        self.feed_forward = FeedForward(cfg)
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        causal: bool = True,
+        kv_extra: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """`kv_extra` is added to the input of the keys and values only (before the norm)."""
+        h = self.attention_norm(x)
+        kv_input = None if kv_extra is None else self.attention_norm(x + kv_extra)
+        x = x + self.dropout(self.attention(h, cos, sin, causal=causal, kv_input=kv_input))
+        return x + self.dropout(self.feed_forward(self.ffn_norm(x)))
+
+
+class Transformer(nn.Module):
+    """Token embedding -> DecoderBlocks -> RMSNorm -> output head (tied or not)."""
+
+    block_types: tuple[type[nn.Module], ...] = (DecoderBlock,)
+
+    def __init__(self, cfg: TransformerConfig):
+        super().__init__()
+        self.config = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_dim)
+        self.dropout = nn.Dropout(cfg.dropout)
+        self.layers = nn.ModuleList(DecoderBlock(cfg) for _ in range(cfg.num_layers))
+        self.norm = nn.RMSNorm(cfg.hidden_dim, eps=cfg.norm_eps)
+        self.output = (
+            None if cfg.tie_embeddings else nn.Linear(cfg.hidden_dim, cfg.vocab_size, bias=False)
+        )
+        cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    # -- the forward pass -------------------------------------------------
+    def rope(self, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.rope_cos[:seq_len], self.rope_sin[:seq_len]
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        h = self.norm(h)
+        if self.output is None:
+            return F.linear(h, self.tok_embeddings.weight)
+        return self.output(h)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [B, T] -> logits [B, T, vocab_size]."""
+        cos, sin = self.rope(input_ids.shape[1])
+        h = self.dropout(self.tok_embeddings(input_ids))
+        for layer in self.layers:
+            h = layer(h, cos, sin)
+        return self.head(h)
+
+    # -- initialization (after parallelize + to_empty) ----------------------
+    def init_parameter(self, name: str, tensor: torch.Tensor, generator: torch.Generator) -> None:
+        """Fill the full (unsharded) tensor of parameter `name` in place.
+
+        Linear and embedding weights ~ N(0, init_std); the projections that
+        write into the residual stream (`wo`, `w2`) are scaled by
+        1/sqrt(2 * num_layers); norms start at one, biases at zero.
+        """
+        module_name, _, param_name = name.rpartition(".")
+        module = self.get_submodule(module_name)
+        std = self.config.init_std
+        if isinstance(module, nn.RMSNorm) or param_name == "bias":
+            tensor.fill_(1.0 if isinstance(module, nn.RMSNorm) else 0.0)
+        elif module_name.endswith(("attention.wo", "feed_forward.w2")):
+            tensor.normal_(0.0, std / math.sqrt(2 * self.config.num_layers), generator=generator)
+        else:
+            tensor.normal_(0.0, std, generator=generator)
+
+    def init_buffers(self) -> None:
+        """Recompute the RoPE tables on the model's device (meta init leaves garbage)."""
+        cos, sin = rope_tables(
+            self.config.head_dim,
+            self.config.max_seq_len,
+            self.config.rope_theta,
+            device=self.rope_cos.device,
+        )
+        self.rope_cos.copy_(cos)
+        self.rope_sin.copy_(sin)
+
+    # -- accounting ------------------------------------------------------
+    def num_parameters(self, exclude_embeddings: bool = False) -> int:
+        total = sum(p.numel() for p in self.parameters())
+        if exclude_embeddings:
+            total -= self.tok_embeddings.weight.numel()
+        return total
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token: 6 N (non-embedding) + 12 L H d T for attention."""
+        c = self.config
+        dense = 6 * self.num_parameters(exclude_embeddings=True)
+        attention = 12 * c.num_layers * c.num_heads * c.head_dim * seq_len
+        return float(dense + attention)
+
+
+def decoder(
+    vocab_size: int,
+    hidden_dim: int,
+    num_layers: int,
+    num_heads: int,
+    num_kv_heads: int | None = None,
+    ffn_hidden_dim: int | None = None,
+    max_seq_len: int = 2048,
+    rope_theta: float = 500000.0,
+    norm_eps: float = 1e-5,
+    tie_embeddings: bool = False,
+    dropout: float = 0.0,
+    attention_dropout: float = 0.0,
+    init_std: float = 0.02,
+) -> Transformer:
+    """A decoder of any shape; the presets below fix the shape for you."""
+    return Transformer(
+        TransformerConfig(
+            vocab_size=vocab_size,
+            hidden_dim=hidden_dim,
+            num_layers=num_layers,
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            ffn_hidden_dim=ffn_hidden_dim,
+            max_seq_len=max_seq_len,
+            rope_theta=rope_theta,
+            norm_eps=norm_eps,
+            tie_embeddings=tie_embeddings,
+            dropout=dropout,
+            attention_dropout=attention_dropout,
+            init_std=init_std,
+        )
+    )
+
+
+def tiny(
+    vocab_size: int = 259, max_seq_len: int = 256, dropout: float = 0.0, tie_embeddings: bool = True
+) -> Transformer:
+    """~1.6M parameters with the byte vocabulary: CPU tests and the demo."""
+    return decoder(
+        vocab_size, hidden_dim=192, num_layers=4, num_heads=6, num_kv_heads=2,
+        ffn_hidden_dim=512, max_seq_len=max_seq_len, rope_theta=10000.0,
+        tie_embeddings=tie_embeddings, dropout=dropout,
+    )  # fmt: skip
+
+
+def small(
+    vocab_size: int = 259,
+    max_seq_len: int = 1024,
+    dropout: float = 0.0,
+    tie_embeddings: bool = True,
+) -> Transformer:
+    """~52M parameters: a real model that still trains on one GPU or a patient CPU."""
+    return decoder(
+        vocab_size, hidden_dim=640, num_layers=10, num_heads=10, num_kv_heads=5,
+        ffn_hidden_dim=2048, max_seq_len=max_seq_len, rope_theta=10000.0,
+        tie_embeddings=tie_embeddings, dropout=dropout,
+    )  # fmt: skip
+
+
+def llama3_1b(
+    vocab_size: int = 128256, max_seq_len: int = 8192, dropout: float = 0.0
+) -> Transformer:
+    """Llama 3.2 1B shape: 16 layers, 2048 hidden, 32 heads / 8 KV, tied embeddings."""
+    return decoder(
+        vocab_size, hidden_dim=2048, num_layers=16, num_heads=32, num_kv_heads=8,
+        ffn_hidden_dim=8192, max_seq_len=max_seq_len, rope_theta=500000.0,
+        tie_embeddings=True, dropout=dropout,
+    )  # fmt: skip
+
+
+def llama3_8b(
+    vocab_size: int = 128256, max_seq_len: int = 8192, dropout: float = 0.0
+) -> Transformer:
+    """Llama 3.1 8B shape: 32 layers, 4096 hidden, 32 heads / 8 KV, untied head."""
+    return decoder(
+        vocab_size, hidden_dim=4096, num_layers=32, num_heads=32, num_kv_heads=8,
+        ffn_hidden_dim=14336, max_seq_len=max_seq_len, rope_theta=500000.0,
+        tie_embeddings=False, dropout=dropout,
+    )  # fmt: skip

@@ -1,0 +1,45 @@
+"""Token losses summed, not averaged: the recipe divides by the global token count."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from freetx.data.sampling import IGNORE_INDEX
+
+
+class CrossEntropyLoss:
+    """Next-token cross-entropy: `(loss summed over tokens, extra per-token sums)`.
+
+    The contract every recipe loss follows: the first value is summed over loss
+    tokens; the dict holds further sums (e.g. KL) that the recipe divides by
+    the same global token count before logging. Plain CE has none.
+
+    Summing lets the recipe normalize by the number of loss tokens across all
+    micro-batches and ranks, so padded or masked batches count right.
+    Logits are upcast to float32 (bf16 logits lose precision in the softmax).
+    """
+
+    def __init__(self, ignore_index: int = IGNORE_INDEX) -> None:
+        self.ignore_index = ignore_index
+
+    def __call__(
+        self, output, labels: torch.Tensor
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        logits = output[0] if isinstance(output, tuple) else output
+        loss_sum = F.cross_entropy(
+            logits.float().flatten(0, 1),
+            labels.flatten(),
+            ignore_index=self.ignore_index,
+            reduction="sum",
+        )
+        return loss_sum, {}
+
+
+def count_tokens(labels: list[torch.Tensor], ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+    """Loss tokens in these micro-batches, summed over all ranks (a collective)."""
+    total = sum((lab != ignore_index).sum() for lab in labels).to(torch.float64)
+    if dist.is_initialized():
+        dist.all_reduce(total)
+    return total

@@ -1,0 +1,39 @@
+"""Learning-rate schedules: linear warmup, then cosine, linear or constant."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LambdaLR
+
+
+@dataclass
+class LRScheduleConfig:
+    """The `lr_schedule:` section: warmup steps, then decay to min_lr_ratio * lr."""
+
+    warmup_steps: int = 0
+    decay: Literal["cosine", "linear", "constant"] = "cosine"
+    min_lr_ratio: float = 0.1
+
+
+def lr_multiplier(step: int, total_steps: int, cfg: LRScheduleConfig) -> float:
+    """The factor on the base lr for the update made at `step` (0-based)."""
+    if cfg.warmup_steps > 0 and step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    if cfg.decay == "constant":
+        return 1.0
+    span = max(1, total_steps - cfg.warmup_steps)
+    progress = min(1.0, (step - cfg.warmup_steps) / span)
+    if cfg.decay == "linear":
+        shape = 1.0 - progress
+    else:
+        shape = 0.5 * (1.0 + math.cos(math.pi * progress))
+    return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * shape
+
+
+def build_lr_scheduler(optimizer: Optimizer, total_steps: int, cfg: LRScheduleConfig) -> LambdaLR:
+    """A LambdaLR (a Stateful: it goes into checkpoints) following `lr_multiplier`."""
+    return LambdaLR(optimizer, lambda step: lr_multiplier(step, total_steps, cfg))

@@ -1,0 +1,35 @@
+"""Run a check script on N gloo processes via torchrun and collect its JSON results.
+
+A check script writes `{name: result}` to `$FREETX_TEST_OUT/rank<R>.json`; one
+launch runs many checks, so the 2-process suite pays torchrun's start-up once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+
+def run_checks(script: Path, out_dir: Path, nproc: int = 2, timeout: float = 600) -> list[dict]:
+    repo = str(Path(__file__).resolve().parents[2])  # check scripts import tests.*
+    pythonpath = os.pathsep.join(p for p in (repo, os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "FREETX_TEST_OUT": str(out_dir), "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": pythonpath}  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone",
+         f"--nproc-per-node={nproc}", str(script)],
+        env=env, capture_output=True, text=True, timeout=timeout,
+    )  # fmt: skip
+    if result.returncode != 0:
+        raise AssertionError(f"{script.name} failed:\n{result.stdout}\n{result.stderr[-6000:]}")
+    return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(nproc)]
+
+
+def write_results(results: dict) -> None:
+    out = Path(os.environ["FREETX_TEST_OUT"])
+    out.mkdir(parents=True, exist_ok=True)
+    rank = int(os.environ.get("RANK", "0"))
+    (out / f"rank{rank}.json").write_text(json.dumps(results))

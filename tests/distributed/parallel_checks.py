@@ -1,0 +1,178 @@
+"""2-process checks of the strategies (run by test_parallel.py through torchrun).
+
+For every strategy: the initial weights equal a single-process init with the
+same seed; after one step, gradients and updated weights equal a single-process
+run on the whole global batch. Also: accumulation equivalence, activation
+checkpointing, and that ranks read different samples.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from omegaconf import OmegaConf
+from torch.autograd.graph import saved_tensors_hooks
+from torch.distributed.tensor import DTensor
+
+from freetx.data import GlobalBatchSampler
+from freetx.distributed import (
+    DistributedConfig,
+    canonical_strategy,
+    gradient_sync,
+    init_distributed,
+    materialize,
+    parallelize,
+    unwrap,
+)
+from freetx.models.transformer import decoder
+from freetx.training import CrossEntropyLoss, build_optimizer, count_tokens
+from tests.distributed.launcher import write_results
+
+SEED = 7
+GLOBAL_BATCH = 8
+SEQ = 16
+VOCAB = 64
+
+
+def make_model(dropout: float = 0.0):
+    return decoder(VOCAB, hidden_dim=32, num_layers=3, num_heads=4, num_kv_heads=2,
+                   ffn_hidden_dim=64, max_seq_len=SEQ, dropout=dropout)  # fmt: skip
+
+
+def global_batch():
+    g = torch.Generator().manual_seed(123)
+    tokens = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ + 1), generator=g)
+    labels = tokens[:, 1:].clone()
+    labels[0, :5] = -100  # a masked prefix: token normalization must count right
+    return tokens[:, :-1], labels
+
+
+def full_params(model) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, p in unwrap(model).named_parameters():
+        out[name] = (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+    return out
+
+
+def full_grads(model) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, p in unwrap(model).named_parameters():
+        g = p.grad
+        out[name] = (g.full_tensor() if isinstance(g, DTensor) else g).detach().clone()
+    return out
+
+
+def max_diff(a: dict, b: dict) -> float:
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def optimizer_cfg():
+    # SGD: an update that is a linear function of the gradient, so it is compared tightly
+    return OmegaConf.create({"_component_": "torch.optim.SGD", "lr": 0.5, "weight_decay": 0.1})
+
+
+def train_one_step(strategy: str, accumulation: int = 1, **dist_options):
+    """One optimizer step the way the recipe does it; returns (init, grads, params)."""
+    runtime = init_distributed("cpu")
+    cfg = OmegaConf.structured(DistributedConfig(strategy=strategy, **dist_options))
+    with torch.device("meta"):
+        model = make_model()
+    model = parallelize(model, runtime, cfg, seed=SEED)
+    init = full_params(model)
+    optimizer = build_optimizer(
+        optimizer_cfg(), model, canonical_strategy(strategy), runtime.device
+    )
+    inputs, labels = global_batch()
+    per_rank = GLOBAL_BATCH // runtime.world_size
+    mine = slice(runtime.rank * per_rank, (runtime.rank + 1) * per_rank)
+    micro_inputs = inputs[mine].chunk(accumulation)
+    micro_labels = labels[mine].chunk(accumulation)
+    num_tokens = count_tokens(list(micro_labels))
+    loss_fn = CrossEntropyLoss()
+    for i, (x, y) in enumerate(zip(micro_inputs, micro_labels)):
+        with gradient_sync(model, enabled=i == accumulation - 1):
+            loss, _ = loss_fn(model(x), y)
+            (loss * runtime.world_size / num_tokens).backward()
+    grads = full_grads(model)
+    optimizer.step()
+    return init, grads, full_params(model)
+
+
+def reference_step():
+    """The single-process, full-batch step every strategy must reproduce."""
+    with torch.device("meta"):
+        model = make_model()
+    materialize(model, torch.device("cpu"), SEED)
+    init = full_params(model)
+    optimizer = build_optimizer(optimizer_cfg(), model, "fsdp", torch.device("cpu"))
+    inputs, labels = global_batch()
+    loss, _ = CrossEntropyLoss()(model(inputs), labels)
+    (loss / (labels != -100).sum()).backward()
+    grads = full_grads(model)
+    optimizer.step()
+    return init, grads, full_params(model)
+
+
+def saved_activation_bytes(activation_checkpointing: str) -> tuple[int, dict]:
+    """Bytes autograd keeps for backward (outside checkpointed blocks), and the grads."""
+    runtime = init_distributed("cpu")
+    cfg = OmegaConf.structured(
+        DistributedConfig(strategy="fsdp", activation_checkpointing=activation_checkpointing)
+    )
+    with torch.device("meta"):
+        model = make_model(dropout=0.1)
+    model = parallelize(model, runtime, cfg, seed=SEED)
+    inputs, labels = global_batch()
+    saved = []
+
+    def pack(t):
+        saved.append(t.numel() * t.element_size())
+        return t
+
+    torch.manual_seed(5)  # dropout on: recomputation must replay the same masks
+    with saved_tensors_hooks(pack, lambda t: t):
+        loss, _ = CrossEntropyLoss()(model(inputs), labels)
+    loss.backward()
+    return sum(saved), full_grads(model)
+
+
+def main() -> None:
+    runtime = init_distributed("cpu")
+    results: dict = {"world_size": runtime.world_size}
+    ref_init, ref_grads, ref_params = reference_step()
+    for strategy, options in [
+        ("fsdp", {}),
+        ("zero3", {}),
+        ("zero2", {}),
+        ("zero1", {}),
+        ("ddp", {}),
+        ("hsdp", {"replicate_degree": 2}),
+        ("hsdp", {"replicate_degree": 1}),
+    ]:
+        init, grads, params = train_one_step(strategy, **options)
+        key = f"{strategy}{options.get('replicate_degree', '')}"
+        results[f"{key}/init"] = max_diff(init, ref_init)
+        results[f"{key}/grad"] = max_diff(grads, ref_grads)
+        results[f"{key}/param"] = max_diff(params, ref_params)
+    for strategy in ("fsdp", "ddp"):
+        _, grads, params = train_one_step(strategy, accumulation=2)
+        results[f"accumulation/{strategy}/grad"] = max_diff(grads, ref_grads)
+        results[f"accumulation/{strategy}/param"] = max_diff(params, ref_params)
+
+    base_bytes, base_grads = saved_activation_bytes("none")
+    for mode in ("full", "selective"):
+        saved, grads = saved_activation_bytes(mode)
+        results[f"ac/{mode}/saved_ratio"] = saved / base_bytes
+        results[f"ac/{mode}/grad"] = max_diff(grads, base_grads)
+
+    sampler = GlobalBatchSampler(64, GLOBAL_BATCH, 2, runtime.rank, runtime.world_size, SEED)
+    batches = [b for _, b in zip(range(6), iter(sampler))]
+    gathered = [None] * runtime.world_size
+    dist.all_gather_object(gathered, batches)
+    seen = [set(i for b in rank_batches for i in b) for rank_batches in gathered]
+    results["sampler/overlap"] = len(seen[0] & seen[1]) if len(seen) > 1 else -1
+    write_results(results)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,58 @@
+"""Strategies on 2 gloo processes: same init, same gradients and updates as 1 process."""
+
+import pytest
+
+from tests.distributed.launcher import run_checks
+
+STRATEGIES = ["fsdp", "zero3", "zero2", "zero1", "ddp", "hsdp2", "hsdp1"]
+TIGHT = 2e-6  # fp32: differences come only from the order of summation
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    from pathlib import Path
+
+    script = Path(__file__).with_name("parallel_checks.py")
+    ranks = run_checks(script, tmp_path_factory.mktemp("parallel"))
+    assert ranks[0]["world_size"] == 2
+    return ranks
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_initial_weights_match_single_process(results, strategy):
+    for rank in results:
+        assert rank[f"{strategy}/init"] == 0.0
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_gradients_match_single_process_full_batch(results, strategy):
+    for rank in results:
+        assert rank[f"{strategy}/grad"] < TIGHT
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_update_matches_single_process(results, strategy):
+    for rank in results:
+        assert rank[f"{strategy}/param"] < 10 * TIGHT
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "ddp"])
+def test_accumulation_equals_one_big_batch(results, strategy):
+    for rank in results:
+        assert rank[f"accumulation/{strategy}/grad"] < TIGHT
+        assert rank[f"accumulation/{strategy}/param"] < 10 * TIGHT
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_activation_checkpointing_changes_memory_not_gradients(results, mode):
+    for rank in results:
+        assert rank[f"ac/{mode}/grad"] < TIGHT
+        assert rank[f"ac/{mode}/saved_ratio"] < 0.9
+
+
+def test_full_checkpointing_saves_more_than_selective(results):
+    assert results[0]["ac/full/saved_ratio"] < results[0]["ac/selective/saved_ratio"]
+
+
+def test_ranks_read_different_samples(results):
+    assert results[0]["sampler/overlap"] == 0

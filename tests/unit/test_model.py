@@ -1,0 +1,79 @@
+"""The decoder: shapes, RoPE convention, GQA, init determinism, FLOPs."""
+
+import math
+
+import torch
+
+from freetx.distributed import materialize
+from freetx.models.transformer import (
+    apply_rope,
+    decoder,
+    llama3_8b,
+    rope_tables,
+    tiny,
+)
+
+
+def small_model(**kw):
+    args = dict(vocab_size=50, hidden_dim=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                ffn_hidden_dim=48, max_seq_len=16)  # fmt: skip
+    args.update(kw)
+    with torch.device("meta"):
+        model = decoder(**args)
+    materialize(model, torch.device("cpu"), seed=0)
+    return model
+
+
+def test_forward_shape_and_causality():
+    model = small_model().eval()
+    x = torch.randint(0, 50, (2, 10))
+    logits = model(x)
+    assert logits.shape == (2, 10, 50)
+    changed = x.clone()
+    changed[:, 6] = (changed[:, 6] + 1) % 50
+    # positions before the change see the same logits
+    assert torch.allclose(model(changed)[:, :6], logits[:, :6], atol=1e-6)
+    assert not torch.allclose(model(changed)[:, 6:], logits[:, 6:])
+
+
+def test_rope_is_rotate_half_with_relative_positions():
+    cos, sin = rope_tables(8, 32, 10000.0)
+    q = torch.randn(1, 1, 1, 8)
+    k = torch.randn(1, 1, 1, 8)
+    # the score depends only on the distance between positions
+    s1 = (apply_rope(q, cos[3:4], sin[3:4]) * apply_rope(k, cos[1:2], sin[1:2])).sum()
+    s2 = (apply_rope(q, cos[12:13], sin[12:13]) * apply_rope(k, cos[10:11], sin[10:11])).sum()
+    assert torch.allclose(s1, s2, atol=1e-5)
+    # HF Llama convention: first half pairs with second half, frequencies duplicated
+    assert torch.equal(cos[:, :4], cos[:, 4:])
+    x = torch.tensor([1.0, 0, 0, 0, 0, 0, 0, 0]).view(1, 1, 1, 8)
+    rotated = apply_rope(x, cos[1:2], sin[1:2]).flatten()
+    assert math.isclose(rotated[0].item(), math.cos(1.0), abs_tol=1e-6)
+    assert math.isclose(rotated[4].item(), math.sin(1.0), abs_tol=1e-6)
+
+
+def test_init_is_deterministic_and_scaled():
+    a, b = small_model(), small_model()
+    for (name, p), (_, q) in zip(a.named_parameters(), b.named_parameters()):
+        assert torch.equal(p, q), name
+    assert torch.equal(a.norm.weight, torch.ones(32))
+    std_wo = a.layers[0].attention.wo.weight.std().item()
+    std_wq = a.layers[0].attention.wq.weight.std().item()
+    assert std_wo < std_wq / 1.5  # residual projections scaled by 1/sqrt(2L)
+
+
+def test_tied_head_uses_the_embedding():
+    model = small_model(tie_embeddings=True)
+    assert model.output is None
+    names = [n for n, _ in model.named_parameters()]
+    assert "tok_embeddings.weight" in names and not any(n.startswith("output") for n in names)
+
+
+def test_presets_and_flops():
+    with torch.device("meta"):
+        t, big = tiny(), llama3_8b()
+    assert 1e6 < t.num_parameters() < 3e6
+    assert abs(big.num_parameters() - 8.03e9) < 0.01e9
+    # 6N + 12 L H d T at T=8192 for 8B: about 6 * 7.5e9 + 12 * 32 * 4096 * 8192
+    expected = 6 * big.num_parameters(exclude_embeddings=True) + 12 * 32 * 4096 * 8192
+    assert big.flops_per_token(8192) == expected

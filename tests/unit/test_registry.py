@@ -1,0 +1,34 @@
+"""The registry matches the files, and every shipped config validates."""
+
+import pytest
+
+from freetx import registry
+from freetx.cli.common import load_recipe
+from freetx.config import apply_schema, compose
+from freetx.config.schema import check_config
+
+
+def test_every_config_file_is_registered_once():
+    on_disk = sorted(
+        str(p.relative_to(registry.configs_dir()).with_suffix(""))
+        for p in registry.configs_dir().rglob("*.yaml")
+    )
+    assert on_disk == sorted(registry.config_names())
+    assert len(set(registry.config_names())) == len(registry.config_names())
+
+
+def test_every_recipe_file_exists_and_declares_its_schema():
+    for recipe in registry.RECIPES:
+        target = load_recipe(recipe.name)
+        assert target.path == registry.recipe_file(recipe)
+        assert target.schema is not None
+        assert target.supports_distributed == recipe.supports_distributed
+
+
+@pytest.mark.parametrize("config", registry.config_names())
+def test_shipped_config_validates(config):
+    recipe = registry.recipe_for_config(config)
+    target = load_recipe(recipe.name)
+    cfg = compose(config)
+    assert check_config(cfg, target.schema) == []
+    apply_schema(cfg, target.schema)
