@@ -134,7 +134,8 @@ def parallelize(
     """Apply the configured strategy to a meta-device model, then materialize it.
 
     Returns the model to train (a DDP wrapper for ddp/zero1, the sharded model
-    itself otherwise). Initial weights depend only on `seed`, not on the
+    itself otherwise; at world size 1 the plain model, unless CPU offload needs
+    FSDP). Initial weights depend only on `seed`, not on the
     strategy or the world size.
     """
     check_distributed_config(cfg, runtime)
@@ -144,10 +145,15 @@ def parallelize(
     if cfg.compile:
         for block in blocks:
             block.compile()
+    if runtime.world_size == 1 and not cfg.cpu_offload:
+        # nothing to shard or replicate: the plain model is the fastest way to train
+        materialize(model, runtime.device, seed)
+        return model
     if strategy in REPLICATED:
         materialize(model, runtime.device, seed)
         device_ids = [runtime.local_rank] if runtime.device_type == "cuda" else None
-        return DistributedDataParallel(model, device_ids=device_ids)
+        # gradients as views of the all-reduce buckets: no second copy of the gradients
+        return DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True)
 
     mesh = build_mesh(runtime, replicate_degree(cfg, runtime))
     options = {

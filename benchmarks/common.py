@@ -1,0 +1,46 @@
+"""Helpers the benchmarks share: launching N processes, loading a recipe, printing."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def launch(script: Path, nproc: int, *args: str, timeout: float = 1200) -> dict:
+    """Run `script` on nproc gloo processes (torchrun); return what rank 0 wrote."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "result.json"
+        env = {**os.environ, "BENCH_OUT": str(out), "PYTHONPATH": str(REPO)}
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc-per-node={nproc}", str(script), *args]  # fmt: skip
+        result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+        if result.returncode != 0:
+            raise RuntimeError(f"{script.name} failed:\n{result.stderr[-4000:]}")
+        return json.loads(out.read_text())
+
+
+def write_result(result: dict) -> None:
+    """Rank 0 writes the result for `launch` to read."""
+    if int(os.environ.get("RANK", "0")) == 0 and os.environ.get("BENCH_OUT"):
+        Path(os.environ["BENCH_OUT"]).write_text(json.dumps(result))
+
+
+def load_recipe_module(name: str):
+    """The built-in recipe's module (its class and schema), loaded by path."""
+    from freetx.cli.common import load_recipe
+
+    target = load_recipe(name)
+    return sys.modules[f"freetx_recipe_{target.path.stem}"], target.schema
+
+
+def table(rows: list[list], header: list[str]) -> str:
+    cells = [header] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells)
