@@ -57,6 +57,12 @@ class DataError(FreetxError):
     """Data files that are missing, empty or do not fit the config."""
 
 
+def first_line(error: BaseException) -> str:
+    """The first line of an exception's message (or its type when it has none)."""
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
 def debug_enabled() -> bool:
     """True when tracebacks should be shown (FREETX_DEBUG=1 or --debug)."""
     return os.environ.get("FREETX_DEBUG", "").lower() not in ("", "0", "false", "no")

@@ -5,7 +5,8 @@
 
 The loop is in `train()`, top to bottom: fetch the micro-batches of one global
 batch, count their loss tokens over all ranks, forward + backward each (gradient
-sync only on the last), clip, step, schedule, log, evaluate. Everything shared
+sync only on the last), clip, step, schedule, log, evaluate, checkpoint.
+`resume: auto` continues from the newest checkpoint in output_dir. Everything shared
 with other recipes (parallelism, data order, meters, loggers) is a freetx
 function; copy this file (`freetx cp full_finetune_fsdp2 ./my_ft.py`) to change
 the loop itself.
@@ -15,12 +16,20 @@ from __future__ import annotations
 
 import math
 import sys
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, Literal, Optional
 
 import torch
 from omegaconf import MISSING, DictConfig
 
+from freetx.checkpoint import (
+    CheckpointConfig,
+    Checkpointer,
+    TrainState,
+    build_meta,
+    load_initial_weights,
+    training_state,
+)
 from freetx.config import instantiate, parse
 from freetx.data import IGNORE_INDEX, build_eval_loader, build_train_loader, micro_batch_size
 from freetx.distributed import (
@@ -71,6 +80,10 @@ class FullFinetuneConfig:
     log_every_n_steps: int = 10
     peak_flops: Optional[float] = None  # per device, for MFU where the GPU table has none
     num_workers: int = 0
+    resume: str = (
+        "auto"  # auto (newest checkpoint in output_dir, if any) | never | a checkpoint path
+    )
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     model: Any = MISSING
     tokenizer: Any = MISSING
     dataset: Any = MISSING  # built twice: split=train and split=validation
@@ -96,7 +109,7 @@ class FullFinetuneRecipeFSDP2:
         self.strategy = canonical_strategy(cfg.distributed.strategy)
         self.accumulation = cfg.gradient_accumulation_steps
         seed_everything(cfg.seed, self.runtime.rank)
-        self.step = 0
+        self.progress = TrainState()  # step, epoch, tokens seen: saved with every checkpoint
 
     def setup(self) -> None:
         cfg, rank = self.cfg, self.runtime.rank
@@ -129,6 +142,28 @@ class FullFinetuneRecipeFSDP2:
             peak_flops(self.device, cfg.peak_flops),
         )
         self.loggers.write(self.banner(unwrap(self.model).num_parameters(), len(train_set)))
+        self.setup_checkpointing(model.config)
+
+    def setup_checkpointing(self, model_config) -> None:
+        """Resume from a checkpoint, or start from initial weights, or from scratch."""
+        cfg = self.cfg
+        meta = build_meta(unwrap(self.model), asdict(model_config), self.world_size, self.strategy)
+        self.checkpointer = Checkpointer(cfg.output_dir, cfg.checkpoint, self.runtime.rank, meta)
+        self.state = training_state(
+            self.model, self.optimizer, self.lr_scheduler, self.progress, self.train_loader,
+            self.runtime.rank,
+        )  # fmt: skip
+        resume_from = self.checkpointer.resolve_resume(cfg.resume)
+        if resume_from is not None:
+            saved = self.checkpointer.load(resume_from, self.state, model=self.model)
+            self.loggers.write(
+                f"resumed from {resume_from} (step {self.progress.step}, saved at world size "
+                f"{saved.get('world_size', '?')} with {saved.get('strategy', '?')})"
+            )
+        elif cfg.checkpoint.initial_weights:
+            load_initial_weights(self.model, cfg.checkpoint.initial_weights)
+            self.loggers.write(f"initial weights from {cfg.checkpoint.initial_weights}")
+        self.saved_step = self.progress.step
 
     def banner(self, num_params: int, num_train: int) -> str:
         cfg, mp = self.cfg, self.cfg.distributed.mixed_precision
@@ -145,7 +180,7 @@ class FullFinetuneRecipeFSDP2:
         cfg = self.cfg
         data = iter(self.train_loader)
         self.model.train()
-        while self.step < cfg.max_steps:
+        while self.progress.step < cfg.max_steps:
             batches = [next(data) for _ in range(self.accumulation)]
             num_tokens = count_tokens([b["labels"] for b in batches])
             self.optimizer.zero_grad(set_to_none=True)
@@ -167,15 +202,29 @@ class FullFinetuneRecipeFSDP2:
             self.scaler.step(self.optimizer)
             self.scaler.update()
             self.lr_scheduler.step()
-            self.step += 1
+            self.progress.step += 1
+            self.progress.epoch = self.train_loader.batch_sampler.epoch
+            self.progress.tokens_seen += cfg.batch_size * self.seq_len
             self.meter.update(cfg.batch_size * self.seq_len)  # tokens processed
 
-            if self.step % cfg.log_every_n_steps == 0 or self.step == cfg.max_steps:
+            step = self.progress.step
+            if step % cfg.log_every_n_steps == 0 or step == cfg.max_steps:
                 self.log_train_metrics(sums, num_tokens, grad_norm)
-            if cfg.eval.every_n_steps and self.step % cfg.eval.every_n_steps == 0:
-                self.loggers.log(self.step, self.evaluate())
-        if not cfg.eval.every_n_steps or self.step % cfg.eval.every_n_steps:
-            self.loggers.log(self.step, self.evaluate())
+            if cfg.eval.every_n_steps and step % cfg.eval.every_n_steps == 0:
+                self.loggers.log(step, self.evaluate())
+            if cfg.checkpoint.every_n_steps and step % cfg.checkpoint.every_n_steps == 0:
+                self.save_checkpoint()
+        if not cfg.eval.every_n_steps or self.progress.step % cfg.eval.every_n_steps:
+            self.loggers.log(self.progress.step, self.evaluate())
+        if cfg.checkpoint.save_final and self.saved_step != self.progress.step:
+            self.save_checkpoint()
+
+    def save_checkpoint(self) -> None:
+        """A sharded DCP save of everything needed to resume (every rank takes part)."""
+        self.checkpointer.save(
+            self.progress.step, self.state, {"tokens_seen": self.progress.tokens_seen}
+        )
+        self.saved_step = self.progress.step
 
     def log_train_metrics(
         self, sums: dict[str, torch.Tensor], num_tokens: torch.Tensor, grad_norm: float
@@ -184,10 +233,10 @@ class FullFinetuneRecipeFSDP2:
         metrics = {name: value / float(num_tokens) for name, value in totals.items()}
         metrics["lr"] = self.lr_scheduler.get_last_lr()[0]
         metrics["grad_norm"] = grad_norm
-        metrics["tokens_seen"] = self.step * self.cfg.batch_size * self.seq_len
+        metrics["tokens_seen"] = self.progress.tokens_seen
         metrics.update(self.meter.read())
         metrics.update(max_over_ranks(memory_stats(self.device), self.device))
-        self.loggers.log(self.step, metrics)
+        self.loggers.log(self.progress.step, metrics)
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
@@ -214,6 +263,7 @@ class FullFinetuneRecipeFSDP2:
         return metrics
 
     def cleanup(self) -> None:
+        self.checkpointer.close()  # waits for an asynchronous save to finish
         self.loggers.close()
 
 

@@ -27,6 +27,11 @@ def run_freetx(*args: str, cwd: Path | None = None, timeout: float = 600, env: d
     )
 
 
+def flat(text: str) -> str:
+    """Text with line wrapping undone (error paragraphs wrap at 100 columns)."""
+    return " ".join(text.split())
+
+
 @pytest.fixture
 def freetx():
     return run_freetx

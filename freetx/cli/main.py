@@ -23,6 +23,7 @@ SUBCOMMANDS = {
     "cat": "print a config, overrides applied and interpolations resolved",
     "validate": "check a config against its recipe's schema and components",
     "run": "run a recipe, in this process or on N processes via torchrun",
+    "checkpoint": "inspect or convert checkpoints (DCP, safetensors, torch, HF)",
 }
 
 EPILOG = """examples:
@@ -32,6 +33,8 @@ EPILOG = """examples:
   freetx validate llm/tiny batch_size=4
   freetx run full_finetune_fsdp2 --config llm/tiny
   freetx run --nproc-per-node 2 ./my_recipe.py --config ./my.yaml max_steps=50
+  freetx checkpoint inspect runs/llm_tiny/checkpoints/step_000120
+  freetx checkpoint convert runs/llm_tiny/checkpoints/step_000120 model.safetensors
 
 A user error prints one paragraph and exits 1 (2 for usage); --debug or
 FREETX_DEBUG=1 shows the traceback."""
@@ -74,7 +77,12 @@ def main(argv: list[str] | None = None) -> int:
             return run.main(rest)
         if command in SUBCOMMANDS:
             module = importlib.import_module(f"freetx.cli.{command}")
-            return module.main(module.build_parser().parse_intermixed_args(rest))
+            parser = module.build_parser()
+            # intermixed parsing lets options follow overrides; parsers with
+            # sub-actions (checkpoint inspect/convert) cannot use it
+            intermixed = getattr(module, "INTERMIXED_ARGS", True)
+            args = parser.parse_intermixed_args(rest) if intermixed else parser.parse_args(rest)
+            return module.main(args)
         parser = build_parser()
         parser.parse_args(argv)  # --help, --version, or an unknown command (exit 2)
         parser.print_help()

@@ -109,20 +109,29 @@ def _run_with_torchrun(args) -> int:
 
 
 def _describe_failure(error) -> str:
-    """Name the rank that raised (it wrote an error file), not the ranks stopped after it."""
-    recorded = {r: f for r, f in error.failures.items() if os.path.isfile(str(f.error_file))}
-    if not recorded:
+    """Every rank that failed by itself: its own first line, or how it died.
+
+    Ranks that wrote an error file (freetx records every exception) show their
+    message; a rank that died without one (killed, out of memory, a crash in C)
+    shows its exit code. Ranks torchrun stopped afterwards (SIGTERM) are left out.
+    """
+    import signal
+
+    parts = []
+    for rank, failure in sorted(error.failures.items()):
+        if os.path.isfile(str(failure.error_file)):
+            message = failure.message
+            if isinstance(message, dict):
+                message = message.get("message", "")
+            line = str(message).strip().splitlines()[0] if message else "no message"
+            parts.append(f"rank {rank} failed ({line})")
+        elif failure.exitcode == -signal.SIGTERM:
+            continue
+        elif failure.exitcode < 0:
+            parts.append(f"rank {rank} was killed by {failure.signal_name()}")
+        else:
+            parts.append(f"rank {rank} exited with code {failure.exitcode} without a message")
+    if not parts:
         rank, failure = error.get_first_failure()
-        return (
-            f"rank {rank} ended with exit code {failure.exitcode} ({failure.message or 'no message'}); "
-            "the other ranks were stopped."
-        )
-    rank = min(recorded, key=lambda r: recorded[r].timestamp)
-    message = recorded[rank].message
-    if isinstance(message, dict):
-        message = message.get("message", "")
-    first_line = str(message).strip().splitlines()[0] if message else "no message"
-    return (
-        f"rank {rank} failed ({first_line}); its full message is above. "
-        "The other ranks were stopped."
-    )
+        parts.append(f"rank {rank} ended with exit code {failure.exitcode}")
+    return "; ".join(parts) + ". Messages are above; the other ranks were stopped."

@@ -22,7 +22,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from freetx import registry
-from freetx.errors import ConfigError, UsageError
+from freetx.errors import ConfigError, UsageError, first_line
 
 _DOTTED_NAME = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)+$")
 
@@ -102,7 +102,7 @@ def apply_overrides(cfg: DictConfig, overrides: list[str]) -> DictConfig:
         try:
             OmegaConf.update(cfg, key, value, merge=False)
         except OmegaConfBaseException as e:
-            raise ConfigError(f"cannot apply override '{item}': {_first_line(e)}") from None
+            raise ConfigError(f"cannot apply override '{item}': {first_line(e)}") from None
     return cfg
 
 
@@ -139,7 +139,7 @@ def resolve(cfg: DictConfig) -> DictConfig:
     try:
         OmegaConf.resolve(cfg)
     except OmegaConfBaseException as e:
-        raise ConfigError(f"cannot resolve an interpolation: {_first_line(e)}") from None
+        raise ConfigError(f"cannot resolve an interpolation: {first_line(e)}") from None
     return cfg
 
 
@@ -148,7 +148,3 @@ def compose(name_or_path: str, overrides: list[str] | None = None) -> DictConfig
     cfg = load_config(resolve_config_path(name_or_path))
     apply_overrides(cfg, list(overrides or []))
     return resolve(cfg)
-
-
-def _first_line(error: Exception) -> str:
-    return str(error).strip().splitlines()[0]

@@ -164,11 +164,19 @@ def build_train_loader(
     sampler = GlobalBatchSampler(
         len(dataset), global_batch_size, accumulation, rank, world_size, seed, shuffle
     )
-    return StatefulDataLoader(dataset, batch_sampler=sampler, num_workers=num_workers)
+    # its own generator: creating an iterator must not draw from the global RNG,
+    # or a resumed run's dropout masks would shift by one draw
+    generator = torch.Generator().manual_seed(seed)
+    return StatefulDataLoader(
+        dataset, batch_sampler=sampler, num_workers=num_workers, generator=generator
+    )
 
 
 def build_eval_loader(
     dataset: Dataset, batch_size: int, rank: int, world_size: int
 ) -> StatefulDataLoader:
     """Every rank gets the same number of batches; padding carries no loss."""
-    return StatefulDataLoader(EvalShard(dataset, rank, world_size), batch_size=batch_size)
+    generator = torch.Generator().manual_seed(0)  # keeps the global RNG untouched
+    return StatefulDataLoader(
+        EvalShard(dataset, rank, world_size), batch_size=batch_size, generator=generator
+    )

@@ -1,6 +1,6 @@
 """Process group, device, meshes, and how models are parallelized and initialized."""
 
-from freetx.distributed.init import canonical_name, materialize
+from freetx.distributed.init import canonical_name, fill_parameters, materialize
 from freetx.distributed.parallelize import (
     DistributedConfig,
     MixedPrecisionConfig,
@@ -28,6 +28,7 @@ __all__ = [
     "canonical_name",
     "canonical_strategy",
     "destroy_distributed",
+    "fill_parameters",
     "gradient_scaler",
     "gradient_sync",
     "init_distributed",

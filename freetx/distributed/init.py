@@ -1,6 +1,8 @@
 """Materialize a meta-device model and initialize it, one parameter at a time.
 
-Each parameter is generated whole on the device from a generator seeded by
+`fill_parameters` sets every parameter from a full value, one at a time; each
+rank keeps its shard. `materialize` uses it with a seeded generator: each
+parameter is generated whole on the device from a generator seeded by
 (seed, parameter name), then each rank keeps its own shard. So the initial
 weights are the same at any world size and under any strategy, and no rank ever
 holds more than one full parameter beside its shards: an 8B model never
@@ -13,6 +15,7 @@ a parameter) and `init_buffers()` (e.g. RoPE tables).
 from __future__ import annotations
 
 import zlib
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -51,17 +54,37 @@ def materialize(
                     buffer.to(buffer_device),
                     persistent=name not in module._non_persistent_buffers_set,
                 )
-    for name, param in model.named_parameters():
-        canonical = canonical_name(name)
-        local = param.to_local() if isinstance(param, DTensor) else param
-        full = torch.empty(param.shape, dtype=param.dtype, device=local.device)
-        generator = torch.Generator(device=local.device).manual_seed(
-            parameter_seed(seed, canonical)
-        )
-        model.init_parameter(canonical, full, generator)
-        if isinstance(param, DTensor):
-            shard = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
-            local.copy_(shard.to_local())
-        else:
-            local.copy_(full)
+
+    def initial_value(name: str, param: torch.Tensor) -> torch.Tensor:
+        device = _local(param).device
+        full = torch.empty(param.shape, dtype=param.dtype, device=device)
+        generator = torch.Generator(device=device).manual_seed(parameter_seed(seed, name))
+        model.init_parameter(name, full, generator)
+        return full
+
+    fill_parameters(model, initial_value)
     model.init_buffers()
+
+
+def _local(param: torch.Tensor) -> torch.Tensor:
+    return param.to_local() if isinstance(param, DTensor) else param
+
+
+@torch.no_grad()
+def fill_parameters(
+    model: nn.Module, full_value: Callable[[str, torch.Tensor], torch.Tensor]
+) -> None:
+    """Set every parameter from its full (unsharded) value, one parameter at a time.
+
+    `full_value(name, param)` returns the whole tensor for the parameter's
+    canonical name; each rank keeps its own shard of it. Used for initial
+    weights (from a generator or from a file).
+    """
+    for name, param in model.named_parameters():
+        full = full_value(canonical_name(name), param)
+        local = _local(param)
+        if isinstance(param, DTensor):
+            full = distribute_tensor(
+                full.to(local.device), param.device_mesh, param.placements, src_data_rank=None
+            ).to_local()
+        local.copy_(full)

@@ -23,10 +23,16 @@ def seed_everything(seed: int, rank: int = 0) -> None:
 
 
 def rng_state() -> dict[str, Any]:
-    """This rank's RNG states: python, numpy, torch CPU, and CUDA where present."""
+    """This rank's RNG states: python, numpy, torch CPU, and CUDA where present.
+
+    Only tensors, numbers, strings and lists, so a checkpoint can hold it
+    without pickled objects (numpy's key array becomes a tensor).
+    """
+    kind, keys, position, has_gauss, cached = np.random.get_state()
+    version, internal, gauss = random.getstate()
     state: dict[str, Any] = {
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
+        "python": [version, list(internal), gauss],
+        "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), position, has_gauss, cached],
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available():
@@ -35,8 +41,10 @@ def rng_state() -> dict[str, Any]:
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    kind, keys, position, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), position, has_gauss, cached))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from tests.conftest import run_freetx
+from tests.conftest import flat, run_freetx
 
 
 def read_metrics(output_dir):
@@ -52,7 +52,7 @@ def test_bad_input_is_one_paragraph_before_training(tmp_path, overrides, fragmen
         "run", "full_finetune_fsdp2", "--config", "llm/tiny", f"output_dir={tmp_path}", *overrides
     )
     assert result.returncode == 1, result.stdout + result.stderr
-    assert fragment in result.stderr
+    assert fragment in flat(result.stderr)
     assert "Traceback" not in result.stderr
     assert not (tmp_path / "metrics.jsonl").exists()  # no training step happened
 
@@ -64,4 +64,4 @@ def test_empty_data_file_is_an_error(tmp_path):
         "run", "full_finetune_fsdp2", "--config", "llm/tiny", f"output_dir={tmp_path}",
         f"dataset.source={empty}",
     )  # fmt: skip
-    assert result.returncode == 1 and "holds no text" in result.stderr
+    assert result.returncode == 1 and "holds no text" in flat(result.stderr)

@@ -1,0 +1,224 @@
+"""`freetx checkpoint inspect / convert`, and initial weights for a run.
+
+Conversion streams: tensors are read one at a time from the source and written
+straight to the destination (safetensors and HF folders), so converting a
+checkpoint holds about one model's worth of memory at most, never model +
+optimizer. No process group is needed.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+
+from freetx.checkpoint.files import (
+    META_FILE,
+    MODEL_PREFIX,
+    SafeLoadPlanner,
+    check_model_matches,
+    mismatch_report,
+    model_shapes,
+)
+from freetx.checkpoint.formats import (
+    MODEL_CONFIG_KEY,
+    DCPSource,
+    SafetensorsStreamWriter,
+    TensorInfo,
+    TensorSource,
+    open_tensors,
+)
+from freetx.checkpoint.hf import DECODER_CLASS, hf_config, to_hf_name
+from freetx.checkpoint.state import ModelState
+from freetx.distributed.init import fill_parameters
+from freetx.errors import CheckpointError
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+FORMATS = ("safetensors", "torch", "dcp", "hf")
+MODEL_ONLY_FORMATS = ("safetensors", "hf")
+
+
+def output_format(dst: Path, to: str | None) -> str:
+    if to:
+        return to
+    if dst.suffix == ".safetensors":
+        return "safetensors"
+    if dst.suffix in (".pt", ".pth", ".bin"):
+        return "torch"
+    raise CheckpointError(
+        f"cannot tell the output format from {dst}: name it *.safetensors or *.pt, or pass "
+        "--to safetensors|torch|dcp|hf."
+    )
+
+
+def convert(
+    src: str | Path,
+    dst: str | Path,
+    to: str | None = None,
+    dtype: str | None = None,
+    model_only: bool = False,
+) -> dict[str, Any]:
+    """Convert a checkpoint; returns what was written (format, tensors, bytes)."""
+    source = open_tensors(src)
+    dst = Path(dst).expanduser()
+    fmt = output_format(dst, to)
+    if fmt in MODEL_ONLY_FORMATS:
+        model_only = True
+    if not source.model_names():
+        raise CheckpointError(f"{src} holds no model tensors (no `model.*` entries).")
+    names = [n for n in source.infos if n.startswith(MODEL_PREFIX) or not model_only]
+    target = DTYPES[dtype] if dtype else None
+
+    def cast(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.to(target) if target is not None and tensor.is_floating_point() else tensor
+
+    def out_dtype(info: TensorInfo) -> torch.dtype:
+        return target if target is not None and info.dtype.is_floating_point else info.dtype
+
+    if fmt == "safetensors":
+        written = _write_safetensors(source, dst, lambda n: n[len(MODEL_PREFIX) :], cast, out_dtype)
+    elif fmt == "hf":
+        written = _write_hf(source, dst, cast, out_dtype, dtype)
+    elif fmt == "torch":
+        strip = model_only
+        data = {(n[len(MODEL_PREFIX) :] if strip else n): cast(source.get(n)) for n in names}
+        if not model_only:
+            data.update(_extras(source))
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(data, dst)
+        written = sum(v.numel() * v.element_size() for v in data.values() if torch.is_tensor(v))
+    elif fmt == "dcp":
+        state: dict[str, Any] = {n: cast(source.get(n)) for n in names}
+        if not model_only:
+            state.update(_extras(source))
+        dcp.save(state, checkpoint_id=str(dst), no_dist=True)
+        if source.model_config is not None:
+            meta = {k: v for k, v in source.meta.items() if k != "step"} or {}
+            meta["model_config"] = source.model_config
+            (dst / META_FILE).write_text(json.dumps(meta, indent=2, default=str))
+        written = sum(v.numel() * v.element_size() for v in state.values() if torch.is_tensor(v))
+    else:
+        raise CheckpointError(f"unknown format {fmt}; use one of {', '.join(FORMATS)}.")
+    return {"format": fmt, "tensors": len(names), "bytes": written, "path": str(dst)}
+
+
+def _extras(source: TensorSource) -> dict[str, Any]:
+    if isinstance(source, DCPSource):
+        return {name: source.get_extra(name) for name in source.extras}
+    return dict(source.extras)
+
+
+def _write_safetensors(source: TensorSource, dst: Path, rename, cast, out_dtype) -> int:
+    infos = {
+        rename(MODEL_PREFIX + n): TensorInfo(source.infos[MODEL_PREFIX + n].shape,
+                                             out_dtype(source.infos[MODEL_PREFIX + n]))
+        for n in source.model_names()
+    }  # fmt: skip
+    metadata = {"format": "pt"}
+    if source.model_config is not None:
+        metadata[MODEL_CONFIG_KEY] = json.dumps(source.model_config)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    writer = SafetensorsStreamWriter(dst, infos, metadata)
+    for name in source.model_names():
+        writer.write(rename(MODEL_PREFIX + name), cast(source.get(MODEL_PREFIX + name)))
+    writer.close()
+    return sum(info.nbytes for info in infos.values())
+
+
+def _write_hf(source: TensorSource, dst: Path, cast, out_dtype, dtype: str | None) -> int:
+    model_class = source.meta.get("model_class")
+    if model_class and model_class != DECODER_CLASS:
+        raise CheckpointError(
+            f"{source.path} holds a {model_class}; only the Llama-style decoder "
+            f"({DECODER_CLASS}) converts to an HF Llama folder."
+        )
+    if source.model_config is None:
+        raise CheckpointError(
+            f"{source.path} does not record its model config, which config.json needs; convert "
+            "from the DCP checkpoint (its meta.json has it) or from a safetensors file freetx wrote."
+        )
+    dst.mkdir(parents=True, exist_ok=True)
+    first = source.infos[MODEL_PREFIX + source.model_names()[0]]
+    dtype_name = str(out_dtype(first)).removeprefix("torch.")
+    (dst / "config.json").write_text(
+        json.dumps(hf_config(source.model_config, dtype_name), indent=2)
+    )
+    return _write_safetensors(
+        source,
+        dst / "model.safetensors",
+        lambda n: to_hf_name(n[len(MODEL_PREFIX) :]),
+        cast,
+        out_dtype,
+    )
+
+
+def load_initial_weights(model: nn.Module, path: str | Path) -> None:
+    """Set a (parallelized) model's weights from a safetensors file, DCP folder or HF folder.
+
+    Every rank calls it. Keys and shapes are checked first; a mismatch lists the
+    offending tensors. DCP checkpoints reshard through DCP; files are read one
+    tensor at a time and each rank keeps its shard.
+    """
+    source = open_tensors(path)
+    if isinstance(source, DCPSource):
+        from freetx.checkpoint.files import read_dcp_metadata
+
+        check_model_matches(read_dcp_metadata(source.path), model, source.path)
+        dcp.load(
+            {"model": ModelState(model)}, checkpoint_id=str(source.path), planner=SafeLoadPlanner()
+        )
+        return
+    found = {n: source.infos[MODEL_PREFIX + n].shape for n in source.model_names()}
+    problems = mismatch_report(model_shapes(model), found)
+    if problems:
+        raise CheckpointError(
+            f"initial weights {path} do not fit this model ({len(problems)} difference(s)):\n"
+            + "\n".join(f"  - {p}" for p in problems)
+            + "\nUse weights of this model shape, or change the model config to match them."
+        )
+    inner = getattr(model, "module", model)
+    fill_parameters(inner, lambda name, param: source.get(MODEL_PREFIX + name).to(param.dtype))
+
+
+def inspect_report(path: str | Path) -> str:
+    """A readable summary: run facts (DCP), then every tensor, then totals."""
+    source = open_tensors(path)
+    lines = [f"{source.path} ({source.kind})"]
+    for key in (
+        "step",
+        "world_size",
+        "strategy",
+        "model_class",
+        "model_config_hash",
+        "freetx_version",
+    ):
+        if key in source.meta:
+            lines.append(f"  {key}: {source.meta[key]}")
+    if source.model_config:
+        lines.append(f"  model_config: {json.dumps(source.model_config)}")
+    rows = [("TENSOR", "SHAPE", "DTYPE", "BYTES")]
+    totals: dict[str, int] = {}
+    for name, info in source.infos.items():
+        rows.append(
+            (
+                name,
+                str(list(info.shape)),
+                str(info.dtype).removeprefix("torch."),
+                f"{info.nbytes:,}",
+            )
+        )
+        group = name.split(".", 1)[0]
+        totals[group] = totals.get(group, 0) + info.nbytes
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    lines.append("totals:")
+    for group, size in totals.items():
+        count = sum(1 for n in source.infos if n.split(".", 1)[0] == group)
+        lines.append(f"  {group}: {count} tensors, {size:,} bytes ({size / 2**20:.1f} MiB)")
+    if source.extras:
+        lines.append(f"  other entries (not tensors): {', '.join(sorted(source.extras))}")
+    return "\n".join(lines)

@@ -1,0 +1,143 @@
+"""Reading checkpoints safely: file checks, model-match checks, pickle-free loads.
+
+Before any load, `check_checkpoint_files` reads DCP's `.metadata` and checks
+that every data file it points into exists and is long enough, so a truncated
+or missing file is named, not a stack trace. `check_model_matches` compares the
+checkpoint's model tensors with the model's and lists every difference.
+Non-tensor entries (optimizer hyperparameters, loader and RNG states) are read
+with `torch.load(weights_only=True)`: a checkpoint is data, never code.
+"""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint._nested_dict import set_element
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+from freetx.errors import CheckpointError, first_line
+
+META_FILE = "meta.json"
+MODEL_PREFIX = "model."
+# DCP raises CheckpointException, a BaseException (not an Exception), for errors on any rank
+DCP_ERRORS = (Exception, CheckpointException)
+
+
+def describe_dcp_error(error: BaseException) -> str:
+    """The root cause of a DCP failure: the first failing rank's own exception."""
+    if isinstance(error, CheckpointException) and error.failures:
+        rank, (cause, _trace) = sorted(error.failures.items())[0]
+        return f"{type(cause).__name__}: {first_line(cause)} (on rank {rank})"
+    return first_line(error)
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planner, but non-tensor entries load with weights_only=True."""
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        try:
+            obj = torch.load(value, weights_only=True)
+        except Exception as e:
+            raise CheckpointError(
+                f"checkpoint entry '{read_item.dest_index.fqn}' holds something other than "
+                f"tensors, numbers, strings, lists and dicts ({first_line(e)}); freetx does not "
+                "unpickle code from checkpoints."
+            ) from None
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj
+
+
+def read_dcp_metadata(path: Path) -> Metadata:
+    """DCP's `.metadata` of a checkpoint folder, or a CheckpointError naming the problem."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"checkpoint {path} does not exist; check the path.")
+    if not path.is_dir() or not (path / ".metadata").is_file():
+        raise CheckpointError(
+            f"{path} is not a DCP checkpoint folder (it has no .metadata file). Point at a "
+            "folder like <output_dir>/checkpoints/step_000200."
+        )
+    try:
+        return FileSystemReader(str(path)).read_metadata()
+    except Exception as e:
+        raise CheckpointError(
+            f"the checkpoint index {path / '.metadata'} cannot be read ({first_line(e)}); "
+            "the checkpoint is corrupt. Use an earlier one."
+        ) from None
+
+
+def check_checkpoint_files(path: Path) -> Metadata:
+    """The checkpoint's metadata, after checking every data file is there and long enough."""
+    metadata = read_dcp_metadata(path)
+    needed: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        end = info.offset + info.length
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), end)
+    for name, size in sorted(needed.items()):
+        file = Path(path) / name
+        if not file.is_file():
+            raise CheckpointError(
+                f"checkpoint file {file} is missing; the checkpoint is incomplete. Use an "
+                "earlier one."
+            )
+        actual = file.stat().st_size
+        if actual < size:
+            raise CheckpointError(
+                f"checkpoint file {file} is truncated ({actual:,} bytes, needs {size:,}); the "
+                "checkpoint is corrupt. Use an earlier one."
+            )
+    return metadata
+
+
+def checkpoint_model_shapes(metadata: Metadata) -> dict[str, tuple[int, ...]]:
+    """Model tensor name -> global shape, as the checkpoint recorded them."""
+    return {
+        key[len(MODEL_PREFIX) :]: tuple(meta.size)
+        for key, meta in metadata.state_dict_metadata.items()
+        if key.startswith(MODEL_PREFIX) and isinstance(meta, TensorStorageMetadata)
+    }
+
+
+def model_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
+    """Model tensor name -> global shape, as DCP would save them."""
+    return {k: tuple(v.shape) for k, v in get_model_state_dict(model).items() if torch.is_tensor(v)}
+
+
+def mismatch_report(
+    expected: dict[str, tuple], found: dict[str, tuple], limit: int = 12
+) -> list[str]:
+    """Lines describing missing, unexpected and mis-shaped tensors."""
+    lines = []
+    for name in sorted(set(expected) - set(found)):
+        lines.append(f"missing {name} {list(expected[name])}")
+    for name in sorted(set(found) - set(expected)):
+        lines.append(f"unexpected {name} {list(found[name])}")
+    for name in sorted(set(expected) & set(found)):
+        if expected[name] != found[name]:
+            lines.append(
+                f"shape of {name}: model {list(expected[name])}, checkpoint {list(found[name])}"
+            )
+    if len(lines) > limit:
+        lines = lines[:limit] + [f"... and {len(lines) - limit} more"]
+    return lines
+
+
+def check_model_matches(metadata: Metadata, model: nn.Module, path: Path) -> None:
+    """Raise a CheckpointError listing every tensor that differs between model and checkpoint."""
+    problems = mismatch_report(model_shapes(model), checkpoint_model_shapes(metadata))
+    if problems:
+        raise CheckpointError(
+            f"checkpoint {path} does not fit this model ({len(problems)} difference(s)):\n"
+            + "\n".join(f"  - {p}" for p in problems)
+            + "\nIt was saved from another model or shape; use a checkpoint of this model, "
+            "or change the model config to the one it was saved with (see its meta.json)."
+        )

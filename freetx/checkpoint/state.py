@@ -1,0 +1,159 @@
+"""What goes into a checkpoint, as `Stateful` objects DCP saves and loads.
+
+    model         ModelState: get/set_model_state_dict (FSDP2 shards, DDP's
+                  `module.` prefix stripped), so one layout serves every strategy
+    optimizer     OptimizerState: get/set_optimizer_state_dict, keyed by parameter
+                  name; ZeRO-1 saves each rank's partition under the same names
+    lr_scheduler  the scheduler's own state_dict
+    train         TrainState: step, epoch, tokens seen
+    dataloader    PerRankState: each rank's loader state under `rank_<r>`
+    rng           PerRankState: each rank's python / numpy / torch / CUDA RNG
+
+Per-rank entries are loaded from the same rank when the checkpoint has it and
+from rank 0 otherwise (a resume at another world size): the data order is a
+function of the global step, so rank 0's sampler position is everyone's.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.optim import ZeroRedundancyOptimizer
+
+
+class ModelState(Stateful):
+    """The model's parameters and persistent buffers, sharded as the model is."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+
+    def state_dict(self) -> dict[str, Any]:
+        return get_model_state_dict(self.model)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        set_model_state_dict(self.model, state_dict)
+
+
+class OptimizerState(Stateful):
+    """The optimizer state keyed by parameter name (portable across strategies).
+
+    ZeRO-1 keeps each rank's partition in a local optimizer; its entries are
+    saved under their parameter names too, and `param_groups` list every
+    parameter, so the same checkpoint loads into fsdp, ddp or zero1 at any
+    world size.
+    """
+
+    def __init__(self, model: nn.Module, optimizer) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.zero = isinstance(optimizer, ZeroRedundancyOptimizer)
+
+    def _local(self):
+        return self.optimizer.optim if self.zero else self.optimizer
+
+    def state_dict(self) -> dict[str, Any]:
+        state = get_optimizer_state_dict(self.model, self._local())
+        if self.zero:
+            state["param_groups"] = self._all_param_groups(state["param_groups"])
+        return state
+
+    def _all_param_groups(self, local_groups: list[dict]) -> list[dict]:
+        """ZeRO-1's groups as if one optimizer held every parameter (same on all ranks)."""
+        names = {id(p): n for n, p in _unwrapped(self.model).named_parameters()}
+        groups = []
+        for full, local in zip(self.optimizer.param_groups, local_groups):
+            group = {k: v for k, v in local.items() if k != "params"}
+            group["params"] = [names[id(p)] for p in full["params"]]
+            groups.append(group)
+        return groups
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if self.zero:
+            local = get_optimizer_state_dict(self.model, self._local())
+            mine = set(local["state"])
+            state_dict = {
+                "state": {k: v for k, v in state_dict["state"].items() if k in mine},
+                "param_groups": [
+                    {**g, "params": [n for n in g["params"] if n in mine]}
+                    for g in state_dict["param_groups"]
+                ],
+            }
+        set_optimizer_state_dict(self.model, self._local(), state_dict)
+
+
+def _unwrapped(model: nn.Module) -> nn.Module:
+    return getattr(model, "module", model)
+
+
+@dataclass
+class TrainState(Stateful):
+    """Where training stands: optimizer steps taken, epoch, tokens seen."""
+
+    step: int = 0
+    epoch: int = 0
+    tokens_seen: int = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.step = int(state_dict["step"])
+        self.epoch = int(state_dict["epoch"])
+        self.tokens_seen = int(state_dict["tokens_seen"])
+
+
+class PerRankState(Stateful):
+    """A value each rank has its own of (data loader position, RNG states).
+
+    Saved as `{"rank_<r>": bytes}`: the value serialized by `torch.save` as one
+    opaque entry, read back with `torch.load(weights_only=True)` (tensors,
+    numbers, strings, lists and dicts only: a checkpoint is data, never code).
+    Before a load the checkpointer sets `source_rank`: this rank's own entry
+    when the checkpoint has it, else rank 0's.
+    """
+
+    def __init__(self, rank: int, get: Callable[[], Any], put: Callable[[Any], None]) -> None:
+        self.rank = rank
+        self.get = get
+        self.put = put
+        self.source_rank = rank
+
+    def state_dict(self) -> dict[str, Any]:
+        if self.source_rank != self.rank:  # a load template: the loaded value replaces it
+            return {f"rank_{self.source_rank}": None}
+        buffer = io.BytesIO()
+        torch.save(self.get(), buffer)
+        return {f"rank_{self.rank}": buffer.getvalue()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        blob = state_dict[f"rank_{self.source_rank}"]
+        self.put(torch.load(io.BytesIO(blob), weights_only=True))
+        self.source_rank = self.rank  # later saves write this rank's own entry
+
+
+def training_state(
+    model: nn.Module, optimizer, lr_scheduler, train: TrainState, loader, rank: int
+) -> dict[str, Stateful]:
+    """Everything a recipe's checkpoint holds, under the names DCP saves them by."""
+    from freetx.training.seed import rng_state, set_rng_state
+
+    return {
+        "model": ModelState(model),
+        "optimizer": OptimizerState(model, optimizer),
+        "lr_scheduler": lr_scheduler,
+        "train": train,
+        "dataloader": PerRankState(rank, loader.state_dict, loader.load_state_dict),
+        "rng": PerRankState(rank, rng_state, set_rng_state),
+    }

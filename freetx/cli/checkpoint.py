@@ -1,0 +1,53 @@
+"""`freetx checkpoint inspect PATH` and `freetx checkpoint convert SRC DST`."""
+
+from __future__ import annotations
+
+import argparse
+
+FORMATS = ("safetensors", "torch", "dcp", "hf")
+INTERMIXED_ARGS = False  # sub-actions (inspect, convert) need plain parsing
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="freetx checkpoint",
+        description="Look into checkpoints and convert them. No process group needed.",
+    )
+    sub = p.add_subparsers(dest="action", metavar="ACTION", required=True)
+    inspect = sub.add_parser(
+        "inspect",
+        help="step, world size, strategy, model class and every tensor of a checkpoint",
+        description="Works on DCP folders, HF-style folders, .safetensors and torch.save files.",
+    )
+    inspect.add_argument("path")
+    convert = sub.add_parser(
+        "convert",
+        help="convert between DCP, safetensors, torch.save and HF-style folders",
+        description=(
+            "Convert a checkpoint. The format comes from DST's suffix (.safetensors, .pt) "
+            "unless --to says. safetensors and hf hold the model only; torch and dcp hold "
+            "everything unless --model-only. DCP -> safetensors streams tensor by tensor."
+        ),
+    )
+    convert.add_argument("src", help="DCP folder, HF folder, .safetensors or torch file")
+    convert.add_argument("dst", help="output file or folder")
+    convert.add_argument("--to", choices=FORMATS, help="output format (default: from DST)")
+    convert.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), help="cast floating tensors")
+    convert.add_argument(
+        "--model-only", action="store_true", help="leave out optimizer and other state"
+    )
+    return p
+
+
+def main(args: argparse.Namespace) -> int:
+    from freetx.checkpoint import convert, inspect_report
+
+    if args.action == "inspect":
+        print(inspect_report(args.path))
+        return 0
+    result = convert(args.src, args.dst, to=args.to, dtype=args.dtype, model_only=args.model_only)
+    print(
+        f"Wrote {result['path']} ({result['format']}): {result['tensors']} tensors, "
+        f"{result['bytes'] / 2**20:.1f} MiB"
+    )
+    return 0

@@ -1,0 +1,134 @@
+"""Checkpoints through the CLI on 2 processes: exact resume, faults, resharding."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from tests.conftest import ASSETS, flat, run_freetx
+
+# constant LR after a 2-step warmup: the schedule does not depend on max_steps,
+# so a run stopped at step 6 and resumed to 12 sees the same LRs as a straight one
+COMMON = [
+    "log_every_n_steps=1", "lr_schedule.warmup_steps=2", "lr_schedule.decay=constant",
+    "eval.max_batches=1", "metric_loggers=[{_component_: freetx.logging.JSONLLogger}]",
+]  # fmt: skip
+
+
+def losses(output_dir) -> dict[int, float]:
+    out = {}
+    for line in (output_dir / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if "loss" in record:
+            out[record["step"]] = record["loss"]
+    return out
+
+
+def train(output_dir, *overrides, nproc=2, env=None, expect=0):
+    launch = ["--nproc-per-node", str(nproc)] if nproc > 1 else []
+    result = run_freetx(
+        "run", *launch, "full_finetune_fsdp2", "--config", "llm/tiny",
+        f"output_dir={output_dir}", *COMMON, *overrides, env=env,
+    )  # fmt: skip
+    assert result.returncode == expect, result.stdout + result.stderr
+    return result
+
+
+@pytest.mark.parametrize(
+    "strategy,extra",
+    [("fsdp", []), ("ddp", []), ("fsdp", ["checkpoint.async_save=true"])],
+    ids=["fsdp", "ddp", "fsdp-async"],
+)
+def test_resume_reproduces_the_uninterrupted_run_exactly(tmp_path, strategy, extra):
+    options = [f"distributed.strategy={strategy}", "model.dropout=0.1", *extra]
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    train(straight, "max_steps=12", *options)
+    train(resumed, "max_steps=6", *options)
+    assert (resumed / "checkpoints" / "LATEST").read_text().strip() == "step_000006"
+    result = train(resumed, "max_steps=12", *options)
+    assert "resumed from" in result.stdout and "(step 6," in result.stdout
+    a, b = losses(straight), losses(resumed)
+    assert sorted(b) == list(range(1, 13))
+    for step in range(7, 13):  # exact: same data, same dropout masks, same optimizer state
+        assert a[step] == b[step], (step, a[step], b[step])
+
+
+def test_resume_at_another_world_size_and_strategy(tmp_path):
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    train(straight, "max_steps=12")
+    train(resumed, "max_steps=6")
+    # 1 process, twice the accumulation: the same global batches in the same order
+    result = train(resumed, "max_steps=12", "gradient_accumulation_steps=2",
+                   "distributed.strategy=ddp", nproc=1)  # fmt: skip
+    assert "saved at world size 2 with fsdp" in result.stdout
+    a, b = losses(straight), losses(resumed)
+    for step in range(7, 13):
+        assert b[step] == pytest.approx(a[step], rel=1e-4), step
+
+
+def test_rank_killed_during_a_save_leaves_the_previous_checkpoint(tmp_path):
+    run_dir = tmp_path / "run"
+    env = {
+        "PYTHONPATH": os.pathsep.join(
+            [str(ASSETS / "fault_injection"), os.environ.get("PYTHONPATH", "")]
+        ),
+        "FREETX_TEST_KILL_SAVE": "step_000006",
+    }
+    result = train(run_dir, "max_steps=9", "checkpoint.every_n_steps=3", env=env, expect=1)
+    assert "rank 1 exited with code 1 without a message" in result.stderr
+    checkpoints = run_dir / "checkpoints"
+    assert (checkpoints / "LATEST").read_text().strip() == "step_000003"
+    assert not (checkpoints / "step_000006").exists()
+    assert (checkpoints / "step_000003" / ".metadata").is_file()
+
+    result = train(run_dir, "max_steps=9", "checkpoint.every_n_steps=3")
+    assert "(step 3," in result.stdout
+    assert not list(checkpoints.glob(".tmp_*"))
+    assert (checkpoints / "LATEST").read_text().strip() == "step_000009"
+    straight = tmp_path / "straight"
+    train(straight, "max_steps=9")
+    a, b = losses(straight), losses(run_dir)
+    for step in range(4, 10):
+        assert a[step] == b[step]
+
+
+def test_keep_last_prunes_older_checkpoints(tmp_path):
+    train(tmp_path, "max_steps=4", "checkpoint.every_n_steps=1", "checkpoint.keep_last=2", nproc=1)
+    names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert names == ["LATEST", "step_000003", "step_000004"]
+
+
+def test_failed_save_keeps_earlier_checkpoints_and_says_why(tmp_path):
+    checkpoints = tmp_path / "checkpoints"
+    checkpoints.mkdir(parents=True)
+    (checkpoints / ".tmp_step_000002").write_text("a file where the save's folder must go")
+    result = train(tmp_path, "max_steps=3", "checkpoint.every_n_steps=1", nproc=1, expect=1)
+    assert "saving checkpoint step_000002" in flat(result.stderr)
+    assert "Earlier checkpoints are untouched (latest: step_000001)" in flat(result.stderr)
+    assert "Traceback" not in result.stderr
+    assert (checkpoints / "LATEST").read_text().strip() == "step_000001"
+    assert (checkpoints / "step_000001" / ".metadata").is_file()
+
+
+def test_checkpoint_of_another_model_lists_the_mismatch(tmp_path):
+    train(tmp_path / "a", "max_steps=1", nproc=1)
+    result = train(tmp_path / "b", "max_steps=2", "model.vocab_size=300",
+                   f"resume={tmp_path / 'a' / 'checkpoints' / 'step_000001'}", nproc=1, expect=1)  # fmt: skip
+    assert "does not fit this model" in flat(result.stderr)
+    assert (
+        "shape of tok_embeddings.weight: model [300, 192], checkpoint [259, 192]" in result.stderr
+    )
+    assert "Traceback" not in result.stderr
+
+
+def test_resume_never_refuses_to_overwrite_checkpoints(tmp_path):
+    train(tmp_path, "max_steps=1", nproc=1)
+    result = train(tmp_path, "max_steps=2", "resume=never", nproc=1, expect=1)
+    assert "already holds checkpoints" in flat(result.stderr)
+
+
+def test_resume_from_a_missing_path_is_an_error(tmp_path):
+    result = train(tmp_path, "max_steps=2", f"resume={tmp_path / 'nope'}", nproc=1, expect=1)
+    assert "does not exist" in flat(result.stderr) and "Traceback" not in result.stderr
