@@ -23,6 +23,8 @@ from freetx.checkpoint.files import (
     check_model_matches,
     mismatch_report,
     model_shapes,
+    quiet_single_process,
+    read_dcp_metadata,
 )
 from freetx.checkpoint.formats import (
     MODEL_CONFIG_KEY,
@@ -95,7 +97,8 @@ def convert(
         state: dict[str, Any] = {n: cast(source.get(n)) for n in names}
         if not model_only:
             state.update(_extras(source))
-        dcp.save(state, checkpoint_id=str(dst), no_dist=True)
+        with quiet_single_process():
+            dcp.save(state, checkpoint_id=str(dst), no_dist=True)
         if source.model_config is not None:
             meta = {k: v for k, v in source.meta.items() if k != "step"} or {}
             meta["model_config"] = source.model_config
@@ -165,12 +168,13 @@ def load_initial_weights(model: nn.Module, path: str | Path) -> None:
     """
     source = open_tensors(path)
     if isinstance(source, DCPSource):
-        from freetx.checkpoint.files import read_dcp_metadata
-
         check_model_matches(read_dcp_metadata(source.path), model, source.path)
-        dcp.load(
-            {"model": ModelState(model)}, checkpoint_id=str(source.path), planner=SafeLoadPlanner()
-        )
+        with quiet_single_process():  # a run always has a process group; tests may not
+            dcp.load(
+                {"model": ModelState(model)},
+                checkpoint_id=str(source.path),
+                planner=SafeLoadPlanner(),
+            )
         return
     found = {n: source.infos[MODEL_PREFIX + n].shape for n in source.model_names()}
     problems = mismatch_report(model_shapes(model), found)

@@ -11,6 +11,8 @@ with `torch.load(weights_only=True)`: a checkpoint is data, never code.
 from __future__ import annotations
 
 import io
+import warnings
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -28,6 +30,14 @@ META_FILE = "meta.json"
 MODEL_PREFIX = "model."
 # DCP raises CheckpointException, a BaseException (not an Exception), for errors on any rank
 DCP_ERRORS = (Exception, CheckpointException)
+
+
+@contextmanager
+def quiet_single_process():
+    """Silence DCP's warning that it runs without a process group (convert, inspect)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
 
 
 def describe_dcp_error(error: BaseException) -> str:

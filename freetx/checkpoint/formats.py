@@ -28,6 +28,7 @@ from freetx.checkpoint.files import (
     SafeLoadPlanner,
     check_checkpoint_files,
     describe_dcp_error,
+    quiet_single_process,
 )
 from freetx.checkpoint.hf import from_hf_name, model_config_from_hf
 from freetx.errors import CheckpointError
@@ -109,7 +110,10 @@ class DCPSource(TensorSource):
 
     def _load(self, state: dict[str, Any]) -> None:
         try:
-            dcp.load(state, checkpoint_id=str(self.path), planner=SafeLoadPlanner(), no_dist=True)
+            with quiet_single_process():
+                dcp.load(
+                    state, checkpoint_id=str(self.path), planner=SafeLoadPlanner(), no_dist=True
+                )
         except CheckpointError:
             raise
         except DCP_ERRORS as e:

@@ -13,14 +13,16 @@ import sys
 from pathlib import Path
 
 
-def run_checks(script: Path, out_dir: Path, nproc: int = 2, timeout: float = 600) -> list[dict]:
+def run_checks(
+    script: Path, out_dir: Path, nproc: int = 2, *args: str, timeout: float = 600
+) -> list[dict]:
     repo = str(Path(__file__).resolve().parents[2])  # check scripts import tests.*
     pythonpath = os.pathsep.join(p for p in (repo, os.environ.get("PYTHONPATH", "")) if p)
     env = {**os.environ, "FREETX_TEST_OUT": str(out_dir), "OMP_NUM_THREADS": "1",
            "PYTHONPATH": pythonpath}  # fmt: skip
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone",
-         f"--nproc-per-node={nproc}", str(script)],
+         f"--nproc-per-node={nproc}", str(script), *args],
         env=env, capture_output=True, text=True, timeout=timeout,
     )  # fmt: skip
     if result.returncode != 0:
