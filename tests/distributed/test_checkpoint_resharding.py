@@ -48,7 +48,7 @@ def close(a, b) -> bool:
 
 
 @pytest.mark.parametrize(
-    "saver,loader", CASES, ids=[f"{s[1]}{s[0]}-{l[1]}{l[0]}" for s, l in CASES]
+    "saver,loader", CASES, ids=[f"{a[1]}{a[0]}-{b[1]}{b[0]}" for a, b in CASES]
 )
 def test_checkpoint_loads_at_another_world_size_and_strategy(results, saver, loader):
     path = results["ckpt"](*saver)
