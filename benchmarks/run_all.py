@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-BENCHMARKS = ["overhead.py", "memory.py", "activation_checkpointing.py"]
+BENCHMARKS = ["overhead.py", "memory.py", "activation_checkpointing.py", "checkpoint.py"]
 
 
 def main() -> int:
