@@ -12,6 +12,10 @@ import os
 import sys
 import textwrap
 
+# The exit code of a rank that stopped only because another rank failed first
+# (its collective broke); `freetx run` leaves such ranks out of its summary.
+STOPPED_BY_PEER_EXIT_CODE = 3
+
 
 class FreetxError(Exception):
     """A mistake the user can fix (config, paths, checkpoints, shapes)."""

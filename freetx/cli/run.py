@@ -113,9 +113,12 @@ def _describe_failure(error) -> str:
 
     Ranks that wrote an error file (freetx records every exception) show their
     message; a rank that died without one (killed, out of memory, a crash in C)
-    shows its exit code. Ranks torchrun stopped afterwards (SIGTERM) are left out.
+    shows its exit code. Ranks stopped as a consequence (torchrun's SIGTERM, or
+    a broken collective) are left out.
     """
     import signal
+
+    from freetx.errors import STOPPED_BY_PEER_EXIT_CODE
 
     parts = []
     for rank, failure in sorted(error.failures.items()):
@@ -125,7 +128,7 @@ def _describe_failure(error) -> str:
                 message = message.get("message", "")
             line = str(message).strip().splitlines()[0] if message else "no message"
             parts.append(f"rank {rank} failed ({line})")
-        elif failure.exitcode == -signal.SIGTERM:
+        elif failure.exitcode in (-signal.SIGTERM, STOPPED_BY_PEER_EXIT_CODE):
             continue
         elif failure.exitcode < 0:
             parts.append(f"rank {rank} was killed by {failure.signal_name()}")

@@ -28,7 +28,14 @@ from omegaconf import DictConfig, OmegaConf
 
 from freetx.config.loading import check_override_syntax, compose
 from freetx.config.schema import apply_schema, check_config
-from freetx.errors import ConfigError, FreetxError, UsageError, debug_enabled, report_error
+from freetx.errors import (
+    STOPPED_BY_PEER_EXIT_CODE,
+    ConfigError,
+    FreetxError,
+    UsageError,
+    debug_enabled,
+    report_error,
+)
 
 CONFIG_FILE_NAME = "config.yaml"
 
@@ -143,7 +150,9 @@ def run_from_argv(
                 file=sys.stderr,
                 flush=True,
             )
-            os._exit(1)  # the process group is broken: leave without tearing it down
+            os._exit(
+                STOPPED_BY_PEER_EXIT_CODE
+            )  # the group is broken: leave without tearing it down
         _record_for_torchrun(e)
         raise
     finally:
