@@ -25,30 +25,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import table  # noqa: E402
+from benchmarks.common import build_small, table  # noqa: E402
 
 GB = 1e9
-
-
-def build_small(strategy: str = "fsdp"):
-    import torch
-    from omegaconf import OmegaConf
-
-    from freetx.distributed import DistributedConfig, init_distributed, parallelize
-    from freetx.models.transformer import small
-    from freetx.training import build_optimizer
-
-    runtime = init_distributed("cpu")
-    with torch.device("meta"):
-        model = small(max_seq_len=64)
-    model = parallelize(
-        model, runtime, OmegaConf.structured(DistributedConfig(strategy=strategy)), 0
-    )
-    optimizer = build_optimizer(
-        OmegaConf.create({"_component_": "torch.optim.AdamW", "lr": 1e-4}), model, strategy,
-        runtime.device,
-    )  # fmt: skip
-    return runtime, model, optimizer
 
 
 def train_step(model, optimizer) -> None:

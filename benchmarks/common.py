@@ -40,6 +40,28 @@ def load_recipe_module(name: str):
     return sys.modules[f"freetx_recipe_{target.path.stem}"], target.schema
 
 
+def build_small(strategy: str = "fsdp"):
+    """llm/small's decoder (52M params) parallelized on this process group, with AdamW."""
+    import torch
+    from omegaconf import OmegaConf
+
+    from freetx.distributed import DistributedConfig, init_distributed, parallelize
+    from freetx.models.transformer import small
+    from freetx.training import build_optimizer
+
+    runtime = init_distributed("cpu")
+    with torch.device("meta"):
+        model = small(max_seq_len=64)
+    model = parallelize(
+        model, runtime, OmegaConf.structured(DistributedConfig(strategy=strategy)), 0
+    )
+    optimizer = build_optimizer(
+        OmegaConf.create({"_component_": "torch.optim.AdamW", "lr": 1e-4}), model, strategy,
+        runtime.device,
+    )  # fmt: skip
+    return runtime, model, optimizer
+
+
 def table(rows: list[list], header: list[str]) -> str:
     cells = [header] + [[str(c) for c in row] for row in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(header))]

@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import launch, table, write_result  # noqa: E402
+from benchmarks.common import build_small, launch, table, write_result  # noqa: E402
 
 STRATEGIES = ("fsdp", "zero2", "zero1", "ddp")
 MIB = 2**20
@@ -40,25 +40,11 @@ def local_bytes(tensor) -> int:
 def worker(strategy: str) -> None:
     import torch
     import torch.distributed as dist
-    from omegaconf import OmegaConf
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed._tools.mem_tracker import MemTracker
     from torch.distributed.fsdp import FSDPModule
 
-    from freetx.distributed import DistributedConfig, init_distributed, parallelize
-    from freetx.models.transformer import small
-    from freetx.training import build_optimizer
-
-    runtime = init_distributed("cpu")
-    with torch.device("meta"):
-        model = small(max_seq_len=64)
-    model = parallelize(
-        model, runtime, OmegaConf.structured(DistributedConfig(strategy=strategy)), 0
-    )
-    optimizer = build_optimizer(
-        OmegaConf.create({"_component_": "torch.optim.AdamW", "lr": 1e-4}),
-        model, strategy, runtime.device,
-    )  # fmt: skip
+    runtime, model, optimizer = build_small(strategy)
     if isinstance(model, FSDPModule):
         tracker = FSDPMemTracker(model, optimizer)
     else:

@@ -12,7 +12,6 @@ download and have exact answers, so a falling loss is easy to read.
 
 from __future__ import annotations
 
-import json
 import random
 import re
 from pathlib import Path
@@ -22,6 +21,7 @@ from torch.utils.data import Dataset
 
 from freetx.data.corpus import builtin_documents
 from freetx.data.sampling import IGNORE_INDEX
+from freetx.data.text import read_jsonl
 from freetx.errors import DataError
 
 
@@ -47,17 +47,10 @@ def read_examples(path: str) -> list[dict[str, str]]:
     if not file.is_file():
         raise DataError(f"instruction file {path} does not exist; fix dataset.source.")
     examples = []
-    with open(file, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{path}:{line_no} is not valid JSON: {e.msg}.") from None
-            if "prompt" not in record or "response" not in record:
-                raise DataError(f"{path}:{line_no} needs both 'prompt' and 'response' fields.")
-            examples.append({"prompt": str(record["prompt"]), "response": str(record["response"])})
+    for line_no, record in read_jsonl(file):
+        if "prompt" not in record or "response" not in record:
+            raise DataError(f"{path}:{line_no} needs both 'prompt' and 'response' fields.")
+        examples.append({"prompt": str(record["prompt"]), "response": str(record["response"])})
     if not examples:
         raise DataError(f"instruction file {path} holds no examples.")
     return examples

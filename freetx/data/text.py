@@ -44,25 +44,30 @@ def _expand(source: str) -> list[Path]:
     return [path]
 
 
+def read_jsonl(path: Path):
+    """(line number, record) for every non-empty line; bad JSON names the line."""
+    with open(path, encoding="utf-8") as f:
+        for line_no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                yield line_no, json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}:{line_no} is not valid JSON: {e.msg}.") from None
+
+
 def _read_file(path: Path, text_field: str) -> list[str]:
     if path.suffix == ".txt":
         return [path.read_text(encoding="utf-8")]
     if path.suffix == ".jsonl":
         docs = []
-        with open(path, encoding="utf-8") as f:
-            for line_no, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise DataError(f"{path}:{line_no} is not valid JSON: {e.msg}.") from None
-                if text_field not in record:
-                    raise DataError(
-                        f"{path}:{line_no} has no field '{text_field}'; set dataset.text_field "
-                        f"to one of {sorted(record)}."
-                    )
-                docs.append(str(record[text_field]))
+        for line_no, record in read_jsonl(path):
+            if text_field not in record:
+                raise DataError(
+                    f"{path}:{line_no} has no field '{text_field}'; set dataset.text_field "
+                    f"to one of {sorted(record)}."
+                )
+            docs.append(str(record[text_field]))
         return docs
     try:
         import pyarrow.parquet as pq
