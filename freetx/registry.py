@@ -29,8 +29,26 @@ RECIPES: tuple[Recipe, ...] = (
     Recipe(
         name="full_finetune_fsdp2",
         file="full_finetune_fsdp2.py",
-        configs=("llm/tiny", "llm/small", "llm/instruct_tiny", "llm/llama3_1b", "llm/llama3_8b"),
-        description="decoder LMs: pretrain or fine-tune on fsdp / zero2 / zero1 / ddp / hsdp",
+        configs=(
+            "llm/tiny",
+            "llm/small",
+            "llm/instruct_tiny",
+            "llm/llama3_1b",
+            "llm/llama3_8b",
+            "free_transformer/tiny",
+            "free_transformer/baseline_tiny",
+            "free_transformer/text_tiny",
+            "free_transformer/1_5b",
+            "free_transformer/8b",
+        ),
+        description="decoder LMs and the Free Transformer: pretrain or fine-tune, any strategy",
+    ),
+    Recipe(
+        name="generate",
+        file="generate.py",
+        configs=("free_transformer/generate",),
+        supports_distributed=False,
+        description="sample from a trained decoder or Free Transformer (Z kept per position)",
     ),
 )
 

@@ -250,7 +250,7 @@ class FullFinetuneRecipeFSDP2:
             input_ids = batch["input_ids"].to(self.device)
             labels = batch["labels"].to(self.device)
             with autocast(self.model, self.runtime, self.cfg.distributed):
-                loss, parts = self.loss_fn(self.model(input_ids), labels)
+                loss, parts = self.loss_fn.evaluate(self.model, input_ids, labels)
             sums["loss"] += loss
             for name, value in parts.items():
                 sums[name] = sums.get(name, 0) + value

@@ -2,7 +2,13 @@
 (state.py), safe reading (files.py), formats and conversion (formats.py, convert.py, hf.py)."""
 
 from freetx.checkpoint.checkpointer import CheckpointConfig, Checkpointer, build_meta, step_name
-from freetx.checkpoint.convert import convert, inspect_report, load_initial_weights
+from freetx.checkpoint.convert import (
+    convert,
+    inspect_report,
+    load_initial_weights,
+    model_from_checkpoint,
+    resolve_checkpoint,
+)
 from freetx.checkpoint.formats import open_tensors
 from freetx.checkpoint.state import (
     ModelState,
@@ -23,7 +29,9 @@ __all__ = [
     "convert",
     "inspect_report",
     "load_initial_weights",
+    "model_from_checkpoint",
     "open_tensors",
+    "resolve_checkpoint",
     "step_name",
     "training_state",
 ]

@@ -27,6 +27,7 @@ from freetx.checkpoint.files import (
     read_dcp_metadata,
 )
 from freetx.checkpoint.formats import (
+    MODEL_CLASS_KEY,
     MODEL_CONFIG_KEY,
     DCPSource,
     SafetensorsStreamWriter,
@@ -124,6 +125,8 @@ def _write_safetensors(source: TensorSource, dst: Path, rename, cast, out_dtype)
     metadata = {"format": "pt"}
     if source.model_config is not None:
         metadata[MODEL_CONFIG_KEY] = json.dumps(source.model_config)
+    if source.meta.get("model_class"):
+        metadata[MODEL_CLASS_KEY] = source.meta["model_class"]
     dst.parent.mkdir(parents=True, exist_ok=True)
     writer = SafetensorsStreamWriter(dst, infos, metadata)
     for name in source.model_names():
@@ -226,3 +229,24 @@ def inspect_report(path: str | Path) -> str:
     if source.extras:
         lines.append(f"  other entries (not tensors): {', '.join(sorted(source.extras))}")
     return "\n".join(lines)
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A run's output_dir (its LATEST checkpoint), a checkpoints/ folder, or a checkpoint itself."""
+    path = Path(path).expanduser()
+    for pointer in (path / "checkpoints" / "LATEST", path / "LATEST"):
+        if pointer.is_file():
+            return pointer.parent / pointer.read_text().strip()
+    return path
+
+
+def model_from_checkpoint(path: str | Path):
+    """(model class path, model config) that a checkpoint recorded, for building its model."""
+    source = open_tensors(path)
+    model_class = source.meta.get("model_class") or (DECODER_CLASS if source.kind == "hf" else None)
+    if model_class is None or source.model_config is None:
+        raise CheckpointError(
+            f"{path} does not record which model it holds (no meta.json / freetx metadata); "
+            "give the model in the config instead."
+        )
+    return model_class, source.model_config

@@ -39,6 +39,7 @@ SAFETENSORS_DTYPES = {
     torch.uint8: "U8", torch.bool: "BOOL",
 }  # fmt: skip
 MODEL_CONFIG_KEY = "freetx_model_config"
+MODEL_CLASS_KEY = "freetx_model_class"
 
 
 @dataclass(frozen=True)
@@ -146,6 +147,8 @@ class SafetensorsSource(TensorSource):
         file_meta = self._file.metadata() or {}
         if MODEL_CONFIG_KEY in file_meta:
             self.meta["model_config"] = json.loads(file_meta[MODEL_CONFIG_KEY])
+        if MODEL_CLASS_KEY in file_meta:
+            self.meta["model_class"] = file_meta[MODEL_CLASS_KEY]
 
     def get(self, name: str) -> torch.Tensor:
         return self._file.get_tensor(self._names[name])

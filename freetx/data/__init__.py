@@ -5,6 +5,7 @@ and import nothing from the rest of freetx but its errors.
 """
 
 from freetx.data.instruct import InstructDataset
+from freetx.data.letter_block import LetterBlockDataset
 from freetx.data.sampling import (
     IGNORE_INDEX,
     EvalShard,
@@ -23,6 +24,7 @@ __all__ = [
     "GlobalBatchSampler",
     "HFTokenizer",
     "InstructDataset",
+    "LetterBlockDataset",
     "PackedTextDataset",
     "build_eval_loader",
     "build_train_loader",

@@ -83,8 +83,8 @@ class Attention(nn.Module):
     """Grouped-query attention through `F.scaled_dot_product_attention`.
 
     `causal=False` gives the bidirectional attention an encoder needs;
-    `queries` and `kv_extra` let a caller take queries from one stream and
-    add a term to the keys/values (the Free Transformer's injection).
+    `kv_input` takes keys and values from another stream than the queries
+    (the Free Transformer's encoder and injection block).
     """
 
     def __init__(self, cfg: TransformerConfig):
@@ -161,11 +161,11 @@ class DecoderBlock(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         causal: bool = True,
-        kv_extra: torch.Tensor | None = None,
+        kv: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """`kv_extra` is added to the input of the keys and values only (before the norm)."""
+        """`kv`: the stream keys and values come from (default `x`), normalized like `x`."""
         h = self.attention_norm(x)
-        kv_input = None if kv_extra is None else self.attention_norm(x + kv_extra)
+        kv_input = None if kv is None else self.attention_norm(kv)
         x = x + self.dropout(self.attention(h, cos, sin, causal=causal, kv_input=kv_input))
         return x + self.dropout(self.feed_forward(self.ffn_norm(x)))
 
@@ -174,6 +174,7 @@ class Transformer(nn.Module):
     """Token embedding -> DecoderBlocks -> RMSNorm -> output head (tied or not)."""
 
     block_types: tuple[type[nn.Module], ...] = (DecoderBlock,)
+    config_class = TransformerConfig
 
     def __init__(self, cfg: TransformerConfig):
         super().__init__()

@@ -36,6 +36,10 @@ class CrossEntropyLoss:
         )
         return loss_sum, {}
 
+    def evaluate(self, model, input_ids: torch.Tensor, labels: torch.Tensor):
+        """The loss on an evaluation batch (models with latents add metrics here)."""
+        return self(model(input_ids), labels)
+
 
 def count_tokens(labels: list[torch.Tensor], ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
     """Loss tokens in these micro-batches, summed over all ranks (a collective)."""

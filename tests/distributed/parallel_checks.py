@@ -136,6 +136,44 @@ def saved_activation_bytes(activation_checkpointing: str) -> tuple[int, dict]:
     return sum(saved), full_grads(model)
 
 
+def free_transformer_step(strategy: str | None):
+    """Grads of a Free Transformer step, latent path included (None: 1 process, full batch).
+
+    Every weight, the post-sampler included, is set to a deterministic random
+    value (so the encoder gets gradient through the codes), and the bit
+    sampling uses fixed noise, so both sides see the same latent.
+    """
+    from freetx.distributed import fill_parameters
+    from freetx.models.free_transformer import FreeTransformerLoss, free_transformer
+
+    def weights(name, param):
+        g = torch.Generator().manual_seed(sum(map(ord, name)))
+        return torch.randn(param.shape, generator=g) * 0.2
+
+    runtime = init_distributed("cpu")
+    with torch.device("meta"):
+        model = free_transformer(VOCAB, 32, 4, 4, latent_dim=3, ffn_hidden_dim=64, max_seq_len=SEQ)
+    if strategy is None:
+        materialize(model, torch.device("cpu"), SEED)
+    else:
+        cfg = OmegaConf.structured(DistributedConfig(strategy=strategy))
+        model = parallelize(model, runtime, cfg, seed=SEED)
+    fill_parameters(unwrap(model), weights)
+    inputs, labels = global_batch()
+    noise = torch.rand(GLOBAL_BATCH, SEQ, 3, generator=torch.Generator().manual_seed(4))
+    loss_fn = FreeTransformerLoss(kappa_bits=0.0)  # every token's KL is penalized
+    if strategy is None:
+        loss, _ = loss_fn(model(inputs, noise=noise), labels)
+        (loss / (labels != -100).sum()).backward()
+    else:
+        per_rank = GLOBAL_BATCH // runtime.world_size
+        mine = slice(runtime.rank * per_rank, (runtime.rank + 1) * per_rank)
+        num_tokens = count_tokens([labels[mine]])
+        loss, _ = loss_fn(model(inputs[mine], noise=noise[mine]), labels[mine])
+        (loss * runtime.world_size / num_tokens).backward()
+    return full_grads(model)
+
+
 def main() -> None:
     runtime = init_distributed("cpu")
     results: dict = {"world_size": runtime.world_size}
@@ -164,6 +202,15 @@ def main() -> None:
         saved, grads = saved_activation_bytes(mode)
         results[f"ac/{mode}/saved_ratio"] = saved / base_bytes
         results[f"ac/{mode}/grad"] = max_diff(grads, base_grads)
+
+    reference = free_transformer_step(None)
+    for strategy in ("fsdp", "ddp"):
+        grads = free_transformer_step(strategy)
+        results[f"free_transformer/{strategy}/grad"] = max_diff(grads, reference)
+        latent = ("encoder.", "encoder_readout", "encoder_query", "post_sampler")
+        results[f"free_transformer/{strategy}/latent_grad_norm"] = sum(
+            g.norm().item() for n, g in grads.items() if n.startswith(latent)
+        )
 
     sampler = GlobalBatchSampler(64, GLOBAL_BATCH, 2, runtime.rank, runtime.world_size, SEED)
     batches = [b for _, b in zip(range(6), iter(sampler))]

@@ -56,3 +56,12 @@ def test_full_checkpointing_saves_more_than_selective(results):
 
 def test_ranks_read_different_samples(results):
     assert results[0]["sampler/overlap"] == 0
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "ddp"])
+def test_free_transformer_gradients_match_with_the_latent_path_sharded(results, strategy):
+    for rank in results:
+        assert rank[f"free_transformer/{strategy}/grad"] < TIGHT
+        assert (
+            rank[f"free_transformer/{strategy}/latent_grad_norm"] > 1e-3
+        )  # the latent path trains

@@ -1,0 +1,88 @@
+"""Fleuret's letter-block task: a global decision (where the block goes) to be encoded in Z.
+
+Each sample is the prompt `X>` followed by 64 characters of `_`, with the
+letter X repeated 8 times at a random position, and every character (of the
+64) replaced by `!` with probability 1/16:
+
+    K>____________________KKKKKKKK____!_________________________!_______
+
+Sample i is a function of (seed, split, i) only, so any rank can make any
+sample: the dataset needs no files and shards like any other through the
+sampler. Tokens are bytes (ByteTokenizer): input = BOS + the first 65
+characters, labels = the next character at each position, with the letter
+itself (unpredictable from BOS) ignored. So the model predicts `>` and the 64
+body characters.
+"""
+
+from __future__ import annotations
+
+import random
+import string
+
+import torch
+from torch.utils.data import Dataset
+
+from freetx.data.sampling import IGNORE_INDEX
+from freetx.errors import DataError
+
+BODY_LENGTH = 64
+BLOCK_LENGTH = 8
+NOISE_PROBABILITY = 1 / 16
+PROMPT_LENGTH = 2  # "X>"
+_SPLIT_OFFSET = {"train": 0, "validation": 1_000_000_007}
+
+
+def letter_block_text(seed: int, index: int, noise_probability: float = NOISE_PROBABILITY) -> str:
+    """The text of sample `index` under `seed`: `X>` + 64 characters."""
+    rng = random.Random(seed * 2_147_483_647 + index)
+    letter = rng.choice(string.ascii_uppercase)
+    start = rng.randrange(BODY_LENGTH - BLOCK_LENGTH + 1)
+    body = ["_"] * BODY_LENGTH
+    body[start : start + BLOCK_LENGTH] = [letter] * BLOCK_LENGTH
+    body = ["!" if rng.random() < noise_probability else c for c in body]
+    return f"{letter}>" + "".join(body)
+
+
+def block_start(text: str) -> int | None:
+    """Where the letter's block starts in the body (the first body position holding the
+    prompt's letter), or None when the body never shows it."""
+    letter, body = text[0], text[PROMPT_LENGTH:]
+    position = body.find(letter)
+    return None if position < 0 else position
+
+
+class LetterBlockDataset(Dataset):
+    """`num_samples` letter-block sequences of one split, made on demand."""
+
+    def __init__(
+        self,
+        tokenizer,
+        num_samples: int = 100_000,
+        split: str = "train",
+        seed: int = 0,
+        noise_probability: float = NOISE_PROBABILITY,
+    ) -> None:
+        if split not in _SPLIT_OFFSET:
+            raise DataError(f"split must be 'train' or 'validation', got {split!r}.")
+        if num_samples < 1:
+            raise DataError(f"dataset.num_samples must be positive, got {num_samples}.")
+        self.tokenizer = tokenizer
+        # validation is a tenth of the training size, from a disjoint index range
+        self.num_samples = num_samples if split == "train" else max(1, num_samples // 10)
+        self.offset = _SPLIT_OFFSET[split]
+        self.seed = seed
+        self.noise_probability = noise_probability
+        self.seq_len = PROMPT_LENGTH + BODY_LENGTH  # BOS + 65 characters in, 66 labels
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def text(self, index: int) -> str:
+        return letter_block_text(self.seed, self.offset + index, self.noise_probability)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        ids = [self.tokenizer.bos_id, *self.tokenizer.encode(self.text(index))]
+        tokens = torch.tensor(ids, dtype=torch.long)
+        labels = tokens[1:].clone()
+        labels[0] = IGNORE_INDEX  # the letter is drawn at random: nothing to learn
+        return {"input_ids": tokens[:-1], "labels": labels}
