@@ -97,13 +97,17 @@ def test_zero_post_sampler_gives_the_baseline_logits():
 
 def test_encoder_gives_each_position_its_own_latent():
     free = build(free_transformer, latent_dim=4)
+    g = torch.Generator().manual_seed(0)
     with torch.no_grad():  # trained-like scales (the readout starts near zero)
-        free.encoder_query.normal_(0, 1.0)
-        free.encoder_readout.weight.normal_(0, 1.0)
-        free.encoder.attention.wo.weight.normal_(0, 1.0)
-    _, z_logits = free(torch.randint(0, 40, (1, 12)))
+        for weight in (
+            free.encoder_query,
+            free.encoder_readout.weight,
+            free.encoder.attention.wo.weight,
+        ):
+            weight.copy_(torch.randn(weight.shape, generator=g))
+    _, z_logits = free(torch.randint(0, 40, (1, 12), generator=g))
     differences = (z_logits[0] - z_logits[0, :1]).abs().amax(-1)
-    assert (differences[1:] > 1e-3).all()  # the seed code gave exactly 0 here
+    assert (differences[1:] > 1e-4).all()  # the seed code gave exactly 0 here
 
 
 def test_prior_codes_are_uniform():
@@ -134,6 +138,7 @@ def test_fixed_codes_are_used_as_given():
 
 def test_loss_adds_free_bits_kl_and_reports_metrics():
     loss_fn = FreeTransformerLoss(kappa_bits=0.5)
+    torch.manual_seed(3)
     logits = torch.randn(2, 3, 10)
     labels = torch.tensor([[1, 2, -100], [3, 4, 5]])
     z_logits = torch.randn(2, 3, 4) * 3
