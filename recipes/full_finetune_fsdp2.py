@@ -231,7 +231,7 @@ class FullFinetuneRecipeFSDP2:
     ) -> None:
         totals = sum_over_ranks(sums, self.device)  # every rank takes part
         metrics = {name: value / float(num_tokens) for name, value in totals.items()}
-        metrics["lr"] = self.lr_scheduler.get_last_lr()[0]
+        metrics["lr"] = float(self.lr_scheduler.get_last_lr()[0])  # torchao keeps lr as a tensor
         metrics["grad_norm"] = grad_norm
         metrics["tokens_seen"] = self.progress.tokens_seen
         metrics.update(self.meter.read())

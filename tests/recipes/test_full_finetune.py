@@ -65,3 +65,14 @@ def test_empty_data_file_is_an_error(tmp_path):
         f"dataset.source={empty}",
     )  # fmt: skip
     assert result.returncode == 1 and "holds no text" in flat(result.stderr)
+
+
+def test_torchao_low_bit_adamw_through_the_config(tmp_path):
+    result = run_freetx(
+        "run", "full_finetune_fsdp2", "--config", "llm/tiny", f"output_dir={tmp_path}",
+        "max_steps=3", "log_every_n_steps=1", "eval.max_batches=1", "~optimizer.betas",
+        "optimizer._component_=torchao.optim.AdamW8bit",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    train = [r for r in read_metrics(tmp_path) if "loss" in r]
+    assert isinstance(train[-1]["lr"], float) and train[-1]["loss"] < train[0]["loss"]
