@@ -44,6 +44,12 @@ RECIPES: tuple[Recipe, ...] = (
         description="decoder LMs and the Free Transformer: pretrain or fine-tune, any strategy",
     ),
     Recipe(
+        name="ad_ddp",
+        file="ad_ddp.py",
+        configs=("ad/darkroom_tiny", "ad/darkroom", "ad/darkroom_ed"),
+        description="Algorithm Distillation on Dark Room, DDP, in-context evaluation",
+    ),
+    Recipe(
         name="generate",
         file="generate.py",
         configs=("free_transformer/generate",),

@@ -17,17 +17,15 @@ from __future__ import annotations
 import math
 import sys
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal, Optional
+from typing import Any, Optional
 
 import torch
 from omegaconf import MISSING, DictConfig
 
 from freetx.checkpoint import (
-    CheckpointConfig,
     Checkpointer,
     TrainState,
     build_meta,
-    load_initial_weights,
     training_state,
 )
 from freetx.config import instantiate, parse
@@ -37,25 +35,25 @@ from freetx.distributed import (
     autocast,
     canonical_strategy,
     gradient_scaler,
-    gradient_sync,
     init_distributed,
     parallelize,
     unwrap,
 )
-from freetx.logging import build_metric_loggers, format_value
+from freetx.logging import build_metric_loggers, training_banner
 from freetx.training import (
     LRScheduleConfig,
     ThroughputMeter,
+    TrainingConfig,
+    accumulate_gradients,
     build_lr_scheduler,
     build_optimizer,
     check_model_and_data,
-    clip_grad_norm,
-    count_tokens,
-    max_over_ranks,
-    memory_stats,
+    default_metric_loggers,
+    optimizer_step,
     peak_flops,
     seed_everything,
     sum_over_ranks,
+    train_step_metrics,
 )
 
 
@@ -67,23 +65,10 @@ class EvalConfig:
 
 
 @dataclass
-class FullFinetuneConfig:
-    """The schema of this recipe's configs; a key not listed here is an error."""
+class FullFinetuneConfig(TrainingConfig):
+    """The schema of this recipe's configs (after TrainingConfig's run and loop keys);
+    a key not listed is an error."""
 
-    output_dir: str = MISSING
-    seed: int = 0
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    max_steps: int = MISSING
-    batch_size: int = MISSING  # global: sequences per optimizer step, over all ranks
-    gradient_accumulation_steps: int = 1
-    max_grad_norm: Optional[float] = 1.0  # null: no clipping (the norm is still logged)
-    log_every_n_steps: int = 10
-    peak_flops: Optional[float] = None  # per device, for MFU where the GPU table has none
-    num_workers: int = 0
-    resume: str = (
-        "auto"  # auto (newest checkpoint in output_dir, if any) | never | a checkpoint path
-    )
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     model: Any = MISSING
     tokenizer: Any = MISSING
     dataset: Any = MISSING  # built twice: split=train and split=validation
@@ -92,12 +77,7 @@ class FullFinetuneConfig:
     lr_schedule: LRScheduleConfig = field(default_factory=LRScheduleConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
-    metric_loggers: list[Any] = field(
-        default_factory=lambda: [
-            {"_component_": "freetx.logging.ProgressBarLogger"},
-            {"_component_": "freetx.logging.JSONLLogger"},
-        ]
-    )
+    metric_loggers: list[Any] = field(default_factory=default_metric_loggers)
 
 
 class FullFinetuneRecipeFSDP2:
@@ -141,7 +121,14 @@ class FullFinetuneRecipeFSDP2:
             self.world_size,
             peak_flops(self.device, cfg.peak_flops),
         )
-        self.loggers.write(self.banner(unwrap(self.model).num_parameters(), len(train_set)))
+        self.loggers.write(
+            training_banner(
+                "full_finetune_fsdp2", self.runtime, self.strategy, cfg,
+                seq_len=self.seq_len, parameters=unwrap(self.model).num_parameters(),
+                train_sequences=len(train_set),
+                activation_checkpointing=cfg.distributed.activation_checkpointing,
+            )
+        )  # fmt: skip
         self.setup_checkpointing(model.config)
 
     def setup_checkpointing(self, model_config) -> None:
@@ -153,28 +140,13 @@ class FullFinetuneRecipeFSDP2:
             self.model, self.optimizer, self.lr_scheduler, self.progress, self.train_loader,
             self.runtime.rank,
         )  # fmt: skip
-        resume_from = self.checkpointer.resolve_resume(cfg.resume)
-        if resume_from is not None:
-            saved = self.checkpointer.load(resume_from, self.state, model=self.model)
-            self.loggers.write(
-                f"resumed from {resume_from} (step {self.progress.step}, saved at world size "
-                f"{saved.get('world_size', '?')} with {saved.get('strategy', '?')})"
-            )
-        elif cfg.checkpoint.initial_weights:
-            load_initial_weights(self.model, cfg.checkpoint.initial_weights)
-            self.loggers.write(f"initial weights from {cfg.checkpoint.initial_weights}")
-        self.saved_step = self.progress.step
-
-    def banner(self, num_params: int, num_train: int) -> str:
-        cfg, mp = self.cfg, self.cfg.distributed.mixed_precision
-        return (
-            f"full_finetune_fsdp2 | world size {self.world_size} | strategy {self.strategy} | "
-            f"device {self.device} ({self.runtime.backend}) | precision param {mp.param_dtype}, "
-            f"reduce {mp.reduce_dtype} | batch {cfg.batch_size} = {self.world_size} rank(s) x "
-            f"{self.micro_batch} x {self.accumulation} accumulation | seq_len {self.seq_len} | "
-            f"parameters {format_value(num_params)} | train sequences {format_value(num_train)} | "
-            f"activation checkpointing {cfg.distributed.activation_checkpointing}"
+        message = self.checkpointer.restore(
+            cfg.resume, self.state, self.model, cfg.checkpoint.initial_weights
         )
+        if message:
+            self.loggers.write(message)
+        self.saved_step = self.progress.step
+        self.evaluated_step = None
 
     def train(self) -> None:
         cfg = self.cfg
@@ -182,26 +154,13 @@ class FullFinetuneRecipeFSDP2:
         self.model.train()
         while self.progress.step < cfg.max_steps:
             batches = [next(data) for _ in range(self.accumulation)]
-            num_tokens = count_tokens([b["labels"] for b in batches])
             self.optimizer.zero_grad(set_to_none=True)
-            sums = {"loss": torch.zeros((), device=self.device)}  # per-token sums
-            for i, batch in enumerate(batches):
-                input_ids = batch["input_ids"].to(self.device)
-                labels = batch["labels"].to(self.device)
-                with gradient_sync(self.model, enabled=i == self.accumulation - 1):
-                    with autocast(self.model, self.runtime, cfg.distributed):
-                        output = self.model(input_ids)
-                        loss, parts = self.loss_fn(output, labels)
-                    # token-mean over the global batch; DDP/FSDP average over ranks
-                    self.scaler.scale(loss * self.world_size / num_tokens).backward()
-                sums["loss"] += loss.detach()
-                for name, value in parts.items():
-                    sums[name] = sums.get(name, 0) + value
-            self.scaler.unscale_(self.optimizer)
-            grad_norm = clip_grad_norm(self.model, cfg.max_grad_norm)
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
-            self.lr_scheduler.step()
+            sums, num_tokens = accumulate_gradients(
+                self.model, batches, self.compute_loss, self.runtime, cfg.distributed, self.scaler
+            )
+            grad_norm = optimizer_step(
+                self.model, self.optimizer, self.scaler, self.lr_scheduler, cfg.max_grad_norm
+            )
             self.progress.step += 1
             self.progress.epoch = self.train_loader.batch_sampler.epoch
             self.progress.tokens_seen += cfg.batch_size * self.seq_len
@@ -212,9 +171,10 @@ class FullFinetuneRecipeFSDP2:
                 self.log_train_metrics(sums, num_tokens, grad_norm)
             if cfg.eval.every_n_steps and step % cfg.eval.every_n_steps == 0:
                 self.loggers.log(step, self.evaluate())
+                self.evaluated_step = step
             if cfg.checkpoint.every_n_steps and step % cfg.checkpoint.every_n_steps == 0:
                 self.save_checkpoint()
-        if not cfg.eval.every_n_steps or self.progress.step % cfg.eval.every_n_steps:
+        if self.evaluated_step != self.progress.step:  # also after a resume with nothing to train
             self.loggers.log(self.progress.step, self.evaluate())
         if cfg.checkpoint.save_final and self.saved_step != self.progress.step:
             self.save_checkpoint()
@@ -226,16 +186,18 @@ class FullFinetuneRecipeFSDP2:
         )
         self.saved_step = self.progress.step
 
+    def compute_loss(self, batch: dict[str, torch.Tensor]):
+        """One micro-batch: forward, then the loss summed over its loss tokens (+ extras)."""
+        output = self.model(batch["input_ids"].to(self.device))
+        return self.loss_fn(output, batch["labels"].to(self.device))
+
     def log_train_metrics(
         self, sums: dict[str, torch.Tensor], num_tokens: torch.Tensor, grad_norm: float
     ) -> None:
-        totals = sum_over_ranks(sums, self.device)  # every rank takes part
-        metrics = {name: value / float(num_tokens) for name, value in totals.items()}
-        metrics["lr"] = float(self.lr_scheduler.get_last_lr()[0])  # torchao keeps lr as a tensor
-        metrics["grad_norm"] = grad_norm
+        metrics = train_step_metrics(
+            sums, num_tokens, grad_norm, self.lr_scheduler, self.meter, self.device
+        )
         metrics["tokens_seen"] = self.progress.tokens_seen
-        metrics.update(self.meter.read())
-        metrics.update(max_over_ranks(memory_stats(self.device), self.device))
         self.loggers.log(self.progress.step, metrics)
 
     @torch.no_grad()

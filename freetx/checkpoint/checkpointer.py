@@ -142,6 +142,27 @@ class Checkpointer:
         check_checkpoint_files(path)
         return path
 
+    def restore(
+        self, resume: str, state: dict[str, Stateful], model, initial_weights: str | None
+    ) -> str | None:
+        """Resume (`resume`: auto | never | path), else load initial weights, else nothing.
+
+        Returns a line for the log, or None when training starts from scratch.
+        """
+        path = self.resolve_resume(resume)
+        if path is not None:
+            saved = self.load(path, state, model=model)
+            return (
+                f"resumed from {path} (step {state['train'].step}, saved at world size "
+                f"{saved.get('world_size', '?')} with {saved.get('strategy', '?')})"
+            )
+        if initial_weights:
+            from freetx.checkpoint.convert import load_initial_weights
+
+            load_initial_weights(model, initial_weights)
+            return f"initial weights from {initial_weights}"
+        return None
+
     # -- loading --------------------------------------------------------------
     def load(self, path: Path, state: dict[str, Stateful], model=None) -> dict[str, Any]:
         """Load `state` in place from a checkpoint; returns its meta.json (or {})."""

@@ -1,5 +1,6 @@
 """Metric loggers (progress bar, JSONL, TensorBoard), used on rank 0."""
 
+from freetx.logging.banner import training_banner
 from freetx.logging.loggers import (
     JSONLLogger,
     MetricLogger,
@@ -18,4 +19,5 @@ __all__ = [
     "TensorBoardLogger",
     "build_metric_loggers",
     "format_value",
+    "training_banner",
 ]

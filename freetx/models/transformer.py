@@ -69,6 +69,15 @@ def rope_tables(head_dim: int, max_seq_len: int, theta: float, device=None):
     return angles.cos(), angles.sin()
 
 
+def refresh_rope_tables(module: nn.Module, cfg) -> None:
+    """Recompute a module's `rope_cos` / `rope_sin` buffers on their device."""
+    cos, sin = rope_tables(
+        cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, device=module.rope_cos.device
+    )
+    module.rope_cos.copy_(cos)
+    module.rope_sin.copy_(sin)
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat([-x2, x1], dim=-1)
@@ -170,6 +179,30 @@ class DecoderBlock(nn.Module):
         return x + self.dropout(self.feed_forward(self.ffn_norm(x)))
 
 
+def init_decoder_parameter(
+    model: nn.Module,
+    name: str,
+    tensor: torch.Tensor,
+    generator: torch.Generator,
+    std: float,
+    num_layers: int,
+) -> None:
+    """The initialization every decoder-like model here uses, by the owning module's type.
+
+    Linear and embedding weights ~ N(0, std); the projections that write into
+    the residual stream (`attention.wo`, `feed_forward.w2`) are scaled by
+    1/sqrt(2 * num_layers); norms start at one, biases at zero.
+    """
+    module_name, _, param_name = name.rpartition(".")
+    module = model.get_submodule(module_name)
+    if isinstance(module, nn.RMSNorm) or param_name == "bias":
+        tensor.fill_(1.0 if isinstance(module, nn.RMSNorm) else 0.0)
+    elif module_name.endswith(("attention.wo", "feed_forward.w2")):
+        tensor.normal_(0.0, std / math.sqrt(2 * num_layers), generator=generator)
+    else:
+        tensor.normal_(0.0, std, generator=generator)
+
+
 class Transformer(nn.Module):
     """Token embedding -> DecoderBlocks -> RMSNorm -> output head (tied or not)."""
 
@@ -210,32 +243,14 @@ class Transformer(nn.Module):
 
     # -- initialization (after parallelize + to_empty) ----------------------
     def init_parameter(self, name: str, tensor: torch.Tensor, generator: torch.Generator) -> None:
-        """Fill the full (unsharded) tensor of parameter `name` in place.
-
-        Linear and embedding weights ~ N(0, init_std); the projections that
-        write into the residual stream (`wo`, `w2`) are scaled by
-        1/sqrt(2 * num_layers); norms start at one, biases at zero.
-        """
-        module_name, _, param_name = name.rpartition(".")
-        module = self.get_submodule(module_name)
-        std = self.config.init_std
-        if isinstance(module, nn.RMSNorm) or param_name == "bias":
-            tensor.fill_(1.0 if isinstance(module, nn.RMSNorm) else 0.0)
-        elif module_name.endswith(("attention.wo", "feed_forward.w2")):
-            tensor.normal_(0.0, std / math.sqrt(2 * self.config.num_layers), generator=generator)
-        else:
-            tensor.normal_(0.0, std, generator=generator)
+        """Fill the full (unsharded) tensor of parameter `name` in place (see `init_decoder_parameter`)."""
+        init_decoder_parameter(
+            self, name, tensor, generator, self.config.init_std, self.config.num_layers
+        )
 
     def init_buffers(self) -> None:
         """Recompute the RoPE tables on the model's device (meta init leaves garbage)."""
-        cos, sin = rope_tables(
-            self.config.head_dim,
-            self.config.max_seq_len,
-            self.config.rope_theta,
-            device=self.rope_cos.device,
-        )
-        self.rope_cos.copy_(cos)
-        self.rope_sin.copy_(sin)
+        refresh_rope_tables(self, self.config)
 
     # -- accounting ------------------------------------------------------
     def num_parameters(self, exclude_embeddings: bool = False) -> int:

@@ -1,6 +1,7 @@
 """What training loops share: schedules, optimizers, clipping, losses, seeding, meters."""
 
 from freetx.training.checks import check_model_and_data
+from freetx.training.config import TrainingConfig, default_metric_loggers
 from freetx.training.grad import clip_grad_norm
 from freetx.training.loss import CrossEntropyLoss, count_tokens
 from freetx.training.lr_schedule import LRScheduleConfig, build_lr_scheduler, lr_multiplier
@@ -11,26 +12,33 @@ from freetx.training.metrics import (
     memory_stats,
     peak_flops,
     sum_over_ranks,
+    train_step_metrics,
 )
 from freetx.training.optim import build_optimizer
 from freetx.training.seed import rng_state, seed_everything, set_rng_state
+from freetx.training.step import accumulate_gradients, optimizer_step
 
 __all__ = [
     "CrossEntropyLoss",
+    "accumulate_gradients",
     "LRScheduleConfig",
     "ThroughputMeter",
+    "TrainingConfig",
     "build_lr_scheduler",
     "check_model_and_data",
     "build_optimizer",
     "clip_grad_norm",
     "count_tokens",
+    "default_metric_loggers",
     "lr_multiplier",
     "max_over_ranks",
     "measure_matmul_flops",
     "memory_stats",
+    "optimizer_step",
     "peak_flops",
     "rng_state",
     "seed_everything",
     "set_rng_state",
     "sum_over_ranks",
+    "train_step_metrics",
 ]

@@ -126,3 +126,17 @@ class ThroughputMeter:
             metrics["mfu_pct"] = 100.0 * self.flops_per_token * per_device / self.peak
         self.reset()
         return metrics
+
+
+def train_step_metrics(
+    sums: dict[str, torch.Tensor], num_tokens, grad_norm: float, lr_scheduler, meter, device
+) -> dict[str, float]:
+    """A logged step's metrics: per-token means of the loss sums over all ranks (a
+    collective: every rank calls it), lr, grad norm, throughput, peak memory."""
+    totals = sum_over_ranks(sums, device)
+    metrics = {name: value / float(num_tokens) for name, value in totals.items()}
+    metrics["lr"] = float(lr_scheduler.get_last_lr()[0])  # torchao keeps lr as a tensor
+    metrics["grad_norm"] = grad_norm
+    metrics.update(meter.read())
+    metrics.update(max_over_ranks(memory_stats(device), device))
+    return metrics

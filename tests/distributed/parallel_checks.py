@@ -174,6 +174,39 @@ def free_transformer_step(strategy: str | None):
     return full_grads(model)
 
 
+def ad_step(strategy: str | None):
+    """Grads of one Algorithm Distillation step (None: 1 process, the full batch)."""
+    from freetx.models.ad import ad_transformer
+
+    runtime = init_distributed("cpu")
+    with torch.device("meta"):
+        model = ad_transformer(n_transit=SEQ, hidden_dim=32, num_layers=2, num_heads=4,
+                               ffn_hidden_dim=64, dropout=0.0)  # fmt: skip
+    if strategy is None:
+        materialize(model, torch.device("cpu"), SEED)
+    else:
+        model = parallelize(
+            model, runtime, OmegaConf.structured(DistributedConfig(strategy=strategy)), SEED
+        )
+    g = torch.Generator().manual_seed(11)
+    states = torch.randint(0, 81, (GLOBAL_BATCH, SEQ), generator=g)
+    prev_actions = torch.randint(0, 6, (GLOBAL_BATCH, SEQ), generator=g)
+    prev_rewards = torch.randint(0, 3, (GLOBAL_BATCH, SEQ), generator=g)
+    labels = torch.randint(0, 5, (GLOBAL_BATCH, SEQ), generator=g)
+    rows = slice(None)
+    scale = 1.0 / labels.numel()
+    if strategy is not None:
+        per_rank = GLOBAL_BATCH // runtime.world_size
+        rows = slice(runtime.rank * per_rank, (runtime.rank + 1) * per_rank)
+        scale = runtime.world_size / float(count_tokens([labels[rows]]))
+    logits = model(states[rows], prev_actions[rows], prev_rewards[rows])
+    loss = torch.nn.functional.cross_entropy(
+        logits.flatten(0, 1), labels[rows].flatten(), reduction="sum"
+    )
+    (loss * scale).backward()
+    return full_grads(model)
+
+
 def main() -> None:
     runtime = init_distributed("cpu")
     results: dict = {"world_size": runtime.world_size}
@@ -211,6 +244,10 @@ def main() -> None:
         results[f"free_transformer/{strategy}/latent_grad_norm"] = sum(
             g.norm().item() for n, g in grads.items() if n.startswith(latent)
         )
+
+    reference = ad_step(None)
+    for strategy in ("ddp", "fsdp"):
+        results[f"ad/{strategy}/grad"] = max_diff(ad_step(strategy), reference)
 
     sampler = GlobalBatchSampler(64, GLOBAL_BATCH, 2, runtime.rank, runtime.world_size, SEED)
     batches = [b for _, b in zip(range(6), iter(sampler))]

@@ -65,3 +65,9 @@ def test_free_transformer_gradients_match_with_the_latent_path_sharded(results, 
         assert (
             rank[f"free_transformer/{strategy}/latent_grad_norm"] > 1e-3
         )  # the latent path trains
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_algorithm_distillation_gradients_match_single_process(results, strategy):
+    for rank in results:
+        assert rank[f"ad/{strategy}/grad"] < TIGHT

@@ -1,0 +1,27 @@
+"""The start-up banner every training recipe prints on rank 0."""
+
+from __future__ import annotations
+
+from freetx.logging.loggers import format_value
+
+
+def training_banner(recipe: str, runtime, strategy: str, cfg, **facts) -> str:
+    """`recipe | world size | strategy | device (backend) | precision | batch split | facts`.
+
+    `cfg` is the run's config (batch_size, gradient_accumulation_steps,
+    distributed.mixed_precision); `facts` are the recipe's own (numbers are
+    formatted with thousands separators).
+    """
+    mp = cfg.distributed.mixed_precision
+    accumulation = cfg.gradient_accumulation_steps
+    micro = cfg.batch_size // (runtime.world_size * accumulation)
+    parts = [
+        recipe,
+        f"world size {runtime.world_size}",
+        f"strategy {strategy}",
+        f"device {runtime.device} ({runtime.backend})",
+        f"precision param {mp.param_dtype}, reduce {mp.reduce_dtype}",
+        f"batch {cfg.batch_size} = {runtime.world_size} rank(s) x {micro} x {accumulation} accumulation",
+    ]
+    parts += [f"{name.replace('_', ' ')} {format_value(value)}" for name, value in facts.items()]
+    return " | ".join(parts)

@@ -1,0 +1,37 @@
+"""The config keys every training recipe shares: the run and its loop."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional
+
+from omegaconf import MISSING
+
+from freetx.checkpoint import CheckpointConfig
+
+
+@dataclass
+class TrainingConfig:
+    """The head of a training recipe's schema; the recipe's own schema subclasses it
+    and adds what it trains (model, data, optimizer, evaluation, loggers)."""
+
+    output_dir: str = MISSING
+    seed: int = 0
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    max_steps: int = MISSING
+    batch_size: int = MISSING  # global: samples per optimizer step, over all ranks
+    gradient_accumulation_steps: int = 1
+    max_grad_norm: Optional[float] = 1.0  # null: no clipping (the norm is still logged)
+    log_every_n_steps: int = 10
+    peak_flops: Optional[float] = None  # per device, for MFU where the GPU table has none
+    num_workers: int = 0
+    resume: str = "auto"  # auto (newest checkpoint in output_dir, if any) | never | a path
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+
+def default_metric_loggers() -> list[Any]:
+    """A progress bar and metrics.jsonl (both on rank 0 only)."""
+    return [
+        {"_component_": "freetx.logging.ProgressBarLogger"},
+        {"_component_": "freetx.logging.JSONLLogger"},
+    ]

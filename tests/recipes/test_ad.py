@@ -1,0 +1,74 @@
+"""ad_ddp through the CLI on 2 processes: histories once, training, the evaluation file."""
+
+from __future__ import annotations
+
+import json
+
+from tests.conftest import flat, run_freetx
+
+SMALL = [
+    "max_steps=6", "log_every_n_steps=3", "batch_size=16", "histories.episodes=8",
+    "histories.streams_per_goal=1", "model.n_transit=80", "eval.episodes=4", "eval.seeds=1",
+    "checkpoint.every_n_steps=0", "metric_loggers=[{_component_: freetx.logging.JSONLLogger}]",
+]  # fmt: skip
+
+
+def test_short_run_writes_histories_metrics_and_the_evaluation_file(tmp_path):
+    result = run_freetx(
+        "run", "--nproc-per-node", "2", "ad_ddp", "--config", "ad/darkroom_tiny",
+        f"output_dir={tmp_path}", *SMALL,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "generating Q-learning histories" in result.stdout
+    (folder,) = (tmp_path / "data").iterdir()
+    assert sorted(p.name for p in folder.iterdir()) == [
+        "metadata.json", "shard_00000.safetensors", "shard_00001.safetensors",
+    ]  # fmt: skip
+    evaluation = json.loads((tmp_path / "eval" / "in_context_returns.json").read_text())
+    assert len(evaluation["returns_per_episode"]) == 4 and len(evaluation["test_goals"]) == 8
+    assert evaluation["optimal_return"] == 17.0 and 0 < evaluation["random_return"] < 1
+    records = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert any("action_accuracy" in r for r in records)
+    assert any("eval/return_last5" in r for r in records)
+
+    # a second run (1 process, fresh output but the same data_dir) reuses the histories
+    again = run_freetx(
+        "run", "ad_ddp", "--config", "ad/darkroom_tiny", f"output_dir={tmp_path / 'b'}",
+        f"data_dir={tmp_path / 'data'}", *SMALL,
+    )  # fmt: skip
+    assert again.returncode == 0, again.stderr
+    assert "generating" not in again.stdout
+
+
+def test_context_shorter_than_four_episodes_is_refused(tmp_path):
+    result = run_freetx(
+        "run", "ad_ddp", "--config", "ad/darkroom_tiny", f"output_dir={tmp_path}", *SMALL,
+        "model.n_transit=60",
+    )  # fmt: skip
+    assert result.returncode == 1 and "fewer than 4 episodes" in flat(result.stderr)
+
+
+def test_resume_reproduces_the_uninterrupted_run_exactly(tmp_path):
+    """6 steps straight == 3 steps, then resume=auto to 6: same windows, dropout masks,
+    optimizer state (constant LR, so the schedule does not depend on max_steps)."""
+    options = [
+        *SMALL, f"data_dir={tmp_path / 'data'}", "log_every_n_steps=1", "model.dropout=0.1",
+        "lr_schedule.warmup_steps=0", "lr_schedule.decay=constant",
+    ]  # fmt: skip
+
+    def train(output_dir, steps):
+        result = run_freetx(
+            "run", "--nproc-per-node", "2", "ad_ddp", "--config", "ad/darkroom_tiny",
+            f"output_dir={output_dir}", *options, f"max_steps={steps}",
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr
+        records = [json.loads(x) for x in (output_dir / "metrics.jsonl").read_text().splitlines()]
+        return result, {r["step"]: r["loss"] for r in records if "loss" in r}
+
+    _, straight = train(tmp_path / "straight", 6)
+    train(tmp_path / "resumed", 3)
+    result, resumed = train(tmp_path / "resumed", 6)
+    assert "resumed from" in result.stdout and "(step 3," in result.stdout
+    assert sorted(resumed) == list(range(1, 7))
+    for step in range(4, 7):
+        assert straight[step] == resumed[step], (step, straight[step], resumed[step])

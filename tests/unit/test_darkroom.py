@@ -1,0 +1,122 @@
+"""Dark Room dynamics, optimal returns, and learning histories."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from freetx.data.darkroom import (
+    ADWindows,
+    DarkRoom,
+    DarkRoomConfig,
+    HistoryConfig,
+    goal_split,
+    learning_histories,
+    optimal_return,
+    random_return,
+    state_index,
+)
+
+ENV = DarkRoomConfig()
+
+
+def test_moves_walls_and_rewards_by_hand():
+    env = DarkRoom(np.array([[5, 4]]), ENV)
+    assert env.reset().tolist() == [4 * 9 + 4]  # the centre
+    states, rewards, done = env.step(np.array([0]))  # +x onto the goal
+    assert states.tolist() == [5 * 9 + 4] and rewards.tolist() == [1.0] and not done
+    _, rewards, _ = env.step(np.array([4]))  # stay: rewarded again
+    assert rewards.tolist() == [1.0]
+    _, rewards, _ = env.step(np.array([2]))  # +y: off the goal
+    assert env.positions.tolist() == [[5, 5]] and rewards.tolist() == [0.0]
+    env.positions[:] = [[8, 0]]
+    env.step(np.array([0]))  # +x at the wall: clipped
+    env.step(np.array([3]))  # -y at the wall: clipped
+    assert env.positions.tolist() == [[8, 0]]
+    for _ in range(15):
+        _, _, done = env.step(np.array([4]))
+    assert done and env.t == 20
+
+
+def test_optimal_return_of_every_goal_by_simulation():
+    cells = np.array([(x, y) for x in range(9) for y in range(9)])
+    env = DarkRoom(cells, ENV)
+    env.reset()
+    total = np.zeros(len(cells))
+    done = False
+    while not done:  # walk along x, then along y, then stay
+        delta = cells - env.positions
+        actions = np.where(delta[:, 0] > 0, 0, np.where(delta[:, 0] < 0, 1,
+                  np.where(delta[:, 1] > 0, 2, np.where(delta[:, 1] < 0, 3, 4))))  # fmt: skip
+        _, rewards, done = env.step(actions)
+        total += rewards
+    assert np.array_equal(total, optimal_return(cells, ENV))
+    assert optimal_return(cells, ENV).mean() == pytest.approx(16.54, abs=0.01)
+    assert (total.min(), total.max()) == (13.0, 20.0)
+
+
+def test_random_policy_return_is_about_a_quarter():
+    cells = np.array([(x, y) for x in range(9) for y in range(9)])
+    assert random_return(cells, ENV, episodes=100).mean() == pytest.approx(0.25, abs=0.1)
+
+
+def test_goal_split_is_disjoint_and_seeded():
+    train, test = goal_split(ENV)
+    assert len(train) == 73 and len(test) == 8
+    assert not set(map(tuple, train)) & set(map(tuple, test))
+    other = goal_split(DarkRoomConfig(split_seed=1))[1]
+    assert set(map(tuple, test)) != set(map(tuple, other))
+
+
+def test_histories_are_deterministic_by_seed_and_independent_of_the_split():
+    train, _ = goal_split(ENV)
+    cfg = HistoryConfig(streams_per_goal=2, episodes=10)
+    both = learning_histories(np.array([0, 1]), train[:2], ENV, cfg)
+    again = learning_histories(np.array([0, 1]), train[:2], ENV, cfg)
+    alone = learning_histories(np.array([1]), train[1:2], ENV, cfg)  # another rank's share
+    other_seed = learning_histories(
+        np.array([0, 1]), train[:2], ENV, HistoryConfig(streams_per_goal=2, episodes=10, seed=1)
+    )
+    for key in ("states", "actions", "rewards"):
+        assert np.array_equal(both[key], again[key])
+        assert np.array_equal(both[key][2:], alone[key])
+    assert not np.array_equal(both["actions"], other_seed["actions"])
+    assert both["states"].shape == (4, 200) and both["goal_ids"].tolist() == [0, 0, 1, 1]
+
+
+def test_histories_improve_and_expert_histories_do_not():
+    train, _ = goal_split(ENV)
+    cfg = HistoryConfig(streams_per_goal=2, episodes=60, epsilon_decay_episodes=30)
+    h = learning_histories(np.arange(20), train[:20], ENV, cfg)
+    returns = h["rewards"].reshape(40, 60, 20).sum(-1).mean(0)
+    assert returns[:5].mean() < 1.5 and returns[-10:].mean() > 10
+    expert = learning_histories(np.arange(20), train[:20], ENV,
+                                HistoryConfig(streams_per_goal=2, episodes=60, epsilon_decay_episodes=30, expert=True))  # fmt: skip
+    expert_returns = expert["rewards"].reshape(40, 60, 20).sum(-1).mean(0)  # the final policy only
+    assert (
+        expert_returns[:5].mean() > 10
+        and abs(expert_returns[:5].mean() - expert_returns[-5:].mean()) < 2
+    )
+
+
+def test_windows_start_at_episodes_and_shift_actions():
+    h = {"states": np.arange(200).reshape(1, 200) % 81, "actions": (np.arange(200) % 5).reshape(1, 200),
+         "rewards": (np.arange(200) % 2).reshape(1, 200)}  # fmt: skip
+    windows = ADWindows(h, n_transit=80, horizon=20, no_action=5, no_reward=2)
+    assert len(windows) == 7  # starts 0, 20, ..., 120
+    w = windows[1]
+    assert w["states"][0] == 20 and w["labels"][0] == 0
+    assert w["prev_actions"][0] == 5 and w["prev_rewards"][0] == 2  # "none"
+    assert w["prev_actions"][1:].tolist() == w["labels"][:-1].tolist()
+    assert state_index(np.array([2, 3]), 9) == 21
+
+
+def test_subsampling_makes_every_kth_episode_a_history():
+    from freetx.data.darkroom import subsample_episodes
+
+    h = {"states": np.arange(24).reshape(2, 12), "actions": np.zeros((2, 12), int),
+         "rewards": np.zeros((2, 12), int), "goal_ids": np.array([3, 4])}  # fmt: skip
+    out = subsample_episodes(h, every=2, horizon=2)  # 6 episodes of 2 steps per history
+    assert out["states"].tolist()[:2] == [[0, 1, 4, 5, 8, 9], [2, 3, 6, 7, 10, 11]]
+    assert out["goal_ids"].tolist() == [3, 3, 4, 4]
+    assert subsample_episodes(h, every=1, horizon=2) is h
