@@ -29,6 +29,8 @@ def recipe_config(schema, steps: int, output_dir: str):
     overrides = [
         f"output_dir={output_dir}", f"max_steps={steps}", "log_every_n_steps=10",
         "eval.every_n_steps=0", "eval.max_batches=0", "metric_loggers=[]",
+        # each round starts from step 0 and writes nothing (each rank has its own tmp dir)
+        "resume=never", "checkpoint.every_n_steps=0", "checkpoint.save_final=false",
     ]  # fmt: skip
     return load_recipe_config("llm/tiny", overrides, schema)
 
