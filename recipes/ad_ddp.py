@@ -31,6 +31,7 @@ from freetx.checkpoint import Checkpointer, TrainState, build_meta, training_sta
 from freetx.config import instantiate, parse
 from freetx.data import build_train_loader, micro_batch_size
 from freetx.data.darkroom import (
+    NUM_ACTIONS,
     ADWindows,
     DarkRoom,
     DarkRoomConfig,
@@ -117,17 +118,13 @@ class ADRecipeDDP:
         cfg, rank = self.cfg, self.runtime.rank
         micro_batch_size(cfg.batch_size, self.world_size, self.accumulation)  # fails early
         self.loggers = build_metric_loggers(cfg.metric_loggers, cfg.output_dir, cfg.max_steps, rank)
-        histories = self.make_histories()
-
+        # Cheap checks first: a model that does not fit the environment fails before
+        # any history is generated.
         with torch.device("meta"):
             model = instantiate(cfg.model)
         self.n_transit = model.config.max_seq_len
-        if self.n_transit < MIN_EPISODES_IN_CONTEXT * self.env_cfg.horizon:
-            raise ConfigError(
-                f"model.n_transit={self.n_transit} spans fewer than {MIN_EPISODES_IN_CONTEXT} "
-                f"episodes of {self.env_cfg.horizon} steps; in-context learning needs a context "
-                f"across episodes. Use n_transit >= {MIN_EPISODES_IN_CONTEXT * self.env_cfg.horizon}."
-            )
+        self.check_model_fits_env(model.config)
+        histories = self.make_histories()
         windows = ADWindows(
             histories, self.n_transit, self.env_cfg.horizon, model.no_action, model.no_reward
         )
@@ -165,6 +162,26 @@ class ADRecipeDDP:
             self.loggers.write(message)
         self.saved_step = self.progress.step
         self.evaluated_step = None
+
+    def check_model_fits_env(self, model_config) -> None:
+        env, horizon = self.env_cfg, self.env_cfg.horizon
+        if self.n_transit < MIN_EPISODES_IN_CONTEXT * horizon:
+            raise ConfigError(
+                f"model.n_transit={self.n_transit} spans fewer than {MIN_EPISODES_IN_CONTEXT} "
+                f"episodes of {horizon} steps; in-context learning needs a context across "
+                f"episodes. Use n_transit >= {MIN_EPISODES_IN_CONTEXT * horizon}."
+            )
+        if model_config.num_states < env.grid_size**2:
+            raise ConfigError(
+                f"model.num_states={model_config.num_states} is fewer than the "
+                f"{env.grid_size**2} cells of a {env.grid_size}x{env.grid_size} Dark Room "
+                f"(env.grid_size={env.grid_size}). Set model.num_states={env.grid_size**2}."
+            )
+        if model_config.num_actions != NUM_ACTIONS:
+            raise ConfigError(
+                f"model.num_actions={model_config.num_actions}, but Dark Room has "
+                f"{NUM_ACTIONS} actions (4 moves and stay). Set model.num_actions={NUM_ACTIONS}."
+            )
 
     def make_histories(self) -> dict[str, np.ndarray]:
         """Generate the learning histories once (split across ranks), or reuse them."""

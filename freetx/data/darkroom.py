@@ -268,8 +268,14 @@ def load_histories(folder: Path) -> dict[str, np.ndarray]:
     """Every shard, in (goal id, stream) order whatever the number of shards."""
     from safetensors.numpy import load_file
 
-    meta = json.loads((folder / METADATA_FILE).read_text())
-    parts = [load_file(str(folder / name)) for name in meta["shards"]]
+    try:
+        meta = json.loads((folder / METADATA_FILE).read_text())
+        parts = [load_file(str(folder / name)) for name in meta["shards"]]
+    except Exception as error:  # a deleted, truncated or hand-edited file
+        raise ConfigError(
+            f"The learning histories in {folder} cannot be read ({type(error).__name__}: "
+            f"{error}). Delete that folder and run again: they are regenerated."
+        ) from error
     data = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
     order = np.argsort(data["goal_ids"], kind="stable")
     return {k: v[order] for k, v in data.items()}

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from tests.conftest import flat, run_freetx
 
 SMALL = [
@@ -40,12 +42,21 @@ def test_short_run_writes_histories_metrics_and_the_evaluation_file(tmp_path):
     assert "generating" not in again.stdout
 
 
-def test_context_shorter_than_four_episodes_is_refused(tmp_path):
+@pytest.mark.parametrize(
+    "override,message",
+    [("model.n_transit=60", "fewer than 4 episodes"),
+     ("env.grid_size=11", "Set model.num_states=121"),
+     ("model.num_actions=4", "Set model.num_actions=5")],
+)  # fmt: skip
+def test_a_model_that_does_not_fit_the_environment_is_refused_before_any_history(
+    tmp_path, override, message
+):
     result = run_freetx(
         "run", "ad_ddp", "--config", "ad/darkroom_tiny", f"output_dir={tmp_path}", *SMALL,
-        "model.n_transit=60",
+        override,
     )  # fmt: skip
-    assert result.returncode == 1 and "fewer than 4 episodes" in flat(result.stderr)
+    assert result.returncode == 1 and message in flat(result.stderr), result.stderr
+    assert "Traceback" not in result.stderr and not (tmp_path / "data").exists()
 
 
 def test_resume_reproduces_the_uninterrupted_run_exactly(tmp_path):

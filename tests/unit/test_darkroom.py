@@ -120,3 +120,31 @@ def test_subsampling_makes_every_kth_episode_a_history():
     assert out["states"].tolist()[:2] == [[0, 1, 4, 5, 8, 9], [2, 3, 6, 7, 10, 11]]
     assert out["goal_ids"].tolist() == [3, 3, 4, 4]
     assert subsample_episodes(h, every=1, horizon=2) is h
+
+
+def test_stored_histories_round_trip_and_a_damaged_shard_is_named(tmp_path):
+    from freetx.data.darkroom import (
+        histories_folder,
+        histories_ready,
+        load_histories,
+        write_history_metadata,
+        write_history_shard,
+    )
+    from freetx.errors import ConfigError
+
+    cfg = HistoryConfig(streams_per_goal=1, episodes=2)
+    folder = histories_folder(tmp_path, ENV, cfg)
+    for rank in range(2):  # as two ranks would
+        write_history_shard(folder, rank, 2, ENV, cfg)
+    assert not histories_ready(folder)  # no metadata yet: an interrupted generation
+    write_history_metadata(folder, 2, ENV, cfg)
+    loaded = load_histories(folder)
+    assert loaded["goal_ids"].tolist() == list(range(73))
+    expected = learning_histories(np.arange(73), goal_split(ENV)[0], ENV, cfg)
+    assert np.array_equal(loaded["actions"], expected["actions"])
+
+    shard = folder / "shard_00001.safetensors"
+    shard.write_bytes(shard.read_bytes()[:100])
+    with pytest.raises(ConfigError, match="shard|cannot be read") as error:
+        load_histories(folder)
+    assert "Delete that folder" in str(error.value)
