@@ -118,12 +118,12 @@ class ADRecipeDDP:
         cfg, rank = self.cfg, self.runtime.rank
         micro_batch_size(cfg.batch_size, self.world_size, self.accumulation)  # fails early
         self.loggers = build_metric_loggers(cfg.metric_loggers, cfg.output_dir, cfg.max_steps, rank)
-        # Cheap checks first: a model that does not fit the environment fails before
-        # any history is generated.
+        # Cheap checks first: a model that does not fit the environment, or an empty
+        # evaluation, fails before any history is generated.
         with torch.device("meta"):
             model = instantiate(cfg.model)
         self.n_transit = model.config.max_seq_len
-        self.check_model_fits_env(model.config)
+        self.check_settings(model.config)
         histories = self.make_histories()
         windows = ADWindows(
             histories, self.n_transit, self.env_cfg.horizon, model.no_action, model.no_reward
@@ -163,8 +163,15 @@ class ADRecipeDDP:
         self.saved_step = self.progress.step
         self.evaluated_step = None
 
-    def check_model_fits_env(self, model_config) -> None:
+    def check_settings(self, model_config) -> None:
+        """The model against the environment, and an evaluation that measures something."""
         env, horizon = self.env_cfg, self.env_cfg.horizon
+        for key in ("episodes", "seeds"):
+            if self.cfg.eval[key] < 1:
+                raise ConfigError(
+                    f"eval.{key}={self.cfg.eval[key]}: the in-context evaluation needs at "
+                    f"least 1. Set eval.{key} to 1 or more (defaults: episodes 30, seeds 2)."
+                )
         if self.n_transit < MIN_EPISODES_IN_CONTEXT * horizon:
             raise ConfigError(
                 f"model.n_transit={self.n_transit} spans fewer than {MIN_EPISODES_IN_CONTEXT} "
