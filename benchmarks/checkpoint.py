@@ -56,16 +56,27 @@ def raw_write(path: Path, data: bytes, chunk: int = 64 * 2**20) -> float:
     return time.perf_counter() - start
 
 
+def checkpointer_for(output_dir: Path, rank: int, max_steps: int, async_save: bool = False):
+    """A Checkpointer for a fresh folder, as a recipe makes it from its run config."""
+    from omegaconf import OmegaConf
+
+    from freetx.checkpoint import CheckpointConfig, Checkpointer
+
+    run = {"output_dir": str(output_dir), "resume": "never", "max_steps": max_steps,
+           "checkpoint": OmegaConf.structured(CheckpointConfig(async_save=async_save))}  # fmt: skip
+    return Checkpointer(OmegaConf.create(run), rank)
+
+
 def save_throughput(workdir: Path, rounds: int = 3) -> dict:
     """freetx's checkpointer (DCP, sync) vs raw writes, alternating; medians."""
     import statistics
 
-    from freetx.checkpoint import CheckpointConfig, Checkpointer, ModelState, OptimizerState
+    from freetx.checkpoint import ModelState, OptimizerState
 
     runtime, model, optimizer = build_small()
     train_step(model, optimizer)
     state = {"model": ModelState(model), "optimizer": OptimizerState(model, optimizer)}
-    checkpointer = Checkpointer(str(workdir / "throughput"), CheckpointConfig(), runtime.rank, {})
+    checkpointer = checkpointer_for(workdir / "throughput", runtime.rank, rounds)
     dcp_times, raw_times, data = [], [], b""
     for i in range(rounds):
         os.sync()
@@ -84,14 +95,13 @@ def save_throughput(workdir: Path, rounds: int = 3) -> dict:
 
 
 def async_blocking(workdir: Path, steps: int = 12, every: int = 4) -> dict:
-    from freetx.checkpoint import CheckpointConfig, Checkpointer, ModelState, OptimizerState
+    from freetx.checkpoint import ModelState, OptimizerState
 
     runtime, model, optimizer = build_small()
     train_step(model, optimizer)
     result = {}
     for mode in ("sync", "async"):
-        cfg = CheckpointConfig(async_save=mode == "async")
-        checkpointer = Checkpointer(str(workdir / mode), cfg, runtime.rank, {})
+        checkpointer = checkpointer_for(workdir / mode, runtime.rank, steps, mode == "async")
         state = {"model": ModelState(model), "optimizer": OptimizerState(model, optimizer)}
         blocked = 0.0
         start = time.perf_counter()

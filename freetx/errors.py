@@ -15,6 +15,11 @@ import textwrap
 # The exit code of a rank that stopped only because another rank failed first
 # (its collective broke); `freetx run` leaves such ranks out of its summary.
 STOPPED_BY_PEER_EXIT_CODE = 3
+# `freetx run` sets this for the ranks it launches: a rank records its user error
+# (in torchrun's error file, marked with USER_ERROR_KEY) instead of printing it,
+# and `freetx run` prints each distinct message once, naming the ranks.
+LAUNCHER_REPORTS_ERRORS = "FREETX_LAUNCHER_REPORTS_ERRORS"
+USER_ERROR_KEY = "freetx_user_error"
 
 
 class FreetxError(Exception):
@@ -88,6 +93,16 @@ def format_error(error: BaseException, prefix: str = "freetx") -> str:
             )
         )
     return "\n".join(lines)
+
+
+def rank_list(ranks: list[int]) -> str:
+    """`rank 3`, `ranks 0, 1`, `ranks 0-7`: the ranks a message came from."""
+    ranks = sorted(ranks)
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    if len(ranks) > 2 and ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"ranks {ranks[0]}-{ranks[-1]}"
+    return "ranks " + ", ".join(str(r) for r in ranks)
 
 
 def report_error(error: FreetxError, prefix: str = "freetx") -> int:

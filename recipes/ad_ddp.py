@@ -19,7 +19,7 @@ import json
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, ClassVar, Optional
 
 import numpy as np
 import torch
@@ -88,6 +88,10 @@ class ADRecipeConfig(TrainingConfig):
     not listed is an error. batch_size: global windows per step (seed: train_batch_size
     x GPUs x accumulation)."""
 
+    fixed_on_resume: ClassVar[tuple[str, ...]] = (
+        *TrainingConfig.fixed_on_resume, "model", "env", "histories",
+    )  # fmt: skip
+
     data_dir: Optional[str] = None  # histories; null: <output_dir>/data
     env: DarkRoomConfig = field(default_factory=DarkRoomConfig)
     histories: HistoryConfig = field(default_factory=HistoryConfig)
@@ -117,6 +121,7 @@ class ADRecipeDDP:
     def setup(self) -> None:
         cfg, rank = self.cfg, self.runtime.rank
         micro_batch_size(cfg.batch_size, self.world_size, self.accumulation)  # fails early
+        self.checkpointer = Checkpointer(cfg, rank)  # claims output_dir, plans the resume
         self.loggers = build_metric_loggers(cfg.metric_loggers, cfg.output_dir, cfg.max_steps, rank)
         # Cheap checks first: a model that does not fit the environment, or an empty
         # evaluation, fails before any history is generated.
@@ -151,13 +156,10 @@ class ADRecipeDDP:
         )  # fmt: skip
 
         meta = build_meta(unwrap(self.model), asdict(model.config), self.world_size, self.strategy)
-        self.checkpointer = Checkpointer(cfg.output_dir, cfg.checkpoint, rank, meta)
         self.state = training_state(
             self.model, self.optimizer, self.lr_scheduler, self.progress, self.train_loader, rank
         )
-        message = self.checkpointer.restore(
-            cfg.resume, self.state, self.model, cfg.checkpoint.initial_weights
-        )
+        message = self.checkpointer.restore(self.state, self.model, meta)
         if message:
             self.loggers.write(message)
         self.saved_step = self.progress.step

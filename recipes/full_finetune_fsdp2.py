@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 import sys
 from dataclasses import asdict, dataclass, field
-from typing import Any, Optional
+from typing import Any, ClassVar, Optional
 
 import torch
 from omegaconf import MISSING, DictConfig
@@ -28,7 +28,7 @@ from freetx.checkpoint import (
     build_meta,
     training_state,
 )
-from freetx.config import instantiate, parse
+from freetx.config import at_least, instantiate, parse
 from freetx.data import IGNORE_INDEX, build_eval_loader, build_train_loader, micro_batch_size
 from freetx.distributed import (
     DistributedConfig,
@@ -59,15 +59,19 @@ from freetx.training import (
 
 @dataclass
 class EvalConfig:
-    every_n_steps: int = 0  # 0: only at the end of training
-    batch_size: int = 8  # sequences per rank per forward pass
-    max_batches: Optional[int] = None  # None: the whole validation split
+    every_n_steps: int = at_least(0, default=0)  # 0: only at the end of training
+    batch_size: int = at_least(1, default=8)  # sequences per rank per forward pass
+    max_batches: Optional[int] = at_least(1, default=None)  # None: the whole validation split
 
 
 @dataclass
 class FullFinetuneConfig(TrainingConfig):
     """The schema of this recipe's configs (after TrainingConfig's run and loop keys);
     a key not listed is an error."""
+
+    fixed_on_resume: ClassVar[tuple[str, ...]] = (
+        *TrainingConfig.fixed_on_resume, "model", "tokenizer", "dataset",
+    )  # fmt: skip
 
     model: Any = MISSING
     tokenizer: Any = MISSING
@@ -93,7 +97,9 @@ class FullFinetuneRecipeFSDP2:
 
     def setup(self) -> None:
         cfg, rank = self.cfg, self.runtime.rank
-        # Cheap checks first: a bad batch split or data path fails before any model exists.
+        # Cheap checks first: a bad batch split, a resume that would lose saved work or
+        # change fixed settings, or a bad data path fails before any model exists.
+        self.checkpointer = Checkpointer(cfg, rank)
         self.micro_batch = micro_batch_size(cfg.batch_size, self.world_size, self.accumulation)
         self.tokenizer = instantiate(cfg.tokenizer)
         train_set = instantiate(cfg.dataset, tokenizer=self.tokenizer, split="train")
@@ -133,16 +139,12 @@ class FullFinetuneRecipeFSDP2:
 
     def setup_checkpointing(self, model_config) -> None:
         """Resume from a checkpoint, or start from initial weights, or from scratch."""
-        cfg = self.cfg
         meta = build_meta(unwrap(self.model), asdict(model_config), self.world_size, self.strategy)
-        self.checkpointer = Checkpointer(cfg.output_dir, cfg.checkpoint, self.runtime.rank, meta)
         self.state = training_state(
             self.model, self.optimizer, self.lr_scheduler, self.progress, self.train_loader,
             self.runtime.rank,
         )  # fmt: skip
-        message = self.checkpointer.restore(
-            cfg.resume, self.state, self.model, cfg.checkpoint.initial_weights
-        )
+        message = self.checkpointer.restore(self.state, self.model, meta)
         if message:
             self.loggers.write(message)
         self.saved_step = self.progress.step

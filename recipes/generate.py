@@ -26,7 +26,7 @@ import torch
 from omegaconf import MISSING, DictConfig
 
 from freetx.checkpoint import load_initial_weights, model_from_checkpoint, resolve_checkpoint
-from freetx.config import instantiate, parse
+from freetx.config import instantiate, parse, write_resolved_config
 from freetx.data.letter_block import block_start
 from freetx.distributed import init_distributed, materialize
 from freetx.logging import build_metric_loggers
@@ -128,7 +128,7 @@ class GenerateRecipe:
                 for text in samples[: cfg.show_samples]:
                     self.loggers.write(f"  {text}")
         out = Path(cfg.output_dir)
-        out.mkdir(parents=True, exist_ok=True)
+        write_resolved_config(cfg)  # beside the samples it made
         with open(out / "samples.jsonl", "w") as f:
             for record in records:
                 f.write(json.dumps(record) + "\n")

@@ -1,7 +1,7 @@
 """Checkpoints: DCP sharded saves and exact resume (checkpointer.py), what they hold
 (state.py), safe reading (files.py), formats and conversion (formats.py, convert.py, hf.py)."""
 
-from freetx.checkpoint.checkpointer import CheckpointConfig, Checkpointer, build_meta, step_name
+from freetx.checkpoint.checkpointer import CheckpointConfig, Checkpointer, build_meta
 from freetx.checkpoint.convert import (
     convert,
     inspect_report,
@@ -10,6 +10,7 @@ from freetx.checkpoint.convert import (
     resolve_checkpoint,
 )
 from freetx.checkpoint.formats import open_tensors
+from freetx.checkpoint.run_folder import step_name
 from freetx.checkpoint.state import (
     ModelState,
     OptimizerState,

@@ -5,18 +5,21 @@
         .metadata           DCP's index of every tensor
         __0_0.distcp ...    one data file per rank
         meta.json           freetx version, step, world size, strategy, model class,
-                            model config and its hash
+                            model config and its hash, the run's resolved config
       LATEST                the name of the newest complete checkpoint
+    <output_dir>/.freetx.lock   held by rank 0 while a run uses the folder
 
-A save writes to `.tmp_step_000200/`; only when every rank has finished
-(DCP's final metadata write is collective) does rank 0 add meta.json, rename
-the folder to `step_000200/` and then update LATEST. A rank that dies during a
-save leaves only a `.tmp_*` folder (removed at the next start): LATEST still
-names the previous checkpoint, which is untouched. Older complete checkpoints
-beyond `keep_last` are pruned. With `async_save`, DCP copies the state to CPU
-memory (a copy kept between saves: one more copy of the state per rank),
-training goes on, and a background thread writes; the next save (or the end
-of training) waits for it first.
+A run first claims its output_dir and decides what it resumes from
+(`run_folder.plan_resume`: refusals come before anything is built). A save
+writes to `.tmp_step_000200/`; only when every rank has finished (DCP's final
+metadata write is collective) does rank 0 add meta.json, rename the folder to
+`step_000200/` and then update LATEST. A rank that dies during a save leaves
+only a `.tmp_*` folder (removed, and said so, at the next start): LATEST
+still names the previous checkpoint, which is untouched. Older complete
+checkpoints of the same run beyond `keep_last` are pruned. With `async_save`,
+DCP copies the state to CPU memory (a copy kept between saves: one more copy
+of the state per rank), training goes on, and a background thread writes;
+the next save (or the end of training) waits for it first.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from omegaconf import DictConfig, OmegaConf
 from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.stateful import Stateful
@@ -45,31 +49,43 @@ from freetx.checkpoint.files import (
     check_checkpoint_files,
     check_model_matches,
     describe_dcp_error,
+    read_meta,
+)
+from freetx.checkpoint.run_folder import (
+    LATEST_FILE,
+    STEP_PREFIX,
+    TMP_PREFIX,
+    ResumePlan,
+    RunLock,
+    is_complete_fast,
+    plan_resume,
+    read_latest,
+    step_name,
+    step_of,
 )
 from freetx.checkpoint.state import PerRankState
-from freetx.errors import CheckpointError
+from freetx.config.compare import fixed_on_resume
+from freetx.config.entry import write_resolved_config
+from freetx.config.schema import at_least
+from freetx.errors import CheckpointError, FreetxError
 
-LATEST_FILE = "LATEST"
 WRITE_THREADS = (
     2  # DCP writer threads per rank: 1.3-1.9x a single thread here (benchmarks/checkpoint.py)
 )
-STEP_PREFIX = "step_"
-TMP_PREFIX = ".tmp_"
 
 
 @dataclass
 class CheckpointConfig:
     """The `checkpoint:` section."""
 
-    every_n_steps: int = 0  # 0: no periodic saves (only the final one, if save_final)
-    keep_last: Optional[int] = None  # None: keep every checkpoint
+    every_n_steps: int = at_least(0, default=0)  # 0: no periodic saves (only the final one)
+    keep_last: Optional[int] = at_least(1, default=None)  # None: keep every checkpoint
     async_save: bool = False
     save_final: bool = True
     initial_weights: Optional[str] = None  # safetensors file, DCP folder or HF folder
-
-
-def step_name(step: int) -> str:
-    return f"{STEP_PREFIX}{step:06d}"
+    # true: this run may replace checkpoints in output_dir that it did not write
+    # (resume=never over an old run, or later checkpoints of an abandoned branch)
+    overwrite: bool = False
 
 
 def config_hash(model_config: dict[str, Any]) -> str:
@@ -98,70 +114,108 @@ class _StagingWriter(FileSystemWriter):
 
 
 class Checkpointer:
-    """Saves and loads the Stateful objects of a run; one instance per run, on every rank."""
+    """Saves and loads the Stateful objects of a run; one instance per run, on every rank.
 
-    def __init__(self, output_dir: str, cfg: CheckpointConfig, rank: int, meta: dict[str, Any]):
-        self.dir = Path(output_dir) / "checkpoints"
-        self.cfg = cfg
+    Made first in a recipe's setup, from the run's config (output_dir, resume,
+    max_steps, checkpoint): it claims output_dir and plans the resume, so a run
+    that would lose saved work is refused before any model is built.
+    """
+
+    def __init__(self, run_config: DictConfig, rank: int) -> None:
+        self.run_config = run_config
+        self.output_dir = Path(run_config.output_dir)
+        self.dir = self.output_dir / "checkpoints"
+        self.cfg = run_config.checkpoint
         self.rank = rank
-        self.meta = meta
+        self.meta: dict[str, Any] = {}
+        self._lock = RunLock(self.output_dir)
         # a separate gloo group: background (async) writes must not interleave with
         # the training loop's collectives on the default group
         self.group = dist.new_group(backend="gloo") if dist.is_initialized() else None
         self._pending: tuple[Any, Path, Path, dict] | None = None
         # async saves reuse one writer, which keeps its CPU copy of the state between saves
-        self._async_writer = _StagingWriter(str(self.dir)) if cfg.async_save else None
-        if rank == 0:
-            self.dir.mkdir(parents=True, exist_ok=True)
-            for stale in self.dir.glob(f"{TMP_PREFIX}*"):
-                shutil.rmtree(stale, ignore_errors=True)  # a save that never finished
+        self._async_writer = _StagingWriter(str(self.dir)) if self.cfg.async_save else None
+        self.plan: ResumePlan = self._agree(self._plan if rank == 0 else None)
 
-    # -- finding checkpoints -------------------------------------------------
+    # -- claiming output_dir and planning the resume (rank 0 decides) -----------
+    def _plan(self) -> ResumePlan:
+        notices = []
+        try:
+            lock_notice = self._lock.acquire()  # creates output_dir
+        except OSError as e:
+            raise CheckpointError(
+                f"cannot write to output_dir {self.output_dir} ({e.strerror}). Pick an "
+                "output_dir you can write to (output_dir=PATH)."
+            ) from None
+        if lock_notice:
+            notices.append(lock_notice)
+        for stale in sorted(self.dir.glob(f"{TMP_PREFIX}{STEP_PREFIX}*")):
+            if stale.is_dir():  # a save that never finished: never a checkpoint
+                shutil.rmtree(stale, ignore_errors=True)
+                notices.append(f"removed {stale.name}, a save that did not finish")
+        plan = plan_resume(
+            self.dir,
+            str(self.run_config.resume),
+            bool(self.cfg.overwrite),
+            int(self.run_config.max_steps),
+            OmegaConf.to_container(self.run_config, resolve=True),
+            fixed_on_resume(self.run_config),
+        )
+        plan.notices[:0] = notices
+        return plan
+
+    def _agree(self, decide) -> ResumePlan:
+        """Rank 0 decides; every rank gets the same plan, or raises the same error."""
+        outcome: tuple[str, Any] = ("plan", None)
+        crash: Exception | None = None
+        if decide is not None:
+            try:
+                outcome = ("plan", decide())
+            except FreetxError as e:
+                outcome = ("refused", str(e))
+            except Exception as e:  # the other ranks must hear of it, or they wait forever
+                crash, outcome = e, ("crashed", repr(e))
+        if self.group is not None:
+            box = [outcome]
+            dist.broadcast_object_list(box, src=0, group=self.group)
+            outcome = box[0]
+        kind, value = outcome
+        if kind == "plan":
+            return value
+        self._lock.release()
+        if kind == "refused":
+            raise CheckpointError(value)
+        if crash is not None:
+            raise crash
+        raise RuntimeError(f"rank 0 failed while planning the resume: {value}")
+
     def latest(self) -> Path | None:
-        """The newest complete checkpoint of this run, or None."""
-        pointer = self.dir / LATEST_FILE
-        if not pointer.is_file():
-            return None
-        path = self.dir / pointer.read_text().strip()
-        return path if (path / ".metadata").is_file() else None
+        """The checkpoint LATEST names, when it is there."""
+        name, _problem = read_latest(self.dir)
+        return self.dir / name if name and is_complete_fast(self.dir / name) else None
 
-    def resolve_resume(self, resume: str) -> Path | None:
-        """`auto` -> LATEST or None; `never` -> None; otherwise a checkpoint path."""
-        if resume == "auto":
-            return self.latest()
-        if resume == "never":
-            latest = self.latest()
-            if latest is not None:
-                raise CheckpointError(
-                    f"resume=never, but {self.dir} already holds checkpoints (latest: "
-                    f"{latest.name}) that new saves would replace. Continue them with "
-                    "resume=auto, or pick another output_dir.",
-                )
-            return None
-        path = Path(resume).expanduser()
-        check_checkpoint_files(path)
-        return path
+    def restore(self, state: dict[str, Stateful], model, meta: dict[str, Any]) -> str | None:
+        """Load the planned checkpoint, else the initial weights, else nothing; then write
+        `<output_dir>/config.yaml` (training starts). `meta` describes the model for saves.
 
-    def restore(
-        self, resume: str, state: dict[str, Stateful], model, initial_weights: str | None
-    ) -> str | None:
-        """Resume (`resume`: auto | never | path), else load initial weights, else nothing.
-
-        Returns a line for the log, or None when training starts from scratch.
+        Returns the lines for the log (how the run starts, and every notice), or None.
         """
-        path = self.resolve_resume(resume)
-        if path is not None:
-            saved = self.load(path, state, model=model)
-            return (
-                f"resumed from {path} (step {state['train'].step}, saved at world size "
-                f"{saved.get('world_size', '?')} with {saved.get('strategy', '?')})"
+        self.meta = {**meta, "config": OmegaConf.to_container(self.run_config, resolve=True)}
+        lines = list(self.plan.notices)
+        if self.plan.path is not None:
+            saved = self.load(self.plan.path, state, model=model)
+            lines.append(
+                f"resumed from {self.plan.path} (step {state['train'].step}, saved at world "
+                f"size {saved.get('world_size', '?')} with {saved.get('strategy', '?')})"
             )
-        if initial_weights:
+        elif self.cfg.initial_weights:
             from freetx.checkpoint.convert import load_initial_weights
 
-            load_initial_weights(model, initial_weights)
-            return f"initial weights from {initial_weights}"
-        return None
+            load_initial_weights(model, self.cfg.initial_weights)
+            lines.append(f"initial weights from {self.cfg.initial_weights}")
+        if self.rank == 0:
+            write_resolved_config(self.run_config)
+        return "\n".join(lines) or None
 
     # -- loading --------------------------------------------------------------
     def load(self, path: Path, state: dict[str, Stateful], model=None) -> dict[str, Any]:
@@ -182,8 +236,7 @@ class Checkpointer:
                 f"loading checkpoint {path} failed: {describe_dcp_error(e)}. Its files may be "
                 "truncated or corrupt; resume from an earlier checkpoint (resume=PATH)."
             ) from e
-        meta_path = path / META_FILE
-        return json.loads(meta_path.read_text()) if meta_path.is_file() else {}
+        return read_meta(path)
 
     # -- saving ----------------------------------------------------------------
     def save(self, step: int, state: dict[str, Stateful], extra_meta: dict[str, Any]) -> None:
@@ -232,26 +285,40 @@ class Checkpointer:
         """Rank 0: meta.json, rename into place, LATEST, prune. Then all ranks agree."""
         if self.rank == 0:
             (tmp / META_FILE).write_text(json.dumps(meta, indent=2, default=str))
-            if final.exists():  # the same step from an abandoned timeline
+            if final.exists():
+                # the plan refused a run whose saves would land on a checkpoint it did
+                # not write, unless checkpoint.overwrite; so this is that consent
+                if not self.cfg.overwrite:
+                    raise CheckpointError(
+                        f"{final} appeared while this run was training (does another process "
+                        f"write into {self.dir}?). It was left as it is; this run's save of "
+                        f"the same step is in {tmp}."
+                    )
                 shutil.rmtree(final)
             os.replace(tmp, final)
             pointer = self.dir / f"{TMP_PREFIX}{LATEST_FILE}"
             pointer.write_text(final.name + "\n")
             os.replace(pointer, self.dir / LATEST_FILE)
-            self._prune(keep=final)
+            self._prune(meta["step"])
         if self.group is not None:
             dist.barrier(group=self.group)
 
-    def _prune(self, keep: Path) -> None:
+    def _prune(self, step: int) -> None:
+        """Keep the newest `keep_last` complete checkpoints up to `step`; never touch an
+        incomplete folder or a later one (neither was written by this run)."""
         if not self.cfg.keep_last:
             return
-        complete = sorted(p for p in self.dir.glob(f"{STEP_PREFIX}*") if p.is_dir())
-        for old in complete[: max(0, len(complete) - self.cfg.keep_last)]:
-            if old != keep:
-                shutil.rmtree(old, ignore_errors=True)
+        complete = sorted(
+            (step_of(p.name), p)
+            for p in self.dir.glob(f"{STEP_PREFIX}*")
+            if step_of(p.name) is not None and step_of(p.name) <= step and is_complete_fast(p)
+        )
+        for _, old in complete[: max(0, len(complete) - self.cfg.keep_last)]:
+            shutil.rmtree(old, ignore_errors=True)
 
     def close(self) -> None:
         self.wait()
+        self._lock.release()
         if self.group is not None:
             dist.destroy_process_group(self.group)
             self.group = None

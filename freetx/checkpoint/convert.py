@@ -17,10 +17,12 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from freetx.checkpoint.files import (
+    DCP_ERRORS,
     META_FILE,
     MODEL_PREFIX,
     SafeLoadPlanner,
     check_model_matches,
+    describe_dcp_error,
     mismatch_report,
     model_shapes,
     quiet_single_process,
@@ -36,6 +38,8 @@ from freetx.checkpoint.formats import (
     open_tensors,
 )
 from freetx.checkpoint.hf import DECODER_CLASS, hf_config, to_hf_name
+from freetx.checkpoint.run_folder import LATEST_FILE, choose_checkpoint, survey
+from freetx.checkpoint.safe_write import check_destination, staged_output
 from freetx.checkpoint.state import ModelState
 from freetx.distributed.init import fill_parameters
 from freetx.errors import CheckpointError
@@ -64,11 +68,20 @@ def convert(
     to: str | None = None,
     dtype: str | None = None,
     model_only: bool = False,
+    overwrite: bool = False,
 ) -> dict[str, Any]:
-    """Convert a checkpoint; returns what was written (format, tensors, bytes)."""
+    """Convert a checkpoint; returns what was written (format, tensors, bytes).
+
+    The destination is written under a temporary name and renamed into place
+    (`safe_write`): it may not be, hold or lie inside the source, and an
+    existing one is replaced only with `overwrite`.
+    """
     source = open_tensors(src)
     dst = Path(dst).expanduser()
     fmt = output_format(dst, to)
+    if fmt not in FORMATS:
+        raise CheckpointError(f"unknown format {fmt}; use one of {', '.join(FORMATS)}.")
+    check_destination(source.path, dst, overwrite)
     if fmt in MODEL_ONLY_FORMATS:
         model_only = True
     if not source.model_names():
@@ -82,32 +95,39 @@ def convert(
     def out_dtype(info: TensorInfo) -> torch.dtype:
         return target if target is not None and info.dtype.is_floating_point else info.dtype
 
-    if fmt == "safetensors":
-        written = _write_safetensors(source, dst, lambda n: n[len(MODEL_PREFIX) :], cast, out_dtype)
-    elif fmt == "hf":
-        written = _write_hf(source, dst, cast, out_dtype, dtype)
-    elif fmt == "torch":
-        strip = model_only
-        data = {(n[len(MODEL_PREFIX) :] if strip else n): cast(source.get(n)) for n in names}
-        if not model_only:
-            data.update(_extras(source))
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        torch.save(data, dst)
-        written = sum(v.numel() * v.element_size() for v in data.values() if torch.is_tensor(v))
-    elif fmt == "dcp":
-        state: dict[str, Any] = {n: cast(source.get(n)) for n in names}
-        if not model_only:
-            state.update(_extras(source))
-        with quiet_single_process():
-            dcp.save(state, checkpoint_id=str(dst), no_dist=True)
-        if source.model_config is not None:
-            meta = {k: v for k, v in source.meta.items() if k != "step"} or {}
-            meta["model_config"] = source.model_config
-            (dst / META_FILE).write_text(json.dumps(meta, indent=2, default=str))
-        written = sum(v.numel() * v.element_size() for v in state.values() if torch.is_tensor(v))
-    else:
-        raise CheckpointError(f"unknown format {fmt}; use one of {', '.join(FORMATS)}.")
+    with staged_output(dst) as out:
+        if fmt == "safetensors":
+            strip = lambda n: n[len(MODEL_PREFIX) :]  # noqa: E731
+            written = _write_safetensors(source, out, strip, cast, out_dtype)
+        elif fmt == "hf":
+            written = _write_hf(source, out, cast, out_dtype)
+        elif fmt == "torch":
+            data = {
+                (n[len(MODEL_PREFIX) :] if model_only else n): cast(source.get(n)) for n in names
+            }
+            if not model_only:
+                data.update(_extras(source))
+            torch.save(data, out)
+            written = sum(v.numel() * v.element_size() for v in data.values() if torch.is_tensor(v))
+        else:
+            written = _write_dcp(source, out, names, cast, model_only)
     return {"format": fmt, "tensors": len(names), "bytes": written, "path": str(dst)}
+
+
+def _write_dcp(source: TensorSource, out: Path, names: list[str], cast, model_only: bool) -> int:
+    state: dict[str, Any] = {n: cast(source.get(n)) for n in names}
+    if not model_only:
+        state.update(_extras(source))
+    try:
+        with quiet_single_process():
+            dcp.save(state, checkpoint_id=str(out), no_dist=True)
+    except DCP_ERRORS as e:
+        raise OSError(describe_dcp_error(e)) from None
+    if source.model_config is not None:
+        meta = {k: v for k, v in source.meta.items() if k != "step"}
+        meta["model_config"] = source.model_config
+        (out / META_FILE).write_text(json.dumps(meta, indent=2, default=str))
+    return sum(v.numel() * v.element_size() for v in state.values() if torch.is_tensor(v))
 
 
 def _extras(source: TensorSource) -> dict[str, Any]:
@@ -127,7 +147,6 @@ def _write_safetensors(source: TensorSource, dst: Path, rename, cast, out_dtype)
         metadata[MODEL_CONFIG_KEY] = json.dumps(source.model_config)
     if source.meta.get("model_class"):
         metadata[MODEL_CLASS_KEY] = source.meta["model_class"]
-    dst.parent.mkdir(parents=True, exist_ok=True)
     writer = SafetensorsStreamWriter(dst, infos, metadata)
     for name in source.model_names():
         writer.write(rename(MODEL_PREFIX + name), cast(source.get(MODEL_PREFIX + name)))
@@ -135,7 +154,7 @@ def _write_safetensors(source: TensorSource, dst: Path, rename, cast, out_dtype)
     return sum(info.nbytes for info in infos.values())
 
 
-def _write_hf(source: TensorSource, dst: Path, cast, out_dtype, dtype: str | None) -> int:
+def _write_hf(source: TensorSource, dst: Path, cast, out_dtype) -> int:
     model_class = source.meta.get("model_class")
     if model_class and model_class != DECODER_CLASS:
         raise CheckpointError(
@@ -232,11 +251,14 @@ def inspect_report(path: str | Path) -> str:
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
-    """A run's output_dir (its LATEST checkpoint), a checkpoints/ folder, or a checkpoint itself."""
+    """A run's output_dir or checkpoints/ folder (its newest complete checkpoint, found as
+    a resume finds it), or a checkpoint itself."""
     path = Path(path).expanduser()
-    for pointer in (path / "checkpoints" / "LATEST", path / "LATEST"):
-        if pointer.is_file():
-            return pointer.parent / pointer.read_text().strip()
+    for checkpoints in (path / "checkpoints", path):
+        if (checkpoints / LATEST_FILE).exists() or survey(checkpoints):
+            plan = choose_checkpoint(checkpoints, "auto", overwrite=False)
+            if plan.path is not None:
+                return plan.path
     return path
 
 

@@ -11,9 +11,11 @@ with `torch.load(weights_only=True)`: a checkpoint is data, never code.
 from __future__ import annotations
 
 import io
+import json
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -85,9 +87,8 @@ def read_dcp_metadata(path: Path) -> Metadata:
         ) from None
 
 
-def check_checkpoint_files(path: Path) -> Metadata:
-    """The checkpoint's metadata, after checking every data file is there and long enough."""
-    metadata = read_dcp_metadata(path)
+def missing_data(path: Path, metadata: Metadata) -> str | None:
+    """The first data file DCP's index points into that is missing or too short, or None."""
     needed: dict[str, int] = {}
     for info in (metadata.storage_data or {}).values():
         end = info.offset + info.length
@@ -95,17 +96,52 @@ def check_checkpoint_files(path: Path) -> Metadata:
     for name, size in sorted(needed.items()):
         file = Path(path) / name
         if not file.is_file():
-            raise CheckpointError(
-                f"checkpoint file {file} is missing; the checkpoint is incomplete. Use an "
-                "earlier one."
-            )
+            return f"file {name} is missing"
         actual = file.stat().st_size
         if actual < size:
-            raise CheckpointError(
-                f"checkpoint file {file} is truncated ({actual:,} bytes, needs {size:,}); the "
-                "checkpoint is corrupt. Use an earlier one."
-            )
+            return f"file {name} is truncated ({actual:,} bytes, needs {size:,})"
+    return None
+
+
+def check_checkpoint_files(path: Path) -> Metadata:
+    """The checkpoint's metadata, after checking every data file is there and long enough."""
+    metadata = read_dcp_metadata(path)
+    problem = missing_data(path, metadata)
+    if problem:
+        raise CheckpointError(
+            f"checkpoint {path}: {problem}; the checkpoint is incomplete or corrupt. Use an "
+            "earlier one."
+        )
     return metadata
+
+
+def read_json(path: Path, what: str) -> Any:
+    """A JSON file freetx or transformers wrote, or a CheckpointError naming it."""
+    try:
+        return json.loads(Path(path).read_bytes().decode("utf-8"))
+    except FileNotFoundError:
+        raise CheckpointError(f"{what} {path} does not exist.") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(
+            f"{what} {path} is not valid JSON ({first_line(e)}); it was damaged or hand-edited. "
+            "Restore it from a copy, or use another checkpoint."
+        ) from None
+    except OSError as e:
+        raise CheckpointError(f"{what} {path} cannot be read ({e.strerror}).") from None
+
+
+def read_meta(path: Path) -> dict[str, Any]:
+    """A checkpoint folder's meta.json ({} when it has none)."""
+    meta_path = Path(path) / META_FILE
+    if not meta_path.is_file():
+        return {}
+    meta = read_json(meta_path, "checkpoint metadata")
+    if not isinstance(meta, dict):
+        raise CheckpointError(
+            f"checkpoint metadata {meta_path} holds a {type(meta).__name__}, not a JSON object; "
+            "it was damaged or hand-edited. Use another checkpoint."
+        )
+    return meta
 
 
 def checkpoint_model_shapes(metadata: Metadata) -> dict[str, tuple[int, ...]]:

@@ -23,12 +23,13 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorSt
 
 from freetx.checkpoint.files import (
     DCP_ERRORS,
-    META_FILE,
     MODEL_PREFIX,
     SafeLoadPlanner,
     check_checkpoint_files,
     describe_dcp_error,
     quiet_single_process,
+    read_json,
+    read_meta,
 )
 from freetx.checkpoint.hf import from_hf_name, model_config_from_hf
 from freetx.errors import CheckpointError
@@ -94,9 +95,7 @@ class DCPSource(TensorSource):
                 self.infos[key] = TensorInfo(tuple(meta.size), meta.properties.dtype)
             elif isinstance(meta, BytesStorageMetadata):
                 self.extras[key] = None
-        meta_file = self.path / META_FILE
-        if meta_file.is_file():
-            self.meta = json.loads(meta_file.read_text())
+        self.meta = read_meta(self.path)
 
     def get(self, name: str) -> torch.Tensor:
         info = self.infos[name]
@@ -197,9 +196,12 @@ class HFFolderSource(SafetensorsSource):
             )
         super().__init__(files[0], rename=lambda n: MODEL_PREFIX + from_hf_name(n))
         self.path = folder
-        self.meta["model_config"] = model_config_from_hf(
-            json.loads((folder / "config.json").read_text())
-        )
+        hf = read_json(folder / "config.json", "HF model config")
+        if not isinstance(hf, dict):
+            raise CheckpointError(
+                f"{folder / 'config.json'} is not a JSON object of model settings."
+            )
+        self.meta["model_config"] = model_config_from_hf(hf)
 
 
 def open_tensors(path: str | Path) -> TensorSource:

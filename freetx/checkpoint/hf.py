@@ -95,6 +95,16 @@ def model_config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
         raise CheckpointError(
             f"config.json describes a '{hf.get('model_type')}' model; freetx reads Llama ones."
         )
+    try:
+        return _decoder_fields(hf)
+    except (KeyError, TypeError) as e:
+        raise CheckpointError(
+            f"config.json lacks the Llama field {e} (or holds a wrong type); it is not a "
+            "complete transformers config. Restore it from the model's original folder."
+        ) from None
+
+
+def _decoder_fields(hf: dict[str, Any]) -> dict[str, Any]:
     return {
         "vocab_size": hf["vocab_size"],
         "hidden_dim": hf["hidden_size"],

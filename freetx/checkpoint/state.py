@@ -4,7 +4,7 @@
                   `module.` prefix stripped), so one layout serves every strategy
     optimizer     OptimizerState: get/set_optimizer_state_dict, keyed by parameter
                   name; ZeRO-1 saves each rank's partition under the same names
-    lr_scheduler  the scheduler's own state_dict
+    lr_scheduler  LRSchedulerState: the scheduler's own state_dict
     train         TrainState: step, epoch, tokens seen
     dataloader    PerRankState: each rank's loader state under `rank_<r>`
     rng           PerRankState: each rank's python / numpy / torch / CUDA RNG
@@ -31,6 +31,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.optim.lr_scheduler import LambdaLR
 
 
 class ModelState(Stateful):
@@ -52,7 +53,10 @@ class OptimizerState(Stateful):
     ZeRO-1 keeps each rank's partition in a local optimizer; its entries are
     saved under their parameter names too, and `param_groups` list every
     parameter, so the same checkpoint loads into fsdp, ddp or zero1 at any
-    world size.
+    world size. A load restores the per-parameter state (moments, step
+    counts); the hyperparameters (lr, betas, weight decay, ...) stay the ones
+    the run's config built, so a resume that changes them applies the change
+    (the checkpointer lists it) instead of silently keeping the saved ones.
     """
 
     def __init__(self, model: nn.Module, optimizer) -> None:
@@ -90,11 +94,52 @@ class OptimizerState(Stateful):
                     for g in state_dict["param_groups"]
                 ],
             }
+        configured = [_hyperparameters(g) for g in self._local().param_groups]
         set_optimizer_state_dict(self.model, self._local(), state_dict)
+        for group, values in zip(self._local().param_groups, configured):
+            group.update(values)
 
 
 def _unwrapped(model: nn.Module) -> nn.Module:
     return getattr(model, "module", model)
+
+
+def _hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in group.items() if k != "params"}
+
+
+class LRSchedulerState(Stateful):
+    """A LambdaLR's position; on load the lr is recomputed from the config's base lr.
+
+    The saved state holds the step (`last_epoch`) and the base lrs of the run
+    that saved it. After a load the base lrs are the optimizer's `initial_lr`
+    (the config's lr) and each group's lr is base x multiplier(step), the same
+    expression LambdaLR evaluates, so an unchanged config resumes bit for bit
+    and a changed lr or schedule takes effect at once.
+    """
+
+    def __init__(self, scheduler: LambdaLR) -> None:
+        self.scheduler = scheduler
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.scheduler.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        scheduler = self.scheduler
+        scheduler.load_state_dict(state_dict)
+        groups = scheduler.optimizer.param_groups
+        scheduler.base_lrs = [_copy(group["initial_lr"]) for group in groups]
+        for group, base, multiplier in zip(groups, scheduler.base_lrs, scheduler.lr_lambdas):
+            lr = base * multiplier(scheduler.last_epoch)
+            if torch.is_tensor(group["lr"]):  # torchao's optimizers keep lr as a tensor
+                group["lr"].fill_(float(lr))
+            else:
+                group["lr"] = lr
+        scheduler._last_lr = [_copy(group["lr"]) for group in groups]
+
+
+def _copy(value: Any) -> Any:
+    return value.clone() if torch.is_tensor(value) else value
 
 
 @dataclass
@@ -152,7 +197,7 @@ def training_state(
     return {
         "model": ModelState(model),
         "optimizer": OptimizerState(model, optimizer),
-        "lr_scheduler": lr_scheduler,
+        "lr_scheduler": LRSchedulerState(lr_scheduler),
         "train": train,
         "dataloader": PerRankState(rank, loader.state_dict, loader.load_state_dict),
         "rng": PerRankState(rank, rng_state, set_rng_state),

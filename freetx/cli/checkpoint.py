@@ -26,7 +26,9 @@ def build_parser() -> argparse.ArgumentParser:
         description=(
             "Convert a checkpoint. The format comes from DST's suffix (.safetensors, .pt) "
             "unless --to says. safetensors and hf hold the model only; torch and dcp hold "
-            "everything unless --model-only. DCP -> safetensors streams tensor by tensor."
+            "everything unless --model-only. DCP -> safetensors streams tensor by tensor. "
+            "DST is written under a temporary name and renamed when complete; an existing "
+            "DST is replaced only with --overwrite."
         ),
     )
     convert.add_argument("src", help="DCP folder, HF folder, .safetensors or torch file")
@@ -35,6 +37,11 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), help="cast floating tensors")
     convert.add_argument(
         "--model-only", action="store_true", help="leave out optimizer and other state"
+    )
+    convert.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace DST if it exists (never allowed when DST is, holds or lies in SRC)",
     )
     return p
 
@@ -45,7 +52,10 @@ def main(args: argparse.Namespace) -> int:
     if args.action == "inspect":
         print(inspect_report(args.path))
         return 0
-    result = convert(args.src, args.dst, to=args.to, dtype=args.dtype, model_only=args.model_only)
+    result = convert(
+        args.src, args.dst, to=args.to, dtype=args.dtype, model_only=args.model_only,
+        overwrite=args.overwrite,
+    )  # fmt: skip
     print(
         f"Wrote {result['path']} ({result['format']}): {result['tensors']} tensors, "
         f"{result['bytes'] / 2**20:.1f} MiB"

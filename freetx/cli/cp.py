@@ -20,7 +20,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("name", help="a recipe name (full_finetune_fsdp2) or config name (llm/tiny)")
     p.add_argument("dest", help="destination file or existing directory")
-    p.add_argument("-n", "--no-clobber", action="store_true", help="refuse to overwrite")
+    p.add_argument(
+        "--overwrite", action="store_true", help="replace DEST if it exists (refused otherwise)"
+    )
+    p.add_argument(
+        "-n",
+        "--no-clobber",
+        action="store_true",
+        help="refuse to overwrite (the default; torchtune's flag)",
+    )
     p.add_argument("--make-parents", action="store_true", help="create missing parent directories")
     return p
 
@@ -53,8 +61,11 @@ def main(args: argparse.Namespace) -> int:
             f"{args.name} is a {src.suffix} file but the destination {dest} ends in "
             f"{dest.suffix}; use a {src.suffix} name so it can be run or loaded."
         )
-    if args.no_clobber and dest.exists():
-        raise FreetxError(f"{dest} already exists and --no-clobber was given; nothing copied.")
+    if dest.exists() and (args.no_clobber or not args.overwrite):
+        raise FreetxError(
+            f"{dest} already exists; nothing copied (freetx does not replace a file unasked). "
+            "Pick another name, or pass --overwrite to replace it."
+        )
     if not dest.parent.exists():
         if not args.make_parents:
             raise FreetxError(

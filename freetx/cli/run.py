@@ -9,6 +9,7 @@ start-up time on N processes.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import runpy
@@ -73,7 +74,26 @@ def main(argv: list[str]) -> int:
         )
     args.training_script = str(target.path)
     args.training_script_args = script_args
-    return _run_with_torchrun(args)
+    return _run_with_torchrun(args, _processes_per_node(args.nproc_per_node))
+
+
+def _processes_per_node(value: str) -> int:
+    """--nproc-per-node as a count: N >= 1, or auto | cpu | gpu | xpu as torchrun reads them."""
+    from torch.distributed.run import determine_local_world_size
+
+    try:
+        count = determine_local_world_size(str(value))
+    except ValueError as e:
+        raise FreetxError(
+            f"--nproc-per-node {value}: {str(e).rstrip('.')}. Give a number of processes "
+            "(e.g. 2), or auto, cpu or gpu."
+        ) from None
+    if count < 1:
+        raise FreetxError(
+            f"--nproc-per-node {value}: a node needs at least 1 process. Give a number of "
+            "processes (e.g. 2)."
+        )
+    return count
 
 
 def _run_in_process(path: Path, script_args: list[str]) -> int:
@@ -88,41 +108,61 @@ def _run_in_process(path: Path, script_args: list[str]) -> int:
     return 0
 
 
-def _run_with_torchrun(args) -> int:
+def _run_with_torchrun(args, processes_per_node: int) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import run as torchrun
 
-    # freetx prints its own one-line summary of a failed job (see _describe_failure)
+    from freetx.errors import LAUNCHER_REPORTS_ERRORS
+
+    # freetx prints the ranks' errors itself, each once (see _report_failure)
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
     single_node = str(args.nnodes) in ("1", "1:1")
     if single_node and not args.rdzv_endpoint:
         args.standalone = True  # a free local port; parallel runs do not collide
-    if "OMP_NUM_THREADS" not in os.environ and str(args.nproc_per_node).isdigit():
-        threads = max(1, (os.cpu_count() or 1) // int(args.nproc_per_node))
+    if "OMP_NUM_THREADS" not in os.environ:
+        threads = max(1, (os.cpu_count() or 1) // processes_per_node)
         os.environ["OMP_NUM_THREADS"] = str(threads)
+    os.environ[LAUNCHER_REPORTS_ERRORS] = "1"
     try:
         torchrun(args)
     except ChildFailedError as e:
-        print(f"freetx run: {_describe_failure(e)}", file=sys.stderr)
+        _report_failure(e)
         return 1
     return 0
 
 
-def _describe_failure(error) -> str:
-    """Every rank that failed by itself: its own first line, or how it died.
+def _user_error(failure) -> str | None:
+    """The message of a rank that stopped on a freetx user error, or None."""
+    from freetx.errors import USER_ERROR_KEY
 
-    Ranks that wrote an error file (freetx records every exception) show their
-    message; a rank that died without one (killed, out of memory, a crash in C)
-    shows its exit code. Ranks stopped as a consequence (torchrun's SIGTERM, or
-    a broken collective) are left out.
+    try:
+        with open(str(failure.error_file), encoding="utf-8") as f:
+            record = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if isinstance(record, dict) and record.get(USER_ERROR_KEY):
+        return str(record.get("message", ""))
+    return None
+
+
+def _report_failure(error) -> None:
+    """Print each distinct user error once (with the ranks that raised it), then a line
+    for every rank that failed otherwise: its own first line, or how it died.
+
+    Ranks stopped as a consequence (torchrun's SIGTERM, or a broken collective)
+    are left out.
     """
     import signal
 
-    from freetx.errors import STOPPED_BY_PEER_EXIT_CODE
+    from freetx.errors import STOPPED_BY_PEER_EXIT_CODE, format_error, rank_list
 
+    messages: dict[str, list[int]] = {}
     parts = []
     for rank, failure in sorted(error.failures.items()):
-        if os.path.isfile(str(failure.error_file)):
+        user_message = _user_error(failure)
+        if user_message is not None:
+            messages.setdefault(user_message, []).append(rank)
+        elif os.path.isfile(str(failure.error_file)):
             message = failure.message
             if isinstance(message, dict):
                 message = message.get("message", "")
@@ -134,7 +174,14 @@ def _describe_failure(error) -> str:
             parts.append(f"rank {rank} was killed by {failure.signal_name()}")
         else:
             parts.append(f"rank {rank} exited with code {failure.exitcode} without a message")
-    if not parts:
+    for message, ranks in messages.items():
+        print(format_error(FreetxError(message), f"freetx [{rank_list(ranks)}]"), file=sys.stderr)
+    if not parts and not messages:
         rank, failure = error.get_first_failure()
         parts.append(f"rank {rank} ended with exit code {failure.exitcode}")
-    return "; ".join(parts) + ". Messages are above; the other ranks were stopped."
+    if parts:
+        print(
+            "freetx run: " + "; ".join(parts) + ". Messages are above; the other ranks were "
+            "stopped.",
+            file=sys.stderr,
+        )

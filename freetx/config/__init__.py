@@ -7,13 +7,14 @@ See `loading.py` for the override grammar, `schema.py` for schema checks,
 from freetx.config.entry import load_recipe_config, parse, write_resolved_config
 from freetx.config.instantiate import check_components, instantiate, to_container
 from freetx.config.loading import apply_overrides, compose, load_config, resolve_config_path
-from freetx.config.schema import apply_schema, check_config
+from freetx.config.schema import apply_schema, at_least, check_config
 from freetx.errors import ConfigError
 
 __all__ = [
     "ConfigError",
     "apply_overrides",
     "apply_schema",
+    "at_least",
     "check_components",
     "check_config",
     "compose",

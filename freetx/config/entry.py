@@ -8,18 +8,21 @@
         sys.exit(recipe_main())
 
 Called without arguments, `recipe_main` reads `sys.argv`, loads and checks the
-config against the schema, writes the resolved config to
-`<output_dir>/config.yaml` (rank 0) and runs the recipe. A user error prints as
-one paragraph without a traceback and gives exit code 1; the process group is
+config against the schema and runs the recipe. A user error prints as one
+paragraph without a traceback and gives exit code 1; the process group is
 destroyed on the way out, also after an exception. Called with a config
-(`recipe_main(cfg)`, e.g. from a test) it just runs.
+(`recipe_main(cfg)`, e.g. from a test) it just runs. The recipe writes
+`<output_dir>/config.yaml` (`write_resolved_config`) once it starts training,
+so a run refused at set-up never replaces the config of the checkpoints beside it.
 """
 
 from __future__ import annotations
 
 import functools
+import json
 import os
 import sys
+import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -29,7 +32,9 @@ from omegaconf import DictConfig, OmegaConf
 from freetx.config.loading import check_override_syntax, compose
 from freetx.config.schema import apply_schema, check_config
 from freetx.errors import (
+    LAUNCHER_REPORTS_ERRORS,
     STOPPED_BY_PEER_EXIT_CODE,
+    USER_ERROR_KEY,
     ConfigError,
     FreetxError,
     UsageError,
@@ -83,7 +88,8 @@ def load_recipe_config(config: str, overrides: list[str], schema: type | None) -
 
 
 def write_resolved_config(cfg: DictConfig) -> Path | None:
-    """Save the run's resolved config as `<output_dir>/config.yaml`."""
+    """Save the run's resolved config as `<output_dir>/config.yaml` (rank 0, when training
+    starts: the checkpointer calls it once the run's resume was accepted)."""
     output_dir = cfg.get("output_dir")
     if not output_dir:
         return None
@@ -107,11 +113,26 @@ def _destroy_process_group() -> None:
 
 
 def _record_for_torchrun(error: BaseException) -> None:
-    """Write torchrun's error file, so `freetx run` can name the rank that failed first."""
-    if os.environ.get("TORCHELASTIC_ERROR_FILE"):
-        from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+    """Write torchrun's error file, so `freetx run` can name the rank that failed first.
 
-        ErrorHandler().record_exception(error)
+    A user error is written as its message with USER_ERROR_KEY set: `freetx run`
+    prints each distinct message once, naming the ranks that raised it.
+    """
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    if isinstance(error, FreetxError):
+        record = {"message": str(error), "timestamp": int(time.time()), USER_ERROR_KEY: True}
+        Path(path).write_text(json.dumps(record))
+        return
+    from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+    ErrorHandler().record_exception(error)
+
+
+def _launcher_reports_errors() -> bool:
+    """True under `freetx run`, which prints the ranks' user errors once, deduplicated."""
+    return os.environ.get(LAUNCHER_REPORTS_ERRORS) == "1"
 
 
 def _is_peer_failure(error: Exception) -> bool:
@@ -130,8 +151,6 @@ def run_from_argv(
     try:
         config, overrides = split_recipe_args(argv)
         cfg = load_recipe_config(config, overrides, schema)
-        if rank == 0:
-            write_resolved_config(cfg)
     except FreetxError as e:
         # every rank parses the same config; one message is enough
         return report_error(e, "freetx") if rank == 0 else e.exit_code
@@ -142,14 +161,17 @@ def run_from_argv(
         _record_for_torchrun(e)
         if debug_enabled():
             traceback.print_exc()
+        if _launcher_reports_errors():
+            return e.exit_code
         return report_error(e, prefix)
     except Exception as e:
         if world_size > 1 and _is_peer_failure(e) and not debug_enabled():
-            print(
-                f"{prefix}: stopped because another rank failed; its message is above.",
-                file=sys.stderr,
-                flush=True,
-            )
+            if not _launcher_reports_errors():
+                print(
+                    f"{prefix}: stopped because another rank failed; its message is above.",
+                    file=sys.stderr,
+                    flush=True,
+                )
             os._exit(
                 STOPPED_BY_PEER_EXIT_CODE
             )  # the group is broken: leave without tearing it down

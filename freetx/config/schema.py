@@ -5,7 +5,8 @@ Fields typed `Any` hold `_component_` nodes, which stay free-form here and are
 checked by binding their keys to the target's signature (see
 `instantiate.check_components`). Everything else is checked here: unknown keys
 (with the closest valid key as a hint), wrong types, values outside a
-`Literal[...]`, and required keys (default `MISSING`) that are not set.
+`Literal[...]`, numbers below a field's `at_least(n)` bound, and required
+keys (default `MISSING`) that are not set.
 """
 
 from __future__ import annotations
@@ -22,6 +23,12 @@ from freetx.config.instantiate import check_components
 from freetx.errors import ConfigError
 
 _NONE = type(None)
+MIN_KEY = "min"
+
+
+def at_least(minimum: int, default: Any = MISSING) -> Any:
+    """A schema field whose value must be `minimum` or more (a count, a size, a period)."""
+    return dataclasses.field(default=default, metadata={MIN_KEY: minimum})
 
 
 def _all_keys(schema: type, prefix: str = "") -> list[str]:
@@ -132,6 +139,12 @@ def _check_level(
                 else value
             )
             problems.append(f"'{path}{key}' must be {_describe(tp)}, got {shown!r}.")
+        elif MIN_KEY in fields[key].metadata and value is not None:
+            if value < fields[key].metadata[MIN_KEY]:
+                problems.append(
+                    f"'{path}{key}' must be at least {fields[key].metadata[MIN_KEY]}, "
+                    f"got {value!r}."
+                )
     for name, f in fields.items():
         if name not in node and dataclasses.is_dataclass(hints[name]):
             _check_level(OmegaConf.create({}), hints[name], f"{path}{name}.", root, problems)

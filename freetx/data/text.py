@@ -44,21 +44,34 @@ def _expand(source: str) -> list[Path]:
     return [path]
 
 
+def _not_text(path: Path, error: UnicodeDecodeError) -> DataError:
+    return DataError(
+        f"data file {path} is not UTF-8 text (byte {error.start}: {error.reason}); is it a binary "
+        "file? Point the dataset at UTF-8 .txt or .jsonl files (or .parquet)."
+    )
+
+
 def read_jsonl(path: Path):
-    """(line number, record) for every non-empty line; bad JSON names the line."""
+    """(line number, record) for every non-empty line; bad JSON or bytes name the line."""
     with open(path, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                yield line_no, json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{path}:{line_no} is not valid JSON: {e.msg}.") from None
+        try:
+            for line_no, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    yield line_no, json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise DataError(f"{path}:{line_no} is not valid JSON: {e.msg}.") from None
+        except UnicodeDecodeError as e:
+            raise _not_text(path, e) from None
 
 
 def _read_file(path: Path, text_field: str) -> list[str]:
     if path.suffix == ".txt":
-        return [path.read_text(encoding="utf-8")]
+        try:
+            return [path.read_text(encoding="utf-8")]
+        except UnicodeDecodeError as e:
+            raise _not_text(path, e) from None
     if path.suffix == ".jsonl":
         docs = []
         for line_no, record in read_jsonl(path):

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal, Optional
+from typing import Any, ClassVar, Literal, Optional
 
 from omegaconf import MISSING
 
 from freetx.checkpoint import CheckpointConfig
+from freetx.config.schema import at_least
 
 
 @dataclass
@@ -15,16 +16,21 @@ class TrainingConfig:
     """The head of a training recipe's schema; the recipe's own schema subclasses it
     and adds what it trains (model, data, optimizer, evaluation, loggers)."""
 
+    # Keys a resume may not change: they decide what the saved weights and optimizer
+    # state mean, or the order of the data. A recipe adds its own (model, data).
+    # Every other key may change on resume; the change is applied and listed.
+    fixed_on_resume: ClassVar[tuple[str, ...]] = ("seed", "batch_size", "optimizer._component_")
+
     output_dir: str = MISSING
     seed: int = 0
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    max_steps: int = MISSING
-    batch_size: int = MISSING  # global: samples per optimizer step, over all ranks
-    gradient_accumulation_steps: int = 1
+    max_steps: int = at_least(1)
+    batch_size: int = at_least(1)  # global: samples per optimizer step, over all ranks
+    gradient_accumulation_steps: int = at_least(1, default=1)
     max_grad_norm: Optional[float] = 1.0  # null: no clipping (the norm is still logged)
-    log_every_n_steps: int = 10
+    log_every_n_steps: int = at_least(1, default=10)
     peak_flops: Optional[float] = None  # per device, for MFU where the GPU table has none
-    num_workers: int = 0
+    num_workers: int = at_least(0, default=0)
     resume: str = "auto"  # auto (newest checkpoint in output_dir, if any) | never | a path
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 

@@ -9,12 +9,14 @@ from typing import Literal
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR
 
+from freetx.config.schema import at_least
+
 
 @dataclass
 class LRScheduleConfig:
     """The `lr_schedule:` section: warmup steps, then decay to min_lr_ratio * lr."""
 
-    warmup_steps: int = 0
+    warmup_steps: int = at_least(0, default=0)
     decay: Literal["cosine", "linear", "constant"] = "cosine"
     min_lr_ratio: float = 0.1
 

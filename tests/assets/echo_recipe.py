@@ -19,7 +19,7 @@ import torch.distributed as dist
 from omegaconf import MISSING, DictConfig
 from torch.nn.parallel import DistributedDataParallel
 
-from freetx.config import instantiate, parse
+from freetx.config import instantiate, parse, write_resolved_config
 from freetx.distributed import init_distributed
 from freetx.errors import FreetxError
 from freetx.logging import build_metric_loggers
@@ -50,6 +50,8 @@ class EchoRecipe:
         self.loggers = build_metric_loggers(
             self.cfg.metric_loggers, self.cfg.output_dir, self.cfg.steps, self.runtime.rank
         )
+        if self.runtime.rank == 0:
+            write_resolved_config(self.cfg)  # training starts
 
     def train(self) -> None:
         generator = torch.Generator().manual_seed(self.cfg.seed + self.runtime.rank)

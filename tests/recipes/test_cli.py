@@ -117,11 +117,12 @@ def test_a_raising_rank_ends_the_job(tmp_path, kind):
     )
     assert result.returncode == 1
     assert time.perf_counter() - start < 120  # ended, did not hang
-    assert "freetx run: rank 1 failed (" in result.stderr
-    if kind == "user":
+    if kind == "user":  # one paragraph, printed once by `freetx run`, naming the rank
+        assert result.stderr.count("rank 1 was told to fail") == 1, result.stderr
         assert "freetx [rank 1]: error: rank 1 was told to fail" in result.stderr
-        assert "Traceback" not in result.stderr
+        assert "Traceback" not in result.stderr and "rank 0" not in result.stderr
     else:
+        assert "freetx run: rank 1 failed (" in result.stderr
         assert "RuntimeError: a crash that is not a user error" in result.stderr
     assert not (tmp_path / "rank0.json").exists()
 
@@ -195,8 +196,13 @@ def test_cp_recipe_and_config(tmp_path):
     assert (tmp_path / "my_ft.py").read_text().startswith('"""Train a decoder LM')
     assert run_freetx("cp", "llm/tiny", str(tmp_path)).returncode == 0
     assert (tmp_path / "tiny.yaml").exists()
-    again = run_freetx("cp", "llm/tiny", str(tmp_path / "tiny.yaml"), "--no-clobber")
-    assert again.returncode == 1 and "already exists" in again.stderr
+    (tmp_path / "tiny.yaml").write_text("# my edits\n")
+    for flags in ([], ["--no-clobber"]):  # an existing file is kept unless --overwrite
+        again = run_freetx("cp", "llm/tiny", str(tmp_path / "tiny.yaml"), *flags)
+        assert again.returncode == 1 and "already exists" in again.stderr
+    assert (tmp_path / "tiny.yaml").read_text() == "# my edits\n"
+    assert run_freetx("cp", "llm/tiny", str(tmp_path / "tiny.yaml"), "--overwrite").returncode == 0
+    assert "output_dir" in (tmp_path / "tiny.yaml").read_text()
     deep = tmp_path / "a" / "b" / "c.yaml"
     assert run_freetx("cp", "llm/tiny", str(deep)).returncode == 1
     assert run_freetx("cp", "llm/tiny", str(deep), "--make-parents").returncode == 0

@@ -1,0 +1,324 @@
+"""A run's output_dir: one run at a time, and a resume that cannot be fooled.
+
+The rule (docs/checkpoints.md): freetx never deletes, truncates or overwrites a
+checkpoint, an export or a config that it did not write in the current run,
+unless the user says so (`checkpoint.overwrite: true` for runs, `--overwrite`
+for conversions). This module decides, before anything is built, what a run
+may do with the folder it was given:
+
+- `RunLock`: an exclusive lock on `<output_dir>/.freetx.lock`, held by rank 0
+  for the whole run, so two runs never write one folder.
+- `survey`: every `step_*` folder, each either complete (DCP index, every data
+  file long enough, meta.json with its step) or with the reason it is not.
+- `plan_resume`: which checkpoint to continue from (`resume: auto | never |
+  PATH`), what the run would replace, which settings changed since the save.
+  Anything that would lose saved work or give a silently different result is
+  refused with the list of what was found and the fix.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from freetx.checkpoint.files import (
+    META_FILE,
+    check_checkpoint_files,
+    missing_data,
+    read_dcp_metadata,
+    read_meta,
+)
+from freetx.config.compare import resume_changes
+from freetx.errors import CheckpointError, first_line
+
+LATEST_FILE = "LATEST"
+LOCK_FILE = ".freetx.lock"
+STEP_PREFIX = "step_"
+TMP_PREFIX = ".tmp_"
+_STEP_NAME = re.compile(rf"^{STEP_PREFIX}(\d+)$")
+
+
+def step_name(step: int) -> str:
+    return f"{STEP_PREFIX}{step:06d}"
+
+
+def step_of(name: str) -> int | None:
+    """The step a folder name like `step_000200` stands for, or None."""
+    match = _STEP_NAME.match(name)
+    return int(match.group(1)) if match else None
+
+
+class RunLock:
+    """An exclusive claim on an output_dir, held by one process (rank 0) of one run.
+
+    A `flock` on `<output_dir>/.freetx.lock`: released by the kernel when the
+    process ends, however it ends, so a crashed run never leaves a stale lock.
+    The file names the holder (pid, host, start time) for the message another
+    run gets.
+    """
+
+    def __init__(self, output_dir: Path) -> None:
+        self.path = Path(output_dir) / LOCK_FILE
+        self._file = None
+
+    def acquire(self) -> str | None:
+        """Take the lock; a notice when the filesystem cannot lock, an error when taken."""
+        import fcntl
+
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        handle = open(self.path, "a+", encoding="utf-8")  # noqa: SIM115 - held until release()
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            holder = handle.read().strip() or "a process that did not say who it is"
+            handle.close()
+            raise CheckpointError(
+                f"output_dir {self.path.parent} is in use by another run ({holder}). Two runs "
+                "writing one folder would replace each other's checkpoints. Wait for it to "
+                "end or stop it, or give this run another output_dir."
+            ) from None
+        except OSError as e:  # a filesystem without locks (some NFS mounts)
+            handle.close()
+            return (
+                f"the filesystem of {self.path.parent} does not support file locks "
+                f"({e.strerror}); freetx cannot tell whether another run writes there."
+            )
+        handle.seek(0)
+        handle.truncate()
+        started = time.strftime("%Y-%m-%d %H:%M:%S")
+        handle.write(f"pid {os.getpid()} on {socket.gethostname()}, started {started}\n")
+        handle.flush()
+        self._file = handle
+        return None
+
+    def release(self) -> None:
+        if self._file is None:
+            return
+        import fcntl
+
+        self._file.seek(0)
+        self._file.truncate()  # the file stays: unlinking a lock file races with a waiter
+        fcntl.flock(self._file, fcntl.LOCK_UN)
+        self._file.close()
+        self._file = None
+
+
+@dataclass(frozen=True)
+class StepFolder:
+    """A `step_*` folder of a checkpoints directory."""
+
+    path: Path
+    step: int
+    problem: str | None = None  # why it is not a complete checkpoint; None when it is
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    def describe(self) -> str:
+        return f"{self.name} ({self.problem or 'complete'})"
+
+
+def completeness_problem(path: Path, step: int | None = None) -> str | None:
+    """Why a step folder is not a complete checkpoint, or None when it is.
+
+    Complete: DCP's index reads, every data file it points into is there and
+    long enough, and meta.json (written last, before the folder got its final
+    name) is valid and names the same step.
+    """
+    if not path.is_dir():
+        return "not a folder"
+    if not (path / ".metadata").is_file():
+        return "no .metadata: the save did not finish or the file was deleted"
+    try:
+        problem = missing_data(path, read_dcp_metadata(path))
+    except CheckpointError:
+        return ".metadata cannot be read"
+    if problem:
+        return problem
+    if not (path / META_FILE).is_file():
+        return "no meta.json: the save did not finish or the file was deleted"
+    try:
+        meta = read_meta(path)
+    except CheckpointError:
+        return "meta.json is not valid JSON"
+    if step is not None and meta.get("step") != step:
+        return f"its meta.json says step {meta.get('step')!r}"
+    return None
+
+
+def survey(checkpoints: Path) -> list[StepFolder]:
+    """Every `step_*` folder in `checkpoints`, oldest first, each checked."""
+    if not checkpoints.is_dir():
+        return []
+    found = []
+    for path in checkpoints.iterdir():
+        step = step_of(path.name)
+        if step is not None:
+            found.append(StepFolder(path, step, completeness_problem(path, step)))
+    return sorted(found, key=lambda f: f.step)
+
+
+def read_latest(checkpoints: Path) -> tuple[str | None, str | None]:
+    """(the name LATEST holds, None) or (None, what is wrong with LATEST)."""
+    pointer = checkpoints / LATEST_FILE
+    if not pointer.exists():
+        return None, "there is no LATEST file"
+    try:
+        text = pointer.read_bytes().decode("utf-8").strip()
+    except (OSError, UnicodeDecodeError) as e:
+        return None, f"LATEST cannot be read as text ({first_line(e)})"
+    if step_of(text) is None:
+        return None, f"LATEST holds {text[:40]!r}, not a checkpoint name"
+    return text, None
+
+
+def is_complete_fast(path: Path) -> bool:
+    """The cheap test the pruner uses: both files a finished save writes are there."""
+    return (path / ".metadata").is_file() and (path / META_FILE).is_file()
+
+
+@dataclass
+class ResumePlan:
+    """What a run does with its output_dir: the checkpoint it continues (or none)."""
+
+    path: Path | None = None  # the checkpoint to resume from; None: start fresh
+    step: int = 0
+    saved_meta: dict[str, Any] = field(default_factory=dict)
+    reason: str | None = None  # how it was found, when LATEST could not say
+    notices: list[str] = field(default_factory=list)  # what the run log says before training
+
+
+def _listing(folders: list[StepFolder]) -> str:
+    return "\n".join(f"  - {f.describe()}" for f in folders)
+
+
+def choose_checkpoint(checkpoints: Path, resume: str, overwrite: bool) -> ResumePlan:
+    """The checkpoint `resume` (auto | never | a path) points at, checked, or a refusal."""
+    folders = survey(checkpoints)
+    if resume == "never":
+        if folders and not overwrite:
+            raise CheckpointError(
+                f"resume=never, but {checkpoints} already holds checkpoints that this run's "
+                f"saves would replace:\n{_listing(folders)}\nContinue them with resume=auto, give "
+                "this run another output_dir, or set checkpoint.overwrite=true to let it "
+                "replace them."
+            )
+        plan = ResumePlan()
+        if folders:
+            names = ", ".join(f.name for f in folders)
+            plan.notices.append(f"checkpoint.overwrite=true: this run may replace {names}")
+        return plan
+    if resume != "auto":
+        return _explicit(Path(resume).expanduser())
+
+    complete = [f for f in folders if f.problem is None]
+    name, problem = read_latest(checkpoints)
+    if name is not None:
+        named = next((f for f in folders if f.name == name), None)
+        if named is not None and named.problem is None:
+            return _plan_for(named.path, named.step)
+        problem = f"LATEST names {name}, " + (
+            f"which is incomplete ({named.problem})" if named else "which does not exist"
+        )
+    elif not folders:
+        return ResumePlan()  # a new run: nothing saved yet
+    if complete:
+        newest = complete[-1]
+        plan = _plan_for(newest.path, newest.step)
+        skipped = [f for f in folders if f.problem is not None]
+        plan.reason = f"{problem}; the newest complete checkpoint is {newest.name}"
+        plan.notices += [f"not a complete checkpoint: {f.describe()}" for f in skipped]
+        return plan
+    if not folders:
+        raise CheckpointError(
+            f"{problem}, and {checkpoints} holds no checkpoint folders. If they were deleted on "
+            "purpose, delete LATEST too (or run with resume=never); if they live on a disk that "
+            "is not mounted, mount it first."
+        )
+    raise CheckpointError(
+        f"{problem}, and no checkpoint in {checkpoints} is complete:\n{_listing(folders)}\n"
+        "freetx does not start over on top of them. Restore the missing files, or move the "
+        "folders away, or start over explicitly with resume=never checkpoint.overwrite=true "
+        "(or another output_dir)."
+    )
+
+
+def _explicit(path: Path) -> ResumePlan:
+    """resume=PATH: a checkpoint folder (of this run or another), its files checked."""
+    check_checkpoint_files(path)
+    meta = read_meta(path)
+    return _plan_for(path, int(meta.get("step", step_of(path.name) or 0)), meta)
+
+
+def _plan_for(path: Path, step: int, meta: dict[str, Any] | None = None) -> ResumePlan:
+    return ResumePlan(path=path, step=step, saved_meta=read_meta(path) if meta is None else meta)
+
+
+def plan_resume(
+    checkpoints: Path,
+    resume: str,
+    overwrite: bool,
+    max_steps: int,
+    run_config: dict[str, Any],
+    fixed: tuple[str, ...],
+) -> ResumePlan:
+    """The checkpoint a run continues from, after every check that protects saved work.
+
+    Refused, all reasons at once: later checkpoints the run's saves would
+    replace (unless overwrite), settings a resume may not change, a max_steps
+    below the checkpoint's step. Changed settings that may change are listed.
+    """
+    plan = choose_checkpoint(checkpoints, resume, overwrite)
+    if plan.path is None:
+        return plan
+    problems = []
+    here = plan.path.resolve()
+    later = [f for f in survey(checkpoints) if f.step > plan.step and f.path.resolve() != here]
+    if later and not overwrite:
+        newest = next((f for f in reversed(later) if f.problem is None), None)
+        hint = f"Continue the newest with resume={newest.path}, or move" if newest else "Move"
+        problems.append(
+            f"this run starts at step {plan.step} ({plan.path.name}), but {checkpoints} holds "
+            f"later checkpoints that its saves would replace:\n{_listing(later)}\n{hint} them "
+            f"out of {checkpoints}, or set checkpoint.overwrite=true to let this run replace them."
+        )
+    saved_config = plan.saved_meta.get("config")
+    if saved_config is None:
+        plan.notices.append(
+            f"{plan.path} does not record the settings it was saved with; they were not compared"
+        )
+    else:
+        allowed, refused = resume_changes(saved_config, run_config, fixed)
+        if refused:
+            problems.append(
+                f"{plan.path} was saved with other settings that a resume may not change (they "
+                "decide what its weights and optimizer state mean, or the order of the data):\n"
+                + "\n".join(f"  - {line}" for line in refused)
+                + f"\nSet them back (the saved ones are in {plan.path / META_FILE}), or start a "
+                f"new run from its weights: output_dir=NEW checkpoint.initial_weights={plan.path}"
+            )
+        if allowed:
+            plan.notices.append(
+                f"settings changed since {plan.path.name} was saved, applied from here on: "
+                + "; ".join(allowed)
+            )
+    if max_steps < plan.step:
+        problems.append(
+            f"max_steps={max_steps} is below the step of {plan.path} ({plan.step}), which this "
+            f"run resumes. Raise max_steps above {plan.step} to train further, or use another "
+            "output_dir to start over."
+        )
+    elif max_steps == plan.step:
+        plan.notices.append(f"{plan.path.name} is at max_steps={max_steps}: nothing left to train")
+    if problems:
+        raise CheckpointError("\n".join(([plan.reason + "."] if plan.reason else []) + problems))
+    if plan.reason:
+        plan.notices.insert(0, f"{plan.reason}: resuming from it")
+    return plan

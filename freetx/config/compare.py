@@ -1,0 +1,54 @@
+"""What changed between the config a checkpoint was saved with and the one resuming it.
+
+A resume may change most settings (lr, max_steps, logging, evaluation,
+parallelism): they are applied, and listed so nothing changes silently. Keys a
+recipe's schema names in `fixed_on_resume` (the model, the data and its order,
+the optimizer class) may not change: the saved weights and optimizer state
+would mean something else.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+# where the run is and what it resumes from: different by design
+NOT_COMPARED = ("output_dir", "resume")
+
+
+def flatten(node: Any, prefix: str = "") -> dict[str, Any]:
+    """A nested mapping as {dotted key: leaf value}; lists are leaves."""
+    if not isinstance(node, dict) or (prefix and not node):
+        return {prefix[:-1]: node}
+    out: dict[str, Any] = {}
+    for key, value in node.items():
+        out.update(flatten(value, f"{prefix}{key}."))
+    return out
+
+
+def fixed_on_resume(cfg: DictConfig) -> tuple[str, ...]:
+    """The keys the config's schema says a resume may not change."""
+    return tuple(getattr(OmegaConf.get_type(cfg), "fixed_on_resume", ()))
+
+
+def _is_under(key: str, prefixes: Iterable[str]) -> bool:
+    return any(key == p or key.startswith(p + ".") for p in prefixes)
+
+
+def resume_changes(
+    saved: dict[str, Any], requested: dict[str, Any], fixed: Iterable[str]
+) -> tuple[list[str], list[str]]:
+    """(changes that may be applied, changes that are refused), each `key: old -> new`."""
+    old, new = flatten(saved), flatten(requested)
+    allowed, refused = [], []
+    for key in sorted(set(old) | set(new)):
+        if _is_under(key, NOT_COMPARED):
+            continue
+        before, after = old.get(key, "(unset)"), new.get(key, "(unset)")
+        if before == after:
+            continue
+        line = f"{key}: {before!r} -> {after!r}"
+        (refused if _is_under(key, fixed) else allowed).append(line)
+    return allowed, refused
