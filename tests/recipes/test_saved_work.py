@@ -90,7 +90,9 @@ def test_unusable_latest_resumes_from_the_newest_complete_checkpoint(run, damage
     before = hashes(run / "checkpoints" / "step_000004")
     result = train(run, "max_steps=6", nproc=2 if damage == "remove" else 1)
     out = flat(result.stdout)
-    assert notice in out and "the newest complete checkpoint is step_000004: resuming from it" in out
+    assert (
+        notice in out and "the newest complete checkpoint is step_000004: resuming from it" in out
+    )
     assert "(step 4," in result.stdout
     assert hashes(run / "checkpoints" / "step_000004") == before  # resumed, not replaced
     assert logged_steps(run) == [1, 2, 3, 4, 5, 6]  # the old lines, then 5 and 6
