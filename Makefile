@@ -15,7 +15,7 @@ STAMP := $(VENV)/.freetx-installed
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet $(TORCH)
 	$(BIN)/pip install --quiet -e ".[dev]"
@@ -25,12 +25,12 @@ test: setup
 	$(BIN)/pytest
 
 lint: setup
-	$(BIN)/ruff check freetx recipes tests benchmarks
-	$(BIN)/ruff format --check freetx recipes tests benchmarks
+	$(BIN)/ruff check freetx recipes tests benchmarks docs/examples
+	$(BIN)/ruff format --check freetx recipes tests benchmarks docs/examples
 
 format: setup
-	$(BIN)/ruff check --fix freetx recipes tests benchmarks
-	$(BIN)/ruff format freetx recipes tests benchmarks
+	$(BIN)/ruff check --fix freetx recipes tests benchmarks docs/examples
+	$(BIN)/ruff format freetx recipes tests benchmarks docs/examples
 
 # the Free Transformer on the letter-block task (~8 min on 2 cores), then samples from it
 demo: setup

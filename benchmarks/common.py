@@ -46,20 +46,18 @@ def build_small(strategy: str = "fsdp"):
     from omegaconf import OmegaConf
 
     from freetx.distributed import DistributedConfig, init_distributed, parallelize
-    from freetx.models.transformer import small
-    from freetx.training import build_optimizer
+    from freetx.models.transformer import decoder
 
     runtime = init_distributed("cpu")
     with torch.device("meta"):
-        model = small(max_seq_len=64)
-    model = parallelize(
+        model = decoder("small", max_seq_len=64)
+    plan = parallelize(
         model, runtime, OmegaConf.structured(DistributedConfig(strategy=strategy)), 0
     )
-    optimizer = build_optimizer(
-        OmegaConf.create({"_component_": "torch.optim.AdamW", "lr": 1e-4}), model, strategy,
-        runtime.device,
-    )  # fmt: skip
-    return runtime, model, optimizer
+    optimizer = plan.build_optimizer(
+        OmegaConf.create({"_component_": "torch.optim.AdamW", "lr": 1e-4})
+    )
+    return runtime, plan.model, optimizer
 
 
 def table(rows: list[list], header: list[str]) -> str:

@@ -28,7 +28,7 @@ def recipe_config(schema, steps: int, output_dir: str):
 
     overrides = [
         f"output_dir={output_dir}", f"max_steps={steps}", "log_every_n_steps=10",
-        "eval.every_n_steps=0", "eval.max_batches=0", "metric_loggers=[]",
+        "eval.every_n_steps=0", "eval.max_batches=1", "metric_loggers=[]",
         # each round starts from step 0 and writes nothing (each rank has its own tmp dir)
         "resume=never", "checkpoint.every_n_steps=0", "checkpoint.save_final=false",
     ]  # fmt: skip
@@ -43,10 +43,10 @@ def bare_loop(cfg, runtime, steps: int) -> float:
 
     from freetx.data import ByteTokenizer, GlobalBatchSampler, PackedTextDataset
     from freetx.distributed import build_mesh, materialize
-    from freetx.models.transformer import tiny
+    from freetx.models.transformer import decoder
 
     with torch.device("meta"):
-        model = tiny(vocab_size=259, max_seq_len=256)
+        model = decoder("tiny", vocab_size=259, max_seq_len=256)
     if runtime.world_size > 1:
         mesh = build_mesh(runtime)
         for block in model.layers:

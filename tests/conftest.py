@@ -1,7 +1,9 @@
-"""Shared test helpers: run the real `freetx` CLI in a subprocess."""
+"""Shared test helpers: run the real `freetx` CLI in a subprocess or in this process."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import subprocess
 import sys
@@ -25,6 +27,24 @@ def run_freetx(*args: str, cwd: Path | None = None, timeout: float = 600, env: d
         text=True,
         timeout=timeout,
     )
+
+
+def run_freetx_here(*args: str) -> subprocess.CompletedProcess:
+    """Run a freetx command that launches nothing (validate, checkpoint ...) in this process.
+
+    Same result object as `run_freetx`, without paying Python's and torch's start-up
+    (about 3 s) per call; `run` and tracebacks are tested through the subprocess.
+    """
+    from freetx.cli.main import main
+
+    assert args and args[0] != "run" and "--debug" not in args, "use run_freetx"
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(list(args))
+        except SystemExit as e:  # argparse usage errors
+            code = e.code
+    return subprocess.CompletedProcess(list(args), code, out.getvalue(), err.getvalue())
 
 
 def flat(text: str) -> str:

@@ -1,5 +1,7 @@
-"""Checkpoints: DCP sharded saves and exact resume (checkpointer.py), what they hold
-(state.py), safe reading (files.py), formats and conversion (formats.py, convert.py, hf.py)."""
+"""Checkpoints: DCP sharded saves and exact resume (checkpointer.py), the run folder's
+guard (run_folder.py), what they hold (state.py), safe reading (files.py), safe writing
+(safe_write.py), formats and conversion (formats.py, convert.py; HF layouts are the
+models' own, freetx.models.hf)."""
 
 from freetx.checkpoint.checkpointer import CheckpointConfig, Checkpointer, build_meta
 from freetx.checkpoint.convert import (
@@ -12,15 +14,16 @@ from freetx.checkpoint.convert import (
 from freetx.checkpoint.formats import open_tensors
 from freetx.checkpoint.run_folder import step_name
 from freetx.checkpoint.state import (
+    LRSchedulerState,
     ModelState,
     OptimizerState,
     PerRankState,
     TrainState,
-    training_state,
 )
 
 __all__ = [
     "CheckpointConfig",
+    "LRSchedulerState",
     "Checkpointer",
     "ModelState",
     "OptimizerState",
@@ -34,5 +37,4 @@ __all__ = [
     "open_tensors",
     "resolve_checkpoint",
     "step_name",
-    "training_state",
 ]

@@ -24,6 +24,7 @@ the next save (or the end of training) waits for it first.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -36,7 +37,6 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from omegaconf import DictConfig, OmegaConf
 from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.stateful import Stateful
@@ -66,8 +66,9 @@ from freetx.checkpoint.run_folder import (
 from freetx.checkpoint.state import PerRankState
 from freetx.config.compare import fixed_on_resume
 from freetx.config.entry import write_resolved_config
-from freetx.config.schema import at_least
+from freetx.config.schema import config_as_dict
 from freetx.errors import CheckpointError, FreetxError
+from freetx.fields import at_least
 
 WRITE_THREADS = (
     2  # DCP writer threads per rank: 1.3-1.9x a single thread here (benchmarks/checkpoint.py)
@@ -121,7 +122,7 @@ class Checkpointer:
     that would lose saved work is refused before any model is built.
     """
 
-    def __init__(self, run_config: DictConfig, rank: int) -> None:
+    def __init__(self, run_config: Any, rank: int) -> None:
         self.run_config = run_config
         self.output_dir = Path(run_config.output_dir)
         self.dir = self.output_dir / "checkpoints"
@@ -158,7 +159,7 @@ class Checkpointer:
             str(self.run_config.resume),
             bool(self.cfg.overwrite),
             int(self.run_config.max_steps),
-            OmegaConf.to_container(self.run_config, resolve=True),
+            config_as_dict(self.run_config),
             fixed_on_resume(self.run_config),
         )
         plan.notices[:0] = notices
@@ -200,7 +201,7 @@ class Checkpointer:
 
         Returns the lines for the log (how the run starts, and every notice), or None.
         """
-        self.meta = {**meta, "config": OmegaConf.to_container(self.run_config, resolve=True)}
+        self.meta = {**meta, "config": config_as_dict(self.run_config)}
         lines = list(self.plan.notices)
         if self.plan.path is not None:
             saved = self.load(self.plan.path, state, model=model)
@@ -324,10 +325,12 @@ class Checkpointer:
             self.group = None
 
 
-def build_meta(model, model_config: dict[str, Any], world_size: int, strategy: str) -> dict:
-    """The fields meta.json records about a run."""
-    cls = type(model)
+def build_meta(module, world_size: int, strategy: str) -> dict:
+    """The fields meta.json records about a run's model (`module`: the model under any
+    wrapper, following the model protocol: its `config` rebuilds it)."""
+    cls = type(module)
     model_class = getattr(cls, "__wrapped_class__", None) or _original_class(cls)
+    model_config = dataclasses.asdict(module.config)
     return {
         "freetx_version": freetx.__version__,
         "world_size": world_size,

@@ -37,12 +37,12 @@ from freetx.checkpoint.formats import (
     TensorSource,
     open_tensors,
 )
-from freetx.checkpoint.hf import DECODER_CLASS, hf_config, to_hf_name
 from freetx.checkpoint.run_folder import LATEST_FILE, choose_checkpoint, survey
 from freetx.checkpoint.safe_write import check_destination, staged_output
 from freetx.checkpoint.state import ModelState
 from freetx.distributed.init import fill_parameters
 from freetx.errors import CheckpointError
+from freetx.models.hf import layout_of
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 FORMATS = ("safetensors", "torch", "dcp", "hf")
@@ -155,27 +155,24 @@ def _write_safetensors(source: TensorSource, dst: Path, rename, cast, out_dtype)
 
 
 def _write_hf(source: TensorSource, dst: Path, cast, out_dtype) -> int:
-    model_class = source.meta.get("model_class")
-    if model_class and model_class != DECODER_CLASS:
+    """config.json and model.safetensors in the HF layout the model class names."""
+    if source.model_config is None or not source.meta.get("model_class"):
         raise CheckpointError(
-            f"{source.path} holds a {model_class}; only the Llama-style decoder "
-            f"({DECODER_CLASS}) converts to an HF Llama folder."
+            f"{source.path} does not record its model class and config, which config.json "
+            "needs; convert from the DCP checkpoint (its meta.json has them) or from a "
+            "safetensors file freetx wrote."
         )
-    if source.model_config is None:
-        raise CheckpointError(
-            f"{source.path} does not record its model config, which config.json needs; convert "
-            "from the DCP checkpoint (its meta.json has it) or from a safetensors file freetx wrote."
-        )
+    layout = layout_of(source.meta["model_class"])
     dst.mkdir(parents=True, exist_ok=True)
     first = source.infos[MODEL_PREFIX + source.model_names()[0]]
     dtype_name = str(out_dtype(first)).removeprefix("torch.")
     (dst / "config.json").write_text(
-        json.dumps(hf_config(source.model_config, dtype_name), indent=2)
+        json.dumps(layout.to_hf_config(source.model_config, dtype_name), indent=2)
     )
     return _write_safetensors(
         source,
         dst / "model.safetensors",
-        lambda n: to_hf_name(n[len(MODEL_PREFIX) :]),
+        lambda n: layout.to_hf_name(n[len(MODEL_PREFIX) :]),
         cast,
         out_dtype,
     )
@@ -265,7 +262,7 @@ def resolve_checkpoint(path: str | Path) -> Path:
 def model_from_checkpoint(path: str | Path):
     """(model class path, model config) that a checkpoint recorded, for building its model."""
     source = open_tensors(path)
-    model_class = source.meta.get("model_class") or (DECODER_CLASS if source.kind == "hf" else None)
+    model_class = source.meta.get("model_class")
     if model_class is None or source.model_config is None:
         raise CheckpointError(
             f"{path} does not record which model it holds (no meta.json / freetx metadata); "

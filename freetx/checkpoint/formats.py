@@ -31,8 +31,8 @@ from freetx.checkpoint.files import (
     read_json,
     read_meta,
 )
-from freetx.checkpoint.hf import from_hf_name, model_config_from_hf
 from freetx.errors import CheckpointError
+from freetx.models.hf import layout_for_hf_config
 
 SAFETENSORS_DTYPES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -182,26 +182,29 @@ class TorchSource(TensorSource):
 
 
 class HFFolderSource(SafetensorsSource):
-    """An HF-style folder: config.json + model.safetensors with HF Llama names."""
+    """An HF-style folder: config.json + model.safetensors, read through the HF layout of
+    the model its `model_type` names (freetx.models.hf)."""
 
     kind = "hf"
 
     def __init__(self, path: Path) -> None:
         folder = Path(path)
+        hf = read_json(folder / "config.json", "HF model config")
+        if not isinstance(hf, dict):
+            raise CheckpointError(
+                f"{folder / 'config.json'} is not a JSON object of model settings."
+            )
+        layout = layout_for_hf_config(hf)
         files = sorted(folder.glob("*.safetensors"))
         if len(files) != 1:
             raise CheckpointError(
                 f"HF folder {folder} must hold exactly one .safetensors file (found {len(files)}); "
                 "sharded HF checkpoints are not supported yet."
             )
-        super().__init__(files[0], rename=lambda n: MODEL_PREFIX + from_hf_name(n))
+        super().__init__(files[0], rename=lambda n: MODEL_PREFIX + layout.from_hf_name(n))
         self.path = folder
-        hf = read_json(folder / "config.json", "HF model config")
-        if not isinstance(hf, dict):
-            raise CheckpointError(
-                f"{folder / 'config.json'} is not a JSON object of model settings."
-            )
-        self.meta["model_config"] = model_config_from_hf(hf)
+        self.meta["model_class"] = layout.model_class
+        self.meta["model_config"] = layout.from_hf_config(hf)
 
 
 def open_tensors(path: str | Path) -> TensorSource:

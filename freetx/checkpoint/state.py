@@ -33,6 +33,8 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.optim.lr_scheduler import LambdaLR
 
+from freetx.distributed.parallelize import unwrap
+
 
 class ModelState(Stateful):
     """The model's parameters and persistent buffers, sharded as the model is."""
@@ -75,7 +77,7 @@ class OptimizerState(Stateful):
 
     def _all_param_groups(self, local_groups: list[dict]) -> list[dict]:
         """ZeRO-1's groups as if one optimizer held every parameter (same on all ranks)."""
-        names = {id(p): n for n, p in _unwrapped(self.model).named_parameters()}
+        names = {id(p): n for n, p in unwrap(self.model).named_parameters()}
         groups = []
         for full, local in zip(self.optimizer.param_groups, local_groups):
             group = {k: v for k, v in local.items() if k != "params"}
@@ -98,10 +100,6 @@ class OptimizerState(Stateful):
         set_optimizer_state_dict(self.model, self._local(), state_dict)
         for group, values in zip(self._local().param_groups, configured):
             group.update(values)
-
-
-def _unwrapped(model: nn.Module) -> nn.Module:
-    return getattr(model, "module", model)
 
 
 def _hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
@@ -186,19 +184,3 @@ class PerRankState(Stateful):
         blob = state_dict[f"rank_{self.source_rank}"]
         self.put(torch.load(io.BytesIO(blob), weights_only=True))
         self.source_rank = self.rank  # later saves write this rank's own entry
-
-
-def training_state(
-    model: nn.Module, optimizer, lr_scheduler, train: TrainState, loader, rank: int
-) -> dict[str, Stateful]:
-    """Everything a recipe's checkpoint holds, under the names DCP saves them by."""
-    from freetx.training.seed import rng_state, set_rng_state
-
-    return {
-        "model": ModelState(model),
-        "optimizer": OptimizerState(model, optimizer),
-        "lr_scheduler": LRSchedulerState(lr_scheduler),
-        "train": train,
-        "dataloader": PerRankState(rank, loader.state_dict, loader.load_state_dict),
-        "rng": PerRankState(rank, rng_state, set_rng_state),
-    }

@@ -28,9 +28,10 @@ def flatten(node: Any, prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def fixed_on_resume(cfg: DictConfig) -> tuple[str, ...]:
+def fixed_on_resume(cfg: Any) -> tuple[str, ...]:
     """The keys the config's schema says a resume may not change."""
-    return tuple(getattr(OmegaConf.get_type(cfg), "fixed_on_resume", ()))
+    schema = OmegaConf.get_type(cfg) if isinstance(cfg, DictConfig) else type(cfg)
+    return tuple(getattr(schema, "fixed_on_resume", ()))
 
 
 def _is_under(key: str, prefixes: Iterable[str]) -> bool:

@@ -1,7 +1,7 @@
 """The entry point of every recipe: parse `--config CFG [overrides]`, check, run.
 
     @freetx.config.parse(FullFinetuneConfig)
-    def recipe_main(cfg: DictConfig) -> None:
+    def recipe_main(cfg: FullFinetuneConfig) -> None:
         ...
 
     if __name__ == "__main__":
@@ -26,11 +26,12 @@ import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
 from freetx.config.loading import check_override_syntax, compose
-from freetx.config.schema import apply_schema, check_config
+from freetx.config.schema import apply_schema, as_schema_instance, check_config, config_as_dict
 from freetx.errors import (
     LAUNCHER_REPORTS_ERRORS,
     STOPPED_BY_PEER_EXIT_CODE,
@@ -79,24 +80,31 @@ def load_and_check(
     return cfg, check_config(cfg, schema)
 
 
-def load_recipe_config(config: str, overrides: list[str], schema: type | None) -> DictConfig:
-    """Compose, check and type a recipe's config; raise one ConfigError listing all problems."""
+def load_recipe_config(config: str, overrides: list[str], schema: type | None) -> Any:
+    """Compose and check a recipe's config; raise one ConfigError listing all problems.
+
+    With a schema, the result is an instance of it (`as_schema_instance`: sections are
+    dataclass instances, `_component_` nodes stay config nodes); without, a DictConfig.
+    """
     cfg, problems = load_and_check(config, overrides, schema)
     if problems:
         raise ConfigError(problems, fix="Fix them in the YAML file or with key=value overrides.")
-    return apply_schema(cfg, schema) if schema is not None else cfg
+    if schema is None:
+        return cfg
+    return as_schema_instance(apply_schema(cfg, schema), schema)
 
 
-def write_resolved_config(cfg: DictConfig) -> Path | None:
+def write_resolved_config(cfg: Any) -> Path | None:
     """Save the run's resolved config as `<output_dir>/config.yaml` (rank 0, when training
     starts: the checkpointer calls it once the run's resume was accepted)."""
-    output_dir = cfg.get("output_dir")
+    data = config_as_dict(cfg)
+    output_dir = data.get("output_dir")
     if not output_dir:
         return None
     path = Path(output_dir) / CONFIG_FILE_NAME
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(OmegaConf.to_yaml(cfg, resolve=True))
+        path.write_text(OmegaConf.to_yaml(OmegaConf.create(data)))
     except OSError as e:
         raise ConfigError(
             f"cannot write the run's config to {path}: {e.strerror}.",
@@ -106,10 +114,13 @@ def write_resolved_config(cfg: DictConfig) -> Path | None:
 
 
 def _destroy_process_group() -> None:
-    if "torch.distributed" in sys.modules:  # a recipe that never imported torch made none
-        from freetx.distributed.runtime import destroy_distributed
+    """Leave the process group, if the recipe made one (a recipe that never imported
+    torch made none)."""
+    if "torch.distributed" in sys.modules:
+        import torch.distributed as dist
 
-        destroy_distributed()
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def _record_for_torchrun(error: BaseException) -> None:
@@ -142,7 +153,7 @@ def _is_peer_failure(error: Exception) -> bool:
 
 
 def run_from_argv(
-    recipe_main: Callable[[DictConfig], object], schema: type | None, argv: list[str]
+    recipe_main: Callable[[Any], object], schema: type | None, argv: list[str]
 ) -> int:
     """Parse argv, run the recipe, turn user errors into one paragraph; the exit code."""
     rank = int(os.environ.get("RANK", "0"))
@@ -188,9 +199,9 @@ def parse(schema: type | None = None, *, supports_distributed: bool = True):
     makes `freetx run` refuse launch options for this recipe.
     """
 
-    def decorate(recipe_main: Callable[[DictConfig], object]):
+    def decorate(recipe_main: Callable[[Any], object]):
         @functools.wraps(recipe_main)
-        def wrapper(cfg: DictConfig | None = None) -> int | None:
+        def wrapper(cfg: Any = None) -> int | None:
             if cfg is not None:
                 recipe_main(cfg)
                 return None

@@ -15,6 +15,7 @@ Every error names the config path of the node.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import importlib
 import inspect
@@ -106,7 +107,7 @@ def _bind_problem(target: Any, dotted: str, where: str, args: tuple, kwargs: dic
             sig.bind_partial(**kwargs)
         else:
             sig.bind(*args, **kwargs)
-        return None
+        return _config_field_problem(target, dotted, where, sig, kwargs)
     except TypeError as e:
         params = [p for p in sig.parameters if p not in ("self", "args", "kwargs")]
         unknown = [k for k in kwargs if k not in sig.parameters]
@@ -122,6 +123,26 @@ def _bind_problem(target: Any, dotted: str, where: str, args: tuple, kwargs: dic
                 f"it takes: {', '.join(params)}."
             )
         return f"{where}: the keys do not fit {dotted}{sig}: {e}."
+
+
+def _config_field_problem(
+    target: Any, dotted: str, where: str, sig: inspect.Signature, kwargs: dict
+) -> str | None:
+    """A builder that takes `**fields` of a config dataclass (its `config_class`, see
+    freetx.models.protocol.builds): keys that are no field of it, with a hint."""
+    config_class = getattr(target, "config_class", None)
+    if not dataclasses.is_dataclass(config_class) or isinstance(target, type):
+        return None
+    known = [p for p in sig.parameters if p not in ("fields", "kwargs")]
+    known += [f.name for f in dataclasses.fields(config_class)]
+    unknown = [k for k in kwargs if k not in known]
+    if not unknown:
+        return None
+    hints = []
+    for key in unknown:
+        close = difflib.get_close_matches(key, known, n=1)
+        hints.append(f"'{key}'" + (f" (did you mean '{close[0]}'?)" if close else ""))
+    return f"{where}: {dotted} takes no argument {', '.join(hints)}; it takes: {', '.join(known)}."
 
 
 def instantiate(node: Any, *args: Any, **kwargs: Any) -> Any:

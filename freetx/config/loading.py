@@ -65,8 +65,9 @@ def load_config(path: str | Path) -> DictConfig:
 
 
 def parse_value(raw: str):
-    """Parse an override's value the way OmegaConf parses YAML values."""
-    return OmegaConf.from_dotlist([f"value={raw}"])["value"]
+    """Parse an override's value the way OmegaConf parses YAML values; an interpolation
+    (`${key}`) stays unresolved, to be resolved against the whole config."""
+    return OmegaConf.from_dotlist([f"value={raw}"])._get_node("value")._value()
 
 
 def check_override_syntax(overrides: list[str]) -> None:
@@ -89,7 +90,13 @@ def apply_overrides(cfg: DictConfig, overrides: list[str]) -> DictConfig:
             continue
         key, raw = item.split("=", 1)
         _check_parents(cfg, key, item)
-        value = parse_value(raw)
+        try:
+            value = parse_value(raw)
+        except Exception as e:  # YAML's own parse errors
+            raise ConfigError(
+                f"the value of override '{item}' is not valid YAML ({first_line(e)}). Quote "
+                "it, or close its brackets: a.b=[1,2] or a.b={k: v}."
+            ) from None
         existing = OmegaConf.select(cfg, key, default=None, throw_on_missing=False)
         if (
             isinstance(existing, DictConfig)
@@ -139,7 +146,11 @@ def resolve(cfg: DictConfig) -> DictConfig:
     try:
         OmegaConf.resolve(cfg)
     except OmegaConfBaseException as e:
-        raise ConfigError(f"cannot resolve an interpolation: {first_line(e)}") from None
+        where = f" in '{e.full_key}'" if getattr(e, "full_key", None) else ""
+        raise ConfigError(
+            f"cannot resolve the interpolation{where}: {first_line(e)}. A ${{...}} reference "
+            "names another key of the config (e.g. ${output_dir}); fix it or give a plain value."
+        ) from None
     return cfg
 
 

@@ -7,6 +7,14 @@ checked by binding their keys to the target's signature (see
 (with the closest valid key as a hint), wrong types, values outside a
 `Literal[...]`, numbers below a field's `at_least(n)` bound, and required
 keys (default `MISSING`) that are not set.
+
+After the checks a recipe receives its config as an instance of its schema
+(`as_schema_instance`): every section declared as a dataclass is a real
+dataclass instance (`cfg.distributed.strategy`, `cfg.checkpoint.keep_last`),
+plain values are Python values, and only the free-form nodes typed `Any`
+(`_component_` nodes, lists of them) stay OmegaConf nodes, so `instantiate`
+can name their config path in errors. `config_as_dict` turns it back into
+plain data (config.yaml, checkpoints' meta.json).
 """
 
 from __future__ import annotations
@@ -21,14 +29,9 @@ from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 
 from freetx.config.instantiate import check_components
 from freetx.errors import ConfigError
+from freetx.fields import MIN_KEY, at_least  # noqa: F401 - at_least is re-exported
 
 _NONE = type(None)
-MIN_KEY = "min"
-
-
-def at_least(minimum: int, default: Any = MISSING) -> Any:
-    """A schema field whose value must be `minimum` or more (a count, a size, a period)."""
-    return dataclasses.field(default=default, metadata={MIN_KEY: minimum})
 
 
 def _all_keys(schema: type, prefix: str = "") -> list[str]:
@@ -175,3 +178,46 @@ def apply_schema(cfg: DictConfig, schema: type) -> DictConfig:
         raise ConfigError(f"the config does not fit the recipe's schema: {e}") from None
     OmegaConf.set_struct(merged, True)
     return merged
+
+
+def _keeps_node(tp: Any) -> bool:
+    """Whether a field's value stays an OmegaConf node: `Any`, or a container of `Any`."""
+    if tp is Any:
+        return True
+    origin = typing.get_origin(tp)
+    if origin in (Union, types.UnionType):
+        return any(_keeps_node(a) for a in typing.get_args(tp) if a is not _NONE)
+    if origin in (list, tuple, dict):
+        return any(a is Any for a in typing.get_args(tp))
+    return False
+
+
+def as_schema_instance(cfg: DictConfig, schema: type) -> Any:
+    """The checked config as an instance of `schema` (see the module docstring)."""
+    hints = _resolved_hints(schema)
+    values = {}
+    for f in dataclasses.fields(schema):
+        tp = hints[f.name]
+        if _keeps_node(tp):
+            values[f.name] = cfg[f.name]  # a node stays a node; a plain value is resolved
+        elif dataclasses.is_dataclass(tp) and isinstance(cfg[f.name], DictConfig):
+            values[f.name] = as_schema_instance(cfg[f.name], tp)
+        else:
+            value = cfg[f.name]
+            if isinstance(value, (DictConfig, ListConfig)):
+                value = OmegaConf.to_container(value, resolve=True)
+            values[f.name] = value
+    return schema(**values)
+
+
+def config_as_dict(cfg: Any) -> Any:
+    """A config (schema instance, OmegaConf node, or plain data) as plain, resolved data."""
+    if dataclasses.is_dataclass(cfg) and not isinstance(cfg, type):
+        return {f.name: config_as_dict(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
+    if isinstance(cfg, (DictConfig, ListConfig)):
+        return OmegaConf.to_container(cfg, resolve=True)
+    if isinstance(cfg, dict):
+        return {k: config_as_dict(v) for k, v in cfg.items()}
+    if isinstance(cfg, (list, tuple)):
+        return [config_as_dict(v) for v in cfg]
+    return cfg

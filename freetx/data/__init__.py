@@ -1,4 +1,5 @@
-"""Data: tokenizers, the built-in corpus, packed text and instruction datasets, sampling.
+"""Data: tokenizers, the built-in corpus, packed text and instruction datasets, the
+letter-block task, AD's learning histories, sampling, and the shard cache.
 
 Datasets take rank and world size as arguments (never from the process group),
 and import nothing from the rest of freetx but its errors.
@@ -14,6 +15,7 @@ from freetx.data.sampling import (
     build_train_loader,
     micro_batch_size,
 )
+from freetx.data.shard_cache import ShardCache
 from freetx.data.text import PackedTextDataset, read_documents
 from freetx.data.tokenizers import ByteTokenizer, HFTokenizer
 
@@ -26,6 +28,7 @@ __all__ = [
     "InstructDataset",
     "LetterBlockDataset",
     "PackedTextDataset",
+    "ShardCache",
     "build_eval_loader",
     "build_train_loader",
     "micro_batch_size",

@@ -9,8 +9,8 @@ run resumed at another world size (same global batch) continues with exactly
 the samples the uninterrupted run would have seen.
 
 Evaluation: rank r reads samples r, r+W, r+2W, ...; ranks that run out read
-padding whose labels are all ignored, so every rank runs the same number of
-forward passes (each may be a collective under FSDP).
+padding samples (marked `padding`, for the recipe to leave out), so every rank
+runs the same number of forward passes (each may be a collective under FSDP).
 """
 
 from __future__ import annotations
@@ -132,7 +132,13 @@ class GlobalBatchSampler:
 
 
 class EvalShard(Dataset):
-    """Rank r's strided share of an evaluation set, padded to equal length on every rank."""
+    """Rank r's strided share of an evaluation set, padded to equal length on every rank.
+
+    Every rank gets the same number of samples, so every rank runs the same
+    number of forward passes (FSDP2 needs that). Each sample carries `padding`
+    (a bool tensor): True for the repeats that fill the last rank's share, which
+    the recipe leaves out of its metrics.
+    """
 
     def __init__(self, dataset: Dataset, rank: int, world_size: int) -> None:
         self.dataset, self.rank, self.world_size = dataset, rank, world_size
@@ -143,11 +149,10 @@ class EvalShard(Dataset):
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         source = index * self.world_size + self.rank
-        if source < len(self.dataset):
-            return self.dataset[source]
-        padding = dict(self.dataset[0])
-        padding["labels"] = torch.full_like(padding["labels"], IGNORE_INDEX)
-        return padding
+        padding = source >= len(self.dataset)
+        sample = dict(self.dataset[0 if padding else source])
+        sample["padding"] = torch.tensor(padding)
+        return sample
 
 
 def build_train_loader(
@@ -175,7 +180,7 @@ def build_train_loader(
 def build_eval_loader(
     dataset: Dataset, batch_size: int, rank: int, world_size: int
 ) -> StatefulDataLoader:
-    """Every rank gets the same number of batches; padding carries no loss."""
+    """Every rank gets the same number of batches; padding samples are marked `padding`."""
     generator = torch.Generator().manual_seed(0)  # keeps the global RNG untouched
     return StatefulDataLoader(
         EvalShard(dataset, rank, world_size), batch_size=batch_size, generator=generator

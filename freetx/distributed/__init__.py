@@ -1,13 +1,14 @@
-"""Process group, device, meshes, and how models are parallelized and initialized."""
+"""Process group, device, meshes, and how models are parallelized and initialized.
+
+`parallelize(model, runtime, cfg, seed)` returns a `ParallelPlan`, the one object
+that knows the strategy: nothing outside this package names one.
+"""
 
 from freetx.distributed.init import canonical_name, fill_parameters, materialize
 from freetx.distributed.parallelize import (
     DistributedConfig,
     MixedPrecisionConfig,
-    autocast,
-    canonical_strategy,
-    gradient_scaler,
-    gradient_sync,
+    ParallelPlan,
     parallelize,
     unwrap,
 )
@@ -23,14 +24,11 @@ __all__ = [
     "DistributedConfig",
     "DistributedRuntime",
     "MixedPrecisionConfig",
-    "autocast",
+    "ParallelPlan",
     "build_mesh",
     "canonical_name",
-    "canonical_strategy",
     "destroy_distributed",
     "fill_parameters",
-    "gradient_scaler",
-    "gradient_sync",
     "init_distributed",
     "materialize",
     "parallelize",

@@ -9,7 +9,8 @@ holds more than one full parameter beside its shards: an 8B model never
 materializes whole on one rank.
 
 The model supplies `init_parameter(name, full_tensor, generator)` (how to fill
-a parameter) and `init_buffers()` (e.g. RoPE tables).
+a parameter) and, when it has buffers to compute, `init_buffers()` (e.g. RoPE
+tables).
 """
 
 from __future__ import annotations
@@ -63,7 +64,9 @@ def materialize(
         return full
 
     fill_parameters(model, initial_value)
-    model.init_buffers()
+    init_buffers = getattr(model, "init_buffers", None)  # optional: models with no buffers
+    if init_buffers is not None:
+        init_buffers()
 
 
 def _local(param: torch.Tensor) -> torch.Tensor:

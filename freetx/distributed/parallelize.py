@@ -1,17 +1,21 @@
-"""`parallelize(model, runtime, cfg)`: one strategy switch for every recipe.
+"""`parallelize(model, runtime, cfg, seed) -> ParallelPlan`: one strategy switch for
+every recipe, and the only place that knows the strategies.
 
-| strategy        | mechanism                                           | known as             |
-|-----------------|-----------------------------------------------------|----------------------|
-| ddp             | DistributedDataParallel                             | DDP, FSDP no_shard   |
-| zero1           | DDP + ZeroRedundancyOptimizer (see build_optimizer) | DeepSpeed ZeRO-1     |
-| zero2           | fully_shard(reshard_after_forward=False)            | ZeRO-2, shard_grad_op|
-| fsdp (zero3)    | fully_shard per block, then the root                | ZeRO-3, full_shard   |
-| hsdp            | fully_shard on a 2-D mesh (replicate x shard)       | hybrid shard         |
+| strategy        | mechanism                                              | known as             |
+|-----------------|--------------------------------------------------------|----------------------|
+| ddp             | DistributedDataParallel                                | DDP, FSDP no_shard   |
+| zero1           | DDP + ZeroRedundancyOptimizer (plan.build_optimizer)   | DeepSpeed ZeRO-1     |
+| zero2           | fully_shard(reshard_after_forward=False)               | ZeRO-2, shard_grad_op|
+| fsdp (zero3)    | fully_shard per block, then the root                   | ZeRO-3, full_shard   |
+| hsdp            | fully_shard on a 2-D mesh (replicate x shard)          | hybrid shard         |
 
 The order follows torchtitan: activation checkpointing, per-block compile,
 then sharding or DDP. The model arrives on the meta device and leaves
 materialized and initialized (see `freetx.distributed.init`). Blocks are found
-by module type: each model lists its block classes in `block_types`.
+by module type (the model's `block_types`); a model with none is sharded and
+checkpointed as one unit. The returned `ParallelPlan` answers every
+strategy-specific question a recipe has: what to call, the model under any
+wrapper, the optimizer (ZeRO-1 included), gradient sync, autocast, the scaler.
 """
 
 from __future__ import annotations
@@ -19,17 +23,21 @@ from __future__ import annotations
 import os
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import Any, Literal, Optional
 
 import torch
 from torch import nn
 from torch.distributed._composable import checkpoint as checkpoint_activations
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
+from freetx.config.instantiate import COMPONENT, import_component, instantiate, node_path
 from freetx.distributed.init import materialize
 from freetx.distributed.runtime import DistributedRuntime, build_mesh
 from freetx.errors import ConfigError
+from freetx.fields import at_least
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 STRATEGY_ALIASES = {"zero3": "fsdp"}
@@ -53,16 +61,94 @@ class DistributedConfig:
 
     strategy: Literal["fsdp", "zero3", "zero2", "zero1", "ddp", "hsdp"] = "fsdp"
     # hsdp: number of replicas (shards = world size / replicas). None: one per node.
-    replicate_degree: Optional[int] = None
+    replicate_degree: Optional[int] = at_least(1, default=None)
     mixed_precision: MixedPrecisionConfig = field(default_factory=MixedPrecisionConfig)
     cpu_offload: bool = False
     activation_checkpointing: Literal["none", "full", "selective"] = "none"
-    ac_every_n_blocks: int = 2  # selective: checkpoint every n-th block
+    ac_every_n_blocks: int = at_least(1, default=2)  # selective: checkpoint every n-th block
     compile: bool = False
 
 
 def canonical_strategy(name: str) -> str:
     return STRATEGY_ALIASES.get(name, name)
+
+
+_FUSABLE = (torch.optim.AdamW, torch.optim.Adam)
+
+
+@dataclass
+class ParallelPlan:
+    """What `parallelize` made, and every strategy-specific answer a recipe needs."""
+
+    model: nn.Module  # what to call and train: DDP wrapper, FSDP2-sharded model, or plain
+    module: nn.Module  # the model itself, under any wrapper: its config and protocol methods
+    strategy: str  # the canonical strategy name (for the banner and checkpoints' meta)
+    runtime: DistributedRuntime
+    cfg: Any  # the `distributed:` section
+    mesh: DeviceMesh | None = None  # the data-parallel mesh of a sharded model
+    scaler: torch.amp.GradScaler = field(init=False)
+
+    def __post_init__(self) -> None:
+        # enabled only for float16 (a no-op pass-through otherwise)
+        enabled = self.cfg.mixed_precision.param_dtype == "float16"
+        self.scaler = torch.amp.GradScaler(self.runtime.device_type, enabled=enabled)
+
+    @property
+    def replicated(self) -> bool:
+        """Every rank holds the whole parameters (DDP, ZeRO-1, or a world of one)."""
+        return not isinstance(self.model, FSDPModule)
+
+    @property
+    def inference_model(self) -> nn.Module:
+        """The model for forward passes that differ between ranks (per-rank rollouts):
+        the bare module when parameters are replicated (no collective in its forward);
+        the sharded model otherwise, where every rank must run as many forwards."""
+        return self.module if self.replicated else self.model
+
+    def build_optimizer(self, node) -> torch.optim.Optimizer:
+        """The optimizer a `_component_` node names, over the trainable parameters.
+
+        - zero1: the optimizer class runs inside ZeroRedundancyOptimizer, so each
+          rank keeps the state of its share of the parameters (DeepSpeed ZeRO-1).
+        - On CUDA, torch's Adam/AdamW get `fused=True` unless the config says.
+        Any optimizer class works, torchao's low-bit ones included
+        (`_component_: torchao.optim.AdamW8bit`).
+        """
+        target = import_component(node[COMPONENT], f"{node_path(node)}._component_")
+        extra = {}
+        if self.runtime.device_type == "cuda" and target in _FUSABLE and "fused" not in node:
+            extra["fused"] = True
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        if self.strategy == "zero1":
+            kwargs = {k: v for k, v in node.items() if k != COMPONENT}
+            return ZeroRedundancyOptimizer(params, optimizer_class=target, **kwargs, **extra)
+        return instantiate(node, params, **extra)
+
+    @contextmanager
+    def gradient_sync(self, enabled: bool):
+        """Skip gradient communication for micro-batches that are not the last one.
+
+        FSDP2: `set_requires_gradient_sync`; DDP (and ZeRO-1): `no_sync()`.
+        """
+        model = self.model
+        if isinstance(model, DistributedDataParallel):
+            with nullcontext() if enabled else model.no_sync():
+                yield
+        elif isinstance(model, FSDPModule):
+            model.set_requires_gradient_sync(enabled)
+            try:
+                yield
+            finally:
+                model.set_requires_gradient_sync(True)
+        else:
+            yield
+
+    def autocast(self):
+        """Autocast for replicated parameters (FSDP2 casts through its policy)."""
+        dtype = DTYPES[self.cfg.mixed_precision.param_dtype]
+        if dtype == torch.float32 or isinstance(self.model, FSDPModule):
+            return nullcontext()
+        return torch.autocast(self.runtime.device_type, dtype=dtype)
 
 
 def check_distributed_config(cfg: DistributedConfig, runtime: DistributedRuntime) -> None:
@@ -86,8 +172,6 @@ def check_distributed_config(cfg: DistributedConfig, runtime: DistributedRuntime
             "not provide.",
             fix="Use distributed.mixed_precision.param_dtype=bfloat16, or strategy=ddp.",
         )
-    if cfg.ac_every_n_blocks < 1:
-        raise ConfigError("distributed.ac_every_n_blocks must be at least 1.")
     replicate_degree(cfg, runtime)  # raises when it does not divide the world
 
 
@@ -118,42 +202,45 @@ def apply_activation_checkpointing(blocks: list[nn.Module], mode: str, every_n: 
 
 
 def find_blocks(model: nn.Module) -> list[nn.Module]:
-    """The model's blocks, by the module types it names in `block_types`."""
-    types = getattr(model, "block_types", None)
+    """The model's blocks, by the module types it names in `block_types`; a model that
+    names none is one block (sharded, checkpointed and compiled whole)."""
+    types = tuple(getattr(model, "block_types", ()) or ())
     if not types:
-        raise ConfigError(
-            f"{type(model).__name__} does not name its block classes (`block_types`), so "
-            "freetx cannot tell which modules to shard and checkpoint."
-        )
-    return [m for m in model.modules() if isinstance(m, tuple(types))]
+        return []
+    return [m for m in model.modules() if isinstance(m, types)]
 
 
-def parallelize(
-    model: nn.Module, runtime: DistributedRuntime, cfg: DistributedConfig, seed: int
-) -> nn.Module:
+def parallelize(model: nn.Module, runtime: DistributedRuntime, cfg, seed: int) -> ParallelPlan:
     """Apply the configured strategy to a meta-device model, then materialize it.
 
-    Returns the model to train (a DDP wrapper for ddp/zero1, the sharded model
-    itself otherwise; at world size 1 the plain model, unless CPU offload needs
-    FSDP). Initial weights depend only on `seed`, not on the
-    strategy or the world size.
+    The plan's `model` is a DDP wrapper for ddp/zero1, the sharded model itself
+    otherwise, and the plain model at world size 1 (unless CPU offload needs
+    FSDP). Initial weights depend only on `seed`, not on the strategy or the
+    world size.
     """
     check_distributed_config(cfg, runtime)
     strategy = canonical_strategy(cfg.strategy)
     blocks = find_blocks(model)
-    apply_activation_checkpointing(blocks, cfg.activation_checkpointing, cfg.ac_every_n_blocks)
+    whole = blocks or [model]  # a model without blocks is one unit
+    apply_activation_checkpointing(whole, cfg.activation_checkpointing, cfg.ac_every_n_blocks)
     if cfg.compile:
-        for block in blocks:
+        for block in whole:
             block.compile()
+
+    def plan(trained: nn.Module, mesh: DeviceMesh | None = None) -> ParallelPlan:
+        return ParallelPlan(trained, model, strategy, runtime, cfg, mesh)
+
     if runtime.world_size == 1 and not cfg.cpu_offload:
         # nothing to shard or replicate: the plain model is the fastest way to train
         materialize(model, runtime.device, seed)
-        return model
+        return plan(model)
     if strategy in REPLICATED:
         materialize(model, runtime.device, seed)
         device_ids = [runtime.local_rank] if runtime.device_type == "cuda" else None
         # gradients as views of the all-reduce buckets: no second copy of the gradients
-        return DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True)
+        return plan(
+            DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True)
+        )
 
     mesh = build_mesh(runtime, replicate_degree(cfg, runtime))
     options = {
@@ -172,42 +259,9 @@ def parallelize(
     # offloaded parameters live on the CPU; buffers (RoPE tables) stay on the device
     param_device = torch.device("cpu") if cfg.cpu_offload else runtime.device
     materialize(model, param_device, seed, buffer_device=runtime.device)
-    return model
+    return plan(model, mesh)
 
 
 def unwrap(model: nn.Module) -> nn.Module:
     """The model under a DDP wrapper (FSDP2 models are not wrapped)."""
     return model.module if isinstance(model, DistributedDataParallel) else model
-
-
-@contextmanager
-def gradient_sync(model: nn.Module, enabled: bool):
-    """Skip gradient communication for micro-batches that are not the last one.
-
-    FSDP2: `set_requires_gradient_sync`; DDP (and ZeRO-1): `no_sync()`.
-    """
-    if isinstance(model, DistributedDataParallel):
-        with nullcontext() if enabled else model.no_sync():
-            yield
-    elif isinstance(model, FSDPModule):
-        model.set_requires_gradient_sync(enabled)
-        try:
-            yield
-        finally:
-            model.set_requires_gradient_sync(True)
-    else:
-        yield
-
-
-def autocast(model: nn.Module, runtime: DistributedRuntime, cfg: DistributedConfig):
-    """Autocast for the replicated strategies (FSDP2 casts through its policy)."""
-    dtype = DTYPES[cfg.mixed_precision.param_dtype]
-    if dtype == torch.float32 or isinstance(model, FSDPModule):
-        return nullcontext()
-    return torch.autocast(runtime.device_type, dtype=dtype)
-
-
-def gradient_scaler(runtime: DistributedRuntime, cfg: DistributedConfig) -> torch.amp.GradScaler:
-    """A GradScaler, enabled only for float16 (a no-op pass-through otherwise)."""
-    enabled = cfg.mixed_precision.param_dtype == "float16"
-    return torch.amp.GradScaler(runtime.device_type, enabled=enabled)

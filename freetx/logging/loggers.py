@@ -102,42 +102,56 @@ class ProgressBarLogger(MetricLogger):
 
 
 class JSONLLogger(MetricLogger):
-    """`<output_dir>/metrics.jsonl`: one JSON object per logged step (appended on resume)."""
+    """`<output_dir>/metrics.jsonl`: one JSON object per logged step (appended on resume).
+
+    The file is opened at the first record, so a run refused at set-up leaves none.
+    """
 
     def __init__(
         self, output_dir: str, total_steps: int | None = None, filename: str = "metrics.jsonl"
     ):
         super().__init__(output_dir, total_steps)
         self.path = self.output_dir / filename
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
+        self._file = None
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
+        if self._file is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - see close()
         record: dict[str, Any] = {"step": step, **metrics, "time": round(time.time(), 3)}
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
 
     def close(self) -> None:
-        self._file.close()
+        if self._file is not None:
+            self._file.close()
 
 
 class TensorBoardLogger(MetricLogger):
-    """TensorBoard scalars under `<output_dir>/tb/` (`tensorboard --logdir OUTPUT_DIR/tb`)."""
+    """TensorBoard scalars under `<output_dir>/tb/` (`tensorboard --logdir OUTPUT_DIR/tb`).
+
+    The event file is made at the first record, so a run refused at set-up leaves none.
+    """
 
     def __init__(self, output_dir: str, total_steps: int | None = None, subdir: str = "tb"):
         super().__init__(output_dir, total_steps)
         from torch.utils.tensorboard import SummaryWriter  # imported only when configured
 
-        self.writer = SummaryWriter(log_dir=str(self.output_dir / subdir))
+        self.log_dir = self.output_dir / subdir
+        self._writer_class = SummaryWriter
+        self.writer = None
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
+        if self.writer is None:
+            self.writer = self._writer_class(log_dir=str(self.log_dir))
         for name, value in metrics.items():
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 self.writer.add_scalar(name, value, global_step=step)
         self.writer.flush()
 
     def close(self) -> None:
-        self.writer.close()
+        if self.writer is not None:
+            self.writer.close()
 
 
 class MetricLoggers:

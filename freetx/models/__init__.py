@@ -1,19 +1,31 @@
-"""Models: plain nn.Modules that name their block classes; parallelism comes from outside.
+"""Models: plain nn.Modules following the model protocol; parallelism comes from outside.
 
-transformer.py        the Llama-style decoder (DecoderBlock, presets tiny ... llama3_8b)
+protocol.py           what freetx asks of a model; presets through one builder per family
+transformer.py        the Llama-style decoder (DecoderBlock), presets tiny ... llama3_8b
+transformer_hf.py     its HF Llama layout: tensor names and config.json
+hf.py                 finding a model's HF layout (the checkpoint package asks here)
 free_transformer.py   the Free Transformer: the decoder + a per-token latent
+ad.py                 the Algorithm Distillation transformer
 """
 
-from __future__ import annotations
+from freetx.models.protocol import (
+    LatentModel,
+    Model,
+    build_config,
+    build_model,
+    builds,
+    flops_per_token,
+    model_class,
+    num_parameters,
+)
 
-import importlib
-from typing import Any
-
-from torch import nn
-
-
-def build_model(model_class: str, config: dict[str, Any]) -> nn.Module:
-    """A model from its class path and config fields (as a checkpoint's meta.json records)."""
-    module_name, _, class_name = model_class.rpartition(".")
-    cls = getattr(importlib.import_module(module_name), class_name)
-    return cls(cls.config_class(**config))
+__all__ = [
+    "LatentModel",
+    "Model",
+    "build_config",
+    "build_model",
+    "builds",
+    "flops_per_token",
+    "model_class",
+    "num_parameters",
+]

@@ -15,12 +15,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from freetx.models.protocol import build_config, builds
 from freetx.models.transformer import (
     DecoderBlock,
+    RotaryTables,
     TransformerConfig,
     init_decoder_parameter,
-    refresh_rope_tables,
-    rope_tables,
 )
 
 
@@ -52,9 +52,7 @@ class ADTransformer(nn.Module):
         self.layers = nn.ModuleList(DecoderBlock(cfg) for _ in range(cfg.num_layers))
         self.norm = nn.RMSNorm(cfg.hidden_dim, eps=cfg.norm_eps)
         self.head = nn.Linear(cfg.hidden_dim, cfg.num_actions, bias=False)
-        cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
+        self.rope = RotaryTables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
 
     @property
     def no_action(self) -> int:
@@ -67,8 +65,7 @@ class ADTransformer(nn.Module):
     def forward(
         self, states: torch.Tensor, prev_actions: torch.Tensor, prev_rewards: torch.Tensor
     ) -> torch.Tensor:
-        seq_len = states.shape[1]
-        cos, sin = self.rope_cos[:seq_len], self.rope_sin[:seq_len]
+        cos, sin = self.rope(states.shape[1])
         h = (
             self.state_embedding(states)
             + self.action_embedding(prev_actions)
@@ -85,7 +82,7 @@ class ADTransformer(nn.Module):
         )
 
     def init_buffers(self) -> None:
-        refresh_rope_tables(self, self.config)
+        self.rope.reset()
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
@@ -95,25 +92,17 @@ class ADTransformer(nn.Module):
         return float(6 * self.num_parameters() + 12 * c.num_layers * c.hidden_dim * seq_len)
 
 
-def ad_transformer(
-    n_transit: int = 80,
-    hidden_dim: int = 64,
-    num_layers: int = 4,
-    num_heads: int = 4,
-    ffn_hidden_dim: int = 256,
-    dropout: float = 0.1,
-    attention_dropout: float = 0.0,
-    num_states: int = 81,
-    num_actions: int = 5,
-    num_rewards: int = 2,
-) -> ADTransformer:
-    """An AD transformer; names as the seed knew them: n_transit (context), hidden_dim
-    (tf_n_embd), num_layers (tf_n_layer), num_heads (tf_n_head)."""
-    return ADTransformer(
-        ADConfig(
-            vocab_size=num_actions, hidden_dim=hidden_dim, num_layers=num_layers,
-            num_heads=num_heads, ffn_hidden_dim=ffn_hidden_dim, max_seq_len=n_transit,
-            rope_theta=10000.0, dropout=dropout, attention_dropout=attention_dropout,
-            num_states=num_states, num_actions=num_actions, num_rewards=num_rewards,
-        )
-    )  # fmt: skip
+# The defaults of the AD transformer (the decoder's fields where the seed had none)
+DEFAULTS = dict(vocab_size=5, hidden_dim=64, num_layers=4, num_heads=4, ffn_hidden_dim=256,
+                max_seq_len=80, rope_theta=10000.0, dropout=0.1)  # fmt: skip
+
+
+@builds(ADConfig)
+def ad_transformer(n_transit: int | None = None, **fields) -> ADTransformer:
+    """An AD transformer: `ADConfig` fields over `DEFAULTS`, names as the seed knew them
+    where they differ: n_transit (the context, `max_seq_len`), hidden_dim (tf_n_embd),
+    num_layers (tf_n_layer), num_heads (tf_n_head)."""
+    if n_transit is not None:
+        fields["max_seq_len"] = n_transit
+    fields.setdefault("vocab_size", fields.get("num_actions", DEFAULTS["vocab_size"]))
+    return ADTransformer(build_config(ADConfig, {**DEFAULTS, **fields}))

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from freetx.models.protocol import build_config, builds
 from freetx.models.transformer import DecoderBlock, Transformer, TransformerConfig
 
 IGNORE_INDEX = -100  # torch's cross-entropy default, as in freetx.data
@@ -108,6 +109,7 @@ class FreeTransformer(Transformer):
     """A decoder whose block `split_layer + 1` sees a per-token latent code."""
 
     config_class = FreeTransformerConfig
+    hf_layout = None  # transformers has no Free Transformer
 
     def __init__(self, cfg: FreeTransformerConfig):
         super().__init__(cfg)
@@ -165,6 +167,20 @@ class FreeTransformer(Transformer):
         for layer in self.layers[cfg.split_layer + 1 :]:
             h = layer(h, cos, sin)
         return self.head(h), z_logits
+
+    # -- sampling (the LatentModel protocol) ---------------------------------
+    def prior_codes(self, count: int, length: int, generator: torch.Generator) -> torch.Tensor:
+        """Codes [count, length] from the uniform prior: one Z per position."""
+        num_codes = 2**self.config.latent_dim
+        device = self.tok_embeddings.weight.device
+        return torch.randint(0, num_codes, (count, length), generator=generator, device=device)
+
+    def posterior_codes(self, input_ids: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        """Codes [B, T] the encoder draws for `input_ids` (e.g. a prompt)."""
+        _, z_logits = self(input_ids)
+        noise = torch.rand(z_logits.shape, generator=generator, device=z_logits.device)
+        _, bits = binary_mapper(z_logits, noise)
+        return bits_to_index(bits)
 
     def init_parameter(self, name: str, tensor: torch.Tensor, generator: torch.Generator) -> None:
         """The decoder's rules, plus: the post-sampler starts at zero (so the model
@@ -235,66 +251,24 @@ class FreeTransformerLoss:
         return loss, extras
 
 
-def free_transformer(
-    vocab_size: int,
-    hidden_dim: int,
-    num_layers: int,
-    num_heads: int,
-    latent_dim: int = 8,
-    split_layer: int | None = None,
-    factored_post_sampler: bool = False,
-    num_kv_heads: int | None = None,
-    ffn_hidden_dim: int | None = None,
-    max_seq_len: int = 2048,
-    rope_theta: float = 500000.0,
-    norm_eps: float = 1e-5,
-    tie_embeddings: bool = False,
-    dropout: float = 0.0,
-    attention_dropout: float = 0.0,
-    init_std: float = 0.02,
-) -> FreeTransformer:
-    """A Free Transformer of any shape; the presets below fix it for you."""
-    return FreeTransformer(
-        FreeTransformerConfig(
-            vocab_size=vocab_size, hidden_dim=hidden_dim, num_layers=num_layers,
-            num_heads=num_heads, num_kv_heads=num_kv_heads, ffn_hidden_dim=ffn_hidden_dim,
-            max_seq_len=max_seq_len, rope_theta=rope_theta, norm_eps=norm_eps,
-            tie_embeddings=tie_embeddings, dropout=dropout, attention_dropout=attention_dropout,
-            init_std=init_std, latent_dim=latent_dim, split_layer=split_layer,
-            factored_post_sampler=factored_post_sampler,
-        )
-    )  # fmt: skip
+PRESETS: dict[str, dict] = {
+    # ~1M parameters, 4 blocks split 2 + 2, H=8 (256 codes): the letter-block task on CPU
+    "tiny": dict(vocab_size=259, hidden_dim=128, num_layers=4, num_heads=4, latent_dim=8,
+                 ffn_hidden_dim=384, max_seq_len=128, rope_theta=10000.0, tie_embeddings=True),
+    # a 1.5B Llama-style shape (20 blocks x 2048, split at 10), H=16 with the factored
+    # post-sampler (a 2^16-row table would add 134M parameters)
+    "1_5b": dict(vocab_size=128256, hidden_dim=2048, num_layers=20, num_heads=16,
+                 num_kv_heads=8, ffn_hidden_dim=8192, max_seq_len=4096, latent_dim=16,
+                 factored_post_sampler=True, tie_embeddings=True),
+    # Llama 3.1 8B shape (32 blocks, split at 16) with H=16, factored post-sampler
+    "8b": dict(vocab_size=128256, hidden_dim=4096, num_layers=32, num_heads=32, num_kv_heads=8,
+               ffn_hidden_dim=14336, max_seq_len=8192, latent_dim=16,
+               factored_post_sampler=True),
+}  # fmt: skip
 
 
-def tiny(
-    vocab_size: int = 259, max_seq_len: int = 128, latent_dim: int = 8, dropout: float = 0.0
-) -> FreeTransformer:
-    """~1M parameters, 4 blocks split 2 + 2, H=8 (256 codes): the letter-block task on CPU."""
-    return free_transformer(
-        vocab_size, hidden_dim=128, num_layers=4, num_heads=4, latent_dim=latent_dim,
-        ffn_hidden_dim=384, max_seq_len=max_seq_len, rope_theta=10000.0, tie_embeddings=True,
-        dropout=dropout,
-    )  # fmt: skip
-
-
-def paper_1_5b(
-    vocab_size: int = 128256, max_seq_len: int = 4096, latent_dim: int = 16
-) -> FreeTransformer:
-    """A 1.5B Llama-style shape (20 blocks x 2048, split at 10), H=16 with the factored
-    post-sampler (a 2^16-row table would add 134M parameters)."""
-    return free_transformer(
-        vocab_size, hidden_dim=2048, num_layers=20, num_heads=16, num_kv_heads=8,
-        ffn_hidden_dim=8192, max_seq_len=max_seq_len, latent_dim=latent_dim,
-        factored_post_sampler=True, tie_embeddings=True,
-    )  # fmt: skip
-
-
-def paper_8b(
-    vocab_size: int = 128256, max_seq_len: int = 8192, latent_dim: int = 16
-) -> FreeTransformer:
-    """Llama 3.1 8B shape (32 blocks, split at 16) with H=16, factored post-sampler."""
-    return free_transformer(
-        vocab_size, hidden_dim=4096, num_layers=32, num_heads=32, num_kv_heads=8,
-        ffn_hidden_dim=14336, max_seq_len=max_seq_len, latent_dim=latent_dim,
-        factored_post_sampler=True,
-    )  # fmt: skip
+@builds(FreeTransformerConfig)
+def free_transformer(preset: str | None = None, **fields) -> FreeTransformer:
+    """A Free Transformer: a preset (tiny, 1_5b, 8b) with any `FreeTransformerConfig`
+    field changed, or any shape from its fields alone."""
+    return FreeTransformer(build_config(FreeTransformerConfig, fields, preset, PRESETS))

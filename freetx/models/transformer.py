@@ -7,8 +7,10 @@ activation checkpointing, `compile`); the model names it in `block_types`.
 
 Models are built on the meta device, parallelized, then materialized and
 initialized parameter by parameter (`init_parameter`), so a large model never
-exists whole on one rank. Size presets are builder functions that configs name
-by `_component_` (`freetx.models.transformer.tiny`).
+exists whole on one rank (the model protocol: `freetx/models/protocol.py`).
+One builder, `decoder(preset=None, **fields)`, makes every shape: a preset of
+`PRESETS` with any field changed, or any shape from its fields. The HF Llama
+layout (names, config.json) lives beside it in `transformer_hf.py`.
 """
 
 from __future__ import annotations
@@ -19,6 +21,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from freetx.models.protocol import build_config, builds
+from freetx.models.transformer_hf import LLAMA_LAYOUT
 
 
 @dataclass
@@ -44,6 +49,10 @@ class TransformerConfig:
             self.num_kv_heads = self.num_heads
         if self.ffn_hidden_dim is None:
             self.ffn_hidden_dim = 256 * math.ceil(int(8 * self.hidden_dim / 3) / 256)
+        sizes = ("vocab_size", "hidden_dim", "num_layers", "num_heads", "num_kv_heads")
+        for name in (*sizes, "ffn_hidden_dim", "max_seq_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be at least 1")
         if self.hidden_dim % self.num_heads:
             raise ValueError(
                 f"hidden_dim={self.hidden_dim} is not divisible by num_heads={self.num_heads}"
@@ -69,13 +78,28 @@ def rope_tables(head_dim: int, max_seq_len: int, theta: float, device=None):
     return angles.cos(), angles.sin()
 
 
-def refresh_rope_tables(module: nn.Module, cfg) -> None:
-    """Recompute a module's `rope_cos` / `rope_sin` buffers on their device."""
-    cos, sin = rope_tables(
-        cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, device=module.rope_cos.device
-    )
-    module.rope_cos.copy_(cos)
-    module.rope_sin.copy_(sin)
+class RotaryTables(nn.Module):
+    """RoPE's cos and sin tables as non-persistent buffers (never in a checkpoint).
+
+    `tables(seq_len)` gives the first `seq_len` rows; `reset()` recomputes them
+    on their device after a meta-device model is materialized.
+    """
+
+    def __init__(self, head_dim: int, max_seq_len: int, theta: float) -> None:
+        super().__init__()
+        self.head_dim, self.max_seq_len, self.theta = head_dim, max_seq_len, theta
+        cos, sin = rope_tables(head_dim, max_seq_len, theta)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+
+    def forward(self, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.cos[:seq_len], self.sin[:seq_len]
+
+    @torch.no_grad()
+    def reset(self) -> None:
+        cos, sin = rope_tables(self.head_dim, self.max_seq_len, self.theta, self.cos.device)
+        self.cos.copy_(cos)
+        self.sin.copy_(sin)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -208,6 +232,7 @@ class Transformer(nn.Module):
 
     block_types: tuple[type[nn.Module], ...] = (DecoderBlock,)
     config_class = TransformerConfig
+    hf_layout = LLAMA_LAYOUT
 
     def __init__(self, cfg: TransformerConfig):
         super().__init__()
@@ -219,14 +244,9 @@ class Transformer(nn.Module):
         self.output = (
             None if cfg.tie_embeddings else nn.Linear(cfg.hidden_dim, cfg.vocab_size, bias=False)
         )
-        cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
+        self.rope = RotaryTables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
 
     # -- the forward pass -------------------------------------------------
-    def rope(self, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.rope_cos[:seq_len], self.rope_sin[:seq_len]
-
     def head(self, h: torch.Tensor) -> torch.Tensor:
         h = self.norm(h)
         if self.output is None:
@@ -250,7 +270,7 @@ class Transformer(nn.Module):
 
     def init_buffers(self) -> None:
         """Recompute the RoPE tables on the model's device (meta init leaves garbage)."""
-        refresh_rope_tables(self, self.config)
+        self.rope.reset()
 
     # -- accounting ------------------------------------------------------
     def num_parameters(self, exclude_embeddings: bool = False) -> int:
@@ -267,83 +287,28 @@ class Transformer(nn.Module):
         return float(dense + attention)
 
 
-def decoder(
-    vocab_size: int,
-    hidden_dim: int,
-    num_layers: int,
-    num_heads: int,
-    num_kv_heads: int | None = None,
-    ffn_hidden_dim: int | None = None,
-    max_seq_len: int = 2048,
-    rope_theta: float = 500000.0,
-    norm_eps: float = 1e-5,
-    tie_embeddings: bool = False,
-    dropout: float = 0.0,
-    attention_dropout: float = 0.0,
-    init_std: float = 0.02,
-) -> Transformer:
-    """A decoder of any shape; the presets below fix the shape for you."""
-    return Transformer(
-        TransformerConfig(
-            vocab_size=vocab_size,
-            hidden_dim=hidden_dim,
-            num_layers=num_layers,
-            num_heads=num_heads,
-            num_kv_heads=num_kv_heads,
-            ffn_hidden_dim=ffn_hidden_dim,
-            max_seq_len=max_seq_len,
-            rope_theta=rope_theta,
-            norm_eps=norm_eps,
-            tie_embeddings=tie_embeddings,
-            dropout=dropout,
-            attention_dropout=attention_dropout,
-            init_std=init_std,
-        )
-    )
+# The shapes users know, as the fields they fix; `decoder(preset, **fields)` changes any.
+PRESETS: dict[str, dict] = {
+    # ~1.6M parameters with the byte vocabulary: CPU tests and the demo
+    "tiny": dict(vocab_size=259, hidden_dim=192, num_layers=4, num_heads=6, num_kv_heads=2,
+                 ffn_hidden_dim=512, max_seq_len=256, rope_theta=10000.0, tie_embeddings=True),
+    # ~52M parameters: a real model that still trains on one GPU or a patient CPU
+    "small": dict(vocab_size=259, hidden_dim=640, num_layers=10, num_heads=10, num_kv_heads=5,
+                  ffn_hidden_dim=2048, max_seq_len=1024, rope_theta=10000.0,
+                  tie_embeddings=True),
+    # Llama 3.2 1B: 16 layers, 2048 hidden, 32 heads / 8 KV, tied embeddings
+    "llama3_1b": dict(vocab_size=128256, hidden_dim=2048, num_layers=16, num_heads=32,
+                      num_kv_heads=8, ffn_hidden_dim=8192, max_seq_len=8192,
+                      rope_theta=500000.0, tie_embeddings=True),
+    # Llama 3.1 8B: 32 layers, 4096 hidden, 32 heads / 8 KV, untied head
+    "llama3_8b": dict(vocab_size=128256, hidden_dim=4096, num_layers=32, num_heads=32,
+                      num_kv_heads=8, ffn_hidden_dim=14336, max_seq_len=8192,
+                      rope_theta=500000.0, tie_embeddings=False),
+}  # fmt: skip
 
 
-def tiny(
-    vocab_size: int = 259, max_seq_len: int = 256, dropout: float = 0.0, tie_embeddings: bool = True
-) -> Transformer:
-    """~1.6M parameters with the byte vocabulary: CPU tests and the demo."""
-    return decoder(
-        vocab_size, hidden_dim=192, num_layers=4, num_heads=6, num_kv_heads=2,
-        ffn_hidden_dim=512, max_seq_len=max_seq_len, rope_theta=10000.0,
-        tie_embeddings=tie_embeddings, dropout=dropout,
-    )  # fmt: skip
-
-
-def small(
-    vocab_size: int = 259,
-    max_seq_len: int = 1024,
-    dropout: float = 0.0,
-    tie_embeddings: bool = True,
-) -> Transformer:
-    """~52M parameters: a real model that still trains on one GPU or a patient CPU."""
-    return decoder(
-        vocab_size, hidden_dim=640, num_layers=10, num_heads=10, num_kv_heads=5,
-        ffn_hidden_dim=2048, max_seq_len=max_seq_len, rope_theta=10000.0,
-        tie_embeddings=tie_embeddings, dropout=dropout,
-    )  # fmt: skip
-
-
-def llama3_1b(
-    vocab_size: int = 128256, max_seq_len: int = 8192, dropout: float = 0.0
-) -> Transformer:
-    """Llama 3.2 1B shape: 16 layers, 2048 hidden, 32 heads / 8 KV, tied embeddings."""
-    return decoder(
-        vocab_size, hidden_dim=2048, num_layers=16, num_heads=32, num_kv_heads=8,
-        ffn_hidden_dim=8192, max_seq_len=max_seq_len, rope_theta=500000.0,
-        tie_embeddings=True, dropout=dropout,
-    )  # fmt: skip
-
-
-def llama3_8b(
-    vocab_size: int = 128256, max_seq_len: int = 8192, dropout: float = 0.0
-) -> Transformer:
-    """Llama 3.1 8B shape: 32 layers, 4096 hidden, 32 heads / 8 KV, untied head."""
-    return decoder(
-        vocab_size, hidden_dim=4096, num_layers=32, num_heads=32, num_kv_heads=8,
-        ffn_hidden_dim=14336, max_seq_len=max_seq_len, rope_theta=500000.0,
-        tie_embeddings=False, dropout=dropout,
-    )  # fmt: skip
+@builds(TransformerConfig)
+def decoder(preset: str | None = None, **fields) -> Transformer:
+    """A decoder: a preset's shape (tiny, small, llama3_1b, llama3_8b) with any
+    `TransformerConfig` field changed, or any shape from its fields alone."""
+    return Transformer(build_config(TransformerConfig, fields, preset, PRESETS))

@@ -1,9 +1,11 @@
-"""What training loops share: schedules, optimizers, clipping, losses, seeding, meters."""
+"""What training loops share: the run's lifecycle, gradient accumulation and the optimizer
+step, schedules, clipping, losses, seeding, meters."""
 
 from freetx.training.checks import check_model_and_data
 from freetx.training.config import TrainingConfig, default_metric_loggers
 from freetx.training.grad import clip_grad_norm
-from freetx.training.loss import CrossEntropyLoss, count_tokens
+from freetx.training.lifecycle import TrainingRun, training_state
+from freetx.training.loss import CrossEntropyLoss, loss_tokens
 from freetx.training.lr_schedule import LRScheduleConfig, build_lr_scheduler, lr_multiplier
 from freetx.training.metrics import (
     ThroughputMeter,
@@ -14,22 +16,22 @@ from freetx.training.metrics import (
     sum_over_ranks,
     train_step_metrics,
 )
-from freetx.training.optim import build_optimizer
 from freetx.training.seed import rng_state, seed_everything, set_rng_state
-from freetx.training.step import accumulate_gradients, optimizer_step
+from freetx.training.step import accumulate_gradients, count_over_ranks, optimizer_step
 
 __all__ = [
     "CrossEntropyLoss",
-    "accumulate_gradients",
     "LRScheduleConfig",
     "ThroughputMeter",
     "TrainingConfig",
+    "TrainingRun",
+    "accumulate_gradients",
     "build_lr_scheduler",
     "check_model_and_data",
-    "build_optimizer",
     "clip_grad_norm",
-    "count_tokens",
+    "count_over_ranks",
     "default_metric_loggers",
+    "loss_tokens",
     "lr_multiplier",
     "max_over_ranks",
     "measure_matmul_flops",
@@ -41,4 +43,5 @@ __all__ = [
     "set_rng_state",
     "sum_over_ranks",
     "train_step_metrics",
+    "training_state",
 ]

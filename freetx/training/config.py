@@ -8,13 +8,24 @@ from typing import Any, ClassVar, Literal, Optional
 from omegaconf import MISSING
 
 from freetx.checkpoint import CheckpointConfig
-from freetx.config.schema import at_least
+from freetx.distributed import DistributedConfig
+from freetx.fields import at_least
+from freetx.training.lr_schedule import LRScheduleConfig
+
+
+def default_metric_loggers() -> list[Any]:
+    """A progress bar and metrics.jsonl (both on rank 0 only)."""
+    return [
+        {"_component_": "freetx.logging.ProgressBarLogger"},
+        {"_component_": "freetx.logging.JSONLLogger"},
+    ]
 
 
 @dataclass
 class TrainingConfig:
-    """The head of a training recipe's schema; the recipe's own schema subclasses it
-    and adds what it trains (model, data, optimizer, evaluation, loggers)."""
+    """What every training recipe's schema starts with: the run, its loop, the optimizer,
+    the schedule, parallelism and loggers. A recipe's schema subclasses it and adds what
+    it trains (model, data, evaluation)."""
 
     # Keys a resume may not change: they decide what the saved weights and optimizer
     # state mean, or the order of the data. A recipe adds its own (model, data).
@@ -33,11 +44,7 @@ class TrainingConfig:
     num_workers: int = at_least(0, default=0)
     resume: str = "auto"  # auto (newest checkpoint in output_dir, if any) | never | a path
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-
-
-def default_metric_loggers() -> list[Any]:
-    """A progress bar and metrics.jsonl (both on rank 0 only)."""
-    return [
-        {"_component_": "freetx.logging.ProgressBarLogger"},
-        {"_component_": "freetx.logging.JSONLLogger"},
-    ]
+    optimizer: Any = MISSING  # a _component_ node: torch.optim.AdamW, torchao's, ...
+    lr_schedule: LRScheduleConfig = field(default_factory=LRScheduleConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    metric_loggers: list[Any] = field(default_factory=default_metric_loggers)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from freetx.data.sampling import IGNORE_INDEX
@@ -41,9 +40,7 @@ class CrossEntropyLoss:
         return self(model(input_ids), labels)
 
 
-def count_tokens(labels: list[torch.Tensor], ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
-    """Loss tokens in these micro-batches, summed over all ranks (a collective)."""
-    total = sum((lab != ignore_index).sum() for lab in labels).to(torch.float64)
-    if dist.is_initialized():
-        dist.all_reduce(total)
-    return total
+def loss_tokens(batch: dict[str, torch.Tensor], ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+    """How many loss tokens a token batch holds (labels that are not ignored): the unit
+    its summed loss is normalized by (`accumulate_gradients(..., count=loss_tokens)`)."""
+    return (batch["labels"] != ignore_index).sum()

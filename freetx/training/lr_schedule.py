@@ -9,7 +9,7 @@ from typing import Literal
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR
 
-from freetx.config.schema import at_least
+from freetx.fields import at_least
 
 
 @dataclass

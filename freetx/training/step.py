@@ -1,57 +1,70 @@
-"""What every recipe's optimizer step does: accumulate gradients, then step."""
+"""What every recipe's optimizer step does: accumulate gradients, then step.
+
+Objective-agnostic: a recipe's `compute_loss(batch)` returns its loss *summed*
+over the batch's units (loss tokens, samples, activation rows, ...) and further
+sums to log; `count(batch)` says how many units the batch holds. The helpers
+know nothing of labels or tokens.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
-from torch import nn
+import torch.distributed as dist
 
-from freetx.distributed.parallelize import autocast, gradient_sync
-from freetx.distributed.runtime import DistributedRuntime
+from freetx.distributed import ParallelPlan
 from freetx.training.grad import clip_grad_norm
-from freetx.training.loss import count_tokens
+
+Batch = Any  # whatever the recipe's data loader yields
+LossFn = Callable[[Batch], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
 
-def optimizer_step(
-    model: nn.Module, optimizer, scaler, lr_scheduler, max_grad_norm: float | None
-) -> float:
-    """Unscale (float16 only), clip to the global norm, step, update the scaler, advance
-    the schedule. Returns the gradient norm before clipping."""
-    scaler.unscale_(optimizer)
-    grad_norm = clip_grad_norm(model, max_grad_norm)
-    scaler.step(optimizer)
-    scaler.update()
-    lr_scheduler.step()
-    return grad_norm
+def count_over_ranks(counts: list[torch.Tensor]) -> torch.Tensor:
+    """The units of these micro-batches, summed over all ranks (a collective), as float64."""
+    total = sum(torch.as_tensor(c) for c in counts).to(torch.float64)
+    if dist.is_initialized():
+        dist.all_reduce(total)
+    return total
 
 
 def accumulate_gradients(
-    model: nn.Module,
-    batches: list[dict[str, torch.Tensor]],
-    compute_loss: Callable[[dict[str, torch.Tensor]], tuple[torch.Tensor, dict[str, torch.Tensor]]],
-    runtime: DistributedRuntime,
-    dist_cfg,
-    scaler,
+    plan: ParallelPlan,
+    batches: list[Batch],
+    compute_loss: LossFn,
+    count: Callable[[Batch], torch.Tensor | int],
 ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """Forward and backward over the micro-batches of one global batch.
 
-    `compute_loss(batch)` runs the model and returns (loss summed over the
-    batch's loss tokens, further per-token sums). Gradients are communicated
-    only on the last micro-batch; every loss is divided by the number of loss
-    tokens (labels != IGNORE_INDEX) over all micro-batches and ranks, so each
-    token weighs the same whatever the split. Returns (the per-token sums for
-    logging, that token count).
+    The units of all micro-batches on all ranks are counted first (one
+    all-reduce); every micro-batch's summed loss is divided by that total, so
+    each unit weighs the same whatever the split over ranks and micro-batches.
+    Gradients are communicated only on the last micro-batch. Returns (the sums
+    for logging, the global unit count that normalizes them).
     """
-    num_tokens = count_tokens([b["labels"] for b in batches])
-    sums = {"loss": torch.zeros((), device=runtime.device)}
+    total = count_over_ranks([count(b) for b in batches])
+    sums = {"loss": torch.zeros((), device=plan.runtime.device)}
     for i, batch in enumerate(batches):
-        with gradient_sync(model, enabled=i == len(batches) - 1):
-            with autocast(model, runtime, dist_cfg):
+        with plan.gradient_sync(enabled=i == len(batches) - 1):
+            with plan.autocast():
                 loss, extras = compute_loss(batch)
             # DDP and FSDP average gradients over ranks: multiply back by the world size
-            scaler.scale(loss * runtime.world_size / num_tokens).backward()
+            plan.scaler.scale(loss * plan.runtime.world_size / total).backward()
         sums["loss"] += loss.detach()
         for name, value in extras.items():
             sums[name] = sums.get(name, 0) + value
-    return sums, num_tokens
+    return sums, total
+
+
+def optimizer_step(
+    plan: ParallelPlan, optimizer, lr_scheduler, max_grad_norm: float | None
+) -> float:
+    """Unscale (float16 only), clip to the global norm, step, update the scaler, advance
+    the schedule. Returns the gradient norm before clipping."""
+    plan.scaler.unscale_(optimizer)
+    grad_norm = clip_grad_norm(plan.model, max_grad_norm)
+    plan.scaler.step(optimizer)
+    plan.scaler.update()
+    lr_scheduler.step()
+    return grad_norm

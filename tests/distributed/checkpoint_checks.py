@@ -21,21 +21,20 @@ from freetx.checkpoint import ModelState, OptimizerState, TrainState
 from freetx.checkpoint.files import SafeLoadPlanner
 from freetx.distributed import DistributedConfig, init_distributed, parallelize
 from freetx.models.transformer import decoder
-from freetx.training import build_optimizer
 from tests.distributed.launcher import write_results
 
 
 def build(strategy: str):
     runtime = init_distributed("cpu")
     with torch.device("meta"):
-        model = decoder(64, 32, 3, 4, 2, 64, 16)
+        model = decoder(vocab_size=64, hidden_dim=32, num_layers=3, num_heads=4, num_kv_heads=2,
+                        ffn_hidden_dim=64, max_seq_len=16)  # fmt: skip
     cfg = OmegaConf.structured(DistributedConfig(strategy=strategy))
-    model = parallelize(model, runtime, cfg, seed=1)
-    optimizer = build_optimizer(
-        OmegaConf.create({"_component_": "torch.optim.AdamW", "lr": 1e-2}), model, strategy,
-        runtime.device,
-    )  # fmt: skip
-    return runtime, model, optimizer
+    plan = parallelize(model, runtime, cfg, seed=1)
+    optimizer = plan.build_optimizer(
+        OmegaConf.create({"_component_": "torch.optim.AdamW", "lr": 1e-2})
+    )
+    return runtime, plan.model, optimizer
 
 
 def batch(seed: int) -> torch.Tensor:

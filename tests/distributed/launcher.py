@@ -35,3 +35,9 @@ def write_results(results: dict) -> None:
     out.mkdir(parents=True, exist_ok=True)
     rank = int(os.environ.get("RANK", "0"))
     (out / f"rank{rank}.json").write_text(json.dumps(results))
+    # Leave together: a rank exiting while gloo still runs threads for another aborts.
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()

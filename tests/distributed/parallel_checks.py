@@ -17,15 +17,13 @@ from torch.distributed.tensor import DTensor
 from freetx.data import GlobalBatchSampler
 from freetx.distributed import (
     DistributedConfig,
-    canonical_strategy,
-    gradient_sync,
     init_distributed,
     materialize,
     parallelize,
     unwrap,
 )
 from freetx.models.transformer import decoder
-from freetx.training import CrossEntropyLoss, build_optimizer, count_tokens
+from freetx.training import CrossEntropyLoss, count_over_ranks
 from tests.distributed.launcher import write_results
 
 SEED = 7
@@ -35,7 +33,7 @@ VOCAB = 64
 
 
 def make_model(dropout: float = 0.0):
-    return decoder(VOCAB, hidden_dim=32, num_layers=3, num_heads=4, num_kv_heads=2,
+    return decoder(vocab_size=VOCAB, hidden_dim=32, num_layers=3, num_heads=4, num_kv_heads=2,
                    ffn_hidden_dim=64, max_seq_len=SEQ, dropout=dropout)  # fmt: skip
 
 
@@ -77,20 +75,19 @@ def train_one_step(strategy: str, accumulation: int = 1, **dist_options):
     cfg = OmegaConf.structured(DistributedConfig(strategy=strategy, **dist_options))
     with torch.device("meta"):
         model = make_model()
-    model = parallelize(model, runtime, cfg, seed=SEED)
+    plan = parallelize(model, runtime, cfg, seed=SEED)
+    model = plan.model
     init = full_params(model)
-    optimizer = build_optimizer(
-        optimizer_cfg(), model, canonical_strategy(strategy), runtime.device
-    )
+    optimizer = plan.build_optimizer(optimizer_cfg())
     inputs, labels = global_batch()
     per_rank = GLOBAL_BATCH // runtime.world_size
     mine = slice(runtime.rank * per_rank, (runtime.rank + 1) * per_rank)
     micro_inputs = inputs[mine].chunk(accumulation)
     micro_labels = labels[mine].chunk(accumulation)
-    num_tokens = count_tokens(list(micro_labels))
+    num_tokens = count_over_ranks([(y != -100).sum() for y in micro_labels])
     loss_fn = CrossEntropyLoss()
     for i, (x, y) in enumerate(zip(micro_inputs, micro_labels)):
-        with gradient_sync(model, enabled=i == accumulation - 1):
+        with plan.gradient_sync(enabled=i == accumulation - 1):
             loss, _ = loss_fn(model(x), y)
             (loss * runtime.world_size / num_tokens).backward()
     grads = full_grads(model)
@@ -104,7 +101,7 @@ def reference_step():
         model = make_model()
     materialize(model, torch.device("cpu"), SEED)
     init = full_params(model)
-    optimizer = build_optimizer(optimizer_cfg(), model, "fsdp", torch.device("cpu"))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5, weight_decay=0.1)
     inputs, labels = global_batch()
     loss, _ = CrossEntropyLoss()(model(inputs), labels)
     (loss / (labels != -100).sum()).backward()
@@ -121,7 +118,7 @@ def saved_activation_bytes(activation_checkpointing: str) -> tuple[int, dict]:
     )
     with torch.device("meta"):
         model = make_model(dropout=0.1)
-    model = parallelize(model, runtime, cfg, seed=SEED)
+    model = parallelize(model, runtime, cfg, seed=SEED).model
     inputs, labels = global_batch()
     saved = []
 
@@ -152,12 +149,13 @@ def free_transformer_step(strategy: str | None):
 
     runtime = init_distributed("cpu")
     with torch.device("meta"):
-        model = free_transformer(VOCAB, 32, 4, 4, latent_dim=3, ffn_hidden_dim=64, max_seq_len=SEQ)
+        model = free_transformer(vocab_size=VOCAB, hidden_dim=32, num_layers=4, num_heads=4,
+                                 latent_dim=3, ffn_hidden_dim=64, max_seq_len=SEQ)  # fmt: skip
     if strategy is None:
         materialize(model, torch.device("cpu"), SEED)
     else:
         cfg = OmegaConf.structured(DistributedConfig(strategy=strategy))
-        model = parallelize(model, runtime, cfg, seed=SEED)
+        model = parallelize(model, runtime, cfg, seed=SEED).model
     fill_parameters(unwrap(model), weights)
     inputs, labels = global_batch()
     noise = torch.rand(GLOBAL_BATCH, SEQ, 3, generator=torch.Generator().manual_seed(4))
@@ -168,7 +166,7 @@ def free_transformer_step(strategy: str | None):
     else:
         per_rank = GLOBAL_BATCH // runtime.world_size
         mine = slice(runtime.rank * per_rank, (runtime.rank + 1) * per_rank)
-        num_tokens = count_tokens([labels[mine]])
+        num_tokens = count_over_ranks([(labels[mine] != -100).sum()])
         loss, _ = loss_fn(model(inputs[mine], noise=noise[mine]), labels[mine])
         (loss * runtime.world_size / num_tokens).backward()
     return full_grads(model)
@@ -187,7 +185,7 @@ def ad_step(strategy: str | None):
     else:
         model = parallelize(
             model, runtime, OmegaConf.structured(DistributedConfig(strategy=strategy)), SEED
-        )
+        ).model
     g = torch.Generator().manual_seed(11)
     states = torch.randint(0, 81, (GLOBAL_BATCH, SEQ), generator=g)
     prev_actions = torch.randint(0, 6, (GLOBAL_BATCH, SEQ), generator=g)
@@ -198,12 +196,52 @@ def ad_step(strategy: str | None):
     if strategy is not None:
         per_rank = GLOBAL_BATCH // runtime.world_size
         rows = slice(runtime.rank * per_rank, (runtime.rank + 1) * per_rank)
-        scale = runtime.world_size / float(count_tokens([labels[rows]]))
+        scale = runtime.world_size / float(count_over_ranks([labels[rows].numel()]))
     logits = model(states[rows], prev_actions[rows], prev_rewards[rows])
     loss = torch.nn.functional.cross_entropy(
         logits.flatten(0, 1), labels[rows].flatten(), reduction="sum"
     )
     (loss * scale).backward()
+    return full_grads(model)
+
+
+class Blockless(torch.nn.Module):
+    """A model that names no block classes: sharded and checkpointed as one unit."""
+
+    block_types = ()
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.config = None
+        self.first = torch.nn.Linear(SEQ, 32)
+        self.second = torch.nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.second(torch.tanh(self.first(x)))
+
+    def init_parameter(self, name: str, tensor: torch.Tensor, generator) -> None:
+        tensor.normal_(0.0, 0.3, generator=generator)
+
+    def init_buffers(self) -> None:
+        pass
+
+
+def blockless_step(strategy: str | None):
+    """Grads of a model without blocks (None: 1 process, the full batch)."""
+    runtime = init_distributed("cpu")
+    with torch.device("meta"):
+        model = Blockless()
+    x = torch.randn(GLOBAL_BATCH, SEQ, generator=torch.Generator().manual_seed(3))
+    if strategy is None:
+        materialize(model, torch.device("cpu"), SEED)
+        model(x).pow(2).mean().backward()
+    else:
+        cfg = DistributedConfig(strategy=strategy, activation_checkpointing="full")
+        plan = parallelize(model, runtime, cfg, SEED)
+        per_rank = GLOBAL_BATCH // runtime.world_size
+        rows = slice(runtime.rank * per_rank, (runtime.rank + 1) * per_rank)
+        plan.model(x[rows]).pow(2).mean().backward()
+        model = plan.model
     return full_grads(model)
 
 
@@ -248,6 +286,10 @@ def main() -> None:
     reference = ad_step(None)
     for strategy in ("ddp", "fsdp"):
         results[f"ad/{strategy}/grad"] = max_diff(ad_step(strategy), reference)
+
+    reference = blockless_step(None)
+    for strategy in ("fsdp", "ddp"):
+        results[f"blockless/{strategy}/grad"] = max_diff(blockless_step(strategy), reference)
 
     sampler = GlobalBatchSampler(64, GLOBAL_BATCH, 2, runtime.rank, runtime.world_size, SEED)
     batches = [b for _, b in zip(range(6), iter(sampler))]

@@ -71,3 +71,9 @@ def test_free_transformer_gradients_match_with_the_latent_path_sharded(results, 
 def test_algorithm_distillation_gradients_match_single_process(results, strategy):
     for rank in results:
         assert rank[f"ad/{strategy}/grad"] < TIGHT
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "ddp"])
+def test_a_model_without_blocks_is_sharded_whole(results, strategy):
+    for rank in results:
+        assert rank[f"blockless/{strategy}/grad"] < TIGHT

@@ -47,7 +47,7 @@ def test_short_run_writes_histories_metrics_and_the_evaluation_file(tmp_path):
     [("model.n_transit=60", "fewer than 4 episodes"),
      ("env.grid_size=11", "Set model.num_states=121"),
      ("model.num_actions=4", "Set model.num_actions=5"),
-     ("eval.seeds=0", "Set eval.seeds to 1 or more")],
+     ("eval.seeds=0", "'eval.seeds' must be at least 1, got 0")],
 )  # fmt: skip
 def test_a_model_that_does_not_fit_the_environment_is_refused_before_any_history(
     tmp_path, override, message

@@ -10,7 +10,7 @@ import pytest
 from tests.conftest import ASSETS, flat, run_freetx
 
 # constant LR after a 2-step warmup: the schedule does not depend on max_steps,
-# so a run stopped at step 6 and resumed to 12 sees the same LRs as a straight one
+# so a run stopped at step 4 and resumed to 8 sees the same LRs as a straight one
 COMMON = [
     "log_every_n_steps=1", "lr_schedule.warmup_steps=2", "lr_schedule.decay=constant",
     "eval.max_batches=1", "metric_loggers=[{_component_: freetx.logging.JSONLLogger}]",
@@ -38,14 +38,14 @@ def train(output_dir, *overrides, nproc=2, env=None, expect=0):
 
 @pytest.fixture(scope="module")
 def straight_losses(tmp_path_factory):
-    """Losses of uninterrupted 12-step runs, made once per (strategy, dropout)."""
+    """Losses of uninterrupted 8-step runs, made once per (strategy, dropout)."""
     cache: dict[tuple[str, float], dict[int, float]] = {}
 
     def get(strategy: str, dropout: float) -> dict[int, float]:
         if (strategy, dropout) not in cache:
             out = tmp_path_factory.mktemp(f"straight_{strategy}_{dropout}")
             train(
-                out, "max_steps=12", f"distributed.strategy={strategy}", f"model.dropout={dropout}"
+                out, "max_steps=8", f"distributed.strategy={strategy}", f"model.dropout={dropout}"
             )
             cache[(strategy, dropout)] = losses(out)
         return cache[(strategy, dropout)]
@@ -63,25 +63,25 @@ def test_resume_reproduces_the_uninterrupted_run_exactly(
 ):
     options = [f"distributed.strategy={strategy}", "model.dropout=0.1", *extra]
     resumed = tmp_path / "resumed"
-    train(resumed, "max_steps=6", *options)
-    assert (resumed / "checkpoints" / "LATEST").read_text().strip() == "step_000006"
-    result = train(resumed, "max_steps=12", *options)
-    assert "resumed from" in result.stdout and "(step 6," in result.stdout
+    train(resumed, "max_steps=4", *options)
+    assert (resumed / "checkpoints" / "LATEST").read_text().strip() == "step_000004"
+    result = train(resumed, "max_steps=8", *options)
+    assert "resumed from" in result.stdout and "(step 4," in result.stdout
     a, b = straight_losses(strategy, 0.1), losses(resumed)
-    assert sorted(b) == list(range(1, 13))
-    for step in range(7, 13):  # exact: same data, same dropout masks, same optimizer state
+    assert sorted(b) == list(range(1, 9))
+    for step in range(5, 9):  # exact: same data, same dropout masks, same optimizer state
         assert a[step] == b[step], (step, a[step], b[step])
 
 
 def test_resume_at_another_world_size_and_strategy(tmp_path, straight_losses):
     resumed = tmp_path / "resumed"
-    train(resumed, "max_steps=6")
+    train(resumed, "max_steps=4")
     # 1 process, twice the accumulation: the same global batches in the same order
-    result = train(resumed, "max_steps=12", "gradient_accumulation_steps=2",
+    result = train(resumed, "max_steps=8", "gradient_accumulation_steps=2",
                    "distributed.strategy=ddp", nproc=1)  # fmt: skip
     assert "saved at world size 2 with fsdp" in result.stdout
     a, b = straight_losses("fsdp", 0.0), losses(resumed)
-    for step in range(7, 13):
+    for step in range(5, 9):
         assert b[step] == pytest.approx(a[step], rel=1e-4), step
 
 
@@ -91,21 +91,21 @@ def test_rank_killed_during_a_save_leaves_the_previous_checkpoint(tmp_path, stra
         "PYTHONPATH": os.pathsep.join(
             [str(ASSETS / "fault_injection"), os.environ.get("PYTHONPATH", "")]
         ),
-        "FREETX_TEST_KILL_SAVE": "step_000006",
+        "FREETX_TEST_KILL_SAVE": "step_000004",
     }
-    result = train(run_dir, "max_steps=9", "checkpoint.every_n_steps=3", env=env, expect=1)
+    result = train(run_dir, "max_steps=6", "checkpoint.every_n_steps=2", env=env, expect=1)
     assert "rank 1 exited with code 1 without a message" in result.stderr
     checkpoints = run_dir / "checkpoints"
-    assert (checkpoints / "LATEST").read_text().strip() == "step_000003"
-    assert not (checkpoints / "step_000006").exists()
-    assert (checkpoints / "step_000003" / ".metadata").is_file()
+    assert (checkpoints / "LATEST").read_text().strip() == "step_000002"
+    assert not (checkpoints / "step_000004").exists()
+    assert (checkpoints / "step_000002" / ".metadata").is_file()
 
-    result = train(run_dir, "max_steps=9", "checkpoint.every_n_steps=3")
-    assert "(step 3," in result.stdout
+    result = train(run_dir, "max_steps=6", "checkpoint.every_n_steps=2")
+    assert "(step 2," in result.stdout
     assert not list(checkpoints.glob(".tmp_*"))
-    assert (checkpoints / "LATEST").read_text().strip() == "step_000009"
-    a, b = straight_losses("fsdp", 0.0), losses(run_dir)  # constant LR: 12 steps or 9 alike
-    for step in range(4, 10):
+    assert (checkpoints / "LATEST").read_text().strip() == "step_000006"
+    a, b = straight_losses("fsdp", 0.0), losses(run_dir)  # constant LR: 8 steps or 6 alike
+    for step in range(3, 7):
         assert a[step] == b[step]
 
 

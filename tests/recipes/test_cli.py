@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from tests.conftest import ASSETS, REPO, flat, run_freetx
+from tests.conftest import ASSETS, REPO, flat, run_freetx, run_freetx_here
 
 REPO_CONFIGS = REPO / "recipe_configs"
 
@@ -64,7 +64,7 @@ def test_cat_missing_config_is_one_paragraph(tmp_path):
 def test_validate_clean_and_with_problems():
     ok = run_freetx("validate", CONFIG, "--recipe", RECIPE, "steps=4")
     assert ok.returncode == 0, ok.stdout + ok.stderr
-    bad = run_freetx(
+    bad = run_freetx_here(
         "validate", CONFIG, "steps=abc", "--recipe", RECIPE, "optimizer.lrr=1", "stepz=3"
     )
     assert bad.returncode == 1
@@ -73,7 +73,7 @@ def test_validate_clean_and_with_problems():
 
 
 def test_validate_a_path_needs_the_recipe():
-    result = run_freetx("validate", CONFIG)
+    result = run_freetx_here("validate", CONFIG)
     assert result.returncode == 1 and "--recipe" in result.stderr
 
 
@@ -211,7 +211,7 @@ def test_cp_recipe_and_config(tmp_path):
 
 
 def test_validate_builtin_config_with_a_typo_names_max_steps():
-    result = run_freetx("validate", "llm/tiny", "max_stpes=10")
+    result = run_freetx_here("validate", "llm/tiny", "max_stpes=10")
     assert result.returncode == 1 and "did you mean 'max_steps'" in result.stdout
 
 
@@ -220,7 +220,7 @@ def test_validate_typo_in_a_config_file(tmp_path):
     cfg.write_text(
         (REPO_CONFIGS / "llm" / "tiny.yaml").read_text().replace("max_steps:", "max_stpes:")
     )
-    result = run_freetx("validate", str(cfg), "--recipe", "full_finetune_fsdp2")
+    result = run_freetx_here("validate", str(cfg), "--recipe", "full_finetune_fsdp2")
     assert result.returncode == 1
     assert "unknown key 'max_stpes': did you mean 'max_steps'?" in result.stdout
     assert "missing required key 'max_steps'" in result.stdout

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import flat, run_freetx
+from tests.conftest import flat, run_freetx, run_freetx_here
 
 QUIET = [
     "eval.max_batches=1", "log_every_n_steps=1", "checkpoint.every_n_steps=2",
@@ -226,7 +226,7 @@ def test_fixed_settings_are_refused_and_config_yaml_is_kept(run):
 
 
 def convert(*args):
-    return run_freetx("checkpoint", "convert", *map(str, args))
+    return run_freetx_here("checkpoint", "convert", *map(str, args))
 
 
 def refused(result, *fragments):
@@ -292,10 +292,12 @@ def test_damaged_metadata_and_hf_config_are_named(base_run, tmp_path):
     shutil.copytree(base_run / "checkpoints" / "step_000004", ckpt)
     assert convert(ckpt, tmp_path / "hf", "--to", "hf").returncode == 0
     (ckpt / "meta.json").write_text('{"step": 4, oops')
-    refused(run_freetx("checkpoint", "inspect", str(ckpt)), "meta.json is not valid JSON")
+    refused(run_freetx_here("checkpoint", "inspect", str(ckpt)), "meta.json is not valid JSON")
     (tmp_path / "hf" / "config.json").write_bytes(b"\x89PNG not json")
     hf_config = "HF model config"
-    refused(run_freetx("checkpoint", "inspect", str(tmp_path / "hf")), hf_config, "not valid JSON")
+    refused(
+        run_freetx_here("checkpoint", "inspect", str(tmp_path / "hf")), hf_config, "not valid JSON"
+    )
     refused(convert(tmp_path / "hf", tmp_path / "x.safetensors"), hf_config, "not valid JSON")
     result = train(tmp_path / "r", "max_steps=1", f"checkpoint.initial_weights={tmp_path / 'hf'}",
                    expect=1)  # fmt: skip

@@ -6,6 +6,7 @@ import subprocess
 import sys
 import sysconfig
 import venv
+import zipfile
 
 from tests.conftest import REPO
 
@@ -18,6 +19,11 @@ def test_wheel_install_lists_copies_and_validates(tmp_path):
         check=True, capture_output=True, cwd=tmp_path,
     )  # fmt: skip
     (wheel,) = wheels.glob("freetx-*.whl")
+    # every package of the source tree is in the wheel (found, not listed by hand)
+    inside = set(zipfile.ZipFile(wheel).namelist())
+    packages = sorted((REPO / "freetx").rglob("__init__.py"))
+    missing = [str(p.relative_to(REPO)) for p in packages if str(p.relative_to(REPO)) not in inside]
+    assert len(packages) >= 10 and not missing, missing  # freetx and its 9 subpackages
     env_dir = tmp_path / "venv"
     venv.create(env_dir, with_pip=False)
     python = env_dir / "bin" / "python"

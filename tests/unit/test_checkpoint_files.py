@@ -12,11 +12,11 @@ import torch
 from safetensors.torch import load_file
 
 from freetx.checkpoint import convert, inspect_report, load_initial_weights, open_tensors
-from freetx.checkpoint.hf import from_hf_name, to_hf_name
 from freetx.distributed import materialize
 from freetx.errors import CheckpointError
-from freetx.models.transformer import tiny
-from tests.conftest import flat, run_freetx
+from freetx.models.transformer import decoder
+from freetx.models.transformer_hf import LLAMA_LAYOUT
+from tests.conftest import flat, run_freetx, run_freetx_here
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +38,7 @@ def model_tensors(path: Path) -> dict[str, torch.Tensor]:
 
 def fresh_model():
     with torch.device("meta"):
-        model = tiny()
+        model = decoder("tiny")
     materialize(model, torch.device("cpu"), seed=123)  # different weights from the run
     return model
 
@@ -100,8 +100,11 @@ def test_hf_folder_round_trip(checkpoint, tmp_path):
 
 def test_hf_names_cover_the_decoder():
     for name, _ in fresh_model().named_parameters():
-        assert from_hf_name(to_hf_name(name)) == name
-    assert to_hf_name("layers.3.feed_forward.w1.weight") == "model.layers.3.mlp.gate_proj.weight"
+        assert LLAMA_LAYOUT.from_hf_name(LLAMA_LAYOUT.to_hf_name(name)) == name
+    assert (
+        LLAMA_LAYOUT.to_hf_name("layers.3.feed_forward.w1.weight")
+        == "model.layers.3.mlp.gate_proj.weight"
+    )
 
 
 @pytest.mark.parametrize("kind", ["dcp", "safetensors", "hf"])
@@ -120,7 +123,7 @@ def test_initial_weights_from_each_format(checkpoint, tmp_path, kind):
 
 def test_initial_weights_of_another_shape_list_the_tensors(checkpoint, tmp_path):
     with torch.device("meta"):
-        model = tiny(vocab_size=300)
+        model = decoder("tiny", vocab_size=300)
     materialize(model, torch.device("cpu"), seed=0)
     convert(checkpoint, tmp_path / "m.safetensors")
     with pytest.raises(CheckpointError) as error:
@@ -168,11 +171,11 @@ def test_missing_path_and_non_checkpoint_folder(tmp_path):
 def test_cli_convert_and_inspect(checkpoint, tmp_path):
     result = run_freetx("checkpoint", "convert", str(checkpoint), str(tmp_path / "m.safetensors"))
     assert result.returncode == 0 and "38 tensors" in result.stdout
-    result = run_freetx("checkpoint", "inspect", str(checkpoint))
+    result = run_freetx_here("checkpoint", "inspect", str(checkpoint))
     assert result.returncode == 0 and "world_size: 1" in result.stdout
-    result = run_freetx("checkpoint", "convert", str(checkpoint), str(tmp_path / "x.bin2"))
+    result = run_freetx_here("checkpoint", "convert", str(checkpoint), str(tmp_path / "x.bin2"))
     assert result.returncode == 1 and "--to" in flat(result.stderr)
-    result = run_freetx("checkpoint", "inspect", str(tmp_path / "nope"))
+    result = run_freetx_here("checkpoint", "inspect", str(tmp_path / "nope"))
     assert result.returncode == 1 and "does not exist" in flat(result.stderr)
     assert "Traceback" not in result.stderr
 

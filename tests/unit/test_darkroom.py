@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from freetx.data.darkroom import (
-    ADWindows,
+from freetx.data.darkroom import ADWindows
+from freetx.envs import (
     DarkRoom,
     DarkRoomConfig,
     HistoryConfig,
@@ -123,28 +123,39 @@ def test_subsampling_makes_every_kth_episode_a_history():
 
 
 def test_stored_histories_round_trip_and_a_damaged_shard_is_named(tmp_path):
-    from freetx.data.darkroom import (
-        histories_folder,
-        histories_ready,
-        load_histories,
-        write_history_metadata,
-        write_history_shard,
-    )
-    from freetx.errors import ConfigError
+    from freetx.data.darkroom import histories_cache, load_histories
+    from freetx.envs import history_shard
+    from freetx.errors import DataError
 
     cfg = HistoryConfig(streams_per_goal=1, episodes=2)
-    folder = histories_folder(tmp_path, ENV, cfg)
-    for rank in range(2):  # as two ranks would
-        write_history_shard(folder, rank, 2, ENV, cfg)
-    assert not histories_ready(folder)  # no metadata yet: an interrupted generation
-    write_history_metadata(folder, 2, ENV, cfg)
-    loaded = load_histories(folder)
+    cache = histories_cache(tmp_path, ENV, cfg)
+    barriers = []
+    for rank in range(2):  # as two ranks would (rank 1's metadata write is rank 0's job)
+        cache.build(rank, 2, lambda r=rank: history_shard(r, 2, ENV, cfg), {"kind": "test"},
+                    barrier=lambda: barriers.append(1))  # fmt: skip
+        assert cache.complete() == (rank >= 0)
+    loaded = load_histories(cache)
     assert loaded["goal_ids"].tolist() == list(range(73))
     expected = learning_histories(np.arange(73), goal_split(ENV)[0], ENV, cfg)
     assert np.array_equal(loaded["actions"], expected["actions"])
+    assert cache.folder.name.startswith("darkroom_ad_")  # named by a hash of the settings
 
-    shard = folder / "shard_00001.safetensors"
+    shard = cache.folder / "shard_00001.safetensors"
     shard.write_bytes(shard.read_bytes()[:100])
-    with pytest.raises(ConfigError, match="shard|cannot be read") as error:
-        load_histories(folder)
+    with pytest.raises(DataError, match="cannot be read") as error:
+        load_histories(cache)
     assert "Delete that folder" in str(error.value)
+
+
+def test_an_interrupted_cache_is_not_complete(tmp_path):
+    from freetx.data import ShardCache
+
+    cache = ShardCache.for_settings(tmp_path, "x", {"a": 1})
+    assert cache.folder != ShardCache.for_settings(tmp_path, "x", {"a": 2}).folder
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        cache.build(0, 1, interrupted, {}, barrier=lambda: None)
+    assert not cache.complete()

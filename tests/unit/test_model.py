@@ -5,13 +5,10 @@ import math
 import torch
 
 from freetx.distributed import materialize
-from freetx.models.transformer import (
-    apply_rope,
-    decoder,
-    llama3_8b,
-    rope_tables,
-    tiny,
-)
+from freetx.models import Model
+from freetx.models.ad import ad_transformer
+from freetx.models.free_transformer import free_transformer
+from freetx.models.transformer import apply_rope, decoder, rope_tables
 
 
 def small_model(**kw):
@@ -71,9 +68,24 @@ def test_tied_head_uses_the_embedding():
 
 def test_presets_and_flops():
     with torch.device("meta"):
-        t, big = tiny(), llama3_8b()
+        t, big = decoder("tiny"), decoder("llama3_8b")
     assert 1e6 < t.num_parameters() < 3e6
     assert abs(big.num_parameters() - 8.03e9) < 0.01e9
     # 6N + 12 L H d T at T=8192 for 8B: about 6 * 7.5e9 + 12 * 32 * 4096 * 8192
     expected = 6 * big.num_parameters(exclude_embeddings=True) + 12 * 32 * 4096 * 8192
     assert big.flops_per_token(8192) == expected
+
+
+def test_every_model_follows_the_protocol_and_presets_take_overrides():
+    with torch.device("meta"):
+        models = [decoder("tiny"), free_transformer("tiny"), ad_transformer(n_transit=40)]
+    assert all(isinstance(m, Model) for m in models)
+    with torch.device("meta"):
+        wide = decoder("tiny", hidden_dim=96, num_heads=4)
+    assert (wide.config.hidden_dim, wide.config.num_layers) == (96, 4)  # the rest: the preset's
+    import pytest
+
+    with pytest.raises(ValueError, match="has no field 'hiden_dim' \\(did you mean 'hidden_dim'"):
+        decoder("tiny", hiden_dim=3)
+    with pytest.raises(ValueError, match="unknown preset 'huge'; the presets are: tiny, small"):
+        decoder("huge")

@@ -1,0 +1,83 @@
+"""A shard cache: data made once by all ranks together, one safetensors shard each, reused.
+
+    <root>/<prefix>_<hash of the settings>/
+      shard_00000.safetensors ...   one per rank that made the data
+      metadata.json                 written last, by rank 0: the set is complete
+
+Data that is costly to make (learning histories, model activations) is made
+once, split across the ranks, and found again by later runs with the same
+settings: the folder name is a hash of them, so other settings never read a
+stale set. A set without metadata.json is incomplete (an interrupted run) and
+is made again; a damaged shard is named with the fix.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from freetx.errors import DataError
+
+METADATA_FILE = "metadata.json"
+
+
+class ShardCache:
+    """The shards of one data set in one folder (see the module docstring)."""
+
+    def __init__(self, folder: str | Path) -> None:
+        self.folder = Path(folder)
+
+    @classmethod
+    def for_settings(cls, root: str | Path, prefix: str, settings: dict[str, Any]) -> ShardCache:
+        """The cache of data made with `settings` (any JSON-able dict) under `root`."""
+        text = json.dumps(settings, sort_keys=True, default=str)
+        digest = hashlib.sha256(text.encode()).hexdigest()[:12]
+        return cls(Path(root) / f"{prefix}_{digest}")
+
+    def complete(self) -> bool:
+        return (self.folder / METADATA_FILE).is_file()
+
+    def shard_path(self, rank: int) -> Path:
+        return self.folder / f"shard_{rank:05d}.safetensors"
+
+    def build(
+        self,
+        rank: int,
+        world_size: int,
+        make_shard: Callable[[], dict[str, np.ndarray]],
+        metadata: dict[str, Any],
+        barrier: Callable[[], None],
+    ) -> None:
+        """Every rank calls it: make and write this rank's shard, wait for all of them,
+        then rank 0 writes metadata.json (the set is complete), and all wait again."""
+        from safetensors.numpy import save_file
+
+        self.folder.mkdir(parents=True, exist_ok=True)
+        save_file(make_shard(), str(self.shard_path(rank)))
+        barrier()
+        if rank == 0:
+            record = {**metadata, "shards": [self.shard_path(r).name for r in range(world_size)]}
+            tmp = self.folder / f".{METADATA_FILE}"
+            tmp.write_text(json.dumps(record, indent=2))
+            tmp.replace(self.folder / METADATA_FILE)
+        barrier()
+
+    def load(self) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+        """(every shard's arrays, concatenated in shard order; the metadata)."""
+        from safetensors.numpy import load_file
+
+        try:
+            meta = json.loads((self.folder / METADATA_FILE).read_text())
+            parts = [load_file(str(self.folder / name)) for name in meta["shards"]]
+        except Exception as error:  # a deleted, truncated or hand-edited file
+            raise DataError(
+                f"The data cached in {self.folder} cannot be read ({type(error).__name__}: "
+                f"{error}). Delete that folder and run again: it is made again."
+            ) from None
+        arrays = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+        return arrays, meta

@@ -1,0 +1,112 @@
+"""The source algorithm of Algorithm Distillation: tabular Q-learning on Dark Room.
+
+Each training goal is learnt from scratch (optimistic initial values, epsilon
+decaying over episodes), with several independent streams per goal, so a
+history runs from random behaviour to a near-optimal policy. The Expert
+Distillation (ED) control keeps only the final policy's episodes. Everything
+is numpy, vectorized over environments, and a function of (seed, goal,
+stream): any rank can make any history (`history_shard` is one rank's share).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from freetx.envs.darkroom import NUM_ACTIONS, DarkRoom, DarkRoomConfig, goal_split
+from freetx.fields import at_least
+
+
+@dataclass
+class HistoryConfig:
+    """The `histories:` section: how the source algorithm learns each goal."""
+
+    streams_per_goal: int = at_least(1, default=4)
+    episodes: int = at_least(1, default=100)  # per stream: from scratch to near optimal
+    learning_rate: float = 0.5
+    discount: float = 0.9
+    initial_q: float = 1.0  # optimistic: unvisited actions look worth trying
+    epsilon_start: float = 1.0
+    epsilon_end: float = 0.02
+    epsilon_decay_episodes: int = at_least(0, default=60)  # linear decay over these episodes
+    expert: bool = False  # Expert Distillation control: the final policy's episodes only
+    subsample: int = at_least(
+        1, default=1
+    )  # train on every k-th episode: learning looks k times faster in context
+    seed: int = 0
+
+
+def _epsilon(episode: int, cfg: HistoryConfig) -> float:
+    progress = min(1.0, episode / max(1, cfg.epsilon_decay_episodes))
+    return cfg.epsilon_start + (cfg.epsilon_end - cfg.epsilon_start) * progress
+
+
+def learning_histories(
+    goal_ids: np.ndarray, goals: np.ndarray, env_cfg: DarkRoomConfig, cfg: HistoryConfig
+) -> dict[str, np.ndarray]:
+    """Q-learning histories for the given goals, `streams_per_goal` each.
+
+    Returns int arrays of shape [n_goals * streams, episodes * horizon]:
+    `states` (before the action), `actions`, `rewards`, and `goal_ids` [n].
+    Each (goal id, stream) has its own random stream, so the result does not
+    depend on which other goals are generated alongside.
+    """
+    goal_ids = np.asarray(goal_ids, dtype=np.int64)
+    streams = cfg.streams_per_goal
+    n = len(goal_ids) * streams
+    rngs = [np.random.default_rng([cfg.seed, int(g), s]) for g in goal_ids for s in range(streams)]
+    env_goals = np.repeat(np.asarray(goals, dtype=np.int64), streams, axis=0)
+    num_states = env_cfg.grid_size**2
+    q = np.full((n, num_states, NUM_ACTIONS), cfg.initial_q, dtype=np.float64)
+    rows = np.arange(n)
+    length = cfg.episodes * env_cfg.horizon
+    out = {k: np.zeros((n, length), dtype=np.int64) for k in ("states", "actions", "rewards")}
+    env = DarkRoom(env_goals, env_cfg)
+
+    def act(states: np.ndarray, epsilon: float) -> np.ndarray:
+        values = q[rows, states]
+        best = values.max(-1, keepdims=True)
+        ties = values >= best - 1e-12
+        choices = np.empty(n, dtype=np.int64)
+        for i, rng in enumerate(rngs):  # greedy with random tie-breaking, or explore
+            if rng.random() < epsilon:
+                choices[i] = rng.integers(NUM_ACTIONS)
+            else:
+                choices[i] = rng.choice(np.flatnonzero(ties[i]))
+        return choices
+
+    # learning episodes; for ED, then the final policy acting for as many episodes,
+    # written over the learning ones (only the expert's episodes are kept)
+    for phase in ("learn", "expert") if cfg.expert else ("learn",):
+        t = 0
+        for episode in range(cfg.episodes):
+            epsilon = cfg.epsilon_end if phase == "expert" else _epsilon(episode, cfg)
+            states = env.reset()
+            done = False
+            while not done:
+                actions = act(states, epsilon)
+                next_states, rewards, done = env.step(actions)
+                if phase == "learn":
+                    target = rewards + (0.0 if done else cfg.discount) * q[rows, next_states].max(
+                        -1
+                    )
+                    q[rows, states, actions] += cfg.learning_rate * (
+                        target - q[rows, states, actions]
+                    )
+                out["states"][:, t] = states
+                out["actions"][:, t] = actions
+                out["rewards"][:, t] = rewards.astype(np.int64)
+                states = next_states
+                t += 1
+    out["goal_ids"] = np.repeat(goal_ids, streams)
+    return out
+
+
+def history_shard(
+    rank: int, world_size: int, env_cfg: DarkRoomConfig, cfg: HistoryConfig
+) -> dict[str, np.ndarray]:
+    """Rank `rank`'s share of the histories: the training goals i with i % world_size == rank."""
+    train_goals, _ = goal_split(env_cfg)
+    mine = np.arange(rank, len(train_goals), world_size)
+    return learning_histories(mine, train_goals[mine], env_cfg, cfg)

@@ -1,0 +1,54 @@
+"""HF layouts: how a freetx model's tensors and config map to a transformers folder.
+
+A model class that has an HF form names its layout in `hf_layout` (the
+decoder: `transformer_hf.LLAMA_LAYOUT`). The checkpoint package converts
+through these two look-ups and knows no model class itself.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from freetx.errors import CheckpointError
+from freetx.models.protocol import model_class
+from freetx.models.transformer_hf import LLAMA_LAYOUT
+
+
+class HFLayout(Protocol):
+    model_class: str  # the freetx class, as a dotted path
+    model_types: tuple[str, ...]  # the `model_type`s of config.json it reads
+
+    def to_hf_name(self, name: str) -> str: ...
+
+    def from_hf_name(self, name: str) -> str: ...
+
+    def to_hf_config(self, model_config: dict[str, Any], dtype: str) -> dict[str, Any]: ...
+
+    def from_hf_config(self, hf: dict[str, Any]) -> dict[str, Any]: ...
+
+
+LAYOUTS: tuple[HFLayout, ...] = (LLAMA_LAYOUT,)
+
+
+def layout_of(dotted_class: str) -> HFLayout:
+    """The HF layout of a model class, or an error naming the classes that have one."""
+    layout = getattr(model_class(dotted_class), "hf_layout", None)
+    if layout is None:
+        have = ", ".join(layout.model_class for layout in LAYOUTS)
+        raise CheckpointError(
+            f"{dotted_class} has no HF transformers layout, so it cannot become an HF folder "
+            f"(models that have one: {have}). Convert it to .safetensors or DCP instead."
+        )
+    return layout
+
+
+def layout_for_hf_config(hf: dict[str, Any]) -> HFLayout:
+    """The layout that reads an HF config.json, by its `model_type`."""
+    for layout in LAYOUTS:
+        if hf.get("model_type") in layout.model_types:
+            return layout
+    known = ", ".join(t for layout in LAYOUTS for t in layout.model_types)
+    raise CheckpointError(
+        f"config.json describes a '{hf.get('model_type')}' model; freetx reads these model "
+        f"types: {known}."
+    )

@@ -1,0 +1,170 @@
+"""`TrainingRun`: what every training recipe does besides its loop.
+
+A recipe owns its loop, top to bottom, in its own file; this is the
+bookkeeping around it, written once:
+
+    run = TrainingRun(cfg, runtime, "my_recipe")  # claims output_dir, plans the resume
+    ... build the model (parallelize), optimizer, scheduler, data ...
+    run.start(plan, optimizer, lr_scheduler, train_loader, tokens_per_sample=seq_len)
+    while run.step < cfg.max_steps:
+        ... accumulate_gradients, optimizer_step ...
+        run.advance()                              # step, epoch, tokens seen, throughput
+        if run.log_due():
+            run.log_train(sums, count, grad_norm)
+        if run.due(cfg.eval.every_n_steps):
+            run.evaluate(self.evaluate)            # evaluate() -> metrics to log
+        if run.due(cfg.checkpoint.every_n_steps):
+            run.save()
+    run.finish(self.evaluate)                      # final evaluation and save
+    run.close()
+
+`start` prints the banner, resumes from a checkpoint (or loads initial
+weights) and writes config.yaml; `save` writes the model, optimizer,
+scheduler, progress, every rank's data position and RNG. Every method that
+takes part in a collective (log_train, evaluate, save, finish) is called by
+every rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from torch.distributed.checkpoint.stateful import Stateful
+
+from freetx.checkpoint import Checkpointer, ModelState, OptimizerState, PerRankState, TrainState
+from freetx.checkpoint.checkpointer import build_meta
+from freetx.checkpoint.state import LRSchedulerState
+from freetx.distributed import DistributedRuntime, ParallelPlan
+from freetx.logging import build_metric_loggers, training_banner
+from freetx.models import flops_per_token, num_parameters
+from freetx.training.metrics import ThroughputMeter, peak_flops, train_step_metrics
+from freetx.training.seed import rng_state, set_rng_state
+
+
+def training_state(
+    plan: ParallelPlan, optimizer, lr_scheduler, progress: TrainState, loader, rank: int
+) -> dict[str, Stateful]:
+    """Everything a training checkpoint holds, under the names DCP saves them by."""
+    return {
+        "model": ModelState(plan.model),
+        "optimizer": OptimizerState(plan.model, optimizer),
+        "lr_scheduler": LRSchedulerState(lr_scheduler),
+        "train": progress,
+        "dataloader": PerRankState(rank, loader.state_dict, loader.load_state_dict),
+        "rng": PerRankState(rank, rng_state, set_rng_state),
+    }
+
+
+class TrainingRun:
+    """A run's progress, checkpoints, loggers and meters (see the module docstring)."""
+
+    def __init__(self, cfg, runtime: DistributedRuntime, recipe: str) -> None:
+        self.cfg = cfg
+        self.runtime = runtime
+        self.recipe = recipe
+        # first: a run that would lose saved work is refused before anything is built
+        self.checkpointer = Checkpointer(cfg, runtime.rank)
+        self.progress = TrainState()  # step, epoch, tokens seen: saved with every checkpoint
+        self.loggers = build_metric_loggers(
+            cfg.metric_loggers, cfg.output_dir, cfg.max_steps, runtime.rank
+        )
+        self.saved_step: int | None = None
+        self.evaluated_step: int | None = None
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps taken (resumed runs start at the checkpoint's step)."""
+        return self.progress.step
+
+    def start(
+        self,
+        plan: ParallelPlan,
+        optimizer,
+        lr_scheduler,
+        train_loader,
+        tokens_per_sample: int,
+        **facts: Any,
+    ) -> None:
+        """Everything is built: print the banner, then resume from a checkpoint (or load
+        the initial weights) and write config.yaml. `tokens_per_sample` is what a sample
+        counts for in throughput and FLOPs (its sequence length); `facts` go into the
+        banner."""
+        cfg, module = self.cfg, plan.module
+        self.train_loader = train_loader
+        self.tokens_per_step = cfg.batch_size * tokens_per_sample
+        self.meter = ThroughputMeter(
+            flops_per_token(module, tokens_per_sample),
+            self.runtime.world_size,
+            peak_flops(self.runtime.device, cfg.peak_flops),
+        )
+        self.lr_scheduler = lr_scheduler
+        self.loggers.write(
+            training_banner(
+                self.recipe, self.runtime, plan.strategy, cfg,
+                parameters=num_parameters(module), **facts,
+            )
+        )  # fmt: skip
+        self.state = training_state(
+            plan, optimizer, lr_scheduler, self.progress, train_loader, self.runtime.rank
+        )
+        meta = build_meta(module, self.runtime.world_size, plan.strategy)
+        message = self.checkpointer.restore(self.state, plan.model, meta)
+        if message:
+            self.loggers.write(message)
+        self.saved_step = self.progress.step
+
+    # -- the loop's bookkeeping ----------------------------------------------
+    def advance(self) -> int:
+        """Count one optimizer step: step, data epoch, tokens seen, throughput."""
+        self.progress.step += 1
+        self.progress.epoch = getattr(self.train_loader.batch_sampler, "epoch", 0)
+        self.progress.tokens_seen += self.tokens_per_step
+        self.meter.update(self.tokens_per_step)
+        return self.progress.step
+
+    def due(self, every_n_steps: int | None) -> bool:
+        """Whether something done every n steps (0: never) is due at this step."""
+        return bool(every_n_steps) and self.step % every_n_steps == 0
+
+    def log_due(self) -> bool:
+        return self.due(self.cfg.log_every_n_steps) or self.step == self.cfg.max_steps
+
+    def log_train(self, sums, count, grad_norm: float) -> None:
+        """Log a step: loss and sums per unit over all ranks (a collective), lr, grad norm,
+        throughput, peak memory, tokens seen, epoch."""
+        metrics = train_step_metrics(
+            sums, count, grad_norm, self.lr_scheduler, self.meter, self.runtime.device
+        )
+        metrics["tokens_seen"] = self.progress.tokens_seen
+        metrics["epoch"] = self.progress.epoch
+        self.loggers.log(self.step, metrics)
+
+    def log(self, metrics: dict[str, float]) -> None:
+        self.loggers.log(self.step, metrics)
+
+    def write(self, text: str) -> None:
+        """A line on the console (rank 0)."""
+        self.loggers.write(text)
+
+    def evaluate(self, evaluate: Callable[[], dict[str, float]]) -> None:
+        """Run the recipe's evaluation (every rank) and log what it returns."""
+        self.log(evaluate())
+        self.evaluated_step = self.step
+
+    def save(self) -> None:
+        """A sharded DCP save of everything needed to resume (every rank takes part)."""
+        self.checkpointer.save(self.step, self.state, {"tokens_seen": self.progress.tokens_seen})
+        self.saved_step = self.step
+
+    def finish(self, evaluate: Callable[[], dict[str, float]]) -> None:
+        """After the loop: evaluate and save the last step, unless already done (also after
+        a resume with nothing left to train)."""
+        if self.evaluated_step != self.step:
+            self.evaluate(evaluate)
+        if self.cfg.checkpoint.save_final and self.saved_step != self.step:
+            self.save()
+
+    def close(self) -> None:
+        self.checkpointer.close()  # waits for an asynchronous save to finish
+        self.loggers.close()
