@@ -40,6 +40,7 @@ from freetx.envs import (
     history_shard,
     optimal_return,
     random_return,
+    state_index,
 )
 from freetx.errors import ConfigError
 from freetx.training import (
@@ -57,9 +58,19 @@ MIN_EPISODES_IN_CONTEXT = 4
 @dataclass
 class InContextEvalConfig:
     every_n_steps: int = at_least(0, default=0)  # 0: only at the end of training
-    episodes: int = at_least(1, default=30)  # in-context episodes per held-out goal
+    episodes: int = at_least(1, default=30)  # in-context episodes per goal
     seeds: int = at_least(1, default=2)  # evaluation seeds per goal (averaged over goals x seeds)
-    temperature: float = 1.0  # sampling the model's actions; 0: greedy
+    # sampling temperatures tried on the validation goals (0: greedy); the test goals are
+    # evaluated once, at the end, at the one whose last 5 episodes returned most
+    temperatures: list[float] = field(default_factory=lambda: [0.5, 1.0])
+
+
+def first2(curve: np.ndarray) -> float:
+    return float(np.mean(curve[:2]))
+
+
+def last5(curve: np.ndarray) -> float:
+    return float(np.mean(curve[-5:]))
 
 
 @dataclass
@@ -130,6 +141,18 @@ class ADRecipeDDP:
                 f"{env.grid_size**2} cells of a {env.grid_size}x{env.grid_size} Dark Room "
                 f"(env.grid_size={env.grid_size}). Set model.num_states={env.grid_size**2}."
             )
+        temps = self.cfg.eval.temperatures
+        if not temps or min(temps) < 0:
+            raise ConfigError(
+                f"eval.temperatures={list(temps)}: list one or more sampling temperatures, "
+                "each 0 (greedy) or more, e.g. eval.temperatures=[0.5,1.0]."
+            )
+        if len(temps) > 1 and not len(goal_split(env).val):
+            raise ConfigError(
+                f"eval.temperatures lists {len(temps)} temperatures but env.val_goals=0: there "
+                "are no validation goals to choose one on (the test goals never choose). Set "
+                "env.val_goals > 0, or list one temperature."
+            )
         if model_config.num_actions != NUM_ACTIONS:
             raise ConfigError(
                 f"model.num_actions={model_config.num_actions}, but Dark Room has "
@@ -144,10 +167,11 @@ class ADRecipeDDP:
         if not cache.complete():
             kind = "expert (ED)" if cfg.histories.expert else "Q-learning"
             self.run.write(f"generating {kind} histories into {cache.folder}")
-            train_goals, test_goals = goal_split(cfg.env)
+            goals = goal_split(cfg.env)
             metadata = {
                 "env": asdict(cfg.env), "histories": asdict(cfg.histories),
-                "train_goals": train_goals.tolist(), "test_goals": test_goals.tolist(),
+                "train_goals": goals.train.tolist(), "val_goals": goals.val.tolist(),
+                "test_goals": goals.test.tolist(),
             }  # fmt: skip
             cache.build(
                 rank, world_size, lambda: history_shard(rank, world_size, cfg.env, cfg.histories),
@@ -191,92 +215,155 @@ class ADRecipeDDP:
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
-        """In-context RL on held-out goals: returns per episode, averaged over goals x seeds."""
+        """In-context RL, returns per episode averaged over goals x seeds.
+
+        On the validation goals (training-split goals kept out of the histories) at
+        every temperature of `eval.temperatures`; the one whose last 5 episodes return
+        most is chosen. At the end of training, and only then, the test goals are
+        evaluated once, at the chosen temperature.
+        """
         cfg, ecfg = self.cfg, self.cfg.eval
-        world_size, rank = self.runtime.world_size, self.runtime.rank
-        _, test_goals = goal_split(cfg.env)
-        runs = [(g, s) for s in range(ecfg.seeds) for g in range(len(test_goals))]
-        # every rank runs the same number of environments (padding repeats the last run,
-        # weight 0), so every rank makes the same number of forward passes
-        per_rank = -(-len(runs) // world_size)
-        first = rank * per_rank
-        mine = [runs[min(i, len(runs) - 1)] for i in range(first, first + per_rank)]
-        weights = np.array([1.0 if first + i < len(runs) else 0.0 for i in range(per_rank)])
-        model = self.plan.inference_model
-        model.eval()
-        returns = self.rollout(model, test_goals, mine, ecfg)
-        model.train()
-        summed = torch.tensor(returns.T @ weights, dtype=torch.float64, device=self.device)
-        count = torch.tensor(weights.sum(), dtype=torch.float64, device=self.device)
-        if dist.is_initialized() and world_size > 1:
-            dist.all_reduce(summed)
-            dist.all_reduce(count)
-        curve = (summed / count).tolist()
-        optimal = float(optimal_return(test_goals, cfg.env).mean())
-        random = float(random_return(test_goals, cfg.env, seed=cfg.seed).mean())
-        metrics = {
-            "eval/return_first2": float(np.mean(curve[:2])),
-            "eval/return_last5": float(np.mean(curve[-5:])),
-            "eval/optimal_return": optimal,
-            "eval/random_return": random,
-        }
-        metrics.update({f"eval/return_episode_{k + 1:02d}": v for k, v in enumerate(curve)})
-        self.run.write(
-            f"in-context returns on {len(test_goals)} held-out goals x {ecfg.seeds} seeds: "
-            f"first 2 episodes {metrics['eval/return_first2']:.2f}, last 5 "
-            f"{metrics['eval/return_last5']:.2f} (optimal {optimal:.2f}, random {random:.2f})"
-        )
+        goals = goal_split(cfg.env)
+        metrics: dict[str, float] = {}
+        report: dict[str, Any] = {"step": self.run.step, "seeds": ecfg.seeds}
+        chosen = ecfg.temperatures[0]
+        if len(goals.val):
+            temps = list(ecfg.temperatures)
+            returns = self.in_context_returns(goals.val, temps)  # [temps, goals, seeds, episodes]
+            curves = {t: returns[i].mean((0, 1)) for i, t in enumerate(temps)}
+            chosen = max(temps, key=lambda t: last5(curves[t]))  # ties: the first listed
+            for t in temps:
+                metrics[f"eval/val_return_last5_T{t:g}"] = last5(curves[t])
+            metrics["eval/val_return_first2"] = first2(curves[chosen])
+            metrics["eval/val_return_last5"] = last5(curves[chosen])
+            report["validation"] = {
+                "goals": goals.val.tolist(),
+                "returns_per_episode": {f"{t:g}": curves[t].tolist() for t in temps},
+                "optimal_return": float(optimal_return(goals.val, cfg.env).mean()),
+            }
+            self.run.write(
+                f"validation: {len(goals.val)} goals x {ecfg.seeds} seeds, return of the last 5 "
+                "episodes " + ", ".join(f"T={t:g} {last5(curves[t]):.2f}" for t in temps)
+                + f" -> temperature {chosen:g}"
+            )  # fmt: skip
+        metrics["eval/temperature"] = chosen
+        report["temperature"] = chosen
+        if self.run.step >= cfg.max_steps:
+            metrics.update(self.evaluate_test(goals.test, chosen, report))
         if self.runtime.is_rank_zero:
             out = Path(cfg.output_dir) / "eval"
             out.mkdir(parents=True, exist_ok=True)
-            (out / "in_context_returns.json").write_text(json.dumps({
-                "step": self.run.step, "returns_per_episode": curve,
-                "optimal_return": optimal, "random_return": random,
-                "test_goals": test_goals.tolist(), "seeds": ecfg.seeds,
-            }, indent=2))  # fmt: skip
+            (out / "in_context_returns.json").write_text(json.dumps(report, indent=2))
         return metrics
 
-    def rollout(self, model, goals: np.ndarray, runs: list[tuple[int, int]], ecfg) -> np.ndarray:
-        """Act for `episodes` episodes in each (goal index, eval seed) run, with a
-        sliding, episode-aligned context. Returns [runs, episodes].
+    def evaluate_test(
+        self, goals: np.ndarray, temperature: float, report: dict[str, Any]
+    ) -> dict[str, float]:
+        """The held-out test goals, once, at the temperature chosen on validation."""
+        cfg = self.cfg
+        returns = self.in_context_returns(goals, [temperature])[0]  # [goals, seeds, episodes]
+        curve = returns.mean((0, 1))
+        optimal = float(optimal_return(goals, cfg.env).mean())
+        random = float(random_return(goals, cfg.env, seed=cfg.seed).mean())
+        report["test"] = {
+            "goals": goals.tolist(),
+            "returns_per_episode": curve.tolist(),
+            "last5_per_goal": returns[:, :, -5:].mean((1, 2)).tolist(),
+            "optimal_return": optimal,
+            "random_return": random,
+        }
+        self.run.write(
+            f"test: {len(goals)} held-out goals x {cfg.eval.seeds} seeds at T={temperature:g}: "
+            f"first 2 episodes {first2(curve):.2f}, last 5 {last5(curve):.2f} "
+            f"(optimal {optimal:.2f}, random {random:.2f})"
+        )
+        metrics = {
+            "eval/test_return_first2": first2(curve),
+            "eval/test_return_last5": last5(curve),
+            "eval/optimal_return": optimal,
+            "eval/random_return": random,
+        }
+        metrics.update({f"eval/test_return_episode_{k + 1:02d}": v for k, v in enumerate(curve)})
+        return metrics
+
+    def in_context_returns(self, goals: np.ndarray, temperatures: list[float]) -> np.ndarray:
+        """Returns [temperatures, goals, seeds, episodes] of in-context runs.
+
+        The runs are split across ranks; every rank runs as many (padding repeats
+        the last run), so every rank makes the same number of forward passes, and
+        the returns are summed over ranks into the full array on every rank.
+        """
+        ecfg, world_size, rank = self.cfg.eval, self.runtime.world_size, self.runtime.rank
+        shape = (len(temperatures), len(goals), ecfg.seeds)
+        runs = list(np.ndindex(*shape))
+        per_rank = -(-len(runs) // world_size)
+        first = rank * per_rank
+        mine = [runs[min(i, len(runs) - 1)] for i in range(first, first + per_rank)]
+        model = self.plan.inference_model
+        model.eval()
+        returns = self.rollout(
+            model,
+            goals[[g for _, g, _ in mine]],
+            np.array([temperatures[t] for t, _, _ in mine]),
+            [(int(state_index(goals[g], self.cfg.env.grid_size)), s) for _, g, s in mine],
+        )
+        model.train()
+        full = torch.zeros((len(runs), ecfg.episodes), dtype=torch.float64, device=self.device)
+        real = [i for i in range(per_rank) if first + i < len(runs)]
+        full[first : first + len(real)] = torch.from_numpy(returns[real]).to(self.device)
+        if dist.is_initialized() and world_size > 1:
+            dist.all_reduce(full)
+        return full.cpu().numpy().reshape(*shape, ecfg.episodes)
+
+    def rollout(
+        self,
+        model,
+        goals: np.ndarray,
+        temperatures: np.ndarray,
+        noise_keys: list[tuple[int, int]],
+    ) -> np.ndarray:
+        """Act for `eval.episodes` episodes in each run (a goal, a temperature, a noise
+        key) with a sliding, episode-aligned context. Returns [runs, episodes].
 
         The context holds the last n_transit // horizon - 1 whole episodes and the
         current one so far, the layout of the training windows. Each run samples its
-        actions from its own random stream, so results do not depend on how the runs
-        are split across ranks.
+        actions from its own random stream, keyed by (seed, goal cell, eval seed), so
+        results do not depend on how the runs are split across ranks, and runs that
+        differ only in temperature share their noise.
         """
-        horizon = self.cfg.env.horizon
+        horizon, episodes = self.cfg.env.horizon, self.cfg.eval.episodes
         keep = max(1, self.n_transit // horizon - 1)  # whole past episodes in context
-        env = DarkRoom(goals[[g for g, _ in runs]], self.cfg.env)
-        n = len(runs)
-        steps = ecfg.episodes * horizon
+        env = DarkRoom(goals, self.cfg.env)
+        n = len(goals)
+        steps = episodes * horizon
         uniform = torch.tensor(
-            np.stack([np.random.default_rng([self.cfg.seed, g, s]).random(steps) for g, s in runs]),
+            np.stack([np.random.default_rng([self.cfg.seed, *key]).random(steps) for key in noise_keys]),
             device=self.device,
-        )
-        states = torch.zeros(n, ecfg.episodes * horizon, dtype=torch.long, device=self.device)
+        )  # fmt: skip
+        temperature = torch.tensor(temperatures, dtype=torch.float32, device=self.device)[:, None]
+        greedy = temperature == 0
+        states = torch.zeros(n, steps, dtype=torch.long, device=self.device)
         actions = torch.zeros_like(states)
         rewards = torch.zeros_like(states)
-        returns = np.zeros((n, ecfg.episodes))
+        returns = np.zeros((n, episodes))
+        no_action = torch.full((n, 1), model.no_action, device=self.device)
+        no_reward = torch.full((n, 1), model.no_reward, device=self.device)
         t = 0
-        for episode in range(ecfg.episodes):
+        for episode in range(episodes):
             state = torch.from_numpy(env.reset()).to(self.device)
             done = False
             while not done:
                 states[:, t] = state
                 start = max(0, episode - keep) * horizon
-                ctx = slice(start, t + 1)
-                no_action = torch.full((n, 1), model.no_action, device=self.device)
-                no_reward = torch.full((n, 1), model.no_reward, device=self.device)
                 prev_actions = torch.cat([no_action, actions[:, start:t]], 1)
                 prev_rewards = torch.cat([no_reward, rewards[:, start:t]], 1)
                 with self.plan.autocast():
-                    logits = model(states[:, ctx], prev_actions, prev_rewards)[:, -1].float()
-                if ecfg.temperature > 0:  # inverse-CDF sampling with this run's own noise
-                    cdf = torch.softmax(logits / ecfg.temperature, -1).cumsum(-1)
-                    action = (cdf < uniform[:, t : t + 1]).sum(-1).clamp(max=logits.shape[-1] - 1)
-                else:
-                    action = logits.argmax(-1)
+                    logits = model(states[:, start : t + 1], prev_actions, prev_rewards)[:, -1]
+                logits = logits.float()
+                # inverse-CDF sampling with this run's own noise; greedy where T = 0
+                cdf = torch.softmax(logits / temperature.masked_fill(greedy, 1.0), -1).cumsum(-1)
+                sampled = (cdf < uniform[:, t : t + 1]).sum(-1).clamp(max=logits.shape[-1] - 1)
+                action = torch.where(greedy[:, 0], logits.argmax(-1), sampled)
                 next_state, reward, done = env.step(action.cpu().numpy())
                 actions[:, t] = action
                 rewards[:, t] = torch.from_numpy(reward.astype(np.int64)).to(self.device)

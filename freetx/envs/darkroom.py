@@ -27,8 +27,11 @@ class DarkRoomConfig:
 
     grid_size: int = at_least(2, default=9)
     horizon: int = at_least(1, default=20)
-    train_fraction: float = 0.9
+    train_fraction: float = 0.9  # the rest are the held-out test goals
     split_seed: int = 0
+    # of the training goals, these many are held out of the histories for validation:
+    # model selection (sampling temperature) looks at them, never at the test goals
+    val_goals: int = at_least(0, default=8)
 
 
 def centre(grid_size: int) -> np.ndarray:
@@ -40,14 +43,38 @@ def state_index(position: np.ndarray, grid_size: int) -> np.ndarray:
     return position[..., 0] * grid_size + position[..., 1]
 
 
-def goal_split(cfg: DarkRoomConfig) -> tuple[np.ndarray, np.ndarray]:
-    """(train goals, test goals) as [n, 2] arrays, shuffled by `split_seed`."""
+@dataclass
+class GoalSplit:
+    """The goals of a split, each [n, 2]: `train` (the histories), `val` (model
+    selection) and `test` (reported once, at the end)."""
+
+    train: np.ndarray
+    val: np.ndarray
+    test: np.ndarray
+
+
+def goal_split(cfg: DarkRoomConfig) -> GoalSplit:
+    """The cells shuffled by `split_seed`: the first `train_fraction` are training goals,
+    the rest test goals; the last `val_goals` training goals are set aside for validation.
+    The test goals depend only on (grid_size, train_fraction, split_seed)."""
     if not 0 < cfg.train_fraction < 1:
         raise ConfigError(f"env.train_fraction must be in (0, 1), got {cfg.train_fraction}.")
     cells = np.array([(x, y) for x in range(cfg.grid_size) for y in range(cfg.grid_size)])
     order = np.random.default_rng(cfg.split_seed).permutation(len(cells))
     cut = int(round(len(cells) * cfg.train_fraction))
-    return cells[order[:cut]], cells[order[cut:]]
+    if not 0 < cut < len(cells):
+        raise ConfigError(
+            f"env.train_fraction={cfg.train_fraction} leaves no training or no test goal of the "
+            f"{len(cells)} cells; pick a fraction between {1 / len(cells):.3f} and "
+            f"{1 - 1 / len(cells):.3f}."
+        )
+    if cfg.val_goals >= cut:
+        raise ConfigError(
+            f"env.val_goals={cfg.val_goals} would leave none of the {cut} training goals for "
+            f"the histories. Use env.val_goals < {cut} (0: no validation goals)."
+        )
+    train = cells[order[: cut - cfg.val_goals]]
+    return GoalSplit(train, cells[order[cut - cfg.val_goals : cut]], cells[order[cut:]])
 
 
 def optimal_return(goals: np.ndarray, cfg: DarkRoomConfig) -> np.ndarray:

@@ -30,6 +30,11 @@ class HistoryConfig:
     epsilon_start: float = 1.0
     epsilon_end: float = 0.02
     epsilon_decay_episodes: int = at_least(0, default=60)  # linear decay over these episodes
+    # after each episode, its transitions are learnt again from the last to the first
+    # (episodic backward update, Lee et al. 2019): a reward found is propagated along
+    # the whole path at once, so the learner goes back to a goal the episode after it
+    # found it, and its improvement is visible within a few episodes of context
+    backward_replay: bool = False
     expert: bool = False  # Expert Distillation control: the final policy's episodes only
     subsample: int = at_least(
         1, default=1
@@ -76,29 +81,39 @@ def learning_histories(
                 choices[i] = rng.choice(np.flatnonzero(ties[i]))
         return choices
 
+    def learn(states, actions, rewards, next_states, last: bool) -> None:
+        target = rewards + (0.0 if last else cfg.discount) * q[rows, next_states].max(-1)
+        q[rows, states, actions] += cfg.learning_rate * (target - q[rows, states, actions])
+
     # learning episodes; for ED, then the final policy acting for as many episodes,
     # written over the learning ones (only the expert's episodes are kept)
+    horizon = env_cfg.horizon
     for phase in ("learn", "expert") if cfg.expert else ("learn",):
         t = 0
         for episode in range(cfg.episodes):
             epsilon = cfg.epsilon_end if phase == "expert" else _epsilon(episode, cfg)
             states = env.reset()
+            visited = np.zeros((n, horizon + 1), dtype=np.int64)
             done = False
             while not done:
                 actions = act(states, epsilon)
                 next_states, rewards, done = env.step(actions)
                 if phase == "learn":
-                    target = rewards + (0.0 if done else cfg.discount) * q[rows, next_states].max(
-                        -1
-                    )
-                    q[rows, states, actions] += cfg.learning_rate * (
-                        target - q[rows, states, actions]
-                    )
+                    learn(states, actions, rewards, next_states, last=done)
                 out["states"][:, t] = states
                 out["actions"][:, t] = actions
                 out["rewards"][:, t] = rewards.astype(np.int64)
+                visited[:, env.t - 1], visited[:, env.t] = states, next_states
                 states = next_states
                 t += 1
+            if phase == "learn" and cfg.backward_replay:
+                episode_steps = slice(t - horizon, t)
+                for k in reversed(range(horizon)):
+                    learn(
+                        visited[:, k], out["actions"][:, episode_steps][:, k],
+                        out["rewards"][:, episode_steps][:, k], visited[:, k + 1],
+                        last=k == horizon - 1,
+                    )  # fmt: skip
     out["goal_ids"] = np.repeat(goal_ids, streams)
     return out
 
@@ -107,6 +122,6 @@ def history_shard(
     rank: int, world_size: int, env_cfg: DarkRoomConfig, cfg: HistoryConfig
 ) -> dict[str, np.ndarray]:
     """Rank `rank`'s share of the histories: the training goals i with i % world_size == rank."""
-    train_goals, _ = goal_split(env_cfg)
+    train_goals = goal_split(env_cfg).train
     mine = np.arange(rank, len(train_goals), world_size)
     return learning_histories(mine, train_goals[mine], env_cfg, cfg)

@@ -12,6 +12,7 @@ SMALL = [
     "max_steps=6", "log_every_n_steps=3", "batch_size=16", "histories.episodes=8",
     "histories.streams_per_goal=1", "model.n_transit=80", "eval.episodes=4", "eval.seeds=1",
     "checkpoint.every_n_steps=0", "metric_loggers=[{_component_: freetx.logging.JSONLLogger}]",
+    "eval.temperatures=[0,1]",
 ]  # fmt: skip
 
 
@@ -27,11 +28,20 @@ def test_short_run_writes_histories_metrics_and_the_evaluation_file(tmp_path):
         "metadata.json", "shard_00000.safetensors", "shard_00001.safetensors",
     ]  # fmt: skip
     evaluation = json.loads((tmp_path / "eval" / "in_context_returns.json").read_text())
-    assert len(evaluation["returns_per_episode"]) == 4 and len(evaluation["test_goals"]) == 8
-    assert evaluation["optimal_return"] == 17.0 and 0 < evaluation["random_return"] < 1
+    test, val = evaluation["test"], evaluation["validation"]
+    assert len(test["returns_per_episode"]) == 4 and len(test["goals"]) == 8
+    assert test["optimal_return"] == 17.0 and 0 < test["random_return"] < 1
+    assert len(test["last5_per_goal"]) == 8
+    # the temperature is the validation goals' choice; they are no test goal
+    assert sorted(val["returns_per_episode"]) == ["0", "1"] and len(val["goals"]) == 8
+    last5 = {t: sum(c[-5:]) / len(c[-5:]) for t, c in val["returns_per_episode"].items()}
+    assert evaluation["temperature"] == float(max(last5, key=lambda t: (last5[t], -float(t))))
+    assert not set(map(tuple, val["goals"])) & set(map(tuple, test["goals"]))
     records = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert any("action_accuracy" in r for r in records)
-    assert any("eval/return_last5" in r for r in records)
+    assert any("eval/test_return_last5" in r for r in records)
+    assert any("eval/val_return_last5_T0" in r for r in records)
+    assert "validation: 8 goals" in result.stdout and "test: 8 held-out goals" in result.stdout
 
     # a second run (1 process, fresh output but the same data_dir) reuses the histories
     again = run_freetx(
@@ -47,7 +57,10 @@ def test_short_run_writes_histories_metrics_and_the_evaluation_file(tmp_path):
     [("model.n_transit=60", "fewer than 4 episodes"),
      ("env.grid_size=11", "Set model.num_states=121"),
      ("model.num_actions=4", "Set model.num_actions=5"),
-     ("eval.seeds=0", "'eval.seeds' must be at least 1, got 0")],
+     ("eval.seeds=0", "'eval.seeds' must be at least 1, got 0"),
+     ("env.val_goals=0", "no validation goals to choose one on"),
+     ("eval.temperatures=[]", "list one or more sampling temperatures"),
+     ("env.val_goals=80", "env.val_goals < 73")],
 )  # fmt: skip
 def test_a_model_that_does_not_fit_the_environment_is_refused_before_any_history(
     tmp_path, override, message

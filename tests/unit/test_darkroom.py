@@ -16,6 +16,7 @@ from freetx.envs import (
     random_return,
     state_index,
 )
+from freetx.errors import ConfigError
 
 ENV = DarkRoomConfig()
 
@@ -61,15 +62,30 @@ def test_random_policy_return_is_about_a_quarter():
 
 
 def test_goal_split_is_disjoint_and_seeded():
-    train, test = goal_split(ENV)
-    assert len(train) == 73 and len(test) == 8
-    assert not set(map(tuple, train)) & set(map(tuple, test))
-    other = goal_split(DarkRoomConfig(split_seed=1))[1]
-    assert set(map(tuple, test)) != set(map(tuple, other))
+    split = goal_split(ENV)
+    train, val, test = (set(map(tuple, g)) for g in (split.train, split.val, split.test))
+    assert (len(train), len(val), len(test)) == (65, 8, 8)
+    assert not train & val and not train & test and not val & test
+    assert len(train | val | test) == 81
+    other = goal_split(DarkRoomConfig(split_seed=1)).test
+    assert test != set(map(tuple, other))
+    # the validation goals come out of the training goals: the test goals stay put
+    no_val = goal_split(DarkRoomConfig(val_goals=0))
+    assert set(map(tuple, no_val.test)) == test and len(no_val.train) == 73
+    assert set(map(tuple, no_val.train)) == train | val
+
+
+@pytest.mark.parametrize(
+    "fields,message",
+    [({"val_goals": 73}, "env.val_goals < 73"), ({"train_fraction": 0.001}, "no training")],
+)
+def test_impossible_goal_splits_are_refused(fields, message):
+    with pytest.raises(ConfigError, match=message):
+        goal_split(DarkRoomConfig(**fields))
 
 
 def test_histories_are_deterministic_by_seed_and_independent_of_the_split():
-    train, _ = goal_split(ENV)
+    train = goal_split(ENV).train
     cfg = HistoryConfig(streams_per_goal=2, episodes=10)
     both = learning_histories(np.array([0, 1]), train[:2], ENV, cfg)
     again = learning_histories(np.array([0, 1]), train[:2], ENV, cfg)
@@ -85,7 +101,7 @@ def test_histories_are_deterministic_by_seed_and_independent_of_the_split():
 
 
 def test_histories_improve_and_expert_histories_do_not():
-    train, _ = goal_split(ENV)
+    train = goal_split(ENV).train
     cfg = HistoryConfig(streams_per_goal=2, episodes=60, epsilon_decay_episodes=30)
     h = learning_histories(np.arange(20), train[:20], ENV, cfg)
     returns = h["rewards"].reshape(40, 60, 20).sum(-1).mean(0)
@@ -135,8 +151,8 @@ def test_stored_histories_round_trip_and_a_damaged_shard_is_named(tmp_path):
                     barrier=lambda: barriers.append(1))  # fmt: skip
         assert cache.complete() == (rank >= 0)
     loaded = load_histories(cache)
-    assert loaded["goal_ids"].tolist() == list(range(73))
-    expected = learning_histories(np.arange(73), goal_split(ENV)[0], ENV, cfg)
+    assert loaded["goal_ids"].tolist() == list(range(65))
+    expected = learning_histories(np.arange(65), goal_split(ENV).train, ENV, cfg)
     assert np.array_equal(loaded["actions"], expected["actions"])
     assert cache.folder.name.startswith("darkroom_ad_")  # named by a hash of the settings
 
@@ -159,3 +175,21 @@ def test_an_interrupted_cache_is_not_complete(tmp_path):
     with pytest.raises(KeyboardInterrupt):
         cache.build(0, 1, interrupted, {}, barrier=lambda: None)
     assert not cache.complete()
+
+
+def test_backward_replay_goes_back_to_a_goal_the_episode_after_finding_it():
+    """Episodic backward update: with no exploration noise, an episode that ends on the
+    goal is followed by one that reaches it again (the reward propagated along the path)."""
+    train = goal_split(ENV).train
+    cfg = HistoryConfig(streams_per_goal=2, episodes=30, learning_rate=1.0, initial_q=0.5,
+                        epsilon_start=0.0, epsilon_end=0.0, backward_replay=True)  # fmt: skip
+    h = learning_histories(np.arange(20), train[:20], ENV, cfg)
+    returns = h["rewards"].reshape(40, 30, 20).sum(-1)
+    found = returns[:, :-1] > 0
+    assert found.sum() > 20
+    assert (returns[:, 1:][found] > 0).all()
+    plain = learning_histories(
+        np.arange(20), train[:20], ENV, HistoryConfig(**{**cfg.__dict__, "backward_replay": False})
+    )
+    plain_returns = plain["rewards"].reshape(40, 30, 20).sum(-1)
+    assert returns[:, 10:20].mean() > 1.3 * plain_returns[:, 10:20].mean()  # 8.3 vs 5.4
