@@ -11,7 +11,9 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-BENCHMARKS = ["overhead.py", "memory.py", "activation_checkpointing.py", "checkpoint.py"]
+BENCHMARKS = [
+    "overhead.py", "memory.py", "activation_checkpointing.py", "checkpoint.py", "hf_io.py",
+]  # fmt: skip
 
 
 def main() -> int:

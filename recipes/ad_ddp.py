@@ -112,7 +112,10 @@ class ADRecipeDDP:
         windows = ADWindows(
             histories, self.n_transit, cfg.env.horizon, model.no_action, model.no_reward
         )
-        self.plan = parallelize(model, self.runtime, cfg.distributed, seed=cfg.seed)
+        self.plan = parallelize(
+            model, self.runtime, cfg.distributed, seed=cfg.seed,
+            init_weights=not self.run.loads_weights,  # random init unless weights are loaded
+        )  # fmt: skip
         self.model = self.plan.model
         self.optimizer = self.plan.build_optimizer(cfg.optimizer)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.max_steps, cfg.lr_schedule)

@@ -55,6 +55,7 @@ class FullFinetuneConfig(TrainingConfig):
         *TrainingConfig.fixed_on_resume, "model", "tokenizer", "dataset",
     )  # fmt: skip
 
+    model_dir: Optional[str] = None  # an HF model folder, for ${model_dir} in the sections below
     model: Any = MISSING
     tokenizer: Any = MISSING
     dataset: Any = MISSING  # built twice: split=train and split=validation
@@ -84,7 +85,10 @@ class FullFinetuneRecipeFSDP2:
         with torch.device("meta"):
             model = instantiate(cfg.model)
         check_model_and_data(model.config, self.tokenizer, self.seq_len)
-        self.plan = parallelize(model, self.runtime, cfg.distributed, seed=cfg.seed)
+        self.plan = parallelize(
+            model, self.runtime, cfg.distributed, seed=cfg.seed,
+            init_weights=not self.run.loads_weights,  # random init unless weights are loaded
+        )  # fmt: skip
         self.model = self.plan.model
         self.optimizer = self.plan.build_optimizer(cfg.optimizer)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.max_steps, cfg.lr_schedule)

@@ -27,6 +27,8 @@ from omegaconf import MISSING
 
 from freetx.checkpoint import load_initial_weights, model_from_checkpoint, resolve_checkpoint
 from freetx.config import at_least, instantiate, parse, write_resolved_config
+from freetx.data import leading_bos
+from freetx.errors import ConfigError
 from freetx.distributed import init_distributed, materialize
 from freetx.logging import build_metric_loggers
 from freetx.models import LatentModel, build_model
@@ -47,6 +49,8 @@ class GenerateConfig:
     fixed_z: bool = True  # the samples of a group share one latent (latent models only)
     posterior_prefill: bool = False  # the prompt's latent from the encoder, not the prior
     max_new_tokens: int = at_least(1, default=64)
+    chat: bool = False  # each prompt is a user turn, rendered with the tokenizer's chat template
+    stop_at_eos: bool = True  # a sample's text ends at its first EOS
     temperature: float = 1.0
     top_k: Optional[int] = at_least(1, default=None)
     show_samples: int = at_least(0, default=3)  # samples printed per group
@@ -73,6 +77,12 @@ class GenerateRecipe:
         self.model = model.eval()
         self.latent = isinstance(model, LatentModel)
         self.tokenizer = instantiate(cfg.tokenizer)
+        if cfg.chat and getattr(self.tokenizer, "chat_template", None) is None:
+            raise ConfigError(
+                "chat=true renders each prompt with the tokenizer's chat template, and this "
+                "tokenizer has none. Use freetx.data.HFTokenizer on a model folder with a chat "
+                "template, or set chat=false."
+            )
         self.measures = [instantiate(node) for node in cfg.sample_metrics]
         self.loggers = build_metric_loggers(cfg.metric_loggers, cfg.output_dir, None, 0)
         kind = f"{type(model).__name__}{' (latent per position)' if self.latent else ''}"
@@ -83,7 +93,12 @@ class GenerateRecipe:
         """One group: samples_per_group continuations of `prompt` (sharing Z if fixed_z)."""
         cfg, tok = self.cfg, self.tokenizer
         n = cfg.samples_per_group
-        ids = [tok.bos_id, *tok.encode(prompt)]
+        if cfg.chat:  # the template writes BOS and the assistant's header itself
+            ids = tok.encode(
+                tok.apply_chat_template([{"role": "user", "content": prompt}], True)
+            )
+        else:
+            ids = [*leading_bos(tok), *tok.encode(prompt)]
         tokens = torch.tensor([ids] * n, device=self.device)
         total = len(ids) + cfg.max_new_tokens
         codes = None
@@ -99,7 +114,13 @@ class GenerateRecipe:
             else:
                 logits = self.model(tokens)
             tokens = torch.cat([tokens, self.next_tokens(logits[:, -1])[:, None]], dim=1)
-        return [prompt + tok.decode(row[len(ids) :].tolist()) for row in tokens]
+        return [prompt + tok.decode(self.until_eos(row[len(ids) :].tolist())) for row in tokens]
+
+    def until_eos(self, ids: list[int]) -> list[int]:
+        eos = self.tokenizer.eos_id
+        if self.cfg.stop_at_eos and eos in ids:
+            return ids[: ids.index(eos)]
+        return ids
 
     def next_tokens(self, logits: torch.Tensor) -> torch.Tensor:
         logits = logits.float() / max(self.cfg.temperature, 1e-6)

@@ -195,6 +195,11 @@ class Checkpointer:
         name, _problem = read_latest(self.dir)
         return self.dir / name if name and is_complete_fast(self.dir / name) else None
 
+    @property
+    def loads_weights(self) -> bool:
+        """Whether `restore` will set every model weight (a resume or initial weights)."""
+        return self.plan.path is not None or bool(self.cfg.initial_weights)
+
     def restore(self, state: dict[str, Stateful], model, meta: dict[str, Any]) -> str | None:
         """Load the planned checkpoint, else the initial weights, else nothing; then write
         `<output_dir>/config.yaml` (training starts). `meta` describes the model for saves.

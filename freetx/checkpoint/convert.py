@@ -9,6 +9,7 @@ optimizer. No process group is needed.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,7 @@ from freetx.checkpoint.files import (
     model_shapes,
     quiet_single_process,
     read_dcp_metadata,
+    read_json,
 )
 from freetx.checkpoint.formats import (
     MODEL_CLASS_KEY,
@@ -40,9 +42,9 @@ from freetx.checkpoint.formats import (
 from freetx.checkpoint.run_folder import LATEST_FILE, choose_checkpoint, survey
 from freetx.checkpoint.safe_write import check_destination, staged_output
 from freetx.checkpoint.state import ModelState
-from freetx.distributed.init import fill_parameters
+from freetx.distributed.init import load_parameters
 from freetx.errors import CheckpointError
-from freetx.models.hf import layout_of
+from freetx.models.hf import TOKENIZER_FILES, layout_of
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 FORMATS = ("safetensors", "torch", "dcp", "hf")
@@ -69,8 +71,14 @@ def convert(
     dtype: str | None = None,
     model_only: bool = False,
     overwrite: bool = False,
+    max_shard_size: str | int = "5GB",
+    hf_files_from: str | Path | None = None,
 ) -> dict[str, Any]:
     """Convert a checkpoint; returns what was written (format, tensors, bytes).
+
+    To an HF folder: weights in shards of `max_shard_size`, config.json,
+    generation_config.json and the tokenizer files of the HF folder the model came
+    from (`hf_files_from`, else found from the run's config).
 
     The destination is written under a temporary name and renamed into place
     (`safe_write`): it may not be, hold or lie inside the source, and an
@@ -100,7 +108,8 @@ def convert(
             strip = lambda n: n[len(MODEL_PREFIX) :]  # noqa: E731
             written = _write_safetensors(source, out, strip, cast, out_dtype)
         elif fmt == "hf":
-            written = _write_hf(source, out, cast, out_dtype)
+            companion = hf_companion_folder(source, hf_files_from)
+            written = _write_hf(source, out, cast, out_dtype, max_shard_size, companion)
         elif fmt == "torch":
             data = {
                 (n[len(MODEL_PREFIX) :] if model_only else n): cast(source.get(n)) for n in names
@@ -154,8 +163,70 @@ def _write_safetensors(source: TensorSource, dst: Path, rename, cast, out_dtype)
     return sum(info.nbytes for info in infos.values())
 
 
-def _write_hf(source: TensorSource, dst: Path, cast, out_dtype) -> int:
-    """config.json and model.safetensors in the HF layout the model class names."""
+def parse_size(size: str | int) -> int:
+    """Bytes from 5GB, 500MB, 200KB or a plain number (transformers' max_shard_size units)."""
+    if isinstance(size, int):
+        return size
+    text = str(size).strip().upper()
+    for unit, factor in (("GIB", 2**30), ("MIB", 2**20), ("KIB", 2**10), ("GB", 10**9),
+                         ("MB", 10**6), ("KB", 10**3), ("B", 1)):  # fmt: skip
+        if text.endswith(unit):
+            text, scale = text[: -len(unit)], factor
+            break
+    else:
+        scale = 1
+    try:
+        value = int(float(text) * scale)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise CheckpointError(f"max shard size {size!r} is not a size; write e.g. 5GB or 500MB.")
+    return value
+
+
+def plan_shards(sizes: dict[str, int], max_shard_bytes: int) -> list[list[str]]:
+    """Tensor names in order, cut into shards of at most `max_shard_bytes` (a tensor larger
+    than that gets a shard of its own), as transformers cuts them."""
+    shards: list[list[str]] = [[]]
+    used = 0
+    for name, size in sizes.items():
+        if shards[-1] and used + size > max_shard_bytes:
+            shards.append([])
+            used = 0
+        shards[-1].append(name)
+        used += size
+    return shards
+
+
+def hf_companion_folder(source: TensorSource, given: str | Path | None) -> Path | None:
+    """The HF folder whose tokenizer files and generation config go beside an export: the
+    one given, the source itself, or the folder the run started from (its config's
+    model path, tokenizer path or initial weights)."""
+    if given is not None:
+        folder = Path(given).expanduser()
+        if not folder.is_dir():
+            raise CheckpointError(f"--hf-files-from {given} is not a folder.")
+        return folder
+    if source.kind == "hf":
+        return source.path
+    run = source.meta.get("config") or {}
+    candidates = [
+        (run.get("model") or {}).get("path"),
+        (run.get("tokenizer") or {}).get("path"),
+        (run.get("checkpoint") or {}).get("initial_weights"),
+    ]
+    for candidate in candidates:
+        if isinstance(candidate, str) and (Path(candidate).expanduser() / "config.json").is_file():
+            return Path(candidate).expanduser()
+    return None
+
+
+def _write_hf(
+    source: TensorSource, dst: Path, cast, out_dtype, max_shard_size, companion: Path | None
+) -> int:
+    """An HF model folder in the layout the model class names: config.json, weights in
+    shards of at most `max_shard_size` (one model.safetensors when they fit, else shards
+    and their index), generation_config.json, and the companion folder's tokenizer files."""
     if source.model_config is None or not source.meta.get("model_class"):
         raise CheckpointError(
             f"{source.path} does not record its model class and config, which config.json "
@@ -163,27 +234,63 @@ def _write_hf(source: TensorSource, dst: Path, cast, out_dtype) -> int:
             "safetensors file freetx wrote."
         )
     layout = layout_of(source.meta["model_class"])
+    names = {MODEL_PREFIX + n: layout.to_hf_name(n) for n in source.model_names()}
+    infos = {names[n]: TensorInfo(source.infos[n].shape, out_dtype(source.infos[n])) for n in names}
+    shards = plan_shards({n: i.nbytes for n, i in infos.items()}, parse_size(max_shard_size))
     dst.mkdir(parents=True, exist_ok=True)
-    first = source.infos[MODEL_PREFIX + source.model_names()[0]]
-    dtype_name = str(out_dtype(first)).removeprefix("torch.")
-    (dst / "config.json").write_text(
-        json.dumps(layout.to_hf_config(source.model_config, dtype_name), indent=2)
+    first = next(iter(infos.values()))
+    hf_config = layout.to_hf_config(source.model_config, str(first.dtype).removeprefix("torch."))
+    companion_config = {}
+    if companion is not None and (companion / "config.json").is_file():
+        companion_config = read_json(companion / "config.json", "HF model config")
+    if isinstance(companion_config, dict):
+        for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            if key in companion_config:
+                hf_config[key] = companion_config[key]
+        same = ("model_type", "hidden_size", "num_hidden_layers", "vocab_size")
+        if all(companion_config.get(k) == hf_config.get(k) for k in same):
+            # a run builds shorter RoPE tables than the model supports; keep the model's length
+            hf_config["max_position_embeddings"] = max(
+                hf_config["max_position_embeddings"],
+                int(companion_config.get("max_position_embeddings") or 0),
+            )
+    (dst / "config.json").write_text(json.dumps(hf_config, indent=2))
+    by_hf_name = {hf: ours for ours, hf in names.items()}
+    files = (
+        ["model.safetensors"]
+        if len(shards) == 1
+        else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     )
-    return _write_safetensors(
-        source,
-        dst / "model.safetensors",
-        lambda n: layout.to_hf_name(n[len(MODEL_PREFIX) :]),
-        cast,
-        out_dtype,
-    )
+    for file, shard in zip(files, shards):
+        writer = SafetensorsStreamWriter(dst / file, {n: infos[n] for n in shard}, {"format": "pt"})
+        for name in shard:
+            writer.write(name, cast(source.get(by_hf_name[name])))
+        writer.close()
+    if len(shards) > 1:
+        index = {
+            "metadata": {"total_size": sum(i.nbytes for i in infos.values())},
+            "weight_map": {name: file for file, shard in zip(files, shards) for name in shard},
+        }
+        (dst / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    generation = companion / "generation_config.json" if companion else None
+    if generation is not None and generation.is_file():
+        shutil.copyfile(generation, dst / "generation_config.json")
+    else:
+        tokens = {k: hf_config[k] for k in ("bos_token_id", "eos_token_id") if k in hf_config}
+        (dst / "generation_config.json").write_text(json.dumps(tokens, indent=2))
+    for name in TOKENIZER_FILES if companion else ():
+        if (companion / name).is_file():
+            shutil.copyfile(companion / name, dst / name)
+    return sum(info.nbytes for info in infos.values())
 
 
 def load_initial_weights(model: nn.Module, path: str | Path) -> None:
     """Set a (parallelized) model's weights from a safetensors file, DCP folder or HF folder.
 
     Every rank calls it. Keys and shapes are checked first; a mismatch lists the
-    offending tensors. DCP checkpoints reshard through DCP; files are read one
-    tensor at a time and each rank keeps its shard.
+    offending tensors. DCP checkpoints reshard through DCP; from safetensors files
+    (one, or an HF folder's shards) each rank reads only the rows of its own shard,
+    a tensor at a time.
     """
     source = open_tensors(path)
     if isinstance(source, DCPSource):
@@ -204,7 +311,8 @@ def load_initial_weights(model: nn.Module, path: str | Path) -> None:
             + "\nUse weights of this model shape, or change the model config to match them."
         )
     inner = getattr(model, "module", model)
-    fill_parameters(inner, lambda name, param: source.get(MODEL_PREFIX + name).to(param.dtype))
+
+    load_parameters(inner, lambda name, rows, out: source.read_into(MODEL_PREFIX + name, rows, out))
 
 
 def inspect_report(path: str | Path) -> str:

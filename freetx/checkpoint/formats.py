@@ -40,6 +40,7 @@ SAFETENSORS_DTYPES = {
     torch.uint8: "U8", torch.bool: "BOOL",
 }  # fmt: skip
 MODEL_CONFIG_KEY = "freetx_model_config"
+READ_CHUNK = 64 * 2**20  # the largest read buffer when a tensor is cast while read
 MODEL_CLASS_KEY = "freetx_model_class"
 
 
@@ -70,6 +71,12 @@ class TensorSource(abc.ABC):
     @abc.abstractmethod
     def get(self, name: str) -> torch.Tensor:
         """The whole tensor `name` (a key of `infos`), on the CPU."""
+
+    def read_into(self, name: str, rows: slice | None, out: torch.Tensor) -> None:
+        """Fill `out` with tensor `name`, or rows `rows` of its first dimension (formats
+        that can read only those bytes, straight into `out`, do)."""
+        tensor = self.get(name)
+        out.copy_(tensor if rows is None else tensor[rows])
 
     def model_names(self) -> list[str]:
         """Names of the model's tensors, without the `model.` prefix."""
@@ -123,34 +130,111 @@ class DCPSource(TensorSource):
             ) from e
 
 
-class SafetensorsSource(TensorSource):
-    kind = "safetensors"
+class SafetensorsFile:
+    """One .safetensors file, read without mmap: the header at open, then any tensor, or
+    any rows of one, with a positioned read of just its bytes. So a rank that needs a
+    slice of a tensor reads that slice and holds nothing else (mmap'd pages would count
+    in its resident memory)."""
 
-    def __init__(self, path: Path, rename=None) -> None:
-        super().__init__(path)
-        from safetensors import safe_open
-
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
         try:
-            self._file = safe_open(str(path), framework="pt")
+            with open(self.path, "rb") as f:
+                size = struct.unpack("<Q", f.read(8))[0]
+                if size > 100 * 2**20:
+                    raise ValueError(f"header of {size:,} bytes")
+                header = json.loads(f.read(size))
+            self.data_start = 8 + size
+            self.metadata: dict[str, str] = header.pop("__metadata__", None) or {}
+            self.entries: dict[str, tuple[TensorInfo, int, int]] = {}
+            for name, entry in header.items():
+                begin, end = entry["data_offsets"]
+                info = TensorInfo(tuple(entry["shape"]), _dtype_from_safetensors(entry["dtype"]))
+                if end - begin != info.nbytes:
+                    raise ValueError(f"tensor {name} has {end - begin} bytes for {info.nbytes}")
+                self.entries[name] = (info, begin, end)
+        except CheckpointError:
+            raise
+        except OSError as e:
+            raise CheckpointError(f"{self.path} cannot be read ({e.strerror}).") from None
         except Exception as e:
             raise CheckpointError(
-                f"{path} is not a readable safetensors file ({describe_dcp_error(e)})."
+                f"{self.path} is not a readable safetensors file ({describe_dcp_error(e)})."
             ) from None
-        self._names: dict[str, str] = {}
-        for stored in self._file.keys():
-            name = rename(stored) if rename else MODEL_PREFIX + stored
-            sliced = self._file.get_slice(stored)
-            dtype = _dtype_from_safetensors(sliced.get_dtype())
-            self.infos[name] = TensorInfo(tuple(sliced.get_shape()), dtype)
-            self._names[name] = stored
-        file_meta = self._file.metadata() or {}
-        if MODEL_CONFIG_KEY in file_meta:
-            self.meta["model_config"] = json.loads(file_meta[MODEL_CONFIG_KEY])
-        if MODEL_CLASS_KEY in file_meta:
-            self.meta["model_class"] = file_meta[MODEL_CLASS_KEY]
+        file_size = self.path.stat().st_size
+        needed = self.data_start + max((end for _, _, end in self.entries.values()), default=0)
+        if file_size < needed:
+            raise CheckpointError(
+                f"{self.path} is truncated ({file_size:,} bytes, its header needs {needed:,}); "
+                "copy it again from its source."
+            )
+
+    def read(self, name: str, rows: slice | None = None) -> torch.Tensor:
+        """Tensor `name`, or only rows `rows` of its first dimension, as a new CPU tensor."""
+        info = self.entries[name][0]
+        shape = list(info.shape)
+        if rows is not None and shape:
+            shape[0] = len(range(*rows.indices(shape[0])))
+        out = torch.empty(shape, dtype=info.dtype)
+        self.read_into(name, rows, out)
+        return out
+
+    def read_into(self, name: str, rows: slice | None, out: torch.Tensor) -> None:
+        """Fill `out` with tensor `name` (or rows `rows` of it), cast to out's dtype. The
+        bytes go straight into `out` when the dtypes match, else through a buffer of at
+        most READ_CHUNK bytes: reading never holds a second copy of what it reads."""
+        info, begin, _ = self.entries[name]
+        shape = info.shape
+        row_bytes = info.nbytes // shape[0] if shape and shape[0] else info.nbytes
+        start, stop = (0, shape[0] if shape else 1) if rows is None else rows.indices(shape[0])[:2]
+        target = out.reshape(max(stop - start, 0), -1) if shape else out.reshape(1, -1)
+        direct = out.dtype == info.dtype and out.is_contiguous() and out.device.type == "cpu"
+        step = max(1, READ_CHUNK // max(row_bytes, 1))
+        with open(self.path, "rb") as f:
+            for first in range(start, stop, step):
+                last = min(stop, first + step)
+                count = (last - first) * row_bytes
+                f.seek(self.data_start + begin + first * row_bytes)
+                if direct:
+                    view = target[first - start : last - start].view(torch.uint8).reshape(-1)
+                else:
+                    view = torch.empty(count, dtype=torch.uint8)
+                if f.readinto(view.numpy()) != count:
+                    raise CheckpointError(
+                        f"{self.path}: tensor {name} is cut short; the file is damaged."
+                    )
+                if not direct:
+                    chunk = view.view(info.dtype).reshape(last - first, -1)
+                    target[first - start : last - start].copy_(chunk)
+
+
+class SafetensorsSource(TensorSource):
+    """One or several safetensors files (an HF folder's shards), tensors by name."""
+
+    kind = "safetensors"
+
+    def __init__(self, path: Path, files: list[Path] | None = None, rename=None) -> None:
+        super().__init__(path)
+        self._where: dict[str, tuple[SafetensorsFile, str]] = {}
+        for file in [SafetensorsFile(f) for f in (files or [Path(path)])]:
+            for stored, (info, _, _) in file.entries.items():
+                name = rename(stored) if rename else MODEL_PREFIX + stored
+                if name is None:
+                    continue
+                self.infos[name] = info
+                self._where[name] = (file, stored)
+            if MODEL_CONFIG_KEY in file.metadata:
+                self.meta["model_config"] = json.loads(file.metadata[MODEL_CONFIG_KEY])
+            if MODEL_CLASS_KEY in file.metadata:
+                self.meta["model_class"] = file.metadata[MODEL_CLASS_KEY]
 
     def get(self, name: str) -> torch.Tensor:
-        return self._file.get_tensor(self._names[name])
+        file, stored = self._where[name]
+        return file.read(stored)
+
+    def read_into(self, name: str, rows: slice | None, out: torch.Tensor) -> None:
+        file, stored = self._where[name]
+        file.read_into(stored, rows, out)
 
 
 class TorchSource(TensorSource):
@@ -182,8 +266,9 @@ class TorchSource(TensorSource):
 
 
 class HFFolderSource(SafetensorsSource):
-    """An HF-style folder: config.json + model.safetensors, read through the HF layout of
-    the model its `model_type` names (freetx.models.hf)."""
+    """A model folder as transformers writes it: config.json, and model.safetensors or
+    shards listed in model.safetensors.index.json, read through the HF layout of the
+    model its `model_type` names (freetx.models.hf)."""
 
     kind = "hf"
 
@@ -195,16 +280,61 @@ class HFFolderSource(SafetensorsSource):
                 f"{folder / 'config.json'} is not a JSON object of model settings."
             )
         layout = layout_for_hf_config(hf)
-        files = sorted(folder.glob("*.safetensors"))
-        if len(files) != 1:
-            raise CheckpointError(
-                f"HF folder {folder} must hold exactly one .safetensors file (found {len(files)}); "
-                "sharded HF checkpoints are not supported yet."
-            )
-        super().__init__(files[0], rename=lambda n: MODEL_PREFIX + layout.from_hf_name(n))
-        self.path = folder
+        tied = bool(hf.get("tie_word_embeddings", False))
+
+        def rename(stored: str) -> str | None:
+            if tied and stored == "lm_head.weight":  # a copy of the embedding some folders keep
+                return None
+            name = layout.from_hf_name(stored)
+            return None if name is None else MODEL_PREFIX + name
+
+        super().__init__(folder, hf_weight_files(folder), rename=rename)
         self.meta["model_class"] = layout.model_class
-        self.meta["model_config"] = layout.from_hf_config(hf)
+        self.layout, self.hf_config = layout, hf
+
+    @property
+    def model_config(self) -> dict[str, Any]:
+        """The model's config fields, read when asked (loading weights into a model built
+        from the same folder does not need them; a conversion does, and refuses what
+        freetx cannot compute)."""
+        return self.layout.from_hf_config(self.hf_config)
+
+
+def hf_weight_files(folder: Path) -> list[Path]:
+    """The safetensors files of an HF folder: the shards its index names, or the one file."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = read_json(index, "safetensors index")
+        if not isinstance(weight_map, dict) or not isinstance(weight_map.get("weight_map"), dict):
+            raise CheckpointError(f"{index} has no weight_map; it is not a safetensors index.")
+        names = sorted(set(weight_map["weight_map"].values()))
+        missing = [n for n in names if not (folder / n).is_file()]
+        if missing:
+            raise CheckpointError(
+                f"{index} names {len(missing)} shard(s) that are not in the folder: "
+                f"{', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}. The download or "
+                "copy is incomplete; fetch the missing files."
+            )
+        return [folder / n for n in names]
+    files = sorted(folder.glob("*.safetensors"))
+    if len(files) == 1:
+        return files
+    if not files:
+        others = sorted(p.name for p in folder.glob("*.bin")) + sorted(
+            p.name for p in folder.glob("*.pth")
+        )
+        hint = (
+            f" It has {', '.join(others[:3])}: freetx reads weights as safetensors only (data, "
+            "never pickled code); re-save the folder with transformers' save_pretrained "
+            "(safe_serialization is its default)."
+            if others
+            else ""
+        )
+        raise CheckpointError(f"HF folder {folder} holds no .safetensors weights.{hint}")
+    raise CheckpointError(
+        f"HF folder {folder} holds {len(files)} .safetensors files but no "
+        "model.safetensors.index.json saying which tensors each holds; restore the index."
+    )
 
 
 def open_tensors(path: str | Path) -> TensorSource:
@@ -218,8 +348,8 @@ def open_tensors(path: str | Path) -> TensorSource:
         if (path / "config.json").is_file():
             return HFFolderSource(path)
         raise CheckpointError(
-            f"{path} is a folder but neither a DCP checkpoint (.metadata) nor an HF-style "
-            "folder (config.json + model.safetensors)."
+            f"{path} is a folder but neither a DCP checkpoint (.metadata) nor an HF model "
+            "folder (config.json + model.safetensors or shards with their index)."
         )
     if path.suffix == ".safetensors":
         return SafetensorsSource(path)

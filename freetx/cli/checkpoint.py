@@ -39,6 +39,18 @@ def build_parser() -> argparse.ArgumentParser:
         "--model-only", action="store_true", help="leave out optimizer and other state"
     )
     convert.add_argument(
+        "--max-shard-size",
+        default="5GB",
+        help="--to hf: the largest weight file (e.g. 5GB, 500MB); more go in shards with an "
+        "index (default 5GB)",
+    )
+    convert.add_argument(
+        "--hf-files-from",
+        metavar="DIR",
+        help="--to hf: the HF folder whose tokenizer files and generation_config.json go "
+        "beside the weights (default: the folder the run started from, if its config names one)",
+    )
+    convert.add_argument(
         "--overwrite",
         action="store_true",
         help="replace DST if it exists (never allowed when DST is, holds or lies in SRC)",
@@ -54,7 +66,8 @@ def main(args: argparse.Namespace) -> int:
         return 0
     result = convert(
         args.src, args.dst, to=args.to, dtype=args.dtype, model_only=args.model_only,
-        overwrite=args.overwrite,
+        overwrite=args.overwrite, max_shard_size=args.max_shard_size,
+        hf_files_from=args.hf_files_from,
     )  # fmt: skip
     print(
         f"Wrote {result['path']} ({result['format']}): {result['tensors']} tensors, "

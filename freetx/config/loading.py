@@ -147,6 +147,13 @@ def resolve(cfg: DictConfig) -> DictConfig:
         OmegaConf.resolve(cfg)
     except OmegaConfBaseException as e:
         where = f" in '{e.full_key}'" if getattr(e, "full_key", None) else ""
+        missing = re.search(r"Missing mandatory value: ([\w.]+)", str(e))
+        if missing:
+            raise ConfigError(
+                f"'{missing.group(1)}' must be given (the config leaves it ??? and "
+                f"'{getattr(e, 'full_key', '?')}' refers to it): add "
+                f"{missing.group(1)}=VALUE to the command line."
+            ) from None
         raise ConfigError(
             f"cannot resolve the interpolation{where}: {first_line(e)}. A ${{...}} reference "
             "names another key of the config (e.g. ${output_dir}); fix it or give a plain value."

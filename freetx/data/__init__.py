@@ -1,10 +1,11 @@
-"""Data: tokenizers, the built-in corpus, packed text and instruction datasets, the
+"""Data: tokenizers, the built-in corpus, packed text, instruction and chat datasets, the
 letter-block task, AD's learning histories, sampling, and the shard cache.
 
 Datasets take rank and world size as arguments (never from the process group),
 and import nothing from the rest of freetx but its errors.
 """
 
+from freetx.data.chat import ChatDataset
 from freetx.data.instruct import InstructDataset
 from freetx.data.letter_block import LetterBlockDataset
 from freetx.data.sampling import (
@@ -17,11 +18,12 @@ from freetx.data.sampling import (
 )
 from freetx.data.shard_cache import ShardCache
 from freetx.data.text import PackedTextDataset, read_documents
-from freetx.data.tokenizers import ByteTokenizer, HFTokenizer
+from freetx.data.tokenizers import ByteTokenizer, HFTokenizer, leading_bos
 
 __all__ = [
     "IGNORE_INDEX",
     "ByteTokenizer",
+    "ChatDataset",
     "EvalShard",
     "GlobalBatchSampler",
     "HFTokenizer",
@@ -31,6 +33,7 @@ __all__ = [
     "ShardCache",
     "build_eval_loader",
     "build_train_loader",
+    "leading_bos",
     "micro_batch_size",
     "read_documents",
 ]

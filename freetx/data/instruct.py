@@ -20,8 +20,9 @@ import torch
 from torch.utils.data import Dataset
 
 from freetx.data.corpus import builtin_documents
-from freetx.data.sampling import IGNORE_INDEX
+from freetx.data.sampling import IGNORE_INDEX, split_examples
 from freetx.data.text import read_jsonl
+from freetx.data.tokenizers import leading_bos
 from freetx.errors import DataError
 
 
@@ -76,9 +77,7 @@ class InstructDataset(Dataset):
             if source == "builtin"
             else read_examples(source)
         )
-        every = max(2, round(1 / val_fraction))
-        keep = [(i % every == every - 1) == (split == "validation") for i in range(len(examples))]
-        self.examples = [e for e, k in zip(examples, keep) if k]
+        self.examples = split_examples(examples, split, val_fraction)
         if not self.examples:
             raise DataError(f"the {split} split of {source} is empty; add examples.")
         self.tokenizer = tokenizer
@@ -90,7 +89,7 @@ class InstructDataset(Dataset):
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         tok = self.tokenizer
         example = self.examples[index]
-        prompt = [tok.bos_id, *tok.encode(example["prompt"])]
+        prompt = [*leading_bos(tok), *tok.encode(example["prompt"])]
         response = [*tok.encode(example["response"]), tok.eos_id]
         ids = (prompt + response)[: self.seq_len + 1]
         targets = ([IGNORE_INDEX] * len(prompt) + response)[: self.seq_len + 1]

@@ -24,6 +24,7 @@ import torch
 from torch.utils.data import Dataset
 
 from freetx.data.sampling import IGNORE_INDEX
+from freetx.data.tokenizers import leading_bos
 from freetx.errors import DataError
 
 BODY_LENGTH = 64
@@ -82,7 +83,7 @@ class LetterBlockDataset(Dataset):
         return letter_block_text(self.seed, self.offset + index, self.noise_probability)
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        ids = [self.tokenizer.bos_id, *self.tokenizer.encode(self.text(index))]
+        ids = [*leading_bos(self.tokenizer), *self.tokenizer.encode(self.text(index))]
         tokens = torch.tensor(ids, dtype=torch.long)
         labels = tokens[1:].clone()
         labels[0] = IGNORE_INDEX  # the letter is drawn at random: nothing to learn

@@ -185,3 +185,12 @@ def build_eval_loader(
     return StatefulDataLoader(
         EvalShard(dataset, rank, world_size), batch_size=batch_size, generator=generator
     )
+
+
+def split_examples(examples: list, split: str, val_fraction: float) -> list:
+    """One split of `examples`: every k-th (k = round(1 / val_fraction), at least 2) is
+    validation, the rest training; stable as a file grows at its end."""
+    every = max(2, round(1 / val_fraction))
+    return [
+        e for i, e in enumerate(examples) if (i % every == every - 1) == (split == "validation")
+    ]

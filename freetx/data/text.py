@@ -22,6 +22,7 @@ import torch
 from torch.utils.data import Dataset
 
 from freetx.data.corpus import builtin_documents
+from freetx.data.tokenizers import leading_bos
 from freetx.errors import DataError
 
 TEXT_SUFFIXES = (".txt", ".jsonl", ".parquet")
@@ -110,7 +111,7 @@ def read_documents(source: str | Sequence[str], text_field: str = "text") -> lis
 def _token_stream(source: tuple[str, ...], text_field: str, tokenizer) -> torch.Tensor:
     ids: list[int] = []
     for doc in read_documents(list(source), text_field):
-        ids.append(tokenizer.bos_id)
+        ids.extend(leading_bos(tokenizer))
         ids.extend(tokenizer.encode(doc))
         ids.append(tokenizer.eos_id)
     return torch.tensor(ids, dtype=torch.long)

@@ -1,14 +1,39 @@
-"""Tokenizers: bytes (no files needed) and `tokenizer.json` through `tokenizers`.
+"""Tokenizers: bytes (no files needed) and Hugging Face tokenizers through `tokenizers`.
 
-Every tokenizer has `vocab_size`, `bos_id`, `eos_id`, `pad_id`,
-`encode(text) -> list[int]` and `decode(ids) -> str`.
+Every tokenizer has `vocab_size`, `bos_id`, `eos_id`, `pad_id`, `add_bos_token`,
+`encode(text) -> list[int]` and `decode(ids) -> str`. `encode` adds no special
+tokens: a caller that starts a text with BOS prepends `bos_id` itself, and only
+when `add_bos_token` is true (a model without a BOS, like Qwen2.5, has
+`bos_id=None` and `add_bos_token=False`).
 """
 
 from __future__ import annotations
 
+import functools
+import json
+from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 from freetx.errors import DataError
+
+# The special tokens transformers hands to a chat template (as `bos_token`, ...).
+SPECIAL_TOKEN_NAMES = (
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+)
+# What a bare tokenizer.json uses when no tokens are named (Llama 3's).
+_FILE_DEFAULTS = {"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>"}
+
+
+def leading_bos(tokenizer) -> list[int]:
+    """What a sequence starts with: [BOS] for tokenizers that add one, else nothing."""
+    return [tokenizer.bos_id] if getattr(tokenizer, "add_bos_token", True) else []
 
 
 class ByteTokenizer:
@@ -17,6 +42,8 @@ class ByteTokenizer:
     def __init__(self) -> None:
         self.bos_id, self.eos_id, self.pad_id = 256, 257, 258
         self.vocab_size = 259
+        self.add_bos_token = True
+        self.chat_template: str | None = None
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
@@ -26,52 +53,219 @@ class ByteTokenizer:
 
 
 class HFTokenizer:
-    """A `tokenizer.json` file (Hugging Face `tokenizers` format), read locally.
+    """A Hugging Face tokenizer read locally: a model folder or a bare `tokenizer.json`.
 
-    Needs the optional `tokenizers` package (`pip install freetx[tokenizers]`).
-    `bos_token`/`eos_token`/`pad_token` name special tokens in the file; a
+    A folder is what transformers' `save_pretrained` writes: `tokenizer.json`
+    (required), `tokenizer_config.json` (special tokens, `add_bos_token`, and the
+    chat template in older folders) and `chat_template.jinja` (where transformers
+    5 keeps the template; it wins over the config's). A bare `tokenizer.json`
+    carries none of that, so its BOS/EOS default to Llama 3's tokens.
+    `bos_token`/`eos_token`/`pad_token` given here override the folder; a
     missing pad token falls back to EOS (padding is masked out of the loss).
+    Needs the optional `tokenizers` package (`pip install freetx[tokenizers]`).
     """
 
     def __init__(
         self,
         path: str,
-        bos_token: str = "<|begin_of_text|>",
-        eos_token: str = "<|end_of_text|>",
+        bos_token: str | None = None,
+        eos_token: str | None = None,
         pad_token: str | None = None,
     ) -> None:
-        try:
-            from tokenizers import Tokenizer
-        except ImportError:
+        tokenizer_class = _tokenizer_class()
+        location = Path(path).expanduser()
+        add_bos_token = None
+        self.chat_template: str | None = None
+        if location.is_dir():
+            file = _tokenizer_file(location, path)
+            config = _read_config(location / "tokenizer_config.json")
+            tokens = _config_tokens(config, path)
+            add_bos_token = config.get("add_bos_token")
+            self.chat_template = _read_chat_template(location, config)
+        elif location.is_file():
+            file, tokens = location, dict(_FILE_DEFAULTS)
+        else:
             raise DataError(
-                "HFTokenizer needs the `tokenizers` package: pip install tokenizers "
-                "(or pip install freetx[tokenizers])."
-            ) from None
-        file = Path(path).expanduser()
-        if not file.is_file():
-            raise DataError(
-                f"tokenizer file {path} does not exist; point tokenizer.path at a tokenizer.json."
+                f"tokenizer path {path} does not exist; point tokenizer.path at a model folder "
+                "(with tokenizer.json) or at a tokenizer.json file."
             )
+        given = {"bos_token": bos_token, "eos_token": eos_token, "pad_token": pad_token}
+        tokens.update({name: token for name, token in given.items() if token is not None})
         try:
-            self._tok = Tokenizer.from_file(str(file))
+            self._tok = tokenizer_class.from_file(str(file))
         except Exception as e:
-            raise DataError(f"cannot read tokenizer file {path}: {e}") from None
+            raise DataError(f"cannot read tokenizer file {file}: {e}") from None
+        self.path = path
+        # the special tokens by name, as the chat template sees them
+        self.special_tokens: dict[str, str] = tokens
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
-        self.bos_id = self._special(bos_token, path)
-        self.eos_id = self._special(eos_token, path)
-        self.pad_id = self._special(pad_token, path) if pad_token else self.eos_id
+        if "eos_token" not in tokens:
+            raise DataError(
+                f"tokenizer {path} names no EOS token (tokenizer_config.json has no eos_token); "
+                "set tokenizer.eos_token to the token that ends a text."
+            )
+        self.eos_id = self._special("eos_token")
+        self.bos_id = self._special("bos_token") if "bos_token" in tokens else None
+        self.pad_id = self._special("pad_token") if "pad_token" in tokens else self.eos_id
+        self.add_bos_token = self.bos_id is not None and add_bos_token is not False
 
-    def _special(self, token: str, path: str) -> int:
+    def _special(self, name: str) -> int:
+        token = self.special_tokens[name]
         token_id = self._tok.token_to_id(token)
         if token_id is None:
             raise DataError(
-                f"tokenizer {path} has no token {token!r}; set tokenizer.bos_token / "
-                "eos_token / pad_token to tokens it has."
+                f"tokenizer {self.path} has no token {token!r} (its {name}); set "
+                f"tokenizer.{name} to a token it has."
             )
         return token_id
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
 
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """The ids of `text` and each token's (start, end) character offsets in it."""
+        encoding = self._tok.encode(text, add_special_tokens=False)
+        return encoding.ids, encoding.offsets
+
     def decode(self, ids) -> str:
         return self._tok.decode([int(i) for i in ids])
+
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = False
+    ) -> str:
+        """`messages` rendered with the folder's chat template, as transformers renders it.
+
+        With `add_generation_prompt` the text ends with the header that opens
+        an assistant turn (what a model is given before it replies).
+        """
+        if self.chat_template is None:
+            raise DataError(
+                f"tokenizer {self.path} has no chat template, so it cannot render chat "
+                "messages; give the folder one (a chat_template.jinja file, or chat_template "
+                "in tokenizer_config.json, e.g. from the instruct model's folder), or train on "
+                "prompt/response data with freetx.data.InstructDataset."
+            )
+        # like transformers: keys set to None count as absent (OpenAI-style content=None)
+        chat = [{k: v for k, v in message.items() if v is not None} for message in messages]
+        try:
+            template = _compile_chat_template(self.chat_template)
+            return template.render(
+                messages=chat,
+                add_generation_prompt=add_generation_prompt,
+                tools=None,
+                documents=None,
+                **self.special_tokens,
+            )
+        except Exception as e:
+            raise DataError(
+                f"the chat template of tokenizer {self.path} failed on a conversation: "
+                f"{type(e).__name__}: {e}. Check that the messages fit the model's chat format "
+                "(roles, their order), or fix the template."
+            ) from None
+
+
+def _tokenizer_class():
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        raise DataError(
+            "HFTokenizer needs the `tokenizers` package: pip install tokenizers "
+            "(or pip install freetx[tokenizers])."
+        ) from None
+    return Tokenizer
+
+
+def _tokenizer_file(folder: Path, path: str) -> Path:
+    file = folder / "tokenizer.json"
+    if not file.is_file():
+        found = (
+            " (it has a sentencepiece tokenizer.model)"
+            if (folder / "tokenizer.model").exists()
+            else ""
+        )
+        raise DataError(
+            f"model folder {path} has no tokenizer.json{found}; freetx reads fast-tokenizer "
+            "folders (tokenizer.json), not sentencepiece-only tokenizer.model. Convert it once "
+            "with transformers: AutoTokenizer.from_pretrained(folder).save_pretrained(folder)."
+        )
+    return file
+
+
+def _read_config(file: Path) -> dict[str, Any]:
+    if not file.is_file():
+        return {}
+    try:
+        config = json.loads(file.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise DataError(f"{file} is not valid JSON ({e}); fix or delete it.") from None
+    if not isinstance(config, dict):
+        raise DataError(f"{file} must hold a JSON object; fix or delete it.")
+    return config
+
+
+def _config_tokens(config: dict[str, Any], path: str) -> dict[str, str]:
+    """The special tokens a tokenizer_config.json names: `*_token` keys, given as a
+    string or as {"content": ...}; null means the model has none."""
+    tokens = {}
+    extra = config.get("extra_special_tokens")  # transformers 5: model-specific tokens by name
+    named = {**config, **extra} if isinstance(extra, dict) else config
+    for name, value in named.items():
+        if not name.endswith("_token") or value is None:
+            continue
+        if isinstance(value, dict):
+            value = value.get("content")
+        if not isinstance(value, str):
+            if name in SPECIAL_TOKEN_NAMES:
+                raise DataError(
+                    f"tokenizer_config.json of {path} gives {name} as {named[name]!r}; it must be "
+                    f'a string or {{"content": "..."}}. Fix the file or set tokenizer.{name}.'
+                )
+            continue  # e.g. a model-specific flag that happens to end in _token
+        tokens[name] = value
+    return tokens
+
+
+def _read_chat_template(folder: Path, config: dict[str, Any]) -> str | None:
+    """chat_template.jinja if present (transformers 5), else the config's `chat_template`:
+    a string, or a list of {"name", "template"} of which the "default" one is used."""
+    file = folder / "chat_template.jinja"
+    if file.is_file():
+        return file.read_text(encoding="utf-8")
+    template = config.get("chat_template")
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    return template if isinstance(template, str) else None
+
+
+@functools.lru_cache(maxsize=8)
+def _compile_chat_template(source: str):
+    """A chat template compiled as transformers compiles it: a sandbox (templates come
+    from model folders, so they are untrusted), trimmed blocks, `raise_exception`,
+    `strftime_now` and a `tojson` that keeps non-ASCII and HTML characters as they are."""
+    import jinja2
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+        return json.dumps(
+            value,
+            ensure_ascii=ensure_ascii,
+            indent=indent,
+            separators=separators,
+            sort_keys=sort_keys,
+        )
+
+    def strftime_now(format: str) -> str:
+        return datetime.now().strftime(format)
+
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = strftime_now
+    return env.from_string(source)

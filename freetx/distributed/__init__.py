@@ -4,7 +4,7 @@
 that knows the strategy: nothing outside this package names one.
 """
 
-from freetx.distributed.init import canonical_name, fill_parameters, materialize
+from freetx.distributed.init import canonical_name, fill_parameters, load_parameters, materialize
 from freetx.distributed.parallelize import (
     DistributedConfig,
     MixedPrecisionConfig,
@@ -30,6 +30,7 @@ __all__ = [
     "destroy_distributed",
     "fill_parameters",
     "init_distributed",
+    "load_parameters",
     "materialize",
     "parallelize",
     "select_device",

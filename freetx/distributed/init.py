@@ -1,7 +1,8 @@
 """Materialize a meta-device model and initialize it, one parameter at a time.
 
 `fill_parameters` sets every parameter from a full value, one at a time; each
-rank keeps its shard. `materialize` uses it with a seeded generator: each
+rank keeps its shard. `load_parameters` reads weights from a file, each rank only
+the rows of its own shard. `materialize` uses it with a seeded generator: each
 parameter is generated whole on the device from a generator seeded by
 (seed, parameter name), then each rank keeps its own shard. So the initial
 weights are the same at any world size and under any strategy, and no rank ever
@@ -21,6 +22,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 # Wrappers that insert a prefix into parameter names (none of freetx's own do).
 _WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "module.")
@@ -44,8 +46,13 @@ def materialize(
     device: torch.device,
     seed: int,
     buffer_device: torch.device | None = None,
+    init_weights: bool = True,
 ) -> None:
-    """Allocate a meta model's storage on `device` and fill it deterministically."""
+    """Allocate a meta model's storage on `device` and fill it deterministically.
+
+    `init_weights=False` leaves the parameters' memory as allocated, for a run that
+    loads every weight from a checkpoint next (no full tensor is made for nothing).
+    """
     model.to_empty(device=device)
     if buffer_device is not None and buffer_device != device:
         for module in model.modules():
@@ -63,7 +70,8 @@ def materialize(
         model.init_parameter(name, full, generator)
         return full
 
-    fill_parameters(model, initial_value)
+    if init_weights:
+        fill_parameters(model, initial_value)
     init_buffers = getattr(model, "init_buffers", None)  # optional: models with no buffers
     if init_buffers is not None:
         init_buffers()
@@ -91,3 +99,39 @@ def fill_parameters(
                 full.to(local.device), param.device_mesh, param.placements, src_data_rank=None
             ).to_local()
         local.copy_(full)
+
+
+@torch.no_grad()
+def load_parameters(
+    model: nn.Module, read_into: Callable[[str, slice | None, torch.Tensor], None]
+) -> None:
+    """Set every parameter from a file, each rank reading only the rows of its own shard.
+
+    `read_into(name, rows, out)` fills `out` with rows `rows` of the first dimension
+    of the parameter called `name` (canonical), or the whole tensor for `rows=None`.
+    FSDP2 shards the first dimension, so a rank's shard is one run of rows, read
+    straight into its local tensor: peak memory per rank stays near its shard.
+    """
+    for name, param in model.named_parameters():
+        local = _local(param)
+        rows = None
+        if isinstance(param, DTensor):
+            if any(p.is_shard() and p.dim != 0 for p in param.placements):  # not FSDP2's
+                full = torch.empty(param.shape, dtype=local.dtype, device=local.device)
+                read_into(canonical_name(name), None, full)
+                local.copy_(
+                    distribute_tensor(
+                        full, param.device_mesh, param.placements, src_data_rank=None
+                    ).to_local()
+                )
+                continue
+            shape, offset = compute_local_shape_and_global_offset(
+                param.shape, param.device_mesh, param.placements
+            )
+            rows = slice(offset[0], offset[0] + shape[0]) if param.dim() else None
+        if local.device.type == "cpu":
+            read_into(canonical_name(name), rows, local)
+        else:  # through host memory, one tensor at a time
+            host = torch.empty(local.shape, dtype=local.dtype)
+            read_into(canonical_name(name), rows, host)
+            local.copy_(host)

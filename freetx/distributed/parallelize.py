@@ -210,13 +210,16 @@ def find_blocks(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if isinstance(m, types)]
 
 
-def parallelize(model: nn.Module, runtime: DistributedRuntime, cfg, seed: int) -> ParallelPlan:
+def parallelize(
+    model: nn.Module, runtime: DistributedRuntime, cfg, seed: int, init_weights: bool = True
+) -> ParallelPlan:
     """Apply the configured strategy to a meta-device model, then materialize it.
 
     The plan's `model` is a DDP wrapper for ddp/zero1, the sharded model itself
     otherwise, and the plain model at world size 1 (unless CPU offload needs
     FSDP). Initial weights depend only on `seed`, not on the strategy or the
-    world size.
+    world size; `init_weights=False` skips them for a run that loads its weights
+    (a resume, or `checkpoint.initial_weights`).
     """
     check_distributed_config(cfg, runtime)
     strategy = canonical_strategy(cfg.strategy)
@@ -232,10 +235,10 @@ def parallelize(model: nn.Module, runtime: DistributedRuntime, cfg, seed: int) -
 
     if runtime.world_size == 1 and not cfg.cpu_offload:
         # nothing to shard or replicate: the plain model is the fastest way to train
-        materialize(model, runtime.device, seed)
+        materialize(model, runtime.device, seed, init_weights=init_weights)
         return plan(model)
     if strategy in REPLICATED:
-        materialize(model, runtime.device, seed)
+        materialize(model, runtime.device, seed, init_weights=init_weights)
         device_ids = [runtime.local_rank] if runtime.device_type == "cuda" else None
         # gradients as views of the all-reduce buckets: no second copy of the gradients
         return plan(
@@ -258,7 +261,9 @@ def parallelize(model: nn.Module, runtime: DistributedRuntime, cfg, seed: int) -
     fully_shard(model, **options)  # the root gets the same policy as the blocks
     # offloaded parameters live on the CPU; buffers (RoPE tables) stay on the device
     param_device = torch.device("cpu") if cfg.cpu_offload else runtime.device
-    materialize(model, param_device, seed, buffer_device=runtime.device)
+    materialize(
+        model, param_device, seed, buffer_device=runtime.device, init_weights=init_weights
+    )
     return plan(model, mesh)
 
 

@@ -20,14 +20,21 @@ class HFLayout(Protocol):
 
     def to_hf_name(self, name: str) -> str: ...
 
-    def from_hf_name(self, name: str) -> str: ...
+    def from_hf_name(self, name: str) -> str | None: ...  # None: not a weight (skipped)
 
     def to_hf_config(self, model_config: dict[str, Any], dtype: str) -> dict[str, Any]: ...
 
-    def from_hf_config(self, hf: dict[str, Any]) -> dict[str, Any]: ...
+    def from_hf_config(
+        self, hf: dict[str, Any], max_seq_len: int | None = None
+    ) -> dict[str, Any]: ...
 
 
 LAYOUTS: tuple[HFLayout, ...] = (LLAMA_LAYOUT,)
+# the files of a tokenizer in an HF folder (an export copies them from its source folder)
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+    "chat_template.json", "tokenizer.model", "added_tokens.json", "vocab.json", "merges.txt",
+)  # fmt: skip
 
 
 def layout_of(dotted_class: str) -> HFLayout:

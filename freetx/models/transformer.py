@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from freetx.models.protocol import build_config, builds
-from freetx.models.transformer_hf import LLAMA_LAYOUT
+from freetx.models.transformer_hf import LLAMA_LAYOUT, hf_config_fields
 
 
 @dataclass
@@ -38,11 +38,19 @@ class TransformerConfig:
     ffn_hidden_dim: int | None = None  # None: SwiGLU's 8/3 * hidden, rounded to 256
     max_seq_len: int = 2048
     rope_theta: float = 500000.0
+    # RoPE frequency scaling as HF names it: {"rope_type": "llama3", "factor": 8.0,
+    # "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings":
+    # 8192} (Llama 3.1-3.3) or {"rope_type": "linear", "factor": f}; None: plain RoPE
+    rope_scaling: dict | None = None
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     dropout: float = 0.0
     attention_dropout: float = 0.0
     init_std: float = 0.02
+    head_dim: int | None = None  # None: hidden_dim // num_heads
+    qkv_bias: bool = False  # biases on the q, k, v projections (Qwen2)
+    wo_bias: bool = False  # a bias on the attention output projection too (Llama's attention_bias)
+    hf_model_type: str = "llama"  # the HF architecture it exports as: llama, mistral, qwen2
 
     def __post_init__(self) -> None:
         if self.num_kv_heads is None:
@@ -53,25 +61,72 @@ class TransformerConfig:
         for name in (*sizes, "ffn_hidden_dim", "max_seq_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be at least 1")
-        if self.hidden_dim % self.num_heads:
-            raise ValueError(
-                f"hidden_dim={self.hidden_dim} is not divisible by num_heads={self.num_heads}"
-            )
+        if self.head_dim is None:
+            if self.hidden_dim % self.num_heads:
+                raise ValueError(
+                    f"hidden_dim={self.hidden_dim} is not divisible by num_heads={self.num_heads}"
+                )
+            self.head_dim = self.hidden_dim // self.num_heads
+        if self.head_dim < 2 or self.head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim} must be even (RoPE rotates pairs)")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads={self.num_heads} is not divisible by num_kv_heads={self.num_kv_heads}"
             )
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_dim // self.num_heads
+        check_rope_scaling(self.rope_scaling)
 
 
-def rope_tables(head_dim: int, max_seq_len: int, theta: float, device=None):
+ROPE_SCALING_KEYS = {
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "linear": ("factor",),
+}
+
+
+def check_rope_scaling(scaling: dict | None) -> None:
+    """A RoPE scaling freetx computes exactly, with every number it needs, or ValueError."""
+    if scaling is None:
+        return
+    kind = scaling.get("rope_type")
+    if kind not in ROPE_SCALING_KEYS:
+        raise ValueError(
+            f"rope_scaling rope_type {kind!r} is not supported; freetx computes "
+            f"{', '.join(ROPE_SCALING_KEYS)} (or no scaling: rope_scaling=None)"
+        )
+    missing = [k for k in ROPE_SCALING_KEYS[kind] if k not in scaling]
+    if missing:
+        raise ValueError(f"rope_scaling of type {kind} lacks {', '.join(missing)}")
+
+
+def rope_frequencies(head_dim: int, theta: float, scaling: dict | None, device=None):
+    """RoPE's inverse frequencies [head_dim / 2], with HF's frequency scaling applied.
+
+    llama3: wavelengths longer than original_max / low_freq_factor are divided by
+    `factor`, those shorter than original_max / high_freq_factor are kept, and the
+    ones between are interpolated smoothly (as Llama 3.1's reference code does).
+    linear: every frequency divided by `factor` (positions interpolated).
+    """
+    exponents = torch.arange(0, head_dim, 2, device=device, dtype=torch.int64).float() / head_dim
+    inv_freq = 1.0 / (theta**exponents)
+    if scaling is None:
+        return inv_freq
+    factor = float(scaling["factor"])
+    if scaling["rope_type"] == "linear":
+        return inv_freq / factor
+    low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+    original = float(scaling["original_max_position_embeddings"])
+    wavelength = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelength > original / low, inv_freq / factor, inv_freq)
+    smooth = (original / wavelength - low) / (high - low)
+    between = (wavelength >= original / high) & (wavelength <= original / low)
+    interpolated = (1 - smooth) * scaled / factor + smooth * scaled
+    return torch.where(between, interpolated, scaled)
+
+
+def rope_tables(
+    head_dim: int, max_seq_len: int, theta: float, scaling: dict | None = None, device=None
+):
     """cos and sin tables [max_seq_len, head_dim] for rotate-half RoPE (HF Llama)."""
-    inv_freq = 1.0 / (
-        theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
-    )
+    inv_freq = rope_frequencies(head_dim, theta, scaling, device)
     positions = torch.arange(max_seq_len, device=device, dtype=torch.float32)
     freqs = torch.outer(positions, inv_freq)
     angles = torch.cat([freqs, freqs], dim=-1)
@@ -85,10 +140,13 @@ class RotaryTables(nn.Module):
     on their device after a meta-device model is materialized.
     """
 
-    def __init__(self, head_dim: int, max_seq_len: int, theta: float) -> None:
+    def __init__(
+        self, head_dim: int, max_seq_len: int, theta: float, scaling: dict | None = None
+    ) -> None:
         super().__init__()
         self.head_dim, self.max_seq_len, self.theta = head_dim, max_seq_len, theta
-        cos, sin = rope_tables(head_dim, max_seq_len, theta)
+        self.scaling = scaling
+        cos, sin = rope_tables(head_dim, max_seq_len, theta, scaling)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
 
@@ -97,7 +155,9 @@ class RotaryTables(nn.Module):
 
     @torch.no_grad()
     def reset(self) -> None:
-        cos, sin = rope_tables(self.head_dim, self.max_seq_len, self.theta, self.cos.device)
+        cos, sin = rope_tables(
+            self.head_dim, self.max_seq_len, self.theta, self.scaling, self.cos.device
+        )
         self.cos.copy_(cos)
         self.sin.copy_(sin)
 
@@ -126,10 +186,10 @@ class Attention(nn.Module):
         self.num_kv_heads = cfg.num_kv_heads
         self.head_dim = cfg.head_dim
         self.attention_dropout = cfg.attention_dropout
-        self.wq = nn.Linear(cfg.hidden_dim, cfg.num_heads * cfg.head_dim, bias=False)
-        self.wk = nn.Linear(cfg.hidden_dim, cfg.num_kv_heads * cfg.head_dim, bias=False)
-        self.wv = nn.Linear(cfg.hidden_dim, cfg.num_kv_heads * cfg.head_dim, bias=False)
-        self.wo = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_dim, bias=False)
+        self.wq = nn.Linear(cfg.hidden_dim, cfg.num_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.wk = nn.Linear(cfg.hidden_dim, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.wv = nn.Linear(cfg.hidden_dim, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.wo = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_dim, bias=cfg.wo_bias)
 
     def forward(
         self,
@@ -244,7 +304,7 @@ class Transformer(nn.Module):
         self.output = (
             None if cfg.tie_embeddings else nn.Linear(cfg.hidden_dim, cfg.vocab_size, bias=False)
         )
-        self.rope = RotaryTables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+        self.rope = RotaryTables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, cfg.rope_scaling)
 
     # -- the forward pass -------------------------------------------------
     def head(self, h: torch.Tensor) -> torch.Tensor:
@@ -312,3 +372,11 @@ def decoder(preset: str | None = None, **fields) -> Transformer:
     """A decoder: a preset's shape (tiny, small, llama3_1b, llama3_8b) with any
     `TransformerConfig` field changed, or any shape from its fields alone."""
     return Transformer(build_config(TransformerConfig, fields, preset, PRESETS))
+
+
+@builds(TransformerConfig)
+def hf_decoder(path: str, **fields) -> Transformer:
+    """The decoder an HF model folder's config.json describes (Llama 2/3/3.1/3.2, Mistral,
+    Qwen2/2.5), with any `TransformerConfig` field changed (e.g. max_seq_len, dropout).
+    Its weights: `checkpoint.initial_weights=<the same folder>`."""
+    return Transformer(build_config(TransformerConfig, hf_config_fields(path, fields)))

@@ -1,15 +1,26 @@
-"""The HF Llama layout of the decoder (`Transformer.hf_layout`): tensor names and
-config.json fields.
+"""The HF layouts of the decoder (`Transformer.hf_layout`): tensor names and config.json
+for the Llama family as `transformers` writes it: Llama 2/3/3.1/3.2/3.3, Mistral and
+Qwen2/Qwen2.5.
 
-freetx's decoder uses the rotate-half RoPE convention of HF's Llama, so its
-weights convert by renaming alone (no permutation of the q/k projections). The
-checkpoint package asks a model class for its layout (`freetx.models.hf`); it
-knows no model itself.
+freetx's decoder uses the rotate-half RoPE convention of HF's Llama, so weights
+convert by renaming alone (no permutation of the q/k projections). config.json
+is read in both layouts transformers has used: `rope_theta` and `rope_scaling`
+at the top (4.x) and `rope_parameters: {rope_theta, rope_type, ...}` (5.x). A
+field freetx cannot honour (another rope type, an active sliding window, biases
+on the MLP, another activation) is refused with its name: a model freetx builds
+from a folder computes what transformers computes, or it is not built.
+
+`freetx.models.transformer.hf_decoder(path, **fields)` builds the decoder a
+folder's config.json describes (on the meta device, like any builder); its
+weights come with `checkpoint.initial_weights=PATH`. The checkpoint package asks a model class
+for its layout (`freetx.models.hf`); it knows no model itself.
 """
 
 from __future__ import annotations
 
+import json
 import re
+from pathlib import Path
 from typing import Any
 
 from freetx.errors import CheckpointError
@@ -21,14 +32,26 @@ _NAMES = [
     ("output.weight", "lm_head.weight"),
     ("layers.{i}.attention_norm.weight", "model.layers.{i}.input_layernorm.weight"),
     ("layers.{i}.ffn_norm.weight", "model.layers.{i}.post_attention_layernorm.weight"),
-    ("layers.{i}.attention.wq.weight", "model.layers.{i}.self_attn.q_proj.weight"),
-    ("layers.{i}.attention.wk.weight", "model.layers.{i}.self_attn.k_proj.weight"),
-    ("layers.{i}.attention.wv.weight", "model.layers.{i}.self_attn.v_proj.weight"),
-    ("layers.{i}.attention.wo.weight", "model.layers.{i}.self_attn.o_proj.weight"),
     ("layers.{i}.feed_forward.w1.weight", "model.layers.{i}.mlp.gate_proj.weight"),
     ("layers.{i}.feed_forward.w3.weight", "model.layers.{i}.mlp.up_proj.weight"),
     ("layers.{i}.feed_forward.w2.weight", "model.layers.{i}.mlp.down_proj.weight"),
 ]
+for _ours, _theirs in (("wq", "q_proj"), ("wk", "k_proj"), ("wv", "v_proj"), ("wo", "o_proj")):
+    for _kind in ("weight", "bias"):
+        _NAMES.append(
+            (
+                f"layers.{{i}}.attention.{_ours}.{_kind}",
+                f"model.layers.{{i}}.self_attn.{_theirs}.{_kind}",
+            )
+        )
+# tensors some folders carry that are not weights (older Llama checkpoints)
+IGNORED_HF_TENSORS = re.compile(r"^model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq$")
+
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+}
 
 
 def _pattern(template: str) -> re.Pattern:
@@ -47,11 +70,42 @@ def _rename(name: str, table) -> str | None:
     return None
 
 
-class LlamaLayout:
-    """How `freetx.models.transformer.Transformer` maps to an HF `LlamaForCausalLM` folder."""
+def _unsupported(field: str, value: Any, supported: str, fix: str = "") -> CheckpointError:
+    return CheckpointError(
+        f"config.json sets {field}={json.dumps(value)}, which freetx's decoder does not "
+        f"compute ({supported}); a model built without it would give other outputs than "
+        f"transformers, so it is not built.{(' ' + fix) if fix else ''}"
+    )
+
+
+def rope_settings(hf: dict[str, Any]) -> tuple[float, dict | None]:
+    """(rope_theta, rope_scaling) from either config.json layout; unsupported kinds refused."""
+    params = hf.get("rope_parameters")
+    if isinstance(params, dict) and any(isinstance(v, dict) for v in params.values()):
+        raise _unsupported("rope_parameters", params, "one RoPE for every layer")
+    params = dict(params or hf.get("rope_scaling") or {})
+    theta = params.pop("rope_theta", hf.get("rope_theta", 10000.0))
+    kind = params.pop("rope_type", params.pop("type", "default"))
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise _unsupported("partial_rotary_factor", params["partial_rotary_factor"], "1.0 only")
+    params.pop("partial_rotary_factor", None)
+    if kind == "default":
+        return float(theta), None
+    if kind == "llama3":
+        params.setdefault(
+            "original_max_position_embeddings", hf.get("max_position_embeddings", 8192)
+        )
+    if kind not in ("llama3", "linear"):
+        raise _unsupported("rope_type", kind, "default, llama3 and linear RoPE")
+    return float(theta), {"rope_type": kind, **params}
+
+
+class LlamaFamilyLayout:
+    """How `freetx.models.transformer.Transformer` maps to HF Llama, Mistral and Qwen2
+    folders (the same tensors; Qwen2 adds q/k/v biases)."""
 
     model_class = "freetx.models.transformer.Transformer"
-    model_types = ("llama",)
+    model_types = tuple(ARCHITECTURES)
 
     def to_hf_name(self, name: str) -> str:
         renamed = _rename(name, _TO_HF)
@@ -62,60 +116,155 @@ class LlamaLayout:
             )
         return renamed
 
-    def from_hf_name(self, name: str) -> str:
+    def from_hf_name(self, name: str) -> str | None:
+        """freetx's name of an HF tensor; None for tensors that are not weights."""
+        if IGNORED_HF_TENSORS.match(name):
+            return None
         renamed = _rename(name, _FROM_HF)
         if renamed is None:
-            raise CheckpointError(f"HF tensor {name} is not part of a Llama model freetx can read.")
+            raise CheckpointError(
+                f"HF tensor {name} is not part of a Llama-family model freetx can read."
+            )
         return renamed
 
     def to_hf_config(self, model_config: dict[str, Any], dtype: str) -> dict[str, Any]:
-        """`config.json` of a LlamaForCausalLM with the decoder's shape."""
+        """`config.json` of the model's HF architecture, with the decoder's shape."""
         c = model_config
-        return {
-            "architectures": ["LlamaForCausalLM"],
-            "model_type": "llama",
+        model_type = c.get("hf_model_type", "llama")
+        qkv_bias, wo_bias = c.get("qkv_bias", False), c.get("wo_bias", False)
+        hf: dict[str, Any] = {
+            "architectures": [ARCHITECTURES[model_type]],
+            "model_type": model_type,
             "vocab_size": c["vocab_size"],
             "hidden_size": c["hidden_dim"],
             "intermediate_size": c["ffn_hidden_dim"],
             "num_hidden_layers": c["num_layers"],
             "num_attention_heads": c["num_heads"],
             "num_key_value_heads": c["num_kv_heads"],
-            "head_dim": c["hidden_dim"] // c["num_heads"],
+            "head_dim": c.get("head_dim") or c["hidden_dim"] // c["num_heads"],
             "max_position_embeddings": c["max_seq_len"],
-            "rope_theta": c["rope_theta"],
+            "rope_parameters": {
+                "rope_theta": c["rope_theta"],
+                "rope_type": "default",
+                **(c.get("rope_scaling") or {}),
+            },
             "rms_norm_eps": c["norm_eps"],
             "tie_word_embeddings": c["tie_embeddings"],
             "hidden_act": "silu",
-            "attention_bias": False,
-            "mlp_bias": False,
             "attention_dropout": c.get("attention_dropout", 0.0),
             "initializer_range": c.get("init_std", 0.02),
-            "torch_dtype": dtype,
+            "dtype": dtype,
         }
+        if model_type == "qwen2":
+            if wo_bias or not qkv_bias:
+                raise CheckpointError(
+                    "a qwen2 model has biases on q, k and v and none on o; this one has "
+                    f"qkv_bias={qkv_bias}, wo_bias={wo_bias}. Export it as llama "
+                    "(model.hf_model_type=llama) instead."
+                )
+            del hf["head_dim"]  # Qwen2 derives it from hidden_size / heads
+            hf.update(use_sliding_window=False, sliding_window=None)
+        else:
+            if qkv_bias != wo_bias:
+                raise CheckpointError(
+                    f"an HF {model_type} model has biases on all of q, k, v, o or on none; this "
+                    f"one has qkv_bias={qkv_bias}, wo_bias={wo_bias}. Export it as qwen2."
+                )
+            hf["attention_bias"] = qkv_bias
+            if model_type == "mistral":
+                hf["sliding_window"] = None
+            else:
+                hf["mlp_bias"] = False
+        return hf
 
-    def from_hf_config(self, hf: dict[str, Any]) -> dict[str, Any]:
-        """The decoder's config fields from an HF Llama config.json."""
+    def from_hf_config(self, hf: dict[str, Any], max_seq_len: int | None = None) -> dict[str, Any]:
+        """The decoder's config fields from an HF config.json (llama, mistral or qwen2);
+        `max_seq_len` replaces max_position_embeddings (the RoPE tables' length)."""
+        model_type = hf.get("model_type")
         try:
-            return {
-                "vocab_size": hf["vocab_size"],
-                "hidden_dim": hf["hidden_size"],
-                "num_layers": hf["num_hidden_layers"],
-                "num_heads": hf["num_attention_heads"],
-                "num_kv_heads": hf.get("num_key_value_heads", hf["num_attention_heads"]),
-                "ffn_hidden_dim": hf["intermediate_size"],
-                "max_seq_len": hf.get("max_position_embeddings", 2048),
-                "rope_theta": hf.get("rope_theta", 10000.0),
-                "norm_eps": hf.get("rms_norm_eps", 1e-5),
-                "tie_embeddings": hf.get("tie_word_embeddings", False),
-                "attention_dropout": hf.get("attention_dropout", 0.0),
-                "init_std": hf.get("initializer_range", 0.02),
+            num_heads = int(hf["num_attention_heads"])
+            hidden = int(hf["hidden_size"])
+            theta, scaling = rope_settings(hf)
+            fields = {
+                "vocab_size": int(hf["vocab_size"]),
+                "hidden_dim": hidden,
+                "num_layers": int(hf["num_hidden_layers"]),
+                "num_heads": num_heads,
+                "num_kv_heads": int(hf.get("num_key_value_heads") or num_heads),
+                "ffn_hidden_dim": int(hf["intermediate_size"]),
+                "max_seq_len": int(max_seq_len or hf.get("max_position_embeddings", 2048)),
+                "rope_theta": theta,
+                "rope_scaling": scaling,
+                "norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
+                "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
+                "attention_dropout": float(hf.get("attention_dropout") or 0.0),
+                "init_std": float(hf.get("initializer_range", 0.02)),
                 "dropout": 0.0,
+                "head_dim": int(hf.get("head_dim") or hidden // num_heads),
+                "hf_model_type": model_type,
             }
-        except (KeyError, TypeError) as e:
+        except (KeyError, TypeError, ValueError) as e:
+            if isinstance(e, CheckpointError):
+                raise
             raise CheckpointError(
-                f"config.json lacks the Llama field {e} (or holds a wrong type); it is not a "
-                "complete transformers config. Restore it from the model's original folder."
+                f"config.json lacks the field {e} (or holds a wrong type); it is not a complete "
+                f"transformers {model_type} config. Restore it from the model's original folder."
             ) from None
+        if hf.get("hidden_act", "silu") != "silu":
+            raise _unsupported("hidden_act", hf["hidden_act"], "SwiGLU with silu only")
+        if hf.get("mlp_bias"):
+            raise _unsupported("mlp_bias", True, "MLPs without biases")
+        if model_type == "qwen2":
+            fields.update(qkv_bias=True, wo_bias=False)
+            if hf.get("use_sliding_window"):
+                raise _unsupported(
+                    "use_sliding_window", True, "full attention in every layer",
+                    "Set use_sliding_window to false if the model was trained without it.",
+                )  # fmt: skip
+        else:
+            bias = bool(hf.get("attention_bias", False))
+            fields.update(qkv_bias=bias, wo_bias=bias)
+            window = hf.get("sliding_window")
+            if window is not None and window < fields["max_seq_len"]:
+                raise _unsupported(
+                    "sliding_window", window, "full attention",
+                    f"It makes no difference on sequences of up to {window} tokens: build the "
+                    f"model with max_seq_len={window} (a key of the model section) to train on "
+                    "those.",
+                )  # fmt: skip
+        return fields
 
 
-LLAMA_LAYOUT = LlamaLayout()
+LLAMA_LAYOUT = LlamaFamilyLayout()
+
+
+def read_hf_config(path: str | Path) -> dict[str, Any]:
+    """A model folder's config.json as a dict, or a CheckpointError naming the problem."""
+    file = Path(path).expanduser() / "config.json"
+    if not file.is_file():
+        raise CheckpointError(
+            f"{Path(path)} has no config.json; point at a model folder as transformers' "
+            "save_pretrained writes it (config.json + *.safetensors)."
+        )
+    try:
+        hf = json.loads(file.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(
+            f"HF model config {file} is not valid JSON ({e}); restore it from the model's "
+            "original folder."
+        ) from None
+    if not isinstance(hf, dict):
+        raise CheckpointError(f"{file} is not a JSON object of model settings.")
+    return hf
+
+
+def hf_config_fields(path: str | Path, fields: dict[str, Any]) -> dict[str, Any]:
+    """The decoder's config fields for a model folder, with `fields` (e.g. max_seq_len,
+    dropout) changed."""
+    hf = read_hf_config(path)
+    if hf.get("model_type") not in LLAMA_LAYOUT.model_types:
+        raise CheckpointError(
+            f"{path}/config.json describes a '{hf.get('model_type')}' model; the decoder reads "
+            f"{', '.join(LLAMA_LAYOUT.model_types)}."
+        )
+    return {**LLAMA_LAYOUT.from_hf_config(hf, fields.get("max_seq_len")), **fields}

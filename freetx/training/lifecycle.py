@@ -73,6 +73,12 @@ class TrainingRun:
         self.evaluated_step: int | None = None
 
     @property
+    def loads_weights(self) -> bool:
+        """Whether `start` will load every model weight (a resume, or
+        `checkpoint.initial_weights`), so that random initialization can be skipped."""
+        return self.checkpointer.loads_weights
+
+    @property
     def step(self) -> int:
         """Optimizer steps taken (resumed runs start at the checkpoint's step)."""
         return self.progress.step

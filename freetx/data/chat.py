@@ -1,0 +1,169 @@
+"""Chat data: conversations rendered with the model's chat template, loss on assistant turns.
+
+Source: a `.jsonl` file, one conversation a line:
+`{"messages": [{"role": "system" | "user" | "assistant", "content": "..."}, ...]}`,
+or `builtin`: InstructDataset's built-in string tasks as user/assistant turns.
+Each conversation is rendered with the tokenizer's chat template (an
+`HFTokenizer` read from a model folder) and tokenized as transformers'
+`apply_chat_template(messages, tokenize=True)` does: no special tokens beyond
+those the template writes (it writes BOS where the model wants one).
+
+Labels are IGNORE_INDEX everywhere but on the assistant's tokens: its content and
+the end-of-turn token(s) the template closes it with, not the role header before
+it (the model is given that). To find them, assistant message i is located by
+rendering the conversation up to it with the generation prompt (what the model
+sees before it replies) and up to and including it: the characters between the
+two ends are the reply; whitespace the template writes after the turn (ChatML's
+newline after <|im_end|>) is left out. A token is the reply's if it starts in
+those characters. A template that renders no generation prompt leaves the
+header in the reply.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.data import Dataset
+
+from freetx.data.instruct import builtin_examples
+from freetx.data.sampling import IGNORE_INDEX, split_examples
+from freetx.data.text import read_jsonl
+from freetx.errors import DataError
+
+Messages = list[dict[str, Any]]
+
+
+def read_conversations(path: str) -> list[tuple[str, Messages]]:
+    """(where, messages) for each record of a chat `.jsonl`; `where` is "file:line"."""
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise DataError(
+            f"chat file {path} does not exist; point dataset.source at a .jsonl file with one "
+            '{"messages": [{"role": ..., "content": ...}, ...]} record a line.'
+        )
+    conversations = []
+    for line_no, record in read_jsonl(file):
+        where = f"{path}:{line_no}"
+        messages = record.get("messages") if isinstance(record, dict) else None
+        if not isinstance(messages, list) or not messages:
+            raise DataError(
+                f"{where} has no 'messages' list; each line must be a JSON object like "
+                '{"messages": [{"role": "user", "content": "..."}, '
+                '{"role": "assistant", "content": "..."}]}.'
+            )
+        for n, message in enumerate(messages):
+            if not (
+                isinstance(message, dict)
+                and isinstance(message.get("role"), str)
+                and isinstance(message.get("content"), str)
+            ):
+                raise DataError(
+                    f"{where}: message {n} ({str(message)[:60]}) needs a 'role' string and a "
+                    "'content' string; fix the record."
+                )
+        if not any(message["role"] == "assistant" for message in messages):
+            raise DataError(
+                f"{where} has no assistant message, so it has nothing to learn from; add the "
+                "assistant's reply or remove the line."
+            )
+        conversations.append((where, messages))
+    if not conversations:
+        raise DataError(f"chat file {path} holds no conversations; add some.")
+    return conversations
+
+
+class ChatDataset(Dataset):
+    """Chat conversations as fixed-length samples with loss on the assistant's tokens.
+
+    A sample is {"input_ids", "labels"}, each [seq_len]: the conversation's tokens
+    cut to `seq_len + 1` and padded with PAD, labels the next token where it is
+    the assistant's and IGNORE_INDEX elsewhere (padding included).
+    """
+
+    def __init__(
+        self,
+        tokenizer,
+        source: str,
+        seq_len: int,
+        split: str = "train",
+        val_fraction: float = 0.05,
+        num_builtin_examples: int = 20000,
+        seed: int = 0,
+    ) -> None:
+        if split not in ("train", "validation"):
+            raise DataError(f"split must be 'train' or 'validation', got {split!r}.")
+        if not 0 < val_fraction < 0.5:
+            raise DataError(f"dataset.val_fraction must be in (0, 0.5), got {val_fraction}.")
+        if seq_len < 1:
+            raise DataError(f"dataset.seq_len must be positive, got {seq_len}.")
+        if getattr(tokenizer, "chat_template", None) is None:
+            raise DataError(
+                f"ChatDataset needs a tokenizer with a chat template, and {type(tokenizer).__name__}"
+                " has none; use freetx.data.HFTokenizer with a model folder that has one "
+                "(chat_template.jinja, or chat_template in tokenizer_config.json), or train on "
+                "prompt/response data with freetx.data.InstructDataset."
+            )
+        if source == "builtin":
+            conversations = [
+                (f"builtin example {i}", [{"role": "user", "content": e["prompt"]},
+                                          {"role": "assistant", "content": e["response"]}])
+                for i, e in enumerate(builtin_examples(num_builtin_examples, seed))
+            ]  # fmt: skip
+        else:
+            conversations = read_conversations(source)
+        self.conversations = split_examples(conversations, split, val_fraction)
+        if not self.conversations:
+            raise DataError(f"the {split} split of {source} is empty; add conversations.")
+        self.tokenizer = tokenizer
+        self.seq_len = seq_len
+        # render one now, so that a template that does not fit the data fails at startup
+        self.encode(0)
+
+    def __len__(self) -> int:
+        return len(self.conversations)
+
+    def encode(self, index: int) -> tuple[list[int], list[bool]]:
+        """Conversation `index`'s token ids, and for each whether it is the assistant's."""
+        where, messages = self.conversations[index]
+        tok = self.tokenizer
+        try:
+            text = tok.apply_chat_template(messages)
+            spans = [
+                _reply_span(tok, messages, i, text)
+                for i, message in enumerate(messages)
+                if message["role"] == "assistant"
+            ]
+        except DataError as e:  # name the record
+            raise DataError(f"{where}: {e}") from None
+        ids, offsets = tok.encode_with_offsets(text)
+        is_reply = [any(start <= s < end for start, end in spans) for s, _ in offsets]
+        return ids, is_reply
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        ids, is_reply = self.encode(index)
+        ids = ids[: self.seq_len + 1]
+        targets = [t if reply else IGNORE_INDEX for t, reply in zip(ids, is_reply)]
+        pad = self.seq_len + 1 - len(ids)
+        ids += [self.tokenizer.pad_id] * pad
+        targets += [IGNORE_INDEX] * pad
+        return {
+            "input_ids": torch.tensor(ids[:-1], dtype=torch.long),
+            "labels": torch.tensor(targets[1:], dtype=torch.long),
+        }
+
+
+def _reply_span(tok, messages: Messages, i: int, text: str) -> tuple[int, int]:
+    """The characters of `text` (the whole rendered conversation) that are message i's."""
+    prompt = tok.apply_chat_template(messages[:i], add_generation_prompt=True)
+    turn = tok.apply_chat_template(messages[: i + 1])
+    if not (turn.startswith(prompt) and text.startswith(turn)):
+        raise DataError(
+            f"the chat template renders the conversation up to message {i} (an "
+            "assistant reply) differently from the way it renders it inside the longer "
+            "conversation, so the reply's tokens cannot be located. Use a template that renders "
+            "earlier turns the same whatever follows them, or put each assistant turn of such "
+            "conversations in a record of its own."
+        )
+    return len(prompt), max(len(prompt), len(turn.rstrip()))

@@ -1,0 +1,32 @@
+"""An HF folder (sharded, written by transformers) loads on 2 processes under every
+strategy with transformers' logits; under FSDP each rank reads about half the bytes."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.distributed.launcher import run_checks
+from tests.hf_folders import hf_logits, make_folder
+
+pytest.importorskip("transformers")
+SCRIPT = Path(__file__).with_name("hf_checks.py")
+STRATEGIES = ["fsdp", "zero2", "hsdp", "ddp", "zero1"]
+
+
+@pytest.mark.parametrize("family", ["llama3_2", "qwen2"])
+def test_hf_folder_loads_under_every_strategy(tmp_path, family):
+    folder = make_folder(tmp_path / "m", family)
+    ranks = run_checks(SCRIPT, tmp_path / "out", 2, str(folder), *STRATEGIES)
+    ids = torch.randint(0, 384, (2, 48), generator=torch.Generator().manual_seed(5))
+    expected = hf_logits(folder, ids)
+    file_bytes = sum(p.stat().st_size for p in folder.glob("*.safetensors"))
+    for strategy in STRATEGIES:
+        for rank in ranks:
+            diff = (torch.tensor(rank[strategy]["logits"]) - expected).abs().max().item()
+            assert diff < 1e-4, (strategy, diff)
+        read = [rank[strategy]["bytes_read"] for rank in ranks]
+        if strategy in ("fsdp", "zero2", "hsdp"):  # its half of every tensor (1 x 2 mesh)
+            assert all(0.45 * file_bytes < r < 0.55 * file_bytes for r in read), (read, file_bytes)
+        else:  # replicated: every rank reads the whole model
+            assert all(0.95 * file_bytes < r <= file_bytes for r in read), (read, file_bytes)

@@ -1,0 +1,117 @@
+"""Model folders as `transformers` writes them (tiny, random weights), for the tests of
+freetx's HF reading and writing. Every family freetx reads, sharded and not, in the
+current config layout (`rope_parameters`) and the older one (`rope_theta` +
+`rope_scaling` at the top)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+VOCAB = 384
+SHAPE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)  # fmt: skip
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+               "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}  # fmt: skip
+
+# family name -> (transformers config class name, config fields, save options)
+FAMILIES = {
+    # Llama 3.2: tied embeddings, llama3 rope, GQA, sharded
+    "llama3_2": ("LlamaConfig", dict(rope_parameters=LLAMA3_ROPE, tie_word_embeddings=True),
+                 dict(max_shard_size="40KB")),
+    # Llama 3.1: untied, llama3 rope, written in the older layout (rope_theta + rope_scaling)
+    "llama3_1_old_layout": ("LlamaConfig", dict(rope_parameters=LLAMA3_ROPE), {}),
+    # Llama 2: plain rope theta 10000, MHA, older layout
+    "llama2_old_layout": ("LlamaConfig", dict(num_key_value_heads=4,
+                                              rope_parameters={"rope_type": "default",
+                                                               "rope_theta": 10000.0}), {}),
+    # an explicit head_dim that is not hidden / heads
+    "llama_head_dim": ("LlamaConfig", dict(head_dim=32), {}),
+    "mistral": ("MistralConfig", dict(sliding_window=None,
+                                      rope_parameters={"rope_type": "default",
+                                                       "rope_theta": 1000000.0}),
+                dict(max_shard_size="60KB")),
+    # Qwen2.5: q/k/v biases, tied, theta 1e6
+    "qwen2": ("Qwen2Config", dict(tie_word_embeddings=True,
+                                  rope_parameters={"rope_type": "default",
+                                                   "rope_theta": 1000000.0}), {}),
+}  # fmt: skip
+
+
+def to_old_layout(folder: Path) -> None:
+    """Rewrite config.json as transformers 4.x wrote it: rope_theta and rope_scaling."""
+    path = folder / "config.json"
+    hf = json.loads(path.read_text())
+    params = hf.pop("rope_parameters")
+    hf["rope_theta"] = params.pop("rope_theta")
+    if params.get("rope_type", "default") != "default":
+        hf["rope_scaling"] = params
+    hf["torch_dtype"] = hf.pop("dtype", "float32")
+    path.write_text(json.dumps(hf, indent=2))
+
+
+def make_folder(folder: Path, family: str, dtype: torch.dtype = torch.float32, seed: int = 0):
+    """Write the family's tiny model with `save_pretrained`; returns the folder."""
+    import transformers
+
+    class_name, fields, options = FAMILIES[family]
+    config = getattr(transformers, class_name)(**{**SHAPE, **fields})
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():  # make biases nonzero so that a dropped bias shows
+        for name, param in model.named_parameters():
+            if name.endswith("bias"):
+                param.normal_(0.0, 0.1)
+    model.to(dtype).save_pretrained(folder, **options)
+    if family.endswith("old_layout"):
+        to_old_layout(folder)
+    return Path(folder)
+
+
+def make_tokenizer(folder: Path, texts: list[str]) -> None:
+    """A byte-level BPE tokenizer trained on `texts` with Llama 3 special tokens and chat
+    template, saved beside the model (`save_pretrained`), vocabulary below VOCAB."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>",
+                "<|end_header_id|>", "<|eot_id|>"]  # fmt: skip
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB - 8, special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )  # fmt: skip
+    tok.train_from_iterator(texts, trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<|begin_of_text|>", eos_token="<|eot_id|>",
+        pad_token="<|end_of_text|>",
+    )  # fmt: skip
+    fast.chat_template = (
+        "{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}"
+        "<|end_header_id|>\n\n{{ m['content'] | trim }}<|eot_id|>{% endfor %}"
+        "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n"
+        "{% endif %}"
+    )
+    fast.save_pretrained(folder)
+
+
+def hf_logits(folder: Path, ids: torch.Tensor) -> torch.Tensor:
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    with torch.no_grad():
+        return model.eval()(ids).logits
+
+
+def greedy(forward, ids: torch.Tensor, steps: int) -> list[list[int]]:
+    """Greedy continuation with a full forward per token (no cache on either side)."""
+    for _ in range(steps):
+        with torch.no_grad():
+            next_ids = forward(ids)[:, -1].argmax(-1, keepdim=True)
+        ids = torch.cat([ids, next_ids], 1)
+    return ids.tolist()

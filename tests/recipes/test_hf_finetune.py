@@ -1,0 +1,84 @@
+"""A pretrained HF folder through the CLI: full fine-tuning on 2 processes from a folder
+transformers wrote (weights, tokenizer, chat template), export back to an HF folder that
+transformers loads with the same logits, and sampling from it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tests.conftest import flat, run_freetx
+from tests.hf_folders import hf_logits, make_folder, make_tokenizer
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from freetx.data.corpus import builtin_documents
+
+    folder = make_folder(tmp_path_factory.mktemp("hf") / "tiny_llama", "llama3_2")
+    make_tokenizer(folder, builtin_documents()[:20])
+    return folder
+
+
+def test_finetune_export_and_generate(tmp_path, model_dir):
+    run = tmp_path / "run"
+    result = run_freetx(
+        "run", "--nproc-per-node", "2", "full_finetune_fsdp2", "--config", "llm/hf_tiny_full",
+        f"model_dir={model_dir}", f"output_dir={run}", "max_steps=20", "log_every_n_steps=5",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert f"initial weights from {model_dir}" in result.stdout
+    records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in records if "loss" in r]
+    assert losses[-1] < losses[0] - 0.5, losses
+
+    out = tmp_path / "exported"
+    converted = run_freetx("checkpoint", "convert", str(run / "checkpoints" / "step_000020"),
+                           str(out), "--to", "hf", "--max-shard-size", "50KB")  # fmt: skip
+    assert converted.returncode == 0, converted.stderr
+    files = sorted(p.name for p in out.iterdir())
+    for name in ("config.json", "generation_config.json", "model.safetensors.index.json",
+                 "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):  # fmt: skip
+        assert name in files, files
+    # transformers reads it: the same logits as freetx's own model from the DCP checkpoint
+    from freetx.checkpoint import load_initial_weights
+    from freetx.distributed import materialize
+    from freetx.models.transformer import hf_decoder
+
+    with torch.device("meta"):
+        ours = hf_decoder(str(out))
+    materialize(ours, torch.device("cpu"), seed=0)
+    load_initial_weights(ours, run / "checkpoints" / "step_000020")
+    ids = torch.randint(0, 384, (2, 64))
+    with torch.no_grad():
+        assert (hf_logits(out, ids) - ours.eval()(ids)).abs().max() < 1e-4
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    assert tokenizer.eos_token == "<|eot_id|>"
+    config = json.loads((out / "config.json").read_text())
+    assert config["max_position_embeddings"] == 256  # the source's, not the run's 128 tables
+
+    sampled = run_freetx("run", "generate", "--config", "llm/hf_generate", f"checkpoint={out}",
+                         f"output_dir={tmp_path / 'gen'}", "max_new_tokens=8")  # fmt: skip
+    assert sampled.returncode == 0, sampled.stderr
+    samples = [
+        json.loads(x) for x in (tmp_path / "gen" / "samples.jsonl").read_text().split("\n") if x
+    ]
+    assert len(samples) == 2 and all(s["text"].startswith("Reverse the word") for s in samples)
+
+
+def test_a_tokenizer_larger_than_the_embedding_is_refused(tmp_path, model_dir):
+    result = run_freetx(
+        "run", "full_finetune_fsdp2", "--config", "llm/hf_tiny_full", f"model_dir={model_dir}",
+        f"output_dir={tmp_path}", "model.vocab_size=300",
+    )  # fmt: skip
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert "tokens but the model's embedding has 300 rows" in flat(result.stderr)
+
+
+def test_model_dir_must_be_given():
+    result = run_freetx("validate", "llm/hf_tiny_full")
+    assert result.returncode == 1 and "add model_dir=VALUE" in flat(result.stderr)

@@ -1,0 +1,194 @@
+"""HF model folders in and out: every Llama-family layout transformers writes loads into
+freetx's decoder with transformers' logits, exports load back into transformers, and the
+round trip HF -> DCP -> HF keeps every tensor bit for bit."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from freetx.checkpoint import convert, load_initial_weights, open_tensors
+from freetx.distributed import materialize
+from freetx.errors import CheckpointError
+from freetx.models.transformer import hf_decoder
+from tests.conftest import flat, run_freetx_here
+from tests.hf_folders import FAMILIES, greedy, hf_logits, make_folder
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hf")
+    return {family: make_folder(root / family, family) for family in FAMILIES}
+
+
+def load_freetx(folder, **fields):
+    with torch.device("meta"):
+        model = hf_decoder(str(folder), **fields)
+    materialize(model, torch.device("cpu"), seed=0)
+    load_initial_weights(model, folder)
+    return model.eval()
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_every_family_gives_transformers_logits_and_greedy_continuations(folders, family):
+    folder = folders[family]
+    model = load_freetx(folder)
+    ids = torch.randint(0, 384, (2, 160), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ours = model(ids)
+    theirs = hf_logits(folder, ids)
+    assert (ours - theirs).abs().max().item() < 1e-4
+    reference = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+    prompt = ids[:, :12]
+    assert greedy(model, prompt, 8) == greedy(lambda x: reference(x).logits, prompt, 8)
+
+
+def test_config_fields_are_read_from_both_layouts(folders):
+    new, old = (open_tensors(folders[f]).model_config for f in ("llama3_2", "llama3_1_old_layout"))
+    assert new["rope_theta"] == old["rope_theta"] == 500000.0  # not the 10000 default
+    assert new["rope_scaling"] == old["rope_scaling"] == {
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    }  # fmt: skip
+    assert new["tie_embeddings"] and not old["tie_embeddings"]
+    assert open_tensors(folders["llama2_old_layout"]).model_config["rope_theta"] == 10000.0
+    qwen = open_tensors(folders["qwen2"]).model_config
+    assert (qwen["qkv_bias"], qwen["wo_bias"], qwen["hf_model_type"]) == (True, False, "qwen2")
+    assert open_tensors(folders["llama_head_dim"]).model_config["head_dim"] == 32
+
+
+def test_max_seq_len_can_shorten_the_tables_and_keeps_llama3_scaling(folders):
+    short = load_freetx(folders["llama3_2"], max_seq_len=128)
+    assert short.config.rope_scaling["original_max_position_embeddings"] == 64
+    ids = torch.randint(0, 384, (1, 100))
+    with torch.no_grad():
+        assert (short(ids) - hf_logits(folders["llama3_2"], ids)).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("family", ["llama3_2", "qwen2", "mistral"])
+def test_hf_to_dcp_to_hf_is_bit_for_bit_and_loads_in_transformers(tmp_path, family):
+    source = make_folder(tmp_path / "src", family, dtype=torch.bfloat16)
+    convert(source, tmp_path / "dcp", to="dcp")
+    convert(tmp_path / "dcp", tmp_path / "out", to="hf", max_shard_size="30KB")
+    index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1  # sharded as asked
+    from safetensors import safe_open
+
+    def tensors(folder):
+        out = {}
+        for file in folder.glob("*.safetensors"):
+            with safe_open(str(file), "pt") as f:
+                out.update({k: f.get_tensor(k) for k in f.keys()})
+        return out
+
+    before, after = tensors(source), tensors(tmp_path / "out")
+    assert sorted(before) == sorted(after)
+    for name, tensor in before.items():
+        assert after[name].dtype == torch.bfloat16 and torch.equal(tensor, after[name]), name
+    assert (tmp_path / "out" / "generation_config.json").is_file()
+    ids = torch.randint(0, 384, (2, 40))
+    assert torch.equal(hf_logits(source, ids), hf_logits(tmp_path / "out", ids))
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["model_type"] == family.split("_")[0].replace("llama3", "llama")
+
+
+def test_a_freetx_model_exports_to_an_hf_folder_transformers_loads(tmp_path, folders):
+    """A decoder freetx made (not from HF) -> safetensors -> HF folder -> transformers."""
+    from freetx.models.transformer import decoder
+
+    with torch.device("meta"):
+        model = decoder("tiny", vocab_size=300, rope_theta=10000.0)
+    materialize(model, torch.device("cpu"), seed=3)
+    from safetensors.torch import save_file
+
+    from freetx.checkpoint.formats import MODEL_CLASS_KEY, MODEL_CONFIG_KEY
+
+    meta = {
+        MODEL_CLASS_KEY: "freetx.models.transformer.Transformer",
+        MODEL_CONFIG_KEY: json.dumps(model.config.__dict__),
+    }
+    save_file(dict(model.state_dict()), str(tmp_path / "m.safetensors"), metadata=meta)
+    result = run_freetx_here("checkpoint", "convert", str(tmp_path / "m.safetensors"),
+                             str(tmp_path / "hf"), "--to", "hf")  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    ids = torch.randint(0, 300, (2, 50))
+    with torch.no_grad():
+        assert (hf_logits(tmp_path / "hf", ids) - model(ids)).abs().max() < 1e-4
+
+
+def break_index(folder):
+    index = folder / "model.safetensors.index.json"
+    data = json.loads(index.read_text())
+    first = sorted(set(data["weight_map"].values()))[0]
+    (folder / first).unlink()
+    return first
+
+
+@pytest.mark.parametrize(
+    "damage,message",
+    [
+        (lambda f: (f / "config.json").unlink(), "has no config.json"),
+        (lambda f: [p.unlink() for p in f.glob("model*")], "holds no .safetensors"),
+        (break_index, "shard(s) that are not in the folder"),
+        (lambda f: (f / "config.json").write_text("{not json"), "is not valid JSON"),
+    ],
+)  # fmt: skip
+def test_a_damaged_folder_is_named(tmp_path, damage, message):
+    folder = make_folder(tmp_path / "m", "llama3_2")
+    damage(folder)
+    with pytest.raises(CheckpointError) as error:
+        load_freetx(folder)
+    assert message in str(error.value)
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        ({"model_type": "gpt2"}, "describes a 'gpt2' model"),
+        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}},
+         "rope_type=\"yarn\""),
+        ({"sliding_window": 128}, "sliding_window=128"),
+        ({"hidden_act": "gelu"}, "hidden_act=\"gelu\""),
+        ({"mlp_bias": True}, "mlp_bias=true"),
+    ],
+)  # fmt: skip
+def test_what_freetx_cannot_compute_is_refused_with_the_field(tmp_path, change, message):
+    folder = make_folder(tmp_path / "m", "mistral")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, **change}))
+    with pytest.raises(CheckpointError) as error:
+        load_freetx(folder)
+    assert message in flat(str(error.value))
+
+
+def test_a_sliding_window_longer_than_the_sequences_is_allowed(tmp_path):
+    folder = make_folder(tmp_path / "m", "mistral")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "sliding_window": 128}))
+    model = load_freetx(folder, max_seq_len=128)
+    assert model.config.max_seq_len == 128
+
+
+def test_missing_and_misshaped_tensors_are_listed(tmp_path):
+    folder = make_folder(tmp_path / "m", "llama_head_dim")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "head_dim": 16}))
+    with pytest.raises(CheckpointError) as error:
+        load_freetx(folder)
+    assert "shape of layers.0.attention.wq.weight: model [64, 64], checkpoint [128, 64]" in str(
+        error.value
+    )
+
+
+def test_an_export_onto_an_existing_folder_needs_overwrite(tmp_path, folders):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "keep.txt").write_text("mine")
+    result = run_freetx_here(
+        "checkpoint", "convert", str(folders["qwen2"]), str(tmp_path / "out"), "--to", "hf"
+    )
+    assert result.returncode == 1 and "--overwrite" in flat(result.stderr)
+    assert (tmp_path / "out" / "keep.txt").read_text() == "mine"
