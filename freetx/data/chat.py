@@ -28,7 +28,7 @@ import torch
 from torch.utils.data import Dataset
 
 from freetx.data.instruct import builtin_examples
-from freetx.data.sampling import IGNORE_INDEX, split_examples
+from freetx.data.sampling import IGNORE_INDEX, check_split, split_examples
 from freetx.data.text import read_jsonl
 from freetx.errors import DataError
 
@@ -92,12 +92,7 @@ class ChatDataset(Dataset):
         num_builtin_examples: int = 20000,
         seed: int = 0,
     ) -> None:
-        if split not in ("train", "validation"):
-            raise DataError(f"split must be 'train' or 'validation', got {split!r}.")
-        if not 0 < val_fraction < 0.5:
-            raise DataError(f"dataset.val_fraction must be in (0, 0.5), got {val_fraction}.")
-        if seq_len < 1:
-            raise DataError(f"dataset.seq_len must be positive, got {seq_len}.")
+        check_split(split, val_fraction, seq_len)
         if getattr(tokenizer, "chat_template", None) is None:
             raise DataError(
                 f"ChatDataset needs a tokenizer with a chat template, and {type(tokenizer).__name__}"

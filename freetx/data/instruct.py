@@ -20,7 +20,7 @@ import torch
 from torch.utils.data import Dataset
 
 from freetx.data.corpus import builtin_documents
-from freetx.data.sampling import IGNORE_INDEX, split_examples
+from freetx.data.sampling import IGNORE_INDEX, check_split, split_examples
 from freetx.data.text import read_jsonl
 from freetx.data.tokenizers import leading_bos
 from freetx.errors import DataError
@@ -70,8 +70,7 @@ class InstructDataset(Dataset):
         num_builtin_examples: int = 20000,
         seed: int = 0,
     ) -> None:
-        if split not in ("train", "validation"):
-            raise DataError(f"split must be 'train' or 'validation', got {split!r}.")
+        check_split(split, val_fraction, seq_len)
         examples = (
             builtin_examples(num_builtin_examples, seed)
             if source == "builtin"

@@ -187,6 +187,16 @@ def build_eval_loader(
     )
 
 
+def check_split(split: str, val_fraction: float, seq_len: int) -> None:
+    """The arguments every dataset with a train/validation split takes, checked."""
+    if split not in ("train", "validation"):
+        raise DataError(f"split must be 'train' or 'validation', got {split!r}.")
+    if not 0 < val_fraction < 0.5:
+        raise DataError(f"dataset.val_fraction must be in (0, 0.5), got {val_fraction}.")
+    if seq_len < 1:
+        raise DataError(f"dataset.seq_len must be positive, got {seq_len}.")
+
+
 def split_examples(examples: list, split: str, val_fraction: float) -> list:
     """One split of `examples`: every k-th (k = round(1 / val_fraction), at least 2) is
     validation, the rest training; stable as a file grows at its end."""

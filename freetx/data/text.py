@@ -22,6 +22,7 @@ import torch
 from torch.utils.data import Dataset
 
 from freetx.data.corpus import builtin_documents
+from freetx.data.sampling import check_split
 from freetx.data.tokenizers import leading_bos
 from freetx.errors import DataError
 
@@ -129,12 +130,7 @@ class PackedTextDataset(Dataset):
         val_fraction: float = 0.05,
         text_field: str = "text",
     ) -> None:
-        if split not in ("train", "validation"):
-            raise DataError(f"split must be 'train' or 'validation', got {split!r}.")
-        if not 0 < val_fraction < 0.5:
-            raise DataError(f"dataset.val_fraction must be in (0, 0.5), got {val_fraction}.")
-        if seq_len < 1:
-            raise DataError(f"dataset.seq_len must be positive, got {seq_len}.")
+        check_split(split, val_fraction, seq_len)
         key = (source,) if isinstance(source, str) else tuple(source)
         self.tokens = _token_stream(key, text_field, tokenizer)
         self.seq_len = seq_len
