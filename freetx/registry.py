@@ -48,6 +48,19 @@ RECIPES: tuple[Recipe, ...] = (
         description="decoder LMs and the Free Transformer: pretrain or fine-tune, any strategy",
     ),
     Recipe(
+        name="lora_finetune_fsdp2",
+        file="full_finetune_fsdp2.py",  # one loop: the `peft:` section picks what trains
+        configs=(
+            "llm/lora_tiny",
+            "llm/dora_tiny",
+            "llm/qlora_tiny",
+            "llm/spectrum_tiny",
+            "llm/llama3_1_8b_lora",
+            "llm/llama3_1_8b_qlora",
+        ),
+        description="LoRA / QLoRA / DoRA / Spectrum fine-tuning (full_finetune_fsdp2's loop)",
+    ),
+    Recipe(
         name="ad_ddp",
         file="ad_ddp.py",
         configs=("ad/darkroom_tiny", "ad/darkroom", "ad/darkroom_ed"),

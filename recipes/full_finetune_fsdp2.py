@@ -1,7 +1,9 @@
-"""Train a decoder LM: pretrain or fine-tune, on FSDP2 / ZeRO / DDP strategies.
+"""Train a decoder LM: pretrain or fine-tune, on FSDP2 / ZeRO / DDP strategies; all of
+its weights, or LoRA / QLoRA / DoRA adapters or Spectrum's modules (`peft:`).
 
     freetx run --nproc-per-node 2 full_finetune_fsdp2 --config llm/tiny
     freetx run full_finetune_fsdp2 --config llm/tiny distributed.strategy=ddp max_steps=20
+    freetx run --nproc-per-node 2 lora_finetune_fsdp2 --config llm/lora_tiny   # this file
 
 The loop is in `train()`, top to bottom: fetch the micro-batches of one global
 batch, forward + backward each (gradients normalized by the loss tokens of the
@@ -26,6 +28,7 @@ from omegaconf import MISSING
 from freetx.config import at_least, instantiate, parse
 from freetx.data import IGNORE_INDEX, build_eval_loader, build_train_loader, micro_batch_size
 from freetx.distributed import init_distributed, parallelize
+from freetx.models.peft import PEFTConfig, apply_peft
 from freetx.training import (
     TrainingConfig,
     TrainingRun,
@@ -52,7 +55,7 @@ class FullFinetuneConfig(TrainingConfig):
     optimizer, schedule, parallelism, loggers), then these; a key not listed is an error."""
 
     fixed_on_resume: ClassVar[tuple[str, ...]] = (
-        *TrainingConfig.fixed_on_resume, "model", "tokenizer", "dataset",
+        *TrainingConfig.fixed_on_resume, "model", "tokenizer", "dataset", "peft",
     )  # fmt: skip
 
     model_dir: Optional[str] = None  # an HF model folder, for ${model_dir} in the sections below
@@ -61,6 +64,7 @@ class FullFinetuneConfig(TrainingConfig):
     dataset: Any = MISSING  # built twice: split=train and split=validation
     loss: Any = field(default_factory=lambda: {"_component_": "freetx.training.CrossEntropyLoss"})
     eval: EvalConfig = field(default_factory=EvalConfig)
+    peft: PEFTConfig = field(default_factory=PEFTConfig)  # LoRA / QLoRA / DoRA / Spectrum
 
 
 class FullFinetuneRecipeFSDP2:
@@ -85,6 +89,7 @@ class FullFinetuneRecipeFSDP2:
         with torch.device("meta"):
             model = instantiate(cfg.model)
         check_model_and_data(model.config, self.tokenizer, self.seq_len)
+        trains = apply_peft(model, cfg.peft)  # all weights, or adapters / selected modules
         self.plan = parallelize(
             model, self.runtime, cfg.distributed, seed=cfg.seed,
             init_weights=not self.run.loads_weights,  # random init unless weights are loaded
@@ -103,7 +108,7 @@ class FullFinetuneRecipeFSDP2:
             self.plan, self.optimizer, self.lr_scheduler, self.train_loader,
             tokens_per_sample=self.seq_len, seq_len=self.seq_len,
             train_sequences=len(train_set),
-            activation_checkpointing=cfg.distributed.activation_checkpointing,
+            activation_checkpointing=cfg.distributed.activation_checkpointing, trains=trains,
         )  # fmt: skip
 
     def train(self) -> None:

@@ -8,6 +8,7 @@ from freetx.checkpoint.convert import (
     convert,
     inspect_report,
     load_initial_weights,
+    merge,
     model_from_checkpoint,
     resolve_checkpoint,
 )
@@ -33,6 +34,7 @@ __all__ = [
     "convert",
     "inspect_report",
     "load_initial_weights",
+    "merge",
     "model_from_checkpoint",
     "open_tensors",
     "resolve_checkpoint",

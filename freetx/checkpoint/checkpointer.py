@@ -207,8 +207,15 @@ class Checkpointer:
         Returns the lines for the log (how the run starts, and every notice), or None.
         """
         self.meta = {**meta, "config": config_as_dict(self.run_config)}
+        if getattr(state.get("model"), "include", None) is not None:
+            self.meta["frozen_from"] = self.cfg.initial_weights  # only the trainable part
         lines = list(self.plan.notices)
         if self.plan.path is not None:
+            if getattr(state.get("model"), "include", None) is not None:
+                # the checkpoint holds the trainable part; the frozen base is read again
+                from freetx.checkpoint.convert import load_initial_weights
+
+                load_initial_weights(model, self.cfg.initial_weights)
             saved = self.load(self.plan.path, state, model=model)
             lines.append(
                 f"resumed from {self.plan.path} (step {state['train'].step}, saved at world "
@@ -228,7 +235,7 @@ class Checkpointer:
         """Load `state` in place from a checkpoint; returns its meta.json (or {})."""
         metadata = check_checkpoint_files(path)
         if model is not None and "model" in state:
-            check_model_matches(metadata, model, path)
+            check_model_matches(metadata, model, path, include=state["model"].include)
         for key, value in state.items():
             if isinstance(value, PerRankState):
                 own = f"{key}.rank_{value.rank}"

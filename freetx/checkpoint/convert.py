@@ -17,12 +17,13 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
+from freetx.checkpoint.adapters import MergedSource, adapter_tensors, write_peft
 from freetx.checkpoint.files import (
     DCP_ERRORS,
     META_FILE,
     MODEL_PREFIX,
     SafeLoadPlanner,
-    check_model_matches,
+    checkpoint_model_shapes,
     describe_dcp_error,
     mismatch_report,
     model_shapes,
@@ -42,13 +43,13 @@ from freetx.checkpoint.formats import (
 from freetx.checkpoint.run_folder import LATEST_FILE, choose_checkpoint, survey
 from freetx.checkpoint.safe_write import check_destination, staged_output
 from freetx.checkpoint.state import ModelState
-from freetx.distributed.init import load_parameters
+from freetx.distributed.init import init_from_weights, load_parameters, self_initialized
 from freetx.errors import CheckpointError
 from freetx.models.hf import TOKENIZER_FILES, layout_of
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-FORMATS = ("safetensors", "torch", "dcp", "hf")
-MODEL_ONLY_FORMATS = ("safetensors", "hf")
+FORMATS = ("safetensors", "torch", "dcp", "hf", "peft")
+MODEL_ONLY_FORMATS = ("safetensors", "hf", "peft")
 
 
 def output_format(dst: Path, to: str | None) -> str:
@@ -94,6 +95,8 @@ def convert(
         model_only = True
     if not source.model_names():
         raise CheckpointError(f"{src} holds no model tensors (no `model.*` entries).")
+    if fmt == "peft":
+        adapter_tensors(source)  # refuses a checkpoint without adapters, before writing
     names = [n for n in source.infos if n.startswith(MODEL_PREFIX) or not model_only]
     target = DTYPES[dtype] if dtype else None
 
@@ -110,6 +113,9 @@ def convert(
         elif fmt == "hf":
             companion = hf_companion_folder(source, hf_files_from)
             written = _write_hf(source, out, cast, out_dtype, max_shard_size, companion)
+        elif fmt == "peft":
+            companion = hf_companion_folder(source, hf_files_from)
+            written = write_peft(source, out, str(companion) if companion else None)
         elif fmt == "torch":
             data = {
                 (n[len(MODEL_PREFIX) :] if model_only else n): cast(source.get(n)) for n in names
@@ -284,35 +290,69 @@ def _write_hf(
     return sum(info.nbytes for info in infos.values())
 
 
+def merge(
+    checkpoint: str | Path,
+    base: str | Path,
+    dst: str | Path,
+    overwrite: bool = False,
+    max_shard_size: str | int = "5GB",
+) -> dict[str, Any]:
+    """An HF folder of `base` with the LoRA / DoRA adapters of `checkpoint` merged into its
+    weights (tokenizer files and generation config from `base` when it is an HF folder).
+    Streams: one base tensor (and its adapter) at a time."""
+    adapters = open_tensors(resolve_checkpoint(checkpoint))
+    base_source = open_tensors(resolve_checkpoint(base))
+    dst = Path(dst).expanduser()
+    check_destination(adapters.path, dst, overwrite)
+    check_destination(base_source.path, dst, overwrite)
+    source = MergedSource(base_source, adapters)
+    companion = base_source.path if base_source.kind == "hf" else None
+    with staged_output(dst) as out:
+        written = _write_hf(
+            source, out, lambda t: t, lambda info: info.dtype, max_shard_size, companion
+        )
+    return {"format": "hf", "tensors": len(source.infos), "bytes": written, "path": str(dst)}
+
+
 def load_initial_weights(model: nn.Module, path: str | Path) -> None:
     """Set a (parallelized) model's weights from a safetensors file, DCP folder or HF folder.
 
     Every rank calls it. Keys and shapes are checked first; a mismatch lists the
-    offending tensors. DCP checkpoints reshard through DCP; from safetensors files
-    (one, or an HF folder's shards) each rank reads only the rows of its own shard,
-    a tensor at a time.
+    offending tensors. Adapters (parameters a module initializes itself) are not
+    expected in the file and keep their values. DCP checkpoints reshard through
+    DCP; from safetensors files (one, or an HF folder's shards) each rank reads
+    only the rows of its own shard, a tensor at a time. Afterwards, values that
+    follow from the weights (DoRA's magnitudes) are set.
     """
-    source = open_tensors(path)
+    source = open_tensors(resolve_checkpoint(path))  # a run's output_dir: its newest
+    inner = getattr(model, "module", model)
+    adapters = set(self_initialized(inner))
+    expected = {n: s for n, s in model_shapes(model).items() if n not in adapters}
     if isinstance(source, DCPSource):
-        check_model_matches(read_dcp_metadata(source.path), model, source.path)
+        found = checkpoint_model_shapes(read_dcp_metadata(source.path))
+        _check_fits(expected, found, path)
+        state = ModelState(model, include=lambda name: name not in adapters)
         with quiet_single_process():  # a run always has a process group; tests may not
-            dcp.load(
-                {"model": ModelState(model)},
-                checkpoint_id=str(source.path),
-                planner=SafeLoadPlanner(),
-            )
-        return
-    found = {n: source.infos[MODEL_PREFIX + n].shape for n in source.model_names()}
-    problems = mismatch_report(model_shapes(model), found)
+            dcp.load({"model": state}, checkpoint_id=str(source.path), planner=SafeLoadPlanner())
+    else:
+        found = {n: source.infos[MODEL_PREFIX + n].shape for n in source.model_names()}
+        _check_fits(expected, found, path)
+        load_parameters(
+            inner,
+            lambda name, rows, out: source.read_into(MODEL_PREFIX + name, rows, out),
+            only=lambda name: name not in adapters,
+        )
+    init_from_weights(inner)
+
+
+def _check_fits(expected: dict[str, tuple], found: dict[str, tuple], path) -> None:
+    problems = mismatch_report(expected, found)
     if problems:
         raise CheckpointError(
             f"initial weights {path} do not fit this model ({len(problems)} difference(s)):\n"
             + "\n".join(f"  - {p}" for p in problems)
             + "\nUse weights of this model shape, or change the model config to match them."
         )
-    inner = getattr(model, "module", model)
-
-    load_parameters(inner, lambda name, rows, out: source.read_into(MODEL_PREFIX + name, rows, out))
 
 
 def inspect_report(path: str | Path) -> str:

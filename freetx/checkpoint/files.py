@@ -177,9 +177,11 @@ def mismatch_report(
     return lines
 
 
-def check_model_matches(metadata: Metadata, model: nn.Module, path: Path) -> None:
-    """Raise a CheckpointError listing every tensor that differs between model and checkpoint."""
-    problems = mismatch_report(model_shapes(model), checkpoint_model_shapes(metadata))
+def check_model_matches(metadata: Metadata, model: nn.Module, path: Path, include=None) -> None:
+    """Raise a CheckpointError listing every tensor that differs between model and checkpoint
+    (`include`: the names a partial checkpoint holds)."""
+    expected = {k: v for k, v in model_shapes(model).items() if include is None or include(k)}
+    problems = mismatch_report(expected, checkpoint_model_shapes(metadata))
     if problems:
         raise CheckpointError(
             f"checkpoint {path} does not fit this model ({len(problems)} difference(s)):\n"

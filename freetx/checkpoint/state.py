@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -37,16 +38,23 @@ from freetx.distributed.parallelize import unwrap
 
 
 class ModelState(Stateful):
-    """The model's parameters and persistent buffers, sharded as the model is."""
+    """The model's parameters and persistent buffers, sharded as the model is; with
+    `include`, only the entries whose names it accepts (e.g. the trainable ones of a
+    fine-tuning run whose frozen base is read from its own file)."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, include: Callable[[str], bool] | None = None) -> None:
         self.model = model
+        self.include = include
 
     def state_dict(self) -> dict[str, Any]:
-        return get_model_state_dict(self.model)
+        state = get_model_state_dict(self.model)
+        if self.include is None:
+            return state
+        return {k: v for k, v in state.items() if self.include(k)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        set_model_state_dict(self.model, state_dict)
+        options = StateDictOptions(strict=self.include is None)
+        set_model_state_dict(self.model, state_dict, options=options)
 
 
 class OptimizerState(Stateful):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-FORMATS = ("safetensors", "torch", "dcp", "hf")
+FORMATS = ("safetensors", "torch", "dcp", "hf", "peft")
 INTERMIXED_ARGS = False  # sub-actions (inspect, convert) need plain parsing
 
 
@@ -25,7 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="convert between DCP, safetensors, torch.save and HF-style folders",
         description=(
             "Convert a checkpoint. The format comes from DST's suffix (.safetensors, .pt) "
-            "unless --to says. safetensors and hf hold the model only; torch and dcp hold "
+            "unless --to says. safetensors, hf and peft (a LoRA run's adapters) hold the model only; torch and dcp hold "
             "everything unless --model-only. DCP -> safetensors streams tensor by tensor. "
             "DST is written under a temporary name and renamed when complete; an existing "
             "DST is replaced only with --overwrite."
@@ -55,14 +55,32 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="replace DST if it exists (never allowed when DST is, holds or lies in SRC)",
     )
+    merge = sub.add_parser(
+        "merge",
+        help="an HF folder of a base model with a LoRA / DoRA checkpoint's adapters merged in",
+        description="Merge the adapters of CKPT into the weights of BASE (an HF folder, DCP "
+        "checkpoint or .safetensors) and write an HF folder: sharded weights, config.json, "
+        "and the base's tokenizer files. Streams one tensor at a time.",
+    )
+    merge.add_argument("checkpoint", help="a LoRA run's checkpoint (or its output_dir)")
+    merge.add_argument("--base", required=True, help="the base the adapters were trained on")
+    merge.add_argument("dst", help="the HF folder to write")
+    merge.add_argument("--max-shard-size", default="5GB", help="largest weight file (default 5GB)")
+    merge.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
     return p
 
 
 def main(args: argparse.Namespace) -> int:
-    from freetx.checkpoint import convert, inspect_report
+    from freetx.checkpoint import convert, inspect_report, merge
 
     if args.action == "inspect":
         print(inspect_report(args.path))
+        return 0
+    if args.action == "merge":
+        result = merge(args.checkpoint, args.base, args.dst, overwrite=args.overwrite,
+                       max_shard_size=args.max_shard_size)  # fmt: skip
+        print(f"Wrote {result['path']} (hf, adapters merged): {result['tensors']} tensors, "
+              f"{result['bytes'] / 2**20:.1f} MiB")  # fmt: skip
         return 0
     result = convert(
         args.src, args.dst, to=args.to, dtype=args.dtype, model_only=args.model_only,

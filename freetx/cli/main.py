@@ -23,7 +23,8 @@ SUBCOMMANDS = {
     "cat": "print a config, overrides applied and interpolations resolved",
     "validate": "check a config against its recipe's schema and components",
     "run": "run a recipe, in this process or on N processes via torchrun",
-    "checkpoint": "inspect or convert checkpoints (DCP, safetensors, torch, HF)",
+    "checkpoint": "inspect, convert or merge checkpoints (DCP, safetensors, torch, HF, PEFT)",
+    "spectrum": "score a model's weight matrices and choose the ones Spectrum trains",
 }
 
 EPILOG = """examples:

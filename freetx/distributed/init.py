@@ -63,18 +63,46 @@ def materialize(
                     persistent=name not in module._non_persistent_buffers_set,
                 )
 
+    own = self_initialized(model)
+
     def initial_value(name: str, param: torch.Tensor) -> torch.Tensor:
         device = _local(param).device
         full = torch.empty(param.shape, dtype=param.dtype, device=device)
         generator = torch.Generator(device=device).manual_seed(parameter_seed(seed, name))
-        model.init_parameter(name, full, generator)
+        if name in own:  # an adapter's parameter: its module knows its initialization
+            module, local_name = own[name]
+            module.reset_parameter(local_name, full, generator)
+        else:
+            model.init_parameter(name, full, generator)
         return full
 
-    if init_weights:
-        fill_parameters(model, initial_value)
+    # adapters are initialized even when the weights are loaded: a base file never has them
+    fill_parameters(model, initial_value, only=None if init_weights else own.__contains__)
     init_buffers = getattr(model, "init_buffers", None)  # optional: models with no buffers
     if init_buffers is not None:
         init_buffers()
+    if init_weights:
+        init_from_weights(model)
+
+
+def self_initialized(model: nn.Module) -> dict[str, tuple[nn.Module, str]]:
+    """Parameters that a submodule initializes itself (it lists them in `own_parameters`
+    and fills them in `reset_parameter(name, full_tensor, generator)`): adapters."""
+    own = {}
+    for module_name, module in model.named_modules():
+        for local_name in getattr(module, "own_parameters", ()):
+            full_name = f"{module_name}.{local_name}" if module_name else local_name
+            own[full_name] = (module, local_name)
+    return own
+
+
+def init_from_weights(model: nn.Module) -> None:
+    """Let modules whose values follow from the weights (DoRA's magnitudes) set them, once
+    the weights are final (initialized, or loaded from a file)."""
+    for module in model.modules():
+        hook = getattr(module, "init_from_weights", None)
+        if hook is not None and module is not model:
+            hook()
 
 
 def _local(param: torch.Tensor) -> torch.Tensor:
@@ -83,7 +111,9 @@ def _local(param: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def fill_parameters(
-    model: nn.Module, full_value: Callable[[str, torch.Tensor], torch.Tensor]
+    model: nn.Module,
+    full_value: Callable[[str, torch.Tensor], torch.Tensor],
+    only: Callable[[str], bool] | None = None,
 ) -> None:
     """Set every parameter from its full (unsharded) value, one parameter at a time.
 
@@ -92,6 +122,8 @@ def fill_parameters(
     weights (from a generator or from a file).
     """
     for name, param in model.named_parameters():
+        if only is not None and not only(canonical_name(name)):
+            continue
         full = full_value(canonical_name(name), param)
         local = _local(param)
         if isinstance(param, DTensor):
@@ -103,7 +135,9 @@ def fill_parameters(
 
 @torch.no_grad()
 def load_parameters(
-    model: nn.Module, read_into: Callable[[str, slice | None, torch.Tensor], None]
+    model: nn.Module,
+    read_into: Callable[[str, slice | None, torch.Tensor], None],
+    only: Callable[[str], bool] | None = None,
 ) -> None:
     """Set every parameter from a file, each rank reading only the rows of its own shard.
 
@@ -111,8 +145,11 @@ def load_parameters(
     of the parameter called `name` (canonical), or the whole tensor for `rows=None`.
     FSDP2 shards the first dimension, so a rank's shard is one run of rows, read
     straight into its local tensor: peak memory per rank stays near its shard.
+    `only` picks the parameters to read (default: all).
     """
     for name, param in model.named_parameters():
+        if only is not None and not only(canonical_name(name)):
+            continue
         local = _local(param)
         rows = None
         if isinstance(param, DTensor):

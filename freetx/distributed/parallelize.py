@@ -261,9 +261,7 @@ def parallelize(
     fully_shard(model, **options)  # the root gets the same policy as the blocks
     # offloaded parameters live on the CPU; buffers (RoPE tables) stay on the device
     param_device = torch.device("cpu") if cfg.cpu_offload else runtime.device
-    materialize(
-        model, param_device, seed, buffer_device=runtime.device, init_weights=init_weights
-    )
+    materialize(model, param_device, seed, buffer_device=runtime.device, init_weights=init_weights)
     return plan(model, mesh)
 
 

@@ -287,12 +287,27 @@ def init_decoder_parameter(
         tensor.normal_(0.0, std, generator=generator)
 
 
+# what LoRA targets are called (freetx's short names and HF's) -> module name suffixes
+ADAPTER_TARGETS = {
+    **{k: "attention.wq" for k in ("q", "q_proj")},
+    **{k: "attention.wk" for k in ("k", "k_proj")},
+    **{k: "attention.wv" for k in ("v", "v_proj")},
+    **{k: "attention.wo" for k in ("o", "o_proj")},
+    **{k: "feed_forward.w1" for k in ("gate", "gate_proj")},
+    **{k: "feed_forward.w3" for k in ("up", "up_proj")},
+    **{k: "feed_forward.w2" for k in ("down", "down_proj")},
+    **{k: "output" for k in ("output", "lm_head")},
+}
+
+
 class Transformer(nn.Module):
     """Token embedding -> DecoderBlocks -> RMSNorm -> output head (tied or not)."""
 
     block_types: tuple[type[nn.Module], ...] = (DecoderBlock,)
     config_class = TransformerConfig
     hf_layout = LLAMA_LAYOUT
+    adapter_targets = ADAPTER_TARGETS
+    always_trained = ("tok_embeddings", "output")  # Spectrum trains these whatever it selects
 
     def __init__(self, cfg: TransformerConfig):
         super().__init__()

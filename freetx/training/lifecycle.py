@@ -35,7 +35,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from freetx.checkpoint import Checkpointer, ModelState, OptimizerState, PerRankState, TrainState
 from freetx.checkpoint.checkpointer import build_meta
 from freetx.checkpoint.state import LRSchedulerState
-from freetx.distributed import DistributedRuntime, ParallelPlan
+from freetx.distributed import DistributedRuntime, ParallelPlan, canonical_name
 from freetx.logging import build_metric_loggers, training_banner
 from freetx.models import flops_per_token, num_parameters
 from freetx.training.metrics import ThroughputMeter, peak_flops, train_step_metrics
@@ -43,11 +43,29 @@ from freetx.training.seed import rng_state, set_rng_state
 
 
 def training_state(
-    plan: ParallelPlan, optimizer, lr_scheduler, progress: TrainState, loader, rank: int
+    plan: ParallelPlan,
+    optimizer,
+    lr_scheduler,
+    progress: TrainState,
+    loader,
+    rank: int,
+    frozen_from: str | None = None,
 ) -> dict[str, Stateful]:
-    """Everything a training checkpoint holds, under the names DCP saves them by."""
+    """Everything a training checkpoint holds, under the names DCP saves them by.
+
+    When the model has frozen parameters read from `frozen_from` (the initial
+    weights: a LoRA / QLoRA / Spectrum base), only the trainable ones are saved;
+    a resume reads the base from there again.
+    """
+    include = None
+    frozen = [n for n, p in plan.module.named_parameters() if not p.requires_grad]
+    if frozen_from and frozen:
+        trainable = {
+            canonical_name(n) for n, p in plan.module.named_parameters() if p.requires_grad
+        }
+        include = trainable.__contains__
     return {
-        "model": ModelState(plan.model),
+        "model": ModelState(plan.model, include=include),
         "optimizer": OptimizerState(plan.model, optimizer),
         "lr_scheduler": LRSchedulerState(lr_scheduler),
         "train": progress,
@@ -105,6 +123,9 @@ class TrainingRun:
             peak_flops(self.runtime.device, cfg.peak_flops),
         )
         self.lr_scheduler = lr_scheduler
+        trainable = sum(p.numel() for p in module.parameters() if p.requires_grad)
+        if trainable < sum(p.numel() for p in module.parameters()):
+            facts = {"trainable parameters": trainable, **facts}
         self.loggers.write(
             training_banner(
                 self.recipe, self.runtime, plan.strategy, cfg,
@@ -112,8 +133,9 @@ class TrainingRun:
             )
         )  # fmt: skip
         self.state = training_state(
-            plan, optimizer, lr_scheduler, self.progress, train_loader, self.runtime.rank
-        )
+            plan, optimizer, lr_scheduler, self.progress, train_loader, self.runtime.rank,
+            frozen_from=cfg.checkpoint.initial_weights,
+        )  # fmt: skip
         meta = build_meta(module, self.runtime.world_size, plan.strategy)
         message = self.checkpointer.restore(self.state, plan.model, meta)
         if message:

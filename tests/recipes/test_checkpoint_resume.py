@@ -134,7 +134,7 @@ def test_checkpoint_of_another_model_lists_the_mismatch(tmp_path):
     ckpt = tmp_path / "a" / "checkpoints" / "step_000001"
     result = train(tmp_path / "b", "max_steps=2", "model.vocab_size=300",
                    f"checkpoint.initial_weights={ckpt}", nproc=1, expect=1)  # fmt: skip
-    assert "does not fit this model" in flat(result.stderr)
+    assert "do not fit this model" in flat(result.stderr)
     assert (
         "shape of tok_embeddings.weight: model [300, 192], checkpoint [259, 192]" in result.stderr
     )

@@ -1,0 +1,126 @@
+"""`freetx spectrum scan MODEL --top-percent 25`: choose the modules Spectrum trains.
+
+MODEL is an HF folder, a run's output_dir, a DCP checkpoint or a .safetensors
+file. Every weight matrix of the repeated blocks is scored (the SNR of its
+singular values against the Marchenko-Pastur edge, freetx/models/peft/spectrum.py);
+with `--nproc-per-node N` the matrices are split over N processes. The scores
+are cached beside the model (`spectrum_scores.json`), so another --top-percent
+costs nothing; the selection goes to MODEL/spectrum_top<P>.yaml (or -o FILE)
+for `peft.method=spectrum peft.spectrum_selection=FILE`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+INTERMIXED_ARGS = False
+CACHE_NAME = "spectrum_scores.json"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="freetx spectrum", description="Spectrum: which modules to train fully."
+    )
+    sub = p.add_subparsers(dest="action", metavar="ACTION", required=True)
+    scan = sub.add_parser("scan", help="score every weight matrix and write a selection")
+    scan.add_argument(
+        "model", help="an HF folder, a run's output_dir, a DCP checkpoint, .safetensors"
+    )
+    scan.add_argument("--top-percent", type=float, default=25.0, help="of each kind (default 25)")
+    scan.add_argument(
+        "-o", "--output", help="the selection file (default: MODEL/spectrum_top<P>.yaml)"
+    )
+    scan.add_argument(
+        "--nproc-per-node", type=int, default=1, help="processes to split the work over"
+    )
+    scan.add_argument("--rescan", action="store_true", help="ignore cached scores")
+    return p
+
+
+def _beside(model: Path) -> Path:
+    return model if model.is_dir() else model.parent
+
+
+def main(args: argparse.Namespace) -> int:
+    from freetx.errors import FreetxError
+    from freetx.models.peft.spectrum import select, write_selection
+
+    model = Path(args.model).expanduser()
+    if not model.exists():
+        raise FreetxError(f"{args.model} does not exist; give a model folder or checkpoint.")
+    cache = _beside(model) / CACHE_NAME
+    scores = None
+    if cache.is_file() and not args.rescan:
+        scores = json.loads(cache.read_text()).get("scores")
+        print(f"reusing the scores in {cache} (--rescan to compute them again)")
+    if scores is None:
+        scores = _scan(model, args.nproc_per_node)
+        try:
+            cache.write_text(json.dumps({"source": str(model), "scores": scores}, indent=2))
+        except OSError as e:
+            print(f"(scores not cached: {cache} cannot be written, {e.strerror})")
+    score = {name: s["score"] for name, s in scores.items()}
+    modules = select(score, args.top_percent)
+    out = (
+        Path(args.output)
+        if args.output
+        else _beside(model) / f"spectrum_top{args.top_percent:g}.yaml"
+    )
+    write_selection(out, modules, args.top_percent, str(args.model), score)
+    print(f"{len(modules)} of {len(score)} weight matrices selected (top {args.top_percent:g}% of "
+          f"each kind) -> {out}")  # fmt: skip
+    return 0
+
+
+def _scan(model: Path, nproc: int) -> dict:
+    """Scores of every block matrix, computed here or on `nproc` processes."""
+    if nproc <= 1:
+        return scan_scores(str(model), rank=0, world_size=1)
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "scores.json"
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                   f"--nproc-per-node={nproc}", __file__, str(model), str(out)]  # fmt: skip
+        env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // nproc))}
+        result = subprocess.run(command, env=env, capture_output=True, text=True)
+        if result.returncode != 0 or not out.is_file():
+            raise RuntimeError(f"the distributed scan failed:\n{result.stderr[-3000:]}")
+        return json.loads(out.read_text())
+
+
+def scan_scores(model: str, rank: int, world_size: int) -> dict:
+    """This rank's share of the matrices (every world_size-th), scored; all of them
+    gathered when a process group is up."""
+    from freetx.checkpoint import open_tensors, resolve_checkpoint
+    from freetx.models.peft.spectrum import kind_of, score_matrix
+
+    source = open_tensors(resolve_checkpoint(model))
+    names = sorted(n for n in source.model_names()
+                   if len(source.infos["model." + n].shape) == 2 and kind_of(n))  # fmt: skip
+    mine = {}
+    for name in names[rank::world_size]:
+        mine[name.removesuffix(".weight")] = score_matrix(source.get("model." + name))
+    if world_size == 1:
+        return mine
+    import torch.distributed as dist
+
+    gathered = [None] * world_size
+    dist.all_gather_object(gathered, mine)
+    return {k: v for part in gathered for k, v in part.items()}
+
+
+if __name__ == "__main__":  # a torchrun worker of `_scan`
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    scores = scan_scores(sys.argv[1], dist.get_rank(), dist.get_world_size())
+    if dist.get_rank() == 0:
+        Path(sys.argv[2]).write_text(json.dumps(scores))
+    dist.barrier()
+    dist.destroy_process_group()

@@ -1,0 +1,189 @@
+"""Parameter-efficient fine-tuning, applied to a model on the meta device before
+`parallelize`: LoRA / DoRA adapters (`lora.py`), an NF4 base for QLoRA (`nf4.py`),
+and Spectrum's choice of which modules to train (`spectrum.py`).
+
+    apply_lora(model, targets=["q", "v"], rank=16, alpha=32)   # adapters; the base frozen
+    train_only(model, modules)                                 # Spectrum: these train
+
+Targets are the model's own short names (`adapter_targets` of the model class:
+q, k, v, o, gate, up, down, output for the decoder; HF names like q_proj work
+too) or suffixes of module names. Adapters are sharded with the block they sit
+in, their parameters are the only trainable ones, and a fresh adapter leaves
+the model's output unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+import torch
+from torch import nn
+
+from freetx.errors import ConfigError
+from freetx.fields import at_least
+from freetx.models.peft.lora import ADAPTER_PARAMETERS, LoRALinear
+
+
+@dataclass
+class PEFTConfig:
+    """The `peft:` section: what of a model trains (names as PEFT users know them)."""
+
+    method: Literal["none", "lora", "spectrum"] = "none"  # none: full fine-tuning
+    # lora: adapters on these Linear modules (q, k, v, o, gate, up, down, output, or HF names)
+    target_modules: list[str] = field(
+        default_factory=lambda: ["q", "k", "v", "o", "gate", "up", "down"]
+    )
+    rank: int = at_least(1, default=16)  # PEFT's r
+    alpha: float = 32.0  # PEFT's lora_alpha: the update is scaled by alpha / rank
+    dropout: float = 0.0  # PEFT's lora_dropout, on the adapter's input
+    use_dora: bool = False  # DoRA: a trained magnitude per output row
+    quantize_base: Literal["none", "nf4"] = "none"  # nf4: QLoRA (the adapted bases in NF4)
+    # spectrum: the selection `freetx spectrum scan` wrote; those modules train fully
+    spectrum_selection: Optional[str] = None
+
+
+__all__ = [
+    "ADAPTER_PARAMETERS",
+    "PEFTConfig",
+    "apply_peft",
+    "LoRALinear",
+    "adapter_layers",
+    "apply_lora",
+    "is_adapter_parameter",
+    "merge_adapters",
+    "resolve_targets",
+    "train_only",
+]
+
+
+def linear_names(model: nn.Module) -> list[str]:
+    return [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+
+
+def resolve_targets(model: nn.Module, targets: list[str]) -> dict[str, list[str]]:
+    """target -> the names of the Linear modules it means; an error lists what exists."""
+    aliases = getattr(model, "adapter_targets", {}) or {}
+    linears = linear_names(model)
+    found: dict[str, list[str]] = {}
+    for target in targets:
+        suffix = aliases.get(target, target)
+        found[target] = [n for n in linears if n == suffix or n.endswith("." + suffix)]
+    missing = [t for t, names in found.items() if not names]
+    if missing:
+        kinds = sorted({n.rsplit(".", 1)[-1] for n in linears})
+        raise ConfigError(
+            f"peft target(s) {', '.join(repr(t) for t in missing)} match no Linear module of "
+            f"{type(model).__name__}. Targets it knows: {', '.join(aliases) or '(none)'}; its "
+            f"Linear modules end in: {', '.join(kinds)}."
+        )
+    return found
+
+
+def apply_lora(
+    model: nn.Module,
+    targets: list[str],
+    rank: int,
+    alpha: float,
+    dropout: float = 0.0,
+    use_dora: bool = False,
+) -> list[str]:
+    """Replace the targeted Linear modules by `LoRALinear` and freeze everything else.
+    Returns the adapted module names. Works on a meta model (nothing is allocated)."""
+    names = sorted({n for found in resolve_targets(model, targets).values() for n in found})
+    for name in names:
+        linear = model.get_submodule(name)
+        if not 0 < rank <= min(linear.in_features, linear.out_features):
+            raise ConfigError(
+                f"peft.rank={rank} does not fit {name} ({linear.in_features} -> "
+                f"{linear.out_features}): a LoRA rank is at least 1 and at most the smaller "
+                f"side, {min(linear.in_features, linear.out_features)}."
+            )
+        with torch.device(linear.weight.device):
+            adapted = LoRALinear(
+                linear.in_features, linear.out_features, linear.bias is not None,
+                rank, alpha, dropout, use_dora,
+            )  # fmt: skip
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, adapted)
+    for pname, param in model.named_parameters():
+        param.requires_grad_(is_adapter_parameter(model, pname))
+    return names
+
+
+def adapter_layers(model: nn.Module) -> dict[str, LoRALinear]:
+    return {name: m for name, m in model.named_modules() if isinstance(m, LoRALinear)}
+
+
+def is_adapter_parameter(model: nn.Module, name: str) -> bool:
+    """Whether parameter `name` belongs to an adapter (never in a base model's file)."""
+    for suffix in ADAPTER_PARAMETERS:
+        if name.endswith("." + suffix):
+            owner = model.get_submodule(name[: -len(suffix) - 1])
+            return isinstance(owner, LoRALinear)
+    return False
+
+
+def train_only(model: nn.Module, modules: list[str], always: list[str] = ()) -> list[str]:
+    """Freeze every parameter except those of `modules` and `always` (Spectrum's choice,
+    plus what it always trains); returns the trainable parameter names."""
+    known = dict(model.named_modules())
+    missing = [m for m in modules if m not in known]
+    if missing:
+        raise ConfigError(
+            f"the selection names {len(missing)} module(s) this model does not have, e.g. "
+            f"{missing[0]}; it was made for another model. Scan this model again."
+        )
+    keep = tuple(f"{m}." for m in (*modules, *always))
+    trainable = []
+    for name, param in model.named_parameters():
+        param.requires_grad_(name.startswith(keep))
+        if param.requires_grad:
+            trainable.append(name)
+    return trainable
+
+
+@torch.no_grad()
+def merge_adapters(model: nn.Module) -> nn.Module:
+    """Replace every LoRALinear by a plain Linear holding its merged weight (in place)."""
+    for name, layer in adapter_layers(model).items():
+        merged = nn.Linear(layer.in_features, layer.out_features, bias=layer.bias is not None)
+        weight = layer.merged_weight()
+        merged.weight.data = weight.to(layer.lora_a.weight.dtype)
+        if layer.bias is not None:
+            merged.bias.data = layer.bias.detach().clone()
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, merged)
+    return model
+
+
+def apply_peft(model: nn.Module, cfg: PEFTConfig) -> str:
+    """Apply the `peft:` section to a meta model; returns a line for the banner."""
+    if cfg.method == "none":
+        if cfg.quantize_base != "none" or cfg.use_dora:
+            raise ConfigError(
+                "peft.quantize_base and peft.use_dora apply to LoRA adapters; set "
+                "peft.method=lora (QLoRA: peft.method=lora peft.quantize_base=nf4)."
+            )
+        return "full"
+    if cfg.method == "lora":
+        names = apply_lora(model, list(cfg.target_modules), cfg.rank, cfg.alpha, cfg.dropout,
+                           cfg.use_dora)  # fmt: skip
+        if cfg.quantize_base == "nf4":
+            from freetx.models.peft.nf4 import quantize_bases
+
+            quantize_bases(model)
+        kind = "DoRA" if cfg.use_dora else "LoRA"
+        kind = f"Q{kind}" if cfg.quantize_base == "nf4" else kind
+        return f"{kind} r={cfg.rank} alpha={cfg.alpha:g} on {len(names)} modules"
+    from freetx.models.peft.spectrum import read_selection
+
+    if not cfg.spectrum_selection:
+        raise ConfigError(
+            "peft.method=spectrum trains the modules of a selection: make one with "
+            "`freetx spectrum scan MODEL --top-percent 25` and set peft.spectrum_selection."
+        )
+    selection = read_selection(cfg.spectrum_selection)
+    always = getattr(model, "always_trained", ())
+    train_only(model, selection["modules"], always=always)
+    return f"Spectrum: {len(selection['modules'])} modules (top {selection['top_percent']:g}%)"
