@@ -85,7 +85,7 @@ def convert(
     (`safe_write`): it may not be, hold or lie inside the source, and an
     existing one is replaced only with `overwrite`.
     """
-    source = open_tensors(src)
+    source = open_tensors(resolve_checkpoint(src))  # a run's output_dir: its newest
     dst = Path(dst).expanduser()
     fmt = output_format(dst, to)
     if fmt not in FORMATS:
@@ -357,7 +357,7 @@ def _check_fits(expected: dict[str, tuple], found: dict[str, tuple], path) -> No
 
 def inspect_report(path: str | Path) -> str:
     """A readable summary: run facts (DCP), then every tensor, then totals."""
-    source = open_tensors(path)
+    source = open_tensors(resolve_checkpoint(path))
     lines = [f"{source.path} ({source.kind})"]
     for key in (
         "step",

@@ -245,6 +245,55 @@ def blockless_step(strategy: str | None):
     return full_grads(model)
 
 
+def peft_step(strategy: str | None, method: str):
+    """Grads of the trainable parameters of a LoRA / DoRA / QLoRA / Spectrum step (None:
+    1 process, the full batch). Every weight is set to a deterministic random value (B
+    included, so A gets gradient too); the base is frozen."""
+    from freetx.distributed import fill_parameters
+    from freetx.models.peft import apply_lora, train_only
+
+    runtime = init_distributed("cpu")
+    with torch.device("meta"):
+        model = make_model()
+        if method == "spectrum":
+            train_only(model, ["layers.1.attention.wq", "layers.2.feed_forward.w2"],
+                       always=["tok_embeddings"])  # fmt: skip
+        else:
+            apply_lora(model, ["q", "v", "down", "output"], rank=4, alpha=8,
+                       use_dora=method == "dora")  # fmt: skip
+            if method == "qlora":
+                from freetx.models.peft.nf4 import quantize_bases
+
+                quantize_bases(model)
+
+    def weights(name, param):
+        g = torch.Generator().manual_seed(sum(map(ord, name)))
+        return torch.randn(param.shape, generator=g) * 0.2 + (1.0 if "magnitude" in name else 0)
+
+    if strategy is None:
+        materialize(model, torch.device("cpu"), SEED, init_weights=False)
+    else:
+        cfg = OmegaConf.structured(DistributedConfig(strategy=strategy))
+        model = parallelize(model, runtime, cfg, seed=SEED, init_weights=False).model
+    fill_parameters(unwrap(model), weights)
+    inputs, labels = global_batch()
+    rows, scale = slice(None), 1.0 / float((labels != -100).sum())
+    if strategy is not None:
+        per_rank = GLOBAL_BATCH // runtime.world_size
+        rows = slice(runtime.rank * per_rank, (runtime.rank + 1) * per_rank)
+        scale = runtime.world_size / float(count_over_ranks([(labels[rows] != -100).sum()]))
+    loss, _ = CrossEntropyLoss()(model(inputs[rows]), labels[rows])
+    (loss * scale).backward()
+    grads = {}
+    for name, p in unwrap(model).named_parameters():
+        if p.requires_grad:
+            g = p.grad
+            grads[name] = (g.full_tensor() if isinstance(g, DTensor) else g).detach().clone()
+        else:
+            assert p.grad is None, name
+    return grads
+
+
 def main() -> None:
     runtime = init_distributed("cpu")
     results: dict = {"world_size": runtime.world_size}
@@ -286,6 +335,14 @@ def main() -> None:
     reference = ad_step(None)
     for strategy in ("ddp", "fsdp"):
         results[f"ad/{strategy}/grad"] = max_diff(ad_step(strategy), reference)
+
+    for method in ("lora", "dora", "spectrum"):
+        reference = peft_step(None, method)
+        for strategy in ("fsdp", "ddp"):
+            grads = peft_step(strategy, method)
+            results[f"peft/{method}/{strategy}/grad"] = max_diff(grads, reference)
+            results[f"peft/{method}/{strategy}/trainable"] = sorted(grads)
+        results[f"peft/{method}/reference_trainable"] = sorted(reference)
 
     reference = blockless_step(None)
     for strategy in ("fsdp", "ddp"):

@@ -77,3 +77,17 @@ def test_algorithm_distillation_gradients_match_single_process(results, strategy
 def test_a_model_without_blocks_is_sharded_whole(results, strategy):
     for rank in results:
         assert rank[f"blockless/{strategy}/grad"] < TIGHT
+
+
+@pytest.mark.parametrize("method", ["lora", "dora", "spectrum"])
+@pytest.mark.parametrize("strategy", ["fsdp", "ddp"])
+def test_peft_gradients_of_the_trainable_parameters_match_single_process(results, method, strategy):
+    for rank in results:
+        assert rank[f"peft/{method}/{strategy}/grad"] < TIGHT
+        trainable = rank[f"peft/{method}/{strategy}/trainable"]
+        assert trainable == rank[f"peft/{method}/reference_trainable"]
+        if method == "spectrum":
+            assert trainable == ["layers.1.attention.wq.weight", "layers.2.feed_forward.w2.weight",
+                                 "tok_embeddings.weight"]  # fmt: skip
+        else:
+            assert trainable and all(".lora_" in n for n in trainable)

@@ -10,8 +10,11 @@ For a matrix W [n, m] with singular values S (fp32):
     score = SNR / max(S)
 
 Matrices are grouped by kind (the same module in every layer: `layers.*.attention.wq`)
-and the top `top_percent` of each kind are selected; the model's embeddings and
-output head always train. `score_matrix` is the math; `select` the choice;
+and the top `top_percent` of each kind are selected (int(count * p / 100), at
+least one); the model's embeddings and output head always train. The score is
+the reference code's (cognitivecomputations/spectrum): between matrices of the
+same spectral norm the one with more signal above the edge ranks first, and a
+larger spectral norm lowers the score. `score_matrix` is the math; `select` the choice;
 `freetx spectrum scan` (freetx/cli/spectrum.py) reads a model's matrices, splits
 them over ranks, and writes the selection as YAML.
 """
@@ -57,7 +60,7 @@ def select(scores: dict[str, float], top_percent: float) -> list[str]:
         kinds.setdefault(kind_of(name) or name, []).append(name)
     chosen = []
     for names in kinds.values():
-        keep = max(1, round(len(names) * top_percent / 100))
+        keep = max(1, int(len(names) * top_percent / 100))  # the reference's count, >= 1
         chosen += sorted(names, key=lambda n: -scores[n])[:keep]
     return sorted(chosen)
 
