@@ -89,7 +89,7 @@ class FullFinetuneRecipeFSDP2:
         with torch.device("meta"):
             model = instantiate(cfg.model)
         check_model_and_data(model.config, self.tokenizer, self.seq_len)
-        trains = apply_peft(model, cfg.peft)  # all weights, or adapters / selected modules
+        trains = apply_peft(model, cfg.peft, world_size)  # all, or adapters / some modules
         self.plan = parallelize(
             model, self.runtime, cfg.distributed, seed=cfg.seed,
             init_weights=not self.run.loads_weights,  # random init unless weights are loaded

@@ -28,8 +28,8 @@ from omegaconf import MISSING
 from freetx.checkpoint import load_initial_weights, model_from_checkpoint, resolve_checkpoint
 from freetx.config import at_least, instantiate, parse, write_resolved_config
 from freetx.data import leading_bos
-from freetx.errors import ConfigError
 from freetx.distributed import init_distributed, materialize
+from freetx.errors import ConfigError
 from freetx.logging import build_metric_loggers
 from freetx.models import LatentModel, build_model
 
@@ -94,9 +94,7 @@ class GenerateRecipe:
         cfg, tok = self.cfg, self.tokenizer
         n = cfg.samples_per_group
         if cfg.chat:  # the template writes BOS and the assistant's header itself
-            ids = tok.encode(
-                tok.apply_chat_template([{"role": "user", "content": prompt}], True)
-            )
+            ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": prompt}], True))
         else:
             ids = [*leading_bos(tok), *tok.encode(prompt)]
         tokens = torch.tensor([ids] * n, device=self.device)

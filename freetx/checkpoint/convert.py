@@ -43,7 +43,13 @@ from freetx.checkpoint.formats import (
 from freetx.checkpoint.run_folder import LATEST_FILE, choose_checkpoint, survey
 from freetx.checkpoint.safe_write import check_destination, staged_output
 from freetx.checkpoint.state import ModelState
-from freetx.distributed.init import init_from_weights, load_parameters, self_initialized
+from freetx.distributed.init import (
+    init_from_weights,
+    load_parameters,
+    self_initialized,
+    self_stored,
+    set_full_parameter,
+)
 from freetx.errors import CheckpointError
 from freetx.models.hf import TOKENIZER_FILES, layout_of
 
@@ -331,9 +337,12 @@ def load_initial_weights(model: nn.Module, path: str | Path) -> None:
     if isinstance(source, DCPSource):
         found = checkpoint_model_shapes(read_dcp_metadata(source.path))
         _check_fits(expected, found, path)
-        state = ModelState(model, include=lambda name: name not in adapters)
+        stored = self_stored(inner)  # e.g. NF4 bases: quantized from the full weight
+        state = ModelState(model, include=lambda name: name not in adapters | stored)
         with quiet_single_process():  # a run always has a process group; tests may not
             dcp.load({"model": state}, checkpoint_id=str(source.path), planner=SafeLoadPlanner())
+        for name in sorted(stored):
+            set_full_parameter(inner, name, source.get(MODEL_PREFIX + name))
     else:
         found = {n: source.infos[MODEL_PREFIX + n].shape for n in source.model_names()}
         _check_fits(expected, found, path)

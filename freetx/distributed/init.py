@@ -105,6 +105,38 @@ def init_from_weights(model: nn.Module) -> None:
             hook()
 
 
+def self_stored(model: nn.Module) -> set[str]:
+    """Parameters that their module stores its own way (set from a full value only)."""
+    return {
+        canonical_name(name)
+        for name, _ in model.named_parameters()
+        if _stored_by_owner(model, name)
+    }
+
+
+def set_full_parameter(model: nn.Module, name: str, full: torch.Tensor) -> None:
+    """Set one self-stored parameter from its full value (every rank, the same value)."""
+    if not _set_by_owner(model, name, full):
+        raise KeyError(name)
+
+
+def _stored_by_owner(model: nn.Module, name: str) -> bool:
+    """Whether the module owning parameter `name` stores it its own way (it answers
+    `stores_parameter(name)` and takes the full value in `set_full_parameter`, e.g. a
+    QLoRA layer's NF4 base: quantized whole, then sharded)."""
+    module_name, _, local_name = name.rpartition(".")
+    owner = model.get_submodule(module_name) if module_name else model
+    stores = getattr(owner, "stores_parameter", None)
+    return bool(stores is not None and stores(local_name))
+
+
+def _set_by_owner(model: nn.Module, name: str, full: torch.Tensor) -> bool:
+    module_name, _, local_name = name.rpartition(".")
+    owner = model.get_submodule(module_name) if module_name else model
+    setter = getattr(owner, "set_full_parameter", None)
+    return bool(setter is not None and setter(local_name, full))
+
+
 def _local(param: torch.Tensor) -> torch.Tensor:
     return param.to_local() if isinstance(param, DTensor) else param
 
@@ -121,10 +153,12 @@ def fill_parameters(
     canonical name; each rank keeps its own shard of it. Used for initial
     weights (from a generator or from a file).
     """
-    for name, param in model.named_parameters():
+    for name, param in list(model.named_parameters()):
         if only is not None and not only(canonical_name(name)):
             continue
         full = full_value(canonical_name(name), param)
+        if _set_by_owner(model, name, full):
+            continue
         local = _local(param)
         if isinstance(param, DTensor):
             full = distribute_tensor(
@@ -147,8 +181,13 @@ def load_parameters(
     straight into its local tensor: peak memory per rank stays near its shard.
     `only` picks the parameters to read (default: all).
     """
-    for name, param in model.named_parameters():
+    for name, param in list(model.named_parameters()):
         if only is not None and not only(canonical_name(name)):
+            continue
+        if _stored_by_owner(model, name):  # e.g. an NF4 base: quantized whole, then sharded
+            full = torch.empty(param.shape, dtype=torch.float32)
+            read_into(canonical_name(name), None, full)
+            _set_by_owner(model, name, full)
             continue
         local = _local(param)
         rows = None

@@ -240,9 +240,13 @@ def parallelize(
     if strategy in REPLICATED:
         materialize(model, runtime.device, seed, init_weights=init_weights)
         device_ids = [runtime.local_rank] if runtime.device_type == "cuda" else None
-        # gradients as views of the all-reduce buckets: no second copy of the gradients
+        # gradients as views of the all-reduce buckets: no second copy of the gradients;
+        # no broadcast of rank 0's weights at start: every rank initializes the same values
+        # from (seed, name) and loads the same files (an NF4 base is set only after this)
         return plan(
-            DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True)
+            DistributedDataParallel(
+                model, device_ids=device_ids, gradient_as_bucket_view=True, init_sync=False
+            )
         )
 
     mesh = build_mesh(runtime, replicate_degree(cfg, runtime))

@@ -258,13 +258,14 @@ def peft_step(strategy: str | None, method: str):
         if method == "spectrum":
             train_only(model, ["layers.1.attention.wq", "layers.2.feed_forward.w2"],
                        always=["tok_embeddings"])  # fmt: skip
+        elif method == "qlora":  # NF4 needs blocks of 64 x 8 per rank: the larger layers
+            from freetx.models.peft.nf4 import quantize_bases
+
+            apply_lora(model, ["down", "output"], rank=4, alpha=8)
+            quantize_bases(model, world_size=2)  # the same blocks on 1 and 2 processes
         else:
             apply_lora(model, ["q", "v", "down", "output"], rank=4, alpha=8,
                        use_dora=method == "dora")  # fmt: skip
-            if method == "qlora":
-                from freetx.models.peft.nf4 import quantize_bases
-
-                quantize_bases(model)
 
     def weights(name, param):
         g = torch.Generator().manual_seed(sum(map(ord, name)))
@@ -336,7 +337,7 @@ def main() -> None:
     for strategy in ("ddp", "fsdp"):
         results[f"ad/{strategy}/grad"] = max_diff(ad_step(strategy), reference)
 
-    for method in ("lora", "dora", "spectrum"):
+    for method in ("lora", "dora", "spectrum", "qlora"):
         reference = peft_step(None, method)
         for strategy in ("fsdp", "ddp"):
             grads = peft_step(strategy, method)

@@ -79,7 +79,7 @@ def test_a_model_without_blocks_is_sharded_whole(results, strategy):
         assert rank[f"blockless/{strategy}/grad"] < TIGHT
 
 
-@pytest.mark.parametrize("method", ["lora", "dora", "spectrum"])
+@pytest.mark.parametrize("method", ["lora", "dora", "spectrum", "qlora"])
 @pytest.mark.parametrize("strategy", ["fsdp", "ddp"])
 def test_peft_gradients_of_the_trainable_parameters_match_single_process(results, method, strategy):
     for rank in results:

@@ -157,8 +157,9 @@ def merge_adapters(model: nn.Module) -> nn.Module:
     return model
 
 
-def apply_peft(model: nn.Module, cfg: PEFTConfig) -> str:
-    """Apply the `peft:` section to a meta model; returns a line for the banner."""
+def apply_peft(model: nn.Module, cfg: PEFTConfig, world_size: int = 1) -> str:
+    """Apply the `peft:` section to a meta model (before it is parallelized over
+    `world_size` ranks); returns a line for the banner."""
     if cfg.method == "none":
         if cfg.quantize_base != "none" or cfg.use_dora:
             raise ConfigError(
@@ -172,7 +173,7 @@ def apply_peft(model: nn.Module, cfg: PEFTConfig) -> str:
         if cfg.quantize_base == "nf4":
             from freetx.models.peft.nf4 import quantize_bases
 
-            quantize_bases(model)
+            quantize_bases(model, world_size)
         kind = "DoRA" if cfg.use_dora else "LoRA"
         kind = f"Q{kind}" if cfg.quantize_base == "nf4" else kind
         return f"{kind} r={cfg.rank} alpha={cfg.alpha:g} on {len(names)} modules"

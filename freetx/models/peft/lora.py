@@ -63,8 +63,27 @@ class LoRALinear(nn.Linear):
         return dequantize() if dequantize is not None else weight
 
     def base_output(self, x: torch.Tensor) -> torch.Tensor:
-        """W x without the bias."""
+        """W x without the bias (an NF4 base is dequantized on the fly, and no dequantized
+        copy is kept for backward)."""
+        if type(self.weight).__name__ == "NF4Tensor":
+            from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import linear_nf4
+
+            return linear_nf4(x, self.weight)
         return F.linear(x, self.base_weight().to(x.dtype))
+
+    def stores_parameter(self, name: str) -> bool:
+        """Whether this module stores parameter `name` its own way (an NF4 base)."""
+        return name == "weight" and hasattr(self, "nf4_blocks")
+
+    def set_full_parameter(self, name: str, full: torch.Tensor) -> bool:
+        """Set parameter `name` from its full value when this module stores it its own way
+        (an NF4 base: quantized whole, then each rank keeps its rows); else False."""
+        if not self.stores_parameter(name):
+            return False
+        from freetx.models.peft.nf4 import set_full_weight
+
+        set_full_weight(self, full)
+        return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         update = self.lora_b(self.lora_a(self.lora_dropout(x))) * self.scale
