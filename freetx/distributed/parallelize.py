@@ -201,6 +201,22 @@ def apply_activation_checkpointing(blocks: list[nn.Module], mode: str, every_n: 
             checkpoint_activations(block)  # keeps parameter names; preserves RNG state
 
 
+def store_frozen_bases_in(model: nn.Module, dtype: torch.dtype) -> None:
+    """Frozen base weights of adapter layers (modules with `frozen_in_compute_dtype`) are
+    kept in the compute dtype: they never get an update, so an fp32 master copy would
+    only double their memory (LoRA's base in bf16 under bf16 mixed precision)."""
+    if dtype == torch.float32:
+        return
+    for module in model.modules():
+        if not getattr(module, "frozen_in_compute_dtype", False):
+            continue
+        for name, param in list(module.named_parameters(recurse=False)):
+            plain = type(param.data).__name__ in ("Tensor", "Parameter")
+            if not param.requires_grad and param.dtype.is_floating_point and plain:
+                stored = torch.empty(param.shape, dtype=dtype, device=param.device)
+                setattr(module, name, nn.Parameter(stored, requires_grad=False))
+
+
 def find_blocks(model: nn.Module) -> list[nn.Module]:
     """The model's blocks, by the module types it names in `block_types`; a model that
     names none is one block (sharded, checkpointed and compiled whole)."""
@@ -223,6 +239,7 @@ def parallelize(
     """
     check_distributed_config(cfg, runtime)
     strategy = canonical_strategy(cfg.strategy)
+    store_frozen_bases_in(model, DTYPES[cfg.mixed_precision.param_dtype])
     blocks = find_blocks(model)
     whole = blocks or [model]  # a model without blocks is one unit
     apply_activation_checkpointing(whole, cfg.activation_checkpointing, cfg.ac_every_n_blocks)

@@ -31,6 +31,7 @@ class LoRALinear(nn.Linear):
     """`nn.Linear` with a frozen base and a trainable LoRA (or DoRA) update."""
 
     own_parameters = ADAPTER_PARAMETERS  # initialized here (reset_parameter), never loaded
+    frozen_in_compute_dtype = True  # the frozen base needs no fp32 master copy
 
     def __init__(
         self,
