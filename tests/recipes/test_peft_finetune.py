@@ -103,9 +103,13 @@ def test_adapters_export_to_peft_and_merge_with_the_same_logits(tmp_path, base, 
     ids = torch.randint(0, 259, (2, 48), generator=torch.Generator().manual_seed(0))
     auto = transformers.AutoModelForCausalLM
     with torch.no_grad():
-        with_adapter = peft.PeftModel.from_pretrained(
-            auto.from_pretrained(tmp_path / "base_hf"), tmp_path / "adapter"
-        ).eval()(ids).logits
+        with_adapter = (
+            peft.PeftModel.from_pretrained(
+                auto.from_pretrained(tmp_path / "base_hf"), tmp_path / "adapter"
+            )
+            .eval()(ids)
+            .logits
+        )
         merged = auto.from_pretrained(tmp_path / "merged").eval()(ids).logits
         plain = auto.from_pretrained(tmp_path / "base_hf").eval()(ids).logits
     assert (with_adapter - plain).abs().max() > 1e-2  # the adapter changed something
@@ -129,3 +133,23 @@ def test_bad_peft_input_is_one_paragraph(tmp_path, base):
     no_adapters = run_freetx("checkpoint", "convert", str(base_dir), str(tmp_path / "a"),
                              "--to", "peft")  # fmt: skip
     assert no_adapters.returncode == 1 and "holds no LoRA adapters" in flat(no_adapters.stderr)
+
+
+def test_qlora_on_hsdp_and_a_merge_onto_another_base_are_refused(tmp_path, base):
+    base_dir, _ = base
+    hsdp = run_freetx(
+        "run", "--nproc-per-node", "2", "lora_finetune_fsdp2", "--config", "llm/qlora_tiny",
+        f"model_dir={base_dir}", f"output_dir={tmp_path / 'q'}", "distributed.strategy=hsdp",
+        "distributed.replicate_degree=2", "max_steps=1",
+    )  # fmt: skip
+    assert hsdp.returncode == 1 and "1-D mesh only" in flat(hsdp.stderr), hsdp.stderr
+    assert "Traceback" not in hsdp.stderr
+    train(base_dir, tmp_path / "run", "llm/lora_tiny", "max_steps=2")
+    other = run_freetx("run", "full_finetune_fsdp2", "--config", "llm/tiny",
+                       f"output_dir={tmp_path / 'other'}", "max_steps=1", "model.hidden_dim=96",
+                       "model.num_heads=3", "model.num_kv_heads=1", "eval.every_n_steps=0")  # fmt: skip
+    assert other.returncode == 0, other.stderr
+    merged = run_freetx("checkpoint", "merge", str(tmp_path / "run"), "--base",
+                        str(tmp_path / "other"), str(tmp_path / "m"))  # fmt: skip
+    assert merged.returncode == 1 and "a base of another shape" in flat(merged.stderr)
+    assert not (tmp_path / "m").exists()
