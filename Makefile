@@ -11,7 +11,7 @@ TORCH ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.freetx-installed
 
-.PHONY: setup test lint format demo bench clean
+.PHONY: setup test test-slow lint format demo bench clean
 
 setup: $(STAMP)
 
@@ -23,6 +23,10 @@ $(STAMP): pyproject.toml setup.py
 
 test: setup
 	$(BIN)/pytest
+
+# the slow tier: every PEFT method end to end, long acceptance runs, real SLURM
+test-slow: setup
+	$(BIN)/pytest -m slow
 
 lint: setup
 	$(BIN)/ruff check freetx recipes tests benchmarks docs/examples

@@ -156,6 +156,12 @@ class ADRecipeDDP:
                 "are no validation goals to choose one on (the test goals never choose). Set "
                 "env.val_goals > 0, or list one temperature."
             )
+        if model_config.state_encoding == "xy" and model_config.grid_size != env.grid_size:
+            raise ConfigError(
+                f"model.grid_size={model_config.grid_size} but env.grid_size={env.grid_size}; "
+                f"the xy state encoding reads cells of the environment's grid. Set "
+                f"model.grid_size={env.grid_size}."
+            )
         if model_config.num_actions != NUM_ACTIONS:
             raise ConfigError(
                 f"model.num_actions={model_config.num_actions}, but Dark Room has "

@@ -34,6 +34,12 @@ class ADConfig(TransformerConfig):
     num_states: int = 81
     num_actions: int = 5
     num_rewards: int = 2  # discrete rewards 0 .. num_rewards - 1
+    # how a state enters: "index" (one embedding per cell) or "xy" (an embedding of its
+    # row plus one of its column, cells numbered x * grid_size + y): the geometry is
+    # shared by every cell, so a goal cell never rewarded in training is still a place
+    # the model can go to (the seed feeds (x, y) coordinates through a Linear)
+    state_encoding: str = "index"
+    grid_size: int = 9  # for "xy"
 
 
 class ADTransformer(nn.Module):
@@ -45,7 +51,15 @@ class ADTransformer(nn.Module):
     def __init__(self, cfg: ADConfig) -> None:
         super().__init__()
         self.config = cfg
-        self.state_embedding = nn.Embedding(cfg.num_states, cfg.hidden_dim)
+        if cfg.state_encoding not in ("index", "xy"):
+            raise ValueError(f"state_encoding must be index or xy, got {cfg.state_encoding!r}")
+        if cfg.state_encoding == "xy":
+            if cfg.grid_size**2 < cfg.num_states:
+                raise ValueError(f"grid_size={cfg.grid_size} has fewer cells than num_states")
+            self.row_embedding = nn.Embedding(cfg.grid_size, cfg.hidden_dim)
+            self.column_embedding = nn.Embedding(cfg.grid_size, cfg.hidden_dim)
+        else:
+            self.state_embedding = nn.Embedding(cfg.num_states, cfg.hidden_dim)
         self.action_embedding = nn.Embedding(cfg.num_actions + 1, cfg.hidden_dim)  # + none
         self.reward_embedding = nn.Embedding(cfg.num_rewards + 1, cfg.hidden_dim)  # + none
         self.dropout = nn.Dropout(cfg.dropout)
@@ -67,7 +81,7 @@ class ADTransformer(nn.Module):
     ) -> torch.Tensor:
         cos, sin = self.rope(states.shape[1])
         h = (
-            self.state_embedding(states)
+            self.embed_states(states)
             + self.action_embedding(prev_actions)
             + self.reward_embedding(prev_rewards)
         )
@@ -75,6 +89,12 @@ class ADTransformer(nn.Module):
         for layer in self.layers:
             h = layer(h, cos, sin)
         return self.head(self.norm(h))
+
+    def embed_states(self, states: torch.Tensor) -> torch.Tensor:
+        if self.config.state_encoding == "xy":
+            grid = self.config.grid_size
+            return self.row_embedding(states // grid) + self.column_embedding(states % grid)
+        return self.state_embedding(states)
 
     def init_parameter(self, name: str, tensor: torch.Tensor, generator: torch.Generator) -> None:
         init_decoder_parameter(

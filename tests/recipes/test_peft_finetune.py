@@ -47,10 +47,15 @@ def train(base_dir, output_dir, config, *overrides):
     return result
 
 
+SLOW = pytest.mark.slow  # the other methods: make test-slow
+
+
 @pytest.mark.parametrize(
     "config,trains",
-    [("llm/lora_tiny", "LoRA r=8"), ("llm/dora_tiny", "DoRA r=8"),
-     ("llm/qlora_tiny", "QLoRA r=8"), ("llm/spectrum_tiny", "Spectrum: 7 modules")],
+    [("llm/lora_tiny", "LoRA r=8"),
+     pytest.param("llm/dora_tiny", "DoRA r=8", marks=SLOW),
+     pytest.param("llm/qlora_tiny", "QLoRA r=8", marks=SLOW),
+     pytest.param("llm/spectrum_tiny", "Spectrum: 7 modules", marks=SLOW)],
 )  # fmt: skip
 def test_each_method_lowers_the_validation_loss_of_the_base(tmp_path, base, config, trains):
     base_dir, start_loss = base
@@ -83,7 +88,7 @@ def test_lora_resume_is_exact(tmp_path, base):
         assert losses[0][step] == losses[1][step], step
 
 
-@pytest.mark.parametrize("config", ["llm/lora_tiny", "llm/dora_tiny"])
+@pytest.mark.parametrize("config", ["llm/lora_tiny", pytest.param("llm/dora_tiny", marks=SLOW)])
 def test_adapters_export_to_peft_and_merge_with_the_same_logits(tmp_path, base, config):
     transformers = pytest.importorskip("transformers")
     peft = pytest.importorskip("peft")
@@ -135,6 +140,7 @@ def test_bad_peft_input_is_one_paragraph(tmp_path, base):
     assert no_adapters.returncode == 1 and "holds no LoRA adapters" in flat(no_adapters.stderr)
 
 
+@SLOW
 def test_qlora_on_hsdp_and_a_merge_onto_another_base_are_refused(tmp_path, base):
     base_dir, _ = base
     hsdp = run_freetx(
