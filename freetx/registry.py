@@ -67,6 +67,18 @@ RECIPES: tuple[Recipe, ...] = (
         description="Algorithm Distillation on Dark Room, DDP, in-context evaluation",
     ),
     Recipe(
+        name="crosscoder_fsdp2",
+        file="crosscoder_fsdp2.py",
+        configs=(
+            "crosscoder/synthetic_tiny",
+            "crosscoder/lm_layers_tiny",
+            "crosscoder/diff_tiny",
+            "crosscoder/gpt2_layers",
+            "crosscoder/gemma2_2b_diff",
+        ),
+        description="sparse crosscoders over model activations (cross-layer, model diffing), FSDP2",
+    ),
+    Recipe(
         name="generate",
         file="generate.py",
         configs=("free_transformer/generate", "llm/hf_generate"),

@@ -25,13 +25,13 @@ from typing import Any, Optional
 import torch
 from omegaconf import MISSING
 
-from freetx.checkpoint import load_initial_weights, model_from_checkpoint, resolve_checkpoint
+from freetx.checkpoint import load_model, resolve_checkpoint
 from freetx.config import at_least, instantiate, parse, write_resolved_config
 from freetx.data import leading_bos
-from freetx.distributed import init_distributed, materialize
+from freetx.distributed import init_distributed
 from freetx.errors import ConfigError
 from freetx.logging import build_metric_loggers
-from freetx.models import LatentModel, build_model
+from freetx.models import LatentModel
 
 
 @dataclass
@@ -69,12 +69,7 @@ class GenerateRecipe:
     def setup(self) -> None:
         cfg = self.cfg
         self.checkpoint = resolve_checkpoint(cfg.checkpoint)
-        model_class, model_config = model_from_checkpoint(self.checkpoint)
-        with torch.device("meta"):
-            model = build_model(model_class, model_config)
-        materialize(model, self.device, seed=cfg.seed)
-        load_initial_weights(model, self.checkpoint)
-        self.model = model.eval()
+        self.model = model = load_model(self.checkpoint, self.device, seed=cfg.seed)
         self.latent = isinstance(model, LatentModel)
         self.tokenizer = instantiate(cfg.tokenizer)
         if cfg.chat and getattr(self.tokenizer, "chat_template", None) is None:

@@ -426,3 +426,20 @@ def model_from_checkpoint(path: str | Path):
             "give the model in the config instead."
         )
     return model_class, source.model_config
+
+
+def load_model(path: str | Path, device, seed: int = 0) -> nn.Module:
+    """The model a checkpoint holds (a run's output_dir, a DCP folder, a .safetensors file
+    freetx wrote, or an HF folder of the decoder family), rebuilt from what it recorded,
+    its weights loaded, on `device`, in eval mode. Not sharded: for sampling and for
+    reading activations."""
+    from freetx.distributed.init import materialize
+    from freetx.models import build_model
+
+    resolved = resolve_checkpoint(path)
+    model_class, model_config = model_from_checkpoint(resolved)
+    with torch.device("meta"):
+        model = build_model(model_class, model_config)
+    materialize(model, device, seed=seed, init_weights=False)
+    load_initial_weights(model, resolved)
+    return model.eval()

@@ -25,6 +25,7 @@ SUBCOMMANDS = {
     "run": "run a recipe, in this process or on N processes via torchrun",
     "checkpoint": "inspect, convert or merge checkpoints (DCP, safetensors, torch, HF, PEFT)",
     "spectrum": "score a model's weight matrices and choose the ones Spectrum trains",
+    "crosscoder": "analyze (model diffing) or export a crosscoder checkpoint",
 }
 
 EPILOG = """examples:

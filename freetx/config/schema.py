@@ -192,6 +192,13 @@ def _keeps_node(tp: Any) -> bool:
     return False
 
 
+def _list_of_dataclass(tp: Any) -> bool:
+    args = typing.get_args(tp)
+    return (
+        typing.get_origin(tp) in (list, list) and bool(args) and dataclasses.is_dataclass(args[0])
+    )  # noqa: UP006
+
+
 def as_schema_instance(cfg: DictConfig, schema: type) -> Any:
     """The checked config as an instance of `schema` (see the module docstring)."""
     hints = _resolved_hints(schema)
@@ -202,6 +209,9 @@ def as_schema_instance(cfg: DictConfig, schema: type) -> Any:
             values[f.name] = cfg[f.name]  # a node stays a node; a plain value is resolved
         elif dataclasses.is_dataclass(tp) and isinstance(cfg[f.name], DictConfig):
             values[f.name] = as_schema_instance(cfg[f.name], tp)
+        elif _list_of_dataclass(tp) and isinstance(cfg[f.name], ListConfig):
+            item = typing.get_args(tp)[0]
+            values[f.name] = [as_schema_instance(node, item) for node in cfg[f.name]]
         else:
             value = cfg[f.name]
             if isinstance(value, (DictConfig, ListConfig)):

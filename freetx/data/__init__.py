@@ -5,6 +5,7 @@ Datasets take rank and world size as arguments (never from the process group),
 and import nothing from the rest of freetx but its errors.
 """
 
+from freetx.data.activations import ActivationRows, PlantedFeatures
 from freetx.data.chat import ChatDataset
 from freetx.data.instruct import InstructDataset
 from freetx.data.letter_block import LetterBlockDataset
@@ -22,6 +23,8 @@ from freetx.data.tokenizers import ByteTokenizer, HFTokenizer, leading_bos
 
 __all__ = [
     "IGNORE_INDEX",
+    "ActivationRows",
+    "PlantedFeatures",
     "ByteTokenizer",
     "ChatDataset",
     "EvalShard",

@@ -49,16 +49,20 @@ class ShardCache:
         self,
         rank: int,
         world_size: int,
-        make_shard: Callable[[], dict[str, np.ndarray]],
+        make_shard: Callable[[], dict[str, Any]],
         metadata: dict[str, Any],
         barrier: Callable[[], None],
     ) -> None:
-        """Every rank calls it: make and write this rank's shard, wait for all of them,
-        then rank 0 writes metadata.json (the set is complete), and all wait again."""
-        from safetensors.numpy import save_file
-
+        """Every rank calls it: make and write this rank's shard (numpy arrays, or torch
+        tensors, e.g. bf16), wait for all of them, then rank 0 writes metadata.json (the
+        set is complete), and all wait again."""
         self.folder.mkdir(parents=True, exist_ok=True)
-        save_file(make_shard(), str(self.shard_path(rank)))
+        shard = make_shard()
+        if all(isinstance(v, np.ndarray) for v in shard.values()):
+            from safetensors.numpy import save_file
+        else:
+            from safetensors.torch import save_file
+        save_file(shard, str(self.shard_path(rank)))
         barrier()
         if rank == 0:
             record = {**metadata, "shards": [self.shard_path(r).name for r in range(world_size)]}
@@ -67,17 +71,27 @@ class ShardCache:
             tmp.replace(self.folder / METADATA_FILE)
         barrier()
 
-    def load(self) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
-        """(every shard's arrays, concatenated in shard order; the metadata)."""
-        from safetensors.numpy import load_file
+    def metadata(self) -> dict[str, Any]:
+        return json.loads((self.folder / METADATA_FILE).read_text())
+
+    def load(self, framework: str = "np") -> tuple[dict[str, Any], dict[str, Any]]:
+        """(every shard's arrays, concatenated in shard order; the metadata), as numpy
+        arrays or (framework="pt") torch tensors."""
+        if framework == "pt":
+            from safetensors.torch import load_file
+        else:
+            from safetensors.numpy import load_file
 
         try:
-            meta = json.loads((self.folder / METADATA_FILE).read_text())
+            meta = self.metadata()
             parts = [load_file(str(self.folder / name)) for name in meta["shards"]]
         except Exception as error:  # a deleted, truncated or hand-edited file
             raise DataError(
                 f"The data cached in {self.folder} cannot be read ({type(error).__name__}: "
                 f"{error}). Delete that folder and run again: it is made again."
             ) from None
-        arrays = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
-        return arrays, meta
+        if framework == "pt":
+            import torch
+
+            return {k: torch.cat([p[k] for p in parts]) for k in parts[0]}, meta
+        return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}, meta

@@ -29,7 +29,13 @@ import torch
 from torch import nn
 from torch.distributed._composable import checkpoint as checkpoint_activations
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    fully_shard,
+    register_fsdp_forward_method,
+)
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
@@ -280,6 +286,8 @@ def parallelize(
     for block in blocks:
         fully_shard(block, **options)
     fully_shard(model, **options)  # the root gets the same policy as the blocks
+    for method in getattr(model, "fsdp_forward_methods", ()):  # gathered like forward
+        register_fsdp_forward_method(model, method)
     # offloaded parameters live on the CPU; buffers (RoPE tables) stay on the device
     param_device = torch.device("cpu") if cfg.cpu_offload else runtime.device
     materialize(model, param_device, seed, buffer_device=runtime.device, init_weights=init_weights)

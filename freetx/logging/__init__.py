@@ -1,4 +1,4 @@
-"""Metric loggers (progress bar, JSONL, TensorBoard), used on rank 0."""
+"""Metric loggers (progress bar, JSONL, TensorBoard, WandB), used on rank 0."""
 
 from freetx.logging.banner import training_banner
 from freetx.logging.loggers import (
@@ -7,6 +7,7 @@ from freetx.logging.loggers import (
     MetricLoggers,
     ProgressBarLogger,
     TensorBoardLogger,
+    WandBLogger,
     build_metric_loggers,
     format_value,
 )
@@ -17,6 +18,7 @@ __all__ = [
     "MetricLoggers",
     "ProgressBarLogger",
     "TensorBoardLogger",
+    "WandBLogger",
     "build_metric_loggers",
     "format_value",
     "training_banner",

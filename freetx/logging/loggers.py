@@ -154,6 +154,57 @@ class TensorBoardLogger(MetricLogger):
             self.writer.close()
 
 
+class WandBLogger(MetricLogger):
+    """Weights & Biases (an optional extra: `pip install freetx[wandb]`). The run starts at
+    the first record, so a run refused at set-up makes none. `mode: offline` (or
+    WANDB_MODE=offline) writes under `<output_dir>/wandb` without a network, for
+    `wandb sync` later. `name` may hold `{world_size}` (the seed's
+    `{model}_ae{ae_dim}_gpu{world_size}`)."""
+
+    def __init__(
+        self,
+        output_dir: str,
+        total_steps: int | None = None,
+        project: str = "freetx",
+        name: str | None = None,
+        mode: str | None = None,
+        tags: list[str] | None = None,
+    ):
+        super().__init__(output_dir, total_steps)
+        try:
+            import wandb
+        except ImportError:
+            from freetx.errors import ConfigError
+
+            raise ConfigError(
+                "freetx.logging.WandBLogger needs the wandb package: pip install wandb (or "
+                "pip install freetx[wandb]), or leave the logger out of metric_loggers."
+            ) from None
+        import os
+
+        self._wandb = wandb
+        world_size = os.environ.get("WORLD_SIZE", "1")
+        self.settings = {
+            "project": project,
+            "name": name.format(world_size=world_size) if name else None,
+            "mode": mode,
+            "tags": list(tags or []),
+            "dir": str(self.output_dir),
+        }
+        self.run = None
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        if self.run is None:
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+            self.run = self._wandb.init(**self.settings)
+        numbers = {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
+        self.run.log(numbers, step=step)
+
+    def close(self) -> None:
+        if self.run is not None:
+            self.run.finish()
+
+
 class MetricLoggers:
     """All of a run's loggers behind one object; empty (silent) on ranks other than 0."""
 

@@ -14,6 +14,7 @@ from freetx.training.metrics import (
     memory_stats,
     peak_flops,
     sum_over_ranks,
+    sum_tensors_over_ranks,
     train_step_metrics,
 )
 from freetx.training.seed import rng_state, seed_everything, set_rng_state
@@ -42,6 +43,7 @@ __all__ = [
     "seed_everything",
     "set_rng_state",
     "sum_over_ranks",
+    "sum_tensors_over_ranks",
     "train_step_metrics",
     "training_state",
 ]

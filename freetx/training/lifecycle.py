@@ -146,7 +146,8 @@ class TrainingRun:
     def advance(self) -> int:
         """Count one optimizer step: step, data epoch, tokens seen, throughput."""
         self.progress.step += 1
-        self.progress.epoch = getattr(self.train_loader.batch_sampler, "epoch", 0)
+        sampler = getattr(self.train_loader, "batch_sampler", self.train_loader)
+        self.progress.epoch = getattr(sampler, "epoch", 0)
         self.progress.tokens_seen += self.tokens_per_step
         self.meter.update(self.tokens_per_step)
         return self.progress.step

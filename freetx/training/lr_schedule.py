@@ -19,6 +19,9 @@ class LRScheduleConfig:
     warmup_steps: int = at_least(0, default=0)
     decay: Literal["cosine", "linear", "constant"] = "cosine"
     min_lr_ratio: float = 0.1
+    # the share of the steps after warmup over which the decay happens, at the end;
+    # the lr is constant before (0.2: the last 20%, as crosscoder trainers do)
+    decay_fraction: float = 1.0
 
 
 def lr_multiplier(step: int, total_steps: int, cfg: LRScheduleConfig) -> float:
@@ -27,8 +30,8 @@ def lr_multiplier(step: int, total_steps: int, cfg: LRScheduleConfig) -> float:
         return (step + 1) / cfg.warmup_steps
     if cfg.decay == "constant":
         return 1.0
-    span = max(1, total_steps - cfg.warmup_steps)
-    progress = min(1.0, (step - cfg.warmup_steps) / span)
+    span = max(1, round((total_steps - cfg.warmup_steps) * cfg.decay_fraction))
+    progress = min(1.0, max(0.0, step - (total_steps - span)) / span)
     if cfg.decay == "linear":
         shape = 1.0 - progress
     else:

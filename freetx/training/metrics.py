@@ -94,6 +94,19 @@ def sum_over_ranks(values: dict[str, torch.Tensor], device: torch.device) -> dic
     return dict(zip(values, stacked.tolist()))
 
 
+def sum_tensors_over_ranks(values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Tensors of any shape, each summed over all ranks (one collective for all), as
+    float64 on the CPU."""
+    flat = [v.detach().to(torch.float64).reshape(-1) for v in values.values()]
+    joined = torch.cat(flat) if flat else torch.zeros(0, dtype=torch.float64)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        device = next(iter(values.values())).device
+        joined = joined.to(device)
+        dist.all_reduce(joined)
+    parts = joined.cpu().split([f.numel() for f in flat])
+    return {k: p.reshape(v.shape) for (k, v), p in zip(values.items(), parts)}
+
+
 class ThroughputMeter:
     """Tokens/s (global and per device), step time and MFU over the last logged steps."""
 

@@ -295,6 +295,40 @@ def peft_step(strategy: str | None, method: str):
     return grads
 
 
+def crosscoder_step(strategy: str | None, activation: str):
+    """Grads of a crosscoder step (None: 1 process, the full batch), and the model's
+    per-source scale as each rank set it from its own rows (all-reduced)."""
+    from freetx.data.activations import norm_sums, scales_from_norm_sums
+    from freetx.models.crosscoder import crosscoder
+    from freetx.training import sum_tensors_over_ranks
+
+    runtime = init_distributed("cpu")
+    with torch.device("meta"):
+        model = crosscoder(num_sources=2, source_dim=8, dict_size=32, activation=activation,
+                           k=2, dead_after_rows=4, log_threshold_init=-2.0)  # fmt: skip
+    x = torch.randn(GLOBAL_BATCH * 4, 2, 8, generator=torch.Generator().manual_seed(2)) * 3
+    rows, scale = slice(None), 1.0 / len(x)
+    if strategy is None:
+        materialize(model, torch.device("cpu"), SEED)
+        module = model
+    else:
+        plan = parallelize(model, runtime, DistributedConfig(strategy=strategy), SEED)
+        model, module = plan.model, plan.module
+        per_rank = len(x) // runtime.world_size
+        rows = slice(runtime.rank * per_rank, (runtime.rank + 1) * per_rank)
+        scale = runtime.world_size / float(count_over_ranks([per_rank]))
+    module.tie_encoder()
+    norms, count = norm_sums(x[rows])
+    totals = sum_tensors_over_ranks({"norms": norms, "count": torch.tensor(float(count))})
+    module.input_scale.copy_(scales_from_norm_sums(totals["norms"], float(totals["count"]), 8))
+    for _ in range(2):  # the second step sees dead features (AuxK) for batchtopk
+        for p in model.parameters():
+            p.grad = None
+        loss, _ = model(x[rows], 0.5)
+        (loss * scale).backward()
+    return full_grads(model), module.input_scale.tolist()
+
+
 def main() -> None:
     runtime = init_distributed("cpu")
     results: dict = {"world_size": runtime.world_size}
@@ -344,6 +378,14 @@ def main() -> None:
             results[f"peft/{method}/{strategy}/grad"] = max_diff(grads, reference)
             results[f"peft/{method}/{strategy}/trainable"] = sorted(grads)
         results[f"peft/{method}/reference_trainable"] = sorted(reference)
+
+    for activation in ("relu", "jumprelu", "batchtopk"):
+        reference, ref_scale = crosscoder_step(None, activation)
+        for strategy in ("fsdp", "ddp"):
+            grads, scale = crosscoder_step(strategy, activation)
+            results[f"crosscoder/{activation}/{strategy}/grad"] = max_diff(grads, reference)
+            results[f"crosscoder/{activation}/{strategy}/scale"] = scale
+        results["crosscoder/reference_scale"] = ref_scale
 
     reference = blockless_step(None)
     for strategy in ("fsdp", "ddp"):

@@ -91,3 +91,18 @@ def test_peft_gradients_of_the_trainable_parameters_match_single_process(results
                                  "tok_embeddings.weight"]  # fmt: skip
         else:
             assert trainable and all(".lora_" in n for n in trainable)
+
+
+@pytest.mark.parametrize("activation", ["relu", "jumprelu", "batchtopk"])
+@pytest.mark.parametrize("strategy", ["fsdp", "ddp"])
+def test_crosscoder_gradients_and_scales_match_single_process(results, activation, strategy):
+    """Loss inside forward on a sharded dictionary (decoder norms on gathered weights),
+    BatchTopK's threshold over all ranks' rows, the normalization all-reduced."""
+    for rank in results:
+        assert rank[f"crosscoder/{activation}/{strategy}/grad"] < 1e-5
+        scale = rank[f"crosscoder/{activation}/{strategy}/scale"]
+        assert scale == pytest.approx(rank["crosscoder/reference_scale"], rel=1e-6)
+    assert (
+        results[0][f"crosscoder/{activation}/{strategy}/scale"]
+        == (results[1][f"crosscoder/{activation}/{strategy}/scale"])
+    )  # bit-identical on every rank

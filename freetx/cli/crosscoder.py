@@ -1,0 +1,132 @@
+"""`freetx crosscoder analyze CKPT` and `freetx crosscoder export CKPT OUT`.
+
+analyze: model diffing from a crosscoder checkpoint's decoder: the relative decoder
+norm of each feature between two sources (a histogram as PNG and in TensorBoard),
+the counts of A-only, B-only and shared features, the decoder cosine of the shared
+ones, into analysis.json. export: the crosscoder as one safetensors file with the
+input normalization folded into its weights (it reads raw activations) and a
+config.json naming its sources.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+INTERMIXED_ARGS = False
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="freetx crosscoder", description="Crosscoder checkpoints.")
+    sub = p.add_subparsers(dest="action", metavar="ACTION", required=True)
+    analyze = sub.add_parser("analyze", help="model diffing: relative decoder norms and more")
+    analyze.add_argument("checkpoint", help="a crosscoder run's output_dir or a checkpoint")
+    analyze.add_argument("-o", "--output", help="folder (default: RUN/analysis)")
+    analyze.add_argument("--sources", nargs=2, type=int, default=[0, 1], metavar=("A", "B"))
+    export = sub.add_parser("export", help="safetensors + config.json, normalization folded in")
+    export.add_argument("checkpoint")
+    export.add_argument("output", help="the folder to write")
+    export.add_argument("--overwrite", action="store_true")
+    return p
+
+
+def _tensors(checkpoint: str):
+    from freetx.checkpoint import open_tensors, resolve_checkpoint
+    from freetx.errors import CheckpointError
+
+    source = open_tensors(resolve_checkpoint(checkpoint))
+    if "model.W_dec" not in source.infos:
+        raise CheckpointError(f"{checkpoint} is not a crosscoder checkpoint (no W_dec).")
+    return source
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.action == "analyze":
+        return analyze(args)
+    return export(args)
+
+
+def analyze(args: argparse.Namespace) -> int:
+    from freetx.errors import FreetxError
+    from freetx.logging.charts import write_histogram_png
+    from freetx.models.crosscoder import diffing_analysis
+
+    source = _tensors(args.checkpoint)
+    decoder = source.get("model.W_dec")
+    a, b = args.sources
+    if not (0 <= a < decoder.shape[1] and 0 <= b < decoder.shape[1]) or a == b:
+        raise FreetxError(
+            f"--sources {a} {b}: the crosscoder reads {decoder.shape[1]} sources (0 to "
+            f"{decoder.shape[1] - 1}); give two different ones."
+        )
+    run = Path(args.checkpoint).expanduser()
+    out = Path(args.output) if args.output else (
+        run / "analysis" if (run / "checkpoints").is_dir() else run.parent / f"{run.name}_analysis"
+    )  # fmt: skip
+    out.mkdir(parents=True, exist_ok=True)
+    result = diffing_analysis(decoder, a, b)
+    result["checkpoint"] = str(source.path)
+    (out / "analysis.json").write_text(json.dumps(result, indent=2))
+    write_histogram_png(
+        out / "relative_decoder_norm.png", result["relative_norm_histogram"]["counts"]
+    )
+    from torch.utils.tensorboard import SummaryWriter
+
+    norms = decoder.float().norm(dim=-1)
+    relative = norms[:, b] / (norms[:, a] + norms[:, b]).clamp_min(1e-12)
+    with SummaryWriter(log_dir=str(out / "tb")) as writer:
+        writer.add_histogram(
+            "relative_decoder_norm", relative, global_step=source.meta.get("step", 0)
+        )
+    print(f"{result['features']} features: {result['a_only']} only in source {a}, "
+          f"{result['b_only']} only in source {b}, {result['shared']} shared (decoder cosine "
+          f"{result['shared_decoder_cosine_mean']}) -> {out}/analysis.json, "
+          "relative_decoder_norm.png, tb/")  # fmt: skip
+    return 0
+
+
+def export(args: argparse.Namespace) -> int:
+    import torch
+
+    from freetx.checkpoint.safe_write import check_destination, staged_output
+
+    source = _tensors(args.checkpoint)
+    get = lambda name: source.get(f"model.{name}")  # noqa: E731
+    scale = get("input_scale").float() if "model.input_scale" in source.infos else None
+    w_dec, w_enc = get("W_dec").float(), get("W_enc").float()
+    n = w_dec.shape[1]
+    scale = torch.ones(n) if scale is None else scale
+    tensors = {  # raw activations in: the normalization folded into the weights
+        "W_enc": (w_enc * scale[None, :, None]).permute(1, 2, 0).contiguous(),  # [n, d, m]
+        "W_dec": (w_dec / scale[None, :, None]).contiguous(),  # [m, n, d]
+        "b_enc": get("b_enc").float(),
+        "b_dec": (get("b_dec").float() / scale[:, None]).contiguous(),
+    }
+    config = dict(source.model_config or {})
+    if "model.log_threshold" in source.infos:
+        tensors["threshold"] = get("log_threshold").float().exp()
+    if "model.inference_threshold" in source.infos:
+        tensors["threshold"] = get("inference_threshold").float().expand(w_dec.shape[0]).clone()
+    run_config = source.meta.get("config") or {}
+    activations = run_config.get("activations") or {}
+    description = {
+        "crosscoder": config,
+        "sources": activations.get("sources")
+        if activations.get("kind") == "models"
+        else "synthetic",
+        "input_scale_folded": scale.tolist(),
+        "computes": "f = act(sum_s x_s @ W_enc[s] + b_enc), act thresholded at `threshold` "
+        "(jumprelu, batchtopk) or ReLU; x_hat = f @ W_dec + b_dec (per source), on raw activations",
+        "checkpoint": str(source.path),
+    }
+    dst = Path(args.output).expanduser()
+    check_destination(source.path, dst, args.overwrite)
+    from safetensors.torch import save_file
+
+    with staged_output(dst) as folder:
+        folder.mkdir(parents=True, exist_ok=True)
+        save_file(tensors, str(folder / "crosscoder.safetensors"))
+        (folder / "config.json").write_text(json.dumps(description, indent=2))
+    print(f"Wrote {dst}: crosscoder.safetensors ({', '.join(tensors)}) and config.json")
+    return 0

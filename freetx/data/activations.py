@@ -1,0 +1,352 @@
+"""Activations for crosscoders: rows x [n_sources, d], from models or made up.
+
+Three sources behind one shape (a batch is {"x": [rows, n_sources, d]}):
+
+- `PlantedFeatures`: synthetic rows with known features (unit directions per
+  source, some exclusive to one source, the rest shared with random scales),
+  sparse activations and a little noise; for tests and benchmarks.
+- `ActivationHarvester`: runs frozen source models (a freetx LM or any
+  `transformers` model, built by the recipe) on token sequences and reads the
+  outputs of named modules with forward hooks; BOS and padding positions are
+  dropped, and the models of a pair see the same tokens.
+- Two modes over a harvester: `ActivationBuffer`, a shuffled buffer refilled on
+  the fly from this rank's own sequences (no two ranks read the same text), and
+  `build_activation_cache`, paired activations written once (bf16 safetensors,
+  one shard per rank, through the shard cache) and read as `ActivationRows` by
+  later runs.
+
+Data takes rank and world size as arguments and imports nothing of freetx but
+its errors and the shard cache.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+from freetx.data.shard_cache import ShardCache
+from freetx.errors import ConfigError, DataError
+
+
+class ActivationRows(Dataset):
+    """Rows of activations held in memory: item i is {"x": rows[i] as float32}."""
+
+    def __init__(self, rows: torch.Tensor) -> None:
+        if rows.dim() != 3 or len(rows) == 0:
+            raise DataError(
+                f"activation rows must be [rows, sources, d] and not empty, got {list(rows.shape)}."
+            )
+        self.rows = rows
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return {"x": self.rows[index].float()}
+
+    @property
+    def num_sources(self) -> int:
+        return self.rows.shape[1]
+
+    @property
+    def source_dim(self) -> int:
+        return self.rows.shape[2]
+
+
+class PlantedFeatures(ActivationRows):
+    """Synthetic activations with `num_features` known features (a fixed function of the
+    seed): each feature has a unit direction per source; `exclusive_fraction` of them live
+    in one source only (alternately the first and the last), the rest in every source
+    with scales in [0.5, 1.5]. A row fires each feature with probability
+    `firing_probability`, with an Exp(1) magnitude, plus Gaussian noise of std `noise`."""
+
+    def __init__(
+        self,
+        num_sources: int = 2,
+        source_dim: int = 32,
+        num_features: int = 128,
+        firing_probability: float = 0.02,
+        exclusive_fraction: float = 0.25,
+        noise: float = 0.01,
+        rows: int = 100_000,
+        seed: int = 0,
+        split: str = "train",
+    ) -> None:
+        if split not in ("train", "validation"):
+            raise DataError(f"split must be 'train' or 'validation', got {split!r}.")
+        g = torch.Generator().manual_seed(seed)
+        directions = torch.randn(num_features, num_sources, source_dim, generator=g)
+        directions /= directions.norm(dim=-1, keepdim=True)
+        scales = 0.5 + torch.rand(num_features, num_sources, generator=g)
+        exclusive = int(round(exclusive_fraction * num_features))
+        owner = torch.full((num_features,), -1)  # -1: shared
+        owner[:exclusive] = torch.tensor([0, num_sources - 1]).repeat(exclusive)[:exclusive]
+        for i in range(exclusive):
+            keep = torch.zeros(num_sources)
+            keep[owner[i]] = 1.0
+            scales[i] = keep
+        self.directions = directions * scales[..., None]  # [K, n, d]
+        self.owner = owner
+        self.firing_probability = firing_probability
+        # validation rows come from another stream of the same features
+        g = torch.Generator().manual_seed(seed * 7919 + (1 if split == "validation" else 2))
+        out = torch.empty(rows, num_sources, source_dim)
+        for start in range(0, rows, 8192):
+            n = min(8192, rows - start)
+            fires = torch.rand(n, num_features, generator=g) < firing_probability
+            magnitude = torch.empty(n, num_features).exponential_(1.0, generator=g)
+            f = fires * magnitude
+            x = torch.einsum("bk,ksd->bsd", f, self.directions)
+            out[start : start + n] = x + noise * torch.randn(x.shape, generator=g)
+        super().__init__(out)
+
+    @property
+    def expected_l0(self) -> float:
+        return self.firing_probability * len(self.owner)
+
+    @torch.no_grad()
+    def recovery(self, decoder: torch.Tensor) -> dict[str, float]:
+        """How well a decoder [m, n, d] found the planted features: the mean over true
+        features of the best cosine with a learned one; and, among the learned features
+        that best match a true one, the fraction that is exclusive (relative decoder norm
+        below 0.1 or above 0.9, first vs last source) against the true fraction."""
+        learned = decoder.float().flatten(1)
+        truth = self.directions.flatten(1)
+        cos = (truth / truth.norm(dim=1, keepdim=True)) @ (
+            learned / learned.norm(dim=1, keepdim=True).clamp_min(1e-12)
+        ).T
+        best_cos, best = cos.max(dim=1)
+        norms = decoder.float().norm(dim=-1)
+        relative = norms[:, -1] / (norms[:, 0] + norms[:, -1]).clamp_min(1e-12)
+        matched = torch.unique(best)
+        exclusive = ((relative[matched] < 0.1) | (relative[matched] > 0.9)).float().mean()
+        return {
+            "planted/mean_max_cosine": float(best_cos.mean()),
+            "planted/exclusive_fraction": float(exclusive),
+            "planted/true_exclusive_fraction": float((self.owner >= 0).float().mean()),
+            "planted/expected_l0": self.expected_l0,
+        }
+
+
+def find_modules(model: nn.Module, names: list[str], what: str) -> list[nn.Module]:
+    """The modules called `names`, or an error naming the closest ones that exist."""
+    known = dict(model.named_modules())
+    found = []
+    for name in names:
+        if name not in known:
+            close = difflib.get_close_matches(name, list(known), n=5, cutoff=0.5)
+            hint = f" Modules with similar names: {', '.join(close)}." if close else ""
+            raise ConfigError(
+                f"{what} has no module '{name}' to read activations from.{hint} A hook site is "
+                "a module name as model.named_modules() lists it (a freetx decoder: "
+                "layers.N; GPT-2: transformer.h.N; Gemma-2: model.layers.N)."
+            )
+        found.append(known[name])
+    return found
+
+
+class ActivationHarvester:
+    """Reads the outputs of named modules of frozen models on the same tokens.
+
+    `sources`: (model, [module names]) pairs; every site must have the same width
+    (a crosscoder has one d). `__call__(input_ids, keep)` runs each model once and
+    returns [kept positions, n_sites, d] (in the models' dtype); `keep` [B, T] marks
+    the positions to keep (not BOS, not padding).
+    """
+
+    def __init__(self, sources: list[tuple[nn.Module, list[str], str]]) -> None:
+        self.sites: list[tuple[nn.Module, list[nn.Module]]] = []
+        for model, names, label in sources:
+            model.requires_grad_(False)
+            self.sites.append((model.eval(), find_modules(model, names, label)))
+
+    @torch.no_grad()
+    def __call__(self, input_ids: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        outputs = []
+        for model, modules in self.sites:
+            outputs += self._read(model, modules, input_ids)
+        widths = {o.shape[-1] for o in outputs}
+        if len(widths) != 1:
+            raise ConfigError(
+                f"the hook sites give activations of different widths {sorted(widths)}; a "
+                "crosscoder reads one width d from every source (diffing needs two models of "
+                "the same shape, or sites of the same width)."
+            )
+        stacked = torch.stack(outputs, dim=2)  # [B, T, n, d]
+        return stacked[keep.to(stacked.device)]
+
+    def _read(self, model: nn.Module, modules: list[nn.Module], input_ids) -> list[torch.Tensor]:
+        seen: dict[int, torch.Tensor] = {}
+
+        def grab(module, _inputs, output):
+            seen[id(module)] = output[0] if isinstance(output, (tuple, list)) else output
+
+        handles = [m.register_forward_hook(grab) for m in modules]
+        try:
+            device = next(model.parameters()).device
+            model(input_ids.to(device))
+        finally:
+            for handle in handles:
+                handle.remove()
+        return [seen[id(m)].float() for m in modules]
+
+    @torch.no_grad()
+    def spliced_loss(
+        self,
+        input_ids: torch.Tensor,
+        keep: torch.Tensor,
+        replace: Callable[[torch.Tensor], torch.Tensor],
+    ) -> list[torch.Tensor]:
+        """Next-token loss (summed over kept targets) of each model when its hooked
+        outputs are replaced: `replace(x [B, T, n_sites, d]) -> same shape`. The sites of
+        one model are replaced together."""
+        losses = []
+        for model, modules in self.sites:
+            clean = self._read(model, modules, input_ids)
+            new = replace(torch.stack(clean, dim=2))
+            swap = {id(m): new[:, :, i] for i, m in enumerate(modules)}
+
+            def splice(module, _inputs, output, swap=swap):
+                value = swap[id(module)]
+                if isinstance(output, (tuple, list)):
+                    return (value.to(output[0].dtype), *output[1:])
+                return value.to(output.dtype)
+
+            handles = [m.register_forward_hook(splice) for m in modules]
+            try:
+                device = next(model.parameters()).device
+                logits = model(input_ids.to(device))
+            finally:
+                for handle in handles:
+                    handle.remove()
+            logits = getattr(logits, "logits", logits)
+            logits = logits[0] if isinstance(logits, tuple) else logits
+            targets = input_ids[:, 1:].to(logits.device)
+            mask = keep[:, 1:].to(logits.device)
+            loss = torch.nn.functional.cross_entropy(
+                logits[:, :-1].float().flatten(0, 1), targets.flatten(), reduction="none"
+            )
+            losses.append((loss * mask.flatten()).sum())
+        return losses
+
+
+def keep_positions(input_ids: torch.Tensor, drop_ids: list[int]) -> torch.Tensor:
+    """[B, T] True where the token is neither BOS nor padding (their activations are
+    outliers a crosscoder should not spend features on)."""
+    keep = torch.ones_like(input_ids, dtype=torch.bool)
+    for token in drop_ids:
+        keep &= input_ids != token
+    return keep
+
+
+class ActivationBuffer:
+    """Rows read on the fly: this rank's sequences (rank, rank + W, ...) are run through
+    the sources `sequences_per_refill` at a time, the rows shuffled, and handed out in
+    batches of `rows_per_batch`. A refill is a function of (seed, rank, refill index),
+    so the state is two numbers and a resume continues exactly."""
+
+    def __init__(
+        self,
+        harvest: Callable[[torch.Tensor], torch.Tensor],
+        sequences: Dataset,
+        rows_per_batch: int,
+        sequences_per_refill: int,
+        rank: int,
+        world_size: int,
+        seed: int,
+    ) -> None:
+        self.harvest, self.sequences = harvest, sequences
+        self.mine = list(range(rank, len(sequences), world_size))
+        if not self.mine:
+            raise DataError(
+                f"the text has {len(sequences)} sequences, fewer than the {world_size} ranks; "
+                "give more text or use fewer processes."
+            )
+        self.rows_per_batch, self.per_refill = rows_per_batch, sequences_per_refill
+        self.rank, self.seed = rank, seed
+        self.refill, self.position = 0, 0
+        self._rows: torch.Tensor | None = None
+
+    def _fill(self) -> torch.Tensor:
+        start = self.refill * self.per_refill
+        picks = [self.mine[(start + i) % len(self.mine)] for i in range(self.per_refill)]
+        input_ids = torch.stack([self.sequences[i]["input_ids"] for i in picks])
+        rows = self.harvest(input_ids)
+        stream = (self.seed * 1_000_003 + self.rank * 7919 + self.refill) % 2**63
+        order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(stream))
+        return rows[order]
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        while True:
+            if self._rows is None:
+                self._rows = self._fill()
+            if self.position + self.rows_per_batch > len(self._rows):
+                self.refill, self.position, self._rows = self.refill + 1, 0, None
+                continue
+            batch = self._rows[self.position : self.position + self.rows_per_batch]
+            self.position += self.rows_per_batch
+            yield {"x": batch.float()}
+
+    @property
+    def epoch(self) -> int:
+        """Passes over this rank's sequences so far."""
+        return self.refill * self.per_refill // len(self.mine)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"refill": self.refill, "position": self.position}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.refill, self.position, self._rows = int(state["refill"]), int(state["position"]), None
+
+
+def build_activation_cache(
+    cache: ShardCache,
+    harvest: Callable[[torch.Tensor], torch.Tensor],
+    sequences: Dataset,
+    rank: int,
+    world_size: int,
+    settings: dict[str, Any],
+    barrier: Callable[[], None],
+    dtype: torch.dtype = torch.bfloat16,
+) -> ActivationRows:
+    """Activations of every sequence (rank r reads r, r + W, ...), written once as one
+    shard per rank and read back by every rank; a cache made with other settings is
+    refused with the differences."""
+    if cache.complete():
+        made_with = cache.metadata().get("settings")
+        if made_with != settings:
+            changed = sorted(k for k in set(made_with or {}) | set(settings)
+                             if (made_with or {}).get(k) != settings.get(k))  # fmt: skip
+            raise ConfigError(
+                f"the activation cache {cache.folder} was made with other settings "
+                f"({', '.join(changed)} differ); its rows are not this run's. Point "
+                "activations.cache at another folder, or delete it to make it again."
+            )
+    else:
+
+        def make() -> dict[str, torch.Tensor]:
+            parts = []
+            for start in range(rank, len(sequences), world_size * 16):
+                picks = list(range(start, min(len(sequences), start + world_size * 16), world_size))
+                parts.append(harvest(torch.stack([sequences[i]["input_ids"] for i in picks])))
+            return {"rows": torch.cat(parts).to(dtype).contiguous()}
+
+        cache.build(rank, world_size, make, {"settings": settings}, barrier=barrier)
+    data, _ = cache.load(framework="pt")
+    return ActivationRows(data["rows"])
+
+
+def norm_sums(rows: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(sum of ||x_s|| per source [n], number of rows): summed over ranks, they give the
+    scale sqrt(d) / mean ||x_s|| that brings each source's mean norm to sqrt(d)."""
+    return rows.float().norm(dim=-1).sum(0), len(rows)
+
+
+def scales_from_norm_sums(norms: torch.Tensor, count: float, source_dim: int) -> torch.Tensor:
+    return math.sqrt(source_dim) / (norms / max(count, 1.0)).clamp_min(1e-12)

@@ -1,0 +1,377 @@
+"""Sparse crosscoders (Lindsey et al., Anthropic 2024): one dictionary of features read
+from, and written back to, several activation sources at once: layers of one model
+(cross-layer, acausal) or the same site of two models (model diffing).
+
+    pre   = sum_s x_s W_enc[s] + b_enc                      x: [B, n_src, d] -> [B, m]
+    f     = act(pre)                                        the feature activations
+    x_hat = f W_dec + b_dec                                 W_dec: [m, n_src, d]
+    loss  = sum_{s,d} (x - x_hat)^2  +  sparsity(f)  (+ pre-activation / AuxK terms)
+
+The decoder norm of feature i is `sum_s ||W_dec[i, s]||` (the L1 of per-source
+norms), which lets a feature live in one source only. Activations:
+
+- relu: f = ReLU(pre); sparsity = lambda * sum_i f_i * ||W_dec,i|| (the original).
+- jumprelu: f = pre * H(pre - exp(t)), straight-through gradients with a
+  rectangle kernel of bandwidth 2 for the threshold t; sparsity = lambda *
+  sum_i tanh(c * f_i * ||W_dec,i||) with c = 4, plus lambda_P * sum_i
+  ReLU(exp(t_i) - pre_i) * ||W_dec,i|| (Anthropic, January 2025).
+- batchtopk: the k * B largest ReLU(pre) of the batch are kept (the batch over
+  all ranks); AuxK (weight 1/32) reconstructs the residual from the top k_aux
+  pre-activations of dead features; inference uses a threshold, the EMA
+  (0.999) of the smallest kept activation (Minder et al. 2025).
+
+`shared_features` (Anthropic, February 2025): the first n features are
+designated shared; their sparsity penalty is scaled by `shared_penalty`.
+
+The loss is computed inside `forward` (FSDP2 gathers the sharded weights
+there): `forward(x, sparsity_weight)` returns the loss summed over the batch's
+rows and further sums (reconstruction, sparsity, L0, ...) for logging.
+Activations are scaled by a per-source constant (`input_scale`, a buffer kept
+in checkpoints) so that their mean norm is sqrt(d).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from freetx.models.protocol import build_config, builds
+
+BANDWIDTH = 2.0  # JumpReLU's straight-through kernel width
+
+
+@dataclass
+class CrosscoderConfig:
+    """The shape of a crosscoder and its sparsity (names as the seed and papers use)."""
+
+    num_sources: int  # layers or models read at once
+    source_dim: int  # d_model of each source
+    dict_size: int  # m, the seed's ae_dim
+    activation: Literal["relu", "jumprelu", "batchtopk"] = "relu"
+    dec_init_norm: float = 0.08  # each feature's decoder norm per source at init
+    # jumprelu
+    tanh_c: float = 4.0
+    pre_act_coeff: float = 3e-6  # lambda_P
+    log_threshold_init: float = 0.1  # t; the threshold is exp(t)
+    # batchtopk
+    k: int = 32  # active features per row, on average over the batch
+    aux_k: int | None = None  # None: source_dim / 2
+    aux_coeff: float = 1 / 32
+    dead_after_rows: int = 10_000_000  # a feature is dead after this many rows unfired
+    threshold_beta: float = 0.999
+    # designated shared features (model diffing)
+    shared_features: int = 0
+    shared_penalty: float = 0.1
+
+    def __post_init__(self) -> None:
+        for name in ("num_sources", "source_dim", "dict_size", "k"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be at least 1")
+        if self.activation not in ("relu", "jumprelu", "batchtopk"):
+            raise ValueError(
+                f"activation must be relu, jumprelu or batchtopk, got {self.activation!r}"
+            )
+        if not 0 <= self.shared_features <= self.dict_size:
+            raise ValueError(f"shared_features={self.shared_features} is not in [0, dict_size]")
+        if self.aux_k is None:
+            self.aux_k = max(1, self.source_dim // 2)
+
+
+class _JumpReLU(torch.autograd.Function):
+    """f = z * H(z - e^t); df/dz = H, df/dt = -(e^t / eps) * z * K((z - e^t) / eps)."""
+
+    @staticmethod
+    def forward(ctx, z, log_threshold):
+        threshold = log_threshold.exp()
+        ctx.save_for_backward(z, threshold)
+        return z * (z > threshold)
+
+    @staticmethod
+    def backward(ctx, grad):
+        z, threshold = ctx.saved_tensors
+        active = (z > threshold).to(grad.dtype)
+        kernel = (((z - threshold) / BANDWIDTH).abs() < 0.5).to(grad.dtype)
+        grad_t = -(threshold / BANDWIDTH) * z * kernel * grad
+        return grad * active, grad_t.sum(0)
+
+
+def batch_topk_threshold(values: torch.Tensor, keep: int) -> torch.Tensor:
+    """The `keep`-th largest entry of `values` over all ranks' batches (one collective when
+    distributed): the same threshold on every rank, so the result does not depend on how
+    the batch is split."""
+    local = values.flatten()
+    top = torch.topk(local, min(keep, local.numel())).values
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        sizes = [
+            torch.zeros(1, dtype=torch.long, device=top.device)
+            for _ in range(dist.get_world_size())
+        ]
+        dist.all_gather(sizes, torch.tensor([top.numel()], device=top.device))
+        width = int(max(s.item() for s in sizes))
+        padded = torch.full((width,), float("-inf"), dtype=top.dtype, device=top.device)
+        padded[: top.numel()] = top.detach()
+        gathered = [torch.empty_like(padded) for _ in sizes]
+        dist.all_gather(gathered, padded)
+        top = torch.cat(gathered)
+    return torch.topk(top, min(keep, top.numel())).values[-1].detach()
+
+
+def all_ranks_any(mask: torch.Tensor) -> torch.Tensor:
+    """Elementwise OR of a bool mask over ranks."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        counts = mask.to(torch.int32)
+        dist.all_reduce(counts)
+        return counts > 0
+    return mask
+
+
+class Crosscoder(nn.Module):
+    """x [B, n_src, d] -> (loss summed over rows, sums to log); see the module docstring."""
+
+    block_types = ()  # one unit: FSDP2 shards its tensors, the dictionary on dim 0
+    config_class = CrosscoderConfig
+    fsdp_forward_methods = ("reconstruct",)  # called outside forward: FSDP2 gathers there too
+
+    def __init__(self, cfg: CrosscoderConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        n, d, m = cfg.num_sources, cfg.source_dim, cfg.dict_size
+        self.W_dec = nn.Parameter(torch.empty(m, n, d))
+        self.W_enc = nn.Parameter(torch.empty(m, n, d))  # stored [m, ...]: sharded by feature
+        self.b_enc = nn.Parameter(torch.empty(m))
+        self.b_dec = nn.Parameter(torch.empty(n, d))
+        if cfg.activation == "jumprelu":
+            self.log_threshold = nn.Parameter(torch.empty(m))
+        # activations are scaled by this per source (mean norm sqrt(d)); set from data
+        self.register_buffer("input_scale", torch.ones(n))
+        if cfg.activation == "batchtopk":
+            self.register_buffer("rows_since_fired", torch.zeros(m, dtype=torch.long))
+            self.register_buffer("inference_threshold", torch.zeros(()))
+
+    # -- the math -------------------------------------------------------------
+    def decoder_norms(self) -> torch.Tensor:
+        """sum over sources of ||W_dec[i, s]|| [m]."""
+        return self.W_dec.norm(dim=-1).sum(-1)
+
+    def pre_activations(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.einsum("bsd,msd->bm", x, self.W_enc) + self.b_enc
+
+    def decode(self, f: torch.Tensor) -> torch.Tensor:
+        return torch.einsum("bm,msd->bsd", f, self.W_dec) + self.b_dec
+
+    def penalty_weights(self, norms: torch.Tensor) -> torch.Tensor:
+        """Decoder norms, with the designated shared features' scaled down."""
+        n = self.config.shared_features
+        if n == 0:
+            return norms
+        scale = torch.ones_like(norms)
+        scale[:n] = self.config.shared_penalty
+        return norms * scale
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        """Feature activations of (already scaled) inputs, as at inference."""
+        pre = self.pre_activations(x)
+        cfg = self.config
+        if cfg.activation == "relu":
+            return torch.relu(pre)
+        if cfg.activation == "jumprelu":
+            return pre * (pre > self.log_threshold.exp())
+        return torch.relu(pre) * (pre > self.inference_threshold)
+
+    def reconstruct(self, x: torch.Tensor) -> torch.Tensor:
+        """Unscaled activations [B, n, d] in, their reconstruction (unscaled) out, with the
+        inference activation (as used when splicing it back into a model)."""
+        scale = self.input_scale[None, :, None].to(x.dtype)
+        return self.decode(self.encode(x * scale)) / scale
+
+    def forward(
+        self, x: torch.Tensor, sparsity_weight: float = 1.0
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The training loss summed over rows, and sums for logging; `x` is unscaled."""
+        cfg = self.config
+        x = x * self.input_scale[None, :, None].to(x.dtype)
+        pre = self.pre_activations(x)
+        norms = self.decoder_norms()
+        weights = self.penalty_weights(norms)
+        extras: dict[str, torch.Tensor] = {}
+        if cfg.activation == "relu":
+            f = torch.relu(pre)
+            sparsity = (f * weights).sum()
+        elif cfg.activation == "jumprelu":
+            f = _JumpReLU.apply(pre, self.log_threshold)
+            sparsity = torch.tanh(cfg.tanh_c * f.abs() * weights).sum()
+            threshold = self.log_threshold.exp()
+            pre_act = (torch.relu(threshold - pre) * norms).sum()
+            extras["pre_act_loss"] = cfg.pre_act_coeff * pre_act
+        else:
+            relu = torch.relu(pre)
+            threshold = batch_topk_threshold(relu, cfg.k * x.shape[0] * self._world())
+            f = relu * (relu >= threshold).to(relu.dtype) * (relu > 0).to(relu.dtype)
+            sparsity = torch.zeros((), device=x.device)
+            self._track_and_threshold(f, threshold)
+        x_hat = self.decode(f)
+        error = x - x_hat
+        recon = error.pow(2).sum()
+        loss = recon + sparsity_weight * sparsity
+        if "pre_act_loss" in extras:
+            loss = loss + extras["pre_act_loss"]
+        if cfg.activation == "batchtopk":
+            aux = self._aux_loss(pre, error)
+            extras["aux_loss"] = cfg.aux_coeff * aux
+            loss = loss + extras["aux_loss"]
+        with torch.no_grad():
+            extras.update(
+                recon_loss=recon.detach(),
+                sparsity_loss=(sparsity_weight * sparsity).detach(),
+                l0=(f > 0).sum(),
+                # for explained variance: per source sum of squared errors and of x, x^2
+                sq_error=error.detach().pow(2).sum((0, 2)),
+                x_sum=x.detach().sum(0),
+                x_sq=x.detach().pow(2).sum((0, 2)),
+                fired=(f > 0).any(0),
+                rows=torch.tensor(x.shape[0]),
+            )
+        return loss, extras
+
+    def _world(self) -> int:
+        return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+    @torch.no_grad()
+    def _track_and_threshold(self, f: torch.Tensor, threshold: torch.Tensor) -> None:
+        """BatchTopK: rows since each feature last fired (all ranks), and the EMA of the
+        smallest kept activation for inference."""
+        fired = all_ranks_any((f > 0).any(0))
+        rows = f.shape[0] * self._world()
+        self.rows_since_fired.add_(rows).masked_fill_(fired, 0)
+        beta = self.config.threshold_beta
+        if self.training:
+            self.inference_threshold.mul_(beta).add_((1 - beta) * threshold.to(torch.float32))
+
+    def _aux_loss(self, pre: torch.Tensor, error: torch.Tensor) -> torch.Tensor:
+        """AuxK: the residual reconstructed from the top k_aux pre-activations of the dead
+        features (zero when none is dead)."""
+        dead = self.rows_since_fired >= self.config.dead_after_rows
+        if not bool(dead.any()):
+            return torch.zeros((), device=pre.device, dtype=pre.dtype) + 0 * pre.sum()
+        masked = torch.where(dead[None, :], torch.relu(pre), torch.zeros_like(pre))
+        k = min(self.config.aux_k, int(dead.sum()))
+        top = torch.topk(masked, k, dim=-1)
+        f_aux = torch.zeros_like(pre).scatter(-1, top.indices, top.values)
+        x_aux = torch.einsum("bm,msd->bsd", f_aux, self.W_dec)
+        return (error.detach() - x_aux).pow(2).sum()
+
+    # -- initialization (the model protocol) -----------------------------------
+    def init_parameter(self, name: str, tensor: torch.Tensor, generator: torch.Generator) -> None:
+        """W_dec and W_enc: random directions, `dec_init_norm` per (feature, source);
+        biases zero; thresholds at t0. `tie_encoder` then starts W_enc as W_dec."""
+        cfg = self.config
+        if name in ("W_dec", "W_enc"):
+            tensor.normal_(0.0, 1.0, generator=generator)
+            tensor.div_(tensor.norm(dim=-1, keepdim=True)).mul_(cfg.dec_init_norm)
+        elif name == "log_threshold":
+            tensor.fill_(cfg.log_threshold_init)
+        else:
+            tensor.zero_()
+
+    @torch.no_grad()
+    def tie_encoder(self) -> None:
+        """W_enc = W_dec (the encoder reads each feature along its decoder direction), the
+        start ckkissane's and Anthropic's crosscoders use. Both are sharded alike (by
+        feature), so each rank copies its own rows."""
+        local = lambda p: p.to_local() if hasattr(p, "to_local") else p  # noqa: E731
+        local(self.W_enc).copy_(local(self.W_dec))
+
+    def init_buffers(self) -> None:
+        self.input_scale.fill_(1.0)
+        if self.config.activation == "batchtopk":
+            self.rows_since_fired.zero_()
+            self.inference_threshold.zero_()
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def flops_per_token(self, seq_len: int) -> float:  # per row: encode + decode, x3 for bwd
+        c = self.config
+        return float(6 * 2 * c.num_sources * c.source_dim * c.dict_size)
+
+
+@builds(CrosscoderConfig)
+def crosscoder(**fields) -> Crosscoder:
+    """A crosscoder from `CrosscoderConfig` fields (num_sources, source_dim, dict_size, ...)."""
+    return Crosscoder(build_config(CrosscoderConfig, fields))
+
+
+def relative_decoder_norms(model: Crosscoder, a: int = 0, b: int = 1) -> torch.Tensor:
+    """||W_dec_b|| / (||W_dec_a|| + ||W_dec_b||) per feature: ~0 A-only, ~0.5 shared, ~1 B-only."""
+    norms = model.W_dec.detach().norm(dim=-1)
+    return norms[:, b] / (norms[:, a] + norms[:, b]).clamp_min(1e-12)
+
+
+class CrosscoderStats:
+    """Explained variance (total and per source) and the features that fired, over the
+    rows seen since the last `read` (a window: dead features are counted over it, not on
+    one batch)."""
+
+    def __init__(self, num_sources: int, source_dim: int, dict_size: int) -> None:
+        self.shape = (num_sources, source_dim, dict_size)
+        self.reset()
+
+    def reset(self) -> None:
+        n, d, m = self.shape
+        self.sums = {
+            "sq_error": torch.zeros(n, dtype=torch.float64),
+            "x_sum": torch.zeros(n, d, dtype=torch.float64),
+            "x_sq": torch.zeros(n, dtype=torch.float64),
+            "fired": torch.zeros(m, dtype=torch.float64),
+            "rows": torch.zeros((), dtype=torch.float64),
+        }
+
+    def update(self, extras: dict[str, torch.Tensor]) -> None:
+        for key in ("sq_error", "x_sum", "x_sq", "fired"):
+            self.sums[key] += extras[key].detach().to("cpu", torch.float64)
+        self.sums["rows"] += float(extras["rows"])
+
+    def read(self, reduce) -> dict[str, float]:
+        """The window's metrics (`reduce` sums the tensors over ranks), then a new window."""
+        totals = reduce(self.sums)
+        rows = max(float(totals["rows"]), 1.0)
+        variance = totals["x_sq"] - totals["x_sum"].pow(2).sum(-1) / rows  # [n]
+        ev = 1.0 - totals["sq_error"] / variance.clamp_min(1e-12)
+        metrics = {
+            "explained_variance": float(1.0 - totals["sq_error"].sum() / variance.sum()),
+            "dead_fraction": float((totals["fired"] == 0).to(torch.float64).mean()),
+            "window_rows": rows,
+        }
+        metrics.update({f"explained_variance/source_{i}": float(v) for i, v in enumerate(ev)})
+        self.reset()
+        return metrics
+
+
+@torch.no_grad()
+def diffing_analysis(decoder: torch.Tensor, a: int = 0, b: int = 1, bins: int = 20) -> dict:
+    """Model diffing from the decoder [m, n, d]: the relative decoder norm of each feature
+    between sources a and b (a histogram of `bins`), the features that are A-only (< 0.1),
+    B-only (> 0.9) and shared (0.3 to 0.7), and the cosine of the shared features'
+    decoder directions in the two sources."""
+    norms = decoder.float().norm(dim=-1)
+    alive = (norms[:, a] + norms[:, b]) > 1e-8
+    relative = (norms[:, b] / (norms[:, a] + norms[:, b]).clamp_min(1e-12))[alive]
+    counts = torch.histc(relative, bins=bins, min=0.0, max=1.0).long().tolist()
+    shared = alive.clone()
+    shared[alive] = (relative >= 0.3) & (relative <= 0.7)
+    da, db = decoder[shared][:, a].float(), decoder[shared][:, b].float()
+    cosine = torch.nn.functional.cosine_similarity(da, db, dim=-1)
+    return {
+        "features": int(decoder.shape[0]),
+        "sources": [a, b],
+        "relative_norm_histogram": {"bins": bins, "counts": counts},
+        "a_only": int((relative < 0.1).sum()),
+        "b_only": int((relative > 0.9).sum()),
+        "shared": int(shared.sum()),
+        "shared_decoder_cosine_mean": float(cosine.mean()) if len(cosine) else None,
+        "shared_decoder_cosine_median": float(cosine.median()) if len(cosine) else None,
+    }
