@@ -204,13 +204,17 @@ class ActivationHarvester:
         replace: Callable[[torch.Tensor], torch.Tensor],
     ) -> list[torch.Tensor]:
         """Next-token loss (summed over kept targets) of each model when its hooked
-        outputs are replaced: `replace(x [B, T, n_sites, d]) -> same shape`. The sites of
-        one model are replaced together."""
-        losses = []
+        outputs are replaced. `replace` sees every site of every model at once
+        ([B, T, n_sites, d]: a crosscoder reconstructs them jointly) and returns the
+        same shape; each model then runs with its own sites' replacements."""
+        clean = []
         for model, modules in self.sites:
-            clean = self._read(model, modules, input_ids)
-            new = replace(torch.stack(clean, dim=2))
-            swap = {id(m): new[:, :, i] for i, m in enumerate(modules)}
+            clean += self._read(model, modules, input_ids)
+        new = replace(torch.stack(clean, dim=2))
+        losses, first = [], 0
+        for model, modules in self.sites:
+            swap = {id(m): new[:, :, first + i] for i, m in enumerate(modules)}
+            first += len(modules)
 
             def splice(module, _inputs, output, swap=swap):
                 value = swap[id(module)]
