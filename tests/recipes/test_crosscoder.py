@@ -151,3 +151,21 @@ def test_bad_input_is_one_paragraph(tmp_path, two_lms):
     assert "Modules with similar names: layers.2" in flat(diff_run(
         tmp_path / "y", two_lms, f"activations.sources=[{{model: {base}, hooks: [layers.22]}}]",
         nproc=1).stderr)  # fmt: skip
+
+
+def test_an_hf_model_of_another_architecture_is_a_source(tmp_path):
+    """GPT-2 (the seed's --model gpt2) through transformers: two blocks' outputs."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(
+        vocab_size=300, n_embd=32, n_layer=2, n_head=2, n_positions=128
+    )
+    transformers.GPT2LMHeadModel(config).save_pretrained(tmp_path / "gpt2")
+    result = run_freetx(
+        "run", "crosscoder_fsdp2", "--config", "crosscoder/lm_layers_tiny",
+        f"output_dir={tmp_path / 'run'}", JSONL, "max_steps=4", "eval.rows=256",
+        f"activations.sources=[{{model: {tmp_path / 'gpt2'}, hooks: [transformer.h.0, transformer.h.1]}}]",
+        "model.dict_size=64", "eval.every_n_steps=0",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "sources 2 | source dim 32" in result.stdout
+    assert "val/ce_recovered/model_0" in records(tmp_path / "run")[-1]
