@@ -15,6 +15,9 @@ import textwrap
 # The exit code of a rank that stopped only because another rank failed first
 # (its collective broke); `freetx run` leaves such ranks out of its summary.
 STOPPED_BY_PEER_EXIT_CODE = 3
+# A run that stopped on SIGTERM / SIGUSR1 after saving at a step boundary: sysexits'
+# EX_TEMPFAIL, "try again later"; the SLURM script freetx writes requeues the job on it.
+PREEMPTED_EXIT_CODE = 75
 # `freetx run` sets this for the ranks it launches: a rank records its user error
 # (in torchrun's error file, marked with USER_ERROR_KEY) instead of printing it,
 # and `freetx run` prints each distinct message once, naming the ranks.
@@ -60,6 +63,10 @@ class UsageError(FreetxError):
 
 class CheckpointError(FreetxError):
     """A checkpoint that is missing, corrupt or does not match the model."""
+
+
+class TrainingError(FreetxError):
+    """Training cannot go on as configured (e.g. non-finite losses past the limit)."""
 
 
 class DataError(FreetxError):

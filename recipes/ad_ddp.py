@@ -93,7 +93,7 @@ class ADRecipeConfig(TrainingConfig):
 class ADRecipeDDP:
     def __init__(self, cfg: ADRecipeConfig) -> None:
         self.cfg = cfg
-        self.runtime = init_distributed(cfg.device)
+        self.runtime = init_distributed(cfg.device, cfg.distributed.collective_timeout_s)
         self.device = self.runtime.device
         self.accumulation = cfg.gradient_accumulation_steps
         seed_everything(cfg.seed, self.runtime.rank)
@@ -193,7 +193,7 @@ class ADRecipeDDP:
         cfg, run = self.cfg, self.run
         data = iter(self.train_loader)
         self.model.train()
-        while run.step < cfg.max_steps:
+        while run.step < cfg.max_steps and not run.stopping:  # stopping: SIGTERM, ^C
             batches = [next(data) for _ in range(self.accumulation)]
             self.optimizer.zero_grad(set_to_none=True)
             sums, num_predictions = accumulate_gradients(
@@ -202,7 +202,7 @@ class ADRecipeDDP:
             grad_norm = optimizer_step(
                 self.plan, self.optimizer, self.lr_scheduler, cfg.max_grad_norm
             )
-            run.advance()
+            run.advance(grad_norm)  # the NaN guard: a non-finite norm skipped the update
             if run.log_due():
                 run.log_train(sums, num_predictions, grad_norm)
             if run.due(cfg.eval.every_n_steps):

@@ -107,7 +107,7 @@ class CrosscoderConfig(TrainingConfig):
 class CrosscoderRecipeFSDP2:
     def __init__(self, cfg: CrosscoderConfig) -> None:
         self.cfg = cfg
-        self.runtime = init_distributed(cfg.device)
+        self.runtime = init_distributed(cfg.device, cfg.distributed.collective_timeout_s)
         self.device = self.runtime.device
         self.accumulation = cfg.gradient_accumulation_steps
         seed_everything(cfg.seed, self.runtime.rank)
@@ -258,7 +258,7 @@ class CrosscoderRecipeFSDP2:
         cfg, run = self.cfg, self.run
         data = iter(self.train_loader)
         self.model.train()
-        while run.step < cfg.max_steps:
+        while run.step < cfg.max_steps and not run.stopping:  # stopping: SIGTERM, ^C
             batches = [next(data) for _ in range(self.accumulation)]
             self.optimizer.zero_grad(set_to_none=True)
             sums, rows = accumulate_gradients(
@@ -267,7 +267,7 @@ class CrosscoderRecipeFSDP2:
             grad_norm = optimizer_step(
                 self.plan, self.optimizer, self.lr_scheduler, cfg.max_grad_norm
             )
-            run.advance()
+            run.advance(grad_norm)  # the NaN guard: a non-finite norm skipped the update
             if run.log_due():
                 run.log_train(sums, rows, grad_norm)
                 run.log(self.stats.read(sum_tensors_over_ranks))

@@ -67,7 +67,7 @@ class SpiralsConfig(TrainingConfig):  # the run, loop, optimizer, schedule, para
 
 class SpiralsRecipe:
     def __init__(self, cfg: SpiralsConfig) -> None:
-        self.cfg, self.runtime = cfg, init_distributed(cfg.device)
+        self.cfg, self.runtime = cfg, init_distributed(cfg.device, cfg.distributed.collective_timeout_s)
         seed_everything(cfg.seed, self.runtime.rank)
 
     def setup(self) -> None:
@@ -88,7 +88,7 @@ class SpiralsRecipe:
 
     def train(self) -> None:
         cfg, run, data = self.cfg, self.run, iter(self.loader)
-        while run.step < cfg.max_steps:
+        while run.step < cfg.max_steps and not run.stopping:  # stopping: SIGTERM, ^C
             batches = [next(data) for _ in range(cfg.gradient_accumulation_steps)]
             self.optimizer.zero_grad(set_to_none=True)
             sums, count = accumulate_gradients(
@@ -97,7 +97,7 @@ class SpiralsRecipe:
             grad_norm = optimizer_step(
                 self.plan, self.optimizer, self.lr_scheduler, cfg.max_grad_norm
             )
-            run.advance()
+            run.advance(grad_norm)  # the NaN guard: a non-finite norm skipped the update
             if run.log_due():
                 run.log_train(sums, count, grad_norm)
             if run.due(cfg.checkpoint.every_n_steps):

@@ -26,6 +26,7 @@ SUBCOMMANDS = {
     "checkpoint": "inspect, convert or merge checkpoints (DCP, safetensors, torch, HF, PEFT)",
     "spectrum": "score a model's weight matrices and choose the ones Spectrum trains",
     "crosscoder": "analyze (model diffing) or export a crosscoder checkpoint",
+    "launch": "write a SLURM batch script, or the torchrun command of every node",
 }
 
 EPILOG = """examples:
@@ -37,6 +38,7 @@ EPILOG = """examples:
   freetx run --nproc-per-node 2 ./my_recipe.py --config ./my.yaml max_steps=50
   freetx checkpoint inspect runs/llm_tiny/checkpoints/step_000120
   freetx checkpoint convert runs/llm_tiny/checkpoints/step_000120 model.safetensors
+  freetx launch slurm --nodes 4 --gpus-per-node 8 full_finetune_fsdp2 --config llm/llama3_8b
 
 A user error prints one paragraph and exits 1 (2 for usage); --debug or
 FREETX_DEBUG=1 shows the traceback."""

@@ -54,6 +54,7 @@ def main(argv: list[str]) -> int:
     from freetx.cli.common import load_recipe
     from freetx.config.entry import load_recipe_config, split_recipe_args
     from freetx.config.loading import resolve_config_path
+    from freetx.config.schema import config_as_dict
 
     parser = _torchrun_parser()
     args = parser.parse_args(argv)
@@ -61,12 +62,14 @@ def main(argv: list[str]) -> int:
 
     config, overrides = split_recipe_args(args.training_script_args)
     target = load_recipe(args.training_script)
-    load_recipe_config(config, overrides, target.schema)  # fail fast, before launching
+    cfg = load_recipe_config(config, overrides, target.schema)  # fail fast, before launching
     config_path = resolve_config_path(config)
     script_args = ["--config", str(config_path), *overrides]
+    output_dir = config_as_dict(cfg).get("output_dir")  # where a stopped run says so
 
     if not launch_tokens:
-        return _run_in_process(target.path, script_args)
+        code = _run_in_process(target.path, script_args)
+        return _preempted(output_dir, code)
     if not target.supports_distributed:
         raise FreetxError(
             f"recipe {target.name} runs on one process only, but launch options were given "
@@ -74,7 +77,25 @@ def main(argv: list[str]) -> int:
         )
     args.training_script = str(target.path)
     args.training_script_args = script_args
-    return _run_with_torchrun(args, _processes_per_node(args.nproc_per_node))
+    return _preempted(
+        output_dir, _run_with_torchrun(args, _processes_per_node(args.nproc_per_node))
+    )
+
+
+def _preempted(output_dir: str | None, code: int) -> int:
+    """When the run stopped on a signal after saving (it left PREEMPTED), say so in one
+    line and exit with PREEMPTED_EXIT_CODE (75), which `freetx launch slurm`'s script
+    answers with a requeue; 130 after Ctrl-C."""
+    from freetx.errors import PREEMPTED_EXIT_CODE
+    from freetx.training.signals import PREEMPTED_FILE
+
+    marker = Path(output_dir) / PREEMPTED_FILE if output_dir else None
+    if marker is None or not marker.is_file():
+        return code
+    note = marker.read_text().strip()
+    marker.unlink(missing_ok=True)
+    print(f"freetx run: stopped by {note}; run the same command to continue.", file=sys.stderr)
+    return 130 if note.startswith("SIGINT") else PREEMPTED_EXIT_CODE
 
 
 def _processes_per_node(value: str) -> int:
@@ -109,6 +130,9 @@ def _run_in_process(path: Path, script_args: list[str]) -> int:
 
 
 def _run_with_torchrun(args, processes_per_node: int) -> int:
+    import signal
+
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import run as torchrun
 
@@ -123,11 +147,21 @@ def _run_with_torchrun(args, processes_per_node: int) -> int:
         threads = max(1, (os.cpu_count() or 1) // processes_per_node)
         os.environ["OMP_NUM_THREADS"] = str(threads)
     os.environ[LAUNCHER_REPORTS_ERRORS] = "1"
+    # SLURM's --signal=USR1@90 reaches this process too: the ranks handle it (they save
+    # at the next step boundary); torchrun's agent must not die of it
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     try:
         torchrun(args)
     except ChildFailedError as e:
         _report_failure(e)
         return 1
+    except SignalException as e:  # SIGTERM / SIGINT to the launcher: the ranks were told
+        name = signal.Signals(e.sigval).name
+        print(f"freetx run: {name}: the ranks were stopped.", file=sys.stderr)
+        return 128 + int(e.sigval)
+    except KeyboardInterrupt:
+        print("freetx run: interrupted: the ranks were stopped.", file=sys.stderr)
+        return 130
     return 0
 
 
@@ -157,12 +191,21 @@ def _report_failure(error) -> None:
     from freetx.errors import STOPPED_BY_PEER_EXIT_CODE, format_error, rank_list
 
     messages: dict[str, list[int]] = {}
-    parts = []
     for rank, failure in sorted(error.failures.items()):
         user_message = _user_error(failure)
         if user_message is not None:
             messages.setdefault(user_message, []).append(rank)
-        elif os.path.isfile(str(failure.error_file)):
+    parts = []
+    stuck: list[int] = []
+    if any("did not arrive" in m for m in messages):  # the hang guard: name the missing
+        killed = (-signal.SIGTERM, -signal.SIGKILL)  # torchrun stops it, or kills it later
+        stuck = [r for r, f in sorted(error.failures.items()) if f.exitcode in killed]
+        if stuck:
+            parts.append(f"{rank_list(stuck)} never reached that collective and was stopped")
+    for rank, failure in sorted(error.failures.items()):
+        if rank in stuck or _user_error(failure) is not None:
+            continue
+        if os.path.isfile(str(failure.error_file)):
             message = failure.message
             if isinstance(message, dict):
                 message = message.get("message", "")

@@ -152,6 +152,18 @@ def _is_peer_failure(error: Exception) -> bool:
     return "closed by peer" in text or "reset by peer" in text or "remote worker" in text
 
 
+def _is_collective_timeout(error: Exception) -> bool:
+    """A collective that other ranks did not join in time (gloo; NCCL's watchdog aborts)."""
+    text = str(error)
+    return "Timed out waiting" in text or "collective operation timeout" in text
+
+
+def _current_step() -> str:
+    """The training step this process was in, when a recipe's TrainingRun runs."""
+    signals = sys.modules.get("freetx.training.signals")
+    return str(getattr(signals, "current_step", "?"))
+
+
 def run_from_argv(
     recipe_main: Callable[[Any], object], schema: type | None, argv: list[str]
 ) -> int:
@@ -176,6 +188,17 @@ def run_from_argv(
             return e.exit_code
         return report_error(e, prefix)
     except Exception as e:
+        if world_size > 1 and _is_collective_timeout(e) and not debug_enabled():
+            error = FreetxError(
+                f"a collective did not complete within distributed.collective_timeout_s: this "
+                f"rank waited at step {_current_step()} for rank(s) that did not arrive (a rank "
+                "stuck in a slow save, a data loader or a hang). The job is stopped; the "
+                "checkpoints so far are intact. Raise the timeout if the wait was legitimate."
+            )
+            _record_for_torchrun(error)
+            if not _launcher_reports_errors():
+                report_error(error, prefix)
+            os._exit(error.exit_code)  # the group is broken: leave without tearing it down
         if world_size > 1 and _is_peer_failure(e) and not debug_enabled():
             if not _launcher_reports_errors():
                 print(

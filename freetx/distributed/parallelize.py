@@ -73,6 +73,9 @@ class DistributedConfig:
     activation_checkpointing: Literal["none", "full", "selective"] = "none"
     ac_every_n_blocks: int = at_least(1, default=2)  # selective: checkpoint every n-th block
     compile: bool = False
+    # a collective that a rank does not reach within this ends the job with a message
+    # naming the step (the hang guard); large saves and evaluations must fit inside it
+    collective_timeout_s: float = 1800.0
 
 
 def canonical_strategy(name: str) -> str:

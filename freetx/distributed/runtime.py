@@ -65,8 +65,45 @@ def select_device(device: str, local_rank: int = 0) -> torch.device:
     return torch.device("cpu")
 
 
-def init_distributed(device: str = "auto", timeout_minutes: float = 30.0) -> DistributedRuntime:
-    """Join (or create) the process group and pick this rank's device."""
+def first_host(nodelist: str) -> str:
+    """The first host of a SLURM node list: `gpu[03-05,07],cpu1` -> `gpu03`."""
+    head = nodelist.split(",")[0] if "[" not in nodelist.split(",")[0] else nodelist
+    if "[" not in head:
+        return head.strip()
+    prefix, _, ranges = head.partition("[")
+    first = ranges.split("]")[0].split(",")[0].split("-")[0]
+    return f"{prefix}{first}"
+
+
+def slurm_environment(env: dict[str, str]) -> dict[str, str]:
+    """torchrun's variables from SLURM's, for `srun freetx run ...` with one task per
+    process and no torchrun: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR (the first node),
+    MASTER_PORT (from the job id, unless set). Empty outside such a step."""
+    if "RANK" in env or "SLURM_PROCID" not in env or "SLURM_NTASKS" not in env:
+        return {}
+    found = {
+        "RANK": env["SLURM_PROCID"],
+        "WORLD_SIZE": env["SLURM_NTASKS"],
+        "LOCAL_RANK": env.get("SLURM_LOCALID", "0"),
+        "LOCAL_WORLD_SIZE": env.get("SLURM_NTASKS_PER_NODE", "1").split("(")[0],
+    }
+    if int(found["WORLD_SIZE"]) > 1:
+        nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST", "localhost")
+        found["MASTER_ADDR"] = env.get("MASTER_ADDR", first_host(nodelist))
+        found["MASTER_PORT"] = env.get(
+            "MASTER_PORT", str(20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000)
+        )
+    return found
+
+
+def init_distributed(device: str = "auto", timeout_s: float = 1800.0) -> DistributedRuntime:
+    """Join (or create) the process group and pick this rank's device.
+
+    Ranks come from torchrun's environment, or from SLURM's when `srun` started one
+    task per process without torchrun. `timeout_s` bounds every collective: a rank
+    that does not arrive ends the job after it (`distributed.collective_timeout_s`).
+    """
+    os.environ.update(slurm_environment(dict(os.environ)))
     rank = int(os.environ.get("RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -74,7 +111,7 @@ def init_distributed(device: str = "auto", timeout_minutes: float = 30.0) -> Dis
     if not dist.is_initialized():
         # CUDA: nccl for tensors, gloo beside it for CPU-side collectives (DCP metadata).
         backend = "cuda:nccl,cpu:gloo" if torch_device.type == "cuda" else "gloo"
-        timeout = timedelta(minutes=timeout_minutes)
+        timeout = timedelta(seconds=timeout_s)
         if "MASTER_ADDR" in os.environ:
             dist.init_process_group(backend, timeout=timeout)
         else:  # not launched by torchrun: a private world of one

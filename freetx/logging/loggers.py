@@ -50,6 +50,11 @@ class MetricLogger(abc.ABC):
     def write(self, text: str) -> None:
         """A line of text for the console (banner, notices); most loggers ignore it."""
 
+    def resume_at(self, step: int) -> None:
+        """The run continues after `step`: records of later steps (from a run that went
+        further before it stopped, and is now redone) are dropped, so each step is
+        logged once."""
+
     def close(self) -> None:
         pass
 
@@ -114,6 +119,20 @@ class JSONLLogger(MetricLogger):
         self.path = self.output_dir / filename
         self._file = None
 
+    def resume_at(self, step: int) -> None:
+        if not self.path.is_file():
+            return
+        kept = []
+        for line in self.path.read_text(encoding="utf-8").splitlines():
+            try:
+                if json.loads(line).get("step", 0) <= step:
+                    kept.append(line)
+            except (ValueError, AttributeError):
+                kept.append(line)  # not ours to judge: keep it
+        tmp = self.path.with_name(f".{self.path.name}.tmp")
+        tmp.write_text("".join(k + "\n" for k in kept), encoding="utf-8")
+        tmp.replace(self.path)
+
     def log(self, step: int, metrics: dict[str, float]) -> None:
         if self._file is None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -140,10 +159,14 @@ class TensorBoardLogger(MetricLogger):
         self.log_dir = self.output_dir / subdir
         self._writer_class = SummaryWriter
         self.writer = None
+        self.purge_step: int | None = None
+
+    def resume_at(self, step: int) -> None:
+        self.purge_step = step + 1  # TensorBoard drops the events of later steps
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         if self.writer is None:
-            self.writer = self._writer_class(log_dir=str(self.log_dir))
+            self.writer = self._writer_class(log_dir=str(self.log_dir), purge_step=self.purge_step)
         for name, value in metrics.items():
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 self.writer.add_scalar(name, value, global_step=step)
@@ -215,6 +238,10 @@ class MetricLoggers:
     def log(self, step: int, metrics: dict[str, float]) -> None:
         for logger in self.loggers:
             logger.log(step, metrics)
+
+    def resume_at(self, step: int) -> None:
+        for logger in self.loggers:
+            logger.resume_at(step)
 
     def write(self, text: str) -> None:
         """Console text (rank 0 only), printed through the progress bar when there is one."""

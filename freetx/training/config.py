@@ -39,6 +39,10 @@ class TrainingConfig:
     batch_size: int = at_least(1)  # global: samples per optimizer step, over all ranks
     gradient_accumulation_steps: int = at_least(1, default=1)
     max_grad_norm: Optional[float] = 1.0  # null: no clipping (the norm is still logged)
+    # a NaN or Inf loss or gradient: the update is skipped; `skip` goes on (up to
+    # max_nonfinite_skips in a row), `stop` ends the run; no checkpoint holds one
+    on_nonfinite: Literal["skip", "stop"] = "skip"
+    max_nonfinite_skips: int = at_least(1, default=10)
     log_every_n_steps: int = at_least(1, default=10)
     peak_flops: Optional[float] = None  # per device, for MFU where the GPU table has none
     num_workers: int = at_least(0, default=0)

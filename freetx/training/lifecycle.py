@@ -6,17 +6,17 @@ bookkeeping around it, written once:
     run = TrainingRun(cfg, runtime, "my_recipe")  # claims output_dir, plans the resume
     ... build the model (parallelize), optimizer, scheduler, data ...
     run.start(plan, optimizer, lr_scheduler, train_loader, tokens_per_sample=seq_len)
-    while run.step < cfg.max_steps:
-        ... accumulate_gradients, optimizer_step ...
-        run.advance()                              # step, epoch, tokens seen, throughput
+    while run.step < cfg.max_steps and not run.stopping:   # stopping: SIGTERM / SIGUSR1 / ^C
+        ... accumulate_gradients, grad_norm = optimizer_step(...) ...
+        run.advance(grad_norm)                     # step, epoch, tokens seen, NaN guard
         if run.log_due():
             run.log_train(sums, count, grad_norm)
         if run.due(cfg.eval.every_n_steps):
             run.evaluate(self.evaluate)            # evaluate() -> metrics to log
         if run.due(cfg.checkpoint.every_n_steps):
             run.save()
-    run.finish(self.evaluate)                      # final evaluation and save
-    run.close()
+    run.finish(self.evaluate)                      # final evaluation and save (or, when
+    run.close()                                    # stopping, the save and PREEMPTED)
 
 `start` prints the banner, resumes from a checkpoint (or loads initial
 weights) and writes config.yaml; `save` writes the model, optimizer,
@@ -27,17 +27,28 @@ every rank.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from torch.distributed.checkpoint.stateful import Stateful
 
-from freetx.checkpoint import Checkpointer, ModelState, OptimizerState, PerRankState, TrainState
+from freetx.checkpoint import (
+    Checkpointer,
+    ModelState,
+    OptimizerState,
+    PerRankState,
+    TrainState,
+    step_name,
+)
 from freetx.checkpoint.checkpointer import build_meta
 from freetx.checkpoint.state import LRSchedulerState
 from freetx.distributed import DistributedRuntime, ParallelPlan, canonical_name
+from freetx.errors import TrainingError
 from freetx.logging import build_metric_loggers, training_banner
 from freetx.models import flops_per_token, num_parameters
+from freetx.training import signals
 from freetx.training.metrics import ThroughputMeter, peak_flops, train_step_metrics
 from freetx.training.seed import rng_state, set_rng_state
 
@@ -89,6 +100,8 @@ class TrainingRun:
         )
         self.saved_step: int | None = None
         self.evaluated_step: int | None = None
+        self.nonfinite_in_a_row = 0
+        signals.install_stop_handlers()
 
     @property
     def loads_weights(self) -> bool:
@@ -141,11 +154,40 @@ class TrainingRun:
         if message:
             self.loggers.write(message)
         self.saved_step = self.progress.step
+        self.loggers.resume_at(self.progress.step)  # logged steps after it are redone
+        if self.runtime.is_rank_zero:
+            (Path(cfg.output_dir) / signals.PREEMPTED_FILE).unlink(missing_ok=True)
 
     # -- the loop's bookkeeping ----------------------------------------------
-    def advance(self) -> int:
-        """Count one optimizer step: step, data epoch, tokens seen, throughput."""
+    @property
+    def stopping(self) -> bool:
+        """A rank was asked to stop (SIGTERM, SIGUSR1, Ctrl-C): every rank stops now."""
+        return signals.stop_agreed()
+
+    def advance(self, grad_norm: float | None = None) -> int:
+        """Count one optimizer step: step, data epoch, tokens seen, throughput; and the NaN
+        guard: a non-finite gradient norm means the update was skipped (`optimizer_step`),
+        which is logged, and ends the run under `on_nonfinite: stop` or after
+        `max_nonfinite_skips` in a row."""
+        if grad_norm is not None and not math.isfinite(grad_norm):
+            self.nonfinite_in_a_row += 1
+            self.write(
+                f"step {self.progress.step + 1}: the gradient norm is {grad_norm}; the update "
+                f"was skipped ({self.nonfinite_in_a_row} in a row)"
+            )
+            limit = self.cfg.max_nonfinite_skips
+            if self.cfg.on_nonfinite == "stop" or self.nonfinite_in_a_row >= limit:
+                raise TrainingError(
+                    f"the loss or the gradients are not finite at step {self.progress.step + 1} "
+                    f"({self.nonfinite_in_a_row} step(s) in a row; on_nonfinite="
+                    f"{self.cfg.on_nonfinite}, max_nonfinite_skips={limit}). No checkpoint "
+                    f"holds them: the last one is step {self.saved_step}. Lower the learning "
+                    "rate, check the data, or resume from that checkpoint."
+                )
+        elif grad_norm is not None:
+            self.nonfinite_in_a_row = 0
         self.progress.step += 1
+        signals.current_step = self.progress.step + 1  # the next one starts
         sampler = getattr(self.train_loader, "batch_sampler", self.train_loader)
         self.progress.epoch = getattr(sampler, "epoch", 0)
         self.progress.tokens_seen += self.tokens_per_step
@@ -188,7 +230,21 @@ class TrainingRun:
 
     def finish(self, evaluate: Callable[[], dict[str, float]]) -> None:
         """After the loop: evaluate and save the last step, unless already done (also after
-        a resume with nothing left to train)."""
+        a resume with nothing left to train). When stopping on a signal: save this step
+        and leave PREEMPTED in output_dir (`freetx run` then exits for a requeue)."""
+        if self.stopping:
+            if self.saved_step != self.step:
+                self.save()
+            self.checkpointer.wait()
+            if self.runtime.is_rank_zero:
+                reason = signals.requested_by()
+                note = f"{reason} at step {self.step}: saved {step_name(self.step)}\n"
+                (Path(self.cfg.output_dir) / signals.PREEMPTED_FILE).write_text(note)
+            self.write(
+                f"stopped by {signals.requested_by()} at step {self.step}, checkpoint "
+                f"{step_name(self.step)} saved; the same command continues from it"
+            )
+            return
         if self.evaluated_step != self.step:
             self.evaluate(evaluate)
         if self.cfg.checkpoint.save_final and self.saved_step != self.step:

@@ -8,6 +8,7 @@ know nothing of labels or tokens.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -15,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from freetx.distributed import ParallelPlan
+from freetx.training import signals
 from freetx.training.grad import clip_grad_norm
 
 Batch = Any  # whatever the recipe's data loader yields
@@ -22,11 +24,18 @@ LossFn = Callable[[Batch], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
 
 def count_over_ranks(counts: list[torch.Tensor]) -> torch.Tensor:
-    """The units of these micro-batches, summed over all ranks (a collective), as float64."""
+    """The units of these micro-batches, summed over all ranks (a collective), as float64.
+
+    The same all-reduce carries this rank's stop request (a signal it got), so every
+    rank learns in the same step whether any rank must stop (`freetx.training.signals`).
+    """
     total = sum(torch.as_tensor(c) for c in counts).to(torch.float64)
+    request = torch.tensor(signals.local_request(), dtype=torch.float64, device=total.device)
+    packed = torch.stack([total, request])
     if dist.is_initialized():
-        dist.all_reduce(total)
-    return total
+        dist.all_reduce(packed)
+    signals.agree(float(packed[1]))
+    return packed[0]
 
 
 def accumulate_gradients(
@@ -61,10 +70,14 @@ def optimizer_step(
     plan: ParallelPlan, optimizer, lr_scheduler, max_grad_norm: float | None
 ) -> float:
     """Unscale (float16 only), clip to the global norm, step, update the scaler, advance
-    the schedule. Returns the gradient norm before clipping."""
+    the schedule. Returns the gradient norm before clipping (the same on every rank). A
+    non-finite norm means a NaN or Inf somewhere: the update is skipped."""
     plan.scaler.unscale_(optimizer)
     grad_norm = clip_grad_norm(plan.model, max_grad_norm)
-    plan.scaler.step(optimizer)
+    if math.isfinite(grad_norm) or plan.scaler.is_enabled():  # the scaler skips inf itself
+        plan.scaler.step(optimizer)
+    else:  # a NaN or Inf loss or gradient: no update (TrainingRun.advance decides the rest)
+        optimizer.zero_grad(set_to_none=True)
     plan.scaler.update()
     lr_scheduler.step()
     return grad_norm

@@ -37,3 +37,18 @@ def test_format_value():
     assert format_value(12345.6) == "12,346"
     assert format_value(3e-4) == "3.00e-04"
     assert format_value(7) == "7"
+
+
+def test_slurm_variables_become_torchrun_ones():
+    from freetx.distributed.runtime import first_host, slurm_environment
+
+    assert first_host("gpu[03-05,07],cpu1") == "gpu03"
+    assert first_host("node7,node8") == "node7"
+    env = {"SLURM_PROCID": "3", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1", "SLURM_JOB_ID": "1234",
+           "SLURM_JOB_NODELIST": "gpu[10-11]", "SLURM_NTASKS_PER_NODE": "4(x2)"}  # fmt: skip
+    assert slurm_environment(env) == {
+        "RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4",
+        "MASTER_ADDR": "gpu10", "MASTER_PORT": "21234",
+    }  # fmt: skip
+    assert slurm_environment({**env, "RANK": "0"}) == {}  # torchrun's win
+    assert slurm_environment({}) == {}

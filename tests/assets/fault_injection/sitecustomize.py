@@ -19,3 +19,45 @@ if _target:
         return _write_data(self, plan, planner)
 
     filesystem._FileSystemWriter.write_data = write_data
+
+
+# Faults at a training step (counted by the calls of the per-step all-reduce, on the
+# first attempt only, so a restarted group runs clean):
+#   FREETX_TEST_FAULT=kill:<step>:<rank>     the rank dies on the spot (kill -9)
+#   FREETX_TEST_FAULT=sigterm:<step>:<rank>  the rank gets SIGTERM (a pre-emption)
+#   FREETX_TEST_FAULT=hang:<step>:<rank>     the rank sleeps before the collective
+#   FREETX_TEST_FAULT=nan:<step>:<rank>      a NaN lands in one gradient of the rank
+_fault = os.environ.get("FREETX_TEST_FAULT")
+if _fault and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+    import signal
+    import time
+
+    import torch
+
+    from freetx.training import step as _step
+
+    _kind, _at, _rank = _fault.split(":")
+    _calls = {"count": 0}
+    _mine = os.environ.get("RANK", "0") == _rank
+    _count_over_ranks, _clip = _step.count_over_ranks, _step.clip_grad_norm
+
+    def count_over_ranks(counts):
+        _calls["count"] += 1
+        if _mine and _calls["count"] == int(_at):
+            if _kind == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            elif _kind == "sigterm":
+                os.kill(os.getpid(), signal.SIGTERM)
+            elif _kind == "hang":
+                time.sleep(600)
+        return _count_over_ranks(counts)
+
+    def clip_grad_norm(model, max_norm):
+        if _kind == "nan" and _mine and _calls["count"] == int(_at):
+            grads = [p.grad for p in model.parameters() if p.grad is not None]
+            local = grads[0].to_local() if hasattr(grads[0], "to_local") else grads[0]
+            local.view(-1)[0] = float("nan")
+        return _clip(model, max_norm)
+
+    _step.count_over_ranks, _step.clip_grad_norm = count_over_ranks, clip_grad_norm
+    del torch

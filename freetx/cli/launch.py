@@ -1,0 +1,119 @@
+"""`freetx launch slurm ...` and `freetx launch torchrun ...`: scripts and commands for
+clusters (freetx/launch/scripts.py); the config is checked before anything is written."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+INTERMIXED_ARGS = False
+SLURM_TIME = re.compile(
+    r"^(\d+|\d+:\d{2}|\d+:\d{2}:\d{2}|\d+-\d+|\d+-\d+:\d{2}|\d+-\d+:\d{2}:\d{2})$"
+)
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--nodes", type=int, default=1)
+    p.add_argument("--gpus-per-node", type=int, default=None,
+                   help="GPUs (= processes) per node")  # fmt: skip
+    p.add_argument("--nproc-per-node", type=int, default=1, help="processes per CPU node")
+    p.add_argument("--port", type=int, default=29500, help="the rendezvous port")
+    p.add_argument("--max-restarts", type=int, default=0,
+                   help="torchrun restarts the group this often after a rank dies")  # fmt: skip
+    p.add_argument("--python", default=sys.executable, help="the interpreter that has freetx")
+    p.add_argument("recipe", help="a built-in recipe name or a recipe .py file")
+    p.add_argument("recipe_args", nargs=argparse.REMAINDER, help="--config CONFIG [key=value ...]")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="freetx launch", description="Run on clusters.")
+    sub = p.add_subparsers(dest="where", metavar="WHERE", required=True)
+    slurm = sub.add_parser("slurm", help="write (and submit) a SLURM batch script")
+    _common(slurm)
+    for flag in ("partition", "time", "account", "mem-per-gpu", "mem", "setup"):
+        slurm.add_argument(f"--{flag}")
+    slurm.add_argument("--cpus-per-task", type=int)
+    slurm.add_argument("--job-name", default="freetx")
+    slurm.add_argument("--env", action="append", default=[], metavar="NAME=VALUE")
+    slurm.add_argument("--signal-seconds", type=int, default=90,
+                       help="SIGUSR1 this long before the time limit: save, then requeue")  # fmt: skip
+    slurm.add_argument("--log", default="slurm-%j.out", help="the job's log file")
+    slurm.add_argument("-o", "--output", help="write the script here (default: print it)")
+    slurm.add_argument("--submit", action="store_true", help="and submit it with sbatch")
+    torchrun = sub.add_parser("torchrun", help="print the torchrun command of every node")
+    _common(torchrun)
+    torchrun.add_argument("--master-addr", required=True, help="the host of node 0")
+    torchrun.add_argument("--node-rank", type=int, help="only this node's command")
+    return p
+
+
+def _spec(args: argparse.Namespace):
+    from freetx.cli.common import load_recipe
+    from freetx.config.entry import load_recipe_config, split_recipe_args
+    from freetx.errors import ConfigError, FreetxError
+    from freetx.launch import LaunchSpec
+
+    if args.gpus_per_node is not None and args.gpus_per_node < 1:
+        raise FreetxError(
+            f"--gpus-per-node {args.gpus_per_node}: a GPU node runs at least 1 process; for "
+            "CPU nodes leave it out and give --nproc-per-node N."
+        )
+    config, overrides = split_recipe_args(args.recipe_args)
+    target = load_recipe(args.recipe)
+    cfg = load_recipe_config(config, overrides, target.schema)  # fails before writing
+    spec = LaunchSpec(
+        recipe=args.recipe, recipe_args=args.recipe_args, nodes=args.nodes,
+        gpus_per_node=args.gpus_per_node or 0, nproc_per_node=args.nproc_per_node,
+        port=args.port, max_restarts=args.max_restarts, python=args.python,
+        workdir=os.getcwd(),
+    )  # fmt: skip
+    distributed = getattr(cfg, "distributed", None)
+    world = spec.nodes * spec.processes_per_node
+    degree = getattr(distributed, "replicate_degree", None)
+    if getattr(distributed, "strategy", None) == "hsdp" and degree and world % degree:
+        raise ConfigError(
+            f"hsdp: distributed.replicate_degree={degree} does not divide the {world} processes "
+            f"of {spec.nodes} node(s) x {spec.processes_per_node}, so they cannot form a "
+            "replicas x shards mesh. Pick a degree that divides it (e.g. the number of nodes)."
+        )
+    return spec
+
+
+def main(args: argparse.Namespace) -> int:
+    from freetx.errors import FreetxError
+    from freetx.launch import slurm_script, torchrun_commands
+
+    spec = _spec(args)
+    if args.where == "torchrun":
+        print(torchrun_commands(spec, args.master_addr, args.node_rank), end="")
+        return 0
+    if args.time is not None and not SLURM_TIME.match(args.time):
+        raise FreetxError(
+            f"--time {args.time}: SLURM reads minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM or "
+            "D-HH:MM:SS (e.g. 2-00:00:00 for two days)."
+        )
+    for field in ("partition", "account", "mem_per_gpu", "mem", "setup", "cpus_per_task",
+                  "job_name", "env", "signal_seconds", "log"):  # fmt: skip
+        setattr(spec, field, getattr(args, field))
+    spec.time = args.time
+    script = slurm_script(spec, "freetx launch slurm " + " ".join(map(shlex.quote, sys.argv[3:])))
+    if not args.submit:
+        if args.output:
+            Path(args.output).write_text(script)
+            print(f"wrote {args.output}; submit it with: sbatch {args.output}")
+        else:
+            print(script, end="")
+        return 0
+    path = Path(args.output or f"{spec.job_name}.sbatch")
+    path.write_text(script)
+    result = subprocess.run(["sbatch", str(path)], capture_output=True, text=True)
+    if result.returncode != 0:
+        message = (result.stderr or result.stdout).strip().replace("\n", " ")
+        raise FreetxError(f"sbatch refused {path}: {message}")
+    print(result.stdout.strip())
+    return 0
