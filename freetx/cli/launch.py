@@ -55,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _spec(args: argparse.Namespace):
     from freetx.cli.common import load_recipe
     from freetx.config.entry import load_recipe_config, split_recipe_args
-    from freetx.errors import ConfigError, FreetxError
+    from freetx.errors import FreetxError
     from freetx.launch import LaunchSpec
 
     if args.gpus_per_node is not None and args.gpus_per_node < 1:
@@ -73,14 +73,11 @@ def _spec(args: argparse.Namespace):
         workdir=os.getcwd(),
     )  # fmt: skip
     distributed = getattr(cfg, "distributed", None)
-    world = spec.nodes * spec.processes_per_node
-    degree = getattr(distributed, "replicate_degree", None)
-    if getattr(distributed, "strategy", None) == "hsdp" and degree and world % degree:
-        raise ConfigError(
-            f"hsdp: distributed.replicate_degree={degree} does not divide the {world} processes "
-            f"of {spec.nodes} node(s) x {spec.processes_per_node}, so they cannot form a "
-            "replicas x shards mesh. Pick a degree that divides it (e.g. the number of nodes)."
-        )
+    if distributed is not None:
+        from freetx.distributed import check_world_fits
+
+        layout = f"{spec.nodes} node(s) x {spec.processes_per_node}"
+        check_world_fits(distributed, spec.nodes * spec.processes_per_node, layout)
     return spec
 
 

@@ -9,6 +9,7 @@ from freetx.distributed.parallelize import (
     DistributedConfig,
     MixedPrecisionConfig,
     ParallelPlan,
+    check_world_fits,
     parallelize,
     unwrap,
 )
@@ -26,6 +27,7 @@ __all__ = [
     "MixedPrecisionConfig",
     "ParallelPlan",
     "build_mesh",
+    "check_world_fits",
     "canonical_name",
     "destroy_distributed",
     "fill_parameters",

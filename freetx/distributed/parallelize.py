@@ -184,6 +184,18 @@ def check_distributed_config(cfg: DistributedConfig, runtime: DistributedRuntime
     replicate_degree(cfg, runtime)  # raises when it does not divide the world
 
 
+def check_world_fits(cfg: DistributedConfig, world_size: int, layout: str) -> None:
+    """Before launching `world_size` processes (`layout`: how they are spread, for the
+    message): an hsdp replicate degree must divide them."""
+    degree = cfg.replicate_degree
+    if canonical_strategy(cfg.strategy) == "hsdp" and degree and world_size % degree:
+        raise ConfigError(
+            f"hsdp: distributed.replicate_degree={degree} does not divide the {world_size} "
+            f"processes of {layout}, so they cannot form a replicas x shards mesh.",
+            fix="Pick a degree that divides it (e.g. the number of nodes).",
+        )
+
+
 def replicate_degree(cfg: DistributedConfig, runtime: DistributedRuntime) -> int:
     """How many replicas an hsdp mesh has (1 for every other strategy)."""
     if canonical_strategy(cfg.strategy) != "hsdp":

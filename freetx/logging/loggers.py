@@ -24,12 +24,16 @@ from omegaconf import ListConfig
 
 from freetx.config.instantiate import instantiate
 
+COUNT_LIKE = ("per_s", "tokens_seen", "rows", "_bytes")  # shown as whole numbers at any size
 
-def format_value(value: float) -> str:
-    """Compact numbers for one console line: 2.3456, 3.0e-04, 12,345."""
+
+def format_value(value: float, name: str = "") -> str:
+    """Compact numbers for one console line: 2.3456, 3.0e-04, 12,345; rates and counts
+    (`tokens_per_s`, ...) as whole numbers at every size (810 and 1,224, not 810.5469)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return str(value)
-    if isinstance(value, int) or (math.isfinite(value) and abs(value) >= 1000):
+    whole = any(marker in name for marker in COUNT_LIKE)
+    if isinstance(value, int) or (math.isfinite(value) and (abs(value) >= 1000 or whole)):
         return f"{round(value):,}"
     if value != 0 and abs(value) < 1e-2:
         return f"{value:.2e}"
@@ -77,7 +81,7 @@ class ProgressBarLogger(MetricLogger):
 
     def _shown(self, metrics: dict[str, float]) -> dict[str, str]:
         keys = self.keys or list(metrics)
-        return {k: format_value(metrics[k]) for k in keys if k in metrics}
+        return {k: format_value(metrics[k], k) for k in keys if k in metrics}
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         shown = self._shown(metrics)
