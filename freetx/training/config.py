@@ -11,6 +11,7 @@ from freetx.checkpoint import CheckpointConfig
 from freetx.distributed import DistributedConfig
 from freetx.fields import at_least
 from freetx.training.lr_schedule import LRScheduleConfig
+from freetx.training.profiling import ProfilerConfig
 
 
 def default_metric_loggers() -> list[Any]:
@@ -52,3 +53,4 @@ class TrainingConfig:
     lr_schedule: LRScheduleConfig = field(default_factory=LRScheduleConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     metric_loggers: list[Any] = field(default_factory=default_metric_loggers)
+    profiler: ProfilerConfig = field(default_factory=ProfilerConfig)  # torch.profiler traces

@@ -50,6 +50,7 @@ from freetx.logging import build_metric_loggers, training_banner
 from freetx.models import flops_per_token, num_parameters
 from freetx.training import signals
 from freetx.training.metrics import ThroughputMeter, peak_flops, train_step_metrics
+from freetx.training.profiling import StepProfiler
 from freetx.training.seed import rng_state, set_rng_state
 
 
@@ -155,6 +156,11 @@ class TrainingRun:
             self.loggers.write(message)
         self.saved_step = self.progress.step
         self.loggers.resume_at(self.progress.step)  # logged steps after it are redone
+        self.profiler = None
+        if cfg.profiler.enabled:
+            self.profiler = StepProfiler(
+                cfg.profiler, cfg.output_dir, self.runtime.rank, self.runtime.device_type
+            )
         if self.runtime.is_rank_zero:
             (Path(cfg.output_dir) / signals.PREEMPTED_FILE).unlink(missing_ok=True)
 
@@ -188,6 +194,8 @@ class TrainingRun:
             self.nonfinite_in_a_row = 0
         self.progress.step += 1
         signals.current_step = self.progress.step + 1  # the next one starts
+        if self.profiler is not None:
+            self.profiler.step()
         sampler = getattr(self.train_loader, "batch_sampler", self.train_loader)
         self.progress.epoch = getattr(sampler, "epoch", 0)
         self.progress.tokens_seen += self.tokens_per_step
@@ -251,5 +259,7 @@ class TrainingRun:
             self.save()
 
     def close(self) -> None:
+        if getattr(self, "profiler", None) is not None:
+            self.profiler.stop()
         self.checkpointer.close()  # waits for an asynchronous save to finish
         self.loggers.close()

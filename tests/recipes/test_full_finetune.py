@@ -76,3 +76,17 @@ def test_torchao_low_bit_adamw_through_the_config(tmp_path):
     assert result.returncode == 0, result.stderr
     train = [r for r in read_metrics(tmp_path) if "loss" in r]
     assert isinstance(train[-1]["lr"], float) and train[-1]["loss"] < train[0]["loss"]
+
+
+def test_the_profiler_section_writes_a_chrome_trace_per_rank(tmp_path):
+    result = run_freetx(
+        "run", "--nproc-per-node", "2", "full_finetune_fsdp2", "--config", "llm/tiny",
+        f"output_dir={tmp_path}", "max_steps=5", "eval.every_n_steps=0", "metric_loggers=[]",
+        "profiler.enabled=true", "profiler.wait=1", "profiler.warmup=1", "profiler.active=2",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    for rank in (0, 1):
+        trace = json.loads((tmp_path / "profile" / f"rank{rank}_step4.json").read_text())
+        names = {event.get("name", "") for event in trace["traceEvents"]}
+        assert "aten::mm" in names and any("all_gather" in n for n in names)
+        assert "Self CPU" in (tmp_path / "profile" / f"rank{rank}_step4_ops.txt").read_text()
