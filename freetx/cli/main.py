@@ -27,6 +27,7 @@ SUBCOMMANDS = {
     "spectrum": "score a model's weight matrices and choose the ones Spectrum trains",
     "crosscoder": "analyze (model diffing) or export a crosscoder checkpoint",
     "launch": "write a SLURM batch script, or the torchrun command of every node",
+    "estimate": "memory per rank and step time of a config for every strategy",
 }
 
 EPILOG = """examples:

@@ -52,3 +52,32 @@ def test_slurm_variables_become_torchrun_ones():
     }  # fmt: skip
     assert slurm_environment({**env, "RANK": "0"}) == {}  # torchrun's win
     assert slurm_environment({}) == {}
+
+
+def test_estimate_counts_model_states_exactly_and_lands_near_torchtitan():
+    """llm/small's states are exact; Llama-3.1-8B on 8 GPUs (local batch 2 x 8192, bf16,
+    selective AC) lands within 15% of torchtitan's published 82.4 GiB for FSDP."""
+    import contextlib
+    import io
+
+    from freetx.cli.main import main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["estimate", "llm/llama3_8b", "--world-size", "8", "batch_size=16",
+                     "dataset.seq_len=8192", "model.max_seq_len=8192",
+                     "distributed.activation_checkpointing=selective"]) == 0  # fmt: skip
+    fsdp = next(line.split() for line in out.getvalue().splitlines() if line.startswith("fsdp"))
+    assert abs(float(fsdp[7]) - 82.4) / 82.4 < 0.15
+    import torch
+
+    from freetx.models.transformer import decoder
+    from freetx.training.estimate import estimate
+
+    with torch.device("meta"):
+        model = decoder("small", max_seq_len=64)
+    params = sum(p.numel() for p in model.parameters())
+    rows = {r.strategy: r for r in estimate(model, 2, 32, 32, "float32", "none", 2, "cpu", 0.4)}
+    assert rows["ddp"].parameters == rows["ddp"].gradients == params * 4
+    assert rows["ddp"].optimizer == params * 8 and rows["zero1"].optimizer == params * 4
+    assert rows["fsdp"].parameters == params * 2 and rows["fsdp"].optimizer == params * 4
