@@ -66,7 +66,8 @@ def test_estimate_counts_model_states_exactly_and_lands_near_torchtitan():
     with contextlib.redirect_stdout(out):
         assert main(["estimate", "llm/llama3_8b", "--world-size", "8", "batch_size=16",
                      "dataset.seq_len=8192", "model.max_seq_len=8192",
-                     "distributed.activation_checkpointing=selective"]) == 0  # fmt: skip
+                     "distributed.activation_checkpointing=selective",
+                     "distributed.ac_every_n_blocks=2"]) == 0  # fmt: skip
     fsdp = next(line.split() for line in out.getvalue().splitlines() if line.startswith("fsdp"))
     assert abs(float(fsdp[7]) - 82.4) / 82.4 < 0.15
     import torch
