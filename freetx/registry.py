@@ -36,6 +36,7 @@ RECIPES: tuple[Recipe, ...] = (
             "llm/llama3_1b",
             "llm/llama3_8b",
             "llm/hf_tiny_full",
+            "llm/tiny_llama_bench",
             "llm/llama3_2_1b_full",
             "llm/llama3_1_8b_full",
             "llm/qwen2_5_7b_full",
