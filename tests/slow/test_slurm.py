@@ -119,3 +119,12 @@ def test_srun_one_task_per_process_without_torchrun(slurm, tmp_path):
     ).read_text()
     assert "world size 2" in (tmp_path / f"out-{job_id}.txt").read_text()
     assert sorted(losses(tmp_path / "run")) == [1, 2, 3, 4]
+
+
+def test_a_partition_slurm_rejects_is_its_message(slurm, tmp_path):
+    result = run_freetx("launch", "slurm", "--partition", "nosuchpartition", "--submit",
+                        "-o", str(tmp_path / "job.sbatch"), "full_finetune_fsdp2", "--config",
+                        "llm/tiny")  # fmt: skip
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    message = " ".join(result.stderr.split())
+    assert "sbatch refused" in message and "invalid partition" in message.lower(), message
