@@ -64,3 +64,15 @@ def table(rows: list[list], header: list[str]) -> str:
     cells = [header] + [[str(c) for c in row] for row in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells)
+
+
+def local_bytes(tensor) -> int:
+    """Bytes this rank holds of a tensor: a DTensor's local shard, an NF4 tensor's
+    quantized data and scales."""
+    if tensor is None:
+        return 0
+    local = getattr(tensor, "_local_tensor", tensor)
+    if type(local).__name__ == "NF4Tensor":
+        names, _ = local.__tensor_flatten__()
+        return sum(getattr(local, n).numel() * getattr(local, n).element_size() for n in names)
+    return local.numel() * local.element_size()

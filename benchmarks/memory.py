@@ -22,19 +22,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import build_small, launch, table, write_result  # noqa: E402
+from benchmarks.common import build_small, launch, local_bytes, table, write_result  # noqa: E402
 
 STRATEGIES = ("fsdp", "zero2", "zero1", "ddp")
 MIB = 2**20
-
-
-def local_bytes(tensor) -> int:
-    from torch.distributed.tensor import DTensor
-
-    if tensor is None:
-        return 0
-    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-    return local.numel() * local.element_size()
 
 
 def worker(strategy: str) -> None:

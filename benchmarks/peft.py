@@ -22,20 +22,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import launch, table, write_result  # noqa: E402
+from benchmarks.common import launch, local_bytes, table, write_result  # noqa: E402
 
 METHODS = ("full", "lora", "qlora", "lora_bf16")
 MIB = 2**20
-
-
-def local_bytes(tensor) -> int:
-    if tensor is None:
-        return 0
-    local = getattr(tensor, "_local_tensor", tensor)
-    if type(local).__name__ == "NF4Tensor":
-        names, _ = local.__tensor_flatten__()
-        return sum(getattr(local, n).numel() * getattr(local, n).element_size() for n in names)
-    return local.numel() * local.element_size()
 
 
 def worker(method: str) -> None:
