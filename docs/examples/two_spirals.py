@@ -67,7 +67,10 @@ class SpiralsConfig(TrainingConfig):  # the run, loop, optimizer, schedule, para
 
 class SpiralsRecipe:
     def __init__(self, cfg: SpiralsConfig) -> None:
-        self.cfg, self.runtime = cfg, init_distributed(cfg.device, cfg.distributed.collective_timeout_s)
+        self.cfg, self.runtime = (
+            cfg,
+            init_distributed(cfg.device, cfg.distributed.collective_timeout_s),
+        )
         seed_everything(cfg.seed, self.runtime.rank)
 
     def setup(self) -> None:
