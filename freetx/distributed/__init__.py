@@ -9,8 +9,10 @@ from freetx.distributed.parallelize import (
     DistributedConfig,
     MixedPrecisionConfig,
     ParallelPlan,
+    ShardLayout,
     check_world_fits,
     parallelize,
+    shard_layouts,
     unwrap,
 )
 from freetx.distributed.runtime import (
@@ -26,6 +28,7 @@ __all__ = [
     "DistributedRuntime",
     "MixedPrecisionConfig",
     "ParallelPlan",
+    "ShardLayout",
     "build_mesh",
     "check_world_fits",
     "canonical_name",
@@ -36,5 +39,6 @@ __all__ = [
     "materialize",
     "parallelize",
     "select_device",
+    "shard_layouts",
     "unwrap",
 ]

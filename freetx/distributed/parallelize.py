@@ -82,6 +82,33 @@ def canonical_strategy(name: str) -> str:
     return STRATEGY_ALIASES.get(name, name)
 
 
+@dataclass(frozen=True)
+class ShardLayout:
+    """How a strategy spreads the model states over `world_size` ranks: what each rank
+    holds (1 / shards of each), what it gathers, and how gradients travel. For estimates
+    made before a run (`freetx estimate`)."""
+
+    strategy: str
+    parameter_shards: int
+    gradient_shards: int
+    optimizer_shards: int
+    blocks_stay_gathered: bool  # zero2: every block unsharded from its forward to its backward
+    gathers_per_block: bool  # fsdp, hsdp: a block gathered for its forward and its backward
+    all_reduce: bool  # ddp, zero1: the gradients all-reduced (else reduce-scattered)
+
+
+def shard_layouts(world_size: int, replicas: int = 1) -> list[ShardLayout]:
+    """The layout of every strategy (aliases left out) at `world_size` ranks."""
+    hsdp = max(1, world_size // replicas)
+    return [
+        ShardLayout("ddp", 1, 1, 1, False, False, True),
+        ShardLayout("zero1", 1, 1, world_size, False, False, True),
+        ShardLayout("zero2", world_size, world_size, world_size, True, False, False),
+        ShardLayout("fsdp", world_size, world_size, world_size, False, True, False),
+        ShardLayout("hsdp", hsdp, hsdp, hsdp, False, True, False),
+    ]
+
+
 _FUSABLE = (torch.optim.AdamW, torch.optim.Adam)
 
 

@@ -35,13 +35,14 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from freetx.distributed import shard_layouts
+
 # device -> (peak dense bf16 FLOP/s, intra-node GB/s per GPU, HBM GiB)
 DEVICES = {
     "h100": (989e12, 450e9, 80),
     "a100": (312e12, 240e9, 80),
     "cpu": (0.155e12, 10e9, 24),  # this machine's fp32 matmul peak on 2 threads
 }
-STRATEGIES = ("ddp", "zero1", "zero2", "fsdp", "hsdp")
 GIB = 2**30
 
 
@@ -123,24 +124,23 @@ def estimate(
     flops = getattr(model, "flops_per_token", lambda s: 6 * trainable)(seq_len)
     compute_s = flops * tokens_per_rank / (peak * mfu)
     out = []
-    for strategy in STRATEGIES:
-        shards = {"ddp": 1, "zero1": 1, "zero2": world_size, "fsdp": world_size,
-                  "hsdp": max(1, world_size // replicas)}[strategy]  # fmt: skip
-        opt_shards = world_size if strategy == "zero1" else shards
-        if strategy == "zero2":
+    for layout in shard_layouts(world_size, replicas):
+        shards = layout.parameter_shards
+        if layout.blocks_stay_gathered:
             gathered = stored / 4 * compute  # every block kept unsharded, forward to backward
-        elif strategy in ("fsdp", "hsdp"):
+        elif layout.gathers_per_block:
             gathered = 2 * block_params * compute + block_params * 4  # 2 blocks + a block's grads
         else:
             gathered = 0.0
         traffic = 0.0 if shards == 1 else 3 * stored / 4 * compute * (shards - 1) / shards
-        if strategy in ("ddp", "zero1") and world_size > 1:
+        if layout.all_reduce and world_size > 1:
             traffic = 2 * trainable * 4 * (world_size - 1) / world_size  # an all-reduce
         comm_s = traffic / bandwidth
         out.append(Estimate(
-            strategy, stored / shards, trainable * 4 / shards,
-            trainable * optimizer_bytes / opt_shards, gathered if world_size > 1 else 0.0,
-            activations, loss, max(compute_s, comm_s), compute_s, comm_s,
+            layout.strategy, stored / shards, trainable * 4 / layout.gradient_shards,
+            trainable * optimizer_bytes / layout.optimizer_shards,
+            gathered if world_size > 1 else 0.0, activations, loss, max(compute_s, comm_s),
+            compute_s, comm_s,
         ))  # fmt: skip
     return out
 
