@@ -55,7 +55,11 @@ def straight_losses(tmp_path_factory):
 
 @pytest.mark.parametrize(
     "strategy,extra",
-    [("fsdp", []), ("ddp", []), ("fsdp", ["checkpoint.async_save=true"])],
+    [
+        ("fsdp", []),
+        pytest.param("ddp", [], marks=pytest.mark.slow),
+        ("fsdp", ["checkpoint.async_save=true"]),
+    ],
     ids=["fsdp", "ddp", "fsdp-async"],
 )
 def test_resume_reproduces_the_uninterrupted_run_exactly(

@@ -46,6 +46,7 @@ def test_planted_features_are_recovered(tmp_path, activation):
     assert abs(final["planted/exclusive_fraction"] - final["planted/true_exclusive_fraction"]) < 0.1
 
 
+@pytest.mark.slow  # 40 s
 def test_a_short_synthetic_run_learns_and_resumes_exactly(tmp_path):
     options = ["log_every_n_steps=1", "checkpoint.every_n_steps=3", "eval.every_n_steps=0",
                "lr_schedule.decay=constant", "max_steps=6"]  # fmt: skip
@@ -89,6 +90,7 @@ def diff_run(output_dir, lms, *overrides, nproc=2):
     )  # fmt: skip
 
 
+@pytest.mark.slow  # 80 s: two LMs trained first
 def test_model_diffing_of_two_tiny_lms_through_the_cache(tmp_path, two_lms):
     cache = tmp_path / "activations"
     first = diff_run(tmp_path / "run", two_lms, "activations.mode=cache",
@@ -135,6 +137,7 @@ def test_model_diffing_of_two_tiny_lms_through_the_cache(tmp_path, two_lms):
     assert torch.isfinite(weights["W_dec"]).all()
 
 
+@pytest.mark.slow  # needs the two LMs
 def test_bad_input_is_one_paragraph(tmp_path, two_lms):
     base, _ = two_lms
     one = f"activations.sources=[{{model: {base}, hooks: [layers.22]}}]"

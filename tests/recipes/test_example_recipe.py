@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from tests.conftest import REPO, run_freetx
 
 RECIPE = str(REPO / "docs" / "examples" / "two_spirals.py")
 CONFIG = str(REPO / "docs" / "examples" / "two_spirals.yaml")
 
 
+@pytest.mark.slow  # 20 s; make test stays under 12 min
 def test_two_spirals_trains_and_resumes(tmp_path):
     assert run_freetx("validate", CONFIG, "--recipe", RECIPE).returncode == 0
     common = ["run", "--nproc-per-node", "2", RECIPE, "--config", CONFIG, f"output_dir={tmp_path}"]

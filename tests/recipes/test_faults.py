@@ -49,6 +49,7 @@ def straight(tmp_path_factory):
     return losses(output_dir)
 
 
+@pytest.mark.slow  # make test stays under 12 min
 def test_two_nodes_from_launch_torchrun_equal_one_node(tmp_path, straight):
     printed = run_freetx("launch", "torchrun", "--nodes", "2", "--master-addr", "127.0.0.1",
                          "--port", "29731", "full_finetune_fsdp2", "--config", "llm/tiny",
@@ -107,6 +108,7 @@ def test_a_nan_is_skipped_or_stops_and_never_reaches_a_checkpoint(tmp_path, poli
     assert {p.name: p.read_bytes() for p in checkpoint.iterdir()} == before
 
 
+@pytest.mark.slow  # 45 s: waits for the timeout
 def test_a_hung_rank_ends_the_job_within_the_timeout_and_is_named(tmp_path):
     start = time.monotonic()
     result = train(tmp_path, "distributed.collective_timeout_s=8", env=fault("hang", 4, 1),

@@ -74,6 +74,7 @@ def test_each_method_lowers_the_validation_loss_of_the_base(tmp_path, base, conf
         assert tensors and all(".lora_" in t for t in tensors), tensors
 
 
+@pytest.mark.slow  # 30 s; make test keeps the LoRA CLI run
 def test_lora_resume_is_exact(tmp_path, base):
     base_dir, _ = base
     options = ["log_every_n_steps=1", "checkpoint.every_n_steps=3", "lr_schedule.warmup_steps=0",
