@@ -96,6 +96,21 @@ def slurm_environment(env: dict[str, str]) -> dict[str, str]:
     return found
 
 
+def attempt_store(world_size: int, timeout: timedelta) -> dist.Store:
+    """torchrun's store, with this attempt's keys kept apart from earlier attempts'.
+
+    torchrun keeps one store across the restarts of a group (`--max-restarts`) and its
+    workers' keys carry no attempt, so a restarted rank could read the address a dead
+    rank published and fail to connect ("Connection refused" in gloo's connectFullMesh).
+    """
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+        is_master=False, timeout=timeout,
+    )  # fmt: skip
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"freetx/attempt_{attempt}/", store)
+
+
 def init_distributed(device: str = "auto", timeout_s: float = 1800.0) -> DistributedRuntime:
     """Join (or create) the process group and pick this rank's device.
 
@@ -112,7 +127,12 @@ def init_distributed(device: str = "auto", timeout_s: float = 1800.0) -> Distrib
         # CUDA: nccl for tensors, gloo beside it for CPU-side collectives (DCP metadata).
         backend = "cuda:nccl,cpu:gloo" if torch_device.type == "cuda" else "gloo"
         timeout = timedelta(seconds=timeout_s)
-        if "MASTER_ADDR" in os.environ:
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            store = attempt_store(world_size, timeout)
+            dist.init_process_group(
+                backend, store=store, rank=rank, world_size=world_size, timeout=timeout
+            )
+        elif "MASTER_ADDR" in os.environ:
             dist.init_process_group(backend, timeout=timeout)
         else:  # not launched by torchrun: a private world of one
             dist.init_process_group(
