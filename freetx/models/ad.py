@@ -11,6 +11,7 @@ are "none" (their own embedding rows).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from torch import nn
@@ -38,7 +39,7 @@ class ADConfig(TransformerConfig):
     # row plus one of its column, cells numbered x * grid_size + y): the geometry is
     # shared by every cell, so a goal cell never rewarded in training is still a place
     # the model can go to (the seed feeds (x, y) coordinates through a Linear)
-    state_encoding: str = "index"
+    state_encoding: Literal["index", "xy"] = "index"
     grid_size: int = 9  # for "xy"
 
 
