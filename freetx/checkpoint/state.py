@@ -17,6 +17,7 @@ function of the global step, so rank 0's sampler position is everyone's.
 from __future__ import annotations
 
 import io
+import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -31,7 +32,6 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.checkpoint.stateful import Stateful
-from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.optim.lr_scheduler import LambdaLR
 
 from freetx.distributed.parallelize import unwrap
@@ -57,6 +57,14 @@ class ModelState(Stateful):
         set_model_state_dict(self.model, state_dict, options=options)
 
 
+def _is_zero_redundancy(optimizer) -> bool:
+    """Whether this is ZeRO-1's optimizer; torch.distributed.optim is imported only by the
+    zero1 strategy (it scripts its optimizers on import, ~0.4 s), so if it is not loaded
+    the optimizer cannot be one."""
+    zero = sys.modules.get("torch.distributed.optim")
+    return zero is not None and isinstance(optimizer, zero.ZeroRedundancyOptimizer)
+
+
 class OptimizerState(Stateful):
     """The optimizer state keyed by parameter name (portable across strategies).
 
@@ -72,7 +80,7 @@ class OptimizerState(Stateful):
     def __init__(self, model: nn.Module, optimizer) -> None:
         self.model = model
         self.optimizer = optimizer
-        self.zero = isinstance(optimizer, ZeroRedundancyOptimizer)
+        self.zero = _is_zero_redundancy(optimizer)
 
     def _local(self):
         return self.optimizer.optim if self.zero else self.optimizer

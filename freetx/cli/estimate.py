@@ -5,6 +5,9 @@ per rank and step time of a decoder config for every strategy, before renting GP
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
+from pathlib import Path
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -16,15 +19,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", choices=("h100", "a100", "cpu"), default="h100")
     p.add_argument("--mfu", type=float, default=0.4, help="the share of peak FLOP/s reached")
     p.add_argument("--recipe", help="for a config file outside the built-in ones")
+    p.add_argument(
+        "--measure",
+        action="store_true",
+        help="also run one step per strategy on fake tensors and a fake process "
+        "group, and print what rank 0 held at its peak (seconds per strategy)",
+    )
+    p.add_argument("--json", metavar="PATH", help="write the figures (bytes) to this file")
     return p
 
 
 def main(args: argparse.Namespace) -> int:
+    import torch
+
     from freetx.cli.common import load_recipe
     from freetx.config.entry import load_recipe_config
+    from freetx.distributed import shard_layouts
     from freetx.errors import ConfigError
     from freetx.registry import recipe_for_config
-    from freetx.training.estimate import DEVICES, GIB, estimate, meta_model
+    from freetx.training.estimate import DEVICES, GIB, estimate, measure, meta_model
 
     recipe = args.recipe or getattr(recipe_for_config(args.config), "name", None)
     if recipe is None:
@@ -55,17 +68,40 @@ def main(args: argparse.Namespace) -> int:
           f"{args.world_size} x {args.device}, micro-batch {micro} x {seq_len} tokens, "
           f"{dist.mixed_precision.param_dtype}, activation checkpointing "
           f"{dist.activation_checkpointing}, MFU {args.mfu:g}")  # fmt: skip
+    measured = {}
+    if args.measure:  # one step per distinct layout (at world size 1: the plain model, once)
+        steps = {}
+        for layout in shard_layouts(args.world_size, args.replicas):
+            key = dataclasses.astuple(layout)[1:] if args.world_size > 1 else ()
+            if key not in steps:
+                steps[key] = measure(cfg, layout, args.world_size)
+            measured[layout.strategy] = steps[key]
     header = ["strategy", "params", "grads", "optim", "gathered", "activations", "loss",
               "peak GiB", "fits", "step s", "tokens/s/rank"]  # fmt: skip
+    if measured:
+        header[-3:-3] = ["measured peak", "measured activations"]
     table = [header]
     for r in rows:
         g = lambda v: f"{v / GIB:.2f}"  # noqa: E731
-        table.append([r.strategy, g(r.parameters), g(r.gradients), g(r.optimizer), g(r.gathered),
-                      g(r.activations), g(r.loss), g(r.peak), "yes" if r.peak / GIB < hbm else "no",
-                      f"{r.step_s:.2f}", f"{micro * seq_len / r.step_s:,.0f}"])  # fmt: skip
+        row = [r.strategy, g(r.parameters), g(r.gradients), g(r.optimizer), g(r.gathered),
+               g(r.activations), g(r.loss), g(r.peak), "yes" if r.peak / GIB < hbm else "no",
+               f"{r.step_s:.2f}", f"{micro * seq_len / r.step_s:,.0f}"]  # fmt: skip
+        if measured:
+            m = measured[r.strategy]
+            row[-3:-3] = [g(m["peak"]), g(m["activations"])]
+        table.append(row)
     widths = [max(len(row[i]) for row in table) for i in range(len(header))]
     for row in table:
         print("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
     print("(GiB per rank; `gathered`: unsharded blocks and gradient buckets in flight; the "
           "allocator's caching and fragmentation come on top, 5-10% on CUDA)")  # fmt: skip
+    if measured:
+        kernels = "CUDA's" if torch.cuda.is_available() else "the CPU's"
+        print(
+            f"(measured: rank 0's tensors at the peak of a steady training step, on fake "
+            f"tensors with {kernels} kernels; activations include temporaries and the loss)"
+        )
+    if args.json:
+        analytic = {r.strategy: {**dataclasses.asdict(r), "peak": r.peak} for r in rows}
+        Path(args.json).write_text(json.dumps({"analytic": analytic, "measured": measured}))
     return 0

@@ -36,7 +36,6 @@ from torch.distributed.fsdp import (
     fully_shard,
     register_fsdp_forward_method,
 )
-from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
 from freetx.config.instantiate import COMPONENT, import_component, instantiate, node_path
@@ -95,6 +94,7 @@ class ShardLayout:
     blocks_stay_gathered: bool  # zero2: every block unsharded from its forward to its backward
     gathers_per_block: bool  # fsdp, hsdp: a block gathered for its forward and its backward
     all_reduce: bool  # ddp, zero1: the gradients all-reduced (else reduce-scattered)
+    replicas: int = 1  # hsdp: the replica groups (each shards over world size / replicas)
 
 
 def shard_layouts(world_size: int, replicas: int = 1) -> list[ShardLayout]:
@@ -105,7 +105,7 @@ def shard_layouts(world_size: int, replicas: int = 1) -> list[ShardLayout]:
         ShardLayout("zero1", 1, 1, world_size, False, False, True),
         ShardLayout("zero2", world_size, world_size, world_size, True, False, False),
         ShardLayout("fsdp", world_size, world_size, world_size, False, True, False),
-        ShardLayout("hsdp", hsdp, hsdp, hsdp, False, True, False),
+        ShardLayout("hsdp", hsdp, hsdp, hsdp, False, True, False, replicas),
     ]
 
 
@@ -155,7 +155,10 @@ class ParallelPlan:
         if self.runtime.device_type == "cuda" and target in _FUSABLE and "fused" not in node:
             extra["fused"] = True
         params = [p for p in self.model.parameters() if p.requires_grad]
-        if self.strategy == "zero1":
+        if self.strategy == "zero1" and self.runtime.world_size > 1:  # nothing to share at 1
+            # imported here: torch.distributed.optim scripts its optimizers on import (~0.4 s)
+            from torch.distributed.optim import ZeroRedundancyOptimizer
+
             kwargs = {k: v for k, v in node.items() if k != COMPONENT}
             return ZeroRedundancyOptimizer(params, optimizer_class=target, **kwargs, **extra)
         return instantiate(node, params, **extra)
@@ -275,7 +278,12 @@ def find_blocks(model: nn.Module) -> list[nn.Module]:
 
 
 def parallelize(
-    model: nn.Module, runtime: DistributedRuntime, cfg, seed: int, init_weights: bool = True
+    model: nn.Module,
+    runtime: DistributedRuntime,
+    cfg,
+    seed: int,
+    init_weights: bool = True,
+    mesh: DeviceMesh | None = None,
 ) -> ParallelPlan:
     """Apply the configured strategy to a meta-device model, then materialize it.
 
@@ -283,7 +291,8 @@ def parallelize(
     otherwise, and the plain model at world size 1 (unless CPU offload needs
     FSDP). Initial weights depend only on `seed`, not on the strategy or the
     world size; `init_weights=False` skips them for a run that loads its weights
-    (a resume, or `checkpoint.initial_weights`).
+    (a resume, or `checkpoint.initial_weights`). `mesh`: the data-parallel mesh of a
+    sharded model, when the caller built it (`build_mesh`; else it is built here).
     """
     check_distributed_config(cfg, runtime)
     strategy = canonical_strategy(cfg.strategy)
@@ -314,7 +323,7 @@ def parallelize(
             )
         )
 
-    mesh = build_mesh(runtime, replicate_degree(cfg, runtime))
+    mesh = mesh or build_mesh(runtime, replicate_degree(cfg, runtime))
     options = {
         "mesh": mesh,
         "reshard_after_forward": strategy != "zero2",

@@ -9,10 +9,10 @@ from freetx.training.loss import CrossEntropyLoss, loss_tokens
 from freetx.training.lr_schedule import LRScheduleConfig, build_lr_scheduler, lr_multiplier
 from freetx.training.metrics import (
     ThroughputMeter,
-    max_over_ranks,
     measure_matmul_flops,
     memory_stats,
     peak_flops,
+    reduce_over_ranks,
     sum_over_ranks,
     sum_tensors_over_ranks,
     train_step_metrics,
@@ -34,7 +34,7 @@ __all__ = [
     "default_metric_loggers",
     "loss_tokens",
     "lr_multiplier",
-    "max_over_ranks",
+    "reduce_over_ranks",
     "measure_matmul_flops",
     "memory_stats",
     "optimizer_step",

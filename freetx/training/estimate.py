@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from freetx.distributed import shard_layouts
+from freetx.distributed import ShardLayout, shard_layouts
 
 # device -> (peak dense bf16 FLOP/s, intra-node GB/s per GPU, HBM GiB)
 DEVICES = {
@@ -156,3 +156,101 @@ def meta_model(model_node, peft_cfg=None):
 
             apply_peft(model, peft_cfg)
     return model
+
+
+# the trackers' categories (FSDPMemTracker's and MemTracker's names) -> the estimate's columns
+_COLUMNS = {
+    "Sharded Param": "parameters", "Parameter": "parameters",
+    "Sharded Grad": "gradients", "Gradient": "gradients",
+    "OptState": "optimizer", "Optstate": "optimizer",
+    "Unsharded Param": "gathered", "Unsharded Grad": "gathered",
+    "All Gather": "gathered", "Reduce Scatter": "gathered",
+}  # fmt: skip
+
+
+def measure(cfg, layout: ShardLayout, world_size: int) -> dict[str, float]:
+    """`--measure`: the bytes rank 0 holds at the peak of one training step of the config's
+    micro-batch under a strategy's `layout`, with exact tensor sizes and no real memory or compute.
+
+    The step runs as rank 0 of `world_size` in this one process: tensors are fake (shapes,
+    dtypes, no storage: torch's FakeTensorMode), collectives do nothing (the "fake"
+    process group), and torch's memory trackers (FSDPMemTracker for FSDP2, MemTracker
+    otherwise) count every tensor alive, by kind. A first step creates the optimizer
+    state; the second is the one measured, as every later step of a run. The kernels
+    are this machine's: CUDA's where there is a GPU, else the CPU's (whose RMSNorm keeps
+    float32 intermediates that CUDA's fused kernel does not: ~10 h bytes per token and
+    block more). DDP's gradient hooks do not run on the fake group: replicated layouts
+    (ddp, zero1) measure the plain model (DDP's buckets are the gradients themselves, as
+    views), with the optimizer state divided by the ranks sharing it. Returns bytes per
+    column of `Estimate`, and `peak`.
+    """
+    import dataclasses
+
+    import torch.distributed as dist
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from freetx.config import instantiate
+    from freetx.distributed import DistributedRuntime, build_mesh, parallelize
+
+    sharded = layout.parameter_shards > 1  # else replicated: the plain model at world size 1
+    distributed = dataclasses.replace(
+        cfg.distributed,
+        strategy=layout.strategy,
+        replicate_degree=layout.replicas if layout.replicas > 1 else None,
+    )
+    seq_len = int(cfg.dataset.get("seq_len", cfg.model.get("max_seq_len", 2048)))
+    micro = cfg.batch_size // (world_size * cfg.gradient_accumulation_steps)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        runtime = DistributedRuntime(0, 0, world_size if sharded else 1, device)
+        mesh = build_mesh(runtime, layout.replicas) if sharded else None
+        model = meta_model(cfg.model, getattr(cfg, "peft", None))  # real meta tensors
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            plan = parallelize(model, runtime, distributed, seed=cfg.seed, mesh=mesh)
+            optimizer = plan.build_optimizer(cfg.optimizer)
+            loss_fn = instantiate(cfg.loss)
+            input_ids = torch.randint(0, model.config.vocab_size, (micro, seq_len), device=device)
+
+            return tracked_step(plan, optimizer, loss_fn, input_ids, layout)
+    finally:
+        dist.destroy_process_group()
+
+
+def tracked_step(plan, optimizer, loss_fn, input_ids, layout: ShardLayout) -> dict[str, float]:
+    """One training step of `plan`'s model under torch's memory tracker (FSDPMemTracker for
+    FSDP2, MemTracker otherwise), after a first step that creates the optimizer state: the
+    bytes this rank held at the step's peak, by column of `Estimate`, and `peak`. Real or
+    fake tensors alike (`measure`; benchmarks/estimate.py runs it on real ones)."""
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from torch.distributed.fsdp import FSDPModule
+
+    def step() -> None:
+        with plan.autocast():
+            loss, _ = loss_fn(plan.model(input_ids), input_ids)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    step()  # the optimizer state exists from here on
+    if isinstance(plan.model, FSDPModule):
+        tracker = FSDPMemTracker(plan.model, optimizer)
+    else:
+        tracker = MemTracker()  # ZeRO-1's state lives in its local optimizer
+        tracker.track_external(plan.model, getattr(optimizer, "optim", optimizer))
+    with tracker:
+        step()
+    peak = next(iter(tracker.get_tracker_snapshot("peak").values()))
+    out = dict.fromkeys(("parameters", "gradients", "optimizer", "gathered", "activations"), 0.0)
+    for kind, value in peak.items():
+        name = getattr(kind, "value", kind)
+        if name != "Total":
+            out[_COLUMNS.get(name, "activations")] += value  # the rest: activations, temps
+    out["peak"] = float(peak["Total"])
+    if layout.parameter_shards == 1 and plan.runtime.world_size == 1:
+        # a replicated layout run as the plain model (zero1: each rank keeps 1/N of the state)
+        out["peak"] -= out["optimizer"] * (1 - 1 / layout.optimizer_shards)
+        out["optimizer"] /= layout.optimizer_shards
+    return out

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -16,8 +14,9 @@ def clip_grad_norm(model: nn.Module, max_norm: float | None) -> float:
     over all ranks; the result is the same number on every rank.
     """
     params = [p for p in model.parameters() if p.grad is not None]
-    limit = math.inf if max_norm is None or max_norm <= 0 else max_norm
-    norm = torch.nn.utils.clip_grad_norm_(params, limit, foreach=True)
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
+    if max_norm is not None and max_norm > 0:  # else only measured: no pass over the grads
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
     if isinstance(norm, DTensor):
         norm = norm.full_tensor()
     return float(norm)

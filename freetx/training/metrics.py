@@ -75,13 +75,21 @@ def memory_stats(device: torch.device) -> dict[str, float]:
     return {"memory/max_rss_gib": rss_bytes / 2**30}
 
 
-def max_over_ranks(values: dict[str, float], device: torch.device) -> dict[str, float]:
-    """The largest value of each metric over all ranks (a collective)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return values
-    tensor = torch.tensor(list(values.values()), dtype=torch.float64, device=device)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-    return dict(zip(values, tensor.tolist()))
+def reduce_over_ranks(
+    sums: dict[str, torch.Tensor | float], maxes: dict[str, float], device: torch.device
+) -> tuple[dict[str, float], dict[str, float]]:
+    """`sums` summed and `maxes` maximized over all ranks, in one collective (an all-gather
+    of both, reduced here): what a logged step needs, for one round trip instead of two."""
+    parts = [torch.as_tensor(v, device=device).to(torch.float64).reshape(1) for v in sums.values()]
+    parts.append(torch.tensor(list(maxes.values()), dtype=torch.float64, device=device))
+    local = torch.cat(parts)  # one copy to the host below, not one per value
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        gathered = local.new_empty(dist.get_world_size() * local.numel())
+        dist.all_gather_into_tensor(gathered, local)  # gloo wants a flat output
+        gathered = gathered.view(dist.get_world_size(), -1)
+        local = torch.cat([gathered[:, : len(sums)].sum(0), gathered[:, len(sums) :].amax(0)])
+    values = local.tolist()
+    return dict(zip(sums, values[: len(sums)])), dict(zip(maxes, values[len(sums) :]))
 
 
 def sum_over_ranks(values: dict[str, torch.Tensor], device: torch.device) -> dict[str, float]:
@@ -144,12 +152,15 @@ class ThroughputMeter:
 def train_step_metrics(
     sums: dict[str, torch.Tensor], num_tokens, grad_norm: float, lr_scheduler, meter, device
 ) -> dict[str, float]:
-    """A logged step's metrics: per-token means of the loss sums over all ranks (a
-    collective: every rank calls it), lr, grad norm, throughput, peak memory."""
-    totals = sum_over_ranks(sums, device)
+    """A logged step's metrics: per-token means of the loss sums over all ranks and the
+    peak memory of the fullest rank (one collective: every rank calls it), lr, grad
+    norm, throughput."""
+    totals, memory = reduce_over_ranks(
+        {k: v.detach() for k, v in sums.items()}, memory_stats(device), device
+    )
     metrics = {name: value / float(num_tokens) for name, value in totals.items()}
     metrics["lr"] = float(lr_scheduler.get_last_lr()[0])  # torchao keeps lr as a tensor
     metrics["grad_norm"] = grad_norm
     metrics.update(meter.read())
-    metrics.update(max_over_ranks(memory_stats(device), device))
+    metrics.update(memory)
     return metrics

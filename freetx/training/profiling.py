@@ -11,11 +11,12 @@ Each rank writes, under `<output_dir>/profile/`, a Chrome trace per cycle
 (`rank<R>_step<S>.json`: chrome://tracing or https://ui.perfetto.dev open it; the
 collectives show as gloo / nccl kernels beside the compute) and a table of the
 ops by self time (`rank<R>_step<S>_ops.txt`); on CUDA also the memory timeline
-(`..._memory.html`) when `profile_memory` is on.
+(`..._memory.html`; `.json` where matplotlib is missing) when `profile_memory` is on.
 """
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,9 +54,10 @@ class StepProfiler:
                 wait=cfg.wait, warmup=cfg.warmup, active=cfg.active, repeat=cfg.repeat
             ),
             on_trace_ready=self._write,
-            record_shapes=cfg.record_shapes,
+            # the memory timeline needs shapes and stacks to sort tensors by kind
+            record_shapes=cfg.record_shapes or self.profile_memory,
             profile_memory=cfg.profile_memory,
-            with_stack=cfg.with_stack,
+            with_stack=cfg.with_stack or self.profile_memory,
         )
         self.profiler.start()
 
@@ -65,8 +67,9 @@ class StepProfiler:
         profiler.export_chrome_trace(f"{stem}.json")
         table = profiler.key_averages().table(sort_by=self.sort_by, row_limit=40)
         Path(f"{stem}_ops.txt").write_text(table + "\n")
-        if self.profile_memory:
-            profiler.export_memory_timeline(f"{stem}_memory.html")
+        if self.profile_memory:  # a plot when matplotlib is there, else the raw timeline
+            plot = importlib.util.find_spec("matplotlib") is not None
+            profiler.export_memory_timeline(f"{stem}_memory.{'html' if plot else 'json'}")
 
     def step(self) -> None:
         self.profiler.step()

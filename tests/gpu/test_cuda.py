@@ -1,0 +1,109 @@
+"""The CUDA paths, through the CLI on one GPU: bf16 training with CUDA memory stats, the
+FSDP2 path on NCCL (a world of one with CPU offload), QLoRA's NF4 base, per-block
+compile, the profiler's memory timeline, and `freetx estimate --measure` against the
+allocator's peak. Skipped where there is no GPU (CI, the 2-core dev machine); run them
+on a GPU machine with `pytest tests/gpu`."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tests.conftest import run_freetx
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+TINY = ["full_finetune_fsdp2", "--config", "llm/tiny", "device=cuda", "eval.max_batches=2",
+        "metric_loggers=[{_component_: freetx.logging.JSONLLogger}]"]  # fmt: skip
+
+
+def records(output_dir):
+    return [json.loads(x) for x in (output_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def train_records(output_dir):
+    return [r for r in records(output_dir) if "loss" in r]
+
+
+def run_ok(*args):
+    result = run_freetx(*args)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result
+
+
+def test_bf16_training_logs_cuda_memory_and_resumes(tmp_path):
+    out = tmp_path / "bf16"
+    run_ok("run", *TINY, f"output_dir={out}", "max_steps=30", "log_every_n_steps=5",
+           "distributed.mixed_precision.param_dtype=bfloat16", "checkpoint.every_n_steps=15")  # fmt: skip
+    steps = train_records(out)
+    assert steps[-1]["loss"] < steps[0]["loss"] - 0.5
+    assert 0 < steps[-1]["memory/peak_allocated_gib"] <= steps[-1]["memory/peak_reserved_gib"]
+    assert "mfu_pct" in steps[-1]  # the H100's peak is in the table
+    result = run_ok("run", *TINY, f"output_dir={out}", "max_steps=40", "log_every_n_steps=5",
+                    "distributed.mixed_precision.param_dtype=bfloat16")  # fmt: skip
+    assert "(step 30," in result.stdout
+    assert train_records(out)[-1]["step"] == 40
+
+
+def test_fsdp2_on_nccl_with_cpu_offload(tmp_path):
+    out = tmp_path / "offload"
+    result = run_ok("run", "--nproc-per-node", "1", *TINY, f"output_dir={out}", "max_steps=10",
+                    "log_every_n_steps=5", "distributed.cpu_offload=true",
+                    "distributed.mixed_precision.param_dtype=bfloat16")  # fmt: skip
+    assert "nccl" in result.stdout
+    steps = train_records(out)
+    assert all(torch.isfinite(torch.tensor(r["loss"])) for r in steps)
+
+
+def test_per_block_compile(tmp_path):
+    out = tmp_path / "compile"
+    run_ok("run", *TINY, f"output_dir={out}", "max_steps=20", "log_every_n_steps=10",
+           "distributed.compile=true", "distributed.mixed_precision.param_dtype=bfloat16")  # fmt: skip
+    steps = train_records(out)
+    assert steps[-1]["loss"] < steps[0]["loss"]
+
+
+def test_qlora_nf4_base(tmp_path):
+    base = tmp_path / "base"
+    run_ok("run", *TINY, f"output_dir={base}", "max_steps=20", "checkpoint.every_n_steps=0")
+    out = tmp_path / "qlora"
+    run_ok("run", "lora_finetune_fsdp2", "--config", "llm/qlora_tiny", "device=cuda",
+           f"model_dir={base}", f"output_dir={out}", "max_steps=20", "log_every_n_steps=10",
+           "eval.max_batches=2", "distributed.mixed_precision.param_dtype=bfloat16",
+           "metric_loggers=[{_component_: freetx.logging.JSONLLogger}]")  # fmt: skip
+    steps = train_records(out)
+    assert steps[-1]["loss"] < steps[0]["loss"]
+
+
+def test_profiler_writes_a_trace_and_memory_timeline(tmp_path):
+    out = tmp_path / "profile"
+    run_ok("run", *TINY, f"output_dir={out}", "max_steps=6", "profiler.enabled=true",
+           "profiler.wait=1", "profiler.warmup=1", "profiler.active=2",
+           "profiler.profile_memory=true")  # fmt: skip
+    traces = list((out / "profile").glob("rank0_step*.json"))
+    assert traces and "traceEvents" in json.loads(traces[0].read_text())
+    assert "cuda" in next((out / "profile").glob("rank0_*_ops.txt")).read_text().lower()
+    assert list((out / "profile").glob("rank0_*_memory.*"))
+
+
+def test_estimate_matches_the_allocator(tmp_path):
+    """llm/small (52M) on one GPU, bf16: the analytic and the measured (fake tensors, CUDA
+    kernels) peaks against the real step's peak allocated, same shape."""
+    shape = ["batch_size=8", "distributed.mixed_precision.param_dtype=bfloat16"]
+    result = run_ok("estimate", "llm/small", *shape, "--world-size", "1", "--measure",
+                    "--json", str(tmp_path / "estimate.json"))  # fmt: skip
+    figures = json.loads((tmp_path / "estimate.json").read_text())
+    out = tmp_path / "real"
+    run_ok("run", "full_finetune_fsdp2", "--config", "llm/small", "device=cuda", *shape,
+           f"output_dir={out}", "max_steps=3", "log_every_n_steps=1", "eval.max_batches=1",
+           "checkpoint.every_n_steps=0", "checkpoint.save_final=false",
+           "metric_loggers=[{_component_: freetx.logging.JSONLLogger}]")  # fmt: skip
+    real = train_records(out)[-1]["memory/peak_allocated_gib"] * 2**30
+    fake = figures["measured"]["fsdp"]["peak"]
+    analytic = figures["analytic"]["fsdp"]["peak"]
+    print(result.stdout, f"real {real / 2**20:.0f} MiB, measured {fake / 2**20:.0f} MiB, "
+          f"analytic {analytic / 2**20:.0f} MiB")  # fmt: skip
+    assert abs(fake - real) / real < 0.15
+    assert abs(analytic - real) / real < 0.15
