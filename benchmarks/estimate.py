@@ -44,7 +44,7 @@ def worker(strategy: str) -> None:
     import torch
 
     from freetx.config import instantiate
-    from freetx.distributed import init_distributed, parallelize
+    from freetx.distributed import destroy_distributed, init_distributed, parallelize
     from freetx.training.estimate import meta_model, tracked_step
 
     runtime = init_distributed("cpu")
@@ -64,6 +64,7 @@ def worker(strategy: str) -> None:
         if torch.is_tensor(v) and v.dim() > 0  # AdamW's step counters are not state bytes
     )  # fmt: skip
     write_result(result)
+    destroy_distributed()  # a group left to the interpreter's exit can abort it
 
 
 def main() -> None:

@@ -13,7 +13,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 BENCHMARKS = [
     "overhead.py", "memory.py", "activation_checkpointing.py", "checkpoint.py", "hf_io.py",
-    "peft.py", "crosscoder.py",
+    "peft.py", "crosscoder.py", "estimate.py", "compile.py", "tune_workload.py",
 ]  # fmt: skip
 
 

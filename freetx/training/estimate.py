@@ -130,6 +130,10 @@ def estimate(
             gathered = stored / 4 * compute  # every block kept unsharded, forward to backward
         elif layout.gathers_per_block:
             gathered = 2 * block_params * compute + block_params * 4  # 2 blocks + a block's grads
+        elif layout.all_reduce and world_size > 1:
+            # DDP's gradient buckets: allocated once and kept, even while the gradients
+            # (views of them) are None between steps
+            gathered = trainable * 4
         else:
             gathered = 0.0
         traffic = 0.0 if shards == 1 else 3 * stored / 4 * compute * (shards - 1) / shards
@@ -181,8 +185,8 @@ def measure(cfg, layout: ShardLayout, world_size: int) -> dict[str, float]:
     float32 intermediates that CUDA's fused kernel does not: ~10 h bytes per token and
     block more). DDP's gradient hooks do not run on the fake group: replicated layouts
     (ddp, zero1) measure the plain model (DDP's buckets are the gradients themselves, as
-    views), with the optimizer state divided by the ranks sharing it. Returns bytes per
-    column of `Estimate`, and `peak`.
+    views, kept between steps: added to `gathered`), with the optimizer state divided by
+    the ranks sharing it. Returns bytes per column of `Estimate`, and `peak`.
     """
     import dataclasses
 
@@ -212,10 +216,14 @@ def measure(cfg, layout: ShardLayout, world_size: int) -> dict[str, float]:
             optimizer = plan.build_optimizer(cfg.optimizer)
             loss_fn = instantiate(cfg.loss)
             input_ids = torch.randint(0, model.config.vocab_size, (micro, seq_len), device=device)
-
-            return tracked_step(plan, optimizer, loss_fn, input_ids, layout)
+            out = tracked_step(plan, optimizer, loss_fn, input_ids, layout)
     finally:
         dist.destroy_process_group()
+    if layout.all_reduce and world_size > 1:  # DDP's buckets, kept between steps
+        buckets = sum(p.numel() * 4 for p in model.parameters() if p.requires_grad)
+        out["gathered"] += buckets
+        out["peak"] += buckets
+    return out
 
 
 def tracked_step(plan, optimizer, loss_fn, input_ids, layout: ShardLayout) -> dict[str, float]:
