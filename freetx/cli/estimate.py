@@ -69,6 +69,13 @@ def main(args: argparse.Namespace) -> int:
           f"{dist.mixed_precision.param_dtype}, activation checkpointing "
           f"{dist.activation_checkpointing}, MFU {args.mfu:g}")  # fmt: skip
     measured = {}
+    if args.measure and trainable < params:
+        raise ConfigError(
+            f"--measure cannot step {args.config}: it has frozen parameters (LoRA, QLoRA or "
+            "Spectrum), and torch's memory tracker hooks every parameter's gradient.",
+            fix="Leave out --measure: the analytic estimate counts adapters, frozen "
+            "bases and NF4 weights.",
+        )
     if args.measure:  # one step per distinct layout (at world size 1: the plain model, once)
         steps = {}
         for layout in shard_layouts(args.world_size, args.replicas):

@@ -108,3 +108,13 @@ def test_estimate_measure_runs_a_fake_step_per_strategy(tmp_path):
             assert abs(measured[column] - analytic[column]) / analytic[column] < 1e-3, strategy
         assert abs(measured["peak"] - analytic["peak"]) / measured["peak"] < 0.15, strategy
     assert figures["measured"]["fsdp"]["parameters"] < figures["measured"]["ddp"]["parameters"]
+
+
+def test_estimate_measure_refuses_frozen_parameters_with_a_message():
+    from tests.conftest import flat, run_freetx_here
+
+    result = run_freetx_here("estimate", "llm/lora_tiny", "--world-size", "2", "--measure")
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert "frozen parameters" in flat(result.stderr) and "Leave out --measure" in flat(
+        result.stderr
+    )
