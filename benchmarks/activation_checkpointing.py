@@ -29,14 +29,16 @@ def measure(mode: str, every_n: int, steps: int) -> tuple[float, float]:
     from omegaconf import OmegaConf
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    from freetx.distributed import DistributedConfig, init_distributed, parallelize
+    from freetx.distributed import DistributedConfig, build_groups, init_distributed, parallelize
     from freetx.models.transformer import decoder
 
     runtime = init_distributed("cpu")
     cfg = DistributedConfig(activation_checkpointing=mode, ac_every_n_blocks=every_n)
     with torch.device("meta"):
         model = decoder("small", max_seq_len=512)
-    model = parallelize(model, runtime, OmegaConf.structured(cfg), seed=0).model
+    model = parallelize(
+        model, build_groups(runtime, OmegaConf.structured(cfg)), OmegaConf.structured(cfg), seed=0
+    ).model
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     x = torch.randint(0, 259, (4, 512))
 

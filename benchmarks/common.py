@@ -45,14 +45,17 @@ def build_small(strategy: str = "fsdp"):
     import torch
     from omegaconf import OmegaConf
 
-    from freetx.distributed import DistributedConfig, init_distributed, parallelize
+    from freetx.distributed import DistributedConfig, build_groups, init_distributed, parallelize
     from freetx.models.transformer import decoder
 
     runtime = init_distributed("cpu")
     with torch.device("meta"):
         model = decoder("small", max_seq_len=64)
     plan = parallelize(
-        model, runtime, OmegaConf.structured(DistributedConfig(strategy=strategy)), 0
+        model,
+        build_groups(runtime, DistributedConfig(strategy=strategy)),
+        OmegaConf.structured(DistributedConfig(strategy=strategy)),
+        0,
     )
     optimizer = plan.build_optimizer(
         OmegaConf.create({"_component_": "torch.optim.AdamW", "lr": 1e-4})

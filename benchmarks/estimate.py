@@ -28,7 +28,7 @@ SHAPE = ["dataset.seq_len=256", "gradient_accumulation_steps=1"]
 
 def config(world_size: int, strategy: str):
     from freetx.cli.common import load_recipe
-    from freetx.config.entry import load_recipe_config
+    from freetx.config.run_config import load_recipe_config
 
     overrides = [*SHAPE, f"batch_size={2 * world_size}", f"distributed.strategy={strategy}"]
     return load_recipe_config("llm/small", overrides, load_recipe("full_finetune_fsdp2").schema)
@@ -44,12 +44,14 @@ def worker(strategy: str) -> None:
     import torch
 
     from freetx.config import instantiate
-    from freetx.distributed import destroy_distributed, init_distributed, parallelize
+    from freetx.distributed import build_groups, destroy_distributed, init_distributed, parallelize
     from freetx.training.estimate import meta_model, tracked_step
 
     runtime = init_distributed("cpu")
     cfg = config(runtime.world_size, strategy)
-    plan = parallelize(meta_model(cfg.model), runtime, cfg.distributed, seed=0)
+    plan = parallelize(
+        meta_model(cfg.model), build_groups(runtime, cfg.distributed), cfg.distributed, seed=0
+    )
     optimizer = plan.build_optimizer(cfg.optimizer)
     input_ids = torch.randint(0, cfg.model.vocab_size, (2, 256))
     layout = layout_of(strategy, runtime.world_size)

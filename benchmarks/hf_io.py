@@ -83,7 +83,7 @@ def load_on_ranks(folder: str, dcp_dir: str) -> None:
 
     from benchmarks.common import write_result
     from freetx.checkpoint import ModelState, load_initial_weights
-    from freetx.distributed import DistributedConfig, init_distributed, parallelize
+    from freetx.distributed import DistributedConfig, build_groups, init_distributed, parallelize
     from freetx.models.transformer import hf_decoder
 
     runtime = init_distributed("cpu")
@@ -92,7 +92,7 @@ def load_on_ranks(folder: str, dcp_dir: str) -> None:
     with torch.device("meta"):
         model = hf_decoder(folder)
     cfg = OmegaConf.structured(DistributedConfig(strategy="fsdp"))
-    plan = parallelize(model, runtime, cfg, seed=0, init_weights=False)
+    plan = parallelize(model, build_groups(runtime, cfg), cfg, seed=0, init_weights=False)
     load_initial_weights(plan.model, folder)
     torch.distributed.barrier()
     seconds = time.perf_counter() - start

@@ -33,7 +33,7 @@ def worker(method: str) -> None:
     import torch.distributed as dist
     from omegaconf import OmegaConf
 
-    from freetx.distributed import DistributedConfig, init_distributed, parallelize
+    from freetx.distributed import DistributedConfig, build_groups, init_distributed, parallelize
     from freetx.models.peft import PEFTConfig, apply_peft
     from freetx.models.transformer import decoder
 
@@ -47,7 +47,12 @@ def worker(method: str) -> None:
     distributed = DistributedConfig()
     if method.endswith("bf16"):  # bf16 compute: the frozen base is stored in bf16 too
         distributed.mixed_precision.param_dtype = "bfloat16"
-    plan = parallelize(model, runtime, OmegaConf.structured(distributed), seed=0)
+    plan = parallelize(
+        model,
+        build_groups(runtime, OmegaConf.structured(distributed)),
+        OmegaConf.structured(distributed),
+        seed=0,
+    )
     optimizer = plan.build_optimizer(
         OmegaConf.create({"_component_": "torch.optim.AdamW", "lr": 1e-4})
     )

@@ -23,14 +23,14 @@ from typing import Any, ClassVar, Optional
 
 import numpy as np
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from omegaconf import MISSING
 
-from freetx.config import at_least, instantiate, parse
+from freetx.config import at_least, instantiate
 from freetx.data import build_train_loader, micro_batch_size
 from freetx.data.darkroom import ADWindows, histories_cache, load_histories, subsample_episodes
-from freetx.distributed import init_distributed, parallelize
+from freetx.distributed import build_groups, init_distributed, parallelize
+from freetx.entry import parse
 from freetx.envs import (
     NUM_ACTIONS,
     DarkRoom,
@@ -99,8 +99,10 @@ class ADRecipeDDP:
         seed_everything(cfg.seed, self.runtime.rank)
 
     def setup(self) -> None:
-        cfg, rank, world_size = self.cfg, self.runtime.rank, self.runtime.world_size
-        self.run = TrainingRun(cfg, self.runtime, "ad_ddp")  # claims output_dir, plans the resume
+        cfg = self.cfg
+        self.groups = build_groups(self.runtime, cfg.distributed)  # the ranks: dp, world
+        self.run = TrainingRun(cfg, self.groups, "ad_ddp")  # claims output_dir, plans the resume
+        rank, world_size = self.groups.dp_rank, self.groups.dp_size  # this rank's share of data
         micro_batch_size(cfg.batch_size, world_size, self.accumulation)  # fails early
         # Cheap checks first: a model that does not fit the environment fails before any
         # history is generated.
@@ -113,7 +115,7 @@ class ADRecipeDDP:
             histories, self.n_transit, cfg.env.horizon, model.no_action, model.no_reward
         )
         self.plan = parallelize(
-            model, self.runtime, cfg.distributed, seed=cfg.seed,
+            model, self.groups, cfg.distributed, seed=cfg.seed,
             init_weights=not self.run.loads_weights,  # random init unless weights are loaded
         )  # fmt: skip
         self.model = self.plan.model
@@ -170,7 +172,7 @@ class ADRecipeDDP:
 
     def make_histories(self) -> dict[str, np.ndarray]:
         """Generate the learning histories once (split across ranks), or reuse them."""
-        cfg, rank, world_size = self.cfg, self.runtime.rank, self.runtime.world_size
+        cfg, rank, world_size = self.cfg, self.groups.dp_rank, self.groups.dp_size
         data_dir = cfg.data_dir or str(Path(cfg.output_dir) / "data")
         cache = histories_cache(data_dir, cfg.env, cfg.histories)
         if not cache.complete():
@@ -184,7 +186,7 @@ class ADRecipeDDP:
             }  # fmt: skip
             cache.build(
                 rank, world_size, lambda: history_shard(rank, world_size, cfg.env, cfg.histories),
-                metadata, barrier=dist.barrier,
+                metadata, barrier=self.groups.barrier,
             )  # fmt: skip
         histories = load_histories(cache)
         return subsample_episodes(histories, cfg.histories.subsample, cfg.env.horizon)
@@ -303,7 +305,7 @@ class ADRecipeDDP:
         the last run), so every rank makes the same number of forward passes, and
         the returns are summed over ranks into the full array on every rank.
         """
-        ecfg, world_size, rank = self.cfg.eval, self.runtime.world_size, self.runtime.rank
+        ecfg, world_size, rank = self.cfg.eval, self.plan.dp_size, self.plan.dp_rank
         shape = (len(temperatures), len(goals), ecfg.seeds)
         runs = list(np.ndindex(*shape))
         per_rank = -(-len(runs) // world_size)
@@ -321,8 +323,7 @@ class ADRecipeDDP:
         full = torch.zeros((len(runs), ecfg.episodes), dtype=torch.float64, device=self.device)
         real = [i for i in range(per_rank) if first + i < len(runs)]
         full[first : first + len(real)] = torch.from_numpy(returns[real]).to(self.device)
-        if dist.is_initialized() and world_size > 1:
-            dist.all_reduce(full)
+        self.plan.groups.all_reduce(full, over="dp")
         return full.cpu().numpy().reshape(*shape, ecfg.episodes)
 
     def rollout(

@@ -23,11 +23,10 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, Optional
 
 import torch
-import torch.distributed as dist
 from omegaconf import MISSING
 
 from freetx.checkpoint import load_model
-from freetx.config import at_least, instantiate, parse
+from freetx.config import at_least, instantiate
 from freetx.data import build_train_loader, micro_batch_size
 from freetx.data.activations import (
     ActivationBuffer,
@@ -38,7 +37,8 @@ from freetx.data.activations import (
     scales_from_norm_sums,
 )
 from freetx.data.shard_cache import ShardCache
-from freetx.distributed import init_distributed, parallelize
+from freetx.distributed import build_groups, init_distributed, parallelize
+from freetx.entry import parse
 from freetx.errors import ConfigError
 from freetx.models.crosscoder import CrosscoderStats
 from freetx.training import (
@@ -48,7 +48,6 @@ from freetx.training import (
     build_lr_scheduler,
     optimizer_step,
     seed_everything,
-    sum_tensors_over_ranks,
 )
 
 
@@ -113,14 +112,16 @@ class CrosscoderRecipeFSDP2:
         seed_everything(cfg.seed, self.runtime.rank)
 
     def setup(self) -> None:
-        cfg, world_size = self.cfg, self.runtime.world_size
-        self.run = TrainingRun(cfg, self.runtime, "crosscoder_fsdp2")
+        cfg = self.cfg
+        self.groups = build_groups(self.runtime, cfg.distributed)  # the ranks: dp, world
+        self.run = TrainingRun(cfg, self.groups, "crosscoder_fsdp2")
+        world_size = self.groups.dp_size
         rows_per_batch = micro_batch_size(cfg.batch_size, world_size, self.accumulation)
         self.make_data(rows_per_batch)
         with torch.device("meta"):
             model = instantiate(cfg.model, num_sources=self.num_sources, source_dim=self.source_dim)
         self.plan = parallelize(
-            model, self.runtime, cfg.distributed, seed=cfg.seed,
+            model, self.groups, cfg.distributed, seed=cfg.seed,
             init_weights=not self.run.loads_weights,
         )  # fmt: skip
         self.model = self.plan.model
@@ -141,7 +142,7 @@ class CrosscoderRecipeFSDP2:
     def make_data(self, rows_per_batch: int) -> None:
         """Training rows (a loader), validation rows, and the sources' shape."""
         cfg, acfg = self.cfg, self.cfg.activations
-        rank, world_size = self.runtime.rank, self.runtime.world_size
+        rank, world_size = self.groups.dp_rank, self.groups.dp_size
         self.harvester = None
         if acfg.kind == "synthetic":
             train = instantiate(acfg.synthetic, split="train")
@@ -228,7 +229,7 @@ class CrosscoderRecipeFSDP2:
 
     def validation_rows(self, harvest) -> torch.Tensor:
         """This rank's validation rows, from its own validation sequences."""
-        rank, world_size = self.runtime.rank, self.runtime.world_size
+        rank, world_size = self.groups.dp_rank, self.groups.dp_size
         parts, count = [], 0
         for i in range(rank, len(self.val_text), world_size):
             rows = harvest(torch.stack([self.val_text[i]["input_ids"]]))
@@ -241,15 +242,14 @@ class CrosscoderRecipeFSDP2:
         return torch.cat(parts)[: self.cfg.eval.rows]
 
     def barrier(self) -> None:
-        if dist.is_initialized():
-            dist.barrier()
+        self.groups.barrier()
 
     def estimate_scales(self) -> torch.Tensor:
         """Per source, sqrt(d) / mean ||x||, from rows of every rank (all-reduced): the
         same constants on every rank; stored with the model (and its checkpoints)."""
         norms, count = norm_sums(self.normalize_from[: self.cfg.activations.normalize_rows])
         count = torch.tensor(float(count), device=self.device)
-        totals = sum_tensors_over_ranks({"norms": norms.to(self.device), "count": count})
+        totals = self.groups.sum_tensors({"norms": norms.to(self.device), "count": count})
         scales = scales_from_norm_sums(totals["norms"], float(totals["count"]), self.source_dim)
         return scales.to(self.device)
 
@@ -270,7 +270,7 @@ class CrosscoderRecipeFSDP2:
             run.advance(grad_norm)  # the NaN guard: a non-finite norm skipped the update
             if run.log_due():
                 run.log_train(sums, rows, grad_norm)
-                run.log(self.stats.read(sum_tensors_over_ranks))
+                run.log(self.stats.read(self.groups.sum_tensors))
             if run.due(cfg.eval.every_n_steps):
                 run.evaluate(self.evaluate)
             if run.due(cfg.checkpoint.every_n_steps):
@@ -305,12 +305,12 @@ class CrosscoderRecipeFSDP2:
             for key in ("recon_loss", "l0"):
                 sums[key] = sums.get(key, 0) + extras[key].double()
         sums["rows"] = torch.tensor(float(len(self.val_rows)), dtype=torch.float64)
-        totals = sum_tensors_over_ranks(
+        totals = self.groups.sum_tensors(
             {k: torch.as_tensor(v).to(self.device) for k, v in sums.items()}
         )
         rows = float(totals.pop("rows"))
         metrics = {f"val/{k}": float(v) / rows for k, v in totals.items()}
-        metrics.update({f"val/{k}": v for k, v in stats.read(sum_tensors_over_ranks).items()})
+        metrics.update({f"val/{k}": v for k, v in stats.read(self.groups.sum_tensors).items()})
         decoder = self.full_decoder()
         if self.planted is not None:
             metrics.update(self.planted.recovery(decoder.cpu()))

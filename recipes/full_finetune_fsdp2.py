@@ -25,9 +25,10 @@ from typing import Any, ClassVar, Optional
 import torch
 from omegaconf import MISSING
 
-from freetx.config import at_least, instantiate, parse
+from freetx.config import at_least, instantiate
 from freetx.data import IGNORE_INDEX, build_eval_loader, build_train_loader, micro_batch_size
-from freetx.distributed import init_distributed, parallelize
+from freetx.distributed import build_groups, init_distributed, parallelize
+from freetx.entry import parse
 from freetx.models.peft import PEFTConfig, apply_peft
 from freetx.training import (
     TrainingConfig,
@@ -38,7 +39,6 @@ from freetx.training import (
     loss_tokens,
     optimizer_step,
     seed_everything,
-    sum_over_ranks,
 )
 
 
@@ -76,10 +76,12 @@ class FullFinetuneRecipeFSDP2:
         seed_everything(cfg.seed, self.runtime.rank)
 
     def setup(self) -> None:
-        cfg, rank, world_size = self.cfg, self.runtime.rank, self.runtime.world_size
+        cfg = self.cfg
+        self.groups = build_groups(self.runtime, cfg.distributed)  # the ranks: dp, world
+        rank, world_size = self.groups.dp_rank, self.groups.dp_size  # this rank's share of data
         # Cheap checks first: a resume that would lose saved work or change fixed
         # settings, a bad batch split or a bad data path fails before any model exists.
-        self.run = TrainingRun(cfg, self.runtime, "full_finetune_fsdp2")
+        self.run = TrainingRun(cfg, self.groups, "full_finetune_fsdp2")
         micro_batch_size(cfg.batch_size, world_size, self.accumulation)
         self.tokenizer = instantiate(cfg.tokenizer)
         train_set = instantiate(cfg.dataset, tokenizer=self.tokenizer, split="train")
@@ -91,7 +93,7 @@ class FullFinetuneRecipeFSDP2:
         check_model_and_data(model.config, self.tokenizer, self.seq_len)
         trains = apply_peft(model, cfg.peft, world_size)  # all, or adapters / some modules
         self.plan = parallelize(
-            model, self.runtime, cfg.distributed, seed=cfg.seed,
+            model, self.groups, cfg.distributed, seed=cfg.seed,
             init_weights=not self.run.loads_weights,  # random init unless weights are loaded
         )  # fmt: skip
         self.model = self.plan.model
@@ -156,7 +158,7 @@ class FullFinetuneRecipeFSDP2:
             for name, value in parts.items():
                 sums[name] = sums.get(name, 0) + value
             tokens += (labels != IGNORE_INDEX).sum()
-        totals = sum_over_ranks({**sums, "tokens": tokens}, self.device)
+        totals = self.groups.sum({**sums, "tokens": tokens}, over="dp")
         self.model.train()
         num_tokens = max(totals.pop("tokens"), 1.0)
         metrics = {f"val/{name}": value / num_tokens for name, value in totals.items()}

@@ -26,11 +26,12 @@ import torch
 from omegaconf import MISSING
 
 from freetx.checkpoint import load_model, resolve_checkpoint
-from freetx.config import at_least, instantiate, parse, write_resolved_config
+from freetx.config import at_least, instantiate, write_resolved_config
 from freetx.data import leading_bos
 from freetx.distributed import init_distributed
+from freetx.entry import parse
 from freetx.errors import ConfigError
-from freetx.logging import build_metric_loggers
+from freetx.loggers import build_metric_loggers
 from freetx.models import LatentModel
 
 

@@ -10,9 +10,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from freetx.config import at_least, parse
+from freetx.config import at_least
 from freetx.data import build_train_loader
-from freetx.distributed import init_distributed, parallelize
+from freetx.distributed import build_groups, init_distributed, parallelize
+from freetx.entry import parse
 from freetx.training import (
     TrainingConfig,
     TrainingRun,
@@ -74,16 +75,22 @@ class SpiralsRecipe:
         seed_everything(cfg.seed, self.runtime.rank)
 
     def setup(self) -> None:
-        cfg, rank, world = self.cfg, self.runtime.rank, self.runtime.world_size
-        self.run = TrainingRun(cfg, self.runtime, "two_spirals")  # claims output_dir first
+        cfg = self.cfg
+        self.groups = build_groups(self.runtime, cfg.distributed)  # the ranks: dp, world
+        self.run = TrainingRun(cfg, self.groups, "two_spirals")  # claims output_dir first
         with torch.device("meta"):
             model = MLP(cfg.model)
-        self.plan = parallelize(model, self.runtime, cfg.distributed, seed=cfg.seed)
+        self.plan = parallelize(model, self.groups, cfg.distributed, seed=cfg.seed)
         self.optimizer = self.plan.build_optimizer(cfg.optimizer)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.max_steps, cfg.lr_schedule)
         data = spirals(cfg.samples, cfg.seed)
         self.loader = build_train_loader(
-            data, cfg.batch_size, cfg.gradient_accumulation_steps, rank, world, cfg.seed
+            data,
+            cfg.batch_size,
+            cfg.gradient_accumulation_steps,
+            self.groups.dp_rank,
+            self.groups.dp_size,
+            cfg.seed,
         )
         self.run.start(
             self.plan, self.optimizer, self.lr_scheduler, self.loader, tokens_per_sample=1

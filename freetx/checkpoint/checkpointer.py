@@ -35,7 +35,6 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
 from torch.distributed.checkpoint import FileSystemWriter
@@ -65,8 +64,9 @@ from freetx.checkpoint.run_folder import (
 )
 from freetx.checkpoint.state import PerRankState
 from freetx.config.compare import fixed_on_resume
-from freetx.config.entry import write_resolved_config
+from freetx.config.run_config import write_resolved_config
 from freetx.config.schema import config_as_dict
+from freetx.distributed.groups import HostGroup
 from freetx.errors import CheckpointError, FreetxError
 from freetx.fields import at_least
 
@@ -122,7 +122,7 @@ class Checkpointer:
     that would lose saved work is refused before any model is built.
     """
 
-    def __init__(self, run_config: Any, rank: int) -> None:
+    def __init__(self, run_config: Any, rank: int, host: HostGroup | None = None) -> None:
         self.run_config = run_config
         self.output_dir = Path(run_config.output_dir)
         self.dir = self.output_dir / "checkpoints"
@@ -132,7 +132,7 @@ class Checkpointer:
         self._lock = RunLock(self.output_dir)
         # a separate gloo group: background (async) writes must not interleave with
         # the training loop's collectives on the default group
-        self.group = dist.new_group(backend="gloo") if dist.is_initialized() else None
+        self.host = host or HostGroup.new()
         self._pending: tuple[Any, Path, Path, dict] | None = None
         # async saves reuse one writer, which keeps its CPU copy of the state between saves
         self._async_writer = _StagingWriter(str(self.dir)) if self.cfg.async_save else None
@@ -176,11 +176,7 @@ class Checkpointer:
                 outcome = ("refused", str(e))
             except Exception as e:  # the other ranks must hear of it, or they wait forever
                 crash, outcome = e, ("crashed", repr(e))
-        if self.group is not None:
-            box = [outcome]
-            dist.broadcast_object_list(box, src=0, group=self.group)
-            outcome = box[0]
-        kind, value = outcome
+        kind, value = self.host.broadcast_object(outcome, src=0)
         if kind == "plan":
             return value
         self._lock.release()
@@ -262,12 +258,12 @@ class Checkpointer:
             if self._async_writer is not None:
                 future = dcp.async_save(
                     state, checkpoint_id=str(tmp), storage_writer=self._async_writer,
-                    process_group=self.group,
+                    process_group=self.host.group,
                 )  # fmt: skip
                 self._pending = (future, tmp, final, meta)
                 return
             writer = FileSystemWriter(str(tmp), thread_count=WRITE_THREADS)
-            dcp.save(state, storage_writer=writer, process_group=self.group)
+            dcp.save(state, storage_writer=writer, process_group=self.host.group)
         except DCP_ERRORS as e:
             self._fail(tmp, step, e)
         self._finalize(tmp, final, meta)
@@ -313,8 +309,7 @@ class Checkpointer:
             pointer.write_text(final.name + "\n")
             os.replace(pointer, self.dir / LATEST_FILE)
             self._prune(meta["step"])
-        if self.group is not None:
-            dist.barrier(group=self.group)
+        self.host.barrier()
 
     def _prune(self, step: int) -> None:
         """Keep the newest `keep_last` complete checkpoints up to `step`; never touch an
@@ -332,9 +327,7 @@ class Checkpointer:
     def close(self) -> None:
         self.wait()
         self._lock.release()
-        if self.group is not None:
-            dist.destroy_process_group(self.group)
-            self.group = None
+        self.host.destroy()
 
 
 def build_meta(module, world_size: int, strategy: str) -> dict:

@@ -43,7 +43,7 @@ def resolve_recipe_file(name_or_path: str) -> Path:
 def load_recipe(name_or_path: str) -> RecipeTarget:
     """Import a recipe file by path (not as __main__) to read its schema and flags.
 
-    The recipe's `recipe_main` must be decorated with `freetx.config.parse`.
+    The recipe's `recipe_main` must be decorated with `freetx.entry.parse`.
     """
     path = resolve_recipe_file(name_or_path)
     module_name = f"freetx_recipe_{path.stem}"
@@ -64,7 +64,7 @@ def load_recipe(name_or_path: str) -> RecipeTarget:
     entry = getattr(module, "recipe_main", None)
     if entry is None or not hasattr(entry, "config_schema"):
         raise FreetxError(
-            f"{path} has no `recipe_main` decorated with @freetx.config.parse(Schema); "
+            f"{path} has no `recipe_main` decorated with @freetx.entry.parse(Schema); "
             "a recipe file must define one (see any built-in recipe)."
         )
     return RecipeTarget(

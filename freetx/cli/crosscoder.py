@@ -49,7 +49,7 @@ def main(args: argparse.Namespace) -> int:
 
 def analyze(args: argparse.Namespace) -> int:
     from freetx.errors import FreetxError
-    from freetx.logging.charts import write_histogram_png
+    from freetx.loggers.charts import write_histogram_png
     from freetx.models.crosscoder import diffing_analysis
 
     source = _tensors(args.checkpoint)

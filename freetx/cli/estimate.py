@@ -33,7 +33,7 @@ def main(args: argparse.Namespace) -> int:
     import torch
 
     from freetx.cli.common import load_recipe
-    from freetx.config.entry import load_recipe_config
+    from freetx.config.run_config import load_recipe_config
     from freetx.distributed import shard_layouts
     from freetx.errors import ConfigError
     from freetx.registry import recipe_for_config

@@ -54,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _spec(args: argparse.Namespace):
     from freetx.cli.common import load_recipe
-    from freetx.config.entry import load_recipe_config, split_recipe_args
+    from freetx.config.run_config import load_recipe_config, split_recipe_args
     from freetx.errors import FreetxError
     from freetx.launch import LaunchSpec
 

@@ -52,8 +52,8 @@ def _torchrun_parser():
 
 def main(argv: list[str]) -> int:
     from freetx.cli.common import load_recipe
-    from freetx.config.entry import load_recipe_config, split_recipe_args
     from freetx.config.loading import resolve_config_path
+    from freetx.config.run_config import load_recipe_config, split_recipe_args
     from freetx.config.schema import config_as_dict
 
     parser = _torchrun_parser()

@@ -29,7 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(args: argparse.Namespace) -> int:
     from freetx.cli.common import load_recipe
-    from freetx.config.entry import load_and_check
+    from freetx.config.run_config import load_and_check
     from freetx.config.schema import apply_schema
     from freetx.errors import ConfigError
 

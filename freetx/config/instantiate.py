@@ -41,12 +41,22 @@ def is_component(node: Any) -> bool:
     return isinstance(node, (DictConfig, dict)) and COMPONENT in node
 
 
+# modules freetx renamed: a config that names the old path is told the new one
+RENAMED_MODULES = {"freetx.logging": "freetx.loggers"}
+
+
 def import_component(dotted: Any, where: str) -> Any:
     """Import the object `pkg.module.attr`; errors name `where` and what failed."""
     if not isinstance(dotted, str) or not dotted.strip():
         raise ConfigError(
             f"{where}: expected a dotted import path such as torch.optim.AdamW, got {dotted!r}."
         )
+    for old, new in RENAMED_MODULES.items():
+        if dotted.strip().startswith(old + "."):
+            raise ConfigError(
+                f"{where}: '{dotted}' names the module {old}, which freetx renamed {new}.",
+                fix=f"Write '{new}{dotted.strip()[len(old) :]}' in the config.",
+            )
     parts = dotted.strip().split(".")
     module = None
     consumed = 0

@@ -4,12 +4,14 @@
 that knows the strategy: nothing outside this package names one.
 """
 
+from freetx.distributed.groups import HostGroup, ParallelGroups
 from freetx.distributed.init import canonical_name, fill_parameters, load_parameters, materialize
 from freetx.distributed.parallelize import (
     DistributedConfig,
     MixedPrecisionConfig,
     ParallelPlan,
     ShardLayout,
+    build_groups,
     check_world_fits,
     parallelize,
     shard_layouts,
@@ -26,9 +28,12 @@ from freetx.distributed.runtime import (
 __all__ = [
     "DistributedConfig",
     "DistributedRuntime",
+    "HostGroup",
+    "ParallelGroups",
     "MixedPrecisionConfig",
     "ParallelPlan",
     "ShardLayout",
+    "build_groups",
     "build_mesh",
     "check_world_fits",
     "canonical_name",

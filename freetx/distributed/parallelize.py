@@ -28,7 +28,6 @@ from typing import Any, Literal, Optional
 import torch
 from torch import nn
 from torch.distributed._composable import checkpoint as checkpoint_activations
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import (
     CPUOffloadPolicy,
     FSDPModule,
@@ -39,6 +38,7 @@ from torch.distributed.fsdp import (
 from torch.nn.parallel import DistributedDataParallel
 
 from freetx.config.instantiate import COMPONENT, import_component, instantiate, node_path
+from freetx.distributed.groups import ParallelGroups
 from freetx.distributed.init import materialize
 from freetx.distributed.runtime import DistributedRuntime, build_mesh
 from freetx.errors import ConfigError
@@ -119,10 +119,21 @@ class ParallelPlan:
     model: nn.Module  # what to call and train: DDP wrapper, FSDP2-sharded model, or plain
     module: nn.Module  # the model itself, under any wrapper: its config and protocol methods
     strategy: str  # the canonical strategy name (for the banner and checkpoints' meta)
-    runtime: DistributedRuntime
+    groups: ParallelGroups  # the ranks by axis (dp, world) and the collectives over them
     cfg: Any  # the `distributed:` section
-    mesh: DeviceMesh | None = None  # the data-parallel mesh of a sharded model
     scaler: torch.amp.GradScaler = field(init=False)
+
+    @property
+    def runtime(self) -> DistributedRuntime:
+        return self.groups.runtime
+
+    @property
+    def dp_rank(self) -> int:
+        return self.groups.dp_rank
+
+    @property
+    def dp_size(self) -> int:
+        return self.groups.dp_size
 
     def __post_init__(self) -> None:
         # enabled only for float16 (a no-op pass-through otherwise)
@@ -277,13 +288,23 @@ def find_blocks(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if isinstance(m, types)]
 
 
+def build_groups(runtime: DistributedRuntime, cfg: DistributedConfig) -> ParallelGroups:
+    """The job's ranks by axis for this `distributed:` section, before data or model are
+    made (data reads `groups.dp_rank`'s share); a sharded strategy's mesh is made here.
+    Refuses combinations that cannot work first."""
+    check_distributed_config(cfg, runtime)
+    mesh = None
+    if canonical_strategy(cfg.strategy) in SHARDED and (runtime.world_size > 1 or cfg.cpu_offload):
+        mesh = build_mesh(runtime, replicate_degree(cfg, runtime))
+    return ParallelGroups(runtime, mesh)
+
+
 def parallelize(
     model: nn.Module,
-    runtime: DistributedRuntime,
+    groups: ParallelGroups,
     cfg,
     seed: int,
     init_weights: bool = True,
-    mesh: DeviceMesh | None = None,
 ) -> ParallelPlan:
     """Apply the configured strategy to a meta-device model, then materialize it.
 
@@ -291,9 +312,10 @@ def parallelize(
     otherwise, and the plain model at world size 1 (unless CPU offload needs
     FSDP). Initial weights depend only on `seed`, not on the strategy or the
     world size; `init_weights=False` skips them for a run that loads its weights
-    (a resume, or `checkpoint.initial_weights`). `mesh`: the data-parallel mesh of a
-    sharded model, when the caller built it (`build_mesh`; else it is built here).
+    (a resume, or `checkpoint.initial_weights`). `groups` comes from `build_groups`
+    with the same `cfg`.
     """
+    runtime = groups.runtime
     check_distributed_config(cfg, runtime)
     strategy = canonical_strategy(cfg.strategy)
     store_frozen_bases_in(model, DTYPES[cfg.mixed_precision.param_dtype])
@@ -304,8 +326,8 @@ def parallelize(
         for block in whole:
             block.compile()
 
-    def plan(trained: nn.Module, mesh: DeviceMesh | None = None) -> ParallelPlan:
-        return ParallelPlan(trained, model, strategy, runtime, cfg, mesh)
+    def plan(trained: nn.Module) -> ParallelPlan:
+        return ParallelPlan(trained, model, strategy, groups, cfg)
 
     if runtime.world_size == 1 and not cfg.cpu_offload:
         # nothing to shard or replicate: the plain model is the fastest way to train
@@ -323,9 +345,10 @@ def parallelize(
             )
         )
 
-    mesh = mesh or build_mesh(runtime, replicate_degree(cfg, runtime))
+    if groups.mesh is None:
+        raise ValueError("parallelize: a sharded strategy needs the groups of build_groups")
     options = {
-        "mesh": mesh,
+        "mesh": groups.mesh,
         "reshard_after_forward": strategy != "zero2",
         "mp_policy": MixedPrecisionPolicy(
             param_dtype=DTYPES[cfg.mixed_precision.param_dtype],
@@ -342,7 +365,7 @@ def parallelize(
     # offloaded parameters live on the CPU; buffers (RoPE tables) stay on the device
     param_device = torch.device("cpu") if cfg.cpu_offload else runtime.device
     materialize(model, param_device, seed, buffer_device=runtime.device, init_weights=init_weights)
-    return plan(model, mesh)
+    return plan(model)
 
 
 def unwrap(model: nn.Module) -> nn.Module:

@@ -7,14 +7,11 @@ from freetx.training.grad import clip_grad_norm
 from freetx.training.lifecycle import TrainingRun, training_state
 from freetx.training.loss import CrossEntropyLoss, loss_tokens
 from freetx.training.lr_schedule import LRScheduleConfig, build_lr_scheduler, lr_multiplier
-from freetx.training.metrics import (
+from freetx.training.meters import (
     ThroughputMeter,
     measure_matmul_flops,
     memory_stats,
     peak_flops,
-    reduce_over_ranks,
-    sum_over_ranks,
-    sum_tensors_over_ranks,
     train_step_metrics,
 )
 from freetx.training.seed import rng_state, seed_everything, set_rng_state
@@ -34,7 +31,6 @@ __all__ = [
     "default_metric_loggers",
     "loss_tokens",
     "lr_multiplier",
-    "reduce_over_ranks",
     "measure_matmul_flops",
     "memory_stats",
     "optimizer_step",
@@ -42,8 +38,6 @@ __all__ = [
     "rng_state",
     "seed_everything",
     "set_rng_state",
-    "sum_over_ranks",
-    "sum_tensors_over_ranks",
     "train_step_metrics",
     "training_state",
 ]

@@ -17,8 +17,8 @@ from freetx.training.profiling import ProfilerConfig
 def default_metric_loggers() -> list[Any]:
     """A progress bar and metrics.jsonl (both on rank 0 only)."""
     return [
-        {"_component_": "freetx.logging.ProgressBarLogger"},
-        {"_component_": "freetx.logging.JSONLLogger"},
+        {"_component_": "freetx.loggers.ProgressBarLogger"},
+        {"_component_": "freetx.loggers.JSONLLogger"},
     ]
 
 

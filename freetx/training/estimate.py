@@ -195,7 +195,7 @@ def measure(cfg, layout: ShardLayout, world_size: int) -> dict[str, float]:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from freetx.config import instantiate
-    from freetx.distributed import DistributedRuntime, build_mesh, parallelize
+    from freetx.distributed import DistributedRuntime, ParallelGroups, build_mesh, parallelize
 
     sharded = layout.parameter_shards > 1  # else replicated: the plain model at world size 1
     distributed = dataclasses.replace(
@@ -212,7 +212,7 @@ def measure(cfg, layout: ShardLayout, world_size: int) -> dict[str, float]:
         mesh = build_mesh(runtime, layout.replicas) if sharded else None
         model = meta_model(cfg.model, getattr(cfg, "peft", None))  # real meta tensors
         with FakeTensorMode(allow_non_fake_inputs=True):
-            plan = parallelize(model, runtime, distributed, seed=cfg.seed, mesh=mesh)
+            plan = parallelize(model, ParallelGroups(runtime, mesh), distributed, seed=cfg.seed)
             optimizer = plan.build_optimizer(cfg.optimizer)
             loss_fn = instantiate(cfg.loss)
             input_ids = torch.randint(0, model.config.vocab_size, (micro, seq_len), device=device)

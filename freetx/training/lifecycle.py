@@ -3,12 +3,14 @@
 A recipe owns its loop, top to bottom, in its own file; this is the
 bookkeeping around it, written once:
 
-    run = TrainingRun(cfg, runtime, "my_recipe")  # claims output_dir, plans the resume
+    groups = build_groups(runtime, cfg.distributed)  # the ranks by axis (dp, world)
+    run = TrainingRun(cfg, groups, "my_recipe")  # claims output_dir, plans the resume
     ... build the model (parallelize), optimizer, scheduler, data ...
     run.start(plan, optimizer, lr_scheduler, train_loader, tokens_per_sample=seq_len)
     while run.step < cfg.max_steps and not run.stopping:   # stopping: SIGTERM / SIGUSR1 / ^C
         ... accumulate_gradients, grad_norm = optimizer_step(...) ...
-        run.advance(grad_norm)                     # step, epoch, tokens seen, NaN guard
+        run.advance(grad_norm)                     # step, epoch, tokens seen, NaN guard,
+                                                   # and the ranks agree on a stop signal
         if run.log_due():
             run.log_train(sums, count, grad_norm)
         if run.due(cfg.eval.every_n_steps):
@@ -44,14 +46,15 @@ from freetx.checkpoint import (
 )
 from freetx.checkpoint.checkpointer import build_meta
 from freetx.checkpoint.state import LRSchedulerState
-from freetx.distributed import DistributedRuntime, ParallelPlan, canonical_name
+from freetx.distributed import ParallelGroups, ParallelPlan, canonical_name
+from freetx.entry import at_step
 from freetx.errors import TrainingError
-from freetx.logging import build_metric_loggers, training_banner
+from freetx.loggers import build_metric_loggers, training_banner
 from freetx.models import flops_per_token, num_parameters
-from freetx.training import signals
-from freetx.training.metrics import ThroughputMeter, peak_flops, train_step_metrics
+from freetx.training.meters import ThroughputMeter, peak_flops, train_step_metrics
 from freetx.training.profiling import StepProfiler
 from freetx.training.seed import rng_state, set_rng_state
+from freetx.training.signals import PREEMPTED_FILE, StopRequest
 
 
 def training_state(
@@ -89,12 +92,13 @@ def training_state(
 class TrainingRun:
     """A run's progress, checkpoints, loggers and meters (see the module docstring)."""
 
-    def __init__(self, cfg, runtime: DistributedRuntime, recipe: str) -> None:
+    def __init__(self, cfg, groups: ParallelGroups, recipe: str) -> None:
         self.cfg = cfg
-        self.runtime = runtime
+        self.groups = groups
+        self.runtime = runtime = groups.runtime
         self.recipe = recipe
         # first: a run that would lose saved work is refused before anything is built
-        self.checkpointer = Checkpointer(cfg, runtime.rank)
+        self.checkpointer = Checkpointer(cfg, runtime.rank, groups.host())
         self.progress = TrainState()  # step, epoch, tokens seen: saved with every checkpoint
         self.loggers = build_metric_loggers(
             cfg.metric_loggers, cfg.output_dir, cfg.max_steps, runtime.rank
@@ -102,7 +106,8 @@ class TrainingRun:
         self.saved_step: int | None = None
         self.evaluated_step: int | None = None
         self.nonfinite_in_a_row = 0
-        signals.install_stop_handlers()
+        self.stop = StopRequest()
+        self.stop.install()
 
     @property
     def loads_weights(self) -> bool:
@@ -162,19 +167,21 @@ class TrainingRun:
                 cfg.profiler, cfg.output_dir, self.runtime.rank, self.runtime.device_type
             )
         if self.runtime.is_rank_zero:
-            (Path(cfg.output_dir) / signals.PREEMPTED_FILE).unlink(missing_ok=True)
+            (Path(cfg.output_dir) / PREEMPTED_FILE).unlink(missing_ok=True)
 
     # -- the loop's bookkeeping ----------------------------------------------
     @property
     def stopping(self) -> bool:
         """A rank was asked to stop (SIGTERM, SIGUSR1, Ctrl-C): every rank stops now."""
-        return signals.stop_agreed()
+        return self.stop.agreed
 
     def advance(self, grad_norm: float | None = None) -> int:
-        """Count one optimizer step: step, data epoch, tokens seen, throughput; and the NaN
+        """Count one optimizer step: step, data epoch, tokens seen, throughput; the NaN
         guard: a non-finite gradient norm means the update was skipped (`optimizer_step`),
         which is logged, and ends the run under `on_nonfinite: stop` or after
-        `max_nonfinite_skips` in a row."""
+        `max_nonfinite_skips` in a row; and the stop agreement: every rank learns whether
+        any rank got a stop signal (one collective over the world), so `stopping` is the
+        same on every rank after this step."""
         if grad_norm is not None and not math.isfinite(grad_norm):
             self.nonfinite_in_a_row += 1
             self.write(
@@ -193,7 +200,8 @@ class TrainingRun:
         elif grad_norm is not None:
             self.nonfinite_in_a_row = 0
         self.progress.step += 1
-        signals.current_step = self.progress.step + 1  # the next one starts
+        at_step(self.progress.step + 1)  # the next one starts (named if a collective hangs)
+        self.stop.agree(self.groups.any(self.stop.requested is not None, over="world"))
         if self.profiler is not None:
             self.profiler.step()
         sampler = getattr(self.train_loader, "batch_sampler", self.train_loader)
@@ -213,7 +221,7 @@ class TrainingRun:
         """Log a step: loss and sums per unit over all ranks (a collective), lr, grad norm,
         throughput, peak memory, tokens seen, epoch."""
         metrics = train_step_metrics(
-            sums, count, grad_norm, self.lr_scheduler, self.meter, self.runtime.device
+            self.groups, sums, count, grad_norm, self.lr_scheduler, self.meter
         )
         metrics["tokens_seen"] = self.progress.tokens_seen
         metrics["epoch"] = self.progress.epoch
@@ -245,11 +253,11 @@ class TrainingRun:
                 self.save()
             self.checkpointer.wait()
             if self.runtime.is_rank_zero:
-                reason = signals.requested_by()
+                reason = self.stop.requested_by
                 note = f"{reason} at step {self.step}: saved {step_name(self.step)}\n"
-                (Path(self.cfg.output_dir) / signals.PREEMPTED_FILE).write_text(note)
+                (Path(self.cfg.output_dir) / PREEMPTED_FILE).write_text(note)
             self.write(
-                f"stopped by {signals.requested_by()} at step {self.step}, checkpoint "
+                f"stopped by {self.stop.requested_by} at step {self.step}, checkpoint "
                 f"{step_name(self.step)} saved; the same command continues from it"
             )
             return

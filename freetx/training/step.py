@@ -13,29 +13,19 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from freetx.distributed import ParallelPlan
-from freetx.training import signals
+from freetx.distributed import ParallelGroups, ParallelPlan
 from freetx.training.grad import clip_grad_norm
 
 Batch = Any  # whatever the recipe's data loader yields
 LossFn = Callable[[Batch], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
 
-def count_over_ranks(counts: list[torch.Tensor]) -> torch.Tensor:
-    """The units of these micro-batches, summed over all ranks (a collective), as float64.
-
-    The same all-reduce carries this rank's stop request (a signal it got), so every
-    rank learns in the same step whether any rank must stop (`freetx.training.signals`).
-    """
+def count_over_ranks(groups: ParallelGroups, counts: list[torch.Tensor | int]) -> torch.Tensor:
+    """The units of these micro-batches, summed over the data-parallel ranks (a
+    collective), as float64."""
     total = sum(torch.as_tensor(c) for c in counts).to(torch.float64)
-    request = torch.tensor(signals.local_request(), dtype=torch.float64, device=total.device)
-    packed = torch.stack([total, request])
-    if dist.is_initialized():
-        dist.all_reduce(packed)
-    signals.agree(float(packed[1]))
-    return packed[0]
+    return groups.all_reduce(total.reshape(1), over="dp")[0]
 
 
 def accumulate_gradients(
@@ -46,20 +36,20 @@ def accumulate_gradients(
 ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """Forward and backward over the micro-batches of one global batch.
 
-    The units of all micro-batches on all ranks are counted first (one
-    all-reduce); every micro-batch's summed loss is divided by that total, so
+    The units of all micro-batches on all data-parallel ranks are counted first
+    (one all-reduce); every micro-batch's summed loss is divided by that total, so
     each unit weighs the same whatever the split over ranks and micro-batches.
     Gradients are communicated only on the last micro-batch. Returns (the sums
     for logging, the global unit count that normalizes them).
     """
-    total = count_over_ranks([count(b) for b in batches])
+    total = count_over_ranks(plan.groups, [count(b) for b in batches])
     sums = {"loss": torch.zeros((), device=plan.runtime.device)}
     for i, batch in enumerate(batches):
         with plan.gradient_sync(enabled=i == len(batches) - 1):
             with plan.autocast():
                 loss, extras = compute_loss(batch)
-            # DDP and FSDP average gradients over ranks: multiply back by the world size
-            plan.scaler.scale(loss * plan.runtime.world_size / total).backward()
+            # DDP and FSDP average gradients over the data-parallel ranks: multiply back
+            plan.scaler.scale(loss * plan.dp_size / total).backward()
         sums["loss"] += loss.detach()
         for name, value in extras.items():
             sums[name] = sums.get(name, 0) + value

@@ -19,10 +19,11 @@ import torch.distributed as dist
 from omegaconf import MISSING, DictConfig
 from torch.nn.parallel import DistributedDataParallel
 
-from freetx.config import instantiate, parse, write_resolved_config
+from freetx.config import instantiate, write_resolved_config
 from freetx.distributed import init_distributed
+from freetx.entry import parse
 from freetx.errors import FreetxError
-from freetx.logging import build_metric_loggers
+from freetx.loggers import build_metric_loggers
 
 
 @dataclass

@@ -19,7 +19,7 @@ from omegaconf import OmegaConf
 
 from freetx.checkpoint import ModelState, OptimizerState, TrainState
 from freetx.checkpoint.files import SafeLoadPlanner
-from freetx.distributed import DistributedConfig, init_distributed, parallelize
+from freetx.distributed import DistributedConfig, build_groups, init_distributed, parallelize
 from freetx.models.transformer import decoder
 from tests.distributed.launcher import write_results
 
@@ -30,7 +30,7 @@ def build(strategy: str):
         model = decoder(vocab_size=64, hidden_dim=32, num_layers=3, num_heads=4, num_kv_heads=2,
                         ffn_hidden_dim=64, max_seq_len=16)  # fmt: skip
     cfg = OmegaConf.structured(DistributedConfig(strategy=strategy))
-    plan = parallelize(model, runtime, cfg, seed=1)
+    plan = parallelize(model, build_groups(runtime, cfg), cfg, seed=1)
     optimizer = plan.build_optimizer(
         OmegaConf.create({"_component_": "torch.optim.AdamW", "lr": 1e-2})
     )

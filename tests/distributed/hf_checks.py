@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 
 from freetx.checkpoint import load_initial_weights
 from freetx.checkpoint.formats import SafetensorsFile
-from freetx.distributed import DistributedConfig, init_distributed, parallelize
+from freetx.distributed import DistributedConfig, build_groups, init_distributed, parallelize
 from freetx.models.transformer import hf_decoder
 from tests.distributed.launcher import write_results
 
@@ -43,7 +43,7 @@ def main() -> None:
         with torch.device("meta"):
             model = hf_decoder(folder)
         cfg = OmegaConf.structured(DistributedConfig(strategy=strategy))
-        plan = parallelize(model, runtime, cfg, seed=0)
+        plan = parallelize(model, build_groups(runtime, cfg), cfg, seed=0)
         bytes_read = 0
         load_initial_weights(plan.model, folder)
         with torch.no_grad():

@@ -17,6 +17,8 @@ from torch.distributed.tensor import DTensor
 from freetx.data import GlobalBatchSampler
 from freetx.distributed import (
     DistributedConfig,
+    ParallelGroups,
+    build_groups,
     init_distributed,
     materialize,
     parallelize,
@@ -75,7 +77,7 @@ def train_one_step(strategy: str, accumulation: int = 1, **dist_options):
     cfg = OmegaConf.structured(DistributedConfig(strategy=strategy, **dist_options))
     with torch.device("meta"):
         model = make_model()
-    plan = parallelize(model, runtime, cfg, seed=SEED)
+    plan = parallelize(model, build_groups(runtime, cfg), cfg, seed=SEED)
     model = plan.model
     init = full_params(model)
     optimizer = plan.build_optimizer(optimizer_cfg())
@@ -84,7 +86,9 @@ def train_one_step(strategy: str, accumulation: int = 1, **dist_options):
     mine = slice(runtime.rank * per_rank, (runtime.rank + 1) * per_rank)
     micro_inputs = inputs[mine].chunk(accumulation)
     micro_labels = labels[mine].chunk(accumulation)
-    num_tokens = count_over_ranks([(y != -100).sum() for y in micro_labels])
+    num_tokens = count_over_ranks(
+        ParallelGroups(runtime), [(y != -100).sum() for y in micro_labels]
+    )
     loss_fn = CrossEntropyLoss()
     for i, (x, y) in enumerate(zip(micro_inputs, micro_labels)):
         with plan.gradient_sync(enabled=i == accumulation - 1):
@@ -118,7 +122,7 @@ def saved_activation_bytes(activation_checkpointing: str) -> tuple[int, dict]:
     )
     with torch.device("meta"):
         model = make_model(dropout=0.1)
-    model = parallelize(model, runtime, cfg, seed=SEED).model
+    model = parallelize(model, build_groups(runtime, cfg), cfg, seed=SEED).model
     inputs, labels = global_batch()
     saved = []
 
@@ -155,7 +159,7 @@ def free_transformer_step(strategy: str | None):
         materialize(model, torch.device("cpu"), SEED)
     else:
         cfg = OmegaConf.structured(DistributedConfig(strategy=strategy))
-        model = parallelize(model, runtime, cfg, seed=SEED).model
+        model = parallelize(model, build_groups(runtime, cfg), cfg, seed=SEED).model
     fill_parameters(unwrap(model), weights)
     inputs, labels = global_batch()
     noise = torch.rand(GLOBAL_BATCH, SEQ, 3, generator=torch.Generator().manual_seed(4))
@@ -166,7 +170,7 @@ def free_transformer_step(strategy: str | None):
     else:
         per_rank = GLOBAL_BATCH // runtime.world_size
         mine = slice(runtime.rank * per_rank, (runtime.rank + 1) * per_rank)
-        num_tokens = count_over_ranks([(labels[mine] != -100).sum()])
+        num_tokens = count_over_ranks(ParallelGroups(runtime), [(labels[mine] != -100).sum()])
         loss, _ = loss_fn(model(inputs[mine], noise=noise[mine]), labels[mine])
         (loss * runtime.world_size / num_tokens).backward()
     return full_grads(model)
@@ -184,7 +188,10 @@ def ad_step(strategy: str | None):
         materialize(model, torch.device("cpu"), SEED)
     else:
         model = parallelize(
-            model, runtime, OmegaConf.structured(DistributedConfig(strategy=strategy)), SEED
+            model,
+            build_groups(runtime, DistributedConfig(strategy=strategy)),
+            OmegaConf.structured(DistributedConfig(strategy=strategy)),
+            SEED,
         ).model
     g = torch.Generator().manual_seed(11)
     states = torch.randint(0, 81, (GLOBAL_BATCH, SEQ), generator=g)
@@ -196,7 +203,9 @@ def ad_step(strategy: str | None):
     if strategy is not None:
         per_rank = GLOBAL_BATCH // runtime.world_size
         rows = slice(runtime.rank * per_rank, (runtime.rank + 1) * per_rank)
-        scale = runtime.world_size / float(count_over_ranks([labels[rows].numel()]))
+        scale = runtime.world_size / float(
+            count_over_ranks(ParallelGroups(runtime), [labels[rows].numel()])
+        )
     logits = model(states[rows], prev_actions[rows], prev_rewards[rows])
     loss = torch.nn.functional.cross_entropy(
         logits.flatten(0, 1), labels[rows].flatten(), reduction="sum"
@@ -237,7 +246,7 @@ def blockless_step(strategy: str | None):
         model(x).pow(2).mean().backward()
     else:
         cfg = DistributedConfig(strategy=strategy, activation_checkpointing="full")
-        plan = parallelize(model, runtime, cfg, SEED)
+        plan = parallelize(model, build_groups(runtime, cfg), cfg, SEED)
         per_rank = GLOBAL_BATCH // runtime.world_size
         rows = slice(runtime.rank * per_rank, (runtime.rank + 1) * per_rank)
         plan.model(x[rows]).pow(2).mean().backward()
@@ -275,14 +284,18 @@ def peft_step(strategy: str | None, method: str):
         materialize(model, torch.device("cpu"), SEED, init_weights=False)
     else:
         cfg = OmegaConf.structured(DistributedConfig(strategy=strategy))
-        model = parallelize(model, runtime, cfg, seed=SEED, init_weights=False).model
+        model = parallelize(
+            model, build_groups(runtime, cfg), cfg, seed=SEED, init_weights=False
+        ).model
     fill_parameters(unwrap(model), weights)
     inputs, labels = global_batch()
     rows, scale = slice(None), 1.0 / float((labels != -100).sum())
     if strategy is not None:
         per_rank = GLOBAL_BATCH // runtime.world_size
         rows = slice(runtime.rank * per_rank, (runtime.rank + 1) * per_rank)
-        scale = runtime.world_size / float(count_over_ranks([(labels[rows] != -100).sum()]))
+        scale = runtime.world_size / float(
+            count_over_ranks(ParallelGroups(runtime), [(labels[rows] != -100).sum()])
+        )
     loss, _ = CrossEntropyLoss()(model(inputs[rows]), labels[rows])
     (loss * scale).backward()
     grads = {}
@@ -300,7 +313,6 @@ def crosscoder_step(strategy: str | None, activation: str):
     per-source scale as each rank set it from its own rows (all-reduced)."""
     from freetx.data.activations import norm_sums, scales_from_norm_sums
     from freetx.models.crosscoder import crosscoder
-    from freetx.training import sum_tensors_over_ranks
 
     runtime = init_distributed("cpu")
     with torch.device("meta"):
@@ -312,14 +324,19 @@ def crosscoder_step(strategy: str | None, activation: str):
         materialize(model, torch.device("cpu"), SEED)
         module = model
     else:
-        plan = parallelize(model, runtime, DistributedConfig(strategy=strategy), SEED)
+        plan = parallelize(
+            model, build_groups(runtime, DistributedConfig(strategy=strategy)),
+            DistributedConfig(strategy=strategy), SEED,
+        )  # fmt: skip
         model, module = plan.model, plan.module
         per_rank = len(x) // runtime.world_size
         rows = slice(runtime.rank * per_rank, (runtime.rank + 1) * per_rank)
-        scale = runtime.world_size / float(count_over_ranks([per_rank]))
+        scale = runtime.world_size / float(count_over_ranks(ParallelGroups(runtime), [per_rank]))
     module.tie_encoder()
     norms, count = norm_sums(x[rows])
-    totals = sum_tensors_over_ranks({"norms": norms, "count": torch.tensor(float(count))})
+    totals = ParallelGroups(runtime).sum_tensors(
+        {"norms": norms, "count": torch.tensor(float(count))}
+    )
     module.input_scale.copy_(scales_from_norm_sums(totals["norms"], float(totals["count"]), 8))
     for _ in range(2):  # the second step sees dead features (AuxK) for batchtopk
         for p in model.parameters():

@@ -16,7 +16,7 @@ from tests.conftest import run_freetx
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 TINY = ["full_finetune_fsdp2", "--config", "llm/tiny", "device=cuda", "eval.max_batches=2",
-        "metric_loggers=[{_component_: freetx.logging.JSONLLogger}]"]  # fmt: skip
+        "metric_loggers=[{_component_: freetx.loggers.JSONLLogger}]"]  # fmt: skip
 
 
 def records(output_dir):
@@ -72,7 +72,7 @@ def test_qlora_nf4_base(tmp_path):
     run_ok("run", "lora_finetune_fsdp2", "--config", "llm/qlora_tiny", "device=cuda",
            f"model_dir={base}", f"output_dir={out}", "max_steps=20", "log_every_n_steps=10",
            "eval.max_batches=2", "distributed.mixed_precision.param_dtype=bfloat16",
-           "metric_loggers=[{_component_: freetx.logging.JSONLLogger}]")  # fmt: skip
+           "metric_loggers=[{_component_: freetx.loggers.JSONLLogger}]")  # fmt: skip
     steps = train_records(out)
     assert steps[-1]["loss"] < steps[0]["loss"]
 
@@ -99,7 +99,7 @@ def test_estimate_matches_the_allocator(tmp_path):
     run_ok("run", "full_finetune_fsdp2", "--config", "llm/small", "device=cuda", *shape,
            f"output_dir={out}", "max_steps=3", "log_every_n_steps=1", "eval.max_batches=1",
            "checkpoint.every_n_steps=0", "checkpoint.save_final=false",
-           "metric_loggers=[{_component_: freetx.logging.JSONLLogger}]")  # fmt: skip
+           "metric_loggers=[{_component_: freetx.loggers.JSONLLogger}]")  # fmt: skip
     real = train_records(out)[-1]["memory/peak_allocated_gib"] * 2**30
     fake = figures["measured"]["fsdp"]["peak"]
     analytic = figures["analytic"]["fsdp"]["peak"]

@@ -11,7 +11,7 @@ from tests.conftest import flat, run_freetx
 SMALL = [
     "max_steps=6", "log_every_n_steps=3", "batch_size=16", "histories.episodes=8",
     "histories.streams_per_goal=1", "model.n_transit=80", "eval.episodes=4", "eval.seeds=1",
-    "checkpoint.every_n_steps=0", "metric_loggers=[{_component_: freetx.logging.JSONLLogger}]",
+    "checkpoint.every_n_steps=0", "metric_loggers=[{_component_: freetx.loggers.JSONLLogger}]",
     "eval.temperatures=[0,1]",
 ]  # fmt: skip
 

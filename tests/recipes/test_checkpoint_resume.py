@@ -13,7 +13,7 @@ from tests.conftest import ASSETS, flat, run_freetx
 # so a run stopped at step 4 and resumed to 8 sees the same LRs as a straight one
 COMMON = [
     "log_every_n_steps=1", "lr_schedule.warmup_steps=2", "lr_schedule.decay=constant",
-    "eval.max_batches=1", "metric_loggers=[{_component_: freetx.logging.JSONLLogger}]",
+    "eval.max_batches=1", "metric_loggers=[{_component_: freetx.loggers.JSONLLogger}]",
 ]  # fmt: skip
 
 

@@ -11,7 +11,7 @@ import torch
 
 from tests.conftest import flat, run_freetx
 
-JSONL = "metric_loggers=[{_component_: freetx.logging.JSONLLogger}]"
+JSONL = "metric_loggers=[{_component_: freetx.loggers.JSONLLogger}]"
 # what each activation needs on the planted task (crosscoder/synthetic_tiny: relu)
 ACTIVATIONS = {
     "relu": [],

@@ -18,7 +18,7 @@ from tests.conftest import ASSETS, REPO, flat, run_freetx
 
 SMALL = ["max_steps=12", "log_every_n_steps=1", "eval.every_n_steps=0",
          "lr_schedule.decay=constant", "lr_schedule.warmup_steps=0",
-         "metric_loggers=[{_component_: freetx.logging.JSONLLogger}]"]  # fmt: skip
+         "metric_loggers=[{_component_: freetx.loggers.JSONLLogger}]"]  # fmt: skip
 THREADS = {"OMP_NUM_THREADS": "1"}  # the same arithmetic whatever the process layout
 
 

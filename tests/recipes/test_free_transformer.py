@@ -16,7 +16,7 @@ def trained(tmp_path_factory):
     result = run_freetx(
         "run", "--nproc-per-node", "2", "full_finetune_fsdp2", "--config", "free_transformer/tiny",
         f"output_dir={out}", "max_steps=40", "log_every_n_steps=20", "eval.every_n_steps=0",
-        "eval.max_batches=2", "metric_loggers=[{_component_: freetx.logging.JSONLLogger}]",
+        "eval.max_batches=2", "metric_loggers=[{_component_: freetx.loggers.JSONLLogger}]",
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     return out

@@ -12,7 +12,7 @@ import torch
 from tests.conftest import flat, run_freetx
 
 SHORT = ["max_steps=16", "log_every_n_steps=4", "eval.every_n_steps=0", "eval.max_batches=4",
-         "metric_loggers=[{_component_: freetx.logging.JSONLLogger}]"]  # fmt: skip
+         "metric_loggers=[{_component_: freetx.loggers.JSONLLogger}]"]  # fmt: skip
 
 
 def records(output_dir):

@@ -21,7 +21,7 @@ from tests.conftest import flat, run_freetx, run_freetx_here
 
 QUIET = [
     "eval.max_batches=1", "log_every_n_steps=1", "checkpoint.every_n_steps=2",
-    "checkpoint.keep_last=2", "metric_loggers=[{_component_: freetx.logging.JSONLLogger}]",
+    "checkpoint.keep_last=2", "metric_loggers=[{_component_: freetx.loggers.JSONLLogger}]",
 ]  # fmt: skip
 
 

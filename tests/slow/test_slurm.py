@@ -18,7 +18,7 @@ from tests.conftest import REPO, run_freetx
 pytestmark = pytest.mark.slow
 SMALL = ["log_every_n_steps=1", "eval.every_n_steps=0", "checkpoint.every_n_steps=0",
          "lr_schedule.decay=constant", "lr_schedule.warmup_steps=0",
-         "metric_loggers=[{_component_: freetx.logging.JSONLLogger}]"]  # fmt: skip
+         "metric_loggers=[{_component_: freetx.loggers.JSONLLogger}]"]  # fmt: skip
 
 
 @pytest.fixture(scope="module")

@@ -57,7 +57,7 @@ def test_argument_that_does_not_bind_is_named():
 
 
 def test_nested_path_in_errors():
-    cfg = make(loggers=[{"_component_": "freetx.logging.JSONLLogger", "filenam": "x"}])
+    cfg = make(loggers=[{"_component_": "freetx.loggers.JSONLLogger", "filenam": "x"}])
     problems = check_components(cfg)
     assert (
         len(problems) == 1 and problems[0].startswith("loggers[0]:") and "filename" in problems[0]
@@ -87,3 +87,10 @@ def test_check_components_reports_all_problems():
     problems = check_components(cfg)
     assert len(problems) == 2
     assert problems[0].startswith("a:") and problems[1].startswith("b._component_")
+
+
+def test_a_renamed_module_names_its_new_path():
+    cfg = make(logger={"_component_": "freetx.logging.JSONLLogger"})
+    with pytest.raises(ConfigError) as e:
+        instantiate(cfg.logger)
+    assert "freetx.loggers.JSONLLogger" in str(e.value)

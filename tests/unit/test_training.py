@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from freetx.logging import format_value
+from freetx.loggers import format_value
 from freetx.training import CrossEntropyLoss, LRScheduleConfig, lr_multiplier
 
 

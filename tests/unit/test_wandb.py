@@ -9,7 +9,7 @@ def test_wandb_logger_writes_an_offline_run(tmp_path, monkeypatch):
     pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_SILENT", "true")
     monkeypatch.setenv("WORLD_SIZE", "2")
-    from freetx.logging import WandBLogger
+    from freetx.loggers import WandBLogger
 
     logger = WandBLogger(str(tmp_path), 10, project="crosscoder-multigpu",
                          name="gpt2_ae32768_gpu{world_size}", mode="offline")  # fmt: skip

@@ -41,7 +41,7 @@ if _fault and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
     _mine = os.environ.get("RANK", "0") == _rank
     _count_over_ranks, _clip = _step.count_over_ranks, _step.clip_grad_norm
 
-    def count_over_ranks(counts):
+    def count_over_ranks(groups, counts):
         _calls["count"] += 1
         if _mine and _calls["count"] == int(_at):
             if _kind == "kill":
@@ -50,7 +50,7 @@ if _fault and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
                 os.kill(os.getpid(), signal.SIGTERM)
             elif _kind == "hang":
                 time.sleep(600)
-        return _count_over_ranks(counts)
+        return _count_over_ranks(groups, counts)
 
     def clip_grad_norm(model, max_norm):
         if _kind == "nan" and _mine and _calls["count"] == int(_at):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from freetx.logging.loggers import format_value
+from freetx.loggers.loggers import format_value
 
 
 def training_banner(recipe: str, runtime, strategy: str, cfg, **facts) -> str:

@@ -1,6 +1,6 @@
 """The entry point of every recipe: parse `--config CFG [overrides]`, check, run.
 
-    @freetx.config.parse(FullFinetuneConfig)
+    @freetx.entry.parse(FullFinetuneConfig)
     def recipe_main(cfg: FullFinetuneConfig) -> None:
         ...
 
@@ -10,10 +10,10 @@
 Called without arguments, `recipe_main` reads `sys.argv`, loads and checks the
 config against the schema and runs the recipe. A user error prints as one
 paragraph without a traceback and gives exit code 1; the process group is
-destroyed on the way out, also after an exception. Called with a config
-(`recipe_main(cfg)`, e.g. from a test) it just runs. The recipe writes
-`<output_dir>/config.yaml` (`write_resolved_config`) once it starts training,
-so a run refused at set-up never replaces the config of the checkpoints beside it.
+destroyed on the way out, also after an exception; a collective that timed out
+is reported with the step this process was in (`at_step`, which the recipe's
+`TrainingRun` calls each step). Called with a config (`recipe_main(cfg)`, e.g.
+from a test) it just runs.
 """
 
 from __future__ import annotations
@@ -28,89 +28,30 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
-
-from freetx.config.loading import check_override_syntax, compose
-from freetx.config.schema import apply_schema, as_schema_instance, check_config, config_as_dict
+from freetx.config.run_config import load_recipe_config, split_recipe_args
 from freetx.errors import (
     LAUNCHER_REPORTS_ERRORS,
     STOPPED_BY_PEER_EXIT_CODE,
     USER_ERROR_KEY,
-    ConfigError,
     FreetxError,
-    UsageError,
     debug_enabled,
     report_error,
 )
 
-CONFIG_FILE_NAME = "config.yaml"
+
+class _Position:
+    """Where this process is in its training loop, for the message of a collective that
+    timed out (a recipe without a TrainingRun leaves it unknown)."""
+
+    step: int | None = None
 
 
-def split_recipe_args(argv: list[str]) -> tuple[str, list[str]]:
-    """`--config CFG k=v ...` (in any order) -> (CFG, overrides)."""
-    config, rest = None, []
-    i = 0
-    while i < len(argv):
-        arg = argv[i]
-        if arg in ("--config", "-c"):
-            if i + 1 >= len(argv):
-                raise UsageError("--config needs a value: a config name or a path to a .yaml file.")
-            config = argv[i + 1]
-            i += 2
-            continue
-        if arg.startswith("--config="):
-            config = arg.split("=", 1)[1]
-        else:
-            rest.append(arg)
-        i += 1
-    if config is None:
-        raise UsageError(
-            "no config given. Pass --config NAME_OR_PATH (`freetx ls` lists the built-in "
-            "configs), then any key=value overrides."
-        )
-    check_override_syntax(rest)
-    return config, rest
+_position = _Position()
 
 
-def load_and_check(
-    config: str, overrides: list[str], schema: type | None
-) -> tuple[DictConfig, list[str]]:
-    """The composed config and every problem found in it (empty when clean)."""
-    cfg = compose(config, overrides)
-    return cfg, check_config(cfg, schema)
-
-
-def load_recipe_config(config: str, overrides: list[str], schema: type | None) -> Any:
-    """Compose and check a recipe's config; raise one ConfigError listing all problems.
-
-    With a schema, the result is an instance of it (`as_schema_instance`: sections are
-    dataclass instances, `_component_` nodes stay config nodes); without, a DictConfig.
-    """
-    cfg, problems = load_and_check(config, overrides, schema)
-    if problems:
-        raise ConfigError(problems, fix="Fix them in the YAML file or with key=value overrides.")
-    if schema is None:
-        return cfg
-    return as_schema_instance(apply_schema(cfg, schema), schema)
-
-
-def write_resolved_config(cfg: Any) -> Path | None:
-    """Save the run's resolved config as `<output_dir>/config.yaml` (rank 0, when training
-    starts: the checkpointer calls it once the run's resume was accepted)."""
-    data = config_as_dict(cfg)
-    output_dir = data.get("output_dir")
-    if not output_dir:
-        return None
-    path = Path(output_dir) / CONFIG_FILE_NAME
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(OmegaConf.to_yaml(OmegaConf.create(data)))
-    except OSError as e:
-        raise ConfigError(
-            f"cannot write the run's config to {path}: {e.strerror}.",
-            fix="Pick an output_dir you can write to (output_dir=PATH).",
-        ) from None
-    return path
+def at_step(step: int) -> None:
+    """Record the training step this process is in (TrainingRun calls it every step)."""
+    _position.step = step
 
 
 def _destroy_process_group() -> None:
@@ -160,8 +101,7 @@ def _is_collective_timeout(error: Exception) -> bool:
 
 def _current_step() -> str:
     """The training step this process was in, when a recipe's TrainingRun runs."""
-    signals = sys.modules.get("freetx.training.signals")
-    return str(getattr(signals, "current_step", "?"))
+    return "?" if _position.step is None else str(_position.step)
 
 
 def run_from_argv(

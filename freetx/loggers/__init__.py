@@ -1,7 +1,7 @@
 """Metric loggers (progress bar, JSONL, TensorBoard, WandB), used on rank 0."""
 
-from freetx.logging.banner import training_banner
-from freetx.logging.loggers import (
+from freetx.loggers.banner import training_banner
+from freetx.loggers.loggers import (
     JSONLLogger,
     MetricLogger,
     MetricLoggers,

@@ -1,4 +1,4 @@
-"""Throughput, MFU and memory: the numbers logged beside the loss.
+"""Meters: throughput, MFU and memory, the numbers logged beside the loss.
 
 MFU = (training FLOPs per token x tokens per second per device) / peak FLOPs.
 FLOPs per token come from the model's shape (`model.flops_per_token`); peak
@@ -14,7 +14,8 @@ import sys
 import time
 
 import torch
-import torch.distributed as dist
+
+from freetx.distributed import ParallelGroups
 
 # Dense (no sparsity) bf16 peak, FLOP/s, matched by substring of the device name.
 PEAK_BF16_FLOPS = {
@@ -75,46 +76,6 @@ def memory_stats(device: torch.device) -> dict[str, float]:
     return {"memory/max_rss_gib": rss_bytes / 2**30}
 
 
-def reduce_over_ranks(
-    sums: dict[str, torch.Tensor | float], maxes: dict[str, float], device: torch.device
-) -> tuple[dict[str, float], dict[str, float]]:
-    """`sums` summed and `maxes` maximized over all ranks, in one collective (an all-gather
-    of both, reduced here): what a logged step needs, for one round trip instead of two."""
-    parts = [torch.as_tensor(v, device=device).to(torch.float64).reshape(1) for v in sums.values()]
-    parts.append(torch.tensor(list(maxes.values()), dtype=torch.float64, device=device))
-    local = torch.cat(parts)  # one copy to the host below, not one per value
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        gathered = local.new_empty(dist.get_world_size() * local.numel())
-        dist.all_gather_into_tensor(gathered, local)  # gloo wants a flat output
-        gathered = gathered.view(dist.get_world_size(), -1)
-        local = torch.cat([gathered[:, : len(sums)].sum(0), gathered[:, len(sums) :].amax(0)])
-    values = local.tolist()
-    return dict(zip(sums, values[: len(sums)])), dict(zip(maxes, values[len(sums) :]))
-
-
-def sum_over_ranks(values: dict[str, torch.Tensor], device: torch.device) -> dict[str, float]:
-    """Each value summed over all ranks (one collective for all of them)."""
-    stacked = torch.stack(
-        [v.detach().to(device=device, dtype=torch.float64) for v in values.values()]
-    )
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(stacked)
-    return dict(zip(values, stacked.tolist()))
-
-
-def sum_tensors_over_ranks(values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Tensors of any shape, each summed over all ranks (one collective for all), as
-    float64 on the CPU."""
-    flat = [v.detach().to(torch.float64).reshape(-1) for v in values.values()]
-    joined = torch.cat(flat) if flat else torch.zeros(0, dtype=torch.float64)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        device = next(iter(values.values())).device
-        joined = joined.to(device)
-        dist.all_reduce(joined)
-    parts = joined.cpu().split([f.numel() for f in flat])
-    return {k: p.reshape(v.shape) for (k, v), p in zip(values.items(), parts)}
-
-
 class ThroughputMeter:
     """Tokens/s (global and per device), step time and MFU over the last logged steps."""
 
@@ -150,13 +111,18 @@ class ThroughputMeter:
 
 
 def train_step_metrics(
-    sums: dict[str, torch.Tensor], num_tokens, grad_norm: float, lr_scheduler, meter, device
+    groups: ParallelGroups,
+    sums: dict[str, torch.Tensor],
+    num_tokens,
+    grad_norm: float,
+    lr_scheduler,
+    meter,
 ) -> dict[str, float]:
-    """A logged step's metrics: per-token means of the loss sums over all ranks and the
-    peak memory of the fullest rank (one collective: every rank calls it), lr, grad
-    norm, throughput."""
-    totals, memory = reduce_over_ranks(
-        {k: v.detach() for k, v in sums.items()}, memory_stats(device), device
+    """A logged step's metrics: per-token means of the loss sums over the data-parallel
+    ranks and the peak memory of the fullest rank (one collective: every rank calls it),
+    lr, grad norm, throughput."""
+    totals, memory = groups.sum_and_max(
+        {k: v.detach() for k, v in sums.items()}, memory_stats(groups.runtime.device)
     )
     metrics = {name: value / float(num_tokens) for name, value in totals.items()}
     metrics["lr"] = float(lr_scheduler.get_last_lr()[0])  # torchao keeps lr as a tensor

@@ -1,9 +1,9 @@
 """Metric loggers, chosen in the config by `_component_`, used on rank 0 only.
 
     metric_loggers:
-      - _component_: freetx.logging.ProgressBarLogger
-      - _component_: freetx.logging.JSONLLogger
-      - _component_: freetx.logging.TensorBoardLogger
+      - _component_: freetx.loggers.ProgressBarLogger
+      - _component_: freetx.loggers.JSONLLogger
+      - _component_: freetx.loggers.TensorBoardLogger
 
 Every logger is built with `output_dir` and `total_steps` from the recipe plus
 its own keys from the config, and receives `log(step, {name: float})`.
@@ -204,7 +204,7 @@ class WandBLogger(MetricLogger):
             from freetx.errors import ConfigError
 
             raise ConfigError(
-                "freetx.logging.WandBLogger needs the wandb package: pip install wandb (or "
+                "freetx.loggers.WandBLogger needs the wandb package: pip install wandb (or "
                 "pip install freetx[wandb]), or leave the logger out of metric_loggers."
             ) from None
         import os

@@ -1,0 +1,195 @@
+"""The ranks of a job by named axis, and every collective freetx runs on them.
+
+    groups = build_groups(runtime, cfg.distributed)   # before data and model
+    groups.dp_rank, groups.dp_size        # which share of the data this rank reads
+    groups.sum({"loss": loss_sum})        # summed over the data-parallel ranks
+    groups.all_reduce(flags, over="world")
+
+Axes: `dp` (data parallel: the ranks that read different data and average their
+gradients) and `world` (every rank: agreement to stop, saves). Today `dp` is the
+whole world; tensor, context and pipeline parallelism add `tp`, `cp`, `pp`, and
+with them `dp` becomes a sub-group: a caller that names its axis stays right.
+For a sharded strategy the groups also hold the mesh FSDP2 shards over (`mesh`).
+
+Nothing outside `freetx.distributed` calls a `torch.distributed` collective:
+recipes, data, training and checkpoints come here (`ParallelPlan.groups`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from freetx.distributed.runtime import DistributedRuntime
+
+Axis = Literal["dp", "world"]
+ReduceOp = Literal["sum", "max", "min"]
+_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+@dataclass
+class ParallelGroups:
+    """This job's ranks by axis name (see the module docstring)."""
+
+    runtime: DistributedRuntime
+    mesh: DeviceMesh | None = None  # the data-parallel mesh FSDP2 shards over (1-D or hsdp's 2-D)
+    _host: Any = field(default=None, init=False, repr=False)  # a gloo group, made when asked
+
+    # -- where this rank is --------------------------------------------------
+    def size(self, over: Axis = "dp") -> int:
+        self._check(over)
+        return self.runtime.world_size
+
+    def rank(self, over: Axis = "dp") -> int:
+        self._check(over)
+        return self.runtime.rank
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's index among the data-parallel ranks: which share of the data it reads."""
+        return self.rank("dp")
+
+    @property
+    def dp_size(self) -> int:
+        """How many ranks read different data (the global batch is split over them)."""
+        return self.size("dp")
+
+    def _check(self, over: str) -> None:
+        if over not in ("dp", "world"):
+            raise ValueError(f"no parallel axis named {over!r}; the axes are dp, world")
+
+    def _group(self, over: Axis):
+        """The process group of an axis (None: the default group, which `dp` spans today)."""
+        self._check(over)
+        return None
+
+    def _active(self, over: Axis) -> bool:
+        return dist.is_available() and dist.is_initialized() and self.size(over) > 1
+
+    # -- collectives ----------------------------------------------------------
+    def all_reduce(
+        self, tensor: torch.Tensor, op: ReduceOp = "sum", over: Axis = "dp"
+    ) -> torch.Tensor:
+        """Reduce `tensor` in place over the ranks of `over`; returns it."""
+        if self._active(over):
+            dist.all_reduce(tensor, op=_OPS[op], group=self._group(over))
+        return tensor
+
+    def all_gather(self, tensor: torch.Tensor, over: Axis = "dp") -> torch.Tensor:
+        """[ranks, *shape]: every rank's `tensor` (the same shape on every rank)."""
+        if not self._active(over):
+            return tensor.unsqueeze(0)
+        ranks = self.size(over)
+        flat = tensor.contiguous().reshape(-1)
+        gathered = flat.new_empty(ranks * flat.numel())  # gloo wants a flat output
+        dist.all_gather_into_tensor(gathered, flat, group=self._group(over))
+        return gathered.view(ranks, *tensor.shape)
+
+    def all_gather_varying(self, tensor: torch.Tensor, over: Axis = "dp") -> torch.Tensor:
+        """Every rank's 1-D `tensor`, concatenated in rank order (lengths may differ)."""
+        if not self._active(over):
+            return tensor
+        length = torch.tensor([tensor.numel()], device=tensor.device)
+        lengths = self.all_gather(length, over).reshape(-1).tolist()
+        padded = tensor.new_zeros(max(lengths))
+        padded[: tensor.numel()] = tensor
+        gathered = self.all_gather(padded, over)
+        return torch.cat([gathered[i, :n] for i, n in enumerate(lengths)])
+
+    def sum(self, values: dict[str, torch.Tensor], over: Axis = "dp") -> dict[str, float]:
+        """Each scalar summed over the ranks (one collective for all of them)."""
+        stacked = torch.stack(
+            [
+                v.detach().to(device=self.runtime.device, dtype=torch.float64)
+                for v in values.values()
+            ]
+        )
+        return dict(zip(values, self.all_reduce(stacked, over=over).tolist()))
+
+    def sum_tensors(
+        self, values: dict[str, torch.Tensor], over: Axis = "dp"
+    ) -> dict[str, torch.Tensor]:
+        """Tensors of any shape, each summed over the ranks (one collective for all), as
+        float64 on the CPU."""
+        flat = [v.detach().to(torch.float64).reshape(-1) for v in values.values()]
+        joined = torch.cat(flat) if flat else torch.zeros(0, dtype=torch.float64)
+        if self._active(over):
+            joined = self.all_reduce(joined.to(next(iter(values.values())).device), over=over)
+        parts = joined.cpu().split([f.numel() for f in flat])
+        return {k: p.reshape(v.shape) for (k, v), p in zip(values.items(), parts)}
+
+    def sum_and_max(
+        self, sums: dict[str, torch.Tensor | float], maxes: dict[str, float], over: Axis = "dp"
+    ) -> tuple[dict[str, float], dict[str, float]]:
+        """`sums` summed and `maxes` maximized over the ranks, in one collective (an
+        all-gather of both, reduced here): what a logged step needs, in one round trip."""
+        device = self.runtime.device
+        parts = [
+            torch.as_tensor(v, device=device).to(torch.float64).reshape(1) for v in sums.values()
+        ]
+        parts.append(torch.tensor(list(maxes.values()), dtype=torch.float64, device=device))
+        local = torch.cat(parts)  # one copy to the host below, not one per value
+        if self._active(over):
+            gathered = self.all_gather(local, over)
+            local = torch.cat([gathered[:, : len(sums)].sum(0), gathered[:, len(sums) :].amax(0)])
+        values = local.tolist()
+        return dict(zip(sums, values[: len(sums)])), dict(zip(maxes, values[len(sums) :]))
+
+    def any(self, flag: bool, over: Axis = "world") -> bool:
+        """Whether `flag` is set on any rank (every rank learns the same answer)."""
+        value = torch.tensor([1.0 if flag else 0.0], device=self.runtime.device)
+        return bool(self.all_reduce(value, op="max", over=over).item() > 0)
+
+    # -- host-side collectives (Python objects), on a gloo group of their own --------
+    def host(self) -> HostGroup:
+        """A gloo group beside the device's, for objects and barriers that must not wait
+        behind device work (checkpoint metadata); made at the first call."""
+        if self._host is None:
+            self._host = HostGroup.new()
+        return self._host
+
+    def barrier(self, over: Axis = "world") -> None:
+        """Wait until every rank of `over` arrives."""
+        if self._active(over):
+            dist.barrier(group=self._group(over))
+
+
+class HostGroup:
+    """A gloo process group for Python objects and barriers (all ranks)."""
+
+    def __init__(self, group) -> None:
+        self.group = group
+
+    @classmethod
+    def new(cls) -> HostGroup:
+        active = dist.is_available() and dist.is_initialized()
+        return cls(dist.new_group(backend="gloo") if active else None)
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        """Rank `src`'s `obj`, on every rank."""
+        if self.group is None:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=src, group=self.group)
+        return box[0]
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's `obj`, in rank order."""
+        if self.group is None:
+            return [obj]
+        gathered: list[Any] = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(gathered, obj, group=self.group)
+        return gathered
+
+    def barrier(self) -> None:
+        if self.group is not None:
+            dist.barrier(group=self.group)
+
+    def destroy(self) -> None:
+        if self.group is not None and dist.is_initialized():
+            dist.destroy_process_group(self.group)
+        self.group = None
