@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 INTERMIXED_ARGS = False
@@ -94,9 +95,11 @@ def _scan(model: Path, nproc: int) -> dict:
         return json.loads(out.read_text())
 
 
-def scan_scores(model: str, rank: int, world_size: int) -> dict:
-    """This rank's share of the matrices (every world_size-th), scored; all of them
-    gathered when a process group is up."""
+def scan_scores(
+    model: str, rank: int, world_size: int, gather: Callable[[dict], list[dict]] | None = None
+) -> dict:
+    """This rank's share of the matrices (every world_size-th), scored; all of them when
+    `gather` collects every rank's share (`HostGroup.all_gather_object`)."""
     from freetx.checkpoint import open_tensors, resolve_checkpoint
     from freetx.models.peft.spectrum import kind_of, score_matrix
 
@@ -106,21 +109,18 @@ def scan_scores(model: str, rank: int, world_size: int) -> dict:
     mine = {}
     for name in names[rank::world_size]:
         mine[name.removesuffix(".weight")] = score_matrix(source.get("model." + name))
-    if world_size == 1:
+    if gather is None:
         return mine
-    import torch.distributed as dist
-
-    gathered = [None] * world_size
-    dist.all_gather_object(gathered, mine)
-    return {k: v for part in gathered for k, v in part.items()}
+    return {k: v for part in gather(mine) for k, v in part.items()}
 
 
 if __name__ == "__main__":  # a torchrun worker of `_scan`
-    import torch.distributed as dist
+    from freetx.distributed import HostGroup, destroy_distributed, init_distributed
 
-    dist.init_process_group("gloo")
-    scores = scan_scores(sys.argv[1], dist.get_rank(), dist.get_world_size())
-    if dist.get_rank() == 0:
+    runtime = init_distributed("cpu")
+    host = HostGroup.new()
+    scores = scan_scores(sys.argv[1], runtime.rank, runtime.world_size, host.all_gather_object)
+    if runtime.is_rank_zero:
         Path(sys.argv[2]).write_text(json.dumps(scores))
-    dist.barrier()
-    dist.destroy_process_group()
+    host.barrier()
+    destroy_distributed()

@@ -21,6 +21,7 @@ from freetx.distributed.runtime import (
     DistributedRuntime,
     build_mesh,
     destroy_distributed,
+    fake_world,
     init_distributed,
     select_device,
 )
@@ -38,6 +39,7 @@ __all__ = [
     "check_world_fits",
     "canonical_name",
     "destroy_distributed",
+    "fake_world",
     "fill_parameters",
     "init_distributed",
     "load_parameters",

@@ -9,6 +9,7 @@ nccl on CUDA and gloo on CPU, chosen by the device, never hard-coded.
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -148,6 +149,20 @@ def init_distributed(device: str = "auto", timeout_s: float = 1800.0) -> Distrib
 def destroy_distributed() -> None:
     """Leave the process group (safe to call twice, or when none was made)."""
     if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@contextmanager
+def fake_world(world_size: int):
+    """A process group of `world_size` ranks in which this process is rank 0 and every
+    collective does nothing (torch's "fake" backend): for measuring one rank's memory
+    without the others (`freetx estimate --measure`)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        yield
+    finally:
         dist.destroy_process_group()
 
 

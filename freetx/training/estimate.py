@@ -190,12 +190,16 @@ def measure(cfg, layout: ShardLayout, world_size: int) -> dict[str, float]:
     """
     import dataclasses
 
-    import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from freetx.config import instantiate
-    from freetx.distributed import DistributedRuntime, ParallelGroups, build_mesh, parallelize
+    from freetx.distributed import (
+        DistributedRuntime,
+        ParallelGroups,
+        build_mesh,
+        fake_world,
+        parallelize,
+    )
 
     sharded = layout.parameter_shards > 1  # else replicated: the plain model at world size 1
     distributed = dataclasses.replace(
@@ -205,8 +209,7 @@ def measure(cfg, layout: ShardLayout, world_size: int) -> dict[str, float]:
     )
     seq_len = int(cfg.dataset.get("seq_len", cfg.model.get("max_seq_len", 2048)))
     micro = cfg.batch_size // (world_size * cfg.gradient_accumulation_steps)
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
-    try:
+    with fake_world(world_size):
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         runtime = DistributedRuntime(0, 0, world_size if sharded else 1, device)
         mesh = build_mesh(runtime, layout.replicas) if sharded else None
@@ -217,8 +220,6 @@ def measure(cfg, layout: ShardLayout, world_size: int) -> dict[str, float]:
             loss_fn = instantiate(cfg.loss)
             input_ids = torch.randint(0, model.config.vocab_size, (micro, seq_len), device=device)
             out = tracked_step(plan, optimizer, loss_fn, input_ids, layout)
-    finally:
-        dist.destroy_process_group()
     if layout.all_reduce and world_size > 1:  # DDP's buckets, kept between steps
         buckets = sum(p.numel() * 4 for p in model.parameters() if p.requires_grad)
         out["gathered"] += buckets

@@ -175,14 +175,14 @@ class TrainingRun:
         """A rank was asked to stop (SIGTERM, SIGUSR1, Ctrl-C): every rank stops now."""
         return self.stop.agreed
 
-    def advance(self, grad_norm: float | None = None) -> int:
+    def advance(self, grad_norm: float) -> int:
         """Count one optimizer step: step, data epoch, tokens seen, throughput; the NaN
         guard: a non-finite gradient norm means the update was skipped (`optimizer_step`),
         which is logged, and ends the run under `on_nonfinite: stop` or after
         `max_nonfinite_skips` in a row; and the stop agreement: every rank learns whether
         any rank got a stop signal (one collective over the world), so `stopping` is the
         same on every rank after this step."""
-        if grad_norm is not None and not math.isfinite(grad_norm):
+        if not math.isfinite(grad_norm):
             self.nonfinite_in_a_row += 1
             self.write(
                 f"step {self.progress.step + 1}: the gradient norm is {grad_norm}; the update "
@@ -197,7 +197,7 @@ class TrainingRun:
                     f"holds them: the last one is step {self.saved_step}. Lower the learning "
                     "rate, check the data, or resume from that checkpoint."
                 )
-        elif grad_norm is not None:
+        else:
             self.nonfinite_in_a_row = 0
         self.progress.step += 1
         at_step(self.progress.step + 1)  # the next one starts (named if a collective hangs)
