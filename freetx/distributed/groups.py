@@ -139,11 +139,6 @@ class ParallelGroups:
         values = local.tolist()
         return dict(zip(sums, values[: len(sums)])), dict(zip(maxes, values[len(sums) :]))
 
-    def any(self, flag: bool, over: Axis = "world") -> bool:
-        """Whether `flag` is set on any rank (every rank learns the same answer)."""
-        value = torch.tensor([1.0 if flag else 0.0], device=self.runtime.device)
-        return bool(self.all_reduce(value, op="max", over=over).item() > 0)
-
     # -- host-side collectives (Python objects), on a gloo group of their own --------
     def host(self) -> HostGroup:
         """A gloo group beside the device's, for objects and barriers that must not wait
@@ -184,6 +179,14 @@ class HostGroup:
         gathered: list[Any] = [None] * dist.get_world_size(self.group)
         dist.all_gather_object(gathered, obj, group=self.group)
         return gathered
+
+    def any(self, flag: bool) -> bool:
+        """Whether `flag` is set on any rank (every rank learns the same answer). A CPU
+        tensor on gloo: no wait for the device's queued work."""
+        value = torch.tensor([1 if flag else 0], dtype=torch.int32)
+        if self.group is not None:
+            dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.group)
+        return bool(value.item())
 
     def barrier(self) -> None:
         if self.group is not None:

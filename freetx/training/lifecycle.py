@@ -46,7 +46,7 @@ from freetx.checkpoint import (
 )
 from freetx.checkpoint.checkpointer import build_meta
 from freetx.checkpoint.state import LRSchedulerState
-from freetx.distributed import ParallelGroups, ParallelPlan, canonical_name
+from freetx.distributed import HostGroup, ParallelGroups, ParallelPlan, canonical_name
 from freetx.entry import at_step
 from freetx.errors import TrainingError
 from freetx.loggers import build_metric_loggers, training_banner
@@ -108,6 +108,9 @@ class TrainingRun:
         self.nonfinite_in_a_row = 0
         self.stop = StopRequest()
         self.stop.install()
+        # its own gloo group: the agreement must not queue behind an asynchronous save on
+        # the checkpointer's group, nor wait for the device's work
+        self.stop_group = HostGroup.new()
 
     @property
     def loads_weights(self) -> bool:
@@ -201,7 +204,7 @@ class TrainingRun:
             self.nonfinite_in_a_row = 0
         self.progress.step += 1
         at_step(self.progress.step + 1)  # the next one starts (named if a collective hangs)
-        self.stop.agree(self.groups.any(self.stop.requested is not None, over="world"))
+        self.stop.agree(self.stop_group.any(self.stop.requested is not None))
         if self.profiler is not None:
             self.profiler.step()
         sampler = getattr(self.train_loader, "batch_sampler", self.train_loader)
@@ -270,4 +273,5 @@ class TrainingRun:
         if getattr(self, "profiler", None) is not None:
             self.profiler.stop()
         self.checkpointer.close()  # waits for an asynchronous save to finish
+        self.stop_group.destroy()
         self.loggers.close()

@@ -3,7 +3,8 @@ and SIGINT.
 
 A signal only sets a flag in the process that gets it (`StopRequest`). Every
 step, `TrainingRun.advance` asks every rank whether any of them got one (one
-collective over the world): all ranks learn it in the same step, save a
+all-reduce of one flag over every rank, on a gloo group of its own: no wait for
+the GPU): all ranks learn it in the same step, save a
 checkpoint at that step boundary and end, so no rank is left waiting in a
 collective. The run then leaves a `PREEMPTED` file in its output_dir, and
 `freetx run` exits with PREEMPTED_EXIT_CODE, which the SLURM script `freetx
