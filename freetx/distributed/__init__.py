@@ -5,7 +5,13 @@ that knows the strategy: nothing outside this package names one.
 """
 
 from freetx.distributed.groups import HostGroup, ParallelGroups
-from freetx.distributed.init import canonical_name, fill_parameters, load_parameters, materialize
+from freetx.distributed.init import (
+    canonical_name,
+    fill_parameters,
+    full_tensor,
+    load_parameters,
+    materialize,
+)
 from freetx.distributed.parallelize import (
     DistributedConfig,
     MixedPrecisionConfig,
@@ -39,6 +45,7 @@ __all__ = [
     "canonical_name",
     "destroy_distributed",
     "fill_parameters",
+    "full_tensor",
     "init_distributed",
     "load_parameters",
     "materialize",
