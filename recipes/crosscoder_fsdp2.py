@@ -8,12 +8,13 @@ refilled by running the frozen source models on this rank's own text), scales
 each source to mean norm sqrt(d) with constants estimated on every rank and
 all-reduced, and builds the crosscoder: its dictionary is the big tensor and
 FSDP2 shards it by feature. The loop is the LM recipe's: micro-batches of rows,
-the loss computed inside the model's forward (summed over rows; gradients
-normalized by the rows of the global batch), clip, step, schedule (the
-sparsity weight warms up linearly), log (loss parts, L0, explained variance
-total and per source, dead features over the window since the last log),
-evaluate (also the CE loss recovered when the reconstruction is spliced into
-the source models), checkpoint.
+the loss (`CrosscoderLoss`, its collectives over the recipe's groups) computed
+inside the model's forward (summed over rows; gradients normalized by the rows
+of the global batch), clip, step, schedule (the sparsity weight warms up
+linearly), log (loss parts, L0, explained variance total and per source, dead
+features over the window since the last log), evaluate (also the CE loss
+recovered when the reconstruction is spliced into the source models),
+checkpoint.
 """
 
 from __future__ import annotations

@@ -325,12 +325,11 @@ class CrosscoderLoss:
                 self.advance(model, f, threshold)
         error = x - model.decode(f)
         recon = error.pow(2).sum()
-        loss = recon + sparsity_weight * sparsity
-        if "pre_act_loss" in penalties:
-            loss = loss + penalties["pre_act_loss"]
         if cfg.activation == "batchtopk":
             penalties["aux_loss"] = cfg.aux_coeff * self.aux_loss(model, pre, error)
-            loss = loss + penalties["aux_loss"]
+        loss = recon + sparsity_weight * sparsity
+        for term in penalties.values():  # pre_act_loss (jumprelu) or aux_loss (batchtopk)
+            loss = loss + term
         with torch.no_grad():
             penalties = {"sparsity_loss": (sparsity_weight * sparsity).detach(), **penalties}
             stats = ReconstructionStats(
