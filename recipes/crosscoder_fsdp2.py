@@ -201,11 +201,8 @@ class CrosscoderRecipeFSDP2:
         metrics = {f"val/{k}": float(v) / rows for k, v in totals.items()}
         metrics.update({f"val/{k}": v for k, v in stats.read(self.groups.sum_tensors).items()})
         decoder = full_tensor(self.plan.module.W_dec)  # a collective when sharded
-        if self.data.planted is not None:
-            metrics.update(self.data.planted.recovery(decoder.cpu()))
-        if self.data.splice is not None:
-            reconstruct = self.plan.inference_model.reconstruct
-            metrics.update(self.data.splice(lambda rows: reconstruct(rows.to(self.device))))
+        reconstruct = self.plan.inference_model.reconstruct
+        metrics.update(self.data.metrics(decoder, lambda x: reconstruct(x.to(self.device))))
         self.model.train()
         return metrics
 

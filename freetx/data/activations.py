@@ -459,6 +459,19 @@ class Activations:
     planted: PlantedFeatures | None = None  # synthetic: the truth, for recovery metrics
     splice: SpliceProbe | None = None  # models: the CE loss recovered
 
+    def metrics(
+        self, decoder: torch.Tensor, reconstruct: Callable[[torch.Tensor], torch.Tensor]
+    ) -> dict[str, float]:
+        """This source's own evaluation of a crosscoder, given its whole decoder
+        [m, n, d] and its `reconstruct` (rows [N, n, d] in, out): the planted features'
+        recovery (synthetic), the CE loss recovered (models)."""
+        metrics = {}
+        if self.planted is not None:
+            metrics.update(self.planted.recovery(decoder.cpu()))
+        if self.splice is not None:
+            metrics.update(self.splice(reconstruct))
+        return metrics
+
 
 def planted_activations(
     train: PlantedFeatures, validation: PlantedFeatures, loading: RowLoading
