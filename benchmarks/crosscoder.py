@@ -28,13 +28,15 @@ HOOKS = ["layers.1", "layers.2", "layers.3"]
 
 def timed_steps(batches, model, optimizer, steps: int) -> float:
     """Rows/s over `steps` steps after 3 warm-up steps."""
+    from freetx.models.crosscoder import CrosscoderLoss, LocalReducer
+
+    loss_fn = CrosscoderLoss(LocalReducer())  # one process
     data = iter(batches)
     for i in range(steps + 3):
         if i == 3:
             start = time.perf_counter()
         x = next(data)["x"]
-        loss, _ = model(x, 1.0)
-        (loss / len(x)).backward()
+        (model(x, loss_fn, 1.0).loss / len(x)).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     return steps * ROWS / (time.perf_counter() - start)

@@ -8,39 +8,38 @@ refilled by running the frozen source models on this rank's own text), scales
 each source to mean norm sqrt(d) with constants estimated on every rank and
 all-reduced, and builds the crosscoder: its dictionary is the big tensor and
 FSDP2 shards it by feature. The loop is the LM recipe's: micro-batches of rows,
-the loss computed inside the model's forward (summed over rows; gradients
-normalized by the rows of the global batch), clip, step, schedule (the
-sparsity weight warms up linearly), log (loss parts, L0, explained variance
-total and per source, dead features over the window since the last log),
-evaluate (also the CE loss recovered when the reconstruction is spliced into
-the source models), checkpoint.
+the loss (`CrosscoderLoss`, its collectives over the recipe's groups) computed
+inside the model's forward (summed over rows; gradients normalized by the rows
+of the global batch), clip, step, schedule (the sparsity weight warms up
+linearly), log (loss parts, L0, explained variance total and per source, dead
+features over the window since the last log), evaluate (also the CE loss
+recovered when the reconstruction is spliced into the source models),
+checkpoint.
 """
 
 from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal, Optional
+from typing import Any, ClassVar
 
 import torch
 from omegaconf import MISSING
 
-from freetx.checkpoint import load_model
+from freetx.checkpoint import load_source_model
 from freetx.config import at_least, instantiate
-from freetx.data import build_train_loader, micro_batch_size
-from freetx.data.activations import (
-    ActivationBuffer,
-    ActivationHarvester,
-    build_activation_cache,
-    keep_positions,
-    norm_sums,
-    scales_from_norm_sums,
+from freetx.data import (
+    Activations,
+    ActivationsConfig,
+    RowLoading,
+    harvested_activations,
+    micro_batch_size,
+    planted_activations,
 )
-from freetx.data.shard_cache import ShardCache
-from freetx.distributed import build_groups, init_distributed, parallelize
+from freetx.data.activations import norm_sums, scales_from_norm_sums
+from freetx.distributed import build_groups, full_tensor, init_distributed, parallelize
 from freetx.entry import parse
-from freetx.errors import ConfigError
-from freetx.models.crosscoder import CrosscoderStats
+from freetx.models.crosscoder import CrosscoderLoss, CrosscoderStats
 from freetx.training import (
     TrainingConfig,
     TrainingRun,
@@ -49,30 +48,6 @@ from freetx.training import (
     optimizer_step,
     seed_everything,
 )
-
-
-@dataclass
-class SourceConfig:
-    """A model to read: a freetx run / checkpoint, or an HF folder (any architecture,
-    through transformers), and the modules whose outputs are read."""
-
-    model: str = MISSING
-    hooks: list[str] = field(default_factory=list)
-
-
-@dataclass
-class ActivationsConfig:
-    kind: Literal["synthetic", "models"] = "synthetic"
-    synthetic: Any = field(default_factory=lambda: {"_component_": "freetx.data.PlantedFeatures"})
-    sources: list[SourceConfig] = field(default_factory=list)  # models: in order
-    tokenizer: Any = field(default_factory=lambda: {"_component_": "freetx.data.ByteTokenizer"})
-    text: Any = field(default_factory=lambda: {
-        "_component_": "freetx.data.PackedTextDataset", "source": "builtin", "seq_len": 64})  # fmt: skip
-    mode: Literal["buffer", "cache"] = "buffer"
-    sequences_per_refill: int = at_least(1, default=32)  # buffer: per rank, per refill
-    cache: Optional[str] = None  # cache: the folder (written once, reused, checked)
-    source_dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: bf16 on CUDA
-    normalize_rows: int = at_least(1, default=4096)  # per rank, to estimate the scales
 
 
 @dataclass
@@ -115,11 +90,11 @@ class CrosscoderRecipeFSDP2:
         cfg = self.cfg
         self.groups = build_groups(self.runtime, cfg.distributed)  # the ranks: dp, world
         self.run = TrainingRun(cfg, self.groups, "crosscoder_fsdp2")
-        world_size = self.groups.dp_size
-        rows_per_batch = micro_batch_size(cfg.batch_size, world_size, self.accumulation)
-        self.make_data(rows_per_batch)
+        micro_batch_size(cfg.batch_size, self.groups.dp_size, self.accumulation)  # it splits
+        self.data = self.build_data()
+        num_sources, source_dim = self.data.shape
         with torch.device("meta"):
-            model = instantiate(cfg.model, num_sources=self.num_sources, source_dim=self.source_dim)
+            model = instantiate(cfg.model, num_sources=num_sources, source_dim=source_dim)
         self.plan = parallelize(
             model, self.groups, cfg.distributed, seed=cfg.seed,
             init_weights=not self.run.loads_weights,
@@ -130,133 +105,49 @@ class CrosscoderRecipeFSDP2:
             self.plan.module.input_scale.copy_(self.estimate_scales())
         self.optimizer = self.plan.build_optimizer(cfg.optimizer)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.max_steps, cfg.lr_schedule)
+        self.loss_fn = CrosscoderLoss(self.groups)  # its state advances in training only
         c = self.plan.module.config
         self.stats = CrosscoderStats(c.num_sources, c.source_dim, c.dict_size)
         self.run.start(
-            self.plan, self.optimizer, self.lr_scheduler, self.train_loader, tokens_per_sample=1,
-            sources=self.num_sources, source_dim=self.source_dim, dict_size=c.dict_size,
-            activation=c.activation, data=self.data_description,
+            self.plan, self.optimizer, self.lr_scheduler, self.data.train_loader,
+            tokens_per_sample=1, sources=num_sources, source_dim=source_dim,
+            dict_size=c.dict_size, activation=c.activation, data=self.data.description,
         )  # fmt: skip
 
-    # -- data ---------------------------------------------------------------------
-    def make_data(self, rows_per_batch: int) -> None:
-        """Training rows (a loader), validation rows, and the sources' shape."""
+    def build_data(self) -> Activations:
+        """Planted synthetic rows, or the hooked outputs of the source models on text."""
         cfg, acfg = self.cfg, self.cfg.activations
-        rank, world_size = self.groups.dp_rank, self.groups.dp_size
-        self.harvester = None
+        loading = RowLoading(
+            cfg.batch_size, self.accumulation, self.groups.dp_rank, self.groups.dp_size,
+            cfg.seed, eval_rows=cfg.eval.rows, normalize_rows=acfg.normalize_rows,
+        )  # fmt: skip
         if acfg.kind == "synthetic":
             train = instantiate(acfg.synthetic, split="train")
-            self.planted = train
-            self.val_rows = instantiate(acfg.synthetic, split="validation").rows[: cfg.eval.rows]
-            self.train_loader = build_train_loader(
-                train, cfg.batch_size, self.accumulation, rank, world_size, cfg.seed
+            return planted_activations(
+                train, instantiate(acfg.synthetic, split="validation"), loading
             )
-            self.data_description = f"synthetic ({len(train):,} rows)"
-            self.num_sources, self.source_dim = train.num_sources, train.source_dim
-            self.normalize_from = train.rows
-            return
-        self.planted = None
-        if not acfg.sources:
-            raise ConfigError(
-                "activations.kind=models needs activations.sources: a list of {model: PATH, "
-                "hooks: [module names]}."
-            )
-        self.tokenizer = instantiate(acfg.tokenizer)
-        self.text = instantiate(acfg.text, tokenizer=self.tokenizer, split="train")
-        self.val_text = instantiate(acfg.text, tokenizer=self.tokenizer, split="validation")
-        self.harvester = ActivationHarvester([
-            (self.source_model(s.model), list(s.hooks), s.model) for s in acfg.sources
-        ])  # fmt: skip
-        drop = [t for t in (self.tokenizer.bos_id, self.tokenizer.pad_id) if t is not None]
-        self.drop_ids = drop
-
-        def harvest(input_ids: torch.Tensor) -> torch.Tensor:
-            return self.harvester(input_ids, keep_positions(input_ids, drop)).cpu()
-
-        sample = harvest(torch.stack([self.text[0]["input_ids"]]))
-        self.num_sources, self.source_dim = sample.shape[1], sample.shape[2]
-        if acfg.mode == "cache":
-            if not acfg.cache:
-                raise ConfigError("activations.mode=cache needs activations.cache: a folder.")
-            settings = {
-                "sources": [{"model": s.model, "hooks": list(s.hooks)} for s in acfg.sources],
-                "text": repr(acfg.text), "tokenizer": repr(acfg.tokenizer),
-            }  # fmt: skip
-            rows = build_activation_cache(
-                ShardCache(acfg.cache), harvest, self.text, rank, world_size, settings,
-                barrier=self.barrier,
-            )  # fmt: skip
-            self.train_loader = build_train_loader(
-                rows, cfg.batch_size, self.accumulation, rank, world_size, cfg.seed
-            )
-            self.normalize_from = rows.rows[rank::world_size][: acfg.normalize_rows]
-            self.data_description = f"cache {acfg.cache} ({len(rows):,} rows)"
-        else:
-            self.train_loader = ActivationBuffer(
-                harvest, self.text, rows_per_batch, acfg.sequences_per_refill, rank,
-                world_size, cfg.seed,
-            )  # fmt: skip
-            self.normalize_from = harvest(torch.stack([
-                self.text[i]["input_ids"]
-                for i in self.train_loader.mine[: acfg.sequences_per_refill]
-            ]))  # fmt: skip
-            self.data_description = f"buffer ({acfg.sequences_per_refill} sequences a refill)"
-        self.val_rows = self.validation_rows(harvest)
-
-    def source_model(self, path: str):
-        """A frozen source: freetx's own model of a run or checkpoint (or a Llama-family HF
-        folder), else any HF folder through transformers (bf16 on CUDA)."""
-        dtype = self.source_dtype()
-        try:
-            return load_model(path, self.device).to(dtype)
-        except Exception as freetx_error:
-            try:
-                from transformers import AutoModelForCausalLM
-            except ImportError:
-                raise freetx_error from None
-            from pathlib import Path
-
-            if not (Path(path).expanduser() / "config.json").is_file():
-                raise
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-            return model.to(self.device).eval()
-
-    def source_dtype(self) -> torch.dtype:
-        choice = self.cfg.activations.source_dtype
-        if choice == "auto":
-            return torch.bfloat16 if self.device.type == "cuda" else torch.float32
-        return {"float32": torch.float32, "bfloat16": torch.bfloat16}[choice]
-
-    def validation_rows(self, harvest) -> torch.Tensor:
-        """This rank's validation rows, from its own validation sequences."""
-        rank, world_size = self.groups.dp_rank, self.groups.dp_size
-        parts, count = [], 0
-        for i in range(rank, len(self.val_text), world_size):
-            rows = harvest(torch.stack([self.val_text[i]["input_ids"]]))
-            parts.append(rows)
-            count += len(rows)
-            if count >= self.cfg.eval.rows:
-                break
-        if not parts:
-            raise ConfigError("the text's validation split is empty; raise dataset val_fraction.")
-        return torch.cat(parts)[: self.cfg.eval.rows]
-
-    def barrier(self) -> None:
-        self.groups.barrier()
+        tokenizer = instantiate(acfg.tokenizer)
+        text = instantiate(acfg.text, tokenizer=tokenizer, split="train")
+        val_text = instantiate(acfg.text, tokenizer=tokenizer, split="validation")
+        models = [load_source_model(s.model, self.device, acfg.source_dtype) for s in acfg.sources]
+        return harvested_activations(
+            acfg, models, tokenizer, text, val_text, loading, barrier=self.groups.barrier
+        )
 
     def estimate_scales(self) -> torch.Tensor:
         """Per source, sqrt(d) / mean ||x||, from rows of every rank (all-reduced): the
         same constants on every rank; stored with the model (and its checkpoints)."""
-        norms, count = norm_sums(self.normalize_from[: self.cfg.activations.normalize_rows])
+        norms, count = norm_sums(self.data.normalize_from)
         count = torch.tensor(float(count), device=self.device)
         totals = self.groups.sum_tensors({"norms": norms.to(self.device), "count": count})
-        scales = scales_from_norm_sums(totals["norms"], float(totals["count"]), self.source_dim)
+        source_dim = self.data.shape[1]
+        scales = scales_from_norm_sums(totals["norms"], float(totals["count"]), source_dim)
         return scales.to(self.device)
 
     # -- the loop -------------------------------------------------------------------
     def train(self) -> None:
         cfg, run = self.cfg, self.run
-        data = iter(self.train_loader)
+        data = iter(self.data.train_loader)
         self.model.train()
         while run.step < cfg.max_steps and not run.stopping:  # stopping: SIGTERM, ^C
             batches = [next(data) for _ in range(self.accumulation)]
@@ -285,67 +176,34 @@ class CrosscoderRecipeFSDP2:
 
     def compute_loss(self, batch: dict[str, torch.Tensor]):
         """One micro-batch of rows: the loss summed over them (+ sums to log)."""
-        loss, extras = self.model(batch["x"].to(self.device), self.sparsity_weight())
-        self.stats.update(extras)
-        keep = ("recon_loss", "sparsity_loss", "l0", "pre_act_loss", "aux_loss")
-        return loss, {k: v for k, v in extras.items() if k in keep}
+        output = self.model(batch["x"].to(self.device), self.loss_fn, self.sparsity_weight())
+        self.stats.add(output.stats)
+        return output.loss, output.log_sums()
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
-        """On the validation rows (every rank its own, summed): loss parts, L0, explained
-        variance; the planted features' recovery (synthetic); the CE loss recovered when
-        the reconstruction replaces the hooked activations (models)."""
-        self.model.eval()
+        """On the validation rows (every rank its own, summed): reconstruction loss, L0,
+        explained variance; the planted features' recovery (synthetic); the CE loss
+        recovered when the reconstruction replaces the hooked activations (models)."""
+        self.model.eval()  # the loss's state (dead features, threshold EMA) stays as it is
         stats = CrosscoderStats(*self.stats.shape)
-        sums: dict[str, torch.Tensor] = {}
-        for start in range(0, len(self.val_rows), 1024):
-            x = self.val_rows[start : start + 1024].float().to(self.device)
-            _, extras = self.model(x, self.cfg.sparsity.coeff)
-            stats.update(extras)
-            for key in ("recon_loss", "l0"):
-                sums[key] = sums.get(key, 0) + extras[key].double()
-        sums["rows"] = torch.tensor(float(len(self.val_rows)), dtype=torch.float64)
-        totals = self.groups.sum_tensors(
-            {k: torch.as_tensor(v).to(self.device) for k, v in sums.items()}
-        )
+        recon, l0 = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)
+        val_rows = self.data.val_rows
+        for start in range(0, len(val_rows), 1024):
+            x = val_rows[start : start + 1024].float().to(self.device)
+            output = self.model(x, self.loss_fn, self.cfg.sparsity.coeff)
+            stats.add(output.stats)
+            recon, l0 = recon + output.recon_loss.double(), l0 + output.l0.double()
+        rows = torch.tensor(float(len(val_rows)), dtype=torch.float64)
+        sums = {"recon_loss": recon, "l0": l0, "rows": rows}
+        totals = self.groups.sum_tensors({k: v.to(self.device) for k, v in sums.items()})
         rows = float(totals.pop("rows"))
         metrics = {f"val/{k}": float(v) / rows for k, v in totals.items()}
         metrics.update({f"val/{k}": v for k, v in stats.read(self.groups.sum_tensors).items()})
-        decoder = self.full_decoder()
-        if self.planted is not None:
-            metrics.update(self.planted.recovery(decoder.cpu()))
-        if self.harvester is not None:
-            metrics.update(self.ce_recovered())
+        decoder = full_tensor(self.plan.module.W_dec)  # a collective when sharded
+        reconstruct = self.plan.inference_model.reconstruct
+        metrics.update(self.data.metrics(decoder, lambda x: reconstruct(x.to(self.device))))
         self.model.train()
-        return metrics
-
-    def full_decoder(self) -> torch.Tensor:
-        """W_dec whole on every rank (a collective when sharded)."""
-        weight = self.plan.module.W_dec
-        return weight.full_tensor() if hasattr(weight, "full_tensor") else weight.detach()
-
-    def ce_recovered(self) -> dict[str, float]:
-        """(L_zero - L_splice) / (L_zero - L_clean) per source model, on validation text:
-        the models' next-token loss with their hooked activations as they are, replaced
-        by the crosscoder's reconstruction, and replaced by zeros."""
-        count = min(8, len(self.val_text))
-        batch = torch.stack([self.val_text[i]["input_ids"] for i in range(count)])
-        keep = keep_positions(batch, self.drop_ids)
-
-        def reconstruct(x: torch.Tensor) -> torch.Tensor:  # [B, T, n, d]
-            rows = x.flatten(0, 1).float().to(self.device)
-            return self.plan.inference_model.reconstruct(rows).reshape(x.shape).to(x.dtype)
-
-        clean, splice, zero = (
-            self.harvester.spliced_loss(batch, keep, replace)
-            for replace in (lambda x: x, reconstruct, torch.zeros_like)
-        )
-        tokens = float(keep[:, 1:].sum())
-        metrics = {}
-        for i, (c, s, z) in enumerate(zip(clean, splice, zero)):
-            metrics[f"val/ce_recovered/model_{i}"] = float((z - s) / (z - c).clamp_min(1e-12))
-            metrics[f"val/ce_clean/model_{i}"] = float(c) / tokens
-            metrics[f"val/ce_splice/model_{i}"] = float(s) / tokens
         return metrics
 
     def cleanup(self) -> None:

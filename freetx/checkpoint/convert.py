@@ -443,3 +443,23 @@ def load_model(path: str | Path, device, seed: int = 0) -> nn.Module:
     materialize(model, device, seed=seed, init_weights=False)
     load_initial_weights(model, resolved)
     return model.eval()
+
+
+def load_source_model(path: str, device: torch.device, dtype: str = "auto") -> nn.Module:
+    """A frozen model to read activations from: freetx's own model of a run or checkpoint
+    (or a Llama-family HF folder), else any HF folder through transformers. `dtype`:
+    float32, bfloat16, or auto (bf16 on CUDA)."""
+    if dtype == "auto":
+        dtype = "bfloat16" if device.type == "cuda" else "float32"
+    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+    try:
+        return load_model(path, device).to(torch_dtype)
+    except Exception as freetx_error:
+        try:
+            from transformers import AutoModelForCausalLM
+        except ImportError:
+            raise freetx_error from None
+        if not (Path(path).expanduser() / "config.json").is_file():
+            raise
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
+        return model.to(device).eval()

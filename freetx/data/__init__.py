@@ -1,11 +1,21 @@
 """Data: tokenizers, the built-in corpus, packed text, instruction and chat datasets, the
-letter-block task, AD's learning histories, sampling, and the shard cache.
+letter-block task, AD's learning histories, crosscoders' activations, sampling, and the
+shard cache.
 
 Datasets take rank and world size as arguments (never from the process group),
 and import nothing from the rest of freetx but its errors.
 """
 
-from freetx.data.activations import ActivationRows, PlantedFeatures
+from freetx.data.activations import (
+    ActivationRows,
+    Activations,
+    ActivationsConfig,
+    PlantedFeatures,
+    RowLoading,
+    SourceConfig,
+    harvested_activations,
+    planted_activations,
+)
 from freetx.data.chat import ChatDataset
 from freetx.data.instruct import InstructDataset
 from freetx.data.letter_block import LetterBlockDataset
@@ -23,8 +33,12 @@ from freetx.data.tokenizers import ByteTokenizer, HFTokenizer, leading_bos
 
 __all__ = [
     "IGNORE_INDEX",
+    "Activations",
     "ActivationRows",
+    "ActivationsConfig",
     "PlantedFeatures",
+    "RowLoading",
+    "SourceConfig",
     "ByteTokenizer",
     "ChatDataset",
     "EvalShard",
@@ -36,7 +50,9 @@ __all__ = [
     "ShardCache",
     "build_eval_loader",
     "build_train_loader",
+    "harvested_activations",
     "leading_bos",
     "micro_batch_size",
+    "planted_activations",
     "read_documents",
 ]

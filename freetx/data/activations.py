@@ -15,23 +15,61 @@ Three sources behind one shape (a batch is {"x": [rows, n_sources, d]}):
   one shard per rank, through the shard cache) and read as `ActivationRows` by
   later runs.
 
+A recipe builds its data with one of two functions, each returning one
+`Activations` (the train loader, validation rows, shape, a normalization
+sample, and what evaluation needs): `planted_activations` (synthetic) and
+`harvested_activations` (models, through the buffer or the cache, configured by
+`ActivationsConfig`). `SpliceProbe` measures the CE loss recovered when a
+reconstruction replaces the hooked activations.
+
 Data takes rank and world size as arguments and imports nothing of freetx but
-its errors and the shard cache.
+its errors, its fields and the shard cache.
 """
 
 from __future__ import annotations
 
 import difflib
 import math
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional
 
 import torch
+from omegaconf import MISSING
 from torch import nn
 from torch.utils.data import Dataset
 
+from freetx.data.sampling import build_train_loader, micro_batch_size
 from freetx.data.shard_cache import ShardCache
 from freetx.errors import ConfigError, DataError
+from freetx.fields import at_least
+
+
+@dataclass
+class SourceConfig:
+    """A model to read: a freetx run / checkpoint, or an HF folder (any architecture,
+    through transformers), and the modules whose outputs are read."""
+
+    model: str = MISSING
+    hooks: list[str] = field(default_factory=list)
+
+
+@dataclass
+class ActivationsConfig:
+    """crosscoder_fsdp2's `activations:` section: planted synthetic rows, or the outputs
+    of modules of frozen models on text, read on the fly (buffer) or once (cache)."""
+
+    kind: Literal["synthetic", "models"] = "synthetic"
+    synthetic: Any = field(default_factory=lambda: {"_component_": "freetx.data.PlantedFeatures"})
+    sources: list[SourceConfig] = field(default_factory=list)  # models: in order
+    tokenizer: Any = field(default_factory=lambda: {"_component_": "freetx.data.ByteTokenizer"})
+    text: Any = field(default_factory=lambda: {
+        "_component_": "freetx.data.PackedTextDataset", "source": "builtin", "seq_len": 64})  # fmt: skip
+    mode: Literal["buffer", "cache"] = "buffer"
+    sequences_per_refill: int = at_least(1, default=32)  # buffer: per rank, per refill
+    cache: Optional[str] = None  # cache: the folder (written once, reused, checked)
+    source_dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: bf16 on CUDA
+    normalize_rows: int = at_least(1, default=4096)  # per rank, to estimate the scales
 
 
 class ActivationRows(Dataset):
@@ -354,3 +392,174 @@ def norm_sums(rows: torch.Tensor) -> tuple[torch.Tensor, int]:
 
 def scales_from_norm_sums(norms: torch.Tensor, count: float, source_dim: int) -> torch.Tensor:
     return math.sqrt(source_dim) / (norms / max(count, 1.0)).clamp_min(1e-12)
+
+
+@dataclass
+class RowLoading:
+    """How this rank reads rows: the global batch (rows over all ranks, split into
+    `accumulation` micro-batches), the rank among `world_size`, the seed of the data
+    order, and how many rows it keeps for validation and for the normalization."""
+
+    batch_size: int
+    accumulation: int
+    rank: int
+    world_size: int
+    seed: int
+    eval_rows: int
+    normalize_rows: int
+
+    def loader(self, rows: ActivationRows) -> Iterable[dict[str, torch.Tensor]]:
+        """Rows held in memory, in the global-batch sampler's order (a function of the step)."""
+        return build_train_loader(
+            rows, self.batch_size, self.accumulation, self.rank, self.world_size, self.seed
+        )
+
+
+class SpliceProbe:
+    """The CE loss recovered on validation text: each source model's next-token loss
+    with its hooked activations as they are (clean), replaced by a reconstruction
+    (splice), and replaced by zeros; `(L_zero - L_splice) / (L_zero - L_clean)`."""
+
+    def __init__(
+        self, harvester: ActivationHarvester, text: Dataset, drop_ids: list[int], sequences: int = 8
+    ) -> None:
+        self.harvester = harvester
+        count = min(sequences, len(text))
+        self.input_ids = torch.stack([text[i]["input_ids"] for i in range(count)])
+        self.keep = keep_positions(self.input_ids, drop_ids)
+
+    def __call__(self, reconstruct: Callable[[torch.Tensor], torch.Tensor]) -> dict[str, float]:
+        """`reconstruct` maps rows [N, n, d] (float32) to their reconstruction."""
+
+        def splice(x: torch.Tensor) -> torch.Tensor:  # [B, T, n, d]
+            return reconstruct(x.flatten(0, 1).float()).reshape(x.shape).to(x.dtype)
+
+        clean, spliced, zero = (
+            self.harvester.spliced_loss(self.input_ids, self.keep, replace)
+            for replace in (lambda x: x, splice, torch.zeros_like)
+        )
+        tokens = float(self.keep[:, 1:].sum())
+        metrics = {}
+        for i, (c, s, z) in enumerate(zip(clean, spliced, zero)):
+            metrics[f"val/ce_recovered/model_{i}"] = float((z - s) / (z - c).clamp_min(1e-12))
+            metrics[f"val/ce_clean/model_{i}"] = float(c) / tokens
+            metrics[f"val/ce_splice/model_{i}"] = float(s) / tokens
+        return metrics
+
+
+@dataclass
+class Activations:
+    """What a crosscoder trains and evaluates on, from one activation source."""
+
+    train_loader: Iterable[dict[str, torch.Tensor]]  # {"x": [rows, n, d]}; resumable
+    val_rows: torch.Tensor  # this rank's validation rows [rows, n, d]
+    shape: tuple[int, int]  # (num_sources, source_dim)
+    normalize_from: torch.Tensor  # this rank's rows to estimate the input scales from
+    description: str  # for the banner
+    planted: PlantedFeatures | None = None  # synthetic: the truth, for recovery metrics
+    splice: SpliceProbe | None = None  # models: the CE loss recovered
+
+    def metrics(
+        self, decoder: torch.Tensor, reconstruct: Callable[[torch.Tensor], torch.Tensor]
+    ) -> dict[str, float]:
+        """This source's own evaluation of a crosscoder, given its whole decoder
+        [m, n, d] and its `reconstruct` (rows [N, n, d] in, out): the planted features'
+        recovery (synthetic), the CE loss recovered (models)."""
+        metrics = {}
+        if self.planted is not None:
+            metrics.update(self.planted.recovery(decoder.cpu()))
+        if self.splice is not None:
+            metrics.update(self.splice(reconstruct))
+        return metrics
+
+
+def planted_activations(
+    train: PlantedFeatures, validation: PlantedFeatures, loading: RowLoading
+) -> Activations:
+    """Planted synthetic rows: the training split through the global-batch sampler, the
+    first `eval_rows` of the validation split (the same on every rank)."""
+    return Activations(
+        train_loader=loading.loader(train),
+        val_rows=validation.rows[: loading.eval_rows],
+        shape=(train.num_sources, train.source_dim),
+        normalize_from=train.rows[: loading.normalize_rows],
+        description=f"synthetic ({len(train):,} rows)",
+        planted=train,
+    )
+
+
+def harvested_activations(
+    cfg: ActivationsConfig,
+    models: list[nn.Module],
+    tokenizer: Any,
+    text: Dataset,
+    val_text: Dataset,
+    loading: RowLoading,
+    barrier: Callable[[], None],
+) -> Activations:
+    """The outputs of `cfg.sources`' hooks (`models`: those sources, loaded, in order) on
+    `text`, BOS and padding dropped: on the fly (`mode: buffer`) or written once to
+    `cfg.cache` by all ranks together (`mode: cache`; `barrier` waits for every rank).
+    Validation rows come from this rank's own validation sequences."""
+    if not cfg.sources:
+        raise ConfigError(
+            "activations.kind=models needs activations.sources: a list of {model: PATH, "
+            "hooks: [module names]}."
+        )
+    harvester = ActivationHarvester(
+        [(model, list(s.hooks), s.model) for model, s in zip(models, cfg.sources)]
+    )
+    drop_ids = [t for t in (tokenizer.bos_id, tokenizer.pad_id) if t is not None]
+
+    def harvest(input_ids: torch.Tensor) -> torch.Tensor:
+        return harvester(input_ids, keep_positions(input_ids, drop_ids)).cpu()
+
+    rank, world_size = loading.rank, loading.world_size
+    sample = harvest(torch.stack([text[0]["input_ids"]]))
+    if cfg.mode == "cache":
+        if not cfg.cache:
+            raise ConfigError("activations.mode=cache needs activations.cache: a folder.")
+        settings = {
+            "sources": [{"model": s.model, "hooks": list(s.hooks)} for s in cfg.sources],
+            "text": repr(cfg.text), "tokenizer": repr(cfg.tokenizer),
+        }  # fmt: skip
+        rows = build_activation_cache(
+            ShardCache(cfg.cache), harvest, text, rank, world_size, settings, barrier=barrier
+        )
+        loader = loading.loader(rows)
+        normalize_from = rows.rows[rank::world_size]
+        description = f"cache {cfg.cache} ({len(rows):,} rows)"
+    else:
+        rows_per_batch = micro_batch_size(loading.batch_size, world_size, loading.accumulation)
+        loader = ActivationBuffer(
+            harvest, text, rows_per_batch, cfg.sequences_per_refill, rank, world_size,
+            loading.seed,
+        )  # fmt: skip
+        first = loader.mine[: cfg.sequences_per_refill]
+        normalize_from = harvest(torch.stack([text[i]["input_ids"] for i in first]))
+        description = f"buffer ({cfg.sequences_per_refill} sequences a refill)"
+    return Activations(
+        train_loader=loader,
+        val_rows=validation_rows(harvest, val_text, loading),
+        shape=(sample.shape[1], sample.shape[2]),
+        normalize_from=normalize_from[: loading.normalize_rows],
+        description=description,
+        splice=SpliceProbe(harvester, val_text, drop_ids),
+    )
+
+
+def validation_rows(
+    harvest: Callable[[torch.Tensor], torch.Tensor], val_text: Dataset, loading: RowLoading
+) -> torch.Tensor:
+    """This rank's validation rows (at most `eval_rows`), from its own validation
+    sequences (rank, rank + W, ...)."""
+    parts, count = [], 0
+    for i in range(loading.rank, len(val_text), loading.world_size):
+        rows = harvest(torch.stack([val_text[i]["input_ids"]]))
+        parts.append(rows)
+        count += len(rows)
+        if count >= loading.eval_rows:
+            break
+    if not parts:
+        raise ConfigError("the text's validation split is empty; raise dataset val_fraction.")
+    return torch.cat(parts)[: loading.eval_rows]

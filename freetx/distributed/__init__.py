@@ -5,7 +5,13 @@ that knows the strategy: nothing outside this package names one.
 """
 
 from freetx.distributed.groups import HostGroup, ParallelGroups
-from freetx.distributed.init import canonical_name, fill_parameters, load_parameters, materialize
+from freetx.distributed.init import (
+    canonical_name,
+    fill_parameters,
+    full_tensor,
+    load_parameters,
+    materialize,
+)
 from freetx.distributed.parallelize import (
     DistributedConfig,
     MixedPrecisionConfig,
@@ -41,6 +47,7 @@ __all__ = [
     "destroy_distributed",
     "fake_world",
     "fill_parameters",
+    "full_tensor",
     "init_distributed",
     "load_parameters",
     "materialize",

@@ -141,6 +141,12 @@ def _local(param: torch.Tensor) -> torch.Tensor:
     return param.to_local() if isinstance(param, DTensor) else param
 
 
+def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor whole on every rank, detached: a sharded one (DTensor) is gathered, which
+    is a collective every rank of its mesh must call."""
+    return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach()
+
+
 @torch.no_grad()
 def fill_parameters(
     model: nn.Module,

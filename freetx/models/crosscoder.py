@@ -23,20 +23,24 @@ norms), which lets a feature live in one source only. Activations:
 `shared_features` (Anthropic, February 2025): the first n features are
 designated shared; their sparsity penalty is scaled by `shared_penalty`.
 
-The loss is computed inside `forward` (FSDP2 gathers the sharded weights
-there): `forward(x, sparsity_weight)` returns the loss summed over the batch's
-rows and further sums (reconstruction, sparsity, L0, ...) for logging.
+The model encodes and decodes; `CrosscoderLoss` is the training objective and
+its bookkeeping (AuxK's dead-feature counters and BatchTopK's threshold EMA,
+advanced in training mode only), with its collectives through a `Reducer`.
+`forward(x, loss, sparsity_weight)` runs the loss inside the model's forward,
+where FSDP2 has gathered the sharded weights, and returns a `CrosscoderOutput`:
+the loss summed over the batch's rows, the sums to log (reconstruction, the
+other terms, L0) and the statistics (`ReconstructionStats`) that
+`CrosscoderStats` adds up over a window for explained variance and dead features.
 Activations are scaled by a per-source constant (`input_scale`, a buffer kept
 in checkpoints) so that their mean norm is sqrt(d).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import dataclass, fields
+from typing import Literal, NamedTuple, Protocol
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from freetx.models.protocol import build_config, builds
@@ -99,38 +103,73 @@ class _JumpReLU(torch.autograd.Function):
         return grad * active, grad_t.sum(0)
 
 
-def batch_topk_threshold(values: torch.Tensor, keep: int) -> torch.Tensor:
-    """The `keep`-th largest entry of `values` over all ranks' batches (one collective when
-    distributed): the same threshold on every rank, so the result does not depend on how
-    the batch is split."""
-    local = values.flatten()
-    top = torch.topk(local, min(keep, local.numel())).values
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        sizes = [
-            torch.zeros(1, dtype=torch.long, device=top.device)
-            for _ in range(dist.get_world_size())
-        ]
-        dist.all_gather(sizes, torch.tensor([top.numel()], device=top.device))
-        width = int(max(s.item() for s in sizes))
-        padded = torch.full((width,), float("-inf"), dtype=top.dtype, device=top.device)
-        padded[: top.numel()] = top.detach()
-        gathered = [torch.empty_like(padded) for _ in sizes]
-        dist.all_gather(gathered, padded)
-        top = torch.cat(gathered)
-    return torch.topk(top, min(keep, top.numel())).values[-1].detach()
+class Reducer(Protocol):
+    """The collectives the loss needs over the data-parallel ranks (`freetx.distributed.
+    ParallelGroups` is one; `LocalReducer` is one process's)."""
+
+    @property
+    def dp_size(self) -> int: ...
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum", over: str = "dp") -> torch.Tensor:
+        """`tensor` reduced in place over the ranks; returns it."""
+        ...
+
+    def all_gather_varying(self, tensor: torch.Tensor, over: str = "dp") -> torch.Tensor:
+        """Every rank's 1-D `tensor` concatenated in rank order (lengths may differ)."""
+        ...
 
 
-def all_ranks_any(mask: torch.Tensor) -> torch.Tensor:
-    """Elementwise OR of a bool mask over ranks."""
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        counts = mask.to(torch.int32)
-        dist.all_reduce(counts)
-        return counts > 0
-    return mask
+class LocalReducer:
+    """A `Reducer` for one process: every collective is the identity."""
+
+    dp_size = 1
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum", over: str = "dp") -> torch.Tensor:
+        return tensor
+
+    def all_gather_varying(self, tensor: torch.Tensor, over: str = "dp") -> torch.Tensor:
+        return tensor
+
+
+@dataclass
+class ReconstructionStats:
+    """Sums over rows for explained variance and dead features: per batch from the loss,
+    added up over a window of batches (`CrosscoderStats`) and summed over ranks."""
+
+    sq_error: torch.Tensor  # [n] per source: sum of squared reconstruction errors
+    x_sum: torch.Tensor  # [n, d] sum of the (scaled) inputs
+    x_sq: torch.Tensor  # [n] sum of their squares
+    fired: torch.Tensor  # [m] features that fired (a batch: bool; a window: batches fired)
+    rows: torch.Tensor  # [] rows seen
+
+    @classmethod
+    def zeros(cls, num_sources: int, source_dim: int, dict_size: int) -> ReconstructionStats:
+        n, d, m = num_sources, source_dim, dict_size
+        zeros = lambda *shape: torch.zeros(shape, dtype=torch.float64)  # noqa: E731
+        return cls(zeros(n), zeros(n, d), zeros(n), zeros(m), zeros())
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+class CrosscoderOutput(NamedTuple):
+    """What `Crosscoder.forward` returns: the objective and what to log, each summed over
+    the batch's rows (a NamedTuple: FSDP2 and DDP find the loss tensor inside it)."""
+
+    loss: torch.Tensor  # the objective (backward on this)
+    recon_loss: torch.Tensor  # sum of squared errors over sources and dimensions
+    penalties: dict[str, torch.Tensor]  # the other terms: sparsity_loss (+ pre_act_loss, aux_loss)
+    l0: torch.Tensor  # active features
+    stats: ReconstructionStats  # for explained variance and dead features over a window
+
+    def log_sums(self) -> dict[str, torch.Tensor]:
+        """The sums a training step logs (divided by the rows of the global batch)."""
+        return {"recon_loss": self.recon_loss, **self.penalties, "l0": self.l0}
 
 
 class Crosscoder(nn.Module):
-    """x [B, n_src, d] -> (loss summed over rows, sums to log); see the module docstring."""
+    """Encode and decode x [B, n_src, d], with the state checkpoints keep; `forward` runs a
+    `CrosscoderLoss` on the gathered dictionary (see the module docstring)."""
 
     block_types = ()  # one unit: FSDP2 shards its tensors, the dictionary on dim 0
     config_class = CrosscoderConfig
@@ -148,7 +187,7 @@ class Crosscoder(nn.Module):
             self.log_threshold = nn.Parameter(torch.empty(m))
         # activations are scaled by this per source (mean norm sqrt(d)); set from data
         self.register_buffer("input_scale", torch.ones(n))
-        if cfg.activation == "batchtopk":
+        if cfg.activation == "batchtopk":  # CrosscoderLoss's state, here to be checkpointed
             self.register_buffer("rows_since_fired", torch.zeros(m, dtype=torch.long))
             self.register_buffer("inference_threshold", torch.zeros(()))
 
@@ -182,6 +221,10 @@ class Crosscoder(nn.Module):
             return pre * (pre > self.log_threshold.exp())
         return torch.relu(pre) * (pre > self.inference_threshold)
 
+    def scale(self, x: torch.Tensor) -> torch.Tensor:
+        """Raw activations [B, n, d] scaled per source to mean norm sqrt(d)."""
+        return x * self.input_scale[None, :, None].to(x.dtype)
+
     def reconstruct(self, x: torch.Tensor) -> torch.Tensor:
         """Unscaled activations [B, n, d] in, their reconstruction (unscaled) out, with the
         inference activation (as used when splicing it back into a model)."""
@@ -189,80 +232,11 @@ class Crosscoder(nn.Module):
         return self.decode(self.encode(x * scale)) / scale
 
     def forward(
-        self, x: torch.Tensor, sparsity_weight: float = 1.0
-    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """The training loss summed over rows, and sums for logging; `x` is unscaled."""
-        cfg = self.config
-        x = x * self.input_scale[None, :, None].to(x.dtype)
-        pre = self.pre_activations(x)
-        norms = self.decoder_norms()
-        weights = self.penalty_weights(norms)
-        extras: dict[str, torch.Tensor] = {}
-        if cfg.activation == "relu":
-            f = torch.relu(pre)
-            sparsity = (f * weights).sum()
-        elif cfg.activation == "jumprelu":
-            f = _JumpReLU.apply(pre, self.log_threshold)
-            sparsity = torch.tanh(cfg.tanh_c * f.abs() * weights).sum()
-            threshold = self.log_threshold.exp()
-            pre_act = (torch.relu(threshold - pre) * norms).sum()
-            extras["pre_act_loss"] = cfg.pre_act_coeff * pre_act
-        else:
-            relu = torch.relu(pre)
-            threshold = batch_topk_threshold(relu, cfg.k * x.shape[0] * self._world())
-            f = relu * (relu >= threshold).to(relu.dtype) * (relu > 0).to(relu.dtype)
-            sparsity = torch.zeros((), device=x.device)
-            self._track_and_threshold(f, threshold)
-        x_hat = self.decode(f)
-        error = x - x_hat
-        recon = error.pow(2).sum()
-        loss = recon + sparsity_weight * sparsity
-        if "pre_act_loss" in extras:
-            loss = loss + extras["pre_act_loss"]
-        if cfg.activation == "batchtopk":
-            aux = self._aux_loss(pre, error)
-            extras["aux_loss"] = cfg.aux_coeff * aux
-            loss = loss + extras["aux_loss"]
-        with torch.no_grad():
-            extras.update(
-                recon_loss=recon.detach(),
-                sparsity_loss=(sparsity_weight * sparsity).detach(),
-                l0=(f > 0).sum(),
-                # for explained variance: per source sum of squared errors and of x, x^2
-                sq_error=error.detach().pow(2).sum((0, 2)),
-                x_sum=x.detach().sum(0),
-                x_sq=x.detach().pow(2).sum((0, 2)),
-                fired=(f > 0).any(0),
-                rows=torch.tensor(x.shape[0]),
-            )
-        return loss, extras
-
-    def _world(self) -> int:
-        return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-    @torch.no_grad()
-    def _track_and_threshold(self, f: torch.Tensor, threshold: torch.Tensor) -> None:
-        """BatchTopK: rows since each feature last fired (all ranks), and the EMA of the
-        smallest kept activation for inference."""
-        fired = all_ranks_any((f > 0).any(0))
-        rows = f.shape[0] * self._world()
-        self.rows_since_fired.add_(rows).masked_fill_(fired, 0)
-        beta = self.config.threshold_beta
-        if self.training:
-            self.inference_threshold.mul_(beta).add_((1 - beta) * threshold.to(torch.float32))
-
-    def _aux_loss(self, pre: torch.Tensor, error: torch.Tensor) -> torch.Tensor:
-        """AuxK: the residual reconstructed from the top k_aux pre-activations of the dead
-        features (zero when none is dead)."""
-        dead = self.rows_since_fired >= self.config.dead_after_rows
-        if not bool(dead.any()):
-            return torch.zeros((), device=pre.device, dtype=pre.dtype) + 0 * pre.sum()
-        masked = torch.where(dead[None, :], torch.relu(pre), torch.zeros_like(pre))
-        k = min(self.config.aux_k, int(dead.sum()))
-        top = torch.topk(masked, k, dim=-1)
-        f_aux = torch.zeros_like(pre).scatter(-1, top.indices, top.values)
-        x_aux = torch.einsum("bm,msd->bsd", f_aux, self.W_dec)
-        return (error.detach() - x_aux).pow(2).sum()
+        self, x: torch.Tensor, loss: CrosscoderLoss, sparsity_weight: float = 1.0
+    ) -> CrosscoderOutput:
+        """`loss` on the unscaled rows `x`, run here so that FSDP2 has gathered the
+        sharded dictionary (and the backward finds its hooks)."""
+        return loss(self, self.scale(x), sparsity_weight)
 
     # -- initialization (the model protocol) -----------------------------------
     def init_parameter(self, name: str, tensor: torch.Tensor, generator: torch.Generator) -> None:
@@ -311,6 +285,95 @@ def relative_decoder_norms(model: Crosscoder, a: int = 0, b: int = 1) -> torch.T
     return norms[:, b] / (norms[:, a] + norms[:, b]).clamp_min(1e-12)
 
 
+class CrosscoderLoss:
+    """The training objective of a `Crosscoder` and its bookkeeping: the loss summed over
+    rows (reconstruction + `sparsity_weight` x sparsity, + JumpReLU's pre-activation term
+    or BatchTopK's AuxK), and, for batchtopk, the rows since each feature last fired and
+    the EMA of the inference threshold. That state lives in the model's buffers (so
+    checkpoints hold it) and advances only when the model is in training mode: evaluation
+    leaves it as it is. `reducer` runs the collectives over the data-parallel ranks
+    (BatchTopK's threshold over the whole batch, the features fired on any rank)."""
+
+    def __init__(self, reducer: Reducer) -> None:
+        self.reducer = reducer
+
+    def __call__(
+        self, model: Crosscoder, x: torch.Tensor, sparsity_weight: float
+    ) -> CrosscoderOutput:
+        """On scaled rows `x`, inside `model.forward` (the dictionary gathered)."""
+        cfg = model.config
+        pre = model.pre_activations(x)
+        norms = model.decoder_norms()
+        weights = model.penalty_weights(norms)
+        penalties: dict[str, torch.Tensor] = {}
+        if cfg.activation == "relu":
+            f = torch.relu(pre)
+            sparsity = (f * weights).sum()
+        elif cfg.activation == "jumprelu":
+            f = _JumpReLU.apply(pre, model.log_threshold)
+            sparsity = torch.tanh(cfg.tanh_c * f.abs() * weights).sum()
+            threshold = model.log_threshold.exp()
+            penalties["pre_act_loss"] = (
+                cfg.pre_act_coeff * (torch.relu(threshold - pre) * norms).sum()
+            )
+        else:
+            relu = torch.relu(pre)
+            threshold = self.batch_topk_threshold(relu, cfg.k * x.shape[0] * self.reducer.dp_size)
+            f = relu * (relu >= threshold).to(relu.dtype) * (relu > 0).to(relu.dtype)
+            sparsity = torch.zeros((), device=x.device)
+            if model.training:
+                self.advance(model, f, threshold)
+        error = x - model.decode(f)
+        recon = error.pow(2).sum()
+        if cfg.activation == "batchtopk":
+            penalties["aux_loss"] = cfg.aux_coeff * self.aux_loss(model, pre, error)
+        loss = recon + sparsity_weight * sparsity
+        for term in penalties.values():  # pre_act_loss (jumprelu) or aux_loss (batchtopk)
+            loss = loss + term
+        with torch.no_grad():
+            penalties = {"sparsity_loss": (sparsity_weight * sparsity).detach(), **penalties}
+            stats = ReconstructionStats(
+                sq_error=error.detach().pow(2).sum((0, 2)), x_sum=x.detach().sum(0),
+                x_sq=x.detach().pow(2).sum((0, 2)), fired=(f > 0).any(0),
+                rows=torch.tensor(x.shape[0]),
+            )  # fmt: skip
+            return CrosscoderOutput(
+                loss, recon.detach(), {k: v.detach() for k, v in penalties.items()},
+                (f > 0).sum(), stats,
+            )  # fmt: skip
+
+    def batch_topk_threshold(self, values: torch.Tensor, keep: int) -> torch.Tensor:
+        """The `keep`-th largest entry of `values` over all ranks' batches: the same
+        threshold on every rank, so the result does not depend on how the batch is split."""
+        local = values.flatten()
+        top = torch.topk(local, min(keep, local.numel())).values.detach()
+        top = self.reducer.all_gather_varying(top)
+        return torch.topk(top, min(keep, top.numel())).values[-1].detach()
+
+    @torch.no_grad()
+    def advance(self, model: Crosscoder, f: torch.Tensor, threshold: torch.Tensor) -> None:
+        """BatchTopK, training only: rows since each feature last fired (all ranks), and
+        the EMA of the smallest kept activation for inference."""
+        fired = self.reducer.all_reduce((f > 0).any(0).to(torch.int32)) > 0
+        rows = f.shape[0] * self.reducer.dp_size
+        model.rows_since_fired.add_(rows).masked_fill_(fired, 0)
+        beta = model.config.threshold_beta
+        model.inference_threshold.mul_(beta).add_((1 - beta) * threshold.to(torch.float32))
+
+    def aux_loss(self, model: Crosscoder, pre: torch.Tensor, error: torch.Tensor) -> torch.Tensor:
+        """AuxK: the residual reconstructed from the top k_aux pre-activations of the dead
+        features (zero when none is dead)."""
+        dead = model.rows_since_fired >= model.config.dead_after_rows
+        if not bool(dead.any()):
+            return torch.zeros((), device=pre.device, dtype=pre.dtype) + 0 * pre.sum()
+        masked = torch.where(dead[None, :], torch.relu(pre), torch.zeros_like(pre))
+        k = min(model.config.aux_k, int(dead.sum()))
+        top = torch.topk(masked, k, dim=-1)
+        f_aux = torch.zeros_like(pre).scatter(-1, top.indices, top.values)
+        x_aux = torch.einsum("bm,msd->bsd", f_aux, model.W_dec)
+        return (error.detach() - x_aux).pow(2).sum()
+
+
 class CrosscoderStats:
     """Explained variance (total and per source) and the features that fired, over the
     rows seen since the last `read` (a window: dead features are counted over it, not on
@@ -318,26 +381,15 @@ class CrosscoderStats:
 
     def __init__(self, num_sources: int, source_dim: int, dict_size: int) -> None:
         self.shape = (num_sources, source_dim, dict_size)
-        self.reset()
+        self.window = ReconstructionStats.zeros(*self.shape)
 
-    def reset(self) -> None:
-        n, d, m = self.shape
-        self.sums = {
-            "sq_error": torch.zeros(n, dtype=torch.float64),
-            "x_sum": torch.zeros(n, d, dtype=torch.float64),
-            "x_sq": torch.zeros(n, dtype=torch.float64),
-            "fired": torch.zeros(m, dtype=torch.float64),
-            "rows": torch.zeros((), dtype=torch.float64),
-        }
-
-    def update(self, extras: dict[str, torch.Tensor]) -> None:
-        for key in ("sq_error", "x_sum", "x_sq", "fired"):
-            self.sums[key] += extras[key].detach().to("cpu", torch.float64)
-        self.sums["rows"] += float(extras["rows"])
+    def add(self, batch: ReconstructionStats) -> None:
+        for name, total in self.window.tensors().items():
+            total += getattr(batch, name).detach().to("cpu", torch.float64)
 
     def read(self, reduce) -> dict[str, float]:
         """The window's metrics (`reduce` sums the tensors over ranks), then a new window."""
-        totals = reduce(self.sums)
+        totals = reduce(self.window.tensors())
         rows = max(float(totals["rows"]), 1.0)
         variance = totals["x_sq"] - totals["x_sum"].pow(2).sum(-1) / rows  # [n]
         ev = 1.0 - totals["sq_error"] / variance.clamp_min(1e-12)
@@ -347,7 +399,7 @@ class CrosscoderStats:
             "window_rows": rows,
         }
         metrics.update({f"explained_variance/source_{i}": float(v) for i, v in enumerate(ev)})
-        self.reset()
+        self.window = ReconstructionStats.zeros(*self.shape)
         return metrics
 
 

@@ -312,7 +312,7 @@ def crosscoder_step(strategy: str | None, activation: str):
     """Grads of a crosscoder step (None: 1 process, the full batch), and the model's
     per-source scale as each rank set it from its own rows (all-reduced)."""
     from freetx.data.activations import norm_sums, scales_from_norm_sums
-    from freetx.models.crosscoder import crosscoder
+    from freetx.models.crosscoder import CrosscoderLoss, LocalReducer, crosscoder
 
     runtime = init_distributed("cpu")
     with torch.device("meta"):
@@ -320,6 +320,7 @@ def crosscoder_step(strategy: str | None, activation: str):
                            k=2, dead_after_rows=4, log_threshold_init=-2.0)  # fmt: skip
     x = torch.randn(GLOBAL_BATCH * 4, 2, 8, generator=torch.Generator().manual_seed(2)) * 3
     rows, scale = slice(None), 1.0 / len(x)
+    loss_fn = CrosscoderLoss(LocalReducer())  # one process: the whole batch
     if strategy is None:
         materialize(model, torch.device("cpu"), SEED)
         module = model
@@ -332,6 +333,7 @@ def crosscoder_step(strategy: str | None, activation: str):
         per_rank = len(x) // runtime.world_size
         rows = slice(runtime.rank * per_rank, (runtime.rank + 1) * per_rank)
         scale = runtime.world_size / float(count_over_ranks(ParallelGroups(runtime), [per_rank]))
+        loss_fn = CrosscoderLoss(plan.groups)  # BatchTopK's threshold over both ranks' rows
     module.tie_encoder()
     norms, count = norm_sums(x[rows])
     totals = ParallelGroups(runtime).sum_tensors(
@@ -341,8 +343,7 @@ def crosscoder_step(strategy: str | None, activation: str):
     for _ in range(2):  # the second step sees dead features (AuxK) for batchtopk
         for p in model.parameters():
             p.grad = None
-        loss, _ = model(x[rows], 0.5)
-        (loss * scale).backward()
+        (model(x[rows], loss_fn, 0.5).loss * scale).backward()
     return full_grads(model), module.input_scale.tolist()
 
 
