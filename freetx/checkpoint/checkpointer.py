@@ -213,7 +213,7 @@ class Checkpointer:
         if self.plan.path is not None:
             if getattr(state.get("model"), "include", None) is not None:
                 # the checkpoint holds the trainable part; the frozen base is read again
-                from freetx.checkpoint.convert import load_initial_weights
+                from freetx.checkpoint.loading import load_initial_weights
 
                 load_initial_weights(model, self.cfg.initial_weights)
             saved = self.load(self.plan.path, state, model=model)
@@ -222,7 +222,7 @@ class Checkpointer:
                 f"size {saved.get('world_size', '?')} with {saved.get('strategy', '?')})"
             )
         elif self.cfg.initial_weights:
-            from freetx.checkpoint.convert import load_initial_weights
+            from freetx.checkpoint.loading import load_initial_weights
 
             load_initial_weights(model, self.cfg.initial_weights)
             lines.append(f"initial weights from {self.cfg.initial_weights}")
