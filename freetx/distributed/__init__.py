@@ -4,6 +4,7 @@
 that knows the strategy: nothing outside this package names one.
 """
 
+from freetx.distributed.frozen import FrozenBase, frozen_base
 from freetx.distributed.init import canonical_name, fill_parameters, load_parameters, materialize
 from freetx.distributed.parallelize import (
     DistributedConfig,
@@ -11,6 +12,7 @@ from freetx.distributed.parallelize import (
     ParallelPlan,
     ShardLayout,
     check_world_fits,
+    dtype_named,
     parallelize,
     shard_layouts,
     unwrap,
@@ -25,6 +27,7 @@ from freetx.distributed.runtime import (
 
 __all__ = [
     "DistributedConfig",
+    "FrozenBase",
     "DistributedRuntime",
     "MixedPrecisionConfig",
     "ParallelPlan",
@@ -33,6 +36,8 @@ __all__ = [
     "check_world_fits",
     "canonical_name",
     "destroy_distributed",
+    "dtype_named",
+    "frozen_base",
     "fill_parameters",
     "init_distributed",
     "load_parameters",

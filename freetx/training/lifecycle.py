@@ -44,7 +44,7 @@ from freetx.checkpoint import (
 )
 from freetx.checkpoint.checkpointer import build_meta
 from freetx.checkpoint.state import LRSchedulerState
-from freetx.distributed import DistributedRuntime, ParallelPlan, canonical_name
+from freetx.distributed import DistributedRuntime, FrozenBase, ParallelPlan, frozen_base
 from freetx.errors import TrainingError
 from freetx.logging import build_metric_loggers, training_banner
 from freetx.models import flops_per_token, num_parameters
@@ -61,21 +61,15 @@ def training_state(
     progress: TrainState,
     loader,
     rank: int,
-    frozen_from: str | None = None,
+    frozen: FrozenBase | None = None,
 ) -> dict[str, Stateful]:
     """Everything a training checkpoint holds, under the names DCP saves them by.
 
-    When the model has frozen parameters read from `frozen_from` (the initial
-    weights: a LoRA / QLoRA / Spectrum base), only the trainable ones are saved;
-    a resume reads the base from there again.
+    When the frozen-base decision reads the frozen parameters from a file
+    (`frozen.read_from`: the initial weights of a LoRA / QLoRA / Spectrum run), only
+    the trainable ones are saved; a resume reads the base from there again.
     """
-    include = None
-    frozen = [n for n, p in plan.module.named_parameters() if not p.requires_grad]
-    if frozen_from and frozen:
-        trainable = {
-            canonical_name(n) for n, p in plan.module.named_parameters() if p.requires_grad
-        }
-        include = trainable.__contains__
+    include = frozen.saved if frozen is not None and frozen.read_from else None
     return {
         "model": ModelState(plan.model, include=include),
         "optimizer": OptimizerState(plan.model, optimizer),
@@ -146,12 +140,13 @@ class TrainingRun:
                 parameters=num_parameters(module), **facts,
             )
         )  # fmt: skip
+        frozen = frozen_base(module, cfg.checkpoint.initial_weights)  # the one decision
         self.state = training_state(
             plan, optimizer, lr_scheduler, self.progress, train_loader, self.runtime.rank,
-            frozen_from=cfg.checkpoint.initial_weights,
+            frozen,
         )  # fmt: skip
         meta = build_meta(module, self.runtime.world_size, plan.strategy)
-        message = self.checkpointer.restore(self.state, plan.model, meta)
+        message = self.checkpointer.restore(self.state, plan.model, meta, frozen.read_from)
         if message:
             self.loggers.write(message)
         self.saved_step = self.progress.step
