@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
 
-from freetx.checkpoint.adapters import MergedSource, adapter_tensors, write_peft
+from freetx.checkpoint.adapters import LoRASettings, MergedSource, adapter_tensors, write_peft
 from freetx.checkpoint.files import (
     DCP_ERRORS,
     META_FILE,
@@ -36,10 +37,10 @@ from freetx.checkpoint.formats import (
 )
 from freetx.checkpoint.loading import resolve_checkpoint
 from freetx.checkpoint.safe_write import check_destination, staged_output
+from freetx.distributed.parallelize import dtype_named
 from freetx.errors import CheckpointError
 from freetx.models.hf import TOKENIZER_FILES, layout_of
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 FORMATS = ("safetensors", "torch", "dcp", "hf", "peft")
 MODEL_ONLY_FORMATS = ("safetensors", "hf", "peft")
 
@@ -66,12 +67,15 @@ def convert(
     overwrite: bool = False,
     max_shard_size: str | int = "5GB",
     hf_files_from: str | Path | None = None,
+    run_folders: Sequence[str | Path] = (),
+    lora: LoRASettings | None = None,
 ) -> dict[str, Any]:
     """Convert a checkpoint; returns what was written (format, tensors, bytes).
 
     To an HF folder: weights in shards of `max_shard_size`, config.json,
     generation_config.json and the tokenizer files of the HF folder the model came
-    from (`hf_files_from`, else found from the run's config).
+    from (`hf_files_from`, else the first of `run_folders`, the folders the run
+    started from, that is one). To a PEFT adapter folder: `lora`, the run's settings.
 
     The destination is written under a temporary name and renamed into place
     (`safe_write`): it may not be, hold or lie inside the source, and an
@@ -90,7 +94,7 @@ def convert(
     if fmt == "peft":
         adapter_tensors(source)  # refuses a checkpoint without adapters, before writing
     names = [n for n in source.infos if n.startswith(MODEL_PREFIX) or not model_only]
-    target = DTYPES[dtype] if dtype else None
+    target = dtype_named(dtype) if dtype else None
 
     def cast(tensor: torch.Tensor) -> torch.Tensor:
         return tensor.to(target) if target is not None and tensor.is_floating_point() else tensor
@@ -103,11 +107,11 @@ def convert(
             strip = lambda n: n[len(MODEL_PREFIX) :]  # noqa: E731
             written = _write_safetensors(source, out, strip, cast, out_dtype)
         elif fmt == "hf":
-            companion = hf_companion_folder(source, hf_files_from)
+            companion = hf_companion_folder(source, hf_files_from, run_folders)
             written = _write_hf(source, out, cast, out_dtype, max_shard_size, companion)
         elif fmt == "peft":
-            companion = hf_companion_folder(source, hf_files_from)
-            written = write_peft(source, out, str(companion) if companion else None)
+            companion = hf_companion_folder(source, hf_files_from, run_folders)
+            written = write_peft(source, out, str(companion) if companion else None, lora)
         elif fmt == "torch":
             data = {
                 (n[len(MODEL_PREFIX) :] if model_only else n): cast(source.get(n)) for n in names
@@ -196,10 +200,12 @@ def plan_shards(sizes: dict[str, int], max_shard_bytes: int) -> list[list[str]]:
     return shards
 
 
-def hf_companion_folder(source: TensorSource, given: str | Path | None) -> Path | None:
+def hf_companion_folder(
+    source: TensorSource, given: str | Path | None, run_folders: Sequence[str | Path] = ()
+) -> Path | None:
     """The HF folder whose tokenizer files and generation config go beside an export: the
-    one given, the source itself, or the folder the run started from (its config's
-    model path, tokenizer path or initial weights)."""
+    one given, the source itself, or the first of the folders the run started from (its
+    model, tokenizer or initial weights, as the caller read them) that is one."""
     if given is not None:
         folder = Path(given).expanduser()
         if not folder.is_dir():
@@ -207,14 +213,8 @@ def hf_companion_folder(source: TensorSource, given: str | Path | None) -> Path 
         return folder
     if source.kind == "hf":
         return source.path
-    run = source.meta.get("config") or {}
-    candidates = [
-        (run.get("model") or {}).get("path"),
-        (run.get("tokenizer") or {}).get("path"),
-        (run.get("checkpoint") or {}).get("initial_weights"),
-    ]
-    for candidate in candidates:
-        if isinstance(candidate, str) and (Path(candidate).expanduser() / "config.json").is_file():
+    for candidate in run_folders:
+        if (Path(candidate).expanduser() / "config.json").is_file():
             return Path(candidate).expanduser()
     return None
 
@@ -288,16 +288,18 @@ def merge(
     dst: str | Path,
     overwrite: bool = False,
     max_shard_size: str | int = "5GB",
+    lora: LoRASettings | None = None,
 ) -> dict[str, Any]:
     """An HF folder of `base` with the LoRA / DoRA adapters of `checkpoint` merged into its
-    weights (tokenizer files and generation config from `base` when it is an HF folder).
-    Streams: one base tensor (and its adapter) at a time."""
+    weights (tokenizer files and generation config from `base` when it is an HF folder);
+    `lora`: the settings the adapters were trained with. Streams: one base tensor (and
+    its adapter) at a time."""
     adapters = open_tensors(resolve_checkpoint(checkpoint))
     base_source = open_tensors(resolve_checkpoint(base))
     dst = Path(dst).expanduser()
     check_destination(adapters.path, dst, overwrite)
     check_destination(base_source.path, dst, overwrite)
-    source = MergedSource(base_source, adapters)
+    source = MergedSource(base_source, adapters, lora)
     companion = base_source.path if base_source.kind == "hf" else None
     with staged_output(dst) as out:
         written = _write_hf(
