@@ -109,6 +109,15 @@ class TrainingRun:
         """Optimizer steps taken (resumed runs start at the checkpoint's step)."""
         return self.progress.step
 
+    frozen: FrozenBase | None = None  # the frozen-base decision, once made
+
+    def decide_frozen_base(self, model) -> FrozenBase:
+        """The frozen-base decision for `model` (before `parallelize`, which takes it):
+        what trains, and where the frozen base is read from (the initial weights). `start`
+        gives the same decision to the checkpoints; made there when not made here."""
+        self.frozen = frozen_base(model, self.cfg.checkpoint.initial_weights)
+        return self.frozen
+
     def start(
         self,
         plan: ParallelPlan,
@@ -140,7 +149,7 @@ class TrainingRun:
                 parameters=num_parameters(module), **facts,
             )
         )  # fmt: skip
-        frozen = frozen_base(module, cfg.checkpoint.initial_weights)  # the one decision
+        frozen = self.frozen or self.decide_frozen_base(module)
         self.state = training_state(
             plan, optimizer, lr_scheduler, self.progress, train_loader, self.runtime.rank,
             frozen,
