@@ -35,8 +35,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from freetx.distributed import FrozenBase, ShardLayout, frozen_base, shard_layouts
-from freetx.distributed.init import canonical_name
+from freetx.distributed import (
+    FrozenBase,
+    ShardLayout,
+    canonical_name,
+    frozen_base,
+    shard_layouts,
+)
 from freetx.distributed.parallelize import find_blocks
 from freetx.models.peft.nf4 import BYTES_PER_WEIGHT, NF4LoRALinear
 from freetx.models.protocol import CountsFlops, check_model
