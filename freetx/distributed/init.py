@@ -110,8 +110,13 @@ def init_from_weights(model: nn.Module) -> None:
     parameters' local shards."""
     for module in model.modules():
         if isinstance(module, DerivedFromWeights) and module is not model:
-            local = {n: _local(p) for n, p in module.named_parameters(recurse=False)}
-            module.init_from_weights(local)
+            module.init_from_weights(local_parameters(module))
+
+
+def local_parameters(module: nn.Module) -> dict[str, torch.Tensor]:
+    """A module's own parameters by name, as this rank's local tensors (a DTensor's local
+    shard): what a hook that sets values from other parameters is given."""
+    return {name: _local(p) for name, p in module.named_parameters(recurse=False)}
 
 
 def self_stored(model: nn.Module) -> set[str]:
