@@ -48,7 +48,7 @@ from freetx.models.protocol import ExtraForwards, HasBlocks, check_model
 
 # every dtype name a config or a command line uses, in both spellings
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-DTYPE_ABBREVIATIONS = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+DTYPE_ABBREVIATIONS = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 STRATEGY_ALIASES = {"zero3": "fsdp"}
 SHARDED = ("fsdp", "zero2", "hsdp")
 REPLICATED = ("ddp", "zero1")
