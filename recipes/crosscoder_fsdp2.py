@@ -37,7 +37,13 @@ from freetx.data import (
     planted_activations,
 )
 from freetx.data.activations import norm_sums, scales_from_norm_sums
-from freetx.distributed import build_groups, full_tensor, init_distributed, parallelize
+from freetx.distributed import (
+    build_groups,
+    full_tensor,
+    init_distributed,
+    local_parameters,
+    parallelize,
+)
 from freetx.entry import parse
 from freetx.models.crosscoder import CrosscoderLoss, CrosscoderStats
 from freetx.training import (
@@ -101,7 +107,7 @@ class CrosscoderRecipeFSDP2:
         )  # fmt: skip
         self.model = self.plan.model
         if not self.run.loads_weights:  # a resume restores both from the checkpoint
-            self.plan.module.tie_encoder()
+            self.plan.module.tie_encoder(local_parameters(self.plan.module))
             self.plan.module.input_scale.copy_(self.estimate_scales())
         self.optimizer = self.plan.build_optimizer(cfg.optimizer)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.max_steps, cfg.lr_schedule)

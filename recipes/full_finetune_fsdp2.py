@@ -95,6 +95,7 @@ class FullFinetuneRecipeFSDP2:
         self.plan = parallelize(
             model, self.groups, cfg.distributed, seed=cfg.seed,
             init_weights=not self.run.loads_weights,  # random init unless weights are loaded
+            frozen=self.run.decide_frozen_base(model),  # what is frozen, where it is read from
         )  # fmt: skip
         self.model = self.plan.model
         self.optimizer = self.plan.build_optimizer(cfg.optimizer)

@@ -1,20 +1,19 @@
 """Checkpoints: DCP sharded saves and exact resume (checkpointer.py), the run folder's
 guard (run_folder.py), what they hold (state.py), safe reading (files.py), safe writing
-(safe_write.py), formats and conversion (formats.py, convert.py; HF layouts are the
+(safe_write.py), formats and conversion (formats.py, convert.py), reading weights into a model
+(loading.py; HF layouts are the
 models' own, freetx.models.hf)."""
 
 from freetx.checkpoint.checkpointer import CheckpointConfig, Checkpointer, build_meta
-from freetx.checkpoint.convert import (
-    convert,
-    inspect_report,
+from freetx.checkpoint.convert import convert, inspect_report, merge
+from freetx.checkpoint.formats import open_tensors
+from freetx.checkpoint.loading import (
     load_initial_weights,
     load_model,
     load_source_model,
-    merge,
     model_from_checkpoint,
     resolve_checkpoint,
 )
-from freetx.checkpoint.formats import open_tensors
 from freetx.checkpoint.run_folder import step_name
 from freetx.checkpoint.state import (
     LRSchedulerState,

@@ -4,17 +4,19 @@
     freetx checkpoint merge CKPT --base MODEL_DIR merged     # an HF folder, adapters merged in
 
 A LoRA checkpoint holds `<module>.lora_a.weight`, `<module>.lora_b.weight` and
-(DoRA) `<module>.lora_magnitude`; its meta.json's config has the `peft:`
-section (rank, alpha, dropout, use_dora). PEFT names a module by its HF path
+(DoRA) `<module>.lora_magnitude` (`freetx.models.peft.lora.PEFT_NAMES`, with
+PEFT's names for them); the caller passes the run's settings (`LoRASettings`:
+rank, alpha, dropout, use_dora). PEFT names a module by its HF path
 (`base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`), which the
 model's HF layout gives. Merging streams: each base tensor is read, merged
-with its adapter if it has one (W + s B A; DoRA: rescaled per row to m), and
+with its adapter if it has one (`merge_weight`, as training merges), and
 written, one at a time.
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,13 +26,17 @@ from freetx.checkpoint.files import MODEL_PREFIX
 from freetx.checkpoint.formats import TensorSource
 from freetx.errors import CheckpointError
 from freetx.models.hf import layout_of
+from freetx.models.peft.lora import PEFT_NAMES, lora_delta, merge_weight
 
-# freetx's adapter parameter -> PEFT's
-PEFT_NAMES = {
-    "lora_a.weight": "lora_A.weight",
-    "lora_b.weight": "lora_B.weight",
-    "lora_magnitude": "lora_magnitude_vector",
-}
+
+@dataclass(frozen=True)
+class LoRASettings:
+    """The LoRA settings a run trained its adapters with (its `peft:` section's values)."""
+
+    alpha: float  # the update is scaled by alpha / rank
+    rank: int = 0  # 0: read from the adapters' shapes
+    dropout: float = 0.0
+    use_dora: bool = False
 
 
 def adapter_tensors(source: TensorSource) -> dict[str, dict[str, str]]:
@@ -51,23 +57,24 @@ def adapter_tensors(source: TensorSource) -> dict[str, dict[str, str]]:
     return found
 
 
-def lora_settings(source: TensorSource) -> dict[str, Any]:
-    """The `peft:` section the checkpoint's run used."""
-    peft = ((source.meta.get("config") or {}).get("peft")) or {}
-    if peft.get("method") != "lora" or "alpha" not in peft:
+def require_settings(source: TensorSource, lora: LoRASettings | None) -> LoRASettings:
+    """The run's LoRA settings, or an error when the caller found none recorded."""
+    if lora is None:
         raise CheckpointError(
             f"{source.path} does not record its LoRA settings (meta.json's config has no "
             "peft section with method lora); use a checkpoint freetx saved."
         )
-    return peft
+    return lora
 
 
-def write_peft(source: TensorSource, out: Path, base_path: str | None) -> int:
+def write_peft(
+    source: TensorSource, out: Path, base_path: str | None, lora: LoRASettings | None
+) -> int:
     """adapter_model.safetensors + adapter_config.json, as PEFT's save_pretrained writes."""
     from freetx.checkpoint.formats import SafetensorsStreamWriter
 
     modules = adapter_tensors(source)
-    peft = lora_settings(source)
+    lora = require_settings(source, lora)
     layout = layout_of(source.meta.get("model_class", "?"))
     names: dict[str, str] = {}  # checkpoint key -> PEFT key
     hf_modules = []
@@ -87,11 +94,11 @@ def write_peft(source: TensorSource, out: Path, base_path: str | None) -> int:
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
         "base_model_name_or_path": base_path,
-        "r": ranks.pop() if len(ranks) == 1 else int(peft.get("rank", 0)),
-        "lora_alpha": peft["alpha"],
-        "lora_dropout": peft.get("dropout", 0.0),
+        "r": ranks.pop() if len(ranks) == 1 else lora.rank,
+        "lora_alpha": lora.alpha,
+        "lora_dropout": lora.dropout,
         "target_modules": sorted(set(hf_modules)),
-        "use_dora": bool(peft.get("use_dora", False)),
+        "use_dora": lora.use_dora,
         "bias": "none",
         "fan_in_fan_out": False,
         "inference_mode": True,
@@ -111,12 +118,13 @@ class MergedSource(TensorSource):
 
     kind = "merged"
 
-    def __init__(self, base: TensorSource, adapters: TensorSource) -> None:
+    def __init__(
+        self, base: TensorSource, adapters: TensorSource, lora: LoRASettings | None
+    ) -> None:
         super().__init__(base.path)
         self.base, self.adapters = base, adapters
         self.modules = adapter_tensors(adapters)
-        peft = lora_settings(adapters)
-        self.alpha = float(peft["alpha"])
+        self.alpha = float(require_settings(adapters, lora).alpha)
         self.infos = {n: i for n, i in base.infos.items() if n.startswith(MODEL_PREFIX)}
         self.meta = {
             "model_class": base.meta.get("model_class") or adapters.meta.get("model_class")
@@ -151,8 +159,8 @@ class MergedSource(TensorSource):
             return tensor
         a = self.adapters.get(parts["lora_a.weight"]).float()
         b = self.adapters.get(parts["lora_b.weight"]).float()
-        merged = tensor.float() + (b @ a) * (self.alpha / a.shape[0])
-        if "lora_magnitude" in parts:  # DoRA
-            magnitude = self.adapters.get(parts["lora_magnitude"]).float()
-            merged = merged * (magnitude / merged.norm(dim=1))[:, None]
-        return merged.to(tensor.dtype)
+        delta = lora_delta(a, b, self.alpha / a.shape[0])
+        magnitude = (
+            self.adapters.get(parts["lora_magnitude"]) if "lora_magnitude" in parts else None
+        )
+        return merge_weight(tensor, delta, magnitude).to(tensor.dtype)

@@ -50,6 +50,7 @@ from freetx.checkpoint.files import (
     describe_dcp_error,
     read_meta,
 )
+from freetx.checkpoint.loading import load_initial_weights
 from freetx.checkpoint.run_folder import (
     LATEST_FILE,
     STEP_PREFIX,
@@ -196,30 +197,35 @@ class Checkpointer:
         """Whether `restore` will set every model weight (a resume or initial weights)."""
         return self.plan.path is not None or bool(self.cfg.initial_weights)
 
-    def restore(self, state: dict[str, Stateful], model, meta: dict[str, Any]) -> str | None:
+    def restore(
+        self,
+        state: dict[str, Stateful],
+        model,
+        meta: dict[str, Any],
+        frozen_from: str | None = None,
+    ) -> str | None:
         """Load the planned checkpoint, else the initial weights, else nothing; then write
         `<output_dir>/config.yaml` (training starts). `meta` describes the model for saves.
+        `frozen_from`: where the frozen parameters are read from when the checkpoints hold
+        only the trainable ones (the frozen-base decision's `read_from`; None: they hold
+        the whole model).
 
         Returns the lines for the log (how the run starts, and every notice), or None.
         """
         self.meta = {**meta, "config": config_as_dict(self.run_config)}
-        if getattr(state.get("model"), "include", None) is not None:
-            self.meta["frozen_from"] = self.cfg.initial_weights  # only the trainable part
+        if frozen_from is not None:
+            self.meta["frozen_from"] = frozen_from  # only the trainable part
         lines = list(self.plan.notices)
         if self.plan.path is not None:
-            if getattr(state.get("model"), "include", None) is not None:
+            if frozen_from is not None:
                 # the checkpoint holds the trainable part; the frozen base is read again
-                from freetx.checkpoint.convert import load_initial_weights
-
-                load_initial_weights(model, self.cfg.initial_weights)
+                load_initial_weights(model, frozen_from)
             saved = self.load(self.plan.path, state, model=model)
             lines.append(
                 f"resumed from {self.plan.path} (step {state['train'].step}, saved at world "
                 f"size {saved.get('world_size', '?')} with {saved.get('strategy', '?')})"
             )
         elif self.cfg.initial_weights:
-            from freetx.checkpoint.convert import load_initial_weights
-
             load_initial_weights(model, self.cfg.initial_weights)
             lines.append(f"initial weights from {self.cfg.initial_weights}")
         if self.rank == 0:

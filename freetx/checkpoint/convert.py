@@ -1,4 +1,4 @@
-"""`freetx checkpoint inspect / convert`, and initial weights for a run.
+"""`freetx checkpoint inspect / convert / merge`: checkpoints between formats.
 
 Conversion streams: tensors are read one at a time from the source and written
 straight to the destination (safetensors and HF folders), so converting a
@@ -10,25 +10,20 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch import nn
 
-from freetx.checkpoint.adapters import MergedSource, adapter_tensors, write_peft
+from freetx.checkpoint.adapters import LoRASettings, MergedSource, adapter_tensors, write_peft
 from freetx.checkpoint.files import (
     DCP_ERRORS,
     META_FILE,
     MODEL_PREFIX,
-    SafeLoadPlanner,
-    checkpoint_model_shapes,
     describe_dcp_error,
-    mismatch_report,
-    model_shapes,
     quiet_single_process,
-    read_dcp_metadata,
     read_json,
 )
 from freetx.checkpoint.formats import (
@@ -40,20 +35,12 @@ from freetx.checkpoint.formats import (
     TensorSource,
     open_tensors,
 )
-from freetx.checkpoint.run_folder import LATEST_FILE, choose_checkpoint, survey
+from freetx.checkpoint.loading import resolve_checkpoint
 from freetx.checkpoint.safe_write import check_destination, staged_output
-from freetx.checkpoint.state import ModelState
-from freetx.distributed.init import (
-    init_from_weights,
-    load_parameters,
-    self_initialized,
-    self_stored,
-    set_full_parameter,
-)
+from freetx.distributed.parallelize import dtype_named
 from freetx.errors import CheckpointError
 from freetx.models.hf import TOKENIZER_FILES, layout_of
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 FORMATS = ("safetensors", "torch", "dcp", "hf", "peft")
 MODEL_ONLY_FORMATS = ("safetensors", "hf", "peft")
 
@@ -80,12 +67,15 @@ def convert(
     overwrite: bool = False,
     max_shard_size: str | int = "5GB",
     hf_files_from: str | Path | None = None,
+    run_folders: Sequence[str | Path] = (),
+    lora: LoRASettings | None = None,
 ) -> dict[str, Any]:
     """Convert a checkpoint; returns what was written (format, tensors, bytes).
 
     To an HF folder: weights in shards of `max_shard_size`, config.json,
     generation_config.json and the tokenizer files of the HF folder the model came
-    from (`hf_files_from`, else found from the run's config).
+    from (`hf_files_from`, else the first of `run_folders`, the folders the run
+    started from, that is one). To a PEFT adapter folder: `lora`, the run's settings.
 
     The destination is written under a temporary name and renamed into place
     (`safe_write`): it may not be, hold or lie inside the source, and an
@@ -104,7 +94,7 @@ def convert(
     if fmt == "peft":
         adapter_tensors(source)  # refuses a checkpoint without adapters, before writing
     names = [n for n in source.infos if n.startswith(MODEL_PREFIX) or not model_only]
-    target = DTYPES[dtype] if dtype else None
+    target = dtype_named(dtype) if dtype else None
 
     def cast(tensor: torch.Tensor) -> torch.Tensor:
         return tensor.to(target) if target is not None and tensor.is_floating_point() else tensor
@@ -117,11 +107,11 @@ def convert(
             strip = lambda n: n[len(MODEL_PREFIX) :]  # noqa: E731
             written = _write_safetensors(source, out, strip, cast, out_dtype)
         elif fmt == "hf":
-            companion = hf_companion_folder(source, hf_files_from)
+            companion = hf_companion_folder(source, hf_files_from, run_folders)
             written = _write_hf(source, out, cast, out_dtype, max_shard_size, companion)
         elif fmt == "peft":
-            companion = hf_companion_folder(source, hf_files_from)
-            written = write_peft(source, out, str(companion) if companion else None)
+            companion = hf_companion_folder(source, hf_files_from, run_folders)
+            written = write_peft(source, out, str(companion) if companion else None, lora)
         elif fmt == "torch":
             data = {
                 (n[len(MODEL_PREFIX) :] if model_only else n): cast(source.get(n)) for n in names
@@ -210,10 +200,12 @@ def plan_shards(sizes: dict[str, int], max_shard_bytes: int) -> list[list[str]]:
     return shards
 
 
-def hf_companion_folder(source: TensorSource, given: str | Path | None) -> Path | None:
+def hf_companion_folder(
+    source: TensorSource, given: str | Path | None, run_folders: Sequence[str | Path] = ()
+) -> Path | None:
     """The HF folder whose tokenizer files and generation config go beside an export: the
-    one given, the source itself, or the folder the run started from (its config's
-    model path, tokenizer path or initial weights)."""
+    one given, the source itself, or the first of the folders the run started from (its
+    model, tokenizer or initial weights, as the caller read them) that is one."""
     if given is not None:
         folder = Path(given).expanduser()
         if not folder.is_dir():
@@ -221,14 +213,8 @@ def hf_companion_folder(source: TensorSource, given: str | Path | None) -> Path 
         return folder
     if source.kind == "hf":
         return source.path
-    run = source.meta.get("config") or {}
-    candidates = [
-        (run.get("model") or {}).get("path"),
-        (run.get("tokenizer") or {}).get("path"),
-        (run.get("checkpoint") or {}).get("initial_weights"),
-    ]
-    for candidate in candidates:
-        if isinstance(candidate, str) and (Path(candidate).expanduser() / "config.json").is_file():
+    for candidate in run_folders:
+        if (Path(candidate).expanduser() / "config.json").is_file():
             return Path(candidate).expanduser()
     return None
 
@@ -302,66 +288,24 @@ def merge(
     dst: str | Path,
     overwrite: bool = False,
     max_shard_size: str | int = "5GB",
+    lora: LoRASettings | None = None,
 ) -> dict[str, Any]:
     """An HF folder of `base` with the LoRA / DoRA adapters of `checkpoint` merged into its
-    weights (tokenizer files and generation config from `base` when it is an HF folder).
-    Streams: one base tensor (and its adapter) at a time."""
+    weights (tokenizer files and generation config from `base` when it is an HF folder);
+    `lora`: the settings the adapters were trained with. Streams: one base tensor (and
+    its adapter) at a time."""
     adapters = open_tensors(resolve_checkpoint(checkpoint))
     base_source = open_tensors(resolve_checkpoint(base))
     dst = Path(dst).expanduser()
     check_destination(adapters.path, dst, overwrite)
     check_destination(base_source.path, dst, overwrite)
-    source = MergedSource(base_source, adapters)
+    source = MergedSource(base_source, adapters, lora)
     companion = base_source.path if base_source.kind == "hf" else None
     with staged_output(dst) as out:
         written = _write_hf(
             source, out, lambda t: t, lambda info: info.dtype, max_shard_size, companion
         )
     return {"format": "hf", "tensors": len(source.infos), "bytes": written, "path": str(dst)}
-
-
-def load_initial_weights(model: nn.Module, path: str | Path) -> None:
-    """Set a (parallelized) model's weights from a safetensors file, DCP folder or HF folder.
-
-    Every rank calls it. Keys and shapes are checked first; a mismatch lists the
-    offending tensors. Adapters (parameters a module initializes itself) are not
-    expected in the file and keep their values. DCP checkpoints reshard through
-    DCP; from safetensors files (one, or an HF folder's shards) each rank reads
-    only the rows of its own shard, a tensor at a time. Afterwards, values that
-    follow from the weights (DoRA's magnitudes) are set.
-    """
-    source = open_tensors(resolve_checkpoint(path))  # a run's output_dir: its newest
-    inner = getattr(model, "module", model)
-    adapters = set(self_initialized(inner))
-    expected = {n: s for n, s in model_shapes(model).items() if n not in adapters}
-    if isinstance(source, DCPSource):
-        found = checkpoint_model_shapes(read_dcp_metadata(source.path))
-        _check_fits(expected, found, path)
-        stored = self_stored(inner)  # e.g. NF4 bases: quantized from the full weight
-        state = ModelState(model, include=lambda name: name not in adapters | stored)
-        with quiet_single_process():  # a run always has a process group; tests may not
-            dcp.load({"model": state}, checkpoint_id=str(source.path), planner=SafeLoadPlanner())
-        for name in sorted(stored):
-            set_full_parameter(inner, name, source.get(MODEL_PREFIX + name))
-    else:
-        found = {n: source.infos[MODEL_PREFIX + n].shape for n in source.model_names()}
-        _check_fits(expected, found, path)
-        load_parameters(
-            inner,
-            lambda name, rows, out: source.read_into(MODEL_PREFIX + name, rows, out),
-            only=lambda name: name not in adapters,
-        )
-    init_from_weights(inner)
-
-
-def _check_fits(expected: dict[str, tuple], found: dict[str, tuple], path) -> None:
-    problems = mismatch_report(expected, found)
-    if problems:
-        raise CheckpointError(
-            f"initial weights {path} do not fit this model ({len(problems)} difference(s)):\n"
-            + "\n".join(f"  - {p}" for p in problems)
-            + "\nUse weights of this model shape, or change the model config to match them."
-        )
 
 
 def inspect_report(path: str | Path) -> str:
@@ -402,64 +346,3 @@ def inspect_report(path: str | Path) -> str:
     if source.extras:
         lines.append(f"  other entries (not tensors): {', '.join(sorted(source.extras))}")
     return "\n".join(lines)
-
-
-def resolve_checkpoint(path: str | Path) -> Path:
-    """A run's output_dir or checkpoints/ folder (its newest complete checkpoint, found as
-    a resume finds it), or a checkpoint itself."""
-    path = Path(path).expanduser()
-    for checkpoints in (path / "checkpoints", path):
-        if (checkpoints / LATEST_FILE).exists() or survey(checkpoints):
-            plan = choose_checkpoint(checkpoints, "auto", overwrite=False)
-            if plan.path is not None:
-                return plan.path
-    return path
-
-
-def model_from_checkpoint(path: str | Path):
-    """(model class path, model config) that a checkpoint recorded, for building its model."""
-    source = open_tensors(path)
-    model_class = source.meta.get("model_class")
-    if model_class is None or source.model_config is None:
-        raise CheckpointError(
-            f"{path} does not record which model it holds (no meta.json / freetx metadata); "
-            "give the model in the config instead."
-        )
-    return model_class, source.model_config
-
-
-def load_model(path: str | Path, device, seed: int = 0) -> nn.Module:
-    """The model a checkpoint holds (a run's output_dir, a DCP folder, a .safetensors file
-    freetx wrote, or an HF folder of the decoder family), rebuilt from what it recorded,
-    its weights loaded, on `device`, in eval mode. Not sharded: for sampling and for
-    reading activations."""
-    from freetx.distributed.init import materialize
-    from freetx.models import build_model
-
-    resolved = resolve_checkpoint(path)
-    model_class, model_config = model_from_checkpoint(resolved)
-    with torch.device("meta"):
-        model = build_model(model_class, model_config)
-    materialize(model, device, seed=seed, init_weights=False)
-    load_initial_weights(model, resolved)
-    return model.eval()
-
-
-def load_source_model(path: str, device: torch.device, dtype: str = "auto") -> nn.Module:
-    """A frozen model to read activations from: freetx's own model of a run or checkpoint
-    (or a Llama-family HF folder), else any HF folder through transformers. `dtype`:
-    float32, bfloat16, or auto (bf16 on CUDA)."""
-    if dtype == "auto":
-        dtype = "bfloat16" if device.type == "cuda" else "float32"
-    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
-    try:
-        return load_model(path, device).to(torch_dtype)
-    except Exception as freetx_error:
-        try:
-            from transformers import AutoModelForCausalLM
-        except ImportError:
-            raise freetx_error from None
-        if not (Path(path).expanduser() / "config.json").is_file():
-            raise
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
-        return model.to(device).eval()

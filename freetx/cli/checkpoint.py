@@ -1,14 +1,23 @@
-"""`freetx checkpoint inspect PATH` and `freetx checkpoint convert SRC DST`."""
+"""`freetx checkpoint inspect PATH`, `freetx checkpoint convert SRC DST` and
+`freetx checkpoint merge CKPT --base BASE DST`.
+
+What a conversion needs from the run that saved the checkpoint (the folders it
+started from, its LoRA settings) is read here, from the config its meta.json
+records, and passed to `freetx.checkpoint`, which reads no recipe's config.
+"""
 
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
-FORMATS = ("safetensors", "torch", "dcp", "hf", "peft")
 INTERMIXED_ARGS = False  # sub-actions (inspect, convert) need plain parsing
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from freetx.checkpoint.convert import FORMATS
+    from freetx.distributed.parallelize import DTYPE_ABBREVIATIONS
+
     p = argparse.ArgumentParser(
         prog="freetx checkpoint",
         description="Look into checkpoints and convert them. No process group needed.",
@@ -34,7 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("src", help="DCP folder, HF folder, .safetensors or torch file")
     convert.add_argument("dst", help="output file or folder")
     convert.add_argument("--to", choices=FORMATS, help="output format (default: from DST)")
-    convert.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), help="cast floating tensors")
+    convert.add_argument(
+        "--dtype", choices=tuple(DTYPE_ABBREVIATIONS), help="cast floating tensors"
+    )
     convert.add_argument(
         "--model-only", action="store_true", help="leave out optimizer and other state"
     )
@@ -70,6 +81,31 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def recorded_run(path: str) -> dict[str, Any]:
+    """What the run that saved checkpoint `path` recorded in its config, as `convert` and
+    `merge` take it: the folders it started from (`run_folders`: its model path,
+    tokenizer path and initial weights) and its LoRA settings (`lora`, or None)."""
+    from freetx.checkpoint import open_tensors, resolve_checkpoint
+    from freetx.checkpoint.adapters import LoRASettings
+
+    run = open_tensors(resolve_checkpoint(path)).meta.get("config") or {}
+    folders = [
+        (run.get("model") or {}).get("path"),
+        (run.get("tokenizer") or {}).get("path"),
+        (run.get("checkpoint") or {}).get("initial_weights"),
+    ]
+    peft = run.get("peft") or {}
+    lora = None
+    if peft.get("method") == "lora" and "alpha" in peft:
+        lora = LoRASettings(
+            alpha=peft["alpha"],
+            rank=int(peft.get("rank", 0)),
+            dropout=peft.get("dropout", 0.0),
+            use_dora=bool(peft.get("use_dora", False)),
+        )
+    return {"run_folders": [f for f in folders if isinstance(f, str)], "lora": lora}
+
+
 def main(args: argparse.Namespace) -> int:
     from freetx.checkpoint import convert, inspect_report, merge
 
@@ -77,15 +113,16 @@ def main(args: argparse.Namespace) -> int:
         print(inspect_report(args.path))
         return 0
     if args.action == "merge":
+        lora = recorded_run(args.checkpoint)["lora"]
         result = merge(args.checkpoint, args.base, args.dst, overwrite=args.overwrite,
-                       max_shard_size=args.max_shard_size)  # fmt: skip
+                       max_shard_size=args.max_shard_size, lora=lora)  # fmt: skip
         print(f"Wrote {result['path']} (hf, adapters merged): {result['tensors']} tensors, "
               f"{result['bytes'] / 2**20:.1f} MiB")  # fmt: skip
         return 0
     result = convert(
         args.src, args.dst, to=args.to, dtype=args.dtype, model_only=args.model_only,
         overwrite=args.overwrite, max_shard_size=args.max_shard_size,
-        hf_files_from=args.hf_files_from,
+        hf_files_from=args.hf_files_from, **recorded_run(args.src),
     )  # fmt: skip
     print(
         f"Wrote {result['path']} ({result['format']}): {result['tensors']} tensors, "

@@ -1,15 +1,19 @@
 """Process group, device, meshes, and how models are parallelized and initialized.
 
-`parallelize(model, runtime, cfg, seed)` returns a `ParallelPlan`, the one object
-that knows the strategy: nothing outside this package names one.
+`build_groups(runtime, cfg)` names the ranks by axis (`ParallelGroups`: dp, world)
+and runs every collective; `parallelize(model, groups, cfg, seed)` returns a
+`ParallelPlan`, the one object that knows the strategy: nothing outside this
+package names one.
 """
 
+from freetx.distributed.frozen import FrozenBase, frozen_base
 from freetx.distributed.groups import HostGroup, ParallelGroups
 from freetx.distributed.init import (
     canonical_name,
     fill_parameters,
     full_tensor,
     load_parameters,
+    local_parameters,
     materialize,
 )
 from freetx.distributed.parallelize import (
@@ -19,6 +23,7 @@ from freetx.distributed.parallelize import (
     ShardLayout,
     build_groups,
     check_world_fits,
+    dtype_named,
     parallelize,
     shard_layouts,
     unwrap,
@@ -34,6 +39,7 @@ from freetx.distributed.runtime import (
 
 __all__ = [
     "DistributedConfig",
+    "FrozenBase",
     "DistributedRuntime",
     "HostGroup",
     "ParallelGroups",
@@ -45,11 +51,14 @@ __all__ = [
     "check_world_fits",
     "canonical_name",
     "destroy_distributed",
+    "dtype_named",
     "fake_world",
+    "frozen_base",
     "fill_parameters",
     "full_tensor",
     "init_distributed",
     "load_parameters",
+    "local_parameters",
     "materialize",
     "parallelize",
     "select_device",

@@ -11,7 +11,10 @@ materializes whole on one rank.
 
 The model supplies `init_parameter(name, full_tensor, generator)` (how to fill
 a parameter) and, when it has buffers to compute, `init_buffers()` (e.g. RoPE
-tables).
+tables). Modules may follow the module hooks of `freetx.models.protocol`
+(`SelfInitialized`, `DerivedFromWeights`, `StoredInOwnForm`); this module is
+where DTensors are unwrapped before those hooks are called and wrapped again
+after, so that they see local shards only.
 """
 
 from __future__ import annotations
@@ -22,7 +25,11 @@ from collections.abc import Callable
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from freetx.errors import ConfigError
+from freetx.models.protocol import DerivedFromWeights, InitBuffers, SelfInitialized, StoredInOwnForm
 
 # Wrappers that insert a prefix into parameter names (none of freetx's own do).
 _WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "module.")
@@ -78,9 +85,8 @@ def materialize(
 
     # adapters are initialized even when the weights are loaded: a base file never has them
     fill_parameters(model, initial_value, only=None if init_weights else own.__contains__)
-    init_buffers = getattr(model, "init_buffers", None)  # optional: models with no buffers
-    if init_buffers is not None:
-        init_buffers()
+    if isinstance(model, InitBuffers):  # optional: models with no buffers
+        model.init_buffers()
     if init_weights:
         init_from_weights(model)
 
@@ -90,7 +96,9 @@ def self_initialized(model: nn.Module) -> dict[str, tuple[nn.Module, str]]:
     and fills them in `reset_parameter(name, full_tensor, generator)`): adapters."""
     own = {}
     for module_name, module in model.named_modules():
-        for local_name in getattr(module, "own_parameters", ()):
+        if not isinstance(module, SelfInitialized):
+            continue
+        for local_name in module.own_parameters:
             full_name = f"{module_name}.{local_name}" if module_name else local_name
             own[full_name] = (module, local_name)
     return own
@@ -98,11 +106,17 @@ def self_initialized(model: nn.Module) -> dict[str, tuple[nn.Module, str]]:
 
 def init_from_weights(model: nn.Module) -> None:
     """Let modules whose values follow from the weights (DoRA's magnitudes) set them, once
-    the weights are final (initialized, or loaded from a file)."""
+    the weights are final (initialized, or loaded from a file): each gets its own
+    parameters' local shards."""
     for module in model.modules():
-        hook = getattr(module, "init_from_weights", None)
-        if hook is not None and module is not model:
-            hook()
+        if isinstance(module, DerivedFromWeights) and module is not model:
+            module.init_from_weights(local_parameters(module))
+
+
+def local_parameters(module: nn.Module) -> dict[str, torch.Tensor]:
+    """A module's own parameters by name, as this rank's local tensors (a DTensor's local
+    shard): what a hook that sets values from other parameters is given."""
+    return {name: _local(p) for name, p in module.named_parameters(recurse=False)}
 
 
 def self_stored(model: nn.Module) -> set[str]:
@@ -120,21 +134,48 @@ def set_full_parameter(model: nn.Module, name: str, full: torch.Tensor) -> None:
         raise KeyError(name)
 
 
+def _owner(model: nn.Module, name: str) -> tuple[nn.Module, str]:
+    module_name, _, local_name = name.rpartition(".")
+    return (model.get_submodule(module_name) if module_name else model), local_name
+
+
 def _stored_by_owner(model: nn.Module, name: str) -> bool:
-    """Whether the module owning parameter `name` stores it its own way (it answers
-    `stores_parameter(name)` and takes the full value in `set_full_parameter`, e.g. a
-    QLoRA layer's NF4 base: quantized whole, then sharded)."""
-    module_name, _, local_name = name.rpartition(".")
-    owner = model.get_submodule(module_name) if module_name else model
-    stores = getattr(owner, "stores_parameter", None)
-    return bool(stores is not None and stores(local_name))
+    """Whether the module owning parameter `name` stores it its own way (`StoredInOwnForm`,
+    e.g. a QLoRA layer's NF4 base: quantized whole, then sharded)."""
+    owner, local_name = _owner(model, name)
+    return isinstance(owner, StoredInOwnForm) and owner.stores_parameter(local_name)
 
 
+@torch.no_grad()
 def _set_by_owner(model: nn.Module, name: str, full: torch.Tensor) -> bool:
-    module_name, _, local_name = name.rpartition(".")
-    owner = model.get_submodule(module_name) if module_name else model
-    setter = getattr(owner, "set_full_parameter", None)
-    return bool(setter is not None and setter(local_name, full))
+    """Set parameter `name` from its full value when its module stores it its own way:
+    the module makes this rank's stored value (its chunk of rows when the parameter is a
+    DTensor), which becomes the parameter, as a DTensor of the same spec when sharded.
+    False for any other parameter."""
+    if not _stored_by_owner(model, name):
+        return False
+    owner, local_name = _owner(model, name)
+    param = getattr(owner, local_name)
+    device = _local(param).device
+    if device.type == "meta":
+        device = torch.device("cpu")
+    shard = None
+    if isinstance(param, DTensor):
+        mesh = param.device_mesh
+        if mesh.ndim != 1:
+            raise ConfigError(
+                f"{name} is kept in its own form (QLoRA's NF4 weights), which shards on a 1-D "
+                f"mesh only (fsdp, zero2); this run uses a {mesh.ndim}-D mesh (hsdp). Use "
+                "distributed.strategy=fsdp."
+            )
+        shard = (mesh.get_local_rank(), mesh.size())
+    value = owner.stored_value(local_name, full.to(device), shard)
+    if isinstance(param, DTensor):
+        meta = TensorMeta(param.size(), param.stride(), param.dtype)
+        spec = DTensorSpec(param.device_mesh, param.placements, meta)
+        value = DTensor(local_tensor=value, spec=spec, requires_grad=False)
+    setattr(owner, local_name, nn.Parameter(value, requires_grad=False))
+    return True
 
 
 def _local(param: torch.Tensor) -> torch.Tensor:

@@ -38,13 +38,17 @@ from torch.distributed.fsdp import (
 from torch.nn.parallel import DistributedDataParallel
 
 from freetx.config.instantiate import COMPONENT, import_component, instantiate, node_path
+from freetx.distributed.frozen import FrozenBase, frozen_base
 from freetx.distributed.groups import ParallelGroups
-from freetx.distributed.init import materialize
+from freetx.distributed.init import canonical_name, materialize
 from freetx.distributed.runtime import DistributedRuntime, build_mesh
 from freetx.errors import ConfigError
 from freetx.fields import at_least
+from freetx.models.protocol import ExtraForwards, HasBlocks, check_model
 
+# every dtype name a config or a command line uses, in both spellings
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPE_ABBREVIATIONS = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 STRATEGY_ALIASES = {"zero3": "fsdp"}
 SHARDED = ("fsdp", "zero2", "hsdp")
 REPLICATED = ("ddp", "zero1")
@@ -75,6 +79,11 @@ class DistributedConfig:
     # a collective that a rank does not reach within this ends the job with a message
     # naming the step (the hang guard); large saves and evaluations must fit inside it
     collective_timeout_s: float = 1800.0
+
+
+def dtype_named(name: str) -> torch.dtype:
+    """The dtype a config or a command line names (bfloat16, or bf16)."""
+    return DTYPES[DTYPE_ABBREVIATIONS.get(name, name)]
 
 
 def canonical_strategy(name: str) -> str:
@@ -263,18 +272,16 @@ def apply_activation_checkpointing(blocks: list[nn.Module], mode: str, every_n: 
             checkpoint_activations(block)  # keeps parameter names; preserves RNG state
 
 
-def store_frozen_bases_in(model: nn.Module, dtype: torch.dtype) -> None:
-    """Frozen base weights of adapter layers (modules with `frozen_in_compute_dtype`) are
-    kept in the compute dtype: they never get an update, so an fp32 master copy would
-    only double their memory (LoRA's base in bf16 under bf16 mixed precision)."""
+def store_frozen_bases_in(model: nn.Module, dtype: torch.dtype, frozen: FrozenBase) -> None:
+    """The frozen parameters the decision keeps in the compute dtype (`frozen.
+    in_compute_dtype`, e.g. LoRA's base under bf16 mixed precision) are stored in it: they
+    never get an update, so an fp32 master copy would only double their memory."""
     if dtype == torch.float32:
         return
-    for module in model.modules():
-        if not getattr(module, "frozen_in_compute_dtype", False):
-            continue
+    for module_name, module in model.named_modules():
         for name, param in list(module.named_parameters(recurse=False)):
-            plain = type(param.data).__name__ in ("Tensor", "Parameter")
-            if not param.requires_grad and param.dtype.is_floating_point and plain:
+            full = canonical_name(f"{module_name}.{name}" if module_name else name)
+            if full in frozen.in_compute_dtype:
                 stored = torch.empty(param.shape, dtype=dtype, device=param.device)
                 setattr(module, name, nn.Parameter(stored, requires_grad=False))
 
@@ -282,7 +289,7 @@ def store_frozen_bases_in(model: nn.Module, dtype: torch.dtype) -> None:
 def find_blocks(model: nn.Module) -> list[nn.Module]:
     """The model's blocks, by the module types it names in `block_types`; a model that
     names none is one block (sharded, checkpointed and compiled whole)."""
-    types = tuple(getattr(model, "block_types", ()) or ())
+    types = tuple(model.block_types or ()) if isinstance(model, HasBlocks) else ()
     if not types:
         return []
     return [m for m in model.modules() if isinstance(m, types)]
@@ -305,6 +312,7 @@ def parallelize(
     cfg,
     seed: int,
     init_weights: bool = True,
+    frozen: FrozenBase | None = None,
 ) -> ParallelPlan:
     """Apply the configured strategy to a meta-device model, then materialize it.
 
@@ -313,12 +321,16 @@ def parallelize(
     FSDP). Initial weights depend only on `seed`, not on the strategy or the
     world size; `init_weights=False` skips them for a run that loads its weights
     (a resume, or `checkpoint.initial_weights`). `groups` comes from `build_groups`
-    with the same `cfg`.
+    with the same `cfg`. `frozen`: the frozen-base decision (`frozen_base`; made here
+    from the model when not given). The model is checked against the model protocol
+    first (`check_model`).
     """
+    check_model(model)
     runtime = groups.runtime
     check_distributed_config(cfg, runtime)
     strategy = canonical_strategy(cfg.strategy)
-    store_frozen_bases_in(model, DTYPES[cfg.mixed_precision.param_dtype])
+    frozen = frozen or frozen_base(model)
+    store_frozen_bases_in(model, DTYPES[cfg.mixed_precision.param_dtype], frozen)
     blocks = find_blocks(model)
     whole = blocks or [model]  # a model without blocks is one unit
     apply_activation_checkpointing(whole, cfg.activation_checkpointing, cfg.ac_every_n_blocks)
@@ -360,8 +372,9 @@ def parallelize(
     for block in blocks:
         fully_shard(block, **options)
     fully_shard(model, **options)  # the root gets the same policy as the blocks
-    for method in getattr(model, "fsdp_forward_methods", ()):  # gathered like forward
-        register_fsdp_forward_method(model, method)
+    if isinstance(model, ExtraForwards):  # methods gathered like forward
+        for method in model.fsdp_forward_methods:
+            register_fsdp_forward_method(model, method)
     # offloaded parameters live on the CPU; buffers (RoPE tables) stay on the device
     param_device = torch.device("cpu") if cfg.cpu_offload else runtime.device
     materialize(model, param_device, seed, buffer_device=runtime.device, init_weights=init_weights)

@@ -252,12 +252,13 @@ class Crosscoder(nn.Module):
             tensor.zero_()
 
     @torch.no_grad()
-    def tie_encoder(self) -> None:
+    @torch.no_grad()
+    def tie_encoder(self, local: dict[str, torch.Tensor]) -> None:
         """W_enc = W_dec (the encoder reads each feature along its decoder direction), the
-        start ckkissane's and Anthropic's crosscoders use. Both are sharded alike (by
-        feature), so each rank copies its own rows."""
-        local = lambda p: p.to_local() if hasattr(p, "to_local") else p  # noqa: E731
-        local(self.W_enc).copy_(local(self.W_dec))
+        start ckkissane's and Anthropic's crosscoders use; `local`: this model's parameters
+        as this rank's shards (`freetx.distributed.local_parameters`). Both are sharded
+        alike (by feature), so each rank copies its own rows."""
+        local["W_enc"].copy_(local["W_dec"])
 
     def init_buffers(self) -> None:
         self.input_scale.fill_(1.0)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 from freetx.errors import CheckpointError
-from freetx.models.protocol import model_class
+from freetx.models.protocol import HFLayoutModel, model_class
 from freetx.models.transformer_hf import LLAMA_LAYOUT
 
 
@@ -39,7 +39,8 @@ TOKENIZER_FILES = (
 
 def layout_of(dotted_class: str) -> HFLayout:
     """The HF layout of a model class, or an error naming the classes that have one."""
-    layout = getattr(model_class(dotted_class), "hf_layout", None)
+    cls = model_class(dotted_class)
+    layout = cls.hf_layout if isinstance(cls, HFLayoutModel) else None
     if layout is None:
         have = ", ".join(layout.model_class for layout in LAYOUTS)
         raise CheckpointError(

@@ -1,7 +1,7 @@
 """The model protocol: what freetx asks of a model, and how models are configured.
 
 A freetx model is a plain `nn.Module`; parallelism, initialization and
-checkpoints are applied from outside, through these members:
+checkpoints are applied from outside, through these members (`Model`):
 
     config            a dataclass of the fields that rebuild the model
                       (`type(model)(config)`); checkpoints record it
@@ -10,12 +10,50 @@ checkpoints are applied from outside, through these members:
                       activation checkpointing recomputes and `compile` compiles;
                       `()` shards and checkpoints the model as one unit
     init_parameter    fill one parameter's full (unsharded) tensor, by name
-    init_buffers      (optional) recompute non-persistent buffers (RoPE tables) on
-                      their device
-    num_parameters    (optional) for the banner; default: every parameter counted
-    flops_per_token   (optional) for MFU; default: 6 x parameters
-    hf_layout         (optional, class attribute) how the model maps to an HF
-                      transformers folder (`freetx.models.hf.HFLayout`), or None
+
+and, each only where a model needs it, one protocol per optional hook of the model
+class (who calls it, when):
+
+    InitBuffers       init_buffers(): recompute non-persistent buffers (RoPE tables)
+                      on their device; `materialize`, after the parameters are set
+    CountsParameters  num_parameters(): for the banner (default: every parameter)
+    CountsFlops       flops_per_token(seq_len): for MFU and `estimate` (default:
+                      6 x parameters)
+    HFLayoutModel     hf_layout (class attribute): how the model maps to an HF
+                      transformers folder (`freetx.models.hf.HFLayout`), or None;
+                      checkpoint conversion and HF loading
+    ExtraForwards     fsdp_forward_methods (class attribute): methods called outside
+                      `forward` that FSDP2 gathers the parameters for, like forward;
+                      `parallelize`, after sharding
+    AdapterTargets    adapter_targets (class attribute): short name -> module suffix
+                      (q -> attention.wq); `apply_lora`, resolving peft.target_modules
+    AlwaysTrained     always_trained (class attribute): modules Spectrum trains whatever
+                      it selects; `apply_peft`
+
+and one per hook of a submodule (an adapter layer, say), which receives local
+shards only: `freetx.distributed` unwraps DTensors before calling and wraps again
+after, so no model code touches one:
+
+    SelfInitialized       own_parameters, reset_parameter(name, full, generator): the
+                          parameters the module fills itself (adapters); `materialize`
+                          fills them even when the weights are loaded, since no base
+                          file has them, and `load_initial_weights` does not expect them
+    DerivedFromWeights    init_from_weights(local): values that follow from the final
+                          weights (DoRA's magnitudes), given the module's own
+                          parameters' local shards by name; after the weights are
+                          initialized or loaded
+    StoredInOwnForm       stores_parameter(name), stored_value(name, full, shard): a
+                          parameter kept in another form (QLoRA's NF4 base), set only
+                          from its full value: the module returns what this rank keeps
+                          (`shard` = (index, count) of its rows, None unsharded);
+                          initialization and loading
+    FrozenInComputeDtype  frozen_in_compute_dtype: the module's frozen parameters need
+                          no fp32 master copy; the frozen-base decision
+                          (`freetx.distributed.frozen_base`: `parallelize`, `estimate`)
+
+`check_model` refuses, when a model is built or parallelized, a model class or
+module that defines a near-miss of one of these names (`init_buffer`,
+`fsdp_forward_method`): a misspelt hook would otherwise be silently ignored.
 
 A model with a latent code per position also follows `LatentModel`
 (`prior_codes`, `posterior_codes`, `forward(..., z_index=codes)`), which is
@@ -42,33 +80,195 @@ from typing import Any, ClassVar, Protocol, runtime_checkable
 import torch
 from torch import nn
 
-from freetx.errors import CheckpointError
+from freetx.errors import CheckpointError, ConfigError
 
 
 @runtime_checkable
-class Model(Protocol):
+class HasBlocks(Protocol):
+    """A model that names its blocks (the units FSDP2 shards; see `Model`)."""
+
+    block_types: ClassVar[tuple[type[nn.Module], ...]]
+
+
+@runtime_checkable
+class Model(HasBlocks, Protocol):
     """What freetx needs from a model (see the module docstring)."""
 
     config: Any
     config_class: ClassVar[type]
-    block_types: ClassVar[tuple[type[nn.Module], ...]]
 
     def init_parameter(
         self, name: str, tensor: torch.Tensor, generator: torch.Generator
     ) -> None: ...
 
 
+# -- optional hooks of a model class ---------------------------------------------------
+@runtime_checkable
+class InitBuffers(Protocol):
+    """Non-persistent buffers to compute once the model has storage (RoPE tables).
+    Called by `freetx.distributed.init.materialize` after the parameters are set."""
+
+    def init_buffers(self) -> None: ...
+
+
+@runtime_checkable
+class CountsParameters(Protocol):
+    """The model's own parameter count, for the banner (`num_parameters`)."""
+
+    def num_parameters(self) -> int: ...
+
+
+@runtime_checkable
+class CountsFlops(Protocol):
+    """The model's own training FLOPs per token, for MFU and `estimate`."""
+
+    def flops_per_token(self, seq_len: int) -> float: ...
+
+
+@runtime_checkable
+class HFLayoutModel(Protocol):
+    """A model (class) with an HF transformers layout (`freetx.models.hf.layout_of`):
+    checkpoint conversion to and from HF folders."""
+
+    hf_layout: ClassVar[Any]
+
+
+@runtime_checkable
+class ExtraForwards(Protocol):
+    """Methods called instead of `forward` (a crosscoder's `reconstruct`), which FSDP2
+    must gather the parameters for; `parallelize` registers them after sharding."""
+
+    fsdp_forward_methods: ClassVar[tuple[str, ...]]
+
+
+@runtime_checkable
+class AdapterTargets(Protocol):
+    """Short target names -> module name suffixes (q -> attention.wq), which
+    `freetx.models.peft.resolve_targets` reads for peft.target_modules."""
+
+    adapter_targets: ClassVar[dict[str, str]]
+
+
+@runtime_checkable
+class AlwaysTrained(Protocol):
+    """Modules Spectrum trains whatever its selection says (embeddings, output head);
+    read by `freetx.models.peft.apply_peft`."""
+
+    always_trained: ClassVar[tuple[str, ...]]
+
+
+# -- optional hooks of a module (local shards only) -----------------------------------
+@runtime_checkable
+class SelfInitialized(Protocol):
+    """A module that fills some of its parameters itself (an adapter's): `materialize`
+    calls `reset_parameter(name, full, generator)` for each name in `own_parameters`,
+    with the full tensor, also when the rest is loaded (no base file has them)."""
+
+    own_parameters: ClassVar[tuple[str, ...]]
+
+    def reset_parameter(
+        self, name: str, tensor: torch.Tensor, generator: torch.Generator
+    ) -> None: ...
+
+
+@runtime_checkable
+class DerivedFromWeights(Protocol):
+    """A module with values that follow from the final weights (DoRA's magnitude):
+    after initialization or loading, `init_from_weights(local)` gets its own
+    parameters' local shards by name (FSDP2 shards them all by rows alike)."""
+
+    def init_from_weights(self, local: dict[str, torch.Tensor]) -> None: ...
+
+
+@runtime_checkable
+class StoredInOwnForm(Protocol):
+    """A module that keeps a parameter in another form (QLoRA's NF4 base), set from its
+    full value only. `stored_value(name, full, shard)` returns what this rank keeps:
+    the whole stored form (`shard` None), or rows `index` of `count` equal chunks
+    (`shard` = (index, count)); `freetx.distributed.init` wraps it as the parameter."""
+
+    def stores_parameter(self, name: str) -> bool: ...
+
+    def stored_value(
+        self, name: str, full: torch.Tensor, shard: tuple[int, int] | None
+    ) -> torch.Tensor: ...
+
+
+@runtime_checkable
+class FrozenInComputeDtype(Protocol):
+    """A module whose frozen parameters are kept in the compute dtype (no fp32 master
+    copy): the frozen-base decision (`freetx.distributed.frozen_base`) reads it."""
+
+    frozen_in_compute_dtype: ClassVar[bool]
+
+
+MODEL_HOOKS = (
+    Model, HasBlocks, InitBuffers, CountsParameters, CountsFlops, HFLayoutModel, ExtraForwards,
+    AdapterTargets, AlwaysTrained,
+)  # fmt: skip
+MODULE_HOOKS = (SelfInitialized, DerivedFromWeights, StoredInOwnForm, FrozenInComputeDtype)
+
+
+def _hook_names() -> dict[str, str]:
+    """Every protocol member -> the protocol that names it."""
+    names = {}
+    for protocol in (*MODEL_HOOKS, *MODULE_HOOKS):
+        for member in (*protocol.__annotations__, *vars(protocol)):
+            if not member.startswith("_"):
+                names.setdefault(member, protocol.__name__)
+    return names
+
+
+HOOK_NAMES = _hook_names()
+
+
+def _own_names(cls: type) -> set[str]:
+    """The names a class (and its bases outside torch) defines, less torch's own."""
+    torch_names: set[str] = {"reset_parameters"}  # nn layers' own initialization
+    own: set[str] = set()
+    for base in cls.__mro__:
+        if base.__module__.startswith("torch") or base is object:
+            torch_names.update(dir(base))
+        else:
+            own.update(vars(base))
+    return {n for n in own if not n.startswith("__")} - torch_names
+
+
+def check_model(model: nn.Module) -> None:
+    """Refuse a model whose class, or a module's, defines a near-miss of a hook name
+    (`init_buffer` for `init_buffers`): freetx would silently never call it."""
+    seen: set[type] = set()
+    for module in model.modules():
+        if type(module) in seen:
+            continue
+        seen.add(type(module))
+        for name in sorted(_own_names(type(module))):
+            if name in HOOK_NAMES:
+                continue
+            close = difflib.get_close_matches(name, HOOK_NAMES, n=1, cutoff=0.85)
+            if close:
+                hook = close[0]
+                raise ConfigError(
+                    f"{type(module).__qualname__} defines {name!r}, which freetx never "
+                    f"calls; did you mean {hook!r} of the protocol {HOOK_NAMES[hook]} "
+                    "(freetx.models.protocol)? Rename it, or give it a name further from "
+                    "the hooks'."
+                )
+
+
 def num_parameters(model: nn.Module) -> int:
     """The model's own count (`num_parameters()`), else every parameter's elements."""
-    own = getattr(model, "num_parameters", None)
-    return own() if callable(own) else sum(p.numel() for p in model.parameters())
+    if isinstance(model, CountsParameters):
+        return model.num_parameters()
+    return sum(p.numel() for p in model.parameters())
 
 
 def flops_per_token(model: nn.Module, seq_len: int) -> float:
     """Training FLOPs per token: the model's own (`flops_per_token`), else 6 x parameters
     (forward + backward of every weight, attention left out)."""
-    own = getattr(model, "flops_per_token", None)
-    return float(own(seq_len)) if callable(own) else 6.0 * num_parameters(model)
+    if isinstance(model, CountsFlops):
+        return float(model.flops_per_token(seq_len))
+    return 6.0 * num_parameters(model)
 
 
 @runtime_checkable
@@ -137,4 +337,6 @@ def model_class(dotted: str) -> type:
 def build_model(dotted_class: str, config: dict[str, Any]) -> nn.Module:
     """A model from its class path and config fields (as a checkpoint's meta.json records)."""
     cls = model_class(dotted_class)
-    return cls(cls.config_class(**config))
+    model = cls(cls.config_class(**config))
+    check_model(model)
+    return model

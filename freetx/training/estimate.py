@@ -35,7 +35,16 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from freetx.distributed import ShardLayout, shard_layouts
+from freetx.distributed import (
+    FrozenBase,
+    ShardLayout,
+    canonical_name,
+    frozen_base,
+    shard_layouts,
+)
+from freetx.distributed.parallelize import find_blocks
+from freetx.models.peft.nf4 import BYTES_PER_WEIGHT, NF4LoRALinear
+from freetx.models.protocol import CountsFlops, check_model
 
 # device -> (peak dense bf16 FLOP/s, intra-node GB/s per GPU, HBM GiB)
 DEVICES = {
@@ -68,13 +77,18 @@ class Estimate:
         return self.states + self.gathered + self.activations + self.loss
 
 
-def parameter_bytes(model: nn.Module, compute_bytes: int) -> tuple[float, float]:
-    """(bytes of all parameters as stored, trainable elements)."""
+def parameter_bytes(
+    model: nn.Module, compute_bytes: int, frozen: FrozenBase
+) -> tuple[float, float]:
+    """(bytes of all parameters as stored, trainable elements): NF4 bases at their
+    quantized size, the frozen parameters the decision keeps in the compute dtype in it,
+    the rest as fp32 masters."""
     stored = trainable = 0.0
     for name, p in model.named_parameters():
-        if type(p.data).__name__ == "NF4Tensor":
-            stored += p.numel() * 0.516
-        elif not p.requires_grad and getattr(_owner(model, name), "frozen_in_compute_dtype", False):
+        owner, local_name = _owner(model, name)
+        if isinstance(owner, NF4LoRALinear) and owner.stores_parameter(local_name):
+            stored += p.numel() * BYTES_PER_WEIGHT
+        elif canonical_name(name) in frozen.in_compute_dtype:
             stored += p.numel() * compute_bytes
         else:
             stored += p.numel() * 4
@@ -82,9 +96,9 @@ def parameter_bytes(model: nn.Module, compute_bytes: int) -> tuple[float, float]
     return stored, trainable
 
 
-def _owner(model: nn.Module, name: str) -> nn.Module:
-    module_name = name.rpartition(".")[0]
-    return model.get_submodule(module_name) if module_name else model
+def _owner(model: nn.Module, name: str) -> tuple[nn.Module, str]:
+    module_name, _, local_name = name.rpartition(".")
+    return (model.get_submodule(module_name) if module_name else model), local_name
 
 
 def estimate(
@@ -99,12 +113,14 @@ def estimate(
     mfu: float,
     replicas: int = 1,
     optimizer_bytes: float = 8.0,
+    frozen: FrozenBase | None = None,
 ) -> list[Estimate]:
-    """The estimate of each strategy for a (meta) model at `world_size` ranks."""
+    """The estimate of each strategy for a (meta) model at `world_size` ranks; `frozen`:
+    the frozen-base decision (`frozen_base`, made from the model when not given)."""
     cfg = model.config
     compute = 2 if compute_dtype in ("bfloat16", "float16") else 4
-    stored, trainable = parameter_bytes(model, compute)
-    blocks = [m for m in model.modules() if isinstance(m, tuple(getattr(model, "block_types", ())))]
+    stored, trainable = parameter_bytes(model, compute, frozen or frozen_base(model))
+    blocks = find_blocks(model)
     block_params = sum(p.numel() for p in blocks[0].parameters()) if blocks else 0
     layers = max(1, len(blocks))
     h, f = cfg.hidden_dim, getattr(cfg, "ffn_hidden_dim", 4 * cfg.hidden_dim)
@@ -121,7 +137,7 @@ def estimate(
     vocab = getattr(cfg, "vocab_size", 0)
     loss = tokens_per_rank * vocab * (compute + 4 + 4)
     peak, bandwidth, _ = DEVICES[device]
-    flops = getattr(model, "flops_per_token", lambda s: 6 * trainable)(seq_len)
+    flops = model.flops_per_token(seq_len) if isinstance(model, CountsFlops) else 6 * trainable
     compute_s = flops * tokens_per_rank / (peak * mfu)
     out = []
     for layout in shard_layouts(world_size, replicas):
@@ -155,6 +171,7 @@ def meta_model(model_node, peft_cfg=None):
 
     with torch.device("meta"):
         model = instantiate(model_node)
+        check_model(model)
         if peft_cfg is not None:
             from freetx.models.peft import apply_peft
 

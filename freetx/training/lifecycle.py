@@ -46,7 +46,7 @@ from freetx.checkpoint import (
 )
 from freetx.checkpoint.checkpointer import build_meta
 from freetx.checkpoint.state import LRSchedulerState
-from freetx.distributed import HostGroup, ParallelGroups, ParallelPlan, canonical_name
+from freetx.distributed import FrozenBase, HostGroup, ParallelGroups, ParallelPlan, frozen_base
 from freetx.entry import at_step
 from freetx.errors import TrainingError
 from freetx.loggers import build_metric_loggers, training_banner
@@ -64,21 +64,15 @@ def training_state(
     progress: TrainState,
     loader,
     rank: int,
-    frozen_from: str | None = None,
+    frozen: FrozenBase | None = None,
 ) -> dict[str, Stateful]:
     """Everything a training checkpoint holds, under the names DCP saves them by.
 
-    When the model has frozen parameters read from `frozen_from` (the initial
-    weights: a LoRA / QLoRA / Spectrum base), only the trainable ones are saved;
-    a resume reads the base from there again.
+    When the frozen-base decision reads the frozen parameters from a file
+    (`frozen.read_from`: the initial weights of a LoRA / QLoRA / Spectrum run), only
+    the trainable ones are saved; a resume reads the base from there again.
     """
-    include = None
-    frozen = [n for n, p in plan.module.named_parameters() if not p.requires_grad]
-    if frozen_from and frozen:
-        trainable = {
-            canonical_name(n) for n, p in plan.module.named_parameters() if p.requires_grad
-        }
-        include = trainable.__contains__
+    include = frozen.saved if frozen is not None and frozen.read_from else None
     return {
         "model": ModelState(plan.model, include=include),
         "optimizer": OptimizerState(plan.model, optimizer),
@@ -123,6 +117,15 @@ class TrainingRun:
         """Optimizer steps taken (resumed runs start at the checkpoint's step)."""
         return self.progress.step
 
+    frozen: FrozenBase | None = None  # the frozen-base decision, once made
+
+    def decide_frozen_base(self, model) -> FrozenBase:
+        """The frozen-base decision for `model` (before `parallelize`, which takes it):
+        what trains, and where the frozen base is read from (the initial weights). `start`
+        gives the same decision to the checkpoints; made there when not made here."""
+        self.frozen = frozen_base(model, self.cfg.checkpoint.initial_weights)
+        return self.frozen
+
     def start(
         self,
         plan: ParallelPlan,
@@ -154,12 +157,13 @@ class TrainingRun:
                 parameters=num_parameters(module), **facts,
             )
         )  # fmt: skip
+        frozen = self.frozen or self.decide_frozen_base(module)
         self.state = training_state(
             plan, optimizer, lr_scheduler, self.progress, train_loader, self.runtime.rank,
-            frozen_from=cfg.checkpoint.initial_weights,
+            frozen,
         )  # fmt: skip
         meta = build_meta(module, self.runtime.world_size, plan.strategy)
-        message = self.checkpointer.restore(self.state, plan.model, meta)
+        message = self.checkpointer.restore(self.state, plan.model, meta, frozen.read_from)
         if message:
             self.loggers.write(message)
         self.saved_step = self.progress.step

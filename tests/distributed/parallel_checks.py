@@ -20,6 +20,7 @@ from freetx.distributed import (
     ParallelGroups,
     build_groups,
     init_distributed,
+    local_parameters,
     materialize,
     parallelize,
     unwrap,
@@ -334,7 +335,7 @@ def crosscoder_step(strategy: str | None, activation: str):
         rows = slice(runtime.rank * per_rank, (runtime.rank + 1) * per_rank)
         scale = runtime.world_size / float(count_over_ranks(ParallelGroups(runtime), [per_rank]))
         loss_fn = CrosscoderLoss(plan.groups)  # BatchTopK's threshold over both ranks' rows
-    module.tie_encoder()
+    module.tie_encoder(local_parameters(module))
     norms, count = norm_sums(x[rows])
     totals = ParallelGroups(runtime).sum_tensors(
         {"norms": norms, "count": torch.tensor(float(count))}

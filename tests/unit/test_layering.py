@@ -75,3 +75,67 @@ def test_strategy_names_appear_only_in_distributed():
             if isinstance(node, ast.Constant) and node.value in STRATEGIES:
                 offenders.append(f"{path.relative_to(REPO)}:{node.lineno} {node.value!r}")
     assert not offenders, offenders
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(REPO).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def module_graph() -> dict[str, set[str]]:
+    """Which freetx module imports which (top level and inside functions); `from pkg
+    import name` points at pkg.name when that is a module, else at pkg."""
+    paths = {module_name(p): p for p in (REPO / "freetx").rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in paths.items():
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets |= {a.name for a in node.names if a.name in paths}
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                for alias in node.names:
+                    full = f"{node.module}.{alias.name}"
+                    targets.add(full if full in paths else node.module)
+        graph[name] = {t for t in targets if t in paths and t != name}
+    return graph
+
+
+def test_no_import_cycles_between_modules():
+    graph = module_graph()
+    cycles = []
+    for start in graph:
+        stack, seen = [(start, (start,))], {start}
+        while stack:
+            node, trail = stack.pop()
+            for nxt in graph[node]:
+                if nxt == start:
+                    cycles.append(" -> ".join((*trail, start)))
+                elif nxt not in seen:
+                    seen.add(nxt)
+                    stack.append((nxt, (*trail, nxt)))
+    assert not cycles, cycles
+
+
+COLLECTIVES = {
+    "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "barrier",
+    "broadcast", "broadcast_object_list", "reduce_scatter_tensor", "new_group",
+    "init_process_group", "get_world_size", "get_rank",
+}  # fmt: skip
+
+
+def test_collectives_run_only_in_distributed():
+    """Recipes, training, data, models and checkpoints name the group they reduce over
+    through freetx.distributed (ParallelGroups), never torch.distributed directly."""
+    offenders = []
+    files = [p for p in (REPO / "freetx").rglob("*.py") if package_of(p) != "distributed"]
+    files += sorted((REPO / "recipes").glob("*.py"))
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (
+                isinstance(node, ast.Attribute)
+                and node.attr in COLLECTIVES
+                and isinstance(node.value, ast.Name)
+                and node.value.id == "dist"
+            ):
+                offenders.append(f"{path.relative_to(REPO)}:{node.lineno} dist.{node.attr}")
+    assert not offenders, offenders

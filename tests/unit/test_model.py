@@ -89,3 +89,33 @@ def test_every_model_follows_the_protocol_and_presets_take_overrides():
         decoder("tiny", hiden_dim=3)
     with pytest.raises(ValueError, match="unknown preset 'huge'; the presets are: tiny, small"):
         decoder("huge")
+
+
+def test_a_model_that_misspells_a_hook_is_refused_when_built():
+    """A hook under a near-miss name would never be called: refused, naming the hook
+    and its protocol, when the model is parallelized (or built from a checkpoint)."""
+    import pytest
+
+    from freetx.distributed import DistributedConfig, DistributedRuntime, parallelize
+    from freetx.errors import ConfigError
+    from freetx.models.protocol import check_model
+
+    class Toy(torch.nn.Module):
+        block_types = ()
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = torch.nn.Linear(4, 4)
+
+        def init_parameter(self, name, tensor, generator) -> None:
+            tensor.zero_()
+
+        def init_buffer(self) -> None:  # init_buffers misspelt
+            pass
+
+    with torch.device("meta"):
+        toy = Toy()
+    runtime = DistributedRuntime(0, 0, 1, torch.device("cpu"))
+    with pytest.raises(ConfigError, match=r"'init_buffer'.*'init_buffers'.*InitBuffers"):
+        parallelize(toy, runtime, DistributedConfig(), seed=0)
+    check_model(small_model())  # every module of the decoder passes

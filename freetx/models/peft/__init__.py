@@ -23,6 +23,7 @@ from torch import nn
 from freetx.errors import ConfigError
 from freetx.fields import at_least
 from freetx.models.peft.lora import ADAPTER_PARAMETERS, LoRALinear
+from freetx.models.protocol import AdapterTargets, AlwaysTrained
 
 
 @dataclass
@@ -63,7 +64,7 @@ def linear_names(model: nn.Module) -> list[str]:
 
 def resolve_targets(model: nn.Module, targets: list[str]) -> dict[str, list[str]]:
     """target -> the names of the Linear modules it means; an error lists what exists."""
-    aliases = getattr(model, "adapter_targets", {}) or {}
+    aliases = (model.adapter_targets or {}) if isinstance(model, AdapterTargets) else {}
     linears = linear_names(model)
     found: dict[str, list[str]] = {}
     for target in targets:
@@ -185,6 +186,6 @@ def apply_peft(model: nn.Module, cfg: PEFTConfig, world_size: int = 1) -> str:
             "`freetx spectrum scan MODEL --top-percent 25` and set peft.spectrum_selection."
         )
     selection = read_selection(cfg.spectrum_selection)
-    always = getattr(model, "always_trained", ())
+    always = model.always_trained if isinstance(model, AlwaysTrained) else ()
     train_only(model, selection["modules"], always=always)
     return f"Spectrum: {len(selection['modules'])} modules (top {selection['top_percent']:g}%)"

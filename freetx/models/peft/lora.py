@@ -12,8 +12,14 @@ gradient flows through m and the direction only.
 `LoRALinear` subclasses `nn.Linear` and keeps its `weight` and `bias`, so the
 base weights keep their names (`layers.0.attention.wq.weight`) and load from
 the same files as the plain model; the adapter adds `lora_a.weight`,
-`lora_b.weight` and (DoRA) `lora_magnitude` under the same module. The base
-may also be an NF4 tensor (QLoRA, `freetx.models.peft.nf4`).
+`lora_b.weight` and (DoRA) `lora_magnitude` under the same module
+(`ADAPTER_PARAMETERS`, with PEFT's names for them). A subclass may keep the base
+in another form (QLoRA: `freetx.models.peft.nf4.NF4LoRALinear`) by overriding
+`dense` and `base_output`.
+
+`merge_weight` is the one merge of W with its adapter (W + s B A; DoRA: each row
+rescaled to m): training's `merged_weight`, `merge_adapters` and the checkpoint
+package's streaming merge all use it.
 """
 
 from __future__ import annotations
@@ -24,12 +30,36 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-ADAPTER_PARAMETERS = ("lora_a.weight", "lora_b.weight", "lora_magnitude")
+# freetx's adapter parameters (under the adapted module) -> PEFT's names for them
+PEFT_NAMES = {
+    "lora_a.weight": "lora_A.weight",
+    "lora_b.weight": "lora_B.weight",
+    "lora_magnitude": "lora_magnitude_vector",
+}
+ADAPTER_PARAMETERS = tuple(PEFT_NAMES)
+
+
+def lora_delta(lora_a: torch.Tensor, lora_b: torch.Tensor, scale: float) -> torch.Tensor:
+    """s B A [out, in]: an adapter's change of W."""
+    return (lora_b @ lora_a) * scale
+
+
+def merge_weight(
+    weight: torch.Tensor, delta: torch.Tensor, magnitude: torch.Tensor | None = None
+) -> torch.Tensor:
+    """W + s B A (`delta`) in fp32: the dense weight that computes what W and its adapter
+    do; with DoRA's `magnitude` m, each row rescaled to m (m / ||W + s B A||_row)."""
+    merged = weight.float() + delta.float()
+    if magnitude is not None:
+        merged = merged * (magnitude.float() / merged.norm(dim=1))[:, None]
+    return merged
 
 
 class LoRALinear(nn.Linear):
     """`nn.Linear` with a frozen base and a trainable LoRA (or DoRA) update."""
 
+    # the hooks of freetx.models.protocol: SelfInitialized, DerivedFromWeights,
+    # FrozenInComputeDtype
     own_parameters = ADAPTER_PARAMETERS  # initialized here (reset_parameter), never loaded
     frozen_in_compute_dtype = True  # the frozen base needs no fp32 master copy
 
@@ -57,34 +87,17 @@ class LoRALinear(nn.Linear):
     def use_dora(self) -> bool:
         return self.lora_magnitude is not None
 
+    def dense(self, weight: torch.Tensor) -> torch.Tensor:
+        """The base weight (the whole one, or a local shard of it) as a dense tensor."""
+        return weight
+
     def base_weight(self) -> torch.Tensor:
-        """W as a dense tensor (an NF4 base is dequantized)."""
-        weight = self.weight
-        dequantize = getattr(weight, "get_original_weight", None)
-        return dequantize() if dequantize is not None else weight
+        """W as a dense tensor."""
+        return self.dense(self.weight)
 
     def base_output(self, x: torch.Tensor) -> torch.Tensor:
-        """W x without the bias (an NF4 base is dequantized on the fly, and no dequantized
-        copy is kept for backward)."""
-        if type(self.weight).__name__ == "NF4Tensor":
-            from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import linear_nf4
-
-            return linear_nf4(x, self.weight)
+        """W x without the bias."""
         return F.linear(x, self.base_weight().to(x.dtype))
-
-    def stores_parameter(self, name: str) -> bool:
-        """Whether this module stores parameter `name` its own way (an NF4 base)."""
-        return name == "weight" and hasattr(self, "nf4_blocks")
-
-    def set_full_parameter(self, name: str, full: torch.Tensor) -> bool:
-        """Set parameter `name` from its full value when this module stores it its own way
-        (an NF4 base: quantized whole, then each rank keeps its rows); else False."""
-        if not self.stores_parameter(name):
-            return False
-        from freetx.models.peft.nf4 import set_full_weight
-
-        set_full_weight(self, full)
-        return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         update = self.lora_b(self.lora_a(self.lora_dropout(x))) * self.scale
@@ -98,20 +111,17 @@ class LoRALinear(nn.Linear):
 
     def delta(self) -> torch.Tensor:
         """s B A [out, in]: the adapter's change of W."""
-        return (self.lora_b.weight @ self.lora_a.weight) * self.scale
+        return lora_delta(self.lora_a.weight, self.lora_b.weight, self.scale)
 
     def direction_norm(self) -> torch.Tensor:
         """||W + s B A|| per output row [out] (DoRA)."""
         weight = self.base_weight()
-        return (weight.float() + self.delta().float()).norm(dim=1).to(weight.dtype)
+        return merge_weight(weight, self.delta()).norm(dim=1).to(weight.dtype)
 
     @torch.no_grad()
     def merged_weight(self) -> torch.Tensor:
         """The dense weight that computes the same function without an adapter."""
-        weight = self.base_weight().float() + self.delta().float()
-        if self.use_dora:
-            weight = weight * (self.lora_magnitude.float() / weight.norm(dim=1))[:, None]
-        return weight
+        return merge_weight(self.base_weight(), self.delta(), self.lora_magnitude)
 
     # -- initialization: a fresh adapter changes nothing ---------------------
     def reset_parameter(self, name: str, tensor: torch.Tensor, generator) -> None:
@@ -128,17 +138,14 @@ class LoRALinear(nn.Linear):
             raise KeyError(name)
 
     @torch.no_grad()
-    def init_from_weights(self) -> None:
+    def init_from_weights(self, local: dict[str, torch.Tensor]) -> None:
         """DoRA: m = the row norms of W (+ s B A, zero for a fresh adapter), once W is set.
-        Under FSDP2 W and m are sharded by rows alike, so each rank sets its own rows."""
+        `local`: this module's parameters' local shards; W and m are sharded by rows
+        alike, so each rank sets its own rows."""
         if not self.use_dora:
             return
-        local = getattr(self.lora_magnitude, "to_local", lambda: self.lora_magnitude)()
-        weight = self.weight
-        weight = getattr(weight, "to_local", lambda: weight)()
-        dequantize = getattr(weight, "get_original_weight", None)
-        dense = dequantize() if dequantize is not None else weight
-        local.copy_(dense.float().norm(dim=1).to(local.dtype))
+        magnitude = local["lora_magnitude"]
+        magnitude.copy_(self.dense(local["weight"]).float().norm(dim=1).to(magnitude.dtype))
 
     def extra_repr(self) -> str:
         kind = "DoRA" if self.use_dora else "LoRA"

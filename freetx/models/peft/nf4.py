@@ -6,12 +6,16 @@ about 0.26x the bytes of bf16. The forward dequantizes to the input's dtype
 (`linear_nf4`, which keeps no dequantized copy for backward); the base gets no
 gradient, the adapters train in full precision.
 
-Under FSDP2 an NF4 parameter must exist before `fully_shard` (on the meta
-device), with `requires_grad=False`, and every rank's shard must hold whole
-scale blocks. Weights are set from a full tensor: quantized whole once (so
-every rank shares the same scales), then each rank keeps its chunk of rows as
-a DTensor. torchao's NF4 shards on a 1-D mesh (fsdp, zero2) and works under
-DDP; an HSDP mesh is refused. At world size 1 the model is not sharded.
+`quantize_bases` swaps every `LoRALinear` of a meta model for an `NF4LoRALinear`
+(the same layer with its base in NF4) before the model is parallelized. Under
+FSDP2 an NF4 parameter must exist before `fully_shard` (on the meta device),
+with `requires_grad=False`, and every rank's shard must hold whole scale
+blocks. The layer keeps its base in its own form (`StoredInOwnForm` of
+`freetx.models.protocol`): set from a full tensor, quantized whole once (so
+every rank shares the same scales), of which each rank keeps its chunk of rows
+(`freetx.distributed.init` makes it the DTensor FSDP2 expects). torchao's NF4
+shards on a 1-D mesh and works replicated; a 2-D mesh is refused. At world
+size 1 the model is not sharded.
 """
 
 from __future__ import annotations
@@ -44,64 +48,73 @@ def block_sizes(shape: tuple[int, int], world_size: int, name: str) -> tuple[int
     )
 
 
-def quantize_bases(model: nn.Module, world_size: int = 1) -> None:
-    """Turn the base weight of every LoRA layer of a meta model into an (empty) NF4 tensor,
-    before the model is parallelized; its values come from `set_full_weight`."""
-    from torchao.quantization import to_nf4
+BYTES_PER_WEIGHT = 0.516  # 4 bits, a bf16 absmax per 64 weights, double-quantized
 
-    for name, layer in model.named_modules():
+
+class NF4LoRALinear(LoRALinear):
+    """`LoRALinear` whose frozen base weight is an NF4 tensor (QLoRA)."""
+
+    def __init__(self, *args, nf4_blocks: tuple[int, int], **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.nf4_blocks = nf4_blocks  # (block, scaler block) of the quantization
+
+    @classmethod
+    def from_lora(cls, layer: LoRALinear, nf4_blocks: tuple[int, int]) -> NF4LoRALinear:
+        """The same (meta) layer with an empty NF4 base; values come from `stored_value`."""
+        from torchao.quantization import to_nf4
+
+        dropout = layer.lora_dropout.p if isinstance(layer.lora_dropout, nn.Dropout) else 0.0
+        with torch.device("meta"):
+            quantized = cls(
+                layer.in_features, layer.out_features, layer.bias is not None, layer.rank,
+                layer.alpha, dropout, layer.use_dora, nf4_blocks=nf4_blocks,
+            )  # fmt: skip
+        empty = torch.empty(layer.weight.shape, dtype=NF4_DTYPE, device="meta")
+        quantized.weight = nn.Parameter(to_nf4(empty, *nf4_blocks), requires_grad=False)
+        return quantized
+
+    def dense(self, weight: torch.Tensor) -> torch.Tensor:
+        """The NF4 base (whole, or a local shard) dequantized."""
+        return weight.get_original_weight()
+
+    def base_output(self, x: torch.Tensor) -> torch.Tensor:
+        """W x, dequantized on the fly: no dequantized copy is kept for backward."""
+        from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import linear_nf4
+
+        return linear_nf4(x, self.weight)
+
+    # -- StoredInOwnForm (freetx.models.protocol) ---------------------------------
+    def stores_parameter(self, name: str) -> bool:
+        """The base weight is kept quantized."""
+        return name == "weight"
+
+    @torch.no_grad()
+    def stored_value(
+        self, name: str, full: torch.Tensor, shard: tuple[int, int] | None
+    ) -> torch.Tensor:
+        """Quantize the full base weight once; keep all of it, or chunk `index` of
+        `count` (rows) when the weight is sharded."""
+        from torchao.quantization import to_nf4
+
+        if not self.stores_parameter(name):
+            raise KeyError(name)
+        dense = full.to(dtype=NF4_DTYPE).contiguous().clone()  # storage offset 0
+        quantized = to_nf4(dense, *self.nf4_blocks)
+        if shard is not None:
+            index, count = shard
+            quantized = torch.chunk(quantized, count, dim=0)[index]
+        return quantized
+
+
+def quantize_bases(model: nn.Module, world_size: int = 1) -> None:
+    """Swap every LoRA layer of a meta model for an `NF4LoRALinear` (its base an empty NF4
+    tensor), before the model is parallelized over `world_size` ranks."""
+    for name, layer in list(model.named_modules()):
         if not isinstance(layer, LoRALinear):
             continue
         if layer.weight.device.type != "meta":
             raise ConfigError("QLoRA quantizes the base on the meta device, before parallelize.")
-        block, scaler = block_sizes(tuple(layer.weight.shape), world_size, name)
-        empty = torch.empty(layer.weight.shape, dtype=NF4_DTYPE, device="meta")
-        layer.weight = nn.Parameter(to_nf4(empty, block, scaler), requires_grad=False)
-        layer.nf4_blocks = (block, scaler)
-
-
-def is_nf4(tensor: torch.Tensor) -> bool:
-    local = getattr(tensor, "_local_tensor", tensor)
-    return type(local).__name__ == "NF4Tensor"
-
-
-@torch.no_grad()
-def set_full_weight(layer: LoRALinear, full: torch.Tensor) -> None:
-    """Quantize the full base weight once and keep this rank's rows of it (as the DTensor
-    FSDP2 made, or whole when the model is not sharded)."""
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-    from torchao.quantization import to_nf4
-
-    param = layer.weight
-    device = getattr(param, "_local_tensor", param).device
-    if device.type == "meta":
-        device = torch.device("cpu")
-    dense = full.to(device=device, dtype=NF4_DTYPE).contiguous().clone()  # storage offset 0
-    quantized = to_nf4(dense, *layer.nf4_blocks)
-    if isinstance(param, DTensor):
-        mesh = param.device_mesh
-        if mesh.ndim != 1:
-            raise ConfigError(
-                "QLoRA's NF4 weights shard on a 1-D mesh only (fsdp, zero2); this run uses a "
-                f"{mesh.ndim}-D mesh (hsdp). Use distributed.strategy=fsdp."
-            )
-        chunk = torch.chunk(quantized, mesh.size(), dim=0)[mesh.get_local_rank()]
-        spec = DTensorSpec(
-            mesh, param.placements, TensorMeta(param.size(), param.stride(), param.dtype)
-        )
-        quantized = DTensor(local_tensor=chunk, spec=spec, requires_grad=False)
-    layer.weight = nn.Parameter(quantized, requires_grad=False)
-
-
-def nf4_bytes(model: nn.Module) -> int:
-    """Bytes the NF4 base weights hold (their quantized data and scales, local shards)."""
-    total = 0
-    for param in model.parameters():
-        local = getattr(param, "_local_tensor", param)
-        if is_nf4(local):
-            names, _ = local.__tensor_flatten__()
-            total += sum(
-                getattr(local, n).numel() * getattr(local, n).element_size() for n in names
-            )
-    return total
+        blocks = block_sizes(tuple(layer.weight.shape), world_size, name)
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child,
+                NF4LoRALinear.from_lora(layer, blocks))  # fmt: skip
