@@ -96,7 +96,12 @@ def test_a_model_that_misspells_a_hook_is_refused_when_built():
     and its protocol, when the model is parallelized (or built from a checkpoint)."""
     import pytest
 
-    from freetx.distributed import DistributedConfig, DistributedRuntime, parallelize
+    from freetx.distributed import (
+        DistributedConfig,
+        DistributedRuntime,
+        ParallelGroups,
+        parallelize,
+    )
     from freetx.errors import ConfigError
     from freetx.models.protocol import check_model
 
@@ -117,5 +122,5 @@ def test_a_model_that_misspells_a_hook_is_refused_when_built():
         toy = Toy()
     runtime = DistributedRuntime(0, 0, 1, torch.device("cpu"))
     with pytest.raises(ConfigError, match=r"'init_buffer'.*'init_buffers'.*InitBuffers"):
-        parallelize(toy, runtime, DistributedConfig(), seed=0)
+        parallelize(toy, ParallelGroups(runtime), DistributedConfig(), seed=0)
     check_model(small_model())  # every module of the decoder passes
