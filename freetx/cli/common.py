@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import sys
 from dataclasses import dataclass
@@ -73,3 +74,19 @@ def load_recipe(name_or_path: str) -> RecipeTarget:
         schema=entry.config_schema,
         supports_distributed=entry.supports_distributed,
     )
+
+
+def at_least_one(value: str) -> int:
+    """An argparse type for counts (processes, ranks, replicas): a whole number >= 1."""
+    try:
+        number = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a whole number") from None
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"{number} is less than 1")
+    return number
+
+
+def config_device(device: str) -> str | None:
+    """The device type a config's `device:` names (None for auto: known only where it runs)."""
+    return None if device == "auto" else device

@@ -11,11 +11,13 @@ from pathlib import Path
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from freetx.cli.common import at_least_one
+
     p = argparse.ArgumentParser(prog="freetx estimate", description=__doc__.splitlines()[0])
     p.add_argument("config", help="a built-in config name or a .yaml path")
     p.add_argument("overrides", nargs="*", help="key=value")
-    p.add_argument("--world-size", type=int, default=8)
-    p.add_argument("--replicas", type=int, default=1, help="hsdp: replica groups")
+    p.add_argument("--world-size", type=at_least_one, default=8)
+    p.add_argument("--replicas", type=at_least_one, default=1, help="hsdp: replica groups")
     p.add_argument("--device", choices=("h100", "a100", "cpu"), default="h100")
     p.add_argument("--mfu", type=float, default=0.4, help="the share of peak FLOP/s reached")
     p.add_argument("--recipe", help="for a config file outside the built-in ones")
@@ -34,7 +36,8 @@ def main(args: argparse.Namespace) -> int:
 
     from freetx.cli.common import load_recipe
     from freetx.config.run_config import load_recipe_config
-    from freetx.distributed import shard_layouts
+    from freetx.data import micro_batch_size
+    from freetx.distributed import Layout, check_distributed, shard_layouts
     from freetx.errors import ConfigError
     from freetx.registry import recipe_for_config
     from freetx.training.estimate import DEVICES, GIB, estimate, measure, meta_model
@@ -47,12 +50,21 @@ def main(args: argparse.Namespace) -> int:
     if not hasattr(cfg, "dataset") or not hasattr(cfg, "model"):
         raise ConfigError("freetx estimate reads decoder configs (full_finetune_fsdp2, lora).")
     seq_len = int(cfg.dataset.get("seq_len", cfg.model.get("max_seq_len", 2048)))
-    if cfg.batch_size % (args.world_size * cfg.gradient_accumulation_steps):
-        raise ConfigError(
-            f"batch_size={cfg.batch_size} does not split over {args.world_size} ranks x "
-            f"{cfg.gradient_accumulation_steps} accumulation steps."
-        )
-    micro = cfg.batch_size // (args.world_size * cfg.gradient_accumulation_steps)
+    # the run's own checks: a batch that does not split refuses the whole estimate; a
+    # strategy that a run of this config would refuse gets no row (`refused` says why)
+    micro = micro_batch_size(cfg.batch_size, args.world_size, cfg.gradient_accumulation_steps)
+    processes = Layout(args.world_size, device_type="cpu" if args.device == "cpu" else "cuda")
+    refused = {}
+    for strategy in (layout.strategy for layout in shard_layouts(args.world_size)):
+        try:  # --replicas: hsdp's replicate degree (the other strategies ignore it)
+            check_distributed(
+                dataclasses.replace(
+                    cfg.distributed, strategy=strategy, replicate_degree=args.replicas
+                ),
+                processes,
+            )
+        except ConfigError as e:
+            refused[strategy] = e.problems[0]
     model = meta_model(cfg.model, getattr(cfg, "peft", None))
     dist = cfg.distributed
     rows = estimate(
@@ -61,6 +73,7 @@ def main(args: argparse.Namespace) -> int:
         replicas=args.replicas,
         optimizer_bytes=2.0 if "8bit" in str(cfg.optimizer.get("_component_", "")) else 8.0,
     )  # fmt: skip
+    rows = [r for r in rows if r.strategy not in refused]
     params = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     hbm = DEVICES[args.device][2]
@@ -79,6 +92,8 @@ def main(args: argparse.Namespace) -> int:
     if args.measure:  # one step per distinct layout (at world size 1: the plain model, once)
         steps = {}
         for layout in shard_layouts(args.world_size, args.replicas):
+            if layout.strategy in refused:
+                continue
             key = dataclasses.astuple(layout)[1:] if args.world_size > 1 else ()
             if key not in steps:
                 steps[key] = measure(cfg, layout, args.world_size)
@@ -102,6 +117,8 @@ def main(args: argparse.Namespace) -> int:
         print("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
     print("(GiB per rank; `gathered`: unsharded blocks and gradient buckets in flight; the "
           "allocator's caching and fragmentation come on top, 5-10% on CUDA)")  # fmt: skip
+    for strategy, reason in refused.items():
+        print(f"{strategy}: not estimated, a run would refuse it: {reason}")
     if measured:
         kernels = "CUDA's" if torch.cuda.is_available() else "the CPU's"
         print(

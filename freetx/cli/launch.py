@@ -72,12 +72,14 @@ def _spec(args: argparse.Namespace):
         port=args.port, max_restarts=args.max_restarts, python=args.python,
         workdir=os.getcwd(),
     )  # fmt: skip
-    distributed = getattr(cfg, "distributed", None)
-    if distributed is not None:
-        from freetx.distributed import check_world_fits
+    from freetx.cli.common import config_device
+    from freetx.distributed import Layout
+    from freetx.training import check_layout
 
-        layout = f"{spec.nodes} node(s) x {spec.processes_per_node}"
-        check_world_fits(distributed, spec.nodes * spec.processes_per_node, layout)
+    # the refusals the ranks would make before their first step, before a script exists
+    device = "cuda" if spec.gpus_per_node else config_device(getattr(cfg, "device", "auto"))
+    per_node = spec.processes_per_node
+    check_layout(cfg, Layout(spec.nodes * per_node, per_node, device))
     return spec
 
 

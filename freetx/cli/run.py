@@ -68,6 +68,7 @@ def main(argv: list[str]) -> int:
     output_dir = config_as_dict(cfg).get("output_dir")  # where a stopped run says so
 
     if not launch_tokens:
+        _check_layout(cfg, 1, 1)
         code = _run_in_process(target.path, script_args)
         return _preempted(output_dir, code)
     if not target.supports_distributed:
@@ -75,11 +76,29 @@ def main(argv: list[str]) -> int:
             f"recipe {target.name} runs on one process only, but launch options were given "
             f"({' '.join(launch_tokens)}); drop them: freetx run {target.name} --config {config}"
         )
+    processes_per_node = _processes_per_node(args.nproc_per_node)
+    low, _, high = str(args.nnodes).partition(":")
+    if low.isdigit() and high in ("", low):  # N or N:N nodes (elastic M:N: known at start)
+        _check_layout(cfg, int(low) * processes_per_node, processes_per_node)
     args.training_script = str(target.path)
     args.training_script_args = script_args
-    return _preempted(
-        output_dir, _run_with_torchrun(args, _processes_per_node(args.nproc_per_node))
-    )
+    return _preempted(output_dir, _run_with_torchrun(args, processes_per_node))
+
+
+def _check_layout(cfg, world_size: int, processes_per_node: int) -> None:
+    """The refusals the ranks would make before their first step, made here before any
+    process is launched (`freetx.training.check_layout`); the device is the one the
+    ranks will find on this node."""
+    import torch
+
+    from freetx.cli.common import config_device
+    from freetx.distributed import Layout
+    from freetx.training import check_layout
+
+    device = config_device(getattr(cfg, "device", "auto"))  # generate has no layout to check
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    check_layout(cfg, Layout(world_size, processes_per_node, device))
 
 
 def _preempted(output_dir: str | None, code: int) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from freetx import registry
+from freetx.cli.common import at_least_one
 from freetx.errors import FreetxError
 
 
@@ -14,7 +15,9 @@ def build_parser() -> argparse.ArgumentParser:
         description=(
             "Check a config: unknown or misspelt keys, wrong types, missing required keys, "
             "`_component_` targets that do not import, keys that do not bind to the target's "
-            "signature. Reports every problem; exit 0 when clean, 1 otherwise."
+            "signature, and every refusal a run makes before its first step (strategy, "
+            "dtype, offload; with --world-size, the hsdp mesh and the batch split too). "
+            "Reports every problem; exit 0 when clean, 1 otherwise."
         ),
     )
     p.add_argument("config", help="a config name (llm/tiny) or a path to a .yaml file")
@@ -23,15 +26,22 @@ def build_parser() -> argparse.ArgumentParser:
         help="recipe name or .py path whose schema to check against "
         "(default: the recipe a built-in config belongs to)",
     )
+    p.add_argument(
+        "--world-size",
+        type=at_least_one,
+        help="check the layout for this many processes too (nodes x processes per node)",
+    )
     p.add_argument("overrides", nargs="*", help="key=value or ~key")
     return p
 
 
 def main(args: argparse.Namespace) -> int:
-    from freetx.cli.common import load_recipe
+    from freetx.cli.common import config_device, load_recipe
     from freetx.config.run_config import load_and_check
-    from freetx.config.schema import apply_schema
+    from freetx.config.schema import apply_schema, as_schema_instance
+    from freetx.distributed import Layout
     from freetx.errors import ConfigError
+    from freetx.training import check_layout
 
     recipe_name = args.recipe
     if recipe_name is None:
@@ -45,10 +55,12 @@ def main(args: argparse.Namespace) -> int:
     target = load_recipe(recipe_name)
     cfg, problems = load_and_check(args.config, args.overrides, target.schema)
     if not problems and target.schema is not None:
-        try:
-            apply_schema(cfg, target.schema)
+        try:  # the run's own checks, with what is known before it starts
+            instance = as_schema_instance(apply_schema(cfg, target.schema), target.schema)
+            device = config_device(cfg.get("device", "auto"))
+            check_layout(instance, Layout(args.world_size, device_type=device))
         except ConfigError as e:
-            problems = e.problems
+            problems = [*e.problems[:-1], f"{e.problems[-1]} {e.fix or ''}".rstrip()]
     if problems:
         print(
             f"{args.config}: {len(problems)} problem{'s' if len(problems) > 1 else ''} "

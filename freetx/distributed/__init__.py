@@ -18,11 +18,12 @@ from freetx.distributed.init import (
 )
 from freetx.distributed.parallelize import (
     DistributedConfig,
+    Layout,
     MixedPrecisionConfig,
     ParallelPlan,
     ShardLayout,
     build_groups,
-    check_world_fits,
+    check_distributed,
     dtype_named,
     parallelize,
     shard_layouts,
@@ -48,7 +49,8 @@ __all__ = [
     "ShardLayout",
     "build_groups",
     "build_mesh",
-    "check_world_fits",
+    "Layout",
+    "check_distributed",
     "canonical_name",
     "destroy_distributed",
     "dtype_named",

@@ -210,8 +210,33 @@ class ParallelPlan:
         return torch.autocast(self.runtime.device_type, dtype=dtype)
 
 
-def check_distributed_config(cfg: DistributedConfig, runtime: DistributedRuntime) -> None:
-    """Refuse combinations that cannot work here, before anything is built."""
+@dataclass(frozen=True)
+class Layout:
+    """Where a run's processes are, as far as it is known: `freetx validate` knows none
+    of it, `freetx run` / `launch` know the processes before launching, a running rank
+    knows everything (`Layout.of(runtime)`)."""
+
+    world_size: int | None = None
+    processes_per_node: int | None = None
+    device_type: str | None = None  # cpu | cuda
+
+    @classmethod
+    def of(cls, runtime: DistributedRuntime) -> Layout:
+        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", runtime.world_size))
+        return cls(runtime.world_size, per_node, runtime.device_type)
+
+    def describe(self) -> str:
+        nodes = self.world_size // self.processes_per_node if self.processes_per_node else None
+        if nodes and nodes > 1:
+            return f"{nodes} node(s) x {self.processes_per_node} processes"
+        return f"{self.world_size} process(es)"
+
+
+def check_distributed(cfg: DistributedConfig, layout: Layout = Layout()) -> None:
+    """Every refusal of a `distributed:` section, made with what `layout` knows: by
+    `freetx validate`, by `freetx run` / `launch` before they launch anything, by
+    `freetx estimate`, and by the run itself (`build_groups`). One function, so that a
+    config one of them accepts is not refused by another."""
     strategy = canonical_strategy(cfg.strategy)
     if cfg.cpu_offload:
         if strategy not in SHARDED:
@@ -219,7 +244,7 @@ def check_distributed_config(cfg: DistributedConfig, runtime: DistributedRuntime
                 f"distributed.cpu_offload works with fsdp, zero2 and hsdp, not {cfg.strategy}.",
                 fix="Use distributed.strategy=fsdp, or set distributed.cpu_offload=false.",
             )
-        if runtime.device_type == "cpu":
+        if layout.device_type == "cpu":
             raise ConfigError(
                 "distributed.cpu_offload needs an accelerator: FSDP2's CPUOffloadPolicy moves "
                 "parameters between GPU and CPU, and this run is on the CPU already.",
@@ -231,34 +256,25 @@ def check_distributed_config(cfg: DistributedConfig, runtime: DistributedRuntime
             "not provide.",
             fix="Use distributed.mixed_precision.param_dtype=bfloat16, or strategy=ddp.",
         )
-    replicate_degree(cfg, runtime)  # raises when it does not divide the world
+    if layout.world_size is not None:
+        replicate_degree(cfg, layout)  # raises when it does not divide the world
 
 
-def check_world_fits(cfg: DistributedConfig, world_size: int, layout: str) -> None:
-    """Before launching `world_size` processes (`layout`: how they are spread, for the
-    message): an hsdp replicate degree must divide them."""
-    degree = cfg.replicate_degree
-    if canonical_strategy(cfg.strategy) == "hsdp" and degree and world_size % degree:
-        raise ConfigError(
-            f"hsdp: distributed.replicate_degree={degree} does not divide the {world_size} "
-            f"processes of {layout}, so they cannot form a replicas x shards mesh.",
-            fix="Pick a degree that divides it (e.g. the number of nodes).",
-        )
-
-
-def replicate_degree(cfg: DistributedConfig, runtime: DistributedRuntime) -> int:
-    """How many replicas an hsdp mesh has (1 for every other strategy)."""
+def replicate_degree(cfg: DistributedConfig, layout: Layout) -> int:
+    """How many replicas an hsdp mesh has (1 for every other strategy): the configured
+    degree, else one per node."""
     if canonical_strategy(cfg.strategy) != "hsdp":
         return 1
+    world = layout.world_size
     degree = cfg.replicate_degree
     if degree is None:
-        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", runtime.world_size))
-        degree = max(1, runtime.world_size // per_node)
-    if degree < 1 or runtime.world_size % degree:
+        degree = max(1, world // (layout.processes_per_node or world))
+    if degree < 1 or world % degree:
         raise ConfigError(
-            f"hsdp: distributed.replicate_degree={degree} does not divide the world size "
-            f"{runtime.world_size}, so the ranks cannot form a replicas x shards mesh.",
-            fix="Pick a replicate degree that divides the number of processes.",
+            f"hsdp: a replicate degree of {degree} does not divide the "
+            f"{layout.describe()} of this run, so they cannot form a replicas x shards mesh.",
+            fix="Pick a distributed.replicate_degree (estimate: --replicas) that divides the "
+            "number of processes, e.g. the number of nodes.",
         )
     return degree
 
@@ -299,10 +315,11 @@ def build_groups(runtime: DistributedRuntime, cfg: DistributedConfig) -> Paralle
     """The job's ranks by axis for this `distributed:` section, before data or model are
     made (data reads `groups.dp_rank`'s share); a sharded strategy's mesh is made here.
     Refuses combinations that cannot work first."""
-    check_distributed_config(cfg, runtime)
+    layout = Layout.of(runtime)
+    check_distributed(cfg, layout)
     mesh = None
     if canonical_strategy(cfg.strategy) in SHARDED and (runtime.world_size > 1 or cfg.cpu_offload):
-        mesh = build_mesh(runtime, replicate_degree(cfg, runtime))
+        mesh = build_mesh(runtime, replicate_degree(cfg, layout))
     return ParallelGroups(runtime, mesh)
 
 
@@ -327,7 +344,7 @@ def parallelize(
     """
     check_model(model)
     runtime = groups.runtime
-    check_distributed_config(cfg, runtime)
+    check_distributed(cfg, Layout.of(runtime))
     strategy = canonical_strategy(cfg.strategy)
     frozen = frozen or frozen_base(model)
     store_frozen_bases_in(model, DTYPES[cfg.mixed_precision.param_dtype], frozen)

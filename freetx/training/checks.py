@@ -1,8 +1,25 @@
-"""Checks that a model, its tokenizer and its data fit together, before training."""
+"""Checks made before training: that a run's config fits the processes it runs on
+(`check_layout`), and that a model, its tokenizer and its data fit together."""
 
 from __future__ import annotations
 
+from freetx.data import micro_batch_size
+from freetx.distributed import Layout, check_distributed
 from freetx.errors import ConfigError
+from freetx.training.config import TrainingConfig
+
+
+def check_layout(cfg: object, layout: Layout) -> None:
+    """Every refusal of a training config's layout, made with what `layout` knows: the
+    `distributed:` section (strategy, dtype, offload, hsdp mesh) and the split of the
+    global batch over the data-parallel ranks x accumulation steps. `freetx validate`,
+    `freetx run` and `freetx launch` (before they launch anything) and `freetx estimate`
+    call it; a running recipe makes the same checks (`build_groups`, `micro_batch_size`)."""
+    if not isinstance(cfg, TrainingConfig):  # e.g. generate: nothing is distributed
+        return
+    check_distributed(cfg.distributed, layout)
+    if layout.world_size is not None:
+        micro_batch_size(cfg.batch_size, layout.world_size, cfg.gradient_accumulation_steps)
 
 
 def check_model_and_data(model_config, tokenizer, seq_len: int) -> None:

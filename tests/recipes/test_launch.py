@@ -14,7 +14,7 @@ def test_the_slurm_script_has_one_launcher_per_node_and_requeues(tmp_path):
         "launch", "slurm", "--nodes", "4", "--gpus-per-node", "8", "--partition", "gpu",
         "--time", "2-00:00:00", "--account", "proj", "--env", "NCCL_DEBUG=INFO",
         "--setup", "module load cuda", "--max-restarts", "2", "-o", str(out),
-        "full_finetune_fsdp2", "--config", "llm/tiny", "max_steps=10",
+        "full_finetune_fsdp2", "--config", "llm/tiny", "max_steps=10", "batch_size=64",
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     script = out.read_text()
@@ -26,12 +26,13 @@ def test_the_slurm_script_has_one_launcher_per_node_and_requeues(tmp_path):
     srun = next(line for line in script.splitlines() if line.startswith("srun"))
     assert '--nnodes "$SLURM_JOB_NUM_NODES" --nproc-per-node 8' in srun
     assert '--rdzv-endpoint "$head_node:29500"' in srun and "--max-restarts 2" in srun
-    assert srun.endswith("full_finetune_fsdp2 --config llm/tiny max_steps=10")
+    assert srun.endswith("full_finetune_fsdp2 --config llm/tiny max_steps=10 batch_size=64")
 
 
 def test_torchrun_commands_one_per_node():
     result = run_freetx_here("launch", "torchrun", "--nodes", "3", "--nproc-per-node", "4",
-                             "--master-addr", "10.0.0.1", "ad_ddp", "--config", "ad/darkroom_tiny")  # fmt: skip
+                             "--master-addr", "10.0.0.1", "ad_ddp", "--config", "ad/darkroom_tiny",
+                             "batch_size=96")  # fmt: skip
     commands = [line for line in result.stdout.splitlines() if not line.startswith("#")]
     assert len(commands) == 3
     assert all("--nnodes 3" in c and "--master-addr 10.0.0.1" in c for c in commands)
@@ -45,7 +46,7 @@ HSDP = ["distributed.strategy=hsdp", "distributed.replicate_degree=4"]
     "args,overrides,message",
     [(["--gpus-per-node", "0"], [], "--gpus-per-node 0"),
      (["--time", "2h"], [], "SLURM reads minutes"),
-     (["--nodes", "3", "--gpus-per-node", "2"], HSDP, "replicate_degree=4 does not divide the 6"),
+     (["--nodes", "3", "--gpus-per-node", "2"], HSDP, "replicate degree of 4 does not divide the 3 node(s) x 2"),
      (["--env", "NOVALUE"], [], "NAME=VALUE")],
 )  # fmt: skip
 def test_bad_launch_input_is_one_paragraph_and_writes_nothing(tmp_path, args, overrides, message):

@@ -1,0 +1,62 @@
+"""One layout check (`freetx.training.check_layout`): what a run refuses before its first
+step, `freetx validate`, `freetx run` (before it launches a process), `freetx launch` and
+`freetx estimate` refuse alike, with the same paragraph."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import flat, run_freetx, run_freetx_here
+
+REFUSED = [
+    (["distributed.mixed_precision.param_dtype=float16"], "need a sharded gradient scaler"),
+    (["distributed.strategy=ddp", "distributed.cpu_offload=true"], "works with fsdp, zero2"),
+    (["distributed.strategy=hsdp", "distributed.replicate_degree=3"], "does not divide"),
+    (["batch_size=10"], "cannot be split into 4 rank(s)"),
+]
+
+
+@pytest.mark.parametrize("overrides,fragment", REFUSED)
+def test_validate_and_launch_refuse_what_a_4_process_run_refuses(tmp_path, overrides, fragment):
+    checked = run_freetx_here("validate", "llm/tiny", "--world-size", "4", *overrides)
+    assert checked.returncode == 1 and fragment in flat(checked.stdout), checked.stdout
+    script = tmp_path / "job.sbatch"
+    launched = run_freetx_here("launch", "slurm", "--nodes", "2", "--nproc-per-node", "2",
+                               "-o", str(script), "full_finetune_fsdp2", "--config", "llm/tiny",
+                               *overrides)  # fmt: skip
+    assert launched.returncode == 1 and fragment in flat(launched.stderr), launched.stderr
+    assert not script.exists()
+
+
+def test_run_refuses_before_it_launches_a_process(tmp_path):
+    result = run_freetx("run", "--nproc-per-node", "3", "full_finetune_fsdp2", "--config",
+                        "llm/tiny", f"output_dir={tmp_path}")  # fmt: skip
+    assert result.returncode == 1 and "cannot be split into 3 rank(s)" in flat(result.stderr)
+    assert "[rank" not in result.stderr  # said by the launcher, not by launched ranks
+    assert not (tmp_path / "config.yaml").exists()
+
+
+def test_validate_without_a_world_size_checks_what_it_can():
+    assert run_freetx_here("validate", "llm/tiny").returncode == 0
+    bad = run_freetx_here("validate", "llm/tiny", "distributed.strategy=zero1",
+                          "distributed.cpu_offload=true")  # fmt: skip
+    assert bad.returncode == 1 and "cpu_offload works with" in flat(bad.stdout)
+
+
+def test_estimate_shows_no_row_a_run_would_refuse():
+    result = run_freetx_here("estimate", "llm/small", "--world-size", "4", "--replicas", "3",
+                             "--device", "cpu")  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    rows = [line.split()[0] for line in result.stdout.splitlines() if line[:1].isalpha()]
+    assert "fsdp" in rows and "hsdp" not in rows
+    assert "hsdp: not estimated" in result.stdout and "does not divide" in result.stdout
+    fp16 = run_freetx_here("estimate", "llm/small", "--world-size", "4", "--device", "cpu",
+                           "distributed.mixed_precision.param_dtype=float16")  # fmt: skip
+    refused = {line.split(":")[0] for line in fp16.stdout.splitlines() if "not estimated" in line}
+    assert refused == {"zero2", "fsdp", "hsdp"}
+
+
+@pytest.mark.parametrize("flag", ["--world-size", "--replicas"])
+def test_estimate_refuses_a_count_below_one(flag):
+    result = run_freetx_here("estimate", "llm/small", flag, "0")
+    assert result.returncode == 2 and "0 is less than 1" in result.stderr
