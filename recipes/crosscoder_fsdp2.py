@@ -26,7 +26,7 @@ from typing import Any, ClassVar
 import torch
 from omegaconf import MISSING
 
-from freetx.checkpoint import load_source_model
+from freetx.checkpoint import input_identity, load_source_model
 from freetx.config import at_least, instantiate
 from freetx.data import (
     Activations,
@@ -116,7 +116,8 @@ class CrosscoderRecipeFSDP2:
         self.stats = CrosscoderStats(c.num_sources, c.source_dim, c.dict_size)
         self.run.start(
             self.plan, self.optimizer, self.lr_scheduler, self.data.train_loader,
-            tokens_per_sample=1, sources=num_sources, source_dim=source_dim,
+            tokens_per_sample=1, inputs=self.source_models(), sources=num_sources,
+            source_dim=source_dim,
             dict_size=c.dict_size, activation=c.activation, data=self.data.description,
         )  # fmt: skip
 
@@ -136,9 +137,18 @@ class CrosscoderRecipeFSDP2:
         text = instantiate(acfg.text, tokenizer=tokenizer, split="train")
         val_text = instantiate(acfg.text, tokenizer=tokenizer, split="validation")
         models = [load_source_model(s.model, self.device, acfg.source_dtype) for s in acfg.sources]
+        identities = [input_identity(path) for path in self.source_models().values()]
         return harvested_activations(
-            acfg, models, tokenizer, text, val_text, loading, barrier=self.groups.barrier
+            acfg, models, identities, tokenizer, text, val_text, loading, self.groups.barrier
         )
+
+    def source_models(self) -> dict[str, str]:
+        """The models the activations come from (none for planted rows), by config key:
+        recorded by identity in every checkpoint, checked on resume."""
+        if self.cfg.activations.kind == "synthetic":
+            return {}
+        sources = self.cfg.activations.sources
+        return {f"activations.sources[{i}].model": s.model for i, s in enumerate(sources)}
 
     def estimate_scales(self) -> torch.Tensor:
         """Per source, sqrt(d) / mean ||x||, from rows of every rank (all-reduced): the

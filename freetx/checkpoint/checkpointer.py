@@ -50,6 +50,7 @@ from freetx.checkpoint.files import (
     describe_dcp_error,
     read_meta,
 )
+from freetx.checkpoint.identity import changed_inputs, input_identity, same_input
 from freetx.checkpoint.loading import load_initial_weights
 from freetx.checkpoint.run_folder import (
     LATEST_FILE,
@@ -71,6 +72,8 @@ from freetx.distributed.groups import HostGroup
 from freetx.errors import CheckpointError, FreetxError
 from freetx.fields import at_least
 
+# the name a run's initial weights are recorded under in meta.json's `inputs`
+INITIAL_WEIGHTS = "checkpoint.initial_weights"
 WRITE_THREADS = (
     2  # DCP writer threads per rank: 1.3-1.9x a single thread here (benchmarks/checkpoint.py)
 )
@@ -203,20 +206,38 @@ class Checkpointer:
         model,
         meta: dict[str, Any],
         frozen_from: str | None = None,
+        inputs: dict[str, str] | None = None,
     ) -> str | None:
         """Load the planned checkpoint, else the initial weights, else nothing; then write
         `<output_dir>/config.yaml` (training starts). `meta` describes the model for saves.
         `frozen_from`: where the frozen parameters are read from when the checkpoints hold
         only the trainable ones (the frozen-base decision's `read_from`; None: they hold
-        the whole model).
+        the whole model). `inputs`: what else the run reads (name -> path: activation
+        sources, say); with the initial weights they are recorded by identity in every
+        checkpoint (`identity.py`), and a resume whose inputs changed is refused.
 
         Returns the lines for the log (how the run starts, and every notice), or None.
         """
+        inputs = dict(inputs or {})
+        if self.cfg.initial_weights:
+            inputs[INITIAL_WEIGHTS] = str(self.cfg.initial_weights)
         self.meta = {**meta, "config": config_as_dict(self.run_config)}
-        if frozen_from is not None:
-            self.meta["frozen_from"] = frozen_from  # only the trainable part
         lines = list(self.plan.notices)
         if self.plan.path is not None:
+            recorded = dict(read_meta(self.plan.path).get("inputs", {}))
+            if frozen_from is not None:
+                frozen_from = self._recorded_base(recorded, frozen_from, lines)
+                inputs[INITIAL_WEIGHTS] = frozen_from
+            else:  # the checkpoint holds every weight: the initial ones are not read again
+                inputs.pop(INITIAL_WEIGHTS, None)
+            changed = changed_inputs(recorded, inputs)
+            if changed:
+                raise CheckpointError(
+                    f"{self.plan.path} was trained on other inputs than this resume would "
+                    "read:\n" + "\n".join(f"  - {line}" for line in changed) + "\nPoint them "
+                    "back at what the run read, or start a new run (another output_dir): one "
+                    "run's checkpoints would otherwise mix two inputs."
+                )
             if frozen_from is not None:
                 # the checkpoint holds the trainable part; the frozen base is read again
                 load_initial_weights(model, frozen_from)
@@ -225,12 +246,35 @@ class Checkpointer:
                 f"resumed from {self.plan.path} (step {state['train'].step}, saved at world "
                 f"size {saved.get('world_size', '?')} with {saved.get('strategy', '?')})"
             )
-        elif self.cfg.initial_weights:
-            load_initial_weights(model, self.cfg.initial_weights)
-            lines.append(f"initial weights from {self.cfg.initial_weights}")
+            recorded.update({k: input_identity(v) for k, v in inputs.items() if k not in recorded})
+        else:
+            if self.cfg.initial_weights:
+                load_initial_weights(model, self.cfg.initial_weights)
+                lines.append(f"initial weights from {self.cfg.initial_weights}")
+            recorded = {name: input_identity(path) for name, path in inputs.items()}
+        self.meta["inputs"] = recorded
+        if frozen_from is not None:
+            self.meta["frozen_from"] = frozen_from  # only the trainable part
         if self.rank == 0:
             write_resolved_config(self.run_config)
         return "\n".join(lines) or None
+
+    @staticmethod
+    def _recorded_base(recorded: dict[str, dict], frozen_from: str, lines: list[str]) -> str:
+        """Where a resume reads its frozen base: the checkpoint the run started from, while
+        it is there unchanged (a base run folder may have trained on since), else the
+        configured path (then compared with the record)."""
+        before = recorded.get(INITIAL_WEIGHTS)
+        if before is None or not Path(before["path"]).exists():
+            return frozen_from
+        if not same_input(before, input_identity(before["path"])):
+            return frozen_from
+        if input_identity(frozen_from)["path"] != before["path"]:
+            lines.append(
+                f"the frozen base is read from {before['path']}, the checkpoint this run "
+                f"started from ({frozen_from} means another one now)"
+            )
+        return before["path"]
 
     # -- loading --------------------------------------------------------------
     def load(self, path: Path, state: dict[str, Stateful], model=None) -> dict[str, Any]:

@@ -491,6 +491,7 @@ def planted_activations(
 def harvested_activations(
     cfg: ActivationsConfig,
     models: list[nn.Module],
+    identities: list[dict[str, Any]],
     tokenizer: Any,
     text: Dataset,
     val_text: Dataset,
@@ -500,6 +501,9 @@ def harvested_activations(
     """The outputs of `cfg.sources`' hooks (`models`: those sources, loaded, in order) on
     `text`, BOS and padding dropped: on the fly (`mode: buffer`) or written once to
     `cfg.cache` by all ranks together (`mode: cache`; `barrier` waits for every rank).
+    `identities`: each source's checkpoint and fingerprint (`freetx.checkpoint.
+    input_identity`), part of the cache's key: a source that trained on since the cache
+    was written gets a cache of its own, never the old activations.
     Validation rows come from this rank's own validation sequences."""
     if not cfg.sources:
         raise ConfigError(
@@ -520,7 +524,11 @@ def harvested_activations(
         if not cfg.cache:
             raise ConfigError("activations.mode=cache needs activations.cache: a folder.")
         settings = {
-            "sources": [{"model": s.model, "hooks": list(s.hooks)} for s in cfg.sources],
+            "sources": [
+                {"model": s.model, "hooks": list(s.hooks), "checkpoint": identity["path"],
+                 "fingerprint": identity["fingerprint"]}
+                for s, identity in zip(cfg.sources, identities)
+            ],
             "text": repr(cfg.text), "tokenizer": repr(cfg.tokenizer),
         }  # fmt: skip
         rows = build_activation_cache(

@@ -133,12 +133,14 @@ class TrainingRun:
         lr_scheduler,
         train_loader,
         tokens_per_sample: int,
+        inputs: dict[str, str] | None = None,
         **facts: Any,
     ) -> None:
         """Everything is built: print the banner, then resume from a checkpoint (or load
         the initial weights) and write config.yaml. `tokens_per_sample` is what a sample
-        counts for in throughput and FLOPs (its sequence length); `facts` go into the
-        banner."""
+        counts for in throughput and FLOPs (its sequence length); `inputs`: models or
+        files the run reads besides its initial weights (name -> path), recorded by
+        identity and checked on resume; `facts` go into the banner."""
         cfg, module = self.cfg, plan.module
         self.train_loader = train_loader
         self.tokens_per_step = cfg.batch_size * tokens_per_sample
@@ -163,7 +165,9 @@ class TrainingRun:
             frozen,
         )  # fmt: skip
         meta = build_meta(module, self.runtime.world_size, plan.strategy)
-        message = self.checkpointer.restore(self.state, plan.model, meta, frozen.read_from)
+        message = self.checkpointer.restore(
+            self.state, plan.model, meta, frozen.read_from, inputs=inputs
+        )
         if message:
             self.loggers.write(message)
         self.saved_step = self.progress.step

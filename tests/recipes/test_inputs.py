@@ -1,0 +1,46 @@
+"""A run's inputs are recorded by identity (the checkpoint a path meant, a fingerprint of
+its files) and checked on resume: a LoRA run whose base run folder trained on resumes
+on the checkpoint it started from, or is refused when that checkpoint is gone."""
+
+from __future__ import annotations
+
+import json
+
+from tests.conftest import flat, run_freetx
+
+TINY = ["max_steps=4", "checkpoint.every_n_steps=2", "checkpoint.keep_last=2",
+        "eval.every_n_steps=0", "checkpoint.save_final=true", "log_every_n_steps=1",
+        "metric_loggers=[{_component_: freetx.loggers.JSONLLogger}]"]  # fmt: skip
+
+
+def losses(output_dir):
+    lines = (output_dir / "metrics.jsonl").read_text().splitlines()
+    return {r["step"]: r["loss"] for r in map(json.loads, lines) if "loss" in r}
+
+
+def train(config, output_dir, *overrides):
+    result = run_freetx("run", "full_finetune_fsdp2", "--config", config,
+                        f"output_dir={output_dir}", *TINY, *overrides)  # fmt: skip
+    assert result.returncode in (0, 1), result.stderr
+    return result
+
+
+def test_a_lora_resume_reads_the_base_it_started_from(tmp_path):
+    base, lora, straight = tmp_path / "base", tmp_path / "lora", tmp_path / "straight"
+    assert train("llm/tiny", base).returncode == 0  # checkpoints 2, 4
+    assert train("llm/lora_tiny", lora, f"model_dir={base}", "max_steps=2").returncode == 0
+    assert train("llm/tiny", base, "max_steps=6").returncode == 0  # the base trains on: 4, 6
+    resumed = train("llm/lora_tiny", lora, f"model_dir={base}")
+    assert resumed.returncode == 0, resumed.stderr
+    assert "frozen base is read from" in flat(resumed.stdout) and "step_000004" in resumed.stdout
+    step_4 = base / "checkpoints" / "step_000004"
+    assert train("llm/lora_tiny", straight, f"model_dir={step_4}").returncode == 0
+    assert losses(lora) == losses(straight)  # the same base: the same run
+
+    assert train("llm/tiny", base, "max_steps=8").returncode == 0  # step 4 is pruned
+    refused = train("llm/lora_tiny", lora, f"model_dir={base}", "max_steps=6")
+    assert refused.returncode == 1 and "Traceback" not in refused.stderr
+    message = flat(refused.stderr)
+    assert "trained on other inputs" in message and "checkpoint.initial_weights" in message
+    assert "step_000004" in message and "step_000008" in message
+    assert max(losses(lora)) == 4  # nothing was trained or saved
