@@ -32,24 +32,32 @@ def check_destination(source: Path, destination: Path, overwrite: bool) -> None:
             f"the destination {destination} {relation} the source {source}; a conversion never "
             "writes over what it reads. Write to another path."
         )
-    refuse_existing(destination, overwrite)
+    refuse_existing(destination, overwrite, replaces_folder=True)
 
 
-def refuse_existing(destination: Path, overwrite: bool, elsewhere: str = "another path") -> None:
+def refuse_existing(
+    destination: Path, overwrite: bool, elsewhere: str = "another path", replaces_folder: bool = False
+) -> None:
     """Refuse `destination` when it exists, unless `overwrite` (then refuse a read-only folder).
 
     Call it before any costly work, so a refusal costs nothing; `elsewhere` says how the
-    command is given another destination (e.g. "another -o FILE").
+    command is given another destination (e.g. "another -o FILE"). A folder where a file
+    is to go is refused even with `overwrite`, unless `replaces_folder` (an export folder).
     """
     dst = Path(destination)
     if not (dst.exists() or dst.is_symlink()):
         return
+    if dst.is_dir() and not replaces_folder:
+        raise FreetxError(
+            f"{destination} is a folder, and freetx writes a file there; nothing was written. "
+            f"Give {elsewhere} (a file name)."
+        )
     if not overwrite:
         raise FreetxError(
             f"{destination} already exists and freetx does not replace it unasked; nothing "
             f"was written. Pass --overwrite to replace it, or give {elsewhere}."
         )
-    if not os.access(dst.resolve().parent, os.W_OK):
+    if not os.access(dst.absolute().parent, os.W_OK):
         raise FreetxError(f"{destination} cannot be replaced: its folder is read-only.")
 
 

@@ -111,3 +111,12 @@ def test_crosscoder_export_refuses_an_existing_folder(tmp_path, crosscoder):
     replaced = run_freetx_here("crosscoder", "export", str(crosscoder), str(out), "--overwrite")
     assert replaced.returncode == 0, replaced.stderr
     assert (out / "crosscoder.safetensors").is_file() and not (out / "notes.txt").exists()
+
+
+def test_a_folder_where_a_file_goes_is_refused_even_with_overwrite(tmp_path):
+    folder = tmp_path / "job.sbatch"
+    (folder / "keep").mkdir(parents=True)
+    refused = run_freetx_here("launch", "slurm", "--overwrite", "-o", str(folder),
+                              "full_finetune_fsdp2", "--config", "llm/tiny")  # fmt: skip
+    assert refused.returncode == 1 and "is a folder" in flat(refused.stderr), refused.stderr
+    assert (folder / "keep").is_dir()
