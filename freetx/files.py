@@ -36,7 +36,10 @@ def check_destination(source: Path, destination: Path, overwrite: bool) -> None:
 
 
 def refuse_existing(
-    destination: Path, overwrite: bool, elsewhere: str = "another path", replaces_folder: bool = False
+    destination: Path,
+    overwrite: bool,
+    elsewhere: str = "another path",
+    replaces_folder: bool = False,
 ) -> None:
     """Refuse `destination` when it exists, unless `overwrite` (then refuse a read-only folder).
 
