@@ -98,6 +98,8 @@ def export(args: argparse.Namespace) -> int:
     from freetx.files import check_destination, staged_output
 
     source = _tensors(args.checkpoint)
+    dst = Path(args.output).expanduser()
+    check_destination(source.path, dst, args.overwrite)  # before reading the tensors
     get = lambda name: source.get(f"model.{name}")  # noqa: E731
     scale = get("input_scale").float() if "model.input_scale" in source.infos else None
     w_dec, w_enc = get("W_dec").float(), get("W_enc").float()
@@ -126,8 +128,6 @@ def export(args: argparse.Namespace) -> int:
         "(jumprelu, batchtopk) or ReLU; x_hat = f @ W_dec + b_dec (per source), on raw activations",
         "checkpoint": str(source.path),
     }
-    dst = Path(args.output).expanduser()
-    check_destination(source.path, dst, args.overwrite)
     from safetensors.torch import save_file
 
     with staged_output(dst) as folder:
