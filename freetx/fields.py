@@ -2,6 +2,15 @@
 
 `at_least(n)` marks a count or size that must be `n` or more; the schema checks
 (`freetx.config.schema`) report a smaller value with the key's path.
+
+A config dataclass whose values can make a knob meaningless (LoRA's alpha of 0:
+adapters that never change the output; BatchTopK keeping every feature) says so in
+a static method `meaningless(values) -> {key: why and the fix}`, reading the keys it
+needs from `values` (a key it needs may be absent: then it checks nothing about
+it). `field_problems` asks it, so the same rules refuse such a value when a config
+is validated (`freetx validate`, and every run before it launches: schema sections
+and the config classes of `_component_` builders, `freetx.models.protocol.builds`)
+and when the dataclass is made (`refuse_meaningless`, from its `__post_init__`).
 """
 
 from __future__ import annotations
@@ -16,3 +25,39 @@ _REQUIRED = "???"  # OmegaConf's MISSING
 def at_least(minimum: int, default: Any = _REQUIRED) -> Any:
     """A schema field whose value must be `minimum` or more (a count, a size, a period)."""
     return dataclasses.field(default=default, metadata={MIN_KEY: minimum})
+
+
+def _defaults(config_class: type) -> dict[str, Any]:
+    """The fields of a dataclass that have a default, with it."""
+    found = {}
+    for f in dataclasses.fields(config_class):
+        if f.default_factory is not dataclasses.MISSING:
+            found[f.name] = f.default_factory()
+        elif f.default is not dataclasses.MISSING and not (
+            isinstance(f.default, str) and f.default == _REQUIRED
+        ):
+            found[f.name] = f.default
+    return found
+
+
+def field_problems(config_class: Any, values: dict[str, Any], path: str = "") -> list[str]:
+    """What `config_class.meaningless` finds in `values` (over the class's defaults), each
+    naming its key under `path` ("peft.") and its value; [] for a class without it."""
+    check = getattr(config_class, "meaningless", None)
+    if check is None or not dataclasses.is_dataclass(config_class):
+        return []
+    merged = {**_defaults(config_class), **values}
+    try:
+        found = check(merged)
+    except TypeError:  # a value of the wrong type: the type checks or the builder say so
+        return []
+    return [f"'{path}{key}' is {merged.get(key)!r}: {why}" for key, why in found.items()]
+
+
+def refuse_meaningless(config: Any) -> None:
+    """Raise ValueError naming every meaningless value of a config dataclass instance
+    (call it from the class's `__post_init__`)."""
+    values = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+    problems = field_problems(type(config), values)
+    if problems:
+        raise ValueError(" ".join(problems))

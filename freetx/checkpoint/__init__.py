@@ -1,8 +1,7 @@
 """Checkpoints: DCP sharded saves and exact resume (checkpointer.py), the run folder's
-guard (run_folder.py), what they hold (state.py), safe reading (files.py), safe writing
-(safe_write.py), formats and conversion (formats.py, convert.py), reading weights into a model
-(loading.py; HF layouts are the
-models' own, freetx.models.hf)."""
+guard (run_folder.py), what they hold (state.py), safe reading (files.py), formats and
+conversion (formats.py, convert.py; written through freetx/files.py), reading weights into a
+model (loading.py; HF layouts are the models' own, freetx.models.hf)."""
 
 from freetx.checkpoint.checkpointer import CheckpointConfig, Checkpointer, build_meta
 from freetx.checkpoint.convert import convert, inspect_report, merge

@@ -36,9 +36,9 @@ from freetx.checkpoint.formats import (
     open_tensors,
 )
 from freetx.checkpoint.loading import resolve_checkpoint
-from freetx.checkpoint.safe_write import check_destination, staged_output
 from freetx.distributed.parallelize import dtype_named
 from freetx.errors import CheckpointError
+from freetx.files import check_destination, staged_output
 from freetx.models.hf import TOKENIZER_FILES, layout_of
 
 FORMATS = ("safetensors", "torch", "dcp", "hf", "peft")
@@ -78,7 +78,7 @@ def convert(
     started from, that is one). To a PEFT adapter folder: `lora`, the run's settings.
 
     The destination is written under a temporary name and renamed into place
-    (`safe_write`): it may not be, hold or lie inside the source, and an
+    (`freetx.files`): it may not be, hold or lie inside the source, and an
     existing one is replaced only with `overwrite`.
     """
     source = open_tensors(resolve_checkpoint(src))  # a run's output_dir: its newest

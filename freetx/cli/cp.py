@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import shutil
 from pathlib import Path
 
 from freetx import registry
@@ -50,6 +49,8 @@ def _source(name: str) -> Path:
 
 
 def main(args: argparse.Namespace) -> int:
+    from freetx.files import refuse_existing, write_user_file
+
     src = _source(args.name)
     dest = Path(args.dest)
     if dest.is_dir():
@@ -61,17 +62,14 @@ def main(args: argparse.Namespace) -> int:
             f"{args.name} is a {src.suffix} file but the destination {dest} ends in "
             f"{dest.suffix}; use a {src.suffix} name so it can be run or loaded."
         )
-    if dest.exists() and (args.no_clobber or not args.overwrite):
-        raise FreetxError(
-            f"{dest} already exists; nothing copied (freetx does not replace a file unasked). "
-            "Pick another name, or pass --overwrite to replace it."
-        )
+    overwrite = args.overwrite and not args.no_clobber
+    refuse_existing(dest, overwrite, "another DEST")
     if not dest.parent.exists():
         if not args.make_parents:
             raise FreetxError(
                 f"the directory {dest.parent} does not exist; create it or add --make-parents."
             )
         dest.parent.mkdir(parents=True)
-    shutil.copyfile(src, dest)
+    write_user_file(dest, src.read_bytes(), overwrite, "another DEST")
     print(f"Copied {args.name} to {dest}")
     return 0

@@ -3,9 +3,9 @@
 analyze: model diffing from a crosscoder checkpoint's decoder: the relative decoder
 norm of each feature between two sources (a histogram as PNG and in TensorBoard),
 the counts of A-only, B-only and shared features, the decoder cosine of the shared
-ones, into analysis.json. export: the crosscoder as one safetensors file with the
-input normalization folded into its weights (it reads raw activations) and a
-config.json naming its sources.
+ones, into analysis.json (an earlier analysis there is refused unless --overwrite).
+export: the crosscoder as one safetensors file with the input normalization folded
+into its weights (it reads raw activations) and a config.json naming its sources.
 """
 
 from __future__ import annotations
@@ -24,10 +24,13 @@ def build_parser() -> argparse.ArgumentParser:
     analyze.add_argument("checkpoint", help="a crosscoder run's output_dir or a checkpoint")
     analyze.add_argument("-o", "--output", help="folder (default: RUN/analysis)")
     analyze.add_argument("--sources", nargs=2, type=int, default=[0, 1], metavar=("A", "B"))
+    analyze.add_argument(
+        "--overwrite", action="store_true", help="replace an earlier analysis in the folder"
+    )
     export = sub.add_parser("export", help="safetensors + config.json, normalization folded in")
     export.add_argument("checkpoint")
     export.add_argument("output", help="the folder to write")
-    export.add_argument("--overwrite", action="store_true")
+    export.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
     return p
 
 
@@ -49,9 +52,17 @@ def main(args: argparse.Namespace) -> int:
 
 def analyze(args: argparse.Namespace) -> int:
     from freetx.errors import FreetxError
-    from freetx.loggers.charts import write_histogram_png
+    from freetx.files import refuse_existing, write_user_file
+    from freetx.loggers.charts import histogram_png
     from freetx.models.crosscoder import diffing_analysis
 
+    run = Path(args.checkpoint).expanduser()
+    out = Path(args.output) if args.output else (
+        run / "analysis" if (run / "checkpoints").is_dir() else run.parent / f"{run.name}_analysis"
+    )  # fmt: skip
+    files = [out / "analysis.json", out / "relative_decoder_norm.png"]
+    for file in files:  # before reading the checkpoint
+        refuse_existing(file, args.overwrite, "another -o FOLDER")
     source = _tensors(args.checkpoint)
     decoder = source.get("model.W_dec")
     a, b = args.sources
@@ -60,16 +71,11 @@ def analyze(args: argparse.Namespace) -> int:
             f"--sources {a} {b}: the crosscoder reads {decoder.shape[1]} sources (0 to "
             f"{decoder.shape[1] - 1}); give two different ones."
         )
-    run = Path(args.checkpoint).expanduser()
-    out = Path(args.output) if args.output else (
-        run / "analysis" if (run / "checkpoints").is_dir() else run.parent / f"{run.name}_analysis"
-    )  # fmt: skip
-    out.mkdir(parents=True, exist_ok=True)
     result = diffing_analysis(decoder, a, b)
     result["checkpoint"] = str(source.path)
-    (out / "analysis.json").write_text(json.dumps(result, indent=2))
-    write_histogram_png(
-        out / "relative_decoder_norm.png", result["relative_norm_histogram"]["counts"]
+    write_user_file(files[0], json.dumps(result, indent=2), args.overwrite)
+    write_user_file(
+        files[1], histogram_png(result["relative_norm_histogram"]["counts"]), args.overwrite
     )
     from torch.utils.tensorboard import SummaryWriter
 
@@ -89,9 +95,11 @@ def analyze(args: argparse.Namespace) -> int:
 def export(args: argparse.Namespace) -> int:
     import torch
 
-    from freetx.checkpoint.safe_write import check_destination, staged_output
+    from freetx.files import check_destination, staged_output
 
     source = _tensors(args.checkpoint)
+    dst = Path(args.output).expanduser()
+    check_destination(source.path, dst, args.overwrite)  # before reading the tensors
     get = lambda name: source.get(f"model.{name}")  # noqa: E731
     scale = get("input_scale").float() if "model.input_scale" in source.infos else None
     w_dec, w_enc = get("W_dec").float(), get("W_enc").float()
@@ -120,8 +128,6 @@ def export(args: argparse.Namespace) -> int:
         "(jumprelu, batchtopk) or ReLU; x_hat = f @ W_dec + b_dec (per source), on raw activations",
         "checkpoint": str(source.path),
     }
-    dst = Path(args.output).expanduser()
-    check_destination(source.path, dst, args.overwrite)
     from safetensors.torch import save_file
 
     with staged_output(dst) as folder:

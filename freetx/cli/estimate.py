@@ -28,6 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
         "group, and print what rank 0 held at its peak (seconds per strategy)",
     )
     p.add_argument("--json", metavar="PATH", help="write the figures (bytes) to this file")
+    p.add_argument("--overwrite", action="store_true", help="replace the --json file if it exists")
     return p
 
 
@@ -39,9 +40,12 @@ def main(args: argparse.Namespace) -> int:
     from freetx.data import micro_batch_size
     from freetx.distributed import Layout, check_distributed, shard_layouts
     from freetx.errors import ConfigError
+    from freetx.files import refuse_existing, write_user_file
     from freetx.registry import recipe_for_config
     from freetx.training.estimate import DEVICES, GIB, estimate, measure, meta_model
 
+    if args.json:
+        refuse_existing(Path(args.json), args.overwrite, "another --json PATH")
     recipe = args.recipe or getattr(recipe_for_config(args.config), "name", None)
     if recipe is None:
         raise ConfigError(f"{args.config} is not a built-in config: give --recipe too.")
@@ -127,5 +131,6 @@ def main(args: argparse.Namespace) -> int:
         )
     if args.json:
         analytic = {r.strategy: {**dataclasses.asdict(r), "peak": r.peak} for r in rows}
-        Path(args.json).write_text(json.dumps({"analytic": analytic, "measured": measured}))
+        figures = json.dumps({"analytic": analytic, "measured": measured})
+        write_user_file(Path(args.json), figures, args.overwrite, "another --json PATH")
     return 0

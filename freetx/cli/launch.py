@@ -1,5 +1,6 @@
 """`freetx launch slurm ...` and `freetx launch torchrun ...`: scripts and commands for
-clusters (freetx/launch/scripts.py); the config is checked before anything is written."""
+clusters (freetx/launch/scripts.py); the config is checked before anything is written,
+and an existing script is replaced only with --overwrite."""
 
 from __future__ import annotations
 
@@ -45,6 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
     slurm.add_argument("--log", default="slurm-%j.out", help="the job's log file")
     slurm.add_argument("-o", "--output", help="write the script here (default: print it)")
     slurm.add_argument("--submit", action="store_true", help="and submit it with sbatch")
+    slurm.add_argument(
+        "--overwrite", action="store_true", help="replace the script file if it exists"
+    )
     torchrun = sub.add_parser("torchrun", help="print the torchrun command of every node")
     _common(torchrun)
     torchrun.add_argument("--master-addr", required=True, help="the host of node 0")
@@ -85,8 +89,13 @@ def _spec(args: argparse.Namespace):
 
 def main(args: argparse.Namespace) -> int:
     from freetx.errors import FreetxError
+    from freetx.files import refuse_existing, write_user_file
     from freetx.launch import slurm_script, torchrun_commands
 
+    path = None  # the script file: -o, or JOB_NAME.sbatch to submit
+    if args.where == "slurm" and (args.output or args.submit):
+        path = Path(args.output or f"{args.job_name}.sbatch")
+        refuse_existing(path, args.overwrite, "another -o FILE")
     spec = _spec(args)
     if args.where == "torchrun":
         print(torchrun_commands(spec, args.master_addr, args.node_rank), end="")
@@ -101,15 +110,13 @@ def main(args: argparse.Namespace) -> int:
         setattr(spec, field, getattr(args, field))
     spec.time = args.time
     script = slurm_script(spec, "freetx launch slurm " + " ".join(map(shlex.quote, sys.argv[3:])))
-    if not args.submit:
-        if args.output:
-            Path(args.output).write_text(script)
-            print(f"wrote {args.output}; submit it with: sbatch {args.output}")
-        else:
-            print(script, end="")
+    if path is None:
+        print(script, end="")
         return 0
-    path = Path(args.output or f"{spec.job_name}.sbatch")
-    path.write_text(script)
+    write_user_file(path, script, args.overwrite, "another -o FILE")
+    if not args.submit:
+        print(f"wrote {path}; submit it with: sbatch {path}")
+        return 0
     result = subprocess.run(["sbatch", str(path)], capture_output=True, text=True)
     if result.returncode != 0:
         message = (result.stderr or result.stdout).strip().replace("\n", " ")

@@ -6,7 +6,8 @@ singular values against the Marchenko-Pastur edge, freetx/models/peft/spectrum.p
 with `--nproc-per-node N` the matrices are split over N processes. The scores
 are cached beside the model (`spectrum_scores.json`), so another --top-percent
 costs nothing; the selection goes to MODEL/spectrum_top<P>.yaml (or -o FILE)
-for `peft.method=spectrum peft.spectrum_selection=FILE`.
+for `peft.method=spectrum peft.spectrum_selection=FILE`. An existing selection file
+(perhaps edited by hand) is refused before scanning, unless --overwrite.
 """
 
 from __future__ import annotations
@@ -39,6 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--nproc-per-node", type=int, default=1, help="processes to split the work over"
     )
     scan.add_argument("--rescan", action="store_true", help="ignore cached scores")
+    scan.add_argument(
+        "--overwrite", action="store_true", help="replace the selection file if it exists"
+    )
     return p
 
 
@@ -48,11 +52,19 @@ def _beside(model: Path) -> Path:
 
 def main(args: argparse.Namespace) -> int:
     from freetx.errors import FreetxError
-    from freetx.models.peft.spectrum import select, write_selection
+    from freetx.files import refuse_existing, write_user_file
+    from freetx.models.peft.spectrum import select, selection_text
 
     model = Path(args.model).expanduser()
     if not model.exists():
         raise FreetxError(f"{args.model} does not exist; give a model folder or checkpoint.")
+    out = (
+        Path(args.output)
+        if args.output
+        else _beside(model) / f"spectrum_top{args.top_percent:g}.yaml"
+    )
+    elsewhere = "another -o FILE"
+    refuse_existing(out, args.overwrite, elsewhere)  # before the scan, which is costly
     cache = _beside(model) / CACHE_NAME
     scores = None
     if cache.is_file() and not args.rescan:
@@ -66,12 +78,8 @@ def main(args: argparse.Namespace) -> int:
             print(f"(scores not cached: {cache} cannot be written, {e.strerror})")
     score = {name: s["score"] for name, s in scores.items()}
     modules = select(score, args.top_percent)
-    out = (
-        Path(args.output)
-        if args.output
-        else _beside(model) / f"spectrum_top{args.top_percent:g}.yaml"
-    )
-    write_selection(out, modules, args.top_percent, str(args.model), score)
+    text = selection_text(modules, args.top_percent, str(args.model), score)
+    write_user_file(out, text, args.overwrite, elsewhere)
     print(f"{len(modules)} of {len(score)} weight matrices selected (top {args.top_percent:g}% of "
           f"each kind) -> {out}")  # fmt: skip
     return 0

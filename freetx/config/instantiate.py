@@ -23,8 +23,10 @@ from collections.abc import Iterator
 from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from freetx.errors import ConfigError
+from freetx.fields import field_problems
 
 COMPONENT = "_component_"
 
@@ -212,11 +214,33 @@ def check_components(cfg: DictConfig) -> list[str]:
         except ConfigError as e:
             problems.extend(e.problems)
             continue
-        keys = {k: v for k, v in node.items_ex(resolve=False) if k != COMPONENT}
+        keys = {k: v for k, v in _items(node) if k != COMPONENT}
         problem = _bind_problem(target, node[COMPONENT], path, None, keys)
         if problem:
             problems.append(problem)
+        else:
+            problems.extend(_meaningless_values(target, path, keys))
     return problems
+
+
+def _meaningless_values(target: Any, where: str, kwargs: dict) -> list[str]:
+    """The values of a builder's config dataclass (`freetx.models.protocol.builds`) that it
+    calls meaningless (`freetx.fields.field_problems`); building it would refuse them too."""
+    config_class = getattr(target, "config_class", None)
+    if not dataclasses.is_dataclass(config_class) or isinstance(target, type):
+        return []
+    names = {f.name for f in dataclasses.fields(config_class)}
+    plain = {k: v for k, v in kwargs.items()
+             if k in names and not isinstance(v, (DictConfig, ListConfig))}  # fmt: skip
+    return field_problems(config_class, plain, f"{where}.")
+
+
+def _items(node: DictConfig) -> list[tuple[Any, Any]]:
+    """A node's keys and values, resolved where every interpolation resolves here."""
+    try:
+        return list(node.items_ex(resolve=True))
+    except OmegaConfBaseException:
+        return list(node.items_ex(resolve=False))
 
 
 def to_container(node: Any) -> Any:

@@ -5,8 +5,9 @@ Fields typed `Any` hold `_component_` nodes, which stay free-form here and are
 checked by binding their keys to the target's signature (see
 `instantiate.check_components`). Everything else is checked here: unknown keys
 (with the closest valid key as a hint), wrong types, values outside a
-`Literal[...]`, numbers below a field's `at_least(n)` bound, and required
-keys (default `MISSING`) that are not set.
+`Literal[...]`, numbers below a field's `at_least(n)` bound, values a section's
+dataclass calls meaningless (`freetx.fields.field_problems`: LoRA's alpha of 0),
+and required keys (default `MISSING`) that are not set.
 
 After the checks a recipe receives its config as an instance of its schema
 (`as_schema_instance`): every section declared as a dataclass is a real
@@ -26,10 +27,11 @@ import typing
 from typing import Any, Literal, Union
 
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from freetx.config.instantiate import check_components
 from freetx.errors import ConfigError
-from freetx.fields import MIN_KEY, at_least  # noqa: F401 - at_least is re-exported
+from freetx.fields import MIN_KEY, at_least, field_problems  # noqa: F401 - at_least re-exported
 
 _NONE = type(None)
 
@@ -123,6 +125,7 @@ def _check_level(
 ) -> None:
     fields = {f.name: f for f in dataclasses.fields(schema)}
     hints = _resolved_hints(schema)
+    before = len(problems)
     for key in node.keys():
         key = str(key)
         if key not in fields:
@@ -158,6 +161,25 @@ def _check_level(
         required = no_default and f.default_factory is dataclasses.MISSING
         if required and (name not in node or OmegaConf.is_missing(node, name)):
             problems.append(f"missing required key '{path}{name}' ({_describe(hints[name])}).")
+    if len(problems) == before:  # every value has its type: ask what they mean together
+        problems.extend(field_problems(schema, _plain_values(node, hints), path))
+
+
+def _plain_values(node: DictConfig, hints: dict[str, Any]) -> dict[str, Any]:
+    """A section's set values, resolved, as Python values (sections left out)."""
+    values = {}
+    for key in node.keys():
+        key = str(key)
+        if OmegaConf.is_missing(node, key) or dataclasses.is_dataclass(hints.get(key)):
+            continue
+        try:
+            value = node[key]
+            if isinstance(value, (DictConfig, ListConfig)):
+                value = OmegaConf.to_container(value, resolve=True)
+        except OmegaConfBaseException:  # an interpolation that does not resolve here
+            continue
+        values[key] = value
+    return values
 
 
 def check_config(cfg: DictConfig, schema: type | None) -> list[str]:

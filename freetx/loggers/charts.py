@@ -1,16 +1,14 @@
-"""A histogram as a PNG file, written with zlib alone (no plotting package)."""
+"""A histogram as the bytes of a PNG file, written with zlib alone (no plotting package)."""
 
 from __future__ import annotations
 
 import struct
 import zlib
-from pathlib import Path
 
 
-def write_histogram_png(path: str | Path, counts: list[int], width: int = 480,
-                        height: int = 240) -> None:  # fmt: skip
-    """Bars of `counts` (left to right), scaled to the tallest, on a white background with
-    a grey baseline: enough to see the shape of a distribution at a glance."""
+def histogram_png(counts: list[int], width: int = 480, height: int = 240) -> bytes:
+    """A PNG of bars of `counts` (left to right), scaled to the tallest, on a white
+    background with a grey baseline: enough to see the shape of a distribution at a glance."""
     bins = max(1, len(counts))
     top = max(max(counts, default=0), 1)
     margin = 10
@@ -38,4 +36,4 @@ def write_histogram_png(path: str | Path, counts: list[int], width: int = 480,
     header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)  # 8-bit RGB
     png = b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header)
     png += chunk(b"IDAT", zlib.compress(b"".join(rows), 9)) + chunk(b"IEND", b"")
-    Path(path).write_bytes(png)
+    return png

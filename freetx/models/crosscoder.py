@@ -38,11 +38,12 @@ in checkpoints) so that their mean norm is sqrt(d).
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Literal, NamedTuple, Protocol
+from typing import Any, Literal, NamedTuple, Protocol
 
 import torch
 from torch import nn
 
+from freetx.fields import refuse_meaningless
 from freetx.models.protocol import build_config, builds
 
 BANDWIDTH = 2.0  # JumpReLU's straight-through kernel width
@@ -72,17 +73,52 @@ class CrosscoderConfig:
     shared_penalty: float = 0.1
 
     def __post_init__(self) -> None:
-        for name in ("num_sources", "source_dim", "dict_size", "k"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)} must be at least 1")
         if self.activation not in ("relu", "jumprelu", "batchtopk"):
             raise ValueError(
                 f"activation must be relu, jumprelu or batchtopk, got {self.activation!r}"
             )
-        if not 0 <= self.shared_features <= self.dict_size:
-            raise ValueError(f"shared_features={self.shared_features} is not in [0, dict_size]")
+        refuse_meaningless(self)
         if self.aux_k is None:
             self.aux_k = max(1, self.source_dim // 2)
+
+    @staticmethod
+    def meaningless(values: dict[str, Any]) -> dict[str, str]:
+        """Values that leave a knob nothing to do (freetx.fields: checked by `freetx validate`,
+        before a run, and here), by key: why, and the fix."""
+        found = {}
+        for name in ("num_sources", "source_dim", "dict_size"):
+            if name in values and values[name] < 1:
+                found[name] = "it is a count or a width; set it to 1 or more."
+        m = values.get("dict_size")
+        if m is not None and not 0 <= values["shared_features"] <= m:
+            found["shared_features"] = f"it counts features of the {m}; set it in [0, {m}]."
+        if values["activation"] == "batchtopk":
+            k, aux_k = values["k"], values.get("aux_k")
+            if k < 1:
+                found["k"] = "BatchTopK keeps k features per row; set k to 1 or more."
+            elif m is not None and k >= m:
+                found["k"] = (
+                    f"BatchTopK would keep every one of the {m} features (dict_size), so the "
+                    f"crosscoder would not be sparse; set k below {m} (a few percent of it)."
+                )
+            if aux_k is not None and aux_k < 1:
+                found["aux_k"] = (
+                    "AuxK reconstructs from aux_k dead features; set it to 1 or more, or leave "
+                    "it out (source_dim / 2)."
+                )
+            if values["dead_after_rows"] < 1:
+                found["dead_after_rows"] = (
+                    "every feature would count as dead at once; set the rows a feature may go "
+                    "unfired to 1 or more (e.g. 10000000)."
+                )
+            if not 0 <= values["threshold_beta"] < 1:
+                found["threshold_beta"] = (
+                    "the inference threshold is an EMA with this decay; set it in [0, 1) "
+                    "(e.g. 0.999): 1 never moves it."
+                )
+        if values["activation"] == "jumprelu" and values["tanh_c"] <= 0:
+            found["tanh_c"] = "JumpReLU's sparsity is tanh(c * f * ||W_dec||); set c above 0."
+        return found
 
 
 class _JumpReLU(torch.autograd.Function):

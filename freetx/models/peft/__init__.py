@@ -15,13 +15,13 @@ the model's output unchanged.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import Any, Literal, Optional
 
 import torch
 from torch import nn
 
 from freetx.errors import ConfigError
-from freetx.fields import at_least
+from freetx.fields import at_least, refuse_meaningless
 from freetx.models.peft.lora import ADAPTER_PARAMETERS, LoRALinear
 from freetx.models.protocol import AdapterTargets, AlwaysTrained
 
@@ -42,6 +42,47 @@ class PEFTConfig:
     quantize_base: Literal["none", "nf4"] = "none"  # nf4: QLoRA (the adapted bases in NF4)
     # spectrum: the selection `freetx spectrum scan` wrote; those modules train fully
     spectrum_selection: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        refuse_meaningless(self)
+
+    @staticmethod
+    def meaningless(values: dict[str, Any]) -> dict[str, str]:
+        """Values that leave a knob nothing to do (freetx.fields: checked by `freetx validate`,
+        before a run, and here), by key: why, and the fix."""
+        found = {}
+        method = values["method"]
+        if method == "lora":
+            if values["alpha"] <= 0:
+                found["alpha"] = (
+                    "LoRA scales each update by alpha / rank, so the adapters could never "
+                    "change the output; set it above 0 (commonly twice the rank, e.g. 32 for "
+                    "rank 16)."
+                )
+            if not values["target_modules"]:
+                found["target_modules"] = (
+                    "LoRA adapts these modules and freezes the rest, so nothing would train; "
+                    "name some (q, k, v, o, gate, up, down)."
+                )
+        if not 0 <= values["dropout"] < 1:
+            found["dropout"] = (
+                "it is the probability of dropping an adapter's input; set it in [0, 1) "
+                "(1 drops every input, so the adapters never act)."
+            )
+        if method != "lora":
+            for key, off in (("use_dora", False), ("quantize_base", "none")):
+                if values[key] != off:
+                    found[key] = (
+                        f"it applies to LoRA adapters and peft.method is {method}; set "
+                        "peft.method=lora (QLoRA: peft.quantize_base=nf4) or leave it out."
+                    )
+        if method == "spectrum" and not values["spectrum_selection"]:
+            found["spectrum_selection"] = (
+                "peft.method=spectrum trains the modules of a selection: make one with "
+                "`freetx spectrum scan MODEL --top-percent 25` and set "
+                "peft.spectrum_selection=FILE."
+            )
+        return found
 
 
 __all__ = [
@@ -161,12 +202,7 @@ def merge_adapters(model: nn.Module) -> nn.Module:
 def apply_peft(model: nn.Module, cfg: PEFTConfig, world_size: int = 1) -> str:
     """Apply the `peft:` section to a meta model (before it is parallelized over
     `world_size` ranks); returns a line for the banner."""
-    if cfg.method == "none":
-        if cfg.quantize_base != "none" or cfg.use_dora:
-            raise ConfigError(
-                "peft.quantize_base and peft.use_dora apply to LoRA adapters; set "
-                "peft.method=lora (QLoRA: peft.method=lora peft.quantize_base=nf4)."
-            )
+    if cfg.method == "none":  # PEFTConfig refused LoRA's knobs without LoRA
         return "full"
     if cfg.method == "lora":
         names = apply_lora(model, list(cfg.target_modules), cfg.rank, cfg.alpha, cfg.dropout,
@@ -180,11 +216,6 @@ def apply_peft(model: nn.Module, cfg: PEFTConfig, world_size: int = 1) -> str:
         return f"{kind} r={cfg.rank} alpha={cfg.alpha:g} on {len(names)} modules"
     from freetx.models.peft.spectrum import read_selection
 
-    if not cfg.spectrum_selection:
-        raise ConfigError(
-            "peft.method=spectrum trains the modules of a selection: make one with "
-            "`freetx spectrum scan MODEL --top-percent 25` and set peft.spectrum_selection."
-        )
     selection = read_selection(cfg.spectrum_selection)
     always = model.always_trained if isinstance(model, AlwaysTrained) else ()
     train_only(model, selection["modules"], always=always)

@@ -65,8 +65,9 @@ def select(scores: dict[str, float], top_percent: float) -> list[str]:
     return sorted(chosen)
 
 
-def write_selection(path: Path, modules: list[str], top_percent: float, source: str,
-                    scores: dict[str, float]) -> None:  # fmt: skip
+def selection_text(modules: list[str], top_percent: float, source: str,
+                   scores: dict[str, float]) -> str:  # fmt: skip
+    """The YAML of a selection file (`read_selection` reads it), commented with each score."""
     lines = [
         "# Spectrum selection (Hartford et al. 2024): the modules that train fully; the rest",
         "# stays frozen (the embeddings and output head always train).",
@@ -76,7 +77,7 @@ def write_selection(path: Path, modules: list[str], top_percent: float, source: 
         "modules:",
         *[f"  - {m}  # score {scores[m]:.4g}" for m in modules],
     ]
-    Path(path).write_text("\n".join(lines) + "\n")
+    return "\n".join(lines) + "\n"
 
 
 def read_selection(path: str | Path) -> dict[str, Any]:

@@ -1,0 +1,123 @@
+"""Writing a user's file or an export without ever losing what is there: checked, staged,
+renamed. Imports nothing of freetx but errors (and no torch), so any command may use it.
+
+Every file or folder freetx writes outside a run folder it owns (a conversion, an
+export, a Spectrum selection, an analysis, a batch script) is refused when it exists,
+unless `--overwrite` says to replace it (`refuse_existing`, called before any costly
+work), and is written atomically (`staged_output`; `write_user_file` for one file).
+A conversion also refuses a destination that is its source, holds its source or lies
+inside it (`check_destination`). Everything is written under a temporary name beside
+the destination (`.<name>.freetx-tmp-<pid>`) and renamed into place when complete, so
+an interrupted command leaves the destination as it was (and a temporary entry that
+the next attempt does not need; delete it).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from freetx.errors import FreetxError
+
+
+def check_destination(source: Path, destination: Path, overwrite: bool) -> None:
+    """Refuse a destination that would destroy the source or replace an existing path."""
+    src, dst = Path(source).resolve(), Path(destination).resolve()
+    if dst == src or dst in src.parents or src in dst.parents:
+        relation = "is" if dst == src else ("holds" if dst in src.parents else "lies inside")
+        raise FreetxError(
+            f"the destination {destination} {relation} the source {source}; a conversion never "
+            "writes over what it reads. Write to another path."
+        )
+    refuse_existing(destination, overwrite, replaces_folder=True)
+
+
+def refuse_existing(
+    destination: Path,
+    overwrite: bool,
+    elsewhere: str = "another path",
+    replaces_folder: bool = False,
+) -> None:
+    """Refuse `destination` when it exists, unless `overwrite` (then refuse a read-only folder).
+
+    Call it before any costly work, so a refusal costs nothing; `elsewhere` says how the
+    command is given another destination (e.g. "another -o FILE"). A folder where a file
+    is to go is refused even with `overwrite`, unless `replaces_folder` (an export folder).
+    """
+    dst = Path(destination)
+    if not (dst.exists() or dst.is_symlink()):
+        return
+    if dst.is_dir() and not replaces_folder:
+        raise FreetxError(
+            f"{destination} is a folder, and freetx writes a file there; nothing was written. "
+            f"Give {elsewhere} (a file name)."
+        )
+    if not overwrite:
+        raise FreetxError(
+            f"{destination} already exists and freetx does not replace it unasked; nothing "
+            f"was written. Pass --overwrite to replace it, or give {elsewhere}."
+        )
+    if not os.access(dst.absolute().parent, os.W_OK):
+        raise FreetxError(f"{destination} cannot be replaced: its folder is read-only.")
+
+
+def write_user_file(
+    destination: Path, content: str | bytes, overwrite: bool, elsewhere: str = "another path"
+) -> None:
+    """Write `content` to `destination` atomically, refusing an existing file unless
+    `overwrite` (`refuse_existing`; call that first too when the content is costly)."""
+    refuse_existing(destination, overwrite, elsewhere)
+    with staged_output(Path(destination)) as staged:
+        if isinstance(content, str):
+            staged.write_text(content, encoding="utf-8")
+        else:
+            staged.write_bytes(content)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    elif path.exists() or path.is_symlink():
+        path.unlink(missing_ok=True)
+
+
+def _replace(staged: Path, destination: Path) -> None:
+    """Move `staged` onto `destination`; an existing folder is swapped out, then removed."""
+    if not destination.exists() or (staged.is_file() and destination.is_file()):
+        os.replace(staged, destination)  # atomic for files
+        return
+    old = destination.parent / f".{destination.name}.freetx-old-{os.getpid()}"
+    os.replace(destination, old)
+    try:
+        os.replace(staged, destination)
+    except OSError:
+        os.replace(old, destination)
+        raise
+    _remove(old)
+
+
+@contextmanager
+def staged_output(destination: Path) -> Iterator[Path]:
+    """Yield a temporary path beside `destination`; on success it becomes `destination`.
+
+    On any failure (an error, Ctrl-C) the temporary path is removed and the
+    destination is untouched. OS errors (permissions, a full disk) become a
+    FreetxError naming the destination.
+    """
+    destination = Path(destination)
+    staged = destination.parent / f".{destination.name}.freetx-tmp-{os.getpid()}"
+    try:
+        destination.parent.mkdir(parents=True, exist_ok=True)
+        _remove(staged)
+        yield staged
+        _replace(staged, destination)
+    except OSError as e:
+        raise FreetxError(
+            f"writing {destination} failed ({e.strerror or e}); nothing was replaced. Check "
+            "that its folder exists, is writable and has space, or pick another path."
+        ) from None
+    finally:
+        _remove(staged)
