@@ -4,8 +4,8 @@
 (`freetx.config.schema`) report a smaller value with the key's path.
 
 A config dataclass whose values can make a knob meaningless (LoRA's alpha of 0:
-adapters that never change the output; BatchTopK keeping every feature) says so in
-a static method `meaningless(values) -> {key: why and the fix}`, reading the keys it
+adapters that never change the output; BatchTopK keeping every feature) follows
+`ChecksMeaning`: a static method `meaningless(values) -> {key: why and the fix}`, reading the keys it
 needs from `values` (a key it needs may be absent: then it checks nothing about
 it). `field_problems` asks it, so the same rules refuse such a value when a config
 is validated (`freetx validate`, and every run before it launches: schema sections
@@ -16,7 +16,7 @@ and when the dataclass is made (`refuse_meaningless`, from its `__post_init__`).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 MIN_KEY = "min"
 _REQUIRED = "???"  # OmegaConf's MISSING
@@ -25,6 +25,23 @@ _REQUIRED = "???"  # OmegaConf's MISSING
 def at_least(minimum: int, default: Any = _REQUIRED) -> Any:
     """A schema field whose value must be `minimum` or more (a count, a size, a period)."""
     return dataclasses.field(default=default, metadata={MIN_KEY: minimum})
+
+
+@runtime_checkable
+class ChecksMeaning(Protocol):
+    """A config dataclass that can tell which of its values make a knob meaningless."""
+
+    @staticmethod
+    def meaningless(values: dict[str, Any]) -> dict[str, str]: ...
+
+
+@runtime_checkable
+class BuildsConfig(Protocol):
+    """A builder (a `_component_` target) that names the config dataclass of the fields it
+    takes (`freetx.models.protocol.builds`): `freetx validate` checks a config's keys
+    and values against it before anything is built."""
+
+    config_class: type
 
 
 def _defaults(config_class: type) -> dict[str, Any]:
@@ -43,12 +60,11 @@ def _defaults(config_class: type) -> dict[str, Any]:
 def field_problems(config_class: Any, values: dict[str, Any], path: str = "") -> list[str]:
     """What `config_class.meaningless` finds in `values` (over the class's defaults), each
     naming its key under `path` ("peft.") and its value; [] for a class without it."""
-    check = getattr(config_class, "meaningless", None)
-    if check is None or not dataclasses.is_dataclass(config_class):
+    if not isinstance(config_class, ChecksMeaning) or not dataclasses.is_dataclass(config_class):
         return []
     merged = {**_defaults(config_class), **values}
     try:
-        found = check(merged)
+        found = config_class.meaningless(merged)
     except TypeError:  # a value of the wrong type: the type checks or the builder say so
         return []
     return [f"'{path}{key}' is {merged.get(key)!r}: {why}" for key, why in found.items()]

@@ -26,7 +26,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from freetx.errors import ConfigError
-from freetx.fields import field_problems
+from freetx.fields import BuildsConfig, field_problems
 
 COMPONENT = "_component_"
 
@@ -137,13 +137,20 @@ def _bind_problem(target: Any, dotted: str, where: str, args: tuple, kwargs: dic
         return f"{where}: the keys do not fit {dotted}{sig}: {e}."
 
 
+def builder_config(target: Any) -> type | None:
+    """The config dataclass a builder takes its `**fields` for (`BuildsConfig`), or None."""
+    if isinstance(target, type) or not isinstance(target, BuildsConfig):
+        return None
+    return target.config_class if dataclasses.is_dataclass(target.config_class) else None
+
+
 def _config_field_problem(
     target: Any, dotted: str, where: str, sig: inspect.Signature, kwargs: dict
 ) -> str | None:
     """A builder that takes `**fields` of a config dataclass (its `config_class`, see
     freetx.models.protocol.builds): keys that are no field of it, with a hint."""
-    config_class = getattr(target, "config_class", None)
-    if not dataclasses.is_dataclass(config_class) or isinstance(target, type):
+    config_class = builder_config(target)
+    if config_class is None:
         return None
     known = [p for p in sig.parameters if p not in ("fields", "kwargs")]
     known += [f.name for f in dataclasses.fields(config_class)]
@@ -226,8 +233,8 @@ def check_components(cfg: DictConfig) -> list[str]:
 def _meaningless_values(target: Any, where: str, kwargs: dict) -> list[str]:
     """The values of a builder's config dataclass (`freetx.models.protocol.builds`) that it
     calls meaningless (`freetx.fields.field_problems`); building it would refuse them too."""
-    config_class = getattr(target, "config_class", None)
-    if not dataclasses.is_dataclass(config_class) or isinstance(target, type):
+    config_class = builder_config(target)
+    if config_class is None:
         return []
     names = {f.name for f in dataclasses.fields(config_class)}
     plain = {k: v for k, v in kwargs.items()
