@@ -45,8 +45,10 @@ from freetx.training import (
 @dataclass
 class EvalConfig:
     every_n_steps: int = at_least(0, default=0)  # 0: only at the end of training
-    batch_size: int = at_least(1, default=8)  # sequences per rank per forward pass
-    max_batches: Optional[int] = at_least(1, default=None)  # None: the whole validation split
+    # validation sequences per forward pass, over all ranks (like batch_size): the same
+    # samples at any world size
+    batch_size: int = at_least(1, default=16)
+    max_batches: Optional[int] = at_least(1, default=None)  # of those; None: the whole split
 
 
 @dataclass
@@ -87,6 +89,7 @@ class FullFinetuneRecipeFSDP2:
         train_set = instantiate(cfg.dataset, tokenizer=self.tokenizer, split="train")
         val_set = instantiate(cfg.dataset, tokenizer=self.tokenizer, split="validation")
         self.seq_len = train_set.seq_len
+        self.val_loader = build_eval_loader(val_set, cfg.eval.batch_size, rank, world_size)
 
         with torch.device("meta"):
             model = instantiate(cfg.model)
@@ -106,7 +109,6 @@ class FullFinetuneRecipeFSDP2:
             train_set, cfg.batch_size, self.accumulation, rank, world_size, cfg.seed,
             num_workers=cfg.num_workers,
         )  # fmt: skip
-        self.val_loader = build_eval_loader(val_set, cfg.eval.batch_size, rank, world_size)
         self.run.start(
             self.plan, self.optimizer, self.lr_scheduler, self.train_loader,
             tokens_per_sample=self.seq_len, seq_len=self.seq_len,

@@ -178,12 +178,23 @@ def build_train_loader(
 
 
 def build_eval_loader(
-    dataset: Dataset, batch_size: int, rank: int, world_size: int
+    dataset: Dataset, global_batch_size: int, rank: int, world_size: int
 ) -> StatefulDataLoader:
-    """Every rank gets the same number of batches; padding samples are marked `padding`."""
+    """Batches of `global_batch_size` samples over all ranks (each rank its strided share):
+    global batch i is samples [i B, (i + 1) B) at any world size, so a validation figure
+    over the first n batches means the same samples on 1 rank or 8. Every rank gets the
+    same number of batches; padding samples are marked `padding`."""
+    if global_batch_size % world_size:
+        raise ConfigError(
+            f"eval.batch_size={global_batch_size} (validation samples per forward pass, over "
+            f"all ranks) cannot be split into {world_size} rank(s).",
+            fix=f"Use a multiple of {world_size}.",
+        )
     generator = torch.Generator().manual_seed(0)  # keeps the global RNG untouched
     return StatefulDataLoader(
-        EvalShard(dataset, rank, world_size), batch_size=batch_size, generator=generator
+        EvalShard(dataset, rank, world_size),
+        batch_size=global_batch_size // world_size,
+        generator=generator,
     )
 
 

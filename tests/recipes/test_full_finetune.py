@@ -90,3 +90,19 @@ def test_the_profiler_section_writes_a_chrome_trace_per_rank(tmp_path):
         names = {event.get("name", "") for event in trace["traceEvents"]}
         assert "aten::mm" in names and any("all_gather" in n for n in names)
         assert "Self CPU" in (tmp_path / "profile" / f"rank{rank}_step4_ops.txt").read_text()
+
+
+def test_a_validation_figure_means_the_same_samples_at_any_world_size(tmp_path):
+    """eval.batch_size and eval.max_batches count over all ranks: the same weights (lr 0:
+    the seed's initial ones) score the same on 1 process and on 2."""
+    scores = {}
+    for nproc in ("1", "2"):
+        out = tmp_path / nproc
+        result = run_freetx(
+            "run", "--nproc-per-node", nproc, "full_finetune_fsdp2", "--config", "llm/tiny",
+            f"output_dir={out}", "max_steps=1", "optimizer.lr=0", "eval.batch_size=8",
+            "eval.max_batches=3", "metric_loggers=[{_component_: freetx.loggers.JSONLLogger}]",
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr
+        scores[nproc] = read_metrics(out)[-1]["val/loss"]
+    assert scores["1"] == pytest.approx(scores["2"], rel=1e-6)
