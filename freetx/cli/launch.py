@@ -8,6 +8,7 @@ import argparse
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -18,12 +19,25 @@ SLURM_TIME = re.compile(
 )
 
 
+HOST = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?$|^\[?[0-9A-Fa-f:.]+\]?$")
+
+
+def host_name(value: str) -> str:
+    """An argparse type: a host name (letters, digits, dots, hyphens) or an IP address."""
+    if not HOST.match(value):
+        raise argparse.ArgumentTypeError(
+            f"{value!r} is not a host name or an IP address (e.g. node001 or 10.0.0.1)"
+        )
+    return value
+
+
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nodes", type=int, default=1)
     p.add_argument("--gpus-per-node", type=int, default=None,
                    help="GPUs (= processes) per node")  # fmt: skip
     p.add_argument("--nproc-per-node", type=int, default=1, help="processes per CPU node")
-    p.add_argument("--port", type=int, default=29500, help="the rendezvous port")
+    p.add_argument("--port", "--master-port", type=int, default=29500,
+                   help="the rendezvous port (torchrun's --master-port)")  # fmt: skip
     p.add_argument("--max-restarts", type=int, default=0,
                    help="torchrun restarts the group this often after a rank dies")  # fmt: skip
     p.add_argument("--python", default=sys.executable, help="the interpreter that has freetx")
@@ -51,7 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     torchrun = sub.add_parser("torchrun", help="print the torchrun command of every node")
     _common(torchrun)
-    torchrun.add_argument("--master-addr", required=True, help="the host of node 0")
+    torchrun.add_argument("--master-addr", required=True, type=host_name,
+                          help="the host of node 0: a host name or an IP address")  # fmt: skip
     torchrun.add_argument("--node-rank", type=int, help="only this node's command")
     return p
 
@@ -96,6 +111,11 @@ def main(args: argparse.Namespace) -> int:
     if args.where == "slurm" and (args.output or args.submit):
         path = Path(args.output or f"{args.job_name}.sbatch")
         refuse_existing(path, args.overwrite, "another -o FILE")
+    if args.where == "slurm" and args.submit and shutil.which("sbatch") is None:
+        raise FreetxError(
+            "--submit runs sbatch, which is not on this machine's PATH (SLURM's client "
+            "tools are missing here); nothing was written.",
+        )
     spec = _spec(args)
     if args.where == "torchrun":
         print(torchrun_commands(spec, args.master_addr, args.node_rank), end="")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import flat, run_freetx_here
+from tests.conftest import flat, run_freetx, run_freetx_here
 
 
 def test_the_slurm_script_has_one_launcher_per_node_and_requeues(tmp_path):
@@ -63,3 +63,21 @@ def test_a_config_that_fails_validation_writes_no_script(tmp_path):
                              "--config", "llm/tiny", "max_stpes=10")  # fmt: skip
     assert result.returncode == 1 and "did you mean 'max_steps'" in flat(result.stderr)
     assert not out.exists()
+
+
+def test_submit_without_sbatch_says_so_and_writes_nothing(tmp_path):
+    out = tmp_path / "job.sbatch"
+    result = run_freetx("launch", "slurm", "--submit", "-o", str(out), "full_finetune_fsdp2",
+                        "--config", "llm/tiny", env={"PATH": str(tmp_path)})  # fmt: skip
+    assert result.returncode == 1 and "sbatch, which is not on" in flat(result.stderr)
+    assert not out.exists() and "Traceback" not in result.stderr
+
+
+def test_torchrun_commands_check_the_host_and_take_torchruns_port_flag():
+    bad = run_freetx_here("launch", "torchrun", "--master-addr", "not a host!!",
+                          "full_finetune_fsdp2", "--config", "llm/tiny")  # fmt: skip
+    assert bad.returncode == 2 and "not a host name or an IP address" in bad.stderr
+    good = run_freetx_here("launch", "torchrun", "--nodes", "2", "--master-addr", "node-01",
+                           "--master-port", "29600", "full_finetune_fsdp2", "--config",
+                           "llm/tiny")  # fmt: skip
+    assert good.returncode == 0 and good.stdout.count("--master-port 29600") == 2
