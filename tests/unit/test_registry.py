@@ -1,6 +1,7 @@
 """The registry matches the files, and every shipped config validates."""
 
 import pytest
+from omegaconf import OmegaConf
 
 from freetx import registry
 from freetx.cli.common import load_recipe
@@ -36,3 +37,14 @@ def test_shipped_config_validates(config):
     cfg = compose(config, given)
     assert check_config(cfg, target.schema) == []
     apply_schema(cfg, target.schema)
+
+
+@pytest.mark.parametrize("config", registry.config_names())
+def test_every_shipped_training_config_writes_tensorboard(config):
+    """The README says every run writes tb/: every shipped training config logs to
+    TensorBoard (generate configs train nothing; the torchtune-timed workload logs as
+    torchtune's does)."""
+    if registry.recipe_for_config(config).name == "generate" or config == "llm/tiny_llama_bench":
+        return
+    loggers = OmegaConf.load(registry.config_file(config)).metric_loggers
+    assert "freetx.loggers.TensorBoardLogger" in [node["_component_"] for node in loggers]
