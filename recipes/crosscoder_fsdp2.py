@@ -26,7 +26,7 @@ from typing import Any, ClassVar
 import torch
 from omegaconf import MISSING
 
-from freetx.checkpoint import input_identity, load_source_model
+from freetx.checkpoint import files_read_by, input_identity, load_source_model
 from freetx.config import at_least, instantiate
 from freetx.data import (
     Activations,
@@ -39,6 +39,7 @@ from freetx.data import (
 from freetx.data.activations import norm_sums, scales_from_norm_sums
 from freetx.distributed import (
     build_groups,
+    full_norm,
     full_tensor,
     init_distributed,
     local_parameters,
@@ -65,7 +66,7 @@ class SparsityConfig:
 @dataclass
 class CrosscoderEvalConfig:
     every_n_steps: int = at_least(0, default=0)  # 0: only at the end of training
-    rows: int = at_least(1, default=8192)  # validation rows per rank
+    rows: int = at_least(1, default=8192)  # validation rows over all ranks (split between them)
 
 
 @dataclass
@@ -90,6 +91,7 @@ class CrosscoderRecipeFSDP2:
         self.runtime = init_distributed(cfg.device, cfg.distributed.collective_timeout_s)
         self.device = self.runtime.device
         self.accumulation = cfg.gradient_accumulation_steps
+        self.files_read: dict[str, list] = {}  # what the text and tokenizer read (models)
         seed_everything(cfg.seed, self.runtime.rank)
 
     def setup(self) -> None:
@@ -116,7 +118,8 @@ class CrosscoderRecipeFSDP2:
         self.stats = CrosscoderStats(c.num_sources, c.source_dim, c.dict_size)
         self.run.start(
             self.plan, self.optimizer, self.lr_scheduler, self.data.train_loader,
-            tokens_per_sample=1, inputs=self.source_models(), sources=num_sources,
+            tokens_per_sample=1, inputs={**self.source_models(), **self.files_read},
+            sources=num_sources,
             source_dim=source_dim,
             dict_size=c.dict_size, activation=c.activation, data=self.data.description,
         )  # fmt: skip
@@ -138,9 +141,14 @@ class CrosscoderRecipeFSDP2:
         val_text = instantiate(acfg.text, tokenizer=tokenizer, split="validation")
         models = [load_source_model(s.model, self.device, acfg.source_dtype) for s in acfg.sources]
         identities = [input_identity(path) for path in self.source_models().values()]
-        return harvested_activations(
-            acfg, models, identities, tokenizer, text, val_text, loading, self.groups.barrier
+        self.files_read = files_read_by(
+            **{"activations.tokenizer": tokenizer, "activations.text": text}
         )
+        files = {name: input_identity(paths) for name, paths in self.files_read.items()}
+        return harvested_activations(
+            acfg, models, identities, files, tokenizer, text, val_text, loading,
+            self.groups.barrier,
+        )  # fmt: skip
 
     def source_models(self) -> dict[str, str]:
         """The models the activations come from (none for planted rows), by config key:
@@ -177,28 +185,32 @@ class CrosscoderRecipeFSDP2:
             run.advance(grad_norm)  # the NaN guard: a non-finite norm skipped the update
             if run.log_due():
                 run.log_train(sums, rows, grad_norm)
-                run.log(self.stats.read(self.groups.sum_tensors))
+                run.log({**self.stats.read(self.groups.sum_tensors),
+                         "l1_coeff": self.sparsity_weight(run.step),  # as the seed logs them
+                         "W_dec_norm": full_norm(self.plan.module.W_dec)})  # fmt: skip
             if run.due(cfg.eval.every_n_steps):
                 run.evaluate(self.evaluate)
             if run.due(cfg.checkpoint.every_n_steps):
                 run.save()
         run.finish(self.evaluate)
 
-    def sparsity_weight(self) -> float:
-        """The sparsity coefficient, warmed up linearly from 0 (the seed's l1 warm-up)."""
+    def sparsity_weight(self, step: int) -> float:
+        """The sparsity coefficient of optimizer step `step` (from 1), warmed up linearly
+        from 0 over `sparsity.warmup_fraction` of the steps (the seed's l1 warm-up)."""
         warmup = self.cfg.sparsity.warmup_fraction * self.cfg.max_steps
-        ramp = 1.0 if warmup <= 0 else min(1.0, (self.run.step + 1) / warmup)
+        ramp = 1.0 if warmup <= 0 else min(1.0, step / warmup)
         return self.cfg.sparsity.coeff * ramp
 
     def compute_loss(self, batch: dict[str, torch.Tensor]):
         """One micro-batch of rows: the loss summed over them (+ sums to log)."""
-        output = self.model(batch["x"].to(self.device), self.loss_fn, self.sparsity_weight())
+        weight = self.sparsity_weight(self.run.step + 1)  # the step this batch is for
+        output = self.model(batch["x"].to(self.device), self.loss_fn, weight)
         self.stats.add(output.stats)
         return output.loss, output.log_sums()
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
-        """On the validation rows (every rank its own, summed): reconstruction loss, L0,
+        """On the validation rows (every rank its share, summed): reconstruction loss, L0,
         explained variance; the planted features' recovery (synthetic); the CE loss
         recovered when the reconstruction replaces the hooked activations (models)."""
         self.model.eval()  # the loss's state (dead features, threshold EMA) stays as it is

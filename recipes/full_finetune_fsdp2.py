@@ -25,6 +25,7 @@ from typing import Any, ClassVar, Optional
 import torch
 from omegaconf import MISSING
 
+from freetx.checkpoint import files_read_by
 from freetx.config import at_least, instantiate
 from freetx.data import IGNORE_INDEX, build_eval_loader, build_train_loader, micro_batch_size
 from freetx.distributed import build_groups, init_distributed, parallelize
@@ -112,6 +113,7 @@ class FullFinetuneRecipeFSDP2:
         self.run.start(
             self.plan, self.optimizer, self.lr_scheduler, self.train_loader,
             tokens_per_sample=self.seq_len, seq_len=self.seq_len,
+            inputs=files_read_by(tokenizer=self.tokenizer, dataset=train_set),
             train_sequences=len(train_set),
             activation_checkpointing=cfg.distributed.activation_checkpointing, trains=trains,
         )  # fmt: skip

@@ -6,7 +6,7 @@ model (loading.py; HF layouts are the models' own, freetx.models.hf)."""
 from freetx.checkpoint.checkpointer import CheckpointConfig, Checkpointer, build_meta
 from freetx.checkpoint.convert import convert, inspect_report, merge
 from freetx.checkpoint.formats import open_tensors
-from freetx.checkpoint.identity import input_identity
+from freetx.checkpoint.identity import ReadsFiles, files_read_by, input_identity
 from freetx.checkpoint.loading import (
     load_initial_weights,
     load_model,
@@ -24,6 +24,8 @@ from freetx.checkpoint.state import (
 )
 
 __all__ = [
+    "ReadsFiles",
+    "files_read_by",
     "input_identity",
     "CheckpointConfig",
     "LRSchedulerState",

@@ -206,7 +206,7 @@ class Checkpointer:
         model,
         meta: dict[str, Any],
         frozen_from: str | None = None,
-        inputs: dict[str, str] | None = None,
+        inputs: dict[str, str | list[Path]] | None = None,
     ) -> str | None:
         """Load the planned checkpoint, else the initial weights, else nothing; then write
         `<output_dir>/config.yaml` (training starts). `meta` describes the model for saves.

@@ -7,14 +7,15 @@ that run trains on, the same path means another checkpoint. So a run records
 each input as `{"given", "path", "fingerprint"}` in its checkpoints' meta.json
 (`inputs`), and a resume or a cache compares: the resolved checkpoint and the
 sizes and modification times of its weight files (stat only: cheap for 8B
-models; a file rewritten in place changes its time).
+models; a file rewritten in place changes its time). The files a dataset or a
+tokenizer read (`ReadsFiles`) are recorded the same way, as the list of them.
 """
 
 from __future__ import annotations
 
 import hashlib
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 from freetx.checkpoint.loading import resolve_checkpoint
 
@@ -24,8 +25,34 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin", ".distcp", ".pt", ".pth")
 WEIGHT_NAMES = (".metadata", "config.json")
 
 
-def input_identity(path: str | Path) -> dict[str, Any]:
-    """The identity of an input given as `path` (a run folder, checkpoint, file, HF folder)."""
+@runtime_checkable
+class ReadsFiles(Protocol):
+    """A dataset or tokenizer built from files (the data a run trains on, the tokenizer
+    that gives its ids their meaning): a run records them by identity and refuses to
+    resume on files that changed since. Nothing read from files: an empty list."""
+
+    files_read: list[Path]
+
+
+def files_read_by(**readers: Any) -> dict[str, list[Path]]:
+    """Name -> files, for each of `readers` that read files (`ReadsFiles`)."""
+    return {
+        name: list(reader.files_read)
+        for name, reader in readers.items()
+        if isinstance(reader, ReadsFiles) and reader.files_read
+    }
+
+
+def input_identity(path: str | Path | list[Path]) -> dict[str, Any]:
+    """The identity of an input given as `path` (a run folder, checkpoint, file, HF
+    folder), or as the list of files a dataset or tokenizer read."""
+    if isinstance(path, list):
+        files = sorted(Path(p).resolve() for p in path)
+        return {
+            "given": [str(p) for p in path],
+            "path": [str(p) for p in files],
+            "fingerprint": _fingerprint(files, base=None),
+        }
     resolved = resolve_checkpoint(path)
     if resolved.is_file():
         files = [resolved]
@@ -34,24 +61,30 @@ def input_identity(path: str | Path) -> dict[str, Any]:
             p for p in resolved.rglob("*")
             if p.is_file() and (p.suffix in WEIGHT_SUFFIXES or p.name in WEIGHT_NAMES)
         )  # fmt: skip
-    digest = hashlib.sha256()
-    for file in files:
-        stat = file.stat()
-        name = file.name if file == resolved else str(file.relative_to(resolved))
-        digest.update(f"{name}\t{stat.st_size}\t{stat.st_mtime_ns}\n".encode())
     return {
         "given": str(path),
         "path": str(resolved.resolve()),
-        "fingerprint": digest.hexdigest()[:16],
+        "fingerprint": _fingerprint(files, base=None if resolved.is_file() else resolved),
     }
+
+
+def _fingerprint(files: list[Path], base: Path | None) -> str:
+    """A hash of the files' names (relative to `base`, else bare), sizes and modification
+    times."""
+    digest = hashlib.sha256()
+    for file in files:
+        stat = file.stat()
+        name = file.name if base is None else str(file.relative_to(base))
+        digest.update(f"{name}\t{stat.st_size}\t{stat.st_mtime_ns}\n".encode())
+    return digest.hexdigest()[:16]
 
 
 def same_input(recorded: dict[str, Any], now: dict[str, Any]) -> bool:
     return recorded.get("path") == now["path"] and recorded.get("fingerprint") == now["fingerprint"]
 
 
-def changed_inputs(recorded: dict[str, dict], given: dict[str, str]) -> list[str]:
-    """One line per input in `given` (name -> path) that is not what `recorded` (from a
+def changed_inputs(recorded: dict[str, dict], given: dict[str, Any]) -> list[str]:
+    """One line per input in `given` (name -> path, or files read) that is not what `recorded` (from a
     checkpoint's meta.json) says the run read: another checkpoint, or other files."""
     lines = []
     for name, path in given.items():
@@ -60,6 +93,13 @@ def changed_inputs(recorded: dict[str, dict], given: dict[str, str]) -> list[str
             continue
         now = input_identity(path)
         if same_input(before, now):
+            continue
+        if isinstance(path, list):  # the files a dataset or tokenizer read
+            read = ", ".join(before.get("path") or [])
+            if before.get("path") != now["path"]:
+                lines.append(f"{name}: the run read {read}; it reads {', '.join(now['path'])} now")
+            else:
+                lines.append(f"{name}: {read} changed since the run read them (rewritten)")
             continue
         if before.get("path") != now["path"]:
             what = f"now means {now['path']}"

@@ -408,6 +408,12 @@ class RowLoading:
     eval_rows: int
     normalize_rows: int
 
+    def eval_share(self) -> slice:
+        """This rank's validation rows among the first `eval_rows` (contiguous, sizes
+        within one of each other): the same rows are evaluated at any world size."""
+        rank, world = self.rank, self.world_size
+        return slice(self.eval_rows * rank // world, self.eval_rows * (rank + 1) // world)
+
     def loader(self, rows: ActivationRows) -> Iterable[dict[str, torch.Tensor]]:
         """Rows held in memory, in the global-batch sampler's order (a function of the step)."""
         return build_train_loader(
@@ -476,11 +482,11 @@ class Activations:
 def planted_activations(
     train: PlantedFeatures, validation: PlantedFeatures, loading: RowLoading
 ) -> Activations:
-    """Planted synthetic rows: the training split through the global-batch sampler, the
-    first `eval_rows` of the validation split (the same on every rank)."""
+    """Planted synthetic rows: the training split through the global-batch sampler, this
+    rank's share of the first `eval_rows` of the validation split."""
     return Activations(
         train_loader=loading.loader(train),
-        val_rows=validation.rows[: loading.eval_rows],
+        val_rows=validation.rows[: loading.eval_rows][loading.eval_share()],
         shape=(train.num_sources, train.source_dim),
         normalize_from=train.rows[: loading.normalize_rows],
         description=f"synthetic ({len(train):,} rows)",
@@ -492,6 +498,7 @@ def harvested_activations(
     cfg: ActivationsConfig,
     models: list[nn.Module],
     identities: list[dict[str, Any]],
+    files: dict[str, dict[str, Any]],
     tokenizer: Any,
     text: Dataset,
     val_text: Dataset,
@@ -503,7 +510,8 @@ def harvested_activations(
     `cfg.cache` by all ranks together (`mode: cache`; `barrier` waits for every rank).
     `identities`: each source's checkpoint and fingerprint (`freetx.checkpoint.
     input_identity`), part of the cache's key: a source that trained on since the cache
-    was written gets a cache of its own, never the old activations.
+    was written gets a cache of its own, never the old activations. `files`: the identities
+    of what the text and the tokenizer read (name -> identity), in the key too.
     Validation rows come from this rank's own validation sequences."""
     if not cfg.sources:
         raise ConfigError(
@@ -531,6 +539,8 @@ def harvested_activations(
             ],
             "text": repr(cfg.text), "tokenizer": repr(cfg.tokenizer),
         }  # fmt: skip
+        if files:  # rewritten text or tokenizer files make another cache
+            settings["files"] = {name: [i["path"], i["fingerprint"]] for name, i in files.items()}
         rows = build_activation_cache(
             ShardCache(cfg.cache), harvest, text, rank, world_size, settings, barrier=barrier
         )
@@ -548,7 +558,7 @@ def harvested_activations(
         description = f"buffer ({cfg.sequences_per_refill} sequences a refill)"
     return Activations(
         train_loader=loader,
-        val_rows=validation_rows(harvest, val_text, loading),
+        val_rows=validation_rows(harvest, drop_ids, val_text, loading),
         shape=(sample.shape[1], sample.shape[2]),
         normalize_from=normalize_from[: loading.normalize_rows],
         description=description,
@@ -557,17 +567,27 @@ def harvested_activations(
 
 
 def validation_rows(
-    harvest: Callable[[torch.Tensor], torch.Tensor], val_text: Dataset, loading: RowLoading
+    harvest: Callable[[torch.Tensor], torch.Tensor],
+    drop_ids: list[int],
+    val_text: Dataset,
+    loading: RowLoading,
 ) -> torch.Tensor:
-    """This rank's validation rows (at most `eval_rows`), from its own validation
-    sequences (rank, rank + W, ...)."""
-    parts, count = [], 0
-    for i in range(loading.rank, len(val_text), loading.world_size):
-        rows = harvest(torch.stack([val_text[i]["input_ids"]]))
-        parts.append(rows)
-        count += len(rows)
-        if count >= loading.eval_rows:
-            break
-    if not parts:
+    """This rank's share (`RowLoading.eval_share`) of the first `eval_rows` rows of the
+    validation sequences taken in order; only the sequences that hold it are harvested
+    (a sequence's row count is its tokens that are not BOS or padding)."""
+    if len(val_text) == 0:
         raise ConfigError("the text's validation split is empty; raise dataset val_fraction.")
-    return torch.cat(parts)[: loading.eval_rows]
+    share = loading.eval_share()
+    parts, start = [], 0
+    for i in range(len(val_text)):
+        if start >= share.stop:
+            break
+        input_ids = torch.stack([val_text[i]["input_ids"]])
+        count = int(keep_positions(input_ids, drop_ids).sum())
+        if start + count > share.start:
+            rows = harvest(input_ids)
+            parts.append(rows[max(0, share.start - start) : share.stop - start])
+        start += count
+    if not parts:  # more ranks than rows: this one evaluates none
+        parts.append(harvest(torch.stack([val_text[0]["input_ids"]]))[:0])
+    return torch.cat(parts)

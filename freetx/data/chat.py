@@ -29,7 +29,7 @@ from torch.utils.data import Dataset
 
 from freetx.data.instruct import builtin_examples
 from freetx.data.sampling import IGNORE_INDEX, check_split, split_examples
-from freetx.data.text import read_jsonl
+from freetx.data.text import read_jsonl, source_files
 from freetx.errors import DataError
 
 Messages = list[dict[str, Any]]
@@ -111,6 +111,7 @@ class ChatDataset(Dataset):
         self.conversations = split_examples(conversations, split, val_fraction)
         if not self.conversations:
             raise DataError(f"the {split} split of {source} is empty; add conversations.")
+        self.files_read = source_files(source)
         self.tokenizer = tokenizer
         self.seq_len = seq_len
         # render one now, so that a template that does not fit the data fails at startup

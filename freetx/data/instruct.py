@@ -21,7 +21,7 @@ from torch.utils.data import Dataset
 
 from freetx.data.corpus import builtin_documents
 from freetx.data.sampling import IGNORE_INDEX, check_split, split_examples
-from freetx.data.text import read_jsonl
+from freetx.data.text import read_jsonl, source_files
 from freetx.data.tokenizers import leading_bos
 from freetx.errors import DataError
 
@@ -79,6 +79,7 @@ class InstructDataset(Dataset):
         self.examples = split_examples(examples, split, val_fraction)
         if not self.examples:
             raise DataError(f"the {split} split of {source} is empty; add examples.")
+        self.files_read = source_files(source)
         self.tokenizer = tokenizer
         self.seq_len = seq_len
 

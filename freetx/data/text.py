@@ -46,6 +46,19 @@ def _expand(source: str) -> list[Path]:
     return [path]
 
 
+def source_files(source: str | Sequence[str]) -> list[Path]:
+    """The files a dataset source reads (`builtin`: none), recorded by identity in a run's
+    checkpoints (`freetx.checkpoint.ReadsFiles`)."""
+    sources = [source] if isinstance(source, str) else list(source)
+    files: list[Path] = []
+    for item in sources:
+        path = Path(item).expanduser()
+        if item == "builtin":
+            continue
+        files.extend(_expand(item) if path.is_dir() else [path])
+    return files
+
+
 def _not_text(path: Path, error: UnicodeDecodeError) -> DataError:
     return DataError(
         f"data file {path} is not UTF-8 text (byte {error.start}: {error.reason}); is it a binary "
@@ -133,6 +146,7 @@ class PackedTextDataset(Dataset):
         check_split(split, val_fraction, seq_len)
         key = (source,) if isinstance(source, str) else tuple(source)
         self.tokens = _token_stream(key, text_field, tokenizer)
+        self.files_read = source_files(source)
         self.seq_len = seq_len
         self.tokenizer = tokenizer
         total = (len(self.tokens) - 1) // seq_len

@@ -28,6 +28,8 @@ SPECIAL_TOKEN_NAMES = (
     "mask_token",
 )
 # What a bare tokenizer.json uses when no tokens are named (Llama 3's).
+# what a tokenizer folder holds that freetx reads (the identity a run records of it)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 _FILE_DEFAULTS = {"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>"}
 
 
@@ -78,12 +80,14 @@ class HFTokenizer:
         self.chat_template: str | None = None
         if location.is_dir():
             file = _tokenizer_file(location, path)
+            read = [location / name for name in TOKENIZER_FILES if (location / name).is_file()]
             config = _read_config(location / "tokenizer_config.json")
             tokens = _config_tokens(config, path)
             add_bos_token = config.get("add_bos_token")
             self.chat_template = _read_chat_template(location, config)
         elif location.is_file():
             file, tokens = location, dict(_FILE_DEFAULTS)
+            read = [location]
         else:
             raise DataError(
                 f"tokenizer path {path} does not exist; point tokenizer.path at a model folder "
@@ -96,6 +100,7 @@ class HFTokenizer:
         except Exception as e:
             raise DataError(f"cannot read tokenizer file {file}: {e}") from None
         self.path = path
+        self.files_read = read  # recorded by identity in a run's checkpoints (ReadsFiles)
         # the special tokens by name, as the chat template sees them
         self.special_tokens: dict[str, str] = tokens
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)

@@ -11,6 +11,7 @@ from freetx.distributed.groups import HostGroup, ParallelGroups
 from freetx.distributed.init import (
     canonical_name,
     fill_parameters,
+    full_norm,
     full_tensor,
     load_parameters,
     local_parameters,
@@ -57,6 +58,7 @@ __all__ = [
     "fake_world",
     "frozen_base",
     "fill_parameters",
+    "full_norm",
     "full_tensor",
     "init_distributed",
     "load_parameters",

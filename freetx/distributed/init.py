@@ -189,6 +189,14 @@ def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
+def full_norm(tensor: torch.Tensor) -> float:
+    """The 2-norm of a whole tensor (of a sharded DTensor: the shards' squares summed over
+    its mesh, a collective of one number that every rank of the mesh must call)."""
+    norm = torch.linalg.vector_norm(tensor.detach(), dtype=torch.float32)
+    return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+
+
+@torch.no_grad()
 def fill_parameters(
     model: nn.Module,
     full_value: Callable[[str, torch.Tensor], torch.Tensor],

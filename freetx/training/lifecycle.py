@@ -133,13 +133,14 @@ class TrainingRun:
         lr_scheduler,
         train_loader,
         tokens_per_sample: int,
-        inputs: dict[str, str] | None = None,
+        inputs: dict[str, str | list[Path]] | None = None,
         **facts: Any,
     ) -> None:
         """Everything is built: print the banner, then resume from a checkpoint (or load
         the initial weights) and write config.yaml. `tokens_per_sample` is what a sample
-        counts for in throughput and FLOPs (its sequence length); `inputs`: models or
-        files the run reads besides its initial weights (name -> path), recorded by
+        counts for in throughput and FLOPs (its sequence length); `inputs`: models the
+        run reads besides its initial weights (name -> path) and the files its data and
+        tokenizer read (name -> files, `freetx.checkpoint.files_read_by`), recorded by
         identity and checked on resume; `facts` go into the banner."""
         cfg, module = self.cfg, plan.module
         self.train_loader = train_loader

@@ -172,3 +172,35 @@ def test_an_hf_model_of_another_architecture_is_a_source(tmp_path):
     assert result.returncode == 0, result.stderr
     assert "sources 2 | source dim 32" in result.stdout
     assert "val/ce_recovered/model_0" in records(tmp_path / "run")[-1]
+
+
+def test_validation_means_the_same_rows_at_any_world_size(tmp_path):
+    """eval.rows counts over all ranks (each its share of the first rows of the validation
+    sequences): the same weights (lr 0; the scales from every row) score the same on 1
+    process and on 2, with an uneven split (301 rows). The seed's l1_coeff (ramped) and
+    W_dec_norm are logged with the training figures."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(vocab_size=300, n_embd=32, n_layer=2, n_head=2)
+    transformers.GPT2LMHeadModel(config).save_pretrained(tmp_path / "gpt2")
+    (tmp_path / "text.txt").write_text("".join(f"line {i} of a small text. " for i in range(400)))
+    scores = {}
+    for nproc in (1, 2):
+        out = tmp_path / str(nproc)
+        result = run_freetx(
+            "run", "--nproc-per-node", str(nproc), "crosscoder_fsdp2", "--config",
+            "crosscoder/lm_layers_tiny", f"output_dir={out}", JSONL, "max_steps=2",
+            f"activations.sources=[{{model: {tmp_path / 'gpt2'}, hooks: [transformer.h.1]}}]",
+            f"activations.text.source={tmp_path / 'text.txt'}", "activations.mode=cache",
+            f"activations.cache={out / 'cache'}", "activations.normalize_rows=100000",
+            "model.dict_size=64", "optimizer.lr=0", "eval.rows=301", "log_every_n_steps=1",
+            "sparsity.warmup_fraction=1", "batch_size=64",
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr
+        logged = records(out)
+        scores[nproc] = {k: v for k, v in logged[-1].items() if k.startswith("val/")}
+        train = [r for r in logged if "l1_coeff" in r]
+        assert [r["l1_coeff"] for r in train] == pytest.approx([1.0, 2.0])  # 2.0, ramped
+        assert all(r["W_dec_norm"] > 0 for r in train)
+    assert scores[1].keys() == scores[2].keys() and "val/recon_loss" in scores[1]
+    for key, value in scores[1].items():
+        assert scores[2][key] == pytest.approx(value, rel=1e-5, abs=1e-5), key  # float32 sums

@@ -44,3 +44,45 @@ def test_a_lora_resume_reads_the_base_it_started_from(tmp_path):
     assert "trained on other inputs" in message and "checkpoint.initial_weights" in message
     assert "step_000004" in message and "step_000008" in message
     assert max(losses(lora)) == 4  # nothing was trained or saved
+
+
+def test_a_resume_on_rewritten_data_is_refused_before_any_work(tmp_path):
+    """The files a dataset read are recorded by identity: a resume after the data file
+    was rewritten in place (same path, same config) is refused, naming the file."""
+    from tests.recipes.test_saved_work import hashes
+
+    data, run = tmp_path / "corpus.txt", tmp_path / "run"
+    data.write_text("the quick brown fox jumps over the lazy dog. " * 400)
+    assert train("llm/tiny", run, f"dataset.source={data}", "max_steps=2").returncode == 0
+    meta = json.loads((run / "checkpoints" / "step_000002" / "meta.json").read_text())
+    assert meta["inputs"]["dataset"]["path"] == [str(data.resolve())]
+    saved = hashes(run)
+
+    data.write_text("another text entirely, same path. " * 500)
+    refused = train("llm/tiny", run, f"dataset.source={data}")
+    assert refused.returncode == 1 and "Traceback" not in refused.stderr
+    message = flat(refused.stderr)
+    assert "trained on other inputs" in message and f"dataset: {data.resolve()}" in message
+    assert "changed since the run read them" in message and "another output_dir" in message
+    assert hashes(run) == saved  # nothing trained, saved or logged
+
+
+def test_the_files_a_tokenizer_and_dataset_read_are_their_identity(tmp_path):
+    from freetx.checkpoint import files_read_by, input_identity
+    from freetx.checkpoint.identity import changed_inputs
+    from freetx.data import ByteTokenizer, PackedTextDataset
+
+    folder = tmp_path / "texts"
+    folder.mkdir()
+    (folder / "a.txt").write_text("alpha " * 300)
+    (folder / "b.jsonl").write_text('{"text": "beta beta"}\n' * 200)
+    tokenizer = ByteTokenizer()
+    dataset = PackedTextDataset(tokenizer, source=str(folder), seq_len=16)
+    read = files_read_by(tokenizer=tokenizer, dataset=dataset)
+    assert read == {"dataset": [folder / "a.txt", folder / "b.jsonl"]}  # bytes read no file
+    recorded = {name: input_identity(files) for name, files in read.items()}
+    assert changed_inputs(recorded, read) == []
+    (folder / "c.txt").write_text("gamma " * 300)  # a new file in the folder
+    now = files_read_by(dataset=PackedTextDataset(tokenizer, source=str(folder), seq_len=16))
+    (line,) = changed_inputs(recorded, now)
+    assert line.startswith("dataset: the run read") and "c.txt" in line

@@ -154,6 +154,14 @@ def test_transformers_writes_the_template_to_its_own_file(folders):
     assert "chat_template" not in json.loads((folder / "tokenizer_config.json").read_text())
 
 
+def test_a_tokenizer_records_the_files_it_read(folders):
+    """Its identity in a run's checkpoints: the files that give the ids their meaning."""
+    folder, _ = folders["llama3"]
+    names = {"tokenizer.json", "tokenizer_config.json", "chat_template.jinja"}
+    assert {p.name for p in HFTokenizer(str(folder)).files_read} == names
+    assert HFTokenizer(str(folder / "tokenizer.json")).files_read == [folder / "tokenizer.json"]
+
+
 @pytest.mark.parametrize("style", STYLES)
 def test_folder_special_tokens_match_transformers(folders, style):
     folder, fast = folders[style]
