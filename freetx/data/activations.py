@@ -509,8 +509,8 @@ def harvested_activations(
     `text`, BOS and padding dropped: on the fly (`mode: buffer`) or written once to
     `cfg.cache` by all ranks together (`mode: cache`; `barrier` waits for every rank).
     `identities`: each source's checkpoint and fingerprint (`freetx.checkpoint.
-    input_identity`), part of the cache's key: a source that trained on since the cache
-    was written gets a cache of its own, never the old activations. `files`: the identities
+    input_identity`), part of the cache's settings: a cache written before a source
+    trained on is refused, never read as this run's activations. `files`: the identities
     of what the text and the tokenizer read (name -> identity), in the key too.
     Validation rows come from this rank's own validation sequences."""
     if not cfg.sources:
