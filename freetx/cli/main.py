@@ -28,6 +28,7 @@ SUBCOMMANDS = {
     "crosscoder": "analyze (model diffing) or export a crosscoder checkpoint",
     "launch": "write a SLURM batch script, or the torchrun command of every node",
     "estimate": "memory per rank and step time of a config for every strategy",
+    "doctor": "check this machine before a run: torch, GPUs, NCCL, collective bandwidth, disk",
 }
 
 EPILOG = """examples:
