@@ -32,6 +32,17 @@ examples:
 """
 
 
+def positive(value: str) -> float:
+    """An argparse type for sizes and seconds: a number above 0."""
+    try:
+        number = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a number") from None
+    if not number > 0:
+        raise argparse.ArgumentTypeError(f"{value} is not above 0")
+    return number
+
+
 @dataclass(frozen=True)
 class Finding:
     status: str  # OK | WARN | FAIL
@@ -65,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--size-mib",
-        type=float,
+        type=positive,
         default=None,
         help="the collectives' buffer in MiB (default 256 on CUDA, 16 on CPU)",
     )
@@ -74,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--timeout-s",
-        type=float,
+        type=positive,
         default=120.0,
         help="a collective not done within this fails the check (default 120)",
     )

@@ -16,6 +16,7 @@ all-gather. busbw is comparable with the hardware's link bandwidth at any n.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -94,14 +95,13 @@ def measure(groups: ParallelGroups, mebibytes: float, iterations: int) -> list[B
 
 def main(argv: list[str]) -> int:
     result_path, mebibytes, iterations, device, timeout_s = argv
-    runtime = init_distributed(device, timeout_s=float(timeout_s))
-    record = {"device": runtime.device_type, "backend": runtime.backend}
+    rank = os.environ.get("RANK", "0")
     try:
+        runtime = init_distributed(device, timeout_s=float(timeout_s))
+        record = {"device": runtime.device_type, "backend": runtime.backend}
         results = measure(ParallelGroups(runtime), float(mebibytes), int(iterations))
-    except Exception as e:  # a broken or timed-out collective: one line, not a traceback
-        print(
-            f"freetx doctor: rank {runtime.rank}: {type(e).__name__}: {first_line(e)}", flush=True
-        )
+    except Exception as e:  # no network, a broken or timed-out collective: one line each
+        print(f"freetx doctor: rank {rank}: {type(e).__name__}: {first_line(e)}", flush=True)
         return 1
     finally:
         destroy_distributed()

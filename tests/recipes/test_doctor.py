@@ -29,6 +29,26 @@ def test_doctor_on_two_cpu_processes_reports_bandwidth(tmp_path):
     assert "FAIL" not in result.stdout and "Traceback" not in result.stderr
 
 
+def test_doctor_fails_collectives_that_cannot_connect(tmp_path):
+    """gloo told to use a network interface this machine lacks: every rank fails to join,
+    as on a node whose NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME is wrong."""
+    result = run_freetx(
+        "doctor", "--nproc-per-node", "2", "--output-dir", str(tmp_path), "--size-mib", "1",
+        "--timeout-s", "20", env={"GLOO_SOCKET_IFNAME": "no_such_interface0"},
+    )  # fmt: skip
+    assert result.returncode == 1
+    assert "FAIL collectives: the all-reduce / all-gather test on 2 processes failed" in flat(
+        result.stdout
+    )
+    assert "freetx doctor: rank 0: RuntimeError:" in result.stdout
+    assert "all-reduce: " not in result.stdout and "Traceback" not in result.stderr
+
+
+def test_doctor_refuses_a_size_of_zero():
+    result = run_freetx_here("doctor", "--size-mib", "0")
+    assert result.returncode == 2 and "0 is not above 0" in result.stderr
+
+
 def test_doctor_fails_an_output_dir_that_cannot_be_made(tmp_path):
     blocker = tmp_path / "a_file"
     blocker.write_text("not a folder")
