@@ -92,7 +92,7 @@ FSDP_UNMAPPED = {
     "fsdp_cpu_ram_efficient_loading": ALWAYS,
     "fsdp_sync_module_states": ALWAYS,
     "fsdp_use_orig_params": "FSDP2 always keeps the original parameters (as DTensors)",
-    "fsdp_buffer_dtype": "buffers (RoPE tables) stay in the dtype the model makes them in",
+    "fsdp_buffer_dtype": "buffers (RoPE tables) stay float32",
     "fsdp_cuda_graphs": "no CUDA graphs in freetx; distributed.compile=true compiles blocks",
     "fsdp_version": "freetx is FSDP2 (fully_shard) throughout",
 }
