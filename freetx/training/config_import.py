@@ -230,12 +230,11 @@ def set_batch(
 def set_precision(found: ImportedConfig, key: str, name: Any) -> None:
     """Mixed precision by any of its names (bf16, BFLOAT16, true) -> the dtype knobs; the
     gradients are reduced in float32 (torchtitan's policy) unless the file says otherwise."""
-    text = str(name).lower()
-    dtype = (
-        "bfloat16" if name is True else PRECISIONS.get(text, DTYPE_ABBREVIATIONS.get(text, text))
-    )
-    if name is False:
-        dtype = "float32"
+    if isinstance(name, bool):  # fsdp_mixed_precision: true
+        dtype = "bfloat16" if name else "float32"
+    else:
+        text = str(name).lower()
+        dtype = PRECISIONS.get(text, DTYPE_ABBREVIATIONS.get(text, text))
     if dtype not in DTYPES:
         found.skip(key, f"{name!r}: freetx computes in float32, bfloat16 or float16")
         return
@@ -268,6 +267,12 @@ def set_offload(found: ImportedConfig, key: str, device: Any) -> None:
         found.notes.append(note)
 
 
+def _pop(flat: dict[str, Any], *keys: str) -> tuple[str, Any] | None:
+    """(key, value) of the first of `keys` the file has, taken out of `flat`."""
+    key = next((k for k in keys if k in flat), None)
+    return None if key is None else (key, flat.pop(key))
+
+
 def _flatten(data: dict, prefix: str = "") -> dict[str, Any]:
     """{"a": {"b": 1}} -> {"a.b": 1}."""
     flat: dict[str, Any] = {}
@@ -283,23 +288,17 @@ def _flatten(data: dict, prefix: str = "") -> dict[str, Any]:
 # -- DeepSpeed ------------------------------------------------------------------------
 def _deepspeed(found: ImportedConfig, data: dict, world_size: int | None) -> None:
     flat = _flatten(data)
-    if "train_batch_size" in flat and not _is_auto(flat["train_batch_size"]):
-        total = _number(found, "train_batch_size", flat.pop("train_batch_size"))
-        if total is not None:
-            found.set("batch_size", int(total))
-        flat.pop("train_micro_batch_size_per_gpu", None)
-        micro = None
-    else:
-        micro_value = flat.pop("train_micro_batch_size_per_gpu", None)
-        micro = None if micro_value is None else ("train_micro_batch_size_per_gpu", micro_value)
-        if "train_batch_size" in flat:
-            found.skip("train_batch_size", AUTO)
-            flat.pop("train_batch_size")
-    accumulation = flat.pop("gradient_accumulation_steps", None)
-    accumulation_pair = (
-        None if accumulation is None else ("gradient_accumulation_steps", accumulation)
-    )
-    set_batch(found, micro, accumulation_pair, world_size)
+    total = _pop(flat, "train_batch_size")
+    micro = _pop(flat, "train_micro_batch_size_per_gpu")
+    accumulation = _pop(flat, "gradient_accumulation_steps")
+    if total is not None and not _is_auto(total[1]):
+        micro = None  # DeepSpeed's train_batch_size is global already, as freetx's
+        batch = _number(found, *total)
+        if batch is not None:
+            found.set("batch_size", int(batch))
+    elif total is not None:
+        found.skip(total[0], AUTO)
+    set_batch(found, micro, accumulation, world_size)
     optimizer_type = flat.pop("optimizer.type", None)
     scheduler_type = flat.pop("scheduler.type", None)
     if optimizer_type is not None:
@@ -410,17 +409,10 @@ def _seed_fsdp(found: ImportedConfig, data: dict, world_size: int | None) -> Non
     """The seeds' FSDP files: a flat JSON of fsdp_* keys, or a YAML whose `distributed:`
     holds them and whose `training:` holds batch size, precision and checkpointing."""
     flat = _flatten(data)
-    training = {k.split(".", 1)[1]: k for k in flat if k.startswith("training.")}
-    micro_name = next((n for n in ("batch_size", "micro_batch_size", "train_batch_size")
-                       if n in training or n in flat), None)  # fmt: skip
-    micro_key = training.get(micro_name, micro_name) if micro_name else None
-    accumulation_key = training.get("gradient_accumulation_steps", "gradient_accumulation_steps")
-    set_batch(
-        found,
-        (micro_key, flat.pop(micro_key)) if micro_key else None,
-        (accumulation_key, flat.pop(accumulation_key)) if accumulation_key in flat else None,
-        world_size,
-    )
+    per_gpu = ("batch_size", "micro_batch_size", "train_batch_size")  # the seeds' names
+    micro = _pop(flat, *per_gpu, *(f"training.{name}" for name in per_gpu))
+    steps = _pop(flat, "gradient_accumulation_steps", "training.gradient_accumulation_steps")
+    set_batch(found, micro, steps, world_size)
     for key, value in flat.items():
         name = key.rsplit(".", 1)[-1]
         if _fsdp_key(found, key, name, value):
