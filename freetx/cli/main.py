@@ -28,7 +28,10 @@ SUBCOMMANDS = {
     "crosscoder": "analyze (model diffing) or export a crosscoder checkpoint",
     "launch": "write a SLURM batch script, or the torchrun command of every node",
     "estimate": "memory per rank and step time of a config for every strategy",
+    "import": "print the freetx overrides a DeepSpeed, accelerate or FSDP config means",
+    "doctor": "check this machine before a run: torch, GPUs, NCCL, collective bandwidth, disk",
 }
+MODULES = {"import": "import_config"}  # a subcommand whose module has another name
 
 EPILOG = """examples:
   freetx ls
@@ -81,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
 
             return run.main(rest)
         if command in SUBCOMMANDS:
-            module = importlib.import_module(f"freetx.cli.{command}")
+            module = importlib.import_module(f"freetx.cli.{MODULES.get(command, command)}")
             parser = module.build_parser()
             # intermixed parsing lets options follow overrides; parsers with
             # sub-actions (checkpoint inspect/convert) cannot use it

@@ -148,6 +148,15 @@ def _run_in_process(path: Path, script_args: list[str]) -> int:
     return 0
 
 
+def launch_module(module: str, module_args: list[str], processes: int) -> int:
+    """`python -m MODULE ARGS` on `processes` local processes, launched as `freetx run`
+    launches a recipe (torchrun standalone, one line per failed rank); the exit code."""
+    args = _torchrun_parser().parse_args(
+        ["--nproc-per-node", str(processes), "--module", module, *module_args]
+    )
+    return _run_with_torchrun(args, processes)
+
+
 def _run_with_torchrun(args, processes_per_node: int) -> int:
     import signal
 

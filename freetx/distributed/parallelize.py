@@ -50,6 +50,15 @@ from freetx.models.protocol import ExtraForwards, HasBlocks, check_model
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_ABBREVIATIONS = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 STRATEGY_ALIASES = {"zero3": "fsdp"}
+# other systems' names for the strategies (`freetx import`): DeepSpeed's ZeRO stages,
+# FSDP1's ShardingStrategy (by name, or the number accelerate writes), accelerate's
+# distributed_type, and FSDP2's reshard_after_forward (False keeps blocks gathered)
+ZERO_STAGE_STRATEGIES = {0: "ddp", 1: "zero1", 2: "zero2", 3: "fsdp"}
+FSDP_SHARDING_STRATEGIES = {"FULL_SHARD": "fsdp", "SHARD_GRAD_OP": "zero2", "NO_SHARD": "ddp",
+                            "HYBRID_SHARD": "hsdp", "1": "fsdp", "2": "zero2", "3": "ddp",
+                            "4": "hsdp"}  # fmt: skip
+RESHARD_AFTER_FORWARD_STRATEGIES = {True: "fsdp", False: "zero2"}
+DATA_PARALLEL_STRATEGY = "ddp"  # accelerate's MULTI_GPU / MULTI_CPU
 SHARDED = ("fsdp", "zero2", "hsdp")
 REPLICATED = ("ddp", "zero1")
 
