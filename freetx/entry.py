@@ -37,6 +37,7 @@ from freetx.errors import (
     debug_enabled,
     report_error,
 )
+from freetx.noise import quiet_known_noise
 
 
 class _Position:
@@ -108,6 +109,7 @@ def run_from_argv(
     recipe_main: Callable[[Any], object], schema: type | None, argv: list[str]
 ) -> int:
     """Parse argv, run the recipe, turn user errors into one paragraph; the exit code."""
+    quiet_known_noise()
     rank = int(os.environ.get("RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     prefix = f"freetx [rank {rank}]" if world_size > 1 else "freetx"
