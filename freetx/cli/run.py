@@ -116,12 +116,10 @@ def _check_rendezvous(args) -> None:
         return
     static = args.rdzv_backend == "static"
     host, port = split_endpoint(endpoint, 29500 if static else 29400)  # torchrun's defaults
-    if static and args.node_rank == 0 or not static and _matches_machine_hostname(host):
-        resolve(host, port)
-    elif static or args.rdzv_backend == "c10d":
+    resolve(host, port)
+    hosts_store = args.node_rank == 0 if static else _matches_machine_hostname(host)
+    if not hosts_store and args.rdzv_backend in ("static", "c10d"):  # not etcd's
         wait_for_rendezvous(host, port, args.rendezvous_timeout)
-    else:
-        resolve(host, port)
 
 
 def _check_layout(cfg, world_size: int, processes_per_node: int) -> None:

@@ -53,8 +53,8 @@ def resolve(host: str, port: int) -> list[str]:
 
 
 def wait_for_rendezvous(host: str, port: int, timeout_s: float) -> None:
-    """Wait until `host:port` accepts a TCP connection, at most `timeout_s` seconds."""
-    resolve(host, port)
+    """Wait until `host:port` (a resolved host) accepts a TCP connection, at most
+    `timeout_s` seconds."""
     deadline = time.monotonic() + timeout_s
     last = "no answer"
     while True:

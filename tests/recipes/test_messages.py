@@ -62,11 +62,15 @@ def runs(tmp_path_factory):
 # -- 1. the rendezvous ----------------------------------------------------------------
 
 
-def test_an_unresolvable_rendezvous_host_stops_at_once_naming_it(tmp_path):
-    result = run_freetx("run", "--nnodes", "2", "--node-rank", "1", "--master-addr",
-                        "no-such-host.invalid", "--master-port", "29555", "full_finetune_fsdp2",
-                        "--config", "llm/tiny", f"output_dir={tmp_path / 'out'}",
-                        timeout=120)  # fmt: skip
+@pytest.mark.parametrize(
+    "launch",
+    [("--node-rank", "1", "--master-addr", "no-such-host.invalid", "--master-port", "29555"),
+     ("--rdzv-backend", "c10d", "--rdzv-endpoint", "no-such-host.invalid:29555")],
+    ids=["static", "c10d"],
+)  # fmt: skip
+def test_an_unresolvable_rendezvous_host_stops_at_once_naming_it(tmp_path, launch):
+    result = run_freetx("run", "--nnodes", "2", *launch, "full_finetune_fsdp2", "--config",
+                        "llm/tiny", f"output_dir={tmp_path / 'out'}", timeout=120)  # fmt: skip
     message = one_paragraph(result)
     assert "rendezvous host no-such-host.invalid (port 29555) does not resolve" in message
     assert "same address" in message and "firewall" in message
