@@ -35,8 +35,10 @@ from freetx.errors import (
     USER_ERROR_KEY,
     FreetxError,
     debug_enabled,
+    lost_a_peer,
     report_error,
 )
+from freetx.noise import quiet_known_noise
 
 
 class _Position:
@@ -87,12 +89,6 @@ def _launcher_reports_errors() -> bool:
     return os.environ.get(LAUNCHER_REPORTS_ERRORS) == "1"
 
 
-def _is_peer_failure(error: Exception) -> bool:
-    """A collective that failed because another rank's process ended."""
-    text = str(error)
-    return "closed by peer" in text or "reset by peer" in text or "remote worker" in text
-
-
 def _is_collective_timeout(error: Exception) -> bool:
     """A collective that other ranks did not join in time (gloo; NCCL's watchdog aborts)."""
     text = str(error)
@@ -108,6 +104,7 @@ def run_from_argv(
     recipe_main: Callable[[Any], object], schema: type | None, argv: list[str]
 ) -> int:
     """Parse argv, run the recipe, turn user errors into one paragraph; the exit code."""
+    quiet_known_noise()
     rank = int(os.environ.get("RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     prefix = f"freetx [rank {rank}]" if world_size > 1 else "freetx"
@@ -139,7 +136,7 @@ def run_from_argv(
             if not _launcher_reports_errors():
                 report_error(error, prefix)
             os._exit(error.exit_code)  # the group is broken: leave without tearing it down
-        if world_size > 1 and _is_peer_failure(e) and not debug_enabled():
+        if world_size > 1 and lost_a_peer(e) and not debug_enabled():
             if not _launcher_reports_errors():
                 print(
                     f"{prefix}: stopped because another rank failed; its message is above.",

@@ -73,6 +73,13 @@ class DataError(FreetxError):
     """Data files that are missing, empty or do not fit the config."""
 
 
+def lost_a_peer(error: BaseException | str) -> bool:
+    """A collective (or a save's) failure because another rank's process ended: gloo's
+    and NCCL's words for a connection the other side dropped."""
+    text = str(error)
+    return "closed by peer" in text or "reset by peer" in text or "remote worker" in text
+
+
 def first_line(error: BaseException) -> str:
     """The first line of an exception's message (or its type when it has none)."""
     text = str(error).strip()

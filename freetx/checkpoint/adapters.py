@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from freetx.checkpoint.files import MODEL_PREFIX
+from freetx.checkpoint.files import FROZEN_FROM, MODEL_PREFIX
 from freetx.checkpoint.formats import TensorSource
 from freetx.errors import CheckpointError
 from freetx.models.hf import layout_of
@@ -37,6 +37,25 @@ class LoRASettings:
     rank: int = 0  # 0: read from the adapters' shapes
     dropout: float = 0.0
     use_dora: bool = False
+
+
+def refuse_adapters(source: TensorSource, wanted: str) -> None:
+    """Refuse a LoRA checkpoint where a whole model is `wanted` (an HF folder, a model to
+    sample from), saying what works: merge it, or export the adapters for PEFT."""
+    if not any(name.endswith("." + s) for name in source.infos for s in PEFT_NAMES):
+        return
+    base = source.meta.get(FROZEN_FROM)
+    what = (
+        f"adapter-only: it holds a LoRA run's adapters, not the weights of its base ({base})"
+        if base
+        else "a LoRA checkpoint: it holds unmerged adapters (*.lora_a.weight)"
+    )
+    raise CheckpointError(
+        f"{source.path} is {what}, so it cannot be {wanted}. For a whole model, merge the "
+        f"adapters into the base first: freetx checkpoint merge {source.path} --base "
+        f"{base or 'BASE'} MERGED, then use MERGED; for the adapters alone (PEFT's format), "
+        f"freetx checkpoint convert {source.path} ADAPTER_DIR --to peft."
+    )
 
 
 def adapter_tensors(source: TensorSource) -> dict[str, dict[str, str]]:

@@ -43,6 +43,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 import freetx
 from freetx.checkpoint.files import (
     DCP_ERRORS,
+    FROZEN_FROM,
     META_FILE,
     SafeLoadPlanner,
     check_checkpoint_files,
@@ -69,7 +70,7 @@ from freetx.config.compare import fixed_on_resume
 from freetx.config.run_config import write_resolved_config
 from freetx.config.schema import config_as_dict
 from freetx.distributed.groups import HostGroup
-from freetx.errors import CheckpointError, FreetxError
+from freetx.errors import CheckpointError, FreetxError, lost_a_peer
 from freetx.fields import at_least
 
 # the name a run's initial weights are recorded under in meta.json's `inputs`
@@ -254,7 +255,7 @@ class Checkpointer:
             recorded = {name: input_identity(path) for name, path in inputs.items()}
         self.meta["inputs"] = recorded
         if frozen_from is not None:
-            self.meta["frozen_from"] = frozen_from  # only the trainable part
+            self.meta[FROZEN_FROM] = frozen_from  # only the trainable part
         if self.rank == 0:
             write_resolved_config(self.run_config)
         return "\n".join(lines) or None
@@ -334,9 +335,18 @@ class Checkpointer:
         if self.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         latest = self.latest()
+        untouched = (
+            f"Earlier checkpoints are untouched (latest: {latest.name if latest else 'none'})"
+        )
+        cause = describe_dcp_error(error)
+        if lost_a_peer(error) or lost_a_peer(cause):  # the cause is the rank that ended
+            raise CheckpointError(
+                f"saving checkpoint {step_name(step)} to {self.dir} stopped because another "
+                f"rank's process ended during the save. {untouched}; the partial save was "
+                "removed. Once that rank's cause is fixed, run the same command to resume."
+            ) from error
         raise CheckpointError(
-            f"saving checkpoint {step_name(step)} to {self.dir} failed: {describe_dcp_error(error)}. "
-            f"Earlier checkpoints are untouched (latest: {latest.name if latest else 'none'}); "
+            f"saving checkpoint {step_name(step)} to {self.dir} failed: {cause}. {untouched}; "
             "fix the cause (disk space, permissions) and resume with resume=auto."
         ) from error
 

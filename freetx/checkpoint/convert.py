@@ -17,7 +17,13 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 
-from freetx.checkpoint.adapters import LoRASettings, MergedSource, adapter_tensors, write_peft
+from freetx.checkpoint.adapters import (
+    LoRASettings,
+    MergedSource,
+    adapter_tensors,
+    refuse_adapters,
+    write_peft,
+)
 from freetx.checkpoint.files import (
     DCP_ERRORS,
     META_FILE,
@@ -93,6 +99,8 @@ def convert(
         raise CheckpointError(f"{src} holds no model tensors (no `model.*` entries).")
     if fmt == "peft":
         adapter_tensors(source)  # refuses a checkpoint without adapters, before writing
+    if fmt == "hf":
+        refuse_adapters(source, "converted to an HF folder")
     names = [n for n in source.infos if n.startswith(MODEL_PREFIX) or not model_only]
     target = dtype_named(dtype) if dtype else None
 

@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from freetx.errors import CheckpointError, first_line
 
 META_FILE = "meta.json"
+FROZEN_FROM = "frozen_from"  # meta.json: the base of a checkpoint without its frozen weights
 MODEL_PREFIX = "model."
 # DCP raises CheckpointException, a BaseException (not an Exception), for errors on any rank
 DCP_ERRORS = (Exception, CheckpointException)

@@ -14,6 +14,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
+from freetx.checkpoint.adapters import refuse_adapters
 from freetx.checkpoint.files import (
     MODEL_PREFIX,
     SafeLoadPlanner,
@@ -114,6 +115,7 @@ def load_model(path: str | Path, device, seed: int = 0) -> nn.Module:
     from freetx.models import build_model
 
     resolved = resolve_checkpoint(path)
+    refuse_adapters(open_tensors(resolved), "loaded as a model")
     model_class, model_config = model_from_checkpoint(resolved)
     with torch.device("meta"):
         model = build_model(model_class, model_config)

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from freetx.checkpoint.files import (
+    FROZEN_FROM,
     META_FILE,
     check_checkpoint_files,
     missing_data,
@@ -261,6 +262,20 @@ def _plan_for(path: Path, step: int, meta: dict[str, Any] | None = None) -> Resu
     return ResumePlan(path=path, step=step, saved_meta=read_meta(path) if meta is None else meta)
 
 
+def _start_anew_from(plan: ResumePlan) -> str:
+    """How to start a new run from a refused checkpoint's weights; an adapter-only one
+    (a LoRA run's) is not a whole model: its adapters are merged into its base first."""
+    base = plan.saved_meta.get(FROZEN_FROM)
+    if not base:
+        return f"start a new run from its weights: output_dir=NEW checkpoint.initial_weights={plan.path}"
+    return (
+        f"start a new run in another output_dir: from the same base (output_dir=NEW), or "
+        f"from what this one learned: it holds only adapters, so merge them into its base "
+        f"first (freetx checkpoint merge {plan.path} --base {base} MERGED) and start from "
+        f"that: output_dir=NEW checkpoint.initial_weights=MERGED"
+    )
+
+
 def plan_resume(
     checkpoints: Path,
     resume: str,
@@ -301,8 +316,8 @@ def plan_resume(
                 f"{plan.path} was saved with other settings that a resume may not change (they "
                 "decide what its weights and optimizer state mean, or the order of the data):\n"
                 + "\n".join(f"  - {line}" for line in refused)
-                + f"\nSet them back (the saved ones are in {plan.path / META_FILE}), or start a "
-                f"new run from its weights: output_dir=NEW checkpoint.initial_weights={plan.path}"
+                + f"\nSet them back (the saved ones are in {plan.path / META_FILE}), or "
+                + _start_anew_from(plan)
             )
         if allowed:
             plan.notices.append(

@@ -16,6 +16,7 @@ import traceback
 
 from freetx import __version__
 from freetx.errors import FreetxError, debug_enabled, report_error
+from freetx.noise import quiet_known_noise
 
 SUBCOMMANDS = {
     "ls": "list the built-in recipes and their configs",
@@ -73,6 +74,7 @@ def _split_global(argv: list[str]) -> tuple[list[str], str | None, list[str]]:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    quiet_known_noise()
     global_flags, command, rest = _split_global(argv)
     if "--debug" in global_flags:
         os.environ["FREETX_DEBUG"] = "1"  # children (torchrun workers) inherit it

@@ -14,9 +14,11 @@ import logging
 import os
 import runpy
 import sys
+import textwrap
 from pathlib import Path
 
 from freetx.errors import FreetxError
+from freetx.launch.rendezvous import DEFAULT_TIMEOUT_S
 
 DESCRIPTION = """Run a recipe (a built-in name or a path to a .py file) with a config (a
 built-in name or a path to a .yaml file) and key=value overrides. Options before
@@ -47,6 +49,14 @@ def _torchrun_parser():
         elif action.dest == "training_script_args":
             action.metavar = "--config CONFIG [key=value ...]"
             action.help = "the config (name or .yaml path) and overrides"
+    parser.add_argument(
+        "--rendezvous-timeout",
+        type=float,
+        default=DEFAULT_TIMEOUT_S,
+        metavar="SECONDS",
+        help="freetx: on a node that does not host the rendezvous of a multi-node run, wait "
+        "this long for it to answer before stopping with a message (default: %(default)g)",
+    )
     return parser
 
 
@@ -80,9 +90,36 @@ def main(argv: list[str]) -> int:
     low, _, high = str(args.nnodes).partition(":")
     if low.isdigit() and high in ("", low):  # N or N:N nodes (elastic M:N: known at start)
         _check_layout(cfg, int(low) * processes_per_node, processes_per_node)
+    _check_rendezvous(args)
     args.training_script = str(target.path)
     args.training_script_args = script_args
     return _preempted(output_dir, _run_with_torchrun(args, processes_per_node))
+
+
+def _check_rendezvous(args) -> None:
+    """A multi-node run: the rendezvous host resolves, and a node that does not host the
+    store reaches it within --rendezvous-timeout (freetx/launch/rendezvous.py), before
+    any process starts. Node 0 of a static rendezvous (--master-addr) and the node named
+    by a c10d --rdzv-endpoint host it: they only resolve the name."""
+    from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname
+    from torch.distributed.run import get_rdzv_endpoint
+
+    from freetx.launch.rendezvous import resolve, split_endpoint, wait_for_rendezvous
+
+    if not args.rendezvous_timeout > 0:
+        raise FreetxError(
+            f"--rendezvous-timeout {args.rendezvous_timeout:g}: give a number of seconds "
+            f"above 0 (default {DEFAULT_TIMEOUT_S:g})."
+        )
+    endpoint = get_rdzv_endpoint(args)
+    if str(args.nnodes) in ("1", "1:1") or args.standalone or not endpoint:
+        return
+    static = args.rdzv_backend == "static"
+    host, port = split_endpoint(endpoint, 29500 if static else 29400)  # torchrun's defaults
+    resolve(host, port)
+    hosts_store = args.node_rank == 0 if static else _matches_machine_hostname(host)
+    if not hosts_store and args.rdzv_backend in ("static", "c10d"):  # not etcd's
+        wait_for_rendezvous(host, port, args.rendezvous_timeout)
 
 
 def _check_layout(cfg, world_size: int, processes_per_node: int) -> None:
@@ -207,9 +244,23 @@ def _user_error(failure) -> str | None:
     return None
 
 
+def _killed_by(failure) -> str | None:
+    """The signal that ended a rank (exit -9, or 137 from a shell: SIGKILL), or None."""
+    import signal
+
+    code = failure.exitcode
+    number = -code if code < 0 else code - 128 if 128 < code < 128 + 65 else None
+    try:
+        return signal.Signals(number).name if number else None
+    except ValueError:
+        return None
+
+
 def _report_failure(error) -> None:
-    """Print each distinct user error once (with the ranks that raised it), then a line
-    for every rank that failed otherwise: its own first line, or how it died.
+    """Name the ranks a signal killed first (SIGKILL: kill -9 or the out-of-memory killer;
+    the others' messages are consequences), then print each distinct user error once
+    (with the ranks that raised it), then a line for every rank that failed otherwise:
+    its own first line, or its exit code.
 
     Ranks stopped as a consequence (torchrun's SIGTERM, or a broken collective)
     are left out.
@@ -218,20 +269,37 @@ def _report_failure(error) -> None:
 
     from freetx.errors import STOPPED_BY_PEER_EXIT_CODE, format_error, rank_list
 
+    failures = sorted(error.failures.items())
     messages: dict[str, list[int]] = {}
-    for rank, failure in sorted(error.failures.items()):
+    for rank, failure in failures:
         user_message = _user_error(failure)
         if user_message is not None:
             messages.setdefault(user_message, []).append(rank)
-    parts = []
     stuck: list[int] = []
     if any("did not arrive" in m for m in messages):  # the hang guard: name the missing
         killed = (-signal.SIGTERM, -signal.SIGKILL)  # torchrun stops it, or kills it later
-        stuck = [r for r, f in sorted(error.failures.items()) if f.exitcode in killed]
-        if stuck:
-            parts.append(f"{rank_list(stuck)} never reached that collective and was stopped")
-    for rank, failure in sorted(error.failures.items()):
-        if rank in stuck or _user_error(failure) is not None:
+        stuck = [r for r, f in failures if f.exitcode in killed]
+    signalled = {
+        rank: _killed_by(f)
+        for rank, f in failures
+        if rank not in stuck and _killed_by(f) not in (None, "SIGTERM")
+        and not os.path.isfile(str(f.error_file))
+    }  # fmt: skip
+    if signalled:
+        hints = {"SIGKILL": ": kill -9, or the out-of-memory killer"}
+        died = "; ".join(
+            f"rank {r} was killed by {name} (exit code {error.failures[r].exitcode}"
+            f"{hints.get(name, '')})"
+            for r, name in signalled.items()
+        )
+        follow = "; their messages follow." if messages else "."
+        text = f"freetx run: {died}. The other ranks stopped because of it{follow}"
+        print(textwrap.fill(text, width=100, subsequent_indent="  "), file=sys.stderr)
+    parts = []
+    if stuck:
+        parts.append(f"{rank_list(stuck)} never reached that collective and was stopped")
+    for rank, failure in failures:
+        if rank in stuck or rank in signalled or _user_error(failure) is not None:
             continue
         if os.path.isfile(str(failure.error_file)):
             message = failure.message
@@ -241,13 +309,11 @@ def _report_failure(error) -> None:
             parts.append(f"rank {rank} failed ({line})")
         elif failure.exitcode in (-signal.SIGTERM, STOPPED_BY_PEER_EXIT_CODE):
             continue
-        elif failure.exitcode < 0:
-            parts.append(f"rank {rank} was killed by {failure.signal_name()}")
         else:
             parts.append(f"rank {rank} exited with code {failure.exitcode} without a message")
     for message, ranks in messages.items():
         print(format_error(FreetxError(message), f"freetx [{rank_list(ranks)}]"), file=sys.stderr)
-    if not parts and not messages:
+    if not parts and not messages and not signalled:
         rank, failure = error.get_first_failure()
         parts.append(f"rank {rank} ended with exit code {failure.exitcode}")
     if parts:

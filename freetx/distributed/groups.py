@@ -86,7 +86,9 @@ class ParallelGroups:
         ranks = self.size(over)
         flat = tensor.contiguous().reshape(-1)
         gathered = flat.new_empty(ranks * flat.numel())  # gloo wants a flat output
-        dist.all_gather_into_tensor(gathered, flat, group=self._group(over))
+        # torch 2.13 renamed all_gather_into_tensor (now a FutureWarning) all_gather_single
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        gather(gathered, flat, group=self._group(over))
         return gathered.view(ranks, *tensor.shape)
 
     def all_gather_varying(self, tensor: torch.Tensor, over: Axis = "dp") -> torch.Tensor:

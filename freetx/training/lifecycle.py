@@ -205,9 +205,8 @@ class TrainingRun:
                 raise TrainingError(
                     f"the loss or the gradients are not finite at step {self.progress.step + 1} "
                     f"({self.nonfinite_in_a_row} step(s) in a row; on_nonfinite="
-                    f"{self.cfg.on_nonfinite}, max_nonfinite_skips={limit}). No checkpoint "
-                    f"holds them: the last one is step {self.saved_step}. Lower the learning "
-                    "rate, check the data, or resume from that checkpoint."
+                    f"{self.cfg.on_nonfinite}, max_nonfinite_skips={limit}). "
+                    + self._after_nonfinite()
                 )
         else:
             self.nonfinite_in_a_row = 0
@@ -221,6 +220,24 @@ class TrainingRun:
         self.progress.tokens_seen += self.tokens_per_step
         self.meter.update(self.tokens_per_step)
         return self.progress.step
+
+    def _after_nonfinite(self) -> str:
+        """What a stop on non-finite values leaves on disk, and what to change."""
+        fix = (
+            "lower optimizer.lr (or lengthen lr_schedule.warmup_steps), clip gradients "
+            f"(max_grad_norm=1.0; it is {self.cfg.max_grad_norm}), compute in a wider dtype "
+            "(distributed.mixed_precision.param_dtype=bfloat16 or float32, not float16) or "
+            "check the data"
+        )
+        if not self.saved_step:
+            return (
+                "No checkpoint of this run exists yet (none was saved before the stop), so "
+                f"there is nothing to resume from: {fix}, then start the run again."
+            )
+        return (
+            f"No checkpoint holds them: the last one is step {self.saved_step}. To go on, "
+            f"{fix}; the same command then resumes from step {self.saved_step}."
+        )
 
     def due(self, every_n_steps: int | None) -> bool:
         """Whether something done every n steps (0: never) is due at this step."""
