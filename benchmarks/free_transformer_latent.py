@@ -1,8 +1,9 @@
 """The Free Transformer's latent path at H = 16: peak memory before and after, side by side.
 
 One forward and backward of the post-sampler path (binary mapper + post-sampler, from
-z_logits to R) at a real per-rank micro-batch: free_transformer/8b's, 64 sequences x
-2048 tokens = 131,072 tokens, hidden 4096, bf16 (FSDP's compute dtype). Four rows:
+z_logits to R) at a real per-rank micro-batch: free_transformer/8b's before it took 8
+accumulation steps, 64 sequences x 2048 tokens = 131,072 tokens, hidden 4096, bf16
+(FSDP's compute dtype). Four rows:
 
 - before: what the model did until this change: `binary_mapper` (an int64 one-hot over
   the 2^H codes per token, then the code probabilities G, both [tokens, 2^H]) for either
