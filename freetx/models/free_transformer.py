@@ -160,8 +160,8 @@ def binary_mapper(
 class TableLookup(torch.autograd.Function):
     """R = the table's row of each token's code, with `binary_mapper`'s gradient and
     without its [..., 2^H] tensors: forward, an embedding lookup of `index` in the
-    columns of `weight` [hidden, 2^H]; backward, the table's gradient as the lookup's
-    (dL/dR summed per code) and, when z_logits are given, theirs through the code
+    columns of `weight` [hidden, 2^H]; backward, the table's gradient (dL/dR summed
+    per code) and, when z_logits are given, theirs through the code
     probabilities G, dL/dz = sum_c <dL/dR, W[:, c]> dG_c/dz. Both over chunks of codes
     (`CHUNK_ELEMENTS`), with the operations of autograd on `binary_mapper` and a linear
     layer (the table's gradient: dL/dR^T times the chunk's one-hot columns).
