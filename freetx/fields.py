@@ -42,6 +42,7 @@ class BuildsConfig(Protocol):
     and values against it before anything is built."""
 
     config_class: type
+    presets: dict[str, dict[str, Any]]  # `preset:` name -> the fields it sets
 
 
 def _defaults(config_class: type) -> dict[str, Any]:

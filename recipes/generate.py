@@ -98,13 +98,14 @@ class GenerateRecipe:
         codes = None
         if self.latent:  # each position's code is drawn once and kept
             draws = 1 if cfg.fixed_z else n
-            codes = self.model.prior_codes(draws, total, self.generator).expand(n, total).clone()
+            codes = self.model.prior_codes(draws, total, self.generator)
+            codes = codes.expand(n, *codes.shape[1:]).clone()
             if cfg.posterior_prefill:  # the prompt's codes from the encoder
                 prompt_ids = tokens[:1] if cfg.fixed_z else tokens
                 codes[:, : len(ids)] = self.model.posterior_codes(prompt_ids, self.generator)
         for _ in range(cfg.max_new_tokens):
             if codes is not None:
-                logits, _ = self.model(tokens, z_index=codes[:, : tokens.shape[1]])
+                logits, _ = self.model(tokens, codes=codes[:, : tokens.shape[1]])
             else:
                 logits = self.model(tokens)
             tokens = torch.cat([tokens, self.next_tokens(logits[:, -1])[:, None]], dim=1)

@@ -8,6 +8,7 @@ import argparse
 import dataclasses
 import json
 from pathlib import Path
+from typing import Any
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -32,17 +33,64 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+@dataclasses.dataclass
+class ConfigEstimate:
+    """`estimate_config`'s answer: the meta model, the micro-batch per rank (sequences of
+    `seq_len` tokens), a row per strategy a run would accept, and why it refuses the rest."""
+
+    model: Any
+    micro: int
+    seq_len: int
+    rows: list  # freetx.training.estimate.Estimate
+    refused: dict[str, str]
+
+
+def estimate_config(
+    cfg: Any, world_size: int, device: str, mfu: float = 0.4, replicas: int = 1
+) -> ConfigEstimate:
+    """The analytic estimate of a decoder config (a schema instance) at `world_size` ranks of
+    `device` (a key of freetx.training.estimate.DEVICES), under the run's own checks: a batch
+    that does not split refuses it all; a strategy that a run would refuse gets no row."""
+    from freetx.data import micro_batch_size
+    from freetx.distributed import Layout, check_distributed, shard_layouts
+    from freetx.errors import ConfigError
+    from freetx.training.estimate import estimate, meta_model
+
+    if not hasattr(cfg, "dataset") or not hasattr(cfg, "model"):
+        raise ConfigError("freetx estimate reads decoder configs (full_finetune_fsdp2, lora).")
+    seq_len = int(cfg.dataset.get("seq_len", cfg.model.get("max_seq_len", 2048)))
+    micro = micro_batch_size(cfg.batch_size, world_size, cfg.gradient_accumulation_steps)
+    processes = Layout(world_size, device_type="cpu" if device == "cpu" else "cuda")
+    refused = {}
+    for strategy in (layout.strategy for layout in shard_layouts(world_size)):
+        try:  # replicas: hsdp's replicate degree (the other strategies ignore it)
+            check_distributed(
+                dataclasses.replace(cfg.distributed, strategy=strategy, replicate_degree=replicas),
+                processes,
+            )
+        except ConfigError as e:
+            refused[strategy] = e.problems[0]
+    model = meta_model(cfg.model, getattr(cfg, "peft", None))
+    dist = cfg.distributed
+    rows = estimate(
+        model, world_size, micro * seq_len, seq_len, dist.mixed_precision.param_dtype,
+        dist.activation_checkpointing, dist.ac_every_n_blocks, device, mfu, replicas=replicas,
+        optimizer_bytes=2.0 if "8bit" in str(cfg.optimizer.get("_component_", "")) else 8.0,
+    )  # fmt: skip
+    rows = [r for r in rows if r.strategy not in refused]
+    return ConfigEstimate(model, micro, seq_len, rows, refused)
+
+
 def main(args: argparse.Namespace) -> int:
     import torch
 
     from freetx.cli.common import load_recipe
     from freetx.config.run_config import load_recipe_config
-    from freetx.data import micro_batch_size
-    from freetx.distributed import Layout, check_distributed, shard_layouts
+    from freetx.distributed import shard_layouts
     from freetx.errors import ConfigError
     from freetx.files import refuse_existing, write_user_file
     from freetx.registry import recipe_for_config
-    from freetx.training.estimate import DEVICES, GIB, estimate, measure, meta_model
+    from freetx.training.estimate import DEVICES, GIB, measure
 
     if args.json:
         refuse_existing(Path(args.json), args.overwrite, "another --json PATH")
@@ -53,31 +101,15 @@ def main(args: argparse.Namespace) -> int:
     cfg = load_recipe_config(args.config, list(args.overrides), target.schema)
     if not hasattr(cfg, "dataset") or not hasattr(cfg, "model"):
         raise ConfigError("freetx estimate reads decoder configs (full_finetune_fsdp2, lora).")
-    seq_len = int(cfg.dataset.get("seq_len", cfg.model.get("max_seq_len", 2048)))
-    # the run's own checks: a batch that does not split refuses the whole estimate; a
-    # strategy that a run of this config would refuse gets no row (`refused` says why)
-    micro = micro_batch_size(cfg.batch_size, args.world_size, cfg.gradient_accumulation_steps)
-    processes = Layout(args.world_size, device_type="cpu" if args.device == "cpu" else "cuda")
-    refused = {}
-    for strategy in (layout.strategy for layout in shard_layouts(args.world_size)):
-        try:  # --replicas: hsdp's replicate degree (the other strategies ignore it)
-            check_distributed(
-                dataclasses.replace(
-                    cfg.distributed, strategy=strategy, replicate_degree=args.replicas
-                ),
-                processes,
-            )
-        except ConfigError as e:
-            refused[strategy] = e.problems[0]
-    model = meta_model(cfg.model, getattr(cfg, "peft", None))
+    found = estimate_config(cfg, args.world_size, args.device, args.mfu, args.replicas)
+    model, micro, seq_len, rows, refused = (
+        found.model,
+        found.micro,
+        found.seq_len,
+        found.rows,
+        found.refused,
+    )
     dist = cfg.distributed
-    rows = estimate(
-        model, args.world_size, micro * seq_len, seq_len, dist.mixed_precision.param_dtype,
-        dist.activation_checkpointing, dist.ac_every_n_blocks, args.device, args.mfu,
-        replicas=args.replicas,
-        optimizer_bytes=2.0 if "8bit" in str(cfg.optimizer.get("_component_", "")) else 8.0,
-    )  # fmt: skip
-    rows = [r for r in rows if r.strategy not in refused]
     params = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     hbm = DEVICES[args.device][2]

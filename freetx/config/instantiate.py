@@ -237,7 +237,8 @@ def _meaningless_values(target: Any, where: str, kwargs: dict) -> list[str]:
     if config_class is None:
         return []
     names = {f.name for f in dataclasses.fields(config_class)}
-    plain = {k: v for k, v in kwargs.items()
+    preset = target.presets.get(kwargs.get("preset"), {})  # the node's keys over its preset's
+    plain = {k: v for k, v in {**preset, **kwargs}.items()
              if k in names and not isinstance(v, (DictConfig, ListConfig))}  # fmt: skip
     return field_problems(config_class, plain, f"{where}.")
 

@@ -3,9 +3,10 @@
     input -> first `split_layer` DecoderBlocks -> X
     training: encoder(queries = learned constant ζ at every position, keys/values = X,
               non-causal, RoPE) -> readout -> z_logits [B, T, H]
-              -> binary mapper: H bits per token -> one-hot over 2^H codes
-    prior:    Z uniform over the 2^H codes
-    post-sampler (2^H -> hidden, zero-initialized) -> R
+              -> binary mapper: H bits per token (code c = sum_h 2^h bit_h)
+    prior:    Z uniform over the 2^H codes (H uniform bits)
+    post-sampler (zero-initialized) -> R: the table's row c (2^H x hidden), or
+              factored, W (2 bits - 1) (H x hidden)
     block `split_layer + 1` (0-based index `split_layer`): queries from X,
               keys/values from X + R
     -> the remaining blocks -> RMSNorm -> head
@@ -14,6 +15,11 @@ It is a conditional VAE: the loss is cross-entropy plus a free-bits KL,
 `CE + kl_weight * mean_t max(0, KL_t - kappa)`, with
 `KL_t = H log 2 - sum_h H_b(sigmoid(z_logits_t,h))` against the uniform prior.
 The only extra compute over the decoder is the encoder block.
+
+A code is carried as its H bits ([..., H]), never as a one-hot over the 2^H codes:
+the table post-sampler looks its row up by index (H <= 16) and gets the paper's
+gradient through all 2^H code probabilities in chunks (`TableLookup`); the
+factored one never touches 2^H, so it works at any H (64, say).
 
 Built from the same `DecoderBlock`s as the baseline, so FSDP2 shards the
 encoder like any other block, and with the post-sampler at zero the logits equal
@@ -24,16 +30,23 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from freetx.fields import refuse_meaningless
 from freetx.models.protocol import build_config, builds
 from freetx.models.transformer import DecoderBlock, Transformer, TransformerConfig
 
 IGNORE_INDEX = -100  # torch's cross-entropy default, as in freetx.data
 MODES = ("training", "prior")
+MAX_TABLE_BITS = 16  # the table post-sampler has 2^H rows: 65,536 at H = 16
+WORD_BITS = 62  # bits drawn per integer (torch.randint's bound must stay below 2^63)
+# the table's backward holds a few [tokens, codes] float32 temporaries per chunk of codes:
+# chunks of ~2^26 / tokens codes keep each at 256 MiB
+CHUNK_ELEMENTS = 2**26
 
 
 @dataclass
@@ -56,45 +69,165 @@ class FreeTransformerConfig(TransformerConfig):
             )
         if self.latent_dim < 1:
             raise ValueError(f"latent_dim={self.latent_dim} must be at least 1")
-        if self.latent_dim > 16 and not self.factored_post_sampler:
-            raise ValueError(
-                f"latent_dim={self.latent_dim} needs a 2^{self.latent_dim}-row post-sampler "
-                "table; set factored_post_sampler=true"
+        refuse_meaningless(self)
+
+    @staticmethod
+    def meaningless(values: dict[str, Any]) -> dict[str, str]:
+        """A table post-sampler too large to build (freetx.fields: checked by `freetx
+        validate`, before a run, and here), by key: why, and the fix."""
+        bits = values.get("latent_dim")
+        if bits is None or bits <= MAX_TABLE_BITS or values["factored_post_sampler"]:
+            return {}
+        return {
+            "latent_dim": (
+                f"the table post-sampler has one row of hidden_dim parameters per code, "
+                f"2^{bits} rows, and stops at latent_dim={MAX_TABLE_BITS} (2^16 = 65,536 rows); "
+                f"set factored_post_sampler=true (R = W (2 bits - 1): {bits} x hidden_dim "
+                f"parameters, any latent_dim), or latent_dim <= {MAX_TABLE_BITS}."
             )
+        }
+
+
+def index_to_bits(index: torch.Tensor, num_bits: int) -> torch.Tensor:
+    """[...] integer codes -> [..., num_bits] their bits (int64 0/1; bit h has weight 2^h)."""
+    return (index[..., None] >> torch.arange(num_bits, device=index.device)) & 1
 
 
 def code_table(num_bits: int, device=None) -> torch.Tensor:
     """[2^H, H]: row c holds the bits of code c (bit h has weight 2^h)."""
-    codes = torch.arange(2**num_bits, device=device)
-    return ((codes[:, None] >> torch.arange(num_bits, device=device)) & 1).float()
+    return index_to_bits(torch.arange(2**num_bits, device=device), num_bits).float()
 
 
 def bits_to_index(bits: torch.Tensor) -> torch.Tensor:
-    """[..., H] bits -> [...] code index, sum_h 2^h bit_h."""
+    """[..., H] bits -> [...] code index, sum_h 2^h bit_h (H <= 62)."""
     weights = 2 ** torch.arange(bits.shape[-1], device=bits.device)
     return (bits.long() * weights).sum(-1)
+
+
+def uniform_bits(
+    shape: tuple[int, ...], num_bits: int, device=None, generator: torch.Generator | None = None
+) -> torch.Tensor:
+    """Bits [*shape, H] (bool) of codes drawn uniformly from the 2^H, for any H: integers
+    of up to 62 bits each, so for H <= 62 one `randint(0, 2^H, shape)` (the same draw
+    and random stream as an index over the codes)."""
+    words = []
+    for start in range(0, num_bits, WORD_BITS):
+        width = min(WORD_BITS, num_bits - start)
+        word = torch.randint(0, 2**width, shape, generator=generator, device=device)
+        words.append(index_to_bits(word, width))
+    return torch.cat(words, -1).bool()
+
+
+def sample_bits(z_logits: torch.Tensor, noise: torch.Tensor | None = None) -> torch.Tensor:
+    """H bits per token, bit h ~ Bernoulli(sigmoid(z_logits_h)), in z_logits' dtype and
+    without gradient. `noise` (uniform in [0, 1), shape of z_logits) fixes the draw."""
+    probs = torch.sigmoid(z_logits)
+    if noise is None:
+        noise = torch.rand_like(probs)
+    return (noise < probs).to(z_logits.dtype)
+
+
+def code_probabilities(
+    z_logits: torch.Tensor, table: torch.Tensor, z_zeros: torch.Tensor | None = None
+) -> torch.Tensor:
+    """G [..., C]: the probability of each code (row) of `table` [C, H] under independent
+    bits, G_c = prod_h P(bit_h = bit_h(c)). `z_zeros` (z_logits' values) stands in for
+    z_logits in the factors P(bit_h = 0), so that autograd gives the two terms apart."""
+    table = table.to(z_logits.dtype)
+    z_zeros = z_logits if z_zeros is None else z_zeros
+    log_g = F.logsigmoid(z_logits) @ table.T + F.logsigmoid(-z_zeros) @ (1 - table).T
+    return log_g.exp()
 
 
 def binary_mapper(
     z_logits: torch.Tensor, noise: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample H bits per token and map them to a one-hot over the 2^H codes.
+    """The binary mapper as the paper writes it: sample H bits per token, map them to a
+    one-hot over the 2^H codes. The model does not call it (it materializes [..., 2^H]
+    per token: 64 GiB of int64 one-hot for 131,072 tokens at H = 16); it is the
+    reference that `TableLookup` equals, in tests and benchmarks/free_transformer_latent.py.
 
     Returns (codes [..., 2^H], bits [..., H]). The forward values are exactly
-    one-hot; the gradient flows through the full vector G of code
-    probabilities, G_c = prod_h P(bit_h = bit_h(c)), written `hard + (G - sg(G))`
-    so the forward stays exact. `noise` (uniform in [0, 1), shape of z_logits)
-    fixes the sampling, e.g. to compare runs.
+    one-hot; the gradient flows through the full vector G of code probabilities,
+    G_c = prod_h P(bit_h = bit_h(c)), written `hard + (G - sg(G))`.
     """
-    probs = torch.sigmoid(z_logits)
-    if noise is None:
-        noise = torch.rand_like(probs)
-    bits = (noise < probs).to(z_logits.dtype)
-    table = code_table(z_logits.shape[-1], z_logits.device).to(z_logits.dtype)
-    log_g = F.logsigmoid(z_logits) @ table.T + F.logsigmoid(-z_logits) @ (1 - table).T
-    g = log_g.exp()
-    hard = F.one_hot(bits_to_index(bits), table.shape[0]).to(z_logits.dtype)
+    bits = sample_bits(z_logits, noise)
+    g = code_probabilities(z_logits, code_table(z_logits.shape[-1], z_logits.device))
+    hard = F.one_hot(bits_to_index(bits), g.shape[-1]).to(z_logits.dtype)
     return hard + (g - g.detach()), bits
+
+
+class TableLookup(torch.autograd.Function):
+    """R = the table's row of each token's code, with `binary_mapper`'s gradient and
+    without its [..., 2^H] tensors: forward, an embedding lookup of `index` in the
+    columns of `weight` [hidden, 2^H]; backward, the table's gradient (dL/dR summed
+    per code) and, when z_logits are given, theirs through the code
+    probabilities G, dL/dz = sum_c <dL/dR, W[:, c]> dG_c/dz. Both over chunks of codes
+    (`CHUNK_ELEMENTS`), with the operations of autograd on `binary_mapper` and a linear
+    layer (the table's gradient: dL/dR^T times the chunk's one-hot columns).
+
+    z_logits come twice (`apply(index, weight, z_logits, z_logits)`): their gradient
+    through the factors P(bit = 0), then through P(bit = 1), reach z_logits as two terms
+    in the order autograd adds them for `binary_mapper`, so that with one chunk (2^H x
+    tokens <= CHUNK_ELEMENTS: the tiny configs) training is bit-identical to it."""
+
+    @staticmethod
+    def forward(ctx, index, weight, z_zeros, z_logits):
+        ctx.save_for_backward(index, weight, z_logits)
+        return F.embedding(index, weight.t())
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_r):
+        index, weight, z_logits = ctx.saved_tensors
+        num_codes = weight.shape[1]
+        chunk = max(1, CHUNK_ELEMENTS // max(1, index.numel()))
+        grad_weight = grad_zeros = grad_ones = None
+        if ctx.needs_input_grad[1]:  # as a linear layer's on the one-hot, a chunk at a time
+            grad_weight = torch.empty_like(weight)
+            tokens, flat_index = grad_r.flatten(0, -2), index.flatten()
+            for start in range(0, num_codes, chunk):
+                codes = torch.arange(start, min(start + chunk, num_codes), device=index.device)
+                one_hot = (flat_index[:, None] == codes).to(grad_r.dtype)
+                grad_weight[:, start : start + chunk] = tokens.t().mm(one_hot)
+        if z_logits is not None and ctx.needs_input_grad[3]:
+            ones, zeros = (z_logits.detach().requires_grad_() for _ in range(2))
+            grad_ones, grad_zeros = torch.zeros_like(ones), torch.zeros_like(zeros)
+            with torch.enable_grad():
+                for start in range(0, num_codes, chunk):
+                    codes = torch.arange(start, min(start + chunk, num_codes), device=ones.device)
+                    g = code_probabilities(ones, index_to_bits(codes, ones.shape[-1]), zeros)
+                    grad_g = grad_r @ weight[:, start : start + chunk]
+                    through_ones, through_zeros = torch.autograd.grad(g, (ones, zeros), grad_g)
+                    grad_ones += through_ones
+                    grad_zeros += through_zeros
+        return None, grad_weight, grad_zeros, grad_ones
+
+
+class PostSampler(nn.Module):
+    """Z's bits [..., H] -> R [..., hidden], from `weight` (zero-initialized): a table
+    [hidden, 2^H] whose column c is code c's R, or factored, R = W (2 bits - 1) with W
+    [hidden, H]. Given `z_logits` (training), the gradient reaches them: through all
+    code probabilities (table, `TableLookup`) or straight through the bits' sigmoids
+    (factored)."""
+
+    def __init__(self, latent_dim: int, hidden_dim: int, factored: bool) -> None:
+        super().__init__()
+        self.factored = factored
+        inputs = latent_dim if factored else 2**latent_dim
+        self.weight = nn.Parameter(torch.empty(hidden_dim, inputs))
+
+    def forward(self, bits: torch.Tensor, z_logits: torch.Tensor | None = None) -> torch.Tensor:
+        weight = self.weight
+        if self.factored:
+            if z_logits is not None:  # straight-through bits: exact forward, sigmoid gradient
+                probs = torch.sigmoid(z_logits)
+                bits = bits + (probs - probs.detach())
+            return F.linear(2 * bits.to(weight.dtype) - 1, weight)
+        device = weight.device.type
+        if torch.is_autocast_enabled(device):  # the compute dtype, as a linear layer has
+            weight = weight.to(torch.get_autocast_dtype(device))
+        return TableLookup.apply(bits_to_index(bits), weight, z_logits, z_logits)
 
 
 def kl_to_uniform(z_logits: torch.Tensor) -> torch.Tensor:
@@ -116,21 +249,21 @@ class FreeTransformer(Transformer):
         self.encoder_query = nn.Parameter(torch.empty(cfg.hidden_dim))  # ζ
         self.encoder = DecoderBlock(cfg)
         self.encoder_readout = nn.Linear(cfg.hidden_dim, cfg.latent_dim)
-        inputs = cfg.latent_dim if cfg.factored_post_sampler else 2**cfg.latent_dim
-        self.post_sampler = nn.Linear(inputs, cfg.hidden_dim, bias=False)
+        self.post_sampler = PostSampler(cfg.latent_dim, cfg.hidden_dim, cfg.factored_post_sampler)
 
     def forward(
         self,
         input_ids: torch.Tensor,
         mode: str = "training",
-        z_index: torch.Tensor | None = None,
+        codes: torch.Tensor | None = None,
         noise: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """input_ids [B, T] -> (logits [B, T, V], z_logits [B, T, H] or None).
 
         mode="training": Z from the encoder (posterior); "prior": Z uniform.
-        `z_index` [B, T] fixes every position's code (generation keeps each Z_t
-        once drawn); `noise` fixes the encoder's bit sampling.
+        `codes` [B, T, H] (bits, as `prior_codes` returns them) fixes every position's
+        code (generation keeps each Z_t once drawn); `noise` fixes the encoder's bit
+        sampling.
         """
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -142,9 +275,8 @@ class FreeTransformer(Transformer):
             h = layer(h, cos, sin)
 
         z_logits = None
-        if z_index is not None:
-            bits = code_table(cfg.latent_dim, h.device)[z_index]
-            code = F.one_hot(z_index, 2**cfg.latent_dim).to(h.dtype)
+        if codes is not None:
+            bits = codes
         elif mode == "training":
             queries = self.encoder_query.to(h.dtype).expand(batch, seq_len, -1)
             encoded = self.encoder(queries, cos, sin, causal=False, kv=h)
@@ -152,16 +284,10 @@ class FreeTransformer(Transformer):
             # FSDP2 warns about for a module's outputs
             readout = self.encoder_readout
             z_logits = F.linear(encoded, readout.weight) + readout.bias
-            code, bits = binary_mapper(z_logits, noise)
-            if cfg.factored_post_sampler:  # straight-through bits: exact forward, sigmoid gradient
-                probs = torch.sigmoid(z_logits)
-                bits = bits + (probs - probs.detach())
+            bits = sample_bits(z_logits, noise)
         else:
-            z_index = torch.randint(0, 2**cfg.latent_dim, (batch, seq_len), device=h.device)
-            bits = code_table(cfg.latent_dim, h.device)[z_index]
-            code = F.one_hot(z_index, 2**cfg.latent_dim).to(h.dtype)
-        latent = 2 * bits.to(h.dtype) - 1 if cfg.factored_post_sampler else code
-        r = self.post_sampler(latent)
+            bits = uniform_bits((batch, seq_len), cfg.latent_dim, h.device)
+        r = self.post_sampler(bits, z_logits)
 
         h = self.layers[cfg.split_layer](h, cos, sin, kv=h + r)
         for layer in self.layers[cfg.split_layer + 1 :]:
@@ -170,17 +296,15 @@ class FreeTransformer(Transformer):
 
     # -- sampling (the LatentModel protocol) ---------------------------------
     def prior_codes(self, count: int, length: int, generator: torch.Generator) -> torch.Tensor:
-        """Codes [count, length] from the uniform prior: one Z per position."""
-        num_codes = 2**self.config.latent_dim
+        """Codes [count, length, H] (bits) from the uniform prior: one Z per position."""
         device = self.tok_embeddings.weight.device
-        return torch.randint(0, num_codes, (count, length), generator=generator, device=device)
+        return uniform_bits((count, length), self.config.latent_dim, device, generator)
 
     def posterior_codes(self, input_ids: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-        """Codes [B, T] the encoder draws for `input_ids` (e.g. a prompt)."""
+        """Codes [B, T, H] (bits) the encoder draws for `input_ids` (e.g. a prompt)."""
         _, z_logits = self(input_ids)
         noise = torch.rand(z_logits.shape, generator=generator, device=z_logits.device)
-        _, bits = binary_mapper(z_logits, noise)
-        return bits_to_index(bits)
+        return sample_bits(z_logits, noise).bool()
 
     def init_parameter(self, name: str, tensor: torch.Tensor, generator: torch.Generator) -> None:
         """The decoder's rules, plus: the post-sampler starts at zero (so the model
@@ -267,7 +391,7 @@ PRESETS: dict[str, dict] = {
 }  # fmt: skip
 
 
-@builds(FreeTransformerConfig)
+@builds(FreeTransformerConfig, PRESETS)
 def free_transformer(preset: str | None = None, **fields) -> FreeTransformer:
     """A Free Transformer: a preset (tiny, 1_5b, 8b) with any `FreeTransformerConfig`
     field changed, or any shape from its fields alone."""

@@ -56,7 +56,7 @@ module that defines a near-miss of one of these names (`init_buffer`,
 `fsdp_forward_method`): a misspelt hook would otherwise be silently ignored.
 
 A model with a latent code per position also follows `LatentModel`
-(`prior_codes`, `posterior_codes`, `forward(..., z_index=codes)`), which is
+(`prior_codes`, `posterior_codes`, `forward(..., codes=codes)`), which is
 what the `generate` recipe asks for; it never names a model class.
 
 Models are built on the meta device, parallelized, then materialized and
@@ -273,8 +273,9 @@ def flops_per_token(model: nn.Module, seq_len: int) -> float:
 
 @runtime_checkable
 class LatentModel(Protocol):
-    """A model whose forward takes a latent code per position (`z_index` [B, T]), like
-    the Free Transformer. A sampler draws each position's code once and keeps it."""
+    """A model whose forward takes a latent code per position (`codes` [B, T, ...], as
+    `prior_codes` returns them; the Free Transformer's: H bits). A sampler draws each
+    position's code once and keeps it."""
 
     def prior_codes(self, count: int, length: int, generator: torch.Generator) -> torch.Tensor: ...
 
@@ -312,12 +313,14 @@ def build_config(
     return config_class(**values)
 
 
-def builds(config_class: type):
-    """Mark a family's builder with its config class, so that config keys can be checked
-    against the config's fields before anything is built (`freetx validate`)."""
+def builds(config_class: type, presets: dict[str, dict[str, Any]] | None = None):
+    """Mark a family's builder with its config class (and its `preset:` fields), so that
+    config keys and values can be checked against the config's fields before anything is
+    built (`freetx validate`)."""
 
     def mark(builder):
         builder.config_class = config_class
+        builder.presets = presets or {}
         return builder
 
     return mark

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
 
-from tests.conftest import run_freetx
+from tests.conftest import flat, run_freetx, run_freetx_here
 
 
 @pytest.fixture(scope="module")
@@ -89,9 +90,9 @@ def check_codes_are_kept(recipe) -> None:
     seen = []
     forward = recipe.model.forward
 
-    def recording(input_ids, mode="training", z_index=None, noise=None):
-        seen.append(None if z_index is None else z_index.clone())
-        return forward(input_ids, mode=mode, z_index=z_index, noise=noise)
+    def recording(input_ids, mode="training", codes=None, noise=None):
+        seen.append(None if codes is None else codes.clone())
+        return forward(input_ids, mode=mode, codes=codes, noise=noise)
 
     recipe.model.forward = recording
     recipe.sample_group("C>")
@@ -100,3 +101,42 @@ def check_codes_are_kept(recipe) -> None:
     for earlier, later in zip(codes, codes[1:]):
         assert torch.equal(later[:, : earlier.shape[1]], earlier)  # Z_t kept once drawn
     assert torch.equal(codes[-1][0], codes[-1][1])  # fixed_z: the group shares Z
+
+
+@pytest.mark.slow  # ~35 s: a launch, 3 steps and a sampling run
+def test_a_64_bit_latent_trains_and_samples(tmp_path):
+    """The factored post-sampler at H = 64 (2^64 codes: none of them is ever enumerated)."""
+    out = tmp_path / "run"
+    result = run_freetx(
+        "run", "--nproc-per-node", "2", "full_finetune_fsdp2", "--config", "free_transformer/tiny",
+        f"output_dir={out}", "model.latent_dim=64", "model.factored_post_sampler=true",
+        "max_steps=3", "log_every_n_steps=1", "eval.every_n_steps=3", "eval.max_batches=1",
+        "metric_loggers=[{_component_: freetx.loggers.JSONLLogger}]",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "loss" in r] == [1, 2, 3]
+    assert all(math.isfinite(r["loss"]) for r in records if "loss" in r)
+    assert math.isfinite(records[-1]["val/prior_ce"])
+    result = run_freetx(
+        "run", "generate", "--config", "free_transformer/generate", f"checkpoint={out}",
+        f"output_dir={tmp_path / 'samples'}", "prompts=[B>]", "num_groups=1",
+        "samples_per_group=2", "max_new_tokens=4", "posterior_prefill=true",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert len((tmp_path / "samples" / "samples.jsonl").read_text().splitlines()) == 2
+
+
+@pytest.mark.parametrize("command", ["validate", "run"])
+def test_a_table_above_16_bits_is_refused_before_launch(command, tmp_path):
+    out = tmp_path / "run"
+    launch = ("run", "--nproc-per-node", "2", "full_finetune_fsdp2", "--config")
+    run = run_freetx_here if command == "validate" else run_freetx
+    args = ("validate",) if command == "validate" else launch
+    result = run(*args, "free_transformer/tiny", f"output_dir={out}", "model.latent_dim=20")
+    assert result.returncode == 1
+    output = flat(result.stdout + result.stderr)
+    assert "Traceback" not in output
+    assert "'model.latent_dim' is 20" in output and "stops at latent_dim=16" in output
+    assert "set factored_post_sampler=true" in output
+    assert not out.exists()

@@ -7,17 +7,22 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from freetx.data import ByteTokenizer, LetterBlockDataset
 from freetx.data.letter_block import block_start, letter_block_text
 from freetx.distributed import materialize
+from freetx.models import free_transformer as ft
 from freetx.models.free_transformer import (
     FreeTransformerLoss,
+    PostSampler,
     binary_mapper,
     bits_to_index,
     code_table,
     free_transformer,
+    index_to_bits,
     kl_to_uniform,
+    uniform_bits,
 )
 from freetx.models.transformer import decoder
 
@@ -64,6 +69,95 @@ def test_code_probabilities_sum_to_one_and_carry_the_gradient():
     g = torch.exp(torch.nn.functional.logsigmoid(logits) @ table.T
                   + torch.nn.functional.logsigmoid(-logits) @ (1 - table).T)  # fmt: skip
     assert torch.allclose(g.sum(-1), torch.ones(2, 3))
+
+
+@pytest.mark.parametrize("chunk_elements", [2**26, 36])  # all 32 codes at once; 3 at a time
+def test_table_lookup_equals_the_one_hot_through_a_linear_layer(monkeypatch, chunk_elements):
+    """The post-sampler's index lookup gives what the paper's one-hot over the 2^H codes
+    through a linear layer gives: the same R, and the same gradients of z_logits (through
+    every code's probability) and of the table: bit for bit in one chunk of codes (the
+    same operations), to 1e-6 over chunks (sums in another order)."""
+    monkeypatch.setattr(ft, "CHUNK_ELEMENTS", chunk_elements)  # 12 tokens: chunks of 3 codes
+    g = torch.Generator().manual_seed(0)
+    z = torch.randn(2, 6, 5, generator=g) * 2
+    noise = torch.rand(2, 6, 5, generator=g)
+    table = torch.randn(7, 32, generator=g)
+    grad_r = torch.randn(2, 6, 7, generator=g)
+
+    z_dense, table_dense = z.clone().requires_grad_(), table.clone().requires_grad_()
+    codes, bits = binary_mapper(z_dense, noise)
+    r_dense = F.linear(codes, table_dense)
+    r_dense.backward(grad_r)
+
+    sampler = PostSampler(5, 7, factored=False)
+    sampler.weight.data.copy_(table)
+    z_lookup = z.clone().requires_grad_()
+    r_lookup = sampler(ft.sample_bits(z_lookup, noise), z_lookup)
+    r_lookup.backward(grad_r)
+
+    assert torch.equal(r_lookup, r_dense)  # the forward is bit-identical
+    assert z_lookup.grad.abs().max() > 0.1
+    assert torch.allclose(z_lookup.grad, z_dense.grad, rtol=0, atol=1e-6)
+    assert torch.allclose(sampler.weight.grad, table_dense.grad, rtol=0, atol=1e-6)
+    if chunk_elements >= 12 * 32:
+        assert torch.equal(z_lookup.grad, z_dense.grad)
+
+
+def test_the_model_trains_bit_identically_to_the_one_hot_form():
+    """Every parameter's gradient of the loss (CE + KL) equals the paper's form's, where
+    the post-sampler is a linear layer on binary_mapper's one-hot: the shipped table
+    configs' runs and figures do not change."""
+    x = torch.randint(0, 40, (2, 12), generator=torch.Generator().manual_seed(3))
+    noise = torch.rand(2, 12, 4, generator=torch.Generator().manual_seed(4))
+
+    def gradients(one_hot: bool) -> dict[str, torch.Tensor]:
+        free = build(free_transformer, latent_dim=4)
+        with torch.no_grad():
+            free.post_sampler.weight.normal_(generator=torch.Generator().manual_seed(1))
+            free.encoder_readout.weight.normal_(generator=torch.Generator().manual_seed(2))
+        if one_hot:
+            table = free.post_sampler.weight
+            free.post_sampler.forward = lambda bits, z: F.linear(binary_mapper(z, noise)[0], table)
+        loss, _ = FreeTransformerLoss(kappa_bits=0.0)(free(x, noise=noise), x)
+        loss.backward()
+        return {name: p.grad for name, p in free.named_parameters()}
+
+    reference, lookup = gradients(one_hot=True), gradients(one_hot=False)
+    assert reference["encoder_readout.weight"].abs().max() > 0
+    for name, grad in reference.items():
+        assert torch.equal(lookup[name], grad), name
+
+
+def test_uniform_bits_draw_what_an_index_over_the_codes_drew():
+    torch.manual_seed(4)  # H <= 62: one randint over the 2^H codes, as before (same stream)
+    bits = uniform_bits((3, 5), 8)
+    torch.manual_seed(4)
+    assert torch.equal(bits, index_to_bits(torch.randint(0, 256, (3, 5)), 8).bool())
+    wide = uniform_bits((4096,), 64, generator=torch.Generator().manual_seed(0))
+    assert wide.shape == (4096, 64) and wide.dtype == torch.bool
+    means = wide.float().mean(0)  # every bit, the second word's two included, is fair
+    assert ((means > 0.45) & (means < 0.55)).all()
+
+
+def test_the_factored_post_sampler_trains_and_samples_at_64_bits():
+    free = build(free_transformer, latent_dim=64, factored_post_sampler=True)
+    with torch.no_grad():
+        free.post_sampler.weight.normal_()
+    x = torch.randint(0, 40, (2, 12))
+    logits, z_logits = free(x)
+    assert z_logits.shape == (2, 12, 64)
+    loss, extras = FreeTransformerLoss()((logits, z_logits), x)
+    loss.backward()
+    assert free.encoder_readout.weight.grad.abs().sum() > 0  # through the bits
+    assert free.post_sampler.weight.grad.shape == (32, 64)
+    g = torch.Generator().manual_seed(0)
+    prior = free.prior_codes(2, 12, g)
+    posterior = free.posterior_codes(x, g)
+    assert prior.shape == posterior.shape == (2, 12, 64)
+    a, none = free(x, codes=prior)
+    b, _ = free(x, codes=posterior)
+    assert none is None and not torch.allclose(a, b)
+    assert free(x, mode="prior")[0].shape == logits.shape
 
 
 @pytest.mark.parametrize("num_bits", [1, 3, 5])
@@ -113,7 +207,9 @@ def test_encoder_gives_each_position_its_own_latent():
 def test_prior_codes_are_uniform():
     free = build(free_transformer, latent_dim=3)
     seen = []
-    free.post_sampler.register_forward_hook(lambda m, args, out: seen.append(args[0].argmax(-1)))
+    free.post_sampler.register_forward_hook(
+        lambda m, args, out: seen.append(bits_to_index(args[0]))
+    )
     torch.manual_seed(0)
     x = torch.randint(0, 40, (64, 16))
     for _ in range(4):
@@ -130,9 +226,9 @@ def test_fixed_codes_are_used_as_given():
         free.post_sampler.weight.normal_()
     x = torch.randint(0, 40, (1, 8))
     codes = torch.randint(0, 4, (1, 8))
-    a, _ = free(x, z_index=codes)
-    b, _ = free(x, z_index=codes)
-    c, _ = free(x, z_index=(codes + 1) % 4)
+    a, _ = free(x, codes=index_to_bits(codes, 2))
+    b, _ = free(x, codes=index_to_bits(codes, 2))
+    c, _ = free(x, codes=index_to_bits((codes + 1) % 4, 2))
     assert torch.equal(a, b) and not torch.allclose(a, c)
 
 

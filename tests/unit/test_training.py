@@ -65,7 +65,7 @@ def test_estimate_counts_model_states_exactly_and_lands_near_torchtitan():
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         assert main(["estimate", "llm/llama3_8b", "--world-size", "8", "batch_size=16",
-                     "dataset.seq_len=8192", "model.max_seq_len=8192",
+                     "gradient_accumulation_steps=1", "dataset.seq_len=8192", "model.max_seq_len=8192",
                      "distributed.activation_checkpointing=selective",
                      "distributed.ac_every_n_blocks=2"]) == 0  # fmt: skip
     fsdp = next(line.split() for line in out.getvalue().splitlines() if line.startswith("fsdp"))

@@ -1,0 +1,95 @@
+"""Every shipped config names its hardware in its header, and fits it by `freetx estimate`.
+
+The grammar (docs/configs.md): a header line `# hardware: N x H100 80GB` (or A100), or
+`# hardware: N CPU process(es)`. For each training config the estimate reads (the
+decoder recipes), the analytic estimate of its own strategy at N ranks of that device
+must leave 10% of the device's memory free (the allocator's caching and fragmentation).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from freetx.cli.common import load_recipe
+from freetx.cli.estimate import estimate_config
+from freetx.config.run_config import load_recipe_config
+from freetx.registry import recipe_for_config
+from freetx.training.estimate import DEVICES, GIB
+from tests.conftest import REPO, flat, run_freetx_here
+
+CONFIGS = sorted(
+    str(path.relative_to(REPO / "recipe_configs").with_suffix(""))
+    for path in (REPO / "recipe_configs").glob("*/*.yaml")
+)
+HARDWARE = re.compile(r"^# hardware: (\d+) (?:x (H100|A100) 80GB|CPU process(?:es)?)$", re.M)
+ESTIMATED = {"full_finetune_fsdp2", "lora_finetune_fsdp2"}  # the recipes `estimate` reads
+NOT_ESTIMATED = {"ad_ddp", "crosscoder_fsdp2", "generate"}  # small models, or no training
+HEADROOM = 0.9
+# tiny CPU configs whose model is a file another command makes first
+MADE_FIRST = {"llm/hf_tiny_full": "a tiny HF folder (tests write one)",
+              "llm/spectrum_tiny": "`freetx spectrum scan`'s selection of runs/llm_tiny"}  # fmt: skip
+# the shapes of the HF models the fine-tuning configs name (their config.json's, public),
+# for the configs that read the shape from `model_dir`
+LLAMA = dict(model_type="llama", vocab_size=128256, num_key_value_heads=8, rope_theta=500000.0)
+HF_SHAPES = {
+    "Llama-3.1-8B": dict(LLAMA, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                         num_attention_heads=32, max_position_embeddings=131072),
+    "Llama-3.2-1B": dict(LLAMA, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                         num_attention_heads=32, max_position_embeddings=131072,
+                         tie_word_embeddings=True),
+    "Qwen2.5-7B": dict(model_type="qwen2", vocab_size=152064, hidden_size=3584,
+                       intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+                       num_key_value_heads=4, rope_theta=1000000.0, max_position_embeddings=32768),
+}  # fmt: skip
+MODEL_OF = {"llm/llama3_1_8b_full": "Llama-3.1-8B", "llm/llama3_1_8b_lora": "Llama-3.1-8B",
+            "llm/llama3_1_8b_qlora": "Llama-3.1-8B", "llm/llama3_2_1b_full": "Llama-3.2-1B",
+            "llm/qwen2_5_7b_full": "Qwen2.5-7B"}  # fmt: skip
+
+
+def hardware(config: str) -> tuple[int, str]:
+    """(processes, the estimate's device name) from a config's `# hardware:` line."""
+    text = (REPO / "recipe_configs" / f"{config}.yaml").read_text()
+    header = text.split("\n\n")[0]
+    found = HARDWARE.findall(header)
+    assert len(found) == 1, f"{config}: one '# hardware:' line in the header, as docs/configs.md"
+    count, gpu = found[0]
+    return int(count), gpu.lower() or "cpu"
+
+
+def test_every_config_names_its_hardware_and_a_known_recipe():
+    assert len(CONFIGS) > 20
+    for config in CONFIGS:
+        hardware(config)
+        assert recipe_for_config(config).name in ESTIMATED | NOT_ESTIMATED, config
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+def test_each_training_config_fits_its_hardware(config, tmp_path):
+    recipe = recipe_for_config(config).name
+    if recipe not in ESTIMATED:
+        pytest.skip(f"{recipe}: freetx estimate reads decoder configs only")
+    if config in MADE_FIRST:
+        pytest.skip(f"its model is {MADE_FIRST[config]}")
+    world_size, device = hardware(config)
+    overrides = []
+    if config in MODEL_OF:
+        (tmp_path / "config.json").write_text(json.dumps(HF_SHAPES[MODEL_OF[config]]))
+        overrides.append(f"model_dir={tmp_path}")
+    cfg = load_recipe_config(config, overrides, load_recipe(recipe).schema)
+    found = estimate_config(cfg, world_size, device)
+    row = next(r for r in found.rows if r.strategy == cfg.distributed.strategy)
+    limit = DEVICES[device][2] * HEADROOM
+    assert row.peak / GIB < limit, (
+        f"{config}: {row.peak / GIB:.1f} GiB per rank on {world_size} x {device}, over "
+        f"{limit:.0f} GiB"
+    )
+
+
+def test_the_cli_says_it_fits():
+    result = run_freetx_here("estimate", "free_transformer/8b", "--world-size", "8")
+    assert result.returncode == 0, result.stderr
+    fsdp = next(line for line in result.stdout.splitlines() if line.startswith("fsdp "))
+    assert fsdp.split()[-3] == "yes", flat(result.stdout)
