@@ -64,7 +64,7 @@ from freetx.checkpoint.run_folder import (
     step_name,
     step_of,
 )
-from freetx.checkpoint.state import PerRankState
+from freetx.checkpoint.state import PerRankState, ScalerState
 from freetx.config.compare import fixed_on_resume
 from freetx.config.run_config import write_resolved_config
 from freetx.config.schema import config_as_dict
@@ -282,10 +282,16 @@ class Checkpointer:
         metadata = check_checkpoint_files(path)
         if model is not None and "model" in state:
             check_model_matches(metadata, model, path, include=state["model"].include)
+        saved = metadata.state_dict_metadata
+        state = {
+            key: value
+            for key, value in state.items()
+            if not isinstance(value, ScalerState) or any(k.startswith(f"{key}.") for k in saved)
+        }
         for key, value in state.items():
             if isinstance(value, PerRankState):
                 own = f"{key}.rank_{value.rank}"
-                value.source_rank = value.rank if own in metadata.state_dict_metadata else 0
+                value.source_rank = value.rank if own in saved else 0
         try:
             dcp.load(state, checkpoint_id=str(path), planner=SafeLoadPlanner())
         except CheckpointError:

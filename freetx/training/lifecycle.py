@@ -41,6 +41,7 @@ from freetx.checkpoint import (
     ModelState,
     OptimizerState,
     PerRankState,
+    ScalerState,
     TrainState,
     step_name,
 )
@@ -73,7 +74,7 @@ def training_state(
     the trainable ones are saved; a resume reads the base from there again.
     """
     include = frozen.saved if frozen is not None and frozen.read_from else None
-    return {
+    state: dict[str, Stateful] = {
         "model": ModelState(plan.model, include=include),
         "optimizer": OptimizerState(plan.model, optimizer),
         "lr_scheduler": LRSchedulerState(lr_scheduler),
@@ -81,6 +82,9 @@ def training_state(
         "dataloader": PerRankState(rank, loader.state_dict, loader.load_state_dict),
         "rng": PerRankState(rank, rng_state, set_rng_state),
     }
+    if plan.scaler.is_enabled():  # float16: the loss scale a resume continues with
+        state["scaler"] = ScalerState(plan.scaler)
+    return state
 
 
 class TrainingRun:
