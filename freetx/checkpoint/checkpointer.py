@@ -32,7 +32,7 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Literal, Optional
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -87,6 +87,9 @@ class CheckpointConfig:
     keep_last: Optional[int] = at_least(1, default=None)  # None: keep every checkpoint
     async_save: bool = False
     save_final: bool = True
+    # at the end of training, the final checkpoint converted for deployment into
+    # <output_dir>/export/<format>/ (freetx.training.export): hf | peft | safetensors
+    final_export: Optional[Literal["hf", "peft", "safetensors"]] = None
     initial_weights: Optional[str] = None  # safetensors file, DCP folder or HF folder
     # true: this run may replace checkpoints in output_dir that it did not write
     # (resume=never over an old run, or later checkpoints of an abandoned branch)

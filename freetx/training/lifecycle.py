@@ -52,6 +52,7 @@ from freetx.entry import at_step
 from freetx.errors import TrainingError
 from freetx.loggers import build_metric_loggers, training_banner
 from freetx.models import flops_per_token, num_parameters
+from freetx.training.export import check_final_export, export_final
 from freetx.training.meters import ThroughputMeter, peak_flops, train_step_metrics
 from freetx.training.profiling import StepProfiler
 from freetx.training.seed import rng_state, set_rng_state
@@ -163,6 +164,7 @@ class TrainingRun:
                 parameters=num_parameters(module), **facts,
             )
         )  # fmt: skip
+        check_final_export(cfg, type(module))  # the model class is known now
         frozen = self.frozen or self.decide_frozen_base(module)
         self.state = training_state(
             plan, optimizer, lr_scheduler, self.progress, train_loader, self.runtime.rank,
@@ -261,7 +263,7 @@ class TrainingRun:
 
     def finish(self, evaluate: Callable[[], dict[str, float]]) -> None:
         """After the loop: evaluate and save the last step, unless already done (also after
-        a resume with nothing left to train). When stopping on a signal: save this step
+        a resume with nothing left to train), then write `checkpoint.final_export`. When stopping on a signal: save this step
         and leave PREEMPTED in output_dir (`freetx run` then exits for a requeue)."""
         if self.stopping:
             if self.saved_step != self.step:
@@ -280,6 +282,16 @@ class TrainingRun:
             self.evaluate(evaluate)
         if self.cfg.checkpoint.save_final and self.saved_step != self.step:
             self.save()
+        fmt = self.cfg.checkpoint.final_export
+        if fmt is not None:
+            self.checkpointer.wait()  # an asynchronous final save is complete
+            if self.runtime.is_rank_zero:  # streamed from the files: no rank gathers
+                path = self.checkpointer.dir / step_name(self.step)
+                written = export_final(path, self.cfg.output_dir, fmt)
+                self.write(
+                    f"exported {path.name} as {fmt} to {written['path']} "
+                    f"({written['bytes'] / 2**20:.1f} MiB)"
+                )
 
     def close(self) -> None:
         if getattr(self, "profiler", None) is not None:

@@ -107,15 +107,20 @@ FLOAT16 = "distributed.mixed_precision.param_dtype=float16"
 def test_float16_with_fsdp_saves_and_resumes_its_loss_scale(tmp_path):
     """float16 on a sharded strategy (the scaler agreed over the ranks): its checkpoints
     hold the loss scale and its growth tracker (one per step without an Inf), and a
-    resume continues them."""
+    resume continues them. The resumed run ends with `checkpoint.final_export`."""
     out = tmp_path / "fp16"
     result = train(out, "max_steps=2", FLOAT16)
     assert "strategy fsdp" in result.stdout and "precision param float16" in result.stdout
     assert scaler_state(out, 2) == (65536.0, 2)
-    train(out, "max_steps=4", FLOAT16)
+    result = train(out, "max_steps=4", FLOAT16, "checkpoint.final_export=safetensors")
     assert scaler_state(out, 4) == (65536.0, 4)  # restored: 2 more, not 2 afresh
     assert sorted(losses(out)) == list(range(1, 5))
     assert all(math.isfinite(loss) for loss in losses(out).values())
+    # the final export: what `freetx checkpoint convert` writes from the last checkpoint
+    exported = out / "export" / "safetensors" / "model.safetensors"
+    assert f"to {exported}" in result.stdout
+    convert(out / "checkpoints" / step_name(4), tmp_path / "converted.safetensors")
+    assert exported.read_bytes() == (tmp_path / "converted.safetensors").read_bytes()
 
 
 @pytest.mark.slow

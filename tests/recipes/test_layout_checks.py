@@ -61,3 +61,27 @@ def test_estimate_shows_no_row_a_run_would_refuse():
 def test_estimate_refuses_a_count_below_one(flag):
     result = run_freetx_here("estimate", "llm/small", flag, "0")
     assert result.returncode == 2 and "0 is less than 1" in result.stderr
+
+
+@pytest.mark.parametrize(
+    "config,overrides,fragment",
+    [
+        ("llm/tiny", ["checkpoint.final_export=peft"], "writes LoRA adapters, and this run trains none"),
+        ("llm/lora_tiny", ["checkpoint.final_export=hf"], "checkpoints hold only what it trains"),
+        ("free_transformer/tiny", ["checkpoint.final_export=hf"], "FreeTransformer has none"),
+        ("llm/tiny", ["checkpoint.final_export=hf", "checkpoint.save_final=false"], "saves none"),
+        ("llm/tiny", ["checkpoint.final_export=onnx"], "must be one of 'hf', 'peft', 'safetensors'"),
+    ],
+)  # fmt: skip
+def test_a_final_export_the_run_cannot_write_is_refused_by_validate(config, overrides, fragment):
+    checked = run_freetx_here("validate", config, *overrides)
+    assert checked.returncode == 1 and fragment in flat(checked.stdout), checked.stdout
+    assert "Traceback" not in checked.stdout + checked.stderr
+
+
+def test_run_refuses_a_final_export_before_it_trains(tmp_path):
+    result = run_freetx("run", "full_finetune_fsdp2", "--config", "llm/tiny",
+                        f"output_dir={tmp_path}", "checkpoint.final_export=peft")  # fmt: skip
+    assert result.returncode == 1 and "Set peft.method=lora" in flat(result.stderr), result.stderr
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "config.yaml").exists() and not (tmp_path / "checkpoints").exists()
