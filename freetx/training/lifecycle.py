@@ -155,6 +155,7 @@ class TrainingRun:
             peak_flops(self.runtime.device, cfg.peak_flops),
         )
         self.lr_scheduler = lr_scheduler
+        self.scaler = plan.scaler
         trainable = sum(p.numel() for p in module.parameters() if p.requires_grad)
         if trainable < sum(p.numel() for p in module.parameters()):
             facts = {"trainable parameters": trainable, **facts}
@@ -195,18 +196,24 @@ class TrainingRun:
     def advance(self, grad_norm: float) -> int:
         """Count one optimizer step: step, data epoch, tokens seen, throughput; the NaN
         guard: a non-finite gradient norm means the update was skipped (`optimizer_step`),
-        which is logged, and ends the run under `on_nonfinite: stop` or after
-        `max_nonfinite_skips` in a row; and the stop agreement: every rank learns whether
+        which is logged, and ends the run under `on_nonfinite: stop` (not for a float16
+        overflow: the loss scaler lowers the scale) or after `max_nonfinite_skips` in a row; and the stop agreement: every rank learns whether
         any rank got a stop signal (one collective over the world), so `stopping` is the
         same on every rank after this step."""
         if not math.isfinite(grad_norm):
             self.nonfinite_in_a_row += 1
+            # float16: an overflow of the scaled gradients is the loss scaler at work (it
+            # lowers the scale); only max_nonfinite_skips in a row end the run
+            overflow = self.scaler.is_enabled()
+            why = f"float16 overflow, the loss scale is now {self.scaler.get_scale():g}; "
             self.write(
-                f"step {self.progress.step + 1}: the gradient norm is {grad_norm}; the update "
-                f"was skipped ({self.nonfinite_in_a_row} in a row)"
+                f"step {self.progress.step + 1}: the gradient norm is {grad_norm}; "
+                f"{why if overflow else ''}the update was skipped "
+                f"({self.nonfinite_in_a_row} in a row)"
             )
             limit = self.cfg.max_nonfinite_skips
-            if self.cfg.on_nonfinite == "stop" or self.nonfinite_in_a_row >= limit:
+            stop = self.cfg.on_nonfinite == "stop" and not overflow
+            if stop or self.nonfinite_in_a_row >= limit:
                 raise TrainingError(
                     f"the loss or the gradients are not finite at step {self.progress.step + 1} "
                     f"({self.nonfinite_in_a_row} step(s) in a row; on_nonfinite="
