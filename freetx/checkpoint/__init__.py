@@ -20,6 +20,7 @@ from freetx.checkpoint.state import (
     ModelState,
     OptimizerState,
     PerRankState,
+    ScalerState,
     TrainState,
 )
 
@@ -33,6 +34,7 @@ __all__ = [
     "ModelState",
     "OptimizerState",
     "PerRankState",
+    "ScalerState",
     "TrainState",
     "build_meta",
     "convert",

@@ -32,7 +32,7 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Literal, Optional
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -65,7 +65,7 @@ from freetx.checkpoint.run_folder import (
     step_name,
     step_of,
 )
-from freetx.checkpoint.state import PerRankState
+from freetx.checkpoint.state import PerRankState, ScalerState
 from freetx.config.compare import fixed_on_resume
 from freetx.config.run_config import write_resolved_config
 from freetx.config.schema import config_as_dict
@@ -88,6 +88,9 @@ class CheckpointConfig:
     keep_last: Optional[int] = at_least(1, default=None)  # None: keep every checkpoint
     async_save: bool = False
     save_final: bool = True
+    # at the end of training, the final checkpoint converted for deployment into
+    # <output_dir>/export/<format>/ (freetx.training.export): hf | peft | safetensors
+    final_export: Optional[Literal["hf", "peft", "safetensors"]] = None
     initial_weights: Optional[str] = None  # safetensors file, DCP folder or HF folder
     # true: this run may replace checkpoints in output_dir that it did not write
     # (resume=never over an old run, or later checkpoints of an abandoned branch)
@@ -283,10 +286,16 @@ class Checkpointer:
         metadata = check_checkpoint_files(path)
         if model is not None and "model" in state:
             check_model_matches(metadata, model, path, include=state["model"].include)
+        saved = metadata.state_dict_metadata
+        state = {
+            key: value
+            for key, value in state.items()
+            if not isinstance(value, ScalerState) or any(k.startswith(f"{key}.") for k in saved)
+        }
         for key, value in state.items():
             if isinstance(value, PerRankState):
                 own = f"{key}.rank_{value.rank}"
-                value.source_rank = value.rank if own in metadata.state_dict_metadata else 0
+                value.source_rank = value.rank if own in saved else 0
         try:
             dcp.load(state, checkpoint_id=str(path), planner=SafeLoadPlanner())
         except CheckpointError:

@@ -6,6 +6,7 @@
                   name; ZeRO-1 saves each rank's partition under the same names
     lr_scheduler  LRSchedulerState: the scheduler's own state_dict
     train         TrainState: step, epoch, tokens seen
+    scaler        ScalerState: float16's loss scale and growth tracker (float16 runs only)
     dataloader    PerRankState: each rank's loader state under `rank_<r>`
     rng           PerRankState: each rank's python / numpy / torch / CUDA RNG
 
@@ -171,6 +172,21 @@ class TrainState(Stateful):
         self.step = int(state_dict["step"])
         self.epoch = int(state_dict["epoch"])
         self.tokens_seen = int(state_dict["tokens_seen"])
+
+
+class ScalerState(Stateful):
+    """The float16 loss scaler's state (scale, growth tracker, factors), the same on every
+    rank. A checkpoint without one (saved by a bfloat16 or float32 run, resumed in float16)
+    leaves the scaler at its initial scale: `Checkpointer.load` loads it only when there."""
+
+    def __init__(self, scaler: torch.amp.GradScaler) -> None:
+        self.scaler = scaler
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.scaler.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.scaler.load_state_dict(state_dict)
 
 
 class PerRankState(Stateful):

@@ -9,7 +9,6 @@ records, and passed to `freetx.checkpoint`, which reads no recipe's config.
 from __future__ import annotations
 
 import argparse
-from typing import Any
 
 INTERMIXED_ARGS = False  # sub-actions (inspect, convert) need plain parsing
 
@@ -81,33 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def recorded_run(path: str) -> dict[str, Any]:
-    """What the run that saved checkpoint `path` recorded in its config, as `convert` and
-    `merge` take it: the folders it started from (`run_folders`: its model path,
-    tokenizer path and initial weights) and its LoRA settings (`lora`, or None)."""
-    from freetx.checkpoint import open_tensors, resolve_checkpoint
-    from freetx.checkpoint.adapters import LoRASettings
-
-    run = open_tensors(resolve_checkpoint(path)).meta.get("config") or {}
-    folders = [
-        (run.get("model") or {}).get("path"),
-        (run.get("tokenizer") or {}).get("path"),
-        (run.get("checkpoint") or {}).get("initial_weights"),
-    ]
-    peft = run.get("peft") or {}
-    lora = None
-    if peft.get("method") == "lora" and "alpha" in peft:
-        lora = LoRASettings(
-            alpha=peft["alpha"],
-            rank=int(peft.get("rank", 0)),
-            dropout=peft.get("dropout", 0.0),
-            use_dora=bool(peft.get("use_dora", False)),
-        )
-    return {"run_folders": [f for f in folders if isinstance(f, str)], "lora": lora}
-
-
 def main(args: argparse.Namespace) -> int:
     from freetx.checkpoint import convert, inspect_report, merge
+    from freetx.training.export import recorded_run
 
     if args.action == "inspect":
         print(inspect_report(args.path))

@@ -42,6 +42,7 @@ from freetx.distributed.frozen import FrozenBase, frozen_base
 from freetx.distributed.groups import ParallelGroups
 from freetx.distributed.init import canonical_name, materialize
 from freetx.distributed.runtime import DistributedRuntime, build_mesh
+from freetx.distributed.scaler import GradScaler
 from freetx.errors import ConfigError
 from freetx.fields import at_least
 from freetx.models.protocol import ExtraForwards, HasBlocks, check_model
@@ -139,7 +140,7 @@ class ParallelPlan:
     strategy: str  # the canonical strategy name (for the banner and checkpoints' meta)
     groups: ParallelGroups  # the ranks by axis (dp, world) and the collectives over them
     cfg: Any  # the `distributed:` section
-    scaler: torch.amp.GradScaler = field(init=False)
+    scaler: GradScaler = field(init=False)  # float16 only: agreed over the dp ranks
 
     @property
     def runtime(self) -> DistributedRuntime:
@@ -156,7 +157,7 @@ class ParallelPlan:
     def __post_init__(self) -> None:
         # enabled only for float16 (a no-op pass-through otherwise)
         enabled = self.cfg.mixed_precision.param_dtype == "float16"
-        self.scaler = torch.amp.GradScaler(self.runtime.device_type, enabled=enabled)
+        self.scaler = GradScaler(self.groups, enabled=enabled)
 
     @property
     def replicated(self) -> bool:
@@ -259,12 +260,6 @@ def check_distributed(cfg: DistributedConfig, layout: Layout = Layout()) -> None
                 "parameters between GPU and CPU, and this run is on the CPU already.",
                 fix="Set distributed.cpu_offload=false (or run on CUDA).",
             )
-    if cfg.mixed_precision.param_dtype == "float16" and strategy in SHARDED:
-        raise ConfigError(
-            "float16 parameters with FSDP need a sharded gradient scaler, which freetx does "
-            "not provide.",
-            fix="Use distributed.mixed_precision.param_dtype=bfloat16, or strategy=ddp.",
-        )
     if layout.world_size is not None:
         replicate_degree(cfg, layout)  # raises when it does not divide the world
 

@@ -7,17 +7,20 @@ from freetx.data import micro_batch_size
 from freetx.distributed import Layout, check_distributed
 from freetx.errors import ConfigError
 from freetx.training.config import TrainingConfig
+from freetx.training.export import built_class, check_final_export
 
 
 def check_layout(cfg: object, layout: Layout) -> None:
     """Every refusal of a training config's layout, made with what `layout` knows: the
-    `distributed:` section (strategy, dtype, offload, hsdp mesh) and the split of the
-    global batch over the data-parallel ranks x accumulation steps. `freetx validate`,
+    `distributed:` section (strategy, dtype, offload, hsdp mesh), the split of the
+    global batch over the data-parallel ranks x accumulation steps, and
+    `checkpoint.final_export` (`check_final_export`). `freetx validate`,
     `freetx run` and `freetx launch` (before they launch anything) and `freetx estimate`
     call it; a running recipe makes the same checks (`build_groups`, `micro_batch_size`)."""
     if not isinstance(cfg, TrainingConfig):  # e.g. generate: nothing is distributed
         return
     check_distributed(cfg.distributed, layout)
+    check_final_export(cfg, built_class(getattr(cfg, "model", None)))
     if layout.world_size is not None:
         micro_batch_size(cfg.batch_size, layout.world_size, cfg.gradient_accumulation_steps)
 

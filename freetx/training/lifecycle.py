@@ -41,6 +41,7 @@ from freetx.checkpoint import (
     ModelState,
     OptimizerState,
     PerRankState,
+    ScalerState,
     TrainState,
     step_name,
 )
@@ -51,6 +52,7 @@ from freetx.entry import at_step
 from freetx.errors import TrainingError
 from freetx.loggers import build_metric_loggers, training_banner
 from freetx.models import flops_per_token, num_parameters
+from freetx.training.export import check_final_export, export_final
 from freetx.training.meters import ThroughputMeter, peak_flops, train_step_metrics
 from freetx.training.profiling import StepProfiler
 from freetx.training.seed import rng_state, set_rng_state
@@ -73,7 +75,7 @@ def training_state(
     the trainable ones are saved; a resume reads the base from there again.
     """
     include = frozen.saved if frozen is not None and frozen.read_from else None
-    return {
+    state: dict[str, Stateful] = {
         "model": ModelState(plan.model, include=include),
         "optimizer": OptimizerState(plan.model, optimizer),
         "lr_scheduler": LRSchedulerState(lr_scheduler),
@@ -81,6 +83,9 @@ def training_state(
         "dataloader": PerRankState(rank, loader.state_dict, loader.load_state_dict),
         "rng": PerRankState(rank, rng_state, set_rng_state),
     }
+    if plan.scaler.is_enabled():  # float16: the loss scale a resume continues with
+        state["scaler"] = ScalerState(plan.scaler)
+    return state
 
 
 class TrainingRun:
@@ -151,6 +156,7 @@ class TrainingRun:
             peak_flops(self.runtime.device, cfg.peak_flops),
         )
         self.lr_scheduler = lr_scheduler
+        self.scaler = plan.scaler
         trainable = sum(p.numel() for p in module.parameters() if p.requires_grad)
         if trainable < sum(p.numel() for p in module.parameters()):
             facts = {"trainable parameters": trainable, **facts}
@@ -160,6 +166,7 @@ class TrainingRun:
                 parameters=num_parameters(module), **facts,
             )
         )  # fmt: skip
+        check_final_export(cfg, type(module))  # the model class is known now
         frozen = self.frozen or self.decide_frozen_base(module)
         self.state = training_state(
             plan, optimizer, lr_scheduler, self.progress, train_loader, self.runtime.rank,
@@ -190,18 +197,24 @@ class TrainingRun:
     def advance(self, grad_norm: float) -> int:
         """Count one optimizer step: step, data epoch, tokens seen, throughput; the NaN
         guard: a non-finite gradient norm means the update was skipped (`optimizer_step`),
-        which is logged, and ends the run under `on_nonfinite: stop` or after
-        `max_nonfinite_skips` in a row; and the stop agreement: every rank learns whether
-        any rank got a stop signal (one collective over the world), so `stopping` is the
+        which is logged, and ends the run under `on_nonfinite: stop` (not for a float16
+        overflow: the loss scaler lowers the scale) or after `max_nonfinite_skips` in a
+        row; and the stop agreement: every rank learns whether any rank got a stop signal (one collective over the world), so `stopping` is the
         same on every rank after this step."""
         if not math.isfinite(grad_norm):
             self.nonfinite_in_a_row += 1
+            # float16: an overflow of the scaled gradients is the loss scaler at work (it
+            # lowers the scale); only max_nonfinite_skips in a row end the run
+            overflow = self.scaler.is_enabled()
+            why = f"float16 overflow, the loss scale is now {self.scaler.get_scale():g}; "
             self.write(
-                f"step {self.progress.step + 1}: the gradient norm is {grad_norm}; the update "
-                f"was skipped ({self.nonfinite_in_a_row} in a row)"
+                f"step {self.progress.step + 1}: the gradient norm is {grad_norm}; "
+                f"{why if overflow else ''}the update was skipped "
+                f"({self.nonfinite_in_a_row} in a row)"
             )
             limit = self.cfg.max_nonfinite_skips
-            if self.cfg.on_nonfinite == "stop" or self.nonfinite_in_a_row >= limit:
+            stop = self.cfg.on_nonfinite == "stop" and not overflow
+            if stop or self.nonfinite_in_a_row >= limit:
                 raise TrainingError(
                     f"the loss or the gradients are not finite at step {self.progress.step + 1} "
                     f"({self.nonfinite_in_a_row} step(s) in a row; on_nonfinite="
@@ -275,7 +288,7 @@ class TrainingRun:
 
     def finish(self, evaluate: Callable[[], dict[str, float]]) -> None:
         """After the loop: evaluate and save the last step, unless already done (also after
-        a resume with nothing left to train). When stopping on a signal: save this step
+        a resume with nothing left to train), then write `checkpoint.final_export`. When stopping on a signal: save this step
         and leave PREEMPTED in output_dir (`freetx run` then exits for a requeue)."""
         if self.stopping:
             if self.saved_step != self.step:
@@ -294,6 +307,16 @@ class TrainingRun:
             self.evaluate(evaluate)
         if self.cfg.checkpoint.save_final and self.saved_step != self.step:
             self.save()
+        fmt = self.cfg.checkpoint.final_export
+        if fmt is not None:
+            self.checkpointer.wait()  # an asynchronous final save is complete
+            if self.runtime.is_rank_zero:  # streamed from the files: no rank gathers
+                path = self.checkpointer.dir / step_name(self.step)
+                written = export_final(path, self.cfg.output_dir, fmt)
+                self.write(
+                    f"exported {path.name} as {fmt} to {written['path']} "
+                    f"({written['bytes'] / 2**20:.1f} MiB)"
+                )
 
     def close(self) -> None:
         if getattr(self, "profiler", None) is not None:

@@ -3,7 +3,8 @@
 For every strategy: the initial weights equal a single-process init with the
 same seed; after one step, gradients and updated weights equal a single-process
 run on the whole global batch. Also: accumulation equivalence, activation
-checkpointing, and that ranks read different samples.
+checkpointing, that ranks read different samples, and the float16 scaler (an Inf in
+one rank's shard skips the step on every rank).
 """
 
 from __future__ import annotations
@@ -12,11 +13,12 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 from torch.autograd.graph import saved_tensors_hooks
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from freetx.data import GlobalBatchSampler
 from freetx.distributed import (
     DistributedConfig,
+    MixedPrecisionConfig,
     ParallelGroups,
     build_groups,
     init_distributed,
@@ -98,6 +100,54 @@ def train_one_step(strategy: str, accumulation: int = 1, **dist_options):
     grads = full_grads(model)
     optimizer.step()
     return init, grads, full_params(model)
+
+
+def scaler_steps(strategy: str | None) -> dict:
+    """Two float16 scaler rounds on hand-made gradients: the first holds an Inf in the
+    last element of one weight (under fsdp and hsdp: in rank 1's shard only), the second
+    is finite (G times the scale). Returns the scale after each update, whether the first
+    round changed a parameter, the unscaled gradients of the second round and the
+    parameters after it. `None`: one process, torch's own GradScaler."""
+    runtime = init_distributed("cpu")
+    with torch.device("meta"):
+        model = make_model()
+    if strategy is None:
+        materialize(model, torch.device("cpu"), SEED)
+        scaler = torch.amp.GradScaler("cpu")
+    else:
+        float16 = MixedPrecisionConfig(param_dtype="float16")
+        cfg = OmegaConf.structured(DistributedConfig(strategy=strategy, mixed_precision=float16))
+        plan = parallelize(model, build_groups(runtime, cfg), cfg, seed=SEED)
+        model, scaler = plan.model, plan.scaler
+    named = dict(unwrap(model).named_parameters())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    generator = torch.Generator().manual_seed(SEED)
+    wanted = {n: torch.randn(p.shape, generator=generator) for n, p in named.items()}
+    inf_in = next(n for n, p in named.items() if p.dim() == 2)
+    init = full_params(model)
+    result: dict = {"scales": [], "wanted": wanted}
+    for finite in (False, True):
+        scale = scaler.scale(torch.ones(())).item()  # what a scaled loss of 1 would be
+        for name, param in named.items():
+            grad = wanted[name] * scale
+            poisoned = not finite and name == inf_in
+            if isinstance(param, DTensor):
+                grad = distribute_tensor(grad, param.device_mesh, param.placements)
+                if poisoned and runtime.rank == 1:
+                    grad.to_local().view(-1)[-1] = float("inf")  # rank 0's shard is finite
+            elif poisoned:
+                grad.view(-1)[-1] = float("inf")
+            param.grad = grad
+        scaler.unscale_(optimizer)
+        if finite:
+            result["grads"] = full_grads(model)
+        scaler.step(optimizer)
+        scaler.update()
+        result["scales"].append(scaler.get_scale())
+        if not finite:
+            result["changed_by_skipped"] = max_diff(full_params(model), init)
+    result["params"] = full_params(model)
+    return result
 
 
 def reference_step():
@@ -409,6 +459,17 @@ def main() -> None:
     reference = blockless_step(None)
     for strategy in ("fsdp", "ddp"):
         results[f"blockless/{strategy}/grad"] = max_diff(blockless_step(strategy), reference)
+
+    reference = scaler_steps(None)
+    for strategy in ("fsdp", "hsdp", "ddp"):
+        sharded = scaler_steps(strategy)
+        results[f"scaler/{strategy}/scales"] = sharded["scales"]
+        results[f"scaler/{strategy}/unscaled"] = max_diff(sharded["grads"], sharded["wanted"])
+        results[f"scaler/{strategy}/params"] = max_diff(sharded["params"], reference["params"])
+        results[f"scaler/{strategy}/changed_by_skipped"] = sharded["changed_by_skipped"]
+    results["scaler/reference/scales"] = reference["scales"]
+    results["scaler/reference/unscaled"] = max_diff(reference["grads"], reference["wanted"])
+    results["scaler/reference/changed_by_skipped"] = reference["changed_by_skipped"]
 
     sampler = GlobalBatchSampler(64, GLOBAL_BATCH, 2, runtime.rank, runtime.world_size, SEED)
     batches = [b for _, b in zip(range(6), iter(sampler))]

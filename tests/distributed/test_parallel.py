@@ -1,4 +1,5 @@
-"""Strategies on 2 gloo processes: same init, same gradients and updates as 1 process."""
+"""Strategies on 2 gloo processes: same init, same gradients and updates as 1 process;
+the float16 scaler skips and scales as on 1 process."""
 
 import pytest
 
@@ -106,3 +107,16 @@ def test_crosscoder_gradients_and_scales_match_single_process(results, activatio
         results[0][f"crosscoder/{activation}/{strategy}/scale"]
         == (results[1][f"crosscoder/{activation}/{strategy}/scale"])
     )  # bit-identical on every rank
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "hsdp", "ddp"])
+def test_float16_scaler_skips_and_scales_like_one_process(results, strategy):
+    """An Inf in rank 1's gradient shard only: both ranks skip the step and halve the
+    scale, as torch's GradScaler does on one process with the whole gradients; a finite
+    round is unscaled exactly and steps to the same parameters."""
+    for rank in results:
+        assert rank["scaler/reference/scales"] == [32768.0, 32768.0]
+        assert rank[f"scaler/{strategy}/scales"] == rank["scaler/reference/scales"]
+        assert rank[f"scaler/{strategy}/changed_by_skipped"] == 0.0
+        assert rank[f"scaler/{strategy}/unscaled"] == 0.0
+        assert rank[f"scaler/{strategy}/params"] == 0.0

@@ -1,6 +1,6 @@
 """The CUDA paths, through the CLI on one GPU: bf16 training with CUDA memory stats, the
-FSDP2 path on NCCL (a world of one with CPU offload), QLoRA's NF4 base, per-block
-compile, the profiler's memory timeline, and `freetx estimate --measure` against the
+FSDP2 path on NCCL (a world of one with CPU offload), float16 and its loss scaler, QLoRA's
+NF4 base, per-block compile, the profiler's memory timeline, and `freetx estimate --measure` against the
 allocator's peak. Skipped where there is no GPU (CI, the 2-core dev machine); run them
 on a GPU machine with `pytest tests/gpu`."""
 
@@ -55,6 +55,23 @@ def test_fsdp2_on_nccl_with_cpu_offload(tmp_path):
     assert "nccl" in result.stdout
     steps = train_records(out)
     assert all(torch.isfinite(torch.tensor(r["loss"])) for r in steps)
+
+
+@pytest.mark.parametrize("offload", [False, True], ids=["fsdp", "fsdp-cpu-offload"])
+def test_float16_with_fsdp_trains_and_resumes(tmp_path, offload):
+    """float16 (V100/T4 have no bfloat16) with fsdp on 1 process: the plain model under
+    autocast; with CPU offload FSDP2 on NCCL, the gradients on the CPU and the scale on
+    the GPU (the scaler's two devices). The scale is saved and resumed."""
+    out = tmp_path / "fp16"
+    options = [f"output_dir={out}", "log_every_n_steps=5", "distributed.strategy=fsdp",
+               "distributed.mixed_precision.param_dtype=float16",
+               f"distributed.cpu_offload={str(offload).lower()}"]  # fmt: skip
+    run_ok("run", "--nproc-per-node", "1", *TINY, *options, "max_steps=20")
+    result = run_ok("run", "--nproc-per-node", "1", *TINY, *options, "max_steps=30")
+    assert "(step 20," in result.stdout
+    steps = train_records(out)
+    assert all(torch.isfinite(torch.tensor(r["loss"])) for r in steps)
+    assert steps[-1]["loss"] < steps[0]["loss"] - 0.5
 
 
 def test_per_block_compile(tmp_path):

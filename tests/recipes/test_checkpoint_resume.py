@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 
 import pytest
+import torch
 
+from freetx.checkpoint import convert, step_name
 from tests.conftest import ASSETS, flat, run_freetx
 
 # constant LR after a 2-step warmup: the schedule does not depend on max_steps,
@@ -87,6 +90,46 @@ def test_resume_at_another_world_size_and_strategy(tmp_path, straight_losses):
     a, b = straight_losses("fsdp", 0.0), losses(resumed)
     for step in range(5, 9):
         assert b[step] == pytest.approx(a[step], rel=1e-4), step
+
+
+def scaler_state(output_dir, step: int) -> tuple[float, int]:
+    """The loss scale and growth tracker a checkpoint holds (read as `freetx checkpoint
+    convert` to .pt reads them)."""
+    full = output_dir / f"full_{step}.pt"
+    convert(output_dir / "checkpoints" / step_name(step), full)
+    state = torch.load(full, weights_only=True)
+    return state["scaler.scale"], state["scaler._growth_tracker"]
+
+
+FLOAT16 = "distributed.mixed_precision.param_dtype=float16"
+
+
+def test_float16_with_fsdp_saves_and_resumes_its_loss_scale(tmp_path):
+    """float16 on a sharded strategy (the scaler agreed over the ranks): its checkpoints
+    hold the loss scale and its growth tracker (one per step without an Inf), and a
+    resume continues them. The resumed run ends with `checkpoint.final_export`."""
+    out = tmp_path / "fp16"
+    result = train(out, "max_steps=2", FLOAT16)
+    assert "strategy fsdp" in result.stdout and "precision param float16" in result.stdout
+    assert scaler_state(out, 2) == (65536.0, 2)
+    result = train(out, "max_steps=4", FLOAT16, "checkpoint.final_export=safetensors")
+    assert scaler_state(out, 4) == (65536.0, 4)  # restored: 2 more, not 2 afresh
+    assert sorted(losses(out)) == list(range(1, 5))
+    assert all(math.isfinite(loss) for loss in losses(out).values())
+    # the final export: what `freetx checkpoint convert` writes from the last checkpoint
+    exported = out / "export" / "safetensors" / "model.safetensors"
+    assert f"to {exported}" in result.stdout
+    convert(out / "checkpoints" / step_name(4), tmp_path / "converted.safetensors")
+    assert exported.read_bytes() == (tmp_path / "converted.safetensors").read_bytes()
+
+
+@pytest.mark.slow
+def test_float16_resume_of_a_float32_checkpoint_starts_the_scaler_afresh(tmp_path):
+    out = tmp_path / "fp32_then_fp16"
+    train(out, "max_steps=2")  # float32: the checkpoint holds no scaler
+    result = train(out, "max_steps=4", FLOAT16)
+    assert "(step 2," in result.stdout
+    assert scaler_state(out, 4) == (65536.0, 2)  # two steps since the scaler started
 
 
 def test_rank_killed_during_a_save_leaves_the_previous_checkpoint(tmp_path, straight_losses):

@@ -33,6 +33,26 @@ def test_llm_tiny_two_processes_loss_falls(tmp_path):
     assert (tmp_path / "config.yaml").exists()
 
 
+def test_float16_with_fsdp_on_two_processes_rides_out_an_overflow(tmp_path):
+    """float16 on fsdp (a batch of 4 overflows at step 2 on the CPU): the scaler skips the
+    update on both ranks and halves the scale, which `on_nonfinite: stop` does not count
+    as a failure; training goes on."""
+    result = run_freetx(
+        "run", "--nproc-per-node", "2", "full_finetune_fsdp2", "--config", "llm/tiny",
+        f"output_dir={tmp_path}", "max_steps=3", "log_every_n_steps=1", "eval.max_batches=1",
+        "batch_size=4", "dataset.seq_len=32", "eval.batch_size=4", "on_nonfinite=stop",
+        "distributed.mixed_precision.param_dtype=float16", "~metric_loggers[2]",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "strategy fsdp" in result.stdout and "precision param float16" in result.stdout
+    assert "step 2: the gradient norm is inf; float16 overflow, the loss scale is now 32768" in (
+        result.stdout
+    )
+    train = [r for r in read_metrics(tmp_path) if "loss" in r]
+    assert [r["step"] for r in train] == [1, 2, 3]
+    assert train[1]["grad_norm"] == float("inf") and train[2]["grad_norm"] < 100
+
+
 BAD_INPUTS = [
     (["distributed.strategy=fsdq"], "'distributed.strategy' must be one of"),
     (["distributed.strategy=hsdp", "distributed.replicate_degree=3"], "does not divide"),

@@ -1,6 +1,7 @@
 """A pretrained HF folder through the CLI: full fine-tuning on 2 processes from a folder
 transformers wrote (weights, tokenizer, chat template), export back to an HF folder that
-transformers loads with the same logits, and sampling from it."""
+transformers loads with the same logits (by `checkpoint.final_export=hf` at the end of the
+run, and by `freetx checkpoint convert --to hf`: the same tensors), and sampling from it."""
 
 from __future__ import annotations
 
@@ -24,13 +25,26 @@ def model_dir(tmp_path_factory):
     return folder
 
 
+def same_tensors(a, b) -> bool:
+    """Whether two HF folders hold the same tensors (however sharded)."""
+    from safetensors.torch import load_file
+
+    def tensors(folder):
+        return {k: v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+    left, right = tensors(a), tensors(b)
+    return left.keys() == right.keys() and all(torch.equal(left[k], right[k]) for k in left)
+
+
 def test_finetune_export_and_generate(tmp_path, model_dir):
     run = tmp_path / "run"
     result = run_freetx(
         "run", "--nproc-per-node", "2", "full_finetune_fsdp2", "--config", "llm/hf_tiny_full",
         f"model_dir={model_dir}", f"output_dir={run}", "max_steps=20", "log_every_n_steps=5",
+        "checkpoint.final_export=hf",
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
+    assert f"exported step_000020 as hf to {run / 'export' / 'hf'}" in result.stdout
     assert f"initial weights from {model_dir}" in result.stdout
     records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in records if "loss" in r]
@@ -56,6 +70,14 @@ def test_finetune_export_and_generate(tmp_path, model_dir):
     ids = torch.randint(0, 384, (2, 64))
     with torch.no_grad():
         assert (hf_logits(out, ids) - ours.eval()(ids)).abs().max() < 1e-4
+        # the final export equals the conversion: the same files, the same tensors
+        final = run / "export" / "hf"
+        assert (hf_logits(final, ids) - ours.eval()(ids)).abs().max() < 1e-4
+    assert sorted(p.name for p in final.iterdir() if not p.name.startswith("model")) == sorted(
+        p.name for p in out.iterdir() if not p.name.startswith("model")
+    )
+    assert same_tensors(final, out)
+    assert (final / "config.json").read_bytes() == (out / "config.json").read_bytes()
     tokenizer = transformers.AutoTokenizer.from_pretrained(out)
     assert tokenizer.eos_token == "<|eot_id|>"
     config = json.loads((out / "config.json").read_text())

@@ -1,6 +1,8 @@
 """LoRA, DoRA, QLoRA and Spectrum through the CLI on 2 processes, on a base that llm/tiny
 pretrained: the validation loss falls below the base's, checkpoints hold only what
-trains, resume is exact, and the adapters export to PEFT and merge into an HF folder."""
+trains, resume is exact, and the adapters export to PEFT (at the end of the run with
+`checkpoint.final_export=peft`, and by `freetx checkpoint convert`) and merge into an HF
+folder."""
 
 from __future__ import annotations
 
@@ -94,7 +96,9 @@ def test_adapters_export_to_peft_and_merge_with_the_same_logits(tmp_path, base, 
     transformers = pytest.importorskip("transformers")
     peft = pytest.importorskip("peft")
     base_dir, _ = base
-    train(base_dir, tmp_path / "run", config, "max_steps=4", "optimizer.lr=0.02")
+    result = train(base_dir, tmp_path / "run", config, "max_steps=4", "optimizer.lr=0.02",
+                   "checkpoint.final_export=peft")  # fmt: skip
+    assert "exported step_000004 as peft" in result.stdout
     ckpt = tmp_path / "run" / "checkpoints" / "step_000004"
     for args in (
         ["checkpoint", "convert", str(base_dir), str(tmp_path / "base_hf"), "--to", "hf"],
@@ -118,8 +122,18 @@ def test_adapters_export_to_peft_and_merge_with_the_same_logits(tmp_path, base, 
         )
         merged = auto.from_pretrained(tmp_path / "merged").eval()(ids).logits
         plain = auto.from_pretrained(tmp_path / "base_hf").eval()(ids).logits
+        # the run's final export on a base that transformers' save_pretrained wrote
+        auto.from_pretrained(tmp_path / "base_hf").save_pretrained(tmp_path / "base_saved")
+        final = tmp_path / "run" / "export" / "peft"
+        exported = peft.PeftModel.from_pretrained(
+            auto.from_pretrained(tmp_path / "base_saved"), final
+        )
+        from_export = exported.eval()(ids).logits
     assert (with_adapter - plain).abs().max() > 1e-2  # the adapter changed something
     assert (with_adapter - merged).abs().max() < 1e-4
+    assert torch.equal(from_export, with_adapter)
+    for name in ("adapter_model.safetensors", "adapter_config.json"):  # the same bytes
+        assert (final / name).read_bytes() == (tmp_path / "adapter" / name).read_bytes(), name
 
 
 def test_bad_peft_input_is_one_paragraph(tmp_path, base):

@@ -1,0 +1,127 @@
+"""`checkpoint.final_export`: the model users deploy, written when training ends.
+
+    checkpoint:
+      final_export: hf        # hf | peft | safetensors | null (default: none)
+
+After the final DCP save, rank 0 converts that checkpoint the way `freetx
+checkpoint convert --to FORMAT` does (the same function, `convert`), into
+`<output_dir>/export/<format>/`: hf (an HF transformers folder: config.json, weights
+in shards of 5GB, the tokenizer files of the folder the run started from), peft (a
+LoRA / DoRA run's adapter_model.safetensors + adapter_config.json) or safetensors
+(`model.safetensors`, freetx's names). The conversion reads the saved checkpoint
+one tensor at a time and writes it straight to the file: no rank gathers the model
+and nothing holds more than one tensor. Every recipe goes through `TrainingRun.finish`,
+so every recipe exports.
+
+`check_final_export` refuses what cannot be exported (validate, run, launch and the
+run itself call it), before anything is trained.
+"""
+
+from __future__ import annotations
+
+import typing
+from pathlib import Path
+from typing import Any
+
+from freetx.checkpoint import convert, open_tensors, resolve_checkpoint
+from freetx.checkpoint.adapters import LoRASettings
+from freetx.config.instantiate import COMPONENT, import_component
+from freetx.errors import ConfigError
+from freetx.models.protocol import HFLayoutModel
+
+EXPORT_DIR = "export"
+FILE_NAMES = {"safetensors": "model.safetensors"}  # the other formats are folders
+
+
+def export_path(output_dir: str | Path, fmt: str) -> Path:
+    """Where `final_export: fmt` writes: <output_dir>/export/<fmt>/ (a folder; for
+    safetensors the file model.safetensors in it)."""
+    folder = Path(output_dir) / EXPORT_DIR / fmt
+    return folder / FILE_NAMES[fmt] if fmt in FILE_NAMES else folder
+
+
+def recorded_run(path: str | Path) -> dict[str, Any]:
+    """What the run that saved checkpoint `path` recorded in its config, as `convert` and
+    `merge` take it: the folders it started from (`run_folders`: its model path,
+    tokenizer path and initial weights) and its LoRA settings (`lora`, or None)."""
+    run = open_tensors(resolve_checkpoint(path)).meta.get("config") or {}
+    folders = [
+        (run.get("model") or {}).get("path"),
+        (run.get("tokenizer") or {}).get("path"),
+        (run.get("checkpoint") or {}).get("initial_weights"),
+    ]
+    peft = run.get("peft") or {}
+    lora = None
+    if peft.get("method") == "lora" and "alpha" in peft:
+        lora = LoRASettings(
+            alpha=peft["alpha"],
+            rank=int(peft.get("rank", 0)),
+            dropout=peft.get("dropout", 0.0),
+            use_dora=bool(peft.get("use_dora", False)),
+        )
+    return {"run_folders": [f for f in folders if isinstance(f, str)], "lora": lora}
+
+
+def export_final(checkpoint: Path, output_dir: str | Path, fmt: str) -> dict[str, Any]:
+    """Convert the final checkpoint into `export_path(output_dir, fmt)`, replacing an
+    earlier export of this run (it is made from the checkpoint, which stays)."""
+    dst = export_path(output_dir, fmt)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    return convert(checkpoint, dst, to=fmt, overwrite=True, **recorded_run(checkpoint))
+
+
+def built_class(model_node: Any) -> type | None:
+    """The class a `model:` node builds: the `_component_` itself when it is a class, the
+    return annotation of a builder function; None when neither says (a recipe that
+    builds its model otherwise)."""
+    if not hasattr(model_node, "get") or not isinstance(model_node.get(COMPONENT), str):
+        return None
+    target = import_component(model_node[COMPONENT], f"model.{COMPONENT}")
+    if isinstance(target, type):
+        return target
+    try:
+        built = typing.get_type_hints(target).get("return")
+    except (NameError, TypeError):
+        return None
+    return built if isinstance(built, type) else None
+
+
+def check_final_export(cfg: Any, model_class: type | None) -> None:
+    """Refuse a `checkpoint.final_export` this run could not write, naming the fix.
+    `cfg`: a training config; `model_class`: what its model is (None: not known yet).
+    peft needs a LoRA run; hf and safetensors a run whose checkpoints hold the whole
+    model (not LoRA's or Spectrum's trained part only) and, for hf, a model class with
+    an HF layout."""
+    fmt = cfg.checkpoint.final_export
+    if fmt is None:
+        return
+    if not cfg.checkpoint.save_final:
+        raise ConfigError(
+            f"checkpoint.final_export={fmt} converts the final checkpoint, and "
+            "checkpoint.save_final=false saves none.",
+            fix="Set checkpoint.save_final=true, or checkpoint.final_export=null.",
+        )
+    peft = getattr(cfg, "peft", None)
+    method = getattr(peft, "method", "none")
+    if fmt == "peft" and method != "lora":
+        raise ConfigError(
+            "checkpoint.final_export=peft writes LoRA adapters, and this run trains none "
+            f"(peft.method={method}).",
+            fix="Set peft.method=lora, or export the whole model: checkpoint.final_export=hf "
+            "or safetensors.",
+        )
+    if fmt != "peft" and method != "none":
+        raise ConfigError(
+            f"checkpoint.final_export={fmt} writes the whole model, and a peft.method={method} "
+            "run's checkpoints hold only what it trains.",
+            fix="Use checkpoint.final_export=peft (LoRA), or after the run `freetx checkpoint "
+            "merge CKPT --base MODEL DST` for a merged HF folder.",
+        )
+    if fmt == "hf" and model_class is not None:
+        layout = model_class.hf_layout if isinstance(model_class, HFLayoutModel) else None
+        if layout is None:
+            raise ConfigError(
+                f"checkpoint.final_export=hf needs a model with an HF transformers layout, and "
+                f"{model_class.__qualname__} has none.",
+                fix="Use checkpoint.final_export=safetensors.",
+            )
