@@ -8,10 +8,14 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shlex
+import shutil
+import subprocess
+import sys
 
 import pytest
 
-from tests.conftest import ASSETS, flat, run_freetx, run_freetx_here
+from tests.conftest import ASSETS, REPO, flat, run_freetx, run_freetx_here
 
 TINY = ["max_steps=2", "batch_size=4", "log_every_n_steps=1", "eval.every_n_steps=0",
         "checkpoint.save_final=false", "metric_loggers=[{_component_: freetx.loggers.JSONLLogger}]"]  # fmt: skip
@@ -114,18 +118,43 @@ def test_an_activation_cache_in_a_folder_of_other_files_is_refused(tmp_path, a_f
     assert hashes(tmp_path) == before
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into a 0o555 folder; the cases "
-                    "above (a file in the path) cover the refusal as root")  # fmt: skip
-def test_a_read_only_output_dir_is_refused_before_launch(tmp_path):
-    folder = tmp_path / "ro"
+def read_only(folder, *args: str):
+    """Run `freetx ARGS` with `folder` read-only: a read-only bind mount in a mount namespace
+    of its own as root (chmod does not stop root), chmod 0o555 otherwise."""
     folder.mkdir()
-    folder.chmod(0o555)
-    try:
-        result = run_freetx("run", "--nproc-per-node", "2", "full_finetune_fsdp2", "--config",
-                            "llm/tiny", f"output_dir={folder}/run")  # fmt: skip
-        assert f"{folder}: Permission denied" in one_paragraph(result)
-    finally:
-        folder.chmod(0o755)
+    if os.geteuid() != 0:
+        folder.chmod(0o555)
+        try:
+            return run_freetx(*args)
+        finally:
+            folder.chmod(0o755)
+    if not shutil.which("unshare"):
+        pytest.skip("root without unshare: no way to make a folder read-only here")
+    mount = f"mount --bind {folder} {folder} && mount -o remount,bind,ro {folder}"
+    command = " ".join(shlex.quote(a) for a in [sys.executable, "-m", "freetx", *args])
+    result = subprocess.run(["unshare", "-m", "sh", "-c", f"{mount} && exec {command}"],
+                            cwd=REPO, capture_output=True, text=True, timeout=300)  # fmt: skip
+    if "mount:" in result.stderr or "unshare:" in result.stderr:
+        pytest.skip(f"no mount namespace here: {result.stderr.strip()}")
+    return result
+
+
+@pytest.mark.parametrize(
+    "args,key",
+    [(["validate", "llm/tiny"], "output_dir"),
+     (["run", "ad_ddp", "--config", "ad/darkroom_tiny"], "data_dir"),
+     (["validate", "crosscoder/lm_layers_tiny", "activations.mode=cache"], "activations.cache")],
+    ids=["output_dir", "data_dir", "activations.cache"],
+)  # fmt: skip
+def test_a_folder_on_a_read_only_disk_is_refused_before_any_work(tmp_path, args, key):
+    folder = tmp_path / "ro"
+    result = read_only(folder, *args, f"{key}={folder}/sub")
+    assert result.returncode == 1, result.stdout + result.stderr
+    cause = "Read-only file system" if os.geteuid() == 0 else "Permission denied"
+    assert f"{key}={folder}/sub cannot be written: {folder}: {cause}" in flat(
+        result.stdout + result.stderr
+    )
+    assert "Traceback" not in result.stderr and "world size" not in result.stdout
 
 
 def test_a_file_where_the_run_writes_a_file_is_one_paragraph_naming_it(tmp_path):
