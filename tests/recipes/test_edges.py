@@ -157,6 +157,23 @@ def test_a_folder_on_a_read_only_disk_is_refused_before_any_work(tmp_path, args,
     assert "Traceback" not in result.stderr and "world size" not in result.stdout
 
 
+@pytest.mark.parametrize(
+    "args,elsewhere",
+    [(["estimate", "llm/tiny", "--json", "{file}/x.json"], "another --json PATH"),
+     (["cp", "llm/tiny", "{file}/t.yaml"], "another DEST"),
+     (["launch", "slurm", "-o", "{file}/job.sbatch", "full_finetune_fsdp2", "--config", "llm/tiny"],
+      "another -o FILE")],
+    ids=["estimate", "cp", "launch"],
+)  # fmt: skip
+def test_a_user_file_under_a_file_is_refused_before_any_work(tmp_path, a_file, args, elsewhere):
+    before = hashes(tmp_path)
+    result = run_freetx_here(*[a.format(file=a_file) for a in args])
+    message = one_paragraph(result)
+    assert f"{a_file} is a file, and freetx writes a folder there" in message
+    assert f"Give {elsewhere}." in message
+    assert hashes(tmp_path) == before
+
+
 def test_a_file_where_the_run_writes_a_file_is_one_paragraph_naming_it(tmp_path):
     (tmp_path / "metrics.jsonl").mkdir()  # the JSONL logger's file is a folder
     result = run_freetx("run", "full_finetune_fsdp2", "--config", "llm/tiny",
