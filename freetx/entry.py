@@ -35,6 +35,7 @@ from freetx.errors import (
     USER_ERROR_KEY,
     FreetxError,
     debug_enabled,
+    files_errors_explained,
     lost_a_peer,
     report_error,
 )
@@ -115,7 +116,8 @@ def run_from_argv(
         # every rank parses the same config; one message is enough
         return report_error(e, "freetx") if rank == 0 else e.exit_code
     try:
-        recipe_main(cfg)
+        with files_errors_explained():
+            recipe_main(cfg)
         return 0
     except FreetxError as e:
         _record_for_torchrun(e)

@@ -8,9 +8,12 @@ and exit with `exit_code`.
 
 from __future__ import annotations
 
+import errno
 import os
 import sys
 import textwrap
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 # The exit code of a rank that stopped only because another rank failed first
 # (its collective broke); `freetx run` leaves such ranks out of its summary.
@@ -123,3 +126,57 @@ def report_error(error: FreetxError, prefix: str = "freetx") -> int:
     """Print a user error to stderr and return its exit code."""
     print(format_error(error, prefix), file=sys.stderr, flush=True)
     return error.exit_code
+
+
+# OS errors of a file or folder (not of a socket: a peer's failure is told apart elsewhere)
+FILE_ERRNOS = {
+    errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOTDIR,
+    errno.EISDIR, errno.EEXIST, errno.ENAMETOOLONG, errno.EIO, errno.EFBIG, errno.ENOENT,
+}  # fmt: skip
+
+
+def os_error_in(error: BaseException | None) -> OSError | None:
+    """The first file OSError in an exception's chain (its cause or the exception it was
+    raised while handling: torch.save's "unexpected pos" hides the full disk there)."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, OSError) and error.errno in FILE_ERRNOS:
+            return error
+        error = error.__cause__ or error.__context__
+    return None
+
+
+def file_error(error: OSError, path: object = None) -> FreetxError:
+    """One paragraph for an OS error on a path: the path, the cause (strerror), the fix."""
+    where = error.filename if error.filename is not None else path
+    cause = error.strerror or str(error)
+    fixes = {
+        errno.ENOSPC: "free space on that disk or point the path elsewhere",
+        errno.EDQUOT: "free space within your quota or point the path elsewhere",
+        errno.EROFS: "point the path at a writable disk",
+        errno.EACCES: "make it writable for this user or point the path elsewhere",
+        errno.EPERM: "make it writable for this user or point the path elsewhere",
+    }
+    fix = fixes.get(error.errno, "fix the path or point it elsewhere")
+    return FreetxError(
+        f"{where if where is not None else 'a file'}: {cause} (errno {errno.errorcode.get(error.errno, error.errno)}). "
+        f"freetx stopped there; {fix}, then run the same command again (saved checkpoints "
+        "are only replaced by complete ones, so a resume continues from the newest)."
+    )
+
+
+@contextmanager
+def files_errors_explained() -> Iterator[None]:
+    """Turn an error caused by a file's OS error (a full disk, a read-only folder, no
+    permission), also one raised while handling it, into one paragraph (`file_error`);
+    other errors, and every error under --debug, pass as they are."""
+    try:
+        yield
+    except FreetxError:
+        raise
+    except Exception as e:
+        found = os_error_in(e)
+        if found is None or debug_enabled():
+            raise
+        raise file_error(found) from e

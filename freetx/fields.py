@@ -27,6 +27,30 @@ def at_least(minimum: int, default: Any = _REQUIRED) -> Any:
     return dataclasses.field(default=default, metadata={MIN_KEY: minimum})
 
 
+WRITES_KEY = "writes"
+
+
+def written_folder(default: Any = _REQUIRED, *, own: bool = False) -> Any:
+    """A schema field naming a folder the command writes into (None: not used). `freetx
+    run` and `freetx validate` check it can be written before anything is launched
+    (`freetx.files.check_written_folders`). `own`: the folder is freetx's alone (a
+    cache), so an existing folder holding other files is refused too."""
+    return dataclasses.field(default=default, metadata={WRITES_KEY: "own" if own else "any"})
+
+
+def written_folders(config: Any, path: str = "") -> list[tuple[str, str, bool]]:
+    """(key, folder, own) of every `written_folder` field set in a config dataclass
+    instance and its dataclass sections, keys named from the top ("activations.cache")."""
+    found = []
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name, None)
+        if f.metadata.get(WRITES_KEY) and isinstance(value, str) and value:
+            found.append((path + f.name, value, f.metadata[WRITES_KEY] == "own"))
+        elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+            found.extend(written_folders(value, f"{path}{f.name}."))
+    return found
+
+
 @runtime_checkable
 class ChecksMeaning(Protocol):
     """A config dataclass that can tell which of its values make a knob meaningless."""

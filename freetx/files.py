@@ -49,6 +49,7 @@ def refuse_existing(
     """
     dst = Path(destination)
     if not (dst.exists() or dst.is_symlink()):
+        check_writable_folder(dst.absolute().parent, elsewhere=elsewhere)
         return
     if dst.is_dir() and not replaces_folder:
         raise FreetxError(
@@ -121,3 +122,45 @@ def staged_output(destination: Path) -> Iterator[Path]:
         ) from None
     finally:
         _remove(staged)
+
+
+def check_writable_folder(
+    folder: str | Path, key: str | None = None, own: bool = False, elsewhere: str = "another path"
+) -> None:
+    """Refuse, before any work, a folder a command is to write into that cannot be: a
+    file in its place or above it, a read-only disk, no permission; with `own` (a cache
+    freetx alone writes), also an existing folder holding files that are not freetx's.
+    `key`: the config key that names it; else the fix is to give `elsewhere`."""
+    path = Path(folder).expanduser().absolute()
+    name = f"{key}={folder}" if key else str(folder)
+    existing = path
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        what = "is a file" if existing == path else f"lies under {existing}, which is a file"
+        fix = f"Point {key} at a folder (or a path that does not exist yet)" if key else ""
+        raise FreetxError(
+            f"{name} {what}, and freetx writes a folder there; nothing was written. "
+            f"{fix or 'Give ' + elsewhere}."
+        )
+    if not os.access(existing, os.W_OK | os.X_OK):
+        read_only = os.statvfs(existing).f_flag & os.ST_RDONLY
+        cause = "Read-only file system" if read_only else "Permission denied"
+        fix = f"Point {key} at a writable folder" if key else f"Give {elsewhere}"
+        raise FreetxError(
+            f"{name} cannot be written: {existing}: {cause}; nothing was written. {fix}"
+            + ("." if read_only else ", or make it writable for this user.")
+        )
+    if own and existing == path and any(path.iterdir()) and not _is_shard_cache(path):
+        raise FreetxError(
+            f"{name} is a folder holding other files, and freetx writes its cache there "
+            f"alone; nothing was written. Point {key} at a new folder (or an existing cache "
+            "of freetx)."
+        )
+
+
+def _is_shard_cache(path: Path) -> bool:
+    """A folder freetx's shard cache wrote (complete or interrupted)."""
+    return all(
+        p.name == "metadata.json" or p.name.startswith(("shard_", ".")) for p in path.iterdir()
+    )

@@ -43,6 +43,7 @@ from freetx.envs import (
     state_index,
 )
 from freetx.errors import ConfigError
+from freetx.fields import written_folder
 from freetx.training import (
     TrainingConfig,
     TrainingRun,
@@ -83,7 +84,7 @@ class ADRecipeConfig(TrainingConfig):
         *TrainingConfig.fixed_on_resume, "model", "env", "histories",
     )  # fmt: skip
 
-    data_dir: Optional[str] = None  # histories; null: <output_dir>/data
+    data_dir: Optional[str] = written_folder(None)  # histories; null: <output_dir>/data
     env: DarkRoomConfig = field(default_factory=DarkRoomConfig)
     histories: HistoryConfig = field(default_factory=HistoryConfig)
     model: Any = MISSING

@@ -225,7 +225,7 @@ class CrosscoderRecipeFSDP2:
         rows = torch.tensor(float(len(val_rows)), dtype=torch.float64)
         sums = {"recon_loss": recon, "l0": l0, "rows": rows}
         totals = self.groups.sum_tensors({k: v.to(self.device) for k, v in sums.items()})
-        rows = float(totals.pop("rows"))
+        rows = max(float(totals.pop("rows")), 1.0)  # no validation rows: 0, not a ZeroDivision
         metrics = {f"val/{k}": float(v) / rows for k, v in totals.items()}
         metrics.update({f"val/{k}": v for k, v in stats.read(self.groups.sum_tensors).items()})
         decoder = full_tensor(self.plan.module.W_dec)  # a collective when sharded

@@ -89,6 +89,7 @@ class FullFinetuneRecipeFSDP2:
         self.tokenizer = instantiate(cfg.tokenizer)
         train_set = instantiate(cfg.dataset, tokenizer=self.tokenizer, split="train")
         val_set = instantiate(cfg.dataset, tokenizer=self.tokenizer, split="validation")
+        self.run.report_cuts(train_set, val_set)  # samples cut or dropped at seq_len
         self.seq_len = train_set.seq_len
         self.val_loader = build_eval_loader(val_set, cfg.eval.batch_size, rank, world_size)
 

@@ -31,6 +31,7 @@ from freetx.data import leading_bos
 from freetx.distributed import init_distributed
 from freetx.entry import parse
 from freetx.errors import ConfigError
+from freetx.fields import written_folder
 from freetx.loggers import build_metric_loggers
 from freetx.models import LatentModel
 
@@ -40,7 +41,7 @@ class GenerateConfig:
     """The schema of generate's configs."""
 
     checkpoint: str = MISSING  # run output_dir, DCP folder, .safetensors file or HF folder
-    output_dir: str = "runs/generate"
+    output_dir: str = written_folder("runs/generate")
     device: str = "auto"
     seed: int = 0
     tokenizer: Any = field(default_factory=lambda: {"_component_": "freetx.data.ByteTokenizer"})

@@ -28,7 +28,9 @@ import dataclasses
 import hashlib
 import json
 import os
+import queue
 import shutil
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,7 +40,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
 from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.filesystem import _write_files_from_queue
 from torch.distributed.checkpoint.stateful import Stateful
+from torch.futures import Future
 
 import freetx
 from freetx.checkpoint.files import (
@@ -49,6 +53,7 @@ from freetx.checkpoint.files import (
     check_checkpoint_files,
     check_model_matches,
     describe_dcp_error,
+    describe_save_error,
     read_meta,
 )
 from freetx.checkpoint.identity import changed_inputs, input_identity, same_input
@@ -103,7 +108,48 @@ def config_hash(model_config: dict[str, Any]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-class _StagingWriter(FileSystemWriter):
+class _Writer(FileSystemWriter):
+    """DCP's file writer, `WRITE_THREADS` threads a rank, whose threads hand a failure to
+    the save. DCP's own threads print their traceback and end, and the save goes on
+    without their files (a full disk: a traceback per thread, then a failure elsewhere
+    that names no cause); here the first failure is raised by the rank's write, which
+    DCP reports to every rank."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__(path, thread_count=WRITE_THREADS)
+
+    def _write_data(self, planner, file_queue: queue.Queue) -> Future:
+        results: queue.Queue = queue.Queue()
+        failures: list[BaseException] = []
+
+        def work() -> None:
+            try:
+                _write_files_from_queue(
+                    create_stream=self.fs.create_stream, file_queue=file_queue,
+                    result_queue=results, planner=planner, transforms=self.transforms,
+                    inflight_threshhold=self.per_thread_copy_ahead, use_fsync=self.sync_files,
+                    thread_count=self.thread_count, serialization_format=self.serialization_format,
+                )  # fmt: skip
+            except BaseException as e:  # raised below, in the rank's own thread
+                failures.append(e)
+
+        threads = [threading.Thread(target=work) for _ in range(1, self.thread_count)]
+        for thread in threads:
+            thread.start()
+        work()
+        for thread in threads:
+            thread.join()
+        if failures:
+            raise failures[0]
+        written: list = []
+        while not results.empty():
+            written += results.get_nowait()
+        future: Future = Future()
+        future.set_result(written)
+        return future
+
+
+class _StagingWriter(_Writer):
     """A DCP writer for async saves that keeps its CPU copy of the state between saves.
 
     Staging then copies into memory it already has instead of allocating the
@@ -113,7 +159,7 @@ class _StagingWriter(FileSystemWriter):
     """
 
     def __init__(self, path: str) -> None:
-        super().__init__(path, thread_count=WRITE_THREADS)
+        super().__init__(path)
         self._staged: dict[str, Any] | None = None
 
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
@@ -151,10 +197,11 @@ class Checkpointer:
         notices = []
         try:
             lock_notice = self._lock.acquire()  # creates output_dir
+            self.dir.mkdir(exist_ok=True)  # a file in its place fails now, not at the save
         except OSError as e:
             raise CheckpointError(
-                f"cannot write to output_dir {self.output_dir} ({e.strerror}). Pick an "
-                "output_dir you can write to (output_dir=PATH)."
+                f"cannot write to output_dir {self.output_dir} ({e.filename}: {e.strerror}). "
+                "Pick an output_dir you can write to (output_dir=PATH)."
             ) from None
         if lock_notice:
             notices.append(lock_notice)
@@ -322,7 +369,7 @@ class Checkpointer:
                 )  # fmt: skip
                 self._pending = (future, tmp, final, meta)
                 return
-            writer = FileSystemWriter(str(tmp), thread_count=WRITE_THREADS)
+            writer = _Writer(str(tmp))
             dcp.save(state, storage_writer=writer, process_group=self.host.group)
         except DCP_ERRORS as e:
             self._fail(tmp, step, e)
@@ -341,22 +388,28 @@ class Checkpointer:
         self._finalize(tmp, final, meta)
 
     def _fail(self, tmp: Path, step: int, error: Exception) -> None:
+        cause = describe_save_error(error, self.dir)  # before the partial save is removed
         if self.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         latest = self.latest()
         untouched = (
             f"Earlier checkpoints are untouched (latest: {latest.name if latest else 'none'})"
         )
-        cause = describe_dcp_error(error)
-        if lost_a_peer(error) or lost_a_peer(cause):  # the cause is the rank that ended
-            raise CheckpointError(
+        if any(lost_a_peer(e) for e in (error, describe_dcp_error(error), cause)):
+            raise CheckpointError(  # the cause is the rank that ended, not this save
                 f"saving checkpoint {step_name(step)} to {self.dir} stopped because another "
                 f"rank's process ended during the save. {untouched}; the partial save was "
                 "removed. Once that rank's cause is fixed, run the same command to resume."
             ) from error
+        resume = (
+            f"run the same command to resume from {latest.name} (resume=auto)"
+            if latest
+            else "run the same command again (no checkpoint was saved yet)"
+        )
         raise CheckpointError(
-            f"saving checkpoint {step_name(step)} to {self.dir} failed: {cause}. {untouched}; "
-            "fix the cause (disk space, permissions) and resume with resume=auto."
+            f"saving checkpoint {step_name(step)} to {self.dir} failed: {cause}. {untouched} "
+            f"and the incomplete save was removed. Fix the cause (free disk space, fewer kept "
+            f"checkpoints with checkpoint.keep_last, or another output_dir), then {resume}."
         ) from error
 
     def _finalize(self, tmp: Path, final: Path, meta: dict) -> None:

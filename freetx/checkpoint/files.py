@@ -10,8 +10,10 @@ with `torch.load(weights_only=True)`: a checkpoint is data, never code.
 
 from __future__ import annotations
 
+import errno
 import io
 import json
+import shutil
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
@@ -26,7 +28,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-from freetx.errors import CheckpointError, first_line
+from freetx.errors import CheckpointError, first_line, os_error_in
 
 META_FILE = "meta.json"
 FROZEN_FROM = "frozen_from"  # meta.json: the base of a checkpoint without its frozen weights
@@ -49,6 +51,35 @@ def describe_dcp_error(error: BaseException) -> str:
         rank, (cause, _trace) = sorted(error.failures.items())[0]
         return f"{type(cause).__name__}: {first_line(cause)} (on rank {rank})"
     return first_line(error)
+
+
+# below this much free space on the disk of a failed save, the disk is taken to be full
+FULL_DISK_BYTES = 64 * 2**20
+
+
+def describe_save_error(error: BaseException, folder: Path) -> str:
+    """Why a save into `folder` failed: the OS error in any rank's failure (a full disk,
+    a read-only folder; torch.save hides ENOSPC behind "unexpected pos"), else DCP's own
+    message, with the free space when the disk holding `folder` is (nearly) full."""
+    causes = [error]
+    if isinstance(error, CheckpointException):
+        causes = [cause for _, (cause, _trace) in sorted(error.failures.items())] + causes
+    for cause in causes:
+        found = os_error_in(cause)
+        if found is not None:
+            full = found.errno in (errno.ENOSPC, errno.EDQUOT)
+            cause = found.strerror or str(found)
+            if full:
+                return f"the disk is full ({cause})"
+            return f"{found.filename}: {cause}" if found.filename else cause
+    message = describe_dcp_error(error)
+    try:
+        free = shutil.disk_usage(folder).free
+    except OSError:
+        return message
+    if free < FULL_DISK_BYTES:
+        return f"{message}; the disk holding it has {free // 2**20} MiB free: it is full"
+    return message
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):

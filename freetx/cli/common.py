@@ -76,15 +76,38 @@ def load_recipe(name_or_path: str) -> RecipeTarget:
     )
 
 
-def at_least_one(value: str) -> int:
-    """An argparse type for counts (processes, ranks, replicas): a whole number >= 1."""
-    try:
-        number = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{value!r} is not a whole number") from None
-    if number < 1:
-        raise argparse.ArgumentTypeError(f"{number} is less than 1")
-    return number
+def number(
+    kind: type = int,
+    at_least: float | None = None,
+    above: float | None = None,
+    at_most: float | None = None,
+):
+    """An argparse type for a number flag: `kind` (int: a whole number) within bounds, so
+    that a count of 0, a negative size or a share over 1 is refused before any work."""
+
+    def parse(value: str):
+        try:
+            result = kind(value)
+        except ValueError:
+            what = "a whole number" if kind is int else "a number"
+            raise argparse.ArgumentTypeError(f"{value!r} is not {what}") from None
+        if result != result or result in (float("inf"), float("-inf")):  # nan, inf
+            raise argparse.ArgumentTypeError(f"{value!r} is not a finite number")
+        if at_least is not None and result < at_least:
+            raise argparse.ArgumentTypeError(f"{value} is less than {at_least:g}")
+        if above is not None and result <= above:
+            raise argparse.ArgumentTypeError(f"{value} is not above {above:g}")
+        if at_most is not None and result > at_most:
+            raise argparse.ArgumentTypeError(f"{value} is more than {at_most:g}")
+        return result
+
+    parse.__name__ = kind.__name__
+    return parse
+
+
+at_least_one = number(int, at_least=1)  # counts: processes, ranks, replicas, nodes
+at_least_zero = number(int, at_least=0)  # restarts, ranks' indices
+port = number(int, at_least=1, at_most=65535)
 
 
 def config_device(device: str) -> str | None:

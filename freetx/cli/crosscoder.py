@@ -14,6 +14,8 @@ import argparse
 import json
 from pathlib import Path
 
+from freetx.cli.common import at_least_zero
+
 INTERMIXED_ARGS = False
 
 
@@ -23,7 +25,9 @@ def build_parser() -> argparse.ArgumentParser:
     analyze = sub.add_parser("analyze", help="model diffing: relative decoder norms and more")
     analyze.add_argument("checkpoint", help="a crosscoder run's output_dir or a checkpoint")
     analyze.add_argument("-o", "--output", help="folder (default: RUN/analysis)")
-    analyze.add_argument("--sources", nargs=2, type=int, default=[0, 1], metavar=("A", "B"))
+    analyze.add_argument(
+        "--sources", nargs=2, type=at_least_zero, default=[0, 1], metavar=("A", "B")
+    )
     analyze.add_argument(
         "--overwrite", action="store_true", help="replace an earlier analysis in the folder"
     )

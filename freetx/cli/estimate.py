@@ -12,7 +12,7 @@ from typing import Any
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from freetx.cli.common import at_least_one
+    from freetx.cli.common import at_least_one, number
 
     p = argparse.ArgumentParser(prog="freetx estimate", description=__doc__.splitlines()[0])
     p.add_argument("config", help="a built-in config name or a .yaml path")
@@ -20,7 +20,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--world-size", type=at_least_one, default=8)
     p.add_argument("--replicas", type=at_least_one, default=1, help="hsdp: replica groups")
     p.add_argument("--device", choices=("h100", "a100", "cpu"), default="h100")
-    p.add_argument("--mfu", type=float, default=0.4, help="the share of peak FLOP/s reached")
+    p.add_argument("--mfu", type=number(float, above=0, at_most=1), default=0.4,
+                   help="the share of peak FLOP/s reached, in (0, 1]")  # fmt: skip
     p.add_argument("--recipe", help="for a config file outside the built-in ones")
     p.add_argument(
         "--measure",

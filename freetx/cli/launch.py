@@ -13,6 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from freetx.cli.common import at_least_one, at_least_zero, port
+
 INTERMIXED_ARGS = False
 SLURM_TIME = re.compile(
     r"^(\d+|\d+:\d{2}|\d+:\d{2}:\d{2}|\d+-\d+|\d+-\d+:\d{2}|\d+-\d+:\d{2}:\d{2})$"
@@ -32,13 +34,13 @@ def host_name(value: str) -> str:
 
 
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--nodes", type=int, default=1)
+    p.add_argument("--nodes", type=at_least_one, default=1)
     p.add_argument("--gpus-per-node", type=int, default=None,
                    help="GPUs (= processes) per node")  # fmt: skip
-    p.add_argument("--nproc-per-node", type=int, default=1, help="processes per CPU node")
-    p.add_argument("--port", "--master-port", type=int, default=29500,
+    p.add_argument("--nproc-per-node", type=at_least_one, default=1, help="processes per CPU node")
+    p.add_argument("--port", "--master-port", type=port, default=29500,
                    help="the rendezvous port (torchrun's --master-port)")  # fmt: skip
-    p.add_argument("--max-restarts", type=int, default=0,
+    p.add_argument("--max-restarts", type=at_least_zero, default=0,
                    help="torchrun restarts the group this often after a rank dies")  # fmt: skip
     p.add_argument("--python", default=sys.executable, help="the interpreter that has freetx")
     p.add_argument("recipe", help="a built-in recipe name or a recipe .py file")
@@ -52,10 +54,10 @@ def build_parser() -> argparse.ArgumentParser:
     _common(slurm)
     for flag in ("partition", "time", "account", "mem-per-gpu", "mem", "setup"):
         slurm.add_argument(f"--{flag}")
-    slurm.add_argument("--cpus-per-task", type=int)
+    slurm.add_argument("--cpus-per-task", type=at_least_one)
     slurm.add_argument("--job-name", default="freetx")
     slurm.add_argument("--env", action="append", default=[], metavar="NAME=VALUE")
-    slurm.add_argument("--signal-seconds", type=int, default=90,
+    slurm.add_argument("--signal-seconds", type=at_least_one, default=90,
                        help="SIGUSR1 this long before the time limit: save, then requeue")  # fmt: skip
     slurm.add_argument("--log", default="slurm-%j.out", help="the job's log file")
     slurm.add_argument("-o", "--output", help="write the script here (default: print it)")
@@ -67,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     _common(torchrun)
     torchrun.add_argument("--master-addr", required=True, type=host_name,
                           help="the host of node 0: a host name or an IP address")  # fmt: skip
-    torchrun.add_argument("--node-rank", type=int, help="only this node's command")
+    torchrun.add_argument("--node-rank", type=at_least_zero, help="only this node's command")
     return p
 
 

@@ -15,7 +15,7 @@ import sys
 import traceback
 
 from freetx import __version__
-from freetx.errors import FreetxError, debug_enabled, report_error
+from freetx.errors import FreetxError, debug_enabled, files_errors_explained, report_error
 from freetx.noise import quiet_known_noise
 
 SUBCOMMANDS = {
@@ -79,30 +79,36 @@ def main(argv: list[str] | None = None) -> int:
     if "--debug" in global_flags:
         os.environ["FREETX_DEBUG"] = "1"  # children (torchrun workers) inherit it
     try:
-        if command == "run":
-            # `run` takes torchrun's launch options before the recipe, so it
-            # parses its own arguments with torchrun's parser.
-            from freetx.cli import run
-
-            return run.main(rest)
-        if command in SUBCOMMANDS:
-            module = importlib.import_module(f"freetx.cli.{MODULES.get(command, command)}")
-            parser = module.build_parser()
-            # intermixed parsing lets options follow overrides; parsers with
-            # sub-actions (checkpoint inspect/convert) cannot use it
-            intermixed = getattr(module, "INTERMIXED_ARGS", True)
-            args = parser.parse_intermixed_args(rest) if intermixed else parser.parse_args(rest)
-            return module.main(args)
-        parser = build_parser()
-        parser.parse_args(argv)  # --help, --version, or an unknown command (exit 2)
-        parser.print_help()
-        return 2
+        with files_errors_explained():
+            return _dispatch(argv, command, rest)
     except FreetxError as e:
         if debug_enabled():
             traceback.print_exc()
         return report_error(e)
     except KeyboardInterrupt:
         return 130
+
+
+def _dispatch(argv: list[str], command: str | None, rest: list[str]) -> int:
+    """Run the subcommand; its exit code."""
+    if command == "run":
+        # `run` takes torchrun's launch options before the recipe, so it
+        # parses its own arguments with torchrun's parser.
+        from freetx.cli import run
+
+        return run.main(rest)
+    if command in SUBCOMMANDS:
+        module = importlib.import_module(f"freetx.cli.{MODULES.get(command, command)}")
+        parser = module.build_parser()
+        # intermixed parsing lets options follow overrides; parsers with
+        # sub-actions (checkpoint inspect/convert) cannot use it
+        intermixed = getattr(module, "INTERMIXED_ARGS", True)
+        args = parser.parse_intermixed_args(rest) if intermixed else parser.parse_args(rest)
+        return module.main(args)
+    parser = build_parser()
+    parser.parse_args(argv)  # --help, --version, or an unknown command (exit 2)
+    parser.print_help()
+    return 2
 
 
 if __name__ == "__main__":

@@ -32,10 +32,29 @@ examples:
 """
 
 
+def _nodes(value: str) -> str:
+    """torchrun's --nnodes: N, or MIN:MAX for an elastic job, each at least 1."""
+    import argparse
+
+    low, _, high = value.partition(":")
+    if not (low.isdigit() and (high == "" or high.isdigit())):
+        raise argparse.ArgumentTypeError(f"{value!r} is not N or MIN:MAX (whole numbers)")
+    if int(low) < 1 or (high and int(high) < int(low)):
+        raise argparse.ArgumentTypeError(f"{value}: nodes must be at least 1 (and MIN <= MAX)")
+    return value
+
+
 def _torchrun_parser():
     import argparse
 
     from torch.distributed.run import get_args_parser
+
+    from freetx.cli.common import at_least_zero, number, port
+
+    # torchrun's numbers, checked here instead of by assertions (or not at all) in torchrun
+    types = {"nnodes": _nodes, "max_restarts": at_least_zero, "node_rank": at_least_zero,
+             "monitor_interval": number(float, above=0), "master_port": port,
+             "shutdown_timeout": at_least_zero}  # fmt: skip
 
     parser = get_args_parser()
     parser.prog = "freetx run"
@@ -43,6 +62,7 @@ def _torchrun_parser():
     parser.description = DESCRIPTION
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     for action in parser._actions:
+        action.type = types.get(action.dest, action.type)
         if action.dest == "training_script":
             action.metavar = "RECIPE"
             action.help = "a built-in recipe name or a path to a recipe .py file"
@@ -65,6 +85,7 @@ def main(argv: list[str]) -> int:
     from freetx.config.loading import resolve_config_path
     from freetx.config.run_config import load_recipe_config, split_recipe_args
     from freetx.config.schema import config_as_dict
+    from freetx.training import check_written_folders
 
     parser = _torchrun_parser()
     args = parser.parse_args(argv)
@@ -73,6 +94,7 @@ def main(argv: list[str]) -> int:
     config, overrides = split_recipe_args(args.training_script_args)
     target = load_recipe(args.training_script)
     cfg = load_recipe_config(config, overrides, target.schema)  # fail fast, before launching
+    check_written_folders(cfg)  # a read-only output_dir or cache fails here, not on N ranks
     config_path = resolve_config_path(config)
     script_args = ["--config", str(config_path), *overrides]
     output_dir = config_as_dict(cfg).get("output_dir")  # where a stopped run says so

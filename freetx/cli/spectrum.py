@@ -19,6 +19,8 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from freetx.cli.common import at_least_one, number
+
 INTERMIXED_ARGS = False
 CACHE_NAME = "spectrum_scores.json"
 
@@ -32,12 +34,13 @@ def build_parser() -> argparse.ArgumentParser:
     scan.add_argument(
         "model", help="an HF folder, a run's output_dir, a DCP checkpoint, .safetensors"
     )
-    scan.add_argument("--top-percent", type=float, default=25.0, help="of each kind (default 25)")
+    scan.add_argument("--top-percent", type=number(float, above=0, at_most=100), default=25.0,
+                      help="of each kind, in (0, 100] (default 25)")  # fmt: skip
     scan.add_argument(
         "-o", "--output", help="the selection file (default: MODEL/spectrum_top<P>.yaml)"
     )
     scan.add_argument(
-        "--nproc-per-node", type=int, default=1, help="processes to split the work over"
+        "--nproc-per-node", type=at_least_one, default=1, help="processes to split the work over"
     )
     scan.add_argument("--rescan", action="store_true", help="ignore cached scores")
     scan.add_argument(

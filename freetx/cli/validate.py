@@ -41,7 +41,7 @@ def main(args: argparse.Namespace) -> int:
     from freetx.config.schema import apply_schema, as_schema_instance
     from freetx.distributed import Layout
     from freetx.errors import ConfigError
-    from freetx.training import check_layout
+    from freetx.training import check_layout, check_written_folders
 
     recipe_name = args.recipe
     if recipe_name is None:
@@ -59,8 +59,11 @@ def main(args: argparse.Namespace) -> int:
             instance = as_schema_instance(apply_schema(cfg, target.schema), target.schema)
             device = config_device(cfg.get("device", "auto"))
             check_layout(instance, Layout(args.world_size, device_type=device))
+            check_written_folders(instance)
         except ConfigError as e:
             problems = [*e.problems[:-1], f"{e.problems[-1]} {e.fix or ''}".rstrip()]
+        except FreetxError as e:  # a folder the run would write cannot be written
+            problems = [str(e)]
     if problems:
         print(
             f"{args.config}: {len(problems)} problem{'s' if len(problems) > 1 else ''} "

@@ -42,7 +42,7 @@ from torch.utils.data import Dataset
 from freetx.data.sampling import build_train_loader, micro_batch_size
 from freetx.data.shard_cache import ShardCache
 from freetx.errors import ConfigError, DataError
-from freetx.fields import at_least
+from freetx.fields import at_least, written_folder
 
 
 @dataclass
@@ -67,7 +67,7 @@ class ActivationsConfig:
         "_component_": "freetx.data.PackedTextDataset", "source": "builtin", "seq_len": 64})  # fmt: skip
     mode: Literal["buffer", "cache"] = "buffer"
     sequences_per_refill: int = at_least(1, default=32)  # buffer: per rank, per refill
-    cache: Optional[str] = None  # cache: the folder (written once, reused, checked)
+    cache: Optional[str] = written_folder(None, own=True)  # cache: the folder (written once)
     source_dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: bf16 on CUDA
     normalize_rows: int = at_least(1, default=4096)  # per rank, to estimate the scales
 

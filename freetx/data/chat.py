@@ -28,7 +28,8 @@ import torch
 from torch.utils.data import Dataset
 
 from freetx.data.instruct import builtin_examples
-from freetx.data.sampling import IGNORE_INDEX, check_split, split_examples
+from freetx.data.sampling import check_split, split_examples
+from freetx.data.seq_len import Encoded, fit_to_seq_len, fixed_length_sample
 from freetx.data.text import read_jsonl, source_files
 from freetx.errors import DataError
 
@@ -108,21 +109,23 @@ class ChatDataset(Dataset):
             ]  # fmt: skip
         else:
             conversations = read_conversations(source)
-        self.conversations = split_examples(conversations, split, val_fraction)
-        if not self.conversations:
+        conversations = split_examples(conversations, split, val_fraction)
+        if not conversations:
             raise DataError(f"the {split} split of {source} is empty; add conversations.")
         self.files_read = source_files(source)
         self.tokenizer = tokenizer
         self.seq_len = seq_len
-        # render one now, so that a template that does not fit the data fails at startup
-        self.encode(0)
+        # all rendered now: a template that does not fit the data fails at startup, and
+        # conversations whose replies lie past seq_len are counted and dropped
+        encoded = [self.encode(where, messages) for where, messages in conversations]
+        kept, self.fit = fit_to_seq_len(encoded, seq_len, split, source)
+        self.samples = [encoded[i] for i in kept]
 
     def __len__(self) -> int:
-        return len(self.conversations)
+        return len(self.samples)
 
-    def encode(self, index: int) -> tuple[list[int], list[bool]]:
-        """Conversation `index`'s token ids, and for each whether it is the assistant's."""
-        where, messages = self.conversations[index]
+    def encode(self, where: str, messages: Messages) -> Encoded:
+        """A conversation's token ids, and for each whether it is the assistant's."""
         tok = self.tokenizer
         try:
             text = tok.apply_chat_template(messages)
@@ -138,16 +141,7 @@ class ChatDataset(Dataset):
         return ids, is_reply
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        ids, is_reply = self.encode(index)
-        ids = ids[: self.seq_len + 1]
-        targets = [t if reply else IGNORE_INDEX for t, reply in zip(ids, is_reply)]
-        pad = self.seq_len + 1 - len(ids)
-        ids += [self.tokenizer.pad_id] * pad
-        targets += [IGNORE_INDEX] * pad
-        return {
-            "input_ids": torch.tensor(ids[:-1], dtype=torch.long),
-            "labels": torch.tensor(targets[1:], dtype=torch.long),
-        }
+        return fixed_length_sample(self.samples[index], self.seq_len, self.tokenizer.pad_id)
 
 
 def _reply_span(tok, messages: Messages, i: int, text: str) -> tuple[int, int]:

@@ -20,7 +20,8 @@ import torch
 from torch.utils.data import Dataset
 
 from freetx.data.corpus import builtin_documents
-from freetx.data.sampling import IGNORE_INDEX, check_split, split_examples
+from freetx.data.sampling import check_split, split_examples
+from freetx.data.seq_len import Encoded, fit_to_seq_len, fixed_length_sample
 from freetx.data.text import read_jsonl, source_files
 from freetx.data.tokenizers import leading_bos
 from freetx.errors import DataError
@@ -76,27 +77,26 @@ class InstructDataset(Dataset):
             if source == "builtin"
             else read_examples(source)
         )
-        self.examples = split_examples(examples, split, val_fraction)
-        if not self.examples:
+        examples = split_examples(examples, split, val_fraction)
+        if not examples:
             raise DataError(f"the {split} split of {source} is empty; add examples.")
         self.files_read = source_files(source)
         self.tokenizer = tokenizer
         self.seq_len = seq_len
+        encoded = [self.encode(example) for example in examples]
+        kept, self.fit = fit_to_seq_len(encoded, seq_len, split, source)
+        self.examples = [examples[i] for i in kept]
+        self.samples = [encoded[i] for i in kept]
 
-    def __len__(self) -> int:
-        return len(self.examples)
-
-    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+    def encode(self, example: dict[str, str]) -> Encoded:
+        """BOS + prompt + response + EOS, and for each token whether it is a target."""
         tok = self.tokenizer
-        example = self.examples[index]
         prompt = [*leading_bos(tok), *tok.encode(example["prompt"])]
         response = [*tok.encode(example["response"]), tok.eos_id]
-        ids = (prompt + response)[: self.seq_len + 1]
-        targets = ([IGNORE_INDEX] * len(prompt) + response)[: self.seq_len + 1]
-        pad = self.seq_len + 1 - len(ids)
-        ids += [tok.pad_id] * pad
-        targets += [IGNORE_INDEX] * pad
-        return {
-            "input_ids": torch.tensor(ids[:-1], dtype=torch.long),
-            "labels": torch.tensor(targets[1:], dtype=torch.long),
-        }
+        return prompt + response, [False] * len(prompt) + [True] * len(response)
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return fixed_length_sample(self.samples[index], self.seq_len, self.tokenizer.pad_id)

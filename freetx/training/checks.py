@@ -3,9 +3,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from freetx.data import micro_batch_size
 from freetx.distributed import Layout, check_distributed
 from freetx.errors import ConfigError
+from freetx.fields import written_folders
+from freetx.files import check_writable_folder
 from freetx.training.config import TrainingConfig
 from freetx.training.export import built_class, check_final_export
 
@@ -40,3 +44,12 @@ def check_model_and_data(model_config, tokenizer, seq_len: int) -> None:
             f"{model_config.max_seq_len}.",
             fix=f"Lower dataset.seq_len, or set model.max_seq_len={seq_len}.",
         )
+
+
+def check_written_folders(cfg: object) -> None:
+    """Every folder a config has a command write into (`written_folder` fields: output_dir,
+    caches, data folders) can be written: made before anything is launched (`freetx run`,
+    `freetx validate`), so a read-only disk costs no start-up."""
+    if dataclasses.is_dataclass(cfg):
+        for key, folder, own in written_folders(cfg):
+            check_writable_folder(folder, key, own)

@@ -9,7 +9,7 @@ from omegaconf import MISSING
 
 from freetx.checkpoint import CheckpointConfig
 from freetx.distributed import DistributedConfig
-from freetx.fields import at_least
+from freetx.fields import at_least, written_folder
 from freetx.training.lr_schedule import LRScheduleConfig
 from freetx.training.profiling import ProfilerConfig
 
@@ -33,7 +33,7 @@ class TrainingConfig:
     # Every other key may change on resume; the change is applied and listed.
     fixed_on_resume: ClassVar[tuple[str, ...]] = ("seed", "batch_size", "optimizer._component_")
 
-    output_dir: str = MISSING
+    output_dir: str = written_folder()
     seed: int = 0
     device: Literal["auto", "cpu", "cuda"] = "auto"
     max_steps: int = at_least(1)

@@ -47,6 +47,7 @@ from freetx.checkpoint import (
 )
 from freetx.checkpoint.checkpointer import build_meta
 from freetx.checkpoint.state import LRSchedulerState
+from freetx.data.seq_len import CutsToSeqLen
 from freetx.distributed import FrozenBase, HostGroup, ParallelGroups, ParallelPlan, frozen_base
 from freetx.entry import at_step
 from freetx.errors import TrainingError
@@ -275,6 +276,13 @@ class TrainingRun:
     def write(self, text: str) -> None:
         """A line on the console (rank 0)."""
         self.loggers.write(text)
+
+    def report_cuts(self, *datasets) -> None:
+        """A line on the console (rank 0) for each dataset whose samples were cut at its
+        seq_len: how many, and how many were left with no loss tokens (dropped)."""
+        for data in datasets:
+            if isinstance(data, CutsToSeqLen) and data.fit.cut:
+                self.write(data.fit.line())
 
     def evaluate(self, evaluate: Callable[[], dict[str, float]]) -> None:
         """Run the recipe's evaluation (every rank) and log what it returns."""

@@ -124,7 +124,8 @@ def train_step_metrics(
     totals, memory = groups.sum_and_max(
         {k: v.detach() for k, v in sums.items()}, memory_stats(groups.runtime.device)
     )
-    metrics = {name: value / float(num_tokens) for name, value in totals.items()}
+    units = max(float(num_tokens), 1.0)  # a window without loss tokens logs 0, not NaN
+    metrics = {name: value / units for name, value in totals.items()}
     metrics["lr"] = float(lr_scheduler.get_last_lr()[0])  # torchao keeps lr as a tensor
     metrics["grad_norm"] = grad_norm
     metrics.update(meter.read())

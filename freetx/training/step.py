@@ -49,7 +49,8 @@ def accumulate_gradients(
             with plan.autocast():
                 loss, extras = compute_loss(batch)
             # DDP and FSDP average gradients over the data-parallel ranks: multiply back
-            plan.scaler.scale(loss * plan.dp_size / total).backward()
+            # a global batch without units (its loss is 0) divides by 1, not 0
+            plan.scaler.scale(loss * plan.dp_size / total.clamp(min=1)).backward()
         sums["loss"] += loss.detach()
         for name, value in extras.items():
             sums[name] = sums.get(name, 0) + value

@@ -226,7 +226,7 @@ def test_chat_ids_match_transformers_and_only_replies_are_supervised(
     assert len(data) == len(CONVERSATIONS)  # every 5th is validation: none of 3
     for index, messages in enumerate(CONVERSATIONS):
         expected = fast.apply_chat_template(messages, tokenize=True)["input_ids"]
-        ids, _ = data.encode(index)
+        ids, _ = data.samples[index]
         assert ids == expected
         sample = data[index]
         assert sample["input_ids"][: len(ids) - 1].tolist() == ids[:-1]
@@ -242,7 +242,7 @@ def test_truncation_and_padding(folders, tmp_path):
     tok = HFTokenizer(str(folder))
     source = write_jsonl(tmp_path / "chat.jsonl", [{"messages": CONVERSATIONS[0]}])
     full = ChatDataset(tok, source, seq_len=200, val_fraction=0.2)
-    ids, is_reply = full.encode(0)
+    ids, is_reply = full.samples[0]
     sample = full[0]
     n = len(ids)
     assert sample["input_ids"].shape == sample["labels"].shape == (200,)

@@ -118,3 +118,17 @@ def test_estimate_measure_refuses_frozen_parameters_with_a_message():
     assert "frozen parameters" in flat(result.stderr) and "Leave out --measure" in flat(
         result.stderr
     )
+
+
+def test_a_logged_window_without_loss_tokens_logs_zero_not_a_division_by_zero():
+    from freetx.distributed import DistributedRuntime, ParallelGroups
+    from freetx.training.meters import ThroughputMeter, train_step_metrics
+
+    groups = ParallelGroups(DistributedRuntime(0, 0, 1, torch.device("cpu")))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1), lambda step: 1.0
+    )
+    metrics = train_step_metrics(
+        groups, {"loss": torch.zeros(())}, 0, 1.0, scheduler, ThroughputMeter(1.0, 1, None)
+    )
+    assert metrics["loss"] == 0.0

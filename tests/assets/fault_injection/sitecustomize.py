@@ -25,6 +25,37 @@ if _target:
 
     filesystem._FileSystemWriter.write_data = write_data
 
+# With FREETX_TEST_DISK_FULL=<step name>, every rank's writes into that save fail as on a
+# full disk: the first 4 KiB of a data file land, then write() raises ENOSPC.
+_full = os.environ.get("FREETX_TEST_DISK_FULL")
+if _full:
+    import contextlib
+    import errno
+
+    from torch.distributed.checkpoint import filesystem
+
+    class _FullDisk:
+        def __init__(self, stream):
+            self._stream, self._left = stream, 4096
+
+        def write(self, data):
+            size = len(memoryview(data).cast("B"))
+            if size > self._left:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            self._left -= size
+            return self._stream.write(data)
+
+        def __getattr__(self, name):
+            return getattr(self._stream, name)
+
+    _create_stream = filesystem.FileSystem.create_stream
+
+    @contextlib.contextmanager
+    def create_stream(self, path, mode):
+        with _create_stream(self, path, mode) as stream:
+            yield _FullDisk(stream) if _full in str(path) and "w" in mode else stream
+
+    filesystem.FileSystem.create_stream = create_stream
 
 # Faults at a training step (counted by the calls of the per-step all-reduce, on the
 # first attempt only, so a restarted group runs clean):

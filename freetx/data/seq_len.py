@@ -1,0 +1,94 @@
+"""Samples cut to `seq_len`: how many were cut, how many lost every loss token.
+
+A prompt/response or chat sample is its token ids and, for each token, whether it is
+a target (the response's or the assistant's). Cut to `seq_len + 1` tokens, a sample
+whose targets all lie past the cut has no loss tokens: it is dropped (axolotl drops
+such samples too; torchtune keeps them and trains on nothing). `fit_to_seq_len` counts
+both and refuses a split left with no loss tokens at all; the recipe prints
+`SeqLenFit.line()` on rank 0 when anything was cut.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from freetx.data.sampling import IGNORE_INDEX
+from freetx.errors import DataError
+
+Encoded = tuple[list[int], list[bool]]  # token ids, and whether each is a target
+
+
+@dataclass(frozen=True)
+class SeqLenFit:
+    """What cutting a split's samples to seq_len did."""
+
+    split: str
+    source: str
+    seq_len: int
+    samples: int  # before dropping
+    cut: int  # longer than seq_len + 1 tokens (their tail is not trained on)
+    dropped: int  # of those, left with no loss tokens
+
+    def line(self) -> str:
+        return (
+            f"dataset {self.source} ({self.split}): {self.cut} of {self.samples} samples cut at "
+            f"seq_len={self.seq_len}, {self.dropped} left with no loss tokens (dropped)"
+        )
+
+
+@runtime_checkable
+class CutsToSeqLen(Protocol):
+    """A dataset whose samples are cut to seq_len; `fit` says what that did."""
+
+    fit: SeqLenFit
+
+
+def loss_tokens_within(encoded: Encoded, seq_len: int) -> int:
+    """The targets a sample keeps once cut to seq_len + 1 tokens (the first token is
+    never a label)."""
+    return sum(encoded[1][1 : seq_len + 1])
+
+
+def fit_to_seq_len(
+    encoded: list[Encoded], seq_len: int, split: str, source: str
+) -> tuple[list[int], SeqLenFit]:
+    """The indices of the samples that keep a loss token within seq_len, and the counts.
+
+    Raises DataError when none does: the split would train (or validate) on nothing.
+    """
+    kept = [i for i, e in enumerate(encoded) if loss_tokens_within(e, seq_len) > 0]
+    cut = sum(len(ids) > seq_len + 1 for ids, _ in encoded)
+    fit = SeqLenFit(split, source, seq_len, len(encoded), cut, len(encoded) - len(kept))
+    if not kept:
+        first_target = min((mask.index(True) for _, mask in encoded if True in mask), default=None)
+        where = (
+            f"the earliest response starts at token {first_target}"
+            if first_target is not None
+            else "no sample has a target token at all"
+        )
+        raise DataError(
+            f"the {split} split of {source} has no loss tokens: in all {len(encoded)} samples "
+            f"the response (or assistant turn) lies past dataset.seq_len={seq_len} tokens "
+            f"({where}), so there is nothing to train or validate on. Raise dataset.seq_len "
+            "(and model.max_seq_len with it), shorten the prompts, or check that the chat "
+            "template marks the assistant's replies."
+        )
+    return kept, fit
+
+
+def fixed_length_sample(encoded: Encoded, seq_len: int, pad_id: int) -> dict[str, torch.Tensor]:
+    """{"input_ids", "labels"}, each [seq_len]: the tokens cut to seq_len + 1 and padded
+    with pad_id; labels the next token where it is a target, IGNORE_INDEX elsewhere."""
+    ids, is_target = encoded
+    ids = ids[: seq_len + 1]
+    targets = [t if target else IGNORE_INDEX for t, target in zip(ids, is_target)]
+    pad = seq_len + 1 - len(ids)
+    ids = ids + [pad_id] * pad
+    targets += [IGNORE_INDEX] * pad
+    return {
+        "input_ids": torch.tensor(ids[:-1], dtype=torch.long),
+        "labels": torch.tensor(targets[1:], dtype=torch.long),
+    }
