@@ -13,6 +13,7 @@ from freetx.checkpoint.loading import (
     load_source_model,
     model_from_checkpoint,
     resolve_checkpoint,
+    source_model_on_meta,
 )
 from freetx.checkpoint.run_folder import step_name
 from freetx.checkpoint.state import (
@@ -42,6 +43,7 @@ __all__ = [
     "load_initial_weights",
     "load_model",
     "load_source_model",
+    "source_model_on_meta",
     "merge",
     "model_from_checkpoint",
     "open_tensors",

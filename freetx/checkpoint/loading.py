@@ -131,8 +131,39 @@ def load_source_model(path: str, device: torch.device, dtype: str = "auto") -> n
     if dtype == "auto":
         dtype = "bfloat16" if device.type == "cuda" else "float32"
     torch_dtype = dtype_named(dtype)
+    return _freetx_else_transformers(
+        path,
+        lambda: load_model(path, device).to(torch_dtype),
+        lambda auto: auto.from_pretrained(path, dtype=torch_dtype).to(device).eval(),
+    )
+
+
+def source_model_on_meta(path: str) -> nn.Module:
+    """The model `load_source_model` reads from `path`, on the meta device: its shapes and
+    parameter count from what the checkpoint recorded or the HF folder's config.json,
+    without reading a weight (`freetx estimate`)."""
+
+    def freetx_model() -> nn.Module:
+        from freetx.models import build_model
+
+        model_class, model_config = model_from_checkpoint(resolve_checkpoint(path))
+        with torch.device("meta"):
+            return build_model(model_class, model_config)
+
+    def hf_model(auto) -> nn.Module:
+        from transformers import AutoConfig
+
+        with torch.device("meta"):
+            return auto.from_config(AutoConfig.from_pretrained(path))
+
+    return _freetx_else_transformers(path, freetx_model, hf_model)
+
+
+def _freetx_else_transformers(path: str, freetx_model, hf_model) -> nn.Module:
+    """`freetx_model()`, else, for an HF folder freetx cannot read and with transformers
+    installed, `hf_model(AutoModelForCausalLM)`; else freetx's own error."""
     try:
-        return load_model(path, device).to(torch_dtype)
+        return freetx_model()
     except Exception as freetx_error:
         try:
             from transformers import AutoModelForCausalLM
@@ -140,5 +171,4 @@ def load_source_model(path: str, device: torch.device, dtype: str = "auto") -> n
             raise freetx_error from None
         if not (Path(path).expanduser() / "config.json").is_file():
             raise
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
-        return model.to(device).eval()
+        return hf_model(AutoModelForCausalLM)

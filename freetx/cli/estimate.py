@@ -1,6 +1,7 @@
 """`freetx estimate CONFIG [key=value ...] --world-size N [--device h100|a100|cpu]`: memory
-per rank and step time of a decoder config for every strategy, before renting GPUs
-(freetx/training/estimate.py says what is counted and what is not)."""
+per rank and step time of a training config (a decoder's, AD's, a crosscoder's) for every
+strategy, before renting GPUs (freetx/training/estimate.py says what is counted and what
+is not)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mfu", type=number(float, above=0, at_most=1), default=0.4,
                    help="the share of peak FLOP/s reached, in (0, 1]")  # fmt: skip
     p.add_argument("--recipe", help="for a config file outside the built-in ones")
+    p.add_argument("--source-dim", type=at_least_one, metavar="D",
+                   help="a crosscoder's hooked width, where its source models cannot be read "
+                   "yet (a run not made) or the hooks are not on the residual stream")  # fmt: skip
     p.add_argument(
         "--measure",
         action="store_true",
@@ -37,29 +41,37 @@ def build_parser() -> argparse.ArgumentParser:
 @dataclasses.dataclass
 class ConfigEstimate:
     """`estimate_config`'s answer: the meta model, the micro-batch per rank (sequences of
-    `seq_len` tokens), a row per strategy a run would accept, and why it refuses the rest."""
+    `seq_len` tokens; a crosscoder's rows: 1), a row per strategy a run would accept, why
+    it refuses the rest, and a crosscoder's sources (None for other models)."""
 
     model: Any
     micro: int
     seq_len: int
     rows: list  # freetx.training.estimate.Estimate
     refused: dict[str, str]
+    sources: Any = None  # freetx.training.estimate.ActivationSources
 
 
 def estimate_config(
-    cfg: Any, world_size: int, device: str, mfu: float = 0.4, replicas: int = 1
+    cfg: Any,
+    world_size: int,
+    device: str,
+    mfu: float = 0.4,
+    replicas: int = 1,
+    source_dim: int | None = None,
 ) -> ConfigEstimate:
-    """The analytic estimate of a decoder config (a schema instance) at `world_size` ranks of
-    `device` (a key of freetx.training.estimate.DEVICES), under the run's own checks: a batch
-    that does not split refuses it all; a strategy that a run would refuse gets no row."""
+    """The analytic estimate of a training config (a schema instance) at `world_size` ranks
+    of `device` (a key of freetx.training.estimate.DEVICES), under the run's own checks: a
+    batch that does not split refuses it all; a strategy that a run would refuse gets no
+    row. A crosscoder's config (`activations:`) is estimated with its source models
+    (`activation_sources`; `source_dim`: its hooked width where they cannot be read)."""
     from freetx.data import micro_batch_size
+    from freetx.data.activations import ActivationsConfig
     from freetx.distributed import Layout, check_distributed, shard_layouts
     from freetx.errors import ConfigError
-    from freetx.training.estimate import estimate, meta_model
+    from freetx.training.estimate import activation_sources, estimate, meta_model
 
-    if not hasattr(cfg, "dataset") or not hasattr(cfg, "model"):
-        raise ConfigError("freetx estimate reads decoder configs (full_finetune_fsdp2, lora).")
-    seq_len = int(cfg.dataset.get("seq_len", cfg.model.get("max_seq_len", 2048)))
+    refuse_untrained(cfg)
     micro = micro_batch_size(cfg.batch_size, world_size, cfg.gradient_accumulation_steps)
     processes = Layout(world_size, device_type="cpu" if device == "cpu" else "cuda")
     refused = {}
@@ -71,15 +83,42 @@ def estimate_config(
             )
         except ConfigError as e:
             refused[strategy] = e.problems[0]
-    model = meta_model(cfg.model, getattr(cfg, "peft", None))
+    sources = None
+    if isinstance(getattr(cfg, "activations", None), ActivationsConfig):  # a crosscoder
+        sources = activation_sources(cfg.activations, device, source_dim)
+        model = meta_model(
+            cfg.model, num_sources=sources.num_sources, source_dim=sources.source_dim
+        )
+        seq_len = 1  # a row is one token's activations
+    else:
+        model = meta_model(cfg.model, getattr(cfg, "peft", None))
+        seq_len = (  # AD's windows: the model's context (n_transit)
+            int(cfg.dataset.get("seq_len", cfg.model.get("max_seq_len", 2048)))
+            if hasattr(cfg, "dataset")
+            else model.config.max_seq_len
+        )
     dist = cfg.distributed
     rows = estimate(
         model, world_size, micro * seq_len, seq_len, dist.mixed_precision.param_dtype,
         dist.activation_checkpointing, dist.ac_every_n_blocks, device, mfu, replicas=replicas,
         optimizer_bytes=2.0 if "8bit" in str(cfg.optimizer.get("_component_", "")) else 8.0,
+        sources=sources.bytes if sources else 0.0,
     )  # fmt: skip
     rows = [r for r in rows if r.strategy not in refused]
-    return ConfigEstimate(model, micro, seq_len, rows, refused)
+    return ConfigEstimate(model, micro, seq_len, rows, refused, sources)
+
+
+def refuse_untrained(cfg: Any) -> None:
+    """A config without a model or a training batch (generate's) has nothing to estimate."""
+    from freetx.errors import ConfigError
+
+    if not hasattr(cfg, "model") or not hasattr(cfg, "batch_size"):
+        raise ConfigError(
+            "freetx estimate reads training configs (a model and a batch_size); this one "
+            "trains nothing.",
+            fix="Give a training config: full_finetune_fsdp2, lora_finetune_fsdp2, ad_ddp or "
+            "crosscoder_fsdp2's.",
+        )
 
 
 def main(args: argparse.Namespace) -> int:
@@ -100,22 +139,30 @@ def main(args: argparse.Namespace) -> int:
         raise ConfigError(f"{args.config} is not a built-in config: give --recipe too.")
     target = load_recipe(recipe)
     cfg = load_recipe_config(args.config, list(args.overrides), target.schema)
-    if not hasattr(cfg, "dataset") or not hasattr(cfg, "model"):
-        raise ConfigError("freetx estimate reads decoder configs (full_finetune_fsdp2, lora).")
-    found = estimate_config(cfg, args.world_size, args.device, args.mfu, args.replicas)
-    model, micro, seq_len, rows, refused = (
+    refuse_untrained(cfg)
+    if args.measure and not hasattr(cfg, "dataset"):
+        raise ConfigError(
+            f"--measure steps a decoder's token batches; {args.config} is not a decoder config.",
+            fix="Leave out --measure: the analytic estimate counts this model.",
+        )
+    found = estimate_config(
+        cfg, args.world_size, args.device, args.mfu, args.replicas, args.source_dim
+    )
+    model, micro, seq_len, rows, refused, sources = (
         found.model,
         found.micro,
         found.seq_len,
         found.rows,
         found.refused,
+        found.sources,
     )
     dist = cfg.distributed
     params = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     hbm = DEVICES[args.device][2]
+    batch = f"{micro} rows" if sources else f"{micro} x {seq_len} tokens"
     print(f"{args.config}: {params / 1e9:.3f}B parameters ({trainable / 1e9:.3f}B trained), "
-          f"{args.world_size} x {args.device}, micro-batch {micro} x {seq_len} tokens, "
+          f"{args.world_size} x {args.device}, micro-batch {batch}, "
           f"{dist.mixed_precision.param_dtype}, activation checkpointing "
           f"{dist.activation_checkpointing}, MFU {args.mfu:g}")  # fmt: skip
     measured = {}
@@ -139,6 +186,9 @@ def main(args: argparse.Namespace) -> int:
               "peak GiB", "fits", "step s", "tokens/s/rank"]  # fmt: skip
     if measured:
         header[-3:-3] = ["measured peak", "measured activations"]
+    harvested = sources is not None and bool(sources.bytes or sources.unread)  # from models
+    if harvested:
+        header[7:7] = ["sources"]
     table = [header]
     for r in rows:
         g = lambda v: f"{v / GIB:.2f}"  # noqa: E731
@@ -148,12 +198,21 @@ def main(args: argparse.Namespace) -> int:
         if measured:
             m = measured[r.strategy]
             row[-3:-3] = [g(m["peak"]), g(m["activations"])]
+        if harvested:
+            row[7:7] = [g(r.sources)]
         table.append(row)
     widths = [max(len(row[i]) for row in table) for i in range(len(header))]
     for row in table:
         print("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
     print("(GiB per rank; `gathered`: unsharded blocks and gradient buckets in flight; the "
           "allocator's caching and fragmentation come on top, 5-10% on CUDA)")  # fmt: skip
+    if harvested:
+        print(f"(crosscoder: {sources.num_sources} sources x d {sources.source_dim}; `sources`: "
+              f"the source models' weights {sources.weights / GIB:.2f} GiB and one harvesting "
+              f"forward {sources.harvest / GIB:.2f} GiB, on every rank)")  # fmt: skip
+        if sources.unread:
+            print(f"(not counted: the source models {', '.join(sources.unread)}, which cannot "
+                  "be read yet: their weights come on top)")  # fmt: skip
     for strategy, reason in refused.items():
         print(f"{strategy}: not estimated, a run would refuse it: {reason}")
     if measured:

@@ -44,6 +44,8 @@ from freetx.data.shard_cache import ShardCache
 from freetx.errors import ConfigError, DataError
 from freetx.fields import at_least, written_folder
 
+CACHE_SEQUENCES_PER_FORWARD = 16  # a rank's sequences per harvest while a cache is built
+
 
 @dataclass
 class SourceConfig:
@@ -70,6 +72,10 @@ class ActivationsConfig:
     cache: Optional[str] = written_folder(None, own=True)  # cache: the folder (written once)
     source_dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: bf16 on CUDA
     normalize_rows: int = at_least(1, default=4096)  # per rank, to estimate the scales
+
+    def sequences_per_forward(self) -> int:
+        """The sequences a rank's source models read in one forward while harvesting."""
+        return CACHE_SEQUENCES_PER_FORWARD if self.mode == "cache" else self.sequences_per_refill
 
 
 class ActivationRows(Dataset):
@@ -374,8 +380,9 @@ def build_activation_cache(
 
         def make() -> dict[str, torch.Tensor]:
             parts = []
-            for start in range(rank, len(sequences), world_size * 16):
-                picks = list(range(start, min(len(sequences), start + world_size * 16), world_size))
+            step = world_size * CACHE_SEQUENCES_PER_FORWARD
+            for start in range(rank, len(sequences), step):
+                picks = list(range(start, min(len(sequences), start + step), world_size))
                 parts.append(harvest(torch.stack([sequences[i]["input_ids"] for i in picks])))
             return {"rows": torch.cat(parts).to(dtype).contiguous()}
 

@@ -19,6 +19,9 @@ class (who calls it, when):
     CountsParameters  num_parameters(): for the banner (default: every parameter)
     CountsFlops       flops_per_token(seq_len): for MFU and `estimate` (default:
                       6 x parameters)
+    EstimatesActivations  activation_bytes(tokens, compute_bytes): what a training
+                      micro-batch keeps for backward, loss included; `estimate`
+                      (default: the decoder's count per token and block)
     HFLayoutModel     hf_layout (class attribute): how the model maps to an HF
                       transformers folder (`freetx.models.hf.HFLayout`), or None;
                       checkpoint conversion and HF loading
@@ -126,6 +129,16 @@ class CountsFlops(Protocol):
 
 
 @runtime_checkable
+class EstimatesActivations(Protocol):
+    """The model's own activation memory, for `estimate`: the bytes a training micro-batch
+    of `tokens` units (rows, for a crosscoder) keeps at its peak in forward and backward,
+    loss included, with tensors in `compute_bytes` per element. A model without it is
+    counted as a decoder (its blocks' saved tensors per token, and the logits)."""
+
+    def activation_bytes(self, tokens: int, compute_bytes: int) -> float: ...
+
+
+@runtime_checkable
 class HFLayoutModel(Protocol):
     """A model (class) with an HF transformers layout (`freetx.models.hf.layout_of`):
     checkpoint conversion to and from HF folders."""
@@ -203,8 +216,8 @@ class FrozenInComputeDtype(Protocol):
 
 
 MODEL_HOOKS = (
-    Model, HasBlocks, InitBuffers, CountsParameters, CountsFlops, HFLayoutModel, ExtraForwards,
-    AdapterTargets, AlwaysTrained,
+    Model, HasBlocks, InitBuffers, CountsParameters, CountsFlops, EstimatesActivations,
+    HFLayoutModel, ExtraForwards, AdapterTargets, AlwaysTrained,
 )  # fmt: skip
 MODULE_HOOKS = (SelfInitialized, DerivedFromWeights, StoredInOwnForm, FrozenInComputeDtype)
 

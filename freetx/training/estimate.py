@@ -44,7 +44,7 @@ from freetx.distributed import (
 )
 from freetx.distributed.parallelize import find_blocks
 from freetx.models.peft.nf4 import BYTES_PER_WEIGHT, NF4LoRALinear
-from freetx.models.protocol import CountsFlops, check_model
+from freetx.models.protocol import CountsFlops, EstimatesActivations, check_model
 
 # device -> (peak dense bf16 FLOP/s, intra-node GB/s per GPU, HBM GiB)
 DEVICES = {
@@ -67,6 +67,7 @@ class Estimate:
     step_s: float
     compute_s: float
     comm_s: float
+    sources: float = 0.0  # a crosscoder's frozen source models while they harvest
 
     @property
     def states(self) -> float:
@@ -74,7 +75,7 @@ class Estimate:
 
     @property
     def peak(self) -> float:
-        return self.states + self.gathered + self.activations + self.loss
+        return self.states + self.gathered + self.activations + self.loss + self.sources
 
 
 def parameter_bytes(
@@ -114,28 +115,24 @@ def estimate(
     replicas: int = 1,
     optimizer_bytes: float = 8.0,
     frozen: FrozenBase | None = None,
+    sources: float = 0.0,
 ) -> list[Estimate]:
     """The estimate of each strategy for a (meta) model at `world_size` ranks; `frozen`:
-    the frozen-base decision (`frozen_base`, made from the model when not given)."""
-    cfg = model.config
+    the frozen-base decision (`frozen_base`, made from the model when not given);
+    `sources`: bytes every rank holds besides (a crosscoder's source models)."""
     compute = 2 if compute_dtype in ("bfloat16", "float16") else 4
     stored, trainable = parameter_bytes(model, compute, frozen or frozen_base(model))
     blocks = find_blocks(model)
-    block_params = sum(p.numel() for p in blocks[0].parameters()) if blocks else 0
-    layers = max(1, len(blocks))
-    h, f = cfg.hidden_dim, getattr(cfg, "ffn_hidden_dim", 4 * cfg.hidden_dim)
-    kv = getattr(cfg, "num_kv_heads", cfg.num_heads) * getattr(cfg, "head_dim", h // cfg.num_heads)
-    per_token = (7 * h + 2 * kv + 4 * f) * compute  # a block's saved activations
-    if activation_checkpointing == "full":
-        kept = layers * h * compute + per_token  # inputs, and one block being recomputed
-    elif activation_checkpointing == "selective":
-        checkpointed = math.ceil(layers / ac_every_n_blocks)
-        kept = (layers - checkpointed) * per_token + checkpointed * h * compute + per_token
+    # what FSDP gathers at a time: two blocks (one prefetched), or a model without blocks whole
+    unit, copies = (blocks[0], 2) if blocks else (model, 1)
+    block_params = sum(p.numel() for p in unit.parameters())
+    if isinstance(model, EstimatesActivations):
+        activations, loss = model.activation_bytes(tokens_per_rank, compute), 0.0
     else:
-        kept = layers * per_token
-    activations = tokens_per_rank * kept
-    vocab = getattr(cfg, "vocab_size", 0)
-    loss = tokens_per_rank * vocab * (compute + 4 + 4)
+        activations, loss = decoder_activations(
+            model.config, len(blocks), tokens_per_rank, compute, activation_checkpointing,
+            ac_every_n_blocks,
+        )  # fmt: skip
     peak, bandwidth, _ = DEVICES[device]
     flops = model.flops_per_token(seq_len) if isinstance(model, CountsFlops) else 6 * trainable
     compute_s = flops * tokens_per_rank / (peak * mfu)
@@ -145,7 +142,7 @@ def estimate(
         if layout.blocks_stay_gathered:
             gathered = stored / 4 * compute  # every block kept unsharded, forward to backward
         elif layout.gathers_per_block:
-            gathered = 2 * block_params * compute + block_params * 4  # 2 blocks + a block's grads
+            gathered = copies * block_params * compute + block_params * 4  # + a unit's grads
         elif layout.all_reduce and world_size > 1:
             # DDP's gradient buckets: allocated once and kept, even while the gradients
             # (views of them) are None between steps
@@ -160,17 +157,110 @@ def estimate(
             layout.strategy, stored / shards, trainable * 4 / layout.gradient_shards,
             trainable * optimizer_bytes / layout.optimizer_shards,
             gathered if world_size > 1 else 0.0, activations, loss, max(compute_s, comm_s),
-            compute_s, comm_s,
+            compute_s, comm_s, sources,
         ))  # fmt: skip
     return out
 
 
-def meta_model(model_node, peft_cfg=None):
-    """The config's model on the meta device (with its adapters when it has `peft`)."""
+def decoder_activations(
+    cfg, layers: int, tokens: int, compute: int, checkpointing: str, every_n: int
+) -> tuple[float, float]:
+    """(activations, loss) bytes of a decoder's micro-batch of `tokens` tokens (per rank):
+    each block's saved tensors per token (see the module docstring), less what activation
+    checkpointing recomputes, and the loss's logits."""
+    h, f = cfg.hidden_dim, getattr(cfg, "ffn_hidden_dim", 4 * cfg.hidden_dim)
+    kv = getattr(cfg, "num_kv_heads", cfg.num_heads) * getattr(cfg, "head_dim", h // cfg.num_heads)
+    per_token = (7 * h + 2 * kv + 4 * f) * compute  # a block's saved activations
+    layers = max(1, layers)
+    if checkpointing == "full":
+        kept = layers * h * compute + per_token  # inputs, and one block being recomputed
+    elif checkpointing == "selective":
+        checkpointed = math.ceil(layers / every_n)
+        kept = (layers - checkpointed) * per_token + checkpointed * h * compute + per_token
+    else:
+        kept = layers * per_token
+    return tokens * kept, tokens * getattr(cfg, "vocab_size", 0) * (compute + 4 + 4)
+
+
+@dataclass
+class ActivationSources:
+    """What a crosscoder config's `activations:` read: the rows' shape, and the bytes its
+    frozen source models hold on every rank (loaded for the whole run: evaluation splices
+    reconstructions back into them)."""
+
+    num_sources: int
+    source_dim: int
+    weights: float  # the source models' parameters in activations.source_dtype
+    harvest: float  # one harvesting forward: its logits and the hooked outputs (float32)
+    unread: list[str]  # sources whose shape could not be read: not counted
+
+    @property
+    def bytes(self) -> float:
+        return self.weights + self.harvest
+
+
+def activation_sources(acfg, device: str, source_dim: int | None = None) -> ActivationSources:
+    """The rows and source models of `acfg` (an `ActivationsConfig`) on `device` (a key of
+    DEVICES), without loading a weight: synthetic rows' shape from their config; each
+    source model's hidden size, parameters and vocabulary from its recorded config
+    (`source_model_on_meta`). `source_dim`: the hooked width, for sources that cannot be
+    read or hooks on a module narrower or wider than the residual stream."""
+    from freetx.checkpoint import source_model_on_meta
+    from freetx.config import instantiate
+    from freetx.errors import ConfigError, FreetxError
+    from freetx.models.protocol import Model
+
+    if acfg.kind == "synthetic":
+        if source_dim is not None:
+            raise ConfigError(
+                "--source-dim is for activations of models: synthetic rows have their own "
+                "shape (activations.synthetic.source_dim).",
+                fix="Leave out --source-dim, or override activations.synthetic.source_dim.",
+            )
+        rows = instantiate(acfg.synthetic, split="train", rows=1)
+        return ActivationSources(rows.num_sources, rows.source_dim, 0.0, 0.0, [])
+    dtype = acfg.source_dtype if acfg.source_dtype != "auto" else (
+        "float32" if device == "cpu" else "bfloat16")  # fmt: skip
+    element = 4 if dtype == "float32" else 2
+    num_sources = sum(len(s.hooks) for s in acfg.sources)
+    widths, weights, vocab, unread = set(), 0.0, 0, []
+    for source in acfg.sources:
+        try:
+            model = source_model_on_meta(source.model)
+        except (FreetxError, OSError, ValueError, KeyError):
+            unread.append(source.model)
+            continue
+        c = model.config  # freetx's decoder, or a transformers model's config
+        widths.add(c.hidden_dim if isinstance(model, Model) else c.hidden_size)
+        weights += sum(p.numel() for p in model.parameters()) * element
+        vocab = max(vocab, c.vocab_size)
+    if source_dim is None and unread:
+        raise ConfigError(
+            f"freetx estimate cannot read the shape of the source model(s) "
+            f"{', '.join(unread)} (no run, checkpoint or HF config.json there yet), and a "
+            "crosscoder's width is theirs.",
+            fix="Give --source-dim D (the hooked modules' width, e.g. the hidden size), or "
+            "make the source run first.",
+        )
+    if source_dim is None and len(widths) > 1:
+        raise ConfigError(
+            f"the source models have different hidden sizes {sorted(widths)}; a crosscoder "
+            "reads one width from every source.",
+            fix="Hook sites of one width, or give --source-dim D for the hooked width.",
+        )
+    width = source_dim or widths.pop()
+    tokens = acfg.sequences_per_forward() * int(acfg.text.get("seq_len", 2048))
+    harvest = tokens * (vocab * element + 2 * num_sources * width * 4)  # + stacked copy
+    return ActivationSources(num_sources, width, weights, float(harvest), unread)
+
+
+def meta_model(model_node, peft_cfg=None, **fields):
+    """The config's model on the meta device (with its adapters when it has `peft`);
+    `fields`: the model's fields the recipe gives from its data (a crosscoder's shape)."""
     from freetx.config import instantiate
 
     with torch.device("meta"):
-        model = instantiate(model_node)
+        model = instantiate(model_node, **fields)
         check_model(model)
         if peft_cfg is not None:
             from freetx.models.peft import apply_peft
