@@ -1,9 +1,9 @@
 """Every shipped config names its hardware in its header, and fits it by `freetx estimate`.
 
 The grammar (docs/configs.md): a header line `# hardware: N x H100 80GB` (or A100), or
-`# hardware: N CPU process(es)`. For each training config the estimate reads (the
-decoder recipes), the analytic estimate of its own strategy at N ranks of that device
-must leave 10% of the device's memory free (the allocator's caching and fragmentation).
+`# hardware: N CPU process(es)`. For each training config (every recipe's but
+generate's), the analytic estimate of its own strategy at N ranks of that device must
+leave 10% of the device's memory free (the allocator's caching and fragmentation).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from freetx.cli.common import load_recipe
 from freetx.cli.estimate import estimate_config
 from freetx.config.run_config import load_recipe_config
 from freetx.registry import recipe_for_config
-from freetx.training.estimate import DEVICES, GIB
+from freetx.training.estimate import DEVICES, GIB, meta_model
 from tests.conftest import REPO, flat, run_freetx_here
 
 CONFIGS = sorted(
@@ -25,8 +25,8 @@ CONFIGS = sorted(
     for path in (REPO / "recipe_configs").glob("*/*.yaml")
 )
 HARDWARE = re.compile(r"^# hardware: (\d+) (?:x (H100|A100) 80GB|CPU process(?:es)?)$", re.M)
-ESTIMATED = {"full_finetune_fsdp2", "lora_finetune_fsdp2"}  # the recipes `estimate` reads
-NOT_ESTIMATED = {"ad_ddp", "crosscoder_fsdp2", "generate"}  # small models, or no training
+ESTIMATED = {"full_finetune_fsdp2", "lora_finetune_fsdp2", "ad_ddp", "crosscoder_fsdp2"}
+NOT_ESTIMATED = {"generate"}  # no training
 HEADROOM = 0.9
 # tiny CPU configs whose model is a file another command makes first
 MADE_FIRST = {"llm/hf_tiny_full": "a tiny HF folder (tests write one)",
@@ -43,10 +43,22 @@ HF_SHAPES = {
     "Qwen2.5-7B": dict(model_type="qwen2", vocab_size=152064, hidden_size=3584,
                        intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
                        num_key_value_heads=4, rope_theta=1000000.0, max_position_embeddings=32768),
+    # the crosscoders' source models (read through transformers, on the meta device)
+    "gemma-2-2b": dict(model_type="gemma2", vocab_size=256000, hidden_size=2304,
+                       intermediate_size=9216, num_hidden_layers=26, num_attention_heads=8,
+                       num_key_value_heads=4, head_dim=256, max_position_embeddings=8192),
+    "gpt2": dict(model_type="gpt2", vocab_size=50257, n_embd=768, n_layer=12, n_head=12,
+                 n_positions=1024),
 }  # fmt: skip
 MODEL_OF = {"llm/llama3_1_8b_full": "Llama-3.1-8B", "llm/llama3_1_8b_lora": "Llama-3.1-8B",
             "llm/llama3_1_8b_qlora": "Llama-3.1-8B", "llm/llama3_2_1b_full": "Llama-3.2-1B",
             "llm/qwen2_5_7b_full": "Qwen2.5-7B"}  # fmt: skip
+# crosscoder configs -> the HF source model of each of their sources (local folders a user has)
+SOURCES_OF = {"crosscoder/gemma2_2b_diff": ["gemma-2-2b", "gemma-2-2b"],
+              "crosscoder/gpt2_layers": ["gpt2"]}  # fmt: skip
+# tiny crosscoders whose sources are runs made first (runs/llm_tiny): their hooked width is
+# llm/tiny's hidden size (their weights, 0.03 GiB, are then not counted)
+FROM_LLM_TINY = {"crosscoder/diff_tiny", "crosscoder/lm_layers_tiny"}
 
 
 def hardware(config: str) -> tuple[int, str]:
@@ -70,16 +82,25 @@ def test_every_config_names_its_hardware_and_a_known_recipe():
 def test_each_training_config_fits_its_hardware(config, tmp_path):
     recipe = recipe_for_config(config).name
     if recipe not in ESTIMATED:
-        pytest.skip(f"{recipe}: freetx estimate reads decoder configs only")
+        pytest.skip(f"{recipe}: trains nothing")
     if config in MADE_FIRST:
         pytest.skip(f"its model is {MADE_FIRST[config]}")
     world_size, device = hardware(config)
-    overrides = []
+    overrides, source_dim = [], None
     if config in MODEL_OF:
         (tmp_path / "config.json").write_text(json.dumps(HF_SHAPES[MODEL_OF[config]]))
         overrides.append(f"model_dir={tmp_path}")
+    for i, name in enumerate(SOURCES_OF.get(config, [])):
+        (tmp_path / f"source{i}").mkdir()
+        (tmp_path / f"source{i}" / "config.json").write_text(json.dumps(HF_SHAPES[name]))
+        overrides.append(f"activations.sources.{i}.model={tmp_path / f'source{i}'}")
+    if config in FROM_LLM_TINY:
+        tiny = load_recipe_config("llm/tiny", [], load_recipe("full_finetune_fsdp2").schema)
+        source_dim = meta_model(tiny.model).config.hidden_dim
     cfg = load_recipe_config(config, overrides, load_recipe(recipe).schema)
-    found = estimate_config(cfg, world_size, device)
+    found = estimate_config(cfg, world_size, device, source_dim=source_dim)
+    if config in SOURCES_OF:  # every source model read and counted
+        assert found.sources.unread == [] and found.sources.weights > 0, config
     row = next(r for r in found.rows if r.strategy == cfg.distributed.strategy)
     limit = DEVICES[device][2] * HEADROOM
     assert row.peak / GIB < limit, (
