@@ -19,7 +19,13 @@ the input of wo, and the four MLP tensors (gate, up, silu(gate), their product):
 7h + 2 h_kv + 4 f elements; full checkpointing keeps a block's input (h) instead,
 selective every n-th; and the loss: bf16 logits, their fp32 copy and log-softmax
 (10 bytes per token per vocabulary entry), which dominate small models with large
-vocabularies. Step time: training FLOPs per token x tokens per rank / (peak x MFU),
+vocabularies. AD's transformer is counted as a decoder (n_transit tokens per window). A
+model with its own count (`EstimatesActivations`: the crosscoder's, per row) gives its
+activations, loss included; a model without blocks is gathered whole by FSDP. A
+crosscoder's frozen source models (`activation_sources`: built on the meta device from
+their recorded config, never their weights) are counted on every rank: their weights in
+the source dtype and one harvesting forward (logits, hooked outputs). Step time:
+training FLOPs per token x tokens per rank / (peak x MFU),
 and the FSDP traffic (gathers in forward and backward, a reduce-scatter) over the
 interconnect, assumed overlapped: the step takes the longer of the two.
 
