@@ -8,10 +8,13 @@ leave 10% of the device's memory free (the allocator's caching and fragmentation
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 
 import pytest
+import torch
+from safetensors.torch import save_file
 
 from freetx.cli.common import load_recipe
 from freetx.cli.estimate import estimate_config
@@ -56,9 +59,20 @@ MODEL_OF = {"llm/llama3_1_8b_full": "Llama-3.1-8B", "llm/llama3_1_8b_lora": "Lla
 # crosscoder configs -> the HF source model of each of their sources (local folders a user has)
 SOURCES_OF = {"crosscoder/gemma2_2b_diff": ["gemma-2-2b", "gemma-2-2b"],
               "crosscoder/gpt2_layers": ["gpt2"]}  # fmt: skip
-# tiny crosscoders whose sources are runs made first (runs/llm_tiny): their hooked width is
-# llm/tiny's hidden size (their weights, 0.03 GiB, are then not counted)
+# tiny crosscoders whose sources are runs made first from llm/tiny: a freetx model file that
+# records llm/tiny's model (as a checkpoint does, no real weights) stands in for each
 FROM_LLM_TINY = {"crosscoder/diff_tiny", "crosscoder/lm_layers_tiny"}
+
+
+def llm_tiny_model_file(folder) -> str:
+    """A .safetensors file recording llm/tiny's model class and config, as freetx writes them."""
+    tiny = load_recipe_config("llm/tiny", [], load_recipe("full_finetune_fsdp2").schema)
+    model = meta_model(tiny.model)
+    path = folder / "llm_tiny.safetensors"
+    save_file({"unused": torch.zeros(1)}, str(path), metadata={
+        "freetx_model_class": f"{type(model).__module__}.{type(model).__qualname__}",
+        "freetx_model_config": json.dumps(dataclasses.asdict(model.config))})  # fmt: skip
+    return str(path)
 
 
 def hardware(config: str) -> tuple[int, str]:
@@ -86,7 +100,7 @@ def test_each_training_config_fits_its_hardware(config, tmp_path):
     if config in MADE_FIRST:
         pytest.skip(f"its model is {MADE_FIRST[config]}")
     world_size, device = hardware(config)
-    overrides, source_dim = [], None
+    overrides = []
     if config in MODEL_OF:
         (tmp_path / "config.json").write_text(json.dumps(HF_SHAPES[MODEL_OF[config]]))
         overrides.append(f"model_dir={tmp_path}")
@@ -95,11 +109,13 @@ def test_each_training_config_fits_its_hardware(config, tmp_path):
         (tmp_path / f"source{i}" / "config.json").write_text(json.dumps(HF_SHAPES[name]))
         overrides.append(f"activations.sources.{i}.model={tmp_path / f'source{i}'}")
     if config in FROM_LLM_TINY:
-        tiny = load_recipe_config("llm/tiny", [], load_recipe("full_finetune_fsdp2").schema)
-        source_dim = meta_model(tiny.model).config.hidden_dim
+        model_file = llm_tiny_model_file(tmp_path)
+        schema = load_recipe(recipe).schema
+        sources = load_recipe_config(config, [], schema).activations.sources
+        overrides += [f"activations.sources.{i}.model={model_file}" for i in range(len(sources))]
     cfg = load_recipe_config(config, overrides, load_recipe(recipe).schema)
-    found = estimate_config(cfg, world_size, device, source_dim=source_dim)
-    if config in SOURCES_OF:  # every source model read and counted
+    found = estimate_config(cfg, world_size, device)
+    if config in SOURCES_OF or config in FROM_LLM_TINY:  # every source model read and counted
         assert found.sources.unread == [] and found.sources.weights > 0, config
     row = next(r for r in found.rows if r.strategy == cfg.distributed.strategy)
     limit = DEVICES[device][2] * HEADROOM
