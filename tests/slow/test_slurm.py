@@ -41,13 +41,18 @@ def job_state(job: str) -> str:
 
 def wait_for(job: str, states: set[str], timeout: float = 600) -> str:
     deadline = time.monotonic() + timeout
+    hurried = False
     while time.monotonic() < deadline:
         state = job_state(job)
         if state in states:
             return state
-        if state == "PENDING":  # a requeued job waits for its begin time: now, please
-            subprocess.run(["scontrol", "update", f"jobid={job}", "StartTime=now"],
+        if state == "PENDING" and not hurried:
+            # a requeued job waits cred_expire (120 s) for its begin time; 2 s, please,
+            # once: slurmd refuses a credential made in the second the old one was
+            # revoked ("Job credential revoked"), so "now" failed the job at times
+            subprocess.run(["scontrol", "update", f"jobid={job}", "StartTime=now+2"],
                            capture_output=True)  # fmt: skip
+            hurried = True
         time.sleep(2)
     raise AssertionError(f"job {job} still {job_state(job)} after {timeout} s")
 
