@@ -104,6 +104,7 @@ def scaler_state(output_dir, step: int) -> tuple[float, int]:
 FLOAT16 = "distributed.mixed_precision.param_dtype=float16"
 
 
+@pytest.mark.slow  # 20 s: two 2-process runs
 def test_float16_with_fsdp_saves_and_resumes_its_loss_scale(tmp_path):
     """float16 on a sharded strategy (the scaler agreed over the ranks): its checkpoints
     hold the loss scale and its growth tracker (one per step without an Inf), and a

@@ -174,6 +174,7 @@ def test_an_hf_model_of_another_architecture_is_a_source(tmp_path):
     assert "val/ce_recovered/model_0" in records(tmp_path / "run")[-1]
 
 
+@pytest.mark.slow  # 12 s: a run on 1 process and one on 2
 def test_validation_means_the_same_rows_at_any_world_size(tmp_path):
     """eval.rows counts over all ranks (each its share of the first rows of the validation
     sequences): the same weights (lr 0; the scales from every row) score the same on 1

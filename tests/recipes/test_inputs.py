@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from tests.conftest import flat, run_freetx
 
 TINY = ["max_steps=4", "checkpoint.every_n_steps=2", "checkpoint.keep_last=2",
@@ -25,6 +27,7 @@ def train(config, output_dir, *overrides):
     return result
 
 
+@pytest.mark.slow  # 40 s: six runs (a base, LoRA on it, the base trained on twice)
 def test_a_lora_resume_reads_the_base_it_started_from(tmp_path):
     base, lora, straight = tmp_path / "base", tmp_path / "lora", tmp_path / "straight"
     assert train("llm/tiny", base).returncode == 0  # checkpoints 2, 4
