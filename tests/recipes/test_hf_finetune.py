@@ -118,7 +118,7 @@ def test_finetune_export_and_generate(tmp_path, model_dir):
     assert len(samples) == 2 and all(s["text"].startswith("Reverse the word") for s in samples)
 
 
-@pytest.mark.parametrize("family", ["olmo2", "qwen3"])
+@pytest.mark.parametrize("family", ["olmo2", pytest.param("qwen3", marks=pytest.mark.slow)])
 def test_a_qwen3_or_olmo2_folder_finetunes_on_2_processes_and_exports(tmp_path, family):
     folder = tiny_folder(tmp_path, family)
     run = tmp_path / "run"
