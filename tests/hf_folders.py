@@ -46,10 +46,12 @@ FAMILIES = {
     "qwen3_old_layout": ("Qwen3Config", dict(rope_parameters={"rope_type": "default",
                                                               "rope_theta": 1000000.0}), {}),
     # OLMo 2: post-norms, q/k RMSNorm over the whole projections, untied
-    "olmo2": ("Olmo2Config", dict(rope_parameters={"rope_type": "default",
-                                                   "rope_theta": 500000.0}),
+    # (Olmo2Config's default eos_token_id, 50279, lies outside the tiny vocabulary)
+    "olmo2": ("Olmo2Config", dict(eos_token_id=2, rope_parameters={"rope_type": "default",
+                                                                   "rope_theta": 500000.0}),
               dict(max_shard_size="40KB")),
-    "olmo2_old_layout": ("Olmo2Config", dict(rope_parameters={"rope_type": "default",
+    "olmo2_old_layout": ("Olmo2Config", dict(eos_token_id=2,
+                                             rope_parameters={"rope_type": "default",
                                                               "rope_theta": 500000.0}), {}),
 }  # fmt: skip
 
