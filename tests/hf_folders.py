@@ -1,7 +1,7 @@
 """Model folders as `transformers` writes them (tiny, random weights), for the tests of
-freetx's HF reading and writing. Every family freetx reads, sharded and not, in the
-current config layout (`rope_parameters`) and the older one (`rope_theta` +
-`rope_scaling` at the top)."""
+freetx's HF reading and writing. Every family freetx reads (Llama, Mistral, Qwen2,
+Qwen3, OLMo 2), sharded and not, in the current config layout (`rope_parameters`) and the
+older one (`rope_theta` + `rope_scaling` at the top)."""
 
 from __future__ import annotations
 
@@ -38,6 +38,21 @@ FAMILIES = {
     "qwen2": ("Qwen2Config", dict(tie_word_embeddings=True,
                                   rope_parameters={"rope_type": "default",
                                                    "rope_theta": 1000000.0}), {}),
+    # Qwen3: q/k RMSNorm per head, an explicit head_dim (not hidden / heads), tied, sharded
+    "qwen3": ("Qwen3Config", dict(head_dim=32, tie_word_embeddings=True,
+                                  rope_parameters={"rope_type": "default",
+                                                   "rope_theta": 1000000.0}),
+              dict(max_shard_size="40KB")),
+    "qwen3_old_layout": ("Qwen3Config", dict(rope_parameters={"rope_type": "default",
+                                                              "rope_theta": 1000000.0}), {}),
+    # OLMo 2: post-norms, q/k RMSNorm over the whole projections, untied
+    # (Olmo2Config's default eos_token_id, 50279, lies outside the tiny vocabulary)
+    "olmo2": ("Olmo2Config", dict(eos_token_id=2, rope_parameters={"rope_type": "default",
+                                                                   "rope_theta": 500000.0}),
+              dict(max_shard_size="40KB")),
+    "olmo2_old_layout": ("Olmo2Config", dict(eos_token_id=2,
+                                             rope_parameters={"rope_type": "default",
+                                                              "rope_theta": 500000.0}), {}),
 }  # fmt: skip
 
 
@@ -61,10 +76,12 @@ def make_folder(folder: Path, family: str, dtype: torch.dtype = torch.float32, s
     config = getattr(transformers, class_name)(**{**SHAPE, **fields})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config)
-    with torch.no_grad():  # make biases nonzero so that a dropped bias shows
-        for name, param in model.named_parameters():
+    with torch.no_grad():  # biases nonzero and norms not all ones, so that a dropped
+        for name, param in model.named_parameters():  # or misplaced one shows
             if name.endswith("bias"):
                 param.normal_(0.0, 0.1)
+            elif "norm" in name:
+                param.normal_(1.0, 0.1)
     model.to(dtype).save_pretrained(folder, **options)
     if family.endswith("old_layout"):
         to_old_layout(folder)

@@ -2,7 +2,7 @@
 
 protocol.py           what freetx asks of a model; presets through one builder per family
 transformer.py        the Llama-style decoder (DecoderBlock), presets tiny ... llama3_8b
-transformer_hf.py     its HF Llama layout: tensor names and config.json
+transformer_hf.py     its HF layouts (Llama, Mistral, Qwen2, Qwen3, OLMo 2): names, config.json
 hf.py                 finding a model's HF layout (the checkpoint package asks here)
 free_transformer.py   the Free Transformer: the decoder + a per-token latent
 ad.py                 the Algorithm Distillation transformer

@@ -1,8 +1,10 @@
 """HF layouts: how a freetx model's tensors and config map to a transformers folder.
 
 A model class that has an HF form names its layout in `hf_layout` (the
-decoder: `transformer_hf.LLAMA_LAYOUT`). The checkpoint package converts
-through these two look-ups and knows no model class itself.
+decoder: `transformer_hf.LLAMA_LAYOUT`, which writes every model type the decoder
+has); a folder is read by the layout of its `model_type` (`LAYOUTS`: the decoder's
+two, pre-norm and post-norm). The checkpoint package converts through these two
+look-ups and knows no model class itself.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from typing import Any, Protocol
 
 from freetx.errors import CheckpointError
 from freetx.models.protocol import HFLayoutModel, model_class
-from freetx.models.transformer_hf import LLAMA_LAYOUT
+from freetx.models.transformer_hf import DECODER_LAYOUTS
 
 
 class HFLayout(Protocol):
@@ -29,7 +31,7 @@ class HFLayout(Protocol):
     ) -> dict[str, Any]: ...
 
 
-LAYOUTS: tuple[HFLayout, ...] = (LLAMA_LAYOUT,)
+LAYOUTS: tuple[HFLayout, ...] = DECODER_LAYOUTS
 # the files of a tokenizer in an HF folder (an export copies them from its source folder)
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
@@ -42,7 +44,7 @@ def layout_of(dotted_class: str) -> HFLayout:
     cls = model_class(dotted_class)
     layout = cls.hf_layout if isinstance(cls, HFLayoutModel) else None
     if layout is None:
-        have = ", ".join(layout.model_class for layout in LAYOUTS)
+        have = ", ".join(dict.fromkeys(layout.model_class for layout in LAYOUTS))
         raise CheckpointError(
             f"{dotted_class} has no HF transformers layout, so it cannot become an HF folder "
             f"(models that have one: {have}). Convert it to .safetensors or DCP instead."

@@ -1,4 +1,6 @@
-"""A Llama-style decoder: RoPE, RMSNorm, grouped-query attention, SwiGLU.
+"""A Llama-style decoder: RoPE, RMSNorm, grouped-query attention, SwiGLU; with the
+variants of Qwen3 (q/k RMSNorm per head) and OLMo 2 (q/k RMSNorm over the whole
+projections, norms after attention and MLP instead of before).
 
 Parameter names and the rotate-half RoPE convention follow HF Llama closely
 enough that weights convert by renaming (see freetx.checkpoint.convert).
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -50,7 +53,13 @@ class TransformerConfig:
     head_dim: int | None = None  # None: hidden_dim // num_heads
     qkv_bias: bool = False  # biases on the q, k, v projections (Qwen2)
     wo_bias: bool = False  # a bias on the attention output projection too (Llama's attention_bias)
-    hf_model_type: str = "llama"  # the HF architecture it exports as: llama, mistral, qwen2
+    # RMSNorm on queries and keys before RoPE: "head" over each head's head_dim (Qwen3),
+    # "projection" over the whole q and k projections (OLMo 2); None: none (Llama)
+    qk_norm: Literal["head", "projection"] | None = None
+    # "pre": x + attn(norm(x)), then + ffn(norm(x)) (Llama); "post": x + norm(attn(x)),
+    # then + norm(ffn(x)) (OLMo 2)
+    norm_position: Literal["pre", "post"] = "pre"
+    hf_model_type: str = "llama"  # the HF architecture it exports as (transformer_hf.ARCHITECTURES)
 
     def __post_init__(self) -> None:
         if self.num_kv_heads is None:
@@ -73,6 +82,10 @@ class TransformerConfig:
             raise ValueError(
                 f"num_heads={self.num_heads} is not divisible by num_kv_heads={self.num_kv_heads}"
             )
+        if self.qk_norm not in (None, "head", "projection"):
+            raise ValueError(f"qk_norm={self.qk_norm!r} must be one of head, projection, None")
+        if self.norm_position not in ("pre", "post"):
+            raise ValueError(f"norm_position={self.norm_position!r} must be pre or post")
         check_rope_scaling(self.rope_scaling)
 
 
@@ -175,7 +188,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class Attention(nn.Module):
     """Grouped-query attention through `F.scaled_dot_product_attention`.
 
-    `causal=False` gives the bidirectional attention an encoder needs;
+    With `qk_norm`, queries and keys are RMS-normalized before RoPE (`q_norm`,
+    `k_norm`): per head ("head", Qwen3) or over the whole projection
+    ("projection", OLMo 2). `causal=False` gives the bidirectional attention an encoder needs;
     `kv_input` takes keys and values from another stream than the queries
     (the Free Transformer's encoder and injection block).
     """
@@ -190,6 +205,13 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.hidden_dim, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.wv = nn.Linear(cfg.hidden_dim, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.wo = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_dim, bias=cfg.wo_bias)
+        self.qk_norm = cfg.qk_norm
+        if cfg.qk_norm is not None:
+            per_head = cfg.qk_norm == "head"
+            q_size = cfg.head_dim if per_head else cfg.num_heads * cfg.head_dim
+            k_size = cfg.head_dim if per_head else cfg.num_kv_heads * cfg.head_dim
+            self.q_norm = nn.RMSNorm(q_size, eps=cfg.norm_eps)
+            self.k_norm = nn.RMSNorm(k_size, eps=cfg.norm_eps)
 
     def forward(
         self,
@@ -201,17 +223,15 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         batch, seq_len, _ = x.shape
         kv_source = x if kv_input is None else kv_input
-        q = self.wq(x).view(batch, seq_len, self.num_heads, self.head_dim).transpose(1, 2)
-        k = (
-            self.wk(kv_source)
-            .view(batch, seq_len, self.num_kv_heads, self.head_dim)
-            .transpose(1, 2)
-        )
-        v = (
-            self.wv(kv_source)
-            .view(batch, seq_len, self.num_kv_heads, self.head_dim)
-            .transpose(1, 2)
-        )
+        q, k, v = self.wq(x), self.wk(kv_source), self.wv(kv_source)
+        if self.qk_norm == "projection":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.view(batch, seq_len, self.num_heads, self.head_dim)
+        k = k.view(batch, seq_len, self.num_kv_heads, self.head_dim)
+        v = v.view(batch, seq_len, self.num_kv_heads, self.head_dim)
+        if self.qk_norm == "head":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = F.scaled_dot_product_attention(
             q,
@@ -237,15 +257,26 @@ class FeedForward(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
+def _norm(cfg: TransformerConfig, position: str) -> nn.Module:
+    """An RMSNorm where the config puts its norms, an identity (no parameters) elsewhere."""
+    if cfg.norm_position != position:
+        return nn.Identity()
+    return nn.RMSNorm(cfg.hidden_dim, eps=cfg.norm_eps)
+
+
 class DecoderBlock(nn.Module):
-    """Pre-norm block: x + attn(norm(x)), then + ffn(norm(x)). The unit of sharding."""
+    """x + attn(norm(x)), then + ffn(norm(x)) (pre-norm, `attention_norm`, `ffn_norm`); or
+    x + norm(attn(x)), then + norm(ffn(x)) (post-norm, `post_attention_norm`,
+    `post_ffn_norm`). The unit of sharding."""
 
     def __init__(self, cfg: TransformerConfig):
         super().__init__()
-        self.attention_norm = nn.RMSNorm(cfg.hidden_dim, eps=cfg.norm_eps)
+        self.attention_norm = _norm(cfg, "pre")
         self.attention = Attention(cfg)
-        self.ffn_norm = nn.RMSNorm(cfg.hidden_dim, eps=cfg.norm_eps)
+        self.post_attention_norm = _norm(cfg, "post")
+        self.ffn_norm = _norm(cfg, "pre")
         self.feed_forward = FeedForward(cfg)
+        self.post_ffn_norm = _norm(cfg, "post")
         self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(
@@ -259,8 +290,9 @@ class DecoderBlock(nn.Module):
         """`kv`: the stream keys and values come from (default `x`), normalized like `x`."""
         h = self.attention_norm(x)
         kv_input = None if kv is None else self.attention_norm(kv)
-        x = x + self.dropout(self.attention(h, cos, sin, causal=causal, kv_input=kv_input))
-        return x + self.dropout(self.feed_forward(self.ffn_norm(x)))
+        attended = self.attention(h, cos, sin, causal=causal, kv_input=kv_input)
+        x = x + self.dropout(self.post_attention_norm(attended))
+        return x + self.dropout(self.post_ffn_norm(self.feed_forward(self.ffn_norm(x))))
 
 
 def init_decoder_parameter(
@@ -392,6 +424,6 @@ def decoder(preset: str | None = None, **fields) -> Transformer:
 @builds(TransformerConfig)
 def hf_decoder(path: str, **fields) -> Transformer:
     """The decoder an HF model folder's config.json describes (Llama 2/3/3.1/3.2, Mistral,
-    Qwen2/2.5), with any `TransformerConfig` field changed (e.g. max_seq_len, dropout).
+    Qwen2/2.5, Qwen3, OLMo 2), with any `TransformerConfig` field changed (e.g. max_seq_len, dropout).
     Its weights: `checkpoint.initial_weights=<the same folder>`."""
     return Transformer(build_config(TransformerConfig, hf_config_fields(path, fields)))

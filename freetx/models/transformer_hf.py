@@ -1,6 +1,7 @@
 """The HF layouts of the decoder (`Transformer.hf_layout`): tensor names and config.json
-for the Llama family as `transformers` writes it: Llama 2/3/3.1/3.2/3.3, Mistral and
-Qwen2/Qwen2.5.
+for the Llama family as `transformers` writes it: Llama 2/3/3.1/3.2/3.3, Mistral,
+Qwen2/Qwen2.5, Qwen3 (q/k norms per head) and OLMo 2 (q/k norms over the projections,
+post-norms).
 
 freetx's decoder uses the rotate-half RoPE convention of HF's Llama, so weights
 convert by renaming alone (no permutation of the q/k projections). config.json
@@ -30,8 +31,8 @@ _NAMES = [
     ("tok_embeddings.weight", "model.embed_tokens.weight"),
     ("norm.weight", "model.norm.weight"),
     ("output.weight", "lm_head.weight"),
-    ("layers.{i}.attention_norm.weight", "model.layers.{i}.input_layernorm.weight"),
-    ("layers.{i}.ffn_norm.weight", "model.layers.{i}.post_attention_layernorm.weight"),
+    ("layers.{i}.attention.q_norm.weight", "model.layers.{i}.self_attn.q_norm.weight"),
+    ("layers.{i}.attention.k_norm.weight", "model.layers.{i}.self_attn.k_norm.weight"),
     ("layers.{i}.feed_forward.w1.weight", "model.layers.{i}.mlp.gate_proj.weight"),
     ("layers.{i}.feed_forward.w3.weight", "model.layers.{i}.mlp.up_proj.weight"),
     ("layers.{i}.feed_forward.w2.weight", "model.layers.{i}.mlp.down_proj.weight"),
@@ -44,6 +45,19 @@ for _ours, _theirs in (("wq", "q_proj"), ("wk", "k_proj"), ("wv", "v_proj"), ("w
                 f"model.layers.{{i}}.self_attn.{_theirs}.{_kind}",
             )
         )
+# the block's norms, by where they are: HF's post_attention_layernorm is the norm before
+# the MLP in a pre-norm block (Llama) and the norm after attention in a post-norm one (OLMo 2)
+_NORM_NAMES = {
+    "pre": [
+        ("layers.{i}.attention_norm.weight", "model.layers.{i}.input_layernorm.weight"),
+        ("layers.{i}.ffn_norm.weight", "model.layers.{i}.post_attention_layernorm.weight"),
+    ],
+    "post": [
+        ("layers.{i}.post_attention_norm.weight",
+         "model.layers.{i}.post_attention_layernorm.weight"),
+        ("layers.{i}.post_ffn_norm.weight", "model.layers.{i}.post_feedforward_layernorm.weight"),
+    ],
+}  # fmt: skip
 # tensors some folders carry that are not weights (older Llama checkpoints)
 IGNORED_HF_TENSORS = re.compile(r"^model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq$")
 
@@ -51,15 +65,33 @@ ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "olmo2": "Olmo2ForCausalLM",
 }
+# the blocks of each model_type: (qk_norm, norm_position), as TransformerConfig names them
+BLOCKS = {
+    "llama": (None, "pre"),
+    "mistral": (None, "pre"),
+    "qwen2": (None, "pre"),
+    "qwen3": ("head", "pre"),
+    "olmo2": ("projection", "post"),
+}
+# model types whose config.json has no head_dim (derived from hidden_size / heads)
+_DERIVED_HEAD_DIM = ("qwen2", "olmo2")
 
 
 def _pattern(template: str) -> re.Pattern:
     return re.compile("^" + re.escape(template).replace(r"\{i\}", r"(\d+)") + "$")
 
 
-_TO_HF = [(_pattern(ours), theirs) for ours, theirs in _NAMES]
-_FROM_HF = [(_pattern(theirs), ours) for ours, theirs in _NAMES]
+_TO_HF = [
+    (_pattern(ours), theirs)
+    for ours, theirs in _NAMES + [*_NORM_NAMES["pre"], *_NORM_NAMES["post"]]
+]
+_FROM_HF = {
+    position: [(_pattern(theirs), ours) for ours, theirs in _NAMES + names]
+    for position, names in _NORM_NAMES.items()
+}
 
 
 def _rename(name: str, table) -> str | None:
@@ -101,11 +133,20 @@ def rope_settings(hf: dict[str, Any]) -> tuple[float, dict | None]:
 
 
 class LlamaFamilyLayout:
-    """How `freetx.models.transformer.Transformer` maps to HF Llama, Mistral and Qwen2
-    folders (the same tensors; Qwen2 adds q/k/v biases)."""
+    """How `freetx.models.transformer.Transformer` maps to HF Llama, Mistral, Qwen2, Qwen3
+    and OLMo 2 folders (the same tensors; Qwen2 adds q/k/v biases, Qwen3 and OLMo 2 q/k
+    norms, OLMo 2 puts its block norms after attention and MLP).
+
+    One layout per norm position, since HF's `post_attention_layernorm` names a different
+    norm in each: `model_types` are the types it reads. Writing needs no such choice
+    (freetx's names differ), so either layout writes every model type.
+    """
 
     model_class = "freetx.models.transformer.Transformer"
-    model_types = tuple(ARCHITECTURES)
+
+    def __init__(self, norm_position: str) -> None:
+        self.norm_position = norm_position
+        self.model_types = tuple(t for t, (_, p) in BLOCKS.items() if p == norm_position)
 
     def to_hf_name(self, name: str) -> str:
         renamed = _rename(name, _TO_HF)
@@ -120,10 +161,11 @@ class LlamaFamilyLayout:
         """freetx's name of an HF tensor; None for tensors that are not weights."""
         if IGNORED_HF_TENSORS.match(name):
             return None
-        renamed = _rename(name, _FROM_HF)
+        renamed = _rename(name, _FROM_HF[self.norm_position])
         if renamed is None:
             raise CheckpointError(
-                f"HF tensor {name} is not part of a Llama-family model freetx can read."
+                f"HF tensor {name} is not part of a {'/'.join(self.model_types)} model freetx "
+                "can read."
             )
         return renamed
 
@@ -132,6 +174,7 @@ class LlamaFamilyLayout:
         c = model_config
         model_type = c.get("hf_model_type", "llama")
         qkv_bias, wo_bias = c.get("qkv_bias", False), c.get("wo_bias", False)
+        check_blocks(model_type, c.get("qk_norm"), c.get("norm_position", "pre"))
         hf: dict[str, Any] = {
             "architectures": [ARCHITECTURES[model_type]],
             "model_type": model_type,
@@ -162,23 +205,34 @@ class LlamaFamilyLayout:
                     f"qkv_bias={qkv_bias}, wo_bias={wo_bias}. Export it as llama "
                     "(model.hf_model_type=llama) instead."
                 )
-            del hf["head_dim"]  # Qwen2 derives it from hidden_size / heads
             hf.update(use_sliding_window=False, sliding_window=None)
         else:
             if qkv_bias != wo_bias:
                 raise CheckpointError(
                     f"an HF {model_type} model has biases on all of q, k, v, o or on none; this "
-                    f"one has qkv_bias={qkv_bias}, wo_bias={wo_bias}. Export it as qwen2."
-                )
+                    f"one has qkv_bias={qkv_bias}, wo_bias={wo_bias}. "
+                    + ("Export it as qwen2." if BLOCKS[model_type] == BLOCKS["qwen2"]
+                       else "Convert it to .safetensors or DCP instead.")
+                )  # fmt: skip
             hf["attention_bias"] = qkv_bias
             if model_type == "mistral":
                 hf["sliding_window"] = None
-            else:
+            elif model_type == "qwen3":
+                hf.update(use_sliding_window=False, sliding_window=None)
+            elif model_type == "llama":
                 hf["mlp_bias"] = False
+        if model_type in _DERIVED_HEAD_DIM:
+            if hf["head_dim"] * c["num_heads"] != c["hidden_dim"]:
+                raise CheckpointError(
+                    f"an HF {model_type} model has head_dim = hidden_size / heads; this one has "
+                    f"head_dim={hf['head_dim']}, hidden_dim={c['hidden_dim']}, "
+                    f"num_heads={c['num_heads']}. Convert it to .safetensors or DCP instead."
+                )
+            del hf["head_dim"]
         return hf
 
     def from_hf_config(self, hf: dict[str, Any], max_seq_len: int | None = None) -> dict[str, Any]:
-        """The decoder's config fields from an HF config.json (llama, mistral or qwen2);
+        """The decoder's config fields from an HF config.json (any of ARCHITECTURES);
         `max_seq_len` replaces max_position_embeddings (the RoPE tables' length)."""
         model_type = hf.get("model_type")
         try:
@@ -202,6 +256,8 @@ class LlamaFamilyLayout:
                 "dropout": 0.0,
                 "head_dim": int(hf.get("head_dim") or hidden // num_heads),
                 "hf_model_type": model_type,
+                "qk_norm": BLOCKS[model_type][0],
+                "norm_position": BLOCKS[model_type][1],
             }
         except (KeyError, TypeError, ValueError) as e:
             if isinstance(e, CheckpointError):
@@ -216,14 +272,16 @@ class LlamaFamilyLayout:
             raise _unsupported("mlp_bias", True, "MLPs without biases")
         if model_type == "qwen2":
             fields.update(qkv_bias=True, wo_bias=False)
+        else:
+            bias = bool(hf.get("attention_bias", False))
+            fields.update(qkv_bias=bias, wo_bias=bias)
+        if model_type in ("qwen2", "qwen3"):
             if hf.get("use_sliding_window"):
                 raise _unsupported(
                     "use_sliding_window", True, "full attention in every layer",
                     "Set use_sliding_window to false if the model was trained without it.",
                 )  # fmt: skip
         else:
-            bias = bool(hf.get("attention_bias", False))
-            fields.update(qkv_bias=bias, wo_bias=bias)
             window = hf.get("sliding_window")
             if window is not None and window < fields["max_seq_len"]:
                 raise _unsupported(
@@ -232,10 +290,37 @@ class LlamaFamilyLayout:
                     f"model with max_seq_len={window} (a key of the model section) to train on "
                     "those.",
                 )  # fmt: skip
+        layer_types = set(hf.get("layer_types") or ["full_attention"])
+        if layer_types != {"full_attention"}:
+            raise _unsupported("layer_types", sorted(layer_types), "full attention in every layer")
         return fields
 
 
-LLAMA_LAYOUT = LlamaFamilyLayout()
+def check_blocks(model_type: str, qk_norm: str | None, norm_position: str) -> None:
+    """A model exports as `model_type` only with that type's blocks (q/k norms, norm position)."""
+    if model_type not in BLOCKS:
+        raise CheckpointError(
+            f"hf_model_type={model_type!r} is not an HF architecture freetx writes; it writes "
+            f"{', '.join(BLOCKS)}."
+        )
+    if BLOCKS[model_type] != (qk_norm, norm_position):
+        fits = [t for t, blocks in BLOCKS.items() if blocks == (qk_norm, norm_position)]
+        fix = (
+            f"Export it as {' or '.join(fits)} (model.hf_model_type={fits[0]}) instead."
+            if fits
+            else "No HF architecture freetx writes has these blocks: convert it to "
+            ".safetensors or DCP instead."
+        )
+        raise CheckpointError(
+            f"an HF {model_type} model has qk_norm={BLOCKS[model_type][0]}, norm_position="
+            f"{BLOCKS[model_type][1]}; this one has qk_norm={qk_norm}, norm_position="
+            f"{norm_position}. {fix}"
+        )
+
+
+LLAMA_LAYOUT = LlamaFamilyLayout("pre")
+OLMO2_LAYOUT = LlamaFamilyLayout("post")
+DECODER_LAYOUTS = (LLAMA_LAYOUT, OLMO2_LAYOUT)
 
 
 def read_hf_config(path: str | Path) -> dict[str, Any]:
@@ -262,9 +347,9 @@ def hf_config_fields(path: str | Path, fields: dict[str, Any]) -> dict[str, Any]
     """The decoder's config fields for a model folder, with `fields` (e.g. max_seq_len,
     dropout) changed."""
     hf = read_hf_config(path)
-    if hf.get("model_type") not in LLAMA_LAYOUT.model_types:
+    if hf.get("model_type") not in ARCHITECTURES:
         raise CheckpointError(
             f"{path}/config.json describes a '{hf.get('model_type')}' model; the decoder reads "
-            f"{', '.join(LLAMA_LAYOUT.model_types)}."
+            f"{', '.join(ARCHITECTURES)}."
         )
     return {**LLAMA_LAYOUT.from_hf_config(hf, fields.get("max_seq_len")), **fields}

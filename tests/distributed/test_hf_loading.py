@@ -14,7 +14,10 @@ SCRIPT = Path(__file__).with_name("hf_checks.py")
 STRATEGIES = ["fsdp", "zero2", "hsdp", "ddp", "zero1"]
 
 
-@pytest.mark.parametrize("family", ["llama3_2", "qwen2"])
+@pytest.mark.parametrize(
+    "family",
+    ["llama3_2", "qwen2", *(pytest.param(f, marks=pytest.mark.slow) for f in ("qwen3", "olmo2"))],
+)
 def test_hf_folder_loads_under_every_strategy(tmp_path, family):
     folder = make_folder(tmp_path / "m", family)
     ranks = run_checks(SCRIPT, tmp_path / "out", 2, str(folder), *STRATEGIES)

@@ -1,7 +1,9 @@
 """A pretrained HF folder through the CLI: full fine-tuning on 2 processes from a folder
 transformers wrote (weights, tokenizer, chat template), export back to an HF folder that
 transformers loads with the same logits (by `checkpoint.final_export=hf` at the end of the
-run, and by `freetx checkpoint convert --to hf`: the same tensors), and sampling from it."""
+run, and by `freetx checkpoint convert --to hf`: the same tensors), and sampling from it;
+Qwen3 and OLMo 2 folders fine-tuned and exported the same way, and LoRA on a Qwen3 folder
+exported to PEFT."""
 
 from __future__ import annotations
 
@@ -16,13 +18,44 @@ from tests.hf_folders import hf_logits, make_folder, make_tokenizer
 transformers = pytest.importorskip("transformers")
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
+JSONL = "metric_loggers=[{_component_: freetx.loggers.JSONLLogger}]"
+
+
+def tiny_folder(root, family):
+    """A tiny model folder of the family, as transformers writes it, with a tokenizer."""
     from freetx.data.corpus import builtin_documents
 
-    folder = make_folder(tmp_path_factory.mktemp("hf") / "tiny_llama", "llama3_2")
+    folder = make_folder(root / family, family)
     make_tokenizer(folder, builtin_documents()[:20])
     return folder
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return tiny_folder(tmp_path_factory.mktemp("hf"), "llama3_2")
+
+
+def load_checkpoint_as(folder, checkpoint):
+    """freetx's decoder of an HF folder's shape with a checkpoint's weights."""
+    from freetx.checkpoint import load_initial_weights
+    from freetx.distributed import materialize
+    from freetx.models.transformer import hf_decoder
+
+    with torch.device("meta"):
+        model = hf_decoder(str(folder))
+    materialize(model, torch.device("cpu"), seed=0)
+    load_initial_weights(model, checkpoint)
+    return model.eval()
+
+
+def tensor_names(folder):
+    from safetensors import safe_open
+
+    names = set()
+    for file in folder.glob("*.safetensors"):
+        with safe_open(str(file), "pt") as f:
+            names.update(f.keys())
+    return names
 
 
 def same_tensors(a, b) -> bool:
@@ -59,14 +92,7 @@ def test_finetune_export_and_generate(tmp_path, model_dir):
                  "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):  # fmt: skip
         assert name in files, files
     # transformers reads it: the same logits as freetx's own model from the DCP checkpoint
-    from freetx.checkpoint import load_initial_weights
-    from freetx.distributed import materialize
-    from freetx.models.transformer import hf_decoder
-
-    with torch.device("meta"):
-        ours = hf_decoder(str(out))
-    materialize(ours, torch.device("cpu"), seed=0)
-    load_initial_weights(ours, run / "checkpoints" / "step_000020")
+    ours = load_checkpoint_as(out, run / "checkpoints" / "step_000020")
     ids = torch.randint(0, 384, (2, 64))
     with torch.no_grad():
         assert (hf_logits(out, ids) - ours.eval()(ids)).abs().max() < 1e-4
@@ -90,6 +116,60 @@ def test_finetune_export_and_generate(tmp_path, model_dir):
         json.loads(x) for x in (tmp_path / "gen" / "samples.jsonl").read_text().split("\n") if x
     ]
     assert len(samples) == 2 and all(s["text"].startswith("Reverse the word") for s in samples)
+
+
+@pytest.mark.parametrize("family", ["olmo2", pytest.param("qwen3", marks=pytest.mark.slow)])
+def test_a_qwen3_or_olmo2_folder_finetunes_on_2_processes_and_exports(tmp_path, family):
+    folder = tiny_folder(tmp_path, family)
+    run = tmp_path / "run"
+    result = run_freetx(
+        "run", "--nproc-per-node", "2", "full_finetune_fsdp2", "--config", "llm/hf_tiny_full",
+        f"model_dir={folder}", f"output_dir={run}", "max_steps=2", "log_every_n_steps=1",
+        "eval.max_batches=1", "dataset.num_builtin_examples=400", JSONL,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    out = tmp_path / "exported"
+    checkpoint = run / "checkpoints" / "step_000002"
+    converted = run_freetx("checkpoint", "convert", str(checkpoint), str(out), "--to", "hf")
+    assert converted.returncode == 0, converted.stderr
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == family and config["architectures"] == [
+        {"qwen3": "Qwen3ForCausalLM", "olmo2": "Olmo2ForCausalLM"}[family]
+    ]
+    assert tensor_names(out) == tensor_names(folder)  # HF's names, none more or fewer
+    ids = torch.randint(0, 384, (2, 64), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        trained = hf_logits(out, ids)
+        assert (trained - load_checkpoint_as(out, checkpoint)(ids)).abs().max() < 1e-4
+        assert (trained - hf_logits(folder, ids)).abs().max() > 1e-3  # the 2 steps trained
+
+
+def test_lora_on_a_qwen3_folder_exports_adapters_that_peft_loads(tmp_path):
+    peft = pytest.importorskip("peft")
+    folder = tiny_folder(tmp_path, "qwen3")
+    run = tmp_path / "run"
+    result = run_freetx(
+        "run", "lora_finetune_fsdp2", "--config", "llm/lora_tiny", f"model_dir={folder}",
+        f"model={{_component_: freetx.models.transformer.hf_decoder, path: {folder}, "
+        "max_seq_len: 128}", f"output_dir={run}", "max_steps=2", "optimizer.lr=0.02",
+        "lr_schedule.warmup_steps=0", "eval.max_batches=1", "dataset.num_builtin_examples=400",
+        "checkpoint.final_export=peft", JSONL,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    merged = run_freetx("checkpoint", "merge", str(run / "checkpoints" / "step_000002"),
+                        "--base", str(folder), str(tmp_path / "merged"))  # fmt: skip
+    assert merged.returncode == 0, merged.stderr
+    auto = transformers.AutoModelForCausalLM
+    ids = torch.randint(0, 259, (2, 48), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        adapted = peft.PeftModel.from_pretrained(
+            auto.from_pretrained(folder), run / "export" / "peft"
+        )
+        with_adapter = adapted.eval()(ids).logits
+        plain = hf_logits(folder, ids)
+        merged_logits = hf_logits(tmp_path / "merged", ids)
+    assert (with_adapter - plain).abs().max() > 1e-3  # the adapter changed something
+    assert (with_adapter - merged_logits).abs().max() < 1e-4
 
 
 def test_a_tokenizer_larger_than_the_embedding_is_refused(tmp_path, model_dir):

@@ -59,6 +59,35 @@ def test_config_fields_are_read_from_both_layouts(folders):
     qwen = open_tensors(folders["qwen2"]).model_config
     assert (qwen["qkv_bias"], qwen["wo_bias"], qwen["hf_model_type"]) == (True, False, "qwen2")
     assert open_tensors(folders["llama_head_dim"]).model_config["head_dim"] == 32
+    for family, blocks in [("qwen3", ("head", "pre")), ("qwen3_old_layout", ("head", "pre")),
+                           ("olmo2", ("projection", "post")),
+                           ("olmo2_old_layout", ("projection", "post"))]:  # fmt: skip
+        config = open_tensors(folders[family]).model_config
+        assert (config["qk_norm"], config["norm_position"]) == blocks, family
+        assert (config["qkv_bias"], config["wo_bias"]) == (False, False), family
+    assert open_tensors(folders["qwen3"]).model_config["head_dim"] == 32
+    assert open_tensors(folders["olmo2"]).model_config["rope_theta"] == 500000.0
+    assert open_tensors(folders["olmo2_old_layout"]).model_config["rope_theta"] == 500000.0
+
+
+def test_every_decoder_tensor_name_reads_back_through_its_folders_layout():
+    """freetx -> HF -> freetx names for each model type's blocks (HF's
+    post_attention_layernorm is the pre-MLP norm of Llama and the post-attention one of
+    OLMo 2)."""
+    from freetx.models.hf import layout_for_hf_config, layout_of
+    from freetx.models.transformer import decoder
+    from freetx.models.transformer_hf import BLOCKS
+
+    writer = layout_of("freetx.models.transformer.Transformer")
+    for model_type, (qk_norm, norm_position) in BLOCKS.items():
+        with torch.device("meta"):
+            model = decoder("tiny", qk_norm=qk_norm, norm_position=norm_position)
+        reader = layout_for_hf_config({"model_type": model_type})
+        names = [name for name, _ in model.named_parameters()]
+        assert [reader.from_hf_name(writer.to_hf_name(n)) for n in names] == names
+    assert writer.to_hf_name("layers.1.post_ffn_norm.weight") == (
+        "model.layers.1.post_feedforward_layernorm.weight"
+    )
 
 
 def test_max_seq_len_can_shorten_the_tables_and_keeps_llama3_scaling(folders):
@@ -69,7 +98,7 @@ def test_max_seq_len_can_shorten_the_tables_and_keeps_llama3_scaling(folders):
         assert (short(ids) - hf_logits(folders["llama3_2"], ids)).abs().max() < 1e-4
 
 
-@pytest.mark.parametrize("family", ["llama3_2", "qwen2", "mistral"])
+@pytest.mark.parametrize("family", ["llama3_2", "qwen2", "mistral", "qwen3", "olmo2"])
 def test_hf_to_dcp_to_hf_is_bit_for_bit_and_loads_in_transformers(tmp_path, family):
     source = make_folder(tmp_path / "src", family, dtype=torch.bfloat16)
     convert(source, tmp_path / "dcp", to="dcp")
@@ -96,28 +125,62 @@ def test_hf_to_dcp_to_hf_is_bit_for_bit_and_loads_in_transformers(tmp_path, fami
     assert config["model_type"] == family.split("_")[0].replace("llama3", "llama")
 
 
-def test_a_freetx_model_exports_to_an_hf_folder_transformers_loads(tmp_path, folders):
-    """A decoder freetx made (not from HF) -> safetensors -> HF folder -> transformers."""
-    from freetx.models.transformer import decoder
-
-    with torch.device("meta"):
-        model = decoder("tiny", vocab_size=300, rope_theta=10000.0)
-    materialize(model, torch.device("cpu"), seed=3)
+def save_freetx_model(path, **fields):
+    """A tiny decoder freetx made (not from HF), norms not all ones, as a .safetensors file
+    that records its class and config."""
     from safetensors.torch import save_file
 
     from freetx.checkpoint.formats import MODEL_CLASS_KEY, MODEL_CONFIG_KEY
+    from freetx.models.transformer import decoder
 
+    with torch.device("meta"):
+        model = decoder("tiny", vocab_size=300, rope_theta=10000.0, **fields)
+    materialize(model, torch.device("cpu"), seed=3)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.normal_(1.0, 0.1, generator=generator)
     meta = {
         MODEL_CLASS_KEY: "freetx.models.transformer.Transformer",
         MODEL_CONFIG_KEY: json.dumps(model.config.__dict__),
     }
-    save_file(dict(model.state_dict()), str(tmp_path / "m.safetensors"), metadata=meta)
+    save_file(dict(model.state_dict()), str(path), metadata=meta)
+    return model.eval()
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [{}, {"qk_norm": "head", "hf_model_type": "qwen3"},
+     {"qk_norm": "projection", "norm_position": "post", "hf_model_type": "olmo2"}],
+)  # fmt: skip
+def test_a_freetx_model_exports_to_an_hf_folder_transformers_loads(tmp_path, fields):
+    """A decoder freetx made (not from HF) -> safetensors -> HF folder -> transformers."""
+    model = save_freetx_model(tmp_path / "m.safetensors", **fields)
     result = run_freetx_here("checkpoint", "convert", str(tmp_path / "m.safetensors"),
                              str(tmp_path / "hf"), "--to", "hf")  # fmt: skip
     assert result.returncode == 0, result.stderr
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["model_type"] == fields.get("hf_model_type", "llama")
     ids = torch.randint(0, 300, (2, 50))
     with torch.no_grad():
         assert (hf_logits(tmp_path / "hf", ids) - model(ids)).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize(
+    "fields,message",
+    [({"qk_norm": "head"}, "an HF llama model has qk_norm=None, norm_position=pre; this one "
+      "has qk_norm=head, norm_position=pre. Export it as qwen3"),
+     ({"qk_norm": "projection", "hf_model_type": "qwen3"}, "convert it to .safetensors or DCP"),
+     ({"qk_norm": "projection", "norm_position": "post", "hf_model_type": "olmo2",
+       "head_dim": 16, "num_heads": 4}, "an HF olmo2 model has head_dim = hidden_size / heads")],
+)  # fmt: skip
+def test_a_model_whose_blocks_its_hf_type_lacks_is_not_exported(tmp_path, fields, message):
+    save_freetx_model(tmp_path / "m.safetensors", **fields)
+    result = run_freetx_here("checkpoint", "convert", str(tmp_path / "m.safetensors"),
+                             str(tmp_path / "hf"), "--to", "hf")  # fmt: skip
+    assert result.returncode == 1 and message in flat(result.stderr), result.stderr
+    assert "Traceback" not in result.stderr and not (tmp_path / "hf").exists()
 
 
 def break_index(folder):
@@ -158,6 +221,28 @@ def test_a_damaged_folder_is_named(tmp_path, damage, message):
 )  # fmt: skip
 def test_what_freetx_cannot_compute_is_refused_with_the_field(tmp_path, change, message):
     folder = make_folder(tmp_path / "m", "mistral")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, **change}))
+    with pytest.raises(CheckpointError) as error:
+        load_freetx(folder)
+    assert message in flat(str(error.value))
+
+
+@pytest.mark.parametrize(
+    "family,change,message",
+    [("qwen3", {"use_sliding_window": True, "sliding_window": 64}, "use_sliding_window=true"),
+     ("qwen3", {"layer_types": ["full_attention", "sliding_attention"]},
+      'layer_types=["full_attention", "sliding_attention"]'),
+     ("olmo2", {"hidden_act": "gelu"}, 'hidden_act="gelu"'),
+     ("olmo2", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}},
+      'rope_type="yarn"')],
+)  # fmt: skip
+def test_what_qwen3_and_olmo2_folders_ask_beyond_the_decoder_is_refused(
+    folders, tmp_path, family, change, message
+):
+    import shutil
+
+    folder = shutil.copytree(folders[family], tmp_path / "m")
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**config, **change}))
     with pytest.raises(CheckpointError) as error:
