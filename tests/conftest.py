@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import io
 import os
 import subprocess
@@ -50,6 +51,25 @@ def run_freetx_here(*args: str) -> subprocess.CompletedProcess:
 def flat(text: str) -> str:
     """Text with line wrapping undone (error paragraphs wrap at 100 columns)."""
     return " ".join(text.split())
+
+
+def one_paragraph(result, code: int = 1) -> str:
+    """The error paragraph of a failed command, flattened: the exit code, no traceback (of
+    the main thread or another), no blank line."""
+    assert result.returncode == code, result.stdout + result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
+    assert "Exception in thread" not in result.stderr, result.stderr
+    assert "\n\n" not in result.stderr.strip(), result.stderr
+    return flat(result.stderr)
+
+
+def hashes(folder: Path) -> dict[str, str]:
+    """Every file under `folder` (the lock file aside) -> sha256 of its bytes."""
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file() and p.name != ".freetx.lock"
+    }
 
 
 @pytest.fixture

@@ -5,7 +5,6 @@ be known before, and saved work is never touched."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shlex
@@ -15,26 +14,11 @@ import sys
 
 import pytest
 
-from tests.conftest import ASSETS, REPO, flat, run_freetx, run_freetx_here
+from tests.conftest import ASSETS, REPO, flat, hashes, one_paragraph, run_freetx, run_freetx_here
 
 TINY = ["max_steps=2", "batch_size=4", "log_every_n_steps=1", "eval.every_n_steps=0",
         "checkpoint.save_final=false", "metric_loggers=[{_component_: freetx.loggers.JSONLLogger}]"]  # fmt: skip
 THREADS = {"OMP_NUM_THREADS": "1"}
-
-
-def one_paragraph(result, code: int = 1) -> str:
-    """The error paragraph of a failed command (and that it has no traceback)."""
-    assert result.returncode == code, result.stdout + result.stderr
-    assert "Traceback" not in result.stderr and "Exception in thread" not in result.stderr
-    return flat(result.stderr)
-
-
-def hashes(folder) -> dict[str, str]:
-    return {
-        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-        for p in sorted(folder.rglob("*"))
-        if p.is_file()
-    }
 
 
 def pairs(path, prompt_lengths: list[int]):

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from tests.conftest import flat, run_freetx
+from tests.conftest import flat, hashes, run_freetx
 
 TINY = ["max_steps=4", "checkpoint.every_n_steps=2", "checkpoint.keep_last=2",
         "eval.every_n_steps=0", "checkpoint.save_final=true", "log_every_n_steps=1",
@@ -52,8 +52,6 @@ def test_a_lora_resume_reads_the_base_it_started_from(tmp_path):
 def test_a_resume_on_rewritten_data_is_refused_before_any_work(tmp_path):
     """The files a dataset read are recorded by identity: a resume after the data file
     was rewritten in place (same path, same config) is refused, naming the file."""
-    from tests.recipes.test_saved_work import hashes
-
     data, run = tmp_path / "corpus.txt", tmp_path / "run"
     data.write_text("the quick brown fox jumps over the lazy dog. " * 400)
     assert train("llm/tiny", run, f"dataset.source={data}", "max_steps=2").returncode == 0

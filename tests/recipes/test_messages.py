@@ -5,7 +5,6 @@ gets advice that works."""
 
 from __future__ import annotations
 
-import hashlib
 import os
 import re
 import shutil
@@ -13,28 +12,12 @@ import socket
 
 import pytest
 
-from tests.conftest import ASSETS, flat, run_freetx, run_freetx_here
+from tests.conftest import ASSETS, flat, hashes, one_paragraph, run_freetx, run_freetx_here
 
 QUICK = ["log_every_n_steps=1", "eval.every_n_steps=0",
          "metric_loggers=[{_component_: freetx.loggers.JSONLLogger}]"]  # fmt: skip
 THREADS = {"OMP_NUM_THREADS": "1"}
 NOISE = ("FutureWarning", "_C_mxfp8", "_C_cutlass", "KernelPreference")
-
-
-def one_paragraph(result, code: int = 1) -> str:
-    """The run's stderr as one paragraph: the exit code, no traceback, no blank line."""
-    assert result.returncode == code, result.stdout + result.stderr
-    assert "Traceback" not in result.stderr, result.stderr
-    assert "\n\n" not in result.stderr.strip(), result.stderr
-    return flat(result.stderr)
-
-
-def hashes(folder) -> dict[str, str]:
-    return {
-        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-        for p in sorted(folder.rglob("*"))
-        if p.is_file()
-    }
 
 
 def fault(**variables: str) -> dict[str, str]:

@@ -9,7 +9,6 @@ what a user saved, tried through the CLI. Afterwards the saved files are byte-id
 from __future__ import annotations
 
 import fcntl
-import hashlib
 import json
 import os
 import shutil
@@ -17,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import flat, run_freetx, run_freetx_here
+from tests.conftest import flat, hashes, run_freetx, run_freetx_here
 
 QUIET = [
     "eval.max_batches=1", "log_every_n_steps=1", "checkpoint.every_n_steps=2",
@@ -35,15 +34,6 @@ def train(output_dir, *overrides, nproc=1, expect=0):
     if expect:
         assert "Traceback" not in result.stderr, result.stderr
     return result
-
-
-def hashes(folder: Path) -> dict[str, str]:
-    """Every file under `folder` (the lock file aside) -> sha256 of its bytes."""
-    return {
-        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-        for p in sorted(folder.rglob("*"))
-        if p.is_file() and p.name != ".freetx.lock"
-    }
 
 
 def logged_steps(run: Path) -> list[int]:
