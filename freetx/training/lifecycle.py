@@ -200,8 +200,9 @@ class TrainingRun:
         guard: a non-finite gradient norm means the update was skipped (`optimizer_step`),
         which is logged, and ends the run under `on_nonfinite: stop` (not for a float16
         overflow: the loss scaler lowers the scale) or after `max_nonfinite_skips` in a
-        row; and the stop agreement: every rank learns whether any rank got a stop signal (one collective over the world), so `stopping` is the
-        same on every rank after this step."""
+        row; and the stop agreement: every rank learns whether any rank got a stop signal
+        (one collective over the world), so `stopping` is the same on every rank after
+        this step."""
         if not math.isfinite(grad_norm):
             self.nonfinite_in_a_row += 1
             # float16: an overflow of the scaled gradients is the loss scaler at work (it
