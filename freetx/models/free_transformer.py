@@ -36,7 +36,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from freetx.fields import refuse_meaningless
 from freetx.models.protocol import build_config, builds
 from freetx.models.transformer import DecoderBlock, Transformer, TransformerConfig
 
@@ -69,22 +68,23 @@ class FreeTransformerConfig(TransformerConfig):
             )
         if self.latent_dim < 1:
             raise ValueError(f"latent_dim={self.latent_dim} must be at least 1")
-        refuse_meaningless(self)
 
     @staticmethod
     def meaningless(values: dict[str, Any]) -> dict[str, str]:
         """A table post-sampler too large to build (freetx.fields: checked by `freetx
         validate`, before a run, and here), by key: why, and the fix."""
+        found = TransformerConfig.meaningless(values)
         bits = values.get("latent_dim")
         if bits is None or bits <= MAX_TABLE_BITS or values["factored_post_sampler"]:
-            return {}
+            return found
         return {
+            **found,
             "latent_dim": (
                 f"the table post-sampler has one row of hidden_dim parameters per code, "
                 f"2^{bits} rows, and stops at latent_dim={MAX_TABLE_BITS} (2^16 = 65,536 rows); "
                 f"set factored_post_sampler=true (R = W (2 bits - 1): {bits} x hidden_dim "
                 f"parameters, any latent_dim), or latent_dim <= {MAX_TABLE_BITS}."
-            )
+            ),
         }
 
 

@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from freetx.fields import refuse_meaningless
 from freetx.models.protocol import build_config, builds
 from freetx.models.transformer_hf import LLAMA_LAYOUT, hf_config_fields
 
@@ -82,11 +83,25 @@ class TransformerConfig:
             raise ValueError(
                 f"num_heads={self.num_heads} is not divisible by num_kv_heads={self.num_kv_heads}"
             )
-        if self.qk_norm not in (None, "head", "projection"):
-            raise ValueError(f"qk_norm={self.qk_norm!r} must be one of head, projection, None")
-        if self.norm_position not in ("pre", "post"):
-            raise ValueError(f"norm_position={self.norm_position!r} must be pre or post")
         check_rope_scaling(self.rope_scaling)
+        refuse_meaningless(self)
+
+    @staticmethod
+    def meaningless(values: dict[str, Any]) -> dict[str, str]:
+        """Block layouts the decoder does not have (freetx.fields: checked by `freetx
+        validate`, before a run, and when built), by key: why, and the fix."""
+        found = {}
+        if values.get("qk_norm") not in (None, "head", "projection"):
+            found["qk_norm"] = (
+                "the decoder normalizes queries and keys per head (head: Qwen3), over the "
+                "whole projection (projection: OLMo 2) or not at all (null); set one of those."
+            )
+        if values.get("norm_position") not in ("pre", "post"):
+            found["norm_position"] = (
+                "a block's norms come before attention and MLP (pre: Llama, Qwen) or after "
+                "them (post: OLMo 2); set pre or post."
+            )
+        return found
 
 
 ROPE_SCALING_KEYS = {

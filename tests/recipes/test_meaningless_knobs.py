@@ -35,7 +35,9 @@ TOPK = ["model.activation=batchtopk", "model.k=8"]
      (CROSSCODER, [*TOPK, "model.aux_k=0"], "'model.aux_k' is 0"),
      (CROSSCODER, ["model.activation=jumprelu", "model.tanh_c=0"], "'model.tanh_c' is 0"),
      (CROSSCODER, ["model.shared_features=300"], "set it in [0, 256]"),
-     (CROSSCODER, ["model.dict_size=0"], "'model.dict_size' is 0")],
+     (CROSSCODER, ["model.dict_size=0"], "'model.dict_size' is 0"),
+     ("llm/tiny", ["model.qk_norm=bogus"], "'model.qk_norm' is 'bogus': the decoder normalizes"),
+     ("free_transformer/tiny", ["model.norm_position=mid"], "'model.norm_position' is 'mid'")],
 )  # fmt: skip
 def test_validate_refuses_a_meaningless_value(config, overrides, message):
     result = run_freetx_here("validate", config, *overrides)
