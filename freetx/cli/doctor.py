@@ -12,7 +12,9 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from freetx.cli.common import at_least_one
+from freetx.cli.common import at_least_one, number
+
+POSITIVE = number(float, above=0)  # sizes and seconds
 
 # Free space below one checkpoint of a 1B-parameter model is a WARN: fp32 weights and
 # AdamW's two moments are 12 bytes per parameter (4 + 8), 12 GB for 1e9 parameters.
@@ -30,17 +32,6 @@ examples:
   freetx doctor
   freetx doctor --nproc-per-node 8 --output-dir /scratch/runs
 """
-
-
-def positive(value: str) -> float:
-    """An argparse type for sizes and seconds: a number above 0."""
-    try:
-        number = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{value!r} is not a number") from None
-    if not number > 0:
-        raise argparse.ArgumentTypeError(f"{value} is not above 0")
-    return number
 
 
 @dataclass(frozen=True)
@@ -76,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--size-mib",
-        type=positive,
+        type=POSITIVE,
         default=None,
         help="the collectives' buffer in MiB (default 256 on CUDA, 16 on CPU)",
     )
@@ -85,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--timeout-s",
-        type=positive,
+        type=POSITIVE,
         default=120.0,
         help="a collective not done within this fails the check (default 120)",
     )
