@@ -9,7 +9,11 @@ protocol, e.g. the Free Transformer) gets each position's code drawn once and
 kept: from the prior, or for the prompt from the encoder (`posterior_prefill`);
 with `fixed_z`, the samples of a group share one code sequence.
 
-Writes `samples.jsonl`; `sample_metrics` components measure the samples (e.g.
+Writes `samples.jsonl`, one record per sample: its `prompt`, `group` and `reply` (the
+generated text alone, ended at its EOS), `reply_tokens`, and `stopped_at_eos`;
+sampling stops once every sample of a group has reached its EOS. `temperature: 0` is
+greedy decoding. The console shows each prompt once, its replies under it, and the
+generated tokens per second. `sample_metrics` components measure the samples (e.g.
 `freetx.data.letter_block.BlockPositionSpread` on the letter-block task) into
 `sample_metrics.json`.
 """
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -53,7 +58,7 @@ class GenerateConfig:
     max_new_tokens: int = at_least(1, default=64)
     chat: bool = False  # each prompt is a user turn, rendered with the tokenizer's chat template
     stop_at_eos: bool = True  # a sample's text ends at its first EOS
-    temperature: float = 1.0
+    temperature: float = at_least(0, default=1.0)  # 0: greedy (the most likely token each step)
     top_k: Optional[int] = at_least(1, default=None)
     show_samples: int = at_least(0, default=3)  # samples printed per group
     # measurements of the samples: components called with the records, returning metrics
@@ -86,8 +91,9 @@ class GenerateRecipe:
         self.loggers.write(f"generate | {kind} from {self.checkpoint} | device {self.device}")
 
     @torch.no_grad()
-    def sample_group(self, prompt: str) -> list[str]:
-        """One group: samples_per_group continuations of `prompt` (sharing Z if fixed_z)."""
+    def sample_group(self, prompt: str) -> list[dict[str, Any]]:
+        """One group: samples_per_group replies to `prompt` (sharing Z if fixed_z), each
+        ended at its first EOS (`stop_at_eos`); stops once every reply has ended."""
         cfg, tok = self.cfg, self.tokenizer
         n = cfg.samples_per_group
         if cfg.chat:  # the template writes BOS and the assistant's header itself
@@ -104,13 +110,26 @@ class GenerateRecipe:
             if cfg.posterior_prefill:  # the prompt's codes from the encoder
                 prompt_ids = tokens[:1] if cfg.fixed_z else tokens
                 codes[:, : len(ids)] = self.model.posterior_codes(prompt_ids, self.generator)
+        ended = torch.zeros(n, dtype=torch.bool, device=self.device)
         for _ in range(cfg.max_new_tokens):
             if codes is not None:
                 logits, _ = self.model(tokens, codes=codes[:, : tokens.shape[1]])
             else:
                 logits = self.model(tokens)
-            tokens = torch.cat([tokens, self.next_tokens(logits[:, -1])[:, None]], dim=1)
-        return [prompt + tok.decode(self.until_eos(row[len(ids) :].tolist())) for row in tokens]
+            new = self.next_tokens(logits[:, -1])
+            tokens = torch.cat([tokens, new[:, None]], dim=1)
+            if cfg.stop_at_eos and tok.eos_id is not None:
+                ended |= new == tok.eos_id
+                if bool(ended.all()):
+                    break
+        replies = []
+        for row in tokens[:, len(ids) :].tolist():
+            reply = self.until_eos(row)
+            replies.append(
+                {"reply": tok.decode(reply), "reply_tokens": len(reply),
+                 "stopped_at_eos": len(reply) < len(row)}
+            )  # fmt: skip
+        return replies
 
     def until_eos(self, ids: list[int]) -> list[int]:
         eos = self.tokenizer.eos_id
@@ -119,7 +138,9 @@ class GenerateRecipe:
         return ids
 
     def next_tokens(self, logits: torch.Tensor) -> torch.Tensor:
-        logits = logits.float() / max(self.cfg.temperature, 1e-6)
+        if self.cfg.temperature == 0:
+            return logits.argmax(dim=-1)
+        logits = logits.float() / self.cfg.temperature
         if self.cfg.top_k:
             kth = torch.topk(logits, self.cfg.top_k).values[:, -1:]
             logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -129,13 +150,20 @@ class GenerateRecipe:
     def generate(self) -> None:
         cfg = self.cfg
         records = []
+        started, generated = time.perf_counter(), 0
         for prompt in cfg.prompts:
+            self.loggers.write(f"prompt: {prompt!r}")
             for group in range(cfg.num_groups):
                 samples = self.sample_group(prompt)
-                records += [{"prompt": prompt, "group": group, "text": s} for s in samples]
-                self.loggers.write(f"{prompt!r} group {group}:")
-                for text in samples[: cfg.show_samples]:
-                    self.loggers.write(f"  {text}")
+                records += [{"prompt": prompt, "group": group, **s} for s in samples]
+                generated += sum(s["reply_tokens"] for s in samples)
+                for s in samples[: cfg.show_samples]:
+                    self.loggers.write(f"  group {group} reply: {s['reply']!r}")
+        seconds = time.perf_counter() - started
+        self.loggers.write(
+            f"{len(records)} replies, {generated} tokens in {seconds:.1f} s "
+            f"({generated / max(seconds, 1e-9):.1f} tokens/s)"
+        )
         out = Path(cfg.output_dir)
         write_resolved_config(cfg)  # beside the samples it made
         with open(out / "samples.jsonl", "w") as f:

@@ -101,7 +101,7 @@ class BlockPositionSpread:
     def __call__(self, records: list[dict]) -> dict[str, float]:
         starts: dict[tuple[str, int], list[int]] = {}
         for record in records:
-            position = block_start(record["text"])
+            position = block_start(record["prompt"] + record["reply"])
             if position is not None:
                 starts.setdefault((record["prompt"], record["group"]), []).append(position)
         within = [statistics.pstdev(v) for v in starts.values() if len(v) > 1]

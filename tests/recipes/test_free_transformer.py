@@ -46,7 +46,7 @@ def test_generate_samples_with_fixed_z(trained, tmp_path):
     assert result.returncode == 0, result.stderr
     assert "block start position: spread within groups sharing Z" in result.stdout
     samples = [json.loads(x) for x in (tmp_path / "samples.jsonl").read_text().splitlines()]
-    assert len(samples) == 6 and all(s["text"].startswith("B>") for s in samples)
+    assert len(samples) == 6 and all(s["prompt"] == "B>" and s["reply"] for s in samples)
     stats = json.loads((tmp_path / "sample_metrics.json").read_text())
     assert stats["samples"] == 6
 

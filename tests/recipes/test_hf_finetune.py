@@ -115,7 +115,45 @@ def test_finetune_export_and_generate(tmp_path, model_dir):
     samples = [
         json.loads(x) for x in (tmp_path / "gen" / "samples.jsonl").read_text().split("\n") if x
     ]
-    assert len(samples) == 2 and all(s["text"].startswith("Reverse the word") for s in samples)
+    assert len(samples) == 2
+    assert all(s["prompt"] == "Reverse the word: python" for s in samples)
+    assert all("Reverse the word" not in s["reply"] for s in samples)  # the reply alone
+
+
+def test_greedy_generate_equals_transformers_and_stops_at_eos(tmp_path, model_dir):
+    """temperature=0 gives transformers' greedy tokens; the reply holds the generated text
+    alone, cut at EOS, and sampling stops once every reply has ended."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    torch.manual_seed(1)
+    with torch.no_grad():  # large random weights: greedy text that does not repeat one token
+        for name, param in model.named_parameters():
+            if "norm" not in name:
+                param.normal_(0.0, 0.5)
+    folder = tmp_path / "model"
+    model.save_pretrained(folder)
+    prompt = "the cat"
+    ids = torch.tensor(
+        [[tokenizer.bos_token_id, *tokenizer.encode(prompt, add_special_tokens=False)]]
+    )
+    theirs = model.generate(ids, do_sample=False, max_new_tokens=12, eos_token_id=None,
+                            pad_token_id=tokenizer.pad_token_id)[0, ids.shape[1]:].tolist()  # fmt: skip
+    # a greedy token that first appears after two others becomes EOS: the reply stops there
+    stop = next(i for i in range(2, len(theirs)) if theirs[i] not in theirs[:i])
+    eos, cut = theirs[stop], theirs[:stop]
+    tokenizer.eos_token = tokenizer.convert_ids_to_tokens(eos)
+    tokenizer.save_pretrained(folder)
+    result = run_freetx(
+        "run", "generate", "--config", "llm/hf_generate", f"checkpoint={folder}", "chat=false", f"prompts=[{prompt!r}]", "temperature=0",
+        "samples_per_group=2", "max_new_tokens=12", f"output_dir={tmp_path / 'gen'}",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    samples = [
+        json.loads(x) for x in (tmp_path / "gen" / "samples.jsonl").read_text().split("\n") if x
+    ]
+    assert [s["reply"] for s in samples] == [tokenizer.decode(cut)] * 2
+    assert all(s["stopped_at_eos"] and s["reply_tokens"] == len(cut) for s in samples)
+    assert f"prompt: {prompt!r}" in result.stdout and "tokens/s" in result.stdout
 
 
 @pytest.mark.parametrize("family", ["olmo2", pytest.param("qwen3", marks=pytest.mark.slow)])
