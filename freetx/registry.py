@@ -55,6 +55,7 @@ RECIPES: tuple[Recipe, ...] = (
             "llm/lora_tiny",
             "llm/dora_tiny",
             "llm/qlora_tiny",
+            "llm/hf_tiny_lora",
             "llm/spectrum_tiny",
             "llm/llama3_1_8b_lora",
             "llm/llama3_1_8b_qlora",

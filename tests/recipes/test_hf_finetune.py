@@ -182,16 +182,25 @@ def test_a_qwen3_or_olmo2_folder_finetunes_on_2_processes_and_exports(tmp_path, 
         assert (trained - hf_logits(folder, ids)).abs().max() > 1e-3  # the 2 steps trained
 
 
-def test_lora_on_a_qwen3_folder_exports_adapters_that_peft_loads(tmp_path):
+@pytest.mark.parametrize(
+    "family, options",
+    [("qwen3", []),
+     pytest.param("llama3_2", ["peft.use_dora=true"], marks=pytest.mark.slow, id="dora"),
+     pytest.param("llama3_2", ["peft.quantize_base=nf4"], marks=pytest.mark.slow, id="qlora")],
+)  # fmt: skip
+def test_lora_qlora_dora_from_only_model_dir_export_adapters_that_peft_loads(
+    tmp_path, family, options
+):
+    """llm/hf_tiny_lora takes only model_dir=; its final export loads in PEFT and equals
+    `freetx checkpoint merge`."""
     peft = pytest.importorskip("peft")
-    folder = tiny_folder(tmp_path, "qwen3")
+    folder = tiny_folder(tmp_path, family)
     run = tmp_path / "run"
     result = run_freetx(
-        "run", "lora_finetune_fsdp2", "--config", "llm/lora_tiny", f"model_dir={folder}",
-        f"model={{_component_: freetx.models.transformer.hf_decoder, path: {folder}, "
-        "max_seq_len: 128}", f"output_dir={run}", "max_steps=2", "optimizer.lr=0.02",
-        "lr_schedule.warmup_steps=0", "eval.max_batches=1", "dataset.num_builtin_examples=400",
-        "checkpoint.final_export=peft", JSONL,
+        "run", "lora_finetune_fsdp2", "--config", "llm/hf_tiny_lora", f"model_dir={folder}",
+        f"output_dir={run}", "max_steps=2", "optimizer.lr=0.02", "lr_schedule.warmup_steps=0",
+        "eval.max_batches=1", "dataset.num_builtin_examples=400", "dataset.seq_len=64", JSONL,
+        *options,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     merged = run_freetx("checkpoint", "merge", str(run / "checkpoints" / "step_000002"),

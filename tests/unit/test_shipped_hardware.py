@@ -33,6 +33,7 @@ NOT_ESTIMATED = {"generate"}  # no training
 HEADROOM = 0.9
 # tiny CPU configs whose model is a file another command makes first
 MADE_FIRST = {"llm/hf_tiny_full": "a tiny HF folder (tests write one)",
+              "llm/hf_tiny_lora": "a tiny HF folder (tests write one)",
               "llm/spectrum_tiny": "`freetx spectrum scan`'s selection of runs/llm_tiny"}  # fmt: skip
 # the shapes of the HF models the fine-tuning configs name (their config.json's, public),
 # for the configs that read the shape from `model_dir`
