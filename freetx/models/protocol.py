@@ -58,6 +58,11 @@ after, so no model code touches one:
 module that defines a near-miss of one of these names (`init_buffer`,
 `fsdp_forward_method`): a misspelt hook would otherwise be silently ignored.
 
+A model with a training term besides the logits (an MoE router's load-balancing loss)
+returns `LMOutput(logits, aux_loss, metrics)` from forward in training mode; the
+loss (`freetx.training.CrossEntropyLoss`) adds `aux_loss` per loss token and logs
+`metrics`. Logits come first, so code that reads `output[0]` reads the logits.
+
 A model with a latent code per position also follows `LatentModel`
 (`prior_codes`, `posterior_codes`, `forward(..., codes=codes)`), which is
 what the `generate` recipe asks for; it never names a model class.
@@ -78,7 +83,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import importlib
-from typing import Any, ClassVar, Protocol, runtime_checkable
+from typing import Any, ClassVar, NamedTuple, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -282,6 +287,15 @@ def flops_per_token(model: nn.Module, seq_len: int) -> float:
     if isinstance(model, CountsFlops):
         return float(model.flops_per_token(seq_len))
     return 6.0 * num_parameters(model)
+
+
+class LMOutput(NamedTuple):
+    """What a language model's forward returns when training adds a term of its own to the
+    loss (the MoE decoder's router loss); plain logits otherwise."""
+
+    logits: torch.Tensor  # [B, T, vocab]
+    aux_loss: torch.Tensor  # a scalar per token, already weighted: the loss adds it x tokens
+    metrics: dict[str, torch.Tensor]  # scalars per token to log (detached): aux_loss, ...
 
 
 @runtime_checkable
