@@ -127,7 +127,7 @@ def load_balancing_loss(routings: list[Routing], num_experts: int) -> torch.Tens
     """Switch / Mixtral's auxiliary loss over every MoE layer of a micro-batch, as
     transformers' `load_balancing_loss_func` computes it (no attention mask): E x sum over
     experts of (the share of routed (token, slot) pairs it got) x (its mean router
-    probability), both over all layers' tokens. 1 per slot (k) when balanced."""
+    probability), both over all layers' tokens: k when perfectly balanced."""
     counts = torch.stack([r.counts for r in routings]).sum(0)
     probs = torch.stack([r.probs for r in routings]).sum(0)
     rows = torch.stack([r.tokens for r in routings]).sum()  # tokens x layers

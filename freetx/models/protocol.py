@@ -17,6 +17,9 @@ class (who calls it, when):
     InitBuffers       init_buffers(): recompute non-persistent buffers (RoPE tables)
                       on their device; `materialize`, after the parameters are set
     CountsParameters  num_parameters(): for the banner (default: every parameter)
+    CountsActiveParameters  num_active_parameters(): the parameters one token computes
+                      with (an MoE decoder: its k experts of E); the banner and `estimate`
+                      say it beside the total (default: every parameter)
     CountsFlops       flops_per_token(seq_len): for MFU and `estimate` (default:
                       6 x parameters)
     EstimatesActivations  activation_bytes(tokens, compute_bytes): what a training
@@ -127,6 +130,14 @@ class CountsParameters(Protocol):
 
 
 @runtime_checkable
+class CountsActiveParameters(Protocol):
+    """The parameters one token computes with (a mixture of experts: the chosen experts
+    only), for the banner and `estimate` (`num_active_parameters`)."""
+
+    def num_active_parameters(self) -> int: ...
+
+
+@runtime_checkable
 class CountsFlops(Protocol):
     """The model's own training FLOPs per token, for MFU and `estimate`."""
 
@@ -221,7 +232,8 @@ class FrozenInComputeDtype(Protocol):
 
 
 MODEL_HOOKS = (
-    Model, HasBlocks, InitBuffers, CountsParameters, CountsFlops, EstimatesActivations,
+    Model, HasBlocks, InitBuffers, CountsParameters, CountsActiveParameters, CountsFlops,
+    EstimatesActivations,
     HFLayoutModel, ExtraForwards, AdapterTargets, AlwaysTrained,
 )  # fmt: skip
 MODULE_HOOKS = (SelfInitialized, DerivedFromWeights, StoredInOwnForm, FrozenInComputeDtype)
@@ -279,6 +291,13 @@ def num_parameters(model: nn.Module) -> int:
     if isinstance(model, CountsParameters):
         return model.num_parameters()
     return sum(p.numel() for p in model.parameters())
+
+
+def num_active_parameters(model: nn.Module) -> int:
+    """The parameters one token computes with: the model's own count, else all of them."""
+    if isinstance(model, CountsActiveParameters):
+        return model.num_active_parameters()
+    return num_parameters(model)
 
 
 def flops_per_token(model: nn.Module, seq_len: int) -> float:

@@ -467,6 +467,9 @@ class Transformer(nn.Module):
             total -= experts - experts * c.experts_per_token // max(c.num_experts, 1)
         return total
 
+    def num_active_parameters(self) -> int:
+        return self.num_parameters(active=True)
+
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token: 6 N (non-embedding, active: an MoE token's experts
         only) + 12 L H d T for attention."""

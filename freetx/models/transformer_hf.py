@@ -231,7 +231,9 @@ class LlamaFamilyLayout:
         c = model_config
         model_type = c.get("hf_model_type", "llama")
         qkv_bias, wo_bias = c.get("qkv_bias", False), c.get("wo_bias", False)
-        check_blocks(model_type, c.get("qk_norm"), c.get("norm_position", "pre"))
+        check_blocks(
+            model_type, c.get("qk_norm"), c.get("norm_position", "pre"), bool(c.get("num_experts"))
+        )
         hf: dict[str, Any] = {
             "architectures": [ARCHITECTURES[model_type]],
             "model_type": model_type,
@@ -417,15 +419,22 @@ def _moe_to_hf(c: dict[str, Any], model_type: str) -> dict[str, Any]:
             "mlp_only_layers": list(c["mlp_only_layers"])}  # fmt: skip
 
 
-def check_blocks(model_type: str, qk_norm: str | None, norm_position: str) -> None:
-    """A model exports as `model_type` only with that type's blocks (q/k norms, norm position)."""
+def check_blocks(
+    model_type: str, qk_norm: str | None, norm_position: str, experts: bool = False
+) -> None:
+    """A model exports as `model_type` only with that type's blocks (q/k norms, norm position);
+    the types it is pointed to instead have experts when it has (`experts`)."""
     if model_type not in BLOCKS:
         raise CheckpointError(
             f"hf_model_type={model_type!r} is not an HF architecture freetx writes; it writes "
             f"{', '.join(BLOCKS)}."
         )
     if BLOCKS[model_type] != (qk_norm, norm_position):
-        fits = [t for t, blocks in BLOCKS.items() if blocks == (qk_norm, norm_position)]
+        fits = [
+            t
+            for t, blocks in BLOCKS.items()
+            if blocks == (qk_norm, norm_position) and (t in MOE_MODULES) == experts
+        ]
         fix = (
             f"Export it as {' or '.join(fits)} (model.hf_model_type={fits[0]}) instead."
             if fits
