@@ -16,6 +16,7 @@ from freetx.models.moe import MoEFeedForward, grouped_mm_fits
 from freetx.models.protocol import LMOutput
 from freetx.models.transformer import decoder
 from freetx.training import CrossEntropyLoss
+from tests.conftest import one_paragraph, run_freetx
 
 MOE = dict(vocab_size=64, hidden_dim=32, num_layers=3, num_heads=4, num_kv_heads=2,
            ffn_hidden_dim=48, moe_ffn_hidden_dim=24, max_seq_len=32, num_experts=4,
@@ -152,22 +153,21 @@ def test_experts_are_not_exported_as_a_dense_type_nor_a_dense_model_as_moe():
         )
 
 
-def test_router_noise_is_refused_by_name(tmp_path):
+def test_a_folder_with_router_noise_is_refused_by_name(tmp_path):
     from tests.hf_folders import make_folder
 
     folder = make_folder(tmp_path / "m", "mixtral")
     hf = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**hf, "router_jitter_noise": 0.1}))
-    from freetx.checkpoint import open_tensors
-
-    with pytest.raises(CheckpointError, match="router_jitter_noise=0.1.*Set it to 0.0"):
-        open_tensors(folder).model_config
+    result = run_freetx("checkpoint", "convert", str(folder), str(tmp_path / "dcp"), "--to", "dcp")
+    message = one_paragraph(result)
+    assert "router_jitter_noise=0.1" in message and "Set it to 0.0" in message
+    assert not (tmp_path / "dcp").exists()
 
 
 def test_a_folder_missing_one_experts_tensor_is_refused_naming_it(tmp_path):
     from safetensors.torch import load_file, save_file
 
-    from freetx.checkpoint import open_tensors
     from tests.hf_folders import make_folder
 
     folder = make_folder(tmp_path / "m", "mixtral")
@@ -179,5 +179,5 @@ def test_a_folder_missing_one_experts_tensor_is_refused_naming_it(tmp_path):
     del tensors[gone]
     save_file(tensors, shard, metadata={"format": "pt"})
     index_file.write_text(json.dumps(index))
-    with pytest.raises(CheckpointError, match=r"lacks slices \[2\] of layers.1.feed_forward.ex"):
-        open_tensors(folder)
+    result = run_freetx("checkpoint", "convert", str(folder), str(tmp_path / "dcp"), "--to", "dcp")
+    assert "lacks slices [2] of layers.1.feed_forward.experts.w3" in one_paragraph(result)
