@@ -1,6 +1,7 @@
 """A Llama-style decoder: RoPE, RMSNorm, grouped-query attention, SwiGLU; with the
 variants of Qwen3 (q/k RMSNorm per head) and OLMo 2 (q/k RMSNorm over the whole
-projections, norms after attention and MLP instead of before).
+projections, norms after attention and MLP instead of before), and a mixture of
+experts in the MLP (Mixtral, Qwen3-MoE: `num_experts`; freetx.models.moe).
 
 Parameter names and the rotate-half RoPE convention follow HF Llama closely
 enough that weights convert by renaming (see freetx.checkpoint.convert).
@@ -509,6 +510,6 @@ def decoder(preset: str | None = None, **fields) -> Transformer:
 @builds(TransformerConfig)
 def hf_decoder(path: str, **fields) -> Transformer:
     """The decoder an HF model folder's config.json describes (Llama 2/3/3.1/3.2, Mistral,
-    Qwen2/2.5, Qwen3, OLMo 2), with any `TransformerConfig` field changed (e.g. max_seq_len, dropout).
+    Qwen2/2.5, Qwen3, OLMo 2, Mixtral, Qwen3-MoE), with any `TransformerConfig` field changed (e.g. max_seq_len, dropout).
     Its weights: `checkpoint.initial_weights=<the same folder>`."""
     return Transformer(build_config(TransformerConfig, hf_config_fields(path, fields)))
