@@ -181,3 +181,30 @@ def test_a_folder_missing_one_experts_tensor_is_refused_naming_it(tmp_path):
     index_file.write_text(json.dumps(index))
     result = run_freetx("checkpoint", "convert", str(folder), str(tmp_path / "dcp"), "--to", "dcp")
     assert "lacks slices [2] of layers.1.feed_forward.experts.w3" in one_paragraph(result)
+
+
+MIXTRAL_8X7B = {
+    "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "vocab_size": 32000,
+    "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+    "num_attention_heads": 32, "num_key_value_heads": 8, "max_position_embeddings": 32768,
+    "rms_norm_eps": 1e-5, "rope_theta": 1000000.0, "sliding_window": None,
+    "num_local_experts": 8, "num_experts_per_tok": 2, "router_aux_loss_coef": 0.02,
+}  # fmt: skip
+
+
+def test_estimate_says_total_and_active_parameters_of_mixtral_8x7b(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(MIXTRAL_8X7B))  # no weights needed
+    result = run_freetx(
+        "estimate", "llm/hf_tiny_full", f"model_dir={tmp_path}", "--world-size", "8",
+        "--device", "h100", "distributed.mixed_precision.param_dtype=bfloat16",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    # Mistral AI's figures: 46.7B parameters, 12.9B active per token
+    assert "46.703B parameters (46.703B trained, 12.880B active per token)" in result.stdout
+
+
+def test_the_free_transformer_refuses_experts():
+    from freetx.models.free_transformer import free_transformer
+
+    with pytest.raises(ValueError, match="Set num_experts=0"):
+        free_transformer("tiny", num_experts=4)
