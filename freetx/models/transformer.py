@@ -98,17 +98,6 @@ class TransformerConfig:
         check_rope_scaling(self.rope_scaling)
         if self.moe_ffn_hidden_dim is None:
             self.moe_ffn_hidden_dim = self.ffn_hidden_dim
-        if self.num_experts:
-            if not 1 <= self.experts_per_token <= self.num_experts:
-                raise ValueError(
-                    f"experts_per_token={self.experts_per_token} must be between 1 and "
-                    f"num_experts={self.num_experts}"
-                )
-            for name in ("moe_ffn_hidden_dim", "decoder_sparse_step"):
-                if getattr(self, name) < 1:
-                    raise ValueError(f"{name}={getattr(self, name)} must be at least 1")
-            if self.router_aux_loss_coef < 0:
-                raise ValueError(f"router_aux_loss_coef={self.router_aux_loss_coef} is negative")
         refuse_meaningless(self)
 
     def is_moe_layer(self, layer: int) -> bool:
@@ -134,7 +123,32 @@ class TransformerConfig:
                 "a block's norms come before attention and MLP (pre: Llama, Qwen) or after "
                 "them (post: OLMo 2); set pre or post."
             )
-        return found
+        return {**found, **_moe_meaningless(values)}
+
+
+def _moe_meaningless(values: dict[str, Any]) -> dict[str, str]:
+    """The MoE fields of a decoder with experts that no router could follow, by key."""
+    experts = values.get("num_experts") or 0
+    if not isinstance(experts, int) or experts < 0:
+        return {"num_experts": "the experts of each MoE block: 0 (a dense MLP) or more."}
+    if not experts:
+        return {}
+    found = {}
+    k = values.get("experts_per_token", 2)
+    if not isinstance(k, int) or not 1 <= k <= experts:
+        found["experts_per_token"] = (
+            f"each token is sent to 1 to num_experts={experts} experts; set experts_per_token "
+            "in that range (Mixtral and Qwen3-MoE: 2 and 8)."
+        )
+    for name in ("moe_ffn_hidden_dim", "decoder_sparse_step"):
+        value = values.get(name)
+        if value is not None and (not isinstance(value, int) or value < 1):
+            found[name] = f"{name} is a count: set it to 1 or more."
+    if (values.get("router_aux_loss_coef") or 0) < 0:
+        found["router_aux_loss_coef"] = (
+            "a negative weight would reward unbalanced routing; set 0 (off) or more."
+        )
+    return found
 
 
 ROPE_SCALING_KEYS = {
