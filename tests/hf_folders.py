@@ -1,6 +1,6 @@
 """Model folders as `transformers` writes them (tiny, random weights), for the tests of
 freetx's HF reading and writing. Every family freetx reads (Llama, Mistral, Qwen2,
-Qwen3, OLMo 2), sharded and not, in the current config layout (`rope_parameters`) and the
+Qwen3, OLMo 2, Mixtral, Qwen3-MoE), sharded and not, in the current config layout (`rope_parameters`) and the
 older one (`rope_theta` + `rope_scaling` at the top)."""
 
 from __future__ import annotations
@@ -53,6 +53,21 @@ FAMILIES = {
     "olmo2_old_layout": ("Olmo2Config", dict(eos_token_id=2,
                                              rope_parameters={"rope_type": "default",
                                                               "rope_theta": 500000.0}), {}),
+    # Mixtral: every block a mixture of 4 experts, top 2 (weights renormalized), sharded
+    "mixtral": ("MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2,
+                                      sliding_window=None, router_aux_loss_coef=0.02,
+                                      rope_parameters={"rope_type": "default",
+                                                       "rope_theta": 1000000.0}),
+                dict(max_shard_size="40KB")),
+    # Qwen3-MoE: q/k norms per head, 4 experts of 48, top 2 not renormalized; block 1 dense
+    # (mlp_only_layers), sharded
+    "qwen3_moe": ("Qwen3MoeConfig", dict(num_hidden_layers=3, num_experts=4,
+                                         num_experts_per_tok=2, moe_intermediate_size=48,
+                                         mlp_only_layers=[1], head_dim=32,
+                                         router_aux_loss_coef=0.01,
+                                         rope_parameters={"rope_type": "default",
+                                                          "rope_theta": 1000000.0}),
+                  dict(max_shard_size="40KB")),
 }  # fmt: skip
 
 
@@ -82,6 +97,8 @@ def make_folder(folder: Path, family: str, dtype: torch.dtype = torch.float32, s
                 param.normal_(0.0, 0.1)
             elif "norm" in name:
                 param.normal_(1.0, 0.1)
+            elif name.endswith("mlp.gate.weight"):  # routers that spread tokens over experts
+                param.normal_(0.0, 0.5)
     model.to(dtype).save_pretrained(folder, **options)
     if family.endswith("old_layout"):
         to_old_layout(folder)

@@ -240,8 +240,17 @@ def _write_hf(
             "safetensors file freetx wrote."
         )
     layout = layout_of(source.meta["model_class"])
-    names = {MODEL_PREFIX + n: layout.to_hf_name(n) for n in source.model_names()}
-    infos = {names[n]: TensorInfo(source.infos[n].shape, out_dtype(source.infos[n])) for n in names}
+    # HF name -> (freetx key, its slice along dim 0 or None): a stacked tensor (an MoE
+    # block's experts) is written as one HF tensor per slice
+    parts: dict[str, tuple[str, int | None]] = {}
+    infos: dict[str, TensorInfo] = {}
+    for name in source.model_names():
+        key, info = MODEL_PREFIX + name, source.infos[MODEL_PREFIX + name]
+        hf_names = layout.to_hf_names(name, info.shape[0] if info.shape else 1, source.model_config)
+        stacked = layout.stack_index(hf_names[0]) is not None
+        for i, hf_name in enumerate(hf_names):
+            parts[hf_name] = (key, i if stacked else None)
+            infos[hf_name] = TensorInfo(info.shape[1:] if stacked else info.shape, out_dtype(info))
     shards = plan_shards({n: i.nbytes for n, i in infos.items()}, parse_size(max_shard_size))
     dst.mkdir(parents=True, exist_ok=True)
     first = next(iter(infos.values()))
@@ -261,16 +270,22 @@ def _write_hf(
                 int(companion_config.get("max_position_embeddings") or 0),
             )
     (dst / "config.json").write_text(json.dumps(hf_config, indent=2))
-    by_hf_name = {hf: ours for ours, hf in names.items()}
     files = (
         ["model.safetensors"]
         if len(shards) == 1
         else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     )
+    held: tuple[str, torch.Tensor] | None = None  # the stacked tensor being written out
     for file, shard in zip(files, shards):
         writer = SafetensorsStreamWriter(dst / file, {n: infos[n] for n in shard}, {"format": "pt"})
         for name in shard:
-            writer.write(name, cast(source.get(by_hf_name[name])))
+            key, index = parts[name]
+            if index is None:
+                writer.write(name, cast(source.get(key)))
+                continue
+            if held is None or held[0] != key:
+                held = (key, source.get(key))
+            writer.write(name, cast(held[1][index]))
         writer.close()
     if len(shards) > 1:
         index = {

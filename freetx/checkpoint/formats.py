@@ -209,32 +209,75 @@ class SafetensorsFile:
 
 
 class SafetensorsSource(TensorSource):
-    """One or several safetensors files (an HF folder's shards), tensors by name."""
+    """One or several safetensors files (an HF folder's shards), tensors by name.
+
+    `rename(stored)` names each stored tensor: a name, None (skipped), or `(name, i)`:
+    slice i along dim 0 of tensor `name`, stacked from several stored tensors (an HF
+    folder's per-expert weights; the layout says which, `HFLayout.stack_index`)."""
 
     kind = "safetensors"
 
     def __init__(self, path: Path, files: list[Path] | None = None, rename=None) -> None:
         super().__init__(path)
         self._where: dict[str, tuple[SafetensorsFile, str]] = {}
+        self._stacks: dict[str, list[tuple[SafetensorsFile, str]]] = {}
+        slices: dict[str, dict[int, tuple[SafetensorsFile, str]]] = {}
         for file in [SafetensorsFile(f) for f in (files or [Path(path)])]:
             for stored, (info, _, _) in file.entries.items():
                 name = rename(stored) if rename else MODEL_PREFIX + stored
-                if name is None:
-                    continue
-                self.infos[name] = info
-                self._where[name] = (file, stored)
+                if isinstance(name, tuple):
+                    slices.setdefault(name[0], {})[name[1]] = (file, stored)
+                elif name is not None:
+                    self.infos[name] = info
+                    self._where[name] = (file, stored)
             if MODEL_CONFIG_KEY in file.metadata:
                 self.meta["model_config"] = json.loads(file.metadata[MODEL_CONFIG_KEY])
             if MODEL_CLASS_KEY in file.metadata:
                 self.meta["model_class"] = file.metadata[MODEL_CLASS_KEY]
+        for name, parts in slices.items():
+            self._stacks[name] = [parts[i] for i in _complete_stack(name, parts, self.path)]
+            self.infos[name] = _stacked_info(name, self._stacks[name], self.path)
 
     def get(self, name: str) -> torch.Tensor:
-        file, stored = self._where[name]
-        return file.read(stored)
+        info = self.infos[name]
+        out = torch.empty(info.shape, dtype=info.dtype)
+        self.read_into(name, None, out)
+        return out
 
     def read_into(self, name: str, rows: slice | None, out: torch.Tensor) -> None:
-        file, stored = self._where[name]
-        file.read_into(stored, rows, out)
+        if name not in self._stacks:
+            file, stored = self._where[name]
+            file.read_into(stored, rows, out)
+            return
+        parts = self._stacks[name]  # rows of a stacked tensor: whole stored tensors
+        for row, index in enumerate(range(*(rows or slice(None)).indices(len(parts)))):
+            file, stored = parts[index]
+            file.read_into(stored, None, out[row])
+
+
+def _complete_stack(name: str, parts: dict[int, Any], path: Path) -> range:
+    """The slice indices 0..n-1 of a stacked tensor, or an error naming the missing ones."""
+    missing = sorted(set(range(max(parts) + 1)) - set(parts))
+    if missing:
+        raise CheckpointError(
+            f"{path} lacks slices {missing[:5]} of {name.removeprefix(MODEL_PREFIX)} (it has "
+            f"{len(parts)} of {max(parts) + 1}: one file per expert is missing); the download "
+            "or copy is incomplete, fetch it again."
+        )
+    return range(len(parts))
+
+
+def _stacked_info(name: str, parts: list[tuple[SafetensorsFile, str]], path: Path) -> TensorInfo:
+    """The shape and dtype of a tensor stacked from `parts`, which must all agree."""
+    infos = {file.entries[stored][0] for file, stored in parts}
+    if len(infos) > 1:
+        raise CheckpointError(
+            f"{path}: the slices of {name.removeprefix(MODEL_PREFIX)} differ in shape or dtype "
+            f"({', '.join(sorted(str((list(i.shape), i.dtype)) for i in infos))}); every "
+            "expert's tensor must have the same; the folder is damaged."
+        )
+    info = infos.pop()
+    return TensorInfo((len(parts), *info.shape), info.dtype)
 
 
 class TorchSource(TensorSource):
@@ -282,11 +325,14 @@ class HFFolderSource(SafetensorsSource):
         layout = layout_for_hf_config(hf)
         tied = bool(hf.get("tie_word_embeddings", False))
 
-        def rename(stored: str) -> str | None:
+        def rename(stored: str) -> str | tuple[str, int] | None:
             if tied and stored == "lm_head.weight":  # a copy of the embedding some folders keep
                 return None
             name = layout.from_hf_name(stored)
-            return None if name is None else MODEL_PREFIX + name
+            if name is None:
+                return None
+            index = layout.stack_index(stored)
+            return MODEL_PREFIX + name if index is None else (MODEL_PREFIX + name, index)
 
         super().__init__(folder, hf_weight_files(folder), rename=rename)
         self.meta["model_class"] = layout.model_class

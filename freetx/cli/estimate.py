@@ -129,6 +129,7 @@ def main(args: argparse.Namespace) -> int:
     from freetx.distributed import shard_layouts
     from freetx.errors import ConfigError
     from freetx.files import refuse_existing, write_user_file
+    from freetx.models import num_active_parameters
     from freetx.registry import recipe_for_config
     from freetx.training.estimate import DEVICES, GIB, measure
 
@@ -161,7 +162,12 @@ def main(args: argparse.Namespace) -> int:
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     hbm = DEVICES[args.device][2]
     batch = f"{micro} rows" if sources else f"{micro} x {seq_len} tokens"
-    print(f"{args.config}: {params / 1e9:.3f}B parameters ({trainable / 1e9:.3f}B trained), "
+    active = num_active_parameters(model)
+    if active < params:  # a mixture of experts: what one token computes with
+        trainable_text = f"{trainable / 1e9:.3f}B trained, {active / 1e9:.3f}B active per token"
+    else:
+        trainable_text = f"{trainable / 1e9:.3f}B trained"
+    print(f"{args.config}: {params / 1e9:.3f}B parameters ({trainable_text}), "
           f"{args.world_size} x {args.device}, micro-batch {batch}, "
           f"{dist.mixed_precision.param_dtype}, activation checkpointing "
           f"{dist.activation_checkpointing}, MFU {args.mfu:g}")  # fmt: skip

@@ -2,7 +2,8 @@
 
 protocol.py           what freetx asks of a model; presets through one builder per family
 transformer.py        the Llama-style decoder (DecoderBlock), presets tiny ... llama3_8b
-transformer_hf.py     its HF layouts (Llama, Mistral, Qwen2, Qwen3, OLMo 2): names, config.json
+moe.py                its mixture-of-experts MLP (Mixtral, Qwen3-MoE): router, grouped experts
+transformer_hf.py     its HF layouts (Llama, Mistral, Qwen2, Qwen3, OLMo 2, Mixtral, Qwen3-MoE)
 hf.py                 finding a model's HF layout (the checkpoint package asks here)
 free_transformer.py   the Free Transformer: the decoder + a per-token latent
 ad.py                 the Algorithm Distillation transformer
@@ -16,6 +17,7 @@ from freetx.models.protocol import (
     builds,
     flops_per_token,
     model_class,
+    num_active_parameters,
     num_parameters,
 )
 
@@ -27,5 +29,6 @@ __all__ = [
     "builds",
     "flops_per_token",
     "model_class",
+    "num_active_parameters",
     "num_parameters",
 ]

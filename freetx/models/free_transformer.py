@@ -74,6 +74,11 @@ class FreeTransformerConfig(TransformerConfig):
         """A table post-sampler too large to build (freetx.fields: checked by `freetx
         validate`, before a run, and here), by key: why, and the fix."""
         found = TransformerConfig.meaningless(values)
+        if values.get("num_experts"):
+            found["num_experts"] = (
+                "the Free Transformer's blocks have a dense MLP; mixtures of experts are the "
+                "decoder's (freetx.models.transformer.decoder). Set num_experts=0."
+            )
         bits = values.get("latent_dim")
         if bits is None or bits <= MAX_TABLE_BITS or values["factored_post_sampler"]:
             return found

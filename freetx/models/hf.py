@@ -24,6 +24,13 @@ class HFLayout(Protocol):
 
     def from_hf_name(self, name: str) -> str | None: ...  # None: not a weight (skipped)
 
+    # A freetx tensor may be several HF tensors stacked along dim 0 (an MoE block's
+    # experts): slice i is the HF tensor whose stack_index is i. Readers stack, writers
+    # unstack; a tensor that is one HF tensor has stack_index None and one HF name.
+    def stack_index(self, name: str) -> int | None: ...
+
+    def to_hf_names(self, name: str, rows: int, model_config: dict[str, Any]) -> list[str]: ...
+
     def to_hf_config(self, model_config: dict[str, Any], dtype: str) -> dict[str, Any]: ...
 
     def from_hf_config(

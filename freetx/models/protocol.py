@@ -17,6 +17,9 @@ class (who calls it, when):
     InitBuffers       init_buffers(): recompute non-persistent buffers (RoPE tables)
                       on their device; `materialize`, after the parameters are set
     CountsParameters  num_parameters(): for the banner (default: every parameter)
+    CountsActiveParameters  num_active_parameters(): the parameters one token computes
+                      with (an MoE decoder: its k experts of E); the banner and `estimate`
+                      say it beside the total (default: every parameter)
     CountsFlops       flops_per_token(seq_len): for MFU and `estimate` (default:
                       6 x parameters)
     EstimatesActivations  activation_bytes(tokens, compute_bytes): what a training
@@ -58,6 +61,11 @@ after, so no model code touches one:
 module that defines a near-miss of one of these names (`init_buffer`,
 `fsdp_forward_method`): a misspelt hook would otherwise be silently ignored.
 
+A model with a training term besides the logits (an MoE router's load-balancing loss)
+returns `LMOutput(logits, aux_loss, metrics)` from forward in training mode; the
+loss (`freetx.training.CrossEntropyLoss`) adds `aux_loss` per loss token and logs
+`metrics`. Logits come first, so code that reads `output[0]` reads the logits.
+
 A model with a latent code per position also follows `LatentModel`
 (`prior_codes`, `posterior_codes`, `forward(..., codes=codes)`), which is
 what the `generate` recipe asks for; it never names a model class.
@@ -78,7 +86,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import importlib
-from typing import Any, ClassVar, Protocol, runtime_checkable
+from typing import Any, ClassVar, NamedTuple, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -119,6 +127,14 @@ class CountsParameters(Protocol):
     """The model's own parameter count, for the banner (`num_parameters`)."""
 
     def num_parameters(self) -> int: ...
+
+
+@runtime_checkable
+class CountsActiveParameters(Protocol):
+    """The parameters one token computes with (a mixture of experts: the chosen experts
+    only), for the banner and `estimate` (`num_active_parameters`)."""
+
+    def num_active_parameters(self) -> int: ...
 
 
 @runtime_checkable
@@ -216,7 +232,8 @@ class FrozenInComputeDtype(Protocol):
 
 
 MODEL_HOOKS = (
-    Model, HasBlocks, InitBuffers, CountsParameters, CountsFlops, EstimatesActivations,
+    Model, HasBlocks, InitBuffers, CountsParameters, CountsActiveParameters, CountsFlops,
+    EstimatesActivations,
     HFLayoutModel, ExtraForwards, AdapterTargets, AlwaysTrained,
 )  # fmt: skip
 MODULE_HOOKS = (SelfInitialized, DerivedFromWeights, StoredInOwnForm, FrozenInComputeDtype)
@@ -276,12 +293,28 @@ def num_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+def num_active_parameters(model: nn.Module) -> int:
+    """The parameters one token computes with: the model's own count, else all of them."""
+    if isinstance(model, CountsActiveParameters):
+        return model.num_active_parameters()
+    return num_parameters(model)
+
+
 def flops_per_token(model: nn.Module, seq_len: int) -> float:
     """Training FLOPs per token: the model's own (`flops_per_token`), else 6 x parameters
     (forward + backward of every weight, attention left out)."""
     if isinstance(model, CountsFlops):
         return float(model.flops_per_token(seq_len))
     return 6.0 * num_parameters(model)
+
+
+class LMOutput(NamedTuple):
+    """What a language model's forward returns when training adds a term of its own to the
+    loss (the MoE decoder's router loss); plain logits otherwise."""
+
+    logits: torch.Tensor  # [B, T, vocab]
+    aux_loss: torch.Tensor  # a scalar per token, already weighted: the loss adds it x tokens
+    metrics: dict[str, torch.Tensor]  # scalars per token to log (detached): aux_loss, ...
 
 
 @runtime_checkable

@@ -1,6 +1,7 @@
 """A Llama-style decoder: RoPE, RMSNorm, grouped-query attention, SwiGLU; with the
 variants of Qwen3 (q/k RMSNorm per head) and OLMo 2 (q/k RMSNorm over the whole
-projections, norms after attention and MLP instead of before).
+projections, norms after attention and MLP instead of before), and a mixture of
+experts in the MLP (Mixtral, Qwen3-MoE: `num_experts`; freetx.models.moe).
 
 Parameter names and the rotate-half RoPE convention follow HF Llama closely
 enough that weights convert by renaming (see freetx.checkpoint.convert).
@@ -18,7 +19,7 @@ layout (names, config.json) lives beside it in `transformer_hf.py`.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
@@ -26,7 +27,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from freetx.fields import refuse_meaningless
-from freetx.models.protocol import build_config, builds
+from freetx.models.moe import MoEFeedForward, expert_load_max, load_balancing_loss
+from freetx.models.protocol import LMOutput, build_config, builds
 from freetx.models.transformer_hf import LLAMA_LAYOUT, hf_config_fields
 
 
@@ -61,6 +63,16 @@ class TransformerConfig:
     # then + norm(ffn(x)) (OLMo 2)
     norm_position: Literal["pre", "post"] = "pre"
     hf_model_type: str = "llama"  # the HF architecture it exports as (transformer_hf.ARCHITECTURES)
+    # a mixture of experts in the MLP (Mixtral, Qwen3-MoE; freetx.models.moe); 0: dense
+    num_experts: int = 0
+    experts_per_token: int = 2  # top-k: the experts each token is sent to
+    moe_ffn_hidden_dim: int | None = None  # each expert's hidden size; None: ffn_hidden_dim
+    norm_topk_prob: bool = True  # the k router weights divided by their sum (Mixtral: true)
+    expert_weights_fp32: bool = True  # weigh expert outputs in float32 (Mixtral), else in the
+    # compute dtype (Qwen3-MoE)
+    router_aux_loss_coef: float = 0.0  # the load-balancing loss's weight per token in training
+    decoder_sparse_step: int = 1  # layer i has experts when (i + 1) % step == 0 (Qwen3-MoE)
+    mlp_only_layers: list[int] = field(default_factory=list)  # layers kept dense (Qwen3-MoE)
 
     def __post_init__(self) -> None:
         if self.num_kv_heads is None:
@@ -84,7 +96,17 @@ class TransformerConfig:
                 f"num_heads={self.num_heads} is not divisible by num_kv_heads={self.num_kv_heads}"
             )
         check_rope_scaling(self.rope_scaling)
+        if self.moe_ffn_hidden_dim is None:
+            self.moe_ffn_hidden_dim = self.ffn_hidden_dim
         refuse_meaningless(self)
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether block `layer` has experts (Qwen3-MoE's rule; every block for Mixtral)."""
+        return (
+            self.num_experts > 0
+            and layer not in self.mlp_only_layers
+            and (layer + 1) % self.decoder_sparse_step == 0
+        )
 
     @staticmethod
     def meaningless(values: dict[str, Any]) -> dict[str, str]:
@@ -101,7 +123,32 @@ class TransformerConfig:
                 "a block's norms come before attention and MLP (pre: Llama, Qwen) or after "
                 "them (post: OLMo 2); set pre or post."
             )
-        return found
+        return {**found, **_moe_meaningless(values)}
+
+
+def _moe_meaningless(values: dict[str, Any]) -> dict[str, str]:
+    """The MoE fields of a decoder with experts that no router could follow, by key."""
+    experts = values.get("num_experts") or 0
+    if not isinstance(experts, int) or experts < 0:
+        return {"num_experts": "the experts of each MoE block: 0 (a dense MLP) or more."}
+    if not experts:
+        return {}
+    found = {}
+    k = values.get("experts_per_token", 2)
+    if not isinstance(k, int) or not 1 <= k <= experts:
+        found["experts_per_token"] = (
+            f"each token is sent to 1 to num_experts={experts} experts; set experts_per_token "
+            "in that range (Mixtral and Qwen3-MoE: 2 and 8)."
+        )
+    for name in ("moe_ffn_hidden_dim", "decoder_sparse_step"):
+        value = values.get(name)
+        if value is not None and (not isinstance(value, int) or value < 1):
+            found[name] = f"{name} is a count: set it to 1 or more."
+    if (values.get("router_aux_loss_coef") or 0) < 0:
+        found["router_aux_loss_coef"] = (
+            "a negative weight would reward unbalanced routing; set 0 (off) or more."
+        )
+    return found
 
 
 ROPE_SCALING_KEYS = {
@@ -272,6 +319,16 @@ class FeedForward(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
+def feed_forward(cfg: TransformerConfig, layer: int) -> nn.Module:
+    """Block `layer`'s MLP: a SwiGLU, or a mixture of SwiGLU experts on an MoE layer."""
+    if not cfg.is_moe_layer(layer):
+        return FeedForward(cfg)
+    return MoEFeedForward(
+        cfg.hidden_dim, cfg.moe_ffn_hidden_dim, cfg.num_experts, cfg.experts_per_token,
+        cfg.norm_topk_prob, cfg.expert_weights_fp32,
+    )  # fmt: skip
+
+
 def _norm(cfg: TransformerConfig, position: str) -> nn.Module:
     """An RMSNorm where the config puts its norms, an identity (no parameters) elsewhere."""
     if cfg.norm_position != position:
@@ -282,15 +339,16 @@ def _norm(cfg: TransformerConfig, position: str) -> nn.Module:
 class DecoderBlock(nn.Module):
     """x + attn(norm(x)), then + ffn(norm(x)) (pre-norm, `attention_norm`, `ffn_norm`); or
     x + norm(attn(x)), then + norm(ffn(x)) (post-norm, `post_attention_norm`,
-    `post_ffn_norm`). The unit of sharding."""
+    `post_ffn_norm`). The unit of sharding. On an MoE layer (`feed_forward` a
+    `MoEFeedForward`) it returns `(x, Routing)`: the router's statistics for the aux loss."""
 
-    def __init__(self, cfg: TransformerConfig):
+    def __init__(self, cfg: TransformerConfig, layer: int = 0):
         super().__init__()
         self.attention_norm = _norm(cfg, "pre")
         self.attention = Attention(cfg)
         self.post_attention_norm = _norm(cfg, "post")
         self.ffn_norm = _norm(cfg, "pre")
-        self.feed_forward = FeedForward(cfg)
+        self.feed_forward = feed_forward(cfg, layer)
         self.post_ffn_norm = _norm(cfg, "post")
         self.dropout = nn.Dropout(cfg.dropout)
 
@@ -307,7 +365,11 @@ class DecoderBlock(nn.Module):
         kv_input = None if kv is None else self.attention_norm(kv)
         attended = self.attention(h, cos, sin, causal=causal, kv_input=kv_input)
         x = x + self.dropout(self.post_attention_norm(attended))
-        return x + self.dropout(self.post_ffn_norm(self.feed_forward(self.ffn_norm(x))))
+        out, routing = self.feed_forward(self.ffn_norm(x)), None
+        if isinstance(self.feed_forward, MoEFeedForward):
+            out, routing = out
+        x = x + self.dropout(self.post_ffn_norm(out))
+        return x if routing is None else (x, routing)
 
 
 def init_decoder_parameter(
@@ -321,14 +383,14 @@ def init_decoder_parameter(
     """The initialization every decoder-like model here uses, by the owning module's type.
 
     Linear and embedding weights ~ N(0, std); the projections that write into
-    the residual stream (`attention.wo`, `feed_forward.w2`) are scaled by
+    the residual stream (`attention.wo`, `feed_forward.w2`, `experts.w2`) are scaled by
     1/sqrt(2 * num_layers); norms start at one, biases at zero.
     """
     module_name, _, param_name = name.rpartition(".")
     module = model.get_submodule(module_name)
     if isinstance(module, nn.RMSNorm) or param_name == "bias":
         tensor.fill_(1.0 if isinstance(module, nn.RMSNorm) else 0.0)
-    elif module_name.endswith(("attention.wo", "feed_forward.w2")):
+    elif module_name.endswith(("attention.wo", "feed_forward.w2")) or name.endswith("experts.w2"):
         tensor.normal_(0.0, std / math.sqrt(2 * num_layers), generator=generator)
     else:
         tensor.normal_(0.0, std, generator=generator)
@@ -361,7 +423,7 @@ class Transformer(nn.Module):
         self.config = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_dim)
         self.dropout = nn.Dropout(cfg.dropout)
-        self.layers = nn.ModuleList(DecoderBlock(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderBlock(cfg, i) for i in range(cfg.num_layers))
         self.norm = nn.RMSNorm(cfg.hidden_dim, eps=cfg.norm_eps)
         self.output = (
             None if cfg.tie_embeddings else nn.Linear(cfg.hidden_dim, cfg.vocab_size, bias=False)
@@ -375,13 +437,24 @@ class Transformer(nn.Module):
             return F.linear(h, self.tok_embeddings.weight)
         return self.output(h)
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """input_ids [B, T] -> logits [B, T, vocab_size]."""
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor | LMOutput:
+        """input_ids [B, T] -> logits [B, T, vocab_size]; a model with experts in training
+        mode returns `LMOutput(logits, aux_loss, metrics)`: the routers' load-balancing loss
+        times router_aux_loss_coef, and `aux_loss` and `expert_load_max` to log."""
         cos, sin = self.rope(input_ids.shape[1])
         h = self.dropout(self.tok_embeddings(input_ids))
+        routings = []
         for layer in self.layers:
             h = layer(h, cos, sin)
-        return self.head(h)
+            if isinstance(h, tuple):  # an MoE block: (h, Routing)
+                h, routing = h
+                routings.append(routing)
+        logits = self.head(h)
+        if not (routings and self.training):
+            return logits
+        aux = load_balancing_loss(routings, self.config.num_experts)
+        metrics = {"aux_loss": aux.detach(), "expert_load_max": expert_load_max(routings)}
+        return LMOutput(logits, self.config.router_aux_loss_coef * aux, metrics)
 
     # -- initialization (after parallelize + to_empty) ----------------------
     def init_parameter(self, name: str, tensor: torch.Tensor, generator: torch.Generator) -> None:
@@ -395,16 +468,28 @@ class Transformer(nn.Module):
         self.rope.reset()
 
     # -- accounting ------------------------------------------------------
-    def num_parameters(self, exclude_embeddings: bool = False) -> int:
+    def num_parameters(self, exclude_embeddings: bool = False, active: bool = False) -> int:
+        """Parameters; `active`: those one token computes with (of each block's experts,
+        experts_per_token / num_experts)."""
         total = sum(p.numel() for p in self.parameters())
         if exclude_embeddings:
             total -= self.tok_embeddings.weight.numel()
+        if active:
+            c = self.config
+            experts = sum(
+                p.numel() for n, p in self.named_parameters() if ".feed_forward.experts." in n
+            )
+            total -= experts - experts * c.experts_per_token // max(c.num_experts, 1)
         return total
 
+    def num_active_parameters(self) -> int:
+        return self.num_parameters(active=True)
+
     def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token: 6 N (non-embedding) + 12 L H d T for attention."""
+        """Training FLOPs per token: 6 N (non-embedding, active: an MoE token's experts
+        only) + 12 L H d T for attention."""
         c = self.config
-        dense = 6 * self.num_parameters(exclude_embeddings=True)
+        dense = 6 * self.num_parameters(exclude_embeddings=True, active=True)
         attention = 12 * c.num_layers * c.num_heads * c.head_dim * seq_len
         return float(dense + attention)
 
@@ -439,6 +524,6 @@ def decoder(preset: str | None = None, **fields) -> Transformer:
 @builds(TransformerConfig)
 def hf_decoder(path: str, **fields) -> Transformer:
     """The decoder an HF model folder's config.json describes (Llama 2/3/3.1/3.2, Mistral,
-    Qwen2/2.5, Qwen3, OLMo 2), with any `TransformerConfig` field changed (e.g. max_seq_len, dropout).
+    Qwen2/2.5, Qwen3, OLMo 2, Mixtral, Qwen3-MoE), with any `TransformerConfig` field changed (e.g. max_seq_len, dropout).
     Its weights: `checkpoint.initial_weights=<the same folder>`."""
     return Transformer(build_config(TransformerConfig, hf_config_fields(path, fields)))

@@ -1,7 +1,15 @@
 """The HF layouts of the decoder (`Transformer.hf_layout`): tensor names and config.json
 for the Llama family as `transformers` writes it: Llama 2/3/3.1/3.2/3.3, Mistral,
 Qwen2/Qwen2.5, Qwen3 (q/k norms per head) and OLMo 2 (q/k norms over the projections,
-post-norms).
+post-norms), and its mixtures of experts, Mixtral and Qwen3-MoE.
+
+A tensor of freetx can be the stack of several HF tensors: an MoE block keeps each
+projection of all its experts in one tensor (`feed_forward.experts.w1` [E, F, H]), which
+folders store one per expert (Mixtral: `block_sparse_moe.experts.{e}.w1.weight`,
+Qwen3-MoE: `mlp.experts.{e}.gate_proj.weight`). Slice e along dim 0 is expert e's HF
+tensor: `stack_index` says which slice an HF tensor is, `to_hf_names` lists a stacked
+tensor's HF names in order; the checkpoint package stacks on read and unstacks on write
+through these two alone.
 
 freetx's decoder uses the rotate-half RoPE convention of HF's Llama, so weights
 convert by renaming alone (no permutation of the q/k projections). config.json
@@ -58,6 +66,19 @@ _NORM_NAMES = {
         ("layers.{i}.post_ffn_norm.weight", "model.layers.{i}.post_feedforward_layernorm.weight"),
     ],
 }  # fmt: skip
+# an MoE block (freetx.models.moe), by model type: its HF module, and each expert's HF
+# names of w1 (gate), w3 (up) and w2 (down); the router is `<module>.gate.weight`
+MOE_MODULES = {
+    "mixtral": ("block_sparse_moe", {"w1": "w1", "w3": "w3", "w2": "w2"}),
+    "qwen3_moe": ("mlp", {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}),
+}
+_ROUTER = r"^model\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\.gate\.weight$"
+_EXPERT = (
+    r"^model\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\."
+    r"(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$"
+)
+_EXPERT_NAMES = {hf: ours for _, names in MOE_MODULES.values() for ours, hf in names.items()}
+_OURS_MOE = re.compile(r"^layers\.(\d+)\.feed_forward\.(gate\.weight|experts\.(w1|w2|w3))$")
 # tensors some folders carry that are not weights (older Llama checkpoints)
 IGNORED_HF_TENSORS = re.compile(r"^model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq$")
 
@@ -67,6 +88,8 @@ ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
 }
 # the blocks of each model_type: (qk_norm, norm_position), as TransformerConfig names them
 BLOCKS = {
@@ -75,6 +98,8 @@ BLOCKS = {
     "qwen2": (None, "pre"),
     "qwen3": ("head", "pre"),
     "olmo2": ("projection", "post"),
+    "mixtral": (None, "pre"),
+    "qwen3_moe": ("head", "pre"),
 }
 # model types whose config.json has no head_dim (derived from hidden_size / heads)
 _DERIVED_HEAD_DIM = ("qwen2", "olmo2")
@@ -157,10 +182,42 @@ class LlamaFamilyLayout:
             )
         return renamed
 
+    def to_hf_names(self, name: str, rows: int, model_config: dict[str, Any]) -> list[str]:
+        """The HF tensors freetx tensor `name` (of `rows` rows) is written as, in a model of
+        `model_config`: its one HF name, or for a stacked tensor (an MoE block's experts)
+        one per slice along dim 0, in order."""
+        moe = _OURS_MOE.match(name)
+        if moe is None:
+            return [self.to_hf_name(name)]
+        model_type = model_config.get("hf_model_type", "llama")
+        if model_type not in MOE_MODULES:
+            raise CheckpointError(
+                f"tensor {name} belongs to a mixture of experts, which an HF {model_type} "
+                f"model does not have; export it as {' or '.join(MOE_MODULES)}."
+            )
+        module, expert_names = MOE_MODULES[model_type]
+        prefix = f"model.layers.{moe.group(1)}.{module}"
+        if moe.group(3) is None:
+            return [f"{prefix}.gate.weight"]
+        return [f"{prefix}.experts.{e}.{expert_names[moe.group(3)]}.weight" for e in range(rows)]
+
+    def stack_index(self, name: str) -> int | None:
+        """Which slice along dim 0 of its freetx tensor (`from_hf_name`) HF tensor `name`
+        is, for a tensor stacked from several (an MoE block's experts); None otherwise."""
+        expert = re.match(_EXPERT, name)
+        return None if expert is None else int(expert.group(2))
+
     def from_hf_name(self, name: str) -> str | None:
-        """freetx's name of an HF tensor; None for tensors that are not weights."""
+        """freetx's name of an HF tensor (of the stacked tensor it is a slice of, for an
+        expert's); None for tensors that are not weights."""
         if IGNORED_HF_TENSORS.match(name):
             return None
+        expert, router = re.match(_EXPERT, name), re.match(_ROUTER, name)
+        if expert is not None:
+            layer, _, projection = expert.groups()
+            return f"layers.{layer}.feed_forward.experts.{_EXPERT_NAMES[projection]}"
+        if router is not None:
+            return f"layers.{router.group(1)}.feed_forward.gate.weight"
         renamed = _rename(name, _FROM_HF[self.norm_position])
         if renamed is None:
             raise CheckpointError(
@@ -174,7 +231,9 @@ class LlamaFamilyLayout:
         c = model_config
         model_type = c.get("hf_model_type", "llama")
         qkv_bias, wo_bias = c.get("qkv_bias", False), c.get("wo_bias", False)
-        check_blocks(model_type, c.get("qk_norm"), c.get("norm_position", "pre"))
+        check_blocks(
+            model_type, c.get("qk_norm"), c.get("norm_position", "pre"), bool(c.get("num_experts"))
+        )
         hf: dict[str, Any] = {
             "architectures": [ARCHITECTURES[model_type]],
             "model_type": model_type,
@@ -214,10 +273,11 @@ class LlamaFamilyLayout:
                     + ("Export it as qwen2." if BLOCKS[model_type] == BLOCKS["qwen2"]
                        else "Convert it to .safetensors or DCP instead.")
                 )  # fmt: skip
-            hf["attention_bias"] = qkv_bias
-            if model_type == "mistral":
+            if model_type != "mixtral":  # Mixtral's attention has no biases
+                hf["attention_bias"] = qkv_bias
+            if model_type in ("mistral", "mixtral"):
                 hf["sliding_window"] = None
-            elif model_type == "qwen3":
+            elif model_type in ("qwen3", "qwen3_moe"):
                 hf.update(use_sliding_window=False, sliding_window=None)
             elif model_type == "llama":
                 hf["mlp_bias"] = False
@@ -229,6 +289,7 @@ class LlamaFamilyLayout:
                     f"num_heads={c['num_heads']}. Convert it to .safetensors or DCP instead."
                 )
             del hf["head_dim"]
+        hf.update(_moe_to_hf(c, model_type))
         return hf
 
     def from_hf_config(self, hf: dict[str, Any], max_seq_len: int | None = None) -> dict[str, Any]:
@@ -258,6 +319,7 @@ class LlamaFamilyLayout:
                 "hf_model_type": model_type,
                 "qk_norm": BLOCKS[model_type][0],
                 "norm_position": BLOCKS[model_type][1],
+                **_moe_from_hf(hf, model_type),
             }
         except (KeyError, TypeError, ValueError) as e:
             if isinstance(e, CheckpointError):
@@ -275,7 +337,7 @@ class LlamaFamilyLayout:
         else:
             bias = bool(hf.get("attention_bias", False))
             fields.update(qkv_bias=bias, wo_bias=bias)
-        if model_type in ("qwen2", "qwen3"):
+        if model_type in ("qwen2", "qwen3", "qwen3_moe"):
             if hf.get("use_sliding_window"):
                 raise _unsupported(
                     "use_sliding_window", True, "full attention in every layer",
@@ -296,15 +358,83 @@ class LlamaFamilyLayout:
         return fields
 
 
-def check_blocks(model_type: str, qk_norm: str | None, norm_position: str) -> None:
-    """A model exports as `model_type` only with that type's blocks (q/k norms, norm position)."""
+def _moe_from_hf(hf: dict[str, Any], model_type: str) -> dict[str, Any]:
+    """The decoder's MoE fields from a Mixtral or Qwen3-MoE config.json ({} for the others)."""
+    if model_type not in MOE_MODULES:
+        return {}
+    if hf.get("router_jitter_noise"):
+        raise _unsupported(
+            "router_jitter_noise", hf["router_jitter_noise"], "routers without noise",
+            "Set it to 0.0 to train without the noise.",
+        )  # fmt: skip
+    mixtral = model_type == "mixtral"
+    return {
+        "num_experts": int(hf.get("num_local_experts") or hf["num_experts"]),
+        "experts_per_token": int(hf["num_experts_per_tok"]),
+        "moe_ffn_hidden_dim": int(hf["intermediate_size" if mixtral else "moe_intermediate_size"]),
+        "norm_topk_prob": mixtral or bool(hf.get("norm_topk_prob", False)),
+        "expert_weights_fp32": mixtral,
+        "router_aux_loss_coef": float(hf.get("router_aux_loss_coef", 0.001)),
+        "decoder_sparse_step": 1 if mixtral else int(hf.get("decoder_sparse_step") or 1),
+        "mlp_only_layers": [] if mixtral else [int(i) for i in hf.get("mlp_only_layers") or []],
+    }
+
+
+def _moe_to_hf(c: dict[str, Any], model_type: str) -> dict[str, Any]:
+    """config.json's MoE fields of `model_type` for a decoder's config `c`, or an error when
+    its experts (or their absence) do not fit that model type."""
+    experts = int(c.get("num_experts") or 0)
+    if (model_type in MOE_MODULES) != bool(experts):
+        kinds = " or ".join(MOE_MODULES) if experts else "a dense type (llama, qwen3, ...)"
+        raise CheckpointError(
+            f"an HF {model_type} model {'has' if model_type in MOE_MODULES else 'has no'} "
+            f"experts; this one has num_experts={experts}. Export it as {kinds} "
+            "(model.hf_model_type) instead."
+        )
+    if not experts:
+        return {}
+    mixtral = model_type == "mixtral"
+    fixed = (
+        {"norm_topk_prob": True, "expert_weights_fp32": True, "decoder_sparse_step": 1,
+         "mlp_only_layers": [], "qkv_bias": False, "wo_bias": False}
+        if mixtral else {"expert_weights_fp32": False}
+    )  # fmt: skip
+    differing = {k: c.get(k) for k, v in fixed.items() if c.get(k) != v}
+    if differing:
+        raise CheckpointError(
+            f"an HF {model_type} model has {json.dumps(fixed)}; this one has "
+            f"{json.dumps(differing)}. Convert it to .safetensors or DCP instead."
+        )
+    common = {
+        "num_experts_per_tok": c["experts_per_token"],
+        "router_aux_loss_coef": c.get("router_aux_loss_coef", 0.0),
+        "output_router_logits": False,
+    }
+    if mixtral:
+        return {**common, "num_local_experts": experts, "router_jitter_noise": 0.0,
+                "intermediate_size": c["moe_ffn_hidden_dim"]}  # fmt: skip
+    return {**common, "num_experts": experts, "moe_intermediate_size": c["moe_ffn_hidden_dim"],
+            "norm_topk_prob": c["norm_topk_prob"],
+            "decoder_sparse_step": c["decoder_sparse_step"],
+            "mlp_only_layers": list(c["mlp_only_layers"])}  # fmt: skip
+
+
+def check_blocks(
+    model_type: str, qk_norm: str | None, norm_position: str, experts: bool = False
+) -> None:
+    """A model exports as `model_type` only with that type's blocks (q/k norms, norm position);
+    the types it is pointed to instead have experts when it has (`experts`)."""
     if model_type not in BLOCKS:
         raise CheckpointError(
             f"hf_model_type={model_type!r} is not an HF architecture freetx writes; it writes "
             f"{', '.join(BLOCKS)}."
         )
     if BLOCKS[model_type] != (qk_norm, norm_position):
-        fits = [t for t, blocks in BLOCKS.items() if blocks == (qk_norm, norm_position)]
+        fits = [
+            t
+            for t, blocks in BLOCKS.items()
+            if blocks == (qk_norm, norm_position) and (t in MOE_MODULES) == experts
+        ]
         fix = (
             f"Export it as {' or '.join(fits)} (model.hf_model_type={fits[0]}) instead."
             if fits

@@ -16,7 +16,8 @@ moments (fp32; 8-bit optimizers: 2 bytes), each divided by the ranks that shard 
 activations per micro-batch, counted per token and block for the decoder (compute
 dtype): the norm inputs and outputs, q, k, v and the attention output kept by SDPA,
 the input of wo, and the four MLP tensors (gate, up, silu(gate), their product):
-7h + 2 h_kv + 4 f elements; full checkpointing keeps a block's input (h) instead,
+7h + 2 h_kv + 4 f elements (an MoE block: k (4 f_expert + 2h) + 2E instead of 4 f: each
+token's k experts, its copies and weighted outputs, the router's logits and probs); full checkpointing keeps a block's input (h) instead,
 selective every n-th; and the loss: bf16 logits, their fp32 copy and log-softmax
 (10 bytes per token per vocabulary entry), which dominate small models with large
 vocabularies. AD's transformer is counted as a decoder (n_transit tokens per window). A
@@ -25,7 +26,8 @@ activations, loss included; a model without blocks is gathered whole by FSDP. A
 crosscoder's frozen source models (`activation_sources`: built on the meta device from
 their recorded config, never their weights) are counted on every rank: their weights in
 the source dtype and one harvesting forward (logits, hooked outputs). Step time:
-training FLOPs per token x tokens per rank / (peak x MFU),
+training FLOPs per token (from the active parameters of an MoE model) x tokens per rank
+/ (peak x MFU),
 and the FSDP traffic (gathers in forward and backward, a reduce-scatter) over the
 interconnect, assumed overlapped: the step takes the longer of the two.
 
@@ -176,8 +178,14 @@ def decoder_activations(
     checkpointing recomputes, and the loss's logits."""
     h, f = cfg.hidden_dim, getattr(cfg, "ffn_hidden_dim", 4 * cfg.hidden_dim)
     kv = getattr(cfg, "num_kv_heads", cfg.num_heads) * getattr(cfg, "head_dim", h // cfg.num_heads)
-    per_token = (7 * h + 2 * kv + 4 * f) * compute  # a block's saved activations
     layers = max(1, layers)
+    mlp = 4 * f
+    if getattr(cfg, "num_experts", 0):  # MoE blocks: k experts' MLP tensors per token, the
+        # token copies sent to them and their weighted outputs, the router's logits and probs
+        moe = cfg.experts_per_token * (4 * cfg.moe_ffn_hidden_dim + 2 * h) + 2 * cfg.num_experts
+        share = sum(cfg.is_moe_layer(i) for i in range(layers)) / layers
+        mlp = share * moe + (1 - share) * mlp
+    per_token = (7 * h + 2 * kv + mlp) * compute  # a block's saved activations
     if checkpointing == "full":
         kept = layers * h * compute + per_token  # inputs, and one block being recomputed
     elif checkpointing == "selective":

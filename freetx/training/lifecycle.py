@@ -52,7 +52,7 @@ from freetx.distributed import FrozenBase, HostGroup, ParallelGroups, ParallelPl
 from freetx.entry import at_step
 from freetx.errors import TrainingError
 from freetx.loggers import build_metric_loggers, training_banner
-from freetx.models import flops_per_token, num_parameters
+from freetx.models import flops_per_token, num_active_parameters, num_parameters
 from freetx.training.export import check_final_export, export_final
 from freetx.training.meters import ThroughputMeter, peak_flops, train_step_metrics
 from freetx.training.profiling import StepProfiler
@@ -161,6 +161,8 @@ class TrainingRun:
         trainable = sum(p.numel() for p in module.parameters() if p.requires_grad)
         if trainable < sum(p.numel() for p in module.parameters()):
             facts = {"trainable parameters": trainable, **facts}
+        if num_active_parameters(module) < num_parameters(module):  # a mixture of experts
+            facts = {"active parameters per token": num_active_parameters(module), **facts}
         self.loggers.write(
             training_banner(
                 self.recipe, self.runtime, plan.strategy, cfg,

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from freetx.data.sampling import IGNORE_INDEX
+from freetx.models.protocol import LMOutput
 
 
 class CrossEntropyLoss:
@@ -33,7 +34,11 @@ class CrossEntropyLoss:
             ignore_index=self.ignore_index,
             reduction="sum",
         )
-        return loss_sum, {}
+        if not isinstance(output, LMOutput):
+            return loss_sum, {}
+        tokens = (labels != self.ignore_index).sum()
+        extras = {name: value.detach() * tokens for name, value in output.metrics.items()}
+        return loss_sum + output.aux_loss * tokens, extras
 
     def evaluate(self, model, input_ids: torch.Tensor, labels: torch.Tensor):
         """The loss on an evaluation batch (models with latents add metrics here)."""

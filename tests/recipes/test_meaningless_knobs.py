@@ -37,7 +37,12 @@ TOPK = ["model.activation=batchtopk", "model.k=8"]
      (CROSSCODER, ["model.shared_features=300"], "set it in [0, 256]"),
      (CROSSCODER, ["model.dict_size=0"], "'model.dict_size' is 0"),
      ("llm/tiny", ["model.qk_norm=bogus"], "'model.qk_norm' is 'bogus': the decoder normalizes"),
-     ("free_transformer/tiny", ["model.norm_position=mid"], "'model.norm_position' is 'mid'")],
+     ("free_transformer/tiny", ["model.norm_position=mid"], "'model.norm_position' is 'mid'"),
+     ("llm/tiny", ["model.num_experts=4", "model.experts_per_token=9"],
+      "'model.experts_per_token' is 9: each token is sent to 1 to num_experts=4 experts"),
+     ("llm/tiny", ["model.num_experts=4", "model.router_aux_loss_coef=-0.1"],
+      "'model.router_aux_loss_coef' is -0.1: a negative weight"),
+     ("free_transformer/tiny", ["model.num_experts=4"], "'model.num_experts' is 4")],
 )  # fmt: skip
 def test_validate_refuses_a_meaningless_value(config, overrides, message):
     result = run_freetx_here("validate", config, *overrides)

@@ -98,7 +98,9 @@ def test_max_seq_len_can_shorten_the_tables_and_keeps_llama3_scaling(folders):
         assert (short(ids) - hf_logits(folders["llama3_2"], ids)).abs().max() < 1e-4
 
 
-@pytest.mark.parametrize("family", ["llama3_2", "qwen2", "mistral", "qwen3", "olmo2"])
+@pytest.mark.parametrize(
+    "family", ["llama3_2", "qwen2", "mistral", "qwen3", "olmo2", "mixtral", "qwen3_moe"]
+)
 def test_hf_to_dcp_to_hf_is_bit_for_bit_and_loads_in_transformers(tmp_path, family):
     source = make_folder(tmp_path / "src", family, dtype=torch.bfloat16)
     convert(source, tmp_path / "dcp", to="dcp")
@@ -122,7 +124,7 @@ def test_hf_to_dcp_to_hf_is_bit_for_bit_and_loads_in_transformers(tmp_path, fami
     ids = torch.randint(0, 384, (2, 40))
     assert torch.equal(hf_logits(source, ids), hf_logits(tmp_path / "out", ids))
     config = json.loads((tmp_path / "out" / "config.json").read_text())
-    assert config["model_type"] == family.split("_")[0].replace("llama3", "llama")
+    assert config["model_type"] == {"llama3_2": "llama"}.get(family, family)
 
 
 def save_freetx_model(path, **fields):

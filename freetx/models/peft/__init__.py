@@ -22,6 +22,7 @@ from torch import nn
 
 from freetx.errors import ConfigError
 from freetx.fields import at_least, refuse_meaningless
+from freetx.models.moe import GroupedExperts
 from freetx.models.peft.lora import ADAPTER_PARAMETERS, LoRALinear
 from freetx.models.protocol import AdapterTargets, AlwaysTrained
 
@@ -111,6 +112,7 @@ def resolve_targets(model: nn.Module, targets: list[str]) -> dict[str, list[str]
     for target in targets:
         suffix = aliases.get(target, target)
         found[target] = [n for n in linears if n == suffix or n.endswith("." + suffix)]
+    _refuse_expert_targets(model, {t: aliases.get(t, t) for t in targets})
     missing = [t for t, names in found.items() if not names]
     if missing:
         kinds = sorted({n.rsplit(".", 1)[-1] for n in linears})
@@ -120,6 +122,26 @@ def resolve_targets(model: nn.Module, targets: list[str]) -> dict[str, list[str]
             f"Linear modules end in: {', '.join(kinds)}."
         )
     return found
+
+
+def _refuse_expert_targets(model: nn.Module, suffixes: dict[str, str]) -> None:
+    """LoRA adapts Linear modules; an MoE block holds its experts' projections as grouped
+    tensors (`freetx.models.moe.GroupedExperts`), so a target meaning one is refused."""
+    grouped = [
+        f"{name}.{param}"
+        for name, module in model.named_modules()
+        if isinstance(module, GroupedExperts)
+        for param, _ in module.named_parameters()
+    ]
+    for target, suffix in suffixes.items():
+        hits = [g for g in grouped if g.rsplit(".", 1)[-1] == suffix.rsplit(".", 1)[-1]]
+        if hits:
+            raise ConfigError(
+                f"peft target {target!r} names an MLP projection, which this model's MoE "
+                f"blocks hold as one grouped tensor of all experts ({hits[0]}); LoRA adapts "
+                "Linear modules, and LoRA on experts is not supported. Adapt the attention "
+                "instead: peft.target_modules=[q,k,v,o]."
+            )
 
 
 def apply_lora(

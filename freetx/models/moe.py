@@ -1,0 +1,141 @@
+"""A mixture-of-experts feed-forward (Mixtral, Qwen3-MoE): a router picks `experts_per_token`
+of `num_experts` SwiGLU experts for each token and sums their outputs, weighted.
+
+    router     gate: Linear(hidden -> E, no bias); softmax over the experts in float32;
+               top-k; with norm_topk_prob the k weights are divided by their sum
+               (Mixtral always, Qwen3-MoE as its config.json says); Qwen3-MoE casts the
+               weights to the compute dtype (`expert_weights_fp32=False`), Mixtral keeps
+               them in float32 for the weighting (as transformers 5 does for each)
+    experts    ONE grouped tensor per projection for all experts of a block:
+               `experts.w1` [E, F, H] (gate), `experts.w3` [E, F, H] (up), `experts.w2`
+               [E, H, F] (down); expert e computes w2[e] (silu(w1[e] x) * w3[e] x). FSDP2
+               shards them along dim 0, so a rank's rows are whole experts.
+
+The experts' matmuls run as `torch._grouped_mm` where the device has a kernel for it
+(`grouped_mm_fits`: CUDA sm90+, bfloat16, 16-byte aligned sizes), else as a loop over the
+experts; both read the same tokens sorted by expert, so they compute the same sums.
+
+The block returns its output and its `Routing` (tokens per expert, router probabilities
+summed over tokens); the decoder turns every layer's routing into the load-balancing
+loss (`load_balancing_loss`, as transformers' `load_balancing_loss_func` computes it),
+which the model returns in training (`freetx.models.protocol.LMOutput`).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Routing(NamedTuple):
+    """One MoE layer's routing of a micro-batch."""
+
+    counts: torch.Tensor  # [E] float32: (token, slot) pairs sent to each expert (no gradient)
+    probs: torch.Tensor  # [E] float32: router probabilities summed over the tokens
+    tokens: torch.Tensor  # [] float32: the tokens routed
+
+
+def grouped_mm_fits(
+    device_type: str, dtype: torch.dtype, capability: tuple[int, int] | None, sizes: tuple
+) -> bool:
+    """Whether `torch._grouped_mm` computes the experts here: CUDA on sm90+ (Hopper and
+    later, its CUTLASS kernel), bfloat16, every inner size a multiple of 8 (16-byte rows);
+    elsewhere the loop over experts does."""
+    return (
+        device_type == "cuda"
+        and hasattr(torch, "_grouped_mm")
+        and dtype == torch.bfloat16
+        and capability is not None
+        and capability >= (9, 0)
+        and all(size % 8 == 0 for size in sizes)
+    )
+
+
+def _uses_grouped_mm(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    capability = torch.cuda.get_device_capability(x.device) if x.is_cuda else None
+    return grouped_mm_fits(x.device.type, x.dtype, capability, tuple(weight.shape[1:]))
+
+
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """Rows of `x` [N, in] sorted by expert (`counts[e]` rows for expert e) times their
+    expert's `weight[e]`ᵀ ([E, out, in]): [N, out]."""
+    if _uses_grouped_mm(x, weight):
+        offsets = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
+        return torch._grouped_mm(x, weight.to(x.dtype).transpose(-2, -1), offs=offsets)
+    parts = [F.linear(rows, weight[e]) for e, rows in enumerate(x.split(counts))]
+    return torch.cat(parts)
+
+
+class GroupedExperts(nn.Module):
+    """E SwiGLU experts as three grouped tensors (w1, w3: [E, F, H]; w2: [E, H, F])."""
+
+    def __init__(self, num_experts: int, hidden_dim: int, ffn_hidden_dim: int) -> None:
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(num_experts, ffn_hidden_dim, hidden_dim))
+        self.w3 = nn.Parameter(torch.empty(num_experts, ffn_hidden_dim, hidden_dim))
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_dim, ffn_hidden_dim))
+
+    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """x [N, H]: token copies sorted by expert, `counts[e]` for expert e."""
+        hidden = F.silu(grouped_linear(x, self.w1, counts)) * grouped_linear(x, self.w3, counts)
+        return grouped_linear(hidden, self.w2, counts)
+
+
+class MoEFeedForward(nn.Module):
+    """The router (`gate`) and the experts of one block; `forward` returns the output and
+    the layer's `Routing`."""
+
+    def __init__(
+        self,
+        hidden_dim: int,
+        ffn_hidden_dim: int,
+        num_experts: int,
+        experts_per_token: int,
+        norm_topk_prob: bool,
+        expert_weights_fp32: bool,
+    ) -> None:
+        super().__init__()
+        self.num_experts, self.top_k = num_experts, experts_per_token
+        self.norm_topk_prob, self.expert_weights_fp32 = norm_topk_prob, expert_weights_fp32
+        self.gate = nn.Linear(hidden_dim, num_experts, bias=False)
+        self.experts = GroupedExperts(num_experts, hidden_dim, ffn_hidden_dim)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, Routing]:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        logits = self.gate(flat)
+        probs = F.softmax(logits, dim=-1, dtype=torch.float32)
+        weights, chosen = torch.topk(probs, self.top_k, dim=-1)  # [N, k]
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        if not self.expert_weights_fp32:
+            weights = weights.to(logits.dtype)
+        order = chosen.reshape(-1).argsort(stable=True)  # (token, slot) pairs by expert
+        counts = torch.bincount(chosen.reshape(-1), minlength=self.num_experts)
+        tokens = order // self.top_k
+        out = self.experts(flat[tokens], counts.tolist())
+        out = out * weights.reshape(-1)[order, None]
+        mixed = torch.zeros_like(flat).index_add_(0, tokens, out.to(flat.dtype))
+        routing = Routing(counts.float(), probs.sum(dim=0), probs.new_tensor(len(flat)))
+        return mixed.reshape(shape), routing
+
+
+def load_balancing_loss(routings: list[Routing], num_experts: int) -> torch.Tensor:
+    """Switch / Mixtral's auxiliary loss over every MoE layer of a micro-batch, as
+    transformers' `load_balancing_loss_func` computes it (no attention mask): E x sum over
+    experts of (the share of routed (token, slot) pairs it got) x (its mean router
+    probability), both over all layers' tokens: k when perfectly balanced."""
+    counts = torch.stack([r.counts for r in routings]).sum(0)
+    probs = torch.stack([r.probs for r in routings]).sum(0)
+    rows = torch.stack([r.tokens for r in routings]).sum()  # tokens x layers
+    return num_experts * torch.sum((counts / rows) * (probs / rows))
+
+
+def expert_load_max(routings: list[Routing]) -> torch.Tensor:
+    """The busiest expert's routed tokens over the mean (1.0: perfectly balanced), over
+    every MoE layer of a micro-batch."""
+    counts = torch.stack([r.counts for r in routings]).sum(0)
+    return counts.max() / counts.mean().clamp(min=1e-9)
