@@ -119,6 +119,11 @@ class TransformerConfig:
                 "a block's norms come before attention and MLP (pre: Llama, Qwen) or after "
                 "them (post: OLMo 2); set pre or post."
             )
+        if not 0 < values.get("partial_rotary_factor", 1.0) <= 1:
+            found["partial_rotary_factor"] = (
+                "it is the fraction of each head's dims RoPE rotates (Phi-4-mini: 0.75); set "
+                "it in (0, 1]."
+            )
         return found
 
 

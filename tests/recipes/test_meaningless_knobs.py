@@ -37,7 +37,8 @@ TOPK = ["model.activation=batchtopk", "model.k=8"]
      (CROSSCODER, ["model.shared_features=300"], "set it in [0, 256]"),
      (CROSSCODER, ["model.dict_size=0"], "'model.dict_size' is 0"),
      ("llm/tiny", ["model.qk_norm=bogus"], "'model.qk_norm' is 'bogus': the decoder normalizes"),
-     ("free_transformer/tiny", ["model.norm_position=mid"], "'model.norm_position' is 'mid'")],
+     ("free_transformer/tiny", ["model.norm_position=mid"], "'model.norm_position' is 'mid'"),
+     ("llm/tiny", ["model.partial_rotary_factor=1.5"], "'model.partial_rotary_factor' is 1.5")],
 )  # fmt: skip
 def test_validate_refuses_a_meaningless_value(config, overrides, message):
     result = run_freetx_here("validate", config, *overrides)
