@@ -82,6 +82,9 @@ BLOCKS = {
 }
 # model types whose q/k/v and gate/up projections are one Linear each (fused_projections)
 FUSED_PROJECTIONS = ("phi3",)
+# model types whose RoPE may be longrope and rotate part of each head (transformers' other
+# decoders rotate every dim and ignore partial_rotary_factor)
+PHI_ROPE = ("phi3",)
 # model types whose config.json has no head_dim (derived from hidden_size / heads)
 _DERIVED_HEAD_DIM = ("qwen2", "olmo2", "phi3")
 
@@ -128,15 +131,15 @@ def rope_settings(hf: dict[str, Any]) -> tuple[float, dict | None]:
     params.pop("partial_rotary_factor", None)
     if kind == "default":
         return float(theta), None
-    if hf.get("model_type") == "phi3" and kind in ("su", "yarn", "longrope"):
+    if hf.get("model_type") in PHI_ROPE and kind in ("su", "yarn", "longrope"):
         kind = "longrope"  # su and yarn: older names of Phi-3's LongRoPE, as Phi3Config reads them
         params.update(_phi3_longrope(hf, params))
+    elif kind not in ("llama3", "linear"):
+        raise _unsupported("rope_type", kind, "default, llama3, linear and (Phi-3) longrope RoPE")
     if kind == "llama3":
         params.setdefault(
             "original_max_position_embeddings", hf.get("max_position_embeddings", 8192)
         )
-    if kind not in ("llama3", "linear", "longrope"):
-        raise _unsupported("rope_type", kind, "default, llama3, linear and (Phi-3) longrope RoPE")
     return float(theta), {"rope_type": kind, **params}
 
 
@@ -204,6 +207,7 @@ class LlamaFamilyLayout:
         qkv_bias, wo_bias = c.get("qkv_bias", False), c.get("wo_bias", False)
         check_blocks(model_type, c.get("qk_norm"), c.get("norm_position", "pre"))
         check_projections(model_type, c.get("fused_projections", False))
+        check_rope(model_type, c.get("rope_scaling"), c.get("partial_rotary_factor", 1.0))
         hf: dict[str, Any] = {
             "architectures": [ARCHITECTURES[model_type]],
             "model_type": model_type,
@@ -304,6 +308,11 @@ class LlamaFamilyLayout:
             raise _unsupported("hidden_act", hf["hidden_act"], "SwiGLU with silu only")
         if hf.get("mlp_bias"):
             raise _unsupported("mlp_bias", True, "MLPs without biases")
+        if fields["partial_rotary_factor"] != 1.0 and model_type not in PHI_ROPE:
+            raise _unsupported(
+                "partial_rotary_factor", fields["partial_rotary_factor"],
+                f"RoPE on every dim of a {model_type} model's heads, as transformers computes it",
+            )  # fmt: skip
         if model_type == "qwen2":
             fields.update(qkv_bias=True, wo_bias=False)
         else:
@@ -357,6 +366,18 @@ def _phi3_config(c: dict[str, Any]) -> dict[str, Any]:
         # ids replace these when the export has one
         "pad_token_id": None,
     }
+
+
+def check_rope(model_type: str, scaling: dict | None, partial: float) -> None:
+    """A model exports as `model_type` only with a RoPE that type computes."""
+    kind = (scaling or {}).get("rope_type", "default")
+    if model_type not in PHI_ROPE and (kind == "longrope" or partial != 1.0):
+        raise CheckpointError(
+            f"an HF {model_type} model rotates every dim of each head with default, llama3 or "
+            f"linear RoPE; this one has rope_type={kind}, partial_rotary_factor={partial}. "
+            "Export it as phi3 (model.hf_model_type=phi3) if its projections are fused, or "
+            "convert it to .safetensors or DCP."
+        )
 
 
 def check_projections(model_type: str, fused: bool) -> None:

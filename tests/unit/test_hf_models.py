@@ -234,7 +234,9 @@ def test_a_freetx_model_exports_to_an_hf_folder_transformers_loads(tmp_path, fie
       "gate/up apart); this one has fused_projections=True. Export it as phi3"),
      ({"hf_model_type": "phi3"}, "an HF phi3 model has fused_projections=True"),
      ({"fused_projections": True, "hf_model_type": "phi3", "qkv_bias": True, "wo_bias": True},
-      "an HF phi3 model has no biases")],
+      "an HF phi3 model has no biases"),
+     ({"partial_rotary_factor": 0.5}, "an HF llama model rotates every dim of each head with "
+      "default, llama3 or linear RoPE; this one has rope_type=default, partial_rotary_factor=0.5")],
 )  # fmt: skip
 def test_a_model_whose_blocks_its_hf_type_lacks_is_not_exported(tmp_path, fields, message):
     save_freetx_model(tmp_path / "m.safetensors", **fields)
@@ -278,6 +280,10 @@ def test_a_damaged_folder_is_named(tmp_path, damage, message):
         ({"sliding_window": 128}, "sliding_window=128"),
         ({"hidden_act": "gelu"}, "hidden_act=\"gelu\""),
         ({"mlp_bias": True}, "mlp_bias=true"),
+        ({"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5"),
+        ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 8,
+                              "long_factor": [2.0] * 8, "factor": 4.0,
+                              "original_max_position_embeddings": 64}}, 'rope_type="longrope"'),
     ],
 )  # fmt: skip
 def test_what_freetx_cannot_compute_is_refused_with_the_field(tmp_path, change, message):
