@@ -207,7 +207,8 @@ class LlamaFamilyLayout:
         qkv_bias, wo_bias = c.get("qkv_bias", False), c.get("wo_bias", False)
         check_blocks(model_type, c.get("qk_norm"), c.get("norm_position", "pre"))
         check_projections(model_type, c.get("fused_projections", False))
-        check_rope(model_type, c.get("rope_scaling"), c.get("partial_rotary_factor", 1.0))
+        partial = c.get("partial_rotary_factor", 1.0)
+        check_rope(model_type, c.get("rope_scaling"), partial)
         hf: dict[str, Any] = {
             "architectures": [ARCHITECTURES[model_type]],
             "model_type": model_type,
@@ -223,7 +224,7 @@ class LlamaFamilyLayout:
                 "rope_theta": c["rope_theta"],
                 "rope_type": "default",
                 **(c.get("rope_scaling") or {}),
-                "partial_rotary_factor": c.get("partial_rotary_factor", 1.0),
+                **({"partial_rotary_factor": partial} if partial != 1.0 else {}),
             },
             "rms_norm_eps": c["norm_eps"],
             "tie_word_embeddings": c["tie_embeddings"],
@@ -347,12 +348,7 @@ def _phi3_config(c: dict[str, Any]) -> dict[str, Any]:
             f"{c.get('qkv_bias')}, wo_bias={c.get('wo_bias')}. Convert it to .safetensors or "
             "DCP instead."
         )
-    scaling = c.get("rope_scaling") or {"rope_type": "default"}
-    if scaling["rope_type"] not in ("default", "longrope"):
-        raise CheckpointError(
-            f"an HF phi3 model has default or longrope RoPE; this one has rope_type="
-            f"{scaling['rope_type']}. Convert it to .safetensors or DCP instead."
-        )
+    scaling = c.get("rope_scaling") or {}
     return {
         # Phi3Config reads LongRoPE's original length from here (4096 when absent)
         "original_max_position_embeddings": scaling.get(
@@ -371,13 +367,17 @@ def _phi3_config(c: dict[str, Any]) -> dict[str, Any]:
 def check_rope(model_type: str, scaling: dict | None, partial: float) -> None:
     """A model exports as `model_type` only with a RoPE that type computes."""
     kind = (scaling or {}).get("rope_type", "default")
-    if model_type not in PHI_ROPE and (kind == "longrope" or partial != 1.0):
+    phi = model_type in PHI_ROPE
+    kinds = ("default", "longrope") if phi else ("default", "llama3", "linear")
+    if kind not in kinds or (partial != 1.0 and not phi):
         raise CheckpointError(
-            f"an HF {model_type} model rotates every dim of each head with default, llama3 or "
-            f"linear RoPE; this one has rope_type={kind}, partial_rotary_factor={partial}. "
-            "Export it as phi3 (model.hf_model_type=phi3) if its projections are fused, or "
-            "convert it to .safetensors or DCP."
-        )
+            f"an HF {model_type} model has {', '.join(kinds)} RoPE"
+            f"{'' if phi else ' on every dim of each head'}; this one has rope_type={kind}, "
+            f"partial_rotary_factor={partial}. "
+            + ("Convert" if phi else "Export it as phi3 (model.hf_model_type=phi3) if its "
+               "projections are fused, or convert")
+            + " it to .safetensors or DCP."
+        )  # fmt: skip
 
 
 def check_projections(model_type: str, fused: bool) -> None:

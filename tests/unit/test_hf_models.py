@@ -235,8 +235,12 @@ def test_a_freetx_model_exports_to_an_hf_folder_transformers_loads(tmp_path, fie
      ({"hf_model_type": "phi3"}, "an HF phi3 model has fused_projections=True"),
      ({"fused_projections": True, "hf_model_type": "phi3", "qkv_bias": True, "wo_bias": True},
       "an HF phi3 model has no biases"),
-     ({"partial_rotary_factor": 0.5}, "an HF llama model rotates every dim of each head with "
-      "default, llama3 or linear RoPE; this one has rope_type=default, partial_rotary_factor=0.5")],
+     ({"partial_rotary_factor": 0.5}, "an HF llama model has default, llama3, linear RoPE on "
+      "every dim of each head; this one has rope_type=default, partial_rotary_factor=0.5. Export "
+      "it as phi3"),
+     ({"fused_projections": True, "hf_model_type": "phi3",
+       "rope_scaling": {"rope_type": "linear", "factor": 2.0}},
+      "an HF phi3 model has default, longrope RoPE; this one has rope_type=linear")],
 )  # fmt: skip
 def test_a_model_whose_blocks_its_hf_type_lacks_is_not_exported(tmp_path, fields, message):
     save_freetx_model(tmp_path / "m.safetensors", **fields)
