@@ -1,6 +1,6 @@
 """Model folders as `transformers` writes them (tiny, random weights), for the tests of
 freetx's HF reading and writing. Every family freetx reads (Llama, Mistral, Qwen2,
-Qwen3, OLMo 2, Mixtral, Qwen3-MoE), sharded and not, in the current config layout (`rope_parameters`) and the
+Qwen3, OLMo 2, Phi-3/Phi-4, Mixtral, Qwen3-MoE), sharded and not, in the current config layout (`rope_parameters`) and the
 older one (`rope_theta` + `rope_scaling` at the top)."""
 
 from __future__ import annotations
@@ -16,6 +16,19 @@ SHAPE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
                "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 64}  # fmt: skip
+# Phi3Config's default ids (32000) lie outside the tiny vocabulary
+PHI3_IDS = dict(bos_token_id=1, eos_token_id=2, pad_token_id=0)
+# LongRoPE: one factor per frequency (head_dim 16: 8; Phi-4-mini's 0.75 of it: 6), short up
+# to original_max_position_embeddings=64 tokens, long beyond; max 256 / 64 sets the
+# attention factor, sqrt(1 + ln 4 / ln 64)
+SHORT_FACTOR = [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.1, 3.8]
+LONG_FACTOR = [1.0, 1.5, 2.4, 3.9, 6.2, 9.7, 15.0, 23.0]
+
+
+def longrope(factors: int, **more) -> dict:
+    return {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": SHORT_FACTOR[:factors],
+            "long_factor": LONG_FACTOR[:factors], **more}  # fmt: skip
+
 
 # family name -> (transformers config class name, config fields, save options)
 FAMILIES = {
@@ -68,6 +81,18 @@ FAMILIES = {
                                          rope_parameters={"rope_type": "default",
                                                           "rope_theta": 1000000.0}),
                   dict(max_shard_size="40KB")),
+    # Phi-3-mini-4k: fused qkv_proj and gate_up_proj, plain rope, sharded
+    "phi3": ("Phi3Config", dict(**PHI3_IDS, rope_parameters={"rope_type": "default",
+                                                             "rope_theta": 10000.0}),
+             dict(max_shard_size="40KB")),
+    # Phi-3/3.5-mini-128k: LongRoPE (short and long factors, the attention factor)
+    "phi3_longrope": ("Phi3Config", dict(**PHI3_IDS, original_max_position_embeddings=64,
+                                         rope_parameters=longrope(8)), {}),
+    # Phi-4-mini as its hub folder is written: partial_rotary_factor 0.75 at the top,
+    # rope_scaling with LongRoPE, tied embeddings, a sliding window no shorter than the model
+    "phi4_mini_old_layout": ("Phi3Config", dict(
+        **PHI3_IDS, original_max_position_embeddings=64, tie_word_embeddings=True,
+        sliding_window=256, rope_parameters=longrope(6, partial_rotary_factor=0.75)), {}),
 }  # fmt: skip
 
 
@@ -77,6 +102,9 @@ def to_old_layout(folder: Path) -> None:
     hf = json.loads(path.read_text())
     params = hf.pop("rope_parameters")
     hf["rope_theta"] = params.pop("rope_theta")
+    if params.get("partial_rotary_factor", 1.0) != 1.0:  # Phi-4-mini keeps it at the top
+        hf["partial_rotary_factor"] = params["partial_rotary_factor"]
+    params.pop("partial_rotary_factor", None)
     if params.get("rope_type", "default") != "default":
         hf["rope_scaling"] = params
     hf["torch_dtype"] = hf.pop("dtype", "float32")

@@ -10,17 +10,23 @@ those the template writes (it writes BOS where the model wants one).
 
 Labels are IGNORE_INDEX everywhere but on the assistant's tokens: its content and
 the end-of-turn token(s) the template closes it with, not the role header before
-it (the model is given that). To find them, assistant message i is located by
-rendering the conversation up to it with the generation prompt (what the model
-sees before it replies) and up to and including it: the characters between the
-two ends are the reply; whitespace the template writes after the turn (ChatML's
-newline after <|im_end|>) is left out. A token is the reply's if it starts in
-those characters. A template that renders no generation prompt leaves the
-header in the reply.
+it (the model is given that). Assistant message i is located in the rendered
+conversation by three renderings: up to it with the generation prompt (what the
+model sees before it replies: the reply starts where that ends); the whole
+conversation with a mark after the message's content (where the two differ, the
+content ends, however the template rewrote it: Qwen3 drops the reasoning of
+earlier replies); and the conversation up to and including it, with and without
+a generation prompt after it: the tokens these two and the whole conversation
+share after the content are the end of the turn (Llama 3's <|eot_id|>, ChatML's
+<|im_end|>, Phi-3's <|end|>, Gemma's <end_of_turn>), without the whitespace after
+it and without what a template writes only at the end of a conversation (Phi-3's
+<|endoftext|>). A token is the reply's if it starts in those characters. A
+template that renders no generation prompt leaves the header in the reply.
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -144,11 +150,18 @@ class ChatDataset(Dataset):
         return fixed_length_sample(self.samples[index], self.seq_len, self.tokenizer.pad_id)
 
 
+# appended to a reply's content to find where the template writes it (never in a text)
+_MARK = "\x00"
+
+
 def _reply_span(tok, messages: Messages, i: int, text: str) -> tuple[int, int]:
     """The characters of `text` (the whole rendered conversation) that are message i's."""
     prompt = tok.apply_chat_template(messages[:i], add_generation_prompt=True)
+    marked = [*messages[:i], {**messages[i], "content": messages[i]["content"] + _MARK}]
+    end = _content_end(text, tok.apply_chat_template(marked + messages[i + 1 :]))
     turn = tok.apply_chat_template(messages[: i + 1])
-    if not (turn.startswith(prompt) and text.startswith(turn)):
+    turn_end = _content_end(turn, tok.apply_chat_template(marked))
+    if not text.startswith(prompt) or end is None or turn_end is None or end < len(prompt):
         raise DataError(
             f"the chat template renders the conversation up to message {i} (an "
             "assistant reply) differently from the way it renders it inside the longer "
@@ -156,4 +169,17 @@ def _reply_span(tok, messages: Messages, i: int, text: str) -> tuple[int, int]:
             "earlier turns the same whatever follows them, or put each assistant turn of such "
             "conversations in a record of its own."
         )
-    return len(prompt), max(len(prompt), len(turn.rstrip()))
+    opened = tok.apply_chat_template(messages[: i + 1], add_generation_prompt=True)
+    tails = [turn[turn_end:], opened[turn_end:], text[end : end + len(turn) - turn_end]]
+    encoded = [tok.encode_with_offsets(tail) for tail in tails]
+    shared = len(os.path.commonprefix([ids for ids, _ in encoded]))
+    end_of_turn = tails[0][: encoded[0][1][shared - 1][1]] if shared else ""
+    return len(prompt), end + len(end_of_turn.rstrip())
+
+
+def _content_end(text: str, marked: str) -> int | None:
+    """Where a message's content ends in `text`, given `marked`, the same rendering with
+    _MARK after that content: the two differ up to there (None: the mark is not once in it)."""
+    if marked.count(_MARK) != 1:
+        return None
+    return len(text) - len(os.path.commonprefix([text[::-1], marked[::-1]]))

@@ -1,6 +1,7 @@
 """A Llama-style decoder: RoPE, RMSNorm, grouped-query attention, SwiGLU; with the
-variants of Qwen3 (q/k RMSNorm per head) and OLMo 2 (q/k RMSNorm over the whole
-projections, norms after attention and MLP instead of before), and a mixture of
+variants of Qwen3 (q/k RMSNorm per head), OLMo 2 (q/k RMSNorm over the whole
+projections, norms after attention and MLP instead of before) and Phi-3/Phi-4 (fused
+q/k/v and gate/up projections, RoPE on part of each head, LongRoPE), and a mixture of
 experts in the MLP (Mixtral, Qwen3-MoE: `num_experts`; freetx.models.moe).
 
 Parameter names and the rotate-half RoPE convention follow HF Llama closely
@@ -62,6 +63,12 @@ class TransformerConfig:
     # "pre": x + attn(norm(x)), then + ffn(norm(x)) (Llama); "post": x + norm(attn(x)),
     # then + norm(ffn(x)) (OLMo 2)
     norm_position: Literal["pre", "post"] = "pre"
+    # one q/k/v projection (attention.wqkv) and one gate/up projection (feed_forward.w13),
+    # split after the matmul (Phi-3); False: wq, wk, wv and w1, w3 (Llama)
+    fused_projections: bool = False
+    # RoPE rotates the first int(head_dim * factor) dims of each head, the rest pass
+    # through (Phi-4-mini: 0.75); 1.0: every dim
+    partial_rotary_factor: float = 1.0
     hf_model_type: str = "llama"  # the HF architecture it exports as (transformer_hf.ARCHITECTURES)
     # a mixture of experts in the MLP (Mixtral, Qwen3-MoE; freetx.models.moe); 0: dense
     num_experts: int = 0
@@ -91,14 +98,25 @@ class TransformerConfig:
             self.head_dim = self.hidden_dim // self.num_heads
         if self.head_dim < 2 or self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even (RoPE rotates pairs)")
+        if not 0 < self.partial_rotary_factor <= 1 or self.rotary_dim < 2 or self.rotary_dim % 2:
+            raise ValueError(
+                f"partial_rotary_factor={self.partial_rotary_factor} rotates {self.rotary_dim} of "
+                f"head_dim={self.head_dim} dims; RoPE rotates pairs, so set a factor in (0, 1] "
+                "that gives an even number of at least 2"
+            )
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads={self.num_heads} is not divisible by num_kv_heads={self.num_kv_heads}"
             )
-        check_rope_scaling(self.rope_scaling)
+        check_rope_scaling(self.rope_scaling, self.rotary_dim)
         if self.moe_ffn_hidden_dim is None:
             self.moe_ffn_hidden_dim = self.ffn_hidden_dim
         refuse_meaningless(self)
+
+    @property
+    def rotary_dim(self) -> int:
+        """The dims of each head RoPE rotates (the first ones), as transformers counts them."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether block `layer` has experts (Qwen3-MoE's rule; every block for Mixtral)."""
@@ -122,6 +140,11 @@ class TransformerConfig:
             found["norm_position"] = (
                 "a block's norms come before attention and MLP (pre: Llama, Qwen) or after "
                 "them (post: OLMo 2); set pre or post."
+            )
+        if not 0 < values.get("partial_rotary_factor", 1.0) <= 1:
+            found["partial_rotary_factor"] = (
+                "it is the fraction of each head's dims RoPE rotates (Phi-4-mini: 0.75); set "
+                "it in (0, 1]."
             )
         return {**found, **_moe_meaningless(values)}
 
@@ -154,10 +177,14 @@ def _moe_meaningless(values: dict[str, Any]) -> dict[str, str]:
 ROPE_SCALING_KEYS = {
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
     "linear": ("factor",),
+    # Phi-3/3.5-mini-128k, Phi-4-mini: per-frequency factors, short up to original_max_..., long
+    # beyond; factor: the context's extension (max / original), which sets the cos/sin scale
+    # unless attention_factor gives it
+    "longrope": ("short_factor", "long_factor", "original_max_position_embeddings", "factor"),
 }
 
 
-def check_rope_scaling(scaling: dict | None) -> None:
+def check_rope_scaling(scaling: dict | None, rotary_dim: int) -> None:
     """A RoPE scaling freetx computes exactly, with every number it needs, or ValueError."""
     if scaling is None:
         return
@@ -170,17 +197,31 @@ def check_rope_scaling(scaling: dict | None) -> None:
     missing = [k for k in ROPE_SCALING_KEYS[kind] if k not in scaling]
     if missing:
         raise ValueError(f"rope_scaling of type {kind} lacks {', '.join(missing)}")
+    for key in ("short_factor", "long_factor") if kind == "longrope" else ():
+        if not isinstance(scaling[key], list) or len(scaling[key]) != rotary_dim // 2:
+            raise ValueError(
+                f"rope_scaling's {key} must be a list of {rotary_dim // 2} numbers (one per "
+                f"frequency of the {rotary_dim} rotated dims), not {scaling[key]!r}"
+            )
 
 
-def rope_frequencies(head_dim: int, theta: float, scaling: dict | None, device=None):
-    """RoPE's inverse frequencies [head_dim / 2], with HF's frequency scaling applied.
+def rope_frequencies(
+    rotary_dim: int, theta: float, scaling: dict | None, device=None, long: bool = False
+):
+    """RoPE's inverse frequencies [rotary_dim / 2], with HF's frequency scaling applied.
 
     llama3: wavelengths longer than original_max / low_freq_factor are divided by
     `factor`, those shorter than original_max / high_freq_factor are kept, and the
     ones between are interpolated smoothly (as Llama 3.1's reference code does).
     linear: every frequency divided by `factor` (positions interpolated).
+    longrope: frequency i divided by short_factor[i] (`long`: long_factor[i]).
     """
-    exponents = torch.arange(0, head_dim, 2, device=device, dtype=torch.int64).float() / head_dim
+    exponents = (
+        torch.arange(0, rotary_dim, 2, device=device, dtype=torch.int64).float() / rotary_dim
+    )
+    if scaling is not None and scaling["rope_type"] == "longrope":
+        factors = scaling["long_factor" if long else "short_factor"]
+        return 1.0 / (torch.tensor(factors, dtype=torch.float32, device=device) * theta**exponents)
     inv_freq = 1.0 / (theta**exponents)
     if scaling is None:
         return inv_freq
@@ -197,44 +238,73 @@ def rope_frequencies(head_dim: int, theta: float, scaling: dict | None, device=N
     return torch.where(between, interpolated, scaled)
 
 
+def rope_attention_factor(scaling: dict | None) -> float:
+    """What cos and sin are multiplied by: longrope's attention_factor, or as transformers
+    derives it from `factor`, sqrt(1 + ln(factor) / ln(original_max_position_embeddings))
+    (1 where factor <= 1); 1 for every other RoPE."""
+    if scaling is None or scaling["rope_type"] != "longrope":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor, original = float(scaling["factor"]), scaling["original_max_position_embeddings"]
+    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+
+
 def rope_tables(
-    head_dim: int, max_seq_len: int, theta: float, scaling: dict | None = None, device=None
+    rotary_dim: int,
+    max_seq_len: int,
+    theta: float,
+    scaling: dict | None = None,
+    device=None,
+    long: bool = False,
 ):
-    """cos and sin tables [max_seq_len, head_dim] for rotate-half RoPE (HF Llama)."""
-    inv_freq = rope_frequencies(head_dim, theta, scaling, device)
+    """cos and sin tables [max_seq_len, rotary_dim] for rotate-half RoPE (HF Llama), scaled
+    by the attention factor (`rope_attention_factor`); `long`: longrope's long factors."""
+    inv_freq = rope_frequencies(rotary_dim, theta, scaling, device, long)
     positions = torch.arange(max_seq_len, device=device, dtype=torch.float32)
     freqs = torch.outer(positions, inv_freq)
     angles = torch.cat([freqs, freqs], dim=-1)
-    return angles.cos(), angles.sin()
+    scale = rope_attention_factor(scaling)
+    return angles.cos() * scale, angles.sin() * scale
 
 
 class RotaryTables(nn.Module):
     """RoPE's cos and sin tables as non-persistent buffers (never in a checkpoint).
 
     `tables(seq_len)` gives the first `seq_len` rows; `reset()` recomputes them
-    on their device after a meta-device model is materialized.
+    on their device after a meta-device model is materialized. With longrope there are
+    two pairs, and a sequence longer than original_max_position_embeddings takes the
+    long one for all its positions, a shorter one the short one (as transformers picks
+    them by the length of what it is given).
     """
 
     def __init__(
-        self, head_dim: int, max_seq_len: int, theta: float, scaling: dict | None = None
+        self, rotary_dim: int, max_seq_len: int, theta: float, scaling: dict | None = None
     ) -> None:
         super().__init__()
-        self.head_dim, self.max_seq_len, self.theta = head_dim, max_seq_len, theta
+        self.rotary_dim, self.max_seq_len, self.theta = rotary_dim, max_seq_len, theta
         self.scaling = scaling
-        cos, sin = rope_tables(head_dim, max_seq_len, theta, scaling)
-        self.register_buffer("cos", cos, persistent=False)
-        self.register_buffer("sin", sin, persistent=False)
+        longrope = scaling is not None and scaling["rope_type"] == "longrope"
+        self.long_after = scaling["original_max_position_embeddings"] if longrope else None
+        self.kinds = {"": False, "long_": True} if longrope else {"": False}  # prefix -> long
+        for prefix, long in self.kinds.items():
+            cos, sin = rope_tables(rotary_dim, max_seq_len, theta, scaling, long=long)
+            self.register_buffer(f"{prefix}cos", cos, persistent=False)
+            self.register_buffer(f"{prefix}sin", sin, persistent=False)
 
     def forward(self, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.long_after is not None and seq_len > self.long_after:
+            return self.long_cos[:seq_len], self.long_sin[:seq_len]
         return self.cos[:seq_len], self.sin[:seq_len]
 
     @torch.no_grad()
     def reset(self) -> None:
-        cos, sin = rope_tables(
-            self.head_dim, self.max_seq_len, self.theta, self.scaling, self.cos.device
-        )
-        self.cos.copy_(cos)
-        self.sin.copy_(sin)
+        for prefix, long in self.kinds.items():
+            cos, sin = rope_tables(
+                self.rotary_dim, self.max_seq_len, self.theta, self.scaling, self.cos.device, long
+            )
+            getattr(self, f"{prefix}cos").copy_(cos)
+            getattr(self, f"{prefix}sin").copy_(sin)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -243,7 +313,11 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [B, heads, T, head_dim]; cos/sin: [T, head_dim]."""
+    """x: [B, heads, T, head_dim]; cos/sin: [T, rotary_dim]: the first rotary_dim dims of
+    each head rotated, the rest passed through (partial rotary)."""
+    rotary = cos.shape[-1]
+    if rotary < x.shape[-1]:
+        return torch.cat([apply_rope(x[..., :rotary], cos, sin), x[..., rotary:]], dim=-1)
     return (x * cos + rotate_half(x) * sin).to(x.dtype)
 
 
@@ -252,7 +326,8 @@ class Attention(nn.Module):
 
     With `qk_norm`, queries and keys are RMS-normalized before RoPE (`q_norm`,
     `k_norm`): per head ("head", Qwen3) or over the whole projection
-    ("projection", OLMo 2). `causal=False` gives the bidirectional attention an encoder needs;
+    ("projection", OLMo 2). With `fused_projections` one Linear, `wqkv`, projects
+    queries, keys and values ([q | k | v] rows, Phi-3's qkv_proj), split after the matmul. `causal=False` gives the bidirectional attention an encoder needs;
     `kv_input` takes keys and values from another stream than the queries
     (the Free Transformer's encoder and injection block).
     """
@@ -263,9 +338,15 @@ class Attention(nn.Module):
         self.num_kv_heads = cfg.num_kv_heads
         self.head_dim = cfg.head_dim
         self.attention_dropout = cfg.attention_dropout
-        self.wq = nn.Linear(cfg.hidden_dim, cfg.num_heads * cfg.head_dim, bias=cfg.qkv_bias)
-        self.wk = nn.Linear(cfg.hidden_dim, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
-        self.wv = nn.Linear(cfg.hidden_dim, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.sizes = (q_size, kv_size, kv_size)
+        self.fused = cfg.fused_projections
+        if self.fused:
+            self.wqkv = nn.Linear(cfg.hidden_dim, q_size + 2 * kv_size, bias=cfg.qkv_bias)
+        else:
+            self.wq = nn.Linear(cfg.hidden_dim, q_size, bias=cfg.qkv_bias)
+            self.wk = nn.Linear(cfg.hidden_dim, kv_size, bias=cfg.qkv_bias)
+            self.wv = nn.Linear(cfg.hidden_dim, kv_size, bias=cfg.qkv_bias)
         self.wo = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_dim, bias=cfg.wo_bias)
         self.qk_norm = cfg.qk_norm
         if cfg.qk_norm is not None:
@@ -284,8 +365,7 @@ class Attention(nn.Module):
         kv_input: torch.Tensor | None = None,
     ) -> torch.Tensor:
         batch, seq_len, _ = x.shape
-        kv_source = x if kv_input is None else kv_input
-        q, k, v = self.wq(x), self.wk(kv_source), self.wv(kv_source)
+        q, k, v = self.project(x, x if kv_input is None else kv_input)
         if self.qk_norm == "projection":
             q, k = self.q_norm(q), self.k_norm(k)
         q = q.view(batch, seq_len, self.num_heads, self.head_dim)
@@ -305,18 +385,36 @@ class Attention(nn.Module):
         )
         return self.wo(out.transpose(1, 2).reshape(batch, seq_len, -1))
 
+    def project(self, x: torch.Tensor, kv_source: torch.Tensor):
+        """Queries from `x`, keys and values from `kv_source`: [B, T, heads * head_dim] each."""
+        if not self.fused:
+            return self.wq(x), self.wk(kv_source), self.wv(kv_source)
+        q, k, v = self.wqkv(x).split(self.sizes, dim=-1)
+        if kv_source is not x:  # another stream's keys and values (the Free Transformer)
+            _, k, v = self.wqkv(kv_source).split(self.sizes, dim=-1)
+        return q, k, v
+
 
 class FeedForward(nn.Module):
-    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+    """SwiGLU: w2(silu(w1 x) * w3 x); with `fused_projections`, w2(silu(g) * u) where
+    [g | u] = w13 x (Phi-3's gate_up_proj, gate rows first)."""
 
     def __init__(self, cfg: TransformerConfig):
         super().__init__()
-        self.w1 = nn.Linear(cfg.hidden_dim, cfg.ffn_hidden_dim, bias=False)
+        self.fused = cfg.fused_projections
+        if self.fused:
+            self.w13 = nn.Linear(cfg.hidden_dim, 2 * cfg.ffn_hidden_dim, bias=False)
+        else:
+            self.w1 = nn.Linear(cfg.hidden_dim, cfg.ffn_hidden_dim, bias=False)
+            self.w3 = nn.Linear(cfg.hidden_dim, cfg.ffn_hidden_dim, bias=False)
         self.w2 = nn.Linear(cfg.ffn_hidden_dim, cfg.hidden_dim, bias=False)
-        self.w3 = nn.Linear(cfg.hidden_dim, cfg.ffn_hidden_dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        if self.fused:
+            gate, up = self.w13(x).chunk(2, dim=-1)
+        else:
+            gate, up = self.w1(x), self.w3(x)
+        return self.w2(F.silu(gate) * up)
 
 
 def feed_forward(cfg: TransformerConfig, layer: int) -> nn.Module:
@@ -405,6 +503,8 @@ ADAPTER_TARGETS = {
     **{k: "feed_forward.w1" for k in ("gate", "gate_proj")},
     **{k: "feed_forward.w3" for k in ("up", "up_proj")},
     **{k: "feed_forward.w2" for k in ("down", "down_proj")},
+    **{k: "attention.wqkv" for k in ("qkv", "qkv_proj")},  # fused (Phi-3)
+    **{k: "feed_forward.w13" for k in ("gate_up", "gate_up_proj")},
     **{k: "output" for k in ("output", "lm_head")},
 }
 
@@ -428,7 +528,7 @@ class Transformer(nn.Module):
         self.output = (
             None if cfg.tie_embeddings else nn.Linear(cfg.hidden_dim, cfg.vocab_size, bias=False)
         )
-        self.rope = RotaryTables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, cfg.rope_scaling)
+        self.rope = RotaryTables(cfg.rotary_dim, cfg.max_seq_len, cfg.rope_theta, cfg.rope_scaling)
 
     # -- the forward pass -------------------------------------------------
     def head(self, h: torch.Tensor) -> torch.Tensor:
@@ -524,6 +624,6 @@ def decoder(preset: str | None = None, **fields) -> Transformer:
 @builds(TransformerConfig)
 def hf_decoder(path: str, **fields) -> Transformer:
     """The decoder an HF model folder's config.json describes (Llama 2/3/3.1/3.2, Mistral,
-    Qwen2/2.5, Qwen3, OLMo 2, Mixtral, Qwen3-MoE), with any `TransformerConfig` field changed (e.g. max_seq_len, dropout).
+    Qwen2/2.5, Qwen3, OLMo 2, Phi-3/3.5/4, Mixtral, Qwen3-MoE), with any `TransformerConfig` field changed (e.g. max_seq_len, dropout).
     Its weights: `checkpoint.initial_weights=<the same folder>`."""
     return Transformer(build_config(TransformerConfig, hf_config_fields(path, fields)))

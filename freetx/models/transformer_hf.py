@@ -1,7 +1,8 @@
 """The HF layouts of the decoder (`Transformer.hf_layout`): tensor names and config.json
 for the Llama family as `transformers` writes it: Llama 2/3/3.1/3.2/3.3, Mistral,
-Qwen2/Qwen2.5, Qwen3 (q/k norms per head) and OLMo 2 (q/k norms over the projections,
-post-norms), and its mixtures of experts, Mixtral and Qwen3-MoE.
+Qwen2/Qwen2.5, Qwen3 (q/k norms per head), OLMo 2 (q/k norms over the projections,
+post-norms), Phi-3/3.5/4 (fused qkv_proj and gate_up_proj, LongRoPE, partial rotary), and
+its mixtures of experts, Mixtral and Qwen3-MoE.
 
 A tensor of freetx can be the stack of several HF tensors: an MoE block keeps each
 projection of all its experts in one tensor (`feed_forward.experts.w1` [E, F, H]), which
@@ -44,8 +45,10 @@ _NAMES = [
     ("layers.{i}.feed_forward.w1.weight", "model.layers.{i}.mlp.gate_proj.weight"),
     ("layers.{i}.feed_forward.w3.weight", "model.layers.{i}.mlp.up_proj.weight"),
     ("layers.{i}.feed_forward.w2.weight", "model.layers.{i}.mlp.down_proj.weight"),
+    ("layers.{i}.feed_forward.w13.weight", "model.layers.{i}.mlp.gate_up_proj.weight"),  # Phi-3
 ]
-for _ours, _theirs in (("wq", "q_proj"), ("wk", "k_proj"), ("wv", "v_proj"), ("wo", "o_proj")):
+_ATTENTION = (("wq", "q_proj"), ("wk", "k_proj"), ("wv", "v_proj"), ("wo", "o_proj"))
+for _ours, _theirs in (*_ATTENTION, ("wqkv", "qkv_proj")):
     for _kind in ("weight", "bias"):
         _NAMES.append(
             (
@@ -90,6 +93,7 @@ ARCHITECTURES = {
     "olmo2": "Olmo2ForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "phi3": "Phi3ForCausalLM",
 }
 # the blocks of each model_type: (qk_norm, norm_position), as TransformerConfig names them
 BLOCKS = {
@@ -100,9 +104,15 @@ BLOCKS = {
     "olmo2": ("projection", "post"),
     "mixtral": (None, "pre"),
     "qwen3_moe": ("head", "pre"),
+    "phi3": (None, "pre"),
 }
+# model types whose q/k/v and gate/up projections are one Linear each (fused_projections)
+FUSED_PROJECTIONS = ("phi3",)
+# model types whose RoPE may be longrope and rotate part of each head (transformers' other
+# decoders rotate every dim and ignore partial_rotary_factor)
+PHI_ROPE = ("phi3",)
 # model types whose config.json has no head_dim (derived from hidden_size / heads)
-_DERIVED_HEAD_DIM = ("qwen2", "olmo2")
+_DERIVED_HEAD_DIM = ("qwen2", "olmo2", "phi3")
 
 
 def _pattern(template: str) -> re.Pattern:
@@ -136,25 +146,47 @@ def _unsupported(field: str, value: Any, supported: str, fix: str = "") -> Check
 
 
 def rope_settings(hf: dict[str, Any]) -> tuple[float, dict | None]:
-    """(rope_theta, rope_scaling) from either config.json layout; unsupported kinds refused."""
+    """(rope_theta, rope_scaling) from either config.json layout; unsupported kinds refused.
+    (partial_rotary_factor, which either layout may hold, is `partial_rotary_factor`'s.)"""
     params = hf.get("rope_parameters")
     if isinstance(params, dict) and any(isinstance(v, dict) for v in params.values()):
         raise _unsupported("rope_parameters", params, "one RoPE for every layer")
     params = dict(params or hf.get("rope_scaling") or {})
     theta = params.pop("rope_theta", hf.get("rope_theta", 10000.0))
     kind = params.pop("rope_type", params.pop("type", "default"))
-    if params.get("partial_rotary_factor", 1.0) != 1.0:
-        raise _unsupported("partial_rotary_factor", params["partial_rotary_factor"], "1.0 only")
     params.pop("partial_rotary_factor", None)
     if kind == "default":
         return float(theta), None
+    if hf.get("model_type") in PHI_ROPE and kind in ("su", "yarn", "longrope"):
+        kind = "longrope"  # su and yarn: older names of Phi-3's LongRoPE, as Phi3Config reads them
+        params.update(_phi3_longrope(hf, params))
+    elif kind not in ("llama3", "linear"):
+        raise _unsupported("rope_type", kind, "default, llama3, linear and (Phi-3) longrope RoPE")
     if kind == "llama3":
         params.setdefault(
             "original_max_position_embeddings", hf.get("max_position_embeddings", 8192)
         )
-    if kind not in ("llama3", "linear"):
-        raise _unsupported("rope_type", kind, "default, llama3 and linear RoPE")
     return float(theta), {"rope_type": kind, **params}
+
+
+def _phi3_longrope(hf: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
+    """The numbers Phi-3's LongRoPE takes from outside its rope parameters, as transformers
+    5.24 takes them: the top-level original_max_position_embeddings (Phi3Config's field,
+    4096 when absent) wins over the rope parameters' own, and a missing `factor` is
+    max_position_embeddings / original_max_position_embeddings (the folder's, whatever
+    length freetx's tables get), which sets the attention factor."""
+    original = int(hf.get("original_max_position_embeddings", 4096))
+    factor = params.get("factor")
+    if factor is None:
+        factor = int(hf.get("max_position_embeddings", 4096)) / original
+    return {"original_max_position_embeddings": original, "factor": float(factor)}
+
+
+def partial_rotary_factor(hf: dict[str, Any]) -> float:
+    """The fraction of each head RoPE rotates: in the rope parameters (transformers 5) or at
+    the top of config.json (Phi-4-mini's folders); 1.0 when neither has it."""
+    params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    return float(params.get("partial_rotary_factor") or hf.get("partial_rotary_factor") or 1.0)
 
 
 class LlamaFamilyLayout:
@@ -234,6 +266,9 @@ class LlamaFamilyLayout:
         check_blocks(
             model_type, c.get("qk_norm"), c.get("norm_position", "pre"), bool(c.get("num_experts"))
         )
+        check_projections(model_type, c.get("fused_projections", False))
+        partial = c.get("partial_rotary_factor", 1.0)
+        check_rope(model_type, c.get("rope_scaling"), partial)
         hf: dict[str, Any] = {
             "architectures": [ARCHITECTURES[model_type]],
             "model_type": model_type,
@@ -249,6 +284,7 @@ class LlamaFamilyLayout:
                 "rope_theta": c["rope_theta"],
                 "rope_type": "default",
                 **(c.get("rope_scaling") or {}),
+                **({"partial_rotary_factor": partial} if partial != 1.0 else {}),
             },
             "rms_norm_eps": c["norm_eps"],
             "tie_word_embeddings": c["tie_embeddings"],
@@ -265,6 +301,8 @@ class LlamaFamilyLayout:
                     "(model.hf_model_type=llama) instead."
                 )
             hf.update(use_sliding_window=False, sliding_window=None)
+        elif model_type == "phi3":
+            hf.update(_phi3_config(c))
         else:
             if qkv_bias != wo_bias:
                 raise CheckpointError(
@@ -314,7 +352,9 @@ class LlamaFamilyLayout:
                 "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
                 "attention_dropout": float(hf.get("attention_dropout") or 0.0),
                 "init_std": float(hf.get("initializer_range", 0.02)),
-                "dropout": 0.0,
+                "dropout": float(hf.get("resid_pdrop") or 0.0),  # Phi-3's; others have none
+                "partial_rotary_factor": partial_rotary_factor(hf),
+                "fused_projections": model_type in FUSED_PROJECTIONS,
                 "head_dim": int(hf.get("head_dim") or hidden // num_heads),
                 "hf_model_type": model_type,
                 "qk_norm": BLOCKS[model_type][0],
@@ -332,6 +372,11 @@ class LlamaFamilyLayout:
             raise _unsupported("hidden_act", hf["hidden_act"], "SwiGLU with silu only")
         if hf.get("mlp_bias"):
             raise _unsupported("mlp_bias", True, "MLPs without biases")
+        if fields["partial_rotary_factor"] != 1.0 and model_type not in PHI_ROPE:
+            raise _unsupported(
+                "partial_rotary_factor", fields["partial_rotary_factor"],
+                f"RoPE on every dim of a {model_type} model's heads, as transformers computes it",
+            )  # fmt: skip
         if model_type == "qwen2":
             fields.update(qkv_bias=True, wo_bias=False)
         else:
@@ -356,6 +401,58 @@ class LlamaFamilyLayout:
         if layer_types != {"full_attention"}:
             raise _unsupported("layer_types", sorted(layer_types), "full attention in every layer")
         return fields
+
+
+def _phi3_config(c: dict[str, Any]) -> dict[str, Any]:
+    """What a phi3 config.json says beyond the Llama fields, for the decoder's config `c`."""
+    if c.get("qkv_bias") or c.get("wo_bias"):
+        raise CheckpointError(
+            f"an HF phi3 model has no biases on its projections; this one has qkv_bias="
+            f"{c.get('qkv_bias')}, wo_bias={c.get('wo_bias')}. Convert it to .safetensors or "
+            "DCP instead."
+        )
+    scaling = c.get("rope_scaling") or {}
+    return {
+        # Phi3Config reads LongRoPE's original length from here (4096 when absent)
+        "original_max_position_embeddings": scaling.get(
+            "original_max_position_embeddings", c["max_seq_len"]
+        ),
+        "sliding_window": None,
+        # freetx's dropout acts on the embeddings and both residual branches alike
+        "resid_pdrop": c.get("dropout", 0.0),
+        "embd_pdrop": c.get("dropout", 0.0),
+        # Phi3Config's defaults (32000) lie outside a smaller vocabulary; a source folder's
+        # ids replace these when the export has one
+        "pad_token_id": None,
+    }
+
+
+def check_rope(model_type: str, scaling: dict | None, partial: float) -> None:
+    """A model exports as `model_type` only with a RoPE that type computes."""
+    kind = (scaling or {}).get("rope_type", "default")
+    phi = model_type in PHI_ROPE
+    kinds = ("default", "longrope") if phi else ("default", "llama3", "linear")
+    if kind not in kinds or (partial != 1.0 and not phi):
+        raise CheckpointError(
+            f"an HF {model_type} model has {', '.join(kinds)} RoPE"
+            f"{'' if phi else ' on every dim of each head'}; this one has rope_type={kind}, "
+            f"partial_rotary_factor={partial}. "
+            + ("Convert" if phi else "Export it as phi3 (model.hf_model_type=phi3) if its "
+               "projections are fused, or convert")
+            + " it to .safetensors or DCP."
+        )  # fmt: skip
+
+
+def check_projections(model_type: str, fused: bool) -> None:
+    """A model exports as `model_type` only with that type's projections (fused or not)."""
+    if (model_type in FUSED_PROJECTIONS) != fused:
+        fits = [t for t in BLOCKS if (t in FUSED_PROJECTIONS) == fused]
+        raise CheckpointError(
+            f"an HF {model_type} model has fused_projections={not fused} (q/k/v and gate/up "
+            f"{'in one Linear each' if not fused else 'apart'}); this one has fused_projections="
+            f"{fused}. Export it as {' or '.join(fits)} (model.hf_model_type={fits[0]}) if its "
+            "other blocks fit, or convert it to .safetensors or DCP."
+        )
 
 
 def _moe_from_hf(hf: dict[str, Any], model_type: str) -> dict[str, Any]:

@@ -42,7 +42,8 @@ TOPK = ["model.activation=batchtopk", "model.k=8"]
       "'model.experts_per_token' is 9: each token is sent to 1 to num_experts=4 experts"),
      ("llm/tiny", ["model.num_experts=4", "model.router_aux_loss_coef=-0.1"],
       "'model.router_aux_loss_coef' is -0.1: a negative weight"),
-     ("free_transformer/tiny", ["model.num_experts=4"], "'model.num_experts' is 4")],
+     ("free_transformer/tiny", ["model.num_experts=4"], "'model.num_experts' is 4"),
+     ("llm/tiny", ["model.partial_rotary_factor=1.5"], "'model.partial_rotary_factor' is 1.5")],
 )  # fmt: skip
 def test_validate_refuses_a_meaningless_value(config, overrides, message):
     result = run_freetx_here("validate", config, *overrides)

@@ -15,6 +15,8 @@ from freetx.errors import DataError
 LLAMA3_SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>"]
 LLAMA3_SPECIALS += ["<|end_header_id|>", "<|eot_id|>"]
 CHATML_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+PHI3_SPECIALS = ["<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
+GEMMA_SPECIALS = ["<bos>", "<eos>", "<pad>", "<start_of_turn>", "<end_of_turn>"]
 
 # Llama 3.1's template without its tool calling.
 LLAMA3_TEMPLATE = r"""{{- bos_token }}
@@ -59,6 +61,114 @@ CHATML_TEMPLATE = r"""{%- if messages[0]['role'] == 'system' %}
 {%- endif %}
 """
 
+# Phi-3.5-mini-instruct's (Phi-3-mini's and Phi-4-mini's differ in whitespace): EOS only at
+# the end of a conversation, not after every reply
+PHI3_TEMPLATE = (
+    "{% for message in messages %}{% if message['role'] == 'system' and message['content'] %}"
+    "{{'<|system|>\n' + message['content'] + '<|end|>\n'}}{% elif message['role'] == 'user' %}"
+    "{{'<|user|>\n' + message['content'] + '<|end|>\n'}}{% elif message['role'] == 'assistant' %}"
+    "{{'<|assistant|>\n' + message['content'] + '<|end|>\n'}}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% else %}{{ eos_token }}{% endif %}"
+)
+
+# Gemma 3's, for text content: the system message prefixes the first user turn, roles
+# alternate, the assistant is "model"
+GEMMA_TEMPLATE = r"""{{ bos_token }}
+{%- if messages[0]['role'] == 'system' -%}
+    {%- set first_user_prefix = messages[0]['content'] + '
+
+' -%}
+    {%- set loop_messages = messages[1:] -%}
+{%- else -%}
+    {%- set first_user_prefix = "" -%}
+    {%- set loop_messages = messages -%}
+{%- endif -%}
+{%- for message in loop_messages -%}
+    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}
+        {{ raise_exception("Conversation roles must alternate user/assistant/user/assistant/...") }}
+    {%- endif -%}
+    {%- if (message['role'] == 'assistant') -%}
+        {%- set role = "model" -%}
+    {%- else -%}
+        {%- set role = message['role'] -%}
+    {%- endif -%}
+    {{ '<start_of_turn>' + role + '
+' + (first_user_prefix if loop.first else "") }}
+    {{- message['content'] | trim }}
+    {{- '<end_of_turn>
+' }}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+    {{'<start_of_turn>model
+'}}
+{%- endif -%}
+"""
+
+# Qwen3's without its tool calling: a reply's reasoning (<think>...</think> in its content)
+# is kept after the last user message and dropped from earlier replies
+QWEN3_TEMPLATE = r"""{%- if messages[0].role == 'system' %}
+    {{- '<|im_start|>system
+' + messages[0].content + '<|im_end|>
+' }}
+{%- endif %}
+{%- set ns = namespace(multi_step_tool=true, last_query_index=messages|length - 1) %}
+{%- for message in messages[::-1] %}
+    {%- set index = (messages|length - 1) - loop.index0 %}
+    {%- if ns.multi_step_tool and message.role == "user" and message.content is string and not(message.content.startswith('<tool_response>') and message.content.endswith('</tool_response>')) %}
+        {%- set ns.multi_step_tool = false %}
+        {%- set ns.last_query_index = index %}
+    {%- endif %}
+{%- endfor %}
+{%- for message in messages %}
+    {%- set content = message.content %}
+    {%- if (message.role == "user") or (message.role == "system" and not loop.first) %}
+        {{- '<|im_start|>' + message.role + '
+' + content + '<|im_end|>' + '
+' }}
+    {%- elif message.role == "assistant" %}
+        {%- set reasoning_content = '' %}
+        {%- if '</think>' in content %}
+            {%- set reasoning_content = content.split('</think>')[0].rstrip('
+').split('<think>')[-1].lstrip('
+') %}
+            {%- set content = content.split('</think>')[-1].lstrip('
+') %}
+        {%- endif %}
+        {%- if loop.index0 > ns.last_query_index %}
+            {%- if loop.last or (not loop.last and reasoning_content) %}
+                {{- '<|im_start|>' + message.role + '
+<think>
+' + reasoning_content.strip('
+') + '
+</think>
+
+' + content.lstrip('
+') }}
+            {%- else %}
+                {{- '<|im_start|>' + message.role + '
+' + content }}
+            {%- endif %}
+        {%- else %}
+            {{- '<|im_start|>' + message.role + '
+' + content }}
+        {%- endif %}
+        {{- '<|im_end|>
+' }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant
+' }}
+    {%- if enable_thinking is defined and enable_thinking is false %}
+        {{- '<think>
+
+</think>
+
+' }}
+    {%- endif %}
+{%- endif %}
+"""
+
 SYSTEM = {"role": "system", "content": "You are a terse cat."}
 CONVERSATIONS = [
     [
@@ -80,7 +190,10 @@ CONVERSATIONS = [
         {"role": "assistant", "content": "four five"},
     ],
 ]
-STYLES = ["llama3", "chatml"]
+STYLES = ["llama3", "chatml", "phi3", "gemma", "qwen3"]
+# what closes a reply, for the templates that render a reply the same wherever it is
+END_OF_TURN = {"llama3": "<|eot_id|>", "chatml": "<|im_end|>", "phi3": "<|end|>",
+               "gemma": "<end_of_turn>"}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +206,7 @@ def base_tokenizer():
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=400,
-        special_tokens=LLAMA3_SPECIALS + CHATML_SPECIALS,
+        special_tokens=LLAMA3_SPECIALS + CHATML_SPECIALS + PHI3_SPECIALS + GEMMA_SPECIALS,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     text = [
@@ -117,8 +230,12 @@ def folders(base_tokenizer, tmp_path_factory) -> dict[str, tuple[Path, object]]:
             bos_token="<|begin_of_text|>", eos_token="<|eot_id|>", pad_token="<|end_of_text|>"
         ),
         "chatml": dict(eos_token="<|im_end|>", pad_token="<|endoftext|>"),  # no BOS, like Qwen2.5
+        "phi3": dict(eos_token="<|endoftext|>", pad_token="<|endoftext|>"),
+        "gemma": dict(bos_token="<bos>", eos_token="<eos>", pad_token="<pad>"),
+        "qwen3": dict(eos_token="<|im_end|>", pad_token="<|endoftext|>"),
     }
-    templates = {"llama3": LLAMA3_TEMPLATE, "chatml": CHATML_TEMPLATE}
+    templates = {"llama3": LLAMA3_TEMPLATE, "chatml": CHATML_TEMPLATE, "phi3": PHI3_TEMPLATE,
+                 "gemma": GEMMA_TEMPLATE, "qwen3": QWEN3_TEMPLATE}  # fmt: skip
     made = {}
     for style in STYLES:
         copy = Tokenizer.from_str(base_tokenizer.to_str())
@@ -173,8 +290,8 @@ def test_folder_special_tokens_match_transformers(folders, style):
     )
     assert tok.vocab_size == len(fast) == fast.vocab_size + 2  # counts <think> and </think>
     assert tok.chat_template == fast.chat_template
-    assert tok.add_bos_token == (style == "llama3")
-    if style == "chatml":
+    assert tok.add_bos_token == (style in ("llama3", "gemma"))
+    if style in ("chatml", "qwen3"):
         assert tok.bos_id is None and "bos_token" not in tok.special_tokens
 
 
@@ -215,26 +332,60 @@ def test_tojson_and_raise_exception_behave_like_transformers(folders):
         tok.apply_chat_template([{"role": "tool", "content": "x"}])
 
 
-@pytest.mark.parametrize("style", STYLES)
-def test_chat_ids_match_transformers_and_only_replies_are_supervised(
-    folders, base_tokenizer, style, tmp_path
-):
+def supervised_replies(folders, base_tokenizer, style, conversations, path) -> list[list[str]]:
+    """Each conversation's supervised text, reply by reply, checking that its ids are
+    transformers' `apply_chat_template(messages, tokenize=True)`."""
     folder, fast = folders[style]
-    end_of_turn = {"llama3": "<|eot_id|>", "chatml": "<|im_end|>"}[style]
-    source = write_jsonl(tmp_path / "chat.jsonl", [{"messages": m} for m in CONVERSATIONS])
+    source = write_jsonl(path, [{"messages": m} for m in conversations])
     data = ChatDataset(HFTokenizer(str(folder)), source, seq_len=256, val_fraction=0.2)
-    assert len(data) == len(CONVERSATIONS)  # every 5th is validation: none of 3
-    for index, messages in enumerate(CONVERSATIONS):
+    assert len(data) == len(conversations)  # every 5th is validation: none of 3
+    replies = []
+    for index, messages in enumerate(conversations):
         expected = fast.apply_chat_template(messages, tokenize=True)["input_ids"]
         ids, _ = data.samples[index]
         assert ids == expected
         sample = data[index]
         assert sample["input_ids"][: len(ids) - 1].tolist() == ids[:-1]
-        replies = [m["content"] + end_of_turn for m in messages if m["role"] == "assistant"]
-        decoded = [
-            base_tokenizer.decode(run, skip_special_tokens=False) for run in supervised_runs(sample)
-        ]
+        runs = supervised_runs(sample)
+        replies.append([base_tokenizer.decode(run, skip_special_tokens=False) for run in runs])
+    return replies
+
+
+@pytest.mark.parametrize("style", list(END_OF_TURN))
+def test_chat_ids_match_transformers_and_only_replies_are_supervised(
+    folders, base_tokenizer, style, tmp_path
+):
+    """Each reply and its end of turn, never the header before it nor what follows it
+    (Phi-3's template ends a conversation with <|endoftext|>, which is no reply's)."""
+    found = supervised_replies(folders, base_tokenizer, style, CONVERSATIONS, tmp_path / "c.jsonl")
+    for messages, decoded in zip(CONVERSATIONS, found):
+        replies = [m["content"] + END_OF_TURN[style] for m in messages if m["role"] == "assistant"]
         assert decoded == replies
+
+
+def test_qwen3_replies_are_supervised_as_the_template_renders_them(
+    folders, base_tokenizer, tmp_path
+):
+    """A reply's reasoning is learned where the template keeps it (after the last user
+    message); an earlier reply, whose reasoning the template drops, is learned without it."""
+    conversations = [
+        [{"role": "user", "content": "Where is the cat?"},
+         {"role": "assistant", "content": "<think>\nCats sit.\n</think>\n\nOn the mat."}],
+        [{"role": "user", "content": "hello"},
+         {"role": "assistant", "content": "<think>\nGreet back.\n</think>\n\nHello, user!"},
+         {"role": "user", "content": "And the dog?"},
+         {"role": "assistant", "content": "<think>\nDogs sit too.\n</think>\n\nOn the log."}],
+        [SYSTEM, {"role": "user", "content": "one"}, {"role": "assistant", "content": "two"},
+         {"role": "user", "content": "three"}, {"role": "assistant", "content": "four"}],
+    ]  # fmt: skip
+    found = supervised_replies(
+        folders, base_tokenizer, "qwen3", conversations, tmp_path / "q.jsonl"
+    )
+    assert found == [
+        ["<think>\nCats sit.\n</think>\n\nOn the mat.<|im_end|>"],
+        ["Hello, user!<|im_end|>", "<think>\nDogs sit too.\n</think>\n\nOn the log.<|im_end|>"],
+        ["two<|im_end|>", "<think>\n\n</think>\n\nfour<|im_end|>"],
+    ]
 
 
 def test_truncation_and_padding(folders, tmp_path):

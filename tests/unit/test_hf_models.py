@@ -14,7 +14,14 @@ from freetx.distributed import materialize
 from freetx.errors import CheckpointError
 from freetx.models.transformer import hf_decoder
 from tests.conftest import flat, run_freetx_here
-from tests.hf_folders import FAMILIES, greedy, hf_logits, make_folder
+from tests.hf_folders import (
+    FAMILIES,
+    LONG_FACTOR,
+    SHORT_FACTOR,
+    greedy,
+    hf_logits,
+    make_folder,
+)
 
 transformers = pytest.importorskip("transformers")
 
@@ -70,23 +77,64 @@ def test_config_fields_are_read_from_both_layouts(folders):
     assert open_tensors(folders["olmo2_old_layout"]).model_config["rope_theta"] == 500000.0
 
 
+def test_phi_fields_are_read_from_both_layouts(folders):
+    """Phi-3: fused projections, LongRoPE with the factor max/original (which sets the
+    attention factor), the top-level original length; Phi-4-mini: partial rotary at the top."""
+    plain, long, mini = (open_tensors(folders[f]).model_config
+                         for f in ("phi3", "phi3_longrope", "phi4_mini_old_layout"))  # fmt: skip
+    for config in (plain, long, mini):
+        assert config["fused_projections"] and config["hf_model_type"] == "phi3"
+        assert (config["qkv_bias"], config["qk_norm"], config["head_dim"]) == (False, None, 16)
+    assert plain["rope_scaling"] is None and plain["partial_rotary_factor"] == 1.0
+    assert long["rope_scaling"] == {
+        "rope_type": "longrope", "short_factor": SHORT_FACTOR, "long_factor": LONG_FACTOR,
+        "original_max_position_embeddings": 64, "factor": 4.0,
+    }  # fmt: skip
+    assert mini["partial_rotary_factor"] == 0.75 and mini["tie_embeddings"]
+    assert len(mini["rope_scaling"]["long_factor"]) == 6  # 0.75 * 16 dims rotated, 6 frequencies
+
+
+@pytest.mark.parametrize("family", ["phi3_longrope", "phi4_mini_old_layout"])
+def test_longrope_takes_short_factors_up_to_the_original_length_and_long_ones_beyond(
+    folders, family
+):
+    """64 tokens (original_max_position_embeddings): short factors; 65: long ones, for every
+    position, as transformers picks them by the length it is given."""
+    model = load_freetx(folders[family])
+    ids = torch.randint(0, 384, (1, 65), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        short, long = model(ids[:, :64]), model(ids)
+    assert (short - hf_logits(folders[family], ids[:, :64])).abs().max().item() < 1e-4
+    assert (long - hf_logits(folders[family], ids)).abs().max().item() < 1e-4
+    assert (short - long[:, :64]).abs().max().item() > 1e-3  # the factors differ
+
+
 def test_every_decoder_tensor_name_reads_back_through_its_folders_layout():
     """freetx -> HF -> freetx names for each model type's blocks (HF's
     post_attention_layernorm is the pre-MLP norm of Llama and the post-attention one of
     OLMo 2)."""
     from freetx.models.hf import layout_for_hf_config, layout_of
     from freetx.models.transformer import decoder
-    from freetx.models.transformer_hf import BLOCKS
+    from freetx.models.transformer_hf import BLOCKS, FUSED_PROJECTIONS
 
     writer = layout_of("freetx.models.transformer.Transformer")
     for model_type, (qk_norm, norm_position) in BLOCKS.items():
+        fused = model_type in FUSED_PROJECTIONS
         with torch.device("meta"):
-            model = decoder("tiny", qk_norm=qk_norm, norm_position=norm_position)
+            model = decoder(
+                "tiny", qk_norm=qk_norm, norm_position=norm_position, fused_projections=fused
+            )
         reader = layout_for_hf_config({"model_type": model_type})
         names = [name for name, _ in model.named_parameters()]
         assert [reader.from_hf_name(writer.to_hf_name(n)) for n in names] == names
     assert writer.to_hf_name("layers.1.post_ffn_norm.weight") == (
         "model.layers.1.post_feedforward_layernorm.weight"
+    )
+    assert writer.to_hf_name("layers.0.attention.wqkv.weight") == (
+        "model.layers.0.self_attn.qkv_proj.weight"
+    )
+    assert writer.to_hf_name("layers.0.feed_forward.w13.weight") == (
+        "model.layers.0.mlp.gate_up_proj.weight"
     )
 
 
@@ -99,7 +147,18 @@ def test_max_seq_len_can_shorten_the_tables_and_keeps_llama3_scaling(folders):
 
 
 @pytest.mark.parametrize(
-    "family", ["llama3_2", "qwen2", "mistral", "qwen3", "olmo2", "mixtral", "qwen3_moe"]
+    "family",
+    [
+        "llama3_2",
+        "qwen2",
+        "mistral",
+        "qwen3",
+        "olmo2",
+        "phi3",
+        "phi4_mini_old_layout",
+        "mixtral",
+        "qwen3_moe",
+    ],
 )
 def test_hf_to_dcp_to_hf_is_bit_for_bit_and_loads_in_transformers(tmp_path, family):
     source = make_folder(tmp_path / "src", family, dtype=torch.bfloat16)
@@ -124,7 +183,7 @@ def test_hf_to_dcp_to_hf_is_bit_for_bit_and_loads_in_transformers(tmp_path, fami
     ids = torch.randint(0, 384, (2, 40))
     assert torch.equal(hf_logits(source, ids), hf_logits(tmp_path / "out", ids))
     config = json.loads((tmp_path / "out" / "config.json").read_text())
-    assert config["model_type"] == {"llama3_2": "llama"}.get(family, family)
+    assert config["model_type"] == json.loads((source / "config.json").read_text())["model_type"]
 
 
 def save_freetx_model(path, **fields):
@@ -154,7 +213,12 @@ def save_freetx_model(path, **fields):
 @pytest.mark.parametrize(
     "fields",
     [{}, {"qk_norm": "head", "hf_model_type": "qwen3"},
-     {"qk_norm": "projection", "norm_position": "post", "hf_model_type": "olmo2"}],
+     {"qk_norm": "projection", "norm_position": "post", "hf_model_type": "olmo2"},
+     {"fused_projections": True, "partial_rotary_factor": 0.5, "hf_model_type": "phi3"},
+     {"fused_projections": True, "hf_model_type": "phi3", "rope_scaling": {
+         "rope_type": "longrope", "short_factor": [1.0 + i / 8 for i in range(16)],
+         "long_factor": [1.0 + i for i in range(16)], "original_max_position_embeddings": 32,
+         "factor": 8.0}}],
 )  # fmt: skip
 def test_a_freetx_model_exports_to_an_hf_folder_transformers_loads(tmp_path, fields):
     """A decoder freetx made (not from HF) -> safetensors -> HF folder -> transformers."""
@@ -164,9 +228,10 @@ def test_a_freetx_model_exports_to_an_hf_folder_transformers_loads(tmp_path, fie
     assert result.returncode == 0, result.stderr
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert config["model_type"] == fields.get("hf_model_type", "llama")
-    ids = torch.randint(0, 300, (2, 50))
-    with torch.no_grad():
-        assert (hf_logits(tmp_path / "hf", ids) - model(ids)).abs().max() < 1e-4
+    for length in (30, 50):  # both of longrope's factors
+        ids = torch.randint(0, 300, (2, length))
+        with torch.no_grad():
+            assert (hf_logits(tmp_path / "hf", ids) - model(ids)).abs().max() < 1e-4
 
 
 @pytest.mark.parametrize(
@@ -175,7 +240,18 @@ def test_a_freetx_model_exports_to_an_hf_folder_transformers_loads(tmp_path, fie
       "has qk_norm=head, norm_position=pre. Export it as qwen3"),
      ({"qk_norm": "projection", "hf_model_type": "qwen3"}, "convert it to .safetensors or DCP"),
      ({"qk_norm": "projection", "norm_position": "post", "hf_model_type": "olmo2",
-       "head_dim": 16, "num_heads": 4}, "an HF olmo2 model has head_dim = hidden_size / heads")],
+       "head_dim": 16, "num_heads": 4}, "an HF olmo2 model has head_dim = hidden_size / heads"),
+     ({"fused_projections": True}, "an HF llama model has fused_projections=False (q/k/v and "
+      "gate/up apart); this one has fused_projections=True. Export it as phi3"),
+     ({"hf_model_type": "phi3"}, "an HF phi3 model has fused_projections=True"),
+     ({"fused_projections": True, "hf_model_type": "phi3", "qkv_bias": True, "wo_bias": True},
+      "an HF phi3 model has no biases"),
+     ({"partial_rotary_factor": 0.5}, "an HF llama model has default, llama3, linear RoPE on "
+      "every dim of each head; this one has rope_type=default, partial_rotary_factor=0.5. Export "
+      "it as phi3"),
+     ({"fused_projections": True, "hf_model_type": "phi3",
+       "rope_scaling": {"rope_type": "linear", "factor": 2.0}},
+      "an HF phi3 model has default, longrope RoPE; this one has rope_type=linear")],
 )  # fmt: skip
 def test_a_model_whose_blocks_its_hf_type_lacks_is_not_exported(tmp_path, fields, message):
     save_freetx_model(tmp_path / "m.safetensors", **fields)
@@ -219,6 +295,10 @@ def test_a_damaged_folder_is_named(tmp_path, damage, message):
         ({"sliding_window": 128}, "sliding_window=128"),
         ({"hidden_act": "gelu"}, "hidden_act=\"gelu\""),
         ({"mlp_bias": True}, "mlp_bias=true"),
+        ({"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5"),
+        ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 8,
+                              "long_factor": [2.0] * 8, "factor": 4.0,
+                              "original_max_position_embeddings": 64}}, 'rope_type="longrope"'),
     ],
 )  # fmt: skip
 def test_what_freetx_cannot_compute_is_refused_with_the_field(tmp_path, change, message):
@@ -237,9 +317,13 @@ def test_what_freetx_cannot_compute_is_refused_with_the_field(tmp_path, change, 
       'layer_types=["full_attention", "sliding_attention"]'),
      ("olmo2", {"hidden_act": "gelu"}, 'hidden_act="gelu"'),
      ("olmo2", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}},
-      'rope_type="yarn"')],
+      'rope_type="yarn"'),
+     # Phi-3-mini-4k's folder has sliding_window=2047, which transformers applies
+     ("phi3", {"sliding_window": 64}, "sliding_window=64"),
+     ("phi3", {"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}},
+      'rope_type="dynamic"')],
 )  # fmt: skip
-def test_what_qwen3_and_olmo2_folders_ask_beyond_the_decoder_is_refused(
+def test_what_qwen3_olmo2_and_phi3_folders_ask_beyond_the_decoder_is_refused(
     folders, tmp_path, family, change, message
 ):
     import shutil

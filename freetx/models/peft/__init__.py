@@ -6,8 +6,8 @@ and Spectrum's choice of which modules to train (`spectrum.py`).
     train_only(model, modules)                                 # Spectrum: these train
 
 Targets are the model's own short names (`adapter_targets` of the model class:
-q, k, v, o, gate, up, down, output for the decoder; HF names like q_proj work
-too) or suffixes of module names. Adapters are sharded with the block they sit
+q, k, v, o, gate, up, down, output for the decoder, qkv and gate_up where its
+projections are fused (Phi-3); HF names like q_proj work too) or suffixes of module names. Adapters are sharded with the block they sit
 in, their parameters are the only trainable ones, and a fresh adapter leaves
 the model's output unchanged.
 """
@@ -104,6 +104,11 @@ def linear_names(model: nn.Module) -> list[str]:
     return [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
 
 
+def _named(names: list[str], suffix: str) -> list[str]:
+    """The module names that are `suffix` or end in `.suffix`."""
+    return [n for n in names if n == suffix or n.endswith("." + suffix)]
+
+
 def resolve_targets(model: nn.Module, targets: list[str]) -> dict[str, list[str]]:
     """target -> the names of the Linear modules it means; an error lists what exists."""
     aliases = (model.adapter_targets or {}) if isinstance(model, AdapterTargets) else {}
@@ -111,14 +116,17 @@ def resolve_targets(model: nn.Module, targets: list[str]) -> dict[str, list[str]
     found: dict[str, list[str]] = {}
     for target in targets:
         suffix = aliases.get(target, target)
-        found[target] = [n for n in linears if n == suffix or n.endswith("." + suffix)]
+        found[target] = _named(linears, suffix)
     _refuse_expert_targets(model, {t: aliases.get(t, t) for t in targets})
     missing = [t for t, names in found.items() if not names]
     if missing:
         kinds = sorted({n.rsplit(".", 1)[-1] for n in linears})
+        # only the names this model's modules answer to (a decoder with fused projections
+        # has qkv and gate_up, not q, k, v, gate, up)
+        known = [alias for alias, suffix in aliases.items() if _named(linears, suffix)]
         raise ConfigError(
             f"peft target(s) {', '.join(repr(t) for t in missing)} match no Linear module of "
-            f"{type(model).__name__}. Targets it knows: {', '.join(aliases) or '(none)'}; its "
+            f"{type(model).__name__}. Targets it knows: {', '.join(known) or '(none)'}; its "
             f"Linear modules end in: {', '.join(kinds)}."
         )
     return found
