@@ -47,6 +47,29 @@ HF_SHAPES = {
     "Qwen2.5-7B": dict(model_type="qwen2", vocab_size=152064, hidden_size=3584,
                        intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
                        num_key_value_heads=4, rope_theta=1000000.0, max_position_embeddings=32768),
+    "Qwen3-8B": dict(model_type="qwen3", vocab_size=151936, hidden_size=4096,
+                     intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+                     num_key_value_heads=8, head_dim=128, rope_theta=1000000.0,
+                     max_position_embeddings=40960),
+    "Phi-4-mini": dict(model_type="phi3", vocab_size=200064, hidden_size=3072,
+                       intermediate_size=8192, num_hidden_layers=32, num_attention_heads=24,
+                       num_key_value_heads=8, max_position_embeddings=131072,
+                       original_max_position_embeddings=4096, partial_rotary_factor=0.75,
+                       tie_word_embeddings=True, sliding_window=262144, rope_theta=10000.0,
+                       rope_scaling={"type": "longrope", "short_factor": [1.0] * 48,
+                                     "long_factor": [1.0 + i / 8 for i in range(48)]}),
+    "Qwen3-30B-A3B": dict(model_type="qwen3_moe", vocab_size=151936, hidden_size=2048,
+                          intermediate_size=6144, moe_intermediate_size=768,
+                          num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
+                          head_dim=128, num_experts=128, num_experts_per_tok=8,
+                          norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+                          router_aux_loss_coef=0.001, rope_theta=1000000.0,
+                          max_position_embeddings=40960),
+    "Mixtral-8x7B": dict(model_type="mixtral", vocab_size=32000, hidden_size=4096,
+                         intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                         num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2,
+                         router_aux_loss_coef=0.02, rope_theta=1000000.0, sliding_window=None,
+                         max_position_embeddings=32768),
     # the crosscoders' source models (read through transformers, on the meta device)
     "gemma-2-2b": dict(model_type="gemma2", vocab_size=256000, hidden_size=2304,
                        intermediate_size=9216, num_hidden_layers=26, num_attention_heads=8,
@@ -56,7 +79,9 @@ HF_SHAPES = {
 }  # fmt: skip
 MODEL_OF = {"llm/llama3_1_8b_full": "Llama-3.1-8B", "llm/llama3_1_8b_lora": "Llama-3.1-8B",
             "llm/llama3_1_8b_qlora": "Llama-3.1-8B", "llm/llama3_2_1b_full": "Llama-3.2-1B",
-            "llm/qwen2_5_7b_full": "Qwen2.5-7B"}  # fmt: skip
+            "llm/qwen2_5_7b_full": "Qwen2.5-7B", "llm/qwen3_8b_full": "Qwen3-8B",
+            "llm/phi4_mini_lora": "Phi-4-mini", "llm/qwen3_30b_a3b_lora": "Qwen3-30B-A3B",
+            "llm/mixtral_8x7b_qlora": "Mixtral-8x7B"}  # fmt: skip
 # crosscoder configs -> the HF source model of each of their sources (local folders a user has)
 SOURCES_OF = {"crosscoder/gemma2_2b_diff": ["gemma-2-2b", "gemma-2-2b"],
               "crosscoder/gpt2_layers": ["gpt2"]}  # fmt: skip
