@@ -138,8 +138,9 @@ def source_model_on_meta(path: str) -> nn.Module:
     """The model `load_source_model` reads from `path`, on the meta device: its shapes and
     parameter count from what the checkpoint recorded or the HF folder's config.json,
     without reading a weight (`freetx estimate`)."""
-    from freetx.models import build_model
+    from freetx.models import build_model, hf_model
 
-    model_class, model_config = model_from_checkpoint(resolve_checkpoint(path))
     with torch.device("meta"):
-        return build_model(model_class, model_config)
+        if (Path(path).expanduser() / "config.json").is_file():  # an HF folder, weights or not
+            return hf_model(str(Path(path).expanduser()))
+        return build_model(*model_from_checkpoint(resolve_checkpoint(path)))

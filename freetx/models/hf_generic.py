@@ -3,7 +3,7 @@ native layout for (GPT-NeoX, Granite, StarCoder2, Phi-2, Gemma 1, ...), run by
 transformers' own modules inside a freetx model.
 
 `HFGenericModel` wraps `AutoModelForCausalLM.from_config(config, attn_implementation=
-"sdpa")`, built on the meta device like every freetx model; its config
+"sdpa")` (eager where the architecture has no sdpa), built on the meta device like every freetx model; its config
 (`HFGenericConfig`) is the folder's whole config.json, so a checkpoint's meta.json
 rebuilds it without the folder. It holds the HF model's children as its own, so its
 parameter and module names are transformers' (`model.layers.0.self_attn.q_proj`):
@@ -88,8 +88,9 @@ def build_hf(hf_config: dict[str, Any]) -> nn.Module:
     """transformers' causal LM of a config.json dict (on the current device: meta for a
     freetx model), or an error naming what the generic path cannot read."""
     transformers = require_transformers()
+    config = _transformers_config(hf_config)
     hf = transformers.AutoModelForCausalLM.from_config(
-        _transformers_config(hf_config), attn_implementation="sdpa"
+        config, attn_implementation=attention(config)
     )
     _refuse_converted_names(hf, hf_config["model_type"])
     if next(hf.parameters(recurse=False), None) is not None:
@@ -98,6 +99,14 @@ def build_hf(hf_config: dict[str, Any]) -> nn.Module:
             "generic transformers path does not read."
         )
     return hf
+
+
+def attention(config) -> str:
+    """sdpa where the architecture supports it (most); else transformers' eager attention,
+    the same computation unfused (Gemma 2's logit soft-capping, Bloom's ALiBi)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    return "sdpa" if MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]._supports_sdpa else "eager"
 
 
 def _transformers_config(hf_config: dict[str, Any]):
@@ -228,7 +237,9 @@ class HFGenericModel(nn.Module):
         return self
 
     def describe(self) -> str:
-        return f"generic transformers path for {self.config.hf_config['model_type']}"
+        name = f"generic transformers path for {self.config.hf_config['model_type']}"
+        kind = self.hf.config._attn_implementation
+        return name if kind == "sdpa" else f"{name} ({kind} attention)"
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids [B, T] -> logits [B, T, vocab_size]."""
