@@ -17,9 +17,9 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 from freetx.errors import CheckpointError
-from freetx.models.hf_generic import GENERIC_LAYOUT, transformers_causal_lm_types
+from freetx.models.hf_generic import GENERIC_LAYOUT, HFGenericModel, transformers_causal_lm_types
 from freetx.models.protocol import HFLayoutModel, build_config, builds, model_class
-from freetx.models.transformer import TransformerConfig
+from freetx.models.transformer import Transformer, TransformerConfig
 from freetx.models.transformer_hf import DECODER_LAYOUTS, read_hf_config
 
 
@@ -81,7 +81,7 @@ def layout_for_hf_config(hf: dict[str, Any]) -> HFLayout:
 
 
 @builds(TransformerConfig)
-def hf_model(path: str, **fields) -> Any:
+def hf_model(path: str, **fields) -> Transformer | HFGenericModel:
     """The model of an HF folder: freetx's own where a native layout reads its
     `model_type` (with any config field changed, as `hf_decoder`), else transformers'
     modules through the generic path (`max_seq_len` only). Its weights:

@@ -83,6 +83,15 @@ class HFGenericConfig:
     def vocab_size(self) -> int:
         return int(self.hf_config["vocab_size"])
 
+    # the shape `freetx estimate` counts a decoder's activations by (as the decoder names it)
+    @property
+    def num_heads(self) -> int:
+        return int(self.hf_config.get("num_attention_heads") or self.hf_config["n_head"])
+
+    @property
+    def ffn_hidden_dim(self) -> int:
+        return int(self.hf_config.get("intermediate_size") or 4 * self.hidden_dim)
+
 
 def build_hf(hf_config: dict[str, Any]) -> nn.Module:
     """transformers' causal LM of a config.json dict (on the current device: meta for a

@@ -145,15 +145,20 @@ def test_a_qwen3_or_olmo2_folder_finetunes_on_2_processes_and_exports(tmp_path, 
 
 
 def test_lora_on_a_qwen3_folder_exports_adapters_that_peft_loads(tmp_path):
+    lora_export_loads_in_peft(tmp_path, tiny_folder(tmp_path, "qwen3"))
+
+
+def lora_export_loads_in_peft(tmp_path, folder, *overrides):
+    """LoRA on an HF folder for 2 steps (llm/lora_tiny's targets, or `overrides`): the
+    final PEFT export loads in PEFT with the logits of `checkpoint merge`'s folder."""
     peft = pytest.importorskip("peft")
-    folder = tiny_folder(tmp_path, "qwen3")
     run = tmp_path / "run"
     result = run_freetx(
         "run", "lora_finetune_fsdp2", "--config", "llm/lora_tiny", f"model_dir={folder}",
-        f"model={{_component_: freetx.models.transformer.hf_decoder, path: {folder}, "
-        "max_seq_len: 128}", f"output_dir={run}", "max_steps=2", "optimizer.lr=0.02",
-        "lr_schedule.warmup_steps=0", "eval.max_batches=1", "dataset.num_builtin_examples=400",
-        "checkpoint.final_export=peft", JSONL,
+        f"model={{_component_: freetx.models.hf_model, path: {folder}, max_seq_len: 128}}",
+        f"output_dir={run}", "max_steps=2", "optimizer.lr=0.02", "lr_schedule.warmup_steps=0",
+        "eval.max_batches=1", "dataset.num_builtin_examples=400", "checkpoint.final_export=peft",
+        JSONL, *overrides,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     merged = run_freetx("checkpoint", "merge", str(run / "checkpoints" / "step_000002"),

@@ -12,7 +12,12 @@ import torch
 from tests.conftest import run_freetx
 from tests.hf_folders import hf_logits
 from tests.recipes.test_checkpoint_resume import COMMON, losses
-from tests.recipes.test_hf_finetune import JSONL, tensor_names, tiny_folder
+from tests.recipes.test_hf_finetune import (
+    JSONL,
+    lora_export_loads_in_peft,
+    tensor_names,
+    tiny_folder,
+)
 
 transformers = pytest.importorskip("transformers")
 
@@ -66,23 +71,4 @@ def test_a_resumed_generic_finetune_reproduces_the_uninterrupted_one_exactly(tmp
 
 
 def test_lora_on_a_generic_folder_exports_adapters_that_peft_loads(tmp_path, folder):
-    peft = pytest.importorskip("peft")
-    run = tmp_path / "run"
-    result = run_freetx(
-        "run", "lora_finetune_fsdp2", "--config", "llm/lora_tiny", f"model_dir={folder}",
-        f"model={{_component_: freetx.models.hf_model, path: {folder}, max_seq_len: 128}}",
-        "peft.target_modules=[q_proj, v_proj]", f"output_dir={run}", "max_steps=2",
-        "optimizer.lr=0.02", "lr_schedule.warmup_steps=0", *SHORT,
-        "checkpoint.final_export=peft", JSONL,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr
-    merged = run_freetx("checkpoint", "merge", str(run / "checkpoints" / "step_000002"),
-                        "--base", str(folder), str(tmp_path / "merged"))  # fmt: skip
-    assert merged.returncode == 0, merged.stderr
-    ids = torch.randint(0, 259, (2, 48), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        base = transformers.AutoModelForCausalLM.from_pretrained(folder)
-        adapted = peft.PeftModel.from_pretrained(base, run / "export" / "peft").eval()
-        with_adapter = adapted(ids).logits
-        assert (with_adapter - hf_logits(folder, ids)).abs().max() > 1e-3
-        assert (with_adapter - hf_logits(tmp_path / "merged", ids)).abs().max() < 1e-4
+    lora_export_loads_in_peft(tmp_path, folder, "peft.target_modules=[q_proj, v_proj]")

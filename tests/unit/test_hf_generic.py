@@ -169,3 +169,9 @@ def test_without_transformers_the_generic_path_says_how_to_install_it(tmp_path, 
                         "--to", "dcp", env=env)  # fmt: skip
     assert "pip install 'freetx[hf]'" in one_paragraph(result)
     assert "'phi' model" in flat(result.stderr)
+
+
+def test_estimate_counts_a_generic_model(folders):
+    result = run_freetx_here("estimate", "llm/hf_tiny_full", f"model_dir={folders['granite']}")
+    assert result.returncode == 0, result.stderr
+    assert "fsdp" in result.stdout
