@@ -39,7 +39,7 @@ def require_transformers():
         import transformers
     except ImportError:
         raise ConfigError(
-            "this model folder's model_type has no native freetx layout, so freetx builds it "
+            "this model's model_type has no native freetx layout, so freetx builds it "
             "through transformers (the generic path), which is not installed. Install it "
             "with pip install 'freetx[hf]'."
         ) from None
@@ -97,15 +97,16 @@ def build_hf(hf_config: dict[str, Any]) -> nn.Module:
     """transformers' causal LM of a config.json dict (on the current device: meta for a
     freetx model), or an error naming what the generic path cannot read."""
     transformers = require_transformers()
-    config = _transformers_config(hf_config)
-    hf = transformers.AutoModelForCausalLM.from_config(
-        config, attn_implementation=attention(config)
-    )
+    config = _transformers_config(transformers, hf_config)
+    hf = transformers.AutoModelForCausalLM.from_config(  # in torch's default dtype, as every
+        config, attn_implementation=attention(config), dtype=torch.get_default_dtype()
+    )  # freetx model (not config.json's: mixed precision is the run's choice)
     _refuse_converted_names(hf, hf_config["model_type"])
     if next(hf.parameters(recurse=False), None) is not None:
         raise CheckpointError(
             f"{type(hf).__name__} holds parameters outside its submodules, which the "
-            "generic transformers path does not read."
+            f"generic transformers path does not read; no native freetx layout reads "
+            f"'{hf_config['model_type']}' yet: see docs/models.md for the types freetx trains."
         )
     return hf
 
@@ -118,8 +119,7 @@ def attention(config) -> str:
     return "sdpa" if MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]._supports_sdpa else "eager"
 
 
-def _transformers_config(hf_config: dict[str, Any]):
-    transformers = require_transformers()
+def _transformers_config(transformers, hf_config: dict[str, Any]):
     model_type = hf_config["model_type"]
     if model_type not in transformers_causal_lm_types():
         raise CheckpointError(

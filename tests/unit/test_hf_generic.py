@@ -88,10 +88,8 @@ def test_random_init_and_buffers(folders):
 
 
 @pytest.mark.parametrize("family", ["starcoder2", "granite", "phi"])
-def test_hf_to_dcp_to_hf_gives_the_tensors_back_and_loads_in_transformers(
-    tmp_path, folders, family
-):
-    source = folders[family]
+def test_hf_to_dcp_to_hf_gives_the_tensors_back_and_loads_in_transformers(tmp_path, family):
+    source = make_folder(tmp_path / "src", family, dtype=torch.bfloat16)
     for args in (
         (str(source), str(tmp_path / "dcp"), "--to", "dcp"),
         (str(tmp_path / "dcp"), str(tmp_path / "out"), "--to", "hf", "--max-shard-size", "30KB"),
@@ -105,10 +103,14 @@ def test_hf_to_dcp_to_hf_gives_the_tensors_back_and_loads_in_transformers(
 
     before, after = tensors(source), tensors(tmp_path / "out")
     assert sorted(before) == sorted(after)
-    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert all(
+        after[k].dtype == torch.bfloat16 and torch.equal(before[k], after[k]) for k in before
+    )
     assert torch.equal(hf_logits(source, ids()), hf_logits(tmp_path / "out", ids()))
     config = json.loads((tmp_path / "out" / "config.json").read_text())
-    assert config["model_type"] == family
+    assert config["model_type"] == family and config["dtype"] == "bfloat16"
+    with torch.device("meta"):  # a bf16 folder still builds float32 parameters (the run
+        assert {p.dtype for p in hf_model(str(source)).parameters()} == {torch.float32}  # casts)
 
 
 @pytest.mark.parametrize("family,targets", [("starcoder2", ["q_proj", "v_proj"]),
