@@ -79,6 +79,7 @@ def test_finetune_export_and_generate(tmp_path, model_dir):
     assert result.returncode == 0, result.stderr
     assert f"exported step_000020 as hf to {run / 'export' / 'hf'}" in result.stdout
     assert f"initial weights from {model_dir}" in result.stdout
+    assert "| model: native freetx decoder for llama |" in result.stdout
     records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in records if "loss" in r]
     assert losses[-1] < losses[0] - 0.5, losses

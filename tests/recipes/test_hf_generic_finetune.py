@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.conftest import run_freetx
+from tests.conftest import one_paragraph, run_freetx
 from tests.hf_folders import hf_logits
 from tests.recipes.test_checkpoint_resume import COMMON, losses
 from tests.recipes.test_hf_finetune import (
@@ -72,3 +72,12 @@ def test_a_resumed_generic_finetune_reproduces_the_uninterrupted_one_exactly(tmp
 
 def test_lora_on_a_generic_folder_exports_adapters_that_peft_loads(tmp_path, folder):
     lora_export_loads_in_peft(tmp_path, folder, "peft.target_modules=[q_proj, v_proj]")
+
+
+def test_a_decoder_field_on_the_generic_path_is_refused_by_name(tmp_path, folder):
+    result = run_freetx(
+        "run", "full_finetune_fsdp2", "--config", "llm/hf_tiny_full", f"model_dir={folder}",
+        f"output_dir={tmp_path / 'run'}", "model.vocab_size=300",
+    )  # fmt: skip
+    message = one_paragraph(result)
+    assert "has no field 'vocab_size'" in message and "max_seq_len" in message
