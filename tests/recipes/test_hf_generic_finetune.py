@@ -1,10 +1,12 @@
 """A folder of an architecture freetx has no native layout for (StarCoder2), through the
 CLI: `llm/hf_tiny_full` fine-tunes it on 2 processes with FSDP2 per block and activation
 checkpointing, the banner says it runs on the generic transformers path, the export loads
-in transformers with freetx's logits, a resume is exact, and LoRA exports adapters PEFT
-loads."""
+in transformers with freetx's logits, a resume is exact and `generate` samples from it,
+and LoRA exports adapters PEFT loads."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
@@ -58,8 +60,8 @@ def test_a_starcoder2_folder_finetunes_on_2_processes_and_exports(tmp_path, fold
         assert (trained - hf_logits(folder, ids)).abs().max() > 1e-3  # the 2 steps trained
 
 
-@pytest.mark.slow  # three 2-process runs, ~50 s
-def test_a_resumed_generic_finetune_reproduces_the_uninterrupted_one_exactly(tmp_path, folder):
+@pytest.mark.slow  # three 2-process runs and sampling, ~55 s
+def test_a_resumed_generic_finetune_reproduces_the_uninterrupted_one_and_samples(tmp_path, folder):
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     finetune(folder, straight, "max_steps=4", "checkpoint.every_n_steps=2", *COMMON)
     finetune(folder, resumed, "max_steps=2", "checkpoint.every_n_steps=2", *COMMON)
@@ -68,6 +70,12 @@ def test_a_resumed_generic_finetune_reproduces_the_uninterrupted_one_exactly(tmp
     a, b = losses(straight), losses(resumed)
     assert sorted(b) == [1, 2, 3, 4]
     assert all(a[step] == b[step] for step in (3, 4)), (a, b)
+    sampled = run_freetx("run", "generate", "--config", "llm/hf_generate",
+                         f"checkpoint={resumed}", f"tokenizer.path={folder}",
+                         f"output_dir={tmp_path / 'gen'}", "max_new_tokens=4")  # fmt: skip
+    assert sampled.returncode == 0, sampled.stderr
+    samples = [json.loads(x) for x in (tmp_path / "gen" / "samples.jsonl").read_text().splitlines()]
+    assert len(samples) == 2 and all(s["text"].startswith("Reverse the word") for s in samples)
 
 
 def test_lora_on_a_generic_folder_exports_adapters_that_peft_loads(tmp_path, folder):
