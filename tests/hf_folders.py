@@ -74,6 +74,8 @@ GENERIC_FAMILIES = {
     "phi": ("PhiConfig", IDS, {}),
     # Gemma 1: (1 + weight) RMSNorms, embeddings scaled by sqrt(hidden), tied, GeGLU
     "gemma": ("GemmaConfig", dict(IDS, head_dim=16, tie_word_embeddings=True), {}),
+    # GPT-2: Conv1D projections (weights stored transposed), learned positions, tied
+    "gpt2": ("GPT2Config", IDS, {}),
 }  # fmt: skip
 
 

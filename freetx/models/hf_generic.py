@@ -256,15 +256,16 @@ class HFGenericModel(nn.Module):
 
     # -- initialization ---------------------------------------------------
     def init_parameter(self, name: str, tensor: torch.Tensor, generator: torch.Generator) -> None:
-        """By the owning module's type: Linear and Embedding weights ~ N(0,
-        initializer_range), norms one, biases zero; anything else is refused."""
+        """By the owning module's type: Linear, Embedding and transformers' Conv1D (GPT-2)
+        weights ~ N(0, initializer_range), norms one, biases zero; anything else is
+        refused."""
         module_name, _, param_name = name.rpartition(".")
         module = self.get_submodule(module_name)
         if param_name == "bias":
             tensor.zero_()
         elif _is_norm(module):
             tensor.fill_(1.0)
-        elif isinstance(module, (nn.Linear, nn.Embedding)):
+        elif isinstance(module, (nn.Linear, nn.Embedding)) or type(module).__name__ == "Conv1D":
             std = float(self.config.hf_config.get("initializer_range", 0.02))
             tensor.normal_(0.0, std, generator=generator)
         else:
