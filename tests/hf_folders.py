@@ -1,7 +1,9 @@
 """Model folders as `transformers` writes them (tiny, random weights), for the tests of
 freetx's HF reading and writing. Every family freetx reads (Llama, Mistral, Qwen2,
-Qwen3, OLMo 2, Phi-3/Phi-4, Mixtral, Qwen3-MoE), sharded and not, in the current config layout (`rope_parameters`) and the
-older one (`rope_theta` + `rope_scaling` at the top)."""
+Qwen3, OLMo 2, Phi-3/Phi-4, Mixtral, Qwen3-MoE), sharded and not, in the current config
+layout (`rope_parameters`) and the older one (`rope_theta` + `rope_scaling` at the top); and
+causal LMs freetx has no native layout for, read through the generic transformers path
+(`GENERIC_FAMILIES`)."""
 
 from __future__ import annotations
 
@@ -95,6 +97,28 @@ FAMILIES = {
         sliding_window=256, rope_parameters=longrope(6, partial_rotary_factor=0.75)), {}),
 }  # fmt: skip
 
+# architectures outside the native families (freetx.models.hf_generic), same form; token ids
+# inside the tiny vocabulary (some configs' defaults lie outside it)
+IDS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
+GENERIC_FAMILIES = {
+    # GPT-NeoX (Pythia): fused query_key_value, LayerNorms with biases, parallel residual,
+    # partial rotary (rotary_pct 0.25), untied; sharded
+    "gpt_neox": ("GPTNeoXConfig", dict(IDS, rotary_pct=0.25), dict(max_shard_size="40KB")),
+    # StarCoder2: biases everywhere, LayerNorm, GELU MLP, tied
+    "starcoder2": ("Starcoder2Config", dict(IDS, tie_word_embeddings=True, sliding_window=None),
+                   {}),
+    # Granite: Llama blocks with embedding, residual, attention and logits multipliers
+    "granite": ("GraniteConfig", dict(IDS, embedding_multiplier=4.0, residual_multiplier=0.5,
+                                      attention_multiplier=0.2, logits_scaling=2.0),
+                dict(max_shard_size="40KB")),
+    # Phi-2: partial rotary (0.5), parallel attention and MLP, q/k/v/dense with biases
+    "phi": ("PhiConfig", IDS, {}),
+    # Gemma 1: (1 + weight) RMSNorms, embeddings scaled by sqrt(hidden), tied, GeGLU
+    "gemma": ("GemmaConfig", dict(IDS, head_dim=16, tie_word_embeddings=True), {}),
+    # GPT-2: Conv1D projections (weights stored transposed), learned positions, tied
+    "gpt2": ("GPT2Config", IDS, {}),
+}  # fmt: skip
+
 
 def to_old_layout(folder: Path) -> None:
     """Rewrite config.json as transformers 4.x wrote it: rope_theta and rope_scaling."""
@@ -115,7 +139,7 @@ def make_folder(folder: Path, family: str, dtype: torch.dtype = torch.float32, s
     """Write the family's tiny model with `save_pretrained`; returns the folder."""
     import transformers
 
-    class_name, fields, options = FAMILIES[family]
+    class_name, fields, options = {**FAMILIES, **GENERIC_FAMILIES}[family]
     config = getattr(transformers, class_name)(**{**SHAPE, **fields})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config)

@@ -263,7 +263,9 @@ def _write_hf(
             if key in companion_config:
                 hf_config[key] = companion_config[key]
         same = ("model_type", "hidden_size", "num_hidden_layers", "vocab_size")
-        if all(companion_config.get(k) == hf_config.get(k) for k in same):
+        if all(companion_config.get(k) == hf_config.get(k) for k in same) and (
+            "max_position_embeddings" in hf_config  # not every architecture has it (GPT-2)
+        ):
             # a run builds shorter RoPE tables than the model supports; keep the model's length
             hf_config["max_position_embeddings"] = max(
                 hf_config["max_position_embeddings"],

@@ -125,50 +125,22 @@ def load_model(path: str | Path, device, seed: int = 0) -> nn.Module:
 
 
 def load_source_model(path: str, device: torch.device, dtype: str = "auto") -> nn.Module:
-    """A frozen model to read activations from: freetx's own model of a run or checkpoint
-    (or a Llama-family HF folder), else any HF folder through transformers. `dtype`:
-    float32, bfloat16, or auto (bf16 on CUDA)."""
+    """A frozen model to read activations from: the model of a run, a checkpoint or an HF
+    folder (`load_model`: freetx's own where it reads the folder's model_type natively,
+    else transformers' through the generic path, as `freetx.models.hf_model` chooses).
+    `dtype`: float32, bfloat16, or auto (bf16 on CUDA)."""
     if dtype == "auto":
         dtype = "bfloat16" if device.type == "cuda" else "float32"
-    torch_dtype = dtype_named(dtype)
-    return _freetx_else_transformers(
-        path,
-        lambda: load_model(path, device).to(torch_dtype),
-        lambda auto: auto.from_pretrained(path, dtype=torch_dtype).to(device).eval(),
-    )
+    return load_model(path, device).to(dtype_named(dtype))
 
 
 def source_model_on_meta(path: str) -> nn.Module:
     """The model `load_source_model` reads from `path`, on the meta device: its shapes and
     parameter count from what the checkpoint recorded or the HF folder's config.json,
     without reading a weight (`freetx estimate`)."""
+    from freetx.models import build_model, hf_model
 
-    def freetx_model() -> nn.Module:
-        from freetx.models import build_model
-
-        model_class, model_config = model_from_checkpoint(resolve_checkpoint(path))
-        with torch.device("meta"):
-            return build_model(model_class, model_config)
-
-    def hf_model(auto) -> nn.Module:
-        from transformers import AutoConfig
-
-        with torch.device("meta"):
-            return auto.from_config(AutoConfig.from_pretrained(path))
-
-    return _freetx_else_transformers(path, freetx_model, hf_model)
-
-
-def _freetx_else_transformers(path: str, freetx_model, hf_model) -> nn.Module:
-    """`freetx_model()`, else, for an HF folder freetx cannot read and with transformers
-    installed, `hf_model(AutoModelForCausalLM)`; else freetx's own error."""
-    try:
-        return freetx_model()
-    except Exception as freetx_error:
-        try:
-            from transformers import AutoModelForCausalLM
-        except ImportError:
-            raise freetx_error from None
-        if not (Path(path).expanduser() / "config.json").is_file():
-            raise
-        return hf_model(AutoModelForCausalLM)
+    with torch.device("meta"):
+        if (Path(path).expanduser() / "config.json").is_file():  # an HF folder, weights or not
+            return hf_model(str(Path(path).expanduser()))
+        return build_model(*model_from_checkpoint(resolve_checkpoint(path)))

@@ -5,12 +5,16 @@ from __future__ import annotations
 from freetx.loggers.loggers import format_value
 
 
-def training_banner(recipe: str, runtime, strategy: str, cfg, **facts) -> str:
-    """`recipe | world size | strategy | device (backend) | precision | batch split | facts`.
+def training_banner(
+    recipe: str, runtime, strategy: str, cfg, model: str | None = None, **facts
+) -> str:
+    """`recipe | world size | strategy | device (backend) | precision | batch split |
+    model: what it is | facts`.
 
     `cfg` is the run's config (batch_size, gradient_accumulation_steps,
-    distributed.mixed_precision); `facts` are the recipe's own (numbers are
-    formatted with thousands separators).
+    distributed.mixed_precision); `model`: the model's own words for what it is
+    ("native freetx decoder for qwen3"), where it says; `facts` are the recipe's own
+    (numbers are formatted with thousands separators).
     """
     mp = cfg.distributed.mixed_precision
     accumulation = cfg.gradient_accumulation_steps
@@ -23,5 +27,7 @@ def training_banner(recipe: str, runtime, strategy: str, cfg, **facts) -> str:
         f"precision param {mp.param_dtype}, reduce {mp.reduce_dtype}",
         f"batch {cfg.batch_size} = {runtime.world_size} rank(s) x {micro} x {accumulation} accumulation",
     ]
+    if model is not None:
+        parts.append(f"model: {model}")
     parts += [f"{name.replace('_', ' ')} {format_value(value)}" for name, value in facts.items()]
     return " | ".join(parts)

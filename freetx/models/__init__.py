@@ -3,12 +3,16 @@
 protocol.py           what freetx asks of a model; presets through one builder per family
 transformer.py        the Llama-style decoder (DecoderBlock), presets tiny ... llama3_8b
 moe.py                its mixture-of-experts MLP (Mixtral, Qwen3-MoE): router, grouped experts
-transformer_hf.py     its HF layouts (Llama, Mistral, Qwen2, Qwen3, OLMo 2, Mixtral, Qwen3-MoE)
-hf.py                 finding a model's HF layout (the checkpoint package asks here)
+transformer_hf.py     its HF layouts (Llama, Mistral, Qwen2, Qwen3, OLMo 2, Phi-3, Mixtral,
+                      Qwen3-MoE): names, config.json
+hf.py                 finding a model's HF layout (the checkpoint package asks here);
+                      `hf_model(path)`: a folder's model, native or generic
+hf_generic.py         the generic transformers path: any other causal LM transformers knows
 free_transformer.py   the Free Transformer: the decoder + a per-token latent
 ad.py                 the Algorithm Distillation transformer
 """
 
+from freetx.models.hf import hf_model
 from freetx.models.protocol import (
     LatentModel,
     Model,
@@ -28,6 +32,7 @@ __all__ = [
     "build_model",
     "builds",
     "flops_per_token",
+    "hf_model",
     "model_class",
     "num_active_parameters",
     "num_parameters",

@@ -256,6 +256,9 @@ class FreeTransformer(Transformer):
         self.encoder_readout = nn.Linear(cfg.hidden_dim, cfg.latent_dim)
         self.post_sampler = PostSampler(cfg.latent_dim, cfg.hidden_dim, cfg.factored_post_sampler)
 
+    def describe(self) -> str:
+        return f"Free Transformer ({self.config.latent_dim}-bit latent per token)"
+
     def forward(
         self,
         input_ids: torch.Tensor,

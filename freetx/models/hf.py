@@ -3,8 +3,13 @@
 A model class that has an HF form names its layout in `hf_layout` (the
 decoder: `transformer_hf.LLAMA_LAYOUT`, which writes every model type the decoder
 has); a folder is read by the layout of its `model_type` (`LAYOUTS`: the decoder's
-two, pre-norm and post-norm). The checkpoint package converts through these two
+two, pre-norm and post-norm; then the generic transformers path's, which reads any
+other causal LM transformers knows). The checkpoint package converts through these two
 look-ups and knows no model class itself.
+
+`hf_model(path, **fields)` builds the model of a folder by the same choice: freetx's
+own model where a native layout reads its `model_type`, else the generic path
+(`freetx.models.hf_generic`).
 """
 
 from __future__ import annotations
@@ -12,8 +17,10 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 from freetx.errors import CheckpointError
-from freetx.models.protocol import HFLayoutModel, model_class
-from freetx.models.transformer_hf import DECODER_LAYOUTS
+from freetx.models.hf_generic import GENERIC_LAYOUT, HFGenericModel, transformers_causal_lm_types
+from freetx.models.protocol import HFLayoutModel, build_config, builds, model_class
+from freetx.models.transformer import Transformer, TransformerConfig
+from freetx.models.transformer_hf import DECODER_LAYOUTS, read_hf_config
 
 
 class HFLayout(Protocol):
@@ -38,7 +45,9 @@ class HFLayout(Protocol):
     ) -> dict[str, Any]: ...
 
 
-LAYOUTS: tuple[HFLayout, ...] = DECODER_LAYOUTS
+# native layouts first; the generic path reads every other type transformers knows
+NATIVE_LAYOUTS: tuple[HFLayout, ...] = DECODER_LAYOUTS
+LAYOUTS: tuple[HFLayout, ...] = (*NATIVE_LAYOUTS, GENERIC_LAYOUT)
 # the files of a tokenizer in an HF folder (an export copies them from its source folder)
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
@@ -64,8 +73,28 @@ def layout_for_hf_config(hf: dict[str, Any]) -> HFLayout:
     for layout in LAYOUTS:
         if hf.get("model_type") in layout.model_types:
             return layout
-    known = ", ".join(t for layout in LAYOUTS for t in layout.model_types)
+    native = ", ".join(t for layout in NATIVE_LAYOUTS for t in layout.model_types)
+    if not transformers_causal_lm_types():
+        raise CheckpointError(
+            f"config.json describes a '{hf.get('model_type')}' model; freetx reads {native} "
+            "natively, and any other causal LM through transformers (the generic path), "
+            "which is not installed. Install it with pip install 'freetx[hf]'."
+        )
     raise CheckpointError(
-        f"config.json describes a '{hf.get('model_type')}' model; freetx reads these model "
-        f"types: {known}."
+        f"config.json describes a '{hf.get('model_type')}' model, which is neither a type "
+        f"freetx reads natively ({native}) nor a causal LM transformers knows; check the "
+        "folder's config.json, or update transformers."
     )
+
+
+@builds(TransformerConfig)
+def hf_model(path: str, **fields) -> Transformer | HFGenericModel:
+    """The model of an HF folder: freetx's own where a native layout reads its
+    `model_type` (with any config field changed, as `hf_decoder`), else transformers'
+    modules through the generic path (`max_seq_len` only). Its weights:
+    `checkpoint.initial_weights=<the same folder>`."""
+    hf = read_hf_config(path)
+    layout = layout_for_hf_config(hf)
+    cls = model_class(layout.model_class)
+    read = layout.from_hf_config(hf, fields.get("max_seq_len"))
+    return cls(build_config(cls.config_class, {**read, **fields}))

@@ -6,7 +6,9 @@ checkpoints are applied from outside, through these members (`Model`):
     config            a dataclass of the fields that rebuild the model
                       (`type(model)(config)`); checkpoints record it
     config_class      that dataclass (class attribute), for `build_model`
-    block_types       the block classes (class attribute): the units FSDP2 shards,
+    block_types       the block classes (a class attribute, or an instance attribute
+                      where they depend on the instance: the generic transformers
+                      model's come from its architecture): the units FSDP2 shards,
                       activation checkpointing recomputes and `compile` compiles;
                       `()` shards and checkpoints the model as one unit
     init_parameter    fill one parameter's full (unsharded) tensor, by name
@@ -22,6 +24,8 @@ class (who calls it, when):
                       say it beside the total (default: every parameter)
     CountsFlops       flops_per_token(seq_len): for MFU and `estimate` (default:
                       6 x parameters)
+    DescribesItself   describe(): what the model is, in words, for the banner
+                      ("native freetx decoder for qwen3")
     EstimatesActivations  activation_bytes(tokens, compute_bytes): what a training
                       micro-batch keeps for backward, loss included; `estimate`
                       (default: the decoder's count per token and block)
@@ -96,9 +100,10 @@ from freetx.errors import CheckpointError, ConfigError
 
 @runtime_checkable
 class HasBlocks(Protocol):
-    """A model that names its blocks (the units FSDP2 shards; see `Model`)."""
+    """A model that names its blocks (the units FSDP2 shards; see `Model`): a class
+    attribute, or an instance attribute where the blocks depend on the instance."""
 
-    block_types: ClassVar[tuple[type[nn.Module], ...]]
+    block_types: tuple[type[nn.Module], ...]
 
 
 @runtime_checkable
@@ -142,6 +147,14 @@ class CountsFlops(Protocol):
     """The model's own training FLOPs per token, for MFU and `estimate`."""
 
     def flops_per_token(self, seq_len: int) -> float: ...
+
+
+@runtime_checkable
+class DescribesItself(Protocol):
+    """What the model is, in words, for the run's banner ("generic transformers path for
+    gpt_neox")."""
+
+    def describe(self) -> str: ...
 
 
 @runtime_checkable
@@ -233,7 +246,7 @@ class FrozenInComputeDtype(Protocol):
 
 MODEL_HOOKS = (
     Model, HasBlocks, InitBuffers, CountsParameters, CountsActiveParameters, CountsFlops,
-    EstimatesActivations,
+    DescribesItself, EstimatesActivations,
     HFLayoutModel, ExtraForwards, AdapterTargets, AlwaysTrained,
 )  # fmt: skip
 MODULE_HOOKS = (SelfInitialized, DerivedFromWeights, StoredInOwnForm, FrozenInComputeDtype)

@@ -530,6 +530,9 @@ class Transformer(nn.Module):
         )
         self.rope = RotaryTables(cfg.rotary_dim, cfg.max_seq_len, cfg.rope_theta, cfg.rope_scaling)
 
+    def describe(self) -> str:
+        return f"native freetx decoder for {self.config.hf_model_type}"
+
     # -- the forward pass -------------------------------------------------
     def head(self, h: torch.Tensor) -> torch.Tensor:
         h = self.norm(h)

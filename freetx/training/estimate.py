@@ -222,7 +222,6 @@ def activation_sources(acfg, device: str, source_dim: int | None = None) -> Acti
     from freetx.checkpoint import source_model_on_meta
     from freetx.config import instantiate
     from freetx.errors import ConfigError, FreetxError
-    from freetx.models.protocol import Model
 
     if acfg.kind == "synthetic":
         if source_dim is not None:
@@ -244,8 +243,8 @@ def activation_sources(acfg, device: str, source_dim: int | None = None) -> Acti
         except (FreetxError, OSError, ValueError, KeyError):
             unread.append(source.model)
             continue
-        c = model.config  # freetx's decoder, or a transformers model's config
-        widths.add(c.hidden_dim if isinstance(model, Model) else c.hidden_size)
+        c = model.config  # freetx's decoder's, or the generic transformers path's
+        widths.add(c.hidden_dim)
         weights += sum(p.numel() for p in model.parameters()) * element
         vocab = max(vocab, c.vocab_size)
     if source_dim is None and unread:

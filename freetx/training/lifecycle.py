@@ -53,6 +53,7 @@ from freetx.entry import at_step
 from freetx.errors import TrainingError
 from freetx.loggers import build_metric_loggers, training_banner
 from freetx.models import flops_per_token, num_active_parameters, num_parameters
+from freetx.models.protocol import DescribesItself
 from freetx.training.export import check_final_export, export_final
 from freetx.training.meters import ThroughputMeter, peak_flops, train_step_metrics
 from freetx.training.profiling import StepProfiler
@@ -166,6 +167,7 @@ class TrainingRun:
         self.loggers.write(
             training_banner(
                 self.recipe, self.runtime, plan.strategy, cfg,
+                model=module.describe() if isinstance(module, DescribesItself) else None,
                 parameters=num_parameters(module), **facts,
             )
         )  # fmt: skip

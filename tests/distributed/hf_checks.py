@@ -1,6 +1,6 @@
 """HF folders loaded under every strategy on N ranks (run by test_hf_loading.py).
 
-Arguments: the HF folder, then strategies. For each strategy the decoder is built
+Arguments: the HF folder, then strategies. For each strategy its model (hf_model) is built
 from the folder's config.json on the meta device, parallelized, and its weights
 read from the folder, each rank reading only its own rows; the logits on fixed
 ids and the bytes each rank read are recorded for the test to compare with
@@ -17,7 +17,7 @@ from omegaconf import OmegaConf
 from freetx.checkpoint import load_initial_weights
 from freetx.checkpoint.formats import SafetensorsFile
 from freetx.distributed import DistributedConfig, build_groups, init_distributed, parallelize
-from freetx.models.transformer import hf_decoder
+from freetx.models import hf_model
 from tests.distributed.launcher import write_results
 
 bytes_read = 0
@@ -41,7 +41,7 @@ def main() -> None:
     results = {}
     for strategy in strategies:
         with torch.device("meta"):
-            model = hf_decoder(folder)
+            model = hf_model(folder)
         cfg = OmegaConf.structured(DistributedConfig(strategy=strategy))
         plan = parallelize(model, build_groups(runtime, cfg), cfg, seed=0)
         bytes_read = 0

@@ -1,5 +1,6 @@
 """An HF folder (sharded, written by transformers) loads on 2 processes under every
-strategy with transformers' logits; under FSDP each rank reads about half the bytes."""
+strategy with transformers' logits, natively or through the generic transformers path;
+under FSDP each rank reads about half the bytes."""
 
 from pathlib import Path
 
@@ -16,7 +17,12 @@ STRATEGIES = ["fsdp", "zero2", "hsdp", "ddp", "zero1"]
 
 @pytest.mark.parametrize(
     "family",
-    ["llama3_2", "qwen2", *(pytest.param(f, marks=pytest.mark.slow) for f in ("qwen3", "olmo2"))],
+    [
+        "llama3_2",
+        "qwen2",
+        "granite",  # granite: the generic transformers path
+        *(pytest.param(f, marks=pytest.mark.slow) for f in ("qwen3", "olmo2", "starcoder2")),
+    ],
 )
 def test_hf_folder_loads_under_every_strategy(tmp_path, family):
     folder = make_folder(tmp_path / "m", family)

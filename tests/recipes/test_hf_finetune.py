@@ -79,6 +79,7 @@ def test_finetune_export_and_generate(tmp_path, model_dir):
     assert result.returncode == 0, result.stderr
     assert f"exported step_000020 as hf to {run / 'export' / 'hf'}" in result.stdout
     assert f"initial weights from {model_dir}" in result.stdout
+    assert "| model: native freetx decoder for llama |" in result.stdout
     records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in records if "loss" in r]
     assert losses[-1] < losses[0] - 0.5, losses
@@ -191,16 +192,20 @@ def test_a_qwen3_or_olmo2_folder_finetunes_on_2_processes_and_exports(tmp_path, 
 def test_lora_qlora_dora_from_only_model_dir_export_adapters_that_peft_loads(
     tmp_path, family, options
 ):
-    """llm/hf_tiny_lora takes only model_dir=; its final export loads in PEFT and equals
-    `freetx checkpoint merge`."""
+    lora_export_loads_in_peft(tmp_path, tiny_folder(tmp_path, family), *options)
+
+
+def lora_export_loads_in_peft(tmp_path, folder, *overrides):
+    """LoRA on an HF folder for 2 steps by llm/hf_tiny_lora, which takes only model_dir=
+    (its targets, or `overrides`): the final PEFT export loads in PEFT with the logits of
+    `checkpoint merge`'s folder."""
     peft = pytest.importorskip("peft")
-    folder = tiny_folder(tmp_path, family)
     run = tmp_path / "run"
     result = run_freetx(
         "run", "lora_finetune_fsdp2", "--config", "llm/hf_tiny_lora", f"model_dir={folder}",
         f"output_dir={run}", "max_steps=2", "optimizer.lr=0.02", "lr_schedule.warmup_steps=0",
         "eval.max_batches=1", "dataset.num_builtin_examples=400", "dataset.seq_len=64", JSONL,
-        *options,
+        *overrides,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     merged = run_freetx("checkpoint", "merge", str(run / "checkpoints" / "step_000002"),

@@ -70,7 +70,7 @@ def test_lora_on_a_qwen3_moe_folders_attention_exports_adapters_that_peft_loads(
     run = tmp_path / "run"
     lora = (
         "run", "lora_finetune_fsdp2", "--config", "llm/lora_tiny", f"model_dir={folder}",
-        f"model={{_component_: freetx.models.transformer.hf_decoder, path: {folder}, "
+        f"model={{_component_: freetx.models.hf_model, path: {folder}, "
         "max_seq_len: 128}", "max_steps=2", "optimizer.lr=0.02", "lr_schedule.warmup_steps=0",
         "eval.max_batches=1", "dataset.num_builtin_examples=400",
     )  # fmt: skip

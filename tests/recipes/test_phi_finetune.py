@@ -59,7 +59,7 @@ def test_a_phi3_folder_finetunes_on_2_processes_resumes_exactly_and_exports(tmp_
 def lora(folder, output_dir, *overrides):
     return run_freetx(
         "run", "lora_finetune_fsdp2", "--config", "llm/lora_tiny", f"model_dir={folder}",
-        f"model={{_component_: freetx.models.transformer.hf_decoder, path: {folder}, "
+        f"model={{_component_: freetx.models.hf_model, path: {folder}, "
         "max_seq_len: 128}", f"output_dir={output_dir}", "max_steps=2", "optimizer.lr=0.02",
         "lr_schedule.warmup_steps=0", "eval.max_batches=1", "dataset.num_builtin_examples=400",
         JSONL, *overrides,

@@ -32,7 +32,8 @@ class PEFTConfig:
     """The `peft:` section: what of a model trains (names as PEFT users know them)."""
 
     method: Literal["none", "lora", "spectrum"] = "none"  # none: full fine-tuning
-    # lora: adapters on these Linear modules (q, k, v, o, gate, up, down, output, or HF names)
+    # lora: adapters on these Linear modules (q, k, v, o, gate, up, down, output, or HF names;
+    # all-linear: every Linear but the output head)
     target_modules: list[str] = field(
         default_factory=lambda: ["q", "k", "v", "o", "gate", "up", "down"]
     )
@@ -109,12 +110,20 @@ def _named(names: list[str], suffix: str) -> list[str]:
     return [n for n in names if n == suffix or n.endswith("." + suffix)]
 
 
+ALL_LINEAR = "all-linear"
+
+
 def resolve_targets(model: nn.Module, targets: list[str]) -> dict[str, list[str]]:
-    """target -> the names of the Linear modules it means; an error lists what exists."""
+    """target -> the names of the Linear modules it means (`all-linear`: all but the output
+    head, as PEFT means it); an error lists what exists."""
     aliases = (model.adapter_targets or {}) if isinstance(model, AdapterTargets) else {}
     linears = linear_names(model)
     found: dict[str, list[str]] = {}
+    head = aliases.get("lm_head", "lm_head")  # the output head, as the model names it
     for target in targets:
+        if target == ALL_LINEAR:  # PEFT's meaning: every Linear module but the output head
+            found[target] = [n for n in linears if n != head]
+            continue
         suffix = aliases.get(target, target)
         found[target] = _named(linears, suffix)
     _refuse_expert_targets(model, {t: aliases.get(t, t) for t in targets})

@@ -1,0 +1,315 @@
+"""The generic transformers path: any causal LM transformers knows that freetx has no
+native layout for (GPT-NeoX, Granite, StarCoder2, Phi-2, Gemma 1, ...), run by
+transformers' own modules inside a freetx model.
+
+`HFGenericModel` wraps `AutoModelForCausalLM.from_config(config, attn_implementation=
+"sdpa")` (eager where the architecture has no sdpa), built on the meta device like every freetx model; its config
+(`HFGenericConfig`) is the folder's whole config.json, so a checkpoint's meta.json
+rebuilds it without the folder. It holds the HF model's children as its own, so its
+parameter and module names are transformers' (`model.layers.0.self_attn.q_proj`):
+tensor names are the folder's, LoRA targets and activation hooks are HF's names.
+Its blocks are the classes the HF model names in `_no_split_modules` (FSDP2 shards
+them, activation checkpointing recomputes them). Its HF layout (`GENERIC_LAYOUT`,
+last in `freetx.models.hf.LAYOUTS`) keeps the folder's tensor names and writes
+config.json back from the recorded dict.
+
+A model type whose folders transformers converts when loading (MoE experts stored per
+expert, held stacked) is refused by name: freetx reads a folder's tensors by their
+stored names. `transformers` is an optional extra (`pip install 'freetx[hf]'`).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from freetx.errors import CheckpointError, ConfigError
+
+# tensors some folders carry that are not weights (older checkpoints' RoPE tables)
+_NOT_WEIGHTS = (".rotary_emb.inv_freq", ".rotary_emb.original_inv_freq")
+
+
+def require_transformers():
+    """The `transformers` module, or a one-paragraph error saying how to install it."""
+    try:
+        import transformers
+    except ImportError:
+        raise ConfigError(
+            "this model's model_type has no native freetx layout, so freetx builds it "
+            "through transformers (the generic path), which is not installed. Install it "
+            "with pip install 'freetx[hf]'."
+        ) from None
+    return transformers
+
+
+def transformers_causal_lm_types() -> tuple[str, ...]:
+    """Every model_type transformers builds as a causal LM; () without transformers."""
+    try:
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    except ImportError:
+        return ()
+    return tuple(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+@dataclass
+class HFGenericConfig:
+    """What rebuilds a generic model: the folder's config.json, as a dict, and the longest
+    sequence a run trains on (default: the config's max_position_embeddings)."""
+
+    hf_config: dict
+    max_seq_len: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.hf_config, dict) or "model_type" not in self.hf_config:
+            raise ValueError("hf_config must be a config.json dict with its model_type")
+        if self.max_seq_len is None:
+            self.max_seq_len = int(
+                self.hf_config.get("max_position_embeddings")
+                or self.hf_config.get("n_positions")
+                or 2048
+            )
+        if self.max_seq_len < 1:
+            raise ValueError(f"max_seq_len={self.max_seq_len} must be at least 1")
+
+    @property
+    def hidden_dim(self) -> int:  # the residual width, named as the decoder's config names it
+        return int(self.hf_config.get("hidden_size") or self.hf_config["n_embd"])
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.hf_config["vocab_size"])
+
+    # the shape `freetx estimate` counts a decoder's activations by (as the decoder names it)
+    @property
+    def num_heads(self) -> int:
+        return int(self.hf_config.get("num_attention_heads") or self.hf_config["n_head"])
+
+    @property
+    def ffn_hidden_dim(self) -> int:
+        return int(self.hf_config.get("intermediate_size") or 4 * self.hidden_dim)
+
+
+def build_hf(hf_config: dict[str, Any]) -> nn.Module:
+    """transformers' causal LM of a config.json dict (on the current device: meta for a
+    freetx model), or an error naming what the generic path cannot read."""
+    transformers = require_transformers()
+    config = _transformers_config(transformers, hf_config)
+    hf = transformers.AutoModelForCausalLM.from_config(  # in torch's default dtype, as every
+        config, attn_implementation=attention(config), dtype=torch.get_default_dtype()
+    )  # freetx model (not config.json's: mixed precision is the run's choice)
+    _refuse_converted_names(hf, hf_config["model_type"])
+    if next(hf.parameters(recurse=False), None) is not None:
+        raise CheckpointError(
+            f"{type(hf).__name__} holds parameters outside its submodules, which the "
+            f"generic transformers path does not read; no native freetx layout reads "
+            f"'{hf_config['model_type']}' yet: see docs/models.md for the types freetx trains."
+        )
+    return hf
+
+
+def attention(config) -> str:
+    """sdpa where the architecture supports it (most); else transformers' eager attention,
+    the same computation unfused (Gemma 2's logit soft-capping, Bloom's ALiBi)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    return "sdpa" if MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]._supports_sdpa else "eager"
+
+
+def _transformers_config(transformers, hf_config: dict[str, Any]):
+    model_type = hf_config["model_type"]
+    if model_type not in transformers_causal_lm_types():
+        raise CheckpointError(
+            f"config.json describes a '{model_type}' model, which transformers "
+            f"{transformers.__version__} does not build as a causal LM; freetx reads these "
+            "natively or through transformers: see docs/models.md."
+        )
+    return transformers.AutoConfig.for_model(**hf_config)
+
+
+def _refuse_converted_names(model: nn.Module, model_type: str) -> None:
+    """A model type whose stored tensor names transformers converts on load is refused."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+
+    conversions = get_model_conversion_mapping(model, add_legacy=False)
+    if conversions:
+        example = conversions[0]
+        raise CheckpointError(
+            f"transformers stores '{model_type}' folders under other tensor names than its "
+            f"modules hold (it converts {example.source_patterns} to {example.target_patterns} "
+            "when loading), and freetx's generic path reads a folder's tensors by their own "
+            f"names, so it cannot load this model. No native freetx layout reads "
+            f"'{model_type}' yet: see docs/models.md for the model types freetx trains."
+        )
+
+
+class HFGenericLayout:
+    """The generic model's HF layout: the folder's own tensor names, and config.json
+    written back from the recorded dict. It reads every model_type transformers builds
+    as a causal LM (`freetx.models.hf.LAYOUTS` asks the native layouts first)."""
+
+    model_class = "freetx.models.hf_generic.HFGenericModel"
+
+    @property
+    def model_types(self) -> tuple[str, ...]:
+        return transformers_causal_lm_types()
+
+    def to_hf_name(self, name: str) -> str:
+        return name
+
+    def from_hf_name(self, name: str) -> str | None:
+        return None if name.endswith(_NOT_WEIGHTS) else name
+
+    def to_hf_names(self, name: str, rows: int, model_config: dict[str, Any]) -> list[str]:
+        return [name]  # one folder tensor per parameter: nothing is stacked
+
+    def stack_index(self, name: str) -> int | None:
+        return None
+
+    def to_hf_config(self, model_config: dict[str, Any], dtype: str) -> dict[str, Any]:
+        return {**model_config["hf_config"], "dtype": dtype}
+
+    def from_hf_config(self, hf: dict[str, Any], max_seq_len: int | None = None) -> dict[str, Any]:
+        """The generic model's config; what it cannot read is refused here, before a
+        conversion writes anything (the model is built on the meta device to ask)."""
+        with torch.device("meta"):
+            build_hf(hf)
+        return {"hf_config": hf, "max_seq_len": max_seq_len}
+
+
+GENERIC_LAYOUT = HFGenericLayout()
+
+
+def _is_norm(module: nn.Module) -> bool:
+    """transformers' norms are its own classes per model (LlamaRMSNorm, ...): by name."""
+    name = type(module).__name__
+    return (
+        isinstance(module, (nn.LayerNorm, nn.RMSNorm)) or "LayerNorm" in name or "RMSNorm" in name
+    )
+
+
+@contextmanager
+def _parameters_kept(model: nn.Module):
+    """transformers' initializers leave tensors marked `_is_hf_initialized` alone: mark every
+    parameter, so that its `_init_weights` computes buffers only."""
+    params = list(model.parameters())
+    for p in params:
+        p._is_hf_initialized = True
+    try:
+        yield
+    finally:
+        for p in params:
+            del p._is_hf_initialized
+
+
+class HFGenericModel(nn.Module):
+    """A transformers causal LM as a freetx model: `forward(input_ids) -> logits`. The HF
+    model (`self.hf`, not a registered submodule) and this one share its children, so
+    every name is the HF model's; a child replaced here (LoRA on `lm_head`) is replaced
+    there too."""
+
+    config_class = HFGenericConfig
+    hf_layout = GENERIC_LAYOUT
+
+    def __init__(self, cfg: HFGenericConfig):
+        super().__init__()
+        self.config = cfg
+        hf = build_hf(cfg.hf_config)
+        object.__setattr__(self, "hf", hf)  # not a submodule: its children are ours
+        for name, child in hf.named_children():
+            self.add_module(name, child)
+        split = set(getattr(self.hf, "_no_split_modules", None) or ())
+        # per instance (the protocol allows it): the blocks depend on the architecture
+        self.block_types = tuple({type(m) for m in self.hf.modules() if type(m).__name__ in split})
+        # tied weights (lm_head = the embedding) are one parameter; checkpoints hold it once
+        self.tied: dict[str, str] = {}  # tied name (lm_head.weight) -> the parameter it is
+        first: dict[int, str] = {}
+        for name, param in self.named_parameters(remove_duplicate=False):
+            self.tied.update({name: first[id(param)]} if id(param) in first else {})
+            first.setdefault(id(param), name)
+        self.register_state_dict_post_hook(_drop_tied)
+        self.register_load_state_dict_post_hook(_tied_not_missing)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        super().__setattr__(name, value)
+        hf = self.__dict__.get("hf")
+        if hf is not None and isinstance(value, nn.Module) and name in hf._modules:
+            hf._modules[name] = value
+
+    def train(self, mode: bool = True) -> HFGenericModel:
+        self.hf.training = mode
+        return super().train(mode)
+
+    def to_empty(self, *, device, recurse: bool = True) -> HFGenericModel:
+        """As nn.Module's, with tied weights tied again (it gives each module its own)."""
+        super().to_empty(device=device, recurse=recurse)
+        for name, source in self.tied.items():
+            owner, _, attr = name.rpartition(".")
+            setattr(self.get_submodule(owner), attr, self.get_parameter(source))
+        return self
+
+    def describe(self) -> str:
+        name = f"generic transformers path for {self.config.hf_config['model_type']}"
+        kind = self.hf.config._attn_implementation
+        return name if kind == "sdpa" else f"{name} ({kind} attention)"
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [B, T] -> logits [B, T, vocab_size]."""
+        return self.hf(input_ids=input_ids, use_cache=False).logits
+
+    # -- initialization ---------------------------------------------------
+    def init_parameter(self, name: str, tensor: torch.Tensor, generator: torch.Generator) -> None:
+        """By the owning module's type: Linear, Embedding and transformers' Conv1D (GPT-2)
+        weights ~ N(0, initializer_range), norms one, biases zero; anything else is
+        refused."""
+        module_name, _, param_name = name.rpartition(".")
+        module = self.get_submodule(module_name)
+        if param_name == "bias":
+            tensor.zero_()
+        elif _is_norm(module):
+            tensor.fill_(1.0)
+        elif isinstance(module, (nn.Linear, nn.Embedding)) or type(module).__name__ == "Conv1D":
+            std = float(self.config.hf_config.get("initializer_range", 0.02))
+            tensor.normal_(0.0, std, generator=generator)
+        else:
+            raise CheckpointError(
+                f"freetx cannot initialize {name} ({type(module).__name__}) of a generic "
+                "transformers model randomly; start from the folder's weights "
+                "(checkpoint.initial_weights=<the folder>)."
+            )
+
+    @torch.no_grad()
+    def init_buffers(self) -> None:
+        """Recompute non-persistent buffers (RoPE's inv_freq, Gemma's embedding scale) on
+        their device, as transformers' own `_init_weights` does, parameters untouched."""
+        with _parameters_kept(self.hf):
+            for module in self.hf.modules():
+                if next(module.buffers(recurse=False), None) is not None:
+                    self.hf._init_weights(module)
+
+    # -- accounting -------------------------------------------------------
+    def num_parameters(self, exclude_embeddings: bool = False) -> int:
+        total = sum(p.numel() for p in self.parameters())
+        if exclude_embeddings:
+            total -= self.hf.get_input_embeddings().weight.numel()
+        return total
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """6 N (non-embedding) + 12 L H T for attention (H = hidden size)."""
+        text = self.hf.config.get_text_config()
+        attention = 12 * text.num_hidden_layers * text.hidden_size * seq_len
+        return float(6 * self.num_parameters(exclude_embeddings=True) + attention)
+
+
+def _drop_tied(module: HFGenericModel, state_dict: dict, prefix: str, local_metadata) -> None:
+    for name in module.tied:
+        state_dict.pop(prefix + name, None)
+
+
+def _tied_not_missing(module: HFGenericModel, incompatible) -> None:
+    for name in module.tied:
+        if name in incompatible.missing_keys:
+            incompatible.missing_keys.remove(name)
