@@ -1,6 +1,6 @@
 """Model folders as `transformers` writes them (tiny, random weights), for the tests of
 freetx's HF reading and writing. Every family freetx reads (Llama, Mistral, Qwen2,
-Qwen3, OLMo 2), sharded and not, in the current config layout (`rope_parameters`) and the
+Qwen3, OLMo 2, Gemma 2, Gemma 3 text), sharded and not, in the current config layout (`rope_parameters`) and the
 older one (`rope_theta` + `rope_scaling` at the top)."""
 
 from __future__ import annotations
@@ -16,6 +16,15 @@ SHAPE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
                "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 64}  # fmt: skip
+
+# Gemma's default token ids (pad 0, eos 1, bos 2) lie inside the tiny vocabulary
+GEMMA_TOKENS = dict(pad_token_id=0, eos_token_id=1, bos_token_id=2)
+GEMMA3 = dict(GEMMA_TOKENS, num_hidden_layers=3, head_dim=32, query_pre_attn_scalar=32,
+              sliding_window=40,
+              layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+              rope_parameters={
+                  "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
+                  "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})  # fmt: skip
 
 # family name -> (transformers config class name, config fields, save options)
 FAMILIES = {
@@ -53,6 +62,20 @@ FAMILIES = {
     "olmo2_old_layout": ("Olmo2Config", dict(eos_token_id=2,
                                              rope_parameters={"rope_type": "default",
                                                               "rope_theta": 500000.0}), {}),
+    # Mistral with a window shorter than the tests' sequences (160 tokens)
+    "mistral_window": ("MistralConfig", dict(sliding_window=48), {}),
+    # Gemma 2: sandwich norms (1 + w), GeGLU, scaled embeddings, query_pre_attn_scalar,
+    # both soft-caps (low enough to bite), sliding and full layers alternating, tied
+    "gemma2": ("Gemma2Config", dict(GEMMA_TOKENS, head_dim=16, query_pre_attn_scalar=24,
+                                    sliding_window=40, attn_logit_softcapping=2.0,
+                                    final_logit_softcapping=1.5),
+               dict(max_shard_size="60KB")),
+    "gemma2_old_layout": ("Gemma2Config", dict(GEMMA_TOKENS, head_dim=16, sliding_window=40,
+                                               attn_logit_softcapping=2.0), {}),
+    # Gemma 3 text: q/k norms per head (1 + w), local (theta 10000) and global (theta 1e6,
+    # linear scaling) RoPE, 2 sliding layers then a full one, no soft-caps, sharded
+    "gemma3_text": ("Gemma3TextConfig", dict(GEMMA3), dict(max_shard_size="40KB")),
+    "gemma3_text_old_layout": ("Gemma3TextConfig", dict(GEMMA3), {}),
 }  # fmt: skip
 
 
@@ -61,6 +84,10 @@ def to_old_layout(folder: Path) -> None:
     path = folder / "config.json"
     hf = json.loads(path.read_text())
     params = hf.pop("rope_parameters")
+    if "full_attention" in params:  # Gemma 3: the local base apart, scaling of global layers
+        hf["rope_local_base_freq"] = params["sliding_attention"]["rope_theta"]
+        hf.pop("use_bidirectional_attention", None)
+        params = params["full_attention"]
     hf["rope_theta"] = params.pop("rope_theta")
     if params.get("rope_type", "default") != "default":
         hf["rope_scaling"] = params

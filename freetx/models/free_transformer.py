@@ -74,6 +74,10 @@ class FreeTransformerConfig(TransformerConfig):
         """A table post-sampler too large to build (freetx.fields: checked by `freetx
         validate`, before a run, and here), by key: why, and the fix."""
         found = TransformerConfig.meaningless(values)
+        if values.get("rope_local_theta") is not None:
+            found["rope_local_theta"] = (
+                "the Free Transformer's layers share one RoPE; set rope_local_theta=null."
+            )
         bits = values.get("latent_dim")
         if bits is None or bits <= MAX_TABLE_BITS or values["factored_post_sampler"]:
             return found
@@ -270,7 +274,7 @@ class FreeTransformer(Transformer):
         cfg = self.config
         batch, seq_len = input_ids.shape
         cos, sin = self.rope(seq_len)
-        h = self.dropout(self.tok_embeddings(input_ids))
+        h = self.embed(input_ids)
         for layer in self.layers[: cfg.split_layer]:
             h = layer(h, cos, sin)
 

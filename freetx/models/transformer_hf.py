@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from freetx.errors import CheckpointError
+from freetx.models.attention import sliding_layers
 
 # freetx name pattern -> HF name pattern ({i} is the layer index)
 _NAMES = [
@@ -57,6 +58,13 @@ _NORM_NAMES = {
          "model.layers.{i}.post_attention_layernorm.weight"),
         ("layers.{i}.post_ffn_norm.weight", "model.layers.{i}.post_feedforward_layernorm.weight"),
     ],
+    "sandwich": [
+        ("layers.{i}.attention_norm.weight", "model.layers.{i}.input_layernorm.weight"),
+        ("layers.{i}.post_attention_norm.weight",
+         "model.layers.{i}.post_attention_layernorm.weight"),
+        ("layers.{i}.pre_ffn_norm.weight", "model.layers.{i}.pre_feedforward_layernorm.weight"),
+        ("layers.{i}.post_ffn_norm.weight", "model.layers.{i}.post_feedforward_layernorm.weight"),
+    ],
 }  # fmt: skip
 # tensors some folders carry that are not weights (older Llama checkpoints)
 IGNORED_HF_TENSORS = re.compile(r"^model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq$")
@@ -67,6 +75,8 @@ ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
 }
 # the blocks of each model_type: (qk_norm, norm_position), as TransformerConfig names them
 BLOCKS = {
@@ -75,7 +85,14 @@ BLOCKS = {
     "qwen2": (None, "pre"),
     "qwen3": ("head", "pre"),
     "olmo2": ("projection", "post"),
+    "gemma2": (None, "sandwich"),
+    "gemma3_text": ("head", "sandwich"),
 }
+# Gemma's decoder: RMSNorm scaling by 1 + weight, embeddings times sqrt(hidden), the
+# attention's scale, soft-capping and sliding windows in config.json (gemma_settings)
+GEMMA_TYPES = ("gemma2", "gemma3_text")
+# activations as config.json names them -> TransformerConfig's
+_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 # model types whose config.json has no head_dim (derived from hidden_size / heads)
 _DERIVED_HEAD_DIM = ("qwen2", "olmo2")
 
@@ -86,7 +103,7 @@ def _pattern(template: str) -> re.Pattern:
 
 _TO_HF = [
     (_pattern(ours), theirs)
-    for ours, theirs in _NAMES + [*_NORM_NAMES["pre"], *_NORM_NAMES["post"]]
+    for ours, theirs in dict.fromkeys(_NAMES + [n for ns in _NORM_NAMES.values() for n in ns])
 ]
 _FROM_HF = {
     position: [(_pattern(theirs), ours) for ours, theirs in _NAMES + names]
@@ -110,11 +127,15 @@ def _unsupported(field: str, value: Any, supported: str, fix: str = "") -> Check
     )
 
 
-def rope_settings(hf: dict[str, Any]) -> tuple[float, dict | None]:
-    """(rope_theta, rope_scaling) from either config.json layout; unsupported kinds refused."""
+def rope_settings(hf: dict[str, Any], layer_type: str | None = None) -> tuple[float, dict | None]:
+    """(rope_theta, rope_scaling) from either config.json layout; unsupported kinds refused.
+    `layer_type`: the RoPE of those layers where `rope_parameters` has one per layer type
+    (Gemma 3, 5.x); None: such a config is refused."""
     params = hf.get("rope_parameters")
     if isinstance(params, dict) and any(isinstance(v, dict) for v in params.values()):
-        raise _unsupported("rope_parameters", params, "one RoPE for every layer")
+        if layer_type is None:
+            raise _unsupported("rope_parameters", params, "one RoPE for every layer")
+        hf, params = {}, params.get(layer_type)
     params = dict(params or hf.get("rope_scaling") or {})
     theta = params.pop("rope_theta", hf.get("rope_theta", 10000.0))
     kind = params.pop("rope_type", params.pop("type", "default"))
@@ -130,6 +151,108 @@ def rope_settings(hf: dict[str, Any]) -> tuple[float, dict | None]:
     if kind not in ("llama3", "linear"):
         raise _unsupported("rope_type", kind, "default, llama3 and linear RoPE")
     return float(theta), {"rope_type": kind, **params}
+
+
+# what transformers assumes where a Gemma config.json leaves a field out
+_GEMMA_DEFAULTS = {
+    "gemma2": dict(query_pre_attn_scalar=256, sliding_window=4096, attn_logit_softcapping=50.0,
+                   final_logit_softcapping=30.0, sliding_window_pattern=2,
+                   tie_word_embeddings=True),
+    "gemma3_text": dict(query_pre_attn_scalar=256, sliding_window=4096,
+                        attn_logit_softcapping=None, final_logit_softcapping=None,
+                        sliding_window_pattern=6, tie_word_embeddings=True),
+}  # fmt: skip
+
+
+def gemma_settings(hf: dict[str, Any], model_type: str) -> dict[str, Any]:
+    """The decoder's Gemma fields from a gemma2 / gemma3_text config.json (either layout):
+    norms scaling by 1 + weight, scaled embeddings, the attention's scale and soft-caps,
+    the sliding layers (`layer_types`, or transformers' default pattern: every 2nd layer
+    full in Gemma 2, every 6th in Gemma 3) and Gemma 3's RoPE of sliding layers
+    (`rope_parameters.sliding_attention`, 5.x; `rope_local_base_freq`, 4.x)."""
+    get = {**_GEMMA_DEFAULTS[model_type], **hf}.get
+    if hf.get("use_bidirectional_attention"):
+        raise _unsupported("use_bidirectional_attention", True, "causal attention")
+    if model_type == "gemma3_text" and get("attn_logit_softcapping") is not None:
+        raise _unsupported(
+            "attn_logit_softcapping", get("attn_logit_softcapping"),
+            "transformers' Gemma 3 ignores it, freetx would apply it",
+            "Gemma 3 has none: set it to null.",
+        )  # fmt: skip
+    layers, pattern = int(hf["num_hidden_layers"]), int(get("sliding_window_pattern"))
+    default_types = [
+        "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)
+    ]
+    fields = {
+        "norm_plus_one": True,
+        "scale_embeddings": True,
+        "query_pre_attn_scalar": get("query_pre_attn_scalar"),
+        "attn_logit_softcap": get("attn_logit_softcapping"),
+        "final_logit_softcap": get("final_logit_softcapping"),
+        "sliding_window": get("sliding_window"),
+        "layer_types": list(hf.get("layer_types") or default_types),
+        "tie_embeddings": bool(get("tie_word_embeddings")),
+    }
+    if model_type == "gemma3_text":
+        params = hf.get("rope_parameters") or {}
+        if "sliding_attention" in params:
+            local, scaling = rope_settings(hf, "sliding_attention")
+            if scaling is not None:
+                raise _unsupported(
+                    "rope_parameters.sliding_attention", params["sliding_attention"],
+                    "unscaled RoPE on sliding layers",
+                )  # fmt: skip
+        else:
+            local = float(hf.get("rope_local_base_freq", 10000.0))
+        fields["rope_local_theta"] = local
+    return fields
+
+
+def _gemma_config(model_type: str, c: dict[str, Any], hf: dict[str, Any]) -> None:
+    """Write the decoder's Gemma fields into a gemma2 / gemma3_text config.json (5.x)."""
+    hf["hidden_activation"] = hf.pop("hidden_act")
+    scalar = c.get("query_pre_attn_scalar") or hf["head_dim"]
+    sliding = sliding_layers(c["num_layers"], c.get("sliding_window"), c.get("layer_types"))
+    hf.update(
+        query_pre_attn_scalar=int(scalar) if float(scalar).is_integer() else scalar,
+        attn_logit_softcapping=c.get("attn_logit_softcap"),
+        final_logit_softcapping=c.get("final_logit_softcap"),
+        sliding_window=c.get("sliding_window"),
+        layer_types=["sliding_attention" if s else "full_attention" for s in sliding],
+    )  # fmt: skip
+    if model_type == "gemma3_text":
+        local = c.get("rope_local_theta") or c["rope_theta"]
+        hf["rope_parameters"] = {
+            "full_attention": hf["rope_parameters"],
+            "sliding_attention": {"rope_type": "default", "rope_theta": local},
+        }
+        hf["use_bidirectional_attention"] = False
+
+
+# fields only some model types' config.json can hold -> those types
+_HELD_BY = {
+    "query_pre_attn_scalar": GEMMA_TYPES,
+    "attn_logit_softcap": ("gemma2",),
+    "final_logit_softcap": GEMMA_TYPES,
+    "rope_local_theta": ("gemma3_text",),
+    "sliding_window": ("mistral", *GEMMA_TYPES),
+}
+
+
+def _not_held(model_type: str, c: dict[str, Any]) -> list[str]:
+    """The decoder's fields (as `name=value`) an HF `model_type` model cannot have."""
+    gemma = model_type in GEMMA_TYPES
+    found = [
+        f"{name}={json.dumps(c.get(name, False))}"
+        for name in ("norm_plus_one", "scale_embeddings")
+        if c.get(name, False) != gemma
+    ]
+    found += [f"{name}={json.dumps(c[name])}" for name, types in _HELD_BY.items()
+              if c.get(name) is not None and model_type not in types]  # fmt: skip
+    sliding = sliding_layers(c["num_layers"], c.get("sliding_window"), c.get("layer_types"))
+    if model_type == "mistral" and any(sliding) and not all(sliding):
+        found.append(f"layer_types={json.dumps(c['layer_types'])}")
+    return found
 
 
 class LlamaFamilyLayout:
@@ -175,6 +298,7 @@ class LlamaFamilyLayout:
         model_type = c.get("hf_model_type", "llama")
         qkv_bias, wo_bias = c.get("qkv_bias", False), c.get("wo_bias", False)
         check_blocks(model_type, c.get("qk_norm"), c.get("norm_position", "pre"))
+        check_fields(model_type, c)
         hf: dict[str, Any] = {
             "architectures": [ARCHITECTURES[model_type]],
             "model_type": model_type,
@@ -193,7 +317,7 @@ class LlamaFamilyLayout:
             },
             "rms_norm_eps": c["norm_eps"],
             "tie_word_embeddings": c["tie_embeddings"],
-            "hidden_act": "silu",
+            "hidden_act": {v: k for k, v in _ACTIVATIONS.items()}[c.get("activation", "silu")],
             "attention_dropout": c.get("attention_dropout", 0.0),
             "initializer_range": c.get("init_std", 0.02),
             "dtype": dtype,
@@ -216,7 +340,9 @@ class LlamaFamilyLayout:
                 )  # fmt: skip
             hf["attention_bias"] = qkv_bias
             if model_type == "mistral":
-                hf["sliding_window"] = None
+                hf["sliding_window"] = c.get("sliding_window")
+            elif model_type in GEMMA_TYPES:
+                _gemma_config(model_type, c, hf)
             elif model_type == "qwen3":
                 hf.update(use_sliding_window=False, sliding_window=None)
             elif model_type == "llama":
@@ -238,7 +364,9 @@ class LlamaFamilyLayout:
         try:
             num_heads = int(hf["num_attention_heads"])
             hidden = int(hf["hidden_size"])
-            theta, scaling = rope_settings(hf)
+            theta, scaling = rope_settings(
+                hf, "full_attention" if model_type in GEMMA_TYPES else None
+            )
             fields = {
                 "vocab_size": int(hf["vocab_size"]),
                 "hidden_dim": hidden,
@@ -266,8 +394,11 @@ class LlamaFamilyLayout:
                 f"config.json lacks the field {e} (or holds a wrong type); it is not a complete "
                 f"transformers {model_type} config. Restore it from the model's original folder."
             ) from None
-        if hf.get("hidden_act", "silu") != "silu":
-            raise _unsupported("hidden_act", hf["hidden_act"], "SwiGLU with silu only")
+        # Gemma 2 and 3 name it hidden_activation (4.x: hidden_act too, which Gemma 2 ignored)
+        key = "hidden_activation" if hf.get("hidden_activation") else "hidden_act"
+        if hf.get(key, "silu") not in _ACTIVATIONS:
+            raise _unsupported(key, hf[key], f"gated MLPs with {', '.join(_ACTIVATIONS)}")
+        fields["activation"] = _ACTIVATIONS[hf.get(key, "silu")]
         if hf.get("mlp_bias"):
             raise _unsupported("mlp_bias", True, "MLPs without biases")
         if model_type == "qwen2":
@@ -281,6 +412,10 @@ class LlamaFamilyLayout:
                     "use_sliding_window", True, "full attention in every layer",
                     "Set use_sliding_window to false if the model was trained without it.",
                 )  # fmt: skip
+        elif model_type in GEMMA_TYPES:
+            fields.update(gemma_settings(hf, model_type))
+        elif model_type == "mistral":
+            fields["sliding_window"] = hf.get("sliding_window")  # every layer's window
         else:
             window = hf.get("sliding_window")
             if window is not None and window < fields["max_seq_len"]:
@@ -291,9 +426,27 @@ class LlamaFamilyLayout:
                     "those.",
                 )  # fmt: skip
         layer_types = set(hf.get("layer_types") or ["full_attention"])
-        if layer_types != {"full_attention"}:
+        if layer_types != {"full_attention"} and model_type not in GEMMA_TYPES:
             raise _unsupported("layer_types", sorted(layer_types), "full attention in every layer")
         return fields
+
+
+def check_fields(model_type: str, c: dict[str, Any]) -> None:
+    """A model exports as `model_type` only if that type's config.json holds all it computes
+    (Gemma's norms and embedding scale, soft-caps, windows)."""
+    found = _not_held(model_type, c)
+    if found:
+        blocks = (c.get("qk_norm"), c.get("norm_position", "pre"))
+        fits = [t for t in BLOCKS if BLOCKS[t] == blocks and not _not_held(t, c)]
+        fix = (
+            f"Export it as {' or '.join(fits)} (model.hf_model_type={fits[0]}) instead."
+            if fits
+            else "Convert it to .safetensors or DCP instead."
+        )
+        raise CheckpointError(
+            f"an HF {model_type} model cannot have {', '.join(found)}, which this one has; "
+            f"an export would compute something else. {fix}"
+        )
 
 
 def check_blocks(model_type: str, qk_norm: str | None, norm_position: str) -> None:
@@ -320,7 +473,8 @@ def check_blocks(model_type: str, qk_norm: str | None, norm_position: str) -> No
 
 LLAMA_LAYOUT = LlamaFamilyLayout("pre")
 OLMO2_LAYOUT = LlamaFamilyLayout("post")
-DECODER_LAYOUTS = (LLAMA_LAYOUT, OLMO2_LAYOUT)
+GEMMA_LAYOUT = LlamaFamilyLayout("sandwich")
+DECODER_LAYOUTS = (LLAMA_LAYOUT, OLMO2_LAYOUT, GEMMA_LAYOUT)
 
 
 def read_hf_config(path: str | Path) -> dict[str, Any]:

@@ -98,7 +98,10 @@ def test_max_seq_len_can_shorten_the_tables_and_keeps_llama3_scaling(folders):
         assert (short(ids) - hf_logits(folders["llama3_2"], ids)).abs().max() < 1e-4
 
 
-@pytest.mark.parametrize("family", ["llama3_2", "qwen2", "mistral", "qwen3", "olmo2"])
+@pytest.mark.parametrize(
+    "family",
+    ["llama3_2", "qwen2", "mistral", "qwen3", "olmo2", "mistral_window", "gemma2", "gemma3_text"],
+)
 def test_hf_to_dcp_to_hf_is_bit_for_bit_and_loads_in_transformers(tmp_path, family):
     source = make_folder(tmp_path / "src", family, dtype=torch.bfloat16)
     convert(source, tmp_path / "dcp", to="dcp")
@@ -121,8 +124,20 @@ def test_hf_to_dcp_to_hf_is_bit_for_bit_and_loads_in_transformers(tmp_path, fami
     assert (tmp_path / "out" / "generation_config.json").is_file()
     ids = torch.randint(0, 384, (2, 40))
     assert torch.equal(hf_logits(source, ids), hf_logits(tmp_path / "out", ids))
-    config = json.loads((tmp_path / "out" / "config.json").read_text())
-    assert config["model_type"] == family.split("_")[0].replace("llama3", "llama")
+    config, source_config = (
+        json.loads((f / "config.json").read_text()) for f in (tmp_path / "out", source)
+    )
+    assert config["model_type"] == source_config["model_type"]
+    if family in ("mistral_window", "gemma2", "gemma3_text"):  # the window, Gemma's fields
+        for key in ("sliding_window", "layer_types", "rope_parameters", "query_pre_attn_scalar",
+                    "attn_logit_softcapping", "final_logit_softcapping"):  # fmt: skip
+            assert config.get(key) == source_config.get(key), key
+
+
+# what makes a decoder Gemma's (with sliding layers 0 and 2 of the tiny preset's 4)
+GEMMA = dict(norm_position="sandwich", norm_plus_one=True, scale_embeddings=True,
+             activation="gelu_tanh", sliding_window=20,
+             layer_types=["sliding_attention", "full_attention"] * 2)  # fmt: skip
 
 
 def save_freetx_model(path, **fields):
@@ -152,7 +167,12 @@ def save_freetx_model(path, **fields):
 @pytest.mark.parametrize(
     "fields",
     [{}, {"qk_norm": "head", "hf_model_type": "qwen3"},
-     {"qk_norm": "projection", "norm_position": "post", "hf_model_type": "olmo2"}],
+     {"qk_norm": "projection", "norm_position": "post", "hf_model_type": "olmo2"},
+     {"sliding_window": 20, "hf_model_type": "mistral"},
+     dict(GEMMA, attn_logit_softcap=3.0, final_logit_softcap=2.0, query_pre_attn_scalar=20,
+          hf_model_type="gemma2"),
+     dict(GEMMA, qk_norm="head", rope_local_theta=1000.0, rope_scaling={
+         "rope_type": "linear", "factor": 2.0}, hf_model_type="gemma3_text")],
 )  # fmt: skip
 def test_a_freetx_model_exports_to_an_hf_folder_transformers_loads(tmp_path, fields):
     """A decoder freetx made (not from HF) -> safetensors -> HF folder -> transformers."""
@@ -173,7 +193,14 @@ def test_a_freetx_model_exports_to_an_hf_folder_transformers_loads(tmp_path, fie
       "has qk_norm=head, norm_position=pre. Export it as qwen3"),
      ({"qk_norm": "projection", "hf_model_type": "qwen3"}, "convert it to .safetensors or DCP"),
      ({"qk_norm": "projection", "norm_position": "post", "hf_model_type": "olmo2",
-       "head_dim": 16, "num_heads": 4}, "an HF olmo2 model has head_dim = hidden_size / heads")],
+       "head_dim": 16, "num_heads": 4}, "an HF olmo2 model has head_dim = hidden_size / heads"),
+     ({"sliding_window": 20}, "an HF llama model cannot have sliding_window=20, which this one "
+      "has; an export would compute something else. Export it as mistral"),
+     (dict(GEMMA, hf_model_type="qwen3", qk_norm="head"), "an HF qwen3 model has qk_norm=head, "
+      "norm_position=pre; this one has qk_norm=head, norm_position=sandwich. Export it as "
+      "gemma3_text"),
+     (dict(GEMMA, attn_logit_softcap=3.0, qk_norm="head", hf_model_type="gemma3_text"),
+      "an HF gemma3_text model cannot have attn_logit_softcap=3.0")],
 )  # fmt: skip
 def test_a_model_whose_blocks_its_hf_type_lacks_is_not_exported(tmp_path, fields, message):
     save_freetx_model(tmp_path / "m.safetensors", **fields)
@@ -214,7 +241,6 @@ def test_a_damaged_folder_is_named(tmp_path, damage, message):
         ({"model_type": "gpt2"}, "describes a 'gpt2' model"),
         ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}},
          "rope_type=\"yarn\""),
-        ({"sliding_window": 128}, "sliding_window=128"),
         ({"hidden_act": "gelu"}, "hidden_act=\"gelu\""),
         ({"mlp_bias": True}, "mlp_bias=true"),
     ],
@@ -234,6 +260,14 @@ def test_what_freetx_cannot_compute_is_refused_with_the_field(tmp_path, change, 
      ("qwen3", {"layer_types": ["full_attention", "sliding_attention"]},
       'layer_types=["full_attention", "sliding_attention"]'),
      ("olmo2", {"hidden_act": "gelu"}, 'hidden_act="gelu"'),
+     ("olmo2", {"sliding_window": 64}, "sliding_window=64"),
+     ("gemma2", {"hidden_activation": "gelu"}, 'hidden_activation="gelu"'),
+     ("gemma2", {"use_bidirectional_attention": True}, "use_bidirectional_attention=true"),
+     ("gemma3_text", {"attn_logit_softcapping": 50.0}, "attn_logit_softcapping=50.0"),
+     ("gemma3_text", {"rope_parameters": {
+         "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+         "sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}},
+      "rope_parameters.sliding_attention="),
      ("olmo2", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}},
       'rope_type="yarn"')],
 )  # fmt: skip
