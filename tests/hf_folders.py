@@ -62,6 +62,9 @@ FAMILIES = {
     "olmo2_old_layout": ("Olmo2Config", dict(eos_token_id=2,
                                              rope_parameters={"rope_type": "default",
                                                               "rope_theta": 500000.0}), {}),
+    # Qwen2 with a window on the layers from max_window_layers on
+    "qwen2_window": ("Qwen2Config", dict(use_sliding_window=True, sliding_window=48,
+                                         max_window_layers=1), {}),
     # Mistral with a window shorter than the tests' sequences (160 tokens)
     "mistral_window": ("MistralConfig", dict(sliding_window=48), {}),
     # Gemma 2: sandwich norms (1 + w), GeGLU, scaled embeddings, query_pre_attn_scalar,

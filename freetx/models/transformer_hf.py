@@ -235,8 +235,33 @@ _HELD_BY = {
     "attn_logit_softcap": ("gemma2",),
     "final_logit_softcap": GEMMA_TYPES,
     "rope_local_theta": ("gemma3_text",),
-    "sliding_window": ("mistral", *GEMMA_TYPES),
+    "sliding_window": ("mistral", "qwen2", "qwen3", *GEMMA_TYPES),
 }
+
+
+def _qwen_window(hf: dict[str, Any]) -> dict[str, Any]:
+    """A Qwen2/Qwen3 window (`use_sliding_window`): on the layers `layer_types` names (5.x),
+    or (4.x) on those from `max_window_layers` on."""
+    first, layers = int(hf.get("max_window_layers", 28)), int(hf["num_hidden_layers"])
+    derived = ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
+    return {
+        "sliding_window": int(hf.get("sliding_window") or 4096),
+        "layer_types": list(hf.get("layer_types") or derived),
+    }
+
+
+def _qwen_window_config(c: dict[str, Any]) -> dict[str, Any]:
+    """A Qwen2/Qwen3 config.json's window fields: `layer_types`, and `max_window_layers`
+    (the first sliding layer, for readers without layer_types)."""
+    sliding = sliding_layers(c["num_layers"], c.get("sliding_window"), c.get("layer_types"))
+    if not any(sliding):
+        return {"use_sliding_window": False, "sliding_window": None}
+    return {
+        "use_sliding_window": True,
+        "sliding_window": c["sliding_window"],
+        "max_window_layers": sliding.index(True),
+        "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding],
+    }
 
 
 def _not_held(model_type: str, c: dict[str, Any]) -> list[str]:
@@ -329,7 +354,7 @@ class LlamaFamilyLayout:
                     f"qkv_bias={qkv_bias}, wo_bias={wo_bias}. Export it as llama "
                     "(model.hf_model_type=llama) instead."
                 )
-            hf.update(use_sliding_window=False, sliding_window=None)
+            hf.update(_qwen_window_config(c))
         else:
             if qkv_bias != wo_bias:
                 raise CheckpointError(
@@ -344,7 +369,7 @@ class LlamaFamilyLayout:
             elif model_type in GEMMA_TYPES:
                 _gemma_config(model_type, c, hf)
             elif model_type == "qwen3":
-                hf.update(use_sliding_window=False, sliding_window=None)
+                hf.update(_qwen_window_config(c))
             elif model_type == "llama":
                 hf["mlp_bias"] = False
         if model_type in _DERIVED_HEAD_DIM:
@@ -408,10 +433,7 @@ class LlamaFamilyLayout:
             fields.update(qkv_bias=bias, wo_bias=bias)
         if model_type in ("qwen2", "qwen3"):
             if hf.get("use_sliding_window"):
-                raise _unsupported(
-                    "use_sliding_window", True, "full attention in every layer",
-                    "Set use_sliding_window to false if the model was trained without it.",
-                )  # fmt: skip
+                fields.update(_qwen_window(hf))
         elif model_type in GEMMA_TYPES:
             fields.update(gemma_settings(hf, model_type))
         elif model_type == "mistral":
@@ -426,7 +448,7 @@ class LlamaFamilyLayout:
                     "those.",
                 )  # fmt: skip
         layer_types = set(hf.get("layer_types") or ["full_attention"])
-        if layer_types != {"full_attention"} and model_type not in GEMMA_TYPES:
+        if layer_types != {"full_attention"} and "layer_types" not in fields:
             raise _unsupported("layer_types", sorted(layer_types), "full attention in every layer")
         return fields
 

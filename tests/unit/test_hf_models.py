@@ -100,7 +100,17 @@ def test_max_seq_len_can_shorten_the_tables_and_keeps_llama3_scaling(folders):
 
 @pytest.mark.parametrize(
     "family",
-    ["llama3_2", "qwen2", "mistral", "qwen3", "olmo2", "mistral_window", "gemma2", "gemma3_text"],
+    [
+        "llama3_2",
+        "qwen2",
+        "mistral",
+        "qwen3",
+        "olmo2",
+        "mistral_window",
+        "qwen2_window",
+        "gemma2",
+        "gemma3_text",
+    ],
 )
 def test_hf_to_dcp_to_hf_is_bit_for_bit_and_loads_in_transformers(tmp_path, family):
     source = make_folder(tmp_path / "src", family, dtype=torch.bfloat16)
@@ -128,7 +138,7 @@ def test_hf_to_dcp_to_hf_is_bit_for_bit_and_loads_in_transformers(tmp_path, fami
         json.loads((f / "config.json").read_text()) for f in (tmp_path / "out", source)
     )
     assert config["model_type"] == source_config["model_type"]
-    if family in ("mistral_window", "gemma2", "gemma3_text"):  # the window, Gemma's fields
+    if family in ("mistral_window", "qwen2_window", "gemma2", "gemma3_text"):  # windows, Gemma's
         for key in ("sliding_window", "layer_types", "rope_parameters", "query_pre_attn_scalar",
                     "attn_logit_softcapping", "final_logit_softcapping"):  # fmt: skip
             assert config.get(key) == source_config.get(key), key
@@ -256,8 +266,7 @@ def test_what_freetx_cannot_compute_is_refused_with_the_field(tmp_path, change, 
 
 @pytest.mark.parametrize(
     "family,change,message",
-    [("qwen3", {"use_sliding_window": True, "sliding_window": 64}, "use_sliding_window=true"),
-     ("qwen3", {"layer_types": ["full_attention", "sliding_attention"]},
+    [("qwen3", {"layer_types": ["full_attention", "sliding_attention"]},
       'layer_types=["full_attention", "sliding_attention"]'),
      ("olmo2", {"hidden_act": "gelu"}, 'hidden_act="gelu"'),
      ("olmo2", {"sliding_window": 64}, "sliding_window=64"),
