@@ -128,9 +128,9 @@ class TransformerConfig:
             found["activation"] = (
                 "the gated MLP computes silu (Llama) or gelu_tanh (Gemma); set one of those."
             )
-        types = values.get("layer_types")
+        types, layers = values.get("layer_types"), values.get("num_layers")
         if types is not None and (
-            len(types) != values.get("num_layers")
+            len(types) != (layers or len(types))  # unknown before an HF folder is read
             or not set(types) <= {"full_attention", "sliding_attention"}
         ):
             found["layer_types"] = (
@@ -525,7 +525,7 @@ PRESETS: dict[str, dict] = {
 }  # fmt: skip
 
 
-@builds(TransformerConfig)
+@builds(TransformerConfig, PRESETS)
 def decoder(preset: str | None = None, **fields) -> Transformer:
     """A decoder: a preset's shape (tiny, small, llama3_1b, llama3_8b) with any
     `TransformerConfig` field changed, or any shape from its fields alone."""

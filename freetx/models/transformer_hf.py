@@ -1,14 +1,15 @@
 """The HF layouts of the decoder (`Transformer.hf_layout`): tensor names and config.json
 for the Llama family as `transformers` writes it: Llama 2/3/3.1/3.2/3.3, Mistral,
-Qwen2/Qwen2.5, Qwen3 (q/k norms per head) and OLMo 2 (q/k norms over the projections,
-post-norms).
+Qwen2/Qwen2.5, Qwen3 (q/k norms per head), OLMo 2 (q/k norms over the projections,
+post-norms), Gemma 2 and Gemma 3 text (norms before and after, `gemma_settings`); sliding
+windows of Mistral, Qwen2/3 and Gemma on the layers config.json names.
 
 freetx's decoder uses the rotate-half RoPE convention of HF's Llama, so weights
 convert by renaming alone (no permutation of the q/k projections). config.json
 is read in both layouts transformers has used: `rope_theta` and `rope_scaling`
 at the top (4.x) and `rope_parameters: {rope_theta, rope_type, ...}` (5.x). A
-field freetx cannot honour (another rope type, an active sliding window, biases
-on the MLP, another activation) is refused with its name: a model freetx builds
+field freetx cannot honour (another rope type, a window on a type whose transformers
+class has none, biases on the MLP, another activation) is refused with its name: a model freetx builds
 from a folder computes what transformers computes, or it is not built.
 
 `freetx.models.transformer.hf_decoder(path, **fields)` builds the decoder a
@@ -281,13 +282,15 @@ def _not_held(model_type: str, c: dict[str, Any]) -> list[str]:
 
 
 class LlamaFamilyLayout:
-    """How `freetx.models.transformer.Transformer` maps to HF Llama, Mistral, Qwen2, Qwen3
-    and OLMo 2 folders (the same tensors; Qwen2 adds q/k/v biases, Qwen3 and OLMo 2 q/k
-    norms, OLMo 2 puts its block norms after attention and MLP).
+    """How `freetx.models.transformer.Transformer` maps to HF Llama, Mistral, Qwen2, Qwen3,
+    OLMo 2, Gemma 2 and Gemma 3 text folders (the same tensors; Qwen2 adds q/k/v biases,
+    Qwen3, OLMo 2 and Gemma 3 q/k norms, OLMo 2 puts its block norms after attention and
+    MLP, Gemma before and after).
 
     One layout per norm position, since HF's `post_attention_layernorm` names a different
     norm in each: `model_types` are the types it reads. Writing needs no such choice
-    (freetx's names differ), so either layout writes every model type.
+    (freetx's names differ: a sandwich block's norm before the MLP is `pre_ffn_norm`, a
+    pre-norm block's `ffn_norm`), so any layout writes every model type.
     """
 
     model_class = "freetx.models.transformer.Transformer"
