@@ -16,7 +16,14 @@ STRATEGIES = ["fsdp", "zero2", "hsdp", "ddp", "zero1"]
 
 @pytest.mark.parametrize(
     "family",
-    ["llama3_2", "qwen2", *(pytest.param(f, marks=pytest.mark.slow) for f in ("qwen3", "olmo2"))],
+    [
+        "llama3_2",
+        "qwen2",
+        *(
+            pytest.param(f, marks=pytest.mark.slow)
+            for f in ("qwen3", "olmo2", "gemma2", "gemma3_text")
+        ),
+    ],
 )
 def test_hf_folder_loads_under_every_strategy(tmp_path, family):
     folder = make_folder(tmp_path / "m", family)
