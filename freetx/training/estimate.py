@@ -16,7 +16,9 @@ moments (fp32; 8-bit optimizers: 2 bytes), each divided by the ranks that shard 
 activations per micro-batch, counted per token and block for the decoder (compute
 dtype): the norm inputs and outputs, q, k, v and the attention output kept by SDPA,
 the input of wo, and the four MLP tensors (gate, up, silu(gate), their product):
-7h + 2 h_kv + 4 f elements; full checkpointing keeps a block's input (h) instead,
+7h + 2 h_kv + 4 f elements (and, for soft-capped attention where the explicit kernel
+computes it, the rows of T scores per head it keeps: `attention_score_bytes`); full
+checkpointing keeps a block's input (h) instead,
 selective every n-th; and the loss: bf16 logits, their fp32 copy and log-softmax
 (10 bytes per token per vocabulary entry), which dominate small models with large
 vocabularies. AD's transformer is counted as a decoder (n_transit tokens per window). A
@@ -49,6 +51,7 @@ from freetx.distributed import (
     shard_layouts,
 )
 from freetx.distributed.parallelize import find_blocks
+from freetx.models.attention import AttentionSpec, choose_kernel, sliding_layers
 from freetx.models.peft.nf4 import BYTES_PER_WEIGHT, NF4LoRALinear
 from freetx.models.protocol import CountsFlops, EstimatesActivations, check_model
 
@@ -137,7 +140,7 @@ def estimate(
     else:
         activations, loss = decoder_activations(
             model.config, len(blocks), tokens_per_rank, compute, activation_checkpointing,
-            ac_every_n_blocks,
+            ac_every_n_blocks, attention_score_bytes(model.config, seq_len, device, compute),
         )  # fmt: skip
     peak, bandwidth, _ = DEVICES[device]
     flops = model.flops_per_token(seq_len) if isinstance(model, CountsFlops) else 6 * trainable
@@ -168,15 +171,42 @@ def estimate(
     return out
 
 
+def attention_score_bytes(cfg, seq_len: int, device: str, compute: int) -> float:
+    """Bytes per token and block (averaged over the blocks) that the explicit attention
+    kernel keeps for backward where `freetx.models.attention.choose_kernel` picks it on
+    `device` (soft-capped layers on CPU; with attention dropout on CUDA too): each query's
+    row of seq_len scores per head, as the tanh output and the weights (compute dtype)
+    and the float32 softmax. SDPA and compiled FlexAttention keep no such rows."""
+    layers = getattr(cfg, "num_layers", 0)
+    softcap = getattr(cfg, "attn_logit_softcap", None)
+    if not layers or softcap is None:
+        return 0.0
+    device_type = "cpu" if device == "cpu" else "cuda"
+    dropout = getattr(cfg, "attention_dropout", 0.0)
+    explicit = sum(
+        choose_kernel(device_type, AttentionSpec(window=cfg.sliding_window if sliding else None,
+                                                 softcap=softcap), dropout) == "explicit"
+        for sliding in sliding_layers(layers, cfg.sliding_window, cfg.layer_types)
+    )  # fmt: skip
+    return explicit / layers * cfg.num_heads * seq_len * (2 * compute + 4)
+
+
 def decoder_activations(
-    cfg, layers: int, tokens: int, compute: int, checkpointing: str, every_n: int
+    cfg,
+    layers: int,
+    tokens: int,
+    compute: int,
+    checkpointing: str,
+    every_n: int,
+    scores: float = 0.0,
 ) -> tuple[float, float]:
     """(activations, loss) bytes of a decoder's micro-batch of `tokens` tokens (per rank):
-    each block's saved tensors per token (see the module docstring), less what activation
-    checkpointing recomputes, and the loss's logits."""
+    each block's saved tensors per token (see the module docstring; `scores`: the
+    attention's score rows, `attention_score_bytes`), less what activation checkpointing
+    recomputes, and the loss's logits."""  # fmt: skip
     h, f = cfg.hidden_dim, getattr(cfg, "ffn_hidden_dim", 4 * cfg.hidden_dim)
     kv = getattr(cfg, "num_kv_heads", cfg.num_heads) * getattr(cfg, "head_dim", h // cfg.num_heads)
-    per_token = (7 * h + 2 * kv + 4 * f) * compute  # a block's saved activations
+    per_token = (7 * h + 2 * kv + 4 * f) * compute + scores  # a block's saved activations
     layers = max(1, layers)
     if checkpointing == "full":
         kept = layers * h * compute + per_token  # inputs, and one block being recomputed
