@@ -73,8 +73,9 @@ def _compiled_flex():
 
 
 def flex(q, k, v, spec: AttentionSpec, causal: bool) -> torch.Tensor:
-    """FlexAttention: compiled on CUDA (fused, no T x T scores), eager elsewhere (the
-    forward only: tests compare it with the other kernels on CPU)."""
+    """FlexAttention: compiled on CUDA (fused, no T x T scores; inside a compiled block,
+    `distributed.compile`, the block's compile takes it in), eager elsewhere (the forward
+    only: tests compare it with the other kernels on CPU)."""
     from torch.nn.attention.flex_attention import flex_attention
 
     softcap = spec.softcap
@@ -83,7 +84,8 @@ def flex(q, k, v, spec: AttentionSpec, causal: bool) -> torch.Tensor:
         return softcap * torch.tanh(score / softcap)
 
     block_mask = _block_mask(q.shape[2], spec.window, str(q.device)) if causal else None
-    call = _compiled_flex() if q.is_cuda else flex_attention
+    compiled = q.is_cuda and not torch.compiler.is_compiling()
+    call = _compiled_flex() if compiled else flex_attention
     return call(
         q, k, v, score_mod=None if softcap is None else capped, block_mask=block_mask,
         scale=spec.scale, enable_gqa=k.shape[1] != q.shape[1],

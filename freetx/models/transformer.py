@@ -105,9 +105,9 @@ class TransformerConfig:
                 raise ValueError(f"{name}={getattr(self, name)} must be positive (or null)")
         refuse_meaningless(self)
 
-    def sliding(self, layer: int) -> bool:
-        """Whether layer `layer` attends within `sliding_window`."""
-        return sliding_layers(self.num_layers, self.sliding_window, self.layer_types)[layer]
+    def sliding_layers(self) -> list[bool]:
+        """Per layer, whether it attends within `sliding_window`."""
+        return sliding_layers(self.num_layers, self.sliding_window, self.layer_types)
 
     @staticmethod
     def meaningless(values: dict[str, Any]) -> dict[str, str]:
@@ -377,7 +377,7 @@ class DecoderBlock(nn.Module):
         kv_input = None if kv is None else self.attention_norm(kv)
         attended = self.attention(h, cos, sin, causal=causal, kv_input=kv_input)
         x = x + self.dropout(self.post_attention_norm(attended))
-        h = self.pre_ffn_norm(self.ffn_norm(x))  # one of them is the identity
+        h = self.pre_ffn_norm(self.ffn_norm(x))  # at most one of the two is a norm
         return x + self.dropout(self.post_ffn_norm(self.feed_forward(h)))
 
 
@@ -435,9 +435,7 @@ class Transformer(nn.Module):
         self.config = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_dim)
         self.dropout = nn.Dropout(cfg.dropout)
-        self.layers = nn.ModuleList(
-            DecoderBlock(cfg, cfg.sliding(i)) for i in range(cfg.num_layers)
-        )
+        self.layers = nn.ModuleList(DecoderBlock(cfg, sliding) for sliding in cfg.sliding_layers())
         self.norm = rms_norm(cfg, cfg.hidden_dim)
         self.output = (
             None if cfg.tie_embeddings else nn.Linear(cfg.hidden_dim, cfg.vocab_size, bias=False)
@@ -473,8 +471,8 @@ class Transformer(nn.Module):
         tables = self.rope(seq_len)
         local = tables if self.local_rope is None else self.local_rope(seq_len)
         h = self.embed(input_ids)
-        for i, layer in enumerate(self.layers):
-            h = layer(h, *(local if self.config.sliding(i) else tables))
+        for layer, sliding in zip(self.layers, self.config.sliding_layers()):
+            h = layer(h, *(local if sliding else tables))
         return self.head(h)
 
     # -- initialization (after parallelize + to_empty) ----------------------

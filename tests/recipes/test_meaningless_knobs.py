@@ -43,7 +43,9 @@ TOPK = ["model.activation=batchtopk", "model.k=8"]
       "'model.layer_types' is ['sliding_attention']: it names each of the num_layers=4"),
      ("llm/tiny", ["model.layer_types=[sliding_attention,full_attention,full_attention,"
                    "full_attention]"], "layer_types has sliding_attention layers but no window"),
-     ("free_transformer/tiny", ["model.rope_local_theta=10000"], "layers share one RoPE")],
+     ("free_transformer/tiny", ["model.rope_local_theta=10000"], "layers share one RoPE"),
+     ("ad/darkroom_tiny", ["model.scale_embeddings=true"],
+      "'model.scale_embeddings' is True: AD's transformer does not compute it")],
 )  # fmt: skip
 def test_validate_refuses_a_meaningless_value(config, overrides, message):
     result = run_freetx_here("validate", config, *overrides)

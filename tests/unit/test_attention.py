@@ -79,3 +79,13 @@ def test_a_window_needs_causal_attention():
     q, k, v = qkv()
     with pytest.raises(ValueError, match="a sliding window is causal"):
         attend(q, k, v, WINDOW, causal=False)
+
+
+@pytest.mark.slow  # 25 s of compiling on 2 CPU cores
+def test_flex_attention_inside_a_compiled_block_computes_the_same_attention():
+    """What `distributed.compile` makes of a block on CUDA: FlexAttention traced into the
+    block's graph (here on CPU, the forward)."""
+    q, k, v = qkv()
+    with torch.no_grad():
+        compiled = torch.compile(lambda q, k, v: attend(q, k, v, BOTH, kernel="flex"))(q, k, v)
+    assert (compiled - attend(q, k, v, BOTH, kernel="explicit")).abs().max() <= 1e-5
