@@ -91,6 +91,10 @@ def to_old_layout(folder: Path) -> None:
         hf["rope_local_base_freq"] = params["sliding_attention"]["rope_theta"]
         hf.pop("use_bidirectional_attention", None)
         params = params["full_attention"]
+    if hf["model_type"] in ("gemma2", "gemma3_text"):  # no layer_types: a full layer every n
+        types = hf.pop("layer_types")
+        hf.pop("_sliding_window_pattern", None)
+        hf["sliding_window_pattern"] = types.index("full_attention") + 1
     hf["rope_theta"] = params.pop("rope_theta")
     if params.get("rope_type", "default") != "default":
         hf["rope_scaling"] = params

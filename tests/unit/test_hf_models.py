@@ -68,6 +68,21 @@ def test_config_fields_are_read_from_both_layouts(folders):
     assert open_tensors(folders["qwen3"]).model_config["head_dim"] == 32
     assert open_tensors(folders["olmo2"]).model_config["rope_theta"] == 500000.0
     assert open_tensors(folders["olmo2_old_layout"]).model_config["rope_theta"] == 500000.0
+    sliding, full = "sliding_attention", "full_attention"
+    for family in ("gemma3_text", "gemma3_text_old_layout"):  # 4.x: rope_local_base_freq and
+        config = open_tensors(folders[family]).model_config  # sliding_window_pattern
+        assert (config["layer_types"], config["sliding_window"]) == ([sliding, sliding, full], 40)
+        assert (config["rope_theta"], config["rope_local_theta"]) == (1e6, 1e4), family
+        assert config["rope_scaling"] == {"rope_type": "linear", "factor": 4.0}, family
+        assert (config["qk_norm"], config["norm_position"]) == ("head", "sandwich"), family
+        assert config["attn_logit_softcap"] is config["final_logit_softcap"] is None
+    for family, final in (("gemma2", 1.5), ("gemma2_old_layout", 30.0)):
+        config = open_tensors(folders[family]).model_config
+        assert (config["layer_types"], config["attn_logit_softcap"]) == ([sliding, full], 2.0)
+        assert (config["final_logit_softcap"], config["activation"]) == (final, "gelu_tanh")
+        assert config["norm_plus_one"] and config["scale_embeddings"] and config["tie_embeddings"]
+    assert open_tensors(folders["mistral_window"]).model_config["sliding_window"] == 48
+    assert open_tensors(folders["qwen2_window"]).model_config["layer_types"] == [full, sliding]
 
 
 def test_every_decoder_tensor_name_reads_back_through_its_folders_layout():
