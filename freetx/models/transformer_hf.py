@@ -175,11 +175,12 @@ def gemma_settings(hf: dict[str, Any], model_type: str) -> dict[str, Any]:
     if hf.get("use_bidirectional_attention"):
         raise _unsupported("use_bidirectional_attention", True, "causal attention")
     if model_type == "gemma3_text" and get("attn_logit_softcapping") is not None:
-        raise _unsupported(
-            "attn_logit_softcapping", get("attn_logit_softcapping"),
-            "transformers' Gemma 3 ignores it, freetx would apply it",
-            "Gemma 3 has none: set it to null.",
-        )  # fmt: skip
+        raise CheckpointError(
+            f"config.json sets attn_logit_softcapping={get('attn_logit_softcapping')} for a "
+            "gemma3_text model, which transformers' Gemma 3 ignores (its attention is not "
+            "soft-capped), so the folder does not say which model it is. Gemma 3 has none: "
+            "set it to null in config.json for the model transformers computes."
+        )
     layers, pattern = int(hf["num_hidden_layers"]), int(get("sliding_window_pattern"))
     default_types = [
         "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)
