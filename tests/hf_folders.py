@@ -1,9 +1,9 @@
 """Model folders as `transformers` writes them (tiny, random weights), for the tests of
 freetx's HF reading and writing. Every family freetx reads (Llama, Mistral, Qwen2,
-Qwen3, OLMo 2, Phi-3/Phi-4, Mixtral, Qwen3-MoE), sharded and not, in the current config
-layout (`rope_parameters`) and the older one (`rope_theta` + `rope_scaling` at the top); and
-causal LMs freetx has no native layout for, read through the generic transformers path
-(`GENERIC_FAMILIES`)."""
+Qwen3, OLMo 2, Phi-3/Phi-4, Gemma 2, Gemma 3 text, Mixtral, Qwen3-MoE), sharded and not, in
+the current config layout (`rope_parameters`) and the older one (`rope_theta` +
+`rope_scaling` at the top); and causal LMs freetx has no native layout for, read through the
+generic transformers path (`GENERIC_FAMILIES`)."""
 
 from __future__ import annotations
 
@@ -31,6 +31,15 @@ def longrope(factors: int, **more) -> dict:
     return {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": SHORT_FACTOR[:factors],
             "long_factor": LONG_FACTOR[:factors], **more}  # fmt: skip
 
+
+# Gemma's default token ids (pad 0, eos 1, bos 2) lie inside the tiny vocabulary
+GEMMA_TOKENS = dict(pad_token_id=0, eos_token_id=1, bos_token_id=2)
+GEMMA3 = dict(GEMMA_TOKENS, num_hidden_layers=3, head_dim=32, query_pre_attn_scalar=32,
+              sliding_window=40,
+              layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+              rope_parameters={
+                  "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
+                  "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})  # fmt: skip
 
 # family name -> (transformers config class name, config fields, save options)
 FAMILIES = {
@@ -95,6 +104,23 @@ FAMILIES = {
     "phi4_mini_old_layout": ("Phi3Config", dict(
         **PHI3_IDS, original_max_position_embeddings=64, tie_word_embeddings=True,
         sliding_window=256, rope_parameters=longrope(6, partial_rotary_factor=0.75)), {}),
+    # Qwen2 with a window on the layers from max_window_layers on
+    "qwen2_window": ("Qwen2Config", dict(use_sliding_window=True, sliding_window=48,
+                                         max_window_layers=1), {}),
+    # Mistral with a window shorter than the tests' sequences (160 tokens)
+    "mistral_window": ("MistralConfig", dict(sliding_window=48), {}),
+    # Gemma 2: sandwich norms (1 + w), GeGLU, scaled embeddings, query_pre_attn_scalar,
+    # both soft-caps (low enough to bite), sliding and full layers alternating, tied
+    "gemma2": ("Gemma2Config", dict(GEMMA_TOKENS, head_dim=16, query_pre_attn_scalar=24,
+                                    sliding_window=40, attn_logit_softcapping=2.0,
+                                    final_logit_softcapping=1.5),
+               dict(max_shard_size="60KB")),
+    "gemma2_old_layout": ("Gemma2Config", dict(GEMMA_TOKENS, head_dim=16, sliding_window=40,
+                                               attn_logit_softcapping=2.0), {}),
+    # Gemma 3 text: q/k norms per head (1 + w), local (theta 10000) and global (theta 1e6,
+    # linear scaling) RoPE, 2 sliding layers then a full one, no soft-caps, sharded
+    "gemma3_text": ("Gemma3TextConfig", dict(GEMMA3), dict(max_shard_size="40KB")),
+    "gemma3_text_old_layout": ("Gemma3TextConfig", dict(GEMMA3), {}),
 }  # fmt: skip
 
 # architectures outside the native families (freetx.models.hf_generic), same form; token ids
@@ -125,6 +151,14 @@ def to_old_layout(folder: Path) -> None:
     path = folder / "config.json"
     hf = json.loads(path.read_text())
     params = hf.pop("rope_parameters")
+    if "full_attention" in params:  # Gemma 3: the local base apart, scaling of global layers
+        hf["rope_local_base_freq"] = params["sliding_attention"]["rope_theta"]
+        hf.pop("use_bidirectional_attention", None)
+        params = params["full_attention"]
+    if hf["model_type"] in ("gemma2", "gemma3_text"):  # no layer_types: a full layer every n
+        types = hf.pop("layer_types")
+        hf.pop("_sliding_window_pattern", None)
+        hf["sliding_window_pattern"] = types.index("full_attention") + 1
     hf["rope_theta"] = params.pop("rope_theta")
     if params.get("partial_rotary_factor", 1.0) != 1.0:  # Phi-4-mini keeps it at the top
         hf["partial_rotary_factor"] = params["partial_rotary_factor"]

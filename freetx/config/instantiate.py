@@ -238,8 +238,9 @@ def _meaningless_values(target: Any, where: str, kwargs: dict) -> list[str]:
         return []
     names = {f.name for f in dataclasses.fields(config_class)}
     preset = target.presets.get(kwargs.get("preset"), {})  # the node's keys over its preset's
-    plain = {k: v for k, v in {**preset, **kwargs}.items()
-             if k in names and not isinstance(v, (DictConfig, ListConfig))}  # fmt: skip
+    plain = {k: OmegaConf.to_container(v) if isinstance(v, ListConfig) else v
+             for k, v in {**preset, **kwargs}.items()
+             if k in names and not isinstance(v, DictConfig)}  # fmt: skip
     return field_problems(config_class, plain, f"{where}.")
 
 

@@ -11,7 +11,7 @@ are "none" (their own embedding rows).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -22,6 +22,7 @@ from freetx.models.transformer import (
     RotaryTables,
     TransformerConfig,
     init_decoder_parameter,
+    rms_norm,
 )
 
 
@@ -41,6 +42,18 @@ class ADConfig(TransformerConfig):
     # the model can go to (the seed feeds (x, y) coordinates through a Linear)
     state_encoding: Literal["index", "xy"] = "index"
     grid_size: int = 9  # for "xy"
+
+    @staticmethod
+    def meaningless(values: dict[str, Any]) -> dict[str, str]:
+        """The decoder's checks, and its fields of a token model that AD's embeddings of
+        transitions and action head do not have (freetx.fields), by key: why, and the fix."""
+        found = TransformerConfig.meaningless(values)
+        for name, default in (("scale_embeddings", False), ("final_logit_softcap", None),
+                              ("rope_local_theta", None)):  # fmt: skip
+            if values.get(name, default) != default:
+                unset = "false" if default is False else "null"
+                found[name] = f"AD's transformer does not compute it; set {name}={unset}."
+        return found
 
 
 class ADTransformer(nn.Module):
@@ -64,8 +77,8 @@ class ADTransformer(nn.Module):
         self.action_embedding = nn.Embedding(cfg.num_actions + 1, cfg.hidden_dim)  # + none
         self.reward_embedding = nn.Embedding(cfg.num_rewards + 1, cfg.hidden_dim)  # + none
         self.dropout = nn.Dropout(cfg.dropout)
-        self.layers = nn.ModuleList(DecoderBlock(cfg) for _ in range(cfg.num_layers))
-        self.norm = nn.RMSNorm(cfg.hidden_dim, eps=cfg.norm_eps)
+        self.layers = nn.ModuleList(DecoderBlock(cfg, sliding) for sliding in cfg.sliding_layers())
+        self.norm = rms_norm(cfg, cfg.hidden_dim)
         self.head = nn.Linear(cfg.hidden_dim, cfg.num_actions, bias=False)
         self.rope = RotaryTables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
 

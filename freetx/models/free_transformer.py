@@ -79,6 +79,10 @@ class FreeTransformerConfig(TransformerConfig):
                 "the Free Transformer's blocks have a dense MLP; mixtures of experts are the "
                 "decoder's (freetx.models.transformer.decoder). Set num_experts=0."
             )
+        if values.get("rope_local_theta") is not None:
+            found["rope_local_theta"] = (
+                "the Free Transformer's layers share one RoPE; set rope_local_theta=null."
+            )
         bits = values.get("latent_dim")
         if bits is None or bits <= MAX_TABLE_BITS or values["factored_post_sampler"]:
             return found
@@ -278,7 +282,7 @@ class FreeTransformer(Transformer):
         cfg = self.config
         batch, seq_len = input_ids.shape
         cos, sin = self.rope(seq_len)
-        h = self.dropout(self.tok_embeddings(input_ids))
+        h = self.embed(input_ids)
         for layer in self.layers[: cfg.split_layer]:
             h = layer(h, cos, sin)
 

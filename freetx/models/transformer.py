@@ -19,6 +19,7 @@ layout (names, config.json) lives beside it in `transformer_hf.py`.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -28,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from freetx.fields import refuse_meaningless
+from freetx.models.attention import AttentionSpec, attend, sliding_layers
 from freetx.models.moe import MoEFeedForward, expert_load_max, load_balancing_loss
 from freetx.models.protocol import LMOutput, build_config, builds
 from freetx.models.transformer_hf import LLAMA_LAYOUT, hf_config_fields
@@ -61,8 +63,21 @@ class TransformerConfig:
     # "projection" over the whole q and k projections (OLMo 2); None: none (Llama)
     qk_norm: Literal["head", "projection"] | None = None
     # "pre": x + attn(norm(x)), then + ffn(norm(x)) (Llama); "post": x + norm(attn(x)),
-    # then + norm(ffn(x)) (OLMo 2)
-    norm_position: Literal["pre", "post"] = "pre"
+    # then + norm(ffn(x)) (OLMo 2); "sandwich": x + norm(attn(norm(x))), then
+    # + norm(ffn(norm(x))) (Gemma 2, 3)
+    norm_position: Literal["pre", "post", "sandwich"] = "pre"
+    # Gemma's RMSNorm: x / rms(x) * (1 + weight), in float32 (the weight stored as HF does)
+    norm_plus_one: bool = False
+    activation: Literal["silu", "gelu_tanh"] = "silu"  # of the gated MLP (gelu_tanh: Gemma)
+    scale_embeddings: bool = False  # embeddings times sqrt(hidden_dim) (Gemma)
+    query_pre_attn_scalar: float | None = None  # scores scaled by 1/sqrt(it); None: head_dim
+    attn_logit_softcap: float | None = None  # scores -> cap * tanh(scores / cap) (Gemma 2)
+    final_logit_softcap: float | None = None  # logits -> cap * tanh(logits / cap) (Gemma 2)
+    # a query attends to its `sliding_window` latest tokens, itself included (Mistral, Gemma),
+    # in the layers `layer_types` marks "sliding_attention" (None: every layer)
+    sliding_window: int | None = None
+    layer_types: list[str] | None = None  # per layer: "full_attention" or "sliding_attention"
+    rope_local_theta: float | None = None  # RoPE base of sliding layers (Gemma 3); None: rope_theta
     # one q/k/v projection (attention.wqkv) and one gate/up projection (feed_forward.w13),
     # split after the matmul (Phi-3); False: wq, wk, wv and w1, w3 (Llama)
     fused_projections: bool = False
@@ -109,6 +124,10 @@ class TransformerConfig:
                 f"num_heads={self.num_heads} is not divisible by num_kv_heads={self.num_kv_heads}"
             )
         check_rope_scaling(self.rope_scaling, self.rotary_dim)
+        for name in ("sliding_window", "query_pre_attn_scalar", "attn_logit_softcap",
+                     "final_logit_softcap"):  # fmt: skip
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be positive (or null)")
         if self.moe_ffn_hidden_dim is None:
             self.moe_ffn_hidden_dim = self.ffn_hidden_dim
         refuse_meaningless(self)
@@ -117,6 +136,10 @@ class TransformerConfig:
     def rotary_dim(self) -> int:
         """The dims of each head RoPE rotates (the first ones), as transformers counts them."""
         return int(self.head_dim * self.partial_rotary_factor)
+
+    def sliding_layers(self) -> list[bool]:
+        """Per layer, whether it attends within `sliding_window`."""
+        return sliding_layers(self.num_layers, self.sliding_window, self.layer_types)
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether block `layer` has experts (Qwen3-MoE's rule; every block for Mixtral)."""
@@ -136,10 +159,29 @@ class TransformerConfig:
                 "the decoder normalizes queries and keys per head (head: Qwen3), over the "
                 "whole projection (projection: OLMo 2) or not at all (null); set one of those."
             )
-        if values.get("norm_position") not in ("pre", "post"):
+        if values.get("norm_position") not in ("pre", "post", "sandwich"):
             found["norm_position"] = (
-                "a block's norms come before attention and MLP (pre: Llama, Qwen) or after "
-                "them (post: OLMo 2); set pre or post."
+                "a block's norms come before attention and MLP (pre: Llama, Qwen), after "
+                "them (post: OLMo 2) or both (sandwich: Gemma); set pre, post or sandwich."
+            )
+        if values.get("activation", "silu") not in ("silu", "gelu_tanh"):
+            found["activation"] = (
+                "the gated MLP computes silu (Llama) or gelu_tanh (Gemma); set one of those."
+            )
+        types, layers = values.get("layer_types"), values.get("num_layers")
+        if types is not None and (
+            len(types) != (layers or len(types))  # unknown before an HF folder is read
+            or not set(types) <= {"full_attention", "sliding_attention"}
+        ):
+            found["layer_types"] = (
+                f"it names each of the num_layers={values.get('num_layers')} layers "
+                "full_attention or sliding_attention; list one per layer, or set null "
+                "(every layer slides when sliding_window is set)."
+            )
+        elif types and "sliding_attention" in types and values.get("sliding_window") is None:
+            found["sliding_window"] = (
+                "layer_types has sliding_attention layers but no window; set sliding_window "
+                "to the tokens a query sees."
             )
         if not 0 < values.get("partial_rotary_factor", 1.0) <= 1:
             found["partial_rotary_factor"] = (
@@ -321,18 +363,40 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return (x * cos + rotate_half(x) * sin).to(x.dtype)
 
 
+class PlusOneRMSNorm(nn.Module):
+    """Gemma's RMSNorm: x / rms(x) * (1 + weight), computed in float32 and cast back.
+    The weight is stored as HF stores it (zeros: the identity), so exports are exact."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * (1.0 + self.weight.float())).type_as(x)
+
+
+def rms_norm(cfg: TransformerConfig, dim: int) -> nn.Module:
+    """The config's RMSNorm over `dim` features: torch's, or Gemma's (1 + weight)."""
+    return PlusOneRMSNorm(dim, cfg.norm_eps) if cfg.norm_plus_one else nn.RMSNorm(dim, cfg.norm_eps)
+
+
 class Attention(nn.Module):
-    """Grouped-query attention through `F.scaled_dot_product_attention`.
+    """Grouped-query attention through `freetx.models.attention.attend` (SDPA, or the
+    kernel a sliding window or soft-capping needs on the device).
 
     With `qk_norm`, queries and keys are RMS-normalized before RoPE (`q_norm`,
     `k_norm`): per head ("head", Qwen3) or over the whole projection
     ("projection", OLMo 2). With `fused_projections` one Linear, `wqkv`, projects
     queries, keys and values ([q | k | v] rows, Phi-3's qkv_proj), split after the matmul. `causal=False` gives the bidirectional attention an encoder needs;
     `kv_input` takes keys and values from another stream than the queries
-    (the Free Transformer's encoder and injection block).
+    (the Free Transformer's encoder and injection block). `sliding`: this layer attends
+    within `cfg.sliding_window`.
     """
 
-    def __init__(self, cfg: TransformerConfig):
+    def __init__(self, cfg: TransformerConfig, sliding: bool = False):
         super().__init__()
         self.num_heads = cfg.num_heads
         self.num_kv_heads = cfg.num_kv_heads
@@ -353,8 +417,13 @@ class Attention(nn.Module):
             per_head = cfg.qk_norm == "head"
             q_size = cfg.head_dim if per_head else cfg.num_heads * cfg.head_dim
             k_size = cfg.head_dim if per_head else cfg.num_kv_heads * cfg.head_dim
-            self.q_norm = nn.RMSNorm(q_size, eps=cfg.norm_eps)
-            self.k_norm = nn.RMSNorm(k_size, eps=cfg.norm_eps)
+            self.q_norm = rms_norm(cfg, q_size)
+            self.k_norm = rms_norm(cfg, k_size)
+        scalar = cfg.query_pre_attn_scalar
+        self.spec = AttentionSpec(
+            window=cfg.sliding_window if sliding else None, softcap=cfg.attn_logit_softcap,
+            scale=None if scalar is None else scalar**-0.5,
+        )  # fmt: skip
 
     def forward(
         self,
@@ -375,14 +444,8 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = F.scaled_dot_product_attention(
-            q,
-            k,
-            v,
-            is_causal=causal,
-            dropout_p=self.attention_dropout if self.training else 0.0,
-            enable_gqa=self.num_kv_heads != self.num_heads,
-        )
+        dropout = self.attention_dropout if self.training else 0.0
+        out = attend(q, k, v, self.spec, causal=causal, dropout=dropout)
         return self.wo(out.transpose(1, 2).reshape(batch, seq_len, -1))
 
     def project(self, x: torch.Tensor, kv_source: torch.Tensor):
@@ -395,12 +458,17 @@ class Attention(nn.Module):
         return q, k, v
 
 
+ACTIVATIONS = {"silu": F.silu, "gelu_tanh": functools.partial(F.gelu, approximate="tanh")}
+
+
 class FeedForward(nn.Module):
-    """SwiGLU: w2(silu(w1 x) * w3 x); with `fused_projections`, w2(silu(g) * u) where
-    [g | u] = w13 x (Phi-3's gate_up_proj, gate rows first)."""
+    """SwiGLU: w2(silu(w1 x) * w3 x); GeGLU with `activation: gelu_tanh` (Gemma); with
+    `fused_projections`, w2(act(g) * u) where [g | u] = w13 x (Phi-3's gate_up_proj, gate
+    rows first)."""
 
     def __init__(self, cfg: TransformerConfig):
         super().__init__()
+        self.activation = ACTIVATIONS[cfg.activation]
         self.fused = cfg.fused_projections
         if self.fused:
             self.w13 = nn.Linear(cfg.hidden_dim, 2 * cfg.ffn_hidden_dim, bias=False)
@@ -414,7 +482,7 @@ class FeedForward(nn.Module):
             gate, up = self.w13(x).chunk(2, dim=-1)
         else:
             gate, up = self.w1(x), self.w3(x)
-        return self.w2(F.silu(gate) * up)
+        return self.w2(self.activation(gate) * up)
 
 
 def feed_forward(cfg: TransformerConfig, layer: int) -> nn.Module:
@@ -427,27 +495,31 @@ def feed_forward(cfg: TransformerConfig, layer: int) -> nn.Module:
     )  # fmt: skip
 
 
-def _norm(cfg: TransformerConfig, position: str) -> nn.Module:
+def _norm(cfg: TransformerConfig, *positions: str) -> nn.Module:
     """An RMSNorm where the config puts its norms, an identity (no parameters) elsewhere."""
-    if cfg.norm_position != position:
+    if cfg.norm_position not in positions:
         return nn.Identity()
-    return nn.RMSNorm(cfg.hidden_dim, eps=cfg.norm_eps)
+    return rms_norm(cfg, cfg.hidden_dim)
 
 
 class DecoderBlock(nn.Module):
     """x + attn(norm(x)), then + ffn(norm(x)) (pre-norm, `attention_norm`, `ffn_norm`); or
     x + norm(attn(x)), then + norm(ffn(x)) (post-norm, `post_attention_norm`,
-    `post_ffn_norm`). The unit of sharding. On an MoE layer (`feed_forward` a
-    `MoEFeedForward`) it returns `(x, Routing)`: the router's statistics for the aux loss."""
+    `post_ffn_norm`); or both (sandwich: `attention_norm`, `post_attention_norm`,
+    `pre_ffn_norm`, `post_ffn_norm`; its norm before the MLP has its own name, as HF's
+    has, so that every freetx name has one HF name). The unit of sharding. On an MoE layer
+    (`feed_forward` a `MoEFeedForward`) it returns `(x, Routing)`: the router's statistics
+    for the aux loss."""
 
-    def __init__(self, cfg: TransformerConfig, layer: int = 0):
+    def __init__(self, cfg: TransformerConfig, layer: int = 0, sliding: bool = False):
         super().__init__()
-        self.attention_norm = _norm(cfg, "pre")
-        self.attention = Attention(cfg)
-        self.post_attention_norm = _norm(cfg, "post")
+        self.attention_norm = _norm(cfg, "pre", "sandwich")
+        self.attention = Attention(cfg, sliding)
+        self.post_attention_norm = _norm(cfg, "post", "sandwich")
         self.ffn_norm = _norm(cfg, "pre")
+        self.pre_ffn_norm = _norm(cfg, "sandwich")
         self.feed_forward = feed_forward(cfg, layer)
-        self.post_ffn_norm = _norm(cfg, "post")
+        self.post_ffn_norm = _norm(cfg, "post", "sandwich")
         self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(
@@ -463,7 +535,8 @@ class DecoderBlock(nn.Module):
         kv_input = None if kv is None else self.attention_norm(kv)
         attended = self.attention(h, cos, sin, causal=causal, kv_input=kv_input)
         x = x + self.dropout(self.post_attention_norm(attended))
-        out, routing = self.feed_forward(self.ffn_norm(x)), None
+        h = self.pre_ffn_norm(self.ffn_norm(x))  # at most one of the two is a norm
+        out, routing = self.feed_forward(h), None
         if isinstance(self.feed_forward, MoEFeedForward):
             out, routing = out
         x = x + self.dropout(self.post_ffn_norm(out))
@@ -482,12 +555,15 @@ def init_decoder_parameter(
 
     Linear and embedding weights ~ N(0, std); the projections that write into
     the residual stream (`attention.wo`, `feed_forward.w2`, `experts.w2`) are scaled by
-    1/sqrt(2 * num_layers); norms start at one, biases at zero.
+    1/sqrt(2 * num_layers); norms start as the identity (weights of one, Gemma's at
+    zero), biases at zero.
     """
     module_name, _, param_name = name.rpartition(".")
     module = model.get_submodule(module_name)
     if isinstance(module, nn.RMSNorm) or param_name == "bias":
         tensor.fill_(1.0 if isinstance(module, nn.RMSNorm) else 0.0)
+    elif isinstance(module, PlusOneRMSNorm):
+        tensor.zero_()
     elif module_name.endswith(("attention.wo", "feed_forward.w2")) or name.endswith("experts.w2"):
         tensor.normal_(0.0, std / math.sqrt(2 * num_layers), generator=generator)
     else:
@@ -523,32 +599,52 @@ class Transformer(nn.Module):
         self.config = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_dim)
         self.dropout = nn.Dropout(cfg.dropout)
-        self.layers = nn.ModuleList(DecoderBlock(cfg, i) for i in range(cfg.num_layers))
-        self.norm = nn.RMSNorm(cfg.hidden_dim, eps=cfg.norm_eps)
+        self.layers = nn.ModuleList(
+            DecoderBlock(cfg, i, sliding) for i, sliding in enumerate(cfg.sliding_layers())
+        )
+        self.norm = rms_norm(cfg, cfg.hidden_dim)
         self.output = (
             None if cfg.tie_embeddings else nn.Linear(cfg.hidden_dim, cfg.vocab_size, bias=False)
         )
         self.rope = RotaryTables(cfg.rotary_dim, cfg.max_seq_len, cfg.rope_theta, cfg.rope_scaling)
+        # Gemma 3: sliding layers' own RoPE base, unscaled
+        self.local_rope = (
+            None
+            if cfg.rope_local_theta is None
+            else RotaryTables(cfg.rotary_dim, cfg.max_seq_len, cfg.rope_local_theta)
+        )
 
     def describe(self) -> str:
         return f"native freetx decoder for {self.config.hf_model_type}"
 
     # -- the forward pass -------------------------------------------------
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings (times sqrt(hidden_dim) in their dtype, as HF's Gemma)."""
+        h = self.tok_embeddings(input_ids)
+        if self.config.scale_embeddings:
+            h = h * torch.tensor(self.config.hidden_dim**0.5).to(h.dtype)
+        return self.dropout(h)
+
     def head(self, h: torch.Tensor) -> torch.Tensor:
         h = self.norm(h)
         if self.output is None:
-            return F.linear(h, self.tok_embeddings.weight)
-        return self.output(h)
+            logits = F.linear(h, self.tok_embeddings.weight)
+        else:
+            logits = self.output(h)
+        cap = self.config.final_logit_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor | LMOutput:
         """input_ids [B, T] -> logits [B, T, vocab_size]; a model with experts in training
         mode returns `LMOutput(logits, aux_loss, metrics)`: the routers' load-balancing loss
         times router_aux_loss_coef, and `aux_loss` and `expert_load_max` to log."""
-        cos, sin = self.rope(input_ids.shape[1])
-        h = self.dropout(self.tok_embeddings(input_ids))
+        seq_len = input_ids.shape[1]
+        tables = self.rope(seq_len)
+        local = tables if self.local_rope is None else self.local_rope(seq_len)
+        h = self.embed(input_ids)
         routings = []
-        for layer in self.layers:
-            h = layer(h, cos, sin)
+        for layer, sliding in zip(self.layers, self.config.sliding_layers()):
+            h = layer(h, *(local if sliding else tables))
             if isinstance(h, tuple):  # an MoE block: (h, Routing)
                 h, routing = h
                 routings.append(routing)
@@ -569,6 +665,8 @@ class Transformer(nn.Module):
     def init_buffers(self) -> None:
         """Recompute the RoPE tables on the model's device (meta init leaves garbage)."""
         self.rope.reset()
+        if self.local_rope is not None:
+            self.local_rope.reset()
 
     # -- accounting ------------------------------------------------------
     def num_parameters(self, exclude_embeddings: bool = False, active: bool = False) -> int:
@@ -617,7 +715,7 @@ PRESETS: dict[str, dict] = {
 }  # fmt: skip
 
 
-@builds(TransformerConfig)
+@builds(TransformerConfig, PRESETS)
 def decoder(preset: str | None = None, **fields) -> Transformer:
     """A decoder: a preset's shape (tiny, small, llama3_1b, llama3_8b) with any
     `TransformerConfig` field changed, or any shape from its fields alone."""
@@ -627,6 +725,6 @@ def decoder(preset: str | None = None, **fields) -> Transformer:
 @builds(TransformerConfig)
 def hf_decoder(path: str, **fields) -> Transformer:
     """The decoder an HF model folder's config.json describes (Llama 2/3/3.1/3.2, Mistral,
-    Qwen2/2.5, Qwen3, OLMo 2, Phi-3/3.5/4, Mixtral, Qwen3-MoE), with any `TransformerConfig` field changed (e.g. max_seq_len, dropout).
+    Qwen2/2.5, Qwen3, OLMo 2, Phi-3/3.5/4, Gemma 2, Gemma 3 text, Mixtral, Qwen3-MoE), with any `TransformerConfig` field changed (e.g. max_seq_len, dropout).
     Its weights: `checkpoint.initial_weights=<the same folder>`."""
     return Transformer(build_config(TransformerConfig, hf_config_fields(path, fields)))

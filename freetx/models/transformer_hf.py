@@ -1,8 +1,10 @@
 """The HF layouts of the decoder (`Transformer.hf_layout`): tensor names and config.json
 for the Llama family as `transformers` writes it: Llama 2/3/3.1/3.2/3.3, Mistral,
 Qwen2/Qwen2.5, Qwen3 (q/k norms per head), OLMo 2 (q/k norms over the projections,
-post-norms), Phi-3/3.5/4 (fused qkv_proj and gate_up_proj, LongRoPE, partial rotary), and
-its mixtures of experts, Mixtral and Qwen3-MoE.
+post-norms), Phi-3/3.5/4 (fused qkv_proj and gate_up_proj, LongRoPE, partial rotary),
+Gemma 2 and Gemma 3 text (norms before and after, `gemma_settings`), sliding windows of
+Mistral, Qwen2/3 and Gemma on the layers config.json names, and the mixtures of experts
+Mixtral and Qwen3-MoE.
 
 A tensor of freetx can be the stack of several HF tensors: an MoE block keeps each
 projection of all its experts in one tensor (`feed_forward.experts.w1` [E, F, H]), which
@@ -16,8 +18,8 @@ freetx's decoder uses the rotate-half RoPE convention of HF's Llama, so weights
 convert by renaming alone (no permutation of the q/k projections). config.json
 is read in both layouts transformers has used: `rope_theta` and `rope_scaling`
 at the top (4.x) and `rope_parameters: {rope_theta, rope_type, ...}` (5.x). A
-field freetx cannot honour (another rope type, an active sliding window, biases
-on the MLP, another activation) is refused with its name: a model freetx builds
+field freetx cannot honour (another rope type, a window on a type whose transformers
+class has none, biases on the MLP, another activation) is refused with its name: a model freetx builds
 from a folder computes what transformers computes, or it is not built.
 
 `freetx.models.transformer.hf_decoder(path, **fields)` builds the decoder a
@@ -34,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from freetx.errors import CheckpointError
+from freetx.models.attention import sliding_layers
 
 # freetx name pattern -> HF name pattern ({i} is the layer index)
 _NAMES = [
@@ -68,6 +71,13 @@ _NORM_NAMES = {
          "model.layers.{i}.post_attention_layernorm.weight"),
         ("layers.{i}.post_ffn_norm.weight", "model.layers.{i}.post_feedforward_layernorm.weight"),
     ],
+    "sandwich": [
+        ("layers.{i}.attention_norm.weight", "model.layers.{i}.input_layernorm.weight"),
+        ("layers.{i}.post_attention_norm.weight",
+         "model.layers.{i}.post_attention_layernorm.weight"),
+        ("layers.{i}.pre_ffn_norm.weight", "model.layers.{i}.pre_feedforward_layernorm.weight"),
+        ("layers.{i}.post_ffn_norm.weight", "model.layers.{i}.post_feedforward_layernorm.weight"),
+    ],
 }  # fmt: skip
 # an MoE block (freetx.models.moe), by model type: its HF module, and each expert's HF
 # names of w1 (gate), w3 (up) and w2 (down); the router is `<module>.gate.weight`
@@ -94,6 +104,8 @@ ARCHITECTURES = {
     "mixtral": "MixtralForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "phi3": "Phi3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
 }
 # the blocks of each model_type: (qk_norm, norm_position), as TransformerConfig names them
 BLOCKS = {
@@ -105,12 +117,19 @@ BLOCKS = {
     "mixtral": (None, "pre"),
     "qwen3_moe": ("head", "pre"),
     "phi3": (None, "pre"),
+    "gemma2": (None, "sandwich"),
+    "gemma3_text": ("head", "sandwich"),
 }
 # model types whose q/k/v and gate/up projections are one Linear each (fused_projections)
 FUSED_PROJECTIONS = ("phi3",)
 # model types whose RoPE may be longrope and rotate part of each head (transformers' other
 # decoders rotate every dim and ignore partial_rotary_factor)
 PHI_ROPE = ("phi3",)
+# Gemma's decoder: RMSNorm scaling by 1 + weight, embeddings times sqrt(hidden), the
+# attention's scale, soft-capping and sliding windows in config.json (gemma_settings)
+GEMMA_TYPES = ("gemma2", "gemma3_text")
+# activations as config.json names them -> TransformerConfig's
+_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 # model types whose config.json has no head_dim (derived from hidden_size / heads)
 _DERIVED_HEAD_DIM = ("qwen2", "olmo2", "phi3")
 
@@ -121,7 +140,7 @@ def _pattern(template: str) -> re.Pattern:
 
 _TO_HF = [
     (_pattern(ours), theirs)
-    for ours, theirs in _NAMES + [*_NORM_NAMES["pre"], *_NORM_NAMES["post"]]
+    for ours, theirs in dict.fromkeys(_NAMES + [n for ns in _NORM_NAMES.values() for n in ns])
 ]
 _FROM_HF = {
     position: [(_pattern(theirs), ours) for ours, theirs in _NAMES + names]
@@ -145,12 +164,15 @@ def _unsupported(field: str, value: Any, supported: str, fix: str = "") -> Check
     )
 
 
-def rope_settings(hf: dict[str, Any]) -> tuple[float, dict | None]:
+def rope_settings(hf: dict[str, Any], layer_type: str | None = None) -> tuple[float, dict | None]:
     """(rope_theta, rope_scaling) from either config.json layout; unsupported kinds refused.
-    (partial_rotary_factor, which either layout may hold, is `partial_rotary_factor`'s.)"""
+    `layer_type`: the RoPE of those layers where `rope_parameters` has one per layer type
+    (Gemma 3, 5.x); None: such a config is refused."""
     params = hf.get("rope_parameters")
     if isinstance(params, dict) and any(isinstance(v, dict) for v in params.values()):
-        raise _unsupported("rope_parameters", params, "one RoPE for every layer")
+        if layer_type is None:
+            raise _unsupported("rope_parameters", params, "one RoPE for every layer")
+        hf, params = {}, params.get(layer_type)
     params = dict(params or hf.get("rope_scaling") or {})
     theta = params.pop("rope_theta", hf.get("rope_theta", 10000.0))
     kind = params.pop("rope_type", params.pop("type", "default"))
@@ -189,14 +211,144 @@ def partial_rotary_factor(hf: dict[str, Any]) -> float:
     return float(params.get("partial_rotary_factor") or hf.get("partial_rotary_factor") or 1.0)
 
 
+# what transformers assumes where a Gemma config.json leaves a field out
+_GEMMA_DEFAULTS = {
+    "gemma2": dict(query_pre_attn_scalar=256, sliding_window=4096, attn_logit_softcapping=50.0,
+                   final_logit_softcapping=30.0, sliding_window_pattern=2,
+                   tie_word_embeddings=True),
+    "gemma3_text": dict(query_pre_attn_scalar=256, sliding_window=4096,
+                        attn_logit_softcapping=None, final_logit_softcapping=None,
+                        sliding_window_pattern=6, tie_word_embeddings=True),
+}  # fmt: skip
+
+
+def gemma_settings(hf: dict[str, Any], model_type: str) -> dict[str, Any]:
+    """The decoder's Gemma fields from a gemma2 / gemma3_text config.json (either layout):
+    norms scaling by 1 + weight, scaled embeddings, the attention's scale and soft-caps,
+    the sliding layers (`layer_types`, or transformers' default pattern: every 2nd layer
+    full in Gemma 2, every 6th in Gemma 3) and Gemma 3's RoPE of sliding layers
+    (`rope_parameters.sliding_attention`, 5.x; `rope_local_base_freq`, 4.x)."""
+    get = {**_GEMMA_DEFAULTS[model_type], **hf}.get
+    if hf.get("use_bidirectional_attention"):
+        raise _unsupported("use_bidirectional_attention", True, "causal attention")
+    if model_type == "gemma3_text" and get("attn_logit_softcapping") is not None:
+        raise CheckpointError(
+            f"config.json sets attn_logit_softcapping={get('attn_logit_softcapping')} for a "
+            "gemma3_text model, which transformers' Gemma 3 ignores (its attention is not "
+            "soft-capped), so the folder does not say which model it is. Gemma 3 has none: "
+            "set it to null in config.json for the model transformers computes."
+        )
+    layers, pattern = int(hf["num_hidden_layers"]), int(get("sliding_window_pattern"))
+    default_types = [
+        "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)
+    ]
+    fields = {
+        "norm_plus_one": True,
+        "scale_embeddings": True,
+        "query_pre_attn_scalar": get("query_pre_attn_scalar"),
+        "attn_logit_softcap": get("attn_logit_softcapping"),
+        "final_logit_softcap": get("final_logit_softcapping"),
+        "sliding_window": get("sliding_window"),
+        "layer_types": list(hf.get("layer_types") or default_types),
+        "tie_embeddings": bool(get("tie_word_embeddings")),
+    }
+    if model_type == "gemma3_text":
+        params = hf.get("rope_parameters") or {}
+        if "sliding_attention" in params:
+            local, scaling = rope_settings(hf, "sliding_attention")
+            if scaling is not None:
+                raise _unsupported(
+                    "rope_parameters.sliding_attention", params["sliding_attention"],
+                    "unscaled RoPE on sliding layers",
+                )  # fmt: skip
+        else:
+            local = float(hf.get("rope_local_base_freq", 10000.0))
+        fields["rope_local_theta"] = local
+    return fields
+
+
+def _gemma_config(model_type: str, c: dict[str, Any], hf: dict[str, Any]) -> None:
+    """Write the decoder's Gemma fields into a gemma2 / gemma3_text config.json (5.x)."""
+    hf["hidden_activation"] = hf.pop("hidden_act")
+    scalar = c.get("query_pre_attn_scalar") or hf["head_dim"]
+    sliding = sliding_layers(c["num_layers"], c.get("sliding_window"), c.get("layer_types"))
+    hf.update(
+        query_pre_attn_scalar=int(scalar) if float(scalar).is_integer() else scalar,
+        attn_logit_softcapping=c.get("attn_logit_softcap"),
+        final_logit_softcapping=c.get("final_logit_softcap"),
+        sliding_window=c.get("sliding_window"),
+        layer_types=["sliding_attention" if s else "full_attention" for s in sliding],
+    )  # fmt: skip
+    if model_type == "gemma3_text":
+        local = c.get("rope_local_theta") or c["rope_theta"]
+        hf["rope_parameters"] = {
+            "full_attention": hf["rope_parameters"],
+            "sliding_attention": {"rope_type": "default", "rope_theta": local},
+        }
+        hf["use_bidirectional_attention"] = False
+
+
+# fields only some model types' config.json can hold -> those types
+_HELD_BY = {
+    "query_pre_attn_scalar": GEMMA_TYPES,
+    "attn_logit_softcap": ("gemma2",),
+    "final_logit_softcap": GEMMA_TYPES,
+    "rope_local_theta": ("gemma3_text",),
+    "sliding_window": ("mistral", "qwen2", "qwen3", "qwen3_moe", *GEMMA_TYPES),
+}
+
+
+def _qwen_window(hf: dict[str, Any]) -> dict[str, Any]:
+    """A Qwen2/Qwen3 window (`use_sliding_window`): on the layers `layer_types` names (5.x),
+    or (4.x) on those from `max_window_layers` on."""
+    first, layers = int(hf.get("max_window_layers", 28)), int(hf["num_hidden_layers"])
+    derived = ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
+    return {
+        "sliding_window": int(hf.get("sliding_window") or 4096),
+        "layer_types": list(hf.get("layer_types") or derived),
+    }
+
+
+def _qwen_window_config(c: dict[str, Any]) -> dict[str, Any]:
+    """A Qwen2/Qwen3 config.json's window fields: `layer_types`, and `max_window_layers`
+    (the first sliding layer, for readers without layer_types)."""
+    sliding = sliding_layers(c["num_layers"], c.get("sliding_window"), c.get("layer_types"))
+    if not any(sliding):
+        return {"use_sliding_window": False, "sliding_window": None}
+    return {
+        "use_sliding_window": True,
+        "sliding_window": c["sliding_window"],
+        "max_window_layers": sliding.index(True),
+        "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding],
+    }
+
+
+def _not_held(model_type: str, c: dict[str, Any]) -> list[str]:
+    """The decoder's fields (as `name=value`) an HF `model_type` model cannot have."""
+    gemma = model_type in GEMMA_TYPES
+    found = [
+        f"{name}={json.dumps(c.get(name, False))}"
+        for name in ("norm_plus_one", "scale_embeddings")
+        if c.get(name, False) != gemma
+    ]
+    found += [f"{name}={json.dumps(c[name])}" for name, types in _HELD_BY.items()
+              if c.get(name) is not None and model_type not in types]  # fmt: skip
+    sliding = sliding_layers(c["num_layers"], c.get("sliding_window"), c.get("layer_types"))
+    if model_type == "mistral" and any(sliding) and not all(sliding):
+        found.append(f"layer_types={json.dumps(c['layer_types'])}")
+    return found
+
+
 class LlamaFamilyLayout:
-    """How `freetx.models.transformer.Transformer` maps to HF Llama, Mistral, Qwen2, Qwen3
-    and OLMo 2 folders (the same tensors; Qwen2 adds q/k/v biases, Qwen3 and OLMo 2 q/k
-    norms, OLMo 2 puts its block norms after attention and MLP).
+    """How `freetx.models.transformer.Transformer` maps to HF Llama, Mistral, Qwen2, Qwen3,
+    OLMo 2, Gemma 2 and Gemma 3 text folders (the same tensors; Qwen2 adds q/k/v biases,
+    Qwen3, OLMo 2 and Gemma 3 q/k norms, OLMo 2 puts its block norms after attention and
+    MLP, Gemma before and after).
 
     One layout per norm position, since HF's `post_attention_layernorm` names a different
     norm in each: `model_types` are the types it reads. Writing needs no such choice
-    (freetx's names differ), so either layout writes every model type.
+    (freetx's names differ: a sandwich block's norm before the MLP is `pre_ffn_norm`, a
+    pre-norm block's `ffn_norm`), so any layout writes every model type.
     """
 
     model_class = "freetx.models.transformer.Transformer"
@@ -269,6 +421,7 @@ class LlamaFamilyLayout:
         check_projections(model_type, c.get("fused_projections", False))
         partial = c.get("partial_rotary_factor", 1.0)
         check_rope(model_type, c.get("rope_scaling"), partial)
+        check_fields(model_type, c)
         hf: dict[str, Any] = {
             "architectures": [ARCHITECTURES[model_type]],
             "model_type": model_type,
@@ -288,7 +441,7 @@ class LlamaFamilyLayout:
             },
             "rms_norm_eps": c["norm_eps"],
             "tie_word_embeddings": c["tie_embeddings"],
-            "hidden_act": "silu",
+            "hidden_act": {v: k for k, v in _ACTIVATIONS.items()}[c.get("activation", "silu")],
             "attention_dropout": c.get("attention_dropout", 0.0),
             "initializer_range": c.get("init_std", 0.02),
             "dtype": dtype,
@@ -300,7 +453,7 @@ class LlamaFamilyLayout:
                     f"qkv_bias={qkv_bias}, wo_bias={wo_bias}. Export it as llama "
                     "(model.hf_model_type=llama) instead."
                 )
-            hf.update(use_sliding_window=False, sliding_window=None)
+            hf.update(_qwen_window_config(c))
         elif model_type == "phi3":
             hf.update(_phi3_config(c))
         else:
@@ -314,9 +467,11 @@ class LlamaFamilyLayout:
             if model_type != "mixtral":  # Mixtral's attention has no biases
                 hf["attention_bias"] = qkv_bias
             if model_type in ("mistral", "mixtral"):
-                hf["sliding_window"] = None
+                hf["sliding_window"] = c.get("sliding_window")
+            elif model_type in GEMMA_TYPES:
+                _gemma_config(model_type, c, hf)
             elif model_type in ("qwen3", "qwen3_moe"):
-                hf.update(use_sliding_window=False, sliding_window=None)
+                hf.update(_qwen_window_config(c))
             elif model_type == "llama":
                 hf["mlp_bias"] = False
         if model_type in _DERIVED_HEAD_DIM:
@@ -337,7 +492,9 @@ class LlamaFamilyLayout:
         try:
             num_heads = int(hf["num_attention_heads"])
             hidden = int(hf["hidden_size"])
-            theta, scaling = rope_settings(hf)
+            theta, scaling = rope_settings(
+                hf, "full_attention" if model_type in GEMMA_TYPES else None
+            )
             fields = {
                 "vocab_size": int(hf["vocab_size"]),
                 "hidden_dim": hidden,
@@ -368,8 +525,11 @@ class LlamaFamilyLayout:
                 f"config.json lacks the field {e} (or holds a wrong type); it is not a complete "
                 f"transformers {model_type} config. Restore it from the model's original folder."
             ) from None
-        if hf.get("hidden_act", "silu") != "silu":
-            raise _unsupported("hidden_act", hf["hidden_act"], "SwiGLU with silu only")
+        # Gemma 2 and 3 name it hidden_activation (4.x: hidden_act too, which Gemma 2 ignored)
+        key = "hidden_activation" if hf.get("hidden_activation") else "hidden_act"
+        if hf.get(key, "silu") not in _ACTIVATIONS:
+            raise _unsupported(key, hf[key], f"gated MLPs with {', '.join(_ACTIVATIONS)}")
+        fields["activation"] = _ACTIVATIONS[hf.get(key, "silu")]
         if hf.get("mlp_bias"):
             raise _unsupported("mlp_bias", True, "MLPs without biases")
         if fields["partial_rotary_factor"] != 1.0 and model_type not in PHI_ROPE:
@@ -384,10 +544,11 @@ class LlamaFamilyLayout:
             fields.update(qkv_bias=bias, wo_bias=bias)
         if model_type in ("qwen2", "qwen3", "qwen3_moe"):
             if hf.get("use_sliding_window"):
-                raise _unsupported(
-                    "use_sliding_window", True, "full attention in every layer",
-                    "Set use_sliding_window to false if the model was trained without it.",
-                )  # fmt: skip
+                fields.update(_qwen_window(hf))
+        elif model_type in GEMMA_TYPES:
+            fields.update(gemma_settings(hf, model_type))
+        elif model_type == "mistral":
+            fields["sliding_window"] = hf.get("sliding_window")  # every layer's window
         else:
             window = hf.get("sliding_window")
             if window is not None and window < fields["max_seq_len"]:
@@ -398,7 +559,7 @@ class LlamaFamilyLayout:
                     "those.",
                 )  # fmt: skip
         layer_types = set(hf.get("layer_types") or ["full_attention"])
-        if layer_types != {"full_attention"}:
+        if layer_types != {"full_attention"} and "layer_types" not in fields:
             raise _unsupported("layer_types", sorted(layer_types), "full attention in every layer")
         return fields
 
@@ -516,6 +677,24 @@ def _moe_to_hf(c: dict[str, Any], model_type: str) -> dict[str, Any]:
             "mlp_only_layers": list(c["mlp_only_layers"])}  # fmt: skip
 
 
+def check_fields(model_type: str, c: dict[str, Any]) -> None:
+    """A model exports as `model_type` only if that type's config.json holds all it computes
+    (Gemma's norms and embedding scale, soft-caps, windows)."""
+    found = _not_held(model_type, c)
+    if found:
+        blocks = (c.get("qk_norm"), c.get("norm_position", "pre"))
+        fits = [t for t in BLOCKS if BLOCKS[t] == blocks and not _not_held(t, c)]
+        fix = (
+            f"Export it as {' or '.join(fits)} (model.hf_model_type={fits[0]}) instead."
+            if fits
+            else "Convert it to .safetensors or DCP instead."
+        )
+        raise CheckpointError(
+            f"an HF {model_type} model cannot have {', '.join(found)}, which this one has; "
+            f"an export would compute something else. {fix}"
+        )
+
+
 def check_blocks(
     model_type: str, qk_norm: str | None, norm_position: str, experts: bool = False
 ) -> None:
@@ -547,7 +726,8 @@ def check_blocks(
 
 LLAMA_LAYOUT = LlamaFamilyLayout("pre")
 OLMO2_LAYOUT = LlamaFamilyLayout("post")
-DECODER_LAYOUTS = (LLAMA_LAYOUT, OLMO2_LAYOUT)
+GEMMA_LAYOUT = LlamaFamilyLayout("sandwich")
+DECODER_LAYOUTS = (LLAMA_LAYOUT, OLMO2_LAYOUT, GEMMA_LAYOUT)
 
 
 def read_hf_config(path: str | Path) -> dict[str, Any]:

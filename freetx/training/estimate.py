@@ -17,7 +17,9 @@ activations per micro-batch, counted per token and block for the decoder (comput
 dtype): the norm inputs and outputs, q, k, v and the attention output kept by SDPA,
 the input of wo, and the four MLP tensors (gate, up, silu(gate), their product):
 7h + 2 h_kv + 4 f elements (an MoE block: k (4 f_expert + 2h) + 2E instead of 4 f: each
-token's k experts, its copies and weighted outputs, the router's logits and probs); full checkpointing keeps a block's input (h) instead,
+token's k experts, its copies and weighted outputs, the router's logits and probs; and,
+for soft-capped attention where the explicit kernel computes it, the rows of T scores per
+head it keeps: `attention_score_bytes`); full checkpointing keeps a block's input (h) instead,
 selective every n-th; and the loss: bf16 logits, their fp32 copy and log-softmax
 (10 bytes per token per vocabulary entry), which dominate small models with large
 vocabularies. AD's transformer is counted as a decoder (n_transit tokens per window). A
@@ -51,6 +53,7 @@ from freetx.distributed import (
     shard_layouts,
 )
 from freetx.distributed.parallelize import find_blocks
+from freetx.models.attention import AttentionSpec, choose_kernel, sliding_layers
 from freetx.models.peft.nf4 import BYTES_PER_WEIGHT, NF4LoRALinear
 from freetx.models.protocol import CountsFlops, EstimatesActivations, check_model
 
@@ -139,7 +142,7 @@ def estimate(
     else:
         activations, loss = decoder_activations(
             model.config, len(blocks), tokens_per_rank, compute, activation_checkpointing,
-            ac_every_n_blocks,
+            ac_every_n_blocks, attention_score_bytes(model.config, seq_len, device, compute),
         )  # fmt: skip
     peak, bandwidth, _ = DEVICES[device]
     flops = model.flops_per_token(seq_len) if isinstance(model, CountsFlops) else 6 * trainable
@@ -170,12 +173,39 @@ def estimate(
     return out
 
 
+def attention_score_bytes(cfg, seq_len: int, device: str, compute: int) -> float:
+    """Bytes per token and block (averaged over the blocks) that the explicit attention
+    kernel keeps for backward where `freetx.models.attention.choose_kernel` picks it on
+    `device` (soft-capped layers on CPU; with attention dropout on CUDA too): each query's
+    row of seq_len scores per head, as the tanh output and the weights (compute dtype)
+    and the float32 softmax. SDPA and compiled FlexAttention keep no such rows."""
+    layers = getattr(cfg, "num_layers", 0)
+    softcap = getattr(cfg, "attn_logit_softcap", None)
+    if not layers or softcap is None:
+        return 0.0
+    device_type = "cpu" if device == "cpu" else "cuda"
+    dropout = getattr(cfg, "attention_dropout", 0.0)
+    explicit = sum(
+        choose_kernel(device_type, AttentionSpec(window=cfg.sliding_window if sliding else None,
+                                                 softcap=softcap), dropout) == "explicit"
+        for sliding in sliding_layers(layers, cfg.sliding_window, cfg.layer_types)
+    )  # fmt: skip
+    return explicit / layers * cfg.num_heads * seq_len * (2 * compute + 4)
+
+
 def decoder_activations(
-    cfg, layers: int, tokens: int, compute: int, checkpointing: str, every_n: int
+    cfg,
+    layers: int,
+    tokens: int,
+    compute: int,
+    checkpointing: str,
+    every_n: int,
+    scores: float = 0.0,
 ) -> tuple[float, float]:
     """(activations, loss) bytes of a decoder's micro-batch of `tokens` tokens (per rank):
-    each block's saved tensors per token (see the module docstring), less what activation
-    checkpointing recomputes, and the loss's logits."""
+    each block's saved tensors per token (see the module docstring; `scores`: the
+    attention's score rows, `attention_score_bytes`), less what activation checkpointing
+    recomputes, and the loss's logits."""  # fmt: skip
     h, f = cfg.hidden_dim, getattr(cfg, "ffn_hidden_dim", 4 * cfg.hidden_dim)
     kv = getattr(cfg, "num_kv_heads", cfg.num_heads) * getattr(cfg, "head_dim", h // cfg.num_heads)
     layers = max(1, layers)
@@ -185,7 +215,7 @@ def decoder_activations(
         moe = cfg.experts_per_token * (4 * cfg.moe_ffn_hidden_dim + 2 * h) + 2 * cfg.num_experts
         share = sum(cfg.is_moe_layer(i) for i in range(layers)) / layers
         mlp = share * moe + (1 - share) * mlp
-    per_token = (7 * h + 2 * kv + mlp) * compute  # a block's saved activations
+    per_token = (7 * h + 2 * kv + mlp) * compute + scores  # a block's saved activations
     if checkpointing == "full":
         kept = layers * h * compute + per_token  # inputs, and one block being recomputed
     elif checkpointing == "selective":

@@ -21,7 +21,10 @@ STRATEGIES = ["fsdp", "zero2", "hsdp", "ddp", "zero1"]
         "llama3_2",
         "qwen2",
         "granite",  # granite: the generic transformers path
-        *(pytest.param(f, marks=pytest.mark.slow) for f in ("qwen3", "olmo2", "starcoder2")),
+        *(
+            pytest.param(f, marks=pytest.mark.slow)
+            for f in ("qwen3", "olmo2", "starcoder2", "gemma2", "gemma3_text")
+        ),
     ],
 )
 def test_hf_folder_loads_under_every_strategy(tmp_path, family):

@@ -43,7 +43,15 @@ TOPK = ["model.activation=batchtopk", "model.k=8"]
      ("llm/tiny", ["model.num_experts=4", "model.router_aux_loss_coef=-0.1"],
       "'model.router_aux_loss_coef' is -0.1: a negative weight"),
      ("free_transformer/tiny", ["model.num_experts=4"], "'model.num_experts' is 4"),
-     ("llm/tiny", ["model.partial_rotary_factor=1.5"], "'model.partial_rotary_factor' is 1.5")],
+     ("llm/tiny", ["model.partial_rotary_factor=1.5"], "'model.partial_rotary_factor' is 1.5"),
+     ("llm/tiny", ["model.activation=relu"], "'model.activation' is 'relu': the gated MLP"),
+     ("llm/tiny", ["model.layer_types=[sliding_attention]", "model.sliding_window=8"],
+      "'model.layer_types' is ['sliding_attention']: it names each of the num_layers=4"),
+     ("llm/tiny", ["model.layer_types=[sliding_attention,full_attention,full_attention,"
+                   "full_attention]"], "layer_types has sliding_attention layers but no window"),
+     ("free_transformer/tiny", ["model.rope_local_theta=10000"], "layers share one RoPE"),
+     ("ad/darkroom_tiny", ["model.scale_embeddings=true"],
+      "'model.scale_embeddings' is True: AD's transformer does not compute it")],
 )  # fmt: skip
 def test_validate_refuses_a_meaningless_value(config, overrides, message):
     result = run_freetx_here("validate", config, *overrides)
@@ -57,7 +65,10 @@ def test_validate_refuses_a_meaningless_value(config, overrides, message):
     [(LORA, ["peft.alpha=0.5", "peft.dropout=0.0"]),
      (LORA, ["peft.method=none", "peft.alpha=0"]),  # no adapters: alpha says nothing
      (CROSSCODER, [*TOPK, "model.dead_after_rows=1", "model.threshold_beta=0"]),
-     (CROSSCODER, ["model.k=256"])],  # relu: k is not read
+     (CROSSCODER, ["model.k=256"]),  # relu: k is not read
+     ("llm/tiny", ["model.norm_position=sandwich", "model.norm_plus_one=true",
+                   "model.activation=gelu_tanh", "model.sliding_window=32",
+                   "model.attn_logit_softcap=50.0"])],
 )  # fmt: skip
 def test_values_that_still_mean_something_pass(config, overrides):
     result = run_freetx_here("validate", config, *overrides)

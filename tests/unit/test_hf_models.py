@@ -75,6 +75,21 @@ def test_config_fields_are_read_from_both_layouts(folders):
     assert open_tensors(folders["qwen3"]).model_config["head_dim"] == 32
     assert open_tensors(folders["olmo2"]).model_config["rope_theta"] == 500000.0
     assert open_tensors(folders["olmo2_old_layout"]).model_config["rope_theta"] == 500000.0
+    sliding, full = "sliding_attention", "full_attention"
+    for family in ("gemma3_text", "gemma3_text_old_layout"):  # 4.x: rope_local_base_freq and
+        config = open_tensors(folders[family]).model_config  # sliding_window_pattern
+        assert (config["layer_types"], config["sliding_window"]) == ([sliding, sliding, full], 40)
+        assert (config["rope_theta"], config["rope_local_theta"]) == (1e6, 1e4), family
+        assert config["rope_scaling"] == {"rope_type": "linear", "factor": 4.0}, family
+        assert (config["qk_norm"], config["norm_position"]) == ("head", "sandwich"), family
+        assert config["attn_logit_softcap"] is config["final_logit_softcap"] is None
+    for family, final in (("gemma2", 1.5), ("gemma2_old_layout", 30.0)):
+        config = open_tensors(folders[family]).model_config
+        assert (config["layer_types"], config["attn_logit_softcap"]) == ([sliding, full], 2.0)
+        assert (config["final_logit_softcap"], config["activation"]) == (final, "gelu_tanh")
+        assert config["norm_plus_one"] and config["scale_embeddings"] and config["tie_embeddings"]
+    assert open_tensors(folders["mistral_window"]).model_config["sliding_window"] == 48
+    assert open_tensors(folders["qwen2_window"]).model_config["layer_types"] == [full, sliding]
 
 
 def test_phi_fields_are_read_from_both_layouts(folders):
@@ -158,6 +173,10 @@ def test_max_seq_len_can_shorten_the_tables_and_keeps_llama3_scaling(folders):
         "phi4_mini_old_layout",
         "mixtral",
         "qwen3_moe",
+        "mistral_window",
+        "qwen2_window",
+        "gemma2",
+        "gemma3_text",
     ],
 )
 def test_hf_to_dcp_to_hf_is_bit_for_bit_and_loads_in_transformers(tmp_path, family):
@@ -182,8 +201,20 @@ def test_hf_to_dcp_to_hf_is_bit_for_bit_and_loads_in_transformers(tmp_path, fami
     assert (tmp_path / "out" / "generation_config.json").is_file()
     ids = torch.randint(0, 384, (2, 40))
     assert torch.equal(hf_logits(source, ids), hf_logits(tmp_path / "out", ids))
-    config = json.loads((tmp_path / "out" / "config.json").read_text())
-    assert config["model_type"] == json.loads((source / "config.json").read_text())["model_type"]
+    config, source_config = (
+        json.loads((f / "config.json").read_text()) for f in (tmp_path / "out", source)
+    )
+    assert config["model_type"] == source_config["model_type"]
+    if family in ("mistral_window", "qwen2_window", "gemma2", "gemma3_text"):  # windows, Gemma's
+        for key in ("sliding_window", "layer_types", "rope_parameters", "query_pre_attn_scalar",
+                    "attn_logit_softcapping", "final_logit_softcapping"):  # fmt: skip
+            assert config.get(key) == source_config.get(key), key
+
+
+# what makes a decoder Gemma's (with sliding layers 0 and 2 of the tiny preset's 4)
+GEMMA = dict(norm_position="sandwich", norm_plus_one=True, scale_embeddings=True,
+             activation="gelu_tanh", sliding_window=20,
+             layer_types=["sliding_attention", "full_attention"] * 2)  # fmt: skip
 
 
 def save_freetx_model(path, **fields):
@@ -218,7 +249,12 @@ def save_freetx_model(path, **fields):
      {"fused_projections": True, "hf_model_type": "phi3", "rope_scaling": {
          "rope_type": "longrope", "short_factor": [1.0 + i / 8 for i in range(16)],
          "long_factor": [1.0 + i for i in range(16)], "original_max_position_embeddings": 32,
-         "factor": 8.0}}],
+         "factor": 8.0}},
+     {"sliding_window": 20, "hf_model_type": "mistral"},
+     dict(GEMMA, attn_logit_softcap=3.0, final_logit_softcap=2.0, query_pre_attn_scalar=20,
+          hf_model_type="gemma2"),
+     dict(GEMMA, qk_norm="head", rope_local_theta=1000.0, rope_scaling={
+         "rope_type": "linear", "factor": 2.0}, hf_model_type="gemma3_text")],
 )  # fmt: skip
 def test_a_freetx_model_exports_to_an_hf_folder_transformers_loads(tmp_path, fields):
     """A decoder freetx made (not from HF) -> safetensors -> HF folder -> transformers."""
@@ -251,7 +287,14 @@ def test_a_freetx_model_exports_to_an_hf_folder_transformers_loads(tmp_path, fie
       "it as phi3"),
      ({"fused_projections": True, "hf_model_type": "phi3",
        "rope_scaling": {"rope_type": "linear", "factor": 2.0}},
-      "an HF phi3 model has default, longrope RoPE; this one has rope_type=linear")],
+      "an HF phi3 model has default, longrope RoPE; this one has rope_type=linear"),
+     ({"sliding_window": 20}, "an HF llama model cannot have sliding_window=20, which this one "
+      "has; an export would compute something else. Export it as mistral"),
+     (dict(GEMMA, hf_model_type="qwen3", qk_norm="head"), "an HF qwen3 model has qk_norm=head, "
+      "norm_position=pre; this one has qk_norm=head, norm_position=sandwich. Export it as "
+      "gemma3_text"),
+     (dict(GEMMA, attn_logit_softcap=3.0, qk_norm="head", hf_model_type="gemma3_text"),
+      "an HF gemma3_text model cannot have attn_logit_softcap=3.0")],
 )  # fmt: skip
 def test_a_model_whose_blocks_its_hf_type_lacks_is_not_exported(tmp_path, fields, message):
     save_freetx_model(tmp_path / "m.safetensors", **fields)
@@ -292,7 +335,6 @@ def test_a_damaged_folder_is_named(tmp_path, damage, message):
         ({"model_type": "gpt2"}, "describes a 'gpt2' model"),
         ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}},
          "rope_type=\"yarn\""),
-        ({"sliding_window": 128}, "sliding_window=128"),
         ({"hidden_act": "gelu"}, "hidden_act=\"gelu\""),
         ({"mlp_bias": True}, "mlp_bias=true"),
         ({"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5"),
@@ -312,10 +354,17 @@ def test_what_freetx_cannot_compute_is_refused_with_the_field(tmp_path, change, 
 
 @pytest.mark.parametrize(
     "family,change,message",
-    [("qwen3", {"use_sliding_window": True, "sliding_window": 64}, "use_sliding_window=true"),
-     ("qwen3", {"layer_types": ["full_attention", "sliding_attention"]},
+    [("qwen3", {"layer_types": ["full_attention", "sliding_attention"]},
       'layer_types=["full_attention", "sliding_attention"]'),
      ("olmo2", {"hidden_act": "gelu"}, 'hidden_act="gelu"'),
+     ("olmo2", {"sliding_window": 64}, "sliding_window=64"),
+     ("gemma2", {"hidden_activation": "gelu"}, 'hidden_activation="gelu"'),
+     ("gemma2", {"use_bidirectional_attention": True}, "use_bidirectional_attention=true"),
+     ("gemma3_text", {"attn_logit_softcapping": 50.0}, "attn_logit_softcapping=50.0"),
+     ("gemma3_text", {"rope_parameters": {
+         "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+         "sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}},
+      "rope_parameters.sliding_attention="),
      ("olmo2", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}},
       'rope_type="yarn"'),
      # Phi-3-mini-4k's folder has sliding_window=2047, which transformers applies

@@ -84,6 +84,26 @@ def test_estimate_counts_model_states_exactly_and_lands_near_torchtitan():
     assert rows["fsdp"].parameters == params * 2 and rows["fsdp"].optimizer == params * 4
 
 
+def test_estimate_counts_the_scores_the_explicit_attention_keeps():
+    """Soft-capped attention on CPU keeps each token's row of seq_len scores per head and
+    layer (tanh output, weights, fp32 softmax); on CUDA compiled FlexAttention keeps none."""
+    import torch
+
+    from freetx.models.transformer import decoder
+    from freetx.training.estimate import estimate
+
+    def activations(device, **fields):
+        with torch.device("meta"):
+            model = decoder("tiny", max_seq_len=64, **fields)
+        return estimate(model, 2, 128, 64, "float32", "none", 2, device, 0.4)[0].activations
+
+    capped = {"attn_logit_softcap": 50.0}
+    layers, heads = 4, 6  # the tiny preset's
+    assert activations("cpu", **capped) - activations("cpu") == 128 * layers * heads * 64 * 12
+    assert activations("h100", **capped) == activations("h100")
+    assert activations("h100", attention_dropout=0.1, **capped) > activations("h100")
+
+
 def test_estimate_measure_runs_a_fake_step_per_strategy(tmp_path):
     """`--measure` on llm/tiny at 2 ranks: one step per strategy on fake tensors and a fake
     process group. What rank 0 holds matches the analytic model states (FSDP2 pads uneven
