@@ -13,6 +13,9 @@ from pathlib import Path
 import torch
 
 VOCAB = 384
+# the configs' learning rates suit pretrained weights (llm/hf_tiny_full: 2e-5); the tiny
+# folders here are random, and tests that look for training take a larger step
+RANDOM_WEIGHTS_LR = "optimizer.lr=1e-3"
 SHAPE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)  # fmt: skip
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.conftest import flat, run_freetx
-from tests.hf_folders import hf_logits, make_folder, make_tokenizer
+from tests.hf_folders import RANDOM_WEIGHTS_LR, hf_logits, make_folder, make_tokenizer
 
 transformers = pytest.importorskip("transformers")
 
@@ -73,7 +73,7 @@ def test_finetune_export_and_generate(tmp_path, model_dir):
     run = tmp_path / "run"
     result = run_freetx(
         "run", "--nproc-per-node", "2", "full_finetune_fsdp2", "--config", "llm/hf_tiny_full",
-        f"model_dir={model_dir}", f"output_dir={run}", "max_steps=20", "log_every_n_steps=5",
+        RANDOM_WEIGHTS_LR, f"model_dir={model_dir}", f"output_dir={run}", "max_steps=20", "log_every_n_steps=5",
         "checkpoint.final_export=hf",
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
@@ -163,7 +163,7 @@ def test_a_qwen3_or_olmo2_folder_finetunes_on_2_processes_and_exports(tmp_path, 
     run = tmp_path / "run"
     result = run_freetx(
         "run", "--nproc-per-node", "2", "full_finetune_fsdp2", "--config", "llm/hf_tiny_full",
-        f"model_dir={folder}", f"output_dir={run}", "max_steps=2", "log_every_n_steps=1",
+        RANDOM_WEIGHTS_LR, f"model_dir={folder}", f"output_dir={run}", "max_steps=2", "log_every_n_steps=1",
         "eval.max_batches=1", "dataset.num_builtin_examples=400", JSONL,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
@@ -196,7 +196,7 @@ def test_a_gemma2_folder_finetunes_on_2_processes_resumes_exactly_and_exports(tm
     folder = tiny_folder(tmp_path, "gemma2")
     common = [
         "full_finetune_fsdp2", "--config", "llm/hf_tiny_full", f"model_dir={folder}",
-        "max_steps=4", "log_every_n_steps=1", "checkpoint.every_n_steps=2",
+        RANDOM_WEIGHTS_LR, "max_steps=4", "log_every_n_steps=1", "checkpoint.every_n_steps=2",
         "eval.max_batches=1", "dataset.num_builtin_examples=400", JSONL,
     ]  # fmt: skip
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"

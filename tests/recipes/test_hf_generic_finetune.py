@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.conftest import one_paragraph, run_freetx
-from tests.hf_folders import hf_logits
+from tests.hf_folders import RANDOM_WEIGHTS_LR, hf_logits
 from tests.recipes.test_checkpoint_resume import COMMON, losses
 from tests.recipes.test_hf_finetune import (
     JSONL,
@@ -34,7 +34,7 @@ def folder(tmp_path_factory):
 def finetune(folder, output_dir, *overrides):
     result = run_freetx(
         "run", "--nproc-per-node", "2", "full_finetune_fsdp2", "--config", "llm/hf_tiny_full",
-        f"model_dir={folder}", f"output_dir={output_dir}", "distributed.activation_checkpointing=full",
+        RANDOM_WEIGHTS_LR, f"model_dir={folder}", f"output_dir={output_dir}", "distributed.activation_checkpointing=full",
         *SHORT, *overrides,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr

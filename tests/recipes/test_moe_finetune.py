@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from tests.conftest import one_paragraph, run_freetx
+from tests.hf_folders import RANDOM_WEIGHTS_LR
 from tests.recipes.test_hf_finetune import JSONL, load_checkpoint_as, tensor_names, tiny_folder
 
 transformers = pytest.importorskip("transformers")
@@ -19,7 +20,7 @@ transformers = pytest.importorskip("transformers")
 def finetune(folder, run, *overrides):
     result = run_freetx(
         "run", "--nproc-per-node", "2", "full_finetune_fsdp2", "--config", "llm/hf_tiny_full",
-        f"model_dir={folder}", f"output_dir={run}", "log_every_n_steps=1", "eval.max_batches=1",
+        RANDOM_WEIGHTS_LR, f"model_dir={folder}", f"output_dir={run}", "log_every_n_steps=1", "eval.max_batches=1",
         "eval.every_n_steps=0", "checkpoint.every_n_steps=2", "dataset.num_builtin_examples=400",
         JSONL, *overrides,
     )  # fmt: skip

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.conftest import flat, run_freetx
-from tests.hf_folders import hf_logits
+from tests.hf_folders import RANDOM_WEIGHTS_LR, hf_logits
 from tests.recipes.test_hf_finetune import JSONL, load_checkpoint_as, tensor_names, tiny_folder
 
 transformers = pytest.importorskip("transformers")
@@ -25,7 +25,7 @@ COMMON = ["log_every_n_steps=1", "lr_schedule.warmup_steps=1", "lr_schedule.deca
 def finetune(folder, output_dir, steps):
     result = run_freetx(
         "run", "--nproc-per-node", "2", "full_finetune_fsdp2", "--config", "llm/hf_tiny_full",
-        f"model_dir={folder}", f"output_dir={output_dir}", f"max_steps={steps}", *COMMON,
+        RANDOM_WEIGHTS_LR, f"model_dir={folder}", f"output_dir={output_dir}", f"max_steps={steps}", *COMMON,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     records = [json.loads(x) for x in (output_dir / "metrics.jsonl").read_text().splitlines()]
