@@ -278,3 +278,25 @@ def test_a_tokenizer_larger_than_the_embedding_is_refused(tmp_path, model_dir):
 def test_model_dir_must_be_given():
     result = run_freetx("validate", "llm/hf_tiny_full")
     assert result.returncode == 1 and "add model_dir=VALUE" in flat(result.stderr)
+
+
+@pytest.mark.slow  # 20 s on 2 CPU cores
+@pytest.mark.parametrize("family", ["gemma2", "mixtral"])
+def test_spectrum_scans_and_trains_a_native_hf_folder(tmp_path, family):
+    """`freetx spectrum scan` reads an HF folder by freetx's names (Gemma's sandwich norms,
+    an MoE block's router; the grouped expert tensors are not matrices and are not
+    scored), and its selection trains exactly those modules."""
+    folder = tiny_folder(tmp_path, family)
+    scanned = run_freetx("spectrum", "scan", str(folder), "--top-percent", "50")
+    assert scanned.returncode == 0, scanned.stderr
+    selection = folder / "spectrum_top50.yaml"
+    chosen = [line.split()[1] for line in selection.read_text().splitlines() if "  - " in line]
+    assert chosen and not any("experts" in name for name in chosen)
+    result = run_freetx(
+        "run", "lora_finetune_fsdp2", "--config", "llm/hf_tiny_full", f"model_dir={folder}",
+        f"output_dir={tmp_path / 'run'}", "max_steps=2", "peft.method=spectrum",
+        f"peft.spectrum_selection={selection}", "eval.max_batches=1",
+        "dataset.num_builtin_examples=400", RANDOM_WEIGHTS_LR,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert f"trains Spectrum: {len(chosen)} modules (top 50%)" in flat(result.stdout)
