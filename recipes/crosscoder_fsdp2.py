@@ -47,6 +47,7 @@ from freetx.distributed import (
 )
 from freetx.entry import parse
 from freetx.models.crosscoder import CrosscoderLoss, CrosscoderStats
+from freetx.models.hf import own_module_name
 from freetx.training import (
     TrainingConfig,
     TrainingRun,
@@ -140,13 +141,16 @@ class CrosscoderRecipeFSDP2:
         text = instantiate(acfg.text, tokenizer=tokenizer, split="train")
         val_text = instantiate(acfg.text, tokenizer=tokenizer, split="validation")
         models = [load_source_model(s.model, self.device, acfg.source_dtype) for s in acfg.sources]
+        # a hook named as transformers names the module (model.layers.13) reads the same
+        # activations from freetx's own decoder of that folder (layers.13)
+        hooks = [[own_module_name(m, h) for h in s.hooks] for m, s in zip(models, acfg.sources)]
         identities = [input_identity(path) for path in self.source_models().values()]
         self.files_read = files_read_by(
             **{"activations.tokenizer": tokenizer, "activations.text": text}
         )
         files = {name: input_identity(paths) for name, paths in self.files_read.items()}
         return harvested_activations(
-            acfg, models, identities, files, tokenizer, text, val_text, loading,
+            acfg, models, hooks, identities, files, tokenizer, text, val_text, loading,
             self.groups.barrier,
         )  # fmt: skip
 

@@ -189,7 +189,8 @@ def find_modules(model: nn.Module, names: list[str], what: str) -> list[nn.Modul
             raise ConfigError(
                 f"{what} has no module '{name}' to read activations from.{hint} A hook site is "
                 "a module name as model.named_modules() lists it (a freetx decoder: "
-                "layers.N; GPT-2: transformer.h.N; Gemma-2: model.layers.N)."
+                "layers.N, or transformers' name of the same module, model.layers.N, for a "
+                "model read from an HF folder; GPT-2 through transformers: transformer.h.N)."
             )
         found.append(known[name])
     return found
@@ -504,6 +505,7 @@ def planted_activations(
 def harvested_activations(
     cfg: ActivationsConfig,
     models: list[nn.Module],
+    hooks: list[list[str]],
     identities: list[dict[str, Any]],
     files: dict[str, dict[str, Any]],
     tokenizer: Any,
@@ -512,8 +514,8 @@ def harvested_activations(
     loading: RowLoading,
     barrier: Callable[[], None],
 ) -> Activations:
-    """The outputs of `cfg.sources`' hooks (`models`: those sources, loaded, in order) on
-    `text`, BOS and padding dropped: on the fly (`mode: buffer`) or written once to
+    """The outputs of `cfg.sources`' hooks (`models`: those sources, loaded, in order;
+    `hooks`: each source's module names as the loaded model names them) on `text`, BOS and padding dropped: on the fly (`mode: buffer`) or written once to
     `cfg.cache` by all ranks together (`mode: cache`; `barrier` waits for every rank).
     `identities`: each source's checkpoint and fingerprint (`freetx.checkpoint.
     input_identity`), part of the cache's settings: a cache written before a source
@@ -526,7 +528,7 @@ def harvested_activations(
             "hooks: [module names]}."
         )
     harvester = ActivationHarvester(
-        [(model, list(s.hooks), s.model) for model, s in zip(models, cfg.sources)]
+        [(model, names, s.model) for model, names, s in zip(models, hooks, cfg.sources)]
     )
     drop_ids = [t for t in (tokenizer.bos_id, tokenizer.pad_id) if t is not None]
 

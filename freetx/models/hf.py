@@ -14,7 +14,10 @@ own model where a native layout reads its `model_type`, else the generic path
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Protocol
+
+from torch import nn
 
 from freetx.errors import CheckpointError
 from freetx.models.hf_generic import GENERIC_LAYOUT, HFGenericModel, transformers_causal_lm_types
@@ -98,3 +101,28 @@ def hf_model(path: str, **fields) -> Transformer | HFGenericModel:
     cls = model_class(layout.model_class)
     read = layout.from_hf_config(hf, fields.get("max_seq_len"))
     return cls(build_config(cls.config_class, {**read, **fields}))
+
+
+def own_module_name(model: nn.Module, name: str) -> str:
+    """The module of `model` that `name` means: `name` itself when the model has such a
+    module; else, for a model with an HF layout, the module holding exactly the tensors
+    HF calls `name.*` (`model.layers.13` -> `layers.13`, `model.layers.13.mlp` ->
+    `layers.13.feed_forward` in freetx's decoder), so that a hook written as transformers
+    names a module reads the same activations when freetx computes the model natively.
+    Unchanged when nothing matches (the caller's error then lists the modules)."""
+    modules = dict(model.named_modules())
+    layout = model.hf_layout if isinstance(model, HFLayoutModel) else None
+    if name in modules or layout is None:
+        return name
+    config = dataclasses.asdict(model.config)
+    hf_names = {
+        own: set(layout.to_hf_names(own, param.shape[0] if param.dim() else 1, config))
+        for own, param in model.named_parameters()
+    }
+    wanted = {h for names in hf_names.values() for h in names if h.startswith(name + ".")}
+    for module_name, module in modules.items():
+        prefix = f"{module_name}." if module_name else ""
+        held = [hf_names[prefix + own] for own, _ in module.named_parameters()]
+        if wanted and set().union(*held) == wanted:
+            return module_name
+    return name

@@ -412,3 +412,29 @@ def test_an_export_onto_an_existing_folder_needs_overwrite(tmp_path, folders):
     )
     assert result.returncode == 1 and "--overwrite" in flat(result.stderr)
     assert (tmp_path / "out" / "keep.txt").read_text() == "mine"
+
+
+@pytest.mark.parametrize("family", ["gemma2", "mixtral"])
+def test_a_hook_named_as_transformers_names_it_reads_the_same_activations(folders, family):
+    """A crosscoder hook written for transformers' model (model.layers.1, ...mlp) means the
+    module of freetx's native decoder holding those tensors, with the same output."""
+    import transformers
+
+    from freetx.checkpoint import load_source_model
+    from freetx.data.activations import ActivationHarvester
+    from freetx.models.hf import own_module_name
+
+    folder = folders[family]
+    ours = load_source_model(str(folder), torch.device("cpu"), "float32")
+    mlp = "block_sparse_moe" if family == "mixtral" else "mlp"
+    assert own_module_name(ours, "model.layers.1") == "layers.1"
+    assert own_module_name(ours, f"model.layers.1.{mlp}") == "layers.1.feed_forward"
+    assert own_module_name(ours, "layers.0") == "layers.0"
+    assert own_module_name(ours, "model.layers.9") == "model.layers.9"  # none: the error lists
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    ids = torch.randint(3, 384, (2, 24), generator=torch.Generator().manual_seed(0))
+    keep = torch.ones_like(ids, dtype=torch.bool)
+    hooks = ["model.layers.1"]
+    mine = ActivationHarvester([(ours, [own_module_name(ours, h) for h in hooks], "ours")])
+    reference = ActivationHarvester([(theirs, hooks, "transformers")])
+    assert (mine(ids, keep) - reference(ids, keep)).abs().max() < 1e-4
