@@ -72,7 +72,18 @@ def layout_of(dotted_class: str) -> HFLayout:
 
 
 def layout_for_hf_config(hf: dict[str, Any]) -> HFLayout:
-    """The layout that reads an HF config.json, by its `model_type`."""
+    """The layout that reads an HF config.json, by its `model_type`. A quantized folder
+    (`quantization_config`: GPTQ, AWQ, bitsandbytes, FP8, ...) is refused by name: its
+    tensors are packed integers and scales, not the weights either path computes with."""
+    quantized = hf.get("quantization_config")
+    if quantized:
+        method = quantized.get("quant_method", "?") if isinstance(quantized, dict) else "?"
+        raise CheckpointError(
+            f"config.json has quantization_config (quant_method={method}): the folder holds "
+            "quantized tensors, which freetx does not read or train. Use the model's "
+            "unquantized folder (bf16 or fp32 weights); for QLoRA freetx quantizes the base "
+            "itself: peft.quantize_base=nf4."
+        )
     for layout in LAYOUTS:
         if hf.get("model_type") in layout.model_types:
             return layout

@@ -341,6 +341,8 @@ def test_a_damaged_folder_is_named(tmp_path, damage, message):
         ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 8,
                               "long_factor": [2.0] * 8, "factor": 4.0,
                               "original_max_position_embeddings": 64}}, 'rope_type="longrope"'),
+        ({"quantization_config": {"quant_method": "gptq", "bits": 4}},
+         "quantization_config (quant_method=gptq): the folder holds quantized tensors"),
     ],
 )  # fmt: skip
 def test_what_freetx_cannot_compute_is_refused_with_the_field(tmp_path, change, message):
@@ -438,3 +440,16 @@ def test_a_hook_named_as_transformers_names_it_reads_the_same_activations(folder
     mine = ActivationHarvester([(ours, [own_module_name(ours, h) for h in hooks], "ours")])
     reference = ActivationHarvester([(theirs, hooks, "transformers")])
     assert (mine(ids, keep) - reference(ids, keep)).abs().max() < 1e-4
+
+
+def test_a_quantized_folder_is_refused_on_either_path(tmp_path):
+    """hf_model refuses a folder of quantized tensors by name, before choosing a path."""
+    from freetx.models import hf_model
+
+    for family, method in (("qwen3", "awq"), ("starcoder2", "bitsandbytes")):  # native, generic
+        folder = make_folder(tmp_path / family, family)
+        config = json.loads((folder / "config.json").read_text())
+        config["quantization_config"] = {"quant_method": method}
+        (folder / "config.json").write_text(json.dumps(config))
+        with pytest.raises(CheckpointError, match=f"quant_method={method}"):
+            hf_model(str(folder))
