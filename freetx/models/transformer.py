@@ -95,6 +95,9 @@ class TransformerConfig:
     router_aux_loss_coef: float = 0.0  # the load-balancing loss's weight per token in training
     decoder_sparse_step: int = 1  # layer i has experts when (i + 1) % step == 0 (Qwen3-MoE)
     mlp_only_layers: list[int] = field(default_factory=list)  # layers kept dense (Qwen3-MoE)
+    # the embedding row of this token id gets no gradient (and starts at zero), as
+    # transformers' padding_idx = config.json's pad_token_id; None: every row trains
+    pad_token_id: int | None = None
 
     def __post_init__(self) -> None:
         if self.num_kv_heads is None:
@@ -124,6 +127,11 @@ class TransformerConfig:
                 f"num_heads={self.num_heads} is not divisible by num_kv_heads={self.num_kv_heads}"
             )
         check_rope_scaling(self.rope_scaling, self.rotary_dim)
+        if self.pad_token_id is not None and not 0 <= self.pad_token_id < self.vocab_size:
+            raise ValueError(
+                f"pad_token_id={self.pad_token_id} is no row of the embedding (vocab_size="
+                f"{self.vocab_size}); set an id below {self.vocab_size}, or null for none"
+            )
         for name in ("sliding_window", "query_pre_attn_scalar", "attn_logit_softcap",
                      "final_logit_softcap"):  # fmt: skip
             if getattr(self, name) is not None and getattr(self, name) <= 0:
@@ -556,7 +564,7 @@ def init_decoder_parameter(
     Linear and embedding weights ~ N(0, std); the projections that write into
     the residual stream (`attention.wo`, `feed_forward.w2`, `experts.w2`) are scaled by
     1/sqrt(2 * num_layers); norms start as the identity (weights of one, Gemma's at
-    zero), biases at zero.
+    zero), biases at zero; an embedding's padding row (`pad_token_id`) at zero.
     """
     module_name, _, param_name = name.rpartition(".")
     module = model.get_submodule(module_name)
@@ -568,6 +576,8 @@ def init_decoder_parameter(
         tensor.normal_(0.0, std / math.sqrt(2 * num_layers), generator=generator)
     else:
         tensor.normal_(0.0, std, generator=generator)
+        if isinstance(module, nn.Embedding) and module.padding_idx is not None:
+            tensor[module.padding_idx].zero_()  # the padding row, as transformers starts it
 
 
 # what LoRA targets are called (freetx's short names and HF's) -> module name suffixes
@@ -597,7 +607,9 @@ class Transformer(nn.Module):
     def __init__(self, cfg: TransformerConfig):
         super().__init__()
         self.config = cfg
-        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_dim)
+        self.tok_embeddings = nn.Embedding(
+            cfg.vocab_size, cfg.hidden_dim, padding_idx=cfg.pad_token_id
+        )
         self.dropout = nn.Dropout(cfg.dropout)
         self.layers = nn.ModuleList(
             DecoderBlock(cfg, i, sliding) for i, sliding in enumerate(cfg.sliding_layers())

@@ -1,0 +1,78 @@
+"""The embedding's padding row: transformers builds every native family's embedding with
+padding_idx = config.json's pad_token_id (its config class's default where the file has
+none), so that row gets no gradient from the lookup; freetx's decoder reads the same id
+and gives the same gradients."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from freetx.distributed import materialize
+from freetx.models import hf_model
+from tests.hf_folders import make_folder
+
+transformers = pytest.importorskip("transformers")
+PAD = 0
+
+
+def folder_with_pad(root, family):
+    """The family's tiny folder; Llama's config.json gets pad_token_id (its class has none)."""
+    folder = make_folder(root, family)
+    path = folder / "config.json"
+    config = json.loads(path.read_text())
+    if config.get("pad_token_id") is None:
+        config["pad_token_id"] = PAD
+    path.write_text(json.dumps(config))
+    return folder
+
+
+def batch_with_pads() -> torch.Tensor:
+    ids = torch.randint(1, 384, (2, 48), generator=torch.Generator().manual_seed(3))
+    ids[:, 30:] = PAD  # right padding, as a batch of unequal samples holds it
+    ids[0, 5] = PAD
+    return ids
+
+
+def loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+
+
+@pytest.mark.parametrize("family", ["llama3_1_old_layout", "gemma2", "qwen3_moe"])
+def test_embedding_gradients_equal_transformers_on_a_batch_with_the_pad_id(tmp_path, family):
+    from freetx.checkpoint import load_initial_weights
+
+    folder = folder_with_pad(tmp_path / family, family)
+    with torch.device("meta"):
+        ours = hf_model(str(folder))
+    materialize(ours, torch.device("cpu"), seed=0)
+    load_initial_weights(ours, folder)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    assert ours.config.pad_token_id == theirs.model.embed_tokens.padding_idx == PAD
+    ids = batch_with_pads()
+    ours.eval(), theirs.eval()  # no dropout; the MoE's aux loss is not part of this loss
+    loss(ours(ids), ids).backward()
+    loss(theirs(ids).logits, ids).backward()
+    mine, reference = ours.tok_embeddings.weight.grad, theirs.model.embed_tokens.weight.grad
+    assert (mine - reference).abs().max().item() <= 1e-5
+    if not ours.config.tie_embeddings:  # untied: the lookup is the row's only gradient
+        assert torch.count_nonzero(mine[PAD]) == 0 and torch.count_nonzero(mine[1:].sum(1)) > 0
+
+
+def test_the_pad_id_is_written_back_on_export_and_a_random_model_starts_its_row_at_zero(
+    tmp_path,
+):
+    from freetx.checkpoint import convert
+
+    folder = folder_with_pad(tmp_path / "src", "llama3_1_old_layout")
+    convert(folder, tmp_path / "dcp", to="dcp")
+    convert(tmp_path / "dcp", tmp_path / "out", to="hf")
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["pad_token_id"] == PAD
+    with torch.device("meta"):
+        model = hf_model(str(folder))
+    materialize(model, torch.device("cpu"), seed=0)
+    assert torch.count_nonzero(model.tok_embeddings.weight[PAD]) == 0
+    assert torch.count_nonzero(model.tok_embeddings.weight[1]) > 0
