@@ -551,6 +551,16 @@ class DecoderBlock(nn.Module):
         return x if routing is None else (x, routing)
 
 
+def init_normal(
+    module: nn.Module, tensor: torch.Tensor, std: float, generator: torch.Generator
+) -> None:
+    """A weight ~ N(0, std); an embedding's padding row (`padding_idx`) at zero, as
+    transformers initializes it."""
+    tensor.normal_(0.0, std, generator=generator)
+    if isinstance(module, nn.Embedding) and module.padding_idx is not None:
+        tensor[module.padding_idx].zero_()
+
+
 def init_decoder_parameter(
     model: nn.Module,
     name: str,
@@ -575,9 +585,7 @@ def init_decoder_parameter(
     elif module_name.endswith(("attention.wo", "feed_forward.w2")) or name.endswith("experts.w2"):
         tensor.normal_(0.0, std / math.sqrt(2 * num_layers), generator=generator)
     else:
-        tensor.normal_(0.0, std, generator=generator)
-        if isinstance(module, nn.Embedding) and module.padding_idx is not None:
-            tensor[module.padding_idx].zero_()  # the padding row, as transformers starts it
+        init_normal(module, tensor, std, generator)
 
 
 # what LoRA targets are called (freetx's short names and HF's) -> module name suffixes

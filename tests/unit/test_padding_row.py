@@ -62,17 +62,22 @@ def test_embedding_gradients_equal_transformers_on_a_batch_with_the_pad_id(tmp_p
         assert torch.count_nonzero(mine[PAD]) == 0 and torch.count_nonzero(mine[1:].sum(1)) > 0
 
 
-def test_the_pad_id_is_written_back_on_export_and_a_random_model_starts_its_row_at_zero(
-    tmp_path,
-):
+def test_the_pad_id_is_written_back_on_export(tmp_path):
     from freetx.checkpoint import convert
 
     folder = folder_with_pad(tmp_path / "src", "llama3_1_old_layout")
     convert(folder, tmp_path / "dcp", to="dcp")
     convert(tmp_path / "dcp", tmp_path / "out", to="hf")
     assert json.loads((tmp_path / "out" / "config.json").read_text())["pad_token_id"] == PAD
+
+
+@pytest.mark.parametrize("family", ["llama3_1_old_layout", "granite"])  # granite: generic
+def test_a_randomly_initialized_model_starts_its_padding_row_at_zero(tmp_path, family):
+    folder = folder_with_pad(tmp_path / family, family)
     with torch.device("meta"):
         model = hf_model(str(folder))
     materialize(model, torch.device("cpu"), seed=0)
-    assert torch.count_nonzero(model.tok_embeddings.weight[PAD]) == 0
-    assert torch.count_nonzero(model.tok_embeddings.weight[1]) > 0
+    embedding = model.hf.get_input_embeddings() if family == "granite" else model.tok_embeddings
+    assert embedding.padding_idx == PAD
+    assert torch.count_nonzero(embedding.weight[PAD]) == 0
+    assert torch.count_nonzero(embedding.weight[1]) > 0
