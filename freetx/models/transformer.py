@@ -127,11 +127,6 @@ class TransformerConfig:
                 f"num_heads={self.num_heads} is not divisible by num_kv_heads={self.num_kv_heads}"
             )
         check_rope_scaling(self.rope_scaling, self.rotary_dim)
-        if self.pad_token_id is not None and not 0 <= self.pad_token_id < self.vocab_size:
-            raise ValueError(
-                f"pad_token_id={self.pad_token_id} is no row of the embedding (vocab_size="
-                f"{self.vocab_size}); set an id below {self.vocab_size}, or null for none"
-            )
         for name in ("sliding_window", "query_pre_attn_scalar", "attn_logit_softcap",
                      "final_logit_softcap"):  # fmt: skip
             if getattr(self, name) is not None and getattr(self, name) <= 0:
@@ -190,6 +185,12 @@ class TransformerConfig:
             found["sliding_window"] = (
                 "layer_types has sliding_attention layers but no window; set sliding_window "
                 "to the tokens a query sees."
+            )
+        pad, vocab = values.get("pad_token_id"), values.get("vocab_size")
+        if pad is not None and vocab is not None and not 0 <= pad < vocab:
+            found["pad_token_id"] = (
+                "it is the embedding row that gets no gradient (transformers' padding_idx); "
+                f"set an id below vocab_size={vocab}, or null for none."
             )
         if not 0 < values.get("partial_rotary_factor", 1.0) <= 1:
             found["partial_rotary_factor"] = (

@@ -563,6 +563,15 @@ class LlamaFamilyLayout:
                     f"model with max_seq_len={window} (a key of the model section) to train on "
                     "those.",
                 )  # fmt: skip
+        pad = fields["pad_token_id"]
+        if pad is not None and not 0 <= pad < fields["vocab_size"]:
+            given = "sets" if "pad_token_id" in hf else f"has none, and {model_type} assumes"
+            raise CheckpointError(
+                f"config.json {given} pad_token_id={pad}, outside vocab_size="
+                f"{fields['vocab_size']}: the embedding has no such padding row (transformers "
+                "cannot build this model either). Set pad_token_id in config.json to the "
+                "tokenizer's pad id, or null for none."
+            )
         layer_types = set(hf.get("layer_types") or ["full_attention"])
         if layer_types != {"full_attention"} and "layer_types" not in fields:
             raise _unsupported("layer_types", sorted(layer_types), "full attention in every layer")

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from freetx.distributed import materialize
 from freetx.models import hf_model
+from tests.conftest import flat, run_freetx_here
 from tests.hf_folders import make_folder
 
 transformers = pytest.importorskip("transformers")
@@ -81,3 +82,22 @@ def test_a_randomly_initialized_model_starts_its_padding_row_at_zero(tmp_path, f
     assert embedding.padding_idx == PAD
     assert torch.count_nonzero(embedding.weight[PAD]) == 0
     assert torch.count_nonzero(embedding.weight[1]) > 0
+
+
+def test_a_default_pad_id_outside_the_vocabulary_is_refused_with_the_fix(tmp_path):
+    """Phi3Config assumes pad 32000 where config.json has none: outside a 384-token vocabulary
+    transformers cannot build the model, and freetx says so before writing anything."""
+    folder = make_folder(tmp_path / "phi3", "phi3")
+    path = folder / "config.json"
+    config = json.loads(path.read_text())
+    del config["pad_token_id"]
+    path.write_text(json.dumps(config))
+    result = run_freetx_here("checkpoint", "convert", str(folder), str(tmp_path / "dcp"),
+                             "--to", "dcp")  # fmt: skip
+    message = flat(result.stderr)
+    assert result.returncode == 1 and "Traceback" not in message, message
+    assert "config.json has none, and phi3 assumes pad_token_id=32000, outside vocab_size=384" in (
+        message
+    )
+    assert "Set pad_token_id in config.json to the tokenizer's pad id, or null" in message
+    assert not (tmp_path / "dcp").exists()
