@@ -69,6 +69,18 @@ class BuildsConfig(Protocol):
     presets: dict[str, dict[str, Any]]  # `preset:` name -> the fields it sets
 
 
+@runtime_checkable
+class ChoosesConfig(Protocol):
+    """A builder whose config dataclass depends on its arguments (`freetx.models.hf_model`:
+    a folder's model_type picks the decoder's fields or the generic path's); `freetx
+    validate` checks a config's keys against the class it picks."""
+
+    def config_for(self, fields: dict[str, Any]) -> tuple[type, str]:
+        """The config class for these keys, and a sentence saying why that class ("" when
+        it is the builder's `config_class`)."""
+        ...
+
+
 def _defaults(config_class: type) -> dict[str, Any]:
     """The fields of a dataclass that have a default, with it."""
     found = {}

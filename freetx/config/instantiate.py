@@ -26,7 +26,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from freetx.errors import ConfigError
-from freetx.fields import BuildsConfig, field_problems
+from freetx.fields import BuildsConfig, ChoosesConfig, field_problems
 
 COMPONENT = "_component_"
 
@@ -137,11 +137,15 @@ def _bind_problem(target: Any, dotted: str, where: str, args: tuple, kwargs: dic
         return f"{where}: the keys do not fit {dotted}{sig}: {e}."
 
 
-def builder_config(target: Any) -> type | None:
-    """The config dataclass a builder takes its `**fields` for (`BuildsConfig`), or None."""
+def builder_config(target: Any, fields: dict[str, Any]) -> tuple[type | None, str]:
+    """The config dataclass a builder takes these `**fields` for (`BuildsConfig`; the one it
+    picks by them: `ChoosesConfig`), or None; and why that one ("": the builder's own)."""
     if isinstance(target, type) or not isinstance(target, BuildsConfig):
-        return None
-    return target.config_class if dataclasses.is_dataclass(target.config_class) else None
+        return None, ""
+    config_class, why = target.config_class, ""
+    if isinstance(target, ChoosesConfig):
+        config_class, why = target.config_for(fields)
+    return (config_class if dataclasses.is_dataclass(config_class) else None), why
 
 
 def _config_field_problem(
@@ -149,7 +153,7 @@ def _config_field_problem(
 ) -> str | None:
     """A builder that takes `**fields` of a config dataclass (its `config_class`, see
     freetx.models.protocol.builds): keys that are no field of it, with a hint."""
-    config_class = builder_config(target)
+    config_class, why = builder_config(target, kwargs)
     if config_class is None:
         return None
     known = [p for p in sig.parameters if p not in ("fields", "kwargs")]
@@ -161,7 +165,10 @@ def _config_field_problem(
     for key in unknown:
         close = difflib.get_close_matches(key, known, n=1)
         hints.append(f"'{key}'" + (f" (did you mean '{close[0]}'?)" if close else ""))
-    return f"{where}: {dotted} takes no argument {', '.join(hints)}; it takes: {', '.join(known)}."
+    return (
+        f"{where}: {dotted} takes no argument {', '.join(hints)}; {why + '; ' if why else ''}"
+        f"it takes: {', '.join(known)}."
+    )
 
 
 def instantiate(node: Any, *args: Any, **kwargs: Any) -> Any:
@@ -233,7 +240,7 @@ def check_components(cfg: DictConfig) -> list[str]:
 def _meaningless_values(target: Any, where: str, kwargs: dict) -> list[str]:
     """The values of a builder's config dataclass (`freetx.models.protocol.builds`) that it
     calls meaningless (`freetx.fields.field_problems`); building it would refuse them too."""
-    config_class = builder_config(target)
+    config_class, _ = builder_config(target, kwargs)
     if config_class is None:
         return []
     names = {f.name for f in dataclasses.fields(config_class)}

@@ -49,7 +49,7 @@ class ADConfig(TransformerConfig):
         transitions and action head do not have (freetx.fields), by key: why, and the fix."""
         found = TransformerConfig.meaningless(values)
         for name, default in (("scale_embeddings", False), ("final_logit_softcap", None),
-                              ("rope_local_theta", None)):  # fmt: skip
+                              ("rope_local_theta", None), ("pad_token_id", None)):  # fmt: skip
             if values.get(name, default) != default:
                 unset = "false" if default is False else "null"
                 found[name] = f"AD's transformer does not compute it; set {name}={unset}."

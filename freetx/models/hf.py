@@ -20,7 +20,12 @@ from typing import Any, Protocol
 from torch import nn
 
 from freetx.errors import CheckpointError
-from freetx.models.hf_generic import GENERIC_LAYOUT, HFGenericModel, transformers_causal_lm_types
+from freetx.models.hf_generic import (
+    GENERIC_LAYOUT,
+    HFGenericConfig,
+    HFGenericModel,
+    transformers_causal_lm_types,
+)
 from freetx.models.protocol import HFLayoutModel, build_config, builds, model_class
 from freetx.models.transformer import Transformer, TransformerConfig
 from freetx.models.transformer_hf import DECODER_LAYOUTS, read_hf_config
@@ -101,7 +106,26 @@ def layout_for_hf_config(hf: dict[str, Any]) -> HFLayout:
     )
 
 
-@builds(TransformerConfig)
+def hf_model_config(fields: dict[str, Any]) -> tuple[type, str]:
+    """The config class `hf_model`'s keys are checked against (`freetx validate`, the
+    checks before a run): by the folder's `model_type` alone (config.json is read, nothing
+    built); the decoder's where a native layout reads it or the folder cannot be read
+    (building names that problem)."""
+    path = fields.get("path")
+    try:
+        model_type = read_hf_config(path).get("model_type") if isinstance(path, str) else None
+    except CheckpointError:
+        return TransformerConfig, ""
+    if model_type is None or any(model_type in layout.model_types for layout in NATIVE_LAYOUTS):
+        return TransformerConfig, ""
+    return HFGenericConfig, (
+        f"{path} holds a '{model_type}' model, which freetx builds through the generic "
+        "transformers path with the shape its config.json gives (to change the shape, edit "
+        "a copy of the folder's config.json)"
+    )
+
+
+@builds(TransformerConfig, config_for=hf_model_config)
 def hf_model(path: str, **fields) -> Transformer | HFGenericModel:
     """The model of an HF folder: freetx's own where a native layout reads its
     `model_type` (with any config field changed, as `hf_decoder`), else transformers'

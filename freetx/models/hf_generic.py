@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from freetx.errors import CheckpointError, ConfigError
+from freetx.models.transformer import init_normal
 
 # tensors some folders carry that are not weights (older checkpoints' RoPE tables)
 _NOT_WEIGHTS = (".rotary_emb.inv_freq", ".rotary_emb.original_inv_freq")
@@ -263,8 +264,8 @@ class HFGenericModel(nn.Module):
     # -- initialization ---------------------------------------------------
     def init_parameter(self, name: str, tensor: torch.Tensor, generator: torch.Generator) -> None:
         """By the owning module's type: Linear, Embedding and transformers' Conv1D (GPT-2)
-        weights ~ N(0, initializer_range), norms one, biases zero; anything else is
-        refused."""
+        weights ~ N(0, initializer_range) (an embedding's padding row zero), norms one,
+        biases zero; anything else is refused."""
         module_name, _, param_name = name.rpartition(".")
         module = self.get_submodule(module_name)
         if param_name == "bias":
@@ -273,7 +274,7 @@ class HFGenericModel(nn.Module):
             tensor.fill_(1.0)
         elif isinstance(module, (nn.Linear, nn.Embedding)) or type(module).__name__ == "Conv1D":
             std = float(self.config.hf_config.get("initializer_range", 0.02))
-            tensor.normal_(0.0, std, generator=generator)
+            init_normal(module, tensor, std, generator)
         else:
             raise CheckpointError(
                 f"freetx cannot initialize {name} ({type(module).__name__}) of a generic "

@@ -90,6 +90,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import importlib
+from collections.abc import Callable
 from typing import Any, ClassVar, NamedTuple, Protocol, runtime_checkable
 
 import torch
@@ -372,14 +373,21 @@ def build_config(
     return config_class(**values)
 
 
-def builds(config_class: type, presets: dict[str, dict[str, Any]] | None = None):
+def builds(
+    config_class: type,
+    presets: dict[str, dict[str, Any]] | None = None,
+    config_for: Callable[[dict[str, Any]], tuple[type, str]] | None = None,
+):
     """Mark a family's builder with its config class (and its `preset:` fields), so that
     config keys and values can be checked against the config's fields before anything is
-    built (`freetx validate`)."""
+    built (`freetx validate`). `config_for`: for a builder whose config class depends on
+    its arguments, the class it picks for them and why (`freetx.fields.ChoosesConfig`)."""
 
     def mark(builder):
         builder.config_class = config_class
         builder.presets = presets or {}
+        if config_for is not None:
+            builder.config_for = config_for
         return builder
 
     return mark

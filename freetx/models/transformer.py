@@ -95,6 +95,9 @@ class TransformerConfig:
     router_aux_loss_coef: float = 0.0  # the load-balancing loss's weight per token in training
     decoder_sparse_step: int = 1  # layer i has experts when (i + 1) % step == 0 (Qwen3-MoE)
     mlp_only_layers: list[int] = field(default_factory=list)  # layers kept dense (Qwen3-MoE)
+    # the embedding row of this token id gets no gradient (and starts at zero), as
+    # transformers' padding_idx = config.json's pad_token_id; None: every row trains
+    pad_token_id: int | None = None
 
     def __post_init__(self) -> None:
         if self.num_kv_heads is None:
@@ -182,6 +185,12 @@ class TransformerConfig:
             found["sliding_window"] = (
                 "layer_types has sliding_attention layers but no window; set sliding_window "
                 "to the tokens a query sees."
+            )
+        pad, vocab = values.get("pad_token_id"), values.get("vocab_size")
+        if pad is not None and vocab is not None and not 0 <= pad < vocab:
+            found["pad_token_id"] = (
+                "it is the embedding row that gets no gradient (transformers' padding_idx); "
+                f"set an id below vocab_size={vocab}, or null for none."
             )
         if not 0 < values.get("partial_rotary_factor", 1.0) <= 1:
             found["partial_rotary_factor"] = (
@@ -543,6 +552,16 @@ class DecoderBlock(nn.Module):
         return x if routing is None else (x, routing)
 
 
+def init_normal(
+    module: nn.Module, tensor: torch.Tensor, std: float, generator: torch.Generator
+) -> None:
+    """A weight ~ N(0, std); an embedding's padding row (`padding_idx`) at zero, as
+    transformers initializes it."""
+    tensor.normal_(0.0, std, generator=generator)
+    if isinstance(module, nn.Embedding) and module.padding_idx is not None:
+        tensor[module.padding_idx].zero_()
+
+
 def init_decoder_parameter(
     model: nn.Module,
     name: str,
@@ -556,7 +575,7 @@ def init_decoder_parameter(
     Linear and embedding weights ~ N(0, std); the projections that write into
     the residual stream (`attention.wo`, `feed_forward.w2`, `experts.w2`) are scaled by
     1/sqrt(2 * num_layers); norms start as the identity (weights of one, Gemma's at
-    zero), biases at zero.
+    zero), biases at zero; an embedding's padding row (`pad_token_id`) at zero.
     """
     module_name, _, param_name = name.rpartition(".")
     module = model.get_submodule(module_name)
@@ -567,7 +586,7 @@ def init_decoder_parameter(
     elif module_name.endswith(("attention.wo", "feed_forward.w2")) or name.endswith("experts.w2"):
         tensor.normal_(0.0, std / math.sqrt(2 * num_layers), generator=generator)
     else:
-        tensor.normal_(0.0, std, generator=generator)
+        init_normal(module, tensor, std, generator)
 
 
 # what LoRA targets are called (freetx's short names and HF's) -> module name suffixes
@@ -597,7 +616,9 @@ class Transformer(nn.Module):
     def __init__(self, cfg: TransformerConfig):
         super().__init__()
         self.config = cfg
-        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_dim)
+        self.tok_embeddings = nn.Embedding(
+            cfg.vocab_size, cfg.hidden_dim, padding_idx=cfg.pad_token_id
+        )
         self.dropout = nn.Dropout(cfg.dropout)
         self.layers = nn.ModuleList(
             DecoderBlock(cfg, i, sliding) for i, sliding in enumerate(cfg.sliding_layers())

@@ -130,6 +130,9 @@ PHI_ROPE = ("phi3",)
 GEMMA_TYPES = ("gemma2", "gemma3_text")
 # activations as config.json names them -> TransformerConfig's
 _ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+# the pad_token_id transformers 5.24's config classes assume where config.json has none (the
+# others: None); every family here builds its embedding with padding_idx=pad_token_id
+PAD_TOKEN_IDS = {"olmo2": 1, "phi3": 32000, "gemma2": 0, "gemma3_text": 0}
 # model types whose config.json has no head_dim (derived from hidden_size / heads)
 _DERIVED_HEAD_DIM = ("qwen2", "olmo2", "phi3")
 
@@ -444,6 +447,7 @@ class LlamaFamilyLayout:
             "hidden_act": {v: k for k, v in _ACTIVATIONS.items()}[c.get("activation", "silu")],
             "attention_dropout": c.get("attention_dropout", 0.0),
             "initializer_range": c.get("init_std", 0.02),
+            "pad_token_id": c.get("pad_token_id"),  # the embedding's row without gradient
             "dtype": dtype,
         }
         if model_type == "qwen2":
@@ -514,6 +518,7 @@ class LlamaFamilyLayout:
                 "fused_projections": model_type in FUSED_PROJECTIONS,
                 "head_dim": int(hf.get("head_dim") or hidden // num_heads),
                 "hf_model_type": model_type,
+                "pad_token_id": hf.get("pad_token_id", PAD_TOKEN_IDS.get(model_type)),
                 "qk_norm": BLOCKS[model_type][0],
                 "norm_position": BLOCKS[model_type][1],
                 **_moe_from_hf(hf, model_type),
@@ -558,6 +563,15 @@ class LlamaFamilyLayout:
                     f"model with max_seq_len={window} (a key of the model section) to train on "
                     "those.",
                 )  # fmt: skip
+        pad = fields["pad_token_id"]
+        if pad is not None and not 0 <= pad < fields["vocab_size"]:
+            given = "sets" if "pad_token_id" in hf else f"has none, and {model_type} assumes"
+            raise CheckpointError(
+                f"config.json {given} pad_token_id={pad}, outside vocab_size="
+                f"{fields['vocab_size']}: the embedding has no such padding row (transformers "
+                "cannot build this model either). Set pad_token_id in config.json to the "
+                "tokenizer's pad id, or null for none."
+            )
         layer_types = set(hf.get("layer_types") or ["full_attention"])
         if layer_types != {"full_attention"} and "layer_types" not in fields:
             raise _unsupported("layer_types", sorted(layer_types), "full attention in every layer")
@@ -582,9 +596,6 @@ def _phi3_config(c: dict[str, Any]) -> dict[str, Any]:
         # freetx's dropout acts on the embeddings and both residual branches alike
         "resid_pdrop": c.get("dropout", 0.0),
         "embd_pdrop": c.get("dropout", 0.0),
-        # Phi3Config's defaults (32000) lie outside a smaller vocabulary; a source folder's
-        # ids replace these when the export has one
-        "pad_token_id": None,
     }
 
 

@@ -11,7 +11,7 @@ import json
 import pytest
 import torch
 
-from tests.conftest import one_paragraph, run_freetx
+from tests.conftest import flat, one_paragraph, run_freetx
 from tests.hf_folders import RANDOM_WEIGHTS_LR, hf_logits
 from tests.recipes.test_checkpoint_resume import COMMON, losses
 from tests.recipes.test_hf_finetune import (
@@ -82,10 +82,28 @@ def test_lora_on_a_generic_folder_exports_adapters_that_peft_loads(tmp_path, fol
     lora_export_loads_in_peft(tmp_path, folder, "peft.target_modules=[q_proj, v_proj]")
 
 
-def test_a_decoder_field_on_the_generic_path_is_refused_by_name(tmp_path, folder):
+@pytest.mark.parametrize("command", ["validate", "run"])
+def test_a_decoder_field_on_the_generic_path_is_refused_before_anything_is_built(
+    tmp_path, folder, command
+):
+    """`freetx validate` and the checks before a run read the folder's model_type alone and
+    check the model's keys against what the generic path takes."""
+    recipe = ["full_finetune_fsdp2", "--config"] if command == "run" else []
     result = run_freetx(
-        "run", "full_finetune_fsdp2", "--config", "llm/hf_tiny_full", f"model_dir={folder}",
-        f"output_dir={tmp_path / 'run'}", "model.vocab_size=300",
+        command, *recipe, "llm/hf_tiny_full", f"model_dir={folder}",
+        f"output_dir={tmp_path / 'run'}", "model.num_layers=2",
     )  # fmt: skip
-    message = one_paragraph(result)
-    assert "has no field 'vocab_size'" in message and "max_seq_len" in message
+    message = flat(result.stdout + result.stderr)
+    assert result.returncode == 1 and "Traceback" not in message, message
+    assert (
+        "freetx.models.hf_model takes no argument 'num_layers'; "
+        f"{folder} holds a 'starcoder2' model, which freetx builds through the generic "
+        "transformers path" in message
+    ) and "it takes: path, hf_config, max_seq_len." in message
+    assert not (tmp_path / "run").exists()  # nothing was built or written
+    if command == "run":
+        one_paragraph(result)
+    else:  # the field it takes passes
+        fine = run_freetx("validate", "llm/hf_tiny_full", f"model_dir={folder}",
+                          "model.max_seq_len=64")  # fmt: skip
+        assert fine.returncode == 0, fine.stdout + fine.stderr

@@ -51,7 +51,11 @@ TOPK = ["model.activation=batchtopk", "model.k=8"]
                    "full_attention]"], "layer_types has sliding_attention layers but no window"),
      ("free_transformer/tiny", ["model.rope_local_theta=10000"], "layers share one RoPE"),
      ("ad/darkroom_tiny", ["model.scale_embeddings=true"],
-      "'model.scale_embeddings' is True: AD's transformer does not compute it")],
+      "'model.scale_embeddings' is True: AD's transformer does not compute it"),
+     ("ad/darkroom_tiny", ["model.pad_token_id=0"], "'model.pad_token_id' is 0: AD's"),
+     ("llm/tiny", ["model.pad_token_id=259"], "'model.pad_token_id' is 259: it is the "
+      "embedding row that gets no gradient (transformers' padding_idx); set an id below "
+      "vocab_size=259, or null for none.")],
 )  # fmt: skip
 def test_validate_refuses_a_meaningless_value(config, overrides, message):
     result = run_freetx_here("validate", config, *overrides)
@@ -66,6 +70,7 @@ def test_validate_refuses_a_meaningless_value(config, overrides, message):
      (LORA, ["peft.method=none", "peft.alpha=0"]),  # no adapters: alpha says nothing
      (CROSSCODER, [*TOPK, "model.dead_after_rows=1", "model.threshold_beta=0"]),
      (CROSSCODER, ["model.k=256"]),  # relu: k is not read
+     ("llm/tiny", ["model.pad_token_id=258"]),
      ("llm/tiny", ["model.norm_position=sandwich", "model.norm_plus_one=true",
                    "model.activation=gelu_tanh", "model.sliding_window=32",
                    "model.attn_logit_softcap=50.0"])],
