@@ -32,27 +32,17 @@ class LayerCache:
         return self.keys[:, :, :end], self.values[:, :, :end], self.owner.key_valid(end)
 
 
-class KVCache:
-    """Keys and values of every layer for `len(left_padding)` rows, up to `max_len`
-    tokens each (padding included). `length`: the tokens cached so far."""
+class CachedRows:
+    """What every KV cache knows of its rows: `len(left_padding)` rows of up to `max_len`
+    tokens each (padding included), `length` of them cached, and the ids seen."""
 
-    def __init__(
-        self,
-        layers: int,
-        kv_heads: int,
-        head_dim: int,
-        max_len: int,
-        left_padding: torch.Tensor,
-        dtype: torch.dtype,
-    ) -> None:
-        device = left_padding.device
-        batch = len(left_padding)
+    def __init__(self, max_len: int, left_padding: torch.Tensor) -> None:
         self.left_padding = left_padding
         self.padded = bool((left_padding > 0).any())
         self.max_len, self.length = max_len, 0
-        self.ids = torch.zeros(batch, max_len, dtype=torch.long, device=device)
-        shape = (batch, kv_heads, max_len, head_dim)
-        self.layers = [LayerCache(self, shape, dtype, device) for _ in range(layers)]
+        self.ids = torch.zeros(
+            len(left_padding), max_len, dtype=torch.long, device=left_padding.device
+        )
 
     def positions(self, new: int) -> torch.Tensor:
         """[B, new]: the positions of the next `new` tokens, counted from each row's first
@@ -79,3 +69,21 @@ class KVCache:
         """Forget every cached key (to compute them again); returns the ids seen so far."""
         ids, self.length = self.ids[:, : self.length].clone(), 0
         return ids
+
+
+class KVCache(CachedRows):
+    """The native decoder's cache: each layer's keys and values (`layers`)."""
+
+    def __init__(
+        self,
+        layers: int,
+        kv_heads: int,
+        head_dim: int,
+        max_len: int,
+        left_padding: torch.Tensor,
+        dtype: torch.dtype,
+    ) -> None:
+        super().__init__(max_len, left_padding)
+        shape = (len(left_padding), kv_heads, max_len, head_dim)
+        device = left_padding.device
+        self.layers = [LayerCache(self, shape, dtype, device) for _ in range(layers)]
