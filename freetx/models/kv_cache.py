@@ -52,6 +52,10 @@ class CachedRows:
         index = torch.arange(self.length, self.length + new, device=self.ids.device)
         return (index[None, :] - self.left_padding[:, None]).clamp(min=0)
 
+    def lengths(self) -> torch.Tensor:
+        """[B]: the tokens each row has cached, its padding aside."""
+        return (self.length - self.left_padding).clamp(min=0)
+
     def key_valid(self, keys: int) -> torch.Tensor | None:
         """[B, keys]: False where a key is padding; None when no row is padded."""
         if not self.padded:

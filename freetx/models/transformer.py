@@ -321,7 +321,8 @@ class RotaryTables(nn.Module):
     long one for all its positions, a shorter one the short one (as transformers picks
     them by the length of what it is given). With a KV cache, `tables(seq_len, positions)`
     gives the rows of `positions` [B, T] ([B, 1, T, rotary_dim]), longrope's pair picked
-    by the largest position + 1 (transformers' `longrope_frequency_update`).
+    per row by its largest position + 1 (transformers' `longrope_frequency_update` picks
+    by the batch's largest: one prompt at a time, the same).
     """
 
     def __init__(
@@ -342,19 +343,30 @@ class RotaryTables(nn.Module):
         self, seq_len: int, positions: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if positions is not None:
-            seq_len = int(positions.max()) + 1
+            cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]
+            if self.long_after is None:
+                return cos, sin
+            long = (positions.amax(dim=1) + 1 > self.long_after)[:, None, None, None]
+            long_cos, long_sin = (
+                self.long_cos[positions][:, None],
+                self.long_sin[positions][:, None],
+            )
+            return torch.where(long, long_cos, cos), torch.where(long, long_sin, sin)
         long = self.long_after is not None and seq_len > self.long_after
         cos, sin = (self.long_cos, self.long_sin) if long else (self.cos, self.sin)
-        if positions is None:
-            return cos[:seq_len], sin[:seq_len]
-        return cos[positions][:, None], sin[positions][:, None]
+        return cos[:seq_len], sin[:seq_len]
 
-    def rereads(self, cached: int, new: int) -> bool:
-        """Whether a KV cache of `cached` tokens, computed with the short tables, must be
-        computed again with the long ones now that `new` tokens follow: transformers'
-        Phi-3 drops its cache once, when the sequence first grows past
-        original_max_position_embeddings (`Phi3ForCausalLM.prepare_inputs_for_generation`)."""
-        return self.long_after is not None and 0 < cached <= self.long_after < cached + new
+    def rereads(self, cached: torch.Tensor, new: int) -> bool:
+        """Whether a KV cache whose rows hold `cached` [B] tokens each (padding aside) must
+        be computed again now that `new` tokens follow: a row's keys were computed with the
+        short tables and it grows past original_max_position_embeddings, where transformers'
+        Phi-3 drops its cache once (`Phi3ForCausalLM.prepare_inputs_for_generation`). Every
+        row is computed again, each with its own tables (the same for the rows that do not
+        cross)."""
+        if self.long_after is None:
+            return False
+        crossing = (cached > 0) & (cached <= self.long_after) & (cached + new > self.long_after)
+        return bool(crossing.any())
 
     @torch.no_grad()
     def reset(self) -> None:
@@ -681,7 +693,7 @@ class Transformer(nn.Module):
         `cache` (`new_cache`), input_ids are the tokens after the cached ones, the logits
         theirs, and the cache holds them after the call."""
         new = input_ids.shape[1]
-        if cache is not None and self.rope.rereads(cache.length, new):
+        if cache is not None and self.rope.rereads(cache.lengths(), new):
             input_ids = torch.cat([cache.rewind(), input_ids], dim=1)
         seq_len = input_ids.shape[1]
         positions = None if cache is None else cache.positions(seq_len)
