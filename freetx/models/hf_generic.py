@@ -236,6 +236,12 @@ def cache_argument(hf: nn.Module) -> str | None:
     return next((name for name in ("cache", "past_key_values") if name in parameters), None)
 
 
+def takes_positions(hf: nn.Module) -> bool:
+    """Whether the forward takes position_ids (transformers' `generate` passes them where it
+    does; ALiBi models count positions from the attention mask)."""
+    return "position_ids" in inspect.signature(hf.forward).parameters
+
+
 class HFGenericModel(nn.Module):
     """A transformers causal LM as a freetx model: `forward(input_ids) -> logits`. The HF
     model (`self.hf`, not a registered submodule) and this one share its children, so
@@ -305,11 +311,15 @@ class HFGenericModel(nn.Module):
         if cache is None:
             return self.hf(input_ids=input_ids, use_cache=False).logits
         new = input_ids.shape[1]
+        inputs = {cache_argument(self.hf): cache.hf}
+        if takes_positions(self.hf):
+            inputs["position_ids"] = cache.positions(new)
         logits = self.hf(
-            input_ids=input_ids, attention_mask=cache.attention_mask(cache.length + new),
-            position_ids=cache.positions(new), use_cache=True,
-            **{cache_argument(self.hf): cache.hf},
-        ).logits  # fmt: skip
+            input_ids=input_ids,
+            attention_mask=cache.attention_mask(cache.length + new),
+            use_cache=True,
+            **inputs,
+        ).logits
         cache.advance(input_ids)
         return logits
 

@@ -4,7 +4,7 @@ decoding with it, prompts of different lengths left-padded in one batch, gives
 transformers' `generate(do_sample=False)` tokens (its own cache, one prompt at a time)
 for every kind of attention: plain (Llama), sliding windows and soft-capping (Gemma 2),
 LongRoPE past its switch (Phi-3), experts (Qwen3-MoE, Mixtral), and the generic path
-(StarCoder2, transformers' own cache)."""
+(StarCoder2, Phi-2: transformers' own cache)."""
 
 from __future__ import annotations
 
@@ -56,7 +56,7 @@ def cached_greedy(model, rows: list[torch.Tensor], steps: int) -> list[list[int]
 # gemma2: a window of 40 and both soft-caps, 12 + 48 tokens; phi3_longrope: short tables
 # up to 64 tokens, long ones beyond (transformers computes its cache again there)
 @pytest.mark.parametrize(
-    "family", ["llama3_2", "gemma2", "phi3_longrope", "qwen3_moe", "mixtral", "starcoder2"]
+    "family", ["llama3_2", "gemma2", "phi3_longrope", "qwen3_moe", "mixtral", "starcoder2", "phi"]
 )
 def test_greedy_with_the_cache_and_padded_prompts_equals_transformers_generate(tmp_path, family):
     folder = lively_folder(tmp_path, family)
@@ -69,7 +69,8 @@ def test_greedy_with_the_cache_and_padded_prompts_equals_transformers_generate(t
     ]  # fmt: skip
     assert len({token for reply in theirs for token in reply}) > 10  # greedy text that moves
     model = load(folder)
-    assert type(model).__name__ == ("HFGenericModel" if family == "starcoder2" else "Transformer")
+    generic = family in ("starcoder2", "phi")
+    assert type(model).__name__ == ("HFGenericModel" if generic else "Transformer")
     assert cached_greedy(model, prompts(), steps) == theirs
 
 
