@@ -67,3 +67,22 @@ def test_a_generation_past_the_rope_tables_is_refused_before_any_work(tmp_path, 
     assert "goes past the model's max_seq_len=256" in message
     assert "Lower max_new_tokens or shorten the prompts" in message
     assert not (out / "samples.jsonl").exists()
+
+
+def test_a_generic_model_that_takes_no_kv_cache_is_refused_with_the_fix(tmp_path):
+    """RWKV keeps a recurrent state of its own: kv_cache=false samples it."""
+    import torch
+    import transformers
+
+    config = transformers.RwkvConfig(vocab_size=384, hidden_size=64, num_hidden_layers=2,
+                                     attention_hidden_size=64, intermediate_size=128)  # fmt: skip
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "rwkv")
+    byte_level = "tokenizer={_component_: freetx.data.ByteTokenizer}"
+    out = tmp_path / "gen"
+    message = one_paragraph(generate(tmp_path / "rwkv", out, byte_level))
+    assert "RwkvForCausalLM takes no KV cache" in message and "kv_cache=false" in message
+    assert not (out / "samples.jsonl").exists()
+    result = generate(tmp_path / "rwkv", out, byte_level, "kv_cache=false", "max_new_tokens=4")
+    assert result.returncode == 0, result.stderr
+    assert len(samples(out)) == 2
