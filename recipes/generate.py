@@ -9,9 +9,16 @@ protocol, e.g. the Free Transformer) gets each position's code drawn once and
 kept: from the prior, or for the prompt from the encoder (`posterior_prefill`);
 with `fixed_z`, the samples of a group share one code sequence.
 
+A model with a KV cache (`DecodesIncrementally`: the decoder, native or through
+transformers) reads each prompt once and then one token per step (`kv_cache: false`: a
+full forward per token); every prompt's samples of a group are one batch, the prompts
+left-padded to the longest (padding masked, positions from each prompt's first token).
+Without a cache (the Free Transformer) a batch holds the prompts of equal token length,
+since a full forward has no padding mask.
+
 Writes `samples.jsonl`, one record per sample: its `prompt`, `group` and `reply` (the
 generated text alone, ended at its EOS), `reply_tokens`, and `stopped_at_eos`;
-sampling stops once every sample of a group has reached its EOS. `temperature: 0` is
+sampling stops once every sample of a batch has reached its EOS. `temperature: 0` is
 greedy decoding. The console shows each prompt once, its replies under it, and the
 generated tokens per second. `sample_metrics` components measure the samples (e.g.
 `freetx.data.letter_block.BlockPositionSpread` on the letter-block task) into
@@ -38,7 +45,7 @@ from freetx.entry import parse
 from freetx.errors import ConfigError
 from freetx.fields import written_folder
 from freetx.loggers import build_metric_loggers
-from freetx.models import LatentModel
+from freetx.models import DecodesIncrementally, LatentModel
 
 
 @dataclass
@@ -56,6 +63,9 @@ class GenerateConfig:
     fixed_z: bool = True  # the samples of a group share one latent (latent models only)
     posterior_prefill: bool = False  # the prompt's latent from the encoder, not the prior
     max_new_tokens: int = at_least(1, default=64)
+    # keep keys and values between tokens where the model can (DecodesIncrementally);
+    # false: a full forward over the whole sequence per token
+    kv_cache: bool = True
     chat: bool = False  # each prompt is a user turn, rendered with the tokenizer's chat template
     stop_at_eos: bool = True  # a sample's text ends at its first EOS
     temperature: float = at_least(0, default=1.0)  # 0: greedy (the most likely token each step)
@@ -78,6 +88,7 @@ class GenerateRecipe:
         self.checkpoint = resolve_checkpoint(cfg.checkpoint)
         self.model = model = load_model(self.checkpoint, self.device, seed=cfg.seed)
         self.latent = isinstance(model, LatentModel)
+        self.cached = cfg.kv_cache and isinstance(model, DecodesIncrementally)
         self.tokenizer = instantiate(cfg.tokenizer)
         if cfg.chat and getattr(self.tokenizer, "chat_template", None) is None:
             raise ConfigError(
@@ -88,48 +99,83 @@ class GenerateRecipe:
         self.measures = [instantiate(node) for node in cfg.sample_metrics]
         self.loggers = build_metric_loggers(cfg.metric_loggers, cfg.output_dir, None, 0)
         kind = f"{type(model).__name__}{' (latent per position)' if self.latent else ''}"
-        self.loggers.write(f"generate | {kind} from {self.checkpoint} | device {self.device}")
+        decoding = "KV cache" if self.cached else "a full forward per token"
+        self.loggers.write(
+            f"generate | {kind} from {self.checkpoint} | device {self.device} | {decoding}"
+        )
 
-    @torch.no_grad()
-    def sample_group(self, prompt: str) -> list[dict[str, Any]]:
-        """One group: samples_per_group replies to `prompt` (sharing Z if fixed_z), each
-        ended at its first EOS (`stop_at_eos`); stops once every reply has ended."""
-        cfg, tok = self.cfg, self.tokenizer
-        n = cfg.samples_per_group
-        if cfg.chat:  # the template writes BOS and the assistant's header itself
-            ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": prompt}], True))
-        else:
-            ids = [*leading_bos(tok), *tok.encode(prompt)]
-        tokens = torch.tensor([ids] * n, device=self.device)
-        total = len(ids) + cfg.max_new_tokens
-        codes = None
-        if self.latent:  # each position's code is drawn once and kept
+    def encode(self, prompt: str) -> list[int]:
+        tok = self.tokenizer
+        if self.cfg.chat:  # the template writes BOS and the assistant's header itself
+            return tok.encode(tok.apply_chat_template([{"role": "user", "content": prompt}], True))
+        return [*leading_bos(tok), *tok.encode(prompt)]
+
+    def batches(self, prompts: list[list[int]]) -> list[list[int]]:
+        """The prompts (indices) sampled in one batch: all of them with a KV cache
+        (left-padded); without one, those of equal length (a full forward has no padding
+        mask)."""
+        if self.cached:
+            return [list(range(len(prompts)))]
+        by_length: dict[int, list[int]] = {}
+        for index, ids in enumerate(prompts):
+            by_length.setdefault(len(ids), []).append(index)
+        return list(by_length.values())
+
+    def latent_codes(self, prompts: list[list[int]], total: int) -> torch.Tensor:
+        """Each row's code per position [rows, total, ...], drawn once and kept (shared by
+        a prompt's samples with fixed_z); the prompt's from the encoder with
+        posterior_prefill. The prompts are of equal length."""
+        cfg, n = self.cfg, self.cfg.samples_per_group
+        per_prompt = []
+        for ids in prompts:
             draws = 1 if cfg.fixed_z else n
             codes = self.model.prior_codes(draws, total, self.generator)
             codes = codes.expand(n, *codes.shape[1:]).clone()
             if cfg.posterior_prefill:  # the prompt's codes from the encoder
-                prompt_ids = tokens[:1] if cfg.fixed_z else tokens
+                prompt_ids = torch.tensor([ids] * draws, device=self.device)
                 codes[:, : len(ids)] = self.model.posterior_codes(prompt_ids, self.generator)
-        ended = torch.zeros(n, dtype=torch.bool, device=self.device)
+            per_prompt.append(codes)
+        return torch.cat(per_prompt)
+
+    @torch.no_grad()
+    def sample(self, prompts: list[list[int]]) -> list[list[dict[str, Any]]]:
+        """samples_per_group replies to each prompt, all in one batch (rows left-padded
+        to the longest prompt), each ended at its first EOS (`stop_at_eos`); stops once
+        every reply has ended. Returns each prompt's replies."""
+        cfg, n = self.cfg, self.cfg.samples_per_group
+        longest = max(map(len, prompts))
+        rows = [ids for ids in prompts for _ in range(n)]
+        padding = torch.tensor([longest - len(ids) for ids in rows], device=self.device)
+        # padding keys are masked: their id is any
+        tokens = torch.tensor(
+            [[0] * (longest - len(ids)) + ids for ids in rows], device=self.device
+        )
+        total = longest + cfg.max_new_tokens
+        codes = self.latent_codes(prompts, total) if self.latent else None
+        cache = self.model.new_cache(padding, total) if self.cached else None
+        fresh = tokens  # what the cache has not seen
+        eos = self.tokenizer.eos_id if cfg.stop_at_eos else None
+        ended = torch.zeros(len(rows), dtype=torch.bool, device=self.device)
         for _ in range(cfg.max_new_tokens):
-            if codes is not None:
+            if cache is not None:
+                logits = self.model(fresh, cache=cache)
+            elif codes is not None:
                 logits, _ = self.model(tokens, codes=codes[:, : tokens.shape[1]])
             else:
                 logits = self.model(tokens)
             new = self.next_tokens(logits[:, -1])
-            tokens = torch.cat([tokens, new[:, None]], dim=1)
-            if cfg.stop_at_eos and tok.eos_id is not None:
-                ended |= new == tok.eos_id
+            tokens, fresh = torch.cat([tokens, new[:, None]], dim=1), new[:, None]
+            if eos is not None:
+                ended |= new == eos
                 if bool(ended.all()):
                     break
-        replies = []
-        for row in tokens[:, len(ids) :].tolist():
-            reply = self.until_eos(row)
-            replies.append(
-                {"reply": tok.decode(reply), "reply_tokens": len(reply),
-                 "stopped_at_eos": len(reply) < len(row)}
-            )  # fmt: skip
-        return replies
+        replies = [self.reply(row) for row in tokens[:, longest:].tolist()]
+        return [replies[i * n : (i + 1) * n] for i in range(len(prompts))]
+
+    def reply(self, row: list[int]) -> dict[str, Any]:
+        reply = self.until_eos(row)
+        return {"reply": self.tokenizer.decode(reply), "reply_tokens": len(reply),
+                "stopped_at_eos": len(reply) < len(row)}  # fmt: skip
 
     def until_eos(self, ids: list[int]) -> list[int]:
         eos = self.tokenizer.eos_id
@@ -150,16 +196,22 @@ class GenerateRecipe:
     def generate(self) -> None:
         cfg = self.cfg
         records = []
-        started, generated = time.perf_counter(), 0
-        for prompt in cfg.prompts:
+        started = time.perf_counter()
+        prompts = [self.encode(prompt) for prompt in cfg.prompts]
+        replies: dict[tuple[int, int], list[dict[str, Any]]] = {}  # (prompt, group) ->
+        for group in range(cfg.num_groups):
+            for batch in self.batches(prompts):
+                for index, samples in zip(batch, self.sample([prompts[i] for i in batch])):
+                    replies[index, group] = samples
+        seconds = time.perf_counter() - started
+        for index, prompt in enumerate(cfg.prompts):
             self.loggers.write(f"prompt: {prompt!r}")
             for group in range(cfg.num_groups):
-                samples = self.sample_group(prompt)
+                samples = replies[index, group]
                 records += [{"prompt": prompt, "group": group, **s} for s in samples]
-                generated += sum(s["reply_tokens"] for s in samples)
                 for s in samples[: cfg.show_samples]:
                     self.loggers.write(f"  group {group} reply: {s['reply']!r}")
-        seconds = time.perf_counter() - started
+        generated = sum(r["reply_tokens"] for r in records)
         self.loggers.write(
             f"{len(records)} replies, {generated} tokens in {seconds:.1f} s "
             f"({generated / max(seconds, 1e-9):.1f} tokens/s)"

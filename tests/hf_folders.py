@@ -238,3 +238,19 @@ def greedy(forward, ids: torch.Tensor, steps: int) -> list[list[int]]:
             next_ids = forward(ids)[:, -1].argmax(-1, keepdim=True)
         ids = torch.cat([ids, next_ids], 1)
     return ids.tolist()
+
+
+def spread_weights(folder: Path, into: Path, std: float = 0.5, seed: int = 1) -> Path:
+    """A folder's model with its weights (norms aside) redrawn from N(0, std), written
+    into `into`: greedy text from large random weights changes token often, where a tiny
+    folder's repeats one token."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" not in name:
+                param.normal_(0.0, std)
+    model.save_pretrained(into)
+    return Path(into)

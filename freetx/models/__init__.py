@@ -2,6 +2,7 @@
 
 protocol.py           what freetx asks of a model; presets through one builder per family
 transformer.py        the Llama-style decoder (DecoderBlock), presets tiny ... llama3_8b
+kv_cache.py           its KV cache (generation): keys and values per layer, left padding
 moe.py                its mixture-of-experts MLP (Mixtral, Qwen3-MoE): router, grouped experts
 transformer_hf.py     its HF layouts (Llama, Mistral, Qwen2, Qwen3, OLMo 2, Phi-3, Mixtral,
                       Qwen3-MoE): names, config.json
@@ -14,6 +15,7 @@ ad.py                 the Algorithm Distillation transformer
 
 from freetx.models.hf import hf_model
 from freetx.models.protocol import (
+    DecodesIncrementally,
     LatentModel,
     Model,
     build_config,
@@ -26,6 +28,7 @@ from freetx.models.protocol import (
 )
 
 __all__ = [
+    "DecodesIncrementally",
     "LatentModel",
     "Model",
     "build_config",

@@ -12,6 +12,12 @@ FlexAttention has no dropout and no backward on CPU (torch 2.13), so attention d
 picks SDPA-with-mask or the explicit kernel on CUDA too. A window follows transformers'
 convention (`masking_utils.sliding_window_causal_mask_function`): query i sees keys
 i - window + 1 .. i, `window` keys including its own.
+
+Decoding with a KV cache (`freetx.models.kv_cache`) gives more keys than queries: the
+queries are the last ones (query i sits at key position keys - queries + i), and rows
+of a batch may start with padding keys nobody sees (`key_valid`). Such a call takes
+the masked kernels (SDPA with a boolean mask, or explicit for soft-capping) on CUDA
+too: FlexAttention's compiled kernel would be built again for every new key length.
 """
 
 from __future__ import annotations
@@ -36,22 +42,39 @@ class AttentionSpec:
     scale: float | None = None  # of q k^T; None: 1 / sqrt(head_dim)
 
 
-def choose_kernel(device_type: str, spec: AttentionSpec, dropout: float = 0.0) -> Kernel:
-    """The kernel for a layer's attention on a device (`torch.device.type`)."""
+def choose_kernel(
+    device_type: str, spec: AttentionSpec, dropout: float = 0.0, decoding: bool = False
+) -> Kernel:
+    """The kernel for a layer's attention on a device (`torch.device.type`); `decoding`:
+    with a KV cache (more keys than queries, or padding keys)."""
     if spec.window is None and spec.softcap is None:
         return "sdpa"
-    if device_type == "cuda" and dropout == 0.0:
+    if device_type == "cuda" and dropout == 0.0 and not decoding:
         return "flex"
     return "sdpa_mask" if spec.softcap is None else "explicit"
 
 
-def window_mask(length: int, window: int | None, device: torch.device) -> torch.Tensor:
-    """[length, length] booleans, True where a query (row) sees a key (column): causal,
-    and within `window` (None: no window)."""
-    positions = torch.arange(length, device=device)
-    distance = positions[:, None] - positions[None, :]
+def window_mask(
+    length: int,
+    window: int | None,
+    device: torch.device,
+    keys: int | None = None,
+    key_valid: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """[length, keys] booleans (keys None: `length`), True where a query (row) sees a key
+    (column): causal, within `window` (None: no window), the queries being the last
+    `length` of the keys. `key_valid` [B, keys] (False: a padding key) gives [B, 1,
+    length, keys], where a query sees the valid keys only, and a padding query itself
+    (so that no row of the softmax is empty)."""
+    keys = length if keys is None else keys
+    positions = torch.arange(keys, device=device)
+    distance = positions[keys - length :, None] - positions[None, :]
     seen = distance >= 0
-    return seen if window is None else seen & (distance < window)
+    if window is not None:
+        seen = seen & (distance < window)
+    if key_valid is None:
+        return seen
+    return (seen & key_valid[:, None, None, :]) | (distance == 0)
 
 
 @functools.lru_cache(maxsize=32)
@@ -92,7 +115,9 @@ def flex(q, k, v, spec: AttentionSpec, causal: bool) -> torch.Tensor:
     )  # fmt: skip
 
 
-def explicit(q, k, v, spec: AttentionSpec, causal: bool, dropout: float) -> torch.Tensor:
+def explicit(
+    q, k, v, spec: AttentionSpec, causal: bool, dropout: float, key_valid=None
+) -> torch.Tensor:
     """Attention written out as transformers' eager attention computes it: scores in the
     compute dtype, soft-capped, masked, softmax in float32."""
     groups = q.shape[1] // k.shape[1]
@@ -102,7 +127,7 @@ def explicit(q, k, v, spec: AttentionSpec, causal: bool, dropout: float) -> torc
     if spec.softcap is not None:
         scores = torch.tanh(scores / spec.softcap) * spec.softcap
     if causal:
-        seen = window_mask(q.shape[2], spec.window, q.device)
+        seen = window_mask(q.shape[2], spec.window, q.device, k.shape[2], key_valid)
         scores = scores.masked_fill(~seen, float("-inf"))
     weights = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
     weights = F.dropout(weights, p=dropout, training=dropout > 0)
@@ -117,17 +142,30 @@ def attend(
     causal: bool = True,
     dropout: float = 0.0,
     kernel: Kernel | None = None,
+    key_valid: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Attention of q [B, heads, T, D] over k, v [B, kv_heads, T, D] (grouped when fewer
-    heads); `kernel` None: `choose_kernel`'s for q's device. A window needs `causal`."""
-    if spec.window is not None and not causal:
-        raise ValueError("a sliding window is causal; bidirectional attention has none")
-    kernel = kernel or choose_kernel(q.device.type, spec, dropout)
+    """Attention of q [B, heads, T, D] over k, v [B, kv_heads, S, D] (grouped when fewer
+    heads), S >= T: the queries are the last T keys' (a KV cache's earlier keys before
+    them); `key_valid` [B, S]: False for padding keys (a left-padded batch). `kernel`
+    None: `choose_kernel`'s for q's device. A window, more keys than queries and padding
+    need `causal`."""
+    queries, keys = q.shape[2], k.shape[2]
+    decoding = keys != queries or key_valid is not None
+    if (spec.window is not None or decoding) and not causal:
+        raise ValueError(
+            "a sliding window is causal, and so are a KV cache's keys and padding keys; "
+            "bidirectional attention has none"
+        )
+    kernel = kernel or choose_kernel(q.device.type, spec, dropout, decoding)
     if kernel == "flex":
+        if decoding:
+            raise ValueError("FlexAttention here takes as many keys as queries, no padding")
         return flex(q, k, v, spec, causal)
     if kernel == "explicit":
-        return explicit(q, k, v, spec, causal, dropout)
-    mask = window_mask(q.shape[2], spec.window, q.device) if kernel == "sdpa_mask" else None
+        return explicit(q, k, v, spec, causal, dropout, key_valid)
+    mask = None
+    if kernel == "sdpa_mask" or (decoding and causal):
+        mask = window_mask(queries, spec.window, q.device, keys, key_valid)
     return F.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, is_causal=causal and mask is None, dropout_p=dropout,
         scale=spec.scale, enable_gqa=k.shape[1] != q.shape[1],

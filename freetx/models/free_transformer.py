@@ -252,6 +252,9 @@ class FreeTransformer(Transformer):
 
     config_class = FreeTransformerConfig
     hf_layout = None  # transformers has no Free Transformer
+    # generate samples it with a full forward per token (LatentModel), no KV cache: a
+    # method set to None opts out of the decoder's protocol (DecodesIncrementally)
+    new_cache = None
 
     def __init__(self, cfg: FreeTransformerConfig):
         super().__init__(cfg)

@@ -16,10 +16,16 @@ config.json back from the recorded dict.
 A model type whose folders transformers converts when loading (MoE experts stored per
 expert, held stacked) is refused by name: freetx reads a folder's tensors by their
 stored names. `transformers` is an optional extra (`pip install 'freetx[hf]'`).
+
+Generation keeps transformers' own KV cache (`DynamicCache` for the model's config, as
+transformers' `generate` makes it: sliding layers keep their window) behind freetx's
+`DecodesIncrementally` (`HFCache`), with the attention mask and positions transformers'
+`generate` gives left-padded rows.
 """
 
 from __future__ import annotations
 
+import inspect
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +34,7 @@ import torch
 from torch import nn
 
 from freetx.errors import CheckpointError, ConfigError
+from freetx.models.kv_cache import CachedRows
 from freetx.models.transformer import init_normal
 
 # tensors some folders carry that are not weights (older checkpoints' RoPE tables)
@@ -206,6 +213,36 @@ def _parameters_kept(model: nn.Module):
             del p._is_hf_initialized
 
 
+class HFCache(CachedRows):
+    """transformers' KV cache for a batch of rows (`hf`), and the rows' padding."""
+
+    def __init__(self, hf_cache: Any, max_len: int, left_padding: torch.Tensor) -> None:
+        super().__init__(max_len, left_padding)
+        self.hf = hf_cache
+
+    def attention_mask(self, keys: int) -> torch.Tensor:
+        """[B, keys] of ones, zeros on the padding keys (transformers' attention_mask)."""
+        valid = self.key_valid(keys)
+        if valid is None:
+            return torch.ones(
+                len(self.left_padding), keys, dtype=torch.long, device=self.ids.device
+            )
+        return valid.long()
+
+
+def cache_argument(hf: nn.Module) -> str | None:
+    """The name a transformers causal LM's forward takes its KV cache by: `cache`
+    (transformers >= 5.2x), `past_key_values` (before), or None (a recurrent state)."""
+    parameters = inspect.signature(hf.forward).parameters
+    return next((name for name in ("cache", "past_key_values") if name in parameters), None)
+
+
+def takes_positions(hf: nn.Module) -> bool:
+    """Whether the forward takes position_ids (transformers' `generate` passes them where it
+    does; ALiBi models count positions from the attention mask)."""
+    return "position_ids" in inspect.signature(hf.forward).parameters
+
+
 class HFGenericModel(nn.Module):
     """A transformers causal LM as a freetx model: `forward(input_ids) -> logits`. The HF
     model (`self.hf`, not a registered submodule) and this one share its children, so
@@ -257,9 +294,35 @@ class HFGenericModel(nn.Module):
         kind = self.hf.config._attn_implementation
         return name if kind == "sdpa" else f"{name} ({kind} attention)"
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """input_ids [B, T] -> logits [B, T, vocab_size]."""
-        return self.hf(input_ids=input_ids, use_cache=False).logits
+    def new_cache(self, left_padding: torch.Tensor, max_len: int) -> HFCache:
+        """transformers' DynamicCache for len(left_padding) rows (`DecodesIncrementally`)."""
+        transformers = require_transformers()
+        if cache_argument(self.hf) is None:
+            raise ConfigError(
+                f"transformers' {type(self.hf).__name__} takes no KV cache freetx can pass "
+                "(it keeps a state of its own). Generate with a full forward per token: "
+                "kv_cache=false."
+            )
+        config = self.hf.config.get_text_config(decoder=True)
+        return HFCache(transformers.DynamicCache(config=config), max_len, left_padding)
+
+    def forward(self, input_ids: torch.Tensor, cache: HFCache | None = None) -> torch.Tensor:
+        """input_ids [B, T] -> logits [B, T, vocab_size]. With a `cache` (`new_cache`),
+        input_ids are the tokens after the cached ones, and the cache holds them after."""
+        if cache is None:
+            return self.hf(input_ids=input_ids, use_cache=False).logits
+        new = input_ids.shape[1]
+        inputs = {cache_argument(self.hf): cache.hf}
+        if takes_positions(self.hf):
+            inputs["position_ids"] = cache.positions(new)
+        logits = self.hf(
+            input_ids=input_ids,
+            attention_mask=cache.attention_mask(cache.length + new),
+            use_cache=True,
+            **inputs,
+        ).logits
+        cache.advance(input_ids)
+        return logits
 
     # -- initialization ---------------------------------------------------
     def init_parameter(self, name: str, tensor: torch.Tensor, generator: torch.Generator) -> None:

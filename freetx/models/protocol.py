@@ -39,6 +39,9 @@ class (who calls it, when):
                       (q -> attention.wq); `apply_lora`, resolving peft.target_modules
     AlwaysTrained     always_trained (class attribute): modules Spectrum trains whatever
                       it selects; `apply_peft`
+    DecodesIncrementally  new_cache(left_padding, max_len), and forward(input_ids,
+                      cache=cache): a KV cache, so that each generated token costs a
+                      forward over that token alone; the `generate` recipe
 
 and one per hook of a submodule (an adapter layer, say), which receives local
 shards only: `freetx.distributed` unwraps DTensors before calling and wraps again
@@ -200,6 +203,20 @@ class AlwaysTrained(Protocol):
     always_trained: ClassVar[tuple[str, ...]]
 
 
+@runtime_checkable
+class DecodesIncrementally(Protocol):
+    """A language model with a KV cache (the `generate` recipe; without it, a full forward
+    per token). `new_cache(left_padding, max_len)` makes an empty cache for
+    len(left_padding) rows of up to `max_len` tokens, row b left-padded with
+    left_padding[b] tokens that no query sees, its positions counted from its first real
+    token. `forward(input_ids, cache=cache)` takes the tokens after the cached ones
+    ([B, T]: the prompts first, then one token per row at a time), returns their logits
+    [B, T, vocab] in eval mode, and leaves them cached. A subclass opts out by setting
+    `new_cache = None` (the Free Transformer)."""
+
+    def new_cache(self, left_padding: torch.Tensor, max_len: int) -> Any: ...
+
+
 # -- optional hooks of a module (local shards only) -----------------------------------
 @runtime_checkable
 class SelfInitialized(Protocol):
@@ -248,7 +265,7 @@ class FrozenInComputeDtype(Protocol):
 MODEL_HOOKS = (
     Model, HasBlocks, InitBuffers, CountsParameters, CountsActiveParameters, CountsFlops,
     DescribesItself, EstimatesActivations,
-    HFLayoutModel, ExtraForwards, AdapterTargets, AlwaysTrained,
+    HFLayoutModel, ExtraForwards, AdapterTargets, AlwaysTrained, DecodesIncrementally,
 )  # fmt: skip
 MODULE_HOOKS = (SelfInitialized, DerivedFromWeights, StoredInOwnForm, FrozenInComputeDtype)
 

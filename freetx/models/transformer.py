@@ -28,8 +28,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from freetx.errors import ConfigError
 from freetx.fields import refuse_meaningless
 from freetx.models.attention import AttentionSpec, attend, sliding_layers
+from freetx.models.kv_cache import KVCache, LayerCache
 from freetx.models.moe import MoEFeedForward, expert_load_max, load_balancing_loss
 from freetx.models.protocol import LMOutput, build_config, builds
 from freetx.models.transformer_hf import LLAMA_LAYOUT, hf_config_fields
@@ -326,7 +328,10 @@ class RotaryTables(nn.Module):
     on their device after a meta-device model is materialized. With longrope there are
     two pairs, and a sequence longer than original_max_position_embeddings takes the
     long one for all its positions, a shorter one the short one (as transformers picks
-    them by the length of what it is given).
+    them by the length of what it is given). With a KV cache, `tables(seq_len, positions)`
+    gives the rows of `positions` [B, T] ([B, 1, T, rotary_dim]), longrope's pair picked
+    per row by its largest position + 1 (transformers' `longrope_frequency_update` picks
+    by the batch's largest: one prompt at a time, the same).
     """
 
     def __init__(
@@ -343,10 +348,34 @@ class RotaryTables(nn.Module):
             self.register_buffer(f"{prefix}cos", cos, persistent=False)
             self.register_buffer(f"{prefix}sin", sin, persistent=False)
 
-    def forward(self, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.long_after is not None and seq_len > self.long_after:
-            return self.long_cos[:seq_len], self.long_sin[:seq_len]
-        return self.cos[:seq_len], self.sin[:seq_len]
+    def forward(
+        self, seq_len: int, positions: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if positions is not None:
+            cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]
+            if self.long_after is None:
+                return cos, sin
+            long = (positions.amax(dim=1) + 1 > self.long_after)[:, None, None, None]
+            long_cos, long_sin = (
+                self.long_cos[positions][:, None],
+                self.long_sin[positions][:, None],
+            )
+            return torch.where(long, long_cos, cos), torch.where(long, long_sin, sin)
+        long = self.long_after is not None and seq_len > self.long_after
+        cos, sin = (self.long_cos, self.long_sin) if long else (self.cos, self.sin)
+        return cos[:seq_len], sin[:seq_len]
+
+    def rereads(self, cached: torch.Tensor, new: int) -> bool:
+        """Whether a KV cache whose rows hold `cached` [B] tokens each (padding aside) must
+        be computed again now that `new` tokens follow: a row's keys were computed with the
+        short tables and it grows past original_max_position_embeddings, where transformers'
+        Phi-3 drops its cache once (`Phi3ForCausalLM.prepare_inputs_for_generation`). Every
+        row is computed again, each with its own tables (the same for the rows that do not
+        cross)."""
+        if self.long_after is None:
+            return False
+        crossing = (cached > 0) & (cached <= self.long_after) & (cached + new > self.long_after)
+        return bool(crossing.any())
 
     @torch.no_grad()
     def reset(self) -> None:
@@ -441,7 +470,10 @@ class Attention(nn.Module):
         sin: torch.Tensor,
         causal: bool = True,
         kv_input: torch.Tensor | None = None,
+        cache: LayerCache | None = None,
     ) -> torch.Tensor:
+        """`cache`: this layer's KV cache; the new keys and values join it, and the
+        queries attend to every key cached (the real ones)."""
         batch, seq_len, _ = x.shape
         q, k, v = self.project(x, x if kv_input is None else kv_input)
         if self.qk_norm == "projection":
@@ -454,7 +486,10 @@ class Attention(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         dropout = self.attention_dropout if self.training else 0.0
-        out = attend(q, k, v, self.spec, causal=causal, dropout=dropout)
+        key_valid = None
+        if cache is not None:
+            k, v, key_valid = cache.extend(k, v)
+        out = attend(q, k, v, self.spec, causal=causal, dropout=dropout, key_valid=key_valid)
         return self.wo(out.transpose(1, 2).reshape(batch, seq_len, -1))
 
     def project(self, x: torch.Tensor, kv_source: torch.Tensor):
@@ -538,11 +573,13 @@ class DecoderBlock(nn.Module):
         sin: torch.Tensor,
         causal: bool = True,
         kv: torch.Tensor | None = None,
+        cache: LayerCache | None = None,
     ) -> torch.Tensor:
-        """`kv`: the stream keys and values come from (default `x`), normalized like `x`."""
+        """`kv`: the stream keys and values come from (default `x`), normalized like `x`;
+        `cache`: the layer's KV cache (generation)."""
         h = self.attention_norm(x)
         kv_input = None if kv is None else self.attention_norm(kv)
-        attended = self.attention(h, cos, sin, causal=causal, kv_input=kv_input)
+        attended = self.attention(h, cos, sin, causal=causal, kv_input=kv_input, cache=cache)
         x = x + self.dropout(self.post_attention_norm(attended))
         h = self.pre_ffn_norm(self.ffn_norm(x))  # at most one of the two is a norm
         out, routing = self.feed_forward(h), None
@@ -655,20 +692,45 @@ class Transformer(nn.Module):
         cap = self.config.final_logit_softcap
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor | LMOutput:
+    def new_cache(self, left_padding: torch.Tensor, max_len: int) -> KVCache:
+        """An empty KV cache (`DecodesIncrementally`) for len(left_padding) rows of up to
+        `max_len` tokens, row b starting with left_padding[b] padding tokens."""
+        c = self.config
+        if max_len > c.max_seq_len:
+            raise ConfigError(
+                f"generating up to {max_len} tokens (the longest prompt and max_new_tokens) "
+                f"goes past the model's max_seq_len={c.max_seq_len}, the positions it has "
+                "RoPE tables for. Lower max_new_tokens or shorten the prompts."
+            )
+        dtype = self.tok_embeddings.weight.dtype
+        return KVCache(c.num_layers, c.num_kv_heads, c.head_dim, max_len, left_padding, dtype)
+
+    def forward(
+        self, input_ids: torch.Tensor, cache: KVCache | None = None
+    ) -> torch.Tensor | LMOutput:
         """input_ids [B, T] -> logits [B, T, vocab_size]; a model with experts in training
         mode returns `LMOutput(logits, aux_loss, metrics)`: the routers' load-balancing loss
-        times router_aux_loss_coef, and `aux_loss` and `expert_load_max` to log."""
+        times router_aux_loss_coef, and `aux_loss` and `expert_load_max` to log. With a
+        `cache` (`new_cache`), input_ids are the tokens after the cached ones, the logits
+        theirs, and the cache holds them after the call."""
+        new = input_ids.shape[1]
+        if cache is not None and self.rope.rereads(cache.lengths(), new):
+            input_ids = torch.cat([cache.rewind(), input_ids], dim=1)
         seq_len = input_ids.shape[1]
-        tables = self.rope(seq_len)
-        local = tables if self.local_rope is None else self.local_rope(seq_len)
+        positions = None if cache is None else cache.positions(seq_len)
+        tables = self.rope(seq_len, positions)
+        local = tables if self.local_rope is None else self.local_rope(seq_len, positions)
         h = self.embed(input_ids)
         routings = []
-        for layer, sliding in zip(self.layers, self.config.sliding_layers()):
-            h = layer(h, *(local if sliding else tables))
+        for i, (layer, sliding) in enumerate(zip(self.layers, self.config.sliding_layers())):
+            rope = local if sliding else tables
+            h = layer(h, *rope) if cache is None else layer(h, *rope, cache=cache.layers[i])
             if isinstance(h, tuple):  # an MoE block: (h, Routing)
                 h, routing = h
                 routings.append(routing)
+        if cache is not None:
+            cache.advance(input_ids)
+            return self.head(h[:, -new:])
         logits = self.head(h)
         if not (routings and self.training):
             return logits

@@ -95,7 +95,7 @@ def check_codes_are_kept(recipe) -> None:
         return forward(input_ids, mode=mode, codes=codes, noise=noise)
 
     recipe.model.forward = recording
-    recipe.sample_group("C>")
+    recipe.sample([recipe.encode("C>")])
     codes = [z for z in seen if z is not None]
     assert len(codes) == 5
     for earlier, later in zip(codes, codes[1:]):

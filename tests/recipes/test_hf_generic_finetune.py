@@ -75,7 +75,7 @@ def test_a_resumed_generic_finetune_reproduces_the_uninterrupted_one_and_samples
                          f"output_dir={tmp_path / 'gen'}", "max_new_tokens=4")  # fmt: skip
     assert sampled.returncode == 0, sampled.stderr
     samples = [json.loads(x) for x in (tmp_path / "gen" / "samples.jsonl").read_text().splitlines()]
-    assert len(samples) == 2 and all(s["text"].startswith("Reverse the word") for s in samples)
+    assert len(samples) == 2 and all(s["prompt"].startswith("Reverse the word") for s in samples)
 
 
 def test_lora_on_a_generic_folder_exports_adapters_that_peft_loads(tmp_path, folder):

@@ -89,3 +89,28 @@ def test_flex_attention_inside_a_compiled_block_computes_the_same_attention():
     with torch.no_grad():
         compiled = torch.compile(lambda q, k, v: attend(q, k, v, BOTH, kernel="flex"))(q, k, v)
     assert (compiled - attend(q, k, v, BOTH, kernel="explicit")).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("device,spec", [("cuda", WINDOW), ("cuda", BOTH)])
+def test_decoding_takes_a_masked_kernel_on_cuda_too(device, spec):
+    """FlexAttention's compiled kernel would be built again at every new key length."""
+    assert choose_kernel(device, spec, decoding=True) == (
+        "explicit" if spec.softcap else "sdpa_mask"
+    )
+
+
+@pytest.mark.parametrize("spec", [AttentionSpec(), WINDOW, CAP, BOTH])
+@pytest.mark.parametrize("kernel", [None, "explicit"])
+def test_queries_after_cached_keys_and_behind_padding_attend_as_in_the_full_sequence(spec, kernel):
+    """The last 3 queries over all 24 keys (a KV cache's step) are the full attention's
+    last 3 rows; 4 padding keys before the 24 (a left-padded row) change nothing, and
+    the padding queries' rows stay finite."""
+    q, k, v = qkv()
+    full = attend(q, k, v, spec, kernel="explicit")
+    assert (attend(q[:, :, -3:], k, v, spec, kernel=kernel) - full[:, :, -3:]).abs().max() < 1e-5
+    junk = [torch.randn(2, t.shape[1], 4, 16) for t in (q, k, v)]
+    padded = [torch.cat([j, t], dim=2) for j, t in zip(junk, (q, k, v))]
+    key_valid = torch.arange(28)[None, :].expand(2, 28) >= 4
+    out = attend(*padded, spec, kernel=kernel, key_valid=key_valid)
+    assert out.isfinite().all()
+    assert (out[:, :, 4:] - full).abs().max() < 1e-5
