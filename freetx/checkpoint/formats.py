@@ -67,6 +67,7 @@ class TensorSource(abc.ABC):
         self.infos: dict[str, TensorInfo] = {}
         self.extras: dict[str, Any] = {}  # non-tensor entries (names only for DCP)
         self.meta: dict[str, Any] = {}  # freetx meta.json, or what the file carries
+        self.skipped: list[str] = []  # stored tensors that are not the model's (not read)
 
     @abc.abstractmethod
     def get(self, name: str) -> torch.Tensor:
@@ -329,7 +330,8 @@ class HFFolderSource(SafetensorsSource):
             if tied and stored == "lm_head.weight":  # a copy of the embedding some folders keep
                 return None
             name = layout.from_hf_name(stored)
-            if name is None:
+            if name is None:  # not a weight of the model: a buffer, another modality's
+                self.skipped.append(stored)
                 return None
             index = layout.stack_index(stored)
             return MODEL_PREFIX + name if index is None else (MODEL_PREFIX + name, index)
