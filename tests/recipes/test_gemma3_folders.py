@@ -83,5 +83,9 @@ def test_lora_on_a_gemma3_folder_exports_adapters_peft_loads_onto_its_text_model
         adapted = peft.PeftModel.from_pretrained(base, run / "export" / "peft").eval()(ids).logits
         plain = hf_logits(folder, ids)
         merged_logits = hf_logits(tmp_path / "merged", ids)
+        # on the multimodal model PEFT finds none of their modules: the base's logits
+        multimodal = transformers.AutoModelForCausalLM.from_pretrained(folder)
+        ignored = peft.PeftModel.from_pretrained(multimodal, run / "export" / "peft")
+        assert torch.equal(ignored.eval()(ids).logits, plain)
     assert (adapted - plain).abs().max() > 1e-3  # the adapters changed something
     assert (adapted - merged_logits).abs().max() < 1e-4
