@@ -40,6 +40,7 @@ from freetx.checkpoint.formats import (
     TensorInfo,
     TensorSource,
     open_tensors,
+    skipped_note,
 )
 from freetx.checkpoint.loading import resolve_checkpoint
 from freetx.distributed.parallelize import dtype_named
@@ -144,21 +145,6 @@ def convert(
             written = _write_dcp(source, out, names, cast, model_only)
     return {"format": fmt, "tensors": len(names), "bytes": written, "path": str(dst),
             "notes": notes}  # fmt: skip
-
-
-def skipped_note(source: TensorSource) -> list[str]:
-    """What of a source is not read (a multimodal folder's vision tower), by its first name
-    part, as a line for the user; [] when everything is."""
-    if not source.skipped:
-        return []
-    parts: dict[str, int] = {}
-    for name in source.skipped:
-        parts[name.split(".")[0]] = parts.get(name.split(".")[0], 0) + 1
-    listed = ", ".join(f"{part}.* ({count})" for part, count in parts.items())
-    return [
-        f"Not read from {source.path}: {len(source.skipped)} tensors that are not weights of "
-        f"the model freetx reads from it: {listed}."
-    ]
 
 
 def _write_dcp(source: TensorSource, out: Path, names: list[str], cast, model_only: bool) -> int:

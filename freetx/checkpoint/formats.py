@@ -348,6 +348,21 @@ class HFFolderSource(SafetensorsSource):
         return self.layout.from_hf_config(self.hf_config)
 
 
+def skipped_note(source: TensorSource) -> list[str]:
+    """What of a source is not read (a multimodal folder's vision tower), by its first name
+    part, as a line for the user; [] when everything is."""
+    if not source.skipped:
+        return []
+    parts: dict[str, int] = {}
+    for name in source.skipped:
+        parts[name.split(".")[0]] = parts.get(name.split(".")[0], 0) + 1
+    listed = ", ".join(f"{part}.* ({count})" for part, count in parts.items())
+    return [
+        f"Not read from {source.path}: {len(source.skipped)} tensors that are not weights of "
+        f"the model freetx reads from it: {listed}."
+    ]
+
+
 def hf_weight_files(folder: Path) -> list[Path]:
     """The safetensors files of an HF folder: the shards its index names, or the one file."""
     index = folder / "model.safetensors.index.json"

@@ -61,6 +61,7 @@ def test_lora_on_a_gemma3_folder_exports_adapters_peft_loads_onto_its_text_model
     folder, run = tiny_folder(tmp_path, "gemma3"), tmp_path / "run"
     result = lora_run(folder, run)
     assert "native freetx decoder for gemma3_text" in result.stdout
+    assert f"Not read from {folder}: " in result.stdout  # the vision tower, when loading
     assert f"The adapters are named for the text model of the gemma3 folder {folder}" in flat(
         result.stdout
     )
