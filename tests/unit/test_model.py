@@ -82,12 +82,12 @@ def test_a_window_hides_what_lies_beyond_it_in_the_decoder_and_the_ad_transforme
     with torch.device("meta"):
         ad = ad_transformer(n_transit=16, num_layers=2, sliding_window=3, dropout=0.0)
     materialize(ad, torch.device("cpu"), seed=0)
-    models = {"decoder": small_model(sliding_window=3).eval(), "ad": ad.eval()}
+    decoder_model, ad = small_model(sliding_window=3).eval(), ad.eval()
+    runs = {"decoder": decoder_model, "ad": lambda ids: ad(ids, ids, ids)}
     x = torch.randint(0, 2, (2, 12))  # a state, action and reward every AD config has
     changed = x.clone()
     changed[:, 0] = 1 - changed[:, 0]
-    for name, model in models.items():
-        run = (lambda ids: model(ids)) if name == "decoder" else (lambda ids: model(ids, ids, ids))
+    for name, run in runs.items():
         with torch.no_grad():
             difference = (run(changed) - run(x)).abs().amax(dim=(0, 2))
         assert (difference[:5] > 1e-6).all() and (difference[5:] == 0).all(), (name, difference)
