@@ -1,9 +1,9 @@
 """Model folders as `transformers` writes them (tiny, random weights), for the tests of
 freetx's HF reading and writing. Every family freetx reads (Llama, Mistral, Qwen2,
-Qwen3, OLMo 2, Phi-3/Phi-4, Gemma 2, Gemma 3 text, Mixtral, Qwen3-MoE), sharded and not, in
-the current config layout (`rope_parameters`) and the older one (`rope_theta` +
-`rope_scaling` at the top); and causal LMs freetx has no native layout for, read through the
-generic transformers path (`GENERIC_FAMILIES`)."""
+Qwen3, OLMo 2, Phi-3/Phi-4, Gemma 2, Gemma 3 text and multimodal, Mixtral, Qwen3-MoE),
+sharded and not, in the current config layout (`rope_parameters`) and the older one
+(`rope_theta` + `rope_scaling` at the top); and causal LMs freetx has no native layout for,
+read through the generic transformers path (`GENERIC_FAMILIES`)."""
 
 from __future__ import annotations
 
@@ -44,7 +44,12 @@ GEMMA3 = dict(GEMMA_TOKENS, num_hidden_layers=3, head_dim=32, query_pre_attn_sca
                   "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
                   "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})  # fmt: skip
 
-# family name -> (transformers config class name, config fields, save options)
+# a SigLIP vision tower of 2x2 patches of 14 pixels, one layer (Gemma 3's, tiny)
+VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+              image_size=28, patch_size=14)  # fmt: skip
+
+# family name -> (transformers config class name, config fields, save options; a multimodal
+# config's text model shape is its text_config's)
 FAMILIES = {
     # Llama 3.2: tied embeddings, llama3 rope, GQA, sharded
     "llama3_2": ("LlamaConfig", dict(rope_parameters=LLAMA3_ROPE, tie_word_embeddings=True),
@@ -124,6 +129,16 @@ FAMILIES = {
     # linear scaling) RoPE, 2 sliding layers then a full one, no soft-caps, sharded
     "gemma3_text": ("Gemma3TextConfig", dict(GEMMA3), dict(max_shard_size="40KB")),
     "gemma3_text_old_layout": ("Gemma3TextConfig", dict(GEMMA3), {}),
+    # Gemma 3 4B-27B's form: Gemma3ForConditionalGeneration, the text model above in
+    # text_config (its tensors under language_model.) beside a vision tower and projector
+    "gemma3": ("Gemma3Config", dict(text_config=dict(SHAPE, **GEMMA3), vision_config=VISION,
+                                    mm_tokens_per_image=4, boi_token_index=380,
+                                    eoi_token_index=381, image_token_index=382),
+               dict(max_shard_size="40KB")),
+    # Phi-3-mini-4k's window (2047 there) shorter than the tests' sequences (160 tokens)
+    "phi3_window": ("Phi3Config", dict(**PHI3_IDS, sliding_window=48,
+                                       rope_parameters={"rope_type": "default",
+                                                        "rope_theta": 10000.0}), {}),
 }  # fmt: skip
 
 # architectures outside the native families (freetx.models.hf_generic), same form; token ids
@@ -177,7 +192,8 @@ def make_folder(folder: Path, family: str, dtype: torch.dtype = torch.float32, s
     import transformers
 
     class_name, fields, options = {**FAMILIES, **GENERIC_FAMILIES}[family]
-    config = getattr(transformers, class_name)(**{**SHAPE, **fields})
+    shape = {} if "text_config" in fields else SHAPE
+    config = getattr(transformers, class_name)(**{**shape, **fields})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config)
     with torch.no_grad():  # biases nonzero and norms not all ones, so that a dropped

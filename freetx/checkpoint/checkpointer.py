@@ -300,8 +300,8 @@ class Checkpointer:
             recorded.update({k: input_identity(v) for k, v in inputs.items() if k not in recorded})
         else:
             if self.cfg.initial_weights:
-                load_initial_weights(model, self.cfg.initial_weights)
-                lines.append(f"initial weights from {self.cfg.initial_weights}")
+                not_read = load_initial_weights(model, self.cfg.initial_weights)
+                lines += [f"initial weights from {self.cfg.initial_weights}", *not_read]
             recorded = {name: input_identity(path) for name, path in inputs.items()}
         self.meta["inputs"] = recorded
         if frozen_from is not None:

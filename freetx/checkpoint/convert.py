@@ -40,12 +40,13 @@ from freetx.checkpoint.formats import (
     TensorInfo,
     TensorSource,
     open_tensors,
+    skipped_note,
 )
 from freetx.checkpoint.loading import resolve_checkpoint
 from freetx.distributed.parallelize import dtype_named
 from freetx.errors import CheckpointError
 from freetx.files import check_destination, staged_output
-from freetx.models.hf import TOKENIZER_FILES, layout_of
+from freetx.models.hf import TOKENIZER_FILES, layout_of, text_model_config
 
 FORMATS = ("safetensors", "torch", "dcp", "hf", "peft")
 MODEL_ONLY_FORMATS = ("safetensors", "hf", "peft")
@@ -110,16 +111,28 @@ def convert(
     def out_dtype(info: TensorInfo) -> torch.dtype:
         return target if target is not None and info.dtype.is_floating_point else info.dtype
 
+    notes = skipped_note(source)
     with staged_output(dst) as out:
         if fmt == "safetensors":
             strip = lambda n: n[len(MODEL_PREFIX) :]  # noqa: E731
             written = _write_safetensors(source, out, strip, cast, out_dtype)
         elif fmt == "hf":
             companion = hf_companion_folder(source, hf_files_from, run_folders)
-            written = _write_hf(source, out, cast, out_dtype, max_shard_size, companion)
+            written, written_as = _write_hf(source, out, cast, out_dtype, max_shard_size, companion)
+            notes += written_as
         elif fmt == "peft":
             companion = hf_companion_folder(source, hf_files_from, run_folders)
-            written = write_peft(source, out, str(companion) if companion else None, lora)
+            text_of = multimodal_type(companion)
+            base = None if companion is None or text_of else str(companion)
+            written = write_peft(source, out, base, lora)
+            if text_of:  # AutoPeftModel would load the multimodal model, which has none
+                notes.append(
+                    f"The adapters are named for the text model of the {text_of} folder "
+                    f"{companion}: PEFT loads them onto the text folder `freetx checkpoint "
+                    f"convert {companion} TEXT_DIR --to hf` writes, not onto the multimodal "
+                    "model (which has none of their modules), so base_model_name_or_path is "
+                    "left empty."
+                )
         elif fmt == "torch":
             data = {
                 (n[len(MODEL_PREFIX) :] if model_only else n): cast(source.get(n)) for n in names
@@ -130,7 +143,8 @@ def convert(
             written = sum(v.numel() * v.element_size() for v in data.values() if torch.is_tensor(v))
         else:
             written = _write_dcp(source, out, names, cast, model_only)
-    return {"format": fmt, "tensors": len(names), "bytes": written, "path": str(dst)}
+    return {"format": fmt, "tensors": len(names), "bytes": written, "path": str(dst),
+            "notes": notes}  # fmt: skip
 
 
 def _write_dcp(source: TensorSource, out: Path, names: list[str], cast, model_only: bool) -> int:
@@ -208,6 +222,16 @@ def plan_shards(sizes: dict[str, int], max_shard_bytes: int) -> list[list[str]]:
     return shards
 
 
+def multimodal_type(folder: Path | None) -> str | None:
+    """The model_type of an HF folder freetx reads as its text model (Gemma 3's `gemma3`);
+    None for any other folder, or none."""
+    if folder is None or not (folder / "config.json").is_file():
+        return None
+    config = read_json(folder / "config.json", "HF model config")
+    multimodal = isinstance(config, dict) and text_model_config(config) is not config
+    return config["model_type"] if multimodal else None
+
+
 def hf_companion_folder(
     source: TensorSource, given: str | Path | None, run_folders: Sequence[str | Path] = ()
 ) -> Path | None:
@@ -229,10 +253,12 @@ def hf_companion_folder(
 
 def _write_hf(
     source: TensorSource, dst: Path, cast, out_dtype, max_shard_size, companion: Path | None
-) -> int:
+) -> tuple[int, list[str]]:
     """An HF model folder in the layout the model class names: config.json, weights in
     shards of at most `max_shard_size` (one model.safetensors when they fit, else shards
-    and their index), generation_config.json, and the companion folder's tokenizer files."""
+    and their index), generation_config.json, and the companion folder's tokenizer files.
+    Returns the bytes written, and a line saying what the folder is when the companion
+    is a multimodal folder it holds the text model of."""
     if source.model_config is None or not source.meta.get("model_class"):
         raise CheckpointError(
             f"{source.path} does not record its model class and config, which config.json "
@@ -258,7 +284,15 @@ def _write_hf(
     companion_config = {}
     if companion is not None and (companion / "config.json").is_file():
         companion_config = read_json(companion / "config.json", "HF model config")
+    notes = []
     if isinstance(companion_config, dict):
+        if text_model_config(companion_config) is not companion_config:
+            notes.append(
+                f"It is a {hf_config['model_type']} folder ({hf_config['architectures'][0]}): "
+                f"the text model of the {companion_config.get('model_type')} folder "
+                f"{companion}, without its vision tower and projector."
+            )
+            companion_config = text_model_config(companion_config)
         for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
             if key in companion_config:
                 hf_config[key] = companion_config[key]
@@ -304,7 +338,7 @@ def _write_hf(
     for name in TOKENIZER_FILES if companion else ():
         if (companion / name).is_file():
             shutil.copyfile(companion / name, dst / name)
-    return sum(info.nbytes for info in infos.values())
+    return sum(info.nbytes for info in infos.values()), notes
 
 
 def merge(
@@ -327,10 +361,11 @@ def merge(
     source = MergedSource(base_source, adapters, lora)
     companion = base_source.path if base_source.kind == "hf" else None
     with staged_output(dst) as out:
-        written = _write_hf(
+        written, written_as = _write_hf(
             source, out, lambda t: t, lambda info: info.dtype, max_shard_size, companion
         )
-    return {"format": "hf", "tensors": len(source.infos), "bytes": written, "path": str(dst)}
+    return {"format": "hf", "tensors": len(source.infos), "bytes": written, "path": str(dst),
+            "notes": skipped_note(base_source) + written_as}  # fmt: skip
 
 
 def inspect_report(path: str | Path) -> str:

@@ -67,6 +67,7 @@ class TensorSource(abc.ABC):
         self.infos: dict[str, TensorInfo] = {}
         self.extras: dict[str, Any] = {}  # non-tensor entries (names only for DCP)
         self.meta: dict[str, Any] = {}  # freetx meta.json, or what the file carries
+        self.skipped: list[str] = []  # stored tensors that are not the model's (not read)
 
     @abc.abstractmethod
     def get(self, name: str) -> torch.Tensor:
@@ -329,7 +330,8 @@ class HFFolderSource(SafetensorsSource):
             if tied and stored == "lm_head.weight":  # a copy of the embedding some folders keep
                 return None
             name = layout.from_hf_name(stored)
-            if name is None:
+            if name is None:  # not a weight of the model: a buffer, another modality's
+                self.skipped.append(stored)
                 return None
             index = layout.stack_index(stored)
             return MODEL_PREFIX + name if index is None else (MODEL_PREFIX + name, index)
@@ -344,6 +346,21 @@ class HFFolderSource(SafetensorsSource):
         from the same folder does not need them; a conversion does, and refuses what
         freetx cannot compute)."""
         return self.layout.from_hf_config(self.hf_config)
+
+
+def skipped_note(source: TensorSource) -> list[str]:
+    """What of a source is not read (a multimodal folder's vision tower), by its first name
+    part, as a line for the user; [] when everything is."""
+    if not source.skipped:
+        return []
+    parts: dict[str, int] = {}
+    for name in source.skipped:
+        parts[name.split(".")[0]] = parts.get(name.split(".")[0], 0) + 1
+    listed = ", ".join(f"{part}.* ({count})" for part, count in parts.items())
+    return [
+        f"Not read from {source.path}: {len(source.skipped)} tensors that are not weights of "
+        f"the model freetx reads from it: {listed}."
+    ]
 
 
 def hf_weight_files(folder: Path) -> list[Path]:

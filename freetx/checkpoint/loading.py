@@ -24,7 +24,7 @@ from freetx.checkpoint.files import (
     quiet_single_process,
     read_dcp_metadata,
 )
-from freetx.checkpoint.formats import DCPSource, open_tensors
+from freetx.checkpoint.formats import DCPSource, open_tensors, skipped_note
 from freetx.checkpoint.run_folder import LATEST_FILE, choose_checkpoint, survey
 from freetx.checkpoint.state import ModelState
 from freetx.distributed import dtype_named
@@ -38,7 +38,7 @@ from freetx.distributed.init import (
 from freetx.errors import CheckpointError
 
 
-def load_initial_weights(model: nn.Module, path: str | Path) -> None:
+def load_initial_weights(model: nn.Module, path: str | Path) -> list[str]:
     """Set a (parallelized) model's weights from a safetensors file, DCP folder or HF folder.
 
     Every rank calls it. Keys and shapes are checked first; a mismatch lists the
@@ -46,7 +46,8 @@ def load_initial_weights(model: nn.Module, path: str | Path) -> None:
     expected in the file and keep their values. DCP checkpoints reshard through
     DCP; from safetensors files (one, or an HF folder's shards) each rank reads
     only the rows of its own shard, a tensor at a time. Afterwards, values that
-    follow from the weights (DoRA's magnitudes) are set.
+    follow from the weights (DoRA's magnitudes) are set. Returns lines naming what of the
+    file is not read (a multimodal folder's vision tower), for the run's output.
     """
     source = open_tensors(resolve_checkpoint(path))  # a run's output_dir: its newest
     inner = getattr(model, "module", model)
@@ -70,6 +71,7 @@ def load_initial_weights(model: nn.Module, path: str | Path) -> None:
             only=lambda name: name not in adapters,
         )
     init_from_weights(inner)
+    return skipped_note(source)
 
 
 def _check_fits(expected: dict[str, tuple], found: dict[str, tuple], path) -> None:

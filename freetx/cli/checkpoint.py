@@ -93,6 +93,8 @@ def main(args: argparse.Namespace) -> int:
                        max_shard_size=args.max_shard_size, lora=lora)  # fmt: skip
         print(f"Wrote {result['path']} (hf, adapters merged): {result['tensors']} tensors, "
               f"{result['bytes'] / 2**20:.1f} MiB")  # fmt: skip
+        for note in result["notes"]:  # what the folder is, what was not read
+            print(note)
         return 0
     result = convert(
         args.src, args.dst, to=args.to, dtype=args.dtype, model_only=args.model_only,
@@ -103,4 +105,6 @@ def main(args: argparse.Namespace) -> int:
         f"Wrote {result['path']} ({result['format']}): {result['tensors']} tensors, "
         f"{result['bytes'] / 2**20:.1f} MiB"
     )
+    for note in result["notes"]:
+        print(note)
     return 0

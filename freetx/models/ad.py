@@ -77,7 +77,9 @@ class ADTransformer(nn.Module):
         self.action_embedding = nn.Embedding(cfg.num_actions + 1, cfg.hidden_dim)  # + none
         self.reward_embedding = nn.Embedding(cfg.num_rewards + 1, cfg.hidden_dim)  # + none
         self.dropout = nn.Dropout(cfg.dropout)
-        self.layers = nn.ModuleList(DecoderBlock(cfg, sliding) for sliding in cfg.sliding_layers())
+        self.layers = nn.ModuleList(
+            DecoderBlock(cfg, i, sliding) for i, sliding in enumerate(cfg.sliding_layers())
+        )
         self.norm = rms_norm(cfg, cfg.hidden_dim)
         self.head = nn.Linear(cfg.hidden_dim, cfg.num_actions, bias=False)
         self.rope = RotaryTables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)

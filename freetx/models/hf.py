@@ -9,7 +9,9 @@ look-ups and knows no model class itself.
 
 `hf_model(path, **fields)` builds the model of a folder by the same choice: freetx's
 own model where a native layout reads its `model_type`, else the generic path
-(`freetx.models.hf_generic`).
+(`freetx.models.hf_generic`). A multimodal folder read natively (Gemma 3's `gemma3`) is
+read as its text model; `text_model_config` gives that model's config.json, which an
+export writes.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from freetx.models.hf_generic import (
 from freetx.models.protocol import HFLayoutModel, build_config, builds, model_class
 from freetx.models.transformer import Transformer, TransformerConfig
 from freetx.models.transformer_hf import DECODER_LAYOUTS, read_hf_config
+from freetx.models.transformer_hf import text_model_config as text_model_config  # for exports
 
 
 class HFLayout(Protocol):

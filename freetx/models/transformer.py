@@ -458,8 +458,10 @@ class Attention(nn.Module):
             self.q_norm = rms_norm(cfg, q_size)
             self.k_norm = rms_norm(cfg, k_size)
         scalar = cfg.query_pre_attn_scalar
+        # a window as long as the longest sequence changes nothing (Phi-4-mini's 262144)
+        binds = sliding and cfg.sliding_window < cfg.max_seq_len
         self.spec = AttentionSpec(
-            window=cfg.sliding_window if sliding else None, softcap=cfg.attn_logit_softcap,
+            window=cfg.sliding_window if binds else None, softcap=cfg.attn_logit_softcap,
             scale=None if scalar is None else scalar**-0.5,
         )  # fmt: skip
 

@@ -2,9 +2,10 @@
 for the Llama family as `transformers` writes it: Llama 2/3/3.1/3.2/3.3, Mistral,
 Qwen2/Qwen2.5, Qwen3 (q/k norms per head), OLMo 2 (q/k norms over the projections,
 post-norms), Phi-3/3.5/4 (fused qkv_proj and gate_up_proj, LongRoPE, partial rotary),
-Gemma 2 and Gemma 3 text (norms before and after, `gemma_settings`), sliding windows of
-Mistral, Qwen2/3 and Gemma on the layers config.json names, and the mixtures of experts
-Mixtral and Qwen3-MoE.
+Gemma 2 and Gemma 3 text (norms before and after, `gemma_settings`; Gemma 3's multimodal
+folders read as their text model, `text_model_config`), sliding windows of Mistral, Phi-3,
+Qwen2/3 and Gemma on the layers config.json names, and the mixtures of experts Mixtral and
+Qwen3-MoE.
 
 A tensor of freetx can be the stack of several HF tensors: an MoE block keeps each
 projection of all its experts in one tensor (`feed_forward.experts.w1` [E, F, H]), which
@@ -94,6 +95,14 @@ _EXPERT_NAMES = {hf: ours for _, names in MOE_MODULES.values() for ours, hf in n
 _OURS_MOE = re.compile(r"^layers\.(\d+)\.feed_forward\.(gate\.weight|experts\.(w1|w2|w3))$")
 # tensors some folders carry that are not weights (older Llama checkpoints)
 IGNORED_HF_TENSORS = re.compile(r"^model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq$")
+# multimodal model types read as their text decoder -> its model_type (Gemma 3 4B-27B:
+# `Gemma3ForConditionalGeneration`, the text model's fields in `text_config`)
+TEXT_MODEL_OF = {"gemma3": "gemma3_text"}
+# a multimodal folder's tensors as transformers writes them (4.x names, which 5.x's
+# save_pretrained writes too): the text model's under `language_model.`, renamed to a text
+# folder's; the vision tower's and projector's skipped (not part of the text model)
+_TEXT_MODEL_TENSOR = re.compile(r"^language_model\.(?=model\.|lm_head\.)")
+OTHER_MODALITIES = re.compile(r"^(?:vision_tower|multi_modal_projector)\.")
 
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
@@ -133,8 +142,29 @@ _ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 # the pad_token_id transformers 5.24's config classes assume where config.json has none (the
 # others: None); every family here builds its embedding with padding_idx=pad_token_id
 PAD_TOKEN_IDS = {"olmo2": 1, "phi3": 32000, "gemma2": 0, "gemma3_text": 0}
+# model types whose `sliding_window` applies to every layer (they have no layer_types)
+EVERY_LAYER_WINDOW = ("mistral", "phi3")
 # model types whose config.json has no head_dim (derived from hidden_size / heads)
 _DERIVED_HEAD_DIM = ("qwen2", "olmo2", "phi3")
+# what transformers 5.24 (and 4.50) assumes where a gemma3 folder's text_config leaves a
+# field out (Gemma3TextConfig's defaults: the Hub's 4B-27B configs list only a few fields)
+_GEMMA3_TEXT_DEFAULTS = dict(
+    model_type="gemma3_text", vocab_size=262208, hidden_size=2304, intermediate_size=9216,
+    num_hidden_layers=26, num_attention_heads=8, num_key_value_heads=4, head_dim=256,
+    hidden_activation="gelu_pytorch_tanh", max_position_embeddings=131072, rms_norm_eps=1e-6,
+    rope_theta=1e6, rope_local_base_freq=1e4, pad_token_id=0, eos_token_id=1, bos_token_id=2,
+)  # fmt: skip
+
+
+def text_model_config(hf: dict[str, Any]) -> dict[str, Any]:
+    """The config.json of a folder's text decoder: a multimodal folder's `text_config` (with
+    transformers' defaults for what it leaves out, the token ids set at the top); any other
+    config.json as it is."""
+    if hf.get("model_type") not in TEXT_MODEL_OF:
+        return hf
+    text = hf.get("text_config") or {}
+    ids = {k: hf[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in hf}
+    return {**_GEMMA3_TEXT_DEFAULTS, **text, **ids}
 
 
 def _pattern(template: str) -> re.Pattern:
@@ -297,7 +327,7 @@ _HELD_BY = {
     "attn_logit_softcap": ("gemma2",),
     "final_logit_softcap": GEMMA_TYPES,
     "rope_local_theta": ("gemma3_text",),
-    "sliding_window": ("mistral", "qwen2", "qwen3", "qwen3_moe", *GEMMA_TYPES),
+    "sliding_window": ("mistral", "phi3", "qwen2", "qwen3", "qwen3_moe", *GEMMA_TYPES),
 }
 
 
@@ -337,7 +367,7 @@ def _not_held(model_type: str, c: dict[str, Any]) -> list[str]:
     found += [f"{name}={json.dumps(c[name])}" for name, types in _HELD_BY.items()
               if c.get(name) is not None and model_type not in types]  # fmt: skip
     sliding = sliding_layers(c["num_layers"], c.get("sliding_window"), c.get("layer_types"))
-    if model_type == "mistral" and any(sliding) and not all(sliding):
+    if model_type in EVERY_LAYER_WINDOW and any(sliding) and not all(sliding):
         found.append(f"layer_types={json.dumps(c['layer_types'])}")
     return found
 
@@ -359,6 +389,7 @@ class LlamaFamilyLayout:
     def __init__(self, norm_position: str) -> None:
         self.norm_position = norm_position
         self.model_types = tuple(t for t, (_, p) in BLOCKS.items() if p == norm_position)
+        self.model_types += tuple(m for m, t in TEXT_MODEL_OF.items() if t in self.model_types)
 
     def to_hf_name(self, name: str) -> str:
         renamed = _rename(name, _TO_HF)
@@ -397,8 +428,9 @@ class LlamaFamilyLayout:
     def from_hf_name(self, name: str) -> str | None:
         """freetx's name of an HF tensor (of the stacked tensor it is a slice of, for an
         expert's); None for tensors that are not weights."""
-        if IGNORED_HF_TENSORS.match(name):
+        if IGNORED_HF_TENSORS.match(name) or OTHER_MODALITIES.match(name):
             return None
+        name = _TEXT_MODEL_TENSOR.sub("", name)
         expert, router = re.match(_EXPERT, name), re.match(_ROUTER, name)
         if expert is not None:
             layer, _, projection = expert.groups()
@@ -492,6 +524,7 @@ class LlamaFamilyLayout:
     def from_hf_config(self, hf: dict[str, Any], max_seq_len: int | None = None) -> dict[str, Any]:
         """The decoder's config fields from an HF config.json (any of ARCHITECTURES);
         `max_seq_len` replaces max_position_embeddings (the RoPE tables' length)."""
+        hf = text_model_config(hf)
         model_type = hf.get("model_type")
         try:
             num_heads = int(hf["num_attention_heads"])
@@ -552,8 +585,8 @@ class LlamaFamilyLayout:
                 fields.update(_qwen_window(hf))
         elif model_type in GEMMA_TYPES:
             fields.update(gemma_settings(hf, model_type))
-        elif model_type == "mistral":
-            fields["sliding_window"] = hf.get("sliding_window")  # every layer's window
+        elif model_type in EVERY_LAYER_WINDOW:
+            fields["sliding_window"] = hf.get("sliding_window")
         else:
             window = hf.get("sliding_window")
             if window is not None and window < fields["max_seq_len"]:
@@ -592,7 +625,7 @@ def _phi3_config(c: dict[str, Any]) -> dict[str, Any]:
         "original_max_position_embeddings": scaling.get(
             "original_max_position_embeddings", c["max_seq_len"]
         ),
-        "sliding_window": None,
+        "sliding_window": c.get("sliding_window"),  # on every layer
         # freetx's dropout acts on the embeddings and both residual branches alike
         "resid_pdrop": c.get("dropout", 0.0),
         "embd_pdrop": c.get("dropout", 0.0),
@@ -764,7 +797,7 @@ def read_hf_config(path: str | Path) -> dict[str, Any]:
 def hf_config_fields(path: str | Path, fields: dict[str, Any]) -> dict[str, Any]:
     """The decoder's config fields for a model folder, with `fields` (e.g. max_seq_len,
     dropout) changed."""
-    hf = read_hf_config(path)
+    hf = text_model_config(read_hf_config(path))
     if hf.get("model_type") not in ARCHITECTURES:
         raise CheckpointError(
             f"{path}/config.json describes a '{hf.get('model_type')}' model; the decoder reads "

@@ -330,6 +330,8 @@ class TrainingRun:
                     f"exported {path.name} as {fmt} to {written['path']} "
                     f"({written['bytes'] / 2**20:.1f} MiB)"
                 )
+                for note in written["notes"]:  # what the export is, what was not read
+                    self.write(note)
 
     def close(self) -> None:
         if getattr(self, "profiler", None) is not None:

@@ -243,13 +243,7 @@ def lora_export_loads_in_peft(tmp_path, folder, *overrides):
     `checkpoint merge`'s folder."""
     peft = pytest.importorskip("peft")
     run = tmp_path / "run"
-    result = run_freetx(
-        "run", "lora_finetune_fsdp2", "--config", "llm/hf_tiny_lora", f"model_dir={folder}",
-        f"output_dir={run}", "max_steps=2", "optimizer.lr=0.02", "lr_schedule.warmup_steps=0",
-        "eval.max_batches=1", "dataset.num_builtin_examples=400", "dataset.seq_len=64", JSONL,
-        *overrides,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr
+    lora_run(folder, run, *overrides)
     merged = run_freetx("checkpoint", "merge", str(run / "checkpoints" / "step_000002"),
                         "--base", str(folder), str(tmp_path / "merged"))  # fmt: skip
     assert merged.returncode == 0, merged.stderr
@@ -264,6 +258,19 @@ def lora_export_loads_in_peft(tmp_path, folder, *overrides):
         merged_logits = hf_logits(tmp_path / "merged", ids)
     assert (with_adapter - plain).abs().max() > 1e-3  # the adapter changed something
     assert (with_adapter - merged_logits).abs().max() < 1e-4
+
+
+def lora_run(folder, run, *overrides):
+    """2 steps of llm/hf_tiny_lora on an HF folder into `run` (final PEFT export); the
+    finished command."""
+    result = run_freetx(
+        "run", "lora_finetune_fsdp2", "--config", "llm/hf_tiny_lora", f"model_dir={folder}",
+        f"output_dir={run}", "max_steps=2", "optimizer.lr=0.02", "lr_schedule.warmup_steps=0",
+        "eval.max_batches=1", "dataset.num_builtin_examples=400", "dataset.seq_len=64", JSONL,
+        *overrides,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    return result
 
 
 def test_a_tokenizer_larger_than_the_embedding_is_refused(tmp_path, model_dir):

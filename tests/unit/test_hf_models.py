@@ -92,6 +92,43 @@ def test_config_fields_are_read_from_both_layouts(folders):
     assert open_tensors(folders["qwen2_window"]).model_config["layer_types"] == [full, sliding]
 
 
+def test_a_gemma3_folder_reads_as_its_text_model(folders):
+    """A multimodal gemma3 folder (Gemma3ForConditionalGeneration) is read as its text
+    decoder: the fields of its text_config, the tensors under language_model., the vision
+    tower's and projector's named as not read."""
+    source = open_tensors(folders["gemma3"])
+    assert source.model_config == open_tensors(folders["gemma3_text"]).model_config
+    assert source.model_config["hf_model_type"] == "gemma3_text"
+    assert sorted({n.split(".")[0] for n in source.skipped}) == [
+        "multi_modal_projector", "vision_tower",
+    ]  # fmt: skip
+    assert len(source.model_names()) == len(open_tensors(folders["gemma3_text"]).model_names())
+
+
+def test_a_gemma3_text_config_that_lists_few_fields_takes_transformers_defaults():
+    """The Hub's Gemma 3 4B config.json (transformers 4.50) lists five fields of its text
+    model; the rest are Gemma3TextConfig's defaults, read as transformers fills them in."""
+    from freetx.models.transformer_hf import LLAMA_LAYOUT
+
+    hub = {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
+           "boi_token_index": 255999, "eoi_token_index": 256000, "eos_token_id": [1, 106],
+           "image_token_index": 262144, "mm_tokens_per_image": 256,
+           "text_config": {"hidden_size": 2560, "intermediate_size": 10240,
+                           "model_type": "gemma3_text", "num_hidden_layers": 34,
+                           "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                           "sliding_window": 1024},
+           "vision_config": {"model_type": "siglip_vision_model", "hidden_size": 1152,
+                             "intermediate_size": 4304, "num_hidden_layers": 27,
+                             "num_attention_heads": 16, "image_size": 896, "patch_size": 14,
+                             "vision_use_head": False}}  # fmt: skip
+    filled = transformers.Gemma3Config(**hub).text_config.to_dict()
+    assert LLAMA_LAYOUT.from_hf_config(hub) == LLAMA_LAYOUT.from_hf_config(filled)
+    fields = LLAMA_LAYOUT.from_hf_config(hub)
+    assert (fields["vocab_size"], fields["num_heads"], fields["head_dim"]) == (262208, 8, 256)
+    assert (fields["rope_theta"], fields["rope_local_theta"]) == (1e6, 1e4)
+    assert fields["layer_types"].count("full_attention") == 5  # every 6th of 34
+
+
 def test_phi_fields_are_read_from_both_layouts(folders):
     """Phi-3: fused projections, LongRoPE with the factor max/original (which sets the
     attention factor), the top-level original length; Phi-4-mini: partial rotary at the top."""
@@ -177,6 +214,7 @@ def test_max_seq_len_can_shorten_the_tables_and_keeps_llama3_scaling(folders):
         "qwen2_window",
         "gemma2",
         "gemma3_text",
+        "phi3_window",
     ],
 )
 def test_hf_to_dcp_to_hf_is_bit_for_bit_and_loads_in_transformers(tmp_path, family):
@@ -205,9 +243,11 @@ def test_hf_to_dcp_to_hf_is_bit_for_bit_and_loads_in_transformers(tmp_path, fami
         json.loads((f / "config.json").read_text()) for f in (tmp_path / "out", source)
     )
     assert config["model_type"] == source_config["model_type"]
-    if family in ("mistral_window", "qwen2_window", "gemma2", "gemma3_text"):  # windows, Gemma's
+    if family in ("mistral_window", "qwen2_window", "gemma2", "gemma3_text", "phi3_window"):
         for key in ("sliding_window", "layer_types", "rope_parameters", "query_pre_attn_scalar",
                     "attn_logit_softcapping", "final_logit_softcapping"):  # fmt: skip
+            if key == "rope_parameters" and family == "phi3_window":
+                continue  # transformers writes partial_rotary_factor 1.0; freetx one below 1
             assert config.get(key) == source_config.get(key), key
 
 
@@ -251,6 +291,7 @@ def save_freetx_model(path, **fields):
          "long_factor": [1.0 + i for i in range(16)], "original_max_position_embeddings": 32,
          "factor": 8.0}},
      {"sliding_window": 20, "hf_model_type": "mistral"},
+     {"fused_projections": True, "sliding_window": 20, "hf_model_type": "phi3"},
      dict(GEMMA, attn_logit_softcap=3.0, final_logit_softcap=2.0, query_pre_attn_scalar=20,
           hf_model_type="gemma2"),
      dict(GEMMA, qk_norm="head", rope_local_theta=1000.0, rope_scaling={
@@ -290,6 +331,9 @@ def test_a_freetx_model_exports_to_an_hf_folder_transformers_loads(tmp_path, fie
       "an HF phi3 model has default, longrope RoPE; this one has rope_type=linear"),
      ({"sliding_window": 20}, "an HF llama model cannot have sliding_window=20, which this one "
       "has; an export would compute something else. Export it as mistral"),
+     ({"fused_projections": True, "hf_model_type": "phi3", "sliding_window": 20,
+       "layer_types": ["sliding_attention", "full_attention"] * 2},
+      'an HF phi3 model cannot have layer_types=["sliding_attention", "full_attention",'),
      (dict(GEMMA, hf_model_type="qwen3", qk_norm="head"), "an HF qwen3 model has qk_norm=head, "
       "norm_position=pre; this one has qk_norm=head, norm_position=sandwich. Export it as "
       "gemma3_text"),
@@ -369,8 +413,6 @@ def test_what_freetx_cannot_compute_is_refused_with_the_field(tmp_path, change, 
       "rope_parameters.sliding_attention="),
      ("olmo2", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}},
       'rope_type="yarn"'),
-     # Phi-3-mini-4k's folder has sliding_window=2047, which transformers applies
-     ("phi3", {"sliding_window": 64}, "sliding_window=64"),
      ("phi3", {"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}},
       'rope_type="dynamic"')],
 )  # fmt: skip

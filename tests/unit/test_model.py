@@ -76,6 +76,23 @@ def test_presets_and_flops():
     assert big.flops_per_token(8192) == expected
 
 
+def test_a_window_hides_what_lies_beyond_it_in_the_decoder_and_the_ad_transformer():
+    """2 layers with a window of 3: position t sees back to t - 4 at most, so changing token 0
+    changes positions 0-4 and leaves 5 on alone."""
+    with torch.device("meta"):
+        ad = ad_transformer(n_transit=16, num_layers=2, sliding_window=3, dropout=0.0)
+    materialize(ad, torch.device("cpu"), seed=0)
+    decoder_model, ad = small_model(sliding_window=3).eval(), ad.eval()
+    runs = {"decoder": decoder_model, "ad": lambda ids: ad(ids, ids, ids)}
+    x = torch.randint(0, 2, (2, 12))  # a state, action and reward every AD config has
+    changed = x.clone()
+    changed[:, 0] = 1 - changed[:, 0]
+    for name, run in runs.items():
+        with torch.no_grad():
+            difference = (run(changed) - run(x)).abs().amax(dim=(0, 2))
+        assert (difference[:5] > 1e-6).all() and (difference[5:] == 0).all(), (name, difference)
+
+
 def test_every_model_follows_the_protocol_and_presets_take_overrides():
     with torch.device("meta"):
         models = [decoder("tiny"), free_transformer("tiny"), ad_transformer(n_transit=40)]

@@ -70,7 +70,20 @@ HF_SHAPES = {
                          num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2,
                          router_aux_loss_coef=0.02, rope_theta=1000000.0, sliding_window=None,
                          max_position_embeddings=32768),
-    # the crosscoders' source models (read through transformers, on the meta device)
+    # Gemma 3 4B as its Hub folder is (multimodal, transformers 4.50): the text model's few
+    # fields that differ from Gemma3TextConfig's defaults, and the vision tower's
+    "gemma-3-4b": dict(model_type="gemma3", architectures=["Gemma3ForConditionalGeneration"],
+                       eos_token_id=[1, 106], mm_tokens_per_image=256,
+                       text_config=dict(model_type="gemma3_text", hidden_size=2560,
+                                        intermediate_size=10240, num_hidden_layers=34,
+                                        rope_scaling={"factor": 8.0, "rope_type": "linear"},
+                                        sliding_window=1024),
+                       vision_config=dict(model_type="siglip_vision_model", hidden_size=1152,
+                                          intermediate_size=4304, num_hidden_layers=27,
+                                          num_attention_heads=16, image_size=896,
+                                          patch_size=14, vision_use_head=False)),
+    # the crosscoders' source models (read through transformers, on the meta device), and
+    # llm/gemma2_2b_full's
     "gemma-2-2b": dict(model_type="gemma2", vocab_size=256000, hidden_size=2304,
                        intermediate_size=9216, num_hidden_layers=26, num_attention_heads=8,
                        num_key_value_heads=4, head_dim=256, max_position_embeddings=8192),
@@ -81,7 +94,8 @@ MODEL_OF = {"llm/llama3_1_8b_full": "Llama-3.1-8B", "llm/llama3_1_8b_lora": "Lla
             "llm/llama3_1_8b_qlora": "Llama-3.1-8B", "llm/llama3_2_1b_full": "Llama-3.2-1B",
             "llm/qwen2_5_7b_full": "Qwen2.5-7B", "llm/qwen3_8b_full": "Qwen3-8B",
             "llm/phi4_mini_lora": "Phi-4-mini", "llm/qwen3_30b_a3b_lora": "Qwen3-30B-A3B",
-            "llm/mixtral_8x7b_qlora": "Mixtral-8x7B"}  # fmt: skip
+            "llm/mixtral_8x7b_qlora": "Mixtral-8x7B", "llm/gemma2_2b_full": "gemma-2-2b",
+            "llm/gemma3_4b_lora": "gemma-3-4b"}  # fmt: skip
 # crosscoder configs -> the HF source model of each of their sources (local folders a user has)
 SOURCES_OF = {"crosscoder/gemma2_2b_diff": ["gemma-2-2b", "gemma-2-2b"],
               "crosscoder/gpt2_layers": ["gpt2"]}  # fmt: skip
