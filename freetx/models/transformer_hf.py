@@ -715,7 +715,10 @@ def _moe_to_hf(c: dict[str, Any], model_type: str) -> dict[str, Any]:
     if mixtral:
         return {**common, "num_local_experts": experts, "router_jitter_noise": 0.0,
                 "intermediate_size": c["moe_ffn_hidden_dim"]}  # fmt: skip
-    return {**common, "num_experts": experts, "moe_intermediate_size": c["moe_ffn_hidden_dim"],
+    # the Hub's Qwen3-MoE folders (transformers 4.x) say num_experts; 5.x writes and reads
+    # num_local_experts (num_experts an alias): both, so either version reads the export
+    return {**common, "num_experts": experts, "num_local_experts": experts,
+            "moe_intermediate_size": c["moe_ffn_hidden_dim"],
             "norm_topk_prob": c["norm_topk_prob"],
             "decoder_sparse_step": c["decoder_sparse_step"],
             "mlp_only_layers": list(c["mlp_only_layers"])}  # fmt: skip

@@ -19,11 +19,9 @@ STRATEGIES = ["fsdp", "zero2", "hsdp", "ddp", "zero1"]
     "family",
     [
         "llama3_2",
-        "qwen2",
-        "granite",  # granite: the generic transformers path
         *(
             pytest.param(f, marks=pytest.mark.slow)
-            for f in ("qwen3", "olmo2", "starcoder2", "gemma2", "gemma3_text")
+            for f in ("qwen2", "qwen3", "olmo2", "granite", "starcoder2", "gemma2", "gemma3_text")
         ),
     ],
 )

@@ -15,6 +15,7 @@ transformers = pytest.importorskip("transformers")
 SCRIPT = Path(__file__).with_name("padding_checks.py")
 
 
+@pytest.mark.slow  # 5-15 s on 2 CPU cores: make test's budget
 def test_the_padding_row_gets_no_gradient_under_fsdp_on_2_processes(tmp_path):
     folder = folder_with_pad(tmp_path / "m", "llama3_1_old_layout")  # untied
     ranks = run_checks(SCRIPT, tmp_path / "out", 2, str(folder))

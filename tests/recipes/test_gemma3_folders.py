@@ -53,6 +53,7 @@ def test_a_gemma3_folder_converts_to_its_text_model_with_the_same_logits(tmp_pat
     assert hashes(folder) == before
 
 
+@pytest.mark.slow  # 5-15 s on 2 CPU cores: make test's budget
 def test_lora_on_a_gemma3_folder_exports_adapters_peft_loads_onto_its_text_model(tmp_path):
     """LoRA on the text model of a gemma3 folder: the PEFT export is named for the text model
     (`gemma3_text`, Gemma3ForCausalLM), which `convert --to hf` writes; onto it, PEFT gives

@@ -69,6 +69,7 @@ def test_a_generation_past_the_rope_tables_is_refused_before_any_work(tmp_path, 
     assert not (out / "samples.jsonl").exists()
 
 
+@pytest.mark.slow  # 5-15 s on 2 CPU cores: make test's budget
 def test_a_generic_model_that_takes_no_kv_cache_is_refused_with_the_fix(tmp_path):
     """RWKV keeps a recurrent state of its own: kv_cache=false samples it."""
     import torch

@@ -157,7 +157,8 @@ def test_greedy_generate_equals_transformers_and_stops_at_eos(tmp_path, model_di
     assert f"prompt: {prompt!r}" in result.stdout and "tokens/s" in result.stdout
 
 
-@pytest.mark.parametrize("family", ["olmo2", pytest.param("qwen3", marks=pytest.mark.slow)])
+@pytest.mark.slow  # 12 s; every family, resumed exactly: the slow tier below
+@pytest.mark.parametrize("family", ["olmo2"])
 def test_a_qwen3_or_olmo2_folder_finetunes_on_2_processes_and_exports(tmp_path, family):
     folder = tiny_folder(tmp_path, family)
     run = tmp_path / "run"
@@ -188,12 +189,26 @@ def losses(run) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in records if "loss" in r}
 
 
-@pytest.mark.slow  # 25 s on 2 CPU cores
-def test_a_gemma2_folder_finetunes_on_2_processes_resumes_exactly_and_exports(tmp_path):
-    """Gemma 2's soft-capped, windowed attention (a window of 40 in 64-token sequences)
-    trains through the explicit kernel on CPU; a run resumed from step 2 of another repeats
-    its steps 3 and 4 exactly."""
-    folder = tiny_folder(tmp_path, "gemma2")
+# every native family's tiny folder, one of each block kind: (family, config.json keys the
+# export must give back as the folder has them)
+RESUMED = {"gemma2": ("sliding_window", "attn_logit_softcapping", "layer_types"),
+           "llama3_2": ("rope_parameters", "tie_word_embeddings"),
+           "qwen3": ("head_dim",), "olmo2": (), "mistral_window": ("sliding_window",),
+           "qwen3_moe": ("num_local_experts", "num_experts_per_tok", "mlp_only_layers"),
+           "gemma3_text": ("layer_types", "rope_parameters")}  # fmt: skip
+
+
+@pytest.mark.slow  # 25 s each on 2 CPU cores
+@pytest.mark.parametrize("family", list(RESUMED))
+def test_a_folder_of_each_family_finetunes_on_2_processes_resumes_exactly_and_exports(
+    tmp_path, family
+):
+    """A run resumed from step 2 of another repeats its steps 3 and 4 exactly (Gemma 2's
+    soft-capped, windowed attention through the explicit kernel on CPU, a window of 40 in
+    64-token sequences; Qwen3-MoE's experts sharded by FSDP), and its last checkpoint
+    converts to a folder with the source's tensor names that transformers loads with
+    freetx's logits."""
+    folder = tiny_folder(tmp_path, family)
     common = [
         "full_finetune_fsdp2", "--config", "llm/hf_tiny_full", f"model_dir={folder}",
         RANDOM_WEIGHTS_LR, "max_steps=4", "log_every_n_steps=1", "checkpoint.every_n_steps=2",
@@ -215,8 +230,9 @@ def test_a_gemma2_folder_finetunes_on_2_processes_resumes_exactly_and_exports(tm
     converted = run_freetx("checkpoint", "convert", str(last), str(out), "--to", "hf")
     assert converted.returncode == 0, converted.stderr
     assert tensor_names(out) == tensor_names(folder)
-    config = json.loads((out / "config.json").read_text())
-    assert (config["architectures"], config["sliding_window"]) == (["Gemma2ForCausalLM"], 40)
+    config, source = (json.loads((f / "config.json").read_text()) for f in (out, folder))
+    for key in ("model_type", "architectures", *RESUMED[family]):
+        assert config.get(key) == source.get(key), key
     ids = torch.randint(0, 384, (2, 64), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         trained = hf_logits(out, ids)
@@ -229,7 +245,10 @@ def test_a_gemma2_folder_finetunes_on_2_processes_resumes_exactly_and_exports(tm
     [("qwen3", []),
      pytest.param("llama3_2", ["peft.use_dora=true"], marks=pytest.mark.slow, id="dora"),
      pytest.param("llama3_2", ["peft.quantize_base=nf4"], marks=pytest.mark.slow, id="qlora"),
-     pytest.param("gemma2", [], marks=pytest.mark.slow, id="gemma2")],
+     *(pytest.param(f, [], marks=pytest.mark.slow, id=f)
+       for f in ("gemma2", "mistral", "qwen2", "olmo2", "gemma3_text")),
+     pytest.param("mixtral", ["peft.target_modules=[q_proj,k_proj,v_proj,o_proj]"],
+                  marks=pytest.mark.slow, id="mixtral")],
 )  # fmt: skip
 def test_lora_qlora_dora_from_only_model_dir_export_adapters_that_peft_loads(
     tmp_path, family, options

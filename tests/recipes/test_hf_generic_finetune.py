@@ -41,6 +41,7 @@ def finetune(folder, output_dir, *overrides):
     return result
 
 
+@pytest.mark.slow  # 5-15 s on 2 CPU cores: make test's budget
 def test_a_starcoder2_folder_finetunes_on_2_processes_and_exports(tmp_path, folder):
     from freetx.checkpoint import load_model
 
@@ -78,6 +79,7 @@ def test_a_resumed_generic_finetune_reproduces_the_uninterrupted_one_and_samples
     assert len(samples) == 2 and all(s["prompt"].startswith("Reverse the word") for s in samples)
 
 
+@pytest.mark.slow  # 5-15 s on 2 CPU cores: make test's budget
 def test_lora_on_a_generic_folder_exports_adapters_that_peft_loads(tmp_path, folder):
     lora_export_loads_in_peft(tmp_path, folder, "peft.target_modules=[q_proj, v_proj]")
 

@@ -65,6 +65,7 @@ def test_a_mixtral_folder_finetunes_resumes_exactly_and_exports(tmp_path):
         assert (trained - hf_logits(folder, ids)).abs().max() > 1e-3  # the steps trained
 
 
+@pytest.mark.slow  # 5-15 s on 2 CPU cores: make test's budget
 def test_lora_on_a_qwen3_moe_folders_attention_exports_adapters_that_peft_loads(tmp_path):
     peft = pytest.importorskip("peft")
     folder = tiny_folder(tmp_path, "qwen3_moe")

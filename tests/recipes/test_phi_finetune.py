@@ -66,6 +66,7 @@ def lora(folder, output_dir, *overrides):
     )  # fmt: skip
 
 
+@pytest.mark.slow  # 5-15 s on 2 CPU cores: make test's budget
 def test_lora_on_phi3s_fused_projections_exports_adapters_that_peft_loads(tmp_path):
     peft = pytest.importorskip("peft")
     folder = tiny_folder(tmp_path, "phi3")
