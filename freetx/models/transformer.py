@@ -516,12 +516,15 @@ class FeedForward(nn.Module):
         super().__init__()
         self.activation = ACTIVATIONS[cfg.activation]
         self.fused = cfg.fused_projections
+        # registered w1, w2, w3 (w13, w2 fused): the parameters' order is the order the
+        # gradient norm sums them in, so a change of it changes clipped runs in the last bit
         if self.fused:
             self.w13 = nn.Linear(cfg.hidden_dim, 2 * cfg.ffn_hidden_dim, bias=False)
         else:
             self.w1 = nn.Linear(cfg.hidden_dim, cfg.ffn_hidden_dim, bias=False)
-            self.w3 = nn.Linear(cfg.hidden_dim, cfg.ffn_hidden_dim, bias=False)
         self.w2 = nn.Linear(cfg.ffn_hidden_dim, cfg.hidden_dim, bias=False)
+        if not self.fused:
+            self.w3 = nn.Linear(cfg.hidden_dim, cfg.ffn_hidden_dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused:
