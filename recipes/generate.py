@@ -13,8 +13,8 @@ A model with a KV cache (`DecodesIncrementally`: the decoder, native or through
 transformers) reads each prompt once and then one token per step (`kv_cache: false`: a
 full forward per token); every prompt's samples of a group are one batch, the prompts
 left-padded to the longest (padding masked, positions from each prompt's first token).
-Without a cache (the Free Transformer) a batch holds the prompts of equal token length,
-since a full forward has no padding mask.
+Without a cache (the Free Transformer) each prompt is sampled alone, its groups one after
+another (a full forward has no padding mask), as before the cache: the same draws.
 
 Writes `samples.jsonl`, one record per sample: its `prompt`, `group` and `reply` (the
 generated text alone, ended at its EOS), `reply_tokens`, and `stopped_at_eos`;
@@ -112,14 +112,12 @@ class GenerateRecipe:
 
     def batches(self, prompts: list[list[int]]) -> list[list[int]]:
         """The prompts (indices) sampled in one batch: all of them with a KV cache
-        (left-padded); without one, those of equal length (a full forward has no padding
-        mask)."""
+        (left-padded); without one, each alone (a full forward has no padding mask), its
+        groups one after another, so that its random draws are those of a run of that
+        prompt alone."""
         if self.cached:
             return [list(range(len(prompts)))]
-        by_length: dict[int, list[int]] = {}
-        for index, ids in enumerate(prompts):
-            by_length.setdefault(len(ids), []).append(index)
-        return list(by_length.values())
+        return [[index] for index in range(len(prompts))]
 
     def latent_codes(self, prompts: list[list[int]], total: int) -> torch.Tensor:
         """Each row's code per position [rows, total, ...], drawn once and kept (shared by
@@ -199,8 +197,8 @@ class GenerateRecipe:
         started = time.perf_counter()
         prompts = [self.encode(prompt) for prompt in cfg.prompts]
         replies: dict[tuple[int, int], list[dict[str, Any]]] = {}  # (prompt, group) ->
-        for group in range(cfg.num_groups):
-            for batch in self.batches(prompts):
+        for batch in self.batches(prompts):
+            for group in range(cfg.num_groups):
                 for index, samples in zip(batch, self.sample([prompts[i] for i in batch])):
                     replies[index, group] = samples
         seconds = time.perf_counter() - started
