@@ -242,7 +242,7 @@ def test_a_folder_of_each_family_finetunes_on_2_processes_resumes_exactly_and_ex
 
 @pytest.mark.parametrize(
     "family, options",
-    [("qwen3", []),
+    [pytest.param("qwen3", [], marks=pytest.mark.slow, id="qwen3"),
      pytest.param("llama3_2", ["peft.use_dora=true"], marks=pytest.mark.slow, id="dora"),
      pytest.param("llama3_2", ["peft.quantize_base=nf4"], marks=pytest.mark.slow, id="qlora"),
      *(pytest.param(f, [], marks=pytest.mark.slow, id=f)
