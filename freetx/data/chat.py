@@ -30,13 +30,11 @@ import os
 from pathlib import Path
 from typing import Any
 
-import torch
-from torch.utils.data import Dataset
-
 from freetx.data.instruct import builtin_examples
+from freetx.data.samples import TokenSamples
 from freetx.data.sampling import check_split, split_examples
-from freetx.data.seq_len import Encoded, fit_to_seq_len, fixed_length_sample
 from freetx.data.text import read_jsonl, source_files
+from freetx.data.token_rows import Encoded, TokenRows
 from freetx.errors import DataError
 
 Messages = list[dict[str, Any]]
@@ -81,7 +79,7 @@ def read_conversations(path: str) -> list[tuple[str, Messages]]:
     return conversations
 
 
-class ChatDataset(Dataset):
+class ChatDataset(TokenSamples):
     """Chat conversations as fixed-length samples with loss on the assistant's tokens.
 
     A sample is {"input_ids", "labels"}, each [seq_len]: the conversation's tokens
@@ -120,15 +118,10 @@ class ChatDataset(Dataset):
             raise DataError(f"the {split} split of {source} is empty; add conversations.")
         self.files_read = source_files(source)
         self.tokenizer = tokenizer
-        self.seq_len = seq_len
         # all rendered now: a template that does not fit the data fails at startup, and
         # conversations whose replies lie past seq_len are counted and dropped
         encoded = [self.encode(where, messages) for where, messages in conversations]
-        kept, self.fit = fit_to_seq_len(encoded, seq_len, split, source)
-        self.samples = [encoded[i] for i in kept]
-
-    def __len__(self) -> int:
-        return len(self.samples)
+        super().__init__(TokenRows.from_encoded(encoded), seq_len, tokenizer.pad_id, split, source)
 
     def encode(self, where: str, messages: Messages) -> Encoded:
         """A conversation's token ids, and for each whether it is the assistant's."""
@@ -145,9 +138,6 @@ class ChatDataset(Dataset):
         ids, offsets = tok.encode_with_offsets(text)
         is_reply = [any(start <= s < end for start, end in spans) for s, _ in offsets]
         return ids, is_reply
-
-    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        return fixed_length_sample(self.samples[index], self.seq_len, self.tokenizer.pad_id)
 
 
 # appended to a reply's content to find where the template writes it (never in a text)

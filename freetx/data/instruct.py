@@ -16,13 +16,12 @@ import random
 import re
 from pathlib import Path
 
-import torch
-from torch.utils.data import Dataset
-
 from freetx.data.corpus import builtin_documents
+from freetx.data.samples import TokenSamples
 from freetx.data.sampling import check_split, split_examples
-from freetx.data.seq_len import Encoded, fit_to_seq_len, fixed_length_sample
+from freetx.data.seq_len import loss_tokens_within
 from freetx.data.text import read_jsonl, source_files
+from freetx.data.token_rows import Encoded, TokenRows
 from freetx.data.tokenizers import leading_bos
 from freetx.errors import DataError
 
@@ -58,7 +57,7 @@ def read_examples(path: str) -> list[dict[str, str]]:
     return examples
 
 
-class InstructDataset(Dataset):
+class InstructDataset(TokenSamples):
     """Prompt/response pairs as fixed-length, response-only-loss samples."""
 
     def __init__(
@@ -82,11 +81,9 @@ class InstructDataset(Dataset):
             raise DataError(f"the {split} split of {source} is empty; add examples.")
         self.files_read = source_files(source)
         self.tokenizer = tokenizer
-        self.seq_len = seq_len
         encoded = [self.encode(example) for example in examples]
-        kept, self.fit = fit_to_seq_len(encoded, seq_len, split, source)
-        self.examples = [examples[i] for i in kept]
-        self.samples = [encoded[i] for i in kept]
+        super().__init__(TokenRows.from_encoded(encoded), seq_len, tokenizer.pad_id, split, source)
+        self.examples = [e for e, x in zip(examples, encoded) if loss_tokens_within(x, seq_len)]
 
     def encode(self, example: dict[str, str]) -> Encoded:
         """BOS + prompt + response + EOS, and for each token whether it is a target."""
@@ -94,9 +91,3 @@ class InstructDataset(Dataset):
         prompt = [*leading_bos(tok), *tok.encode(example["prompt"])]
         response = [*tok.encode(example["response"]), tok.eos_id]
         return prompt + response, [False] * len(prompt) + [True] * len(response)
-
-    def __len__(self) -> int:
-        return len(self.samples)
-
-    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        return fixed_length_sample(self.samples[index], self.seq_len, self.tokenizer.pad_id)

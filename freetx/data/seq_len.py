@@ -16,9 +16,8 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from freetx.data.sampling import IGNORE_INDEX
+from freetx.data.token_rows import Encoded
 from freetx.errors import DataError
-
-Encoded = tuple[list[int], list[bool]]  # token ids, and whether each is a target
 
 
 @dataclass(frozen=True)

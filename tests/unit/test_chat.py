@@ -342,7 +342,7 @@ def supervised_replies(folders, base_tokenizer, style, conversations, path) -> l
     replies = []
     for index, messages in enumerate(conversations):
         expected = fast.apply_chat_template(messages, tokenize=True)["input_ids"]
-        ids, _ = data.samples[index]
+        ids, _ = data.rows[index]
         assert ids == expected
         sample = data[index]
         assert sample["input_ids"][: len(ids) - 1].tolist() == ids[:-1]
@@ -393,7 +393,7 @@ def test_truncation_and_padding(folders, tmp_path):
     tok = HFTokenizer(str(folder))
     source = write_jsonl(tmp_path / "chat.jsonl", [{"messages": CONVERSATIONS[0]}])
     full = ChatDataset(tok, source, seq_len=200, val_fraction=0.2)
-    ids, is_reply = full.samples[0]
+    ids, is_reply = full.rows[0]
     sample = full[0]
     n = len(ids)
     assert sample["input_ids"].shape == sample["labels"].shape == (200,)

@@ -1,0 +1,32 @@
+"""Token samples as the recipes read them: each sample cut to seq_len and padded.
+
+Chat and instruction datasets encode their examples into `TokenRows` (ids, and which
+tokens are targets) and serve them through `TokenSamples`: a sample is
+{"input_ids", "labels"}, each [seq_len], labels IGNORE_INDEX where a token is not a
+target and on the padding. Samples whose targets all lie past seq_len are dropped and
+counted (`fit`, see `freetx.data.seq_len`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.data import Dataset
+
+from freetx.data.seq_len import fit_to_seq_len, fixed_length_sample
+from freetx.data.token_rows import TokenRows
+
+
+class TokenSamples(Dataset):
+    """One split's encoded samples, served at seq_len (see the module docstring)."""
+
+    def __init__(self, rows: TokenRows, seq_len: int, pad_id: int, split: str, source: str):
+        kept, self.fit = fit_to_seq_len(rows, seq_len, split, source)
+        self.rows = rows if len(kept) == len(rows) else rows.select(kept)
+        self.seq_len = seq_len
+        self.pad_id = pad_id
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return fixed_length_sample(self.rows[index], self.seq_len, self.pad_id)
