@@ -37,6 +37,7 @@ from freetx.training import (
     accumulate_gradients,
     build_lr_scheduler,
     check_model_and_data,
+    check_packing,
     loss_tokens,
     optimizer_step,
     seed_everything,
@@ -96,6 +97,7 @@ class FullFinetuneRecipeFSDP2:
         with torch.device("meta"):
             model = instantiate(cfg.model)
         check_model_and_data(model.config, self.tokenizer, self.seq_len)
+        check_packing(model, train_set)  # a packed dataset needs a model that packs
         trains = apply_peft(model, cfg.peft, world_size)  # all, or adapters / some modules
         self.plan = parallelize(
             model, self.groups, cfg.distributed, seed=cfg.seed,
@@ -143,8 +145,14 @@ class FullFinetuneRecipeFSDP2:
 
     def compute_loss(self, batch: dict[str, torch.Tensor]):
         """One micro-batch: forward, then the loss summed over its loss tokens (+ extras)."""
-        output = self.model(batch["input_ids"].to(self.device))
+        output = self.model(batch["input_ids"].to(self.device), **self.model_inputs(batch))
         return self.loss_fn(output, batch["labels"].to(self.device))
+
+    def model_inputs(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The model's inputs besides input_ids: a packed batch's documents."""
+        if "documents" not in batch:
+            return {}
+        return {"documents": batch["documents"].to(self.device)}
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
@@ -159,7 +167,9 @@ class FullFinetuneRecipeFSDP2:
             labels = batch["labels"].masked_fill(batch["padding"][:, None], IGNORE_INDEX)
             labels = labels.to(self.device)
             with self.plan.autocast():
-                loss, parts = self.loss_fn.evaluate(self.model, input_ids, labels)
+                loss, parts = self.loss_fn.evaluate(
+                    self.model, input_ids, labels, **self.model_inputs(batch)
+                )
             sums["loss"] += loss
             for name, value in parts.items():
                 sums[name] = sums.get(name, 0) + value

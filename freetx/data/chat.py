@@ -96,6 +96,7 @@ class ChatDataset(TokenSamples):
         val_fraction: float = 0.05,
         num_builtin_examples: int = 20000,
         seed: int = 0,
+        packed: bool = False,  # several samples per sequence (freetx.data.packing), by seed
     ) -> None:
         check_split(split, val_fraction, seq_len)
         if getattr(tokenizer, "chat_template", None) is None:
@@ -121,7 +122,9 @@ class ChatDataset(TokenSamples):
         # all rendered now: a template that does not fit the data fails at startup, and
         # conversations whose replies lie past seq_len are counted and dropped
         encoded = [self.encode(where, messages) for where, messages in conversations]
-        super().__init__(TokenRows.from_encoded(encoded), seq_len, tokenizer.pad_id, split, source)
+        super().__init__(
+            TokenRows.from_encoded(encoded), seq_len, tokenizer.pad_id, split, source, packed, seed
+        )
 
     def encode(self, where: str, messages: Messages) -> Encoded:
         """A conversation's token ids, and for each whether it is the assistant's."""

@@ -69,6 +69,7 @@ class InstructDataset(TokenSamples):
         val_fraction: float = 0.05,
         num_builtin_examples: int = 20000,
         seed: int = 0,
+        packed: bool = False,  # several samples per sequence (freetx.data.packing), by seed
     ) -> None:
         check_split(split, val_fraction, seq_len)
         examples = (
@@ -82,7 +83,9 @@ class InstructDataset(TokenSamples):
         self.files_read = source_files(source)
         self.tokenizer = tokenizer
         encoded = [self.encode(example) for example in examples]
-        super().__init__(TokenRows.from_encoded(encoded), seq_len, tokenizer.pad_id, split, source)
+        super().__init__(
+            TokenRows.from_encoded(encoded), seq_len, tokenizer.pad_id, split, source, packed, seed
+        )
         self.examples = [e for e, x in zip(examples, encoded) if loss_tokens_within(x, seq_len)]
 
     def encode(self, example: dict[str, str]) -> Encoded:

@@ -5,6 +5,10 @@ tokens are targets) and serve them through `TokenSamples`: a sample is
 {"input_ids", "labels"}, each [seq_len], labels IGNORE_INDEX where a token is not a
 target and on the padding. Samples whose targets all lie past seq_len are dropped and
 counted (`fit`, see `freetx.data.seq_len`).
+
+`packed=True` serves packs instead (`freetx.data.packing`): several samples per
+sequence, placed by the seed, each sample's positions marked in `documents`; the
+dataset's length is then the number of packs.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import torch
 from torch.utils.data import Dataset
 
+from freetx.data.packing import pack_lengths, packed_sample
 from freetx.data.seq_len import fit_to_seq_len, fixed_length_sample
 from freetx.data.token_rows import TokenRows
 
@@ -19,14 +24,28 @@ from freetx.data.token_rows import TokenRows
 class TokenSamples(Dataset):
     """One split's encoded samples, served at seq_len (see the module docstring)."""
 
-    def __init__(self, rows: TokenRows, seq_len: int, pad_id: int, split: str, source: str):
+    def __init__(
+        self,
+        rows: TokenRows,
+        seq_len: int,
+        pad_id: int,
+        split: str,
+        source: str,
+        packed: bool = False,
+        seed: int = 0,
+    ):
         kept, self.fit = fit_to_seq_len(rows, seq_len, split, source)
         self.rows = rows if len(kept) == len(rows) else rows.select(kept)
         self.seq_len = seq_len
         self.pad_id = pad_id
+        self.packed = packed
+        self.packs = pack_lengths(self.rows.lengths, seq_len, seed) if packed else None
 
     def __len__(self) -> int:
-        return len(self.rows)
+        return len(self.rows) if self.packs is None else len(self.packs)
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        return fixed_length_sample(self.rows[index], self.seq_len, self.pad_id)
+        if self.packs is None:
+            return fixed_length_sample(self.rows[index], self.seq_len, self.pad_id)
+        samples = [self.rows[i] for i in self.packs[index]]
+        return packed_sample(samples, self.seq_len, self.pad_id)

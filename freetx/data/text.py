@@ -5,7 +5,10 @@ Sources: `builtin` (the corpus in `corpus.py`), or local files and folders:
 `text_field`), `.parquet` (the `text_field` column; needs pyarrow). The token
 stream is cut into windows of `seq_len + 1` tokens that overlap by one (inputs
 are the first `seq_len`, labels the last), so nothing is padded away and no
-token pair is lost; a trailing partial window is dropped.
+token pair is lost; a trailing partial window is dropped. `packed: true` keeps the
+windows and marks each window's documents (a new one after each EOS; positions restart
+and attention stays within each, `freetx.models.PacksDocuments`): EOS's next token, the
+next document's first, is no label then.
 
 Train/validation split: every k-th sequence (k = round(1 / val_fraction)) goes
 to validation, so both splits cover the whole corpus.
@@ -22,6 +25,7 @@ import torch
 from torch.utils.data import Dataset
 
 from freetx.data.corpus import builtin_documents
+from freetx.data.packing import stream_documents
 from freetx.data.sampling import check_split
 from freetx.data.tokenizers import leading_bos
 from freetx.errors import DataError
@@ -142,8 +146,10 @@ class PackedTextDataset(Dataset):
         split: str = "train",
         val_fraction: float = 0.05,
         text_field: str = "text",
+        packed: bool = False,  # each window's documents attend only to themselves
     ) -> None:
         check_split(split, val_fraction, seq_len)
+        self.packed = packed
         key = (source,) if isinstance(source, str) else tuple(source)
         self.tokens = _token_stream(key, text_field, tokenizer)
         self.files_read = source_files(source)
@@ -165,7 +171,14 @@ class PackedTextDataset(Dataset):
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         start = self.starts[index]
         window = self.tokens[start : start + self.seq_len + 1]
-        return {"input_ids": window[:-1], "labels": window[1:]}
+        if not self.packed:
+            return {"input_ids": window[:-1], "labels": window[1:]}
+        input_ids = window[:-1]
+        documents, labels = stream_documents(input_ids, window[1:], self.tokenizer.eos_id)
+        return {
+            "input_ids": input_ids, "labels": labels, "documents": documents,
+            "real_tokens": torch.tensor(self.seq_len),
+        }  # fmt: skip
 
     @property
     def num_tokens(self) -> int:

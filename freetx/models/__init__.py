@@ -18,6 +18,7 @@ from freetx.models.protocol import (
     DecodesIncrementally,
     LatentModel,
     Model,
+    PacksDocuments,
     build_config,
     build_model,
     builds,
@@ -29,6 +30,7 @@ from freetx.models.protocol import (
 
 __all__ = [
     "DecodesIncrementally",
+    "PacksDocuments",
     "LatentModel",
     "Model",
     "build_config",

@@ -18,6 +18,14 @@ queries are the last ones (query i sits at key position keys - queries + i), and
 of a batch may start with padding keys nobody sees (`key_valid`). Such a call takes
 the masked kernels (SDPA with a boolean mask, or explicit for soft-capping) on CUDA
 too: FlexAttention's compiled kernel would be built again for every new key length.
+
+A packed batch (several samples per row, `freetx.data.packing`) says which sample each
+position belongs to, `documents` [B, T] (0, 1, 2, ... within a row; -1 on padding): a
+query attends only to keys of its own document (causal, within the window where the
+layer has one). `document_mask` builds that mask once per forward and layer kind, for
+the kernel `choose_kernel` picks: a boolean [B, 1, T, T] mask (SDPA, or the explicit
+kernel for soft-capping) on CPU, a FlexAttention block mask on CUDA. Padding positions
+see the padding before them and themselves, so no softmax row is empty.
 """
 
 from __future__ import annotations
@@ -25,7 +33,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -43,11 +51,16 @@ class AttentionSpec:
 
 
 def choose_kernel(
-    device_type: str, spec: AttentionSpec, dropout: float = 0.0, decoding: bool = False
+    device_type: str,
+    spec: AttentionSpec,
+    dropout: float = 0.0,
+    decoding: bool = False,
+    documents: bool = False,
 ) -> Kernel:
     """The kernel for a layer's attention on a device (`torch.device.type`); `decoding`:
-    with a KV cache (more keys than queries, or padding keys)."""
-    if spec.window is None and spec.softcap is None:
+    with a KV cache (more keys than queries, or padding keys); `documents`: within the
+    documents of a packed batch."""
+    if spec.window is None and spec.softcap is None and not documents:
         return "sdpa"
     if device_type == "cuda" and dropout == 0.0 and not decoding:
         return "flex"
@@ -88,6 +101,66 @@ def _block_mask(length: int, window: int | None, device: str):
     return create_block_mask(mask_mod, None, None, length, length, device=device)
 
 
+@dataclass(frozen=True)
+class DocumentMask:
+    """Attention within the documents of a packed batch, for one kind of layer (its
+    `AttentionSpec`): the kernel that computes it, and that kernel's mask (a boolean
+    [B, 1, T, T] for SDPA and the explicit kernel, a FlexAttention BlockMask for flex);
+    `valid` [B, T]: False on padding positions."""
+
+    kernel: Kernel
+    mask: Any
+    valid: torch.Tensor
+
+
+def document_mask(
+    documents: torch.Tensor, spec: AttentionSpec, dropout: float = 0.0, kernel: Kernel | None = None
+) -> DocumentMask:
+    """The mask of a layer whose queries see, causally and within `spec.window`, the keys
+    of their own document (`documents` [B, T], -1 on padding); `kernel` None:
+    `choose_kernel`'s for the device."""
+    kernel = kernel or choose_kernel(documents.device.type, spec, dropout, documents=True)
+    if kernel == "sdpa":
+        raise ValueError("plain SDPA (is_causal) cannot keep attention within documents")
+    if kernel == "flex":
+        mask = _document_block_mask(documents, spec.window)
+    else:
+        seen = window_mask(documents.shape[1], spec.window, documents.device)
+        mask = (seen & (documents[:, :, None] == documents[:, None, :]))[:, None]
+    return DocumentMask(kernel, mask, documents >= 0)
+
+
+def _document_block_mask(documents: torch.Tensor, window: int | None):
+    """FlexAttention's block mask for one batch's documents (built for every batch: the
+    mask follows the documents, not only the length)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def mask_mod(batch, head, q_index, kv_index):
+        seen = (kv_index <= q_index) & (documents[batch, q_index] == documents[batch, kv_index])
+        return seen if window is None else seen & (q_index - kv_index < window)
+
+    length = documents.shape[1]
+    return create_block_mask(
+        mask_mod, documents.shape[0], None, length, length, device=str(documents.device)
+    )
+
+
+def document_positions(documents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per position of `documents` [B, T] (each document's positions contiguous), its
+    position within its document (RoPE restarts at 0 per document) and its document's
+    length (longrope picks its tables by it), each [B, T] int64. Padding (-1) counts as
+    one more document."""
+    batch, length = documents.shape
+    index = torch.arange(length, device=documents.device).expand(batch, length)
+    starts = torch.ones_like(documents, dtype=torch.bool)
+    starts[:, 1:] = documents[:, 1:] != documents[:, :-1]
+    positions = index - torch.where(starts, index, 0).cummax(dim=1).values
+    slot = documents + 1  # padding (-1) -> 0
+    lengths = torch.zeros(batch, length + 1, dtype=torch.long, device=documents.device)
+    lengths = lengths.scatter_reduce(1, slot, positions + 1, "amax")
+    return positions, lengths.gather(1, slot)
+
+
 @functools.cache
 def _compiled_flex():
     from torch.nn.attention.flex_attention import flex_attention
@@ -95,10 +168,11 @@ def _compiled_flex():
     return torch.compile(flex_attention, dynamic=False)
 
 
-def flex(q, k, v, spec: AttentionSpec, causal: bool) -> torch.Tensor:
+def flex(q, k, v, spec: AttentionSpec, causal: bool, block_mask=None) -> torch.Tensor:
     """FlexAttention: compiled on CUDA (fused, no T x T scores; inside a compiled block,
     `distributed.compile`, the block's compile takes it in), eager elsewhere (the forward
-    only: tests compare it with the other kernels on CPU)."""
+    only: tests compare it with the other kernels on CPU). `block_mask`: a packed batch's
+    (`document_mask`); None: causal within the window (or none, not `causal`)."""
     from torch.nn.attention.flex_attention import flex_attention
 
     softcap = spec.softcap
@@ -106,7 +180,8 @@ def flex(q, k, v, spec: AttentionSpec, causal: bool) -> torch.Tensor:
     def capped(score, batch, head, q_index, kv_index):
         return softcap * torch.tanh(score / softcap)
 
-    block_mask = _block_mask(q.shape[2], spec.window, str(q.device)) if causal else None
+    if block_mask is None and causal:
+        block_mask = _block_mask(q.shape[2], spec.window, str(q.device))
     compiled = q.is_cuda and not torch.compiler.is_compiling()
     call = _compiled_flex() if compiled else flex_attention
     return call(
@@ -115,20 +190,18 @@ def flex(q, k, v, spec: AttentionSpec, causal: bool) -> torch.Tensor:
     )  # fmt: skip
 
 
-def explicit(
-    q, k, v, spec: AttentionSpec, causal: bool, dropout: float, key_valid=None
-) -> torch.Tensor:
+def explicit(q, k, v, spec: AttentionSpec, dropout: float, mask=None) -> torch.Tensor:
     """Attention written out as transformers' eager attention computes it: scores in the
-    compute dtype, soft-capped, masked, softmax in float32."""
+    compute dtype, soft-capped, masked (`mask`: True where a query sees a key; None:
+    every key), softmax in float32."""
     groups = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     scale = spec.scale if spec.scale is not None else 1 / math.sqrt(q.shape[-1])
     scores = torch.matmul(q, k.transpose(2, 3)) * scale
     if spec.softcap is not None:
         scores = torch.tanh(scores / spec.softcap) * spec.softcap
-    if causal:
-        seen = window_mask(q.shape[2], spec.window, q.device, k.shape[2], key_valid)
-        scores = scores.masked_fill(~seen, float("-inf"))
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
     weights = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
     weights = F.dropout(weights, p=dropout, training=dropout > 0)
     return torch.matmul(weights, v)
@@ -143,29 +216,37 @@ def attend(
     dropout: float = 0.0,
     kernel: Kernel | None = None,
     key_valid: torch.Tensor | None = None,
+    documents: DocumentMask | None = None,
 ) -> torch.Tensor:
     """Attention of q [B, heads, T, D] over k, v [B, kv_heads, S, D] (grouped when fewer
     heads), S >= T: the queries are the last T keys' (a KV cache's earlier keys before
     them); `key_valid` [B, S]: False for padding keys (a left-padded batch). `kernel`
-    None: `choose_kernel`'s for q's device. A window, more keys than queries and padding
-    need `causal`."""
+    None: `choose_kernel`'s for q's device. `documents`: a packed batch's mask for this
+    layer (`document_mask`; its kernel computes it). A window, more keys than queries,
+    padding and documents need `causal`."""
     queries, keys = q.shape[2], k.shape[2]
     decoding = keys != queries or key_valid is not None
-    if (spec.window is not None or decoding) and not causal:
+    if (spec.window is not None or decoding or documents is not None) and not causal:
         raise ValueError(
-            "a sliding window is causal, and so are a KV cache's keys and padding keys; "
-            "bidirectional attention has none"
+            "a sliding window is causal, and so are a KV cache's keys, padding keys and "
+            "packed documents; bidirectional attention has none"
         )
+    if documents is not None and decoding:
+        raise ValueError("packed documents take as many keys as queries, no KV cache")
+    if documents is not None:
+        kernel = documents.kernel
     kernel = kernel or choose_kernel(q.device.type, spec, dropout, decoding)
     if kernel == "flex":
         if decoding:
             raise ValueError("FlexAttention here takes as many keys as queries, no padding")
-        return flex(q, k, v, spec, causal)
-    if kernel == "explicit":
-        return explicit(q, k, v, spec, causal, dropout, key_valid)
+        return flex(q, k, v, spec, causal, None if documents is None else documents.mask)
     mask = None
-    if kernel == "sdpa_mask" or (decoding and causal):
+    if documents is not None:
+        mask = documents.mask
+    elif causal and (kernel != "sdpa" or decoding):
         mask = window_mask(queries, spec.window, q.device, keys, key_valid)
+    if kernel == "explicit":
+        return explicit(q, k, v, spec, dropout, mask)
     return F.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, is_causal=causal and mask is None, dropout_p=dropout,
         scale=spec.scale, enable_gqa=k.shape[1] != q.shape[1],

@@ -255,6 +255,8 @@ class FreeTransformer(Transformer):
     # generate samples it with a full forward per token (LatentModel), no KV cache: a
     # method set to None opts out of the decoder's protocol (DecodesIncrementally)
     new_cache = None
+    # its encoder reads the whole sequence (bidirectional): no packed batches
+    attention_masks = None
 
     def __init__(self, cfg: FreeTransformerConfig):
         super().__init__(cfg)

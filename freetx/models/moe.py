@@ -103,7 +103,11 @@ class MoEFeedForward(nn.Module):
         self.gate = nn.Linear(hidden_dim, num_experts, bias=False)
         self.experts = GroupedExperts(num_experts, hidden_dim, ffn_hidden_dim)
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, Routing]:
+    def forward(
+        self, x: torch.Tensor, valid: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, Routing]:
+        """x [..., H]; `valid` [...] (a packed batch's): False on padding positions, which
+        are routed but not counted in the `Routing` (the load-balancing statistics)."""
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         logits = self.gate(flat)
@@ -119,8 +123,21 @@ class MoEFeedForward(nn.Module):
         out = self.experts(flat[tokens], counts.tolist())
         out = out * weights.reshape(-1)[order, None]
         mixed = torch.zeros_like(flat).index_add_(0, tokens, out.to(flat.dtype))
+        if valid is not None:
+            return mixed.reshape(shape), valid_routing(chosen, probs, valid, self.num_experts)
         routing = Routing(counts.float(), probs.sum(dim=0), probs.new_tensor(len(flat)))
         return mixed.reshape(shape), routing
+
+
+def valid_routing(
+    chosen: torch.Tensor, probs: torch.Tensor, valid: torch.Tensor, num_experts: int
+) -> Routing:
+    """A layer's `Routing` from its choices [N, k] and router probabilities [N, E], over
+    the `valid` tokens only: weighted sums, no data-dependent shapes."""
+    weight = valid.reshape(-1).to(probs.dtype)
+    slots = weight.repeat_interleave(chosen.shape[1])
+    counts = torch.bincount(chosen.reshape(-1), weights=slots, minlength=num_experts)
+    return Routing(counts.float(), (probs * weight[:, None]).sum(dim=0), weight.sum())
 
 
 def load_balancing_loss(routings: list[Routing], num_experts: int) -> torch.Tensor:

@@ -42,6 +42,10 @@ class (who calls it, when):
     DecodesIncrementally  new_cache(left_padding, max_len), and forward(input_ids,
                       cache=cache): a KV cache, so that each generated token costs a
                       forward over that token alone; the `generate` recipe
+    PacksDocuments    attention_masks(documents), and forward(input_ids,
+                      documents=documents): several samples per sequence, each computed
+                      as if alone; a recipe training on a packed dataset (refused before
+                      any work for a model without it: `check_packing`)
 
 and one per hook of a submodule (an adapter layer, say), which receives local
 shards only: `freetx.distributed` unwraps DTensors before calling and wraps again
@@ -217,6 +221,18 @@ class DecodesIncrementally(Protocol):
     def new_cache(self, left_padding: torch.Tensor, max_len: int) -> Any: ...
 
 
+@runtime_checkable
+class PacksDocuments(Protocol):
+    """A language model that trains on packed batches: `forward(input_ids,
+    documents=documents)`, `documents` [B, T] int64 the sample each position belongs to
+    (0, 1, 2, ... within a row; -1 on padding), computes each sample as if it were alone
+    (positions from 0, attention within the sample). `attention_masks(documents)` builds
+    the per-layer masks that forward uses. A subclass opts out by setting
+    `attention_masks = None` (the Free Transformer)."""
+
+    def attention_masks(self, documents: torch.Tensor) -> Any: ...
+
+
 # -- optional hooks of a module (local shards only) -----------------------------------
 @runtime_checkable
 class SelfInitialized(Protocol):
@@ -266,6 +282,7 @@ MODEL_HOOKS = (
     Model, HasBlocks, InitBuffers, CountsParameters, CountsActiveParameters, CountsFlops,
     DescribesItself, EstimatesActivations,
     HFLayoutModel, ExtraForwards, AdapterTargets, AlwaysTrained, DecodesIncrementally,
+    PacksDocuments,
 )  # fmt: skip
 MODULE_HOOKS = (SelfInitialized, DerivedFromWeights, StoredInOwnForm, FrozenInComputeDtype)
 

@@ -30,7 +30,14 @@ from torch import nn
 
 from freetx.errors import ConfigError
 from freetx.fields import refuse_meaningless
-from freetx.models.attention import AttentionSpec, attend, sliding_layers
+from freetx.models.attention import (
+    AttentionSpec,
+    DocumentMask,
+    attend,
+    document_mask,
+    document_positions,
+    sliding_layers,
+)
 from freetx.models.kv_cache import KVCache, LayerCache
 from freetx.models.moe import MoEFeedForward, expert_load_max, load_balancing_loss
 from freetx.models.protocol import LMOutput, build_config, builds
@@ -331,7 +338,9 @@ class RotaryTables(nn.Module):
     them by the length of what it is given). With a KV cache, `tables(seq_len, positions)`
     gives the rows of `positions` [B, T] ([B, 1, T, rotary_dim]), longrope's pair picked
     per row by its largest position + 1 (transformers' `longrope_frequency_update` picks
-    by the batch's largest: one prompt at a time, the same).
+    by the batch's largest: one prompt at a time, the same). A packed batch gives
+    `lengths` [B, T] too, its documents' lengths: longrope's pair is picked per document,
+    as transformers picks it for each document alone.
     """
 
     def __init__(
@@ -349,13 +358,18 @@ class RotaryTables(nn.Module):
             self.register_buffer(f"{prefix}sin", sin, persistent=False)
 
     def forward(
-        self, seq_len: int, positions: torch.Tensor | None = None
+        self,
+        seq_len: int,
+        positions: torch.Tensor | None = None,
+        lengths: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if positions is not None:
             cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]
             if self.long_after is None:
                 return cos, sin
-            long = (positions.amax(dim=1) + 1 > self.long_after)[:, None, None, None]
+            if lengths is None:  # one sequence per row
+                lengths = positions.amax(dim=1, keepdim=True) + 1
+            long = (lengths > self.long_after)[:, None, :, None]
             long_cos, long_sin = (
                 self.long_cos[positions][:, None],
                 self.long_sin[positions][:, None],
@@ -473,9 +487,11 @@ class Attention(nn.Module):
         causal: bool = True,
         kv_input: torch.Tensor | None = None,
         cache: LayerCache | None = None,
+        documents: DocumentMask | None = None,
     ) -> torch.Tensor:
         """`cache`: this layer's KV cache; the new keys and values join it, and the
-        queries attend to every key cached (the real ones)."""
+        queries attend to every key cached (the real ones). `documents`: a packed batch's
+        mask for this layer (`document_mask`): queries attend within their document."""
         batch, seq_len, _ = x.shape
         q, k, v = self.project(x, x if kv_input is None else kv_input)
         if self.qk_norm == "projection":
@@ -491,7 +507,10 @@ class Attention(nn.Module):
         key_valid = None
         if cache is not None:
             k, v, key_valid = cache.extend(k, v)
-        out = attend(q, k, v, self.spec, causal=causal, dropout=dropout, key_valid=key_valid)
+        out = attend(
+            q, k, v, self.spec, causal=causal, dropout=dropout, key_valid=key_valid,
+            documents=documents,
+        )  # fmt: skip
         return self.wo(out.transpose(1, 2).reshape(batch, seq_len, -1))
 
     def project(self, x: torch.Tensor, kv_source: torch.Tensor):
@@ -579,17 +598,23 @@ class DecoderBlock(nn.Module):
         causal: bool = True,
         kv: torch.Tensor | None = None,
         cache: LayerCache | None = None,
+        documents: DocumentMask | None = None,
     ) -> torch.Tensor:
         """`kv`: the stream keys and values come from (default `x`), normalized like `x`;
-        `cache`: the layer's KV cache (generation)."""
+        `cache`: the layer's KV cache (generation); `documents`: a packed batch's mask for
+        this layer (attention within each document; the router counts no padding)."""
         h = self.attention_norm(x)
         kv_input = None if kv is None else self.attention_norm(kv)
-        attended = self.attention(h, cos, sin, causal=causal, kv_input=kv_input, cache=cache)
+        attended = self.attention(
+            h, cos, sin, causal=causal, kv_input=kv_input, cache=cache, documents=documents
+        )
         x = x + self.dropout(self.post_attention_norm(attended))
         h = self.pre_ffn_norm(self.ffn_norm(x))  # at most one of the two is a norm
-        out, routing = self.feed_forward(h), None
+        routing = None
         if isinstance(self.feed_forward, MoEFeedForward):
-            out, routing = out
+            out, routing = self.feed_forward(h, None if documents is None else documents.valid)
+        else:
+            out = self.feed_forward(h)
         x = x + self.dropout(self.post_ffn_norm(out))
         return x if routing is None else (x, routing)
 
@@ -711,25 +736,40 @@ class Transformer(nn.Module):
         return KVCache(c.num_layers, c.num_kv_heads, c.head_dim, max_len, left_padding, dtype)
 
     def forward(
-        self, input_ids: torch.Tensor, cache: KVCache | None = None
+        self,
+        input_ids: torch.Tensor,
+        cache: KVCache | None = None,
+        documents: torch.Tensor | None = None,
     ) -> torch.Tensor | LMOutput:
         """input_ids [B, T] -> logits [B, T, vocab_size]; a model with experts in training
         mode returns `LMOutput(logits, aux_loss, metrics)`: the routers' load-balancing loss
         times router_aux_loss_coef, and `aux_loss` and `expert_load_max` to log. With a
         `cache` (`new_cache`), input_ids are the tokens after the cached ones, the logits
-        theirs, and the cache holds them after the call."""
+        theirs, and the cache holds them after the call. `documents` [B, T] (a packed
+        batch: each position's sample, -1 on padding; `PacksDocuments`): every document
+        is computed as if alone, its positions from 0, its attention within itself."""
+        if documents is not None and cache is not None:
+            raise ValueError("a packed batch (documents) is for training, not a KV cache")
         new = input_ids.shape[1]
         if cache is not None and self.rope.rereads(cache.lengths(), new):
             input_ids = torch.cat([cache.rewind(), input_ids], dim=1)
         seq_len = input_ids.shape[1]
-        positions = None if cache is None else cache.positions(seq_len)
-        tables = self.rope(seq_len, positions)
-        local = tables if self.local_rope is None else self.local_rope(seq_len, positions)
+        positions = lengths = None
+        if cache is not None:
+            positions = cache.positions(seq_len)
+        elif documents is not None:
+            positions, lengths = document_positions(documents)
+        tables = self.rope(seq_len, positions, lengths)
+        local = tables if self.local_rope is None else self.local_rope(seq_len, positions, lengths)
+        masks = [None] * len(self.layers) if documents is None else self.attention_masks(documents)
         h = self.embed(input_ids)
         routings = []
         for i, (layer, sliding) in enumerate(zip(self.layers, self.config.sliding_layers())):
             rope = local if sliding else tables
-            h = layer(h, *rope) if cache is None else layer(h, *rope, cache=cache.layers[i])
+            if cache is None:
+                h = layer(h, *rope, documents=masks[i])
+            else:
+                h = layer(h, *rope, cache=cache.layers[i])
             if isinstance(h, tuple):  # an MoE block: (h, Routing)
                 h, routing = h
                 routings.append(routing)
@@ -742,6 +782,19 @@ class Transformer(nn.Module):
         aux = load_balancing_loss(routings, self.config.num_experts)
         metrics = {"aux_loss": aux.detach(), "expert_load_max": expert_load_max(routings)}
         return LMOutput(logits, self.config.router_aux_loss_coef * aux, metrics)
+
+    def attention_masks(self, documents: torch.Tensor) -> list[DocumentMask]:
+        """Per layer, its mask for a packed batch's `documents` [B, T]: built once per kind
+        of layer (full, sliding) and forward (`PacksDocuments`)."""
+        built: dict[AttentionSpec, DocumentMask] = {}
+        masks = []
+        for layer in self.layers:
+            attention = layer.attention
+            dropout = attention.attention_dropout if self.training else 0.0
+            if attention.spec not in built:
+                built[attention.spec] = document_mask(documents, attention.spec, dropout)
+            masks.append(built[attention.spec])
+        return masks
 
     # -- initialization (after parallelize + to_empty) ----------------------
     def init_parameter(self, name: str, tensor: torch.Tensor, generator: torch.Generator) -> None:

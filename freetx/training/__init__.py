@@ -1,7 +1,12 @@
 """What training loops share: the run's lifecycle, gradient accumulation and the optimizer
 step, schedules, clipping, losses, seeding, meters."""
 
-from freetx.training.checks import check_layout, check_model_and_data, check_written_folders
+from freetx.training.checks import (
+    check_layout,
+    check_model_and_data,
+    check_packing,
+    check_written_folders,
+)
 from freetx.training.config import TrainingConfig, default_metric_loggers
 from freetx.training.grad import clip_grad_norm
 from freetx.training.lifecycle import TrainingRun, training_state
@@ -28,6 +33,7 @@ __all__ = [
     "check_layout",
     "check_written_folders",
     "check_model_and_data",
+    "check_packing",
     "clip_grad_norm",
     "count_over_ranks",
     "default_metric_loggers",

@@ -6,10 +6,12 @@ from __future__ import annotations
 import dataclasses
 
 from freetx.data import micro_batch_size
+from freetx.data.packing import PacksSamples
 from freetx.distributed import Layout, check_distributed
 from freetx.errors import ConfigError
 from freetx.fields import written_folders
 from freetx.files import check_writable_folder
+from freetx.models.protocol import DescribesItself, PacksDocuments
 from freetx.training.config import TrainingConfig
 from freetx.training.export import built_class, check_final_export
 
@@ -44,6 +46,23 @@ def check_model_and_data(model_config, tokenizer, seq_len: int) -> None:
             f"{model_config.max_seq_len}.",
             fix=f"Lower dataset.seq_len, or set model.max_seq_len={seq_len}.",
         )
+
+
+def check_packing(model, dataset) -> None:
+    """A packed dataset (several samples per sequence) needs a model that keeps them
+    apart (`PacksDocuments`); refused before the model is parallelized or trained."""
+    if not (isinstance(dataset, PacksSamples) and dataset.packed):
+        return
+    if isinstance(model, PacksDocuments):
+        return
+    what = model.describe() if isinstance(model, DescribesItself) else type(model).__name__
+    raise ConfigError(
+        f"dataset.packed=true puts several samples in each sequence, and the model ({what}) "
+        "cannot keep them apart: its forward takes no document boundaries, so every sample "
+        "would attend to the samples before it and read their positions.",
+        fix="Set dataset.packed=false, or train a native freetx decoder (freetx.models.decoder, "
+        "or freetx.models.hf_model on a family freetx reads natively), which packs.",
+    )
 
 
 def check_written_folders(cfg: object) -> None:

@@ -40,9 +40,10 @@ class CrossEntropyLoss:
         extras = {name: value.detach() * tokens for name, value in output.metrics.items()}
         return loss_sum + output.aux_loss * tokens, extras
 
-    def evaluate(self, model, input_ids: torch.Tensor, labels: torch.Tensor):
-        """The loss on an evaluation batch (models with latents add metrics here)."""
-        return self(model(input_ids), labels)
+    def evaluate(self, model, input_ids: torch.Tensor, labels: torch.Tensor, **inputs):
+        """The loss on an evaluation batch (models with latents add metrics here);
+        `inputs`: the model's others (a packed batch's documents)."""
+        return self(model(input_ids, **inputs), labels)
 
 
 def loss_tokens(batch: dict[str, torch.Tensor], ignore_index: int = IGNORE_INDEX) -> torch.Tensor:

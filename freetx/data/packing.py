@@ -1,0 +1,103 @@
+"""Packing: several samples per sequence of seq_len, each attending only to itself.
+
+A sample of n tokens (cut to seq_len + 1, as `fixed_length_sample` cuts it) takes n - 1
+positions of a pack: its tokens but the last as inputs, the next token as labels where
+that token is a target, so that no label crosses into the next sample. `pack_lengths`
+places samples into packs first-fit-decreasing (longest first, ties in an order the
+seed fixes; each into the first pack with room), then orders the packs by the seed.
+`packed_sample` builds one pack: {"input_ids", "labels", "documents", "real_tokens"},
+`documents` [seq_len] the index of the sample each position belongs to within the
+pack (0, 1, 2, ...), -1 on the padding at the end. The model restarts positions and
+keeps attention within each document (`freetx.models.PacksDocuments`).
+
+Packing is greedy: a pack is full when no remaining sample fits in its room, so the
+padding left is at most the shortest sample's length per pack.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+import torch
+
+from freetx.data.sampling import IGNORE_INDEX
+from freetx.data.token_rows import Encoded
+
+
+@runtime_checkable
+class PacksSamples(Protocol):
+    """A dataset that may serve packed samples (`packed`: each sample carries
+    `documents`, and the model must take them)."""
+
+    packed: bool
+
+
+def positions_taken(lengths: np.ndarray, seq_len: int) -> np.ndarray:
+    """The positions each sample of `lengths` tokens takes in a pack: its tokens cut to
+    seq_len + 1, less the last (which is only a label)."""
+    return np.minimum(lengths, seq_len + 1) - 1
+
+
+def pack_lengths(lengths: np.ndarray, seq_len: int, seed: int) -> list[list[int]]:
+    """Packs of sample indices, each pack's samples taking at most seq_len positions
+    (`positions_taken`): first-fit-decreasing, ties and the order of packs fixed by the
+    seed. A segment tree over the packs' free room finds the first pack with room in
+    O(log packs)."""
+    sizes = positions_taken(np.asarray(lengths, dtype=np.int64), seq_len)
+    generator = np.random.default_rng(seed)
+    tie_order = generator.permutation(len(sizes))
+    order = tie_order[np.argsort(-sizes[tie_order], kind="stable")]
+    leaves = 1
+    while leaves < max(len(sizes), 1):
+        leaves *= 2
+    room = [seq_len] * (2 * leaves)  # the most free room of a pack under each node
+    packs: list[list[int]] = []
+    for index, size in zip(order.tolist(), sizes[order].tolist()):
+        node = 1
+        while node < leaves:  # the leftmost pack with room for `size`
+            node = 2 * node if room[2 * node] >= size else 2 * node + 1
+        pack = node - leaves
+        if pack == len(packs):
+            packs.append([])
+        packs[pack].append(index)
+        room[node] -= size
+        node //= 2
+        while node:
+            room[node] = max(room[2 * node], room[2 * node + 1])
+            node //= 2
+    return [packs[i] for i in generator.permutation(len(packs)).tolist()]
+
+
+def packed_sample(samples: Sequence[Encoded], seq_len: int, pad_id: int) -> dict[str, torch.Tensor]:
+    """One pack of `samples` (together at most seq_len positions, `pack_lengths`):
+    input_ids, labels and documents [seq_len], and real_tokens (the positions that are
+    not padding), padded with pad_id (labels IGNORE_INDEX, documents -1)."""
+    inputs: list[int] = []
+    labels: list[int] = []
+    documents: list[int] = []
+    for document, (ids, is_target) in enumerate(samples):
+        ids = ids[: seq_len + 1]
+        inputs += ids[:-1]
+        labels += [t if target else IGNORE_INDEX for t, target in zip(ids[1:], is_target[1:])]
+        documents += [document] * (len(ids) - 1)
+    real = len(inputs)
+    if real > seq_len:
+        raise ValueError(f"a pack of {real} positions does not fit seq_len={seq_len}")
+    pad = seq_len - real
+    return {
+        "input_ids": torch.tensor(inputs + [pad_id] * pad, dtype=torch.long),
+        "labels": torch.tensor(labels + [IGNORE_INDEX] * pad, dtype=torch.long),
+        "documents": torch.tensor(documents + [-1] * pad, dtype=torch.long),
+        "real_tokens": torch.tensor(real, dtype=torch.long),
+    }
+
+
+def stream_documents(input_ids: torch.Tensor, labels: torch.Tensor, eos_id: int):
+    """A window of a token stream whose documents each end with EOS: `documents` (a new
+    one after each EOS among the inputs) and the labels with EOS's next token ignored
+    (it is the next document's first), so that no label crosses a boundary."""
+    ends = (input_ids == eos_id).long()
+    documents = ends.cumsum(0) - ends
+    return documents, labels.masked_fill(ends.bool(), IGNORE_INDEX)
