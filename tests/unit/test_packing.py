@@ -176,3 +176,23 @@ def test_packed_text_windows_mark_documents_at_each_eos(tmp_path):
     starts = (b["documents"][1:] != b["documents"][:-1]).nonzero().flatten()
     assert torch.equal(starts, eos[:-1].nonzero().flatten())  # a new document after each EOS
     assert int(b["real_tokens"]) == 128
+
+
+def test_models_that_cannot_keep_documents_apart_are_refused_for_a_packed_dataset(tmp_path):
+    from freetx.errors import ConfigError
+    from freetx.models.free_transformer import free_transformer
+    from freetx.training import check_packing
+
+    packed = InstructDataset(ByteTokenizer(), num_builtin_examples=100, seq_len=256, packed=True)
+    plain = InstructDataset(ByteTokenizer(), num_builtin_examples=100, seq_len=256)
+    folder = make_folder(tmp_path / "starcoder2", "starcoder2")
+    with torch.device("meta"):
+        native = decoder("tiny")
+        free = free_transformer("tiny")
+        generic = hf_model(str(folder))
+    check_packing(native, packed)
+    for model, name in ((free, "Free Transformer"), (generic, "transformers")):
+        check_packing(model, plain)
+        with pytest.raises(ConfigError, match="dataset.packed=true") as refused:
+            check_packing(model, packed)
+        assert name in str(refused.value) and "Set dataset.packed=false" in str(refused.value)
