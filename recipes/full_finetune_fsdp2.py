@@ -28,6 +28,7 @@ from omegaconf import MISSING
 from freetx.checkpoint import files_read_by
 from freetx.config import at_least, instantiate
 from freetx.data import IGNORE_INDEX, build_eval_loader, build_train_loader, micro_batch_size
+from freetx.data.packing import packs
 from freetx.distributed import build_groups, init_distributed, parallelize
 from freetx.entry import parse
 from freetx.models.peft import PEFTConfig, apply_peft
@@ -97,7 +98,7 @@ class FullFinetuneRecipeFSDP2:
         with torch.device("meta"):
             model = instantiate(cfg.model)
         check_model_and_data(model.config, self.tokenizer, self.seq_len)
-        check_packing(model, train_set)  # a packed dataset needs a model that packs
+        check_packing(model, packs(train_set))  # a packed dataset needs a model that packs
         trains = apply_peft(model, cfg.peft, world_size)  # all, or adapters / some modules
         self.plan = parallelize(
             model, self.groups, cfg.distributed, seed=cfg.seed,

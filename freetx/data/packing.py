@@ -34,6 +34,11 @@ class PacksSamples(Protocol):
     packed: bool
 
 
+def packs(dataset: object) -> bool:
+    """Whether a dataset serves packed samples (`PacksSamples` with `packed` set)."""
+    return isinstance(dataset, PacksSamples) and dataset.packed
+
+
 def positions_taken(lengths: np.ndarray, seq_len: int) -> np.ndarray:
     """The positions each sample of `lengths` tokens takes in a pack: its tokens cut to
     seq_len + 1, less the last (which is only a label)."""

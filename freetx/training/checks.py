@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import dataclasses
 
+from omegaconf import DictConfig
+from torch import nn
+
 from freetx.data import micro_batch_size
-from freetx.data.packing import PacksSamples
 from freetx.distributed import Layout, check_distributed
 from freetx.errors import ConfigError
 from freetx.fields import written_folders
@@ -26,7 +28,11 @@ def check_layout(cfg: object, layout: Layout) -> None:
     if not isinstance(cfg, TrainingConfig):  # e.g. generate: nothing is distributed
         return
     check_distributed(cfg.distributed, layout)
-    check_final_export(cfg, built_class(getattr(cfg, "model", None)))
+    model_class = built_class(getattr(cfg, "model", None))
+    check_final_export(cfg, model_class)
+    dataset = getattr(cfg, "dataset", None)
+    if model_class is not None and isinstance(dataset, DictConfig):
+        check_packing(model_class, bool(dataset.get("packed", False)))
     if layout.world_size is not None:
         micro_batch_size(cfg.batch_size, layout.world_size, cfg.gradient_accumulation_steps)
 
@@ -48,14 +54,16 @@ def check_model_and_data(model_config, tokenizer, seq_len: int) -> None:
         )
 
 
-def check_packing(model, dataset) -> None:
-    """A packed dataset (several samples per sequence) needs a model that keeps them
-    apart (`PacksDocuments`); refused before the model is parallelized or trained."""
-    if not (isinstance(dataset, PacksSamples) and dataset.packed):
+def check_packing(model: nn.Module | type, packed: bool) -> None:
+    """A packed dataset (several samples per sequence; `packed`) needs a model that
+    keeps them apart (`PacksDocuments`). `model`: the model built (on the meta device,
+    by the recipe) or the class a config builds (`check_layout`: validate, run, launch)."""
+    model_class = model if isinstance(model, type) else type(model)
+    if not packed or issubclass(model_class, PacksDocuments):
         return
-    if isinstance(model, PacksDocuments):
-        return
-    what = model.describe() if isinstance(model, DescribesItself) else type(model).__name__
+    what = model_class.__name__
+    if not isinstance(model, type) and isinstance(model, DescribesItself):
+        what = model.describe()
     raise ConfigError(
         f"dataset.packed=true puts several samples in each sequence, and the model ({what}) "
         "cannot keep them apart: its forward takes no document boundaries, so every sample "

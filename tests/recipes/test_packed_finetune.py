@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from tests.conftest import one_paragraph, run_freetx
+from tests.conftest import flat, one_paragraph, run_freetx, run_freetx_here
 
 QUIET = ["metric_loggers=[{_component_: freetx.loggers.JSONLLogger}]", "checkpoint.every_n_steps=0"]
 
@@ -33,6 +33,9 @@ def test_a_packed_dataset_is_refused_for_the_free_transformer(tmp_path):
         f"output_dir={tmp_path / 'run'}", "dataset.packed=true", "max_steps=2", *QUIET,
     )  # fmt: skip
     message = one_paragraph(result)
-    assert "dataset.packed=true" in message and "Free Transformer" in message
+    assert "dataset.packed=true" in message and "FreeTransformer" in message
     assert "Set dataset.packed=false" in message
-    assert not list((tmp_path / "run" / "checkpoints").iterdir())  # nothing trained or saved
+    assert not (tmp_path / "run").exists()  # refused before anything was launched
+    # freetx validate names it too (its report on stdout)
+    validated = run_freetx_here("validate", "free_transformer/text_tiny", "dataset.packed=true")
+    assert validated.returncode == 1 and "Set dataset.packed=false" in flat(validated.stdout)

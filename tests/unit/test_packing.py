@@ -183,16 +183,16 @@ def test_models_that_cannot_keep_documents_apart_are_refused_for_a_packed_datase
     from freetx.models.free_transformer import free_transformer
     from freetx.training import check_packing
 
-    packed = InstructDataset(ByteTokenizer(), num_builtin_examples=100, seq_len=256, packed=True)
-    plain = InstructDataset(ByteTokenizer(), num_builtin_examples=100, seq_len=256)
     folder = make_folder(tmp_path / "starcoder2", "starcoder2")
     with torch.device("meta"):
         native = decoder("tiny")
         free = free_transformer("tiny")
         generic = hf_model(str(folder))
-    check_packing(native, packed)
-    for model, name in ((free, "Free Transformer"), (generic, "transformers")):
-        check_packing(model, plain)
+    check_packing(native, True)
+    check_packing(type(native), True)
+    for model, name in ((free, "Free Transformer"), (type(free), "FreeTransformer"),
+                        (generic, "transformers")):  # fmt: skip
+        check_packing(model, False)
         with pytest.raises(ConfigError, match="dataset.packed=true") as refused:
-            check_packing(model, packed)
+            check_packing(model, True)
         assert name in str(refused.value) and "Set dataset.packed=false" in str(refused.value)
