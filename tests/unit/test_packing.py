@@ -16,7 +16,13 @@ from freetx.data.packing import pack_lengths, packed_sample, positions_taken
 from freetx.data.sampling import IGNORE_INDEX
 from freetx.distributed.init import materialize
 from freetx.models import PacksDocuments
-from freetx.models.attention import AttentionSpec, attend, document_mask, document_positions
+from freetx.models.attention import (
+    AttentionSpec,
+    attend,
+    choose_kernel,
+    document_mask,
+    document_positions,
+)
 from freetx.models.hf import hf_model
 from freetx.models.transformer import decoder
 from tests.hf_folders import make_folder
@@ -125,6 +131,32 @@ def test_flex_attention_within_documents_equals_the_dense_mask(spec):
     # each document's rows are that document's attention alone
     first = attend(q[:, :, 7:16], k[:, :, 7:16], v[:, :, 7:16], spec, kernel=dense)
     assert (reference[:1, :, 7:16] - first[:1]).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize(
+    "device,spec,dropout,kernel",
+    [("cpu", AttentionSpec(), 0.0, "sdpa_mask"), ("cpu", AttentionSpec(window=5), 0.0, "sdpa_mask"),
+     ("cpu", AttentionSpec(softcap=2.0), 0.0, "explicit"), ("cuda", AttentionSpec(), 0.0, "flex"),
+     ("cuda", AttentionSpec(softcap=2.0), 0.0, "flex"), ("cuda", AttentionSpec(), 0.1, "sdpa_mask"),
+     ("cuda", AttentionSpec(softcap=2.0), 0.1, "explicit")],
+)  # fmt: skip
+def test_documents_take_a_masked_kernel_on_cpu_and_flex_on_cuda(device, spec, dropout, kernel):
+    assert choose_kernel(device, spec, dropout, documents=True) == kernel
+
+
+@pytest.mark.slow  # compiling FlexAttention on 2 CPU cores
+def test_compiled_flex_attention_within_documents_equals_the_dense_mask():
+    """What `distributed.compile` makes of a packed batch's block on CUDA: FlexAttention
+    with the batch's block mask traced into the graph (here on CPU, the forward)."""
+    spec = AttentionSpec(window=5, softcap=2.0)
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, h, 24, 16, generator=generator) for h in (4, 2, 2))
+    documents = torch.tensor([[0] * 7 + [1] * 9 + [2] * 5 + [-1] * 3, [0] * 20 + [1] * 4])
+    flex = document_mask(documents, spec, kernel="flex")
+    with torch.no_grad():
+        compiled = torch.compile(lambda q, k, v: attend(q, k, v, spec, documents=flex))(q, k, v)
+    reference = attend(q, k, v, spec, documents=document_mask(documents, spec, kernel="explicit"))
+    assert (compiled - reference).abs().max() <= 1e-5
 
 
 def test_packs_are_first_fit_decreasing_and_deterministic_in_the_seed():
