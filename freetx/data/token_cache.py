@@ -55,8 +55,9 @@ BUILTIN = "a builtin source, made in memory"
 @dataclass(frozen=True)
 class CacheReport:
     """What the token cache did for one dataset: `state` is "hit" (mapped an entry),
-    "built" (tokenized into a new entry), "rebuilt" (a damaged entry replaced) or "off"
-    (held in memory; `reason` says why)."""
+    "built" (tokenized into a new entry), "waited" (for another process building it, then
+    mapped it), "rebuilt" (a damaged entry replaced) or "off" (held in memory; `reason`
+    says why)."""
 
     label: str  # e.g. "chat.jsonl (train)"
     state: str
@@ -75,7 +76,8 @@ class CacheReport:
     def line(self) -> str:
         if self.state == "off":
             return f"token cache: {self.label} not cached ({self.reason})"
-        what = {"hit": "reused", "built": "built", "rebuilt": "rebuilt (it was damaged)"}
+        what = {"hit": "reused", "built": "built", "rebuilt": "rebuilt (it was damaged)",
+                "waited": "built by another process"}  # fmt: skip
         took = "" if self.state == "hit" else f" in {self.seconds:.1f} s"
         return (
             f"token cache: {self.label} {what[self.state]}{took}: {self.rows:,} rows, "
@@ -203,8 +205,9 @@ def _open_or_build(
     rows, problem = open_entry(folder)
     state = "hit"
     if rows is None:  # absent or damaged: build it, or wait for the process building it
-        with _locked(folder):
+        with _locked(folder) as waited:
             rows, problem = open_entry(folder)  # built meanwhile by the one we waited for
+            state = "waited" if waited else "hit"
             if rows is None:
                 if problem:
                     print(f"token cache: {folder} is damaged ({problem}); building it again",
@@ -266,7 +269,7 @@ def open_entry(folder: Path) -> tuple[TokenRows | None, str]:
 @contextlib.contextmanager
 def _locked(folder: Path):
     """Hold `folder`'s lock file (flock: released when the process ends, however it ends);
-    say so when another process holds it."""
+    say so when another process holds it. Yields whether it waited for one."""
     try:
         folder.parent.mkdir(parents=True, exist_ok=True)
         handle = open(folder.parent / f"{folder.name}.lock", "a")
@@ -275,11 +278,13 @@ def _locked(folder: Path):
     with handle:
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            waited = False
         except BlockingIOError:
             print(f"token cache: waiting for another process to build {folder}",
                   file=sys.stderr, flush=True)  # fmt: skip
             fcntl.flock(handle, fcntl.LOCK_EX)
-        yield
+            waited = True
+        yield waited
 
 
 def _write_entry(folder: Path, key: dict, encode, dtype: np.dtype, text: bool) -> None:

@@ -184,7 +184,7 @@ def test_processes_building_at_once_meet_at_the_lock_and_one_builds(tmp_path):
     results = [proc.communicate(timeout=120) for proc in procs]
     assert all(proc.returncode == 0 for proc in procs), results
     states = sorted(out.split()[0] for out, _ in results)
-    assert states == ["built", "hit"]  # one built it, the other mapped what it built
+    assert states == ["built", "waited"]  # one built it, the other mapped what it built
     assert {out.split()[1] for out, _ in results} == {expected}
     assert [p.name for p in entries(cache)] == [folder_name]
 
