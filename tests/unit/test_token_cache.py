@@ -249,3 +249,16 @@ def test_prepare_says_when_there_is_nothing_to_cache():
     assert darkroom.returncode == 0 and "nothing to cache" in darkroom.stdout
     missing = run_freetx_here("data", "prepare", "llm/tiny", "dataset.source=/nonexistent.jsonl")
     assert "does not exist" in one_paragraph(missing)
+
+
+def test_a_resume_may_move_the_cache_but_not_change_the_data():
+    from freetx.config.compare import resume_changes
+
+    saved = {"dataset": {"source": "a.jsonl", "cache": True, "cache_dir": None}}
+    moved = {"dataset": {"source": "a.jsonl", "cache": False, "cache_dir": "/scratch/t"}}
+    allowed, refused = resume_changes(saved, moved, ("dataset",))
+    assert len(allowed) == 2 and refused == []
+    other = {"dataset": {**moved["dataset"], "source": "b.jsonl"}}
+    assert resume_changes(saved, other, ("dataset",))[1] == [
+        "dataset.source: 'a.jsonl' -> 'b.jsonl'"
+    ]
