@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from freetx.data.sampling import IGNORE_INDEX
-from freetx.data.token_rows import Encoded, TokenRows
+from freetx.data.token_rows import NO_TARGET, Encoded, TokenRows
 from freetx.errors import DataError
 
 
@@ -50,11 +50,11 @@ def fit_to_seq_len(
     rows: TokenRows, seq_len: int, split: str, source: str
 ) -> tuple[np.ndarray, SeqLenFit]:
     """The indices of the samples that keep a loss token within seq_len, and the counts
-    (whole-array operations: a memory-mapped split is not read sample by sample).
+    (from each sample's length and first target: a cached split's tokens are not read).
 
     Raises DataError when none does: the split would train (or validate) on nothing.
     """
-    kept = np.flatnonzero(rows.targets_within(seq_len) > 0)
+    kept = np.flatnonzero(rows.first_targets <= seq_len)
     cut = int((rows.lengths > seq_len + 1).sum())
     fit = SeqLenFit(split, source, seq_len, len(rows), cut, len(rows) - len(kept))
     if not len(kept):
@@ -75,12 +75,9 @@ def fit_to_seq_len(
 
 
 def _earliest_target(rows: TokenRows) -> int | None:
-    """The smallest position of a target within its sample (None: no targets)."""
-    positions = np.flatnonzero(rows.targets)
-    if not len(positions):
-        return None
-    owners = np.searchsorted(rows.offsets, positions, side="right") - 1
-    return int((positions - rows.offsets[owners]).min())
+    """The smallest position of a target after a sample's first token (None: no targets)."""
+    earliest = int(rows.first_targets.min(initial=NO_TARGET))
+    return None if earliest == NO_TARGET else earliest
 
 
 def fixed_length_sample(encoded: Encoded, seq_len: int, pad_id: int) -> dict[str, torch.Tensor]:

@@ -248,22 +248,28 @@ def open_entry(folder: Path) -> tuple[TokenRows | None, str]:
         expected = count * dtypes[name].itemsize
         if path.stat().st_size != expected:
             return None, f"{path.name} holds {path.stat().st_size:,} bytes, not {expected:,}"
-        arrays[name] = (
-            np.memmap(path, dtypes[name], mode="r", shape=(count,))
-            if count
-            else np.zeros(0, dtypes[name])
-        )
+        arrays[name] = _map(path, dtypes[name], count)
     offsets, ids = arrays["offsets"], arrays["ids"]
     if len(offsets) < 1 or offsets[0] != 0 or offsets[-1] != len(ids):
         return None, f"offsets.bin does not span ids.bin's {len(ids):,} tokens"
     if (np.diff(offsets) < 0).any():
         return None, "offsets.bin is not in order"
-    targets = arrays.get("targets")
+    targets, first_targets = arrays.get("targets"), arrays.get("first_targets")
     if targets is None:
         targets = all_targets(len(ids))
     elif len(targets) != len(ids):
         return None, f"targets.bin holds {len(targets):,} flags for {len(ids):,} tokens"
-    return TokenRows(ids, targets, offsets), ""
+    if first_targets is not None and len(first_targets) != len(offsets) - 1:
+        return (
+            None,
+            f"first_targets.bin holds {len(first_targets):,} rows, not {len(offsets) - 1:,}",
+        )
+    return TokenRows(ids, targets, offsets, first_targets), ""
+
+
+def _map(path: Path, dtype: np.dtype, count: int) -> np.ndarray:
+    """`count` items of a raw file, memory-mapped read-only (numpy cannot map 0 bytes)."""
+    return np.memmap(path, dtype, mode="r", shape=(count,)) if count else np.zeros(0, dtype)
 
 
 @contextlib.contextmanager
@@ -312,15 +318,21 @@ def _write_entry(folder: Path, key: dict, encode, dtype: np.dtype, text: bool) -
             for f in (ids_file, flags):
                 f.flush()
                 os.fsync(f.fileno())
+        counts = {"ids": int(offsets[-1]), "offsets": len(offsets)}
+        arrays = {"offsets": offsets}
         if text:
             (tmp / "targets.bin").unlink()
-        with open(tmp / "offsets.bin", "wb") as f:
-            f.write(offsets.tobytes())
-            os.fsync(f.fileno())
-        counts = {"ids": int(offsets[-1]), "offsets": len(offsets)}
-        dtypes = {"ids": dtype.str, "offsets": offsets.dtype.str}
-        if not text:
-            counts["targets"], dtypes["targets"] = int(offsets[-1]), np.dtype(np.bool_).str
+        else:  # what fit_to_seq_len reads, so that a hit does not read every target flag
+            counts["targets"] = counts["ids"]
+            targets = _map(tmp / "targets.bin", np.dtype(np.bool_), counts["ids"])
+            arrays["first_targets"] = TokenRows(np.zeros(0), targets, offsets).first_targets
+            counts["first_targets"] = len(offsets) - 1
+        for name, array in arrays.items():
+            with open(tmp / f"{name}.bin", "wb") as f:
+                f.write(array.tobytes())
+                os.fsync(f.fileno())
+        dtypes = {"ids": dtype.str, "targets": "|b1", **{k: a.dtype.str for k, a in arrays.items()}}
+        dtypes = {name: dtypes[name] for name in counts}
         meta = {"format": FORMAT, "rows": len(offsets) - 1, "counts": counts, "dtypes": dtypes,
                 "key": key}  # fmt: skip
         (tmp / META).write_text(json.dumps(meta, indent=2, default=str))

@@ -18,6 +18,7 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 
 Encoded = tuple[list[int], list[bool]]  # token ids, and whether each is a target
+NO_TARGET = np.iinfo(np.int64).max  # first_targets of a sample without a target
 
 
 def all_targets(count: int) -> np.ndarray:
@@ -33,8 +34,15 @@ def ids_dtype(vocab_size: int) -> np.dtype:
 class TokenRows:
     """Samples of token ids and target flags, back to back (see the module docstring)."""
 
-    def __init__(self, ids: np.ndarray, targets: np.ndarray, offsets: np.ndarray) -> None:
+    def __init__(
+        self,
+        ids: np.ndarray,
+        targets: np.ndarray,
+        offsets: np.ndarray,
+        first_targets: np.ndarray | None = None,
+    ) -> None:
         self.ids, self.targets, self.offsets = ids, targets, offsets
+        self._first_targets = first_targets
 
     @classmethod
     def from_encoded(cls, encoded: Iterable[Encoded], dtype=np.uint32) -> TokenRows:
@@ -55,25 +63,36 @@ class TokenRows:
         """Each sample's number of tokens."""
         return np.diff(self.offsets)
 
-    def targets_within(self, seq_len: int) -> np.ndarray:
-        """Each sample's targets once cut to seq_len + 1 tokens (the first token is never a
-        label); computed in pieces of about 16M tokens, so a memory-mapped split is read
-        once and never held whole."""
+    @property
+    def first_targets(self) -> np.ndarray:
+        """Each sample's first target position after its first token (which is never a
+        label), NO_TARGET where it has none: a sample keeps a loss token once cut to
+        seq_len + 1 tokens iff this is at most seq_len. Computed once (a cache stores it)
+        in pieces of about 16M tokens, so a memory-mapped split is never held whole."""
+        if self._first_targets is None:
+            self._first_targets = self._find_first_targets()
+        return self._first_targets
+
+    def _find_first_targets(self) -> np.ndarray:
         starts, ends = self.offsets[:-1], self.offsets[1:]
-        counts = np.zeros(len(self), dtype=np.int64)
+        found = np.full(len(self), NO_TARGET, dtype=np.int64)
         first = 0
         while first < len(self):
             # rows [first, last) whose tokens span at most 2**24 (at least one row)
-            last = int(np.searchsorted(starts, starts[first] + (1 << 24), side="right"))
-            last = max(last, first + 1)
+            last = max(first + 1, int(np.searchsorted(starts, starts[first] + (1 << 24), "right")))
             base = int(starts[first])
-            flags = self.targets[base : int(ends[last - 1])]
-            cumulative = np.concatenate(([0], np.cumsum(flags, dtype=np.int64)))
-            low = np.minimum(starts[first:last] + 1, ends[first:last]) - base
-            high = np.minimum(ends[first:last], starts[first:last] + seq_len + 1) - base
-            counts[first:last] = cumulative[high] - cumulative[low]
+            flags = np.array(self.targets[base : int(ends[last - 1])], dtype=np.bool_)
+            row_starts, row_ends = starts[first:last] - base, ends[first:last] - base
+            flags[row_starts[row_starts < row_ends]] = False  # a first token is no label
+            positions = np.flatnonzero(flags)
+            if len(positions):
+                nearest = positions[
+                    np.minimum(np.searchsorted(positions, row_starts), len(positions) - 1)
+                ]
+                inside = (nearest >= row_starts) & (nearest < row_ends)
+                found[first:last][inside] = (nearest - row_starts)[inside]
             first = last
-        return counts
+        return found
 
     def select(self, indices: Sequence[int]) -> TokenRows:
         """The samples at `indices`, in that order (a copy in memory)."""
@@ -84,7 +103,10 @@ class TokenRows:
         # each selected token's position in the source arrays
         within = np.arange(int(offsets[-1]), dtype=np.int64) - np.repeat(offsets[:-1], lengths)
         positions = np.repeat(self.offsets[:-1][indices], lengths) + within
-        return TokenRows(self.ids[positions], np.asarray(self.targets[positions]), offsets)
+        return TokenRows(
+            self.ids[positions], np.asarray(self.targets[positions]), offsets,
+            self.first_targets[indices],
+        )  # fmt: skip
 
 
 class RowsBuilder:

@@ -262,3 +262,20 @@ def test_a_resume_may_move_the_cache_but_not_change_the_data():
     assert resume_changes(saved, other, ("dataset",))[1] == [
         "dataset.source: 'a.jsonl' -> 'b.jsonl'"
     ]
+
+
+def test_first_targets_say_which_samples_keep_a_loss_token_at_each_seq_len():
+    from freetx.data.seq_len import fit_to_seq_len
+    from freetx.data.token_rows import TokenRows
+
+    rng = np.random.default_rng(0)
+    encoded = []
+    for _ in range(300):  # empty samples, samples without targets, targets anywhere
+        n = int(rng.integers(0, 30))
+        flags = (rng.random(n) < rng.choice([0.0, 0.05, 0.5])).tolist()
+        encoded.append((rng.integers(0, 259, n).tolist(), flags))
+    rows = TokenRows.from_encoded(encoded)
+    for seq_len in (1, 3, 10, 40):
+        kept = [i for i, (_, flags) in enumerate(encoded) if any(flags[1 : seq_len + 1])]
+        assert fit_to_seq_len(rows, seq_len, "train", "x")[0].tolist() == kept
+        assert [rows.select(kept)[i] for i in range(len(kept))] == [encoded[i] for i in kept]
