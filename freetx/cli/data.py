@@ -6,28 +6,23 @@ from __future__ import annotations
 
 import argparse
 
-INTERMIXED_ARGS = False  # a sub-action (prepare)
-
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="freetx data",
-        description="Prepare a config's data ahead of a run. No process group needed.",
-    )
-    sub = p.add_subparsers(dest="action", metavar="ACTION", required=True)
-    prepare = sub.add_parser(
-        "prepare",
-        help="tokenize a config's dataset (train and validation) into the token cache",
         description=(
-            "Build the token cache of CONFIG's dataset, both splits, as the run would (same "
-            "key: dataset settings, tokenizer, source contents), printing what it wrote (rows, "
-            "tokens, size, time) or that it was already there. The cache folder is "
-            "dataset.cache_dir, else $FREETX_CACHE, else ~/.cache/freetx/tokens."
+            "prepare: build the token cache of CONFIG's dataset, both splits, as the run "
+            "would (same key: dataset settings, tokenizer, source contents), printing what it "
+            "wrote (rows, tokens, size, time) or that it was already there. The cache folder "
+            "is dataset.cache_dir, else $FREETX_CACHE, else ~/.cache/freetx/tokens. No "
+            "process group needed."
         ),
     )
-    prepare.add_argument("config", help="a config name (llm/tiny) or a path to a .yaml file")
-    prepare.add_argument("overrides", nargs="*", help="key=value or ~key")
-    prepare.add_argument("--recipe", help="for a config file outside the built-in ones")
+    # one action today; a positional with choices keeps options and overrides intermixed
+    p.add_argument("action", choices=("prepare",), help="prepare: tokenize into the cache")
+    p.add_argument("config", help="a config name (llm/tiny) or a path to a .yaml file")
+    p.add_argument("overrides", nargs="*", help="key=value or ~key")
+    p.add_argument("--recipe", help="for a config file outside the built-in ones")
     return p
 
 

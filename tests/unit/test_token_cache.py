@@ -243,7 +243,9 @@ def test_prepare_then_run_reuses_the_cache(tmp_path):
 
 
 def test_prepare_says_when_there_is_nothing_to_cache():
-    builtin = run_freetx_here("data", "prepare", "llm/tiny")
+    builtin = run_freetx_here(
+        "data", "prepare", "llm/tiny", "--recipe", "full_finetune_fsdp2", "dataset.seq_len=64"
+    )  # options and overrides in any order
     assert builtin.returncode == 0 and "not cached (a builtin source" in builtin.stdout
     darkroom = run_freetx_here("data", "prepare", "ad/darkroom_tiny")
     assert darkroom.returncode == 0 and "nothing to cache" in darkroom.stdout
