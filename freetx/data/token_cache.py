@@ -47,7 +47,7 @@ from freetx.errors import DataError
 FORMAT = 1  # the entries' layout and the encoders' output: a change makes new keys
 META = "meta.json"
 ARRAYS = ("ids", "targets", "offsets")
-_MEMORY: dict[str, TokenRows] = {}  # rows built in memory in this process, by key
+_MEMORY: dict[str, tuple[Any, TokenRows]] = {}  # builtin rows made here: (tokenizer, rows)
 _MEMORY_ENTRIES = 4
 BUILTIN = "a builtin source, made in memory"
 
@@ -116,29 +116,39 @@ def cached_rows(
     `files` the source files (none: a builtin source, held in memory). `text`: every
     token is a target, so no targets are stored.
     """
-    tokenizer_key = tokenizer_identity(tokenizer, cache_root(cache_dir))
     reason = (
         "dataset.cache is false" if not cache
         else BUILTIN if not files
         else "a source file is missing" if not all(Path(f).is_file() for f in files)
-        else f"{type(tokenizer).__name__} is not a tokenizer the cache can identify"
-        if tokenizer_key is None else ""
+        else ""
     )  # fmt: skip
-    dtype = ids_dtype(tokenizer.vocab_size)
-    if reason:
-        # a builtin source is made again by the other split: remembered in this process
-        memo = _digest(dataset, settings, tokenizer_key, []) if tokenizer_key and not files else ""
-        rows = _MEMORY.get(memo)
-        if rows is None:
-            rows = _fill(RowsBuilder(dtype, with_targets=not text), encode, text).rows()
-            if memo:
-                _remember(memo, rows)
-        return rows, CacheReport(label, "off", len(rows), len(rows.ids), reason=reason)
     root = cache_root(cache_dir)
+    tokenizer_key = None if reason else tokenizer_identity(tokenizer, root)
+    if not reason and tokenizer_key is None:
+        reason = f"{type(tokenizer).__name__} is not a tokenizer the cache can identify"
+    dtype = ids_dtype(tokenizer.vocab_size)
+    if reason:  # in memory; the reader says what is wrong with a missing file
+        rows = _in_memory(dataset, settings, tokenizer, encode, dtype, text, files)
+        return rows, CacheReport(label, "off", len(rows), len(rows.ids), reason=reason)
     hashes = [content_hash(path, root) for path in files]
     folder = root / f"{dataset}_{_digest(dataset, settings, tokenizer_key, hashes)}"
     key = {"dataset": dataset, "settings": settings, "tokenizer": tokenizer_key, "files": hashes}
     return _open_or_build(folder, key, encode, dtype, text, label)
+
+
+def _in_memory(dataset, settings, tokenizer, encode, dtype, text: bool, files) -> TokenRows:
+    """The rows made by `encode`, in memory. A builtin source's are remembered in this
+    process for the same tokenizer object (the other split makes them again)."""
+    memo = json.dumps([dataset, settings], sort_keys=True, default=str)
+    remembered = _MEMORY.get(memo)
+    if not files and remembered is not None and remembered[0] is tokenizer:
+        return remembered[1]
+    rows = _fill(RowsBuilder(dtype, with_targets=not text), encode, text).rows()
+    if not files:
+        _MEMORY[memo] = (tokenizer, rows)
+        while len(_MEMORY) > _MEMORY_ENTRIES:
+            del _MEMORY[next(iter(_MEMORY))]
+    return rows
 
 
 def source_key(source: str | Sequence[str]) -> list[str]:
@@ -190,12 +200,6 @@ def _digest(dataset: str, settings: dict, tokenizer: dict, hashes: list[str]) ->
     if "builtin" in json.dumps(settings):  # the built-in corpus is this Python's text
         key["python"] = sys.version
     return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:20]
-
-
-def _remember(key: str, rows: TokenRows) -> None:
-    _MEMORY[key] = rows
-    while len(_MEMORY) > _MEMORY_ENTRIES:
-        del _MEMORY[next(iter(_MEMORY))]
 
 
 def _open_or_build(

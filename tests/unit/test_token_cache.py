@@ -65,7 +65,9 @@ def test_a_second_build_maps_the_entry_and_serves_the_same_samples(tmp_path):
     for split in ("train", "validation"):
         first = InstructDataset(tok, source, seq_len=24, split=split, cache_dir=str(cache))
         again = InstructDataset(tok, source, seq_len=24, split=split, cache_dir=str(cache))
-        uncached = InstructDataset(tok, source, seq_len=24, split=split, cache=False)
+        uncached = InstructDataset(
+            tok, source, seq_len=24, split=split, cache=False, cache_dir=str(tmp_path / "off")
+        )
         assert (first.token_cache.state, again.token_cache.state) == ("built", "hit")
         assert (
             uncached.token_cache.state == "off" and "cache is false" in uncached.token_cache.line()
@@ -76,6 +78,7 @@ def test_a_second_build_maps_the_entry_and_serves_the_same_samples(tmp_path):
         assert first.fit == again.fit  # samples cut at seq_len, counted alike
         made[split] = again.token_cache.folder
     assert len(entries(cache)) == 2 and made["train"] != made["validation"]
+    assert not (tmp_path / "off").exists()  # cache=false writes nothing, not even hashes
 
 
 def test_text_keeps_no_target_flags_and_its_windows_are_unchanged(tmp_path):
