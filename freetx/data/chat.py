@@ -34,7 +34,7 @@ from freetx.data.instruct import builtin_examples
 from freetx.data.samples import TokenSamples
 from freetx.data.sampling import check_split, split_examples
 from freetx.data.text import read_jsonl, source_files
-from freetx.data.token_cache import cached_rows, source_key
+from freetx.data.token_cache import cached_rows, settings_of
 from freetx.data.token_rows import Encoded
 from freetx.errors import DataError
 
@@ -118,6 +118,7 @@ class ChatDataset(TokenSamples):
         cache: bool = True,
         cache_dir: str | None = None,
     ) -> None:
+        settings = settings_of(locals())  # first: every argument, before other names
         check_split(split, val_fraction, seq_len)
         if getattr(tokenizer, "chat_template", None) is None:
             raise DataError(
@@ -132,9 +133,7 @@ class ChatDataset(TokenSamples):
         # startup, and conversations whose replies lie past seq_len are counted and dropped
         rows, self.token_cache = cached_rows(
             "ChatDataset", f"{source} ({split})",
-            {"source": source_key(source), "split": split, "val_fraction": val_fraction,
-             "num_builtin_examples": num_builtin_examples, "seed": seed},
-            self.files_read, tokenizer,
+            settings, self.files_read, tokenizer,
             lambda: (self.encode(where, messages) for where, messages in
                      _split(source, split, val_fraction, num_builtin_examples, seed)),
             cache, cache_dir,

@@ -20,7 +20,7 @@ from freetx.data.corpus import builtin_documents
 from freetx.data.samples import TokenSamples
 from freetx.data.sampling import check_split, split_examples
 from freetx.data.text import read_jsonl, source_files
-from freetx.data.token_cache import cached_rows, source_key
+from freetx.data.token_cache import cached_rows, settings_of
 from freetx.data.token_rows import Encoded
 from freetx.data.tokenizers import leading_bos
 from freetx.errors import DataError
@@ -87,14 +87,13 @@ class InstructDataset(TokenSamples):
         cache: bool = True,
         cache_dir: str | None = None,
     ) -> None:
+        settings = settings_of(locals())  # first: every argument, before other names
         check_split(split, val_fraction, seq_len)
         self.files_read = source_files(source)
         self.tokenizer = tokenizer
         rows, self.token_cache = cached_rows(
             "InstructDataset", f"{source} ({split})",
-            {"source": source_key(source), "split": split, "val_fraction": val_fraction,
-             "num_builtin_examples": num_builtin_examples, "seed": seed},
-            self.files_read, tokenizer,
+            settings, self.files_read, tokenizer,
             lambda: map(self.encode, _split(source, split, val_fraction, num_builtin_examples, seed)),
             cache, cache_dir,
         )  # fmt: skip

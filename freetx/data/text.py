@@ -23,7 +23,7 @@ from torch.utils.data import Dataset
 
 from freetx.data.corpus import builtin_documents
 from freetx.data.sampling import check_split
-from freetx.data.token_cache import cached_rows, source_key
+from freetx.data.token_cache import cached_rows, settings_of
 from freetx.data.tokenizers import leading_bos
 from freetx.errors import DataError
 
@@ -142,13 +142,13 @@ class PackedTextDataset(Dataset):
         cache: bool = True,
         cache_dir: str | None = None,
     ) -> None:
+        # first: every argument, before other names; the split is made of windows, later
+        settings = settings_of(locals(), served=("split", "val_fraction"))
         check_split(split, val_fraction, seq_len)
         self.files_read = source_files(source)
         rows, self.token_cache = cached_rows(
-            "PackedTextDataset", f"{source} (all splits)",
-            {"source": source_key(source), "text_field": text_field}, self.files_read,
-            tokenizer, lambda: _encode_documents(source, text_field, tokenizer),
-            cache, cache_dir, text=True,
+            "PackedTextDataset", f"{source} (all splits)", settings, self.files_read, tokenizer,
+            lambda: _encode_documents(source, text_field, tokenizer), cache, cache_dir, text=True,
         )  # fmt: skip
         self.tokens = rows.ids  # the documents back to back, one row each
         self.seq_len = seq_len

@@ -50,6 +50,7 @@ ARRAYS = ("ids", "targets", "offsets")
 _MEMORY: dict[str, tuple[Any, TokenRows]] = {}  # builtin rows made here: (tokenizer, rows)
 _MEMORY_ENTRIES = 4
 BUILTIN = "a builtin source, made in memory"
+NOT_IN_KEY = ("self", "__class__", "tokenizer", "seq_len", "cache", "cache_dir")
 
 
 @dataclass(frozen=True)
@@ -149,6 +150,18 @@ def _in_memory(dataset, settings, tokenizer, encode, dtype, text: bool, files) -
         while len(_MEMORY) > _MEMORY_ENTRIES:
             del _MEMORY[next(iter(_MEMORY))]
     return rows
+
+
+def settings_of(arguments: dict[str, Any], served: Sequence[str] = ()) -> dict[str, Any]:
+    """The settings of a dataset that decide its tokens, for the key: its constructor's
+    arguments (`locals()` as the constructor starts) but the tokenizer (identified on its
+    own), seq_len and the arguments in `served` (applied when samples are served) and the
+    cache's own, so that an argument a dataset gains is in the key without a change here
+    (a setting that does not change the tokens costs a rebuild; one left out would reuse
+    wrong tokens)."""
+    settings = {k: v for k, v in arguments.items() if k not in (*NOT_IN_KEY, *served)}
+    settings["source"] = source_key(settings["source"])
+    return settings
 
 
 def source_key(source: str | Sequence[str]) -> list[str]:

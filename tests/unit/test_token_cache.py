@@ -79,6 +79,8 @@ def test_a_second_build_maps_the_entry_and_serves_the_same_samples(tmp_path):
         made[split] = again.token_cache.folder
     assert len(entries(cache)) == 2 and made["train"] != made["validation"]
     assert not (tmp_path / "off").exists()  # cache=false writes nothing, not even hashes
+    other = InstructDataset(tok, source, seq_len=24, val_fraction=0.2, cache_dir=str(cache))
+    assert other.token_cache.state == "built"  # another split: another entry
 
 
 def test_text_keeps_no_target_flags_and_its_windows_are_unchanged(tmp_path):
@@ -90,6 +92,8 @@ def test_text_keeps_no_target_flags_and_its_windows_are_unchanged(tmp_path):
         assert same(samples(cached), samples(memory))
         assert all(s["input_ids"].dtype == torch.long for s in samples(cached)[:3])
     (entry,) = entries(cache)  # one entry for both splits: the split is made from windows
+    PackedTextDataset(tok, source, seq_len=32, val_fraction=0.1, cache_dir=str(cache))
+    assert entries(cache) == [entry]  # nor does seq_len or val_fraction change the tokens
     assert sorted(p.name for p in entry.iterdir()) == ["ids.bin", "meta.json", "offsets.bin"]
 
 
