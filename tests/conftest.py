@@ -2,18 +2,25 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import hashlib
 import io
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 ASSETS = REPO / "tests" / "assets"
+# the token cache of the datasets tests build (and of the runs they launch, which inherit
+# it), in a folder of this session rather than the user's ~/.cache
+os.environ["FREETX_CACHE"] = tempfile.mkdtemp(prefix="freetx_tokens_")
+atexit.register(shutil.rmtree, os.environ["FREETX_CACHE"], True)
 
 
 def run_freetx(*args: str, cwd: Path | None = None, timeout: float = 600, env: dict | None = None):

@@ -31,6 +31,7 @@ SUBCOMMANDS = {
     "estimate": "memory per rank and step time of a config for every strategy",
     "import": "print the freetx overrides a DeepSpeed, accelerate or FSDP config means",
     "doctor": "check this machine before a run: torch, GPUs, NCCL, collective bandwidth, disk",
+    "data": "prepare a config's data: tokenize its dataset into the token cache",
 }
 MODULES = {"import": "import_config"}  # a subcommand whose module has another name
 

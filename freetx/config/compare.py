@@ -16,6 +16,8 @@ from omegaconf import DictConfig, OmegaConf
 
 # where the run is and what it resumes from: different by design
 NOT_COMPARED = ("output_dir", "resume")
+# inside a fixed section, but deciding only where tokens are cached, not what they are
+FREE_ON_RESUME = ("dataset.cache", "dataset.cache_dir")
 
 
 def flatten(node: Any, prefix: str = "") -> dict[str, Any]:
@@ -51,5 +53,6 @@ def resume_changes(
         if before == after:
             continue
         line = f"{key}: {before!r} -> {after!r}"
-        (refused if _is_under(key, fixed) else allowed).append(line)
+        fixed_key = _is_under(key, fixed) and not _is_under(key, FREE_ON_RESUME)
+        (refused if fixed_key else allowed).append(line)
     return allowed, refused

@@ -34,7 +34,8 @@ from freetx.data.instruct import builtin_examples
 from freetx.data.samples import TokenSamples
 from freetx.data.sampling import check_split, split_examples
 from freetx.data.text import read_jsonl, source_files
-from freetx.data.token_rows import Encoded, TokenRows
+from freetx.data.token_cache import cached_rows, settings_of
+from freetx.data.token_rows import Encoded
 from freetx.errors import DataError
 
 Messages = list[dict[str, Any]]
@@ -79,6 +80,24 @@ def read_conversations(path: str) -> list[tuple[str, Messages]]:
     return conversations
 
 
+def _split(
+    source: str, split: str, val_fraction: float, num_builtin_examples: int, seed: int
+) -> list[tuple[str, Messages]]:
+    """(where, messages) for the conversations of one split of the source."""
+    if source == "builtin":
+        conversations = [
+            (f"builtin example {i}", [{"role": "user", "content": e["prompt"]},
+                                      {"role": "assistant", "content": e["response"]}])
+            for i, e in enumerate(builtin_examples(num_builtin_examples, seed))
+        ]  # fmt: skip
+    else:
+        conversations = read_conversations(source)
+    conversations = split_examples(conversations, split, val_fraction)
+    if not conversations:
+        raise DataError(f"the {split} split of {source} is empty; add conversations.")
+    return conversations
+
+
 class ChatDataset(TokenSamples):
     """Chat conversations as fixed-length samples with loss on the assistant's tokens.
 
@@ -97,7 +116,10 @@ class ChatDataset(TokenSamples):
         num_builtin_examples: int = 20000,
         seed: int = 0,
         packed: bool = False,  # several samples per sequence (freetx.data.packing), by seed
+        cache: bool = True,
+        cache_dir: str | None = None,
     ) -> None:
+        settings = settings_of(locals())  # first: every argument, before other names
         check_split(split, val_fraction, seq_len)
         if getattr(tokenizer, "chat_template", None) is None:
             raise DataError(
@@ -106,25 +128,18 @@ class ChatDataset(TokenSamples):
                 "(chat_template.jinja, or chat_template in tokenizer_config.json), or train on "
                 "prompt/response data with freetx.data.InstructDataset."
             )
-        if source == "builtin":
-            conversations = [
-                (f"builtin example {i}", [{"role": "user", "content": e["prompt"]},
-                                          {"role": "assistant", "content": e["response"]}])
-                for i, e in enumerate(builtin_examples(num_builtin_examples, seed))
-            ]  # fmt: skip
-        else:
-            conversations = read_conversations(source)
-        conversations = split_examples(conversations, split, val_fraction)
-        if not conversations:
-            raise DataError(f"the {split} split of {source} is empty; add conversations.")
         self.files_read = source_files(source)
         self.tokenizer = tokenizer
-        # all rendered now: a template that does not fit the data fails at startup, and
-        # conversations whose replies lie past seq_len are counted and dropped
-        encoded = [self.encode(where, messages) for where, messages in conversations]
-        super().__init__(
-            TokenRows.from_encoded(encoded), seq_len, tokenizer.pad_id, split, source, packed, seed
-        )
+        # all rendered on a cache miss: a template that does not fit the data fails at
+        # startup, and conversations whose replies lie past seq_len are counted and dropped
+        rows, self.token_cache = cached_rows(
+            "ChatDataset", f"{source} ({split})",
+            settings, self.files_read, tokenizer,
+            lambda: (self.encode(where, messages) for where, messages in
+                     _split(source, split, val_fraction, num_builtin_examples, seed)),
+            cache, cache_dir,
+        )  # fmt: skip
+        super().__init__(rows, seq_len, tokenizer.pad_id, split, source, packed, seed)
 
     def encode(self, where: str, messages: Messages) -> Encoded:
         """A conversation's token ids, and for each whether it is the assistant's."""

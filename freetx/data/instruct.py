@@ -19,9 +19,9 @@ from pathlib import Path
 from freetx.data.corpus import builtin_documents
 from freetx.data.samples import TokenSamples
 from freetx.data.sampling import check_split, split_examples
-from freetx.data.seq_len import loss_tokens_within
 from freetx.data.text import read_jsonl, source_files
-from freetx.data.token_rows import Encoded, TokenRows
+from freetx.data.token_cache import cached_rows, settings_of
+from freetx.data.token_rows import Encoded
 from freetx.data.tokenizers import leading_bos
 from freetx.errors import DataError
 
@@ -57,6 +57,21 @@ def read_examples(path: str) -> list[dict[str, str]]:
     return examples
 
 
+def _split(
+    source: str, split: str, val_fraction: float, num_builtin_examples: int, seed: int
+) -> list[dict[str, str]]:
+    """The examples of one split of the source."""
+    examples = (
+        builtin_examples(num_builtin_examples, seed)
+        if source == "builtin"
+        else read_examples(source)
+    )
+    examples = split_examples(examples, split, val_fraction)
+    if not examples:
+        raise DataError(f"the {split} split of {source} is empty; add examples.")
+    return examples
+
+
 class InstructDataset(TokenSamples):
     """Prompt/response pairs as fixed-length, response-only-loss samples."""
 
@@ -70,23 +85,20 @@ class InstructDataset(TokenSamples):
         num_builtin_examples: int = 20000,
         seed: int = 0,
         packed: bool = False,  # several samples per sequence (freetx.data.packing), by seed
+        cache: bool = True,
+        cache_dir: str | None = None,
     ) -> None:
+        settings = settings_of(locals())  # first: every argument, before other names
         check_split(split, val_fraction, seq_len)
-        examples = (
-            builtin_examples(num_builtin_examples, seed)
-            if source == "builtin"
-            else read_examples(source)
-        )
-        examples = split_examples(examples, split, val_fraction)
-        if not examples:
-            raise DataError(f"the {split} split of {source} is empty; add examples.")
         self.files_read = source_files(source)
         self.tokenizer = tokenizer
-        encoded = [self.encode(example) for example in examples]
-        super().__init__(
-            TokenRows.from_encoded(encoded), seq_len, tokenizer.pad_id, split, source, packed, seed
-        )
-        self.examples = [e for e, x in zip(examples, encoded) if loss_tokens_within(x, seq_len)]
+        rows, self.token_cache = cached_rows(
+            "InstructDataset", f"{source} ({split})",
+            settings, self.files_read, tokenizer,
+            lambda: map(self.encode, _split(source, split, val_fraction, num_builtin_examples, seed)),
+            cache, cache_dir,
+        )  # fmt: skip
+        super().__init__(rows, seq_len, tokenizer.pad_id, split, source, packed, seed)
 
     def encode(self, example: dict[str, str]) -> Encoded:
         """BOS + prompt + response + EOS, and for each token whether it is a target."""

@@ -13,10 +13,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
+import numpy as np
 import torch
 
 from freetx.data.sampling import IGNORE_INDEX
-from freetx.data.token_rows import Encoded
+from freetx.data.token_rows import NO_TARGET, Encoded, TokenRows
 from freetx.errors import DataError
 
 
@@ -45,37 +46,38 @@ class CutsToSeqLen(Protocol):
     fit: SeqLenFit
 
 
-def loss_tokens_within(encoded: Encoded, seq_len: int) -> int:
-    """The targets a sample keeps once cut to seq_len + 1 tokens (the first token is
-    never a label)."""
-    return sum(encoded[1][1 : seq_len + 1])
-
-
 def fit_to_seq_len(
-    encoded: list[Encoded], seq_len: int, split: str, source: str
-) -> tuple[list[int], SeqLenFit]:
-    """The indices of the samples that keep a loss token within seq_len, and the counts.
+    rows: TokenRows, seq_len: int, split: str, source: str
+) -> tuple[np.ndarray, SeqLenFit]:
+    """The indices of the samples that keep a loss token within seq_len, and the counts
+    (from each sample's length and first target: a cached split's tokens are not read).
 
     Raises DataError when none does: the split would train (or validate) on nothing.
     """
-    kept = [i for i, e in enumerate(encoded) if loss_tokens_within(e, seq_len) > 0]
-    cut = sum(len(ids) > seq_len + 1 for ids, _ in encoded)
-    fit = SeqLenFit(split, source, seq_len, len(encoded), cut, len(encoded) - len(kept))
-    if not kept:
-        first_target = min((mask.index(True) for _, mask in encoded if True in mask), default=None)
+    kept = np.flatnonzero(rows.first_targets <= seq_len)
+    cut = int((rows.lengths > seq_len + 1).sum())
+    fit = SeqLenFit(split, source, seq_len, len(rows), cut, len(rows) - len(kept))
+    if not len(kept):
+        earliest = _earliest_target(rows)
         where = (
-            f"the earliest response starts at token {first_target}"
-            if first_target is not None
+            f"the earliest response starts at token {earliest}"
+            if earliest is not None
             else "no sample has a target token at all"
         )
         raise DataError(
-            f"the {split} split of {source} has no loss tokens: in all {len(encoded)} samples "
+            f"the {split} split of {source} has no loss tokens: in all {len(rows)} samples "
             f"the response (or assistant turn) lies past dataset.seq_len={seq_len} tokens "
             f"({where}), so there is nothing to train or validate on. Raise dataset.seq_len "
             "(and model.max_seq_len with it), shorten the prompts, or check that the chat "
             "template marks the assistant's replies."
         )
     return kept, fit
+
+
+def _earliest_target(rows: TokenRows) -> int | None:
+    """The smallest position of a target after a sample's first token (None: no targets)."""
+    earliest = int(rows.first_targets.min(initial=NO_TARGET))
+    return None if earliest == NO_TARGET else earliest
 
 
 def fixed_length_sample(encoded: Encoded, seq_len: int, pad_id: int) -> dict[str, torch.Tensor]:

@@ -16,17 +16,18 @@ to validation, so both splits cover the whole corpus.
 
 from __future__ import annotations
 
-import functools
 import json
 from collections.abc import Sequence
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch.utils.data import Dataset
 
 from freetx.data.corpus import builtin_documents
 from freetx.data.packing import stream_documents
 from freetx.data.sampling import check_split
+from freetx.data.token_cache import cached_rows, settings_of
 from freetx.data.tokenizers import leading_bos
 from freetx.errors import DataError
 
@@ -125,14 +126,10 @@ def read_documents(source: str | Sequence[str], text_field: str = "text") -> lis
     return docs
 
 
-@functools.lru_cache(maxsize=4)
-def _token_stream(source: tuple[str, ...], text_field: str, tokenizer) -> torch.Tensor:
-    ids: list[int] = []
-    for doc in read_documents(list(source), text_field):
-        ids.extend(leading_bos(tokenizer))
-        ids.extend(tokenizer.encode(doc))
-        ids.append(tokenizer.eos_id)
-    return torch.tensor(ids, dtype=torch.long)
+def _encode_documents(source: str | Sequence[str], text_field: str, tokenizer):
+    """Each document's tokens, BOS (where the tokenizer adds one) + text + EOS."""
+    for doc in read_documents(source, text_field):
+        yield [*leading_bos(tokenizer), *tokenizer.encode(doc), tokenizer.eos_id], ()
 
 
 class PackedTextDataset(Dataset):
@@ -147,12 +144,19 @@ class PackedTextDataset(Dataset):
         val_fraction: float = 0.05,
         text_field: str = "text",
         packed: bool = False,  # each window's documents attend only to themselves
+        cache: bool = True,
+        cache_dir: str | None = None,
     ) -> None:
+        # first: every argument, before other names; the split is made of windows, later
+        settings = settings_of(locals(), served=("split", "val_fraction"))
         check_split(split, val_fraction, seq_len)
         self.packed = packed
-        key = (source,) if isinstance(source, str) else tuple(source)
-        self.tokens = _token_stream(key, text_field, tokenizer)
         self.files_read = source_files(source)
+        rows, self.token_cache = cached_rows(
+            "PackedTextDataset", f"{source} (all splits)", settings, self.files_read, tokenizer,
+            lambda: _encode_documents(source, text_field, tokenizer), cache, cache_dir, text=True,
+        )  # fmt: skip
+        self.tokens = rows.ids  # the documents back to back, one row each
         self.seq_len = seq_len
         self.tokenizer = tokenizer
         total = (len(self.tokens) - 1) // seq_len
@@ -162,15 +166,16 @@ class PackedTextDataset(Dataset):
                 f"sequences of seq_len={seq_len}; add text or lower dataset.seq_len."
             )
         every = max(2, round(1 / val_fraction))
-        is_val = [(i % every) == every - 1 for i in range(total)]
-        self.starts = [i * seq_len for i in range(total) if is_val[i] == (split == "validation")]
+        windows = np.arange(total, dtype=np.int64)
+        is_val = windows % every == every - 1
+        self.starts = windows[is_val == (split == "validation")] * seq_len
 
     def __len__(self) -> int:
         return len(self.starts)
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        start = self.starts[index]
-        window = self.tokens[start : start + self.seq_len + 1]
+        start = int(self.starts[index])
+        window = torch.from_numpy(self.tokens[start : start + self.seq_len + 1].astype(np.int64))
         if not self.packed:
             return {"input_ids": window[:-1], "labels": window[1:]}
         input_ids = window[:-1]

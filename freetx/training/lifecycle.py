@@ -48,6 +48,7 @@ from freetx.checkpoint import (
 from freetx.checkpoint.checkpointer import build_meta
 from freetx.checkpoint.state import LRSchedulerState
 from freetx.data.seq_len import CutsToSeqLen
+from freetx.data.token_cache import UsesTokenCache
 from freetx.distributed import FrozenBase, HostGroup, ParallelGroups, ParallelPlan, frozen_base
 from freetx.entry import at_step
 from freetx.errors import TrainingError
@@ -284,7 +285,14 @@ class TrainingRun:
 
     def report_cuts(self, *datasets) -> None:
         """A line on the console (rank 0) for each dataset whose samples were cut at its
-        seq_len: how many, and how many were left with no loss tokens (dropped)."""
+        seq_len: how many, and how many were left with no loss tokens (dropped); and what
+        the token cache did for each (reused, built, or why not cached)."""
+        lines: dict[str, str] = {}  # by label: text's one entry for both splits, said once
+        for data in datasets:
+            if isinstance(data, UsesTokenCache) and not data.token_cache.builtin:
+                lines.setdefault(data.token_cache.label, data.token_cache.line())
+        for line in lines.values():
+            self.write(line)
         for data in datasets:
             if isinstance(data, CutsToSeqLen) and data.fit.cut:
                 self.write(data.fit.line())

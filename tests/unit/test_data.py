@@ -58,8 +58,11 @@ def test_jsonl_without_the_field_names_the_line(tmp_path):
 def test_instruct_masks_the_prompt_and_padding():
     tok = ByteTokenizer()
     data = InstructDataset(tok, source="builtin", seq_len=64, num_builtin_examples=50)
-    example = data.examples[0]
     sample = data[0]
+    ids = sample["input_ids"].tolist()
+    text = tok.decode(ids[1 : ids.index(tok.eos_id)])  # the example, read back from its tokens
+    prompt, response = text.split("Answer: ")
+    example = {"prompt": prompt + "Answer: ", "response": response}
     prompt_len = 1 + len(example["prompt"])  # BOS + prompt bytes
     labels = sample["labels"]
     assert (labels[: prompt_len - 1] == IGNORE_INDEX).all()
