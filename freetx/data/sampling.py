@@ -15,8 +15,10 @@ runs the same number of forward passes (each may be a collective under FSDP).
 
 from __future__ import annotations
 
+import hashlib
 import math
 import warnings
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -208,10 +210,42 @@ def check_split(split: str, val_fraction: float, seq_len: int) -> None:
         raise DataError(f"dataset.seq_len must be positive, got {seq_len}.")
 
 
-def split_examples(examples: list, split: str, val_fraction: float) -> list:
-    """One split of `examples`: every k-th (k = round(1 / val_fraction), at least 2) is
-    validation, the rest training; stable as a file grows at its end."""
-    every = max(2, round(1 / val_fraction))
-    return [
-        e for i, e in enumerate(examples) if (i % every == every - 1) == (split == "validation")
-    ]
+@dataclass(frozen=True)
+class Split:
+    """Which rows of a source one split takes.
+
+    A row is validation when a seeded hash of its content (`key`: bytes, equal for equal
+    content) falls below val_fraction: a function of the row alone, so the split is
+    stable as a file grows, independent of row order, and blind to any period in the
+    data (every k-th row would put one kind of row in validation when rows cycle over k
+    kinds). `whole`: the split reads a source of its own (`validation_source`), all of it.
+    """
+
+    name: str  # train | validation
+    val_fraction: float
+    seed: int = 0
+    whole: bool = False
+
+    def takes(self, key: bytes) -> bool:
+        return self.whole or in_validation(key, self.seed, self.val_fraction) == (
+            self.name == "validation"
+        )
+
+
+def in_validation(key: bytes, seed: int, val_fraction: float) -> bool:
+    """Whether the row with content `key` is validation: blake2b of it, keyed by the seed,
+    read as a fraction in [0, 1), is below val_fraction."""
+    digest = hashlib.blake2b(key, digest_size=8, key=str(seed).encode()).digest()
+    return int.from_bytes(digest, "big") < val_fraction * 2**64
+
+
+def split_of(
+    source, validation_source, split: str, val_fraction: float, seed: int
+) -> tuple[Any, Split]:
+    """The source a split reads and the rows it takes: with a validation_source, the
+    validation split is it, whole, and the training split all of `source`."""
+    if validation_source is None:
+        return source, Split(split, val_fraction, seed)
+    return (validation_source if split == "validation" else source), Split(
+        split, val_fraction, seed, whole=True
+    )

@@ -47,6 +47,7 @@ from freetx.checkpoint import (
 )
 from freetx.checkpoint.checkpointer import build_meta
 from freetx.checkpoint.state import LRSchedulerState
+from freetx.data.formats import SkipsBadRows
 from freetx.data.seq_len import CutsToSeqLen
 from freetx.distributed import FrozenBase, HostGroup, ParallelGroups, ParallelPlan, frozen_base
 from freetx.entry import at_step
@@ -284,10 +285,17 @@ class TrainingRun:
 
     def report_cuts(self, *datasets) -> None:
         """A line on the console (rank 0) for each dataset whose samples were cut at its
-        seq_len: how many, and how many were left with no loss tokens (dropped)."""
-        for data in datasets:
-            if isinstance(data, CutsToSeqLen) and data.fit.cut:
-                self.write(data.fit.line())
+        seq_len: how many, and how many were left with no loss tokens (dropped); and one
+        for each read that skipped bad rows (`dataset.on_bad_row=skip`), once when two
+        splits share it."""
+        lines = [d.fit.line() for d in datasets if isinstance(d, CutsToSeqLen) and d.fit.cut]
+        lines += [
+            d.bad_rows.line()
+            for d in datasets
+            if isinstance(d, SkipsBadRows) and d.bad_rows.skipped
+        ]
+        for line in dict.fromkeys(lines):
+            self.write(line)
 
     def evaluate(self, evaluate: Callable[[], dict[str, float]]) -> None:
         """Run the recipe's evaluation (every rank) and log what it returns."""

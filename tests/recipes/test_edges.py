@@ -45,21 +45,22 @@ def test_prompts_longer_than_seq_len_everywhere_are_refused_before_training(tmp_
 
 
 def test_a_validation_split_without_loss_tokens_is_refused(tmp_path):
-    # every 4th example is validation (val_fraction 0.25): those have the long prompts
-    source = pairs(tmp_path / "val_long.jsonl", [100 if i % 4 == 3 else 10 for i in range(40)])
-    message = one_paragraph(instruct(tmp_path, source))
-    assert f"the validation split of {source} has no loss tokens" in message
+    source = pairs(tmp_path / "short.jsonl", [10] * 40)
+    validation = pairs(tmp_path / "val_long.jsonl", [100] * 8)
+    message = one_paragraph(instruct(tmp_path, source, f"dataset.validation_source={validation}"))
+    assert f"the validation split of {validation} has no loss tokens" in message
 
 
 def test_samples_cut_or_emptied_are_counted_on_one_line_and_the_run_trains(tmp_path):
     source = pairs(tmp_path / "some_long.jsonl", [100 if i % 4 == 0 else 10 for i in range(40)])
-    result = instruct(tmp_path, source)
+    validation = pairs(tmp_path / "val.jsonl", [10] * 8)
+    result = instruct(tmp_path, source, f"dataset.validation_source={validation}")
     assert result.returncode == 0, result.stderr
     assert (
-        f"dataset {source} (train): 10 of 30 samples cut at seq_len=32, 10 left with no loss "
+        f"dataset {source} (train): 10 of 40 samples cut at seq_len=32, 10 left with no loss "
         "tokens (dropped)" in result.stdout
     )
-    assert "train sequences 20" in result.stdout  # the 10 emptied ones are not trained on
+    assert "train sequences 30" in result.stdout  # the 10 emptied ones are not trained on
     losses = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert all(r["loss"] == r["loss"] and r["loss"] > 0 for r in losses if "loss" in r)
 
