@@ -65,6 +65,34 @@ def test_samples_cut_or_emptied_are_counted_on_one_line_and_the_run_trains(tmp_p
     assert all(r["loss"] == r["loss"] and r["loss"] > 0 for r in losses if "loss" in r)
 
 
+# -- bad rows and splits ----------------------------------------------------------------
+def test_a_bad_row_stops_the_run_or_is_skipped_and_counted(tmp_path):
+    """Error: one paragraph naming the row and both fixes, before training. Skip: the run
+    trains and says once per split how many rows it skipped."""
+    rows = [{"prompt": f"word{i}", "response": f"{i}drow"} for i in range(12)]
+    rows[2], rows[5] = {"prompt": "no response"}, {"prompt": "a number", "response": 5}
+    source = tmp_path / "bad.jsonl"
+    source.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    args = [source, f"dataset.validation_source={source}"]
+    failed = instruct(tmp_path, *args)
+    message = one_paragraph(failed)
+    assert f"{source}:3 has no 'response' column" in message and "on_bad_row=skip" in message
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+    skipped = instruct(tmp_path, *args, "dataset.on_bad_row=skip")
+    assert skipped.returncode == 0, skipped.stderr
+    for split in ("train", "validation"):  # validation_source is the same file: its own line
+        line = f"dataset {source} ({split}): 2 of 12 rows skipped (dataset.on_bad_row=skip)"
+        assert skipped.stdout.count(line) == 1, skipped.stdout
+    assert "train sequences 10" in skipped.stdout
+
+
+def test_a_split_left_empty_by_the_hash_says_how_to_fix_it(tmp_path):
+    source = pairs(tmp_path / "one.jsonl", [10])
+    message = one_paragraph(instruct(tmp_path, source))
+    assert f"the validation split of {source} is empty" in message
+    assert "dataset.val_fraction" in message and "dataset.validation_source" in message
+
+
 # -- folders a run writes -------------------------------------------------------------
 @pytest.fixture
 def a_file(tmp_path):

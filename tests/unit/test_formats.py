@@ -15,7 +15,6 @@ from freetx.data.chat import ChatDataset
 from freetx.data.formats import ALPACA_PROMPT, ALPACA_PROMPT_NO_INPUT, Format
 from freetx.data.text import read_documents, text_format
 from freetx.errors import DataError
-from tests.conftest import one_paragraph, run_freetx
 
 PAIRS = [(f"Reverse the word: word{i}", f"{i}drow") for i in range(12)]
 DOCS = [f"Document {i}: " + " ".join(f"w{i}_{j}" for j in range(20)) for i in range(12)]
@@ -218,26 +217,6 @@ def test_unreadable_lines_and_unrenderable_conversations_are_bad_rows(chatml, tm
         ChatDataset(chatml, seq_len=64, **whole(str(source)))
 
 
-def test_a_bad_row_through_the_cli_each_way(tmp_path):
-    """Error: one paragraph naming the row and both fixes, before training. Skip: the run
-    trains and says once how many rows it skipped."""
-    source, where = with_bad_rows("jsonl", tmp_path)
-    args = ["run", "full_finetune_fsdp2", "--config", "llm/instruct_tiny", "max_steps=1",
-            "batch_size=2", "eval.every_n_steps=0", "checkpoint.save_final=false",
-            f"dataset.source={source}", f"dataset.validation_source={source}",
-            "metric_loggers=[{_component_: freetx.loggers.JSONLLogger}]"]  # fmt: skip
-    env = {"OMP_NUM_THREADS": "1"}
-    failed = run_freetx(*args, f"output_dir={tmp_path / 'a'}", env=env)
-    message = one_paragraph(failed)
-    assert f"{where} has no 'response' column" in message and "on_bad_row=skip" in message
-    assert not (tmp_path / "a" / "metrics.jsonl").exists()
-    skipped = run_freetx(*args, f"output_dir={tmp_path / 'b'}", "dataset.on_bad_row=skip", env=env)
-    assert skipped.returncode == 0, skipped.stderr
-    line = f"dataset {source} (train): 2 of 12 rows skipped (dataset.on_bad_row=skip)"
-    assert skipped.stdout.count(line) == 1  # train; validation read the same file: its own line
-    assert f"dataset {source} (validation): 2 of 12 rows skipped" in skipped.stdout
-
-
 def test_sources_that_cannot_be_read(tmp_path, monkeypatch):
     datasets = pytest.importorskip("datasets")
     both = datasets.DatasetDict({"train": datasets.Dataset.from_list(rows_of("prompt_response"))})
@@ -315,3 +294,19 @@ def test_format_keys_hash_the_columns_read_not_the_rest():
     a = Record("a:1", {"prompt": "p", "response": "r", "id": 1})
     b = Record("b:9", {"response": "r", "prompt": "p", "id": 2})
     assert fmt.key(a) == fmt.key(b)  # the same example: the same split, wherever it is
+
+
+def test_a_text_source_counts_its_bad_rows_once_for_both_splits(tmp_path):
+    source = tmp_path / "docs.jsonl"
+    lines = [json.dumps(r) for r in rows_of("text")]
+    source.write_text("\n".join([*lines[:5], "not json", *lines[5:]]) + "\n")
+    with pytest.raises(DataError, match=r"docs.jsonl:6 is not valid JSON"):
+        PackedTextDataset(ByteTokenizer(), source=str(source), seq_len=16)
+    tok = ByteTokenizer()  # one, as a run has: the splits share the token stream
+    train, val = (
+        PackedTextDataset(tok, source=str(source), seq_len=16, split=split,
+                          on_bad_row="skip", val_fraction=0.2)
+        for split in ("train", "validation")
+    )  # fmt: skip
+    assert train.bad_rows is val.bad_rows  # one read, one line at start-up
+    assert f"{source} (train and validation): 1 of 13 rows skipped" in train.bad_rows.line()
