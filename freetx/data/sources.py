@@ -191,7 +191,10 @@ def _read_parquet(path: Path, columns: Sequence[str]) -> Iterator[Record]:
         raise DataError(f"{path} is not a readable parquet file ({e}); fix or replace it.") from e
     present = _present(path, columns, file.schema_arrow.names)
     batches = file.iter_batches(batch_size=_ROWS_AT_ONCE, columns=present)
-    yield from _rows_of_batches(path, (batch.to_pydict() for batch in batches))
+    try:
+        yield from _rows_of_batches(path, (batch.to_pydict() for batch in batches))
+    except (OSError, ValueError) as e:  # pyarrow's read errors (ArrowInvalid is a ValueError)
+        raise DataError(f"{path} could not be read to its end ({e}); fix or replace it.") from e
 
 
 def _read_saved_dataset(path: Path, columns: Sequence[str]) -> Iterator[Record]:
@@ -202,7 +205,13 @@ def _read_saved_dataset(path: Path, columns: Sequence[str]) -> Iterator[Record]:
             f"{path} is a folder written by datasets' save_to_disk, and reading it needs the "
             "datasets library: pip install datasets (or pip install 'freetx[datasets]')."
         ) from None
-    data = datasets.load_from_disk(str(path))
+    try:
+        data = datasets.load_from_disk(str(path))
+    except Exception as e:  # datasets' errors have no common public base
+        raise DataError(
+            f"{path} looks like a datasets save_to_disk folder (it has state.json or "
+            f"dataset_dict.json) but datasets cannot load it ({e}); save it again."
+        ) from e
     if isinstance(data, datasets.DatasetDict):
         splits = ", ".join(f"{path}/{name}" for name in data)
         raise DataError(

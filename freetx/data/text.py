@@ -25,7 +25,7 @@ import torch
 from torch.utils.data import Dataset
 
 from freetx.data.corpus import builtin_documents
-from freetx.data.formats import BadRows, Format, read_split
+from freetx.data.formats import DEFAULT_COLUMNS, BadRows, Format, read_split
 from freetx.data.sampling import Split, check_split, split_of
 from freetx.data.sources import (
     RECORD_SUFFIXES,
@@ -40,7 +40,7 @@ from freetx.data.tokenizers import leading_bos
 from freetx.errors import DataError
 
 TEXT_SUFFIXES = (*RECORD_SUFFIXES, TEXT_SUFFIX)
-TEXT_FORMAT = Format("text", {"text": "text"})
+TEXT_FORMAT = Format("text", DEFAULT_COLUMNS["text"])
 
 
 def text_format(format: str | None, columns, text_field: str) -> Format:

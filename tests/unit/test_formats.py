@@ -137,6 +137,14 @@ def test_chat_reads_every_format_as_the_same_conversations(chatml, tmp_path):
     assert "### Instruction:\nReverse the word: word0\n\n### Response:\n" in alpaca_text
 
 
+def test_builtin_examples_are_prompt_response_rows(chatml):
+    chat = ChatDataset(chatml, source="builtin", seq_len=512, num_builtin_examples=40)
+    pairs = InstructDataset(ByteTokenizer(), source="builtin", num_builtin_examples=40)
+    assert len(chat) == len(pairs) > 30  # the same rows in the training split
+    with pytest.raises(DataError, match="source=builtin is freetx's own prompt/response"):
+        ChatDataset(chatml, source="builtin", seq_len=512, format="sharegpt")
+
+
 def test_column_mapping(tmp_path):
     # ShareGPT-like data under other names, read as messages (roles as they are)
     renamed = [{"turns": [{"speaker": "user", "text": p}, {"speaker": "assistant", "text": r}]}
@@ -230,6 +238,10 @@ def test_sources_that_cannot_be_read(tmp_path, monkeypatch):
     parquet = write("parquet", rows_of("text"), tmp_path / "texts")
     with pytest.raises(DataError, match=r"has none of the columns .*\(prompt, response\)"):
         InstructDataset(ByteTokenizer(), **whole(parquet))
+    damaged = tmp_path / "damaged.parquet"
+    damaged.write_bytes(Path(parquet).read_bytes()[:-100])
+    with pytest.raises(DataError, match=r"damaged.parquet is not a readable parquet file"):
+        PackedTextDataset(ByteTokenizer(), **whole(str(damaged)))
 
 
 # -- the validation split ----------------------------------------------------------------
