@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Iterator, Sequence
+from dataclasses import replace
 
 import torch
 from torch.utils.data import Dataset
@@ -125,7 +126,9 @@ class PackedTextDataset(Dataset):
         fmt = text_format(format, columns, text_field)
         source, rule = split_of(source, validation_source, split, val_fraction, seed)
         key = (source,) if isinstance(source, str) else tuple(source)
-        self.tokens, self.bad_rows = _token_stream(key, fmt, on_bad_row, tokenizer)
+        self.tokens, read = _token_stream(key, fmt, on_bad_row, tokenizer)
+        # the splits of one source share its read: one line at start-up for both
+        self.bad_rows = replace(read, split=split if rule.whole else "train and validation")
         self.files_read = source_files(source, TEXT_SUFFIXES)
         self.seq_len = seq_len
         self.tokenizer = tokenizer

@@ -320,5 +320,8 @@ def test_a_text_source_counts_its_bad_rows_once_for_both_splits(tmp_path):
                           on_bad_row="skip", val_fraction=0.2)
         for split in ("train", "validation")
     )  # fmt: skip
-    assert train.bad_rows is val.bad_rows  # one read, one line at start-up
+    assert train.bad_rows.line() == val.bad_rows.line()  # one read: one line at start-up
     assert f"{source} (train and validation): 1 of 13 rows skipped" in train.bad_rows.line()
+    alone = PackedTextDataset(tok, source="builtin", validation_source=str(source), seq_len=16,
+                              split="validation", on_bad_row="skip")  # fmt: skip
+    assert f"{source} (validation): 1 of 13 rows skipped" in alone.bad_rows.line()
