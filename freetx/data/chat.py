@@ -1,8 +1,10 @@
 """Chat data: conversations rendered with the model's chat template, loss on assistant turns.
 
-Source: a `.jsonl` file, one conversation a line:
-`{"messages": [{"role": "system" | "user" | "assistant", "content": "..."}, ...]}`,
-or `builtin`: InstructDataset's built-in string tasks as user/assistant turns.
+Source: records in any format of `freetx.data.formats` (messages, the default:
+`{"messages": [{"role": "system" | "user" | "assistant", "content": "..."}, ...]}`;
+sharegpt; alpaca and prompt_response as one user turn and one assistant turn), from
+any source of `freetx.data.sources`, or `builtin`: InstructDataset's built-in string
+tasks as user/assistant turns.
 Each conversation is rendered with the tokenizer's chat template (an
 `HFTokenizer` read from a model folder) and tokenized as transformers'
 `apply_chat_template(messages, tokenize=True)` does: no special tokens beyond
@@ -27,75 +29,15 @@ template that renders no generation prompt leaves the header in the reply.
 from __future__ import annotations
 
 import os
-from pathlib import Path
-from typing import Any
 
-from freetx.data.instruct import builtin_examples
+from freetx.data.formats import BadRow, BadRows, Messages, check_not_empty, encode_rows, read_split
+from freetx.data.instruct import dataset_records
 from freetx.data.samples import TokenSamples
-from freetx.data.sampling import check_split, split_examples
-from freetx.data.text import read_jsonl, source_files
+from freetx.data.sampling import check_split, split_of
+from freetx.data.sources import RECORD_SUFFIXES, source_files
 from freetx.data.token_cache import cached_rows, settings_of
 from freetx.data.token_rows import Encoded
 from freetx.errors import DataError
-
-Messages = list[dict[str, Any]]
-
-
-def read_conversations(path: str) -> list[tuple[str, Messages]]:
-    """(where, messages) for each record of a chat `.jsonl`; `where` is "file:line"."""
-    file = Path(path).expanduser()
-    if not file.is_file():
-        raise DataError(
-            f"chat file {path} does not exist; point dataset.source at a .jsonl file with one "
-            '{"messages": [{"role": ..., "content": ...}, ...]} record a line.'
-        )
-    conversations = []
-    for line_no, record in read_jsonl(file):
-        where = f"{path}:{line_no}"
-        messages = record.get("messages") if isinstance(record, dict) else None
-        if not isinstance(messages, list) or not messages:
-            raise DataError(
-                f"{where} has no 'messages' list; each line must be a JSON object like "
-                '{"messages": [{"role": "user", "content": "..."}, '
-                '{"role": "assistant", "content": "..."}]}.'
-            )
-        for n, message in enumerate(messages):
-            if not (
-                isinstance(message, dict)
-                and isinstance(message.get("role"), str)
-                and isinstance(message.get("content"), str)
-            ):
-                raise DataError(
-                    f"{where}: message {n} ({str(message)[:60]}) needs a 'role' string and a "
-                    "'content' string; fix the record."
-                )
-        if not any(message["role"] == "assistant" for message in messages):
-            raise DataError(
-                f"{where} has no assistant message, so it has nothing to learn from; add the "
-                "assistant's reply or remove the line."
-            )
-        conversations.append((where, messages))
-    if not conversations:
-        raise DataError(f"chat file {path} holds no conversations; add some.")
-    return conversations
-
-
-def _split(
-    source: str, split: str, val_fraction: float, num_builtin_examples: int, seed: int
-) -> list[tuple[str, Messages]]:
-    """(where, messages) for the conversations of one split of the source."""
-    if source == "builtin":
-        conversations = [
-            (f"builtin example {i}", [{"role": "user", "content": e["prompt"]},
-                                      {"role": "assistant", "content": e["response"]}])
-            for i, e in enumerate(builtin_examples(num_builtin_examples, seed))
-        ]  # fmt: skip
-    else:
-        conversations = read_conversations(source)
-    conversations = split_examples(conversations, split, val_fraction)
-    if not conversations:
-        raise DataError(f"the {split} split of {source} is empty; add conversations.")
-    return conversations
 
 
 class ChatDataset(TokenSamples):
@@ -115,8 +57,12 @@ class ChatDataset(TokenSamples):
         val_fraction: float = 0.05,
         num_builtin_examples: int = 20000,
         seed: int = 0,
+        format: str | None = None,  # messages, sharegpt, alpaca, prompt_response
+        columns: dict[str, str] | None = None,  # the format's column names -> the data's
+        on_bad_row: str = "error",  # or skip (counted and reported)
+        validation_source: str | None = None,  # the validation split, whole
         packed: bool = False,  # several samples per sequence (freetx.data.packing), by seed
-        cache: bool = True,
+        cache: bool = True,  # tokenized once into the token cache (freetx.data.token_cache)
         cache_dir: str | None = None,
     ) -> None:
         settings = settings_of(locals())  # first: every argument, before other names
@@ -128,21 +74,32 @@ class ChatDataset(TokenSamples):
                 "(chat_template.jinja, or chat_template in tokenizer_config.json), or train on "
                 "prompt/response data with freetx.data.InstructDataset."
             )
-        self.files_read = source_files(source)
+        source, rule = split_of(source, validation_source, split, val_fraction, seed)
+        self.bad_rows = BadRows(on_bad_row, source, split)
+        self.files_read = source_files(source, RECORD_SUFFIXES)
         self.tokenizer = tokenizer
-        # all rendered on a cache miss: a template that does not fit the data fails at
-        # startup, and conversations whose replies lie past seq_len are counted and dropped
+
+        def encode() -> list[Encoded]:
+            """Every conversation of the split rendered (on a cache miss): a template that
+            does not fit the data fails at startup (or skips the row)."""
+            records, fmt = dataset_records(
+                source, format, columns, "ChatDataset", "messages", num_builtin_examples, seed
+            )
+            conversations = read_split(records, fmt, fmt.conversation, rule, self.bad_rows)
+            return encode_rows(conversations, self.encode, self.bad_rows)[0]
+
         rows, self.token_cache = cached_rows(
-            "ChatDataset", f"{source} ({split})",
-            settings, self.files_read, tokenizer,
-            lambda: (self.encode(where, messages) for where, messages in
-                     _split(source, split, val_fraction, num_builtin_examples, seed)),
-            cache, cache_dir,
+            "ChatDataset", f"{source} ({split})", settings, self.files_read, tokenizer,
+            encode, cache, cache_dir, notes=self.bad_rows.notes,
         )  # fmt: skip
+        self.bad_rows = self.bad_rows.noted(self.token_cache.notes)  # a hit's, as built
+        check_not_empty(len(rows), rule, source, self.bad_rows)
+        # conversations whose replies lie past seq_len are counted and dropped
         super().__init__(rows, seq_len, tokenizer.pad_id, split, source, packed, seed)
 
-    def encode(self, where: str, messages: Messages) -> Encoded:
-        """A conversation's token ids, and for each whether it is the assistant's."""
+    def encode(self, messages: Messages) -> Encoded:
+        """A conversation's token ids, and for each whether it is the assistant's; a
+        BadRow when the chat template cannot render it or its replies cannot be found."""
         tok = self.tokenizer
         try:
             text = tok.apply_chat_template(messages)
@@ -151,8 +108,8 @@ class ChatDataset(TokenSamples):
                 for i, message in enumerate(messages)
                 if message["role"] == "assistant"
             ]
-        except DataError as e:  # name the record
-            raise DataError(f"{where}: {e}") from None
+        except DataError as e:
+            raise BadRow(f"cannot be rendered: {e}") from None
         ids, offsets = tok.encode_with_offsets(text)
         is_reply = [any(start <= s < end for start, end in spans) for s, _ in offsets]
         return ids, is_reply

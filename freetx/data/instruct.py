@@ -4,7 +4,11 @@ Each example is BOS + prompt + response + EOS, cut to `seq_len + 1` tokens and
 padded with PAD; labels are IGNORE_INDEX on the prompt and the padding, so only
 response tokens (and the closing EOS) count in the loss.
 
-Source: a `.jsonl` file with `prompt` and `response` fields, or `builtin`:
+Source: records in any format of `freetx.data.formats` that holds a prompt and a
+response (prompt_response, the default: `prompt` and `response` fields; alpaca;
+conversations of one user turn and one assistant reply), from any source of
+`freetx.data.sources` (JSON lines, JSON, parquet, a folder of shards, a `datasets`
+save_to_disk folder), or `builtin`:
 string tasks made from the words of the built-in corpus (reverse a word, spell
 it in capitals, say its length), deterministic from the seed. They need no
 download and have exact answers, so a falling loss is easy to read.
@@ -14,16 +18,20 @@ from __future__ import annotations
 
 import random
 import re
-from pathlib import Path
+from collections.abc import Iterable
 
 from freetx.data.corpus import builtin_documents
+from freetx.data.formats import BadRows, Format, check_not_empty, read_split
 from freetx.data.samples import TokenSamples
-from freetx.data.sampling import check_split, split_examples
-from freetx.data.text import read_jsonl, source_files
+from freetx.data.sampling import check_split, split_of
+from freetx.data.sources import RECORD_SUFFIXES, Record, read_records, source_files
 from freetx.data.token_cache import cached_rows, settings_of
 from freetx.data.token_rows import Encoded
 from freetx.data.tokenizers import leading_bos
 from freetx.errors import DataError
+
+# the formats a prompt/response or chat dataset reads
+READS = ("messages", "sharegpt", "alpaca", "prompt_response")
 
 
 def builtin_examples(count: int, seed: int) -> list[dict[str, str]]:
@@ -43,33 +51,27 @@ def builtin_examples(count: int, seed: int) -> list[dict[str, str]]:
     return examples
 
 
-def read_examples(path: str) -> list[dict[str, str]]:
-    file = Path(path).expanduser()
-    if not file.is_file():
-        raise DataError(f"instruction file {path} does not exist; fix dataset.source.")
-    examples = []
-    for line_no, record in read_jsonl(file):
-        if "prompt" not in record or "response" not in record:
-            raise DataError(f"{path}:{line_no} needs both 'prompt' and 'response' fields.")
-        examples.append({"prompt": str(record["prompt"]), "response": str(record["response"])})
-    if not examples:
-        raise DataError(f"instruction file {path} holds no examples.")
-    return examples
+def builtin_records(count: int, seed: int) -> list[Record]:
+    """The built-in examples as prompt/response records."""
+    examples = builtin_examples(count, seed)
+    return [Record(f"builtin example {i}", example) for i, example in enumerate(examples)]
 
 
-def _split(
-    source: str, split: str, val_fraction: float, num_builtin_examples: int, seed: int
-) -> list[dict[str, str]]:
-    """The examples of one split of the source."""
-    examples = (
-        builtin_examples(num_builtin_examples, seed)
-        if source == "builtin"
-        else read_examples(source)
-    )
-    examples = split_examples(examples, split, val_fraction)
-    if not examples:
-        raise DataError(f"the {split} split of {source} is empty; add examples.")
-    return examples
+def dataset_records(
+    source: str, format: str | None, columns, dataset: str, default: str, count: int, seed: int
+) -> tuple[Iterable[Record], Format]:
+    """A chat or instruction dataset's records and their format: `builtin`'s examples are
+    prompt/response pairs (a format or column mapping given with them is an error)."""
+    if source == "builtin":
+        if format not in (None, "prompt_response") or columns:
+            raise DataError(
+                "dataset.source=builtin is freetx's own prompt/response examples; drop "
+                "dataset.format and dataset.columns, or point dataset.source at your data."
+            )
+        fmt = Format.of("prompt_response", None, dataset, READS, "prompt_response")
+        return builtin_records(count, seed), fmt
+    fmt = Format.of(format, columns, dataset, READS, default)
+    return read_records(source, fmt.record_columns), fmt
 
 
 class InstructDataset(TokenSamples):
@@ -84,20 +86,36 @@ class InstructDataset(TokenSamples):
         val_fraction: float = 0.05,
         num_builtin_examples: int = 20000,
         seed: int = 0,
+        format: str | None = None,  # prompt_response, alpaca, messages, sharegpt
+        columns: dict[str, str] | None = None,  # the format's column names -> the data's
+        on_bad_row: str = "error",  # or skip (counted and reported)
+        validation_source: str | None = None,  # the validation split, whole
         packed: bool = False,  # several samples per sequence (freetx.data.packing), by seed
-        cache: bool = True,
+        cache: bool = True,  # tokenized once into the token cache (freetx.data.token_cache)
         cache_dir: str | None = None,
     ) -> None:
         settings = settings_of(locals())  # first: every argument, before other names
         check_split(split, val_fraction, seq_len)
-        self.files_read = source_files(source)
+        source, rule = split_of(source, validation_source, split, val_fraction, seed)
+        self.bad_rows = BadRows(on_bad_row, source, split)
+        self.files_read = source_files(source, RECORD_SUFFIXES)
         self.tokenizer = tokenizer
+
+        def encode() -> Iterable[Encoded]:
+            """Every pair of the split encoded (on a cache miss)."""
+            records, fmt = dataset_records(
+                source, format, columns, "InstructDataset", "prompt_response",
+                num_builtin_examples, seed,
+            )  # fmt: skip
+            pairs = read_split(records, fmt, fmt.prompt_response, rule, self.bad_rows)
+            return [self.encode({"prompt": p, "response": r}) for _, (p, r) in pairs]
+
         rows, self.token_cache = cached_rows(
-            "InstructDataset", f"{source} ({split})",
-            settings, self.files_read, tokenizer,
-            lambda: map(self.encode, _split(source, split, val_fraction, num_builtin_examples, seed)),
-            cache, cache_dir,
+            "InstructDataset", f"{source} ({split})", settings, self.files_read, tokenizer,
+            encode, cache, cache_dir, notes=self.bad_rows.notes,
         )  # fmt: skip
+        self.bad_rows = self.bad_rows.noted(self.token_cache.notes)  # a hit's, as built
+        check_not_empty(len(rows), rule, source, self.bad_rows)
         super().__init__(rows, seq_len, tokenizer.pad_id, split, source, packed, seed)
 
     def encode(self, example: dict[str, str]) -> Encoded:

@@ -15,10 +15,13 @@ runs the same number of forward passes (each may be a collective under FSDP).
 
 from __future__ import annotations
 
+import hashlib
 import math
 import warnings
+from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from torch.utils.data import Dataset
 from torchdata.stateful_dataloader import StatefulDataLoader
@@ -208,10 +211,58 @@ def check_split(split: str, val_fraction: float, seq_len: int) -> None:
         raise DataError(f"dataset.seq_len must be positive, got {seq_len}.")
 
 
-def split_examples(examples: list, split: str, val_fraction: float) -> list:
-    """One split of `examples`: every k-th (k = round(1 / val_fraction), at least 2) is
-    validation, the rest training; stable as a file grows at its end."""
-    every = max(2, round(1 / val_fraction))
-    return [
-        e for i, e in enumerate(examples) if (i % every == every - 1) == (split == "validation")
-    ]
+@dataclass(frozen=True)
+class Split:
+    """Which rows of a source one split takes.
+
+    A row is validation when a seeded hash of its content (`key`: bytes, equal for equal
+    content) falls below val_fraction: a function of the row alone, so the split is
+    stable as a file grows, independent of row order, and blind to any period in the
+    data (every k-th row would put one kind of row in validation when rows cycle over k
+    kinds). `whole`: the split reads a source of its own (`validation_source`), all of it.
+    """
+
+    name: str  # train | validation
+    val_fraction: float
+    seed: int = 0
+    whole: bool = False
+
+    def takes(self, key: bytes) -> bool:
+        return self.whole or in_validation(key, self.seed, self.val_fraction) == (
+            self.name == "validation"
+        )
+
+    def takes_windows(self, count: int) -> np.ndarray:
+        """Which of `count` windows of a token stream this split takes ([count] bools), by
+        a seeded hash of each window's index: no reading of the tokens, stable as the
+        stream grows at its end, no period (splitmix64's output is uniform per index)."""
+        if self.whole:
+            return np.ones(count, dtype=bool)
+        with np.errstate(over="ignore"):
+            x = np.arange(count, dtype=np.uint64) + np.uint64(
+                (self.seed * 0x9E3779B97F4A7C15 + 1) % 2**64
+            )
+            x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+            x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+            x = x ^ (x >> np.uint64(31))
+        validation = x < np.uint64(int(self.val_fraction * 2**64))
+        return validation == (self.name == "validation")
+
+
+def in_validation(key: bytes, seed: int, val_fraction: float) -> bool:
+    """Whether the row with content `key` is validation: blake2b of it, keyed by the seed,
+    read as a fraction in [0, 1), is below val_fraction."""
+    digest = hashlib.blake2b(key, digest_size=8, key=str(seed).encode()).digest()
+    return int.from_bytes(digest, "big") < val_fraction * 2**64
+
+
+def split_of(
+    source, validation_source, split: str, val_fraction: float, seed: int
+) -> tuple[Any, Split]:
+    """The source a split reads and the rows it takes: with a validation_source, the
+    validation split is it, whole, and the training split all of `source`."""
+    if validation_source is None:
+        return source, Split(split, val_fraction, seed)
+    return (validation_source if split == "validation" else source), Split(
+        split, val_fraction, seed, whole=True
+    )

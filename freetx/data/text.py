@@ -1,8 +1,10 @@
 """Packed text: documents joined with BOS/EOS into fixed-length sequences.
 
 Sources: `builtin` (the corpus in `corpus.py`), or local files and folders:
-`.txt` (one document per file), `.jsonl` (one document per line, in
-`text_field`), `.parquet` (the `text_field` column; needs pyarrow). The token
+`.txt` (one document per file), and records of the `text` format from any source
+of `freetx.data.sources` (`.jsonl`, `.json`, `.parquet`, folders of shards, `datasets`
+save_to_disk folders): one document a record, in the `text` column
+(`columns: {text: body}` maps it; `text_field: body` still does). The token
 stream is cut into windows of `seq_len + 1` tokens that overlap by one (inputs
 are the first `seq_len`, labels the last), so nothing is padded away and no
 token pair is lost; a trailing partial window is dropped. `packed: true` keeps the
@@ -10,125 +12,94 @@ windows and marks each window's documents (a new one after each EOS; positions r
 and attention stays within each, `freetx.models.PacksDocuments`): EOS's next token, the
 next document's first, is no label then.
 
-Train/validation split: every k-th sequence (k = round(1 / val_fraction)) goes
-to validation, so both splits cover the whole corpus.
+The tokens come from the token cache (`freetx.data.token_cache`): one row per document,
+memory-mapped, shared by both splits. Train/validation split: a sequence is validation
+when a seeded hash of its place (its window index) falls below val_fraction
+(`freetx.data.sampling.Split.takes_windows`): no period in the data aliases with it,
+both splits cover the whole corpus, a corpus of a single document splits too, a
+sequence keeps its split as text is appended after it, and the split costs no reading
+of the tokens (a cached 1 GB source starts in the same time as a small one). With
+`validation_source`, the validation split is that source's sequences, all of them.
 """
 
 from __future__ import annotations
 
-import json
-from collections.abc import Sequence
-from pathlib import Path
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset
 
 from freetx.data.corpus import builtin_documents
+from freetx.data.formats import DEFAULT_COLUMNS, BadRows, Format, read_split
 from freetx.data.packing import stream_documents
-from freetx.data.sampling import check_split
+from freetx.data.sampling import Split, check_split, split_of
+from freetx.data.sources import (
+    RECORD_SUFFIXES,
+    TEXT_SUFFIX,
+    Record,
+    not_text,
+    read_part,
+    source_files,
+    source_parts,
+)
 from freetx.data.token_cache import cached_rows, settings_of
 from freetx.data.tokenizers import leading_bos
 from freetx.errors import DataError
 
-TEXT_SUFFIXES = (".txt", ".jsonl", ".parquet")
+TEXT_SUFFIXES = (*RECORD_SUFFIXES, TEXT_SUFFIX)
+TEXT_FORMAT = Format("text", DEFAULT_COLUMNS["text"])
 
 
-def _expand(source: str) -> list[Path]:
-    path = Path(source).expanduser()
-    if path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.suffix in TEXT_SUFFIXES)
-        if not files:
-            raise DataError(f"data folder {source} holds no {', '.join(TEXT_SUFFIXES)} files.")
-        return files
-    if not path.exists():
+def text_format(format: str | None, columns, text_field: str) -> Format:
+    """The format of a text dataset's records: `text`, its column from `columns` or
+    `text_field` (the older key, still read)."""
+    if text_field != "text" and columns:
         raise DataError(
-            f"data file {source} does not exist; fix dataset.source (a file, a folder, a "
-            "list of them, or `builtin` for the built-in corpus)."
+            "dataset.text_field and dataset.columns both name the text column; keep "
+            "dataset.columns ({text: COLUMN}) alone."
         )
-    if path.suffix not in TEXT_SUFFIXES:
-        raise DataError(f"data file {source} is not one of {', '.join(TEXT_SUFFIXES)}.")
-    return [path]
+    columns = columns or ({"text": text_field} if text_field != "text" else None)
+    return Format.of(format, columns, "PackedTextDataset", ("text",), "text")
 
 
-def source_files(source: str | Sequence[str]) -> list[Path]:
-    """The files a dataset source reads (`builtin`: none), recorded by identity in a run's
-    checkpoints (`freetx.checkpoint.ReadsFiles`)."""
-    sources = [source] if isinstance(source, str) else list(source)
-    files: list[Path] = []
-    for item in sources:
-        path = Path(item).expanduser()
+def document_records(source: str | Sequence[str], fmt: Format) -> Iterator[Record]:
+    """The records of a text source: `builtin`'s documents, each `.txt` file whole (one
+    document), and the records of every other source (`freetx.data.sources`)."""
+    column = fmt.columns["text"]
+    for item in [source] if isinstance(source, str) else list(source):
         if item == "builtin":
+            for n, doc in enumerate(builtin_documents()):
+                yield Record(f"builtin document {n}", {column: doc})
             continue
-        files.extend(_expand(item) if path.is_dir() else [path])
-    return files
+        for part in source_parts(item, TEXT_SUFFIXES):
+            if part.suffix != TEXT_SUFFIX:
+                yield from read_part(part, fmt.record_columns)
+                continue
+            try:
+                yield Record(str(part), {column: part.read_text(encoding="utf-8")})
+            except UnicodeDecodeError as e:
+                raise not_text(part, e) from None
 
 
-def _not_text(path: Path, error: UnicodeDecodeError) -> DataError:
-    return DataError(
-        f"data file {path} is not UTF-8 text (byte {error.start}: {error.reason}); is it a binary "
-        "file? Point the dataset at UTF-8 .txt or .jsonl files (or .parquet)."
-    )
-
-
-def read_jsonl(path: Path):
-    """(line number, record) for every non-empty line; bad JSON or bytes name the line."""
-    with open(path, encoding="utf-8") as f:
-        try:
-            for line_no, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    yield line_no, json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise DataError(f"{path}:{line_no} is not valid JSON: {e.msg}.") from None
-        except UnicodeDecodeError as e:
-            raise _not_text(path, e) from None
-
-
-def _read_file(path: Path, text_field: str) -> list[str]:
-    if path.suffix == ".txt":
-        try:
-            return [path.read_text(encoding="utf-8")]
-        except UnicodeDecodeError as e:
-            raise _not_text(path, e) from None
-    if path.suffix == ".jsonl":
-        docs = []
-        for line_no, record in read_jsonl(path):
-            if text_field not in record:
-                raise DataError(
-                    f"{path}:{line_no} has no field '{text_field}'; set dataset.text_field "
-                    f"to one of {sorted(record)}."
-                )
-            docs.append(str(record[text_field]))
-        return docs
-    try:
-        import pyarrow.parquet as pq
-    except ImportError:
-        raise DataError(f"reading {path} needs pyarrow: pip install pyarrow.") from None
-    table = pq.read_table(path, columns=[text_field])
-    return [str(t) for t in table.column(text_field).to_pylist()]
-
-
-def read_documents(source: str | Sequence[str], text_field: str = "text") -> list[str]:
-    """The documents of a source: `builtin`, a file, a folder, or a list of those."""
-    sources = [source] if isinstance(source, str) else list(source)
-    docs: list[str] = []
-    for item in sources:
-        if item == "builtin":
-            docs.extend(builtin_documents())
-            continue
-        for path in _expand(item):
-            docs.extend(_read_file(path, text_field))
+def read_documents(
+    source: str | Sequence[str], fmt: Format = TEXT_FORMAT, bad_rows: BadRows | None = None
+) -> list[str]:
+    """The non-empty documents of a source: `builtin`, a file, a folder, or a list of those."""
+    bad_rows = bad_rows or BadRows("error", str(source), "train and validation")
+    every = Split("train", 0.5, whole=True)
+    docs = [
+        doc for _, doc in read_split(document_records(source, fmt), fmt, fmt.text, every, bad_rows)
+    ]
     docs = [d for d in docs if d.strip()]
     if not docs:
         raise DataError(f"dataset.source {source!r} holds no text: every document is empty.")
     return docs
 
 
-def _encode_documents(source: str | Sequence[str], text_field: str, tokenizer):
+def _encode_documents(source: str | Sequence[str], fmt: Format, bad_rows: BadRows, tokenizer):
     """Each document's tokens, BOS (where the tokenizer adds one) + text + EOS."""
-    for doc in read_documents(source, text_field):
+    for doc in read_documents(source, fmt, bad_rows):
         yield [*leading_bos(tokenizer), *tokenizer.encode(doc), tokenizer.eos_id], ()
 
 
@@ -142,33 +113,50 @@ class PackedTextDataset(Dataset):
         seq_len: int = 256,
         split: str = "train",
         val_fraction: float = 0.05,
-        text_field: str = "text",
+        text_field: str = "text",  # the text column (dataset.columns: {text: ...} says it too)
+        format: str | None = None,  # text, the only one
+        columns: dict[str, str] | None = None,
+        on_bad_row: str = "error",  # or skip (counted and reported)
+        validation_source: str | list[str] | None = None,  # the validation split, whole
+        seed: int = 0,  # of the split's hash
         packed: bool = False,  # each window's documents attend only to themselves
-        cache: bool = True,
+        cache: bool = True,  # tokenized once into the token cache (freetx.data.token_cache)
         cache_dir: str | None = None,
     ) -> None:
         # first: every argument, before other names; the split is made of windows, later
-        settings = settings_of(locals(), served=("split", "val_fraction"))
+        settings = settings_of(locals(), served=("split", "val_fraction", "seed"))
         check_split(split, val_fraction, seq_len)
+        fmt = text_format(format, columns, text_field)
+        source, rule = split_of(source, validation_source, split, val_fraction, seed)
         self.packed = packed
-        self.files_read = source_files(source)
+        # the splits of one source share its read: one line at start-up for both
+        bad_rows = BadRows(on_bad_row, str(source), split if rule.whole else "train and validation")
+        self.files_read = source_files(source, TEXT_SUFFIXES)
         rows, self.token_cache = cached_rows(
             "PackedTextDataset", f"{source} (all splits)", settings, self.files_read, tokenizer,
-            lambda: _encode_documents(source, text_field, tokenizer), cache, cache_dir, text=True,
+            lambda: _encode_documents(source, fmt, bad_rows, tokenizer), cache, cache_dir,
+            text=True, notes=bad_rows.notes,
         )  # fmt: skip
+        self.bad_rows = bad_rows.noted(self.token_cache.notes)  # a hit's, as built
         self.tokens = rows.ids  # the documents back to back, one row each
         self.seq_len = seq_len
         self.tokenizer = tokenizer
         total = (len(self.tokens) - 1) // seq_len
-        if total < 2:
+        if total < (1 if rule.whole else 2):
             raise DataError(
-                f"dataset.source {source!r} has {len(self.tokens)} tokens, fewer than two "
-                f"sequences of seq_len={seq_len}; add text or lower dataset.seq_len."
+                f"dataset.source {source!r} has {len(self.tokens)} tokens, fewer than "
+                f"{'one sequence' if rule.whole else 'two sequences'} of seq_len={seq_len}; "
+                "add text or lower dataset.seq_len."
             )
-        every = max(2, round(1 / val_fraction))
-        windows = np.arange(total, dtype=np.int64)
-        is_val = windows % every == every - 1
-        self.starts = windows[is_val == (split == "validation")] * seq_len
+        self.starts = np.flatnonzero(rule.takes_windows(total)) * seq_len
+        if not len(self.starts):
+            raise DataError(
+                f"the {split} split of {source!r} is empty: the split takes a sequence by a "
+                f"seeded hash of its place in the text (val_fraction={val_fraction}), and none "
+                f"of its {total} sequences of seq_len={seq_len} went this way. Add text, raise "
+                "dataset.val_fraction, or give the validation text as "
+                "dataset.validation_source."
+            )
 
     def __len__(self) -> int:
         return len(self.starts)

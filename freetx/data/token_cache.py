@@ -34,7 +34,7 @@ import shutil
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -68,6 +68,7 @@ class CacheReport:
     seconds: float = 0.0
     folder: Path | None = None
     reason: str = ""
+    notes: dict[str, Any] = field(default_factory=dict)  # what the build noted (`notes`)
 
     @property
     def builtin(self) -> bool:
@@ -109,14 +110,18 @@ def cached_rows(
     cache: bool = True,
     cache_dir: str | None = None,
     text: bool = False,
+    notes: Callable[[], dict[str, Any]] | None = None,
 ) -> tuple[TokenRows, CacheReport]:
     """A dataset's TokenRows: mapped from its cache entry, or made by `encode` (which reads
     the source and yields each sample's ids and target flags) and written there first.
 
     `dataset` names the class, `settings` what else decides the tokens (JSON-able),
     `files` the source files (none: a builtin source, held in memory). `text`: every
-    token is a target, so no targets are stored.
+    token is a target, so no targets are stored. `notes`: what the reading found besides
+    the tokens (e.g. the bad rows it skipped), asked once `encode` is done and kept with
+    the entry, so that a hit reports it too (`CacheReport.notes`).
     """
+    notes = notes or dict
     reason = (
         "dataset.cache is false" if not cache
         else BUILTIN if not files
@@ -130,11 +135,12 @@ def cached_rows(
     dtype = ids_dtype(tokenizer.vocab_size)
     if reason:  # in memory; the reader says what is wrong with a missing file
         rows = _in_memory(dataset, settings, tokenizer, encode, dtype, text, files)
-        return rows, CacheReport(label, "off", len(rows), len(rows.ids), reason=reason)
+        report = CacheReport(label, "off", len(rows), len(rows.ids), reason=reason)
+        return rows, replace(report, notes=notes())
     hashes = [content_hash(path, root) for path in files]
     folder = root / f"{dataset}_{_digest(dataset, settings, tokenizer_key, hashes)}"
     key = {"dataset": dataset, "settings": settings, "tokenizer": tokenizer_key, "files": hashes}
-    return _open_or_build(folder, key, encode, dtype, text, label)
+    return _open_or_build(folder, key, encode, dtype, text, label, notes)
 
 
 def _in_memory(dataset, settings, tokenizer, encode, dtype, text: bool, files) -> TokenRows:
@@ -216,7 +222,7 @@ def _digest(dataset: str, settings: dict, tokenizer: dict, hashes: list[str]) ->
 
 
 def _open_or_build(
-    folder: Path, key: dict, encode, dtype: np.dtype, text: bool, label: str
+    folder: Path, key: dict, encode, dtype: np.dtype, text: bool, label: str, notes
 ) -> tuple[TokenRows, CacheReport]:
     start = time.perf_counter()
     rows, problem = open_entry(folder)
@@ -230,7 +236,7 @@ def _open_or_build(
                     print(f"token cache: {folder} is damaged ({problem}); building it again",
                           file=sys.stderr, flush=True)  # fmt: skip
                 state = "rebuilt" if problem else "built"
-                _write_entry(folder, key, encode, dtype, text)
+                _write_entry(folder, key, encode, dtype, text, notes)
                 rows, problem = open_entry(folder)
                 if rows is None:
                     raise DataError(
@@ -239,7 +245,9 @@ def _open_or_build(
                     )
     size = sum(p.stat().st_size for p in folder.iterdir())
     seconds = time.perf_counter() - start
-    return rows, CacheReport(label, state, len(rows), len(rows.ids), size, seconds, folder)
+    noted = json.loads((folder / META).read_text()).get("notes", {})
+    report = CacheReport(label, state, len(rows), len(rows.ids), size, seconds, folder)
+    return rows, replace(report, notes=noted)
 
 
 def open_entry(folder: Path) -> tuple[TokenRows | None, str]:
@@ -310,7 +318,7 @@ def _locked(folder: Path):
         yield waited
 
 
-def _write_entry(folder: Path, key: dict, encode, dtype: np.dtype, text: bool) -> None:
+def _write_entry(folder: Path, key: dict, encode, dtype: np.dtype, text: bool, notes) -> None:
     """Build the entry in a temporary folder beside it, then rename it into place (the
     caller holds the lock: no one else writes this entry)."""
     for stale in folder.parent.glob(f".{folder.name}.*"):  # a build that died, a damaged one
@@ -351,7 +359,7 @@ def _write_entry(folder: Path, key: dict, encode, dtype: np.dtype, text: bool) -
         dtypes = {"ids": dtype.str, "targets": "|b1", **{k: a.dtype.str for k, a in arrays.items()}}
         dtypes = {name: dtypes[name] for name in counts}
         meta = {"format": FORMAT, "rows": len(offsets) - 1, "counts": counts, "dtypes": dtypes,
-                "key": key}  # fmt: skip
+                "key": key, "notes": notes()}  # fmt: skip
         (tmp / META).write_text(json.dumps(meta, indent=2, default=str))
         tmp.rename(folder)
     except OSError as error:

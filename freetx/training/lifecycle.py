@@ -47,6 +47,7 @@ from freetx.checkpoint import (
 )
 from freetx.checkpoint.checkpointer import build_meta
 from freetx.checkpoint.state import LRSchedulerState
+from freetx.data.formats import SkipsBadRows
 from freetx.data.seq_len import CutsToSeqLen
 from freetx.data.token_cache import UsesTokenCache
 from freetx.distributed import FrozenBase, HostGroup, ParallelGroups, ParallelPlan, frozen_base
@@ -285,17 +286,22 @@ class TrainingRun:
 
     def report_cuts(self, *datasets) -> None:
         """A line on the console (rank 0) for each dataset whose samples were cut at its
-        seq_len: how many, and how many were left with no loss tokens (dropped); and what
-        the token cache did for each (reused, built, or why not cached)."""
-        lines: dict[str, str] = {}  # by label: text's one entry for both splits, said once
-        for data in datasets:
-            if isinstance(data, UsesTokenCache) and not data.token_cache.builtin:
-                lines.setdefault(data.token_cache.label, data.token_cache.line())
-        for line in lines.values():
+        seq_len: how many, and how many were left with no loss tokens (dropped); what the
+        token cache did for each (reused, built, or why not cached); and one for each read
+        that skipped bad rows (`dataset.on_bad_row=skip`), once when two splits share it."""
+        lines = [
+            d.token_cache.line()
+            for d in datasets
+            if isinstance(d, UsesTokenCache) and not d.token_cache.builtin
+        ]
+        lines += [d.fit.line() for d in datasets if isinstance(d, CutsToSeqLen) and d.fit.cut]
+        lines += [
+            d.bad_rows.line()
+            for d in datasets
+            if isinstance(d, SkipsBadRows) and d.bad_rows.skipped
+        ]
+        for line in dict.fromkeys(lines):  # text's one cache entry for both splits: once
             self.write(line)
-        for data in datasets:
-            if isinstance(data, CutsToSeqLen) and data.fit.cut:
-                self.write(data.fit.line())
 
     def evaluate(self, evaluate: Callable[[], dict[str, float]]) -> None:
         """Run the recipe's evaluation (every rank) and log what it returns."""

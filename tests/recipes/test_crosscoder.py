@@ -192,6 +192,7 @@ def test_validation_means_the_same_rows_at_any_world_size(tmp_path):
             "crosscoder/lm_layers_tiny", f"output_dir={out}", JSONL, "max_steps=2",
             f"activations.sources=[{{model: {tmp_path / 'gpt2'}, hooks: [transformer.h.1]}}]",
             f"activations.text.source={tmp_path / 'text.txt'}", "activations.mode=cache",
+            "activations.text.val_fraction=0.2",  # of 80 sequences: some, by their hash
             f"activations.cache={out / 'cache'}", "activations.normalize_rows=100000",
             "model.dict_size=64", "optimizer.lr=0", "eval.rows=301", "log_every_n_steps=1",
             "sparsity.warmup_fraction=1", "batch_size=64",

@@ -45,23 +45,52 @@ def test_prompts_longer_than_seq_len_everywhere_are_refused_before_training(tmp_
 
 
 def test_a_validation_split_without_loss_tokens_is_refused(tmp_path):
-    # every 4th example is validation (val_fraction 0.25): those have the long prompts
-    source = pairs(tmp_path / "val_long.jsonl", [100 if i % 4 == 3 else 10 for i in range(40)])
-    message = one_paragraph(instruct(tmp_path, source))
-    assert f"the validation split of {source} has no loss tokens" in message
+    source = pairs(tmp_path / "short.jsonl", [10] * 40)
+    validation = pairs(tmp_path / "val_long.jsonl", [100] * 8)
+    message = one_paragraph(instruct(tmp_path, source, f"dataset.validation_source={validation}"))
+    assert f"the validation split of {validation} has no loss tokens" in message
 
 
 def test_samples_cut_or_emptied_are_counted_on_one_line_and_the_run_trains(tmp_path):
     source = pairs(tmp_path / "some_long.jsonl", [100 if i % 4 == 0 else 10 for i in range(40)])
-    result = instruct(tmp_path, source)
+    validation = pairs(tmp_path / "val.jsonl", [10] * 8)
+    result = instruct(tmp_path, source, f"dataset.validation_source={validation}")
     assert result.returncode == 0, result.stderr
     assert (
-        f"dataset {source} (train): 10 of 30 samples cut at seq_len=32, 10 left with no loss "
+        f"dataset {source} (train): 10 of 40 samples cut at seq_len=32, 10 left with no loss "
         "tokens (dropped)" in result.stdout
     )
-    assert "train sequences 20" in result.stdout  # the 10 emptied ones are not trained on
+    assert "train sequences 30" in result.stdout  # the 10 emptied ones are not trained on
     losses = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert all(r["loss"] == r["loss"] and r["loss"] > 0 for r in losses if "loss" in r)
+
+
+# -- bad rows and splits ----------------------------------------------------------------
+def test_a_bad_row_stops_the_run_or_is_skipped_and_counted(tmp_path):
+    """Error: one paragraph naming the row and both fixes, before training. Skip: the run
+    trains and says once per split how many rows it skipped."""
+    rows = [{"prompt": f"word{i}", "response": f"{i}drow"} for i in range(12)]
+    rows[2], rows[5] = {"prompt": "no response"}, {"prompt": "a number", "response": 5}
+    source = tmp_path / "bad.jsonl"
+    source.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    args = [source, f"dataset.validation_source={source}"]
+    failed = instruct(tmp_path, *args)
+    message = one_paragraph(failed)
+    assert f"{source}:3 has no 'response' column" in message and "on_bad_row=skip" in message
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+    skipped = instruct(tmp_path, *args, "dataset.on_bad_row=skip")
+    assert skipped.returncode == 0, skipped.stderr
+    for split in ("train", "validation"):  # validation_source is the same file: its own line
+        line = f"dataset {source} ({split}): 2 of 12 rows skipped (dataset.on_bad_row=skip)"
+        assert skipped.stdout.count(line) == 1, skipped.stdout
+    assert "train sequences 10" in skipped.stdout
+
+
+def test_a_split_left_empty_by_the_hash_says_how_to_fix_it(tmp_path):
+    source = pairs(tmp_path / "one.jsonl", [10])
+    message = one_paragraph(instruct(tmp_path, source))
+    assert f"the validation split of {source} is empty" in message
+    assert "dataset.val_fraction" in message and "dataset.validation_source" in message
 
 
 # -- folders a run writes -------------------------------------------------------------

@@ -53,7 +53,9 @@ def test_a_resume_on_rewritten_data_is_refused_before_any_work(tmp_path):
     """The files a dataset read are recorded by identity: a resume after the data file
     was rewritten in place (same path, same config) is refused, naming the file."""
     data, run = tmp_path / "corpus.txt", tmp_path / "run"
-    data.write_text("the quick brown fox jumps over the lazy dog. " * 400)
+    data.write_text(
+        "".join(f"the quick brown fox {i} jumps over the lazy dog. " for i in range(400))
+    )
     assert train("llm/tiny", run, f"dataset.source={data}", "max_steps=2").returncode == 0
     meta = json.loads((run / "checkpoints" / "step_000002" / "meta.json").read_text())
     assert meta["inputs"]["dataset"]["path"] == [str(data.resolve())]

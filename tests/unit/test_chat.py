@@ -337,8 +337,9 @@ def supervised_replies(folders, base_tokenizer, style, conversations, path) -> l
     transformers' `apply_chat_template(messages, tokenize=True)`."""
     folder, fast = folders[style]
     source = write_jsonl(path, [{"messages": m} for m in conversations])
-    data = ChatDataset(HFTokenizer(str(folder)), source, seq_len=256, val_fraction=0.2)
-    assert len(data) == len(conversations)  # every 5th is validation: none of 3
+    # the whole source is training (validation_source: the validation split's own)
+    data = ChatDataset(HFTokenizer(str(folder)), source, seq_len=256, validation_source=source)
+    assert len(data) == len(conversations)
     replies = []
     for index, messages in enumerate(conversations):
         expected = fast.apply_chat_template(messages, tokenize=True)["input_ids"]
@@ -392,7 +393,7 @@ def test_truncation_and_padding(folders, tmp_path):
     folder, _ = folders["chatml"]
     tok = HFTokenizer(str(folder))
     source = write_jsonl(tmp_path / "chat.jsonl", [{"messages": CONVERSATIONS[0]}])
-    full = ChatDataset(tok, source, seq_len=200, val_fraction=0.2)
+    full = ChatDataset(tok, source, seq_len=200, validation_source=source)
     ids, is_reply = full.rows[0]
     sample = full[0]
     n = len(ids)
@@ -402,7 +403,9 @@ def test_truncation_and_padding(folders, tmp_path):
     expected = [t if r else IGNORE_INDEX for t, r in zip(ids[1:], is_reply[1:])]
     assert sample["labels"][: n - 1].tolist() == expected
 
-    cut = ChatDataset(tok, source, seq_len=n - 3, val_fraction=0.2)[0]  # cuts into the reply
+    cut = ChatDataset(tok, source, seq_len=n - 3, validation_source=source)[
+        0
+    ]  # cuts into the reply
     assert cut["input_ids"].tolist() == ids[: n - 3]
     assert cut["labels"].tolist() == expected[: n - 3]
     assert (cut["labels"] != IGNORE_INDEX).any()
@@ -492,9 +495,12 @@ GOOD = {"messages": CONVERSATIONS[0]}
     [
         (['{"messages": [', json.dumps(GOOD)], r"chat.jsonl:1 is not valid JSON"),
         ([json.dumps(GOOD), json.dumps({"text": "hi"})], r"chat.jsonl:2 has no 'messages' list"),
-        ([json.dumps({"messages": [{"role": "user"}]})], r"chat.jsonl:1: message 0 .* 'content'"),
+        (
+            [json.dumps({"messages": [{"role": "user"}]})],
+            r"chat.jsonl:1 has a message 0 .* 'content'",
+        ),
         ([json.dumps({"messages": CONVERSATIONS[0][:2]})], r"chat.jsonl:1 has no assistant"),
-        ([""], r"holds no conversations"),
+        ([""], r"holds no rows"),
     ],
     ids=["not-json", "no-messages", "no-content", "no-assistant", "empty-file"],
 )
@@ -506,7 +512,7 @@ def test_bad_records_name_the_line(chatml, tmp_path, lines, error):
 
 
 def test_a_missing_file_and_an_empty_split(chatml, tmp_path):
-    with pytest.raises(DataError, match="chat file .*nope.jsonl does not exist"):
+    with pytest.raises(DataError, match="data file .*nope.jsonl does not exist"):
         ChatDataset(chatml, str(tmp_path / "nope.jsonl"), seq_len=32)
     source = write_jsonl(tmp_path / "chat.jsonl", [GOOD])
     with pytest.raises(DataError, match="the validation split of .* is empty"):
@@ -519,5 +525,7 @@ def test_a_template_that_renders_prefixes_differently_names_the_record(chatml, t
         "{% for m in messages %}{{ m.role }}{{ '!' if loop.last }}: {{ m.content }}\n{% endfor %}"
     )
     source = write_jsonl(tmp_path / "chat.jsonl", [GOOD])
-    with pytest.raises(DataError, match=r"chat.jsonl:1: the chat template renders .* message 2"):
+    with pytest.raises(
+        DataError, match=r"chat.jsonl:1 cannot be rendered: the chat template renders .* message 2"
+    ):
         ChatDataset(chatml, source, seq_len=32)

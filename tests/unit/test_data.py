@@ -33,25 +33,27 @@ def test_builtin_corpus_is_real_text():
 
 
 def test_packed_windows_overlap_by_one_and_splits_are_disjoint(tmp_path):
-    (tmp_path / "a.txt").write_text("abcdefghij" * 20)
+    (tmp_path / "a.txt").write_text("".join(f"line {i} of a text. " for i in range(40)))
     (tmp_path / "b.jsonl").write_text(json.dumps({"text": "xyz" * 30}) + "\n")
     tok = ByteTokenizer()
     train = PackedTextDataset(tok, source=str(tmp_path), seq_len=8, split="train", val_fraction=0.2)
     val = PackedTextDataset(
         tok, source=str(tmp_path), seq_len=8, split="validation", val_fraction=0.2
     )
-    sample = train[0]
+    sample = train[0] if train.starts[0] == 0 else val[0]
     assert sample["input_ids"].shape == (8,) and sample["input_ids"][0] == tok.bos_id
     assert torch.equal(sample["input_ids"][1:], sample["labels"][:-1])
-    assert set(train.starts).isdisjoint(val.starts)
+    assert set(train.starts.tolist()).isdisjoint(val.starts.tolist())
     total = (len(train.tokens) - 1) // 8
-    assert len(train) + len(val) == total and len(val) == total // 5
+    assert sorted([*train.starts.tolist(), *val.starts.tolist()]) == [i * 8 for i in range(total)]
+    # a sequence is validation by a seeded hash of its place: about val_fraction of them
+    assert 0.1 < len(val) / total < 0.3, (len(val), total)
 
 
 def test_jsonl_without_the_field_names_the_line(tmp_path):
     path = tmp_path / "d.jsonl"
     path.write_text(json.dumps({"body": "x"}) + "\n")
-    with pytest.raises(DataError, match=r"d.jsonl:1 has no field 'text'"):
+    with pytest.raises(DataError, match=r"d.jsonl:1 has no 'text' column .* it has body"):
         read_documents(str(path))
 
 

@@ -1,0 +1,337 @@
+"""Formats: what a source's records hold, turned into what a dataset trains on.
+
+`dataset.format` names the layout of the records, `dataset.columns` maps its column
+names onto the data's (only those that differ):
+
+| format          | columns (defaults)                                  | becomes                 |
+|-----------------|-----------------------------------------------------|-------------------------|
+| messages        | messages, role, content                             | a conversation          |
+| sharegpt        | messages: conversations, role: from, content: value | a conversation (roles human, gpt, system -> user, assistant, system) |
+| alpaca          | instruction, input (optional), output               | a prompt (ALPACA_PROMPT) and a response |
+| prompt_response | prompt, response                                    | a prompt and a response |
+| text            | text                                                | a document              |
+
+ChatDataset takes conversations (a prompt and response become one user turn and one
+assistant turn), InstructDataset prompts and responses (a conversation of exactly one
+user turn and one assistant reply becomes one), PackedTextDataset documents.
+
+A row that does not fit (not JSON, a missing column, a wrong type, no assistant turn,
+a conversation the chat template cannot render) is a bad row: `dataset.on_bad_row:
+error` (the default) stops with one paragraph naming it (file and line or row) and the
+fix; `skip` skips it and counts it, and the run prints the count once at start-up
+(`BadRows.line`, beside the seq_len cuts).
+
+The train/validation split takes a row by a seeded hash of its content (the columns
+the format reads), so it does not depend on the row's position: stable as a file grows,
+in any row order, blind to any period in the data (`freetx.data.sampling.Split`).
+With `dataset.validation_source` the validation split is that source, whole, and
+`source` is all training.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Protocol, TypeVar, runtime_checkable
+
+from freetx.data.sampling import Split
+from freetx.data.sources import Record
+from freetx.errors import DataError
+
+Messages = list[dict[str, str]]
+T = TypeVar("T")
+
+DEFAULT_COLUMNS: dict[str, dict[str, str]] = {
+    "messages": {"messages": "messages", "role": "role", "content": "content"},
+    "sharegpt": {"messages": "conversations", "role": "from", "content": "value"},
+    "alpaca": {"instruction": "instruction", "input": "input", "output": "output"},
+    "prompt_response": {"prompt": "prompt", "response": "response"},
+    "text": {"text": "text"},
+}
+CONVERSATIONS = ("messages", "sharegpt")
+SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "system": "system"}
+SHAREGPT_ROLES |= {role: role for role in ("user", "assistant")}
+ON_BAD_ROW = ("error", "skip")
+
+# Stanford Alpaca's prompts (what its models were trained with); the output is the response
+ALPACA_PROMPT = (
+    "Below is an instruction that describes a task, paired with an input that provides "
+    "further context. Write a response that appropriately completes the request.\n\n"
+    "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
+)
+ALPACA_PROMPT_NO_INPUT = (
+    "Below is an instruction that describes a task. Write a response that appropriately "
+    "completes the request.\n\n### Instruction:\n{instruction}\n\n### Response:\n"
+)
+
+
+class BadRow(Exception):
+    """What is wrong with one row and how to fix it, worded to follow where it is."""
+
+
+def canonical(value: Any) -> bytes:
+    """A value's canonical JSON: equal for equal content, whatever the key order."""
+    text = json.dumps(value, sort_keys=True, ensure_ascii=False, separators=(",", ":"), default=str)
+    return text.encode()
+
+
+@dataclass(frozen=True)
+class Format:
+    """A record layout (`name`) with its column names (`columns`: role -> the data's)."""
+
+    name: str
+    columns: dict[str, str]
+
+    def __hash__(self) -> int:  # a key of the text datasets' token streams
+        return hash((self.name, tuple(sorted(self.columns.items()))))
+
+    @classmethod
+    def of(
+        cls,
+        name: str | None,
+        columns: dict[str, str] | None,
+        dataset: str,
+        reads: Sequence[str],
+        default: str,
+    ) -> Format:
+        """The format a dataset's config names (None: `default`), checked against what the
+        dataset reads and its column mapping against the format's columns."""
+        name = default if name is None else name
+        if name not in DEFAULT_COLUMNS:
+            raise DataError(
+                f"dataset.format={name!r} is not a format freetx reads; use one of "
+                f"{', '.join(DEFAULT_COLUMNS)} (docs/data.md)."
+            )
+        if name not in reads:
+            raise DataError(
+                f"{dataset} reads the formats {', '.join(reads)}, not {name}; "
+                + (
+                    "plain text is freetx.data.PackedTextDataset's."
+                    if name == "text"
+                    else "conversations and prompt/response pairs are freetx.data.ChatDataset's "
+                    "and freetx.data.InstructDataset's."
+                )
+            )
+        given = dict(columns or {})
+        unknown = sorted(set(given) - set(DEFAULT_COLUMNS[name]))
+        if unknown:
+            raise DataError(
+                f"dataset.columns names {', '.join(unknown)}, which format {name} does not "
+                f"read; its columns are {', '.join(DEFAULT_COLUMNS[name])}: map those onto "
+                "your data's column names (docs/data.md)."
+            )
+        for role, column in given.items():
+            if not isinstance(column, str) or not column:
+                raise DataError(f"dataset.columns.{role} must be a column name, got {column!r}.")
+        return cls(name, {**DEFAULT_COLUMNS[name], **given})
+
+    @property
+    def record_columns(self) -> list[str]:
+        """The columns a record is read for (a conversation's role and content are inside
+        its messages column)."""
+        if self.name in CONVERSATIONS:
+            return [self.columns["messages"]]
+        return list(self.columns.values())
+
+    def key(self, record: Record) -> bytes:
+        """What the train/validation split hashes: the columns the format reads."""
+        if record.fields is None:
+            return record.raw.encode()
+        return canonical({c: record.fields.get(c) for c in self.record_columns})
+
+    def _string(self, fields: dict[str, Any], role: str, optional: bool = False) -> str:
+        column = self.columns[role]
+        value = fields.get(column)
+        if value is None and optional:
+            return ""
+        if value is None:
+            raise BadRow(
+                f"has no '{column}' column (format {self.name} reads "
+                f"{', '.join(self.record_columns)}; it has {', '.join(sorted(fields)) or 'none'}); "
+                "fix the row, or set dataset.format / map the columns with dataset.columns."
+            )
+        if not isinstance(value, str):
+            raise BadRow(
+                f"has a {type(value).__name__} in '{column}' where format {self.name} reads a "
+                "string; fix the row."
+            )
+        return value
+
+    def _messages(self, fields: dict[str, Any]) -> Messages:
+        column, role_key, content_key = (self.columns[k] for k in ("messages", "role", "content"))
+        messages = fields.get(column)
+        if not isinstance(messages, list) or not messages:
+            raise BadRow(
+                f"has no '{column}' list; format {self.name} reads rows like "
+                f'{{"{column}": [{{"{role_key}": ..., "{content_key}": ...}}, ...]}}: fix the '
+                "row, or set dataset.format / map the columns with dataset.columns."
+            )
+        out = []
+        for n, message in enumerate(messages):
+            role = message.get(role_key) if isinstance(message, dict) else None
+            content = message.get(content_key) if isinstance(message, dict) else None
+            if not isinstance(role, str) or not isinstance(content, str):
+                raise BadRow(
+                    f"has a message {n} ({str(message)[:60]}) without a '{role_key}' string "
+                    f"and a '{content_key}' string; fix the row."
+                )
+            if self.name == "sharegpt":
+                if role not in SHAREGPT_ROLES:
+                    raise BadRow(
+                        f"has a message {n} from {role!r}; format sharegpt reads messages from "
+                        f"{', '.join(SHAREGPT_ROLES)}: fix the row."
+                    )
+                role = SHAREGPT_ROLES[role]
+            out.append({"role": role, "content": content})
+        if not any(message["role"] == "assistant" for message in out):
+            raise BadRow(
+                "has no assistant message, so it has nothing to learn from; add the "
+                "assistant's reply or remove the row."
+            )
+        return out
+
+    def prompt_response(self, fields: dict[str, Any]) -> tuple[str, str]:
+        """A record's prompt and response (InstructDataset)."""
+        if self.name == "prompt_response":
+            return self._string(fields, "prompt"), self._string(fields, "response")
+        if self.name == "alpaca":
+            instruction = self._string(fields, "instruction")
+            given = self._string(fields, "input", optional=True)
+            output = self._string(fields, "output")
+            if given.strip():
+                return ALPACA_PROMPT.format(instruction=instruction, input=given), output
+            return ALPACA_PROMPT_NO_INPUT.format(instruction=instruction), output
+        messages = self._messages(fields)
+        if [m["role"] for m in messages] != ["user", "assistant"]:
+            raise BadRow(
+                f"is a conversation of {[m['role'] for m in messages]}, and InstructDataset "
+                "reads one user turn and one assistant reply; train on it with "
+                "freetx.data.ChatDataset, or fix the row."
+            )
+        return messages[0]["content"], messages[1]["content"]
+
+    def conversation(self, fields: dict[str, Any]) -> Messages:
+        """A record's conversation (ChatDataset)."""
+        if self.name in CONVERSATIONS:
+            return self._messages(fields)
+        prompt, response = self.prompt_response(fields)
+        return [{"role": "user", "content": prompt}, {"role": "assistant", "content": response}]
+
+    def text(self, fields: dict[str, Any]) -> str:
+        """A record's document (PackedTextDataset)."""
+        return self._string(fields, "text")
+
+
+@dataclass
+class BadRows:
+    """What `dataset.on_bad_row` did with the rows of one read that did not fit."""
+
+    on_bad_row: str
+    source: str
+    split: str
+    seen: int = 0  # rows of the source read
+    rows: int = 0  # of those, the split's
+    skipped: int = 0
+    first: str = ""  # the first skipped row: where, and what was wrong
+
+    def __post_init__(self) -> None:
+        if self.on_bad_row not in ON_BAD_ROW:
+            raise DataError(
+                f"dataset.on_bad_row={self.on_bad_row!r}; use error (stop at the first bad row, "
+                "naming it) or skip (skip bad rows, counted and reported)."
+            )
+
+    def bad(self, where: str, problem: BadRow) -> None:
+        """A bad row at `where`: an error, or counted and skipped."""
+        message = f"{where} {problem}"
+        if self.on_bad_row == "error":
+            raise DataError(
+                f"{message} Or set dataset.on_bad_row=skip to skip such rows (they are counted "
+                "and reported at start-up)."
+            )
+        self.skipped += 1
+        self.first = self.first or message
+
+    def notes(self) -> dict[str, Any]:
+        """What the read counted, kept with a token cache entry (`noted` reads it back)."""
+        return {"bad_rows": {k: getattr(self, k) for k in ("seen", "rows", "skipped", "first")}}
+
+    def noted(self, notes: dict[str, Any]) -> BadRows:
+        """These counts as `notes` (a token cache entry's) recorded them, if they did."""
+        counts = notes.get("bad_rows")
+        return self if counts is None else replace(self, **counts)
+
+    def line(self) -> str:
+        return (
+            f"dataset {self.source} ({self.split}): {self.skipped} of {self.rows} rows skipped "
+            f"(dataset.on_bad_row=skip); the first: {self.first}"
+        )
+
+
+@runtime_checkable
+class SkipsBadRows(Protocol):
+    """A dataset that may skip bad rows; the run reports `bad_rows.line()` when it did."""
+
+    bad_rows: BadRows
+
+
+def read_split(
+    records: Iterable[Record],
+    fmt: Format,
+    convert: Callable[[dict[str, Any]], T],
+    split: Split,
+    bad_rows: BadRows,
+) -> list[tuple[str, T]]:
+    """(where, example) for each record the split takes that `convert` turns into an
+    example; the others are bad rows (`bad_rows` counts them, or raises)."""
+    examples = []
+    for record in records:
+        bad_rows.seen += 1
+        if not split.takes(fmt.key(record)):
+            continue
+        bad_rows.rows += 1
+        try:
+            if record.fields is None:
+                raise BadRow(record.problem)
+            examples.append((record.where, convert(record.fields)))
+        except BadRow as problem:
+            bad_rows.bad(record.where, problem)
+    return examples
+
+
+def encode_rows(
+    examples: Sequence[tuple[str, T]], encode: Callable[[T], Any], bad_rows: BadRows
+) -> tuple[list[Any], list[int]]:
+    """Each example encoded, a BadRow counted (or raised) instead; and the indices of the
+    examples that were encoded."""
+    encoded, kept = [], []
+    for i, (where, example) in enumerate(examples):
+        try:
+            encoded.append(encode(example))
+        except BadRow as problem:
+            bad_rows.bad(where, problem)
+            continue
+        kept.append(i)
+    return encoded, kept
+
+
+def check_not_empty(count: int, split: Split, source: str, bad_rows: BadRows) -> None:
+    """A split with no example is an error naming why: no rows, every row bad, or none
+    hashed into it."""
+    if count:
+        return
+    if bad_rows.rows and bad_rows.skipped == bad_rows.rows:
+        raise DataError(
+            f"every one of the {bad_rows.rows} rows of {source} in the {split.name} split is "
+            f"bad and was skipped; the first: {bad_rows.first} Fix the data or its "
+            "dataset.format / dataset.columns."
+        )
+    if split.whole or not bad_rows.seen:
+        raise DataError(f"{source} holds no rows; add some.")
+    raise DataError(
+        f"the {split.name} split of {source} is empty: the split takes a row by a seeded hash "
+        f"of its content (val_fraction={split.val_fraction}), and none of the "
+        f"{bad_rows.seen} rows went this way. Add rows, raise dataset.val_fraction, or "
+        "give the validation rows as dataset.validation_source."
+    )
