@@ -58,7 +58,7 @@ def worker(strategy: str) -> None:
     loss_fn = instantiate(cfg.loss)
     result = tracked_step(plan, optimizer, loss_fn, input_ids, layout)
     with plan.autocast():  # once more, to count the gradients this rank keeps
-        loss_fn(plan.model(input_ids), input_ids)[0].backward()
+        loss_fn(plan.model, input_ids, input_ids)[0].backward()
     params = list(plan.model.parameters())
     inner = getattr(optimizer, "optim", optimizer)  # ZeRO-1's local optimizer
     result["states"] = sum(local_bytes(p) + local_bytes(p.grad) for p in params) + sum(

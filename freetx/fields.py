@@ -11,6 +11,10 @@ it). `field_problems` asks it, so the same rules refuse such a value when a conf
 is validated (`freetx validate`, and every run before it launches: schema sections
 and the config classes of `_component_` builders, `freetx.models.protocol.builds`)
 and when the dataclass is made (`refuse_meaningless`, from its `__post_init__`).
+
+A `_component_` target that builds some of its arguments itself from their nodes (a
+dataset mixture's sources, which need the recipe's tokenizer and split) follows
+`BuildsParts`.
 """
 
 from __future__ import annotations
@@ -67,6 +71,18 @@ class BuildsConfig(Protocol):
 
     config_class: type
     presets: dict[str, dict[str, Any]]  # `preset:` name -> the fields it sets
+
+
+@runtime_checkable
+class BuildsParts(Protocol):
+    """A `_component_` target that builds some of its arguments itself, with arguments only
+    it has (`freetx.data.Mixture`: its sources, each with the tokenizer and split the
+    recipe passed to the mixture). `built_later` names those arguments: `instantiate`
+    passes each component node given for one (or a list of them) as a factory,
+    `functools.partial(instantiate, node)`, instead of the built object, and the target
+    calls `factory(**its_arguments)`. `freetx validate` checks the nodes' keys as any."""
+
+    built_later: tuple[str, ...]  # argument names, a class attribute
 
 
 @runtime_checkable

@@ -33,6 +33,7 @@ RECIPES: tuple[Recipe, ...] = (
             "llm/tiny",
             "llm/small",
             "llm/instruct_tiny",
+            "llm/mixture_tiny",
             "llm/llama3_1b",
             "llm/llama3_8b",
             "llm/hf_tiny_full",

@@ -27,10 +27,17 @@ from omegaconf import MISSING
 
 from freetx.checkpoint import files_read_by
 from freetx.config import at_least, instantiate
-from freetx.data import IGNORE_INDEX, build_eval_loader, build_train_loader, micro_batch_size
+from freetx.data import (
+    IGNORE_INDEX,
+    build_eval_loader,
+    build_train_loader,
+    micro_batch_size,
+    source_names,
+)
 from freetx.data.packing import packs
 from freetx.distributed import build_groups, init_distributed, parallelize
 from freetx.entry import parse
+from freetx.models.output_loss import SourcesOf
 from freetx.models.peft import PEFTConfig, apply_peft
 from freetx.training import (
     TrainingConfig,
@@ -39,8 +46,11 @@ from freetx.training import (
     build_lr_scheduler,
     check_model_and_data,
     check_packing,
+    first_batches_padding,
     loss_tokens,
     optimizer_step,
+    per_source_means,
+    real_tokens,
     seed_everything,
 )
 
@@ -89,10 +99,12 @@ class FullFinetuneRecipeFSDP2:
         self.run = TrainingRun(cfg, self.groups, "full_finetune_fsdp2")
         micro_batch_size(cfg.batch_size, world_size, self.accumulation)
         self.tokenizer = instantiate(cfg.tokenizer)
+        self.loss_fn = instantiate(cfg.loss)  # its output layer in chunks: loss.num_chunks
         train_set = instantiate(cfg.dataset, tokenizer=self.tokenizer, split="train")
         val_set = instantiate(cfg.dataset, tokenizer=self.tokenizer, split="validation")
         self.run.report_cuts(train_set, val_set)  # samples cut or dropped at seq_len
         self.seq_len = train_set.seq_len
+        self.source_names = source_names(train_set)  # a mixture's, for its losses
         self.val_loader = build_eval_loader(val_set, cfg.eval.batch_size, rank, world_size)
 
         with torch.device("meta"):
@@ -108,7 +120,6 @@ class FullFinetuneRecipeFSDP2:
         self.model = self.plan.model
         self.optimizer = self.plan.build_optimizer(cfg.optimizer)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.max_steps, cfg.lr_schedule)
-        self.loss_fn = instantiate(cfg.loss)
 
         self.train_loader = build_train_loader(
             train_set, cfg.batch_size, self.accumulation, rank, world_size, cfg.seed,
@@ -118,7 +129,7 @@ class FullFinetuneRecipeFSDP2:
             self.plan, self.optimizer, self.lr_scheduler, self.train_loader,
             tokens_per_sample=self.seq_len, seq_len=self.seq_len,
             inputs=files_read_by(tokenizer=self.tokenizer, dataset=train_set),
-            train_sequences=len(train_set),
+            train_sequences=len(train_set), padding=first_batches_padding(self.train_loader),
             activation_checkpointing=cfg.distributed.activation_checkpointing, trains=trains,
         )  # fmt: skip
 
@@ -135,7 +146,8 @@ class FullFinetuneRecipeFSDP2:
             grad_norm = optimizer_step(
                 self.plan, self.optimizer, self.lr_scheduler, cfg.max_grad_norm
             )
-            run.advance(grad_norm)  # the NaN guard: a non-finite norm skipped the update
+            # throughput counts real work: positions that are not padding, loss tokens
+            run.advance(grad_norm, real_tokens(batches), loss_tokens=num_tokens)
             if run.log_due():
                 run.log_train(sums, num_tokens, grad_norm)
             if run.due(cfg.eval.every_n_steps):
@@ -145,15 +157,19 @@ class FullFinetuneRecipeFSDP2:
         run.finish(self.evaluate)
 
     def compute_loss(self, batch: dict[str, torch.Tensor]):
-        """One micro-batch: forward, then the loss summed over its loss tokens (+ extras)."""
-        output = self.model(batch["input_ids"].to(self.device), **self.model_inputs(batch))
-        return self.loss_fn(output, batch["labels"].to(self.device))
+        """One micro-batch: forward and the loss summed over its loss tokens (+ extras)."""
+        input_ids, labels = batch["input_ids"].to(self.device), batch["labels"].to(self.device)
+        return self.loss_fn(self.model, input_ids, labels, **self.model_inputs(batch))
 
-    def model_inputs(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """The model's inputs besides input_ids: a packed batch's documents."""
-        if "documents" not in batch:
-            return {}
-        return {"documents": batch["documents"].to(self.device)}
+    def model_inputs(self, batch: dict[str, torch.Tensor]) -> dict[str, Any]:
+        """The loss's inputs besides input_ids and labels: a packed batch's documents, a
+        mixture's sources (each source's loss is logged)."""
+        inputs: dict[str, Any] = {}
+        if "documents" in batch:
+            inputs["documents"] = batch["documents"].to(self.device)
+        if self.source_names:
+            inputs["sources"] = SourcesOf(batch["source"], self.source_names)
+        return inputs
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
@@ -170,7 +186,7 @@ class FullFinetuneRecipeFSDP2:
             with self.plan.autocast():
                 loss, parts = self.loss_fn.evaluate(
                     self.model, input_ids, labels, **self.model_inputs(batch)
-                )
+                )  # the loss runs the forward pass (its output layer in chunks)
             sums["loss"] += loss
             for name, value in parts.items():
                 sums[name] = sums.get(name, 0) + value
@@ -179,6 +195,7 @@ class FullFinetuneRecipeFSDP2:
         self.model.train()
         num_tokens = max(totals.pop("tokens"), 1.0)
         metrics = {f"val/{name}": value / num_tokens for name, value in totals.items()}
+        metrics = per_source_means(metrics, prefix="val/")  # a mixture's: each source's
         metrics["val/perplexity"] = math.exp(min(metrics["val/loss"], 50.0))
         return metrics
 

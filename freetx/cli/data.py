@@ -11,7 +11,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="freetx data",
         description=(
-            "prepare: build the token cache of CONFIG's dataset, both splits, as the run "
+            "prepare: build the token cache of CONFIG's dataset (every source of a mixture), "
+            "both splits, as the run "
             "would (same key: dataset settings, tokenizer, source contents), printing what it "
             "wrote (rows, tokens, size, time) or that it was already there. The cache folder "
             "is dataset.cache_dir, else $FREETX_CACHE, else ~/.cache/freetx/tokens. No "
@@ -32,6 +33,7 @@ def main(args: argparse.Namespace) -> int:
     from freetx.cli.common import load_recipe
     from freetx.config import instantiate
     from freetx.config.run_config import load_recipe_config
+    from freetx.data.mixture import MadeOfParts
     from freetx.data.token_cache import UsesTokenCache
     from freetx.errors import ConfigError
     from freetx.registry import recipe_for_config
@@ -47,14 +49,18 @@ def main(args: argparse.Namespace) -> int:
         return 0
     start = time.perf_counter()
     tokenizer = instantiate(cfg.tokenizer)
-    lines: dict[str, str] = {}  # by label: a text dataset's one entry serves both splits
+    # by (part, label): a text dataset's one entry serves both splits
+    lines: dict[tuple[int, str], str] = {}
     for split in ("train", "validation"):
         data = instantiate(node, tokenizer=tokenizer, split=split)
-        if not isinstance(data, UsesTokenCache):
+        parts = data.parts if isinstance(data, MadeOfParts) else [data]  # a Mixture's sources
+        cached = [(i, p) for i, p in enumerate(parts) if isinstance(p, UsesTokenCache)]
+        if not cached:
             print(f"{args.config}: nothing to cache ({type(data).__name__} keeps no token "
                   "cache; its data is made in memory).")  # fmt: skip
             return 0
-        lines.setdefault(data.token_cache.label, data.token_cache.line())
+        for i, part in cached:
+            lines.setdefault((i, part.token_cache.label), part.token_cache.line())
     print("\n".join(lines.values()))
     print(f"{args.config}: done in {time.perf_counter() - start:.1f} s")
     return 0

@@ -69,6 +69,7 @@ def estimate_config(
     from freetx.data.activations import ActivationsConfig
     from freetx.distributed import Layout, check_distributed, shard_layouts
     from freetx.errors import ConfigError
+    from freetx.training.checks import dataset_seq_len
     from freetx.training.estimate import activation_sources, estimate, meta_model
 
     refuse_untrained(cfg)
@@ -93,19 +94,28 @@ def estimate_config(
     else:
         model = meta_model(cfg.model, getattr(cfg, "peft", None))
         seq_len = (  # AD's windows: the model's context (n_transit)
-            int(cfg.dataset.get("seq_len", cfg.model.get("max_seq_len", 2048)))
-            if hasattr(cfg, "dataset")
-            else model.config.max_seq_len
+            dataset_seq_len(cfg) if hasattr(cfg, "dataset") else model.config.max_seq_len
         )
     dist = cfg.distributed
     rows = estimate(
         model, world_size, micro * seq_len, seq_len, dist.mixed_precision.param_dtype,
         dist.activation_checkpointing, dist.ac_every_n_blocks, device, mfu, replicas=replicas,
         optimizer_bytes=2.0 if "8bit" in str(cfg.optimizer.get("_component_", "")) else 8.0,
-        sources=sources.bytes if sources else 0.0,
+        sources=sources.bytes if sources else 0.0, loss_chunks=loss_chunks(cfg, model),
     )  # fmt: skip
     rows = [r for r in rows if r.strategy not in refused]
     return ConfigEstimate(model, micro, seq_len, rows, refused, sources)
+
+
+def loss_chunks(cfg: Any, model) -> int:
+    """How many chunks of tokens a training config's loss makes the logits in
+    (`num_chunks`, or the default by the model's vocabulary)."""
+    from freetx.models.output_loss import default_num_chunks
+
+    loss = getattr(cfg, "loss", None)
+    chunks = loss.get("num_chunks") if loss is not None else None
+    vocab = getattr(model.config, "vocab_size", 0)
+    return int(chunks) if chunks else default_num_chunks(vocab)
 
 
 def refuse_untrained(cfg: Any) -> None:

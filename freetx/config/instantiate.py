@@ -11,12 +11,18 @@ keyword arguments:
 `torch.optim.AdamW(model.parameters(), lr=3e-4)`. Nested component nodes are
 built first; keyword arguments given at the call site override the file.
 Every error names the config path of the node.
+
+A target that builds some arguments itself (`freetx.fields.BuildsParts`: a dataset
+mixture's sources need the tokenizer and split the recipe passes to the mixture) is
+given, for each argument it names in `built_later`, a factory per nested node instead:
+`functools.partial(instantiate, node)`, which it calls with those arguments.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import importlib
 import inspect
 from collections.abc import Iterator
@@ -26,7 +32,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from freetx.errors import ConfigError
-from freetx.fields import BuildsConfig, ChoosesConfig, field_problems
+from freetx.fields import BuildsConfig, BuildsParts, ChoosesConfig, field_problems
 
 COMPONENT = "_component_"
 
@@ -34,7 +40,9 @@ COMPONENT = "_component_"
 def node_path(node: Any, default: str = "<config>") -> str:
     """The dotted config path of an OmegaConf node (`optimizer`, `loggers[0]`)."""
     if isinstance(node, (DictConfig, ListConfig)):
-        key = node._get_full_key(None)
+        # asked of its parent: a list item's own full key drops the brackets (`loggers0`)
+        parent = node._get_parent()
+        key = parent._get_full_key(node._key()) if parent is not None else None
         return str(key) if key else default
     return default
 
@@ -176,7 +184,8 @@ def instantiate(node: Any, *args: Any, **kwargs: Any) -> Any:
 
     Positional `args` and keyword `kwargs` come from the call site (for
     instance the parameters an optimizer needs); call-site keywords override
-    the node's keys. Nested component nodes are built first.
+    the node's keys. Nested component nodes are built first, but for the arguments a
+    `BuildsParts` target builds itself (`built_later`): those get factories.
     """
     if node is None:
         return None
@@ -186,7 +195,12 @@ def instantiate(node: Any, *args: Any, **kwargs: Any) -> Any:
             f"{where}: expected a node with a `_component_` key naming what to build."
         )
     target = import_component(node[COMPONENT], f"{where}._component_")
-    file_kwargs = {k: _build_value(v) for k, v in node.items() if k != COMPONENT}
+    later = target.built_later if isinstance(target, BuildsParts) else ()
+    file_kwargs = {
+        k: _factories(v) if k in later else _build_value(v)
+        for k, v in node.items()
+        if k != COMPONENT
+    }
     merged = {**file_kwargs, **kwargs}
     problem = _bind_problem(target, node[COMPONENT], where, args, merged)
     if problem:
@@ -205,6 +219,16 @@ def _build_value(value: Any) -> Any:
     if isinstance(value, ListConfig):
         return [_build_value(v) for v in value]
     return value
+
+
+def _factories(value: Any) -> Any:
+    """For an argument its target builds itself: a component node as a factory
+    (`partial(instantiate, node)`), a list of them as a list of factories."""
+    if is_component(value):
+        return functools.partial(instantiate, value)
+    if isinstance(value, ListConfig):
+        return [_factories(v) for v in value]
+    return _build_value(value)
 
 
 def find_components(cfg: Any, path: str = "") -> Iterator[tuple[str, DictConfig]]:

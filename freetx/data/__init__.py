@@ -1,6 +1,6 @@
 """Data: tokenizers, the built-in corpus, packed text, instruction and chat datasets, the
-letter-block task, AD's learning histories, crosscoders' activations, sampling, and the
-shard cache.
+letter-block task, AD's learning histories, crosscoders' activations, sampling, the
+shard cache, and mixtures of datasets.
 
 Datasets take rank and world size as arguments (never from the process group),
 and import nothing from the rest of freetx but its errors.
@@ -19,6 +19,8 @@ from freetx.data.activations import (
 from freetx.data.chat import ChatDataset
 from freetx.data.instruct import InstructDataset
 from freetx.data.letter_block import LetterBlockDataset
+from freetx.data.mixture import MadeOfParts, Mixture
+from freetx.data.samples import MixesSources, source_names
 from freetx.data.sampling import (
     IGNORE_INDEX,
     EvalShard,
@@ -46,6 +48,9 @@ __all__ = [
     "HFTokenizer",
     "InstructDataset",
     "LetterBlockDataset",
+    "MixesSources",
+    "MadeOfParts",
+    "Mixture",
     "PackedTextDataset",
     "ShardCache",
     "build_eval_loader",
@@ -55,4 +60,5 @@ __all__ = [
     "micro_batch_size",
     "planted_activations",
     "read_documents",
+    "source_names",
 ]

@@ -82,9 +82,11 @@ def _earliest_target(rows: TokenRows) -> int | None:
 
 def fixed_length_sample(encoded: Encoded, seq_len: int, pad_id: int) -> dict[str, torch.Tensor]:
     """{"input_ids", "labels"}, each [seq_len]: the tokens cut to seq_len + 1 and padded
-    with pad_id; labels the next token where it is a target, IGNORE_INDEX elsewhere."""
+    with pad_id; labels the next token where it is a target, IGNORE_INDEX elsewhere; and
+    "real_tokens", the positions that are not padding."""
     ids, is_target = encoded
     ids = ids[: seq_len + 1]
+    real = len(ids) - 1
     targets = [t if target else IGNORE_INDEX for t, target in zip(ids, is_target)]
     pad = seq_len + 1 - len(ids)
     ids = ids + [pad_id] * pad
@@ -92,4 +94,5 @@ def fixed_length_sample(encoded: Encoded, seq_len: int, pad_id: int) -> dict[str
     return {
         "input_ids": torch.tensor(ids[:-1], dtype=torch.long),
         "labels": torch.tensor(targets[1:], dtype=torch.long),
+        "real_tokens": torch.tensor(real, dtype=torch.long),
     }

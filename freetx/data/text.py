@@ -165,7 +165,8 @@ class PackedTextDataset(Dataset):
         start = int(self.starts[index])
         window = torch.from_numpy(self.tokens[start : start + self.seq_len + 1].astype(np.int64))
         if not self.packed:
-            return {"input_ids": window[:-1], "labels": window[1:]}
+            real = torch.tensor(self.seq_len)  # a window of the stream: no padding
+            return {"input_ids": window[:-1], "labels": window[1:], "real_tokens": real}
         input_ids = window[:-1]
         documents, labels = stream_documents(input_ids, window[1:], self.tokenizer.eos_id)
         return {

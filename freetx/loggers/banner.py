@@ -29,5 +29,9 @@ def training_banner(
     ]
     if model is not None:
         parts.append(f"model: {model}")
-    parts += [f"{name.replace('_', ' ')} {format_value(value)}" for name, value in facts.items()]
+    parts += [
+        f"{name.replace('_', ' ')} {format_value(value)}"
+        for name, value in facts.items()
+        if value is not None  # a fact the run does not have
+    ]
     return " | ".join(parts)

@@ -36,10 +36,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from freetx.models.protocol import build_config, builds
+from freetx.models.output_loss import IGNORE_INDEX, SourcesOf, forward_with_loss
+from freetx.models.protocol import OutputLoss, build_config, builds
 from freetx.models.transformer import DecoderBlock, Transformer, TransformerConfig
 
-IGNORE_INDEX = -100  # torch's cross-entropy default, as in freetx.data
 MODES = ("training", "prior")
 MAX_TABLE_BITS = 16  # the table post-sampler has 2^H rows: 65,536 at H = 16
 WORD_BITS = 62  # bits drawn per integer (torch.randint's bound must stay below 2^63)
@@ -274,13 +274,14 @@ class FreeTransformer(Transformer):
         mode: str = "training",
         codes: torch.Tensor | None = None,
         noise: torch.Tensor | None = None,
+        output_loss: OutputLoss | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """input_ids [B, T] -> (logits [B, T, V], z_logits [B, T, H] or None).
 
         mode="training": Z from the encoder (posterior); "prior": Z uniform.
         `codes` [B, T, H] (bits, as `prior_codes` returns them) fixes every position's
         code (generation keeps each Z_t once drawn); `noise` fixes the encoder's bit
-        sampling.
+        sampling; `output_loss` takes the logits' place (`ProjectsInChunks`).
         """
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -309,7 +310,7 @@ class FreeTransformer(Transformer):
         h = self.layers[cfg.split_layer](h, cos, sin, kv=h + r)
         for layer in self.layers[cfg.split_layer + 1 :]:
             h = layer(h, cos, sin)
-        return self.head(h), z_logits
+        return self.finish(h, output_loss), z_logits
 
     # -- sampling (the LatentModel protocol) ---------------------------------
     def prior_codes(self, count: int, length: int, generator: torch.Generator) -> torch.Tensor:
@@ -353,23 +354,32 @@ class FreeTransformerLoss:
     """
 
     def __init__(
-        self, kappa_bits: float = 0.5, kl_weight: float = 1.0, active_threshold_bits: float = 0.01
+        self,
+        kappa_bits: float = 0.5,
+        kl_weight: float = 1.0,
+        active_threshold_bits: float = 0.01,
+        num_chunks: int | None = None,  # the logits a chunk of tokens at a time (output_loss)
     ) -> None:
         self.kappa = kappa_bits * math.log(2)
         self.kl_weight = kl_weight
         self.active_threshold = active_threshold_bits * math.log(2)
+        self.num_chunks = num_chunks
 
-    def __call__(self, output, labels: torch.Tensor):
-        logits, z_logits = output if isinstance(output, tuple) else (output, None)
-        mask = labels != IGNORE_INDEX
-        ce = F.cross_entropy(
-            logits.float().flatten(0, 1),
-            labels.flatten(),
-            ignore_index=IGNORE_INDEX,
-            reduction="sum",
+    def __call__(
+        self,
+        model,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor,
+        sources: SourcesOf | None = None,
+        **inputs,
+    ):
+        (_, z_logits), losses, sums = forward_with_loss(
+            model, input_ids, labels, self.num_chunks, IGNORE_INDEX, sources, **inputs
         )
-        if z_logits is None:  # prior mode or fixed codes: no posterior, no KL
-            return ce, {"ce": ce.detach()}
+        ce = losses.total
+        if z_logits is None:  # fixed codes: no posterior, no KL
+            return ce, {"ce": ce.detach(), **sums}
+        mask = labels != IGNORE_INDEX
         kl = kl_to_uniform(z_logits.float()) * mask
         penalty = torch.clamp(kl - self.kappa, min=0.0) * mask
         loss = ce + self.kl_weight * penalty.sum()
@@ -378,17 +388,16 @@ class FreeTransformerLoss:
             "kl_bits": kl.sum().detach() / math.log(2),
             "honest_nll": (ce + kl.sum()).detach(),
             "kl_active": ((kl > self.active_threshold) & mask).sum().to(ce.dtype),
+            **sums,
         }
         return loss, extras
 
-    def evaluate(self, model, input_ids: torch.Tensor, labels: torch.Tensor):
+    def evaluate(self, model, input_ids: torch.Tensor, labels: torch.Tensor, **inputs):
         """Posterior loss and metrics, plus the prior CE from a second forward pass."""
-        loss, extras = self(model(input_ids), labels)
-        prior_logits, _ = model(input_ids, mode="prior")
-        extras["prior_ce"] = F.cross_entropy(
-            prior_logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX,
-            reduction="sum",
-        )  # fmt: skip
+        loss, extras = self(model, input_ids, labels, **inputs)
+        inputs.pop("sources", None)
+        prior = forward_with_loss(model, input_ids, labels, self.num_chunks, mode="prior", **inputs)
+        extras["prior_ce"] = prior[1].total
         return loss, extras
 
 

@@ -35,6 +35,7 @@ from torch import nn
 
 from freetx.errors import CheckpointError, ConfigError
 from freetx.models.kv_cache import CachedRows
+from freetx.models.protocol import OutputLayer, OutputLoss
 from freetx.models.transformer import init_normal
 
 # tensors some folders carry that are not weights (older checkpoints' RoPE tables)
@@ -243,6 +244,10 @@ def takes_positions(hf: nn.Module) -> bool:
     return "position_ids" in inspect.signature(hf.forward).parameters
 
 
+def _identity(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
 class HFGenericModel(nn.Module):
     """A transformers causal LM as a freetx model: `forward(input_ids) -> logits`. The HF
     model (`self.hf`, not a registered submodule) and this one share its children, so
@@ -306,11 +311,25 @@ class HFGenericModel(nn.Module):
         config = self.hf.config.get_text_config(decoder=True)
         return HFCache(transformers.DynamicCache(config=config), max_len, left_padding)
 
-    def forward(self, input_ids: torch.Tensor, cache: HFCache | None = None) -> torch.Tensor:
+    def output_layer(self) -> OutputLayer:
+        """transformers' forward computes the logits whole (its own head and any scaling
+        or soft-cap after it), so they are handed to a loss as they are
+        (`ProjectsInChunks`): the identity, reading no parameter."""
+        vocab_size = self.hf.config.get_text_config(decoder=True).vocab_size
+        return OutputLayer(_identity, (), vocab_size)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        cache: HFCache | None = None,
+        output_loss: OutputLoss | None = None,
+    ) -> torch.Tensor:
         """input_ids [B, T] -> logits [B, T, vocab_size]. With a `cache` (`new_cache`),
-        input_ids are the tokens after the cached ones, and the cache holds them after."""
+        input_ids are the tokens after the cached ones, and the cache holds them after.
+        `output_loss`: what it makes of the logits (`output_layer`) in their place."""
         if cache is None:
-            return self.hf(input_ids=input_ids, use_cache=False).logits
+            logits = self.hf(input_ids=input_ids, use_cache=False).logits
+            return logits if output_loss is None else output_loss(logits, self.output_layer())
         new = input_ids.shape[1]
         inputs = {cache_argument(self.hf): cache.hf}
         if takes_positions(self.hf):

@@ -46,6 +46,11 @@ class (who calls it, when):
                       documents=documents): several samples per sequence, each computed
                       as if alone; a recipe training on a packed dataset (refused before
                       any work for a model without it: `check_packing`)
+    ProjectsInChunks  output_layer(), and forward(input_ids, output_loss=loss): the
+                      model hands its last hidden states and its output layer to the
+                      loss instead of computing the logits, so the loss makes them a
+                      chunk of tokens at a time (`freetx.training.CrossEntropyLoss`,
+                      `num_chunks`); every training and evaluation forward of an LM loss
 
 and one per hook of a submodule (an adapter layer, say), which receives local
 shards only: `freetx.distributed` unwraps DTensors before calling and wraps again
@@ -76,6 +81,11 @@ A model with a training term besides the logits (an MoE router's load-balancing 
 returns `LMOutput(logits, aux_loss, metrics)` from forward in training mode; the
 loss (`freetx.training.CrossEntropyLoss`) adds `aux_loss` per loss token and logs
 `metrics`. Logits come first, so code that reads `output[0]` reads the logits.
+
+`OutputLayer` and `OutputLoss` are the types of that hand-over: forward(...,
+output_loss=f) returns `f(hidden, model.output_layer())` where it would return the
+logits (inside `LMOutput` too), computed inside forward so that FSDP2 holds the output
+layer's gathered weights.
 
 A model with a latent code per position also follows `LatentModel`
 (`prior_codes`, `posterior_codes`, `forward(..., codes=codes)`), which is
@@ -360,9 +370,36 @@ class LMOutput(NamedTuple):
     """What a language model's forward returns when training adds a term of its own to the
     loss (the MoE decoder's router loss); plain logits otherwise."""
 
-    logits: torch.Tensor  # [B, T, vocab]
+    logits: Any  # [B, T, vocab]; what `output_loss` returned when forward was given one
     aux_loss: torch.Tensor  # a scalar per token, already weighted: the loss adds it x tokens
     metrics: dict[str, torch.Tensor]  # scalars per token to log (detached): aux_loss, ...
+
+
+class OutputLayer(NamedTuple):
+    """A language model's output layer as it hands it to a loss (`ProjectsInChunks`)."""
+
+    # last hidden states [..., d] -> logits [..., vocab_size]: the head, and any soft-cap
+    project: Callable[[torch.Tensor], torch.Tensor]
+    parameters: tuple[torch.Tensor, ...]  # what project reads: gradients go to those that train
+    vocab_size: int
+
+
+# What a language model's forward takes as `output_loss`: called with its last hidden
+# states [B, T, d] (after the final norm) and its output layer, it returns what forward
+# returns in place of the logits (a loss, say).
+OutputLoss = Callable[[torch.Tensor, OutputLayer], Any]
+
+
+@runtime_checkable
+class ProjectsInChunks(Protocol):
+    """A language model whose forward takes `output_loss` (an `OutputLoss`) and then
+    returns `output_loss(hidden, self.output_layer())` in place of its logits, so that the
+    loss computes the [B, T, vocab] logits a chunk of tokens at a time and never whole
+    (`freetx.training.CrossEntropyLoss`, `num_chunks`). A model whose logits come whole
+    (the generic transformers path) hands them over as `hidden` with an identity
+    `project`. Called by the LM losses on every training and evaluation forward."""
+
+    def output_layer(self) -> OutputLayer: ...
 
 
 @runtime_checkable

@@ -40,7 +40,7 @@ from freetx.models.attention import (
 )
 from freetx.models.kv_cache import KVCache, LayerCache
 from freetx.models.moe import MoEFeedForward, expert_load_max, load_balancing_loss
-from freetx.models.protocol import LMOutput, build_config, builds
+from freetx.models.protocol import LMOutput, OutputLayer, OutputLoss, build_config, builds
 from freetx.models.transformer_hf import LLAMA_LAYOUT, hf_config_fields
 
 
@@ -714,13 +714,29 @@ class Transformer(nn.Module):
         return self.dropout(h)
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
-        h = self.norm(h)
+        """The last block's output -> logits: the final norm, then `project`."""
+        return self.project(self.norm(h))
+
+    def project(self, h: torch.Tensor) -> torch.Tensor:
+        """Hidden states after the final norm -> logits (tied or not, soft-capped)."""
         if self.output is None:
             logits = F.linear(h, self.tok_embeddings.weight)
         else:
             logits = self.output(h)
         cap = self.config.final_logit_softcap
         return logits if cap is None else torch.tanh(logits / cap) * cap
+
+    def output_layer(self) -> OutputLayer:
+        """`project` and the parameters it reads (`ProjectsInChunks`)."""
+        module = self.tok_embeddings if self.output is None else self.output
+        return OutputLayer(self.project, tuple(module.parameters()), self.config.vocab_size)
+
+    def finish(self, h: torch.Tensor, output_loss: OutputLoss | None):
+        """The last block's output -> logits, or what `output_loss` makes of the normed
+        hidden states and the output layer (`ProjectsInChunks`)."""
+        if output_loss is None:
+            return self.head(h)
+        return output_loss(self.norm(h), self.output_layer())
 
     def new_cache(self, left_padding: torch.Tensor, max_len: int) -> KVCache:
         """An empty KV cache (`DecodesIncrementally`) for len(left_padding) rows of up to
@@ -740,6 +756,7 @@ class Transformer(nn.Module):
         input_ids: torch.Tensor,
         cache: KVCache | None = None,
         documents: torch.Tensor | None = None,
+        output_loss: OutputLoss | None = None,
     ) -> torch.Tensor | LMOutput:
         """input_ids [B, T] -> logits [B, T, vocab_size]; a model with experts in training
         mode returns `LMOutput(logits, aux_loss, metrics)`: the routers' load-balancing loss
@@ -747,7 +764,9 @@ class Transformer(nn.Module):
         `cache` (`new_cache`), input_ids are the tokens after the cached ones, the logits
         theirs, and the cache holds them after the call. `documents` [B, T] (a packed
         batch: each position's sample, -1 on padding; `PacksDocuments`): every document
-        is computed as if alone, its positions from 0, its attention within itself."""
+        is computed as if alone, its positions from 0, its attention within itself.
+        `output_loss`: return what it makes of the hidden states and the output layer in
+        place of the logits (`ProjectsInChunks`: a loss that computes them in chunks)."""
         if documents is not None and cache is not None:
             raise ValueError("a packed batch (documents) is for training, not a KV cache")
         new = input_ids.shape[1]
@@ -776,7 +795,7 @@ class Transformer(nn.Module):
         if cache is not None:
             cache.advance(input_ids)
             return self.head(h[:, -new:])
-        logits = self.head(h)
+        logits = self.finish(h, output_loss)
         if not (routings and self.training):
             return logits
         aux = load_balancing_loss(routings, self.config.num_experts)

@@ -14,9 +14,12 @@ from freetx.training.loss import CrossEntropyLoss, loss_tokens
 from freetx.training.lr_schedule import LRScheduleConfig, build_lr_scheduler, lr_multiplier
 from freetx.training.meters import (
     ThroughputMeter,
+    first_batches_padding,
     measure_matmul_flops,
     memory_stats,
     peak_flops,
+    per_source_means,
+    real_tokens,
     train_step_metrics,
 )
 from freetx.training.seed import rng_state, seed_everything, set_rng_state
@@ -47,5 +50,8 @@ __all__ = [
     "seed_everything",
     "set_rng_state",
     "train_step_metrics",
+    "per_source_means",
+    "first_batches_padding",
+    "real_tokens",
     "training_state",
 ]

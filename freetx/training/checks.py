@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, ListConfig
 from torch import nn
 
 from freetx.data import micro_batch_size
@@ -32,9 +32,25 @@ def check_layout(cfg: object, layout: Layout) -> None:
     check_final_export(cfg, model_class)
     dataset = getattr(cfg, "dataset", None)
     if model_class is not None and isinstance(dataset, DictConfig):
-        check_packing(model_class, bool(dataset.get("packed", False)))
+        packed = any(node.get("packed", False) for node in dataset_nodes(dataset))
+        check_packing(model_class, bool(packed))
     if layout.world_size is not None:
         micro_batch_size(cfg.batch_size, layout.world_size, cfg.gradient_accumulation_steps)
+
+
+def dataset_nodes(dataset: DictConfig) -> list[DictConfig]:
+    """The dataset nodes a `dataset:` section builds: itself, or a mixture's sources."""
+    sources = dataset.get("sources")
+    if isinstance(sources, ListConfig) and all(isinstance(s, DictConfig) for s in sources):
+        return list(sources) or [dataset]
+    return [dataset]
+
+
+def dataset_seq_len(cfg) -> int:
+    """A training config's sequence length: its dataset's `seq_len` (a mixture's first
+    source's: they must agree), else the model's max_seq_len, else 2048."""
+    node = dataset_nodes(cfg.dataset)[0]
+    return int(node.get("seq_len", cfg.model.get("max_seq_len", 2048)))
 
 
 def check_model_and_data(model_config, tokenizer, seq_len: int) -> None:

@@ -56,6 +56,7 @@ from freetx.distributed.parallelize import find_blocks
 from freetx.models.attention import AttentionSpec, choose_kernel, sliding_layers
 from freetx.models.peft.nf4 import BYTES_PER_WEIGHT, NF4LoRALinear
 from freetx.models.protocol import CountsFlops, EstimatesActivations, check_model
+from freetx.training.checks import dataset_seq_len
 
 # device -> (peak dense bf16 FLOP/s, intra-node GB/s per GPU, HBM GiB)
 DEVICES = {
@@ -127,10 +128,12 @@ def estimate(
     optimizer_bytes: float = 8.0,
     frozen: FrozenBase | None = None,
     sources: float = 0.0,
+    loss_chunks: int = 1,
 ) -> list[Estimate]:
     """The estimate of each strategy for a (meta) model at `world_size` ranks; `frozen`:
     the frozen-base decision (`frozen_base`, made from the model when not given);
-    `sources`: bytes every rank holds besides (a crosscoder's source models)."""
+    `sources`: bytes every rank holds besides (a crosscoder's source models);
+    `loss_chunks`: the loss's logits a chunk of tokens at a time (`num_chunks`)."""
     compute = 2 if compute_dtype in ("bfloat16", "float16") else 4
     stored, trainable = parameter_bytes(model, compute, frozen or frozen_base(model))
     blocks = find_blocks(model)
@@ -143,6 +146,7 @@ def estimate(
         activations, loss = decoder_activations(
             model.config, len(blocks), tokens_per_rank, compute, activation_checkpointing,
             ac_every_n_blocks, attention_score_bytes(model.config, seq_len, device, compute),
+            loss_chunks,
         )  # fmt: skip
     peak, bandwidth, _ = DEVICES[device]
     flops = model.flops_per_token(seq_len) if isinstance(model, CountsFlops) else 6 * trainable
@@ -201,11 +205,14 @@ def decoder_activations(
     checkpointing: str,
     every_n: int,
     scores: float = 0.0,
+    loss_chunks: int = 1,
 ) -> tuple[float, float]:
     """(activations, loss) bytes of a decoder's micro-batch of `tokens` tokens (per rank):
     each block's saved tensors per token (see the module docstring; `scores`: the
     attention's score rows, `attention_score_bytes`), less what activation checkpointing
-    recomputes, and the loss's logits."""  # fmt: skip
+    recomputes, and the loss's logits: all of them, or one of `loss_chunks` chunks plus
+    the gradients the chunked loss holds from forward to backward (the output layer's in
+    float32, the hidden states')."""  # fmt: skip
     h, f = cfg.hidden_dim, getattr(cfg, "ffn_hidden_dim", 4 * cfg.hidden_dim)
     kv = getattr(cfg, "num_kv_heads", cfg.num_heads) * getattr(cfg, "head_dim", h // cfg.num_heads)
     layers = max(1, layers)
@@ -223,7 +230,11 @@ def decoder_activations(
         kept = (layers - checkpointed) * per_token + checkpointed * h * compute + per_token
     else:
         kept = layers * per_token
-    return tokens * kept, tokens * getattr(cfg, "vocab_size", 0) * (compute + 4 + 4)
+    vocab = getattr(cfg, "vocab_size", 0)
+    if loss_chunks == 1:
+        return tokens * kept, tokens * vocab * (compute + 4 + 4)
+    held = vocab * h * 4 + tokens * h * compute
+    return tokens * kept, math.ceil(tokens / loss_chunks) * vocab * (compute + 4 + 4) + held
 
 
 @dataclass
@@ -357,7 +368,7 @@ def measure(cfg, layout: ShardLayout, world_size: int) -> dict[str, float]:
         strategy=layout.strategy,
         replicate_degree=layout.replicas if layout.replicas > 1 else None,
     )
-    seq_len = int(cfg.dataset.get("seq_len", cfg.model.get("max_seq_len", 2048)))
+    seq_len = dataset_seq_len(cfg)
     micro = cfg.batch_size // (world_size * cfg.gradient_accumulation_steps)
     with fake_world(world_size):
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -388,7 +399,7 @@ def tracked_step(plan, optimizer, loss_fn, input_ids, layout: ShardLayout) -> di
 
     def step() -> None:
         with plan.autocast():
-            loss, _ = loss_fn(plan.model(input_ids), input_ids)
+            loss, _ = loss_fn(plan.model, input_ids, input_ids)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

@@ -48,6 +48,7 @@ from freetx.checkpoint import (
 from freetx.checkpoint.checkpointer import build_meta
 from freetx.checkpoint.state import LRSchedulerState
 from freetx.data.formats import SkipsBadRows
+from freetx.data.mixture import MadeOfParts
 from freetx.data.seq_len import CutsToSeqLen
 from freetx.data.token_cache import UsesTokenCache
 from freetx.distributed import FrozenBase, HostGroup, ParallelGroups, ParallelPlan, frozen_base
@@ -201,8 +202,10 @@ class TrainingRun:
         """A rank was asked to stop (SIGTERM, SIGUSR1, Ctrl-C): every rank stops now."""
         return self.stop.agreed
 
-    def advance(self, grad_norm: float) -> int:
-        """Count one optimizer step: step, data epoch, tokens seen, throughput; the NaN
+    def advance(self, grad_norm: float, real_tokens: float | None = None, loss_tokens=None) -> int:
+        """Count one optimizer step: step, data epoch, tokens seen, throughput (of
+        `real_tokens`, this rank's positions that are not padding, and `loss_tokens`, over
+        all ranks, where the recipe counts them: `freetx.training.real_tokens`); the NaN
         guard: a non-finite gradient norm means the update was skipped (`optimizer_step`),
         which is logged, and ends the run under `on_nonfinite: stop` (not for a float16
         overflow: the loss scaler lowers the scale) or after `max_nonfinite_skips` in a
@@ -239,7 +242,7 @@ class TrainingRun:
         sampler = getattr(self.train_loader, "batch_sampler", self.train_loader)
         self.progress.epoch = getattr(sampler, "epoch", 0)
         self.progress.tokens_seen += self.tokens_per_step
-        self.meter.update(self.tokens_per_step)
+        self.meter.update(self.tokens_per_step, real_tokens, loss_tokens)
         return self.progress.step
 
     def _after_nonfinite(self) -> str:
@@ -288,8 +291,13 @@ class TrainingRun:
         """A line on the console (rank 0) for each dataset whose samples were cut at its
         seq_len: how many, and how many were left with no loss tokens (dropped); what the
         token cache did for each (reused, built, or why not cached); and one for each read
-        that skipped bad rows (`dataset.on_bad_row=skip`), once when two splits share it."""
-        lines = [
+        that skipped bad rows (`dataset.on_bad_row=skip`), once when two splits share it.
+        A mixture (`MadeOfParts`) says how it mixes, then gives each source's lines."""
+        lines = [d.line() for d in datasets if isinstance(d, MadeOfParts)]
+        datasets = tuple(
+            p for d in datasets for p in (d.parts if isinstance(d, MadeOfParts) else (d,))
+        )
+        lines += [
             d.token_cache.line()
             for d in datasets
             if isinstance(d, UsesTokenCache) and not d.token_cache.builtin

@@ -1,49 +1,66 @@
-"""Token losses summed, not averaged: the recipe divides by the global token count."""
+"""Token losses summed, not averaged: the recipe divides by the global token count.
+
+The output layer's logits are made `num_chunks` chunks of tokens at a time and never
+whole (`freetx.models.output_loss`: the model hands its last hidden states and its
+output layer to the loss).
+"""
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from freetx.data.sampling import IGNORE_INDEX
+from freetx.models.output_loss import SourcesOf, forward_with_loss
 from freetx.models.protocol import LMOutput
 
 
 class CrossEntropyLoss:
     """Next-token cross-entropy: `(loss summed over tokens, extra per-token sums)`.
 
-    The contract every recipe loss follows: the first value is summed over loss
-    tokens; the dict holds further sums (e.g. KL) that the recipe divides by
-    the same global token count before logging. Plain CE has none.
-
-    Summing lets the recipe normalize by the number of loss tokens across all
+    The contract every recipe loss follows: called with the model, its input ids, the
+    labels and the model's other inputs, it runs the forward pass and returns the loss
+    summed over loss tokens and a dict of further sums (an MoE router's metrics; each
+    source's loss) that the recipe divides by the same global token count before
+    logging. Summing lets the recipe normalize by the number of loss tokens across all
     micro-batches and ranks, so padded or masked batches count right.
-    Logits are upcast to float32 (bf16 logits lose precision in the softmax).
+
+    `num_chunks`: the logits are made that many chunks of tokens at a time, each upcast to
+    float32 alone (module docstring); None chooses by the vocabulary size
+    (`default_num_chunks`: 8 from 64k tokens, else 1). `sources` (a mixture's batch:
+    which source each sample is from, and the sources' names) adds each source's loss
+    sum and loss tokens, `loss/<name>` and `loss_tokens/<name>`
+    (`freetx.training.meters.per_source_means` makes them means).
     """
 
-    def __init__(self, ignore_index: int = IGNORE_INDEX) -> None:
+    def __init__(self, ignore_index: int = IGNORE_INDEX, num_chunks: int | None = None) -> None:
+        if num_chunks is not None and num_chunks < 1:
+            raise ValueError(
+                f"num_chunks must be 1 or more (or None: by vocabulary), got {num_chunks}"
+            )
         self.ignore_index = ignore_index
+        self.num_chunks = num_chunks
 
     def __call__(
-        self, output, labels: torch.Tensor
+        self,
+        model,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor,
+        sources: SourcesOf | None = None,
+        **inputs,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        logits = output[0] if isinstance(output, tuple) else output
-        loss_sum = F.cross_entropy(
-            logits.float().flatten(0, 1),
-            labels.flatten(),
-            ignore_index=self.ignore_index,
-            reduction="sum",
+        output, losses, extras = forward_with_loss(
+            model, input_ids, labels, self.num_chunks, self.ignore_index, sources, **inputs
         )
         if not isinstance(output, LMOutput):
-            return loss_sum, {}
+            return losses.total, extras
         tokens = (labels != self.ignore_index).sum()
-        extras = {name: value.detach() * tokens for name, value in output.metrics.items()}
-        return loss_sum + output.aux_loss * tokens, extras
+        extras.update({name: value.detach() * tokens for name, value in output.metrics.items()})
+        return losses.total + output.aux_loss * tokens, extras
 
     def evaluate(self, model, input_ids: torch.Tensor, labels: torch.Tensor, **inputs):
         """The loss on an evaluation batch (models with latents add metrics here);
         `inputs`: the model's others (a packed batch's documents)."""
-        return self(model(input_ids, **inputs), labels)
+        return self(model, input_ids, labels, **inputs)
 
 
 def loss_tokens(batch: dict[str, torch.Tensor], ignore_index: int = IGNORE_INDEX) -> torch.Tensor:

@@ -15,6 +15,7 @@ import time
 
 import torch
 
+from freetx.data import GlobalBatchSampler
 from freetx.distributed import ParallelGroups
 
 # Dense (no sparsity) bf16 peak, FLOP/s, matched by substring of the device name.
@@ -77,7 +78,17 @@ def memory_stats(device: torch.device) -> dict[str, float]:
 
 
 class ThroughputMeter:
-    """Tokens/s (global and per device), step time and MFU over the last logged steps."""
+    """Throughput, step time and MFU over the steps since the last logged one.
+
+    A step counts its positions (batch_size x seq_len: what the model computes), and,
+    where the recipe says, its real tokens (positions that are not padding; this rank's,
+    summed over the data-parallel ranks when logged, in the step metrics' collective) and
+    its loss tokens (global). Logged: `tokens_per_s` (real tokens), `loss_tokens_per_s`,
+    `padding_fraction` (of the positions), `tokens_per_s_per_device`, and MFU from the
+    real tokens: padding is not counted as work.
+    """
+
+    REAL = "meter/real_tokens"  # this rank's real tokens, in the logged step's sums
 
     def __init__(self, flops_per_token: float, world_size: int, peak: float | None) -> None:
         self.flops_per_token = flops_per_token
@@ -86,28 +97,100 @@ class ThroughputMeter:
         self.reset()
 
     def reset(self) -> None:
-        self._tokens = 0
+        self._positions = 0
+        self._real: float | None = 0.0  # None: a step did not say (every position is real)
+        self._loss_tokens: float | None = 0.0
         self._steps = 0
         self._start = time.perf_counter()
 
-    def update(self, global_tokens: int) -> None:
-        self._tokens += global_tokens
+    def update(
+        self, positions: int, real_tokens: float | None = None, loss_tokens: float | None = None
+    ) -> None:
+        """One step: `positions` over all ranks; `real_tokens` this rank's (None: every
+        position), `loss_tokens` over all ranks (None: not logged)."""
+        self._positions += positions
         self._steps += 1
+        self._real = None if real_tokens is None or self._real is None else self._real + real_tokens
+        self._loss_tokens = (
+            None if loss_tokens is None or self._loss_tokens is None
+            else self._loss_tokens + float(loss_tokens)
+        )  # fmt: skip
 
-    def read(self) -> dict[str, float]:
-        """Metrics since the last read; then start a new window."""
+    def local_sums(self) -> dict[str, torch.Tensor]:
+        """What a logged step sums over the data-parallel ranks for `read`."""
+        return {} if self._real is None else {self.REAL: torch.tensor(float(self._real))}
+
+    def read(self, totals: dict[str, float] | None = None) -> dict[str, float]:
+        """Metrics since the last read (`totals`: `local_sums` summed over the
+        data-parallel ranks); then start a new window."""
         elapsed = max(time.perf_counter() - self._start, 1e-9)
-        tokens_per_s = self._tokens / elapsed
+        real = (totals or {}).get(self.REAL, self._positions)
+        tokens_per_s = real / elapsed
         per_device = tokens_per_s / self.world_size
         metrics = {
             "tokens_per_s": tokens_per_s,
             "tokens_per_s_per_device": per_device,
+            "padding_fraction": 1.0 - real / max(self._positions, 1),
             "step_time_s": elapsed / max(self._steps, 1),
         }
+        if self._loss_tokens is not None:
+            metrics["loss_tokens_per_s"] = self._loss_tokens / elapsed
         if self.peak:
             metrics["mfu_pct"] = 100.0 * self.flops_per_token * per_device / self.peak
         self.reset()
         return metrics
+
+
+def real_tokens(batches: list[dict[str, torch.Tensor]]) -> float:
+    """The positions of token batches that are not padding (`real_tokens` per sample where
+    the data says, as packed and padded samples do; else every position)."""
+    total = 0.0
+    for batch in batches:
+        if "real_tokens" in batch:
+            total += float(batch["real_tokens"].sum())
+        else:
+            total += float(batch["input_ids"].numel())
+    return total
+
+
+def first_batches_padding(loader, steps: int = 4) -> str | None:
+    """The share of padding among the positions of this rank's first `steps` optimizer
+    steps (the loader's sampler says which samples; read from the dataset, the loader
+    untouched), for the banner; None where samples do not say (`real_tokens`)."""
+    sampler, dataset = loader.batch_sampler, loader.dataset
+    if not isinstance(sampler, GlobalBatchSampler):
+        return None
+    positions = real = 0
+    for step in range(steps):
+        for micro in range(sampler.accumulation):
+            for index in sampler.indices(step, micro):
+                sample = dataset[index]
+                if "real_tokens" not in sample:
+                    return None
+                positions += sample["input_ids"].numel()
+                real += int(sample["real_tokens"])
+    if not positions:
+        return None
+    return f"{100 * (1 - real / positions):.1f}% of the first {steps} steps' positions"
+
+
+def per_source_means(metrics: dict[str, float], prefix: str = "") -> dict[str, float]:
+    """A mixture's per-source sums made means: `loss/<name>` over `loss_tokens/<name>`
+    (both divided by the same total before, which the ratio cancels;
+    `freetx.models.output_loss.SourcesOf`). A source without loss tokens in the window
+    is left out."""
+    means = {}
+    for key, value in metrics.items():
+        if key.startswith(prefix + "loss_tokens/"):
+            continue
+        name = key[len(prefix + "loss/") :] if key.startswith(prefix + "loss/") else None
+        if name is None:
+            means[key] = value
+            continue
+        tokens = metrics[f"{prefix}loss_tokens/{name}"]
+        if tokens > 0:
+            means[key] = value / tokens
+    return means
 
 
 def train_step_metrics(
@@ -122,12 +205,14 @@ def train_step_metrics(
     ranks and the peak memory of the fullest rank (one collective: every rank calls it),
     lr, grad norm, throughput."""
     totals, memory = groups.sum_and_max(
-        {k: v.detach() for k, v in sums.items()}, memory_stats(groups.runtime.device)
+        {**{k: v.detach() for k, v in sums.items()}, **meter.local_sums()},
+        memory_stats(groups.runtime.device),
     )
+    counted = {k: totals.pop(k) for k in meter.local_sums()}
     units = max(float(num_tokens), 1.0)  # a window without loss tokens logs 0, not NaN
-    metrics = {name: value / units for name, value in totals.items()}
+    metrics = per_source_means({name: value / units for name, value in totals.items()})
     metrics["lr"] = float(lr_scheduler.get_last_lr()[0])  # torchao keeps lr as a tensor
     metrics["grad_norm"] = grad_norm
-    metrics.update(meter.read())
+    metrics.update(meter.read(counted))
     metrics.update(memory)
     return metrics

@@ -39,7 +39,7 @@ def reference_grads(micro_batches: int) -> dict[str, torch.Tensor]:
     inputs, labels = global_batch()
     total = (labels != -100).sum()
     for x, y in zip(inputs.chunk(micro_batches), labels.chunk(micro_batches)):
-        loss, _ = CrossEntropyLoss()(model(x), y)
+        loss, _ = CrossEntropyLoss()(model, x, y)
         (loss / total).backward()
     return full_grads(model)
 
@@ -57,7 +57,7 @@ def sharded_grads(strategy: str, activation_checkpointing: str = "none"):
     per_rank = len(inputs) // runtime.world_size
     mine = slice(runtime.rank * per_rank, (runtime.rank + 1) * per_rank)
     total = count_over_ranks(ParallelGroups(runtime), [(labels[mine] != -100).sum()])
-    loss, extras = CrossEntropyLoss()(model(inputs[mine]), labels[mine])
+    loss, extras = CrossEntropyLoss()(model, inputs[mine], labels[mine])
     (loss * runtime.world_size / total).backward()
     return full_grads(model), extras
 

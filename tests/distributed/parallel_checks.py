@@ -74,8 +74,11 @@ def optimizer_cfg():
     return OmegaConf.create({"_component_": "torch.optim.SGD", "lr": 0.5, "weight_decay": 0.1})
 
 
-def train_one_step(strategy: str, accumulation: int = 1, **dist_options):
-    """One optimizer step the way the recipe does it; returns (init, grads, params)."""
+def train_one_step(
+    strategy: str, accumulation: int = 1, num_chunks: int | None = None, **dist_options
+):
+    """One optimizer step the way the recipe does it; returns (init, grads, params).
+    `num_chunks`: the loss's logits a chunk of tokens at a time."""
     runtime = init_distributed("cpu")
     cfg = OmegaConf.structured(DistributedConfig(strategy=strategy, **dist_options))
     with torch.device("meta"):
@@ -92,10 +95,10 @@ def train_one_step(strategy: str, accumulation: int = 1, **dist_options):
     num_tokens = count_over_ranks(
         ParallelGroups(runtime), [(y != -100).sum() for y in micro_labels]
     )
-    loss_fn = CrossEntropyLoss()
+    loss_fn = CrossEntropyLoss(num_chunks=num_chunks)
     for i, (x, y) in enumerate(zip(micro_inputs, micro_labels)):
         with plan.gradient_sync(enabled=i == accumulation - 1):
-            loss, _ = loss_fn(model(x), y)
+            loss, _ = loss_fn(model, x, y)
             (loss * runtime.world_size / num_tokens).backward()
     grads = full_grads(model)
     optimizer.step()
@@ -158,7 +161,7 @@ def reference_step():
     init = full_params(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5, weight_decay=0.1)
     inputs, labels = global_batch()
-    loss, _ = CrossEntropyLoss()(model(inputs), labels)
+    loss, _ = CrossEntropyLoss()(model, inputs, labels)
     (loss / (labels != -100).sum()).backward()
     grads = full_grads(model)
     optimizer.step()
@@ -183,7 +186,7 @@ def saved_activation_bytes(activation_checkpointing: str) -> tuple[int, dict]:
 
     torch.manual_seed(5)  # dropout on: recomputation must replay the same masks
     with saved_tensors_hooks(pack, lambda t: t):
-        loss, _ = CrossEntropyLoss()(model(inputs), labels)
+        loss, _ = CrossEntropyLoss()(model, inputs, labels)
     loss.backward()
     return sum(saved), full_grads(model)
 
@@ -216,13 +219,13 @@ def free_transformer_step(strategy: str | None):
     noise = torch.rand(GLOBAL_BATCH, SEQ, 3, generator=torch.Generator().manual_seed(4))
     loss_fn = FreeTransformerLoss(kappa_bits=0.0)  # every token's KL is penalized
     if strategy is None:
-        loss, _ = loss_fn(model(inputs, noise=noise), labels)
+        loss, _ = loss_fn(model, inputs, labels, noise=noise)
         (loss / (labels != -100).sum()).backward()
     else:
         per_rank = GLOBAL_BATCH // runtime.world_size
         mine = slice(runtime.rank * per_rank, (runtime.rank + 1) * per_rank)
         num_tokens = count_over_ranks(ParallelGroups(runtime), [(labels[mine] != -100).sum()])
-        loss, _ = loss_fn(model(inputs[mine], noise=noise[mine]), labels[mine])
+        loss, _ = loss_fn(model, inputs[mine], labels[mine], noise=noise[mine])
         (loss * runtime.world_size / num_tokens).backward()
     return full_grads(model)
 
@@ -305,10 +308,10 @@ def blockless_step(strategy: str | None):
     return full_grads(model)
 
 
-def peft_step(strategy: str | None, method: str):
+def peft_step(strategy: str | None, method: str, num_chunks: int | None = None):
     """Grads of the trainable parameters of a LoRA / DoRA / QLoRA / Spectrum step (None:
     1 process, the full batch). Every weight is set to a deterministic random value (B
-    included, so A gets gradient too); the base is frozen."""
+    included, so A gets gradient too); the base is frozen. `num_chunks`: the loss's."""
     from freetx.distributed import fill_parameters
     from freetx.models.peft import apply_lora, train_only
 
@@ -347,7 +350,7 @@ def peft_step(strategy: str | None, method: str):
         scale = runtime.world_size / float(
             count_over_ranks(ParallelGroups(runtime), [(labels[rows] != -100).sum()])
         )
-    loss, _ = CrossEntropyLoss()(model(inputs[rows]), labels[rows])
+    loss, _ = CrossEntropyLoss(num_chunks=num_chunks)(model, inputs[rows], labels[rows])
     (loss * scale).backward()
     grads = {}
     for name, p in unwrap(model).named_parameters():
@@ -420,6 +423,10 @@ def main() -> None:
         _, grads, params = train_one_step(strategy, accumulation=2)
         results[f"accumulation/{strategy}/grad"] = max_diff(grads, ref_grads)
         results[f"accumulation/{strategy}/param"] = max_diff(params, ref_params)
+        # the loss's logits 3 chunks of tokens at a time (tied to no embedding: the head)
+        _, grads, params = train_one_step(strategy, accumulation=2, num_chunks=3)
+        results[f"chunked/{strategy}/grad"] = max_diff(grads, ref_grads)
+        results[f"chunked/{strategy}/param"] = max_diff(params, ref_params)
 
     base_bytes, base_grads = saved_activation_bytes("none")
     for mode in ("full", "selective"):
@@ -447,6 +454,9 @@ def main() -> None:
             results[f"peft/{method}/{strategy}/grad"] = max_diff(grads, reference)
             results[f"peft/{method}/{strategy}/trainable"] = sorted(grads)
         results[f"peft/{method}/reference_trainable"] = sorted(reference)
+    for method in ("lora", "qlora"):  # LoRA on the output head, and its NF4 base: chunked
+        reference = peft_step(None, method)
+        results[f"chunked/{method}/grad"] = max_diff(peft_step("fsdp", method, 3), reference)
 
     for activation in ("relu", "jumprelu", "batchtopk"):
         reference, ref_scale = crosscoder_step(None, activation)

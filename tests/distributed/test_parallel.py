@@ -80,6 +80,22 @@ def test_a_model_without_blocks_is_sharded_whole(results, strategy):
         assert rank[f"blockless/{strategy}/grad"] < TIGHT
 
 
+@pytest.mark.parametrize("strategy", ["fsdp", "ddp"])
+def test_a_chunked_loss_gives_the_unchunked_gradients_and_update(results, strategy):
+    """CrossEntropyLoss(num_chunks=3): the logits a chunk of tokens at a time, gradients
+    of the head and the hidden states taken per chunk in forward; 2 micro-batches."""
+    for rank in results:
+        assert rank[f"chunked/{strategy}/grad"] < TIGHT
+        assert rank[f"chunked/{strategy}/param"] < TIGHT
+
+
+@pytest.mark.parametrize("method", ["lora", "qlora"])
+def test_a_chunked_loss_trains_lora_on_the_output_head_as_unchunked(results, method):
+    """LoRA adapters on the head (QLoRA: on its NF4 base) get the unchunked gradients."""
+    for rank in results:
+        assert rank[f"chunked/{method}/grad"] < TIGHT
+
+
 @pytest.mark.parametrize("method", ["lora", "dora", "spectrum", "qlora"])
 @pytest.mark.parametrize("strategy", ["fsdp", "ddp"])
 def test_peft_gradients_of_the_trainable_parameters_match_single_process(results, method, strategy):

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from freetx.data import ByteTokenizer, LetterBlockDataset
 from freetx.data.letter_block import block_start, letter_block_text
 from freetx.distributed import materialize
+from freetx.models import OutputLayer
 from freetx.models import free_transformer as ft
 from freetx.models.free_transformer import (
     FreeTransformerLoss,
@@ -118,7 +119,7 @@ def test_the_model_trains_bit_identically_to_the_one_hot_form():
         if one_hot:
             table = free.post_sampler.weight
             free.post_sampler.forward = lambda bits, z: F.linear(binary_mapper(z, noise)[0], table)
-        loss, _ = FreeTransformerLoss(kappa_bits=0.0)(free(x, noise=noise), x)
+        loss, _ = FreeTransformerLoss(kappa_bits=0.0)(free, x, x, noise=noise)
         loss.backward()
         return {name: p.grad for name, p in free.named_parameters()}
 
@@ -146,7 +147,7 @@ def test_the_factored_post_sampler_trains_and_samples_at_64_bits():
     x = torch.randint(0, 40, (2, 12))
     logits, z_logits = free(x)
     assert z_logits.shape == (2, 12, 64)
-    loss, extras = FreeTransformerLoss()((logits, z_logits), x)
+    loss, extras = FreeTransformerLoss()(free, x, x)
     loss.backward()
     assert free.encoder_readout.weight.grad.abs().sum() > 0  # through the bits
     assert free.post_sampler.weight.grad.shape == (32, 64)
@@ -238,7 +239,11 @@ def test_loss_adds_free_bits_kl_and_reports_metrics():
     logits = torch.randn(2, 3, 10)
     labels = torch.tensor([[1, 2, -100], [3, 4, 5]])
     z_logits = torch.randn(2, 3, 4) * 3
-    loss, extras = loss_fn((logits, z_logits), labels)
+
+    def model(input_ids, output_loss):  # these logits and latents, as a model hands them over
+        return output_loss(logits, OutputLayer(lambda h: h, (), 10)), z_logits
+
+    loss, extras = loss_fn(model, labels, labels)
     ce = torch.nn.functional.cross_entropy(logits.view(-1, 10), labels.view(-1), reduction="sum")
     kl = kl_to_uniform(z_logits) * (labels != -100)
     assert torch.allclose(extras["ce"], ce)

@@ -119,7 +119,7 @@ def test_the_loss_adds_the_aux_loss_once_per_loss_token_and_logs_it():
     labels = ids.clone()
     labels[0, :6] = -100
     output = model(ids)
-    loss, extras = CrossEntropyLoss()(output, labels)
+    loss, extras = CrossEntropyLoss()(model, ids, labels)
     ce = F.cross_entropy(output.logits.flatten(0, 1), labels.flatten(), reduction="sum")
     tokens = 26
     assert abs(loss.item() - (ce.item() + tokens * output.aux_loss.item())) < 1e-4

@@ -1,0 +1,194 @@
+"""Cross-entropy over an output layer's logits made a chunk of tokens at a time.
+
+The output layer's logits [B, T, vocab] are the largest tensor of a step at Llama 3's
+128k or Gemma's 256k vocabulary. `ChunkedCrossEntropy` is an `OutputLoss`: a model
+that hands it its last hidden states and its output layer (`ProjectsInChunks`) never
+makes the logits whole. It computes the logits of one chunk of tokens at a time in the
+compute dtype, upcasts that chunk to float32, takes its cross-entropy, and computes
+that chunk's gradients (of the hidden states and of the output layer's parameters) at
+once, so that nothing of the chunk is kept for backward. Backward then only scales the
+gradients by the loss's own: the same matrix products as the unchunked loss, with one
+chunk's logits alive at a time (`benchmarks/memory.py`). The LM losses use it:
+`freetx.training.CrossEntropyLoss`, the Free Transformer's.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from freetx.models.protocol import OutputLayer
+
+IGNORE_INDEX = -100  # torch's cross-entropy default, as in freetx.data
+
+# The vocabulary size from which `num_chunks` defaults to CHUNKS_FOR_LARGE_VOCABULARY:
+# below it (Llama 2's and Mistral's 32k, byte vocabularies) the logits are smaller than
+# a block's activations and one chunk keeps the loss as it always was.
+LARGE_VOCABULARY = 65_536
+CHUNKS_FOR_LARGE_VOCABULARY = 8
+
+
+def default_num_chunks(vocab_size: int) -> int:
+    """`num_chunks` when a config leaves it out: by the vocabulary size."""
+    return CHUNKS_FOR_LARGE_VOCABULARY if vocab_size >= LARGE_VOCABULARY else 1
+
+
+class TokenLosses(NamedTuple):
+    """What the cross-entropy of a batch returns: the loss summed over its loss tokens
+    (differentiable) and each token's loss [B, T] (detached, 0 where ignored), or None
+    where it was not asked for."""
+
+    total: torch.Tensor
+    per_token: torch.Tensor | None
+
+
+class ChunkedCrossEntropy:
+    """An `OutputLoss` (`freetx.models.OutputLoss`): next-token cross-entropy of `labels`
+    [B, T] over the logits the output layer makes of `hidden` [B, T, d], `num_chunks`
+    chunks of tokens at a time (None: `default_num_chunks`). `per_token`: also return
+    each token's loss."""
+
+    def __init__(
+        self,
+        labels: torch.Tensor,
+        num_chunks: int | None = None,
+        ignore_index: int = IGNORE_INDEX,
+        per_token: bool = False,
+    ) -> None:
+        self.labels = labels
+        self.num_chunks = num_chunks
+        self.ignore_index = ignore_index
+        self.per_token = per_token
+
+    def __call__(self, hidden: torch.Tensor, layer: OutputLayer) -> TokenLosses:
+        chunks = self.num_chunks or default_num_chunks(layer.vocab_size)
+        if chunks == 1:
+            return self.whole(layer.project(hidden))
+        trained = [p for p in layer.parameters if p.requires_grad]
+        if torch.is_grad_enabled() and (hidden.requires_grad or trained):
+            total, per_token = _ChunkedCrossEntropy.apply(
+                hidden, self.labels, layer.project, chunks, self.ignore_index, *trained
+            )
+        else:
+            total, per_token = _chunk_losses(
+                hidden, self.labels, layer.project, chunks, self.ignore_index, ()
+            )[:2]
+        return TokenLosses(total, per_token.view_as(self.labels) if self.per_token else None)
+
+    def whole(self, logits: torch.Tensor) -> TokenLosses:
+        """The loss of logits made whole (one chunk), upcast to float32 for the softmax."""
+        flat = logits.float().flatten(0, 1), self.labels.flatten()
+        if not self.per_token:
+            return TokenLosses(
+                F.cross_entropy(*flat, ignore_index=self.ignore_index, reduction="sum"), None
+            )
+        losses = F.cross_entropy(*flat, ignore_index=self.ignore_index, reduction="none")
+        return TokenLosses(losses.sum(), losses.detach().view_as(self.labels))
+
+
+def _chunk_losses(hidden, labels, project, chunks: int, ignore_index: int, wants):
+    """Each chunk of tokens in turn: its logits, upcast, cross-entropy; with `wants`
+    (hidden, then the parameters to differentiate), that chunk's gradients at once.
+    Returns (total, per-token losses, gradient of hidden or None, of each parameter)."""
+    flat_hidden, flat_labels = hidden.flatten(0, -2), labels.flatten()
+    wants_hidden = bool(wants) and wants[0] is hidden
+    params = list(wants[1:] if wants_hidden else wants)
+    grad_hidden = torch.empty_like(flat_hidden) if wants_hidden else None
+    # float32 sums of the parameters' gradients over the chunks
+    grad_params = [torch.zeros(p.shape, dtype=torch.float32, device=p.device) for p in params]
+    per_token = torch.empty(flat_labels.shape, dtype=torch.float32, device=hidden.device)
+    total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    for rows in torch.arange(flat_labels.numel()).tensor_split(chunks):
+        if rows.numel() == 0:
+            continue
+        start, end = int(rows[0]), int(rows[-1]) + 1
+        chunk = flat_hidden[start:end].detach().requires_grad_(wants_hidden)
+        with torch.enable_grad() if wants else torch.no_grad():
+            losses = F.cross_entropy(
+                project(chunk).float(), flat_labels[start:end],
+                ignore_index=ignore_index, reduction="none",
+            )  # fmt: skip
+            loss = losses.sum()
+            inputs = ([chunk] if wants_hidden else []) + params
+            grads = torch.autograd.grad(loss, inputs) if inputs else ()
+        if wants_hidden:
+            grad_hidden[start:end] = grads[0]
+            grads = grads[1:]
+        for summed, grad in zip(grad_params, grads):
+            summed += grad
+        per_token[start:end] = losses.detach()
+        total += loss.detach()
+    return total, per_token, grad_hidden, grad_params
+
+
+class _ChunkedCrossEntropy(torch.autograd.Function):
+    """The chunked loss and, in the same pass, its gradients (the loss's gradient taken as
+    one); backward scales them by the loss's real gradient (a scalar)."""
+
+    @staticmethod
+    def forward(ctx, hidden, labels, project, chunks, ignore_index, *params):
+        wants = ((hidden,) if ctx.needs_input_grad[0] else ()) + params
+        total, per_token, grad_hidden, grad_params = _chunk_losses(
+            hidden, labels, project, chunks, ignore_index, wants
+        )
+        ctx.mark_non_differentiable(per_token)
+        ctx.hidden_shape = hidden.shape
+        ctx.param_dtypes = [p.dtype for p in params]
+        ctx.save_for_backward(
+            grad_hidden if grad_hidden is not None else torch.empty(0), *grad_params
+        )
+        ctx.has_hidden = grad_hidden is not None
+        return total, per_token
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_total, _grad_per_token):
+        grad_hidden, *grad_params = ctx.saved_tensors
+        scaled_hidden = None
+        if ctx.has_hidden:
+            scaled_hidden = (grad_hidden * grad_total.to(grad_hidden.dtype)).view(ctx.hidden_shape)
+        scaled = [(g * grad_total).to(dtype) for g, dtype in zip(grad_params, ctx.param_dtypes)]
+        return scaled_hidden, None, None, None, None, *scaled
+
+
+class SourcesOf(NamedTuple):
+    """Which source each sample of a batch is from (`source` [B], a mixture's), and the
+    sources' names: the per-source sums a loss adds to its extras."""
+
+    source: torch.Tensor
+    names: tuple[str, ...]
+
+    def sums(self, per_token: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
+        """`loss/<name>` (the loss summed over the source's loss tokens) and
+        `loss_tokens/<name>` for every source, present in the batch or not (every rank
+        reduces the same keys)."""
+        per_sample = per_token.sum(dim=1)
+        tokens = mask.sum(dim=1).to(per_sample.dtype)
+        sums = {}
+        for index, name in enumerate(self.names):
+            mine = self.source.to(per_sample.device) == index
+            sums[f"loss/{name}"] = per_sample[mine].sum()
+            sums[f"loss_tokens/{name}"] = tokens[mine].sum()
+        return sums
+
+
+def forward_with_loss(
+    model,
+    input_ids: torch.Tensor,
+    labels: torch.Tensor,
+    num_chunks: int | None,
+    ignore_index: int = IGNORE_INDEX,
+    sources: SourcesOf | None = None,
+    **inputs,
+):
+    """`model`'s forward with a `ChunkedCrossEntropy` of `labels` as its output loss:
+    (what forward returned, its `TokenLosses`, and `sources`' per-source sums or {}).
+    The losses stand where the logits would: the output itself, or its first element
+    (`LMOutput`, the Free Transformer's (logits, z_logits))."""
+    head = ChunkedCrossEntropy(labels, num_chunks, ignore_index, per_token=sources is not None)
+    output = model(input_ids, output_loss=head, **inputs)
+    losses = output if isinstance(output, TokenLosses) else output[0]
+    sums = {} if sources is None else sources.sums(losses.per_token, labels != ignore_index)
+    return output, losses, sums
