@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import math
+import re
 
 import pytest
 
@@ -45,12 +47,14 @@ def test_float16_with_fsdp_on_two_processes_rides_out_an_overflow(tmp_path):
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert "strategy fsdp" in result.stdout and "precision param float16" in result.stdout
-    assert "step 2: the gradient norm is inf; float16 overflow, the loss scale is now 32768" in (
-        result.stdout
+    # inf, or nan where an overflowed float16 gradient met another (inf - inf) in backward
+    assert re.search(
+        r"step 2: the gradient norm is (inf|nan); float16 overflow, the loss scale is now 32768",
+        result.stdout,
     )
     train = [r for r in read_metrics(tmp_path) if "loss" in r]
     assert [r["step"] for r in train] == [1, 2, 3]
-    assert train[1]["grad_norm"] == float("inf") and train[2]["grad_norm"] < 100
+    assert not math.isfinite(train[1]["grad_norm"]) and train[2]["grad_norm"] < 100
 
 
 BAD_INPUTS = [

@@ -73,7 +73,9 @@ def test_merged_model_equals_the_adapter_model(use_dora):
         before = model(IDS)
         merged = merge_adapters(model)
         assert not adapter_layers(merged)
-        assert (merged(IDS) - before).abs().max() < 1e-5
+        # fp32 rounding of W + sBA against x W + s (x A) B: relative to the logits (up to
+        # ~6 here), whose last bits the CPU's matmul kernels order differently
+        assert (merged(IDS) - before).abs().max() < 1e-5 * max(1.0, before.abs().max())
 
 
 def test_dora_forward_is_the_magnitude_times_the_normalized_direction():
