@@ -13,7 +13,7 @@ from freetx.distributed import Layout, check_distributed
 from freetx.errors import ConfigError
 from freetx.fields import written_folders
 from freetx.files import check_writable_folder
-from freetx.models.protocol import DescribesItself, PacksDocuments
+from freetx.models.protocol import DescribesItself, PacksDocuments, SlicesLayers
 from freetx.training.config import TrainingConfig
 from freetx.training.export import built_class, check_final_export
 
@@ -34,8 +34,21 @@ def check_layout(cfg: object, layout: Layout) -> None:
     if model_class is not None and isinstance(dataset, DictConfig):
         packed = any(node.get("packed", False) for node in dataset_nodes(dataset))
         check_packing(model_class, bool(packed))
-    if layout.world_size is not None:
-        micro_batch_size(cfg.batch_size, layout.world_size, cfg.gradient_accumulation_steps)
+    if cfg.distributed.tp > 1 and model_class is not None:
+        check_slices(model_class)
+    if layout.world_size is not None:  # tensor-parallel ranks read the same data
+        data_ranks = layout.world_size // cfg.distributed.tp
+        micro_batch_size(cfg.batch_size, data_ranks, cfg.gradient_accumulation_steps)
+
+
+def check_slices(model_class: type) -> None:
+    """distributed.tp > 1 needs a model with a tensor-parallel plan (`SlicesLayers`)."""
+    if not issubclass(model_class, SlicesLayers):
+        raise ConfigError(
+            f"{model_class.__name__} has no tensor-parallel plan (freetx slices the native "
+            "decoder's attention and MLP), so distributed.tp > 1 cannot run it.",
+            fix="Set distributed.tp=1 (fsdp alone shards it).",
+        )
 
 
 def dataset_nodes(dataset: DictConfig) -> list[DictConfig]:

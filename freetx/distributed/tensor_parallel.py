@@ -1,0 +1,48 @@
+"""Tensor parallelism: a model's layers sliced over the `tp` ranks of a (dp, tp) mesh.
+
+The model says which module plays which role (`freetx.models.protocol.SlicesLayers`,
+`TP_ROLES`); this module maps the roles to torch's parallel styles and applies them to
+the meta model, before activation checkpointing, compile and FSDP2 (which then shards
+each slice over the dp ranks: 2-D DTensors). Attention is sliced by heads (queries,
+keys and values column-wise, the output projection row-wise), the MLP by hidden units
+(gate and up column-wise, down row-wise): two sums over the tp ranks per block in
+forward, two in backward, as Megatron-LM. The embedding and the head are sliced by
+vocabulary; the head's logits are gathered (the chunked loss gathers one chunk of
+tokens at a time).
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+from freetx.errors import ConfigError
+from freetx.models.protocol import TP_ROLES, SlicesLayers
+
+
+def parallel_style(role: str):
+    """The torch parallel style of a role (`TP_ROLES`)."""
+    if role == "colwise":
+        return ColwiseParallel()
+    if role == "rowwise":
+        return RowwiseParallel()
+    if role == "embedding":
+        return RowwiseParallel(input_layouts=Replicate())
+    if role == "output":
+        return ColwiseParallel(output_layouts=Replicate())
+    raise ValueError(f"no tensor-parallel role {role!r}; the roles are {', '.join(TP_ROLES)}")
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Slice `model`'s layers over `tp_mesh` as its plan says (`SlicesLayers`); refuses a
+    model without a plan."""
+    if not isinstance(model, SlicesLayers):
+        raise ConfigError(
+            f"{type(model).__name__} has no tensor-parallel plan (freetx slices the native "
+            "decoder's attention and MLP), so distributed.tp > 1 cannot run it.",
+            fix="Set distributed.tp=1 (fsdp alone shards it).",
+        )
+    plan = model.tensor_parallel_plan(tp_mesh.size())
+    parallelize_module(model, tp_mesh, {name: parallel_style(role) for name, role in plan.items()})
