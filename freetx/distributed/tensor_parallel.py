@@ -16,7 +16,12 @@ from __future__ import annotations
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
 
 from freetx.errors import ConfigError
 from freetx.models.protocol import TP_ROLES, SlicesLayers
@@ -32,6 +37,8 @@ def parallel_style(role: str):
         return RowwiseParallel(input_layouts=Replicate())
     if role == "output":
         return ColwiseParallel(output_layouts=Replicate())
+    if role == "heads_norm":  # input [B, T, heads, head_dim], sliced by heads (dim 2)
+        return SequenceParallel(sequence_dim=2, use_local_output=True)
     raise ValueError(f"no tensor-parallel role {role!r}; the roles are {', '.join(TP_ROLES)}")
 
 

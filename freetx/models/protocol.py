@@ -414,7 +414,9 @@ class ProjectsInChunks(Protocol):
 #   rowwise    a Linear's input features sliced; the outputs summed over the ranks
 #   embedding  an Embedding's vocabulary rows sliced; the outputs summed
 #   output     the head's vocabulary rows sliced; the logits gathered
-TP_ROLES = ("colwise", "rowwise", "embedding", "output")
+#   heads_norm a norm applied per head ([B, T, heads, head_dim], heads sliced): its weight
+#              whole on every rank, its gradient summed over them
+TP_ROLES = ("colwise", "rowwise", "embedding", "output", "heads_norm")
 
 
 @runtime_checkable

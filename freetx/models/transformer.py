@@ -806,7 +806,9 @@ class Transformer(nn.Module):
     def tensor_parallel_plan(self, tp: int) -> dict[str, str]:
         """Each block's attention sliced by heads and its MLP by hidden units, the
         embedding and an untied head by vocabulary (`SlicesLayers`); a tied embedding
-        stays whole on every tp rank (the head reads it). Refuses what it cannot slice."""
+        stays whole on every tp rank (the head reads it), and so do an MoE block's router
+        and experts (each tp rank routes the same whole tokens). Refuses what it cannot
+        slice."""
         c = self.config
         why = None
         if c.num_heads % tp or c.num_kv_heads % tp:
@@ -815,21 +817,25 @@ class Transformer(nn.Module):
         elif c.ffn_hidden_dim % tp:
             why = (f"tp={tp} does not divide the MLP's {c.ffn_hidden_dim} hidden units",
                    "Pick a tp that divides it")  # fmt: skip
-        elif c.fused_projections or c.qk_norm == "projection" or c.num_experts:
+        elif c.fused_projections or c.qk_norm == "projection":
             kind = ("fused q/k/v and gate/up projections (Phi-3)" if c.fused_projections
-                    else "q/k norms over whole projections (OLMo 2)"
-                    if c.qk_norm == "projection" else "experts (an MoE decoder)")  # fmt: skip
+                    else "q/k norms over whole projections (OLMo 2)")  # fmt: skip
             why = (f"freetx does not slice {kind} over tensor-parallel ranks yet",
                    "Set distributed.tp=1 (fsdp alone shards it)")  # fmt: skip
         if why is not None:
             raise ConfigError(f"distributed.tp: {why[0]}.", fix=f"{why[1]}, or set tp=1.")
         plan = {}
         for i in range(c.num_layers):
-            for name in ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1",
-                         "feed_forward.w3"):  # fmt: skip
-                plan[f"layers.{i}.{name}"] = "colwise"
+            for name in ("wq", "wk", "wv"):
+                plan[f"layers.{i}.attention.{name}"] = "colwise"
             plan[f"layers.{i}.attention.wo"] = "rowwise"
-            plan[f"layers.{i}.feed_forward.w2"] = "rowwise"
+            if c.qk_norm == "head":  # one weight for every head: its gradient summed over tp
+                plan[f"layers.{i}.attention.q_norm"] = "heads_norm"
+                plan[f"layers.{i}.attention.k_norm"] = "heads_norm"
+            if not c.is_moe_layer(i):  # experts stay whole on every tp rank (its input is)
+                plan[f"layers.{i}.feed_forward.w1"] = "colwise"
+                plan[f"layers.{i}.feed_forward.w3"] = "colwise"
+                plan[f"layers.{i}.feed_forward.w2"] = "rowwise"
         if self.output is not None:
             plan["tok_embeddings"] = "embedding"
             plan["output"] = "output"

@@ -1,5 +1,6 @@
 """Tensor parallelism on 4 gloo processes, a (dp 2, tp 2) mesh: the same initial
-weights, gradients and clipped update as 1 process on the whole batch."""
+weights, gradients and clipped update as 1 process on the whole batch, for a dense
+decoder (tied and untied head) and an MoE one."""
 
 from pathlib import Path
 
@@ -8,7 +9,7 @@ import pytest
 from tests.distributed.launcher import run_checks
 
 TIGHT = 2e-6  # fp32: differences come only from the order of summation
-CASES = [f"{head}/chunks{c}/accumulation{a}" for head in ("untied", "tied")
+CASES = [f"{model}/chunks{c}/accumulation{a}" for model in ("untied", "tied", "moe")
          for c, a in ((1, 1), (3, 2))]  # fmt: skip
 
 

@@ -114,7 +114,6 @@ def test_impossible_tensor_parallel_layouts_are_refused_with_the_fix(options, wo
         ({"num_heads": 6, "num_kv_heads": 3}, "does not divide the model's 6 attention heads"),
         ({"ffn_hidden_dim": 45}, "does not divide the MLP's 45 hidden units"),
         ({"fused_projections": True}, "fused q/k/v"),
-        ({"num_experts": 4, "experts_per_token": 2, "moe_ffn_hidden_dim": 8}, "experts"),
     ],
 )
 def test_a_decoder_refuses_a_tp_it_cannot_slice(fields, wanted):
