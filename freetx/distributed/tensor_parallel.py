@@ -52,4 +52,16 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
             fix="Set distributed.tp=1 (fsdp alone shards it).",
         )
     plan = model.tensor_parallel_plan(tp_mesh.size())
+    for name, role in plan.items():
+        module = model.get_submodule(name)
+        plain = (nn.Embedding,) if role == "embedding" else (nn.Linear,)
+        if role != "heads_norm" and type(module) not in plain:  # torch's styles slice every
+            # parameter of a module alike: an adapter's would be cut along the wrong side
+            raise ConfigError(
+                f"distributed.tp: {name} is a {type(module).__name__} (an adapter on a layer "
+                "tensor parallelism slices); freetx does not slice LoRA, DoRA or QLoRA "
+                "layers over tensor-parallel ranks yet.",
+                fix="Set distributed.tp=1 for adapter fine-tuning (fsdp alone shards it), or "
+                "train the whole model (or Spectrum's modules) with tp.",
+            )
     parallelize_module(model, tp_mesh, {name: parallel_style(role) for name, role in plan.items()})

@@ -133,3 +133,25 @@ def test_a_decoder_refuses_a_tp_it_cannot_slice(fields, wanted):
         plan = decoder(**base).tensor_parallel_plan(2)
     assert plan["layers.0.attention.wq"] == "colwise" and plan["layers.0.attention.wo"] == "rowwise"
     assert plan["tok_embeddings"] == "embedding" and plan["output"] == "output"
+
+
+def test_tensor_parallelism_refuses_adapters_on_the_layers_it_slices():
+    """torch's styles slice every parameter of a module alike: LoRA's A and B would be cut
+    along the wrong side, so an adapter on a sliced layer is refused with the fix."""
+    import torch
+
+    from freetx.distributed import DistributedRuntime, build_tp_meshes, fake_world
+    from freetx.distributed.tensor_parallel import apply_tensor_parallel
+    from freetx.errors import ConfigError
+    from freetx.models.peft import apply_lora
+    from freetx.models.transformer import decoder
+
+    with torch.device("meta"):
+        model = decoder(vocab_size=64, hidden_dim=24, num_layers=1, num_heads=4,
+                        num_kv_heads=2, ffn_hidden_dim=48, max_seq_len=16)  # fmt: skip
+        apply_lora(model, ["q", "v"], rank=2, alpha=4)
+    with fake_world(4):
+        _, tp_mesh = build_tp_meshes(DistributedRuntime(0, 0, 4, torch.device("cpu")), 2)
+        with pytest.raises(ConfigError, match="Set distributed.tp=1 for adapter") as error:
+            apply_tensor_parallel(model, tp_mesh)
+    assert "layers.0.attention.wq is a LoRALinear" in str(error.value)
