@@ -42,15 +42,22 @@ def parallel_style(role: str):
     raise ValueError(f"no tensor-parallel role {role!r}; the roles are {', '.join(TP_ROLES)}")
 
 
-def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
-    """Slice `model`'s layers over `tp_mesh` as its plan says (`SlicesLayers`); refuses a
-    model without a plan."""
-    if not isinstance(model, SlicesLayers):
+def check_slices(model: nn.Module | type) -> None:
+    """distributed.tp > 1 needs a model with a tensor-parallel plan (`SlicesLayers`):
+    the model, or the class a config builds (`check_layout`, before launching)."""
+    cls = model if isinstance(model, type) else type(model)
+    if not issubclass(cls, SlicesLayers):
         raise ConfigError(
-            f"{type(model).__name__} has no tensor-parallel plan (freetx slices the native "
+            f"{cls.__name__} has no tensor-parallel plan (freetx slices the native "
             "decoder's attention and MLP), so distributed.tp > 1 cannot run it.",
             fix="Set distributed.tp=1 (fsdp alone shards it).",
         )
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Slice `model`'s layers over `tp_mesh` as its plan says (`SlicesLayers`); refuses a
+    model without a plan."""
+    check_slices(model)
     plan = model.tensor_parallel_plan(tp_mesh.size())
     for name, role in plan.items():
         module = model.get_submodule(name)

@@ -10,10 +10,11 @@ from torch import nn
 
 from freetx.data import micro_batch_size
 from freetx.distributed import Layout, check_distributed
+from freetx.distributed.tensor_parallel import check_slices
 from freetx.errors import ConfigError
 from freetx.fields import written_folders
 from freetx.files import check_writable_folder
-from freetx.models.protocol import DescribesItself, PacksDocuments, SlicesLayers
+from freetx.models.protocol import DescribesItself, PacksDocuments
 from freetx.training.config import TrainingConfig
 from freetx.training.export import built_class, check_final_export
 
@@ -39,16 +40,6 @@ def check_layout(cfg: object, layout: Layout) -> None:
     if layout.world_size is not None:  # tensor-parallel ranks read the same data
         data_ranks = layout.world_size // cfg.distributed.tp
         micro_batch_size(cfg.batch_size, data_ranks, cfg.gradient_accumulation_steps)
-
-
-def check_slices(model_class: type) -> None:
-    """distributed.tp > 1 needs a model with a tensor-parallel plan (`SlicesLayers`)."""
-    if not issubclass(model_class, SlicesLayers):
-        raise ConfigError(
-            f"{model_class.__name__} has no tensor-parallel plan (freetx slices the native "
-            "decoder's attention and MLP), so distributed.tp > 1 cannot run it.",
-            fix="Set distributed.tp=1 (fsdp alone shards it).",
-        )
 
 
 def dataset_nodes(dataset: DictConfig) -> list[DictConfig]:

@@ -53,10 +53,10 @@ from freetx.distributed import (
     shard_layouts,
 )
 from freetx.distributed.parallelize import find_blocks
-from freetx.errors import ConfigError
+from freetx.distributed.tensor_parallel import check_slices
 from freetx.models.attention import AttentionSpec, choose_kernel, sliding_layers
 from freetx.models.peft.nf4 import BYTES_PER_WEIGHT, NF4LoRALinear
-from freetx.models.protocol import CountsFlops, EstimatesActivations, SlicesLayers, check_model
+from freetx.models.protocol import CountsFlops, EstimatesActivations, check_model
 from freetx.training.checks import dataset_seq_len
 
 # device -> (peak dense bf16 FLOP/s, intra-node GB/s per GPU, HBM GiB)
@@ -121,12 +121,7 @@ def sliced_modules(model: nn.Module, tp: int) -> frozenset:
     plan (`SlicesLayers`), which refuses a tp it cannot take; none at tp=1."""
     if tp == 1:
         return frozenset()
-    if not isinstance(model, SlicesLayers):
-        raise ConfigError(
-            f"{type(model).__name__} has no tensor-parallel plan, so distributed.tp > 1 "
-            "cannot run it.",
-            fix="Set distributed.tp=1 (fsdp alone shards it).",
-        )
+    check_slices(model)
     plan = model.tensor_parallel_plan(tp)
     return frozenset(name for name, role in plan.items() if role != "heads_norm")
 
