@@ -33,6 +33,7 @@ from freetx.distributed.parallelize import (
 from freetx.distributed.runtime import (
     DistributedRuntime,
     build_mesh,
+    build_tp_meshes,
     destroy_distributed,
     fake_world,
     init_distributed,
@@ -43,6 +44,7 @@ __all__ = [
     "DistributedConfig",
     "FrozenBase",
     "DistributedRuntime",
+    "build_tp_meshes",
     "HostGroup",
     "ParallelGroups",
     "MixedPrecisionConfig",

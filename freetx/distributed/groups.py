@@ -6,10 +6,13 @@
     groups.all_reduce(flags, over="world")
 
 Axes: `dp` (data parallel: the ranks that read different data and average their
-gradients) and `world` (every rank: agreement to stop, saves). Today `dp` is the
-whole world; tensor, context and pipeline parallelism add `tp`, `cp`, `pp`, and
-with them `dp` becomes a sub-group: a caller that names its axis stays right.
-For a sharded strategy the groups also hold the mesh FSDP2 shards over (`mesh`).
+gradients), `tp` (tensor parallel: the ranks that hold slices of the same layers and
+read the same data) and `world` (every rank: agreement to stop, saves). Without
+tensor parallelism `dp` is the whole world; with `distributed.tp=N` the world is a
+(dp, tp) mesh and `dp` its first axis. Context and pipeline parallelism add `cp` and
+`pp` the same way: a caller that names its axis stays right. For a sharded strategy
+the groups also hold the mesh FSDP2 shards over (`mesh`), and with tensor parallelism
+the `tp` mesh the layers are sliced over (`tp_mesh`).
 
 Nothing outside `freetx.distributed` calls a `torch.distributed` collective:
 recipes, data, training and checkpoints come here (`ParallelPlan.groups`).
@@ -26,7 +29,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from freetx.distributed.runtime import DistributedRuntime
 
-Axis = Literal["dp", "world"]
+Axis = Literal["dp", "tp", "world"]
 ReduceOp = Literal["sum", "max", "min"]
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
@@ -37,16 +40,23 @@ class ParallelGroups:
 
     runtime: DistributedRuntime
     mesh: DeviceMesh | None = None  # the data-parallel mesh FSDP2 shards over (1-D or hsdp's 2-D)
+    tp_mesh: DeviceMesh | None = None  # the tensor-parallel mesh (distributed.tp > 1)
     _host: Any = field(default=None, init=False, repr=False)  # a gloo group, made when asked
 
     # -- where this rank is --------------------------------------------------
     def size(self, over: Axis = "dp") -> int:
         self._check(over)
-        return self.runtime.world_size
+        if over == "world":
+            return self.runtime.world_size
+        tp = 1 if self.tp_mesh is None else self.tp_mesh.size()
+        return tp if over == "tp" else self.runtime.world_size // tp
 
     def rank(self, over: Axis = "dp") -> int:
         self._check(over)
-        return self.runtime.rank
+        if over == "world" or self.tp_mesh is None:
+            return 0 if over == "tp" else self.runtime.rank
+        tp_rank = self.tp_mesh.get_local_rank()
+        return tp_rank if over == "tp" else self.runtime.rank // self.tp_mesh.size()
 
     @property
     def dp_rank(self) -> int:
@@ -59,13 +69,17 @@ class ParallelGroups:
         return self.size("dp")
 
     def _check(self, over: str) -> None:
-        if over not in ("dp", "world"):
-            raise ValueError(f"no parallel axis named {over!r}; the axes are dp, world")
+        if over not in ("dp", "tp", "world"):
+            raise ValueError(f"no parallel axis named {over!r}; the axes are dp, tp, world")
 
     def _group(self, over: Axis):
-        """The process group of an axis (None: the default group, which `dp` spans today)."""
+        """The process group of an axis (None: the default group: the world, and `dp`
+        without tensor parallelism)."""
         self._check(over)
-        return None
+        if over == "world" or self.tp_mesh is None:
+            return None
+        # dp: the ranks that share this rank's tp index, the mesh FSDP2 shards over
+        return (self.tp_mesh if over == "tp" else self.mesh).get_group()
 
     def _active(self, over: Axis) -> bool:
         return dist.is_available() and dist.is_initialized() and self.size(over) > 1

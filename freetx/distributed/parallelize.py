@@ -41,8 +41,9 @@ from freetx.config.instantiate import COMPONENT, import_component, instantiate, 
 from freetx.distributed.frozen import FrozenBase, frozen_base
 from freetx.distributed.groups import ParallelGroups
 from freetx.distributed.init import canonical_name, materialize
-from freetx.distributed.runtime import DistributedRuntime, build_mesh
+from freetx.distributed.runtime import DistributedRuntime, build_mesh, build_tp_meshes
 from freetx.distributed.scaler import GradScaler
+from freetx.distributed.tensor_parallel import apply_tensor_parallel
 from freetx.errors import ConfigError
 from freetx.fields import at_least
 from freetx.models.protocol import ExtraForwards, HasBlocks, check_model
@@ -86,6 +87,9 @@ class DistributedConfig:
     activation_checkpointing: Literal["none", "full", "selective"] = "none"
     ac_every_n_blocks: int = at_least(1, default=2)  # selective: checkpoint every n-th block
     compile: bool = False
+    # tensor parallelism: each block's attention and MLP sliced over this many ranks (with
+    # fsdp or zero2 over the others: a (dp, tp) mesh); 1: none
+    tp: int = at_least(1, default=1)
     # a collective that a rank does not reach within this ends the job with a message
     # naming the step (the hang guard); large saves and evaluations must fit inside it
     collective_timeout_s: float = 1800.0
@@ -158,6 +162,12 @@ class ParallelPlan:
         # enabled only for float16 (a no-op pass-through otherwise)
         enabled = self.cfg.mixed_precision.param_dtype == "float16"
         self.scaler = GradScaler(self.groups, enabled=enabled)
+
+    @property
+    def layout(self) -> str:
+        """The strategy and any other axis, in words (checkpoints' meta): `fsdp x tp 2`."""
+        tp = self.groups.size("tp")
+        return self.strategy if tp == 1 else f"{self.strategy} x tp {tp}"
 
     @property
     def replicated(self) -> bool:
@@ -260,6 +270,29 @@ def check_distributed(cfg: DistributedConfig, layout: Layout = Layout()) -> None
                 "parameters between GPU and CPU, and this run is on the CPU already.",
                 fix="Set distributed.cpu_offload=false (or run on CUDA).",
             )
+    if cfg.tp > 1:
+        if strategy not in ("fsdp", "zero2"):
+            raise ConfigError(
+                f"distributed.tp={cfg.tp} composes with fsdp or zero2 (FSDP2 over the "
+                f"data-parallel ranks of a (dp, tp) mesh), not {cfg.strategy}.",
+                fix="Use distributed.strategy=fsdp, or set distributed.tp=1.",
+            )
+        per_node = layout.processes_per_node
+        if per_node is not None and per_node % cfg.tp:
+            raise ConfigError(
+                f"distributed.tp={cfg.tp} does not divide the {per_node} process(es) per node "
+                "of this run: a tp group would span nodes, and its two sums per block and "
+                "pass would cross the slow link.",
+                fix="Pick a tp that divides the processes (GPUs) of one node, e.g. tp=8 with "
+                "8 per node, or set distributed.tp=1.",
+            )
+        if layout.world_size is not None and layout.world_size % cfg.tp:
+            raise ConfigError(
+                f"distributed.tp={cfg.tp} does not divide the {layout.describe()} of this "
+                "run, so they cannot form a (dp, tp) mesh.",
+                fix="Pick a tp that divides the number of processes (e.g. tp=2 on 4: 2 x 2), "
+                "at most the processes of one node, or set distributed.tp=1.",
+            )
     if layout.world_size is not None:
         replicate_degree(cfg, layout)  # raises when it does not divide the world
 
@@ -321,6 +354,9 @@ def build_groups(runtime: DistributedRuntime, cfg: DistributedConfig) -> Paralle
     Refuses combinations that cannot work first."""
     layout = Layout.of(runtime)
     check_distributed(cfg, layout)
+    if cfg.tp > 1:  # a (dp, tp) mesh: FSDP2 over dp
+        mesh, tp_mesh = build_tp_meshes(runtime, cfg.tp)
+        return ParallelGroups(runtime, mesh, tp_mesh)
     mesh = None
     if canonical_strategy(cfg.strategy) in SHARDED and (runtime.world_size > 1 or cfg.cpu_offload):
         mesh = build_mesh(runtime, replicate_degree(cfg, layout))
@@ -352,6 +388,8 @@ def parallelize(
     strategy = canonical_strategy(cfg.strategy)
     frozen = frozen or frozen_base(model)
     store_frozen_bases_in(model, DTYPES[cfg.mixed_precision.param_dtype], frozen)
+    if groups.tp_mesh is not None:  # first, as torchtitan: slices, then AC, compile, FSDP2
+        apply_tensor_parallel(model, groups.tp_mesh)
     blocks = find_blocks(model)
     whole = blocks or [model]  # a model without blocks is one unit
     apply_activation_checkpointing(whole, cfg.activation_checkpointing, cfg.ac_every_n_blocks)

@@ -166,6 +166,15 @@ def fake_world(world_size: int):
         dist.destroy_process_group()
 
 
+def build_tp_meshes(runtime: DistributedRuntime, tp: int) -> tuple[DeviceMesh, DeviceMesh]:
+    """The (dp, tp) mesh's two axes, ("dp_shard" the FSDP2 mesh, "tp"): ranks next to each
+    other (on one node) slice the same layers; rank r is at (r // tp, r % tp)."""
+    mesh = init_device_mesh(
+        runtime.device_type, (runtime.world_size // tp, tp), mesh_dim_names=("dp_shard", "tp")
+    )
+    return mesh["dp_shard"], mesh["tp"]
+
+
 def build_mesh(runtime: DistributedRuntime, replicate: int = 1) -> DeviceMesh:
     """A 1-D mesh ("dp_shard",) or, with replicate > 1, a 2-D ("dp_replicate", "dp_shard")."""
     if replicate < 1 or runtime.world_size % replicate != 0:

@@ -18,14 +18,17 @@ def training_banner(
     """
     mp = cfg.distributed.mixed_precision
     accumulation = cfg.gradient_accumulation_steps
-    micro = cfg.batch_size // (runtime.world_size * accumulation)
+    tp = getattr(cfg.distributed, "tp", 1)  # tensor-parallel ranks read the same data
+    data_ranks = runtime.world_size // tp
+    micro = cfg.batch_size // (data_ranks * accumulation)
     parts = [
         recipe,
         f"world size {runtime.world_size}",
-        f"strategy {strategy}",
+        f"strategy {strategy}" + (f" x tensor parallel {tp}" if tp > 1 else ""),
         f"device {runtime.device} ({runtime.backend})",
         f"precision param {mp.param_dtype}, reduce {mp.reduce_dtype}",
-        f"batch {cfg.batch_size} = {runtime.world_size} rank(s) x {micro} x {accumulation} accumulation",
+        f"batch {cfg.batch_size} = {data_ranks} {'data-parallel ' if tp > 1 else ''}rank(s) x "
+        f"{micro} x {accumulation} accumulation",
     ]
     if model is not None:
         parts.append(f"model: {model}")

@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from freetx.errors import ConfigError
 from freetx.models.output_loss import IGNORE_INDEX, SourcesOf, forward_with_loss
 from freetx.models.protocol import OutputLoss, build_config, builds
 from freetx.models.transformer import DecoderBlock, Transformer, TransformerConfig
@@ -267,6 +268,13 @@ class FreeTransformer(Transformer):
 
     def describe(self) -> str:
         return f"Free Transformer ({self.config.latent_dim}-bit latent per token)"
+
+    def tensor_parallel_plan(self, tp: int) -> dict[str, str]:
+        raise ConfigError(
+            "distributed.tp: freetx does not slice the Free Transformer's encoder and latent "
+            "path over tensor-parallel ranks yet.",
+            fix="Set distributed.tp=1 (fsdp alone shards it).",
+        )
 
     def forward(
         self,

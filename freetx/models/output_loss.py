@@ -97,7 +97,8 @@ def _chunk_losses(hidden, labels, project, chunks: int, ignore_index: int, wants
     params = list(wants[1:] if wants_hidden else wants)
     grad_hidden = torch.empty_like(flat_hidden) if wants_hidden else None
     # float32 sums of the parameters' gradients over the chunks
-    grad_params = [torch.zeros(p.shape, dtype=torch.float32, device=p.device) for p in params]
+    # (zeros_like: a parameter sliced over tensor-parallel ranks is a DTensor, its sum too)
+    grad_params = [torch.zeros_like(p, dtype=torch.float32) for p in params]
     per_token = torch.empty(flat_labels.shape, dtype=torch.float32, device=hidden.device)
     total = torch.zeros((), dtype=torch.float32, device=hidden.device)
     for rows in torch.arange(flat_labels.numel()).tensor_split(chunks):

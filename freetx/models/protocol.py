@@ -82,6 +82,11 @@ returns `LMOutput(logits, aux_loss, metrics)` from forward in training mode; the
 loss (`freetx.training.CrossEntropyLoss`) adds `aux_loss` per loss token and logs
 `metrics`. Logits come first, so code that reads `output[0]` reads the logits.
 
+A model whose layers can be sliced over tensor-parallel ranks follows `SlicesLayers`
+(`tensor_parallel_plan(tp)`: module name -> role), which `parallelize` applies when
+`distributed.tp` > 1; the model's code sees local slices (its attention reshapes by
+head_dim, never by the configured head count).
+
 `OutputLayer` and `OutputLoss` are the types of that hand-over: forward(...,
 output_loss=f) returns `f(hidden, model.output_layer())` where it would return the
 logits (inside `LMOutput` too), computed inside forward so that FSDP2 holds the output
@@ -400,6 +405,28 @@ class ProjectsInChunks(Protocol):
     `project`. Called by the LM losses on every training and evaluation forward."""
 
     def output_layer(self) -> OutputLayer: ...
+
+
+# The roles of a module in a tensor-parallel plan (`SlicesLayers`), as
+# `freetx.distributed.apply_tensor_parallel` applies them:
+#   colwise    a Linear's output features sliced (a slice of the heads, of the MLP's
+#              hidden units); its output stays sliced for the rowwise one after it
+#   rowwise    a Linear's input features sliced; the outputs summed over the ranks
+#   embedding  an Embedding's vocabulary rows sliced; the outputs summed
+#   output     the head's vocabulary rows sliced; the logits gathered
+#   heads_norm a norm applied per head ([B, T, heads, head_dim], heads sliced): its weight
+#              whole on every rank, its gradient summed over them
+TP_ROLES = ("colwise", "rowwise", "embedding", "output", "heads_norm")
+
+
+@runtime_checkable
+class SlicesLayers(Protocol):
+    """A model whose layers can be sliced over `tp` tensor-parallel ranks: module name ->
+    role (`TP_ROLES`); raises ConfigError, naming the fix, for a `tp` the model cannot
+    take (heads not divisible, a layer kind it cannot slice). `parallelize`, when
+    `distributed.tp` > 1, before activation checkpointing and FSDP2."""
+
+    def tensor_parallel_plan(self, tp: int) -> dict[str, str]: ...
 
 
 @runtime_checkable

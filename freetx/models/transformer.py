@@ -496,9 +496,10 @@ class Attention(nn.Module):
         q, k, v = self.project(x, x if kv_input is None else kv_input)
         if self.qk_norm == "projection":
             q, k = self.q_norm(q), self.k_norm(k)
-        q = q.view(batch, seq_len, self.num_heads, self.head_dim)
-        k = k.view(batch, seq_len, self.num_kv_heads, self.head_dim)
-        v = v.view(batch, seq_len, self.num_kv_heads, self.head_dim)
+        # by head_dim: under tensor parallelism this rank holds a slice of the heads
+        q = q.view(batch, seq_len, -1, self.head_dim)
+        k = k.view(batch, seq_len, -1, self.head_dim)
+        v = v.view(batch, seq_len, -1, self.head_dim)
         if self.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
@@ -801,6 +802,44 @@ class Transformer(nn.Module):
         aux = load_balancing_loss(routings, self.config.num_experts)
         metrics = {"aux_loss": aux.detach(), "expert_load_max": expert_load_max(routings)}
         return LMOutput(logits, self.config.router_aux_loss_coef * aux, metrics)
+
+    def tensor_parallel_plan(self, tp: int) -> dict[str, str]:
+        """Each block's attention sliced by heads and its MLP by hidden units, the
+        embedding and an untied head by vocabulary (`SlicesLayers`); a tied embedding
+        stays whole on every tp rank (the head reads it), and so do an MoE block's router
+        and experts (each tp rank routes the same whole tokens). Refuses what it cannot
+        slice."""
+        c = self.config
+        why = None
+        if c.num_heads % tp or c.num_kv_heads % tp:
+            why = (f"tp={tp} does not divide the model's {c.num_heads} attention heads and "
+                   f"{c.num_kv_heads} key/value heads", "Pick a tp that divides both")  # fmt: skip
+        elif c.ffn_hidden_dim % tp:
+            why = (f"tp={tp} does not divide the MLP's {c.ffn_hidden_dim} hidden units",
+                   "Pick a tp that divides it")  # fmt: skip
+        elif c.fused_projections or c.qk_norm == "projection":
+            kind = ("fused q/k/v and gate/up projections (Phi-3)" if c.fused_projections
+                    else "q/k norms over whole projections (OLMo 2)")  # fmt: skip
+            why = (f"freetx does not slice {kind} over tensor-parallel ranks yet",
+                   "Set distributed.tp=1 (fsdp alone shards it)")  # fmt: skip
+        if why is not None:
+            raise ConfigError(f"distributed.tp: {why[0]}.", fix=f"{why[1]}, or set tp=1.")
+        plan = {}
+        for i in range(c.num_layers):
+            for name in ("wq", "wk", "wv"):
+                plan[f"layers.{i}.attention.{name}"] = "colwise"
+            plan[f"layers.{i}.attention.wo"] = "rowwise"
+            if c.qk_norm == "head":  # one weight for every head: its gradient summed over tp
+                plan[f"layers.{i}.attention.q_norm"] = "heads_norm"
+                plan[f"layers.{i}.attention.k_norm"] = "heads_norm"
+            if not c.is_moe_layer(i):  # experts stay whole on every tp rank (its input is)
+                plan[f"layers.{i}.feed_forward.w1"] = "colwise"
+                plan[f"layers.{i}.feed_forward.w3"] = "colwise"
+                plan[f"layers.{i}.feed_forward.w2"] = "rowwise"
+        if self.output is not None:
+            plan["tok_embeddings"] = "embedding"
+            plan["output"] = "output"
+        return plan
 
     def attention_masks(self, documents: torch.Tensor) -> list[DocumentMask]:
         """Per layer, its mask for a packed batch's `documents` [B, T]: built once per kind

@@ -10,6 +10,7 @@ from torch import nn
 
 from freetx.data import micro_batch_size
 from freetx.distributed import Layout, check_distributed
+from freetx.distributed.tensor_parallel import check_slices
 from freetx.errors import ConfigError
 from freetx.fields import written_folders
 from freetx.files import check_writable_folder
@@ -34,8 +35,11 @@ def check_layout(cfg: object, layout: Layout) -> None:
     if model_class is not None and isinstance(dataset, DictConfig):
         packed = any(node.get("packed", False) for node in dataset_nodes(dataset))
         check_packing(model_class, bool(packed))
-    if layout.world_size is not None:
-        micro_batch_size(cfg.batch_size, layout.world_size, cfg.gradient_accumulation_steps)
+    if cfg.distributed.tp > 1 and model_class is not None:
+        check_slices(model_class)
+    if layout.world_size is not None:  # tensor-parallel ranks read the same data
+        data_ranks = layout.world_size // cfg.distributed.tp
+        micro_batch_size(cfg.batch_size, data_ranks, cfg.gradient_accumulation_steps)
 
 
 def dataset_nodes(dataset: DictConfig) -> list[DictConfig]:

@@ -53,6 +53,7 @@ from freetx.distributed import (
     shard_layouts,
 )
 from freetx.distributed.parallelize import find_blocks
+from freetx.distributed.tensor_parallel import check_slices
 from freetx.models.attention import AttentionSpec, choose_kernel, sliding_layers
 from freetx.models.peft.nf4 import BYTES_PER_WEIGHT, NF4LoRALinear
 from freetx.models.protocol import CountsFlops, EstimatesActivations, check_model
@@ -91,22 +92,38 @@ class Estimate:
 
 
 def parameter_bytes(
-    model: nn.Module, compute_bytes: int, frozen: FrozenBase
+    model: nn.Module,
+    compute_bytes: int,
+    frozen: FrozenBase,
+    sliced: frozenset = frozenset(),
+    tp: int = 1,
 ) -> tuple[float, float]:
-    """(bytes of all parameters as stored, trainable elements): NF4 bases at their
-    quantized size, the frozen parameters the decision keeps in the compute dtype in it,
-    the rest as fp32 masters."""
+    """(bytes of all parameters as stored, trainable elements) on one tensor-parallel rank:
+    NF4 bases at their quantized size, the frozen parameters the decision keeps in the
+    compute dtype in it, the rest as fp32 masters; the parameters of the `sliced` modules
+    divided by `tp`."""
     stored = trainable = 0.0
     for name, p in model.named_parameters():
         owner, local_name = _owner(model, name)
+        share = 1 / tp if name.rpartition(".")[0] in sliced else 1.0
         if isinstance(owner, NF4LoRALinear) and owner.stores_parameter(local_name):
-            stored += p.numel() * BYTES_PER_WEIGHT
+            stored += p.numel() * BYTES_PER_WEIGHT * share
         elif canonical_name(name) in frozen.in_compute_dtype:
-            stored += p.numel() * compute_bytes
+            stored += p.numel() * compute_bytes * share
         else:
-            stored += p.numel() * 4
-        trainable += p.numel() if p.requires_grad else 0
+            stored += p.numel() * 4 * share
+        trainable += p.numel() * share if p.requires_grad else 0
     return stored, trainable
+
+
+def sliced_modules(model: nn.Module, tp: int) -> frozenset:
+    """The modules tensor parallelism slices (their parameters 1/tp per rank): the model's
+    plan (`SlicesLayers`), which refuses a tp it cannot take; none at tp=1."""
+    if tp == 1:
+        return frozenset()
+    check_slices(model)
+    plan = model.tensor_parallel_plan(tp)
+    return frozenset(name for name, role in plan.items() if role != "heads_norm")
 
 
 def _owner(model: nn.Module, name: str) -> tuple[nn.Module, str]:
@@ -129,30 +146,48 @@ def estimate(
     frozen: FrozenBase | None = None,
     sources: float = 0.0,
     loss_chunks: int = 1,
+    tp: int = 1,
 ) -> list[Estimate]:
     """The estimate of each strategy for a (meta) model at `world_size` ranks; `frozen`:
     the frozen-base decision (`frozen_base`, made from the model when not given);
     `sources`: bytes every rank holds besides (a crosscoder's source models);
-    `loss_chunks`: the loss's logits a chunk of tokens at a time (`num_chunks`)."""
+    `loss_chunks`: the loss's logits a chunk of tokens at a time (`num_chunks`); `tp`:
+    tensor-parallel ranks (`distributed.tp`: the sliced layers 1/tp per rank, the
+    strategies over world / tp data-parallel ranks, whose micro-batch of
+    `tokens_per_rank` every rank of a tp group computes 1/tp of, with two sums of its
+    activations over tp per block and pass on the critical path)."""
     compute = 2 if compute_dtype in ("bfloat16", "float16") else 4
-    stored, trainable = parameter_bytes(model, compute, frozen or frozen_base(model))
+    frozen = frozen or frozen_base(model)
+    sliced = sliced_modules(model, tp)
+    stored, trainable = parameter_bytes(model, compute, frozen, sliced, tp)
+    total_trainable = parameter_bytes(model, compute, frozen)[1]
     blocks = find_blocks(model)
     # what FSDP gathers at a time: two blocks (one prefetched), or a model without blocks whole
     unit, copies = (blocks[0], 2) if blocks else (model, 1)
-    block_params = sum(p.numel() for p in unit.parameters())
+    unit_name = next((n for n, m in model.named_modules() if m is unit), "")
+    block_params = sum(
+        p.numel() / (tp if f"{unit_name}.{n}".lstrip(".").rpartition(".")[0] in sliced else 1)
+        for n, p in unit.named_parameters()
+    )
     if isinstance(model, EstimatesActivations):
         activations, loss = model.activation_bytes(tokens_per_rank, compute), 0.0
     else:
         activations, loss = decoder_activations(
             model.config, len(blocks), tokens_per_rank, compute, activation_checkpointing,
             ac_every_n_blocks, attention_score_bytes(model.config, seq_len, device, compute),
-            loss_chunks,
+            loss_chunks, tp,
         )  # fmt: skip
     peak, bandwidth, _ = DEVICES[device]
-    flops = model.flops_per_token(seq_len) if isinstance(model, CountsFlops) else 6 * trainable
-    compute_s = flops * tokens_per_rank / (peak * mfu)
+    flops = (
+        model.flops_per_token(seq_len) if isinstance(model, CountsFlops) else 6 * total_trainable
+    )
+    compute_s = flops * tokens_per_rank / (peak * mfu * tp)
+    # tensor parallelism's sums: two all-reduces of the block's output per block and pass
+    hidden = getattr(getattr(model, "config", None), "hidden_dim", 0)
+    tp_bytes = 4 * len(blocks) * tokens_per_rank * hidden * compute * 2 * (tp - 1) / tp
+    tp_s = tp_bytes / bandwidth
     out = []
-    for layout in shard_layouts(world_size, replicas):
+    for layout in shard_layouts(world_size // tp, replicas):
         shards = layout.parameter_shards
         if layout.blocks_stay_gathered:
             gathered = stored / 4 * compute  # every block kept unsharded, forward to backward
@@ -171,8 +206,8 @@ def estimate(
         out.append(Estimate(
             layout.strategy, stored / shards, trainable * 4 / layout.gradient_shards,
             trainable * optimizer_bytes / layout.optimizer_shards,
-            gathered if world_size > 1 else 0.0, activations, loss, max(compute_s, comm_s),
-            compute_s, comm_s, sources,
+            gathered if world_size > 1 else 0.0, activations, loss,
+            max(compute_s, comm_s) + tp_s, compute_s, comm_s + tp_s, sources,
         ))  # fmt: skip
     return out
 
@@ -206,13 +241,16 @@ def decoder_activations(
     every_n: int,
     scores: float = 0.0,
     loss_chunks: int = 1,
+    tp: int = 1,
 ) -> tuple[float, float]:
     """(activations, loss) bytes of a decoder's micro-batch of `tokens` tokens (per rank):
     each block's saved tensors per token (see the module docstring; `scores`: the
     attention's score rows, `attention_score_bytes`), less what activation checkpointing
     recomputes, and the loss's logits: all of them, or one of `loss_chunks` chunks plus
     the gradients the chunked loss holds from forward to backward (the output layer's in
-    float32, the hidden states')."""  # fmt: skip
+    float32, the hidden states'). Under `tp`, what attention and a dense MLP keep inside
+    (q, the attention output and wo's input, k and v, the MLP's four tensors, the score
+    rows) is 1/tp; the norms' inputs and outputs and an MoE block's experts are whole."""  # fmt: skip
     h, f = cfg.hidden_dim, getattr(cfg, "ffn_hidden_dim", 4 * cfg.hidden_dim)
     kv = getattr(cfg, "num_kv_heads", cfg.num_heads) * getattr(cfg, "head_dim", h // cfg.num_heads)
     layers = max(1, layers)
@@ -222,7 +260,9 @@ def decoder_activations(
         moe = cfg.experts_per_token * (4 * cfg.moe_ffn_hidden_dim + 2 * h) + 2 * cfg.num_experts
         share = sum(cfg.is_moe_layer(i) for i in range(layers)) / layers
         mlp = share * moe + (1 - share) * mlp
-    per_token = (7 * h + 2 * kv + mlp) * compute + scores  # a block's saved activations
+    dense_share = 1.0 if getattr(cfg, "num_experts", 0) else 1 / tp  # experts stay whole
+    # a block's saved activations: norms whole; attention, a dense MLP and scores 1/tp
+    per_token = (4 * h + (3 * h + 2 * kv) / tp + mlp * dense_share) * compute + scores / tp
     if checkpointing == "full":
         kept = layers * h * compute + per_token  # inputs, and one block being recomputed
     elif checkpointing == "selective":
@@ -233,7 +273,7 @@ def decoder_activations(
     vocab = getattr(cfg, "vocab_size", 0)
     if loss_chunks == 1:
         return tokens * kept, tokens * vocab * (compute + 4 + 4)
-    held = vocab * h * 4 + tokens * h * compute
+    held = vocab * h * 4 / tp + tokens * h * compute
     return tokens * kept, math.ceil(tokens / loss_chunks) * vocab * (compute + 4 + 4) + held
 
 

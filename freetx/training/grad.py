@@ -13,10 +13,38 @@ def clip_grad_norm(model: nn.Module, max_norm: float | None) -> float:
     With FSDP2 the gradients are DTensor shards and torch computes the norm
     over all ranks; the result is the same number on every rank.
     """
-    params = [p for p in model.parameters() if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    norm = total_norm(grads)
     if max_norm is not None and max_norm > 0:  # else only measured: no pass over the grads
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
-    if isinstance(norm, DTensor):
-        norm = norm.full_tensor()
+        scale_gradients(grads, torch.clamp(max_norm / (norm + 1e-6), max=1.0))
     return float(norm)
+
+
+@torch.no_grad()
+def scale_gradients(grads: list[torch.Tensor], factor: torch.Tensor) -> None:
+    """Multiply every gradient by `factor` in place, on each rank's local values (the
+    gradients of a tensor-parallel model live on two meshes, which one foreach call over
+    DTensors cannot mix), one foreach call per device and dtype, as torch's clipping."""
+    by_kind: dict[tuple, list[torch.Tensor]] = {}
+    for grad in grads:
+        local = grad.to_local() if isinstance(grad, DTensor) else grad
+        by_kind.setdefault((local.device, local.dtype), []).append(local)
+    for (device, _), group in by_kind.items():
+        torch._foreach_mul_(group, factor.to(device))
+
+
+def total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The L2 norm of all `grads` together, a plain tensor. DTensors on one mesh are taken
+    together by torch; under tensor parallelism the gradients live on two meshes (the
+    sliced layers' (dp, tp), the rest's dp), so each mesh's norm is taken whole and the
+    norms are combined."""
+    by_mesh: dict[object, list[torch.Tensor]] = {}
+    for grad in grads:
+        by_mesh.setdefault(grad.device_mesh if isinstance(grad, DTensor) else None, []).append(grad)
+    norms = []
+    for group in by_mesh.values():
+        norm = torch.nn.utils.get_total_norm(group, foreach=True)
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    if len(norms) == 1:
+        return norms[0]
+    return torch.linalg.vector_norm(torch.stack(norms))

@@ -88,3 +88,70 @@ def test_apply_schema_fills_defaults_and_is_strict():
 def test_config_error_lists_every_problem():
     err = ConfigError(["one", "two"], fix="Fix them.")
     assert "2 problems" in str(err) and "  - one" in str(err) and str(err).endswith("Fix them.")
+
+
+@pytest.mark.parametrize(
+    ("options", "world", "wanted"),
+    [
+        ({"tp": 3}, 4, "distributed.tp=3 does not divide the 4 process(es)"),
+        ({"tp": 2, "strategy": "ddp"}, 4, "composes with fsdp or zero2"),
+        ({"tp": 2, "strategy": "hsdp"}, 4, "composes with fsdp or zero2"),
+        ({"tp": 8}, 16, "a tp group would span nodes"),  # 4 processes per node
+    ],
+)
+def test_impossible_tensor_parallel_layouts_are_refused_with_the_fix(options, world, wanted):
+    from freetx.distributed import DistributedConfig, Layout, check_distributed
+    from freetx.errors import ConfigError
+
+    with pytest.raises(ConfigError) as error:
+        check_distributed(DistributedConfig(**options), Layout(world, min(world, 4)))
+    assert wanted in str(error.value) and "tp=1" in str(error.value)
+
+
+@pytest.mark.parametrize(
+    ("fields", "wanted"),
+    [
+        ({"num_heads": 6, "num_kv_heads": 3}, "does not divide the model's 6 attention heads"),
+        ({"ffn_hidden_dim": 45}, "does not divide the MLP's 45 hidden units"),
+        ({"fused_projections": True}, "fused q/k/v"),
+    ],
+)
+def test_a_decoder_refuses_a_tp_it_cannot_slice(fields, wanted):
+    import torch
+
+    from freetx.errors import ConfigError
+    from freetx.models.transformer import decoder
+
+    base = dict(vocab_size=64, hidden_dim=24, num_layers=1, num_heads=4, num_kv_heads=2,
+                ffn_hidden_dim=48, max_seq_len=16)  # fmt: skip
+    with torch.device("meta"):
+        model = decoder(**{**base, **fields})
+    with pytest.raises(ConfigError, match="tp=1") as error:
+        model.tensor_parallel_plan(2)
+    assert wanted in str(error.value)
+    with torch.device("meta"):
+        plan = decoder(**base).tensor_parallel_plan(2)
+    assert plan["layers.0.attention.wq"] == "colwise" and plan["layers.0.attention.wo"] == "rowwise"
+    assert plan["tok_embeddings"] == "embedding" and plan["output"] == "output"
+
+
+def test_tensor_parallelism_refuses_adapters_on_the_layers_it_slices():
+    """torch's styles slice every parameter of a module alike: LoRA's A and B would be cut
+    along the wrong side, so an adapter on a sliced layer is refused with the fix."""
+    import torch
+
+    from freetx.distributed import DistributedRuntime, build_tp_meshes, fake_world
+    from freetx.distributed.tensor_parallel import apply_tensor_parallel
+    from freetx.errors import ConfigError
+    from freetx.models.peft import apply_lora
+    from freetx.models.transformer import decoder
+
+    with torch.device("meta"):
+        model = decoder(vocab_size=64, hidden_dim=24, num_layers=1, num_heads=4,
+                        num_kv_heads=2, ffn_hidden_dim=48, max_seq_len=16)  # fmt: skip
+        apply_lora(model, ["q", "v"], rank=2, alpha=4)
+    with fake_world(4):
+        _, tp_mesh = build_tp_meshes(DistributedRuntime(0, 0, 4, torch.device("cpu")), 2)
+        with pytest.raises(ConfigError, match="Set distributed.tp=1 for adapter") as error:
+            apply_tensor_parallel(model, tp_mesh)
+    assert "layers.0.attention.wq is a LoRALinear" in str(error.value)

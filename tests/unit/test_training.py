@@ -166,3 +166,29 @@ def test_a_logged_window_without_loss_tokens_logs_zero_not_a_division_by_zero():
         groups, {"loss": torch.zeros(())}, 0, 1.0, scheduler, ThroughputMeter(1.0, 1, None)
     )
     assert metrics["loss"] == 0.0
+
+
+def test_estimate_divides_the_sliced_layers_and_their_activations_by_tp():
+    """At the same world size, fsdp x tp 2 holds what fsdp holds (each slice sharded over
+    half the ranks), keeps less of each token's activations, and adds tp's sums to the
+    step; the norms' weights stay whole."""
+    import torch
+
+    from freetx.errors import ConfigError
+    from freetx.models.transformer import decoder
+    from freetx.training.estimate import estimate
+
+    with torch.device("meta"):
+        model = decoder("llama3_8b")
+    args = (8, 2 * 8192, 8192, "bfloat16", "none", 2, "h100", 0.4)
+    fsdp = next(r for r in estimate(model, *args) if r.strategy == "fsdp")
+    sliced = next(r for r in estimate(model, *args, tp=2) if r.strategy == "fsdp")
+    assert abs(sliced.parameters - fsdp.parameters) / fsdp.parameters < 1e-3
+    assert sliced.activations < 0.75 * fsdp.activations
+    assert sliced.compute_s == fsdp.compute_s / 2 and sliced.step_s > sliced.compute_s  # + sums
+    with torch.device("meta"):
+        free = __import__("freetx.models.free_transformer", fromlist=["x"]).free_transformer(
+            preset="tiny"
+        )
+    with pytest.raises(ConfigError, match="tp=1"):
+        estimate(free, 8, 512, 256, "float32", "none", 2, "cpu", 0.4, tp=2)

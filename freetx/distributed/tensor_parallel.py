@@ -1,0 +1,74 @@
+"""Tensor parallelism: a model's layers sliced over the `tp` ranks of a (dp, tp) mesh.
+
+The model says which module plays which role (`freetx.models.protocol.SlicesLayers`,
+`TP_ROLES`); this module maps the roles to torch's parallel styles and applies them to
+the meta model, before activation checkpointing, compile and FSDP2 (which then shards
+each slice over the dp ranks: 2-D DTensors). Attention is sliced by heads (queries,
+keys and values column-wise, the output projection row-wise), the MLP by hidden units
+(gate and up column-wise, down row-wise): two sums over the tp ranks per block in
+forward, two in backward, as Megatron-LM. The embedding and the head are sliced by
+vocabulary; the head's logits are gathered (the chunked loss gathers one chunk of
+tokens at a time).
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from freetx.errors import ConfigError
+from freetx.models.protocol import TP_ROLES, SlicesLayers
+
+
+def parallel_style(role: str):
+    """The torch parallel style of a role (`TP_ROLES`)."""
+    if role == "colwise":
+        return ColwiseParallel()
+    if role == "rowwise":
+        return RowwiseParallel()
+    if role == "embedding":
+        return RowwiseParallel(input_layouts=Replicate())
+    if role == "output":
+        return ColwiseParallel(output_layouts=Replicate())
+    if role == "heads_norm":  # input [B, T, heads, head_dim], sliced by heads (dim 2)
+        return SequenceParallel(sequence_dim=2, use_local_output=True)
+    raise ValueError(f"no tensor-parallel role {role!r}; the roles are {', '.join(TP_ROLES)}")
+
+
+def check_slices(model: nn.Module | type) -> None:
+    """distributed.tp > 1 needs a model with a tensor-parallel plan (`SlicesLayers`):
+    the model, or the class a config builds (`check_layout`, before launching)."""
+    cls = model if isinstance(model, type) else type(model)
+    if not issubclass(cls, SlicesLayers):
+        raise ConfigError(
+            f"{cls.__name__} has no tensor-parallel plan (freetx slices the native "
+            "decoder's attention and MLP), so distributed.tp > 1 cannot run it.",
+            fix="Set distributed.tp=1 (fsdp alone shards it).",
+        )
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Slice `model`'s layers over `tp_mesh` as its plan says (`SlicesLayers`); refuses a
+    model without a plan."""
+    check_slices(model)
+    plan = model.tensor_parallel_plan(tp_mesh.size())
+    for name, role in plan.items():
+        module = model.get_submodule(name)
+        plain = (nn.Embedding,) if role == "embedding" else (nn.Linear,)
+        if role != "heads_norm" and type(module) not in plain:  # torch's styles slice every
+            # parameter of a module alike: an adapter's would be cut along the wrong side
+            raise ConfigError(
+                f"distributed.tp: {name} is a {type(module).__name__} (an adapter on a layer "
+                "tensor parallelism slices); freetx does not slice LoRA, DoRA or QLoRA "
+                "layers over tensor-parallel ranks yet.",
+                fix="Set distributed.tp=1 for adapter fine-tuning (fsdp alone shards it), or "
+                "train the whole model (or Spectrum's modules) with tp.",
+            )
+    parallelize_module(model, tp_mesh, {name: parallel_style(role) for name, role in plan.items()})
