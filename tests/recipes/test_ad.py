@@ -73,6 +73,7 @@ def test_a_model_that_does_not_fit_the_environment_is_refused_before_any_history
     assert "Traceback" not in result.stderr and not (tmp_path / "data").exists()
 
 
+@pytest.mark.slow  # 19 s; make test's budget
 def test_resume_reproduces_the_uninterrupted_run_exactly(tmp_path):
     """6 steps straight == 3 steps, then resume=auto to 6: same windows, dropout masks,
     optimizer state (constant LR, so the schedule does not depend on max_steps)."""

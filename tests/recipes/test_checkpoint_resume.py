@@ -61,7 +61,7 @@ def straight_losses(tmp_path_factory):
     [
         ("fsdp", []),
         pytest.param("ddp", [], marks=pytest.mark.slow),
-        ("fsdp", ["checkpoint.async_save=true"]),
+        pytest.param("fsdp", ["checkpoint.async_save=true"], marks=pytest.mark.slow),
     ],
     ids=["fsdp", "ddp", "fsdp-async"],
 )

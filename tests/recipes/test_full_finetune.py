@@ -91,6 +91,7 @@ def test_empty_data_file_is_an_error(tmp_path):
     assert result.returncode == 1 and "holds no text" in flat(result.stderr)
 
 
+@pytest.mark.slow  # 8 s; make test's budget
 def test_torchao_low_bit_adamw_through_the_config(tmp_path):
     result = run_freetx(
         "run", "full_finetune_fsdp2", "--config", "llm/tiny", f"output_dir={tmp_path}",
@@ -102,6 +103,7 @@ def test_torchao_low_bit_adamw_through_the_config(tmp_path):
     assert isinstance(train[-1]["lr"], float) and train[-1]["loss"] < train[0]["loss"]
 
 
+@pytest.mark.slow  # 9 s; make test's budget
 def test_the_profiler_section_writes_a_chrome_trace_per_rank(tmp_path):
     result = run_freetx(
         "run", "--nproc-per-node", "2", "full_finetune_fsdp2", "--config", "llm/tiny",
@@ -116,6 +118,7 @@ def test_the_profiler_section_writes_a_chrome_trace_per_rank(tmp_path):
         assert "Self CPU" in (tmp_path / "profile" / f"rank{rank}_step4_ops.txt").read_text()
 
 
+@pytest.mark.slow  # 11 s; make test's budget
 def test_a_validation_figure_means_the_same_samples_at_any_world_size(tmp_path):
     """eval.batch_size and eval.max_batches count over all ranks: the same weights (lr 0:
     the seed's initial ones) score the same on 1 process and on 2."""

@@ -40,6 +40,7 @@ def test_dp_by_tp_repeats_one_process_and_resumes_on_one(tmp_path):
         assert abs(resumed[step] - one[step]) <= 1e-5, (step, resumed[step], one[step])
 
 
+@pytest.mark.slow  # a 4-process launch: make test's budget
 def test_heads_that_tp_does_not_divide_are_refused_before_training(tmp_path):
     result = run_freetx(
         "run", "--nproc-per-node", "4", "full_finetune_fsdp2", "--config", "llm/tiny",
