@@ -20,6 +20,7 @@ dataset mixture's sources, which need the recipe's tokenizer and split) follows
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 MIN_KEY = "min"
@@ -130,3 +131,14 @@ def refuse_meaningless(config: Any) -> None:
     problems = field_problems(type(config), values)
     if problems:
         raise ValueError(" ".join(problems))
+
+
+@runtime_checkable
+class ReadsFiles(Protocol):
+    """A dataset or tokenizer built from files (the data a run trains on, the tokenizer
+    that gives its ids their meaning): a run records them by identity and refuses to
+    resume on files that changed since (`freetx.checkpoint.files_read_by`). Nothing read
+    from files: an empty list. Here, below data and checkpoint alike: a dataset made of
+    others (`freetx.data.Mixture`) gathers its parts' files."""
+
+    files_read: list[Path]

@@ -15,23 +15,15 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 from freetx.checkpoint.loading import resolve_checkpoint
+from freetx.fields import ReadsFiles
 
 # the files that hold a model: DCP's, safetensors and torch files, HF's config.json (a
 # folder's other files, such as spectrum's scores cached beside a model, do not count)
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".distcp", ".pt", ".pth")
 WEIGHT_NAMES = (".metadata", "config.json")
-
-
-@runtime_checkable
-class ReadsFiles(Protocol):
-    """A dataset or tokenizer built from files (the data a run trains on, the tokenizer
-    that gives its ids their meaning): a run records them by identity and refuses to
-    resume on files that changed since. Nothing read from files: an empty list."""
-
-    files_read: list[Path]
 
 
 def files_read_by(**readers: Any) -> dict[str, list[Path]]:

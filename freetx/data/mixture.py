@@ -42,7 +42,9 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from freetx.data.packing import packs
 from freetx.errors import ConfigError
+from freetx.fields import ReadsFiles
 
 SPLITS = ("train", "validation")
 
@@ -89,11 +91,12 @@ class Mixture(Dataset):
                     "mixture instead (with weights that multiply out to the same shares)."
                 )
         self.source_names = list(names) if names is not None else _default_names(self.parts)
-        self.seq_len = _agreed(self.parts, self.source_names, "seq_len", None)
-        self.packed = bool(_agreed(self.parts, self.source_names, "packed", False))
+        names = self.source_names
+        self.seq_len = _agreed(names, [part.seq_len for part in self.parts], "seq_len")
+        self.packed = _agreed(names, [packs(part) for part in self.parts], "packed")
         _check_keys(self.parts, self.source_names)
         self.files_read = list(dict.fromkeys(
-            Path(f) for part in self.parts for f in (getattr(part, "files_read", None) or [])
+            Path(f) for part in self.parts for f in _files_read(part)
         ))  # fmt: skip
         self.lengths = [len(part) for part in self.parts]
         if split == "validation":  # every source's split whole: its loss over all of it
@@ -219,7 +222,7 @@ def _default_names(parts: list) -> list[str]:
     """Each part's file stem (one file), folder name (several), else class name; unique."""
     names = []
     for part in parts:
-        files = [Path(f) for f in (getattr(part, "files_read", None) or [])]
+        files = [Path(f) for f in _files_read(part)]
         if len(files) == 1:
             names.append(files[0].stem)
         elif files:
@@ -240,9 +243,14 @@ def _default_names(parts: list) -> list[str]:
     return unique
 
 
-def _agreed(parts: list, names: list[str], attribute: str, default: Any) -> Any:
-    """The value of `attribute` every part has; a ConfigError naming two that differ."""
-    values = [getattr(part, attribute, default) for part in parts]
+def _files_read(part) -> list:
+    """The files a part read (`ReadsFiles`), none for data made in memory."""
+    return part.files_read if isinstance(part, ReadsFiles) else []
+
+
+def _agreed(names: list[str], values: list, attribute: str) -> Any:
+    """The value of `attribute` every part has (`values`, in the parts' order); a
+    ConfigError naming two that differ."""
     for name, value in zip(names[1:], values[1:]):
         if value != values[0]:
             raise ConfigError(

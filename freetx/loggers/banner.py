@@ -18,7 +18,7 @@ def training_banner(
     """
     mp = cfg.distributed.mixed_precision
     accumulation = cfg.gradient_accumulation_steps
-    tp = getattr(cfg.distributed, "tp", 1)  # tensor-parallel ranks read the same data
+    tp = cfg.distributed.tp  # tensor-parallel ranks read the same data
     data_ranks = runtime.world_size // tp
     micro = cfg.batch_size // (data_ranks * accumulation)
     parts = [

@@ -37,7 +37,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from freetx.errors import ConfigError
-from freetx.models.output_loss import IGNORE_INDEX, SourcesOf, forward_with_loss
+from freetx.models.output_loss import (
+    IGNORE_INDEX,
+    SourcesOf,
+    check_num_chunks,
+    forward_with_loss,
+)
 from freetx.models.protocol import OutputLoss, build_config, builds
 from freetx.models.transformer import DecoderBlock, Transformer, TransformerConfig
 
@@ -371,7 +376,7 @@ class FreeTransformerLoss:
         self.kappa = kappa_bits * math.log(2)
         self.kl_weight = kl_weight
         self.active_threshold = active_threshold_bits * math.log(2)
-        self.num_chunks = num_chunks
+        self.num_chunks = check_num_chunks(num_chunks)
 
     def __call__(
         self,

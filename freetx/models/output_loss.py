@@ -30,6 +30,14 @@ LARGE_VOCABULARY = 65_536
 CHUNKS_FOR_LARGE_VOCABULARY = 8
 
 
+def check_num_chunks(num_chunks: int | None) -> int | None:
+    """A loss's `num_chunks` (None: by vocabulary), refused below 1; the LM losses' own
+    check when they are built (before any model is)."""
+    if num_chunks is not None and num_chunks < 1:
+        raise ValueError(f"num_chunks must be 1 or more (or None: by vocabulary), got {num_chunks}")
+    return num_chunks
+
+
 def default_num_chunks(vocab_size: int) -> int:
     """`num_chunks` when a config leaves it out: by the vocabulary size."""
     return CHUNKS_FOR_LARGE_VOCABULARY if vocab_size >= LARGE_VOCABULARY else 1

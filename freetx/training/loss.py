@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from freetx.data.sampling import IGNORE_INDEX
-from freetx.models.output_loss import SourcesOf, forward_with_loss
+from freetx.models.output_loss import SourcesOf, check_num_chunks, forward_with_loss
 from freetx.models.protocol import LMOutput
 
 
@@ -33,12 +33,8 @@ class CrossEntropyLoss:
     """
 
     def __init__(self, ignore_index: int = IGNORE_INDEX, num_chunks: int | None = None) -> None:
-        if num_chunks is not None and num_chunks < 1:
-            raise ValueError(
-                f"num_chunks must be 1 or more (or None: by vocabulary), got {num_chunks}"
-            )
         self.ignore_index = ignore_index
-        self.num_chunks = num_chunks
+        self.num_chunks = check_num_chunks(num_chunks)
 
     def __call__(
         self,
