@@ -44,6 +44,7 @@ from freetx.training import (
     TrainingRun,
     accumulate_gradients,
     build_lr_scheduler,
+    check_context,
     check_model_and_data,
     check_packing,
     first_batches_padding,
@@ -111,6 +112,7 @@ class FullFinetuneRecipeFSDP2:
             model = instantiate(cfg.model)
         check_model_and_data(model.config, self.tokenizer, self.seq_len)
         check_packing(model, packs(train_set))  # a packed dataset needs a model that packs
+        check_context(model, cfg.distributed.cp, self.seq_len)  # cp: a part of each sequence
         trains = apply_peft(model, cfg.peft, world_size)  # all, or adapters / some modules
         self.plan = parallelize(
             model, self.groups, cfg.distributed, seed=cfg.seed,
@@ -118,6 +120,7 @@ class FullFinetuneRecipeFSDP2:
             frozen=self.run.decide_frozen_base(model),  # what is frozen, where it is read from
         )  # fmt: skip
         self.model = self.plan.model
+        self.context = self.plan.context  # distributed.cp > 1: this rank's part of each sequence
         self.optimizer = self.plan.build_optimizer(cfg.optimizer)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.max_steps, cfg.lr_schedule)
 
@@ -138,7 +141,7 @@ class FullFinetuneRecipeFSDP2:
         data = iter(self.train_loader)
         self.model.train()
         while run.step < cfg.max_steps and not run.stopping:  # stopping: SIGTERM, ^C
-            batches = [next(data) for _ in range(self.accumulation)]
+            batches = [self.split(next(data)) for _ in range(self.accumulation)]
             self.optimizer.zero_grad(set_to_none=True)
             sums, num_tokens = accumulate_gradients(
                 self.plan, batches, self.compute_loss, count=loss_tokens
@@ -161,14 +164,20 @@ class FullFinetuneRecipeFSDP2:
         input_ids, labels = batch["input_ids"].to(self.device), batch["labels"].to(self.device)
         return self.loss_fn(self.model, input_ids, labels, **self.model_inputs(batch))
 
+    def split(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Under context parallelism, this rank's part of each sequence (else the batch)."""
+        return batch if self.context is None else self.context.split_batch(batch)
+
     def model_inputs(self, batch: dict[str, torch.Tensor]) -> dict[str, Any]:
         """The loss's inputs besides input_ids and labels: a packed batch's documents, a
-        mixture's sources (each source's loss is logged)."""
+        mixture's sources (each source's loss is logged), the context shard (cp > 1)."""
         inputs: dict[str, Any] = {}
         if "documents" in batch:
             inputs["documents"] = batch["documents"].to(self.device)
         if self.source_names:
             inputs["sources"] = SourcesOf(batch["source"], self.source_names)
+        if self.context is not None:
+            inputs["context"] = self.context
         return inputs
 
     @torch.no_grad()
@@ -180,6 +189,7 @@ class FullFinetuneRecipeFSDP2:
         for i, batch in enumerate(self.val_loader):
             if self.cfg.eval.max_batches is not None and i >= self.cfg.eval.max_batches:
                 break
+            batch = self.split(batch)
             input_ids = batch["input_ids"].to(self.device)
             labels = batch["labels"].masked_fill(batch["padding"][:, None], IGNORE_INDEX)
             labels = labels.to(self.device)
@@ -191,7 +201,7 @@ class FullFinetuneRecipeFSDP2:
             for name, value in parts.items():
                 sums[name] = sums.get(name, 0) + value
             tokens += (labels != IGNORE_INDEX).sum()
-        totals = self.groups.sum({**sums, "tokens": tokens}, over="dp")
+        totals = self.groups.sum({**sums, "tokens": tokens}, over="dp_cp")
         self.model.train()
         num_tokens = max(totals.pop("tokens"), 1.0)
         metrics = {f"val/{name}": value / num_tokens for name, value in totals.items()}

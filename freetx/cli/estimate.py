@@ -73,7 +73,8 @@ def estimate_config(
     from freetx.training.estimate import activation_sources, estimate, meta_model
 
     refuse_untrained(cfg)
-    data_ranks = world_size // cfg.distributed.tp  # a tp group reads one share of the data
+    # a cp x tp group reads one share of the data
+    data_ranks = world_size // (cfg.distributed.tp * cfg.distributed.cp)
     micro = micro_batch_size(cfg.batch_size, data_ranks, cfg.gradient_accumulation_steps)
     processes = Layout(world_size, device_type="cpu" if device == "cpu" else "cuda")
     refused = {}
@@ -103,7 +104,7 @@ def estimate_config(
         dist.activation_checkpointing, dist.ac_every_n_blocks, device, mfu, replicas=replicas,
         optimizer_bytes=2.0 if "8bit" in str(cfg.optimizer.get("_component_", "")) else 8.0,
         sources=sources.bytes if sources else 0.0, loss_chunks=loss_chunks(cfg, model),
-        tp=dist.tp,
+        tp=dist.tp, cp=dist.cp,
     )  # fmt: skip
     rows = [r for r in rows if r.strategy not in refused]
     return ConfigEstimate(model, micro, seq_len, rows, refused, sources)
@@ -179,8 +180,9 @@ def main(args: argparse.Namespace) -> int:
         trainable_text = f"{trainable / 1e9:.3f}B trained, {active / 1e9:.3f}B active per token"
     else:
         trainable_text = f"{trainable / 1e9:.3f}B trained"
-    tp = dist.tp
-    grid = f" as {args.world_size // tp} data-parallel x tp {tp}" if tp > 1 else ""
+    tp, cp = dist.tp, dist.cp
+    axes = "".join(f" x {name} {n}" for name, n in (("cp", cp), ("tp", tp)) if n > 1)
+    grid = f" as {args.world_size // (tp * cp)} data-parallel{axes}" if axes else ""
     print(f"{args.config}: {params / 1e9:.3f}B parameters ({trainable_text}), "
           f"{args.world_size} x {args.device}{grid}, micro-batch {batch}, "
           f"{dist.mixed_precision.param_dtype}, activation checkpointing "
@@ -193,12 +195,12 @@ def main(args: argparse.Namespace) -> int:
             fix="Leave out --measure: the analytic estimate counts adapters, frozen "
             "bases and NF4 weights.",
         )
-    if args.measure and tp > 1:
+    if args.measure and (tp > 1 or cp > 1):
         raise ConfigError(
             "--measure steps the data-parallel strategies on one process; it does not slice "
-            "layers over tensor-parallel ranks yet.",
-            fix="Leave out --measure for distributed.tp > 1 (the analytic estimate counts "
-            "tp), or measure at distributed.tp=1.",
+            "layers over tensor-parallel ranks or sequences over context-parallel ranks yet.",
+            fix="Leave out --measure for distributed.tp or cp > 1 (the analytic estimate "
+            "counts both), or measure at tp=1 and cp=1.",
         )
     if args.measure:  # one step per distinct layout (at world size 1: the plain model, once)
         steps = {}
@@ -221,7 +223,7 @@ def main(args: argparse.Namespace) -> int:
         g = lambda v: f"{v / GIB:.2f}"  # noqa: E731
         row = [r.strategy, g(r.parameters), g(r.gradients), g(r.optimizer), g(r.gathered),
                g(r.activations), g(r.loss), g(r.peak), "yes" if r.peak / GIB < hbm else "no",
-               f"{r.step_s:.2f}", f"{micro * seq_len / tp / r.step_s:,.0f}"]  # fmt: skip
+               f"{r.step_s:.2f}", f"{micro * seq_len / (tp * cp) / r.step_s:,.0f}"]  # fmt: skip
         if measured:
             m = measured[r.strategy]
             row[-3:-3] = [g(m["peak"]), g(m["activations"])]

@@ -1,11 +1,13 @@
 """Process group, device, meshes, and how models are parallelized and initialized.
 
-`build_groups(runtime, cfg)` names the ranks by axis (`ParallelGroups`: dp, world)
+`build_groups(runtime, cfg)` names the ranks by axis (`ParallelGroups`: dp, cp, tp,
+dp_cp, world)
 and runs every collective; `parallelize(model, groups, cfg, seed)` returns a
 `ParallelPlan`, the one object that knows the strategy: nothing outside this
 package names one.
 """
 
+from freetx.distributed.context_parallel import ContextShard, check_context_length
 from freetx.distributed.frozen import FrozenBase, frozen_base
 from freetx.distributed.groups import HostGroup, ParallelGroups
 from freetx.distributed.init import (
@@ -33,7 +35,7 @@ from freetx.distributed.parallelize import (
 from freetx.distributed.runtime import (
     DistributedRuntime,
     build_mesh,
-    build_tp_meshes,
+    build_meshes,
     destroy_distributed,
     fake_world,
     init_distributed,
@@ -41,10 +43,12 @@ from freetx.distributed.runtime import (
 )
 
 __all__ = [
+    "ContextShard",
+    "check_context_length",
     "DistributedConfig",
     "FrozenBase",
     "DistributedRuntime",
-    "build_tp_meshes",
+    "build_meshes",
     "HostGroup",
     "ParallelGroups",
     "MixedPrecisionConfig",

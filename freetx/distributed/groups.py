@@ -5,14 +5,17 @@
     groups.sum({"loss": loss_sum})        # summed over the data-parallel ranks
     groups.all_reduce(flags, over="world")
 
-Axes: `dp` (data parallel: the ranks that read different data and average their
-gradients), `tp` (tensor parallel: the ranks that hold slices of the same layers and
-read the same data) and `world` (every rank: agreement to stop, saves). Without
-tensor parallelism `dp` is the whole world; with `distributed.tp=N` the world is a
-(dp, tp) mesh and `dp` its first axis. Context and pipeline parallelism add `cp` and
-`pp` the same way: a caller that names its axis stays right. For a sharded strategy
-the groups also hold the mesh FSDP2 shards over (`mesh`), and with tensor parallelism
-the `tp` mesh the layers are sliced over (`tp_mesh`).
+Axes: `dp` (data parallel: the ranks that read different samples), `cp` (context
+parallel: the ranks that hold different parts of the same sequences), `tp` (tensor
+parallel: the ranks that hold slices of the same layers and read the same tokens),
+`dp_cp` (dp and cp together: the ranks that hold different tokens of the global
+batch, over which losses and token counts are summed and gradients averaged) and
+`world` (every rank: agreement to stop, saves). Without context or tensor parallelism
+`dp` and `dp_cp` are the whole world; with `distributed.cp` or `distributed.tp` the
+world is a (dp, cp, tp) mesh (`build_meshes`). Pipeline parallelism adds `pp` the same
+way: a caller that names its axis stays right. For a sharded strategy the groups also
+hold the mesh FSDP2 shards over (`mesh`: dp_cp's), and the meshes of the other axes
+(`axes`).
 
 Nothing outside `freetx.distributed` calls a `torch.distributed` collective:
 recipes, data, training and checkpoints come here (`ParallelPlan.groups`).
@@ -29,7 +32,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from freetx.distributed.runtime import DistributedRuntime
 
-Axis = Literal["dp", "tp", "world"]
+Axis = Literal["dp", "cp", "tp", "dp_cp", "world"]
+AXES = ("dp", "cp", "tp", "dp_cp", "world")
 ReduceOp = Literal["sum", "max", "min"]
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
@@ -39,8 +43,8 @@ class ParallelGroups:
     """This job's ranks by axis name (see the module docstring)."""
 
     runtime: DistributedRuntime
-    mesh: DeviceMesh | None = None  # the data-parallel mesh FSDP2 shards over (1-D or hsdp's 2-D)
-    tp_mesh: DeviceMesh | None = None  # the tensor-parallel mesh (distributed.tp > 1)
+    mesh: DeviceMesh | None = None  # the mesh FSDP2 shards over (1-D, hsdp's 2-D, or dp_cp)
+    axes: dict[str, DeviceMesh] = field(default_factory=dict)  # dp, cp, tp, dp_cp (cp or tp > 1)
     _host: Any = field(default=None, init=False, repr=False)  # a gloo group, made when asked
 
     # -- where this rank is --------------------------------------------------
@@ -48,15 +52,22 @@ class ParallelGroups:
         self._check(over)
         if over == "world":
             return self.runtime.world_size
-        tp = 1 if self.tp_mesh is None else self.tp_mesh.size()
-        return tp if over == "tp" else self.runtime.world_size // tp
+        if over in self.axes:
+            return self.axes[over].size()
+        return 1 if over in ("cp", "tp") else self.runtime.world_size
 
     def rank(self, over: Axis = "dp") -> int:
         self._check(over)
-        if over == "world" or self.tp_mesh is None:
-            return 0 if over == "tp" else self.runtime.rank
-        tp_rank = self.tp_mesh.get_local_rank()
-        return tp_rank if over == "tp" else self.runtime.rank // self.tp_mesh.size()
+        if over == "world":
+            return self.runtime.rank
+        if over in self.axes:
+            return self.axes[over].get_local_rank()
+        return 0 if over in ("cp", "tp") else self.runtime.rank
+
+    @property
+    def tp_mesh(self) -> DeviceMesh | None:
+        """The tensor-parallel mesh (distributed.tp > 1), else None."""
+        return self.axes["tp"] if self.size("tp") > 1 else None
 
     @property
     def dp_rank(self) -> int:
@@ -69,17 +80,14 @@ class ParallelGroups:
         return self.size("dp")
 
     def _check(self, over: str) -> None:
-        if over not in ("dp", "tp", "world"):
-            raise ValueError(f"no parallel axis named {over!r}; the axes are dp, tp, world")
+        if over not in AXES:
+            raise ValueError(f"no parallel axis named {over!r}; the axes are {', '.join(AXES)}")
 
     def _group(self, over: Axis):
-        """The process group of an axis (None: the default group: the world, and `dp`
-        without tensor parallelism)."""
+        """The process group of an axis (None: the default group: the world, and dp and
+        dp_cp without context or tensor parallelism)."""
         self._check(over)
-        if over == "world" or self.tp_mesh is None:
-            return None
-        # dp: the ranks that share this rank's tp index, the mesh FSDP2 shards over
-        return (self.tp_mesh if over == "tp" else self.mesh).get_group()
+        return self.axes[over].get_group() if over in self.axes else None
 
     def _active(self, over: Axis) -> bool:
         return dist.is_available() and dist.is_initialized() and self.size(over) > 1
@@ -104,6 +112,15 @@ class ParallelGroups:
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         gather(gathered, flat, group=self._group(over))
         return gathered.view(ranks, *tensor.shape)
+
+    def reduce_scatter(self, tensor: torch.Tensor, over: Axis = "dp") -> torch.Tensor:
+        """`tensor` [ranks, *shape] summed over the ranks of `over`: this rank's row of
+        the sum, [*shape] (the backward of `all_gather`)."""
+        if not self._active(over):
+            return tensor[0]
+        out = tensor.new_empty(tensor[0].numel())  # gloo wants flat tensors
+        dist.reduce_scatter_tensor(out, tensor.contiguous().reshape(-1), group=self._group(over))
+        return out.view(tensor.shape[1:])
 
     def all_gather_varying(self, tensor: torch.Tensor, over: Axis = "dp") -> torch.Tensor:
         """Every rank's 1-D `tensor`, concatenated in rank order (lengths may differ)."""

@@ -38,10 +38,11 @@ from torch.distributed.fsdp import (
 from torch.nn.parallel import DistributedDataParallel
 
 from freetx.config.instantiate import COMPONENT, import_component, instantiate, node_path
+from freetx.distributed.context_parallel import ContextShard
 from freetx.distributed.frozen import FrozenBase, frozen_base
 from freetx.distributed.groups import ParallelGroups
 from freetx.distributed.init import canonical_name, materialize
-from freetx.distributed.runtime import DistributedRuntime, build_mesh, build_tp_meshes
+from freetx.distributed.runtime import DistributedRuntime, build_mesh, build_meshes
 from freetx.distributed.scaler import GradScaler
 from freetx.distributed.tensor_parallel import apply_tensor_parallel
 from freetx.errors import ConfigError
@@ -90,6 +91,9 @@ class DistributedConfig:
     # tensor parallelism: each block's attention and MLP sliced over this many ranks (with
     # fsdp or zero2 over the others: a (dp, tp) mesh); 1: none
     tp: int = at_least(1, default=1)
+    # context parallelism: each sequence split over this many ranks, attention over the
+    # whole sequence (keys and values gathered); fsdp or zero2 shards over dp x cp; 1: none
+    cp: int = at_least(1, default=1)
     # a collective that a rank does not reach within this ends the job with a message
     # naming the step (the hang guard); large saves and evaluations must fit inside it
     collective_timeout_s: float = 1800.0
@@ -142,9 +146,12 @@ class ParallelPlan:
     model: nn.Module  # what to call and train: DDP wrapper, FSDP2-sharded model, or plain
     module: nn.Module  # the model itself, under any wrapper: its config and protocol methods
     strategy: str  # the canonical strategy name (for the banner and checkpoints' meta)
-    groups: ParallelGroups  # the ranks by axis (dp, world) and the collectives over them
+    groups: ParallelGroups  # the ranks by axis (dp, cp, tp, world) and their collectives
     cfg: Any  # the `distributed:` section
-    scaler: GradScaler = field(init=False)  # float16 only: agreed over the dp ranks
+    scaler: GradScaler = field(init=False)  # float16 only: agreed over the ranks
+    # distributed.cp > 1: this rank's part of each sequence (`split_batch`, and the model's
+    # forward(context=...)); None without context parallelism
+    context: ContextShard | None = field(init=False)
 
     @property
     def runtime(self) -> DistributedRuntime:
@@ -162,12 +169,19 @@ class ParallelPlan:
         # enabled only for float16 (a no-op pass-through otherwise)
         enabled = self.cfg.mixed_precision.param_dtype == "float16"
         self.scaler = GradScaler(self.groups, enabled=enabled)
+        self.context = ContextShard(self.groups) if self.groups.size("cp") > 1 else None
 
     @property
     def layout(self) -> str:
-        """The strategy and any other axis, in words (checkpoints' meta): `fsdp x tp 2`."""
-        tp = self.groups.size("tp")
-        return self.strategy if tp == 1 else f"{self.strategy} x tp {tp}"
+        """The strategy and any other axis, in words (checkpoints' meta): `fsdp x cp 2 x tp 2`."""
+        axes = [f"{axis} {self.groups.size(axis)}" for axis in ("cp", "tp")]
+        return " x ".join([self.strategy] + [a for a in axes if not a.endswith(" 1")])
+
+    @property
+    def gradient_ranks(self) -> int:
+        """The ranks whose gradients DDP or FSDP2 average (dp x cp: they hold different
+        tokens of the global batch), which a summed loss is multiplied back by."""
+        return self.groups.size("dp_cp")
 
     @property
     def replicated(self) -> bool:
@@ -270,31 +284,44 @@ def check_distributed(cfg: DistributedConfig, layout: Layout = Layout()) -> None
                 "parameters between GPU and CPU, and this run is on the CPU already.",
                 fix="Set distributed.cpu_offload=false (or run on CUDA).",
             )
-    if cfg.tp > 1:
-        if strategy not in ("fsdp", "zero2"):
-            raise ConfigError(
-                f"distributed.tp={cfg.tp} composes with fsdp or zero2 (FSDP2 over the "
-                f"data-parallel ranks of a (dp, tp) mesh), not {cfg.strategy}.",
-                fix="Use distributed.strategy=fsdp, or set distributed.tp=1.",
-            )
-        per_node = layout.processes_per_node
-        if per_node is not None and per_node % cfg.tp:
-            raise ConfigError(
-                f"distributed.tp={cfg.tp} does not divide the {per_node} process(es) per node "
-                "of this run: a tp group would span nodes, and its two sums per block and "
-                "pass would cross the slow link.",
-                fix="Pick a tp that divides the processes (GPUs) of one node, e.g. tp=8 with "
-                "8 per node, or set distributed.tp=1.",
-            )
-        if layout.world_size is not None and layout.world_size % cfg.tp:
-            raise ConfigError(
-                f"distributed.tp={cfg.tp} does not divide the {layout.describe()} of this "
-                "run, so they cannot form a (dp, tp) mesh.",
-                fix="Pick a tp that divides the number of processes (e.g. tp=2 on 4: 2 x 2), "
-                "at most the processes of one node, or set distributed.tp=1.",
-            )
+    check_mesh_axes(cfg, strategy, layout)
     if layout.world_size is not None:
         replicate_degree(cfg, layout)  # raises when it does not divide the world
+
+
+def check_mesh_axes(cfg: DistributedConfig, strategy: str, layout: Layout) -> None:
+    """distributed.cp and tp: the (dp, cp, tp) mesh they make with the processes."""
+    axes = {name: n for name, n in (("cp", cfg.cp), ("tp", cfg.tp)) if n > 1}
+    if not axes:
+        return
+    named = " and ".join(f"distributed.{name}={n}" for name, n in axes.items())
+    reset = " and ".join(f"{name}=1" for name in axes)
+    s = "" if len(axes) > 1 else "s"  # distributed.tp=2 composes; tp=2 and cp=2 compose
+    if strategy not in ("fsdp", "zero2"):
+        raise ConfigError(
+            f"{named} compose{s} with fsdp or zero2 (FSDP2 over the data-parallel ranks of "
+            f"a (dp, cp, tp) mesh), not {cfg.strategy}.",
+            fix=f"Use distributed.strategy=fsdp, or set {reset}.",
+        )
+    inner = cfg.cp * cfg.tp  # cp and tp ranks sit next to each other, on one node
+    per_node = layout.processes_per_node
+    if per_node is not None and per_node % cfg.tp:
+        raise ConfigError(
+            f"distributed.tp={cfg.tp} does not divide the {per_node} process(es) per node "
+            "of this run: a tp group would span nodes, and its two sums per block and "
+            "pass would cross the slow link.",
+            fix="Pick a tp that divides the processes (GPUs) of one node, e.g. tp=8 with "
+            "8 per node, or set distributed.tp=1.",
+        )
+    if layout.world_size is not None and layout.world_size % inner:
+        product = " x ".join(f"{name} {n}" for name, n in axes.items())
+        raise ConfigError(
+            f"{named} need{s} {inner} processes per data-parallel rank ({product}), which "
+            f"does not divide the {layout.describe()} of this run, so they cannot form a "
+            "(dp, cp, tp) mesh.",
+            fix=f"Pick sizes whose product divides the number of processes (e.g. tp=2 or "
+            f"cp=2 on 4: 2 x 2), or set {reset}.",
+        )
 
 
 def replicate_degree(cfg: DistributedConfig, layout: Layout) -> int:
@@ -354,9 +381,9 @@ def build_groups(runtime: DistributedRuntime, cfg: DistributedConfig) -> Paralle
     Refuses combinations that cannot work first."""
     layout = Layout.of(runtime)
     check_distributed(cfg, layout)
-    if cfg.tp > 1:  # a (dp, tp) mesh: FSDP2 over dp
-        mesh, tp_mesh = build_tp_meshes(runtime, cfg.tp)
-        return ParallelGroups(runtime, mesh, tp_mesh)
+    if cfg.cp > 1 or cfg.tp > 1:  # a (dp, cp, tp) mesh: FSDP2 over dp x cp
+        axes = build_meshes(runtime, cfg.cp, cfg.tp)
+        return ParallelGroups(runtime, axes["dp_cp"], axes)
     mesh = None
     if canonical_strategy(cfg.strategy) in SHARDED and (runtime.world_size > 1 or cfg.cpu_offload):
         mesh = build_mesh(runtime, replicate_degree(cfg, layout))

@@ -166,13 +166,18 @@ def fake_world(world_size: int):
         dist.destroy_process_group()
 
 
-def build_tp_meshes(runtime: DistributedRuntime, tp: int) -> tuple[DeviceMesh, DeviceMesh]:
-    """The (dp, tp) mesh's two axes, ("dp_shard" the FSDP2 mesh, "tp"): ranks next to each
-    other (on one node) slice the same layers; rank r is at (r // tp, r % tp)."""
-    mesh = init_device_mesh(
-        runtime.device_type, (runtime.world_size // tp, tp), mesh_dim_names=("dp_shard", "tp")
-    )
-    return mesh["dp_shard"], mesh["tp"]
+def build_meshes(runtime: DistributedRuntime, cp: int = 1, tp: int = 1) -> dict[str, DeviceMesh]:
+    """The (dp, cp, tp) mesh's axes by name: "dp" (the ranks that read different samples),
+    "cp" (context parallel: the ranks that hold parts of the same sequences), "tp"
+    (tensor parallel: slices of the same layers), and "dp_cp", dp and cp flattened (the
+    ranks that hold different tokens of the global batch: FSDP2 shards over it and
+    averages its gradients). The inner axes are the ranks next to each other (on one
+    node): rank r is at (r // (cp tp), r // tp % cp, r % tp)."""
+    dims = (runtime.world_size // (cp * tp), cp, tp)
+    mesh = init_device_mesh(runtime.device_type, dims, mesh_dim_names=("dp", "cp", "tp"))
+    axes = {name: mesh[name] for name in ("dp", "cp", "tp")}
+    axes["dp_cp"] = mesh["dp", "cp"]._flatten("dp_cp") if cp > 1 else axes["dp"]
+    return axes
 
 
 def build_mesh(runtime: DistributedRuntime, replicate: int = 1) -> DeviceMesh:

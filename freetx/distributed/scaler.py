@@ -6,7 +6,8 @@ when it finds one, skips the optimizer step and halves the scale. Under FSDP2
 so one rank may see an Inf the others do not: left alone, that rank would skip
 the step and halve its scale while the others step, and the replicas drift
 apart. `GradScaler` here unscales each rank's local shards and takes the MAX of
-the found-Inf flag over the data-parallel ranks (one collective of one number
+the found-Inf flag over every rank (tensor-parallel ranks hold different slices too;
+one collective of one number
 per step, only when float16 is on), so every rank skips the same steps and
 keeps the same scale as one process holding the whole gradients would.
 Replicated strategies (ddp, zero1) hold the same gradients on every rank; the
@@ -63,5 +64,5 @@ class GradScaler(torch.amp.GradScaler):
                 found.append(flag.to(found_inf.device))
             # one rank's Inf is every rank's: the same skip and the same scale everywhere
             agreed = torch.stack(found).amax()
-            found_inf.copy_(self.groups.all_reduce(agreed, op="max", over="dp"))
+            found_inf.copy_(self.groups.all_reduce(agreed, op="max", over="world"))
         return {found_inf.device: found_inf}

@@ -26,6 +26,14 @@ layer has one). `document_mask` builds that mask once per forward and layer kind
 the kernel `choose_kernel` picks: a boolean [B, 1, T, T] mask (SDPA, or the explicit
 kernel for soft-capping) on CPU, a FlexAttention block mask on CUDA. Padding positions
 see the padding before them and themselves, so no softmax row is empty.
+
+Under context parallelism (`freetx.models.protocol.ShardsContext`) a rank holds some
+positions of each sequence (its queries) and attends over the whole sequence's keys and
+values, gathered from every rank: `context_mask` says which of them each query sees
+(causal at the query's position in the sequence, within the window and the document),
+as a boolean [B or 1, 1, queries, T] mask on CPU or a FlexAttention block mask on CUDA.
+`document_mask` and `context_mask` both give an `AttentionMask`, the mask and the
+kernel that computes it, which `attend` takes (`mask=`).
 """
 
 from __future__ import annotations
@@ -102,20 +110,22 @@ def _block_mask(length: int, window: int | None, device: str):
 
 
 @dataclass(frozen=True)
-class DocumentMask:
-    """Attention within the documents of a packed batch, for one kind of layer (its
-    `AttentionSpec`): the kernel that computes it, and that kernel's mask (a boolean
-    [B, 1, T, T] for SDPA and the explicit kernel, a FlexAttention BlockMask for flex);
-    `valid` [B, T]: False on padding positions."""
+class AttentionMask:
+    """A training forward's mask for one kind of layer (its `AttentionSpec`), within the
+    documents of a packed batch (`document_mask`) or over the whole sequence's keys
+    under context parallelism (`context_mask`): the kernel that computes it, and that
+    kernel's mask (booleans [B or 1, 1, queries, keys] for SDPA and the explicit kernel,
+    a FlexAttention BlockMask for flex); `valid` [B, queries]: False on padding
+    positions (None: no padding, the batch is not packed)."""
 
     kernel: Kernel
     mask: Any
-    valid: torch.Tensor
+    valid: torch.Tensor | None
 
 
 def document_mask(
     documents: torch.Tensor, spec: AttentionSpec, dropout: float = 0.0, kernel: Kernel | None = None
-) -> DocumentMask:
+) -> AttentionMask:
     """The mask of a layer whose queries see, causally and within `spec.window`, the keys
     of their own document (`documents` [B, T], -1 on padding); `kernel` None:
     `choose_kernel`'s for the device."""
@@ -127,7 +137,59 @@ def document_mask(
     else:
         seen = window_mask(documents.shape[1], spec.window, documents.device)
         mask = (seen & (documents[:, :, None] == documents[:, None, :]))[:, None]
-    return DocumentMask(kernel, mask, documents >= 0)
+    return AttentionMask(kernel, mask, documents >= 0)
+
+
+def context_mask(
+    positions: torch.Tensor,
+    length: int,
+    spec: AttentionSpec,
+    documents: torch.Tensor | None = None,
+    dropout: float = 0.0,
+    kernel: Kernel | None = None,
+) -> AttentionMask:
+    """The mask of a layer whose queries sit at `positions` [Q] of a `length`-token
+    sequence (a context-parallel rank's) and whose keys are the whole sequence: a query
+    sees the keys at or before its position, within `spec.window`, and, in a packed batch
+    (`documents` [B, length], -1 on padding), of its own document. `kernel` None:
+    `choose_kernel`'s for the device (a window or documents' kernel; plain causal
+    attention takes the masked one, since its queries are not the last keys)."""
+    device = positions.device
+    kernel = kernel or choose_kernel(device.type, spec, dropout, documents=True)
+    if kernel == "sdpa":
+        raise ValueError("plain SDPA (is_causal) cannot place queries inside the sequence")
+    valid = None if documents is None else documents[:, positions] >= 0
+    if kernel == "flex":
+        return AttentionMask(
+            kernel, _context_block_mask(positions, length, spec.window, documents), valid
+        )
+    distance = positions[:, None] - torch.arange(length, device=device)[None, :]
+    seen = distance >= 0
+    if spec.window is not None:
+        seen = seen & (distance < spec.window)
+    if documents is not None:
+        seen = seen & (documents[:, positions, None] == documents[:, None, :])
+    return AttentionMask(kernel, seen[:, None] if documents is not None else seen, valid)
+
+
+def _context_block_mask(
+    positions: torch.Tensor, length: int, window: int | None, documents: torch.Tensor | None
+):
+    """FlexAttention's block mask for queries at `positions` over a `length`-token
+    sequence's keys (built every forward: it follows the documents and the rank)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def mask_mod(batch, head, q_index, kv_index):
+        at = positions[q_index]
+        seen = kv_index <= at
+        if documents is not None:
+            seen = seen & (documents[batch, at] == documents[batch, kv_index])
+        return seen if window is None else seen & (at - kv_index < window)
+
+    rows = None if documents is None else documents.shape[0]
+    return create_block_mask(
+        mask_mod, rows, None, positions.numel(), length, device=str(positions.device)
+    )
 
 
 def _document_block_mask(documents: torch.Tensor, window: int | None):
@@ -216,39 +278,40 @@ def attend(
     dropout: float = 0.0,
     kernel: Kernel | None = None,
     key_valid: torch.Tensor | None = None,
-    documents: DocumentMask | None = None,
+    mask: AttentionMask | None = None,
 ) -> torch.Tensor:
     """Attention of q [B, heads, T, D] over k, v [B, kv_heads, S, D] (grouped when fewer
     heads), S >= T: the queries are the last T keys' (a KV cache's earlier keys before
     them); `key_valid` [B, S]: False for padding keys (a left-padded batch). `kernel`
-    None: `choose_kernel`'s for q's device. `documents`: a packed batch's mask for this
-    layer (`document_mask`; its kernel computes it). A window, more keys than queries,
-    padding and documents need `causal`."""
+    None: `choose_kernel`'s for q's device. `mask`: a training forward's mask for this
+    layer (`document_mask`, `context_mask`; its kernel computes it, and it says where
+    the queries are). A window, more keys than queries, padding and masks need `causal`."""
     queries, keys = q.shape[2], k.shape[2]
-    decoding = keys != queries or key_valid is not None
-    if (spec.window is not None or decoding or documents is not None) and not causal:
+    decoding = (keys != queries or key_valid is not None) and mask is None
+    if (spec.window is not None or decoding or mask is not None) and not causal:
         raise ValueError(
-            "a sliding window is causal, and so are a KV cache's keys, padding keys and "
-            "packed documents; bidirectional attention has none"
+            "a sliding window is causal, and so are a KV cache's keys, padding keys, "
+            "packed documents and a context-parallel rank's queries; bidirectional "
+            "attention has none"
         )
-    if documents is not None and decoding:
-        raise ValueError("packed documents take as many keys as queries, no KV cache")
-    if documents is not None:
-        kernel = documents.kernel
+    if mask is not None and (key_valid is not None):
+        raise ValueError("a training mask (documents, context) takes no KV cache")
+    if mask is not None:
+        kernel = mask.kernel
     kernel = kernel or choose_kernel(q.device.type, spec, dropout, decoding)
     if kernel == "flex":
         if decoding:
             raise ValueError("FlexAttention here takes as many keys as queries, no padding")
-        return flex(q, k, v, spec, causal, None if documents is None else documents.mask)
-    mask = None
-    if documents is not None:
-        mask = documents.mask
+        return flex(q, k, v, spec, causal, None if mask is None else mask.mask)
+    boolean = None
+    if mask is not None:
+        boolean = mask.mask
     elif causal and (kernel != "sdpa" or decoding):
-        mask = window_mask(queries, spec.window, q.device, keys, key_valid)
+        boolean = window_mask(queries, spec.window, q.device, keys, key_valid)
     if kernel == "explicit":
-        return explicit(q, k, v, spec, dropout, mask)
+        return explicit(q, k, v, spec, dropout, boolean)
     return F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, is_causal=causal and mask is None, dropout_p=dropout,
+        q, k, v, attn_mask=boolean, is_causal=causal and boolean is None, dropout_p=dropout,
         scale=spec.scale, enable_gqa=k.shape[1] != q.shape[1],
     )  # fmt: skip
 

@@ -261,8 +261,10 @@ class FreeTransformer(Transformer):
     # generate samples it with a full forward per token (LatentModel), no KV cache: a
     # method set to None opts out of the decoder's protocol (DecodesIncrementally)
     new_cache = None
-    # its encoder reads the whole sequence (bidirectional): no packed batches
+    # its encoder reads the whole sequence (bidirectional): no packed batches, and no
+    # part of a sequence per rank (context parallelism)
     attention_masks = None
+    context_masks = None
 
     def __init__(self, cfg: FreeTransformerConfig):
         super().__init__(cfg)

@@ -23,6 +23,7 @@ which the model returns in training (`freetx.models.protocol.LMOutput`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -140,19 +141,34 @@ def valid_routing(
     return Routing(counts.float(), (probs * weight[:, None]).sum(dim=0), weight.sum())
 
 
-def load_balancing_loss(routings: list[Routing], num_experts: int) -> torch.Tensor:
-    """Switch / Mixtral's auxiliary loss over every MoE layer of a micro-batch, as
-    transformers' `load_balancing_loss_func` computes it (no attention mask): E x sum over
-    experts of (the share of routed (token, slot) pairs it got) x (its mean router
-    probability), both over all layers' tokens: k when perfectly balanced."""
+def combined_routing(
+    routings: list[Routing], total: Callable[[torch.Tensor], torch.Tensor] | None = None
+) -> Routing:
+    """Every MoE layer's statistics of a micro-batch summed. `total`: summed over the
+    ranks that hold parts of the same sequences too (context parallelism:
+    `SequenceShard.sum`, differentiable), so that every rank's statistics are the whole
+    sequences'."""
     counts = torch.stack([r.counts for r in routings]).sum(0)
     probs = torch.stack([r.probs for r in routings]).sum(0)
-    rows = torch.stack([r.tokens for r in routings]).sum()  # tokens x layers
-    return num_experts * torch.sum((counts / rows) * (probs / rows))
+    rows = torch.stack([r.tokens for r in routings]).sum()
+    if total is None:
+        return Routing(counts, probs, rows)
+    joined = total(torch.cat([counts, probs, rows.reshape(1)]))  # one collective
+    experts = len(counts)
+    return Routing(joined[:experts], joined[experts:-1], joined[-1])
 
 
-def expert_load_max(routings: list[Routing]) -> torch.Tensor:
+def load_balancing_loss(routing: Routing, num_experts: int) -> torch.Tensor:
+    """Switch / Mixtral's auxiliary loss over every MoE layer of a micro-batch
+    (`combined_routing`), as transformers' `load_balancing_loss_func` computes it (no
+    attention mask): E x sum over experts of (the share of routed (token, slot) pairs it
+    got) x (its mean router probability), both over all layers' tokens: k when perfectly
+    balanced."""
+    rows = routing.tokens  # tokens x layers
+    return num_experts * torch.sum((routing.counts / rows) * (routing.probs / rows))
+
+
+def expert_load_max(routing: Routing) -> torch.Tensor:
     """The busiest expert's routed tokens over the mean (1.0: perfectly balanced), over
-    every MoE layer of a micro-batch."""
-    counts = torch.stack([r.counts for r in routings]).sum(0)
-    return counts.max() / counts.mean().clamp(min=1e-9)
+    every MoE layer of a micro-batch (`combined_routing`)."""
+    return routing.counts.max() / routing.counts.mean().clamp(min=1e-9)

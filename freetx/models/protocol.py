@@ -46,6 +46,11 @@ class (who calls it, when):
                       documents=documents): several samples per sequence, each computed
                       as if alone; a recipe training on a packed dataset (refused before
                       any work for a model without it: `check_packing`)
+    ShardsContext     context_masks(shard, documents, length), and forward(input_ids,
+                      context=shard): this rank's part of each sequence under context
+                      parallelism (`SequenceShard`), computed as the whole sequence
+                      would be; a run with distributed.cp > 1 (refused before any work
+                      for a model without it: `check_context`)
     ProjectsInChunks  output_layer(), and forward(input_ids, output_loss=loss): the
                       model hands its last hidden states and its output layer to the
                       loss instead of computing the logits, so the loss makes them a
@@ -248,6 +253,41 @@ class PacksDocuments(Protocol):
     def attention_masks(self, documents: torch.Tensor) -> Any: ...
 
 
+@runtime_checkable
+class SequenceShard(Protocol):
+    """This rank's part of every sequence under context parallelism, as a model sees it
+    (`freetx.distributed.ContextShard` makes it; `ShardsContext` models take it):
+    `indices(length)` the positions of a `length`-token sequence this rank holds
+    (length / size of them, in order), `gather(x, dim)` every rank's part of `x` along
+    `dim`, joined into the whole sequence in order (its backward sends each rank the
+    gradient of its part), `sum(x)` `x` summed over the ranks (differentiable: what the
+    whole sequence's tokens add up to, on every rank)."""
+
+    size: int
+
+    def indices(self, length: int, device: torch.device) -> torch.Tensor: ...
+
+    def gather(self, x: torch.Tensor, dim: int) -> torch.Tensor: ...
+
+    def sum(self, x: torch.Tensor) -> torch.Tensor: ...
+
+
+@runtime_checkable
+class ShardsContext(Protocol):
+    """A language model that trains on a part of each sequence under context parallelism:
+    `forward(input_ids, context=shard)` takes this rank's tokens ([B, T / cp], the
+    positions `shard.indices(T)`; a packed batch's `documents` whole, [B, T]) and
+    computes them exactly as the whole sequence would: attention over every rank's keys
+    and values (`shard.gather`), RoPE at the tokens' positions, an MoE router's
+    statistics over the whole sequence (`shard.sum`). `context_masks(shard, documents,
+    length)` builds the per-layer masks that forward uses. A subclass opts out by
+    setting `context_masks = None` (the Free Transformer)."""
+
+    def context_masks(
+        self, shard: SequenceShard, documents: torch.Tensor | None, length: int
+    ) -> Any: ...
+
+
 # -- optional hooks of a module (local shards only) -----------------------------------
 @runtime_checkable
 class SelfInitialized(Protocol):
@@ -297,7 +337,7 @@ MODEL_HOOKS = (
     Model, HasBlocks, InitBuffers, CountsParameters, CountsActiveParameters, CountsFlops,
     DescribesItself, EstimatesActivations,
     HFLayoutModel, ExtraForwards, AdapterTargets, AlwaysTrained, DecodesIncrementally,
-    PacksDocuments,
+    PacksDocuments, ShardsContext,
 )  # fmt: skip
 MODULE_HOOKS = (SelfInitialized, DerivedFromWeights, StoredInOwnForm, FrozenInComputeDtype)
 

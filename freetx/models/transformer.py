@@ -31,16 +31,29 @@ from torch import nn
 from freetx.errors import ConfigError
 from freetx.fields import refuse_meaningless
 from freetx.models.attention import (
+    AttentionMask,
     AttentionSpec,
-    DocumentMask,
     attend,
+    context_mask,
     document_mask,
     document_positions,
     sliding_layers,
 )
 from freetx.models.kv_cache import KVCache, LayerCache
-from freetx.models.moe import MoEFeedForward, expert_load_max, load_balancing_loss
-from freetx.models.protocol import LMOutput, OutputLayer, OutputLoss, build_config, builds
+from freetx.models.moe import (
+    MoEFeedForward,
+    combined_routing,
+    expert_load_max,
+    load_balancing_loss,
+)
+from freetx.models.protocol import (
+    LMOutput,
+    OutputLayer,
+    OutputLoss,
+    SequenceShard,
+    build_config,
+    builds,
+)
 from freetx.models.transformer_hf import LLAMA_LAYOUT, hf_config_fields
 
 
@@ -487,11 +500,15 @@ class Attention(nn.Module):
         causal: bool = True,
         kv_input: torch.Tensor | None = None,
         cache: LayerCache | None = None,
-        documents: DocumentMask | None = None,
+        mask: AttentionMask | None = None,
+        context: SequenceShard | None = None,
     ) -> torch.Tensor:
         """`cache`: this layer's KV cache; the new keys and values join it, and the
-        queries attend to every key cached (the real ones). `documents`: a packed batch's
-        mask for this layer (`document_mask`): queries attend within their document."""
+        queries attend to every key cached (the real ones). `mask`: a training forward's
+        mask for this layer (`document_mask`: queries attend within their document;
+        `context_mask`: this rank's queries over the whole sequence). `context`: this
+        rank's part of the sequence (`ShardsContext`): the keys and values of every
+        part are gathered."""
         batch, seq_len, _ = x.shape
         q, k, v = self.project(x, x if kv_input is None else kv_input)
         if self.qk_norm == "projection":
@@ -508,10 +525,11 @@ class Attention(nn.Module):
         key_valid = None
         if cache is not None:
             k, v, key_valid = cache.extend(k, v)
+        if context is not None:  # the whole sequence's keys and values (Llama 3's scheme)
+            k, v = context.gather(k, dim=2), context.gather(v, dim=2)
         out = attend(
-            q, k, v, self.spec, causal=causal, dropout=dropout, key_valid=key_valid,
-            documents=documents,
-        )  # fmt: skip
+            q, k, v, self.spec, causal=causal, dropout=dropout, key_valid=key_valid, mask=mask
+        )
         return self.wo(out.transpose(1, 2).reshape(batch, seq_len, -1))
 
     def project(self, x: torch.Tensor, kv_source: torch.Tensor):
@@ -599,21 +617,25 @@ class DecoderBlock(nn.Module):
         causal: bool = True,
         kv: torch.Tensor | None = None,
         cache: LayerCache | None = None,
-        documents: DocumentMask | None = None,
+        mask: AttentionMask | None = None,
+        context: SequenceShard | None = None,
     ) -> torch.Tensor:
         """`kv`: the stream keys and values come from (default `x`), normalized like `x`;
-        `cache`: the layer's KV cache (generation); `documents`: a packed batch's mask for
-        this layer (attention within each document; the router counts no padding)."""
+        `cache`: the layer's KV cache (generation); `mask`: a training forward's mask for
+        this layer (within each document of a packed batch, the router counting no
+        padding; over the whole sequence under context parallelism, `context`)."""
         h = self.attention_norm(x)
         kv_input = None if kv is None else self.attention_norm(kv)
         attended = self.attention(
-            h, cos, sin, causal=causal, kv_input=kv_input, cache=cache, documents=documents
-        )
+            h, cos, sin, causal=causal, kv_input=kv_input, cache=cache, mask=mask,
+            context=context,
+        )  # fmt: skip
         x = x + self.dropout(self.post_attention_norm(attended))
         h = self.pre_ffn_norm(self.ffn_norm(x))  # at most one of the two is a norm
         routing = None
         if isinstance(self.feed_forward, MoEFeedForward):
-            out, routing = self.feed_forward(h, None if documents is None else documents.valid)
+            valid = None if mask is None else mask.valid
+            out, routing = self.feed_forward(h, valid)
         else:
             out = self.feed_forward(h)
         x = x + self.dropout(self.post_ffn_norm(out))
@@ -758,6 +780,7 @@ class Transformer(nn.Module):
         cache: KVCache | None = None,
         documents: torch.Tensor | None = None,
         output_loss: OutputLoss | None = None,
+        context: SequenceShard | None = None,
     ) -> torch.Tensor | LMOutput:
         """input_ids [B, T] -> logits [B, T, vocab_size]; a model with experts in training
         mode returns `LMOutput(logits, aux_loss, metrics)`: the routers' load-balancing loss
@@ -767,27 +790,39 @@ class Transformer(nn.Module):
         batch: each position's sample, -1 on padding; `PacksDocuments`): every document
         is computed as if alone, its positions from 0, its attention within itself.
         `output_loss`: return what it makes of the hidden states and the output layer in
-        place of the logits (`ProjectsInChunks`: a loss that computes them in chunks)."""
-        if documents is not None and cache is not None:
-            raise ValueError("a packed batch (documents) is for training, not a KV cache")
+        place of the logits (`ProjectsInChunks`: a loss that computes them in chunks).
+        `context`: input_ids are this rank's part of sequences of T x context.size tokens
+        (`ShardsContext`), `documents` the whole sequences'."""
+        if (documents is not None or context is not None) and cache is not None:
+            raise ValueError("a packed batch or a context shard is for training, not a KV cache")
         new = input_ids.shape[1]
         if cache is not None and self.rope.rereads(cache.lengths(), new):
             input_ids = torch.cat([cache.rewind(), input_ids], dim=1)
-        seq_len = input_ids.shape[1]
+        seq_len = input_ids.shape[1] * (1 if context is None else context.size)
         positions = lengths = None
         if cache is not None:
             positions = cache.positions(seq_len)
         elif documents is not None:
             positions, lengths = document_positions(documents)
+        elif context is not None:  # positions 0 .. seq_len - 1 of the whole sequence
+            positions = torch.arange(seq_len, device=input_ids.device).expand(len(input_ids), -1)
+            lengths = torch.full_like(positions, seq_len)
+        if context is not None:  # this rank's positions
+            mine = context.indices(seq_len, input_ids.device)
+            positions, lengths = positions[:, mine], lengths[:, mine]
         tables = self.rope(seq_len, positions, lengths)
         local = tables if self.local_rope is None else self.local_rope(seq_len, positions, lengths)
-        masks = [None] * len(self.layers) if documents is None else self.attention_masks(documents)
+        masks = [None] * len(self.layers)
+        if context is not None:
+            masks = self.context_masks(context, documents, seq_len)
+        elif documents is not None:
+            masks = self.attention_masks(documents)
         h = self.embed(input_ids)
         routings = []
         for i, (layer, sliding) in enumerate(zip(self.layers, self.config.sliding_layers())):
             rope = local if sliding else tables
             if cache is None:
-                h = layer(h, *rope, documents=masks[i])
+                h = layer(h, *rope, mask=masks[i], context=context)
             else:
                 h = layer(h, *rope, cache=cache.layers[i])
             if isinstance(h, tuple):  # an MoE block: (h, Routing)
@@ -799,8 +834,9 @@ class Transformer(nn.Module):
         logits = self.finish(h, output_loss)
         if not (routings and self.training):
             return logits
-        aux = load_balancing_loss(routings, self.config.num_experts)
-        metrics = {"aux_loss": aux.detach(), "expert_load_max": expert_load_max(routings)}
+        routing = combined_routing(routings, None if context is None else context.sum)
+        aux = load_balancing_loss(routing, self.config.num_experts)
+        metrics = {"aux_loss": aux.detach(), "expert_load_max": expert_load_max(routing)}
         return LMOutput(logits, self.config.router_aux_loss_coef * aux, metrics)
 
     def tensor_parallel_plan(self, tp: int) -> dict[str, str]:
@@ -841,16 +877,33 @@ class Transformer(nn.Module):
             plan["output"] = "output"
         return plan
 
-    def attention_masks(self, documents: torch.Tensor) -> list[DocumentMask]:
+    def attention_masks(self, documents: torch.Tensor) -> list[AttentionMask]:
         """Per layer, its mask for a packed batch's `documents` [B, T]: built once per kind
         of layer (full, sliding) and forward (`PacksDocuments`)."""
-        built: dict[AttentionSpec, DocumentMask] = {}
+        return self._masks(lambda spec, dropout: document_mask(documents, spec, dropout))
+
+    def context_masks(
+        self, context: SequenceShard, documents: torch.Tensor | None, length: int
+    ) -> list[AttentionMask]:
+        """Per layer, the mask of this rank's queries (`context.indices(length)`) over the
+        whole sequence's keys, within `documents` [B, length] where the batch is packed:
+        built once per kind of layer and forward (`ShardsContext`)."""
+        device = self.tok_embeddings.weight.device
+        device = documents.device if documents is not None else device
+        mine = context.indices(length, device)
+        return self._masks(
+            lambda spec, dropout: context_mask(mine, length, spec, documents, dropout)
+        )
+
+    def _masks(self, build) -> list[AttentionMask]:
+        """Per layer, `build(spec, dropout)`, once per kind of layer."""
+        built: dict[AttentionSpec, AttentionMask] = {}
         masks = []
         for layer in self.layers:
             attention = layer.attention
             dropout = attention.attention_dropout if self.training else 0.0
             if attention.spec not in built:
-                built[attention.spec] = document_mask(documents, attention.spec, dropout)
+                built[attention.spec] = build(attention.spec, dropout)
             masks.append(built[attention.spec])
         return masks
 

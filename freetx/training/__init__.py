@@ -2,6 +2,7 @@
 step, schedules, clipping, losses, seeding, meters."""
 
 from freetx.training.checks import (
+    check_context,
     check_layout,
     check_model_and_data,
     check_packing,
@@ -36,6 +37,7 @@ __all__ = [
     "check_layout",
     "check_written_folders",
     "check_model_and_data",
+    "check_context",
     "check_packing",
     "clip_grad_norm",
     "count_over_ranks",

@@ -9,12 +9,12 @@ from omegaconf import DictConfig, ListConfig
 from torch import nn
 
 from freetx.data import micro_batch_size
-from freetx.distributed import Layout, check_distributed
+from freetx.distributed import Layout, check_context_length, check_distributed
 from freetx.distributed.tensor_parallel import check_slices
 from freetx.errors import ConfigError
 from freetx.fields import written_folders
 from freetx.files import check_writable_folder
-from freetx.models.protocol import DescribesItself, PacksDocuments
+from freetx.models.protocol import DescribesItself, PacksDocuments, ShardsContext
 from freetx.training.config import TrainingConfig
 from freetx.training.export import built_class, check_final_export
 
@@ -37,8 +37,11 @@ def check_layout(cfg: object, layout: Layout) -> None:
         check_packing(model_class, bool(packed))
     if cfg.distributed.tp > 1 and model_class is not None:
         check_slices(model_class)
-    if layout.world_size is not None:  # tensor-parallel ranks read the same data
-        data_ranks = layout.world_size // cfg.distributed.tp
+    if cfg.distributed.cp > 1 and model_class is not None:
+        seq_len = dataset_seq_len(cfg) if isinstance(dataset, DictConfig) else None
+        check_context(model_class, cfg.distributed.cp, seq_len)
+    if layout.world_size is not None:  # context- and tensor-parallel ranks read the same data
+        data_ranks = layout.world_size // (cfg.distributed.tp * cfg.distributed.cp)
         micro_batch_size(cfg.batch_size, data_ranks, cfg.gradient_accumulation_steps)
 
 
@@ -74,22 +77,51 @@ def check_model_and_data(model_config, tokenizer, seq_len: int) -> None:
         )
 
 
+def class_of(model: nn.Module | type) -> type:
+    """The class of a model built (on the meta device) or the class a config builds."""
+    return model if isinstance(model, type) else type(model)
+
+
+def described(model: nn.Module | type) -> str:
+    """A model in words for a refusal: what it says of itself, else its class's name."""
+    if not isinstance(model, type) and isinstance(model, DescribesItself):
+        return model.describe()
+    return class_of(model).__name__
+
+
 def check_packing(model: nn.Module | type, packed: bool) -> None:
     """A packed dataset (several samples per sequence; `packed`) needs a model that
     keeps them apart (`PacksDocuments`). `model`: the model built (on the meta device,
     by the recipe) or the class a config builds (`check_layout`: validate, run, launch)."""
-    model_class = model if isinstance(model, type) else type(model)
-    if not packed or issubclass(model_class, PacksDocuments):
+    if not packed or issubclass(class_of(model), PacksDocuments):
         return
-    what = model_class.__name__
-    if not isinstance(model, type) and isinstance(model, DescribesItself):
-        what = model.describe()
     raise ConfigError(
-        f"dataset.packed=true puts several samples in each sequence, and the model ({what}) "
+        f"dataset.packed=true puts several samples in each sequence, and the model ({described(model)}) "
         "cannot keep them apart: its forward takes no document boundaries, so every sample "
         "would attend to the samples before it and read their positions.",
         fix="Set dataset.packed=false, or train a native freetx decoder (freetx.models.decoder, "
         "or freetx.models.hf_model on a family freetx reads natively), which packs.",
+    )
+
+
+def check_context(model: nn.Module | type, cp: int, seq_len: int | None = None) -> None:
+    """distributed.cp > 1 needs a model that computes a part of each sequence as the whole
+    sequence would (`ShardsContext`; `model`: the model built, or the class a config
+    builds) and sequences that split into 2 x cp chunks (`seq_len`, where known)."""
+    if cp == 1:
+        return
+    if seq_len is not None:
+        check_context_length(seq_len, cp)
+    if issubclass(class_of(model), ShardsContext):
+        return
+    raise ConfigError(
+        f"distributed.cp > 1 gives each rank a part of every sequence, and the model "
+        f"({described(model)}) "
+        "cannot compute a part: its forward takes the whole sequence (the Free Transformer's "
+        "encoder reads all of it; a crosscoder or the AD model has no sequence to split; the "
+        "generic transformers path has no context-parallel attention).",
+        fix="Set distributed.cp=1, or train a native freetx decoder (freetx.models.decoder, "
+        "or freetx.models.hf_model on a family freetx reads natively).",
     )
 
 

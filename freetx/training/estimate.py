@@ -147,6 +147,7 @@ def estimate(
     sources: float = 0.0,
     loss_chunks: int = 1,
     tp: int = 1,
+    cp: int = 1,
 ) -> list[Estimate]:
     """The estimate of each strategy for a (meta) model at `world_size` ranks; `frozen`:
     the frozen-base decision (`frozen_base`, made from the model when not given);
@@ -155,7 +156,11 @@ def estimate(
     tensor-parallel ranks (`distributed.tp`: the sliced layers 1/tp per rank, the
     strategies over world / tp data-parallel ranks, whose micro-batch of
     `tokens_per_rank` every rank of a tp group computes 1/tp of, with two sums of its
-    activations over tp per block and pass on the critical path)."""
+    activations over tp per block and pass on the critical path); `cp`: context-parallel
+    ranks (`distributed.cp`: each holds 1/cp of the micro-batch's tokens, and keeps the
+    whole sequence's keys and values of each block for backward; an all-gather of them
+    per block in forward, again in a recomputed forward, and a reduce-scatter of their
+    gradients in backward, on the critical path; FSDP2 shards over dp x cp = world / tp)."""
     compute = 2 if compute_dtype in ("bfloat16", "float16") else 4
     frozen = frozen or frozen_base(model)
     sliced = sliced_modules(model, tp)
@@ -170,24 +175,29 @@ def estimate(
         for n, p in unit.named_parameters()
     )
     if isinstance(model, EstimatesActivations):
-        activations, loss = model.activation_bytes(tokens_per_rank, compute), 0.0
+        activations, loss = model.activation_bytes(tokens_per_rank // cp, compute), 0.0
     else:
         activations, loss = decoder_activations(
             model.config, len(blocks), tokens_per_rank, compute, activation_checkpointing,
             ac_every_n_blocks, attention_score_bytes(model.config, seq_len, device, compute),
-            loss_chunks, tp,
+            loss_chunks, tp, cp,
         )  # fmt: skip
     peak, bandwidth, _ = DEVICES[device]
     flops = (
         model.flops_per_token(seq_len) if isinstance(model, CountsFlops) else 6 * total_trainable
     )
-    compute_s = flops * tokens_per_rank / (peak * mfu * tp)
+    compute_s = flops * tokens_per_rank / (peak * mfu * tp * cp)
     # tensor parallelism's sums: two all-reduces of the block's output per block and pass
     hidden = getattr(getattr(model, "config", None), "hidden_dim", 0)
-    tp_bytes = 4 * len(blocks) * tokens_per_rank * hidden * compute * 2 * (tp - 1) / tp
-    tp_s = tp_bytes / bandwidth
+    tp_bytes = 4 * len(blocks) * tokens_per_rank / cp * hidden * compute * 2 * (tp - 1) / tp
+    # context parallelism's gathers of the whole sequence's keys and values (this rank's
+    # kv heads: 1/tp), per block: forward, a recomputed forward, backward's reduce-scatter
+    passes = 3 if activation_checkpointing != "none" else 2
+    kv = kv_width(getattr(model, "config", None))
+    cp_bytes = passes * len(blocks) * tokens_per_rank * 2 * kv / tp * compute * (cp - 1) / cp
+    tp_s = (tp_bytes + cp_bytes) / bandwidth
     out = []
-    for layout in shard_layouts(world_size // tp, replicas):
+    for layout in shard_layouts(world_size // tp, replicas):  # FSDP2 over dp x cp
         shards = layout.parameter_shards
         if layout.blocks_stay_gathered:
             gathered = stored / 4 * compute  # every block kept unsharded, forward to backward
@@ -242,6 +252,7 @@ def decoder_activations(
     scores: float = 0.0,
     loss_chunks: int = 1,
     tp: int = 1,
+    cp: int = 1,
 ) -> tuple[float, float]:
     """(activations, loss) bytes of a decoder's micro-batch of `tokens` tokens (per rank):
     each block's saved tensors per token (see the module docstring; `scores`: the
@@ -250,9 +261,12 @@ def decoder_activations(
     the gradients the chunked loss holds from forward to backward (the output layer's in
     float32, the hidden states'). Under `tp`, what attention and a dense MLP keep inside
     (q, the attention output and wo's input, k and v, the MLP's four tensors, the score
-    rows) is 1/tp; the norms' inputs and outputs and an MoE block's experts are whole."""  # fmt: skip
+    rows) is 1/tp; the norms' inputs and outputs and an MoE block's experts are whole.
+    Under `cp` a rank holds `tokens` / cp of them, and its blocks keep the whole
+    sequence's keys and values (cp times its own) for attention's backward."""  # fmt: skip
+    tokens = tokens // cp
     h, f = cfg.hidden_dim, getattr(cfg, "ffn_hidden_dim", 4 * cfg.hidden_dim)
-    kv = getattr(cfg, "num_kv_heads", cfg.num_heads) * getattr(cfg, "head_dim", h // cfg.num_heads)
+    kv = kv_width(cfg) * cp  # keys and values gathered from the cp ranks
     layers = max(1, layers)
     mlp = 4 * f
     if getattr(cfg, "num_experts", 0):  # MoE blocks: k experts' MLP tensors per token, the
@@ -275,6 +289,14 @@ def decoder_activations(
         return tokens * kept, tokens * vocab * (compute + 4 + 4)
     held = vocab * h * 4 / tp + tokens * h * compute
     return tokens * kept, math.ceil(tokens / loss_chunks) * vocab * (compute + 4 + 4) + held
+
+
+def kv_width(cfg) -> int:
+    """A decoder's key (or value) width per token: kv_heads x head_dim (0: no decoder)."""
+    if not hasattr(cfg, "hidden_dim") or not hasattr(cfg, "num_heads"):
+        return 0
+    heads = getattr(cfg, "num_kv_heads", cfg.num_heads)
+    return heads * getattr(cfg, "head_dim", cfg.hidden_dim // cfg.num_heads)
 
 
 @dataclass

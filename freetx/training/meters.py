@@ -207,6 +207,7 @@ def train_step_metrics(
     totals, memory = groups.sum_and_max(
         {**{k: v.detach() for k, v in sums.items()}, **meter.local_sums()},
         memory_stats(groups.runtime.device),
+        over="dp_cp",  # the ranks that hold different tokens (tp ranks hold the same)
     )
     counted = {k: totals.pop(k) for k in meter.local_sums()}
     units = max(float(num_tokens), 1.0)  # a window without loss tokens logs 0, not NaN

@@ -22,10 +22,10 @@ LossFn = Callable[[Batch], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
 
 def count_over_ranks(groups: ParallelGroups, counts: list[torch.Tensor | int]) -> torch.Tensor:
-    """The units of these micro-batches, summed over the data-parallel ranks (a
-    collective), as float64."""
+    """The units of these micro-batches, summed over the ranks that hold different parts
+    of the global batch (dp x cp: a collective), as float64."""
     total = sum(torch.as_tensor(c) for c in counts).to(torch.float64)
-    return groups.all_reduce(total.reshape(1), over="dp")[0]
+    return groups.all_reduce(total.reshape(1), over="dp_cp")[0]
 
 
 def accumulate_gradients(
@@ -48,9 +48,9 @@ def accumulate_gradients(
         with plan.gradient_sync(enabled=i == len(batches) - 1):
             with plan.autocast():
                 loss, extras = compute_loss(batch)
-            # DDP and FSDP average gradients over the data-parallel ranks: multiply back
+            # DDP and FSDP average gradients over the dp (x cp) ranks: multiply back
             # a global batch without units (its loss is 0) divides by 1, not 0
-            plan.scaler.scale(loss * plan.dp_size / total.clamp(min=1)).backward()
+            plan.scaler.scale(loss * plan.gradient_ranks / total.clamp(min=1)).backward()
         sums["loss"] += loss.detach()
         for name, value in extras.items():
             sums[name] = sums.get(name, 0) + value

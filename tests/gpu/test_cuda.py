@@ -152,3 +152,32 @@ def test_a_chunked_loss_in_bf16_matches_the_unchunked_and_holds_less():
     assert abs(loss - whole) <= 1e-2 * abs(whole)
     assert (grad - whole_grad).norm() <= 2e-2 * whole_grad.norm()
     assert peak < 0.7 * whole_peak
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["causal", "packed"])
+def test_context_parallel_queries_on_compiled_flex_attention(packed):
+    """What a context-parallel rank computes on CUDA: its load-balanced queries over the
+    whole sequence's keys through compiled FlexAttention with a block mask built from
+    its positions (and a packed batch's documents), against the same rows of the whole
+    sequence's attention (SDPA with the dense mask), for each of 4 ranks; a window and
+    grouped keys."""
+    from freetx.distributed.context_parallel import balanced_indices
+    from freetx.models.attention import AttentionSpec, attend, context_mask, document_mask
+
+    spec, length = AttentionSpec(window=300), 1024
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(2, h, length, 64, device="cuda", generator=generator)
+               for h in (8, 2, 2))  # fmt: skip
+    documents = None
+    if packed:
+        documents = torch.zeros(2, length, dtype=torch.long, device="cuda")
+        documents[:, 400:], documents[0, 700:], documents[1, 1000:] = 1, 2, -1
+        whole = attend(q, k, v, spec, mask=document_mask(documents, spec, kernel="sdpa_mask"))
+    else:
+        whole = attend(q, k, v, spec, kernel="sdpa_mask")
+    for rank in range(4):
+        mine = balanced_indices(length, 4, rank, device="cuda")
+        mask = context_mask(mine, length, spec, documents)
+        assert mask.kernel == "flex"
+        rows = attend(q[:, :, mine], k, v, spec, mask=mask)
+        assert (rows - whole[:, :, mine]).abs().max() <= 2e-3, rank

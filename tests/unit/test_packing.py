@@ -122,10 +122,10 @@ def test_flex_attention_within_documents_equals_the_dense_mask(spec):
     q, k, v = (torch.randn(2, h, 24, 16, generator=generator) for h in (4, 2, 2))
     documents = torch.tensor([[0] * 7 + [1] * 9 + [2] * 5 + [-1] * 3, [0] * 20 + [1] * 4])
     dense = "sdpa_mask" if spec.softcap is None else "explicit"
-    reference = attend(q, k, v, spec, documents=document_mask(documents, spec, kernel=dense))
+    reference = attend(q, k, v, spec, mask=document_mask(documents, spec, kernel=dense))
     with warnings.catch_warnings():  # eager FlexAttention warns that it is not compiled
         warnings.simplefilter("ignore")
-        flex = attend(q, k, v, spec, documents=document_mask(documents, spec, kernel="flex"))
+        flex = attend(q, k, v, spec, mask=document_mask(documents, spec, kernel="flex"))
     assert not reference.isnan().any()
     assert (flex - reference).abs().max() <= 1e-5
     # each document's rows are that document's attention alone
@@ -154,8 +154,8 @@ def test_compiled_flex_attention_within_documents_equals_the_dense_mask():
     documents = torch.tensor([[0] * 7 + [1] * 9 + [2] * 5 + [-1] * 3, [0] * 20 + [1] * 4])
     flex = document_mask(documents, spec, kernel="flex")
     with torch.no_grad():
-        compiled = torch.compile(lambda q, k, v: attend(q, k, v, spec, documents=flex))(q, k, v)
-    reference = attend(q, k, v, spec, documents=document_mask(documents, spec, kernel="explicit"))
+        compiled = torch.compile(lambda q, k, v: attend(q, k, v, spec, mask=flex))(q, k, v)
+    reference = attend(q, k, v, spec, mask=document_mask(documents, spec, kernel="explicit"))
     assert (compiled - reference).abs().max() <= 1e-5
 
 

@@ -91,21 +91,25 @@ def test_config_error_lists_every_problem():
 
 
 @pytest.mark.parametrize(
-    ("options", "world", "wanted"),
+    ("options", "world", "wanted", "fix"),
     [
-        ({"tp": 3}, 4, "distributed.tp=3 does not divide the 4 process(es)"),
-        ({"tp": 2, "strategy": "ddp"}, 4, "composes with fsdp or zero2"),
-        ({"tp": 2, "strategy": "hsdp"}, 4, "composes with fsdp or zero2"),
-        ({"tp": 8}, 16, "a tp group would span nodes"),  # 4 processes per node
+        ({"tp": 3}, 4, "distributed.tp=3 does not divide the 4 process(es)", "tp=1"),
+        ({"tp": 2, "strategy": "ddp"}, 4, "distributed.tp=2 composes with fsdp or zero2", "tp=1"),
+        ({"tp": 2, "strategy": "hsdp"}, 4, "composes with fsdp or zero2", "tp=1"),
+        ({"tp": 8}, 16, "a tp group would span nodes", "tp=1"),  # 4 processes per node
+        ({"cp": 3}, 4, "distributed.cp=3 needs 3 processes per data-parallel rank", "cp=1"),
+        ({"cp": 2, "strategy": "zero1"}, 4, "distributed.cp=2 composes with fsdp", "cp=1"),
+        ({"cp": 2, "tp": 4}, 4, "distributed.cp=2 and distributed.tp=4 need 8 processes",
+         "cp=1 and tp=1"),
     ],
-)
-def test_impossible_tensor_parallel_layouts_are_refused_with_the_fix(options, world, wanted):
+)  # fmt: skip
+def test_impossible_mesh_layouts_are_refused_with_the_fix(options, world, wanted, fix):
     from freetx.distributed import DistributedConfig, Layout, check_distributed
     from freetx.errors import ConfigError
 
     with pytest.raises(ConfigError) as error:
         check_distributed(DistributedConfig(**options), Layout(world, min(world, 4)))
-    assert wanted in str(error.value) and "tp=1" in str(error.value)
+    assert wanted in str(error.value) and fix in str(error.value)
 
 
 @pytest.mark.parametrize(
@@ -140,7 +144,7 @@ def test_tensor_parallelism_refuses_adapters_on_the_layers_it_slices():
     along the wrong side, so an adapter on a sliced layer is refused with the fix."""
     import torch
 
-    from freetx.distributed import DistributedRuntime, build_tp_meshes, fake_world
+    from freetx.distributed import DistributedRuntime, build_meshes, fake_world
     from freetx.distributed.tensor_parallel import apply_tensor_parallel
     from freetx.errors import ConfigError
     from freetx.models.peft import apply_lora
@@ -151,7 +155,7 @@ def test_tensor_parallelism_refuses_adapters_on_the_layers_it_slices():
                         num_kv_heads=2, ffn_hidden_dim=48, max_seq_len=16)  # fmt: skip
         apply_lora(model, ["q", "v"], rank=2, alpha=4)
     with fake_world(4):
-        _, tp_mesh = build_tp_meshes(DistributedRuntime(0, 0, 4, torch.device("cpu")), 2)
+        tp_mesh = build_meshes(DistributedRuntime(0, 0, 4, torch.device("cpu")), tp=2)["tp"]
         with pytest.raises(ConfigError, match="Set distributed.tp=1 for adapter") as error:
             apply_tensor_parallel(model, tp_mesh)
     assert "layers.0.attention.wq is a LoRALinear" in str(error.value)

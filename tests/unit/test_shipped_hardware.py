@@ -91,6 +91,7 @@ HF_SHAPES = {
                  n_positions=1024),
 }  # fmt: skip
 MODEL_OF = {"llm/llama3_1_8b_full": "Llama-3.1-8B", "llm/llama3_1_8b_lora": "Llama-3.1-8B",
+            "llm/llama3_1_8b_128k": "Llama-3.1-8B",
             "llm/llama3_1_8b_qlora": "Llama-3.1-8B", "llm/llama3_2_1b_full": "Llama-3.2-1B",
             "llm/qwen2_5_7b_full": "Qwen2.5-7B", "llm/qwen3_8b_full": "Qwen3-8B",
             "llm/phi4_mini_lora": "Phi-4-mini", "llm/qwen3_30b_a3b_lora": "Qwen3-30B-A3B",

@@ -1,0 +1,120 @@
+"""Context parallelism: each sequence split over the `cp` ranks of a (dp, cp, tp) mesh.
+
+A rank holds `seq_len / cp` tokens of every sequence of its data-parallel group's batch
+and computes their forward and backward; the attention of its queries runs over the
+whole sequence's keys and values, gathered from the `cp` ranks in every layer (the
+scheme Llama 3 was trained with). Gathering, not passing blocks around a ring, lets
+every attention a model has work unchanged: sliding windows, soft-capping, the document
+masks of packed batches, grouped keys; it costs each layer one all-gather of the keys
+and values (kv_heads x head_dim x seq_len each, a fraction heads / kv_heads of the
+queries' size) in forward and one reduce-scatter of their gradients in backward.
+
+Causal attention does more work late in a sequence than early, so the sequence is cut
+into 2 x cp chunks and rank r holds chunks r and 2 cp - 1 - r: every rank gets the same
+amount of attention (load balancing, as Megatron-LM and torchtitan do).
+
+`ContextShard` is what a model sees (`freetx.models.protocol.SequenceShard`); the recipe
+splits each batch with `split_batch` before it counts loss tokens, so the counts, the
+losses and the gradients add up over the `dp_cp` axis.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from freetx.distributed.groups import ParallelGroups
+from freetx.errors import ConfigError
+
+
+def balanced_indices(length: int, size: int, rank: int, device=None) -> torch.Tensor:
+    """The positions of a `length`-token sequence that rank `rank` of `size` holds:
+    chunks rank and 2 size - 1 - rank of 2 size equal chunks, in order."""
+    chunk = length // (2 * size)
+    first = torch.arange(rank * chunk, (rank + 1) * chunk, device=device)
+    last = torch.arange((2 * size - 1 - rank) * chunk, (2 * size - rank) * chunk, device=device)
+    return torch.cat([first, last])
+
+
+def check_context_length(length: int, cp: int) -> None:
+    """A sequence of `length` tokens splits into 2 x cp equal chunks."""
+    if cp > 1 and length % (2 * cp):
+        raise ConfigError(
+            f"distributed.cp={cp} splits each sequence into 2 x {cp} equal chunks (two per "
+            f"rank, for balanced causal attention), and seq_len={length} does not divide "
+            f"into {2 * cp}.",
+            fix=f"Set dataset.seq_len to a multiple of {2 * cp} (packed data fills it), or "
+            "pick a cp that divides seq_len / 2.",
+        )
+
+
+class _GatherRanks(torch.autograd.Function):
+    """Every cp rank's tensor, stacked [cp, *shape]; backward: each rank's part of the
+    gradient, summed over the ranks (a reduce-scatter)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, groups: ParallelGroups) -> torch.Tensor:
+        ctx.groups = groups
+        return groups.all_gather(x, over="cp")
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return ctx.groups.reduce_scatter(grad, over="cp"), None
+
+
+class _SumRanks(torch.autograd.Function):
+    """`x` summed over the cp ranks; backward: the gradient summed over them too (every
+    rank's loss reads the sum)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, groups: ParallelGroups) -> torch.Tensor:
+        ctx.groups = groups
+        return groups.all_reduce(x.clone(), over="cp")
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return ctx.groups.all_reduce(grad.clone(), over="cp"), None
+
+
+class ContextShard:
+    """This rank's part of every sequence (`SequenceShard`): the positions it holds, and
+    the collectives over the cp ranks a model's forward needs."""
+
+    def __init__(self, groups: ParallelGroups) -> None:
+        self.groups = groups
+        self.size = groups.size("cp")
+        self.rank = groups.rank("cp")
+
+    def indices(self, length: int, device=None) -> torch.Tensor:
+        """The positions of a `length`-token sequence this rank holds (load balanced)."""
+        return balanced_indices(length, self.size, self.rank, device)
+
+    def split(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """This rank's part of `x` along its sequence dimension `dim`."""
+        return x.index_select(dim, self.indices(x.shape[dim], x.device))
+
+    def gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        """The whole sequence from every rank's part `x` along `dim`, in order."""
+        length = x.shape[dim] * self.size
+        stacked = _GatherRanks.apply(x, self.groups)  # [cp, ...] in rank order
+        joined = stacked.movedim(0, dim).flatten(dim, dim + 1)
+        held = torch.cat([self.indices_of(r, length) for r in range(self.size)])
+        return joined.index_select(dim, held.argsort().to(x.device))
+
+    def indices_of(self, rank: int, length: int) -> torch.Tensor:
+        return balanced_indices(length, self.size, rank)
+
+    def sum(self, x: torch.Tensor) -> torch.Tensor:
+        """`x` summed over the cp ranks, differentiably."""
+        return _SumRanks.apply(x, self.groups)
+
+    def split_batch(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A token batch with this rank's part of each sequence: `input_ids` and `labels`
+        split, a packed batch's `documents` whole (the keys' documents), `real_tokens`
+        shared out (the cp ranks' parts add up to the batch's)."""
+        out = dict(batch)
+        for key in ("input_ids", "labels"):
+            check_context_length(batch[key].shape[1], self.size)
+            out[key] = self.split(batch[key])
+        if "real_tokens" in batch:
+            out["real_tokens"] = batch["real_tokens"] / self.size
+        return out

@@ -1,0 +1,139 @@
+"""4-process checks of the (dp, cp, tp) mesh (run by test_mesh_layouts.py through
+torchrun, one launch per layout: `--cp N --tp N`). FSDP2 over dp x cp; tp slices the
+decoder's attention and MLP; cp gives each rank a load-balanced part of every sequence
+and gathers the keys and values. Against one process on the whole global batch: the
+initial weights, the gradients (tied and untied heads, an MoE decoder with its router
+loss, sliding-window layers; packed documents; the loss whole or in chunks, with
+gradient accumulation), the clipped update, and which ranks read which data."""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from omegaconf import OmegaConf
+
+from freetx.distributed import DistributedConfig, build_groups, init_distributed, parallelize
+from freetx.distributed.init import full_tensor, materialize
+from freetx.models.transformer import decoder
+from freetx.training import CrossEntropyLoss, build_lr_scheduler, optimizer_step
+from freetx.training.config import LRScheduleConfig
+from freetx.training.step import count_over_ranks
+from tests.distributed.launcher import write_results
+
+SEED = 7
+SEQ = 16
+FIELDS = dict(vocab_size=96, hidden_dim=32, num_layers=2, num_heads=4, num_kv_heads=2,
+              ffn_hidden_dim=48, max_seq_len=32, qkv_bias=True)  # fmt: skip
+# Qwen3-MoE's shape of block: 4 experts, 2 per token, layer 1 a dense MLP
+MOE = dict(num_experts=4, experts_per_token=2, moe_ffn_hidden_dim=24, mlp_only_layers=[1],
+           router_aux_loss_coef=0.05, qk_norm="head")  # fmt: skip
+# Gemma 2's attention: a window of 5 keys on layer 0, soft-capped scores
+SLIDING = dict(sliding_window=5, layer_types=["sliding_attention", "full_attention"],
+               attn_logit_softcap=30.0)  # fmt: skip
+MODELS = {"untied": dict(tie_embeddings=False), "tied": dict(tie_embeddings=True),
+          "moe": dict(tie_embeddings=False, **MOE)}  # fmt: skip
+CONTEXT_MODELS = {"sliding": dict(tie_embeddings=False, **SLIDING)}  # cp only: tp slices no window
+GLOBAL_BATCH = 8
+
+
+def batch(packed: bool):
+    """The global batch: (input_ids, labels, documents or None)."""
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 96, (GLOBAL_BATCH, SEQ + 1), generator=g)
+    labels = ids[:, 1:].clone()
+    labels[0, :5] = -100  # a prompt
+    if not packed:
+        return ids[:, :-1], labels, None
+    # three documents per row at row-dependent cuts, the last one padding
+    documents = torch.zeros(GLOBAL_BATCH, SEQ, dtype=torch.long)
+    for row in range(GLOBAL_BATCH):
+        cut1, cut2 = 3 + row % 4, 10 + row % 3
+        documents[row, cut1:cut2], documents[row, cut2:] = 1, 2
+        if row % 2:
+            documents[row, SEQ - 2 :] = -1
+    labels[documents == -1] = -100
+    return ids[:, :-1], labels, documents
+
+
+def optimizer_cfg():
+    return OmegaConf.create({"_component_": "torch.optim.SGD", "lr": 0.5})
+
+
+def step(model, plan, chunks: int | None, accumulation: int, packed: bool, data_ranks: int):
+    """One clipped SGD step (Adam's first step divides by |g|, so it would amplify the
+    last bits of near-zero gradients); (initial weights, grads, updated weights), whole."""
+    inputs, labels, documents = batch(packed)
+    if plan is not None:  # this dp rank's rows
+        groups = plan.groups
+        per_rank = GLOBAL_BATCH // groups.dp_size
+        rows = slice(groups.dp_rank * per_rank, (groups.dp_rank + 1) * per_rank)
+        inputs, labels = inputs[rows], labels[rows]
+        documents = None if documents is None else documents[rows]
+    else:  # the same micro-batches, one after another: an MoE's router loss is per batch
+        accumulation *= data_ranks
+    init = {n: full_tensor(p).clone() for n, p in model.named_parameters()}
+    parts = list(zip(inputs.chunk(accumulation), labels.chunk(accumulation)))
+    context = None if plan is None else plan.context
+    if context is not None:  # this rank's part of each sequence
+        parts = [(context.split(x), context.split(y)) for x, y in parts]
+    counts = [(y != -100).sum() for _, y in parts]
+    total = sum(counts) if plan is None else count_over_ranks(plan.groups, counts)
+    ranks = 1 if plan is None else plan.gradient_ranks
+    loss_fn = CrossEntropyLoss(num_chunks=chunks)
+    docs = [None] * accumulation if documents is None else documents.chunk(accumulation)
+    for (x, y), d in zip(parts, docs):
+        inputs = {} if d is None else {"documents": d}
+        if context is not None:
+            inputs["context"] = context
+        loss, _ = loss_fn(model, x, y, **inputs)
+        (loss * ranks / total).backward()
+    grads = {n: full_tensor(p.grad).clone() for n, p in model.named_parameters()}
+    if plan is None:
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+        optimizer.step()
+    else:
+        optimizer = plan.build_optimizer(optimizer_cfg())
+        scheduler = build_lr_scheduler(optimizer, 10, OmegaConf.structured(LRScheduleConfig()))
+        optimizer_step(plan, optimizer, scheduler, 0.05)  # clipped: the norm is ~1
+    return init, grads, {n: full_tensor(p).clone() for n, p in model.named_parameters()}
+
+
+def max_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--cp", type=int, default=1)
+    parser.add_argument("--tp", type=int, default=1)
+    args = parser.parse_args()
+    runtime = init_distributed("cpu")
+    results: dict = {"world_size": runtime.world_size}
+    cfg = OmegaConf.structured(DistributedConfig(strategy="fsdp", tp=args.tp, cp=args.cp))
+    groups = build_groups(runtime, cfg)
+    results["axes"] = [groups.rank(a) for a in ("dp", "cp", "tp")]
+    models = dict(MODELS, **(CONTEXT_MODELS if args.tp == 1 else {}))
+    cases = [(1, 1, False), (3, 2, False)]
+    if args.cp > 1:
+        cases.append((1, 2, True))  # packed documents
+    for name, fields in models.items():
+        for chunks, accumulation, packed in cases:
+            with torch.device("meta"):
+                reference = decoder(**FIELDS, **fields)
+            materialize(reference, torch.device("cpu"), SEED)
+            want = step(reference.train(), None, chunks, accumulation, packed, groups.dp_size)
+            with torch.device("meta"):
+                model = decoder(**FIELDS, **fields)
+            plan = parallelize(model, groups, cfg, seed=SEED)
+            got = step(plan.model.train(), plan, chunks, accumulation, packed, groups.dp_size)
+            key = f"{name}/chunks{chunks}/accumulation{accumulation}" + ("/packed" * packed)
+            for i, part in enumerate(("init", "grad", "param")):
+                results[f"{key}/{part}"] = max_diff(got[i], want[i])
+    write_results(results)
+
+
+if __name__ == "__main__":
+    main()
