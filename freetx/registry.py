@@ -36,6 +36,7 @@ RECIPES: tuple[Recipe, ...] = (
             "llm/mixture_tiny",
             "llm/tiny_tp",
             "llm/tiny_cp",
+            "llm/tiny_pp",
             "llm/llama3_1b",
             "llm/llama3_8b",
             "llm/hf_tiny_full",

@@ -36,6 +36,7 @@ from freetx.data import (
 )
 from freetx.data.packing import packs
 from freetx.distributed import build_groups, init_distributed, parallelize
+from freetx.distributed.pipeline import PipelineBatch
 from freetx.entry import parse
 from freetx.models.output_loss import SourcesOf
 from freetx.models.peft import PEFTConfig, apply_peft
@@ -118,6 +119,7 @@ class FullFinetuneRecipeFSDP2:
             model, self.groups, cfg.distributed, seed=cfg.seed,
             init_weights=not self.run.loads_weights,  # random init unless weights are loaded
             frozen=self.run.decide_frozen_base(model),  # what is frozen, where it is read from
+            micro_batches=self.accumulation,  # pp > 1: the pipeline's micro-batches
         )  # fmt: skip
         self.model = self.plan.model
         self.context = self.plan.context  # distributed.cp > 1: this rank's part of each sequence
@@ -144,7 +146,7 @@ class FullFinetuneRecipeFSDP2:
             batches = [self.split(next(data)) for _ in range(self.accumulation)]
             self.optimizer.zero_grad(set_to_none=True)
             sums, num_tokens = accumulate_gradients(
-                self.plan, batches, self.compute_loss, count=loss_tokens
+                self.plan, batches, self.compute_loss, count=loss_tokens, pipelined=self.pipelined
             )
             grad_norm = optimizer_step(
                 self.plan, self.optimizer, self.lr_scheduler, cfg.max_grad_norm
@@ -163,6 +165,16 @@ class FullFinetuneRecipeFSDP2:
         """One micro-batch: forward and the loss summed over its loss tokens (+ extras)."""
         input_ids, labels = batch["input_ids"].to(self.device), batch["labels"].to(self.device)
         return self.loss_fn(self.model, input_ids, labels, **self.model_inputs(batch))
+
+    def pipelined(self, batches: list[dict[str, torch.Tensor]]):
+        """Under pipeline parallelism: the micro-batches joined (the schedule splits them
+        again) and the loss the last stage computes."""
+        joined = {k: torch.cat([b[k] for b in batches]).to(self.device)
+                  for k in ("input_ids", "labels", "documents") if k in batches[0]}  # fmt: skip
+        if self.source_names:
+            source = torch.cat([b["source"] for b in batches]).to(self.device)
+            joined["sources"] = SourcesOf(source, self.source_names)
+        return PipelineBatch(**joined), self.loss_fn
 
     def split(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Under context parallelism, this rank's part of each sequence (else the batch)."""
@@ -194,9 +206,16 @@ class FullFinetuneRecipeFSDP2:
             labels = batch["labels"].masked_fill(batch["padding"][:, None], IGNORE_INDEX)
             labels = labels.to(self.device)
             with self.plan.autocast():
-                loss, parts = self.loss_fn.evaluate(
-                    self.model, input_ids, labels, **self.model_inputs(batch)
-                )  # the loss runs the forward pass (its output layer in chunks)
+                if self.plan.pipeline is not None:  # through the stages, in training's shapes
+                    joined, _ = self.pipelined([{**batch, "labels": labels}])
+                    parts = self.plan.pipeline.evaluate(
+                        joined, self.loss_fn, rows=self.cfg.batch_size // self.groups.dp_size
+                    )
+                    loss = parts.pop("loss")
+                else:  # the loss runs the forward pass (its output layer in chunks)
+                    loss, parts = self.loss_fn.evaluate(
+                        self.model, input_ids, labels, **self.model_inputs(batch)
+                    )
             sums["loss"] += loss
             for name, value in parts.items():
                 sums[name] = sums.get(name, 0) + value

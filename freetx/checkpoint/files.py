@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 from freetx.errors import CheckpointError, first_line, os_error_in
+from freetx.models.protocol import SplitsIntoStages
 
 META_FILE = "meta.json"
 FROZEN_FROM = "frozen_from"  # meta.json: the base of a checkpoint without its frozen weights
@@ -190,6 +191,15 @@ def model_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
     return {k: tuple(v.shape) for k, v in get_model_state_dict(model).items() if torch.is_tensor(v)}
 
 
+def held_here(model: nn.Module, found: dict[str, tuple]) -> dict[str, tuple]:
+    """`found` (a file's or checkpoint's tensors) less those another pipeline stage holds
+    (`SplitsIntoStages.held_elsewhere`): what a stage's model must match."""
+    inner = getattr(model, "module", model)  # under a DDP wrapper
+    if not isinstance(inner, SplitsIntoStages):
+        return found
+    return {name: shape for name, shape in found.items() if not inner.held_elsewhere(name)}
+
+
 def mismatch_report(
     expected: dict[str, tuple], found: dict[str, tuple], limit: int = 12
 ) -> list[str]:
@@ -213,7 +223,7 @@ def check_model_matches(metadata: Metadata, model: nn.Module, path: Path, includ
     """Raise a CheckpointError listing every tensor that differs between model and checkpoint
     (`include`: the names a partial checkpoint holds)."""
     expected = {k: v for k, v in model_shapes(model).items() if include is None or include(k)}
-    problems = mismatch_report(expected, checkpoint_model_shapes(metadata))
+    problems = mismatch_report(expected, held_here(model, checkpoint_model_shapes(metadata)))
     if problems:
         raise CheckpointError(
             f"checkpoint {path} does not fit this model ({len(problems)} difference(s)):\n"

@@ -19,6 +19,7 @@ from freetx.checkpoint.files import (
     MODEL_PREFIX,
     SafeLoadPlanner,
     checkpoint_model_shapes,
+    held_here,
     mismatch_report,
     model_shapes,
     quiet_single_process,
@@ -54,7 +55,7 @@ def load_initial_weights(model: nn.Module, path: str | Path) -> list[str]:
     adapters = set(self_initialized(inner))
     expected = {n: s for n, s in model_shapes(model).items() if n not in adapters}
     if isinstance(source, DCPSource):
-        found = checkpoint_model_shapes(read_dcp_metadata(source.path))
+        found = held_here(model, checkpoint_model_shapes(read_dcp_metadata(source.path)))
         _check_fits(expected, found, path)
         stored = self_stored(inner)  # e.g. NF4 bases: quantized from the full weight
         state = ModelState(model, include=lambda name: name not in adapters | stored)
@@ -64,7 +65,7 @@ def load_initial_weights(model: nn.Module, path: str | Path) -> list[str]:
             set_full_parameter(inner, name, source.get(MODEL_PREFIX + name))
     else:
         found = {n: source.infos[MODEL_PREFIX + n].shape for n in source.model_names()}
-        _check_fits(expected, found, path)
+        _check_fits(expected, held_here(model, found), path)
         load_parameters(
             inner,
             lambda name, rows, out: source.read_into(MODEL_PREFIX + name, rows, out),

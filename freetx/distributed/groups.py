@@ -10,10 +10,10 @@ parallel: the ranks that hold different parts of the same sequences), `tp` (tens
 parallel: the ranks that hold slices of the same layers and read the same tokens),
 `dp_cp` (dp and cp together: the ranks that hold different tokens of the global
 batch, over which losses and token counts are summed and gradients averaged) and
-`world` (every rank: agreement to stop, saves). Without context or tensor parallelism
-`dp` and `dp_cp` are the whole world; with `distributed.cp` or `distributed.tp` the
-world is a (dp, cp, tp) mesh (`build_meshes`). Pipeline parallelism adds `pp` the same
-way: a caller that names its axis stays right. For a sharded strategy the groups also
+`pp` (pipeline parallel: the ranks that hold different stages of blocks) and `world`
+(every rank: agreement to stop, saves). Without context, tensor or pipeline
+parallelism `dp` and `dp_cp` are the whole world; with `distributed.cp`, `tp` or `pp`
+the world is a (pp, dp, cp, tp) mesh (`build_meshes`). For a sharded strategy the groups also
 hold the mesh FSDP2 shards over (`mesh`: dp_cp's), and the meshes of the other axes
 (`axes`).
 
@@ -32,8 +32,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from freetx.distributed.runtime import DistributedRuntime
 
-Axis = Literal["dp", "cp", "tp", "dp_cp", "world"]
-AXES = ("dp", "cp", "tp", "dp_cp", "world")
+Axis = Literal["dp", "cp", "tp", "pp", "dp_cp", "world"]
+AXES = ("dp", "cp", "tp", "pp", "dp_cp", "world")
 ReduceOp = Literal["sum", "max", "min"]
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
@@ -54,7 +54,7 @@ class ParallelGroups:
             return self.runtime.world_size
         if over in self.axes:
             return self.axes[over].size()
-        return 1 if over in ("cp", "tp") else self.runtime.world_size
+        return 1 if over in ("cp", "tp", "pp") else self.runtime.world_size
 
     def rank(self, over: Axis = "dp") -> int:
         self._check(over)
@@ -62,7 +62,7 @@ class ParallelGroups:
             return self.runtime.rank
         if over in self.axes:
             return self.axes[over].get_local_rank()
-        return 0 if over in ("cp", "tp") else self.runtime.rank
+        return 0 if over in ("cp", "tp", "pp") else self.runtime.rank
 
     @property
     def tp_mesh(self) -> DeviceMesh | None:

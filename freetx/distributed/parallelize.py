@@ -42,6 +42,7 @@ from freetx.distributed.context_parallel import ContextShard
 from freetx.distributed.frozen import FrozenBase, frozen_base
 from freetx.distributed.groups import ParallelGroups
 from freetx.distributed.init import canonical_name, materialize
+from freetx.distributed.pipeline import Pipeline, check_micro_batches, split_into_stages
 from freetx.distributed.runtime import DistributedRuntime, build_mesh, build_meshes
 from freetx.distributed.scaler import GradScaler
 from freetx.distributed.tensor_parallel import apply_tensor_parallel
@@ -94,6 +95,15 @@ class DistributedConfig:
     # context parallelism: each sequence split over this many ranks, attention over the
     # whole sequence (keys and values gathered); fsdp or zero2 shards over dp x cp; 1: none
     cp: int = at_least(1, default=1)
+    # pipeline parallelism: the blocks split into stages of consecutive blocks over this
+    # many ranks (fsdp or zero2 within each stage), the micro-batches of an optimizer step
+    # (gradient_accumulation_steps) through them by `pp_schedule`; 1: none
+    pp: int = at_least(1, default=1)
+    pp_schedule: Literal["1f1b", "interleaved_1f1b", "gpipe"] = "1f1b"
+    pp_stages_per_rank: int = at_least(1, default=1)  # interleaved_1f1b: 2 or more
+    # blocks per stage, first to last (pp x pp_stages_per_rank of them); None: as even as
+    # the blocks divide
+    pp_blocks_per_stage: Optional[list[int]] = None
     # a collective that a rank does not reach within this ends the job with a message
     # naming the step (the hang guard); large saves and evaluations must fit inside it
     collective_timeout_s: float = 1800.0
@@ -152,6 +162,8 @@ class ParallelPlan:
     # distributed.cp > 1: this rank's part of each sequence (`split_batch`, and the model's
     # forward(context=...)); None without context parallelism
     context: ContextShard | None = field(init=False)
+    # distributed.pp > 1: this rank's pipeline stages and their schedule (`parallelize`)
+    pipeline: Pipeline | None = field(default=None, init=False)
 
     @property
     def runtime(self) -> DistributedRuntime:
@@ -174,7 +186,7 @@ class ParallelPlan:
     @property
     def layout(self) -> str:
         """The strategy and any other axis, in words (checkpoints' meta): `fsdp x cp 2 x tp 2`."""
-        axes = [f"{axis} {self.groups.size(axis)}" for axis in ("cp", "tp")]
+        axes = [f"{axis} {self.groups.size(axis)}" for axis in ("pp", "cp", "tp")]
         return " x ".join([self.strategy] + [a for a in axes if not a.endswith(" 1")])
 
     @property
@@ -289,9 +301,35 @@ def check_distributed(cfg: DistributedConfig, layout: Layout = Layout()) -> None
         replicate_degree(cfg, layout)  # raises when it does not divide the world
 
 
+def check_pipeline_schedule(cfg: DistributedConfig) -> None:
+    """pp_schedule and pp_stages_per_rank agree, and pp_blocks_per_stage gives every stage."""
+    per_rank = cfg.pp_stages_per_rank
+    if cfg.pp_schedule == "interleaved_1f1b" and per_rank < 2 and cfg.pp > 1:
+        raise ConfigError(
+            "distributed.pp_schedule=interleaved_1f1b runs several stages per rank (its "
+            "bubble shrinks with them), and distributed.pp_stages_per_rank is 1.",
+            fix="Set distributed.pp_stages_per_rank=2 (or more), or pp_schedule=1f1b.",
+        )
+    if cfg.pp_schedule != "interleaved_1f1b" and per_rank > 1:
+        raise ConfigError(
+            f"distributed.pp_stages_per_rank={per_rank}: pp_schedule={cfg.pp_schedule} runs "
+            "one stage per rank; interleaved_1f1b runs several.",
+            fix="Set distributed.pp_schedule=interleaved_1f1b, or pp_stages_per_rank=1.",
+        )
+    given = cfg.pp_blocks_per_stage
+    if given is not None and len(given) != cfg.pp * per_rank:
+        raise ConfigError(
+            f"distributed.pp_blocks_per_stage lists {len(given)} stage(s), and pp={cfg.pp} x "
+            f"pp_stages_per_rank={per_rank} makes {cfg.pp * per_rank}.",
+            fix=f"Give {cfg.pp * per_rank} block counts (first stage first), or leave it "
+            "out for an even split.",
+        )
+
+
 def check_mesh_axes(cfg: DistributedConfig, strategy: str, layout: Layout) -> None:
-    """distributed.cp and tp: the (dp, cp, tp) mesh they make with the processes."""
-    axes = {name: n for name, n in (("cp", cfg.cp), ("tp", cfg.tp)) if n > 1}
+    """distributed.pp, cp and tp: the (pp, dp, cp, tp) mesh they make with the processes."""
+    check_pipeline_schedule(cfg)
+    axes = {name: n for name, n in (("pp", cfg.pp), ("cp", cfg.cp), ("tp", cfg.tp)) if n > 1}
     if not axes:
         return
     named = " and ".join(f"distributed.{name}={n}" for name, n in axes.items())
@@ -300,10 +338,10 @@ def check_mesh_axes(cfg: DistributedConfig, strategy: str, layout: Layout) -> No
     if strategy not in ("fsdp", "zero2"):
         raise ConfigError(
             f"{named} compose{s} with fsdp or zero2 (FSDP2 over the data-parallel ranks of "
-            f"a (dp, cp, tp) mesh), not {cfg.strategy}.",
+            f"a (pp, dp, cp, tp) mesh), not {cfg.strategy}.",
             fix=f"Use distributed.strategy=fsdp, or set {reset}.",
         )
-    inner = cfg.cp * cfg.tp  # cp and tp ranks sit next to each other, on one node
+    inner = cfg.pp * cfg.cp * cfg.tp  # the ranks of one data-parallel index
     per_node = layout.processes_per_node
     if per_node is not None and per_node % cfg.tp:
         raise ConfigError(
@@ -318,7 +356,7 @@ def check_mesh_axes(cfg: DistributedConfig, strategy: str, layout: Layout) -> No
         raise ConfigError(
             f"{named} need{s} {inner} processes per data-parallel rank ({product}), which "
             f"does not divide the {layout.describe()} of this run, so they cannot form a "
-            "(dp, cp, tp) mesh.",
+            "(pp, dp, cp, tp) mesh.",
             fix=f"Pick sizes whose product divides the number of processes (e.g. tp=2 or "
             f"cp=2 on 4: 2 x 2), or set {reset}.",
         )
@@ -381,8 +419,8 @@ def build_groups(runtime: DistributedRuntime, cfg: DistributedConfig) -> Paralle
     Refuses combinations that cannot work first."""
     layout = Layout.of(runtime)
     check_distributed(cfg, layout)
-    if cfg.cp > 1 or cfg.tp > 1:  # a (dp, cp, tp) mesh: FSDP2 over dp x cp
-        axes = build_meshes(runtime, cfg.cp, cfg.tp)
+    if cfg.pp > 1 or cfg.cp > 1 or cfg.tp > 1:  # a (pp, dp, cp, tp) mesh: FSDP2 over dp x cp
+        axes = build_meshes(runtime, cfg.cp, cfg.tp, cfg.pp)
         return ParallelGroups(runtime, axes["dp_cp"], axes)
     mesh = None
     if canonical_strategy(cfg.strategy) in SHARDED and (runtime.world_size > 1 or cfg.cpu_offload):
@@ -397,6 +435,7 @@ def parallelize(
     seed: int,
     init_weights: bool = True,
     frozen: FrozenBase | None = None,
+    micro_batches: int = 1,
 ) -> ParallelPlan:
     """Apply the configured strategy to a meta-device model, then materialize it.
 
@@ -407,7 +446,9 @@ def parallelize(
     (a resume, or `checkpoint.initial_weights`). `groups` comes from `build_groups`
     with the same `cfg`. `frozen`: the frozen-base decision (`frozen_base`; made here
     from the model when not given). The model is checked against the model protocol
-    first (`check_model`).
+    first (`check_model`). With `distributed.pp` > 1 the model is first pruned to this
+    rank's pipeline stages, and the plan's `pipeline` runs an optimizer step's
+    `micro_batches` (gradient_accumulation_steps) through them.
     """
     check_model(model)
     runtime = groups.runtime
@@ -415,6 +456,11 @@ def parallelize(
     strategy = canonical_strategy(cfg.strategy)
     frozen = frozen or frozen_base(model)
     store_frozen_bases_in(model, DTYPES[cfg.mixed_precision.param_dtype], frozen)
+    num_blocks = len(find_blocks(model))
+    stages = None
+    if cfg.pp > 1:
+        check_micro_batches(cfg, micro_batches)
+        stages = split_into_stages(model, cfg, groups, num_blocks)
     if groups.tp_mesh is not None:  # first, as torchtitan: slices, then AC, compile, FSDP2
         apply_tensor_parallel(model, groups.tp_mesh)
     blocks = find_blocks(model)
@@ -461,10 +507,18 @@ def parallelize(
     if isinstance(model, ExtraForwards):  # methods gathered like forward
         for method in model.fsdp_forward_methods:
             register_fsdp_forward_method(model, method)
+    if stages is not None:  # a pipeline stage's forward, gathered like forward
+        register_fsdp_forward_method(model, "forward_stage")
     # offloaded parameters live on the CPU; buffers (RoPE tables) stay on the device
     param_device = torch.device("cpu") if cfg.cpu_offload else runtime.device
     materialize(model, param_device, seed, buffer_device=runtime.device, init_weights=init_weights)
-    return plan(model)
+    made = plan(model)
+    if stages is not None:
+        made.pipeline = Pipeline(
+            model, stages, groups, cfg, micro_batches, made.context,
+            made.scaler if made.scaler.is_enabled() else None, num_blocks,
+        )  # fmt: skip
+    return made
 
 
 def unwrap(model: nn.Module) -> nn.Module:

@@ -166,16 +166,22 @@ def fake_world(world_size: int):
         dist.destroy_process_group()
 
 
-def build_meshes(runtime: DistributedRuntime, cp: int = 1, tp: int = 1) -> dict[str, DeviceMesh]:
-    """The (dp, cp, tp) mesh's axes by name: "dp" (the ranks that read different samples),
+def build_meshes(
+    runtime: DistributedRuntime, cp: int = 1, tp: int = 1, pp: int = 1
+) -> dict[str, DeviceMesh]:
+    """The (pp, dp, cp, tp) mesh's axes by name: "pp" (pipeline stages: the ranks that
+    hold different blocks and pass activations on), "dp" (the ranks that read different samples),
     "cp" (context parallel: the ranks that hold parts of the same sequences), "tp"
     (tensor parallel: slices of the same layers), and "dp_cp", dp and cp flattened (the
     ranks that hold different tokens of the global batch: FSDP2 shards over it and
-    averages its gradients). The inner axes are the ranks next to each other (on one
-    node): rank r is at (r // (cp tp), r // tp % cp, r % tp)."""
-    dims = (runtime.world_size // (cp * tp), cp, tp)
-    mesh = init_device_mesh(runtime.device_type, dims, mesh_dim_names=("dp", "cp", "tp"))
-    axes = {name: mesh[name] for name in ("dp", "cp", "tp")}
+    averages its gradients, within a pipeline stage). The inner axes are the ranks next
+    to each other (on one node): rank r is at (r // (dp cp tp), r // (cp tp) % dp,
+    r // tp % cp, r % tp); pp outermost, since a stage sends little (a micro-batch's
+    activations once per stage) and can cross nodes."""
+    dims = (pp, runtime.world_size // (pp * cp * tp), cp, tp)
+    names = ("pp", "dp", "cp", "tp")
+    mesh = init_device_mesh(runtime.device_type, dims, mesh_dim_names=names)
+    axes = {name: mesh[name] for name in names}
     axes["dp_cp"] = mesh["dp", "cp"]._flatten("dp_cp") if cp > 1 else axes["dp"]
     return axes
 

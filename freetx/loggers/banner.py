@@ -18,17 +18,22 @@ def training_banner(
     """
     mp = cfg.distributed.mixed_precision
     accumulation = cfg.gradient_accumulation_steps
-    tp = cfg.distributed.tp  # tensor-parallel ranks read the same data
-    data_ranks = runtime.world_size // tp
+    dist = cfg.distributed
+    names = {"pp": "pipeline", "cp": "context parallel", "tp": "tensor parallel"}
+    axes = {"pp": dist.pp, "cp": dist.cp, "tp": dist.tp}  # ranks that read the same data
+    inner = axes["pp"] * axes["cp"] * axes["tp"]
+    data_ranks = runtime.world_size // inner
     micro = cfg.batch_size // (data_ranks * accumulation)
+    grid = "".join(f" x {names[a]} {n}" for a, n in axes.items() if n > 1)
+    pipelined = " micro-batches through the stages" if axes["pp"] > 1 else " accumulation"
     parts = [
         recipe,
         f"world size {runtime.world_size}",
-        f"strategy {strategy}" + (f" x tensor parallel {tp}" if tp > 1 else ""),
+        f"strategy {strategy}{grid}",
         f"device {runtime.device} ({runtime.backend})",
         f"precision param {mp.param_dtype}, reduce {mp.reduce_dtype}",
-        f"batch {cfg.batch_size} = {data_ranks} {'data-parallel ' if tp > 1 else ''}rank(s) x "
-        f"{micro} x {accumulation} accumulation",
+        f"batch {cfg.batch_size} = {data_ranks} {'data-parallel ' if inner > 1 else ''}rank(s) x "
+        f"{micro} x {accumulation}{pipelined}",
     ]
     if model is not None:
         parts.append(f"model: {model}")

@@ -265,6 +265,7 @@ class FreeTransformer(Transformer):
     # part of a sequence per rank (context parallelism)
     attention_masks = None
     context_masks = None
+    keep_blocks = None  # nor into pipeline stages (its encoder reads every block's input)
 
     def __init__(self, cfg: FreeTransformerConfig):
         super().__init__(cfg)

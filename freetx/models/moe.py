@@ -23,7 +23,6 @@ which the model returns in training (`freetx.models.protocol.LMOutput`).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -32,11 +31,26 @@ from torch import nn
 
 
 class Routing(NamedTuple):
-    """One MoE layer's routing of a micro-batch."""
+    """One MoE layer's routing of a micro-batch (or several layers' summed)."""
 
     counts: torch.Tensor  # [E] float32: (token, slot) pairs sent to each expert (no gradient)
     probs: torch.Tensor  # [E] float32: router probabilities summed over the tokens
     tokens: torch.Tensor  # [] float32: the tokens routed
+
+    def packed(self) -> torch.Tensor:
+        """One tensor [2E + 1] (for a collective, or to the next pipeline stage)."""
+        return torch.cat([self.counts, self.probs, self.tokens.reshape(1)])
+
+    @classmethod
+    def unpacked(cls, packed: torch.Tensor) -> Routing:
+        experts = (len(packed) - 1) // 2
+        return cls(packed[:experts], packed[experts:-1], packed[-1])
+
+
+def empty_routing(num_experts: int, like: torch.Tensor) -> torch.Tensor:
+    """The packed statistics of no routing (a pipeline stage without MoE blocks), which
+    still carries a gradient back (every stage's statistics join the router loss)."""
+    return torch.zeros(2 * num_experts + 1, device=like.device, requires_grad=True)
 
 
 def grouped_mm_fits(
@@ -141,26 +155,16 @@ def valid_routing(
     return Routing(counts.float(), (probs * weight[:, None]).sum(dim=0), weight.sum())
 
 
-def combined_routing(
-    routings: list[Routing], total: Callable[[torch.Tensor], torch.Tensor] | None = None
-) -> Routing:
-    """Every MoE layer's statistics of a micro-batch summed. `total`: summed over the
-    ranks that hold parts of the same sequences too (context parallelism:
-    `SequenceShard.sum`, differentiable), so that every rank's statistics are the whole
-    sequences'."""
-    counts = torch.stack([r.counts for r in routings]).sum(0)
-    probs = torch.stack([r.probs for r in routings]).sum(0)
-    rows = torch.stack([r.tokens for r in routings]).sum()
-    if total is None:
-        return Routing(counts, probs, rows)
-    joined = total(torch.cat([counts, probs, rows.reshape(1)]))  # one collective
-    experts = len(counts)
-    return Routing(joined[:experts], joined[experts:-1], joined[-1])
+def combine_routings(routings: list[Routing]) -> Routing | None:
+    """Every MoE layer's statistics of a micro-batch summed (None: no MoE layer)."""
+    if not routings:
+        return None
+    return Routing(*(torch.stack(parts).sum(0) for parts in zip(*routings)))
 
 
 def load_balancing_loss(routing: Routing, num_experts: int) -> torch.Tensor:
     """Switch / Mixtral's auxiliary loss over every MoE layer of a micro-batch
-    (`combined_routing`), as transformers' `load_balancing_loss_func` computes it (no
+    (`combine_routings`), as transformers' `load_balancing_loss_func` computes it (no
     attention mask): E x sum over experts of (the share of routed (token, slot) pairs it
     got) x (its mean router probability), both over all layers' tokens: k when perfectly
     balanced."""
@@ -170,5 +174,5 @@ def load_balancing_loss(routing: Routing, num_experts: int) -> torch.Tensor:
 
 def expert_load_max(routing: Routing) -> torch.Tensor:
     """The busiest expert's routed tokens over the mean (1.0: perfectly balanced), over
-    every MoE layer of a micro-batch (`combined_routing`)."""
+    every MoE layer of a micro-batch (`combine_routings`)."""
     return routing.counts.max() / routing.counts.mean().clamp(min=1e-9)

@@ -51,6 +51,10 @@ class (who calls it, when):
                       parallelism (`SequenceShard`), computed as the whole sequence
                       would be; a run with distributed.cp > 1 (refused before any work
                       for a model without it: `check_context`)
+    SplitsIntoStages  keep_blocks(blocks, first, last), forward_stage(x, *carry,
+                      blocks=...): the model split into pipeline stages of consecutive
+                      blocks; a run with distributed.pp > 1 (refused before any work
+                      for a model without it)
     ProjectsInChunks  output_layer(), and forward(input_ids, output_loss=loss): the
                       model hands its last hidden states and its output layer to the
                       loss instead of computing the logits, so the loss makes them a
@@ -288,6 +292,26 @@ class ShardsContext(Protocol):
     ) -> Any: ...
 
 
+@runtime_checkable
+class SplitsIntoStages(Protocol):
+    """A model that pipeline parallelism splits into stages of consecutive blocks.
+    `keep_blocks(blocks, first, last)` drops what this rank's stages do not hold (other
+    blocks, the embedding unless `first`, the final norm and head unless `last`), keeping
+    the names of what stays (checkpoints load at any layout), and its parameter counts
+    of the whole model. `forward_stage(x, *carry, blocks=range, documents=, output_loss=,
+    context=)` computes one stage: from the input ids (first stage) or the previous
+    stage's outputs, to the next stage's inputs (the hidden states, and what else must
+    travel: an MoE model's router statistics), or at the last stage what forward returns.
+    `held_elsewhere(name)`: whether a tensor of the whole model is another stage's (what
+    loading weights and resuming leave to that stage). A subclass opts out by setting `keep_blocks = None` (the Free Transformer)."""
+
+    def keep_blocks(self, blocks: list[int], first: bool, last: bool) -> None: ...
+
+    def held_elsewhere(self, name: str) -> bool: ...
+
+    def forward_stage(self, x: torch.Tensor, *carry: torch.Tensor, blocks: range, **inputs): ...
+
+
 # -- optional hooks of a module (local shards only) -----------------------------------
 @runtime_checkable
 class SelfInitialized(Protocol):
@@ -337,7 +361,7 @@ MODEL_HOOKS = (
     Model, HasBlocks, InitBuffers, CountsParameters, CountsActiveParameters, CountsFlops,
     DescribesItself, EstimatesActivations,
     HFLayoutModel, ExtraForwards, AdapterTargets, AlwaysTrained, DecodesIncrementally,
-    PacksDocuments, ShardsContext,
+    PacksDocuments, ShardsContext, SplitsIntoStages,
 )  # fmt: skip
 MODULE_HOOKS = (SelfInitialized, DerivedFromWeights, StoredInOwnForm, FrozenInComputeDtype)
 

@@ -42,7 +42,9 @@ from freetx.models.attention import (
 from freetx.models.kv_cache import KVCache, LayerCache
 from freetx.models.moe import (
     MoEFeedForward,
-    combined_routing,
+    Routing,
+    combine_routings,
+    empty_routing,
     expert_load_max,
     load_balancing_loss,
 )
@@ -694,6 +696,27 @@ ADAPTER_TARGETS = {
 }
 
 
+class HeldElsewhere(nn.Module):
+    """A block another pipeline stage holds (`Transformer.keep_blocks`): no parameters."""
+
+
+# the parameter counts `keep_blocks` keeps of the whole model: num_parameters' arguments
+COUNT_KINDS = tuple(
+    (("exclude_embeddings", e), ("active", a)) for e in (False, True) for a in (False, True)
+)
+
+
+@dataclass
+class BlockInputs:
+    """What every block of one forward reads besides the hidden states (`block_inputs`)."""
+
+    tables: tuple[torch.Tensor, torch.Tensor]  # RoPE's cos, sin at the tokens' positions
+    local: tuple[torch.Tensor, torch.Tensor]  # sliding layers' own (Gemma 3), else `tables`
+    masks: list[AttentionMask | None]  # per layer
+    cache: KVCache | None
+    context: SequenceShard | None
+
+
 class Transformer(nn.Module):
     """Token embedding -> DecoderBlocks -> RMSNorm -> output head (tied or not)."""
 
@@ -706,6 +729,7 @@ class Transformer(nn.Module):
     def __init__(self, cfg: TransformerConfig):
         super().__init__()
         self.config = cfg
+        self.whole_counts: dict | None = None  # a pipeline stage's: the whole model's counts
         self.tok_embeddings = nn.Embedding(
             cfg.vocab_size, cfg.hidden_dim, padding_idx=cfg.pad_token_id
         )
@@ -798,6 +822,44 @@ class Transformer(nn.Module):
         new = input_ids.shape[1]
         if cache is not None and self.rope.rereads(cache.lengths(), new):
             input_ids = torch.cat([cache.rewind(), input_ids], dim=1)
+        inputs = self.block_inputs(input_ids, cache, documents, context)
+        h, routing = self.run_blocks(self.embed(input_ids), range(len(self.layers)), inputs)
+        if cache is not None:
+            cache.advance(input_ids)
+            return self.head(h[:, -new:])
+        return self.with_router_loss(self.finish(h, output_loss), routing, context)
+
+    def forward_stage(
+        self,
+        x: torch.Tensor,
+        routing: torch.Tensor | None = None,
+        *,
+        blocks: range,
+        documents: torch.Tensor | None = None,
+        output_loss: OutputLoss | None = None,
+        context: SequenceShard | None = None,
+    ):
+        """One pipeline stage (`SplitsIntoStages`): blocks `blocks` (this model holds them:
+        `keep_blocks`) from `x`, the input ids at the first stage and the hidden states
+        [B, T, hidden] after; `routing`: an MoE model's router statistics of the blocks
+        before (`Routing.packed`). Returns the hidden states (and the statistics so far,
+        for an MoE model) to the next stage; the last stage returns what `forward` would
+        (through `output_loss`, with the router loss from every stage's statistics)."""
+        first, last = blocks.start == 0, blocks.stop == self.config.num_layers
+        inputs = self.block_inputs(x, None, documents, context)
+        so_far = None if routing is None else Routing.unpacked(routing)
+        h, routing_here = self.run_blocks(self.embed(x) if first else x, blocks, inputs)
+        combined = combine_routings([r for r in (so_far, routing_here) if r is not None])
+        if not last:
+            moe = self.config.num_experts > 0
+            return (h, empty_routing(self.config.num_experts, h) if combined is None
+                    else combined.packed()) if moe else h  # fmt: skip
+        return self.with_router_loss(self.finish(h, output_loss), combined, context)
+
+    def block_inputs(self, input_ids, cache, documents, context) -> BlockInputs:
+        """What every block of a forward reads besides the hidden states: the RoPE tables
+        at the tokens' positions (a KV cache's, a packed batch's documents', a context
+        shard's in the whole sequence) and each layer's attention mask."""
         seq_len = input_ids.shape[1] * (1 if context is None else context.size)
         positions = lengths = None
         if cache is not None:
@@ -817,27 +879,38 @@ class Transformer(nn.Module):
             masks = self.context_masks(context, documents, seq_len)
         elif documents is not None:
             masks = self.attention_masks(documents)
-        h = self.embed(input_ids)
+        return BlockInputs(tables, local, masks, cache, context)
+
+    def run_blocks(
+        self, h: torch.Tensor, blocks: range, inputs: BlockInputs
+    ) -> tuple[torch.Tensor, Routing | None]:
+        """The hidden states through blocks `blocks`; their MoE routers' statistics
+        summed (None without experts)."""
+        sliding = self.config.sliding_layers()
         routings = []
-        for i, (layer, sliding) in enumerate(zip(self.layers, self.config.sliding_layers())):
-            rope = local if sliding else tables
-            if cache is None:
-                h = layer(h, *rope, mask=masks[i], context=context)
+        for i in blocks:
+            rope = inputs.local if sliding[i] else inputs.tables
+            layer = self.layers[i]
+            if inputs.cache is None:
+                h = layer(h, *rope, mask=inputs.masks[i], context=inputs.context)
             else:
-                h = layer(h, *rope, cache=cache.layers[i])
+                h = layer(h, *rope, cache=inputs.cache.layers[i])
             if isinstance(h, tuple):  # an MoE block: (h, Routing)
                 h, routing = h
                 routings.append(routing)
-        if cache is not None:
-            cache.advance(input_ids)
-            return self.head(h[:, -new:])
-        logits = self.finish(h, output_loss)
-        if not (routings and self.training):
-            return logits
-        routing = combined_routing(routings, None if context is None else context.sum)
+        return h, combine_routings(routings)
+
+    def with_router_loss(self, out, routing: Routing | None, context: SequenceShard | None):
+        """`out` (logits, or what an output loss made), with an MoE model's router loss
+        in training mode (`LMOutput`): from the statistics of every block, summed over the
+        ranks of a context shard."""
+        if routing is None or not self.training:
+            return out
+        if context is not None:
+            routing = Routing.unpacked(context.sum(routing.packed()))
         aux = load_balancing_loss(routing, self.config.num_experts)
         metrics = {"aux_loss": aux.detach(), "expert_load_max": expert_load_max(routing)}
-        return LMOutput(logits, self.config.router_aux_loss_coef * aux, metrics)
+        return LMOutput(out, self.config.router_aux_loss_coef * aux, metrics)
 
     def tensor_parallel_plan(self, tp: int) -> dict[str, str]:
         """Each block's attention sliced by heads and its MLP by hidden units, the
@@ -861,7 +934,7 @@ class Transformer(nn.Module):
         if why is not None:
             raise ConfigError(f"distributed.tp: {why[0]}.", fix=f"{why[1]}, or set tp=1.")
         plan = {}
-        for i in range(c.num_layers):
+        for i in self.held_blocks():
             for name in ("wq", "wk", "wv"):
                 plan[f"layers.{i}.attention.{name}"] = "colwise"
             plan[f"layers.{i}.attention.wo"] = "rowwise"
@@ -872,10 +945,48 @@ class Transformer(nn.Module):
                 plan[f"layers.{i}.feed_forward.w1"] = "colwise"
                 plan[f"layers.{i}.feed_forward.w3"] = "colwise"
                 plan[f"layers.{i}.feed_forward.w2"] = "rowwise"
-        if self.output is not None:
-            plan["tok_embeddings"] = "embedding"
-            plan["output"] = "output"
+        if not c.tie_embeddings:  # an untied embedding and head, where this rank holds them
+            plan.update({n: r for n, r in (("tok_embeddings", "embedding"), ("output", "output"))
+                         if getattr(self, n) is not None})  # fmt: skip
         return plan
+
+    def keep_blocks(self, blocks: list[int], first: bool, last: bool) -> None:
+        """Pipeline parallelism (`SplitsIntoStages`): keep blocks `blocks` (this rank's
+        stages'; every other one becomes a `HeldElsewhere`, so the kept ones keep their
+        names), the embedding if this rank holds the first stage, the final norm and the
+        head if it holds the last. The whole model's parameter counts are kept for the
+        banner and MFU. Refuses a tied embedding the first and last stage would share."""
+        c = self.config
+        if c.tie_embeddings and not (first and last):
+            raise ConfigError(
+                "distributed.pp: this model ties its head to its embedding (tie_embeddings), "
+                "and pipeline parallelism puts the embedding on the first stage and the head "
+                "on the last.",
+                fix="Set model.tie_embeddings=false (a separate head, initialized like the "
+                "embedding), or set distributed.pp=1.",
+            )
+        self.whole_counts = {key: self.num_parameters(**dict(key)) for key in COUNT_KINDS}
+        for i in range(len(self.layers)):
+            if i not in blocks:
+                self.layers[i] = HeldElsewhere()
+        if not first:
+            self.tok_embeddings = None
+        if not last:
+            self.norm = self.output = None
+
+    def held_elsewhere(self, name: str) -> bool:
+        """Whether the whole model's tensor `name` is another pipeline stage's (a file or
+        checkpoint holds it, this stage does not: `keep_blocks`)."""
+        if self.whole_counts is None:  # not split
+            return False
+        head, _, rest = name.partition(".")
+        if head == "layers":
+            return isinstance(self.layers[int(rest.split(".")[0])], HeldElsewhere)
+        return head in ("tok_embeddings", "norm", "output") and getattr(self, head) is None
+
+    def held_blocks(self) -> list[int]:
+        """The indices of the blocks this model holds (all but a pipeline stage's others)."""
+        return [i for i, layer in enumerate(self.layers) if not isinstance(layer, HeldElsewhere)]
 
     def attention_masks(self, documents: torch.Tensor) -> list[AttentionMask]:
         """Per layer, its mask for a packed batch's `documents` [B, T]: built once per kind
@@ -888,9 +999,7 @@ class Transformer(nn.Module):
         """Per layer, the mask of this rank's queries (`context.indices(length)`) over the
         whole sequence's keys, within `documents` [B, length] where the batch is packed:
         built once per kind of layer and forward (`ShardsContext`)."""
-        device = self.tok_embeddings.weight.device
-        device = documents.device if documents is not None else device
-        mine = context.indices(length, device)
+        mine = context.indices(length, self.rope.cos.device)  # the model's device
         return self._masks(
             lambda spec, dropout: context_mask(mine, length, spec, documents, dropout)
         )
@@ -900,6 +1009,9 @@ class Transformer(nn.Module):
         built: dict[AttentionSpec, AttentionMask] = {}
         masks = []
         for layer in self.layers:
+            if isinstance(layer, HeldElsewhere):  # another pipeline stage's block
+                masks.append(None)
+                continue
             attention = layer.attention
             dropout = attention.attention_dropout if self.training else 0.0
             if attention.spec not in built:
@@ -922,8 +1034,12 @@ class Transformer(nn.Module):
 
     # -- accounting ------------------------------------------------------
     def num_parameters(self, exclude_embeddings: bool = False, active: bool = False) -> int:
-        """Parameters; `active`: those one token computes with (of each block's experts,
+        """Parameters (the whole model's, also where a pipeline stage holds part of it);
+        `active`: those one token computes with (of each block's experts,
         experts_per_token / num_experts)."""
+        key = (("exclude_embeddings", exclude_embeddings), ("active", active))
+        if self.whole_counts is not None:
+            return self.whole_counts[key]
         total = sum(p.numel() for p in self.parameters())
         if exclude_embeddings:
             total -= self.tok_embeddings.weight.numel()

@@ -10,6 +10,7 @@ from torch import nn
 
 from freetx.data import micro_batch_size
 from freetx.distributed import Layout, check_context_length, check_distributed
+from freetx.distributed.pipeline import check_micro_batches, check_stages
 from freetx.distributed.tensor_parallel import check_slices
 from freetx.errors import ConfigError
 from freetx.fields import written_folders
@@ -37,11 +38,15 @@ def check_layout(cfg: object, layout: Layout) -> None:
         check_packing(model_class, bool(packed))
     if cfg.distributed.tp > 1 and model_class is not None:
         check_slices(model_class)
+    check_micro_batches(cfg.distributed, cfg.gradient_accumulation_steps)
+    if cfg.distributed.pp > 1 and model_class is not None:
+        check_stages(model_class)
     if cfg.distributed.cp > 1 and model_class is not None:
         seq_len = dataset_seq_len(cfg) if isinstance(dataset, DictConfig) else None
         check_context(model_class, cfg.distributed.cp, seq_len)
-    if layout.world_size is not None:  # context- and tensor-parallel ranks read the same data
-        data_ranks = layout.world_size // (cfg.distributed.tp * cfg.distributed.cp)
+    if layout.world_size is not None:  # pipeline, context, tensor ranks read the same data
+        d = cfg.distributed
+        data_ranks = layout.world_size // (d.pp * d.tp * d.cp)
         micro_batch_size(cfg.batch_size, data_ranks, cfg.gradient_accumulation_steps)
 
 

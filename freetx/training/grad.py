@@ -6,15 +6,24 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from freetx.distributed import ParallelGroups
 
-def clip_grad_norm(model: nn.Module, max_norm: float | None) -> float:
+
+def clip_grad_norm(
+    model: nn.Module, max_norm: float | None, groups: ParallelGroups | None = None
+) -> float:
     """Clip all gradients to a global L2 norm of `max_norm` (None: only measure).
 
     With FSDP2 the gradients are DTensor shards and torch computes the norm
-    over all ranks; the result is the same number on every rank.
+    over all ranks; the result is the same number on every rank. Under pipeline
+    parallelism each rank holds its stages' gradients: the squares are summed over the
+    pp ranks (`groups`).
     """
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     norm = total_norm(grads)
+    if groups is not None and groups.size("pp") > 1:
+        norm = groups.all_reduce(norm.reshape(1).double() ** 2, over="pp")[0].sqrt()
+        norm = norm.to(torch.float32)
     if max_norm is not None and max_norm > 0:  # else only measured: no pass over the grads
         scale_gradients(grads, torch.clamp(max_norm / (norm + 1e-6), max=1.0))
     return float(norm)

@@ -10,7 +10,13 @@ from __future__ import annotations
 import torch
 
 from freetx.data.sampling import IGNORE_INDEX
-from freetx.models.output_loss import SourcesOf, check_num_chunks, forward_with_loss
+from freetx.models.output_loss import (
+    ChunkedCrossEntropy,
+    SourcesOf,
+    TokenLosses,
+    check_num_chunks,
+    forward_with_loss,
+)
 from freetx.models.protocol import LMOutput
 
 
@@ -47,6 +53,28 @@ class CrossEntropyLoss:
         output, losses, extras = forward_with_loss(
             model, input_ids, labels, self.num_chunks, self.ignore_index, sources, **inputs
         )
+        return self.with_router_loss(output, losses, labels, extras)
+
+    def output_loss(
+        self, labels: torch.Tensor, sources: SourcesOf | None = None
+    ) -> ChunkedCrossEntropy:
+        """The output loss a model's forward takes (`output_loss=`), where the caller runs
+        the forward itself (a pipeline's last stage), then gives its output to `sums`."""
+        per_token = sources is not None
+        return ChunkedCrossEntropy(labels, self.num_chunks, self.ignore_index, per_token=per_token)
+
+    def sums(
+        self, output, labels: torch.Tensor, sources: SourcesOf | None = None
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """What `__call__` returns, from the output of a forward with `output_loss(labels)`."""
+        losses = output if isinstance(output, TokenLosses) else output[0]
+        mask = labels != self.ignore_index
+        extras = {} if sources is None else sources.sums(losses.per_token, mask)
+        return self.with_router_loss(output, losses, labels, extras)
+
+    def with_router_loss(self, output, losses: TokenLosses, labels: torch.Tensor, extras: dict):
+        """The loss sum (an MoE model's router loss added per loss token) and the extras
+        (the router's metrics, per loss token, for the recipe to divide)."""
         if not isinstance(output, LMOutput):
             return losses.total, extras
         tokens = (labels != self.ignore_index).sum()

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from freetx.distributed import ParallelGroups, ParallelPlan
+from freetx.distributed.pipeline import PipelineBatch, PipelinedLoss
 from freetx.training.grad import clip_grad_norm
 
 Batch = Any  # whatever the recipe's data loader yields
@@ -33,16 +34,25 @@ def accumulate_gradients(
     batches: list[Batch],
     compute_loss: LossFn,
     count: Callable[[Batch], torch.Tensor | int],
+    pipelined: Callable[[list[Batch]], tuple[PipelineBatch, PipelinedLoss]] | None = None,
 ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """Forward and backward over the micro-batches of one global batch.
 
     The units of all micro-batches on all data-parallel ranks are counted first
     (one all-reduce); every micro-batch's summed loss is divided by that total, so
     each unit weighs the same whatever the split over ranks and micro-batches.
-    Gradients are communicated only on the last micro-batch. Returns (the sums
-    for logging, the global unit count that normalizes them).
+    Gradients are communicated only on the last micro-batch. Under pipeline
+    parallelism (`plan.pipeline`) the micro-batches run through the stages by its
+    schedule: `pipelined(batches)` gives them joined, and the recipe's loss. Returns
+    (the sums for logging, the global unit count that normalizes them).
     """
     total = count_over_ranks(plan.groups, [count(b) for b in batches])
+    if plan.pipeline is not None:
+        if pipelined is None:
+            raise ValueError("accumulate_gradients: a pipeline needs the recipe's `pipelined`")
+        batch, loss = pipelined(batches)
+        scale = plan.gradient_ranks / total.clamp(min=1)
+        return plan.pipeline.step(batch, loss, scale.to(plan.runtime.device)), total
     sums = {"loss": torch.zeros((), device=plan.runtime.device)}
     for i, batch in enumerate(batches):
         with plan.gradient_sync(enabled=i == len(batches) - 1):
@@ -64,7 +74,7 @@ def optimizer_step(
     the schedule. Returns the gradient norm before clipping (the same on every rank). A
     non-finite norm means a NaN or Inf somewhere: the update is skipped."""
     plan.scaler.unscale_(optimizer)
-    grad_norm = clip_grad_norm(plan.model, max_grad_norm)
+    grad_norm = clip_grad_norm(plan.model, max_grad_norm, plan.groups)
     if math.isfinite(grad_norm) or plan.scaler.is_enabled():  # the scaler skips inf itself
         plan.scaler.step(optimizer)
     else:  # a NaN or Inf loss or gradient: no update (TrainingRun.advance decides the rest)

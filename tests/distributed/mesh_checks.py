@@ -15,6 +15,7 @@ from omegaconf import OmegaConf
 
 from freetx.distributed import DistributedConfig, build_groups, init_distributed, parallelize
 from freetx.distributed.init import full_tensor, materialize
+from freetx.distributed.pipeline import PipelineBatch
 from freetx.models.transformer import decoder
 from freetx.training import CrossEntropyLoss, build_lr_scheduler, optimizer_step
 from freetx.training.config import LRScheduleConfig
@@ -82,6 +83,11 @@ def step(model, plan, chunks: int | None, accumulation: int, packed: bool, data_
     ranks = 1 if plan is None else plan.gradient_ranks
     loss_fn = CrossEntropyLoss(num_chunks=chunks)
     docs = [None] * accumulation if documents is None else documents.chunk(accumulation)
+    if plan is not None and plan.pipeline is not None:  # the micro-batches through the stages
+        joined = PipelineBatch(torch.cat([x for x, _ in parts]), torch.cat([y for _, y in parts]),
+                               documents)  # fmt: skip
+        plan.pipeline.step(joined, loss_fn, torch.as_tensor(ranks / total))
+        parts = []
     for (x, y), d in zip(parts, docs):
         inputs = {} if d is None else {"documents": d}
         if context is not None:
@@ -100,38 +106,52 @@ def step(model, plan, chunks: int | None, accumulation: int, packed: bool, data_
     return init, grads, {n: full_tensor(p).clone() for n, p in model.named_parameters()}
 
 
-def max_diff(a: dict, b: dict) -> float:
-    assert a.keys() == b.keys()
-    return max((a[k] - b[k]).abs().max().item() for k in a)
+def max_diff(got: dict, want: dict) -> float:
+    """Over the parameters `got` holds (a pipeline stage holds some)."""
+    assert got.keys() <= want.keys() and got
+    return max((got[k] - want[k]).abs().max().item() for k in got)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--cp", type=int, default=1)
     parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--pp", type=int, default=1)
+    parser.add_argument("--schedule", default="1f1b")
     args = parser.parse_args()
     runtime = init_distributed("cpu")
     results: dict = {"world_size": runtime.world_size}
-    cfg = OmegaConf.structured(DistributedConfig(strategy="fsdp", tp=args.tp, cp=args.cp))
+    per_rank = 2 if args.schedule == "interleaved_1f1b" else 1
+    cfg = OmegaConf.structured(DistributedConfig(
+        strategy="fsdp", tp=args.tp, cp=args.cp, pp=args.pp, pp_schedule=args.schedule,
+        pp_stages_per_rank=per_rank))  # fmt: skip
     groups = build_groups(runtime, cfg)
     results["axes"] = [groups.rank(a) for a in ("dp", "cp", "tp")]
+    if args.pp > 1:
+        results["axes"].append(groups.rank("pp"))
     models = dict(MODELS, **(CONTEXT_MODELS if args.tp == 1 else {}))
     cases = [(1, 1, False), (3, 2, False)]
+    if args.pp > 1:  # a tied head would sit on the first stage and the last; 4 blocks for
+        # 2 x 2 interleaved stages; micro-batches (accumulation) at least the stages
+        models = {name: dict(MODELS[name], num_layers=4) for name in ("untied", "moe")}
+        cases = [(1, 2, False), (3, 4, False), (1, 2, True)]
     if args.cp > 1:
         cases.append((1, 2, True))  # packed documents
     for name, fields in models.items():
         for chunks, accumulation, packed in cases:
             with torch.device("meta"):
-                reference = decoder(**FIELDS, **fields)
+                reference = decoder(**{**FIELDS, **fields})
             materialize(reference, torch.device("cpu"), SEED)
             want = step(reference.train(), None, chunks, accumulation, packed, groups.dp_size)
             with torch.device("meta"):
-                model = decoder(**FIELDS, **fields)
-            plan = parallelize(model, groups, cfg, seed=SEED)
+                model = decoder(**{**FIELDS, **fields})
+            plan = parallelize(model, groups, cfg, seed=SEED, micro_batches=accumulation)
             got = step(plan.model.train(), plan, chunks, accumulation, packed, groups.dp_size)
             key = f"{name}/chunks{chunks}/accumulation{accumulation}" + ("/packed" * packed)
             for i, part in enumerate(("init", "grad", "param")):
                 results[f"{key}/{part}"] = max_diff(got[i], want[i])
+            results[f"{key}/held"] = sorted(got[0])
+            results[f"{key}/all"] = sorted(want[0])
     write_results(results)
 
 

@@ -1,8 +1,9 @@
-"""`distributed.tp` and `distributed.cp` through the CLI, on 4 processes: llm/tiny on
-(dp 2, tp 2), (dp 2, cp 2) and (cp 2, tp 2) meshes repeats one process's losses step
-by step; a checkpoint saved under one layout resumes under another and on one process;
-packed data under cp 2 gives one process's losses; an impossible layout is refused in
-one paragraph before any work."""
+"""`distributed.tp`, `cp` and `pp` through the CLI, on 4 processes: llm/tiny on (dp 2,
+tp 2), (dp 2, cp 2) and (cp 2, tp 2) meshes, and llm/tiny_pp on (pp 2, dp 2) by 1F1B and
+interleaved 1F1B, repeat one process's losses step by step (20 steps); so does a
+Qwen3-MoE folder under (pp 2, dp 2) and (dp 2, cp 2); a checkpoint saved under one
+layout resumes under another and on one process; packed data under cp 2 gives one
+process's losses; an impossible layout is refused in one paragraph before any work."""
 
 from __future__ import annotations
 
@@ -51,6 +52,68 @@ def test_every_layout_repeats_one_process(tmp_path, one_process, layout):
     got = losses(tmp_path, 4, "max_steps=20", "checkpoint.every_n_steps=0", *LAYOUTS[layout])
     assert got.keys() == one_process.keys() == set(range(1, 21))
     assert_same(got, one_process, range(1, 21))
+
+
+PIPELINES = {"1f1b": [], "interleaved_1f1b": ["distributed.pp_schedule=interleaved_1f1b",
+                                              "distributed.pp_stages_per_rank=2"]}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def one_process_pp(tmp_path_factory):
+    """llm/tiny_pp (untied head, 2 micro-batches per step) on one process."""
+    out = tmp_path_factory.mktemp("one_pp")
+    return losses(out, 1, "max_steps=20", "checkpoint.every_n_steps=0", "distributed.pp=1",
+                  config="llm/tiny_pp")  # fmt: skip
+
+
+@pytest.mark.slow  # a 20-step run of 4 processes per schedule: ~30 s each on 2 cores
+@pytest.mark.parametrize("schedule", list(PIPELINES))
+def test_pipeline_stages_repeat_one_process(tmp_path, one_process_pp, schedule):
+    """llm/tiny_pp: pp 2 x dp 2, validation through the stages too."""
+    got = losses(tmp_path, 4, "max_steps=20", "checkpoint.every_n_steps=0", "eval.every_n_steps=10",
+                 *PIPELINES[schedule], config="llm/tiny_pp")  # fmt: skip
+    assert_same(got, one_process_pp, range(1, 21))
+    val = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in val if "val/loss" in r] == [10, 20]
+
+
+@pytest.mark.slow  # ~1.5 minutes on 2 cores
+def test_a_pipeline_save_resumes_on_one_process_and_under_tensor_parallelism(
+    tmp_path, one_process_pp
+):
+    saved = tmp_path / "saved"
+    losses(saved, 4, "max_steps=10", "checkpoint.every_n_steps=10", config="llm/tiny_pp")
+    shutil.copytree(saved, tmp_path / "tp")
+    tp = losses(tmp_path / "tp", 4, "max_steps=20", "checkpoint.every_n_steps=0",
+                "distributed.pp=1", "distributed.tp=2", config="llm/tiny_pp")  # fmt: skip
+    assert_same(tp, one_process_pp, range(1, 21))
+    alone = losses(saved, 1, "max_steps=20", "checkpoint.every_n_steps=0", "distributed.pp=1",
+                   config="llm/tiny_pp")  # fmt: skip
+    assert_same(alone, one_process_pp, range(1, 21))
+    # and the other way: saved by one process, resumed by the stages (each loads its part)
+    single = tmp_path / "single"
+    losses(single, 1, "max_steps=10", "checkpoint.every_n_steps=10", "distributed.pp=1",
+           config="llm/tiny_pp")  # fmt: skip
+    staged = losses(single, 4, "max_steps=20", "checkpoint.every_n_steps=0", config="llm/tiny_pp")
+    assert_same(staged, one_process_pp, range(1, 21))
+
+
+@pytest.mark.slow  # a Qwen3-MoE folder, 3 runs: ~1 minute on 2 cores
+def test_an_moe_folder_under_pp_and_cp_repeats_one_process(tmp_path):
+    """Its router loss over every stage's statistics (pp), over the whole sequence (cp)."""
+    pytest.importorskip("transformers")
+    from tests.hf_folders import RANDOM_WEIGHTS_LR
+    from tests.recipes.test_hf_finetune import tiny_folder
+
+    folder = tiny_folder(tmp_path, "qwen3_moe")
+    moe = ["--config", "llm/hf_tiny_full", f"model_dir={folder}", RANDOM_WEIGHTS_LR,
+           "max_steps=10", "checkpoint.every_n_steps=0", "dataset.num_builtin_examples=400"]  # fmt: skip
+    # the router loss is a micro-batch's: one process takes the 2 data-parallel ranks' 2
+    # micro-batches each one after another (the same rows in each)
+    one = losses(tmp_path / "one", 1, *moe, "gradient_accumulation_steps=4")
+    for name, layout in {"pp": ["distributed.pp=2"], "cp": ["distributed.cp=2"]}.items():
+        got = losses(tmp_path / name, 4, *moe, "gradient_accumulation_steps=2", *layout)
+        assert_same(got, one, range(1, 11))
 
 
 @pytest.mark.slow  # three runs: ~1 minute on 2 cores

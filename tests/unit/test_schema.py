@@ -101,6 +101,14 @@ def test_config_error_lists_every_problem():
         ({"cp": 2, "strategy": "zero1"}, 4, "distributed.cp=2 composes with fsdp", "cp=1"),
         ({"cp": 2, "tp": 4}, 4, "distributed.cp=2 and distributed.tp=4 need 8 processes",
          "cp=1 and tp=1"),
+        ({"pp": 3}, 4, "distributed.pp=3 needs 3 processes per data-parallel rank", "pp=1"),
+        ({"pp": 2, "strategy": "ddp"}, 4, "distributed.pp=2 composes with fsdp", "pp=1"),
+        ({"pp": 2, "pp_schedule": "interleaved_1f1b"}, 4, "pp_stages_per_rank is 1",
+         "pp_stages_per_rank=2"),
+        ({"pp": 2, "pp_stages_per_rank": 2}, 4, "runs one stage per rank",
+         "pp_schedule=interleaved_1f1b"),
+        ({"pp": 2, "pp_blocks_per_stage": [1, 2, 1]}, 4, "lists 3 stage(s), and pp=2",
+         "Give 2 block counts"),
     ],
 )  # fmt: skip
 def test_impossible_mesh_layouts_are_refused_with_the_fix(options, world, wanted, fix):
