@@ -70,11 +70,16 @@ def estimate_config(
     from freetx.distributed import Layout, check_distributed, shard_layouts
     from freetx.errors import ConfigError
     from freetx.training.checks import dataset_seq_len
-    from freetx.training.estimate import activation_sources, estimate, meta_model
+    from freetx.training.estimate import (
+        activation_sources,
+        estimate,
+        meta_model,
+        pipeline_stage_shapes,
+    )
 
     refuse_untrained(cfg)
-    # a cp x tp group reads one share of the data
-    data_ranks = world_size // (cfg.distributed.tp * cfg.distributed.cp)
+    # a pp x cp x tp group reads one share of the data
+    data_ranks = world_size // (cfg.distributed.tp * cfg.distributed.cp * cfg.distributed.pp)
     micro = micro_batch_size(cfg.batch_size, data_ranks, cfg.gradient_accumulation_steps)
     processes = Layout(world_size, device_type="cpu" if device == "cpu" else "cuda")
     refused = {}
@@ -99,15 +104,42 @@ def estimate_config(
             dataset_seq_len(cfg) if hasattr(cfg, "dataset") else model.config.max_seq_len
         )
     dist = cfg.distributed
-    rows = estimate(
-        model, world_size, micro * seq_len, seq_len, dist.mixed_precision.param_dtype,
-        dist.activation_checkpointing, dist.ac_every_n_blocks, device, mfu, replicas=replicas,
-        optimizer_bytes=2.0 if "8bit" in str(cfg.optimizer.get("_component_", "")) else 8.0,
-        sources=sources.bytes if sources else 0.0, loss_chunks=loss_chunks(cfg, model),
-        tp=dist.tp, cp=dist.cp,
-    )  # fmt: skip
+
+    def rows_of(part, stage=None):
+        return estimate(
+            part, world_size, micro * seq_len, seq_len, dist.mixed_precision.param_dtype,
+            dist.activation_checkpointing, dist.ac_every_n_blocks, device, mfu,
+            replicas=replicas, sources=sources.bytes if sources else 0.0,
+            optimizer_bytes=2.0 if "8bit" in str(cfg.optimizer.get("_component_", "")) else 8.0,
+            loss_chunks=loss_chunks(cfg, model), tp=dist.tp, cp=dist.cp, stage=stage,
+        )  # fmt: skip
+
+    if dist.pp == 1:
+        rows = rows_of(model)
+    else:  # the first stage (most micro-batches in flight) or the last (the loss): the fuller
+        shapes = pipeline_stage_shapes(dist, cfg.gradient_accumulation_steps)
+        staged = [rows_of(stage_model(cfg, dist, end), shape)
+                  for end, shape in zip(("first", "last"), shapes)]  # fmt: skip
+        rows = [max(pair, key=lambda r: r.peak) for pair in zip(*staged)]
     rows = [r for r in rows if r.strategy not in refused]
     return ConfigEstimate(model, micro, seq_len, rows, refused, sources)
+
+
+def stage_model(cfg: Any, dist: Any, end: str):
+    """The meta model of the pipeline rank holding the first or the last stage."""
+    from freetx.distributed.parallelize import find_blocks
+    from freetx.distributed.pipeline import check_stages, rank_stages, stage_blocks
+    from freetx.training.estimate import meta_model
+
+    model = meta_model(cfg.model, getattr(cfg, "peft", None))
+    check_stages(model)
+    num_blocks = len(find_blocks(model))
+    blocks = stage_blocks(num_blocks, dist.pp * dist.pp_stages_per_rank, dist.pp_blocks_per_stage)
+    rank = 0 if end == "first" else dist.pp - 1
+    mine = [blocks[s] for s in rank_stages(rank, dist.pp, dist.pp_stages_per_rank)]
+    model.keep_blocks(sorted(i for stage in mine for i in stage), first=rank == 0,
+                      last=mine[-1].stop == num_blocks)  # fmt: skip
+    return model
 
 
 def loss_chunks(cfg: Any, model) -> int:
@@ -180,9 +212,9 @@ def main(args: argparse.Namespace) -> int:
         trainable_text = f"{trainable / 1e9:.3f}B trained, {active / 1e9:.3f}B active per token"
     else:
         trainable_text = f"{trainable / 1e9:.3f}B trained"
-    tp, cp = dist.tp, dist.cp
-    axes = "".join(f" x {name} {n}" for name, n in (("cp", cp), ("tp", tp)) if n > 1)
-    grid = f" as {args.world_size // (tp * cp)} data-parallel{axes}" if axes else ""
+    tp, cp, pp = dist.tp, dist.cp, dist.pp
+    axes = "".join(f" x {name} {n}" for name, n in (("pp", pp), ("cp", cp), ("tp", tp)) if n > 1)
+    grid = f" as {args.world_size // (tp * cp * pp)} data-parallel{axes}" if axes else ""
     print(f"{args.config}: {params / 1e9:.3f}B parameters ({trainable_text}), "
           f"{args.world_size} x {args.device}{grid}, micro-batch {batch}, "
           f"{dist.mixed_precision.param_dtype}, activation checkpointing "
@@ -195,12 +227,12 @@ def main(args: argparse.Namespace) -> int:
             fix="Leave out --measure: the analytic estimate counts adapters, frozen "
             "bases and NF4 weights.",
         )
-    if args.measure and (tp > 1 or cp > 1):
+    if args.measure and (tp > 1 or cp > 1 or pp > 1):
         raise ConfigError(
             "--measure steps the data-parallel strategies on one process; it does not slice "
             "layers over tensor-parallel ranks or sequences over context-parallel ranks yet.",
-            fix="Leave out --measure for distributed.tp or cp > 1 (the analytic estimate "
-            "counts both), or measure at tp=1 and cp=1.",
+            fix="Leave out --measure for distributed.tp, cp or pp > 1 (the analytic estimate "
+            "counts them), or measure at tp=1, cp=1 and pp=1.",
         )
     if args.measure:  # one step per distinct layout (at world size 1: the plain model, once)
         steps = {}
@@ -223,7 +255,7 @@ def main(args: argparse.Namespace) -> int:
         g = lambda v: f"{v / GIB:.2f}"  # noqa: E731
         row = [r.strategy, g(r.parameters), g(r.gradients), g(r.optimizer), g(r.gathered),
                g(r.activations), g(r.loss), g(r.peak), "yes" if r.peak / GIB < hbm else "no",
-               f"{r.step_s:.2f}", f"{micro * seq_len / (tp * cp) / r.step_s:,.0f}"]  # fmt: skip
+               f"{r.step_s:.2f}", f"{micro * seq_len / (tp * cp * pp) / r.step_s:,.0f}"]  # fmt: skip
         if measured:
             m = measured[r.strategy]
             row[-3:-3] = [g(m["peak"]), g(m["activations"])]

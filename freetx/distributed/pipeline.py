@@ -33,7 +33,7 @@ from torch import nn
 from freetx.distributed.groups import ParallelGroups
 from freetx.errors import ConfigError
 from freetx.models.output_loss import SourcesOf
-from freetx.models.protocol import SplitsIntoStages
+from freetx.models.protocol import SplitsIntoStages, require_hook
 
 
 class PipelinedLoss(Protocol):
@@ -113,13 +113,11 @@ def check_micro_batches(cfg, micro_batches: int) -> None:
 def check_stages(model: nn.Module | type) -> None:
     """distributed.pp > 1 needs a model that splits into stages (`SplitsIntoStages`): the
     model, or the class a config builds (`check_layout`, before launching)."""
-    cls = model if isinstance(model, type) else type(model)
-    if not issubclass(cls, SplitsIntoStages):
-        raise ConfigError(
-            f"{cls.__name__} cannot be split into pipeline stages (freetx splits the native "
-            "decoder's blocks), so distributed.pp > 1 cannot run it.",
-            fix="Set distributed.pp=1 (fsdp alone shards it).",
-        )
+    require_hook(
+        model, SplitsIntoStages, "cannot be split into pipeline stages (freetx splits the "
+        "native decoder's blocks), so distributed.pp > 1 cannot run it.",
+        fix="Set distributed.pp=1 (fsdp alone shards it).",
+    )  # fmt: skip
 
 
 def rank_stages(pp_rank: int, pp: int, per_rank: int) -> list[int]:

@@ -183,6 +183,10 @@ def build_meshes(
     mesh = init_device_mesh(runtime.device_type, dims, mesh_dim_names=names)
     axes = {name: mesh[name] for name in names}
     axes["dp_cp"] = mesh["dp", "cp"]._flatten("dp_cp") if cp > 1 else axes["dp"]
+    if tp > 1:  # a 2-D parameter's norm: one all-reduce over the flattened (dp, cp, tp)
+        mesh["dp", "cp", "tp"]._flatten("dp_cp_tp")
+        if cp == 1:
+            mesh["dp", "tp"]._flatten("dp_tp")
     return axes
 
 

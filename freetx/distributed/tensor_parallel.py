@@ -13,9 +13,11 @@ tokens at a time).
 
 from __future__ import annotations
 
+from functools import partial
+
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate
+from torch.distributed.tensor import Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     RowwiseParallel,
@@ -24,7 +26,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from freetx.errors import ConfigError
-from freetx.models.protocol import TP_ROLES, SlicesLayers
+from freetx.models.protocol import TP_ROLES, SlicesLayers, SlicesWithLinear, require_hook
 
 
 def parallel_style(role: str):
@@ -45,30 +47,60 @@ def parallel_style(role: str):
 def check_slices(model: nn.Module | type) -> None:
     """distributed.tp > 1 needs a model with a tensor-parallel plan (`SlicesLayers`):
     the model, or the class a config builds (`check_layout`, before launching)."""
-    cls = model if isinstance(model, type) else type(model)
-    if not issubclass(cls, SlicesLayers):
-        raise ConfigError(
-            f"{cls.__name__} has no tensor-parallel plan (freetx slices the native "
-            "decoder's attention and MLP), so distributed.tp > 1 cannot run it.",
-            fix="Set distributed.tp=1 (fsdp alone shards it).",
-        )
+    require_hook(
+        model, SlicesLayers, "has no tensor-parallel plan (freetx slices the native decoder's "
+        "attention and MLP), so distributed.tp > 1 cannot run it.",
+        fix="Set distributed.tp=1 (fsdp alone shards it).",
+    )  # fmt: skip
 
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     """Slice `model`'s layers over `tp_mesh` as its plan says (`SlicesLayers`); refuses a
-    model without a plan."""
+    model without a plan. A layer with parameters of its own (a LoRA adapter) says how
+    they slice (`SlicesWithLinear`)."""
     check_slices(model)
     plan = model.tensor_parallel_plan(tp_mesh.size())
+    styles = {}
     for name, role in plan.items():
         module = model.get_submodule(name)
         plain = (nn.Embedding,) if role == "embedding" else (nn.Linear,)
-        if role != "heads_norm" and type(module) not in plain:  # torch's styles slice every
-            # parameter of a module alike: an adapter's would be cut along the wrong side
+        if isinstance(module, SlicesWithLinear):
+            styles[name] = adapter_style(role, module.tensor_parallel_dims(role))
+        elif role != "heads_norm" and type(module) not in plain:  # torch's styles slice every
+            # parameter of a module alike: another's would be cut along the wrong side
             raise ConfigError(
-                f"distributed.tp: {name} is a {type(module).__name__} (an adapter on a layer "
-                "tensor parallelism slices); freetx does not slice LoRA, DoRA or QLoRA "
-                "layers over tensor-parallel ranks yet.",
-                fix="Set distributed.tp=1 for adapter fine-tuning (fsdp alone shards it), or "
-                "train the whole model (or Spectrum's modules) with tp.",
+                f"distributed.tp: {name} is a {type(module).__name__}, which freetx does not "
+                "slice over tensor-parallel ranks.",
+                fix="Set distributed.tp=1 (fsdp alone shards it).",
             )
-    parallelize_module(model, tp_mesh, {name: parallel_style(role) for name, role in plan.items()})
+        else:
+            styles[name] = parallel_style(role)
+    parallelize_module(model, tp_mesh, styles)
+
+
+def adapter_style(role: str, dims: dict[str, int | None]):
+    """The parallel style of a layer with an adapter: its input and output as the role's
+    plain style takes them, each parameter sliced along its dimension in `dims`."""
+    base = parallel_style(role)
+
+    class AdapterStyle(type(base)):
+        def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+            def partition(prefix: str, submodule: nn.Module, mesh: DeviceMesh) -> None:
+                for local, param in list(submodule.named_parameters(recurse=False)):
+                    dim = dims[f"{prefix}.{local}".lstrip(".")]
+                    placement = Replicate() if dim is None else Shard(dim)
+                    sliced = distribute_tensor(param, mesh, [placement])
+                    submodule.register_parameter(
+                        local, nn.Parameter(sliced, requires_grad=param.requires_grad)
+                    )
+
+            return distribute_module(
+                module, device_mesh, partition,
+                partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
+                partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
+            )  # fmt: skip
+
+    style = AdapterStyle()
+    # what the input becomes (torch's rowwise style sets it when it meets a Linear)
+    style.desired_input_layouts = (Replicate(),) if role == "colwise" else (Shard(-1),)
+    return style

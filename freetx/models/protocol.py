@@ -78,6 +78,10 @@ after, so no model code touches one:
                           from its full value: the module returns what this rank keeps
                           (`shard` = (index, count) of its rows, None unsharded);
                           initialization and loading
+    SlicesWithLinear      tensor_parallel_dims(role): how tensor parallelism slices the
+                          module's parameters when it wraps a sliced Linear (LoRA: B's
+                          rows with a colwise base, A's columns with a rowwise one);
+                          `freetx.distributed.tensor_parallel`
     FrozenInComputeDtype  frozen_in_compute_dtype: the module's frozen parameters need
                           no fp32 master copy; the frozen-base decision
                           (`freetx.distributed.frozen_base`: `parallelize`, `estimate`)
@@ -357,13 +361,26 @@ class FrozenInComputeDtype(Protocol):
     frozen_in_compute_dtype: ClassVar[bool]
 
 
+@runtime_checkable
+class SlicesWithLinear(Protocol):
+    """A Linear with parameters of its own (an adapter) that tensor parallelism slices as
+    its base: `tensor_parallel_dims(role)` -> each parameter's name (dotted, within the
+    module) -> the dimension sliced over the tp ranks, or None where every rank holds it
+    whole, for a layer of `role` (colwise: the output rows; rowwise: the input columns).
+    Raises ConfigError where it cannot be sliced."""
+
+    def tensor_parallel_dims(self, role: str) -> dict[str, int | None]: ...
+
+
 MODEL_HOOKS = (
     Model, HasBlocks, InitBuffers, CountsParameters, CountsActiveParameters, CountsFlops,
     DescribesItself, EstimatesActivations,
     HFLayoutModel, ExtraForwards, AdapterTargets, AlwaysTrained, DecodesIncrementally,
     PacksDocuments, ShardsContext, SplitsIntoStages,
 )  # fmt: skip
-MODULE_HOOKS = (SelfInitialized, DerivedFromWeights, StoredInOwnForm, FrozenInComputeDtype)
+MODULE_HOOKS = (
+    SelfInitialized, DerivedFromWeights, StoredInOwnForm, FrozenInComputeDtype, SlicesWithLinear
+)  # fmt: skip
 
 
 def _hook_names() -> dict[str, str]:
@@ -389,6 +406,14 @@ def _own_names(cls: type) -> set[str]:
         else:
             own.update(vars(base))
     return {n for n in own if not n.startswith("__")} - torch_names
+
+
+def require_hook(model: nn.Module | type, hook: type, cannot: str, fix: str) -> None:
+    """Refuse a model (built, or the class a config builds: checked before launching) that
+    does not follow `hook`, one of the protocols above: `"<class> <cannot>"`, and `fix`."""
+    cls = model if isinstance(model, type) else type(model)
+    if not issubclass(cls, hook):
+        raise ConfigError(f"{cls.__name__} {cannot}", fix=fix)
 
 
 def check_model(model: nn.Module) -> None:

@@ -148,6 +148,7 @@ def estimate(
     loss_chunks: int = 1,
     tp: int = 1,
     cp: int = 1,
+    stage: PipelineStageShape | None = None,
 ) -> list[Estimate]:
     """The estimate of each strategy for a (meta) model at `world_size` ranks; `frozen`:
     the frozen-base decision (`frozen_base`, made from the model when not given);
@@ -160,7 +161,10 @@ def estimate(
     ranks (`distributed.cp`: each holds 1/cp of the micro-batch's tokens, and keeps the
     whole sequence's keys and values of each block for backward; an all-gather of them
     per block in forward, again in a recomputed forward, and a reduce-scatter of their
-    gradients in backward, on the critical path; FSDP2 shards over dp x cp = world / tp)."""
+    gradients in backward, on the critical path; FSDP2 shards over dp x cp = world / tp);
+    `stage`: under pipeline parallelism, `model` is one stage's (pruned: `keep_blocks`),
+    whose activations are kept for `stage.in_flight` micro-batches at once, whose share
+    of the work is 1/pp, stretched by the schedule's bubble; FSDP2 shards within it."""
     compute = 2 if compute_dtype in ("bfloat16", "float16") else 4
     frozen = frozen or frozen_base(model)
     sliced = sliced_modules(model, tp)
@@ -182,11 +186,14 @@ def estimate(
             ac_every_n_blocks, attention_score_bytes(model.config, seq_len, device, compute),
             loss_chunks, tp, cp,
         )  # fmt: skip
+    stage = stage or PipelineStageShape()
+    activations *= stage.in_flight
+    loss = loss if stage.holds_loss else 0.0
     peak, bandwidth, _ = DEVICES[device]
     flops = (
         model.flops_per_token(seq_len) if isinstance(model, CountsFlops) else 6 * total_trainable
     )
-    compute_s = flops * tokens_per_rank / (peak * mfu * tp * cp)
+    compute_s = flops * tokens_per_rank / (peak * mfu * tp * cp * stage.pp) * (1 + stage.bubble)
     # tensor parallelism's sums: two all-reduces of the block's output per block and pass
     hidden = getattr(getattr(model, "config", None), "hidden_dim", 0)
     tp_bytes = 4 * len(blocks) * tokens_per_rank / cp * hidden * compute * 2 * (tp - 1) / tp
@@ -197,7 +204,7 @@ def estimate(
     cp_bytes = passes * len(blocks) * tokens_per_rank * 2 * kv / tp * compute * (cp - 1) / cp
     tp_s = (tp_bytes + cp_bytes) / bandwidth
     out = []
-    for layout in shard_layouts(world_size // tp, replicas):  # FSDP2 over dp x cp
+    for layout in shard_layouts(world_size // (tp * stage.pp), replicas):  # FSDP2 over dp x cp
         shards = layout.parameter_shards
         if layout.blocks_stay_gathered:
             gathered = stored / 4 * compute  # every block kept unsharded, forward to backward
@@ -220,6 +227,26 @@ def estimate(
             max(compute_s, comm_s) + tp_s, compute_s, comm_s + tp_s, sources,
         ))  # fmt: skip
     return out
+
+
+@dataclass(frozen=True)
+class PipelineStageShape:
+    """What pipeline parallelism changes for one stage's estimate (`estimate(stage=)`)."""
+
+    pp: int = 1  # pipeline ranks: each does 1/pp of every micro-batch's work
+    in_flight: int = 1  # micro-batches whose activations a stage keeps at once (1F1B: pp)
+    bubble: float = 0.0  # the schedule's idle share: (pp - 1) / (stages per rank x micro-batches)
+    holds_loss: bool = True  # the last stage: the head's logits
+
+
+def pipeline_stage_shapes(cfg, micro_batches: int) -> list[PipelineStageShape]:
+    """The first and the last stage's shapes under `cfg` (a `distributed:` section): the
+    first keeps the most micro-batches in flight, the last computes the loss."""
+    pp, per_rank = cfg.pp, cfg.pp_stages_per_rank
+    in_flight = micro_batches if cfg.pp_schedule == "gpipe" else min(pp, micro_batches)
+    bubble = (pp - 1) / (per_rank * micro_batches)
+    return [PipelineStageShape(pp, in_flight, bubble, False),
+            PipelineStageShape(pp, 1, bubble, True)]  # fmt: skip
 
 
 def attention_score_bytes(cfg, seq_len: int, device: str, compute: int) -> float:

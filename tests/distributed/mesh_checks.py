@@ -16,6 +16,7 @@ from omegaconf import OmegaConf
 from freetx.distributed import DistributedConfig, build_groups, init_distributed, parallelize
 from freetx.distributed.init import full_tensor, materialize
 from freetx.distributed.pipeline import PipelineBatch
+from freetx.models.peft import apply_lora
 from freetx.models.transformer import decoder
 from freetx.training import CrossEntropyLoss, build_lr_scheduler, optimizer_step
 from freetx.training.config import LRScheduleConfig
@@ -35,6 +36,9 @@ SLIDING = dict(sliding_window=5, layer_types=["sliding_attention", "full_attenti
 MODELS = {"untied": dict(tie_embeddings=False), "tied": dict(tie_embeddings=True),
           "moe": dict(tie_embeddings=False, **MOE)}  # fmt: skip
 CONTEXT_MODELS = {"sliding": dict(tie_embeddings=False, **SLIDING)}  # cp only: tp slices no window
+# LoRA on every projection (colwise and rowwise under tp), trained for two steps: B starts
+# at zero, so A's gradient is zero until the first update
+LORA_TARGETS = ["q", "k", "v", "o", "gate", "up", "down"]
 GLOBAL_BATCH = 8
 
 
@@ -61,9 +65,11 @@ def optimizer_cfg():
     return OmegaConf.create({"_component_": "torch.optim.SGD", "lr": 0.5})
 
 
-def step(model, plan, chunks: int | None, accumulation: int, packed: bool, data_ranks: int):
-    """One clipped SGD step (Adam's first step divides by |g|, so it would amplify the
-    last bits of near-zero gradients); (initial weights, grads, updated weights), whole."""
+def step(model, plan, chunks: int | None, accumulation: int, packed: bool, data_ranks: int,
+         steps: int = 1):  # fmt: skip
+    """`steps` clipped SGD steps (Adam's first step divides by |g|, so it would amplify the
+    last bits of near-zero gradients); (initial weights, the last step's gradients,
+    updated weights), whole, of what trains."""
     inputs, labels, documents = batch(packed)
     if plan is not None:  # this dp rank's rows
         groups = plan.groups
@@ -73,7 +79,8 @@ def step(model, plan, chunks: int | None, accumulation: int, packed: bool, data_
         documents = None if documents is None else documents[rows]
     else:  # the same micro-batches, one after another: an MoE's router loss is per batch
         accumulation *= data_ranks
-    init = {n: full_tensor(p).clone() for n, p in model.named_parameters()}
+    trained = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    init = {n: full_tensor(p).clone() for n, p in trained.items()}
     parts = list(zip(inputs.chunk(accumulation), labels.chunk(accumulation)))
     context = None if plan is None else plan.context
     if context is not None:  # this rank's part of each sequence
@@ -83,27 +90,40 @@ def step(model, plan, chunks: int | None, accumulation: int, packed: bool, data_
     ranks = 1 if plan is None else plan.gradient_ranks
     loss_fn = CrossEntropyLoss(num_chunks=chunks)
     docs = [None] * accumulation if documents is None else documents.chunk(accumulation)
-    if plan is not None and plan.pipeline is not None:  # the micro-batches through the stages
-        joined = PipelineBatch(torch.cat([x for x, _ in parts]), torch.cat([y for _, y in parts]),
-                               documents)  # fmt: skip
-        plan.pipeline.step(joined, loss_fn, torch.as_tensor(ranks / total))
-        parts = []
-    for (x, y), d in zip(parts, docs):
-        inputs = {} if d is None else {"documents": d}
-        if context is not None:
-            inputs["context"] = context
-        loss, _ = loss_fn(model, x, y, **inputs)
-        (loss * ranks / total).backward()
-    grads = {n: full_tensor(p.grad).clone() for n, p in model.named_parameters()}
     if plan is None:
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
-        optimizer.step()
+        optimizer = torch.optim.SGD(trained.values(), lr=0.5)
     else:
         optimizer = plan.build_optimizer(optimizer_cfg())
-        scheduler = build_lr_scheduler(optimizer, 10, OmegaConf.structured(LRScheduleConfig()))
-        optimizer_step(plan, optimizer, scheduler, 0.05)  # clipped: the norm is ~1
-    return init, grads, {n: full_tensor(p).clone() for n, p in model.named_parameters()}
+    scheduler = build_lr_scheduler(optimizer, 10, OmegaConf.structured(LRScheduleConfig()))
+    for _ in range(steps):
+        optimizer.zero_grad(set_to_none=True)
+        if plan is not None and plan.pipeline is not None:  # micro-batches through the stages
+            joined = PipelineBatch(torch.cat([x for x, _ in parts]),
+                                   torch.cat([y for _, y in parts]), documents)  # fmt: skip
+            plan.pipeline.step(joined, loss_fn, torch.as_tensor(ranks / total))
+        else:
+            for (x, y), d in zip(parts, docs):
+                inputs = {} if d is None else {"documents": d}
+                if context is not None:
+                    inputs["context"] = context
+                loss, _ = loss_fn(model, x, y, **inputs)
+                (loss * ranks / total).backward()
+        grads = {n: full_tensor(p.grad).clone() for n, p in trained.items()}
+        if plan is None:
+            torch.nn.utils.clip_grad_norm_(trained.values(), 0.05)
+            optimizer.step()
+            scheduler.step()
+        else:
+            optimizer_step(plan, optimizer, scheduler, 0.05)  # clipped: the norm is ~1
+    return init, grads, {n: full_tensor(p).clone() for n, p in trained.items()}
+
+
+def build(name: str, fields: dict):
+    """The decoder of a case; "lora": with LoRA adapters on every projection."""
+    model = decoder(**{**FIELDS, **fields})
+    if name == "lora":
+        apply_lora(model, LORA_TARGETS, rank=2, alpha=4)
+    return model
 
 
 def max_diff(got: dict, want: dict) -> float:
@@ -129,7 +149,7 @@ def main() -> None:
     results["axes"] = [groups.rank(a) for a in ("dp", "cp", "tp")]
     if args.pp > 1:
         results["axes"].append(groups.rank("pp"))
-    models = dict(MODELS, **(CONTEXT_MODELS if args.tp == 1 else {}))
+    models = dict(MODELS, **(CONTEXT_MODELS if args.tp == 1 else {"lora": MODELS["untied"]}))
     cases = [(1, 1, False), (3, 2, False)]
     if args.pp > 1:  # a tied head would sit on the first stage and the last; 4 blocks for
         # 2 x 2 interleaved stages; micro-batches (accumulation) at least the stages
@@ -139,14 +159,19 @@ def main() -> None:
         cases.append((1, 2, True))  # packed documents
     for name, fields in models.items():
         for chunks, accumulation, packed in cases:
+            steps = 2 if name == "lora" else 1
             with torch.device("meta"):
-                reference = decoder(**{**FIELDS, **fields})
+                reference = build(name, fields)
             materialize(reference, torch.device("cpu"), SEED)
-            want = step(reference.train(), None, chunks, accumulation, packed, groups.dp_size)
+            want = step(
+                reference.train(), None, chunks, accumulation, packed, groups.dp_size, steps
+            )
             with torch.device("meta"):
-                model = decoder(**{**FIELDS, **fields})
+                model = build(name, fields)
             plan = parallelize(model, groups, cfg, seed=SEED, micro_batches=accumulation)
-            got = step(plan.model.train(), plan, chunks, accumulation, packed, groups.dp_size)
+            got = step(
+                plan.model.train(), plan, chunks, accumulation, packed, groups.dp_size, steps
+            )
             key = f"{name}/chunks{chunks}/accumulation{accumulation}" + ("/packed" * packed)
             for i, part in enumerate(("init", "grad", "param")):
                 results[f"{key}/{part}"] = max_diff(got[i], want[i])

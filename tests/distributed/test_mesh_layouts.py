@@ -2,8 +2,8 @@
 (dp 2, cp 2), (pp 2, dp 2) here, and in the slow tier (cp 2, tp 2), (pp 2, dp 2) with
 interleaved 1F1B and with GPipe, (pp 2, tp 2) and (pp 2, cp 2). Each gives the same
 initial weights, gradients and clipped update as 1 process on the whole batch, for a
-dense decoder (tied and untied head; untied under pp) and an MoE one; under cp also
-sliding-window, soft-capped layers; packed documents under cp and pp; under pp the
+dense decoder (tied and untied head; untied under pp) and an MoE one; under tp also
+LoRA on every projection (two steps); under cp also sliding-window, soft-capped layers; packed documents under cp and pp; under pp the
 micro-batches of an optimizer step through the stages, and the stages' parameters
 together the whole model's."""
 

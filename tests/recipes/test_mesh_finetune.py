@@ -150,3 +150,28 @@ def test_heads_that_tp_does_not_divide_are_refused_before_training(tmp_path):
     assert "tp=4 does not divide the model's 6 attention heads and 2 key/value heads" in message
     assert "Pick a tp that divides both" in message
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+@pytest.mark.slow  # a base, then LoRA on 1 and on 4 processes: ~1 minute on 2 cores
+def test_lora_under_tensor_parallelism_repeats_one_process(tmp_path):
+    """llm/lora_tiny at tp 2 (the twin of llm/llama3_70b_lora's layout): the frozen base and
+    each adapter sliced with its layer, FSDP2 over the other 2 ranks."""
+    base = tmp_path / "base"
+    losses(base, 1, "max_steps=4", "checkpoint.every_n_steps=4")
+    lora = ["--config", "llm/lora_tiny", f"model_dir={base}", "max_steps=10",
+            "checkpoint.every_n_steps=0", "peft.dropout=0"]  # dropout's draws follow the ranks  # fmt: skip
+    one = lora_losses(tmp_path / "one", 1, *lora)
+    sliced = lora_losses(tmp_path / "tp", 4, *lora, "distributed.tp=2")
+    assert_same(sliced, one, range(1, 11))
+
+
+def lora_losses(output_dir, nproc: int, *overrides: str) -> dict[int, float]:
+    """`losses` of lora_finetune_fsdp2 (the same loop; the peft section picks what trains)."""
+    at = overrides.index("--config")
+    result = run_freetx(
+        "run", "--nproc-per-node", str(nproc), "lora_finetune_fsdp2", *overrides[at : at + 2],
+        f"output_dir={output_dir}", *QUIET, *overrides[:at], *overrides[at + 2 :],
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = [json.loads(x) for x in (output_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in records if "loss" in r}

@@ -147,10 +147,17 @@ def test_a_decoder_refuses_a_tp_it_cannot_slice(fields, wanted):
     assert plan["tok_embeddings"] == "embedding" and plan["output"] == "output"
 
 
-def test_tensor_parallelism_refuses_adapters_on_the_layers_it_slices():
-    """torch's styles slice every parameter of a module alike: LoRA's A and B would be cut
-    along the wrong side, so an adapter on a sliced layer is refused with the fix."""
+@pytest.mark.parametrize(
+    "targets,options,wanted",
+    [(["q", "v"], {"use_dora": True}, "DoRA's magnitudes divide by the norm"),
+     (["q", "output"], {}, "not on a output layer")],
+)  # fmt: skip
+def test_tensor_parallelism_slices_lora_and_refuses_what_it_cannot(targets, options, wanted):
+    """LoRA slices with its base (A whole and B's rows under a colwise base, A's columns
+    and B whole under a rowwise one: tests/distributed/test_mesh_layouts.py trains it);
+    DoRA (whole-row norms) and an adapter on the head are refused with the fix."""
     import torch
+    from torch.distributed.tensor import DTensor
 
     from freetx.distributed import DistributedRuntime, build_meshes, fake_world
     from freetx.distributed.tensor_parallel import apply_tensor_parallel
@@ -158,12 +165,25 @@ def test_tensor_parallelism_refuses_adapters_on_the_layers_it_slices():
     from freetx.models.peft import apply_lora
     from freetx.models.transformer import decoder
 
+    fields = dict(vocab_size=64, hidden_dim=24, num_layers=1, num_heads=4, num_kv_heads=2,
+                  ffn_hidden_dim=48, max_seq_len=16, tie_embeddings=False)  # fmt: skip
     with torch.device("meta"):
-        model = decoder(vocab_size=64, hidden_dim=24, num_layers=1, num_heads=4,
-                        num_kv_heads=2, ffn_hidden_dim=48, max_seq_len=16)  # fmt: skip
-        apply_lora(model, ["q", "v"], rank=2, alpha=4)
+        lora, refused = decoder(**fields), decoder(**fields)
+        apply_lora(lora, ["q", "o"], rank=2, alpha=4)
+        apply_lora(refused, targets, rank=2, alpha=4, **options)
     with fake_world(4):
         tp_mesh = build_meshes(DistributedRuntime(0, 0, 4, torch.device("cpu")), tp=2)["tp"]
-        with pytest.raises(ConfigError, match="Set distributed.tp=1 for adapter") as error:
-            apply_tensor_parallel(model, tp_mesh)
-    assert "layers.0.attention.wq is a LoRALinear" in str(error.value)
+        apply_tensor_parallel(lora, tp_mesh)
+        with pytest.raises(ConfigError, match="tp=1") as error:
+            apply_tensor_parallel(refused, tp_mesh)
+    assert wanted in str(error.value)
+    q, o = lora.layers[0].attention.wq, lora.layers[0].attention.wo
+    assert all(isinstance(p, DTensor) for p in (q.weight, q.lora_a.weight, o.lora_b.weight))
+    assert q.lora_b.weight.to_local().shape == (12, 2) and q.lora_a.weight.to_local().shape == (
+        2,
+        24,
+    )
+    assert o.lora_a.weight.to_local().shape == (2, 12) and o.lora_b.weight.to_local().shape == (
+        24,
+        2,
+    )

@@ -41,6 +41,8 @@ LLAMA = dict(model_type="llama", vocab_size=128256, num_key_value_heads=8, rope_
 HF_SHAPES = {
     "Llama-3.1-8B": dict(LLAMA, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                          num_attention_heads=32, max_position_embeddings=131072),
+    "Llama-3.1-70B": dict(LLAMA, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                          num_attention_heads=64, max_position_embeddings=131072),
     "Llama-3.2-1B": dict(LLAMA, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                          num_attention_heads=32, max_position_embeddings=131072,
                          tie_word_embeddings=True),
@@ -91,7 +93,8 @@ HF_SHAPES = {
                  n_positions=1024),
 }  # fmt: skip
 MODEL_OF = {"llm/llama3_1_8b_full": "Llama-3.1-8B", "llm/llama3_1_8b_lora": "Llama-3.1-8B",
-            "llm/llama3_1_8b_128k": "Llama-3.1-8B",
+            "llm/llama3_1_8b_128k": "Llama-3.1-8B", "llm/llama3_70b_full": "Llama-3.1-70B",
+            "llm/llama3_70b_lora": "Llama-3.1-70B",
             "llm/llama3_1_8b_qlora": "Llama-3.1-8B", "llm/llama3_2_1b_full": "Llama-3.2-1B",
             "llm/qwen2_5_7b_full": "Qwen2.5-7B", "llm/qwen3_8b_full": "Qwen3-8B",
             "llm/phi4_mini_lora": "Phi-4-mini", "llm/qwen3_30b_a3b_lora": "Qwen3-30B-A3B",

@@ -192,3 +192,32 @@ def test_estimate_divides_the_sliced_layers_and_their_activations_by_tp():
         )
     with pytest.raises(ConfigError, match="tp=1"):
         estimate(free, 8, 512, 256, "float32", "none", 2, "cpu", 0.4, tp=2)
+
+
+def test_estimate_counts_a_context_shard_and_a_pipeline_stage():
+    """cp 2: half the tokens' activations per rank (the keys and values whole), the
+    gathers added to the step; pp 2, 1F1B over 4 micro-batches: the first stage holds
+    half the blocks for 2 micro-batches at once, no loss; the last its head and loss;
+    each does half the work, stretched by the bubble (1/4)."""
+    import torch
+
+    from freetx.distributed import DistributedConfig
+    from freetx.models.transformer import decoder
+    from freetx.training.estimate import estimate, pipeline_stage_shapes
+
+    with torch.device("meta"):
+        model, first, last = (decoder("llama3_8b", tie_embeddings=False) for _ in range(3))
+    args = (8, 8192, 8192, "bfloat16", "none", 2, "h100", 0.4)
+    whole = next(r for r in estimate(model, *args) if r.strategy == "fsdp")
+    split = next(r for r in estimate(model, *args, cp=2) if r.strategy == "fsdp")
+    assert 0.5 * whole.activations < split.activations < 0.6 * whole.activations
+    assert split.compute_s == whole.compute_s / 2 and split.step_s > split.compute_s
+    shapes = pipeline_stage_shapes(DistributedConfig(pp=2), micro_batches=4)
+    first.keep_blocks(list(range(16)), first=True, last=False)
+    last.keep_blocks(list(range(16, 32)), first=False, last=True)
+    head, tail = (next(r for r in estimate(m, *args, stage=s) if r.strategy == "fsdp")
+                  for m, s in zip((first, last), shapes))  # fmt: skip
+    assert head.loss == 0 and tail.loss == whole.loss
+    assert head.activations == whole.activations  # half the blocks, 2 micro-batches
+    assert tail.activations == whole.activations / 2
+    assert head.compute_s == whole.compute_s / 2 * (1 + 1 / 4)

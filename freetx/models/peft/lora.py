@@ -30,6 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from freetx.errors import ConfigError
+
 # freetx's adapter parameters (under the adapted module) -> PEFT's names for them
 PEFT_NAMES = {
     "lora_a.weight": "lora_A.weight",
@@ -86,6 +88,27 @@ class LoRALinear(nn.Linear):
     @property
     def use_dora(self) -> bool:
         return self.lora_magnitude is not None
+
+    def tensor_parallel_dims(self, role: str) -> dict[str, int | None]:
+        """`SlicesWithLinear`: a colwise base's rows are sliced, and so are B's (A is whole:
+        each rank's B A covers its rows); a rowwise base's columns, and A's (each rank's B A
+        x is a part of the sum tensor parallelism adds up)."""
+        if self.use_dora:  # its norm is over whole rows, which a rowwise slice splits
+            raise ConfigError(
+                "distributed.tp: DoRA's magnitudes divide by the norm of each whole weight "
+                "row, and tensor parallelism slices the rows of some layers; freetx does not "
+                "compute that norm over the tp ranks yet.",
+                fix="Use LoRA (peft.use_dora=false) with tp, or set distributed.tp=1.",
+            )
+        if role == "colwise":
+            return {"weight": 0, "bias": 0, "lora_a.weight": None, "lora_b.weight": 0}
+        if role == "rowwise":
+            return {"weight": 1, "bias": None, "lora_a.weight": 1, "lora_b.weight": None}
+        raise ConfigError(
+            f"distributed.tp: freetx slices LoRA adapters on attention and MLP projections, not "
+            f"on a {role} layer (the embedding or the head).",
+            fix="Leave the embedding and head out of peft.target_modules, or set distributed.tp=1.",
+        )
 
     def dense(self, weight: torch.Tensor) -> torch.Tensor:
         """The base weight (the whole one, or a local shard of it) as a dense tensor."""

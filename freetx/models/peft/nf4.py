@@ -58,6 +58,14 @@ class NF4LoRALinear(LoRALinear):
         super().__init__(*args, **kwargs)
         self.nf4_blocks = nf4_blocks  # (block, scaler block) of the quantization
 
+    def tensor_parallel_dims(self, role: str) -> dict[str, int | None]:
+        raise ConfigError(
+            "distributed.tp: a QLoRA base is an NF4 tensor quantized in blocks of whole rows, "
+            "and freetx does not slice it over tensor-parallel ranks.",
+            fix="Use LoRA (peft.quantize_base=null: its bf16 base slices) with tp, or set "
+            "distributed.tp=1 (fsdp shards NF4 bases).",
+        )
+
     @classmethod
     def from_lora(cls, layer: LoRALinear, nf4_blocks: tuple[int, int]) -> NF4LoRALinear:
         """The same (meta) layer with an empty NF4 base; values come from `stored_value`."""
