@@ -3,14 +3,15 @@ step time of one decoder at one global batch.
 
 Per layout, on rank 0 of 4 gloo processes, over AdamW steps of the same decoder
 (hidden 256, 4 blocks, 8 heads of which 4 key/value heads, MLP 1024, vocabulary 4096)
-on the same global batch, one micro-batch per data-parallel rank: 8 sequences of 1024
+on the same global batch, one micro-batch per data-parallel rank (pp: 2): 8 sequences of 1024
 tokens (every layout can split it), then 2 of 4096 (a long-context batch: fsdp alone
 cannot give 4 ranks a sequence each, so the layouts that split sequences or layers
 over the other ranks are compared):
 - state: bytes of this rank's parameters, gradients and optimizer state (its local
   shards) after a step;
 - saved: the bytes of the tensors autograd keeps for backward, at the end of forward
-  (counted by storage, each once; the loss's chunk included);
+  (counted by storage, each once; the loss's chunk included); under pp, over the step
+  (2 micro-batches through the stages by 1F1B, storages counted once);
 - step: seconds per optimizer step (median of the timed steps).
 The 4 processes share this machine's cores alike in every layout: compare the ratios.
 
@@ -29,28 +30,32 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import launch, local_bytes, table, write_result  # noqa: E402
 
-LAYOUTS = {"fsdp (dp 4)": (1, 1), "dp 2 x tp 2": (1, 2), "dp 2 x cp 2": (2, 1),
-           "cp 2 x tp 2": (2, 2)}  # fmt: skip
+LAYOUTS = {"fsdp (dp 4)": (1, 1, 1), "dp 2 x tp 2": (1, 2, 1), "dp 2 x cp 2": (2, 1, 1),
+           "cp 2 x tp 2": (2, 2, 1), "pp 2 x dp 2": (1, 1, 2),
+           "pp 2 x cp 2": (2, 1, 2)}  # (cp, tp, pp)  # fmt: skip
 FIELDS = dict(vocab_size=4096, hidden_dim=256, num_layers=4, num_heads=8, num_kv_heads=4,
               ffn_hidden_dim=1024, max_seq_len=4096, tie_embeddings=False)  # fmt: skip
-SCENARIOS = {(8, 1024): list(LAYOUTS), (2, 4096): ["dp 2 x cp 2", "dp 2 x tp 2", "cp 2 x tp 2"]}
+SCENARIOS = {(8, 1024): list(LAYOUTS),
+             (2, 4096): ["dp 2 x cp 2", "dp 2 x tp 2", "cp 2 x tp 2", "pp 2 x cp 2"]}  # fmt: skip
+MICRO_BATCHES = 2  # pp: a data-parallel rank's rows in 2 micro-batches through the stages
 MIB = 2**20
 
 
-def worker(cp: int, tp: int, steps: int, batch: int, seq: int) -> None:
+def worker(cp: int, tp: int, pp: int, steps: int, batch: int, seq: int) -> None:
     import torch
     from omegaconf import OmegaConf
 
     from freetx.distributed import DistributedConfig, build_groups, init_distributed, parallelize
+    from freetx.distributed.pipeline import PipelineBatch
     from freetx.models.transformer import decoder
     from freetx.training import CrossEntropyLoss
 
     runtime = init_distributed("cpu")
-    cfg = OmegaConf.structured(DistributedConfig(strategy="fsdp", cp=cp, tp=tp))
+    cfg = OmegaConf.structured(DistributedConfig(strategy="fsdp", cp=cp, tp=tp, pp=pp))
     groups = build_groups(runtime, cfg)
     with torch.device("meta"):
         model = decoder(**FIELDS)
-    plan = parallelize(model, groups, cfg, seed=0)
+    plan = parallelize(model, groups, cfg, seed=0, micro_batches=MICRO_BATCHES)
     optimizer = plan.build_optimizer(OmegaConf.create({"_component_": "torch.optim.AdamW"}))
     per_rank = batch // groups.dp_size
     g = torch.Generator().manual_seed(groups.dp_rank)
@@ -76,8 +81,12 @@ def worker(cp: int, tp: int, steps: int, batch: int, seq: int) -> None:
         start = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            loss, _ = loss_fn(plan.model, inputs, labels, **extra)
-        (loss / labels.numel()).backward()
+            if plan.pipeline is None:
+                loss, _ = loss_fn(plan.model, inputs, labels, **extra)
+                (loss / labels.numel()).backward()
+            else:  # what the stages keep at once, over the schedule's micro-batches
+                scale = torch.tensor(plan.gradient_ranks / (labels.numel() * groups.dp_size))
+                plan.pipeline.step(PipelineBatch(inputs, labels), loss_fn, scale)
         optimizer.step()
         if step >= 2:
             times.append(time.perf_counter() - start)
@@ -94,17 +103,18 @@ def worker(cp: int, tp: int, steps: int, batch: int, seq: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--worker", nargs=4, type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--worker", nargs=5, type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        worker(*args.worker[:2], args.steps, *args.worker[2:])
+        worker(*args.worker[:3], args.steps, *args.worker[3:])
         return
     for (batch, seq), layouts in SCENARIOS.items():
         results = {}
         for name in layouts:
-            cp, tp = LAYOUTS[name]
-            results[name] = launch(Path(__file__), 4, "--worker", str(cp), str(tp), str(batch),
-                                   str(seq), "--steps", str(args.steps))  # fmt: skip
+            shape = [str(n) for n in (*LAYOUTS[name], batch, seq)]
+            results[name] = launch(
+                Path(__file__), 4, "--worker", *shape, "--steps", str(args.steps)
+            )
         base = results[layouts[0]]
         rows = [[name, f"{r['state'] / MIB:.1f}", f"{r['state'] / base['state']:.2f}",
                  f"{r['saved'] / MIB:.1f}", f"{r['saved'] / base['saved']:.2f}",
