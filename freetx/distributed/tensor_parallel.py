@@ -7,14 +7,17 @@ each slice over the dp ranks: 2-D DTensors). Attention is sliced by heads (queri
 keys and values column-wise, the output projection row-wise), the MLP by hidden units
 (gate and up column-wise, down row-wise): two sums over the tp ranks per block in
 forward, two in backward, as Megatron-LM. The embedding and the head are sliced by
-vocabulary; the head's logits are gathered (the chunked loss gathers one chunk of
-tokens at a time).
+vocabulary; the head makes this rank's slice of the logits, and the loss reduces
+its log-sum-exp and the labels' logits over the slices (`VocabularySlice`: a
+vocabulary-parallel cross-entropy, no logits gathered).
 """
 
 from __future__ import annotations
 
 from functools import partial
 
+import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard, distribute_module, distribute_tensor
@@ -37,8 +40,8 @@ def parallel_style(role: str):
         return RowwiseParallel()
     if role == "embedding":
         return RowwiseParallel(input_layouts=Replicate())
-    if role == "output":
-        return ColwiseParallel(output_layouts=Replicate())
+    if role == "output":  # this rank's slice of the vocabulary's logits (`VocabularySlice`)
+        return ColwiseParallel()
     if role == "heads_norm":  # input [B, T, heads, head_dim], sliced by heads (dim 2)
         return SequenceParallel(sequence_dim=2, use_local_output=True)
     raise ValueError(f"no tensor-parallel role {role!r}; the roles are {', '.join(TP_ROLES)}")
@@ -76,6 +79,39 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
         else:
             styles[name] = parallel_style(role)
     parallelize_module(model, tp_mesh, styles)
+    heads = [name for name, role in plan.items() if role == "output"]
+    if heads:  # the loss reduces over the slices of the vocabulary; no logits gathered
+        vocab_size = model.get_submodule(heads[0]).weight.shape[0]  # the global shape
+        model.slice_vocabulary(VocabularySlice(tp_mesh, vocab_size))
+
+
+class VocabularySlice:
+    """`VocabSlice` of a head sliced by vocabulary over `tp_mesh` (torch's row chunks:
+    the first ranks hold ceil(vocab / tp) entries)."""
+
+    def __init__(self, tp_mesh: DeviceMesh, vocab_size: int) -> None:
+        self.group, ranks = tp_mesh.get_group(), tp_mesh.size()
+        width = -(-vocab_size // ranks)
+        self.widths = [max(0, min(width, vocab_size - r * width)) for r in range(ranks)]
+        self.start = min(tp_mesh.get_local_rank() * width, vocab_size)
+
+    def max(self, x: torch.Tensor) -> torch.Tensor:
+        out = x.clone()
+        dist.all_reduce(out, op=dist.ReduceOp.MAX, group=self.group)
+        return out
+
+    def sum(self, x: torch.Tensor) -> torch.Tensor:
+        out = x.clone()
+        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.group)
+        return out
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """Every slice's logits joined along the last dimension (no gradient)."""
+        width = max(self.widths)
+        padded = torch.nn.functional.pad(x.detach(), (0, width - x.shape[-1])).contiguous()
+        parts = [torch.empty_like(padded) for _ in self.widths]
+        dist.all_gather(parts, padded, group=self.group)
+        return torch.cat([p[..., :w] for p, w in zip(parts, self.widths)], dim=-1)
 
 
 def adapter_style(role: str, dims: dict[str, int | None]):

@@ -19,7 +19,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from freetx.models.protocol import OutputLayer
+from freetx.models.protocol import OutputLayer, VocabSlice
 
 IGNORE_INDEX = -100  # torch's cross-entropy default, as in freetx.data
 
@@ -72,16 +72,17 @@ class ChunkedCrossEntropy:
 
     def __call__(self, hidden: torch.Tensor, layer: OutputLayer) -> TokenLosses:
         chunks = self.num_chunks or default_num_chunks(layer.vocab_size)
-        if chunks == 1:
+        if chunks == 1 and layer.vocab is None:
             return self.whole(layer.project(hidden))
         trained = [p for p in layer.parameters if p.requires_grad]
+        head = (layer.project, layer.vocab)
         if torch.is_grad_enabled() and (hidden.requires_grad or trained):
             total, per_token = _ChunkedCrossEntropy.apply(
-                hidden, self.labels, layer.project, chunks, self.ignore_index, *trained
+                hidden, self.labels, head, chunks, self.ignore_index, *trained
             )
         else:
             total, per_token = _chunk_losses(
-                hidden, self.labels, layer.project, chunks, self.ignore_index, ()
+                hidden, self.labels, head, chunks, self.ignore_index, ()
             )[:2]
         return TokenLosses(total, per_token.view_as(self.labels) if self.per_token else None)
 
@@ -96,10 +97,35 @@ class ChunkedCrossEntropy:
         return TokenLosses(losses.sum(), losses.detach().view_as(self.labels))
 
 
-def _chunk_losses(hidden, labels, project, chunks: int, ignore_index: int, wants):
+def sliced_cross_entropy(
+    logits: torch.Tensor, labels: torch.Tensor, ignore_index: int, vocab: VocabSlice
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cross-entropy over logits sliced by vocabulary: `logits` [N, V/tp] float32, this
+    rank's slice (`vocab`); each token's loss [N] (0 where ignored) and its gradient in
+    these logits (softmax minus the label's one-hot, on this slice), from the log-sum-exp
+    and the label's logit reduced over the slices: no logits are gathered."""
+    with torch.no_grad():
+        peak = vocab.max(logits.max(dim=-1).values)
+        exp = (logits - peak[:, None]).exp()
+        sum_exp = vocab.sum(exp.sum(dim=-1))
+        local = labels - vocab.start
+        here = (local >= 0) & (local < logits.shape[-1])
+        mine = logits.gather(1, local.clamp(0, logits.shape[-1] - 1)[:, None])[:, 0]
+        target = vocab.sum(torch.where(here, mine, 0.0))
+        valid = labels != ignore_index
+        losses = torch.where(valid, peak + sum_exp.log() - target, 0.0)
+        grad = exp / sum_exp[:, None]
+        grad[here.nonzero()[:, 0], local[here]] -= 1.0
+        grad *= valid[:, None]
+    return losses, grad
+
+
+def _chunk_losses(hidden, labels, head, chunks: int, ignore_index: int, wants):
     """Each chunk of tokens in turn: its logits, upcast, cross-entropy; with `wants`
     (hidden, then the parameters to differentiate), that chunk's gradients at once.
-    Returns (total, per-token losses, gradient of hidden or None, of each parameter)."""
+    `head`: (project, its `VocabSlice` or None). Returns (total, per-token losses,
+    gradient of hidden or None, of each parameter)."""
+    project, vocab = head
     flat_hidden, flat_labels = hidden.flatten(0, -2), labels.flatten()
     wants_hidden = bool(wants) and wants[0] is hidden
     params = list(wants[1:] if wants_hidden else wants)
@@ -114,14 +140,21 @@ def _chunk_losses(hidden, labels, project, chunks: int, ignore_index: int, wants
             continue
         start, end = int(rows[0]), int(rows[-1]) + 1
         chunk = flat_hidden[start:end].detach().requires_grad_(wants_hidden)
+        inputs = ([chunk] if wants_hidden else []) + params
         with torch.enable_grad() if wants else torch.no_grad():
-            losses = F.cross_entropy(
-                project(chunk).float(), flat_labels[start:end],
-                ignore_index=ignore_index, reduction="none",
-            )  # fmt: skip
-            loss = losses.sum()
-            inputs = ([chunk] if wants_hidden else []) + params
-            grads = torch.autograd.grad(loss, inputs) if inputs else ()
+            logits = project(chunk).float()
+            if vocab is None:
+                losses = F.cross_entropy(
+                    logits, flat_labels[start:end], ignore_index=ignore_index, reduction="none"
+                )
+                loss = losses.sum()
+                grads = torch.autograd.grad(loss, inputs) if inputs else ()
+            else:  # this rank's slice of the vocabulary; the gradient in its logits at hand
+                losses, grad = sliced_cross_entropy(
+                    logits, flat_labels[start:end], ignore_index, vocab
+                )
+                loss = losses.sum()
+                grads = torch.autograd.grad(logits, inputs, grad) if inputs else ()
         if wants_hidden:
             grad_hidden[start:end] = grads[0]
             grads = grads[1:]
@@ -137,10 +170,10 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
     one); backward scales them by the loss's real gradient (a scalar)."""
 
     @staticmethod
-    def forward(ctx, hidden, labels, project, chunks, ignore_index, *params):
+    def forward(ctx, hidden, labels, head, chunks, ignore_index, *params):
         wants = ((hidden,) if ctx.needs_input_grad[0] else ()) + params
         total, per_token, grad_hidden, grad_params = _chunk_losses(
-            hidden, labels, project, chunks, ignore_index, wants
+            hidden, labels, head, chunks, ignore_index, wants
         )
         ctx.mark_non_differentiable(per_token)
         ctx.hidden_shape = hidden.shape

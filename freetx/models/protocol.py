@@ -98,7 +98,10 @@ loss (`freetx.training.CrossEntropyLoss`) adds `aux_loss` per loss token and log
 A model whose layers can be sliced over tensor-parallel ranks follows `SlicesLayers`
 (`tensor_parallel_plan(tp)`: module name -> role), which `parallelize` applies when
 `distributed.tp` > 1; the model's code sees local slices (its attention reshapes by
-head_dim, never by the configured head count).
+head_dim, never by the configured head count). A head sliced by vocabulary makes this
+rank's slice of the logits: tensor parallelism gives the model its `VocabSlice`
+(`slice_vocabulary`), which its output layer hands to the loss (a vocabulary-parallel
+cross-entropy: no logits are gathered) and `head` uses to gather whole logits.
 
 `OutputLayer` and `OutputLoss` are the types of that hand-over: forward(...,
 output_loss=f) returns `f(hidden, model.output_layer())` where it would return the
@@ -469,6 +472,22 @@ class LMOutput(NamedTuple):
     metrics: dict[str, torch.Tensor]  # scalars per token to log (detached): aux_loss, ...
 
 
+class VocabSlice(Protocol):
+    """This rank's slice of the vocabulary where tensor parallelism slices the head by
+    vocabulary (`freetx.distributed.tensor_parallel` makes it): the head's logits are
+    entries `start` .. `start` + their width of `vocab_size`; `max` and `sum` reduce a
+    tensor over the ranks holding the other slices (no gradient), `gather` joins every
+    slice's logits along the last dimension."""
+
+    start: int
+
+    def max(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def sum(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor: ...
+
+
 class OutputLayer(NamedTuple):
     """A language model's output layer as it hands it to a loss (`ProjectsInChunks`)."""
 
@@ -476,6 +495,9 @@ class OutputLayer(NamedTuple):
     project: Callable[[torch.Tensor], torch.Tensor]
     parameters: tuple[torch.Tensor, ...]  # what project reads: gradients go to those that train
     vocab_size: int
+    # sliced by vocabulary (tensor parallelism): project makes this rank's slice of the
+    # logits, which the loss reduces over the slices (a vocabulary-parallel loss)
+    vocab: VocabSlice | None = None
 
 
 # What a language model's forward takes as `output_loss`: called with its last hidden
@@ -516,6 +538,10 @@ class SlicesLayers(Protocol):
     `distributed.tp` > 1, before activation checkpointing and FSDP2."""
 
     def tensor_parallel_plan(self, tp: int) -> dict[str, str]: ...
+
+    def slice_vocabulary(self, vocab: VocabSlice) -> None:
+        """Called by tensor parallelism where the plan slices the head by vocabulary
+        ("output"): the model's output layer says so to the loss (`OutputLayer.vocab`)."""
 
 
 @runtime_checkable

@@ -53,6 +53,7 @@ from freetx.models.protocol import (
     OutputLayer,
     OutputLoss,
     SequenceShard,
+    VocabSlice,
     build_config,
     builds,
 )
@@ -730,6 +731,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.config = cfg
         self.whole_counts: dict | None = None  # a pipeline stage's: the whole model's counts
+        self.vocab_slice: VocabSlice | None = None  # tp: the head's slice of the vocabulary
         self.tok_embeddings = nn.Embedding(
             cfg.vocab_size, cfg.hidden_dim, padding_idx=cfg.pad_token_id
         )
@@ -761,8 +763,10 @@ class Transformer(nn.Module):
         return self.dropout(h)
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
-        """The last block's output -> logits: the final norm, then `project`."""
-        return self.project(self.norm(h))
+        """The last block's output -> logits: the final norm, then `project` (every slice
+        of the vocabulary, under tensor parallelism)."""
+        logits = self.project(self.norm(h))
+        return logits if self.vocab_slice is None else self.vocab_slice.gather(logits)
 
     def project(self, h: torch.Tensor) -> torch.Tensor:
         """Hidden states after the final norm -> logits (tied or not, soft-capped)."""
@@ -776,7 +780,12 @@ class Transformer(nn.Module):
     def output_layer(self) -> OutputLayer:
         """`project` and the parameters it reads (`ProjectsInChunks`)."""
         module = self.tok_embeddings if self.output is None else self.output
-        return OutputLayer(self.project, tuple(module.parameters()), self.config.vocab_size)
+        params = tuple(module.parameters())
+        return OutputLayer(self.project, params, self.config.vocab_size, self.vocab_slice)
+
+    def slice_vocabulary(self, vocab: VocabSlice) -> None:
+        """`SlicesLayers`: the head makes `vocab`'s slice of the logits."""
+        self.vocab_slice = vocab
 
     def finish(self, h: torch.Tensor, output_loss: OutputLoss | None):
         """The last block's output -> logits, or what `output_loss` makes of the normed

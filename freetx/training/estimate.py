@@ -312,9 +312,11 @@ def decoder_activations(
     else:
         kept = layers * per_token
     vocab = getattr(cfg, "vocab_size", 0)
+    if tp > 1 and not getattr(cfg, "tie_embeddings", True):  # a head sliced by vocabulary:
+        vocab = vocab / tp  # each rank's logits are its slice (a vocabulary-parallel loss)
     if loss_chunks == 1:
         return tokens * kept, tokens * vocab * (compute + 4 + 4)
-    held = vocab * h * 4 / tp + tokens * h * compute
+    held = vocab * h * 4 + tokens * h * compute  # the head's (slice's) gradient, the hidden's
     return tokens * kept, math.ceil(tokens / loss_chunks) * vocab * (compute + 4 + 4) + held
 
 

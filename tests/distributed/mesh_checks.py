@@ -97,10 +97,11 @@ def step(model, plan, chunks: int | None, accumulation: int, packed: bool, data_
     scheduler = build_lr_scheduler(optimizer, 10, OmegaConf.structured(LRScheduleConfig()))
     for _ in range(steps):
         optimizer.zero_grad(set_to_none=True)
+        summed = torch.zeros((), dtype=torch.float64)  # the loss of the step, all tokens
         if plan is not None and plan.pipeline is not None:  # micro-batches through the stages
             joined = PipelineBatch(torch.cat([x for x, _ in parts]),
                                    torch.cat([y for _, y in parts]), documents)  # fmt: skip
-            plan.pipeline.step(joined, loss_fn, torch.as_tensor(ranks / total))
+            summed += plan.pipeline.step(joined, loss_fn, torch.as_tensor(ranks / total))["loss"]
         else:
             for (x, y), d in zip(parts, docs):
                 inputs = {} if d is None else {"documents": d}
@@ -108,6 +109,9 @@ def step(model, plan, chunks: int | None, accumulation: int, packed: bool, data_
                     inputs["context"] = context
                 loss, _ = loss_fn(model, x, y, **inputs)
                 (loss * ranks / total).backward()
+                summed += loss.detach()
+        if plan is not None:
+            summed = plan.groups.all_reduce(summed, over="dp_cp")
         grads = {n: full_tensor(p.grad).clone() for n, p in trained.items()}
         if plan is None:
             torch.nn.utils.clip_grad_norm_(trained.values(), 0.05)
@@ -115,7 +119,8 @@ def step(model, plan, chunks: int | None, accumulation: int, packed: bool, data_
             scheduler.step()
         else:
             optimizer_step(plan, optimizer, scheduler, 0.05)  # clipped: the norm is ~1
-    return init, grads, {n: full_tensor(p).clone() for n, p in trained.items()}
+    params = {n: full_tensor(p).clone() for n, p in trained.items()}
+    return init, grads, params, float(summed / total)
 
 
 def build(name: str, fields: dict):
@@ -175,6 +180,12 @@ def main() -> None:
             key = f"{name}/chunks{chunks}/accumulation{accumulation}" + ("/packed" * packed)
             for i, part in enumerate(("init", "grad", "param")):
                 results[f"{key}/{part}"] = max_diff(got[i], want[i])
+            results[f"{key}/loss"] = abs(got[3] - want[3])
+            if args.cp == args.pp == 1:  # whole logits (a head sliced by vocabulary gathers)
+                ids = batch(False)[0][:2]
+                with torch.no_grad():
+                    logits = plan.model.eval()(ids), reference.eval()(ids)
+                results[f"{key}/logits"] = (logits[0] - logits[1]).abs().max().item()
             results[f"{key}/held"] = sorted(got[0])
             results[f"{key}/all"] = sorted(want[0])
     write_results(results)

@@ -80,6 +80,9 @@ def test_every_layout_trains_as_one_process(layout):
             assert rank[f"{case}/init"] == 0.0  # initialized from the full tensors
             assert rank[f"{case}/grad"] < TIGHT, case
             assert rank[f"{case}/param"] < TIGHT, case
+            assert rank[f"{case}/loss"] < TIGHT, case  # the loss per token of the last step
+            if f"{case}/logits" in rank:  # forward without a loss: the whole logits
+                assert rank[f"{case}/logits"] < 1e-5, case
         if name.startswith("pp"):  # each stage holds its part; together the whole model
             held = {n for rank in results for n in rank[f"{case}/held"]}
             assert held == set(results[0][f"{case}/all"]), case

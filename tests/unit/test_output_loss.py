@@ -136,3 +136,35 @@ def test_the_default_number_of_chunks_follows_the_vocabulary():
     assert default_num_chunks(128_256) == 8 and default_num_chunks(262_144) == 8
     with pytest.raises(ValueError, match="num_chunks"):
         CrossEntropyLoss(num_chunks=0)
+
+
+class WholeVocabulary:
+    """A `VocabSlice` of one rank: the slice is the whole vocabulary, nothing to reduce."""
+
+    start = 0
+
+    def max(self, x):
+        return x
+
+    def sum(self, x):
+        return x
+
+    def gather(self, x):
+        return x
+
+
+def test_the_vocabulary_parallel_cross_entropy_is_the_cross_entropy():
+    """Its losses and its gradient in the logits (softmax minus one-hot, 0 where ignored)
+    against torch's on one slice; several slices: tests/distributed/test_mesh_layouts.py."""
+    import torch.nn.functional as F
+
+    from freetx.models.output_loss import sliced_cross_entropy
+
+    generator = torch.Generator().manual_seed(0)
+    logits = (torch.randn(6, 11, generator=generator) * 4).requires_grad_()
+    labels = torch.tensor([0, 10, 3, -100, 7, 7])
+    losses, grad = sliced_cross_entropy(logits.detach(), labels, -100, WholeVocabulary())
+    want = F.cross_entropy(logits, labels, ignore_index=-100, reduction="none")
+    want.sum().backward()
+    assert torch.allclose(losses, want.detach(), atol=1e-6) and losses[3] == 0
+    assert torch.allclose(grad, logits.grad, atol=1e-6)
