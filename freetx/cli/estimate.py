@@ -112,6 +112,7 @@ def estimate_config(
             replicas=replicas, sources=sources.bytes if sources else 0.0,
             optimizer_bytes=2.0 if "8bit" in str(cfg.optimizer.get("_component_", "")) else 8.0,
             loss_chunks=loss_chunks(cfg, model), tp=dist.tp, cp=dist.cp, stage=stage,
+            sequence_parallel=dist.sequence_parallel and dist.pp == 1,
         )  # fmt: skip
 
     if dist.pp == 1:

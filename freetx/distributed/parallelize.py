@@ -92,6 +92,10 @@ class DistributedConfig:
     # tensor parallelism: each block's attention and MLP sliced over this many ranks (with
     # fsdp or zero2 over the others: a (dp, tp) mesh); 1: none
     tp: int = at_least(1, default=1)
+    # with tp > 1: the residual stream between the sliced layers, and its norms, sliced by
+    # sequence too (gathered before attention and the MLP, reduce-scattered after), so a
+    # rank keeps 1/tp of them; not with pp > 1 (stages pass whole hidden states)
+    sequence_parallel: bool = True
     # context parallelism: each sequence split over this many ranks, attention over the
     # whole sequence (keys and values gathered); fsdp or zero2 shards over dp x cp; 1: none
     cp: int = at_least(1, default=1)
@@ -462,7 +466,7 @@ def parallelize(
         check_micro_batches(cfg, micro_batches)
         stages = split_into_stages(model, cfg, groups, num_blocks)
     if groups.tp_mesh is not None:  # first, as torchtitan: slices, then AC, compile, FSDP2
-        apply_tensor_parallel(model, groups.tp_mesh)
+        apply_tensor_parallel(model, groups.tp_mesh, cfg.sequence_parallel and cfg.pp == 1)
     blocks = find_blocks(model)
     whole = blocks or [model]  # a model without blocks is one unit
     apply_activation_checkpointing(whole, cfg.activation_checkpointing, cfg.ac_every_n_blocks)

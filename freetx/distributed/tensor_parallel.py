@@ -20,9 +20,18 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor import (
+    DTensor,
+    Replicate,
+    Shard,
+    distribute_module,
+    distribute_tensor,
+)
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInputOutput,
+    PrepareModuleOutput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
@@ -44,7 +53,43 @@ def parallel_style(role: str):
         return ColwiseParallel()
     if role == "heads_norm":  # input [B, T, heads, head_dim], sliced by heads (dim 2)
         return SequenceParallel(sequence_dim=2, use_local_output=True)
+    # sequence parallelism: the residual stream a DTensor sliced by sequence (dim 1)
+    if role == "sequence_norm":
+        return SequenceParallel(use_local_output=False)
+    if role == "gather_sequence":
+        return FirstInputGathered()
+    if role == "gather_experts":  # (hidden, valid) in, (hidden, routing) out
+        return PrepareModuleInputOutput(
+            input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None),
+            use_local_input=True, output_layouts=(Replicate(), None),
+            desired_output_layouts=(Shard(1), None), use_local_output=False,
+        )  # fmt: skip
+    if role == "rowwise_sequence":
+        return RowwiseParallel(output_layouts=Shard(1), use_local_output=False)
+    if role == "embedding_sequence":
+        return RowwiseParallel(
+            input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False
+        )
+    if role == "split_sequence":
+        return PrepareModuleOutput(
+            output_layouts=Replicate(), desired_output_layouts=Shard(1), use_local_output=False
+        )
     raise ValueError(f"no tensor-parallel role {role!r}; the roles are {', '.join(TP_ROLES)}")
+
+
+class FirstInputGathered(ParallelStyle):
+    """A module's first input (the residual stream, sliced by sequence) gathered whole
+    before it runs, as a plain tensor; its other inputs as they are."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def gather(_module, args):
+            first = args[0]
+            if not isinstance(first, DTensor):
+                first = DTensor.from_local(first, device_mesh, (Shard(1),), run_check=False)
+            return (first.redistribute(device_mesh, (Replicate(),)).to_local(), *args[1:])
+
+        module.register_forward_pre_hook(gather)
+        return module
 
 
 def check_slices(model: nn.Module | type) -> None:
@@ -57,19 +102,23 @@ def check_slices(model: nn.Module | type) -> None:
     )  # fmt: skip
 
 
-def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+def apply_tensor_parallel(
+    model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = False
+) -> None:
     """Slice `model`'s layers over `tp_mesh` as its plan says (`SlicesLayers`); refuses a
     model without a plan. A layer with parameters of its own (a LoRA adapter) says how
     they slice (`SlicesWithLinear`)."""
     check_slices(model)
-    plan = model.tensor_parallel_plan(tp_mesh.size())
+    plan = model.tensor_parallel_plan(tp_mesh.size(), sequence_parallel)
     styles = {}
     for name, role in plan.items():
         module = model.get_submodule(name)
-        plain = (nn.Embedding,) if role == "embedding" else (nn.Linear,)
-        if isinstance(module, SlicesWithLinear):
+        plain = (nn.Embedding,) if role.startswith("embedding") else (nn.Linear,)
+        if role in WHOLE_MODULE_ROLES:  # a module's inputs or outputs, any module
+            styles[name] = parallel_style(role)
+        elif isinstance(module, SlicesWithLinear):
             styles[name] = adapter_style(role, module.tensor_parallel_dims(role))
-        elif role != "heads_norm" and type(module) not in plain:  # torch's styles slice every
+        elif type(module) not in plain:  # torch's styles slice every
             # parameter of a module alike: another's would be cut along the wrong side
             raise ConfigError(
                 f"distributed.tp: {name} is a {type(module).__name__}, which freetx does not "
@@ -78,7 +127,10 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
             )
         else:
             styles[name] = parallel_style(role)
+    trains = {name: p.requires_grad for name, p in model.named_parameters()}
     parallelize_module(model, tp_mesh, styles)
+    for name, p in model.named_parameters():  # torch's SequenceParallel makes its norms'
+        p.requires_grad_(trains[name])  # weights anew, trainable: a frozen one stays frozen
     heads = [name for name, role in plan.items() if role == "output"]
     if heads:  # the loss reduces over the slices of the vocabulary; no logits gathered
         vocab_size = model.get_submodule(heads[0]).weight.shape[0]  # the global shape
@@ -114,6 +166,11 @@ class VocabularySlice:
         return torch.cat([p[..., :w] for p, w in zip(parts, self.widths)], dim=-1)
 
 
+# roles that take a module's inputs or outputs (or a norm's weight whole), whatever it is
+WHOLE_MODULE_ROLES = ("heads_norm", "sequence_norm", "gather_sequence", "gather_experts",
+                      "split_sequence")  # fmt: skip
+
+
 def adapter_style(role: str, dims: dict[str, int | None]):
     """The parallel style of a layer with an adapter: its input and output as the role's
     plain style takes them, each parameter sliced along its dimension in `dims`."""
@@ -137,6 +194,7 @@ def adapter_style(role: str, dims: dict[str, int | None]):
             )  # fmt: skip
 
     style = AdapterStyle()
+    style.__dict__.update(base.__dict__)  # the role's layouts (AdapterStyle() has defaults)
     # what the input becomes (torch's rowwise style sets it when it meets a Linear)
     style.desired_input_layouts = (Replicate(),) if role == "colwise" else (Shard(-1),)
     return style

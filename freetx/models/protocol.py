@@ -524,10 +524,21 @@ class ProjectsInChunks(Protocol):
 #              hidden units); its output stays sliced for the rowwise one after it
 #   rowwise    a Linear's input features sliced; the outputs summed over the ranks
 #   embedding  an Embedding's vocabulary rows sliced; the outputs summed
-#   output     the head's vocabulary rows sliced; the logits gathered
+#   output     the head's vocabulary rows sliced; each rank makes its slice of the logits
 #   heads_norm a norm applied per head ([B, T, heads, head_dim], heads sliced): its weight
 #              whole on every rank, its gradient summed over them
-TP_ROLES = ("colwise", "rowwise", "embedding", "output", "heads_norm")
+# and, with sequence parallelism (the residual stream between the sliced layers sliced
+# by sequence over the ranks: [B, T / tp, hidden] each):
+#   sequence_norm      a norm of the residual stream, on this rank's tokens
+#   gather_sequence    a module whose first input is the residual stream, gathered whole
+#                      before it (attention, a dense MLP, the final norm)
+#   gather_experts     an MoE block: its input gathered whole, its output sliced again
+#   rowwise_sequence   rowwise, its outputs summed and scattered by sequence
+#   embedding_sequence embedding, its outputs summed and scattered by sequence
+#   split_sequence     a whole embedding (tied to the head): its output sliced by sequence
+TP_ROLES = ("colwise", "rowwise", "embedding", "output", "heads_norm", "sequence_norm",
+            "gather_sequence", "gather_experts", "rowwise_sequence", "embedding_sequence",
+            "split_sequence")  # fmt: skip
 
 
 @runtime_checkable
@@ -537,7 +548,7 @@ class SlicesLayers(Protocol):
     take (heads not divisible, a layer kind it cannot slice). `parallelize`, when
     `distributed.tp` > 1, before activation checkpointing and FSDP2."""
 
-    def tensor_parallel_plan(self, tp: int) -> dict[str, str]: ...
+    def tensor_parallel_plan(self, tp: int, sequence_parallel: bool = False) -> dict[str, str]: ...
 
     def slice_vocabulary(self, vocab: VocabSlice) -> None:
         """Called by tensor parallelism where the plan slices the head by vocabulary

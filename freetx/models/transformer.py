@@ -697,6 +697,10 @@ ADAPTER_TARGETS = {
 }
 
 
+# a block's norms of the residual stream (`DecoderBlock`; nn.Identity where unused)
+NORM_NAMES = ("attention_norm", "post_attention_norm", "ffn_norm", "pre_ffn_norm", "post_ffn_norm")
+
+
 class HeldElsewhere(nn.Module):
     """A block another pipeline stage holds (`Transformer.keep_blocks`): no parameters."""
 
@@ -921,11 +925,13 @@ class Transformer(nn.Module):
         metrics = {"aux_loss": aux.detach(), "expert_load_max": expert_load_max(routing)}
         return LMOutput(out, self.config.router_aux_loss_coef * aux, metrics)
 
-    def tensor_parallel_plan(self, tp: int) -> dict[str, str]:
+    def tensor_parallel_plan(self, tp: int, sequence_parallel: bool = False) -> dict[str, str]:
         """Each block's attention sliced by heads and its MLP by hidden units, the
         embedding and an untied head by vocabulary (`SlicesLayers`); a tied embedding
         stays whole on every tp rank (the head reads it), and so do an MoE block's router
-        and experts (each tp rank routes the same whole tokens). Refuses what it cannot
+        and experts (each tp rank routes the same whole tokens). `sequence_parallel`: the
+        residual stream between them, and its norms, sliced by sequence (gathered before
+        attention and the MLP, summed and scattered after). Refuses what it cannot
         slice."""
         c = self.config
         why = None
@@ -942,21 +948,36 @@ class Transformer(nn.Module):
                    "Set distributed.tp=1 (fsdp alone shards it)")  # fmt: skip
         if why is not None:
             raise ConfigError(f"distributed.tp: {why[0]}.", fix=f"{why[1]}, or set tp=1.")
+        sp = "_sequence" if sequence_parallel else ""
         plan = {}
         for i in self.held_blocks():
+            block = f"layers.{i}"
             for name in ("wq", "wk", "wv"):
-                plan[f"layers.{i}.attention.{name}"] = "colwise"
-            plan[f"layers.{i}.attention.wo"] = "rowwise"
+                plan[f"{block}.attention.{name}"] = "colwise"
+            plan[f"{block}.attention.wo"] = "rowwise" + sp
             if c.qk_norm == "head":  # one weight for every head: its gradient summed over tp
-                plan[f"layers.{i}.attention.q_norm"] = "heads_norm"
-                plan[f"layers.{i}.attention.k_norm"] = "heads_norm"
+                plan[f"{block}.attention.q_norm"] = "heads_norm"
+                plan[f"{block}.attention.k_norm"] = "heads_norm"
             if not c.is_moe_layer(i):  # experts stay whole on every tp rank (its input is)
-                plan[f"layers.{i}.feed_forward.w1"] = "colwise"
-                plan[f"layers.{i}.feed_forward.w3"] = "colwise"
-                plan[f"layers.{i}.feed_forward.w2"] = "rowwise"
-        if not c.tie_embeddings:  # an untied embedding and head, where this rank holds them
-            plan.update({n: r for n, r in (("tok_embeddings", "embedding"), ("output", "output"))
-                         if getattr(self, n) is not None})  # fmt: skip
+                plan[f"{block}.feed_forward.w1"] = "colwise"
+                plan[f"{block}.feed_forward.w3"] = "colwise"
+                plan[f"{block}.feed_forward.w2"] = "rowwise" + sp
+            if sequence_parallel:
+                plan[f"{block}.attention"] = "gather_sequence"
+                moe = c.is_moe_layer(i)
+                plan[f"{block}.feed_forward"] = "gather_experts" if moe else "gather_sequence"
+                for norm in NORM_NAMES:
+                    if not isinstance(getattr(self.layers[i], norm), nn.Identity):
+                        plan[f"{block}.{norm}"] = "sequence_norm"
+        if self.tok_embeddings is not None:
+            if not c.tie_embeddings:
+                plan["tok_embeddings"] = "embedding" + sp
+            elif sequence_parallel:
+                plan["tok_embeddings"] = "split_sequence"
+        if sequence_parallel and self.norm is not None:
+            plan["norm"] = "gather_sequence"  # the loss reads every token
+        if not c.tie_embeddings and self.output is not None:
+            plan["output"] = "output"
         return plan
 
     def keep_blocks(self, blocks: list[int], first: bool, last: bool) -> None:

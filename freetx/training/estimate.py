@@ -149,6 +149,7 @@ def estimate(
     tp: int = 1,
     cp: int = 1,
     stage: PipelineStageShape | None = None,
+    sequence_parallel: bool = False,
 ) -> list[Estimate]:
     """The estimate of each strategy for a (meta) model at `world_size` ranks; `frozen`:
     the frozen-base decision (`frozen_base`, made from the model when not given);
@@ -164,7 +165,8 @@ def estimate(
     gradients in backward, on the critical path; FSDP2 shards over dp x cp = world / tp);
     `stage`: under pipeline parallelism, `model` is one stage's (pruned: `keep_blocks`),
     whose activations are kept for `stage.in_flight` micro-batches at once, whose share
-    of the work is 1/pp, stretched by the schedule's bubble; FSDP2 shards within it."""
+    of the work is 1/pp, stretched by the schedule's bubble; FSDP2 shards within it;
+    `sequence_parallel`: with tp, the residual stream and its norms 1/tp per rank."""
     compute = 2 if compute_dtype in ("bfloat16", "float16") else 4
     frozen = frozen or frozen_base(model)
     sliced = sliced_modules(model, tp)
@@ -184,7 +186,7 @@ def estimate(
         activations, loss = decoder_activations(
             model.config, len(blocks), tokens_per_rank, compute, activation_checkpointing,
             ac_every_n_blocks, attention_score_bytes(model.config, seq_len, device, compute),
-            loss_chunks, tp, cp,
+            loss_chunks, tp, cp, sequence_parallel,
         )  # fmt: skip
     stage = stage or PipelineStageShape()
     activations *= stage.in_flight
@@ -280,6 +282,7 @@ def decoder_activations(
     loss_chunks: int = 1,
     tp: int = 1,
     cp: int = 1,
+    sequence_parallel: bool = False,
 ) -> tuple[float, float]:
     """(activations, loss) bytes of a decoder's micro-batch of `tokens` tokens (per rank):
     each block's saved tensors per token (see the module docstring; `scores`: the
@@ -290,7 +293,9 @@ def decoder_activations(
     (q, the attention output and wo's input, k and v, the MLP's four tensors, the score
     rows) is 1/tp; the norms' inputs and outputs and an MoE block's experts are whole.
     Under `cp` a rank holds `tokens` / cp of them, and its blocks keep the whole
-    sequence's keys and values (cp times its own) for attention's backward."""  # fmt: skip
+    sequence's keys and values (cp times its own) for attention's backward. With
+    `sequence_parallel` the norms' inputs and outputs, and the blocks' inputs that
+    activation checkpointing keeps, are 1/tp too."""  # fmt: skip
     tokens = tokens // cp
     h, f = cfg.hidden_dim, getattr(cfg, "ffn_hidden_dim", 4 * cfg.hidden_dim)
     kv = kv_width(cfg) * cp  # keys and values gathered from the cp ranks
@@ -303,12 +308,15 @@ def decoder_activations(
         mlp = share * moe + (1 - share) * mlp
     dense_share = 1.0 if getattr(cfg, "num_experts", 0) else 1 / tp  # experts stay whole
     # a block's saved activations: norms whole; attention, a dense MLP and scores 1/tp
-    per_token = (4 * h + (3 * h + 2 * kv) / tp + mlp * dense_share) * compute + scores / tp
+    stream = tp if sequence_parallel else 1  # the residual stream's share
+    per_token = (4 * h / stream + (3 * h + 2 * kv) / tp + mlp * dense_share) * compute
+    per_token += scores / tp
+    block_input = h * compute / stream
     if checkpointing == "full":
-        kept = layers * h * compute + per_token  # inputs, and one block being recomputed
+        kept = layers * block_input + per_token  # inputs, and one block being recomputed
     elif checkpointing == "selective":
         checkpointed = math.ceil(layers / every_n)
-        kept = (layers - checkpointed) * per_token + checkpointed * h * compute + per_token
+        kept = (layers - checkpointed) * per_token + checkpointed * block_input + per_token
     else:
         kept = layers * per_token
     vocab = getattr(cfg, "vocab_size", 0)

@@ -133,7 +133,7 @@ def build(name: str, fields: dict):
 
 def max_diff(got: dict, want: dict) -> float:
     """Over the parameters `got` holds (a pipeline stage holds some)."""
-    assert got.keys() <= want.keys() and got
+    assert got.keys() <= want.keys() and got, (sorted(set(got) - set(want)), len(got))
     return max((got[k] - want[k]).abs().max().item() for k in got)
 
 
@@ -143,13 +143,14 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--schedule", default="1f1b")
+    parser.add_argument("--no-sequence-parallel", action="store_true")
     args = parser.parse_args()
     runtime = init_distributed("cpu")
     results: dict = {"world_size": runtime.world_size}
     per_rank = 2 if args.schedule == "interleaved_1f1b" else 1
     cfg = OmegaConf.structured(DistributedConfig(
         strategy="fsdp", tp=args.tp, cp=args.cp, pp=args.pp, pp_schedule=args.schedule,
-        pp_stages_per_rank=per_rank))  # fmt: skip
+        pp_stages_per_rank=per_rank, sequence_parallel=not args.no_sequence_parallel))  # fmt: skip
     groups = build_groups(runtime, cfg)
     results["axes"] = [groups.rank(a) for a in ("dp", "cp", "tp")]
     if args.pp > 1:

@@ -1,5 +1,6 @@
 """The (pp, dp, cp, tp) mesh on 4 gloo processes, one launch per layout: (dp 2, tp 2),
-(dp 2, cp 2), (pp 2, dp 2) here, and in the slow tier (cp 2, tp 2), (pp 2, dp 2) with
+(dp 2, cp 2), (pp 2, dp 2) here (tp with sequence parallelism, its default), and in the
+slow tier (dp 2, tp 2) without sequence parallelism, (cp 2, tp 2), (pp 2, dp 2) with
 interleaved 1F1B and with GPipe, (pp 2, tp 2) and (pp 2, cp 2). Each gives the same
 initial weights, gradients and clipped update as 1 process on the whole batch, for a
 dense decoder (tied and untied head; untied under pp) and an MoE one; under tp also
@@ -16,6 +17,7 @@ from tests.distributed.launcher import run_checks
 TIGHT = 2e-6  # fp32: differences come only from the order of summation
 LAYOUTS = {
     "dp2_tp2": ("--tp", "2"),
+    "dp2_tp2_no_sp": ("--tp", "2", "--no-sequence-parallel"),
     "dp2_cp2": ("--cp", "2"),
     "pp2_dp2": ("--pp", "2"),
     "cp2_tp2": ("--cp", "2", "--tp", "2"),
@@ -35,6 +37,7 @@ AXES = {
     "pp2_cp2": [[0, 0, 0, 0], [0, 1, 0, 0], [0, 0, 0, 1], [0, 1, 0, 1]],
 }
 AXES["pp2_dp2_interleaved"] = AXES["pp2_dp2_gpipe"] = AXES["pp2_dp2"]
+AXES["dp2_tp2_no_sp"] = AXES["dp2_tp2"]
 
 
 def cases(layout: str) -> list[str]:

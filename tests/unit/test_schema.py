@@ -187,3 +187,28 @@ def test_tensor_parallelism_slices_lora_and_refuses_what_it_cannot(targets, opti
         24,
         2,
     )
+
+
+def test_sequence_parallelism_slices_the_residual_stream_between_the_sliced_layers():
+    """With sequence parallelism the plan gathers the stream before attention and the MLP,
+    scatters it after (rowwise_sequence), slices its norms, and gathers it for the loss;
+    a tied embedding's output is sliced by sequence, an untied one is reduce-scattered."""
+    import torch
+
+    from freetx.models.transformer import decoder
+
+    fields = dict(vocab_size=64, hidden_dim=24, num_layers=1, num_heads=4, num_kv_heads=2,
+                  ffn_hidden_dim=48, max_seq_len=16)  # fmt: skip
+    with torch.device("meta"):
+        tied, untied = (
+            decoder(**fields, tie_embeddings=True),
+            decoder(**fields, tie_embeddings=False),
+        )
+    plan = tied.tensor_parallel_plan(2, sequence_parallel=True)
+    assert plan["layers.0.attention"] == plan["layers.0.feed_forward"] == "gather_sequence"
+    assert plan["layers.0.attention.wo"] == plan["layers.0.feed_forward.w2"] == "rowwise_sequence"
+    assert plan["layers.0.attention_norm"] == plan["layers.0.ffn_norm"] == "sequence_norm"
+    assert "layers.0.post_attention_norm" not in plan  # Llama's: an identity
+    assert plan["tok_embeddings"] == "split_sequence" and plan["norm"] == "gather_sequence"
+    plan = untied.tensor_parallel_plan(2, sequence_parallel=True)
+    assert plan["tok_embeddings"] == "embedding_sequence" and plan["output"] == "output"

@@ -102,7 +102,7 @@ class LoRALinear(nn.Linear):
             )
         if role == "colwise":
             return {"weight": 0, "bias": 0, "lora_a.weight": None, "lora_b.weight": 0}
-        if role == "rowwise":
+        if role.startswith("rowwise"):  # its output summed (and scattered by sequence)
             return {"weight": 1, "bias": None, "lora_a.weight": 1, "lora_b.weight": None}
         raise ConfigError(
             f"distributed.tp: freetx slices LoRA adapters on attention and MLP projections, not "
