@@ -1,7 +1,8 @@
 """`distributed.tp`, `cp` and `pp` through the CLI, on 4 processes: llm/tiny on (dp 2,
 tp 2), (dp 2, cp 2) and (cp 2, tp 2) meshes, and llm/tiny_pp on (pp 2, dp 2) by 1F1B and
 interleaved 1F1B, repeat one process's losses step by step (20 steps); so does a
-Qwen3-MoE folder under (pp 2, dp 2) and (dp 2, cp 2); a checkpoint saved under one
+Qwen3-MoE folder under (pp 2, dp 2), (dp 2, cp 2), (dp 2, tp 2) and (cp 2, tp 2), and
+LoRA at tp 2; a pipeline run's final export holds the whole model; a checkpoint saved under one
 layout resumes under another and on one process; packed data under cp 2 gives one
 process's losses; an impossible layout is refused in one paragraph before any work."""
 
@@ -82,7 +83,9 @@ def test_a_pipeline_save_resumes_on_one_process_and_under_tensor_parallelism(
     tmp_path, one_process_pp
 ):
     saved = tmp_path / "saved"
-    losses(saved, 4, "max_steps=10", "checkpoint.every_n_steps=10", config="llm/tiny_pp")
+    losses(saved, 4, "max_steps=10", "checkpoint.every_n_steps=10",
+           "checkpoint.final_export=safetensors", config="llm/tiny_pp")  # fmt: skip
+    exported_holds_the_whole_model(saved)  # from the stages' checkpoint
     shutil.copytree(saved, tmp_path / "tp")
     tp = losses(tmp_path / "tp", 4, "max_steps=20", "checkpoint.every_n_steps=0",
                 "distributed.pp=1", "distributed.tp=2", config="llm/tiny_pp")  # fmt: skip
@@ -98,36 +101,28 @@ def test_a_pipeline_save_resumes_on_one_process_and_under_tensor_parallelism(
     assert_same(staged, one_process_pp, range(1, 21))
 
 
-@pytest.mark.slow  # a Qwen3-MoE folder, 3 runs: ~1 minute on 2 cores
-def test_an_moe_folder_under_pp_and_cp_repeats_one_process(tmp_path):
-    """Its router loss over every stage's statistics (pp), over the whole sequence (cp)."""
+@pytest.mark.slow  # a Qwen3-MoE folder, 6 runs of 20 steps: ~3 minutes on 2 cores
+def test_an_moe_folder_under_every_layout_repeats_one_process(tmp_path):
+    """Its router loss over every stage's statistics (pp), over the whole sequence (cp),
+    from the same whole tokens on every tp rank (tp)."""
     pytest.importorskip("transformers")
     from tests.hf_folders import RANDOM_WEIGHTS_LR
     from tests.recipes.test_hf_finetune import tiny_folder
 
     folder = tiny_folder(tmp_path, "qwen3_moe")
     moe = ["--config", "llm/hf_tiny_full", f"model_dir={folder}", RANDOM_WEIGHTS_LR,
-           "max_steps=10", "checkpoint.every_n_steps=0", "dataset.num_builtin_examples=400"]  # fmt: skip
-    # the router loss is a micro-batch's: one process takes the 2 data-parallel ranks' 2
-    # micro-batches each one after another (the same rows in each)
-    one = losses(tmp_path / "one", 1, *moe, "gradient_accumulation_steps=4")
-    for name, layout in {"pp": ["distributed.pp=2"], "cp": ["distributed.cp=2"]}.items():
-        got = losses(tmp_path / name, 4, *moe, "gradient_accumulation_steps=2", *layout)
-        assert_same(got, one, range(1, 11))
-
-
-@pytest.mark.slow  # three runs: ~1 minute on 2 cores
-def test_a_save_resumes_under_another_layout_and_on_one_process(tmp_path, one_process):
-    """Steps 1-10 on (dp 2, cp 2) (warm-up: the schedule does not depend on max_steps),
-    then 11-20 from its checkpoint on (cp 2, tp 2), and on one process."""
-    saved = tmp_path / "saved"
-    losses(saved, 4, "max_steps=10", "checkpoint.every_n_steps=10", *LAYOUTS["dp2_cp2"])
-    shutil.copytree(saved, tmp_path / "other")
-    other = losses(tmp_path / "other", 4, "max_steps=20", "checkpoint.every_n_steps=0",
-                   *LAYOUTS["cp2_tp2"])  # fmt: skip
-    assert_same(other, one_process, range(1, 21))
-    alone = losses(saved, 1, "max_steps=20", "checkpoint.every_n_steps=0")
-    assert_same(alone, one_process, range(1, 21))
+           "max_steps=20", "checkpoint.every_n_steps=0", "dataset.num_builtin_examples=400",
+           "gradient_accumulation_steps=2"]  # fmt: skip
+    # the router loss is a micro-batch's: one process takes the data-parallel ranks'
+    # micro-batches one after another (the same rows in each)
+    one = {dp: losses(tmp_path / f"one{dp}", 1, *moe, f"gradient_accumulation_steps={2 * dp}")
+           for dp in (1, 2)}  # fmt: skip
+    layouts = {"pp2_dp2": (2, ["distributed.pp=2"]), "dp2_cp2": (2, ["distributed.cp=2"]),
+               "dp2_tp2": (2, ["distributed.tp=2"]),
+               "cp2_tp2": (1, ["distributed.cp=2", "distributed.tp=2"])}  # fmt: skip
+    for name, (dp, layout) in layouts.items():
+        got = losses(tmp_path / name, 4, *moe, *layout)
+        assert_same(got, one[dp], range(1, 21))
 
 
 @pytest.mark.slow  # two runs of llm/tiny_cp: ~40 s on 2 cores
@@ -163,6 +158,21 @@ def test_lora_under_tensor_parallelism_repeats_one_process(tmp_path):
     one = lora_losses(tmp_path / "one", 1, *lora)
     sliced = lora_losses(tmp_path / "tp", 4, *lora, "distributed.tp=2")
     assert_same(sliced, one, range(1, 11))
+
+
+def exported_holds_the_whole_model(run) -> None:
+    """A run's final safetensors export loads into the whole model (every tensor, no other)."""
+    import torch
+
+    from freetx.checkpoint import load_initial_weights
+    from freetx.distributed import materialize
+    from freetx.models.transformer import decoder
+
+    with torch.device("meta"):
+        model = decoder("tiny", vocab_size=259, max_seq_len=256, tie_embeddings=False)
+    materialize(model, torch.device("cpu"), seed=1)
+    exported = next((run / "export" / "safetensors").rglob("*.safetensors"))
+    load_initial_weights(model, exported)  # refuses a missing or an unexpected tensor
 
 
 def lora_losses(output_dir, nproc: int, *overrides: str) -> dict[int, float]:
