@@ -45,7 +45,7 @@ from freetx.distributed.init import canonical_name, materialize
 from freetx.distributed.pipeline import Pipeline, check_micro_batches, split_into_stages
 from freetx.distributed.runtime import DistributedRuntime, build_mesh, build_meshes
 from freetx.distributed.scaler import GradScaler
-from freetx.distributed.tensor_parallel import apply_tensor_parallel
+from freetx.distributed.tensor_parallel import apply_tensor_parallel, enable_async_tp
 from freetx.errors import ConfigError
 from freetx.fields import at_least
 from freetx.models.protocol import ExtraForwards, HasBlocks, check_model
@@ -96,6 +96,10 @@ class DistributedConfig:
     # sequence too (gathered before attention and the MLP, reduce-scattered after), so a
     # rank keeps 1/tp of them; not with pp > 1 (stages pass whole hidden states)
     sequence_parallel: bool = True
+    # with tp > 1 on CUDA, compiled blocks: Inductor splits tp's all-gathers and
+    # reduce-scatters into pieces overlapped with the matmuls that use them (symmetric
+    # memory; torchtitan's async TP)
+    async_tp: bool = False
     # context parallelism: each sequence split over this many ranks, attention over the
     # whole sequence (keys and values gathered); fsdp or zero2 shards over dp x cp; 1: none
     cp: int = at_least(1, default=1)
@@ -330,9 +334,30 @@ def check_pipeline_schedule(cfg: DistributedConfig) -> None:
         )
 
 
+def check_async_tp(cfg: DistributedConfig, layout: Layout) -> None:
+    """distributed.async_tp: tp's collectives overlapped inside compiled blocks on CUDA."""
+    if not cfg.async_tp:
+        return
+    why = None
+    if cfg.tp == 1:
+        why = ("overlaps tensor parallelism's collectives with its matmuls, and "
+               "distributed.tp=1 has none", "Set distributed.tp to 2 or more")  # fmt: skip
+    elif not cfg.compile:
+        why = ("is a pass of Inductor over the compiled blocks, and distributed.compile is "
+               "false", "Set distributed.compile=true")  # fmt: skip
+    elif layout.device_type == "cpu":
+        why = ("splits collectives through CUDA's symmetric memory, and this run is on the "
+               "CPU", "Run on CUDA")  # fmt: skip
+    if why is not None:
+        raise ConfigError(
+            f"distributed.async_tp {why[0]}.", fix=f"{why[1]}, or set async_tp=false."
+        )
+
+
 def check_mesh_axes(cfg: DistributedConfig, strategy: str, layout: Layout) -> None:
     """distributed.pp, cp and tp: the (pp, dp, cp, tp) mesh they make with the processes."""
     check_pipeline_schedule(cfg)
+    check_async_tp(cfg, layout)
     axes = {name: n for name, n in (("pp", cfg.pp), ("cp", cfg.cp), ("tp", cfg.tp)) if n > 1}
     if not axes:
         return
@@ -467,6 +492,8 @@ def parallelize(
         stages = split_into_stages(model, cfg, groups, num_blocks)
     if groups.tp_mesh is not None:  # first, as torchtitan: slices, then AC, compile, FSDP2
         apply_tensor_parallel(model, groups.tp_mesh, cfg.sequence_parallel and cfg.pp == 1)
+        if cfg.async_tp:
+            enable_async_tp(groups.tp_mesh)
     blocks = find_blocks(model)
     whole = blocks or [model]  # a model without blocks is one unit
     apply_activation_checkpointing(whole, cfg.activation_checkpointing, cfg.ac_every_n_blocks)

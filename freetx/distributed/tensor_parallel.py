@@ -77,6 +77,18 @@ def parallel_style(role: str):
     raise ValueError(f"no tensor-parallel role {role!r}; the roles are {', '.join(TP_ROLES)}")
 
 
+def enable_async_tp(tp_mesh: DeviceMesh) -> None:
+    """`distributed.async_tp` (CUDA, compiled blocks): Inductor's micro-pipelined tensor
+    parallelism, which splits the tp all-gathers and reduce-scatters into pieces that
+    overlap the matmuls consuming them, through symmetric memory on the tp group (as
+    torchtitan enables it)."""
+    import torch._inductor.config
+    from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+
+    torch._inductor.config._micro_pipeline_tp = True
+    enable_symm_mem_for_group(tp_mesh.get_group().group_name)
+
+
 class FirstInputGathered(ParallelStyle):
     """A module's first input (the residual stream, sliced by sequence) gathered whole
     before it runs, as a plain tensor; its other inputs as they are."""

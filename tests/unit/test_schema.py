@@ -109,6 +109,10 @@ def test_config_error_lists_every_problem():
          "pp_schedule=interleaved_1f1b"),
         ({"pp": 2, "pp_blocks_per_stage": [1, 2, 1]}, 4, "lists 3 stage(s), and pp=2",
          "Give 2 block counts"),
+        ({"async_tp": True, "compile": True}, 4, "distributed.tp=1 has none", "async_tp=false"),
+        ({"async_tp": True, "tp": 2}, 4, "distributed.compile is false", "async_tp=false"),
+        ({"async_tp": True, "tp": 2, "compile": True}, 4, "this run is on the CPU",
+         "async_tp=false"),
     ],
 )  # fmt: skip
 def test_impossible_mesh_layouts_are_refused_with_the_fix(options, world, wanted, fix):
@@ -116,7 +120,7 @@ def test_impossible_mesh_layouts_are_refused_with_the_fix(options, world, wanted
     from freetx.errors import ConfigError
 
     with pytest.raises(ConfigError) as error:
-        check_distributed(DistributedConfig(**options), Layout(world, min(world, 4)))
+        check_distributed(DistributedConfig(**options), Layout(world, min(world, 4), "cpu"))
     assert wanted in str(error.value) and fix in str(error.value)
 
 
