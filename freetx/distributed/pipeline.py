@@ -194,8 +194,6 @@ class Pipeline:
             )
             for index, stage in zip(indices, blocks)
         ]  # fmt: skip
-        self.holds_first = indices[0] == 0
-        self.holds_last = blocks[-1].stop == num_blocks
         schedule = getattr(pipelining, SCHEDULES[cfg.pp_schedule])
         stages = self.stages if cfg.pp_schedule == "interleaved_1f1b" else self.stages[0]
         # the loss is already divided by the global batch's units: no scaling by micro-batches
