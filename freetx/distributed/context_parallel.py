@@ -24,6 +24,7 @@ import torch
 
 from freetx.distributed.groups import ParallelGroups
 from freetx.errors import ConfigError
+from freetx.models.protocol import ShardsContext, require_hook
 
 
 def balanced_indices(length: int, size: int, rank: int, device=None) -> torch.Tensor:
@@ -45,6 +46,20 @@ def check_context_length(length: int, cp: int) -> None:
             fix=f"Set dataset.seq_len to a multiple of {2 * cp} (packed data fills it), or "
             "pick a cp that divides seq_len / 2.",
         )
+
+
+def check_shards_context(model) -> None:
+    """distributed.cp > 1 needs a model that computes a part of each sequence as the whole
+    sequence would (`ShardsContext`): the model built (`parallelize`, for every recipe) or
+    the class a config builds (`check_layout`, before launching)."""
+    require_hook(
+        model, ShardsContext, "cannot compute a part of a sequence: its forward takes the "
+        "whole sequence (the Free Transformer's encoder reads all of it; a crosscoder or the "
+        "AD model has no sequence to split; the generic transformers path has no "
+        "context-parallel attention), so distributed.cp > 1 cannot run it.",
+        fix="Set distributed.cp=1, or train a native freetx decoder (freetx.models.decoder, "
+        "or freetx.models.hf_model on a family freetx reads natively).",
+    )  # fmt: skip
 
 
 class _GatherRanks(torch.autograd.Function):
@@ -97,11 +112,8 @@ class ContextShard:
         length = x.shape[dim] * self.size
         stacked = _GatherRanks.apply(x, self.groups)  # [cp, ...] in rank order
         joined = stacked.movedim(0, dim).flatten(dim, dim + 1)
-        held = torch.cat([self.indices_of(r, length) for r in range(self.size)])
+        held = torch.cat([balanced_indices(length, self.size, r) for r in range(self.size)])
         return joined.index_select(dim, held.argsort().to(x.device))
-
-    def indices_of(self, rank: int, length: int) -> torch.Tensor:
-        return balanced_indices(length, self.size, rank)
 
     def sum(self, x: torch.Tensor) -> torch.Tensor:
         """`x` summed over the cp ranks, differentiably."""

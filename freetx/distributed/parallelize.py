@@ -38,7 +38,7 @@ from torch.distributed.fsdp import (
 from torch.nn.parallel import DistributedDataParallel
 
 from freetx.config.instantiate import COMPONENT, import_component, instantiate, node_path
-from freetx.distributed.context_parallel import ContextShard
+from freetx.distributed.context_parallel import ContextShard, check_shards_context
 from freetx.distributed.frozen import FrozenBase, frozen_base
 from freetx.distributed.groups import ParallelGroups
 from freetx.distributed.init import canonical_name, materialize
@@ -485,6 +485,8 @@ def parallelize(
     strategy = canonical_strategy(cfg.strategy)
     frozen = frozen or frozen_base(model)
     store_frozen_bases_in(model, DTYPES[cfg.mixed_precision.param_dtype], frozen)
+    if cfg.cp > 1:  # whatever the recipe: a model that cannot take a part is refused here
+        check_shards_context(model)
     num_blocks = len(find_blocks(model))
     stages = None
     if cfg.pp > 1:

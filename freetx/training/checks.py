@@ -10,12 +10,13 @@ from torch import nn
 
 from freetx.data import micro_batch_size
 from freetx.distributed import Layout, check_context_length, check_distributed
+from freetx.distributed.context_parallel import check_shards_context
 from freetx.distributed.pipeline import check_micro_batches, check_stages
 from freetx.distributed.tensor_parallel import check_slices
 from freetx.errors import ConfigError
 from freetx.fields import written_folders
 from freetx.files import check_writable_folder
-from freetx.models.protocol import DescribesItself, PacksDocuments, ShardsContext
+from freetx.models.protocol import DescribesItself, PacksDocuments
 from freetx.training.config import TrainingConfig
 from freetx.training.export import built_class, check_final_export
 
@@ -117,17 +118,7 @@ def check_context(model: nn.Module | type, cp: int, seq_len: int | None = None) 
         return
     if seq_len is not None:
         check_context_length(seq_len, cp)
-    if issubclass(class_of(model), ShardsContext):
-        return
-    raise ConfigError(
-        f"distributed.cp > 1 gives each rank a part of every sequence, and the model "
-        f"({described(model)}) "
-        "cannot compute a part: its forward takes the whole sequence (the Free Transformer's "
-        "encoder reads all of it; a crosscoder or the AD model has no sequence to split; the "
-        "generic transformers path has no context-parallel attention).",
-        fix="Set distributed.cp=1, or train a native freetx decoder (freetx.models.decoder, "
-        "or freetx.models.hf_model on a family freetx reads natively).",
-    )
+    check_shards_context(model)
 
 
 def check_written_folders(cfg: object) -> None:
