@@ -34,17 +34,23 @@ def config(world_size: int, strategy: str):
     return load_recipe_config("llm/small", overrides, load_recipe("full_finetune_fsdp2").schema)
 
 
-def layout_of(strategy: str, world_size: int):
-    from freetx.distributed import shard_layouts
+def shape_of(strategy: str, world_size: int):
+    from freetx.distributed import DistributedConfig, Layout, check_distributed
 
-    return next(x for x in shard_layouts(world_size) if x.strategy == strategy)
+    return check_distributed(DistributedConfig(strategy=strategy), Layout(world_size))
 
 
 def worker(strategy: str) -> None:
     import torch
 
     from freetx.config import instantiate
-    from freetx.distributed import build_groups, destroy_distributed, init_distributed, parallelize
+    from freetx.distributed import (
+        ShardLayout,
+        build_groups,
+        destroy_distributed,
+        init_distributed,
+        parallelize,
+    )
     from freetx.training.estimate import meta_model, tracked_step
 
     runtime = init_distributed("cpu")
@@ -54,7 +60,7 @@ def worker(strategy: str) -> None:
     )
     optimizer = plan.build_optimizer(cfg.optimizer)
     input_ids = torch.randint(0, cfg.model.vocab_size, (2, 256))
-    layout = layout_of(strategy, runtime.world_size)
+    layout = ShardLayout.of(shape_of(strategy, runtime.world_size))
     loss_fn = instantiate(cfg.loss)
     result = tracked_step(plan, optimizer, loss_fn, input_ids, layout)
     with plan.autocast():  # once more, to count the gradients this rank keeps
@@ -83,14 +89,11 @@ def main() -> None:
         for strategy in strategies:
             cfg = config(world_size, strategy)
             real = launch(Path(__file__), world_size, "--worker", strategy)
-            layout = layout_of(strategy, world_size)
-            fake = measure(cfg, layout, world_size)
+            shape = shape_of(strategy, world_size)
+            fake = measure(cfg, shape)
             dist = cfg.distributed
-            analytic = next(
-                r for r in estimate(meta_model(cfg.model), world_size, 512, 256,
-                                    dist.mixed_precision.param_dtype, "none", 2, "cpu", 0.4)
-                if r.strategy == strategy
-            )  # fmt: skip
+            analytic = estimate(meta_model(cfg.model), [shape], 512, 256,
+                                dist.mixed_precision.param_dtype, "none", 2, "cpu", 0.4)[0]  # fmt: skip
             states = real["states"]
             rows.append([
                 "plain" if world_size == 1 else strategy, world_size,

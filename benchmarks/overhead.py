@@ -42,13 +42,13 @@ def bare_loop(cfg, runtime, steps: int) -> float:
     from torch.distributed.fsdp import fully_shard
 
     from freetx.data import ByteTokenizer, GlobalBatchSampler, PackedTextDataset
-    from freetx.distributed import build_mesh, materialize
+    from freetx.distributed import MeshShape, materialize
     from freetx.models.transformer import decoder
 
     with torch.device("meta"):
         model = decoder("tiny", vocab_size=259, max_seq_len=256)
     if runtime.world_size > 1:
-        mesh = build_mesh(runtime)
+        mesh = MeshShape("fsdp", dp_shard=runtime.world_size).build(runtime.device_type)["fsdp"]
         for block in model.layers:
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)

@@ -98,7 +98,9 @@ class FullFinetuneRecipeFSDP2:
         rank, world_size = self.groups.dp_rank, self.groups.dp_size  # this rank's share of data
         # Cheap checks first: a resume that would lose saved work or change fixed
         # settings, a bad batch split or a bad data path fails before any model exists.
-        self.run = TrainingRun(cfg, self.groups, "full_finetune_fsdp2")
+        # the same loop is two recipes: the `peft:` section makes it lora_finetune_fsdp2
+        name = "full_finetune_fsdp2" if cfg.peft.method == "none" else "lora_finetune_fsdp2"
+        self.run = TrainingRun(cfg, self.groups, name)
         micro_batch_size(cfg.batch_size, world_size, self.accumulation)
         self.tokenizer = instantiate(cfg.tokenizer)
         self.loss_fn = instantiate(cfg.loss)  # its output layer in chunks: loss.num_chunks
@@ -113,7 +115,7 @@ class FullFinetuneRecipeFSDP2:
             model = instantiate(cfg.model)
         check_model_and_data(model.config, self.tokenizer, self.seq_len)
         check_packing(model, packs(train_set))  # a packed dataset needs a model that packs
-        check_context(model, cfg.distributed.cp, self.seq_len)  # cp: a part of each sequence
+        check_context(model, self.groups.shape, self.seq_len)  # cp: a part of each sequence
         trains = apply_peft(model, cfg.peft, world_size)  # all, or adapters / some modules
         self.plan = parallelize(
             model, self.groups, cfg.distributed, seed=cfg.seed,

@@ -50,6 +50,7 @@ class ConfigEstimate:
     rows: list  # freetx.training.estimate.Estimate
     refused: dict[str, str]
     sources: Any = None  # freetx.training.estimate.ActivationSources
+    shapes: list = dataclasses.field(default_factory=list)  # MeshShape, per strategy estimated
 
 
 def estimate_config(
@@ -67,8 +68,8 @@ def estimate_config(
     (`activation_sources`; `source_dim`: its hooked width where they cannot be read)."""
     from freetx.data import micro_batch_size
     from freetx.data.activations import ActivationsConfig
-    from freetx.distributed import Layout, check_distributed, shard_layouts
-    from freetx.errors import ConfigError
+    from freetx.distributed import Layout
+    from freetx.distributed.parallelize import strategy_shapes
     from freetx.training.checks import dataset_seq_len
     from freetx.training.estimate import (
         activation_sources,
@@ -78,19 +79,11 @@ def estimate_config(
     )
 
     refuse_untrained(cfg)
-    # a pp x cp x tp group reads one share of the data
-    data_ranks = world_size // (cfg.distributed.tp * cfg.distributed.cp * cfg.distributed.pp)
-    micro = micro_batch_size(cfg.batch_size, data_ranks, cfg.gradient_accumulation_steps)
     processes = Layout(world_size, device_type="cpu" if device == "cpu" else "cuda")
-    refused = {}
-    for strategy in (layout.strategy for layout in shard_layouts(world_size)):
-        try:  # replicas: hsdp's replicate degree (the other strategies ignore it)
-            check_distributed(
-                dataclasses.replace(cfg.distributed, strategy=strategy, replicate_degree=replicas),
-                processes,
-            )
-        except ConfigError as e:
-            refused[strategy] = e.problems[0]
+    # replicas: hsdp's replicate degree (the other strategies ignore it)
+    shapes, refused = strategy_shapes(cfg.distributed, processes, replicas)
+    data_ranks = shapes[0].dp if shapes else world_size  # a pp x cp x tp group reads one share
+    micro = micro_batch_size(cfg.batch_size, data_ranks, cfg.gradient_accumulation_steps)
     sources = None
     if isinstance(getattr(cfg, "activations", None), ActivationsConfig):  # a crosscoder
         sources = activation_sources(cfg.activations, device, source_dim)
@@ -107,35 +100,34 @@ def estimate_config(
 
     def rows_of(part, stage=None):
         return estimate(
-            part, world_size, micro * seq_len, seq_len, dist.mixed_precision.param_dtype,
+            part, shapes, micro * seq_len, seq_len, dist.mixed_precision.param_dtype,
             dist.activation_checkpointing, dist.ac_every_n_blocks, device, mfu,
-            replicas=replicas, sources=sources.bytes if sources else 0.0,
+            sources=sources.bytes if sources else 0.0,
             optimizer_bytes=2.0 if "8bit" in str(cfg.optimizer.get("_component_", "")) else 8.0,
-            loss_chunks=loss_chunks(cfg, model), tp=dist.tp, cp=dist.cp, stage=stage,
+            loss_chunks=loss_chunks(cfg, model), stage=stage,
             sequence_parallel=dist.sequence_parallel and dist.pp == 1,
         )  # fmt: skip
 
     if dist.pp == 1:
         rows = rows_of(model)
     else:  # the first stage (most micro-batches in flight) or the last (the loss): the fuller
-        shapes = pipeline_stage_shapes(dist, cfg.gradient_accumulation_steps)
+        stages = pipeline_stage_shapes(dist, cfg.gradient_accumulation_steps)
         staged = [rows_of(stage_model(cfg, dist, end), shape)
-                  for end, shape in zip(("first", "last"), shapes)]  # fmt: skip
+                  for end, shape in zip(("first", "last"), stages)]  # fmt: skip
         rows = [max(pair, key=lambda r: r.peak) for pair in zip(*staged)]
-    rows = [r for r in rows if r.strategy not in refused]
-    return ConfigEstimate(model, micro, seq_len, rows, refused, sources)
+    return ConfigEstimate(model, micro, seq_len, rows, refused, sources, shapes)
 
 
 def stage_model(cfg: Any, dist: Any, end: str):
     """The meta model of the pipeline rank holding the first or the last stage."""
     from freetx.distributed.parallelize import find_blocks
-    from freetx.distributed.pipeline import check_stages, rank_stages, stage_blocks
+    from freetx.distributed.pipeline import check_stages, num_stages, rank_stages, stage_blocks
     from freetx.training.estimate import meta_model
 
     model = meta_model(cfg.model, getattr(cfg, "peft", None))
     check_stages(model)
     num_blocks = len(find_blocks(model))
-    blocks = stage_blocks(num_blocks, dist.pp * dist.pp_stages_per_rank, dist.pp_blocks_per_stage)
+    blocks = stage_blocks(num_blocks, num_stages(dist), dist.pp_blocks_per_stage)
     rank = 0 if end == "first" else dist.pp - 1
     mine = [blocks[s] for s in rank_stages(rank, dist.pp, dist.pp_stages_per_rank)]
     model.keep_blocks(sorted(i for stage in mine for i in stage), first=rank == 0,
@@ -172,7 +164,7 @@ def main(args: argparse.Namespace) -> int:
 
     from freetx.cli.common import load_recipe
     from freetx.config.run_config import load_recipe_config
-    from freetx.distributed import shard_layouts
+    from freetx.distributed import ShardLayout
     from freetx.errors import ConfigError
     from freetx.files import refuse_existing, write_user_file
     from freetx.models import num_active_parameters
@@ -213,9 +205,10 @@ def main(args: argparse.Namespace) -> int:
         trainable_text = f"{trainable / 1e9:.3f}B trained, {active / 1e9:.3f}B active per token"
     else:
         trainable_text = f"{trainable / 1e9:.3f}B trained"
-    tp, cp, pp = dist.tp, dist.cp, dist.pp
-    axes = "".join(f" x {name} {n}" for name, n in (("pp", pp), ("cp", cp), ("tp", tp)) if n > 1)
-    grid = f" as {args.world_size // (tp * cp * pp)} data-parallel{axes}" if axes else ""
+    shape = found.shapes[0] if found.shapes else None  # the axes are the same in each
+    axes = "".join(f" x {name} {getattr(shape, name)}" for name in ("pp", "cp", "tp")
+                   if shape is not None and getattr(shape, name) > 1)  # fmt: skip
+    grid = f" as {shape.dp} data-parallel{axes}" if axes else ""
     print(f"{args.config}: {params / 1e9:.3f}B parameters ({trainable_text}), "
           f"{args.world_size} x {args.device}{grid}, micro-batch {batch}, "
           f"{dist.mixed_precision.param_dtype}, activation checkpointing "
@@ -228,7 +221,7 @@ def main(args: argparse.Namespace) -> int:
             fix="Leave out --measure: the analytic estimate counts adapters, frozen "
             "bases and NF4 weights.",
         )
-    if args.measure and (tp > 1 or cp > 1 or pp > 1):
+    if args.measure and shape is not None and shape.has_axes:
         raise ConfigError(
             "--measure steps the data-parallel strategies on one process; it does not slice "
             "layers over tensor-parallel ranks or sequences over context-parallel ranks yet.",
@@ -237,13 +230,11 @@ def main(args: argparse.Namespace) -> int:
         )
     if args.measure:  # one step per distinct layout (at world size 1: the plain model, once)
         steps = {}
-        for layout in shard_layouts(args.world_size, args.replicas):
-            if layout.strategy in refused:
-                continue
-            key = dataclasses.astuple(layout)[1:] if args.world_size > 1 else ()
+        for each in found.shapes:
+            key = dataclasses.astuple(ShardLayout.of(each))[1:] if args.world_size > 1 else ()
             if key not in steps:
-                steps[key] = measure(cfg, layout, args.world_size)
-            measured[layout.strategy] = steps[key]
+                steps[key] = measure(cfg, each)
+            measured[each.strategy] = steps[key]
     header = ["strategy", "params", "grads", "optim", "gathered", "activations", "loss",
               "peak GiB", "fits", "step s", "tokens/s/rank"]  # fmt: skip
     if measured:
@@ -256,7 +247,7 @@ def main(args: argparse.Namespace) -> int:
         g = lambda v: f"{v / GIB:.2f}"  # noqa: E731
         row = [r.strategy, g(r.parameters), g(r.gradients), g(r.optimizer), g(r.gathered),
                g(r.activations), g(r.loss), g(r.peak), "yes" if r.peak / GIB < hbm else "no",
-               f"{r.step_s:.2f}", f"{micro * seq_len / (tp * cp * pp) / r.step_s:,.0f}"]  # fmt: skip
+               f"{r.step_s:.2f}", f"{micro * seq_len / shape.per_data_rank / r.step_s:,.0f}"]  # fmt: skip
         if measured:
             m = measured[r.strategy]
             row[-3:-3] = [g(m["peak"]), g(m["activations"])]

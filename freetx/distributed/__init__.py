@@ -1,13 +1,13 @@
 """Process group, device, meshes, and how models are parallelized and initialized.
 
-`build_groups(runtime, cfg)` names the ranks by axis (`ParallelGroups`: dp, cp, tp,
-dp_cp, world)
-and runs every collective; `parallelize(model, groups, cfg, seed)` returns a
+`MeshShape` is the degree of every axis (its refusals, one build of the meshes);
+`build_groups(runtime, cfg)` names the ranks by axis (`ParallelGroups`: dp, cp, tp, pp,
+dp_cp, world) and runs every collective; `parallelize(model, groups, cfg, seed)` returns a
 `ParallelPlan`, the one object that knows the strategy: nothing outside this
 package names one.
 """
 
-from freetx.distributed.context_parallel import ContextShard, check_context_length
+from freetx.distributed.context_parallel import ContextShard
 from freetx.distributed.frozen import FrozenBase, frozen_base
 from freetx.distributed.groups import HostGroup, ParallelGroups
 from freetx.distributed.init import (
@@ -19,9 +19,9 @@ from freetx.distributed.init import (
     local_parameters,
     materialize,
 )
+from freetx.distributed.mesh import Layout, MeshShape
 from freetx.distributed.parallelize import (
     DistributedConfig,
-    Layout,
     MixedPrecisionConfig,
     ParallelPlan,
     ShardLayout,
@@ -29,13 +29,10 @@ from freetx.distributed.parallelize import (
     check_distributed,
     dtype_named,
     parallelize,
-    shard_layouts,
     unwrap,
 )
 from freetx.distributed.runtime import (
     DistributedRuntime,
-    build_mesh,
-    build_meshes,
     destroy_distributed,
     fake_world,
     init_distributed,
@@ -44,18 +41,16 @@ from freetx.distributed.runtime import (
 
 __all__ = [
     "ContextShard",
-    "check_context_length",
     "DistributedConfig",
     "FrozenBase",
     "DistributedRuntime",
-    "build_meshes",
+    "MeshShape",
     "HostGroup",
     "ParallelGroups",
     "MixedPrecisionConfig",
     "ParallelPlan",
     "ShardLayout",
     "build_groups",
-    "build_mesh",
     "Layout",
     "check_distributed",
     "canonical_name",
@@ -72,6 +67,5 @@ __all__ = [
     "materialize",
     "parallelize",
     "select_device",
-    "shard_layouts",
     "unwrap",
 ]

@@ -23,7 +23,6 @@ from __future__ import annotations
 import torch
 
 from freetx.distributed.groups import ParallelGroups
-from freetx.errors import ConfigError
 from freetx.models.protocol import ShardsContext, require_hook
 
 
@@ -34,18 +33,6 @@ def balanced_indices(length: int, size: int, rank: int, device=None) -> torch.Te
     first = torch.arange(rank * chunk, (rank + 1) * chunk, device=device)
     last = torch.arange((2 * size - 1 - rank) * chunk, (2 * size - rank) * chunk, device=device)
     return torch.cat([first, last])
-
-
-def check_context_length(length: int, cp: int) -> None:
-    """A sequence of `length` tokens splits into 2 x cp equal chunks."""
-    if cp > 1 and length % (2 * cp):
-        raise ConfigError(
-            f"distributed.cp={cp} splits each sequence into 2 x {cp} equal chunks (two per "
-            f"rank, for balanced causal attention), and seq_len={length} does not divide "
-            f"into {2 * cp}.",
-            fix=f"Set dataset.seq_len to a multiple of {2 * cp} (packed data fills it), or "
-            "pick a cp that divides seq_len / 2.",
-        )
 
 
 def check_shards_context(model) -> None:
@@ -125,7 +112,7 @@ class ContextShard:
         shared out (the cp ranks' parts add up to the batch's)."""
         out = dict(batch)
         for key in ("input_ids", "labels"):
-            check_context_length(batch[key].shape[1], self.size)
+            self.groups.shape.check_sequence_length(batch[key].shape[1])
             out[key] = self.split(batch[key])
         if "real_tokens" in batch:
             out["real_tokens"] = batch["real_tokens"] / self.size

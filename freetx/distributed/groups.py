@@ -8,14 +8,14 @@
 Axes: `dp` (data parallel: the ranks that read different samples), `cp` (context
 parallel: the ranks that hold different parts of the same sequences), `tp` (tensor
 parallel: the ranks that hold slices of the same layers and read the same tokens),
-`dp_cp` (dp and cp together: the ranks that hold different tokens of the global
-batch, over which losses and token counts are summed and gradients averaged) and
-`pp` (pipeline parallel: the ranks that hold different stages of blocks) and `world`
-(every rank: agreement to stop, saves). Without context, tensor or pipeline
-parallelism `dp` and `dp_cp` are the whole world; with `distributed.cp`, `tp` or `pp`
-the world is a (pp, dp, cp, tp) mesh (`build_meshes`). For a sharded strategy the groups also
-hold the mesh FSDP2 shards over (`mesh`: dp_cp's), and the meshes of the other axes
-(`axes`).
+`dp_cp` (dp and cp together: the ranks that hold different tokens of the global batch,
+over which losses and token counts are summed and gradients averaged), `pp` (pipeline
+parallel: the ranks that hold different stages of blocks), `dp_replicate` and
+`dp_shard` (hsdp: the replicas, and the ranks one replica is sharded over) and `world`
+(every rank: agreement to stop, saves). Their sizes come from the run's `MeshShape`
+(`freetx.distributed.mesh`), their process groups from the meshes it builds; an axis
+as large as the world uses the default group, an axis of one rank runs no collective.
+`mesh` is what FSDP2 shards over (1-D, or hsdp's 2-D).
 
 Nothing outside `freetx.distributed` calls a `torch.distributed` collective:
 recipes, data, training and checkpoints come here (`ParallelPlan.groups`).
@@ -30,10 +30,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from freetx.distributed.mesh import MeshShape
 from freetx.distributed.runtime import DistributedRuntime
 
-Axis = Literal["dp", "cp", "tp", "pp", "dp_cp", "world"]
-AXES = ("dp", "cp", "tp", "pp", "dp_cp", "world")
+Axis = Literal["dp", "cp", "tp", "pp", "dp_cp", "dp_replicate", "dp_shard", "world"]
+AXES = ("dp", "cp", "tp", "pp", "dp_cp", "dp_replicate", "dp_shard", "world")
 ReduceOp = Literal["sum", "max", "min"]
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
@@ -43,31 +44,36 @@ class ParallelGroups:
     """This job's ranks by axis name (see the module docstring)."""
 
     runtime: DistributedRuntime
-    mesh: DeviceMesh | None = None  # the mesh FSDP2 shards over (1-D, hsdp's 2-D, or dp_cp)
-    axes: dict[str, DeviceMesh] = field(default_factory=dict)  # dp, cp, tp, dp_cp (cp or tp > 1)
+    # the degree of every axis; None: every rank data-parallel (a world without meshes)
+    shape: MeshShape | None = None
+    meshes: dict[str, DeviceMesh] = field(default_factory=dict)  # MeshShape.build's
     _host: Any = field(default=None, init=False, repr=False)  # a gloo group, made when asked
+
+    def __post_init__(self) -> None:
+        if self.shape is None:
+            self.shape = MeshShape("fsdp", dp_shard=self.runtime.world_size)
+
+    @property
+    def mesh(self) -> DeviceMesh | None:
+        """The mesh FSDP2 shards over (1-D, or hsdp's 2-D); None without one."""
+        return self.meshes.get("fsdp")
 
     # -- where this rank is --------------------------------------------------
     def size(self, over: Axis = "dp") -> int:
         self._check(over)
-        if over == "world":
-            return self.runtime.world_size
-        if over in self.axes:
-            return self.axes[over].size()
-        return 1 if over in ("cp", "tp", "pp") else self.runtime.world_size
+        return self.shape.degree(over)
 
     def rank(self, over: Axis = "dp") -> int:
         self._check(over)
-        if over == "world":
-            return self.runtime.rank
-        if over in self.axes:
-            return self.axes[over].get_local_rank()
-        return 0 if over in ("cp", "tp", "pp") else self.runtime.rank
+        if over in self.meshes:
+            return self.meshes[over].get_local_rank()
+        # an axis without a mesh of its own has one rank, or is the whole world
+        return 0 if self.size(over) == 1 else self.runtime.rank
 
     @property
     def tp_mesh(self) -> DeviceMesh | None:
         """The tensor-parallel mesh (distributed.tp > 1), else None."""
-        return self.axes["tp"] if self.size("tp") > 1 else None
+        return self.meshes["tp"] if self.size("tp") > 1 else None
 
     @property
     def dp_rank(self) -> int:
@@ -84,10 +90,10 @@ class ParallelGroups:
             raise ValueError(f"no parallel axis named {over!r}; the axes are {', '.join(AXES)}")
 
     def _group(self, over: Axis):
-        """The process group of an axis (None: the default group: the world, and dp and
-        dp_cp without context or tensor parallelism)."""
+        """The process group of an axis (None: the default group, for an axis as large as
+        the world)."""
         self._check(over)
-        return self.axes[over].get_group() if over in self.axes else None
+        return self.meshes[over].get_group() if over in self.meshes else None
 
     def _active(self, over: Axis) -> bool:
         return dist.is_available() and dist.is_initialized() and self.size(over) > 1

@@ -20,7 +20,7 @@ wrapper, the optimizer (ZeRO-1 included), gradient sync, autocast, the scaler.
 
 from __future__ import annotations
 
-import os
+import dataclasses
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
@@ -42,8 +42,14 @@ from freetx.distributed.context_parallel import ContextShard, check_shards_conte
 from freetx.distributed.frozen import FrozenBase, frozen_base
 from freetx.distributed.groups import ParallelGroups
 from freetx.distributed.init import canonical_name, materialize
-from freetx.distributed.pipeline import Pipeline, check_micro_batches, split_into_stages
-from freetx.distributed.runtime import DistributedRuntime, build_mesh, build_meshes
+from freetx.distributed.mesh import REPLICATED, SHARDED, Layout, MeshShape, canonical_strategy
+from freetx.distributed.pipeline import (
+    Pipeline,
+    check_micro_batches,
+    num_stages,
+    split_into_stages,
+)
+from freetx.distributed.runtime import DistributedRuntime
 from freetx.distributed.scaler import GradScaler
 from freetx.distributed.tensor_parallel import apply_tensor_parallel, enable_async_tp
 from freetx.errors import ConfigError
@@ -53,7 +59,6 @@ from freetx.models.protocol import ExtraForwards, HasBlocks, check_model
 # every dtype name a config or a command line uses, in both spellings
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_ABBREVIATIONS = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
-STRATEGY_ALIASES = {"zero3": "fsdp"}
 # other systems' names for the strategies (`freetx import`): DeepSpeed's ZeRO stages,
 # FSDP1's ShardingStrategy (by name, or the number accelerate writes), accelerate's
 # distributed_type, and FSDP2's reshard_after_forward (False keeps blocks gathered)
@@ -63,8 +68,6 @@ FSDP_SHARDING_STRATEGIES = {"FULL_SHARD": "fsdp", "SHARD_GRAD_OP": "zero2", "NO_
                             "4": "hsdp"}  # fmt: skip
 RESHARD_AFTER_FORWARD_STRATEGIES = {True: "fsdp", False: "zero2"}
 DATA_PARALLEL_STRATEGY = "ddp"  # accelerate's MULTI_GPU / MULTI_CPU
-SHARDED = ("fsdp", "zero2", "hsdp")
-REPLICATED = ("ddp", "zero1")
 
 DtypeName = Literal["float32", "bfloat16", "float16"]
 
@@ -122,15 +125,11 @@ def dtype_named(name: str) -> torch.dtype:
     return DTYPES[DTYPE_ABBREVIATIONS.get(name, name)]
 
 
-def canonical_strategy(name: str) -> str:
-    return STRATEGY_ALIASES.get(name, name)
-
-
 @dataclass(frozen=True)
 class ShardLayout:
-    """How a strategy spreads the model states over `world_size` ranks: what each rank
-    holds (1 / shards of each), what it gathers, and how gradients travel. For estimates
-    made before a run (`freetx estimate`)."""
+    """How a strategy spreads the model states over its data-parallel ranks: what each
+    rank holds (1 / shards of each), what it gathers, and how gradients travel. For
+    estimates made before a run (`freetx estimate`)."""
 
     strategy: str
     parameter_shards: int
@@ -139,19 +138,19 @@ class ShardLayout:
     blocks_stay_gathered: bool  # zero2: every block unsharded from its forward to its backward
     gathers_per_block: bool  # fsdp, hsdp: a block gathered for its forward and its backward
     all_reduce: bool  # ddp, zero1: the gradients all-reduced (else reduce-scattered)
-    replicas: int = 1  # hsdp: the replica groups (each shards over world size / replicas)
+    replicas: int = 1  # hsdp: the replica groups (each shards over dp_shard x cp)
 
-
-def shard_layouts(world_size: int, replicas: int = 1) -> list[ShardLayout]:
-    """The layout of every strategy (aliases left out) at `world_size` ranks."""
-    hsdp = max(1, world_size // replicas)
-    return [
-        ShardLayout("ddp", 1, 1, 1, False, False, True),
-        ShardLayout("zero1", 1, 1, world_size, False, False, True),
-        ShardLayout("zero2", world_size, world_size, world_size, True, False, False),
-        ShardLayout("fsdp", world_size, world_size, world_size, False, True, False),
-        ShardLayout("hsdp", hsdp, hsdp, hsdp, False, True, False, replicas),
-    ]
+    @classmethod
+    def of(cls, shape: MeshShape) -> ShardLayout:
+        """The layout of `shape.strategy` on the data-parallel ranks of `shape`."""
+        strategy, shards, replicas = shape.strategy, shape.fsdp, shape.dp_replicate
+        if strategy == "ddp":
+            return cls("ddp", 1, 1, 1, False, False, True)
+        if strategy == "zero1":
+            return cls("zero1", 1, 1, shape.dp, False, False, True)
+        if strategy == "zero2":
+            return cls("zero2", shards, shards, shards, True, False, False)
+        return cls(strategy, shards, shards, shards, False, True, False, replicas)
 
 
 _FUSABLE = (torch.optim.AdamW, torch.optim.Adam)
@@ -194,8 +193,7 @@ class ParallelPlan:
     @property
     def layout(self) -> str:
         """The strategy and any other axis, in words (checkpoints' meta): `fsdp x cp 2 x tp 2`."""
-        axes = [f"{axis} {self.groups.size(axis)}" for axis in ("pp", "cp", "tp")]
-        return " x ".join([self.strategy] + [a for a in axes if not a.endswith(" 1")])
+        return self.groups.shape.layout()
 
     @property
     def gradient_ranks(self) -> int:
@@ -264,29 +262,7 @@ class ParallelPlan:
         return torch.autocast(self.runtime.device_type, dtype=dtype)
 
 
-@dataclass(frozen=True)
-class Layout:
-    """Where a run's processes are, as far as it is known: `freetx validate` knows none
-    of it, `freetx run` / `launch` know the processes before launching, a running rank
-    knows everything (`Layout.of(runtime)`)."""
-
-    world_size: int | None = None
-    processes_per_node: int | None = None
-    device_type: str | None = None  # cpu | cuda
-
-    @classmethod
-    def of(cls, runtime: DistributedRuntime) -> Layout:
-        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", runtime.world_size))
-        return cls(runtime.world_size, per_node, runtime.device_type)
-
-    def describe(self) -> str:
-        nodes = self.world_size // self.processes_per_node if self.processes_per_node else None
-        if nodes and nodes > 1:
-            return f"{nodes} node(s) x {self.processes_per_node} processes"
-        return f"{self.world_size} process(es)"
-
-
-def check_distributed(cfg: DistributedConfig, layout: Layout = Layout()) -> None:
+def check_distributed(cfg: DistributedConfig, layout: Layout = Layout()) -> MeshShape:
     """Every refusal of a `distributed:` section, made with what `layout` knows: by
     `freetx validate`, by `freetx run` / `launch` before they launch anything, by
     `freetx estimate`, and by the run itself (`build_groups`). One function, so that a
@@ -304,9 +280,27 @@ def check_distributed(cfg: DistributedConfig, layout: Layout = Layout()) -> None
                 "parameters between GPU and CPU, and this run is on the CPU already.",
                 fix="Set distributed.cpu_offload=false (or run on CUDA).",
             )
-    check_mesh_axes(cfg, strategy, layout)
-    if layout.world_size is not None:
-        replicate_degree(cfg, layout)  # raises when it does not divide the world
+    check_pipeline_schedule(cfg)
+    check_async_tp(cfg, layout)
+    return MeshShape.of(cfg, layout)  # the axes' refusals, and hsdp's replicas
+
+
+STRATEGIES = ("ddp", "zero1", "zero2", "fsdp", "hsdp")  # the canonical names
+
+
+def strategy_shapes(
+    cfg: DistributedConfig, layout: Layout, replicas: int | None = None
+) -> tuple[list[MeshShape], dict[str, str]]:
+    """The shape of every strategy for `cfg`'s other axes on `layout` (hsdp with
+    `replicas`), and why a run would refuse the others: what `freetx estimate` compares."""
+    shapes, refused = [], {}
+    for strategy in STRATEGIES:
+        try:
+            options = dict(strategy=strategy, replicate_degree=replicas)
+            shapes.append(check_distributed(dataclasses.replace(cfg, **options), layout))
+        except ConfigError as e:
+            refused[strategy] = e.problems[0]
+    return shapes, refused
 
 
 def check_pipeline_schedule(cfg: DistributedConfig) -> None:
@@ -325,11 +319,11 @@ def check_pipeline_schedule(cfg: DistributedConfig) -> None:
             fix="Set distributed.pp_schedule=interleaved_1f1b, or pp_stages_per_rank=1.",
         )
     given = cfg.pp_blocks_per_stage
-    if given is not None and len(given) != cfg.pp * per_rank:
+    if given is not None and len(given) != num_stages(cfg):
         raise ConfigError(
             f"distributed.pp_blocks_per_stage lists {len(given)} stage(s), and pp={cfg.pp} x "
-            f"pp_stages_per_rank={per_rank} makes {cfg.pp * per_rank}.",
-            fix=f"Give {cfg.pp * per_rank} block counts (first stage first), or leave it "
+            f"pp_stages_per_rank={per_rank} makes {num_stages(cfg)}.",
+            fix=f"Give {num_stages(cfg)} block counts (first stage first), or leave it "
             "out for an even split.",
         )
 
@@ -352,62 +346,6 @@ def check_async_tp(cfg: DistributedConfig, layout: Layout) -> None:
         raise ConfigError(
             f"distributed.async_tp {why[0]}.", fix=f"{why[1]}, or set async_tp=false."
         )
-
-
-def check_mesh_axes(cfg: DistributedConfig, strategy: str, layout: Layout) -> None:
-    """distributed.pp, cp and tp: the (pp, dp, cp, tp) mesh they make with the processes."""
-    check_pipeline_schedule(cfg)
-    check_async_tp(cfg, layout)
-    axes = {name: n for name, n in (("pp", cfg.pp), ("cp", cfg.cp), ("tp", cfg.tp)) if n > 1}
-    if not axes:
-        return
-    named = " and ".join(f"distributed.{name}={n}" for name, n in axes.items())
-    reset = " and ".join(f"{name}=1" for name in axes)
-    s = "" if len(axes) > 1 else "s"  # distributed.tp=2 composes; tp=2 and cp=2 compose
-    if strategy not in ("fsdp", "zero2"):
-        raise ConfigError(
-            f"{named} compose{s} with fsdp or zero2 (FSDP2 over the data-parallel ranks of "
-            f"a (pp, dp, cp, tp) mesh), not {cfg.strategy}.",
-            fix=f"Use distributed.strategy=fsdp, or set {reset}.",
-        )
-    inner = cfg.pp * cfg.cp * cfg.tp  # the ranks of one data-parallel index
-    per_node = layout.processes_per_node
-    if per_node is not None and per_node % cfg.tp:
-        raise ConfigError(
-            f"distributed.tp={cfg.tp} does not divide the {per_node} process(es) per node "
-            "of this run: a tp group would span nodes, and its two sums per block and "
-            "pass would cross the slow link.",
-            fix="Pick a tp that divides the processes (GPUs) of one node, e.g. tp=8 with "
-            "8 per node, or set distributed.tp=1.",
-        )
-    if layout.world_size is not None and layout.world_size % inner:
-        product = " x ".join(f"{name} {n}" for name, n in axes.items())
-        raise ConfigError(
-            f"{named} need{s} {inner} processes per data-parallel rank ({product}), which "
-            f"does not divide the {layout.describe()} of this run, so they cannot form a "
-            "(pp, dp, cp, tp) mesh.",
-            fix=f"Pick sizes whose product divides the number of processes (e.g. tp=2 or "
-            f"cp=2 on 4: 2 x 2), or set {reset}.",
-        )
-
-
-def replicate_degree(cfg: DistributedConfig, layout: Layout) -> int:
-    """How many replicas an hsdp mesh has (1 for every other strategy): the configured
-    degree, else one per node."""
-    if canonical_strategy(cfg.strategy) != "hsdp":
-        return 1
-    world = layout.world_size
-    degree = cfg.replicate_degree
-    if degree is None:
-        degree = max(1, world // (layout.processes_per_node or world))
-    if degree < 1 or world % degree:
-        raise ConfigError(
-            f"hsdp: a replicate degree of {degree} does not divide the "
-            f"{layout.describe()} of this run, so they cannot form a replicas x shards mesh.",
-            fix="Pick a distributed.replicate_degree (estimate: --replicas) that divides the "
-            "number of processes, e.g. the number of nodes.",
-        )
-    return degree
 
 
 def apply_activation_checkpointing(blocks: list[nn.Module], mode: str, every_n: int) -> None:
@@ -444,17 +382,11 @@ def find_blocks(model: nn.Module) -> list[nn.Module]:
 
 def build_groups(runtime: DistributedRuntime, cfg: DistributedConfig) -> ParallelGroups:
     """The job's ranks by axis for this `distributed:` section, before data or model are
-    made (data reads `groups.dp_rank`'s share); a sharded strategy's mesh is made here.
+    made (data reads `groups.dp_rank`'s share), with the meshes the layout shards over.
     Refuses combinations that cannot work first."""
-    layout = Layout.of(runtime)
-    check_distributed(cfg, layout)
-    if cfg.pp > 1 or cfg.cp > 1 or cfg.tp > 1:  # a (pp, dp, cp, tp) mesh: FSDP2 over dp x cp
-        axes = build_meshes(runtime, cfg.cp, cfg.tp, cfg.pp)
-        return ParallelGroups(runtime, axes["dp_cp"], axes)
-    mesh = None
-    if canonical_strategy(cfg.strategy) in SHARDED and (runtime.world_size > 1 or cfg.cpu_offload):
-        mesh = build_mesh(runtime, replicate_degree(cfg, layout))
-    return ParallelGroups(runtime, mesh)
+    shape = check_distributed(cfg, Layout.of(runtime))
+    meshes = shape.build(runtime.device_type) if shape.needs_mesh(cfg.cpu_offload) else {}
+    return ParallelGroups(runtime, shape, meshes)
 
 
 def parallelize(

@@ -90,12 +90,17 @@ def stage_blocks(num_blocks: int, stages: int, given: list[int] | None = None) -
     return [range(start, start + size) for start, size in zip(starts, sizes)]
 
 
+def num_stages(cfg) -> int:
+    """The pipeline's stages: pp ranks x pp_stages_per_rank (a `distributed:` section)."""
+    return cfg.pp * cfg.pp_stages_per_rank
+
+
 def check_micro_batches(cfg, micro_batches: int) -> None:
     """The schedule takes the optimizer step's micro-batches (gradient_accumulation_steps):
     1F1B at least one per stage, interleaved 1F1B in whole rounds (torch's rules)."""
     if cfg.pp == 1:
         return
-    stages = cfg.pp * cfg.pp_stages_per_rank
+    stages = num_stages(cfg)
     if cfg.pp_schedule == "1f1b" and micro_batches < stages:
         why = f"at least one per stage ({stages})"
     elif cfg.pp_schedule == "interleaved_1f1b" and micro_batches % max(1, micro_batches // cfg.pp):
@@ -133,7 +138,7 @@ def split_into_stages(
     in this rank's order. Refuses a model that cannot be split."""
     check_stages(model)
     pp, per_rank = groups.size("pp"), cfg.pp_stages_per_rank
-    blocks = stage_blocks(num_blocks, pp * per_rank, cfg.pp_blocks_per_stage)
+    blocks = stage_blocks(num_blocks, num_stages(cfg), cfg.pp_blocks_per_stage)
     mine = [blocks[s] for s in rank_stages(groups.rank("pp"), pp, per_rank)]
     held = sorted(i for stage in mine for i in stage)
     model.keep_blocks(held, first=mine[0].start == 0, last=mine[-1].stop == num_blocks)
@@ -189,8 +194,8 @@ class Pipeline:
         indices = rank_stages(groups.rank("pp"), pp, per_rank)
         self.stages = [
             pipelining.PipelineStage(
-                StageModule(model, stage, stage.stop == num_blocks, self), index, pp * per_rank,
-                groups.runtime.device, group=groups.axes["pp"].get_group(),
+                StageModule(model, stage, stage.stop == num_blocks, self), index, num_stages(cfg),
+                groups.runtime.device, group=groups.meshes["pp"].get_group(),
             )
             for index, stage in zip(indices, blocks)
         ]  # fmt: skip

@@ -1,4 +1,4 @@
-"""The process group, the device, and device meshes.
+"""The process group and the device.
 
 `init_distributed` reads torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK);
 without torchrun it makes a world of size 1 in this process, so every strategy
@@ -15,7 +15,6 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from freetx.errors import ConfigError
 
@@ -164,47 +163,3 @@ def fake_world(world_size: int):
         yield
     finally:
         dist.destroy_process_group()
-
-
-def build_meshes(
-    runtime: DistributedRuntime, cp: int = 1, tp: int = 1, pp: int = 1
-) -> dict[str, DeviceMesh]:
-    """The (pp, dp, cp, tp) mesh's axes by name: "pp" (pipeline stages: the ranks that
-    hold different blocks and pass activations on), "dp" (the ranks that read different samples),
-    "cp" (context parallel: the ranks that hold parts of the same sequences), "tp"
-    (tensor parallel: slices of the same layers), and "dp_cp", dp and cp flattened (the
-    ranks that hold different tokens of the global batch: FSDP2 shards over it and
-    averages its gradients, within a pipeline stage). The inner axes are the ranks next
-    to each other (on one node): rank r is at (r // (dp cp tp), r // (cp tp) % dp,
-    r // tp % cp, r % tp); pp outermost, since a stage sends little (a micro-batch's
-    activations once per stage) and can cross nodes."""
-    dims = (pp, runtime.world_size // (pp * cp * tp), cp, tp)
-    names = ("pp", "dp", "cp", "tp")
-    mesh = init_device_mesh(runtime.device_type, dims, mesh_dim_names=names)
-    axes = {name: mesh[name] for name in names}
-    axes["dp_cp"] = mesh["dp", "cp"]._flatten("dp_cp") if cp > 1 else axes["dp"]
-    if tp > 1:  # a 2-D parameter's norm: one all-reduce over the flattened (dp, cp, tp)
-        mesh["dp", "cp", "tp"]._flatten("dp_cp_tp")
-        if cp == 1:
-            mesh["dp", "tp"]._flatten("dp_tp")
-    return axes
-
-
-def build_mesh(runtime: DistributedRuntime, replicate: int = 1) -> DeviceMesh:
-    """A 1-D mesh ("dp_shard",) or, with replicate > 1, a 2-D ("dp_replicate", "dp_shard")."""
-    if replicate < 1 or runtime.world_size % replicate != 0:
-        raise ConfigError(
-            f"distributed.replicate_degree={replicate} does not divide the world size "
-            f"{runtime.world_size}.",
-            fix="Pick a replicate degree that divides the number of processes "
-            "(e.g. 2 for 4 processes: 2 replicas x 2 shards).",
-        )
-    if replicate == 1:
-        return init_device_mesh(
-            runtime.device_type, (runtime.world_size,), mesh_dim_names=("dp_shard",)
-        )
-    return init_device_mesh(
-        runtime.device_type,
-        (replicate, runtime.world_size // replicate),
-        mesh_dim_names=("dp_replicate", "dp_shard"),
-    )

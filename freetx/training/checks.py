@@ -9,7 +9,7 @@ from omegaconf import DictConfig, ListConfig
 from torch import nn
 
 from freetx.data import micro_batch_size
-from freetx.distributed import Layout, check_context_length, check_distributed
+from freetx.distributed import Layout, MeshShape, check_distributed
 from freetx.distributed.context_parallel import check_shards_context
 from freetx.distributed.pipeline import check_micro_batches, check_stages
 from freetx.distributed.tensor_parallel import check_slices
@@ -30,7 +30,7 @@ def check_layout(cfg: object, layout: Layout) -> None:
     call it; a running recipe makes the same checks (`build_groups`, `micro_batch_size`)."""
     if not isinstance(cfg, TrainingConfig):  # e.g. generate: nothing is distributed
         return
-    check_distributed(cfg.distributed, layout)
+    shape = check_distributed(cfg.distributed, layout)
     model_class = built_class(getattr(cfg, "model", None))
     check_final_export(cfg, model_class)
     dataset = getattr(cfg, "dataset", None)
@@ -44,11 +44,9 @@ def check_layout(cfg: object, layout: Layout) -> None:
         check_stages(model_class)
     if cfg.distributed.cp > 1 and model_class is not None:
         seq_len = dataset_seq_len(cfg) if isinstance(dataset, DictConfig) else None
-        check_context(model_class, cfg.distributed.cp, seq_len)
+        check_context(model_class, shape, seq_len)
     if layout.world_size is not None:  # pipeline, context, tensor ranks read the same data
-        d = cfg.distributed
-        data_ranks = layout.world_size // (d.pp * d.tp * d.cp)
-        micro_batch_size(cfg.batch_size, data_ranks, cfg.gradient_accumulation_steps)
+        micro_batch_size(cfg.batch_size, shape.dp, cfg.gradient_accumulation_steps)
 
 
 def dataset_nodes(dataset: DictConfig) -> list[DictConfig]:
@@ -110,14 +108,14 @@ def check_packing(model: nn.Module | type, packed: bool) -> None:
     )
 
 
-def check_context(model: nn.Module | type, cp: int, seq_len: int | None = None) -> None:
+def check_context(model: nn.Module | type, shape: MeshShape, seq_len: int | None = None) -> None:
     """distributed.cp > 1 needs a model that computes a part of each sequence as the whole
     sequence would (`ShardsContext`; `model`: the model built, or the class a config
     builds) and sequences that split into 2 x cp chunks (`seq_len`, where known)."""
-    if cp == 1:
+    if shape.cp == 1:
         return
     if seq_len is not None:
-        check_context_length(seq_len, cp)
+        shape.check_sequence_length(seq_len)
     check_shards_context(model)
 
 

@@ -45,13 +45,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from freetx.distributed import (
-    FrozenBase,
-    ShardLayout,
-    canonical_name,
-    frozen_base,
-    shard_layouts,
-)
+from freetx.distributed import FrozenBase, MeshShape, ShardLayout, canonical_name, frozen_base
 from freetx.distributed.parallelize import find_blocks
 from freetx.distributed.tensor_parallel import check_slices
 from freetx.models.attention import AttentionSpec, choose_kernel, sliding_layers
@@ -133,7 +127,7 @@ def _owner(model: nn.Module, name: str) -> tuple[nn.Module, str]:
 
 def estimate(
     model: nn.Module,
-    world_size: int,
+    shapes: list[MeshShape],
     tokens_per_rank: int,
     seq_len: int,
     compute_dtype: str,
@@ -141,32 +135,33 @@ def estimate(
     ac_every_n_blocks: int,
     device: str,
     mfu: float,
-    replicas: int = 1,
     optimizer_bytes: float = 8.0,
     frozen: FrozenBase | None = None,
     sources: float = 0.0,
     loss_chunks: int = 1,
-    tp: int = 1,
-    cp: int = 1,
     stage: PipelineStageShape | None = None,
     sequence_parallel: bool = False,
 ) -> list[Estimate]:
-    """The estimate of each strategy for a (meta) model at `world_size` ranks; `frozen`:
+    """The estimate of a (meta) model under each of `shapes` (one per strategy, with the
+    same axes: `strategy_shapes`); `frozen`:
     the frozen-base decision (`frozen_base`, made from the model when not given);
     `sources`: bytes every rank holds besides (a crosscoder's source models);
-    `loss_chunks`: the loss's logits a chunk of tokens at a time (`num_chunks`); `tp`:
-    tensor-parallel ranks (`distributed.tp`: the sliced layers 1/tp per rank, the
-    strategies over world / tp data-parallel ranks, whose micro-batch of
-    `tokens_per_rank` every rank of a tp group computes 1/tp of, with two sums of its
-    activations over tp per block and pass on the critical path); `cp`: context-parallel
-    ranks (`distributed.cp`: each holds 1/cp of the micro-batch's tokens, and keeps the
+    `loss_chunks`: the loss's logits a chunk of tokens at a time (`num_chunks`); the
+    shapes' `tp`: tensor-parallel ranks (the sliced layers 1/tp per rank, whose
+    micro-batch of `tokens_per_rank` every rank of a tp group computes 1/tp of, with two
+    sums of its activations over tp per block and pass on the critical path); `cp`:
+    context-parallel ranks (each holds 1/cp of the micro-batch's tokens, and keeps the
     whole sequence's keys and values of each block for backward; an all-gather of them
     per block in forward, again in a recomputed forward, and a reduce-scatter of their
-    gradients in backward, on the critical path; FSDP2 shards over dp x cp = world / tp);
+    gradients in backward, on the critical path; FSDP2 shards over dp_shard x cp);
     `stage`: under pipeline parallelism, `model` is one stage's (pruned: `keep_blocks`),
     whose activations are kept for `stage.in_flight` micro-batches at once, whose share
     of the work is 1/pp, stretched by the schedule's bubble; FSDP2 shards within it;
     `sequence_parallel`: with tp, the residual stream and its norms 1/tp per rank."""
+    if not shapes:
+        return []
+    axes = shapes[0]  # pp, cp and tp: the same in every shape
+    tp, cp = axes.tp, axes.cp
     compute = 2 if compute_dtype in ("bfloat16", "float16") else 4
     frozen = frozen or frozen_base(model)
     sliced = sliced_modules(model, tp)
@@ -195,7 +190,7 @@ def estimate(
     flops = (
         model.flops_per_token(seq_len) if isinstance(model, CountsFlops) else 6 * total_trainable
     )
-    compute_s = flops * tokens_per_rank / (peak * mfu * tp * cp * stage.pp) * (1 + stage.bubble)
+    compute_s = flops * tokens_per_rank / (peak * mfu * axes.per_data_rank) * (1 + stage.bubble)
     # tensor parallelism's sums: two all-reduces of the block's output per block and pass
     hidden = getattr(getattr(model, "config", None), "hidden_dim", 0)
     tp_bytes = 4 * len(blocks) * tokens_per_rank / cp * hidden * compute * 2 * (tp - 1) / tp
@@ -206,7 +201,8 @@ def estimate(
     cp_bytes = passes * len(blocks) * tokens_per_rank * 2 * kv / tp * compute * (cp - 1) / cp
     tp_s = (tp_bytes + cp_bytes) / bandwidth
     out = []
-    for layout in shard_layouts(world_size // (tp * stage.pp), replicas):  # FSDP2 over dp x cp
+    for shape in shapes:
+        layout, world_size = ShardLayout.of(shape), shape.world_size
         shards = layout.parameter_shards
         if layout.blocks_stay_gathered:
             gathered = stored / 4 * compute  # every block kept unsharded, forward to backward
@@ -220,7 +216,7 @@ def estimate(
             gathered = 0.0
         traffic = 0.0 if shards == 1 else 3 * stored / 4 * compute * (shards - 1) / shards
         if layout.all_reduce and world_size > 1:
-            traffic = 2 * trainable * 4 * (world_size - 1) / world_size  # an all-reduce
+            traffic = 2 * trainable * 4 * (shape.dp - 1) / shape.dp  # an all-reduce
         comm_s = traffic / bandwidth
         out.append(Estimate(
             layout.strategy, stored / shards, trainable * 4 / layout.gradient_shards,
@@ -235,7 +231,6 @@ def estimate(
 class PipelineStageShape:
     """What pipeline parallelism changes for one stage's estimate (`estimate(stage=)`)."""
 
-    pp: int = 1  # pipeline ranks: each does 1/pp of every micro-batch's work
     in_flight: int = 1  # micro-batches whose activations a stage keeps at once (1F1B: pp)
     bubble: float = 0.0  # the schedule's idle share: (pp - 1) / (stages per rank x micro-batches)
     holds_loss: bool = True  # the last stage: the head's logits
@@ -247,8 +242,7 @@ def pipeline_stage_shapes(cfg, micro_batches: int) -> list[PipelineStageShape]:
     pp, per_rank = cfg.pp, cfg.pp_stages_per_rank
     in_flight = micro_batches if cfg.pp_schedule == "gpipe" else min(pp, micro_batches)
     bubble = (pp - 1) / (per_rank * micro_batches)
-    return [PipelineStageShape(pp, in_flight, bubble, False),
-            PipelineStageShape(pp, 1, bubble, True)]  # fmt: skip
+    return [PipelineStageShape(in_flight, bubble, False), PipelineStageShape(1, bubble, True)]
 
 
 def attention_score_bytes(cfg, seq_len: int, device: str, compute: int) -> float:
@@ -432,9 +426,9 @@ _COLUMNS = {
 }  # fmt: skip
 
 
-def measure(cfg, layout: ShardLayout, world_size: int) -> dict[str, float]:
+def measure(cfg, shape: MeshShape) -> dict[str, float]:
     """`--measure`: the bytes rank 0 holds at the peak of one training step of the config's
-    micro-batch under a strategy's `layout`, with exact tensor sizes and no real memory or compute.
+    micro-batch under a strategy's `shape` (no other axis), with exact tensor sizes and no real memory or compute.
 
     The step runs as rank 0 of `world_size` in this one process: tensors are fake (shapes,
     dtypes, no storage: torch's FakeTensorMode), collectives do nothing (the "fake"
@@ -456,26 +450,29 @@ def measure(cfg, layout: ShardLayout, world_size: int) -> dict[str, float]:
     from freetx.distributed import (
         DistributedRuntime,
         ParallelGroups,
-        build_mesh,
         fake_world,
         parallelize,
     )
 
+    layout, world_size = ShardLayout.of(shape), shape.world_size
     sharded = layout.parameter_shards > 1  # else replicated: the plain model at world size 1
     distributed = dataclasses.replace(
         cfg.distributed,
-        strategy=layout.strategy,
-        replicate_degree=layout.replicas if layout.replicas > 1 else None,
+        strategy=shape.strategy,
+        replicate_degree=shape.dp_replicate,  # read by hsdp alone
     )
     seq_len = dataset_seq_len(cfg)
-    micro = cfg.batch_size // (world_size * cfg.gradient_accumulation_steps)
+    micro = cfg.batch_size // (shape.dp * cfg.gradient_accumulation_steps)
+    if not sharded:  # the plain model: one process's shape
+        shape = MeshShape(shape.strategy, dp_replicate=1)
     with fake_world(world_size):
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        runtime = DistributedRuntime(0, 0, world_size if sharded else 1, device)
-        mesh = build_mesh(runtime, layout.replicas) if sharded else None
+        runtime = DistributedRuntime(0, 0, shape.world_size, device)
+        meshes = shape.build(device.type) if sharded else {}
         model = meta_model(cfg.model, getattr(cfg, "peft", None))  # real meta tensors
         with FakeTensorMode(allow_non_fake_inputs=True):
-            plan = parallelize(model, ParallelGroups(runtime, mesh), distributed, seed=cfg.seed)
+            groups = ParallelGroups(runtime, shape, meshes)
+            plan = parallelize(model, groups, distributed, seed=cfg.seed)
             optimizer = plan.build_optimizer(cfg.optimizer)
             loss_fn = instantiate(cfg.loss)
             input_ids = torch.randint(0, model.config.vocab_size, (micro, seq_len), device=device)

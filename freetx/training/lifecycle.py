@@ -169,7 +169,7 @@ class TrainingRun:
             facts = {"active parameters per token": num_active_parameters(module), **facts}
         self.loggers.write(
             training_banner(
-                self.recipe, self.runtime, plan.strategy, cfg,
+                self.recipe, self.runtime, plan.groups.shape, cfg,
                 model=module.describe() if isinstance(module, DescribesItself) else None,
                 parameters=num_parameters(module), **facts,
             )

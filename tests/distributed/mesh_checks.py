@@ -1,5 +1,6 @@
-"""4-process checks of the (dp, cp, tp) mesh (run by test_mesh_layouts.py through
-torchrun, one launch per layout: `--cp N --tp N`). FSDP2 over dp x cp; tp slices the
+"""4-process checks of the (pp, dp, cp, tp) mesh (run by test_mesh_layouts.py through
+torchrun, one launch per layout: `--cp N --tp N --pp N`, and `--replicas N` for hsdp's
+replicas as the dp axis). FSDP2 over dp x cp (hsdp: within each replica); tp slices the
 decoder's attention and MLP; cp gives each rank a load-balanced part of every sequence
 and gathers the keys and values. Against one process on the whole global batch: the
 initial weights, the gradients (tied and untied heads, an MoE decoder with its router
@@ -144,12 +145,13 @@ def main() -> None:
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--schedule", default="1f1b")
     parser.add_argument("--no-sequence-parallel", action="store_true")
+    parser.add_argument("--replicas", type=int, default=None, help="hsdp's replicas")
     args = parser.parse_args()
     runtime = init_distributed("cpu")
     results: dict = {"world_size": runtime.world_size}
     per_rank = 2 if args.schedule == "interleaved_1f1b" else 1
     cfg = OmegaConf.structured(DistributedConfig(
-        strategy="fsdp", tp=args.tp, cp=args.cp, pp=args.pp, pp_schedule=args.schedule,
+        strategy="hsdp" if args.replicas else "fsdp", replicate_degree=args.replicas, tp=args.tp, cp=args.cp, pp=args.pp, pp_schedule=args.schedule,
         pp_stages_per_rank=per_rank, sequence_parallel=not args.no_sequence_parallel))  # fmt: skip
     groups = build_groups(runtime, cfg)
     results["axes"] = [groups.rank(a) for a in ("dp", "cp", "tp")]

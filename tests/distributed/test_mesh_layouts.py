@@ -1,7 +1,8 @@
 """The (pp, dp, cp, tp) mesh on 4 gloo processes, one launch per layout: (dp 2, tp 2),
 (dp 2, cp 2), (pp 2, dp 2) here (tp with sequence parallelism, its default), and in the
 slow tier (dp 2, tp 2) without sequence parallelism, (cp 2, tp 2), (pp 2, dp 2) with
-interleaved 1F1B and with GPipe, (pp 2, tp 2) and (pp 2, cp 2). Each gives the same
+interleaved 1F1B and with GPipe, (pp 2, tp 2) and (pp 2, cp 2), and hsdp's 2 replicas
+with tp 2, cp 2 and pp 2. Each gives the same
 initial weights, gradients and clipped update as 1 process on the whole batch, for a
 dense decoder (tied and untied head; untied under pp) and an MoE one; under tp also
 LoRA on every projection (two steps); under cp also sliding-window, soft-capped layers; packed documents under cp and pp; under pp the
@@ -25,6 +26,10 @@ LAYOUTS = {
     "pp2_dp2_gpipe": ("--pp", "2", "--schedule", "gpipe"),
     "pp2_tp2": ("--pp", "2", "--tp", "2"),
     "pp2_cp2": ("--pp", "2", "--cp", "2"),
+    # hsdp: 2 replicas as the data-parallel axis, each sharded over the rest of its ranks
+    "hsdp2_tp2": ("--replicas", "2", "--tp", "2"),
+    "hsdp2_cp2": ("--replicas", "2", "--cp", "2"),
+    "pp2_hsdp2": ("--replicas", "2", "--pp", "2"),
 }
 FAST = ("dp2_tp2", "dp2_cp2", "pp2_dp2")  # the others: ~15 s each, the slow tier
 # [dp, cp, tp(, pp)] of ranks 0..3: the inner axes are the ranks next to each other
@@ -37,7 +42,8 @@ AXES = {
     "pp2_cp2": [[0, 0, 0, 0], [0, 1, 0, 0], [0, 0, 0, 1], [0, 1, 0, 1]],
 }
 AXES["pp2_dp2_interleaved"] = AXES["pp2_dp2_gpipe"] = AXES["pp2_dp2"]
-AXES["dp2_tp2_no_sp"] = AXES["dp2_tp2"]
+AXES["dp2_tp2_no_sp"] = AXES["hsdp2_tp2"] = AXES["dp2_tp2"]
+AXES["hsdp2_cp2"], AXES["pp2_hsdp2"] = AXES["dp2_cp2"], AXES["pp2_dp2"]
 
 
 def cases(layout: str) -> list[str]:
@@ -50,7 +56,7 @@ def cases(layout: str) -> list[str]:
             runs.append("chunks1/accumulation2/packed")
         models = (
             ("untied", "tied", "moe", "sliding")
-            if layout == "dp2_cp2"
+            if layout in ("dp2_cp2", "hsdp2_cp2")
             else ("untied", "tied", "moe")
         )
     return [f"{model}/{run}" for model in models for run in runs]

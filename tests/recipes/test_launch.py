@@ -46,7 +46,7 @@ HSDP = ["distributed.strategy=hsdp", "distributed.replicate_degree=4"]
     "args,overrides,message",
     [(["--gpus-per-node", "0"], [], "--gpus-per-node 0"),
      (["--time", "2h"], [], "SLURM reads minutes"),
-     (["--nodes", "3", "--gpus-per-node", "2"], HSDP, "replicate degree of 4 does not divide the 3 node(s) x 2"),
+     (["--nodes", "3", "--gpus-per-node", "2"], HSDP, "replicate degree of 4 does not divide the 6 data-parallel ranks of the 3 node(s) x 2"),
      (["--env", "NOVALUE"], [], "NAME=VALUE")],
 )  # fmt: skip
 def test_bad_launch_input_is_one_paragraph_and_writes_nothing(tmp_path, args, overrides, message):

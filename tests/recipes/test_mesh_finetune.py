@@ -2,8 +2,8 @@
 tp 2), (dp 2, cp 2) and (cp 2, tp 2) meshes, and llm/tiny_pp on (pp 2, dp 2) by 1F1B and
 interleaved 1F1B, repeat one process's losses step by step (20 steps); so does a
 Qwen3-MoE folder under (pp 2, dp 2), (dp 2, cp 2), (dp 2, tp 2) and (cp 2, tp 2), and
-LoRA at tp 2; a pipeline run's final export holds the whole model; a checkpoint saved under one
-layout resumes under another and on one process; packed data under cp 2 gives one
+LoRA at tp 2, and hsdp's replicas with tp, cp and pp; a pipeline run's final export holds the
+whole model; a checkpoint saved under one layout resumes under another and on one process; packed data under cp 2 gives one
 process's losses; an impossible layout is refused in one paragraph before any work."""
 
 from __future__ import annotations
@@ -99,6 +99,30 @@ def test_a_pipeline_save_resumes_on_one_process_and_under_tensor_parallelism(
            config="llm/tiny_pp")  # fmt: skip
     staged = losses(single, 4, "max_steps=20", "checkpoint.every_n_steps=0", config="llm/tiny_pp")
     assert_same(staged, one_process_pp, range(1, 21))
+
+
+HSDP = ["distributed.strategy=hsdp", "distributed.replicate_degree=2"]
+
+
+@pytest.mark.slow  # 4 runs of 4 processes, 10 or 20 steps: ~1.5 minutes on 2 cores
+def test_hsdp_replicas_compose_with_every_axis_and_resume_across_them(
+    tmp_path, one_process, one_process_pp
+):
+    """hsdp's 2 replicas as the data-parallel axis, each sharded over its own ranks, with
+    tp 2 (saved at step 10), then cp 2 (resumed from it), and pp 2 (llm/tiny_pp): one
+    process's losses; the hsdp x tp save resumes on one process too."""
+    saved = tmp_path / "hsdp_tp"
+    tp = losses(saved, 4, "max_steps=10", "checkpoint.every_n_steps=10", *HSDP, "distributed.tp=2")
+    assert_same(tp, one_process, range(1, 11))
+    shutil.copytree(saved, tmp_path / "hsdp_cp")
+    cp = losses(tmp_path / "hsdp_cp", 4, "max_steps=20", "checkpoint.every_n_steps=0", *HSDP,
+                "distributed.cp=2")  # fmt: skip
+    assert_same(cp, one_process, range(11, 21))
+    alone = losses(saved, 1, "max_steps=20", "checkpoint.every_n_steps=0")
+    assert_same(alone, one_process, range(11, 21))
+    pp = losses(tmp_path / "hsdp_pp", 4, "max_steps=20", "checkpoint.every_n_steps=0", *HSDP,
+                config="llm/tiny_pp")  # fmt: skip
+    assert_same(pp, one_process_pp, range(1, 21))
 
 
 @pytest.mark.slow  # a Qwen3-MoE folder, 6 runs of 20 steps: ~3 minutes on 2 cores

@@ -10,7 +10,7 @@ import warnings
 import pytest
 import torch
 
-from freetx.distributed import check_context_length
+from freetx.distributed import MeshShape
 from freetx.distributed.context_parallel import balanced_indices
 from freetx.errors import ConfigError
 from freetx.models.attention import AttentionSpec, attend, context_mask, document_mask
@@ -67,16 +67,16 @@ def test_context_parallelism_takes_the_masked_kernel_on_cpu_and_flex_on_cuda():
 
 
 def test_a_sequence_that_does_not_split_into_two_chunks_per_rank_is_refused():
-    check_context_length(64, 4)
+    MeshShape(cp=4).check_sequence_length(64)
     with pytest.raises(ConfigError, match="does not divide into 8") as error:
-        check_context_length(60, 4)
+        MeshShape(cp=4).check_sequence_length(60)
     assert "multiple of 8" in str(error.value)
 
 
 @pytest.mark.parametrize("model", [FreeTransformer, HFGenericModel])
 def test_models_that_cannot_compute_a_part_of_a_sequence_are_refused(model):
-    check_context(Transformer, 2, 64)
-    check_context(model, 1)  # cp 1: nothing to split
+    check_context(Transformer, MeshShape(cp=2), 64)
+    check_context(model, MeshShape())  # cp 1: nothing to split
     with pytest.raises(ConfigError, match="cannot compute a part") as error:
-        check_context(model, 2, 64)
+        check_context(model, MeshShape(cp=2), 64)
     assert "Set distributed.cp=1" in str(error.value)

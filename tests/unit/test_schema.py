@@ -94,8 +94,10 @@ def test_config_error_lists_every_problem():
     ("options", "world", "wanted", "fix"),
     [
         ({"tp": 3}, 4, "distributed.tp=3 does not divide the 4 process(es)", "tp=1"),
-        ({"tp": 2, "strategy": "ddp"}, 4, "distributed.tp=2 composes with fsdp or zero2", "tp=1"),
-        ({"tp": 2, "strategy": "hsdp"}, 4, "composes with fsdp or zero2", "tp=1"),
+        ({"tp": 2, "strategy": "ddp"}, 4, "distributed.tp=2 composes with fsdp, zero2 or hsdp",
+         "tp=1"),
+        ({"tp": 2, "strategy": "hsdp", "replicate_degree": 4}, 12,
+         "does not divide the 6 data-parallel ranks (2 processes each)", "replicate_degree"),
         ({"tp": 8}, 16, "a tp group would span nodes", "tp=1"),  # 4 processes per node
         ({"cp": 3}, 4, "distributed.cp=3 needs 3 processes per data-parallel rank", "cp=1"),
         ({"cp": 2, "strategy": "zero1"}, 4, "distributed.cp=2 composes with fsdp", "cp=1"),
@@ -163,7 +165,7 @@ def test_tensor_parallelism_slices_lora_and_refuses_what_it_cannot(targets, opti
     import torch
     from torch.distributed.tensor import DTensor
 
-    from freetx.distributed import DistributedRuntime, build_meshes, fake_world
+    from freetx.distributed import MeshShape, fake_world
     from freetx.distributed.tensor_parallel import apply_tensor_parallel
     from freetx.errors import ConfigError
     from freetx.models.peft import apply_lora
@@ -176,7 +178,7 @@ def test_tensor_parallelism_slices_lora_and_refuses_what_it_cannot(targets, opti
         apply_lora(lora, ["q", "o"], rank=2, alpha=4)
         apply_lora(refused, targets, rank=2, alpha=4, **options)
     with fake_world(4):
-        tp_mesh = build_meshes(DistributedRuntime(0, 0, 4, torch.device("cpu")), tp=2)["tp"]
+        tp_mesh = MeshShape("fsdp", dp_shard=2, tp=2).build("cpu")["tp"]
         apply_tensor_parallel(lora, tp_mesh)
         with pytest.raises(ConfigError, match="tp=1") as error:
             apply_tensor_parallel(refused, tp_mesh)

@@ -8,6 +8,15 @@ from freetx.models import OutputLayer
 from freetx.training import CrossEntropyLoss, LRScheduleConfig, lr_multiplier
 
 
+def shapes(world_size: int, strategy: str | None = None, **axes):
+    """The shape of every strategy (or one) on `world_size` CPU processes, for `estimate`."""
+    from freetx.distributed import DistributedConfig, Layout
+    from freetx.distributed.parallelize import strategy_shapes
+
+    found, _ = strategy_shapes(DistributedConfig(**axes), Layout(world_size, device_type="cuda"))
+    return [s for s in found if strategy in (None, s.strategy)]
+
+
 @pytest.mark.parametrize("decay", ["cosine", "linear", "constant"])
 def test_warmup_then_decay(decay):
     cfg = LRScheduleConfig(warmup_steps=10, decay=decay, min_lr_ratio=0.1)
@@ -92,7 +101,9 @@ def test_estimate_counts_model_states_exactly_and_lands_near_torchtitan():
     with torch.device("meta"):
         model = decoder("small", max_seq_len=64)
     params = sum(p.numel() for p in model.parameters())
-    rows = {r.strategy: r for r in estimate(model, 2, 32, 32, "float32", "none", 2, "cpu", 0.4)}
+    rows = {
+        r.strategy: r for r in estimate(model, shapes(2), 32, 32, "float32", "none", 2, "cpu", 0.4)
+    }
     assert rows["ddp"].parameters == rows["ddp"].gradients == params * 4
     assert rows["ddp"].optimizer == params * 8 and rows["zero1"].optimizer == params * 4
     assert rows["fsdp"].parameters == params * 2 and rows["fsdp"].optimizer == params * 4
@@ -109,7 +120,7 @@ def test_estimate_counts_the_scores_the_explicit_attention_keeps():
     def activations(device, **fields):
         with torch.device("meta"):
             model = decoder("tiny", max_seq_len=64, **fields)
-        return estimate(model, 2, 128, 64, "float32", "none", 2, device, 0.4)[0].activations
+        return estimate(model, shapes(2), 128, 64, "float32", "none", 2, device, 0.4)[0].activations
 
     capped = {"attn_logit_softcap": 50.0}
     layers, heads = 4, 6  # the tiny preset's
@@ -180,9 +191,9 @@ def test_estimate_divides_the_sliced_layers_and_their_activations_by_tp():
 
     with torch.device("meta"):
         model = decoder("llama3_8b")
-    args = (8, 2 * 8192, 8192, "bfloat16", "none", 2, "h100", 0.4)
-    fsdp = next(r for r in estimate(model, *args) if r.strategy == "fsdp")
-    sliced = next(r for r in estimate(model, *args, tp=2) if r.strategy == "fsdp")
+    args = (2 * 8192, 8192, "bfloat16", "none", 2, "h100", 0.4)
+    fsdp = estimate(model, shapes(8, "fsdp"), *args)[0]
+    sliced = estimate(model, shapes(8, "fsdp", tp=2), *args)[0]
     assert abs(sliced.parameters - fsdp.parameters) / fsdp.parameters < 1e-3
     assert sliced.activations < 0.75 * fsdp.activations
     assert sliced.compute_s == fsdp.compute_s / 2 and sliced.step_s > sliced.compute_s  # + sums
@@ -191,7 +202,7 @@ def test_estimate_divides_the_sliced_layers_and_their_activations_by_tp():
             preset="tiny"
         )
     with pytest.raises(ConfigError, match="tp=1"):
-        estimate(free, 8, 512, 256, "float32", "none", 2, "cpu", 0.4, tp=2)
+        estimate(free, shapes(8, "fsdp", tp=2), 512, 256, "float32", "none", 2, "cpu", 0.4)
 
 
 def test_estimate_counts_a_context_shard_and_a_pipeline_stage():
@@ -207,16 +218,16 @@ def test_estimate_counts_a_context_shard_and_a_pipeline_stage():
 
     with torch.device("meta"):
         model, first, last = (decoder("llama3_8b", tie_embeddings=False) for _ in range(3))
-    args = (8, 8192, 8192, "bfloat16", "none", 2, "h100", 0.4)
-    whole = next(r for r in estimate(model, *args) if r.strategy == "fsdp")
-    split = next(r for r in estimate(model, *args, cp=2) if r.strategy == "fsdp")
+    args = (8192, 8192, "bfloat16", "none", 2, "h100", 0.4)
+    whole = estimate(model, shapes(8, "fsdp"), *args)[0]
+    split = estimate(model, shapes(8, "fsdp", cp=2), *args)[0]
     assert 0.5 * whole.activations < split.activations < 0.6 * whole.activations
     assert split.compute_s == whole.compute_s / 2 and split.step_s > split.compute_s
-    shapes = pipeline_stage_shapes(DistributedConfig(pp=2), micro_batches=4)
+    stages = pipeline_stage_shapes(DistributedConfig(pp=2), micro_batches=4)
     first.keep_blocks(list(range(16)), first=True, last=False)
     last.keep_blocks(list(range(16, 32)), first=False, last=True)
-    head, tail = (next(r for r in estimate(m, *args, stage=s) if r.strategy == "fsdp")
-                  for m, s in zip((first, last), shapes))  # fmt: skip
+    head, tail = (estimate(m, shapes(8, "fsdp", pp=2), *args, stage=s)[0]
+                  for m, s in zip((first, last), stages))  # fmt: skip
     assert head.loss == 0 and tail.loss == whole.loss
     assert head.activations == whole.activations  # half the blocks, 2 micro-batches
     assert tail.activations == whole.activations / 2
