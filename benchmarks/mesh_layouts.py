@@ -45,8 +45,8 @@ def worker(cp: int, tp: int, pp: int, steps: int, batch: int, seq: int) -> None:
     import torch
     from omegaconf import OmegaConf
 
+    from freetx.data import TokenBatch
     from freetx.distributed import DistributedConfig, build_groups, init_distributed, parallelize
-    from freetx.distributed.pipeline import PipelineBatch
     from freetx.models.transformer import decoder
     from freetx.training import CrossEntropyLoss
 
@@ -86,7 +86,7 @@ def worker(cp: int, tp: int, pp: int, steps: int, batch: int, seq: int) -> None:
                 (loss / labels.numel()).backward()
             else:  # what the stages keep at once, over the schedule's micro-batches
                 scale = torch.tensor(plan.gradient_ranks / (labels.numel() * groups.dp_size))
-                plan.pipeline.step(PipelineBatch(inputs, labels), loss_fn, scale)
+                plan.pipeline.step(TokenBatch(inputs, labels), loss_fn, scale)
         optimizer.step()
         if step >= 2:
             times.append(time.perf_counter() - start)

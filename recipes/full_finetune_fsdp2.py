@@ -17,6 +17,8 @@ full_finetune_fsdp2 ./my_ft.py`) to change the loop itself.
 
 from __future__ import annotations
 
+import functools
+import itertools
 import math
 import sys
 from dataclasses import dataclass, field
@@ -28,7 +30,7 @@ from omegaconf import MISSING
 from freetx.checkpoint import files_read_by
 from freetx.config import at_least, instantiate
 from freetx.data import (
-    IGNORE_INDEX,
+    TokenBatch,
     build_eval_loader,
     build_train_loader,
     micro_batch_size,
@@ -36,9 +38,7 @@ from freetx.data import (
 )
 from freetx.data.packing import packs
 from freetx.distributed import build_groups, init_distributed, parallelize
-from freetx.distributed.pipeline import PipelineBatch
 from freetx.entry import parse
-from freetx.models.output_loss import SourcesOf
 from freetx.models.peft import PEFTConfig, apply_peft
 from freetx.training import (
     TrainingConfig,
@@ -48,6 +48,7 @@ from freetx.training import (
     check_context,
     check_model_and_data,
     check_packing,
+    evaluation_sums,
     first_batches_padding,
     loss_tokens,
     optimizer_step,
@@ -96,9 +97,8 @@ class FullFinetuneRecipeFSDP2:
         cfg = self.cfg
         self.groups = build_groups(self.runtime, cfg.distributed)  # the ranks: dp, world
         rank, world_size = self.groups.dp_rank, self.groups.dp_size  # this rank's share of data
-        # Cheap checks first: a resume that would lose saved work or change fixed
-        # settings, a bad batch split or a bad data path fails before any model exists.
-        # the same loop is two recipes: the `peft:` section makes it lora_finetune_fsdp2
+        # Cheap checks first: a resume that would lose saved work or change fixed settings, a
+        # bad batch split or data path fails before any model exists. (`peft:`: the LoRA recipe)
         name = "full_finetune_fsdp2" if cfg.peft.method == "none" else "lora_finetune_fsdp2"
         self.run = TrainingRun(cfg, self.groups, name)
         micro_batch_size(cfg.batch_size, world_size, self.accumulation)
@@ -108,8 +108,8 @@ class FullFinetuneRecipeFSDP2:
         val_set = instantiate(cfg.dataset, tokenizer=self.tokenizer, split="validation")
         self.run.report_cuts(train_set, val_set)  # samples cut or dropped at seq_len
         self.seq_len = train_set.seq_len
-        self.source_names = source_names(train_set)  # a mixture's, for its losses
-        self.val_loader = build_eval_loader(val_set, cfg.eval.batch_size, rank, world_size)
+        collate = functools.partial(TokenBatch.collate, source_names=source_names(train_set))
+        self.val_loader = build_eval_loader(val_set, cfg.eval.batch_size, rank, world_size, collate)
 
         with torch.device("meta"):
             model = instantiate(cfg.model)
@@ -124,13 +124,12 @@ class FullFinetuneRecipeFSDP2:
             micro_batches=self.accumulation,  # pp > 1: the pipeline's micro-batches
         )  # fmt: skip
         self.model = self.plan.model
-        self.context = self.plan.context  # distributed.cp > 1: this rank's part of each sequence
         self.optimizer = self.plan.build_optimizer(cfg.optimizer)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.max_steps, cfg.lr_schedule)
 
         self.train_loader = build_train_loader(
             train_set, cfg.batch_size, self.accumulation, rank, world_size, cfg.seed,
-            num_workers=cfg.num_workers,
+            num_workers=cfg.num_workers, collate=collate,
         )  # fmt: skip
         self.run.start(
             self.plan, self.optimizer, self.lr_scheduler, self.train_loader,
@@ -145,16 +144,16 @@ class FullFinetuneRecipeFSDP2:
         data = iter(self.train_loader)
         self.model.train()
         while run.step < cfg.max_steps and not run.stopping:  # stopping: SIGTERM, ^C
-            batches = [self.split(next(data)) for _ in range(self.accumulation)]
+            batches = [next(data) for _ in range(self.accumulation)]
             self.optimizer.zero_grad(set_to_none=True)
             sums, num_tokens = accumulate_gradients(
-                self.plan, batches, self.compute_loss, count=loss_tokens, pipelined=self.pipelined
+                self.plan, batches, self.compute_loss, count=loss_tokens, loss=self.loss_fn
             )
             grad_norm = optimizer_step(
                 self.plan, self.optimizer, self.lr_scheduler, cfg.max_grad_norm
             )
             # throughput counts real work: positions that are not padding, loss tokens
-            run.advance(grad_norm, real_tokens(batches), loss_tokens=num_tokens)
+            run.advance(grad_norm, real_tokens(batches, self.groups), loss_tokens=num_tokens)
             if run.log_due():
                 run.log_train(sums, num_tokens, grad_norm)
             if run.due(cfg.eval.every_n_steps):
@@ -163,65 +162,20 @@ class FullFinetuneRecipeFSDP2:
                 run.save()
         run.finish(self.evaluate)
 
-    def compute_loss(self, batch: dict[str, torch.Tensor]):
+    def compute_loss(self, batch: TokenBatch):
         """One micro-batch: forward and the loss summed over its loss tokens (+ extras)."""
-        input_ids, labels = batch["input_ids"].to(self.device), batch["labels"].to(self.device)
-        return self.loss_fn(self.model, input_ids, labels, **self.model_inputs(batch))
+        return self.loss_fn(self.model, batch.input_ids, batch.labels, **batch.model_inputs())
 
-    def pipelined(self, batches: list[dict[str, torch.Tensor]]):
-        """Under pipeline parallelism: the micro-batches joined (the schedule splits them
-        again) and the loss the last stage computes."""
-        joined = {k: torch.cat([b[k] for b in batches]).to(self.device)
-                  for k in ("input_ids", "labels", "documents") if k in batches[0]}  # fmt: skip
-        if self.source_names:
-            source = torch.cat([b["source"] for b in batches]).to(self.device)
-            joined["sources"] = SourcesOf(source, self.source_names)
-        return PipelineBatch(**joined), self.loss_fn
-
-    def split(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Under context parallelism, this rank's part of each sequence (else the batch)."""
-        return batch if self.context is None else self.context.split_batch(batch)
-
-    def model_inputs(self, batch: dict[str, torch.Tensor]) -> dict[str, Any]:
-        """The loss's inputs besides input_ids and labels: a packed batch's documents, a
-        mixture's sources (each source's loss is logged), the context shard (cp > 1)."""
-        inputs: dict[str, Any] = {}
-        if "documents" in batch:
-            inputs["documents"] = batch["documents"].to(self.device)
-        if self.source_names:
-            inputs["sources"] = SourcesOf(batch["source"], self.source_names)
-        if self.context is not None:
-            inputs["context"] = self.context
-        return inputs
-
-    @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
         """Validation loss and perplexity over the whole split; every rank takes part."""
         self.model.eval()
-        sums = {"loss": torch.zeros((), device=self.device)}
-        tokens = torch.zeros((), device=self.device)
-        for i, batch in enumerate(self.val_loader):
-            if self.cfg.eval.max_batches is not None and i >= self.cfg.eval.max_batches:
-                break
-            batch = self.split(batch)
-            input_ids = batch["input_ids"].to(self.device)
-            labels = batch["labels"].masked_fill(batch["padding"][:, None], IGNORE_INDEX)
-            labels = labels.to(self.device)
-            with self.plan.autocast():
-                if self.plan.pipeline is not None:  # through the stages, in training's shapes
-                    joined, _ = self.pipelined([{**batch, "labels": labels}])
-                    parts = self.plan.pipeline.evaluate(
-                        joined, self.loss_fn, rows=self.cfg.batch_size // self.groups.dp_size
-                    )
-                    loss = parts.pop("loss")
-                else:  # the loss runs the forward pass (its output layer in chunks)
-                    loss, parts = self.loss_fn.evaluate(
-                        self.model, input_ids, labels, **self.model_inputs(batch)
-                    )
-            sums["loss"] += loss
+        sums, tokens = {}, torch.zeros((), device=self.device)
+        rows = self.cfg.batch_size // self.groups.dp_size  # pp: the stages' shapes
+        for batch in itertools.islice(self.val_loader, self.cfg.eval.max_batches):  # None: all
+            parts, loss_tokens = evaluation_sums(self.plan, batch, self.loss_fn, rows)
             for name, value in parts.items():
                 sums[name] = sums.get(name, 0) + value
-            tokens += (labels != IGNORE_INDEX).sum()
+            tokens += loss_tokens
         totals = self.groups.sum({**sums, "tokens": tokens}, over="dp_cp")
         self.model.train()
         num_tokens = max(totals.pop("tokens"), 1.0)

@@ -16,6 +16,7 @@ from freetx.data.activations import (
     harvested_activations,
     planted_activations,
 )
+from freetx.data.batch import SourcesOf, TokenBatch, token_sample
 from freetx.data.chat import ChatDataset
 from freetx.data.instruct import InstructDataset
 from freetx.data.letter_block import LetterBlockDataset
@@ -53,11 +54,14 @@ __all__ = [
     "Mixture",
     "PackedTextDataset",
     "ShardCache",
+    "SourcesOf",
+    "TokenBatch",
     "build_eval_loader",
     "build_train_loader",
     "harvested_activations",
     "leading_bos",
     "micro_batch_size",
+    "token_sample",
     "planted_activations",
     "read_documents",
     "source_names",

@@ -39,6 +39,7 @@ from omegaconf import MISSING
 from torch import nn
 from torch.utils.data import Dataset
 
+from freetx.data.batch import INPUT_IDS
 from freetx.data.sampling import build_train_loader, micro_batch_size
 from freetx.data.shard_cache import ShardCache
 from freetx.errors import ConfigError, DataError
@@ -325,7 +326,7 @@ class ActivationBuffer:
     def _fill(self) -> torch.Tensor:
         start = self.refill * self.per_refill
         picks = [self.mine[(start + i) % len(self.mine)] for i in range(self.per_refill)]
-        input_ids = torch.stack([self.sequences[i]["input_ids"] for i in picks])
+        input_ids = torch.stack([self.sequences[i][INPUT_IDS] for i in picks])
         rows = self.harvest(input_ids)
         stream = (self.seed * 1_000_003 + self.rank * 7919 + self.refill) % 2**63
         order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(stream))
@@ -384,7 +385,7 @@ def build_activation_cache(
             step = world_size * CACHE_SEQUENCES_PER_FORWARD
             for start in range(rank, len(sequences), step):
                 picks = list(range(start, min(len(sequences), start + step), world_size))
-                parts.append(harvest(torch.stack([sequences[i]["input_ids"] for i in picks])))
+                parts.append(harvest(torch.stack([sequences[i][INPUT_IDS] for i in picks])))
             return {"rows": torch.cat(parts).to(dtype).contiguous()}
 
         cache.build(rank, world_size, make, {"settings": settings}, barrier=barrier)
@@ -439,7 +440,7 @@ class SpliceProbe:
     ) -> None:
         self.harvester = harvester
         count = min(sequences, len(text))
-        self.input_ids = torch.stack([text[i]["input_ids"] for i in range(count)])
+        self.input_ids = torch.stack([text[i][INPUT_IDS] for i in range(count)])
         self.keep = keep_positions(self.input_ids, drop_ids)
 
     def __call__(self, reconstruct: Callable[[torch.Tensor], torch.Tensor]) -> dict[str, float]:
@@ -536,7 +537,7 @@ def harvested_activations(
         return harvester(input_ids, keep_positions(input_ids, drop_ids)).cpu()
 
     rank, world_size = loading.rank, loading.world_size
-    sample = harvest(torch.stack([text[0]["input_ids"]]))
+    sample = harvest(torch.stack([text[0][INPUT_IDS]]))
     if cfg.mode == "cache":
         if not cfg.cache:
             raise ConfigError("activations.mode=cache needs activations.cache: a folder.")
@@ -563,7 +564,7 @@ def harvested_activations(
             loading.seed,
         )  # fmt: skip
         first = loader.mine[: cfg.sequences_per_refill]
-        normalize_from = harvest(torch.stack([text[i]["input_ids"] for i in first]))
+        normalize_from = harvest(torch.stack([text[i][INPUT_IDS] for i in first]))
         description = f"buffer ({cfg.sequences_per_refill} sequences a refill)"
     return Activations(
         train_loader=loader,
@@ -591,12 +592,12 @@ def validation_rows(
     for i in range(len(val_text)):
         if start >= share.stop:
             break
-        input_ids = torch.stack([val_text[i]["input_ids"]])
+        input_ids = torch.stack([val_text[i][INPUT_IDS]])
         count = int(keep_positions(input_ids, drop_ids).sum())
         if start + count > share.start:
             rows = harvest(input_ids)
             parts.append(rows[max(0, share.start - start) : share.stop - start])
         start += count
     if not parts:  # more ranks than rows: this one evaluates none
-        parts.append(harvest(torch.stack([val_text[0]["input_ids"]]))[:0])
+        parts.append(harvest(torch.stack([val_text[0][INPUT_IDS]]))[:0])
     return torch.cat(parts)

@@ -23,7 +23,7 @@ import string
 import torch
 from torch.utils.data import Dataset
 
-from freetx.data.sampling import IGNORE_INDEX
+from freetx.data.batch import IGNORE_INDEX, token_sample
 from freetx.data.tokenizers import leading_bos
 from freetx.errors import DataError
 
@@ -87,7 +87,7 @@ class LetterBlockDataset(Dataset):
         tokens = torch.tensor(ids, dtype=torch.long)
         labels = tokens[1:].clone()
         labels[0] = IGNORE_INDEX  # the letter is drawn at random: nothing to learn
-        return {"input_ids": tokens[:-1], "labels": labels}
+        return token_sample(tokens[:-1], labels)
 
 
 class BlockPositionSpread:

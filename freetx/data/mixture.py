@@ -42,6 +42,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from freetx.data.batch import SOURCE
 from freetx.data.packing import packs
 from freetx.errors import ConfigError
 from freetx.fields import ReadsFiles
@@ -131,7 +132,7 @@ class Mixture(Dataset):
             raise IndexError(f"index {index} out of range for a mixture of {len(self)} samples")
         source = int(np.searchsorted(self._starts, index, side="right")) - 1
         local = index - int(self._starts[source]) if self._draws is None else self._draws[index]
-        return {**self.parts[source][int(local)], "source": torch.tensor(source)}
+        return {**self.parts[source][int(local)], SOURCE: torch.tensor(source)}
 
     def line(self) -> str:
         """One line for the start-up: each source's share, and how many passes over its

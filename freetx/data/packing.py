@@ -22,7 +22,7 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 import torch
 
-from freetx.data.sampling import IGNORE_INDEX
+from freetx.data.batch import IGNORE_INDEX, token_sample
 from freetx.data.token_rows import Encoded
 
 
@@ -91,12 +91,12 @@ def packed_sample(samples: Sequence[Encoded], seq_len: int, pad_id: int) -> dict
     if real > seq_len:
         raise ValueError(f"a pack of {real} positions does not fit seq_len={seq_len}")
     pad = seq_len - real
-    return {
-        "input_ids": torch.tensor(inputs + [pad_id] * pad, dtype=torch.long),
-        "labels": torch.tensor(labels + [IGNORE_INDEX] * pad, dtype=torch.long),
-        "documents": torch.tensor(documents + [-1] * pad, dtype=torch.long),
-        "real_tokens": torch.tensor(real, dtype=torch.long),
-    }
+    return token_sample(
+        torch.tensor(inputs + [pad_id] * pad, dtype=torch.long),
+        torch.tensor(labels + [IGNORE_INDEX] * pad, dtype=torch.long),
+        torch.tensor(documents + [-1] * pad, dtype=torch.long),
+        real_tokens=real,
+    )
 
 
 def stream_documents(input_ids: torch.Tensor, labels: torch.Tensor, eos_id: int):

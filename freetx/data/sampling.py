@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import math
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,9 +27,8 @@ import torch
 from torch.utils.data import Dataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from freetx.data.batch import IGNORE_INDEX, PADDING  # noqa: F401 (IGNORE_INDEX: its old home)
 from freetx.errors import ConfigError, DataError
-
-IGNORE_INDEX = -100
 
 # torchdata 0.11 calls a deprecated torch function on every iterator; not ours to fix
 warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
@@ -154,7 +154,7 @@ class EvalShard(Dataset):
         source = index * self.world_size + self.rank
         padding = source >= len(self.dataset)
         sample = dict(self.dataset[0 if padding else source])
-        sample["padding"] = torch.tensor(padding)
+        sample[PADDING] = torch.tensor(padding)
         return sample
 
 
@@ -167,8 +167,10 @@ def build_train_loader(
     seed: int,
     num_workers: int = 0,
     shuffle: bool = True,
+    collate: Callable | None = None,
 ) -> StatefulDataLoader:
-    """A StatefulDataLoader over this rank's micro-batches (see GlobalBatchSampler)."""
+    """A StatefulDataLoader over this rank's micro-batches (see GlobalBatchSampler);
+    `collate` makes a micro-batch of samples (`TokenBatch.collate`; None: torch's)."""
     sampler = GlobalBatchSampler(
         len(dataset), global_batch_size, accumulation, rank, world_size, seed, shuffle
     )
@@ -176,13 +178,15 @@ def build_train_loader(
     # or a resumed run's dropout masks would shift by one draw
     generator = torch.Generator().manual_seed(seed)
     return StatefulDataLoader(
-        dataset, batch_sampler=sampler, num_workers=num_workers, generator=generator
-    )
+        dataset, batch_sampler=sampler, num_workers=num_workers, generator=generator,
+        collate_fn=collate,
+    )  # fmt: skip
 
 
 def build_eval_loader(
-    dataset: Dataset, global_batch_size: int, rank: int, world_size: int
-) -> StatefulDataLoader:
+    dataset: Dataset, global_batch_size: int, rank: int, world_size: int,
+    collate: Callable | None = None,
+) -> StatefulDataLoader:  # fmt: skip
     """Batches of `global_batch_size` samples over all ranks (each rank its strided share):
     global batch i is samples [i B, (i + 1) B) at any world size, so a validation figure
     over the first n batches means the same samples on 1 rank or 8. Every rank gets the
@@ -198,6 +202,7 @@ def build_eval_loader(
         EvalShard(dataset, rank, world_size),
         batch_size=global_batch_size // world_size,
         generator=generator,
+        collate_fn=collate,
     )
 
 

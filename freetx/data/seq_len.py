@@ -16,7 +16,7 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 import torch
 
-from freetx.data.sampling import IGNORE_INDEX
+from freetx.data.batch import IGNORE_INDEX, token_sample
 from freetx.data.token_rows import NO_TARGET, Encoded, TokenRows
 from freetx.errors import DataError
 
@@ -91,8 +91,7 @@ def fixed_length_sample(encoded: Encoded, seq_len: int, pad_id: int) -> dict[str
     pad = seq_len + 1 - len(ids)
     ids = ids + [pad_id] * pad
     targets += [IGNORE_INDEX] * pad
-    return {
-        "input_ids": torch.tensor(ids[:-1], dtype=torch.long),
-        "labels": torch.tensor(targets[1:], dtype=torch.long),
-        "real_tokens": torch.tensor(real, dtype=torch.long),
-    }
+    return token_sample(
+        torch.tensor(ids[:-1], dtype=torch.long), torch.tensor(targets[1:], dtype=torch.long),
+        real_tokens=real,
+    )  # fmt: skip

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from freetx.data.batch import token_sample
 from freetx.data.corpus import builtin_documents
 from freetx.data.formats import DEFAULT_COLUMNS, BadRows, Format, read_split
 from freetx.data.packing import stream_documents
@@ -166,13 +167,10 @@ class PackedTextDataset(Dataset):
         window = torch.from_numpy(self.tokens[start : start + self.seq_len + 1].astype(np.int64))
         if not self.packed:
             real = torch.tensor(self.seq_len)  # a window of the stream: no padding
-            return {"input_ids": window[:-1], "labels": window[1:], "real_tokens": real}
+            return token_sample(window[:-1], window[1:], real_tokens=real)
         input_ids = window[:-1]
         documents, labels = stream_documents(input_ids, window[1:], self.tokenizer.eos_id)
-        return {
-            "input_ids": input_ids, "labels": labels, "documents": documents,
-            "real_tokens": torch.tensor(self.seq_len),
-        }  # fmt: skip
+        return token_sample(input_ids, labels, documents, real_tokens=self.seq_len)
 
     @property
     def num_tokens(self) -> int:

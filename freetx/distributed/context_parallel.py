@@ -13,9 +13,9 @@ Causal attention does more work late in a sequence than early, so the sequence i
 into 2 x cp chunks and rank r holds chunks r and 2 cp - 1 - r: every rank gets the same
 amount of attention (load balancing, as Megatron-LM and torchtitan do).
 
-`ContextShard` is what a model sees (`freetx.models.protocol.SequenceShard`); the recipe
-splits each batch with `split_batch` before it counts loss tokens, so the counts, the
-losses and the gradients add up over the `dp_cp` axis.
+`ContextShard` is what a model sees (`freetx.models.protocol.SequenceShard`) and what a
+token batch is split by (`TokenBatch.split`, in `accumulate_gradients` before it counts
+loss tokens), so the counts, the losses and the gradients add up over the `dp_cp` axis.
 """
 
 from __future__ import annotations
@@ -106,14 +106,6 @@ class ContextShard:
         """`x` summed over the cp ranks, differentiably."""
         return _SumRanks.apply(x, self.groups)
 
-    def split_batch(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """A token batch with this rank's part of each sequence: `input_ids` and `labels`
-        split, a packed batch's `documents` whole (the keys' documents), `real_tokens`
-        shared out (the cp ranks' parts add up to the batch's)."""
-        out = dict(batch)
-        for key in ("input_ids", "labels"):
-            self.groups.shape.check_sequence_length(batch[key].shape[1])
-            out[key] = self.split(batch[key])
-        if "real_tokens" in batch:
-            out["real_tokens"] = batch["real_tokens"] / self.size
-        return out
+    def check_length(self, length: int) -> None:
+        """A sequence of `length` tokens splits into this shard's chunks (2 x cp)."""
+        self.groups.shape.check_sequence_length(length)

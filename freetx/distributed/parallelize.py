@@ -166,7 +166,7 @@ class ParallelPlan:
     groups: ParallelGroups  # the ranks by axis (dp, cp, tp, world) and their collectives
     cfg: Any  # the `distributed:` section
     scaler: GradScaler = field(init=False)  # float16 only: agreed over the ranks
-    # distributed.cp > 1: this rank's part of each sequence (`split_batch`, and the model's
+    # distributed.cp > 1: this rank's part of each sequence (`TokenBatch.split`, and the model's
     # forward(context=...)); None without context parallelism
     context: ContextShard | None = field(init=False)
     # distributed.pp > 1: this rank's pipeline stages and their schedule (`parallelize`)

@@ -24,15 +24,14 @@ shares with the other stages of its pipeline (one all-reduce over pp).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 from torch import nn
 
+from freetx.data.batch import SourcesOf, TokenBatch
 from freetx.distributed.groups import ParallelGroups
 from freetx.errors import ConfigError
-from freetx.models.output_loss import SourcesOf
 from freetx.models.protocol import SplitsIntoStages, require_hook
 
 
@@ -47,18 +46,6 @@ class PipelinedLoss(Protocol):
     ) -> tuple[torch.Tensor, dict]: ...
 
     ignore_index: int  # the label of positions without loss
-
-
-@dataclass
-class PipelineBatch:
-    """An optimizer step's micro-batches, joined (the schedule splits them again):
-    input_ids and labels [micro-batches x rows, T], a packed batch's documents, a
-    mixture's sources (`SourcesOf`: each row's source [rows], and their names)."""
-
-    input_ids: torch.Tensor
-    labels: torch.Tensor
-    documents: torch.Tensor | None = None
-    sources: SourcesOf | None = None
 
 
 def stage_blocks(num_blocks: int, stages: int, given: list[int] | None = None) -> list[range]:
@@ -214,7 +201,7 @@ class Pipeline:
         """The last stage's loss sum and extras of one micro-batch (`StageModule`)."""
         self._records.append((total.detach(), {k: v.detach() for k, v in extras.items()}))
 
-    def step(self, batch: PipelineBatch, loss: PipelinedLoss, scale: torch.Tensor):
+    def step(self, batch: TokenBatch, loss: PipelinedLoss, scale: torch.Tensor):
         """Forward and backward of every micro-batch of `batch` through the stages, the
         summed loss multiplied by `scale` (the gradient ranks over the global units);
         the sums to log, on every rank of the pipeline."""
@@ -222,7 +209,7 @@ class Pipeline:
         return self._shared()
 
     @torch.no_grad()
-    def evaluate(self, batch: PipelineBatch, loss: PipelinedLoss, rows: int):
+    def evaluate(self, batch: TokenBatch, loss: PipelinedLoss, rows: int):
         """The loss sums of `batch` (any number of rows), forward only, in groups of
         `rows` (the training's rows per optimizer step: the stages' shapes), the last
         group padded with rows that have no loss tokens."""
@@ -232,10 +219,10 @@ class Pipeline:
                     for t, fill in zip((batch.input_ids, batch.labels, batch.documents, source),
                                        (0, loss.ignore_index, -1, 0))]  # fmt: skip
             sources = None if source is None else SourcesOf(part[3], batch.sources.names)
-            self._run(self.schedule.eval, PipelineBatch(*part[:3], sources), loss, torch.ones(()))
+            self._run(self.schedule.eval, TokenBatch(*part[:3], sources), loss, torch.ones(()))
         return self._shared()
 
-    def _run(self, call, batch: PipelineBatch, loss: PipelinedLoss, scale: torch.Tensor) -> None:
+    def _run(self, call, batch: TokenBatch, loss: PipelinedLoss, scale: torch.Tensor) -> None:
         """One schedule call; keeps its micro-batches' records (the last `micro_batches`:
         a stage's first call also runs its forward once on stand-in tensors to learn the
         shapes it sends, which records too)."""

@@ -39,7 +39,7 @@ from torch import nn
 from freetx.errors import ConfigError
 from freetx.models.output_loss import (
     IGNORE_INDEX,
-    SourcesOf,
+    SumsBySource,
     check_num_chunks,
     forward_with_loss,
 )
@@ -386,7 +386,7 @@ class FreeTransformerLoss:
         model,
         input_ids: torch.Tensor,
         labels: torch.Tensor,
-        sources: SourcesOf | None = None,
+        sources: SumsBySource | None = None,
         **inputs,
     ):
         (_, z_logits), losses, sums = forward_with_loss(

@@ -14,7 +14,7 @@ chunk's logits alive at a time (`benchmarks/memory.py`). The LM losses use it:
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -195,25 +195,11 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         return scaled_hidden, None, None, None, None, *scaled
 
 
-class SourcesOf(NamedTuple):
-    """Which source each sample of a batch is from (`source` [B], a mixture's), and the
-    sources' names: the per-source sums a loss adds to its extras."""
+class SumsBySource(Protocol):
+    """A batch's rows by source (a mixture's: `freetx.data.SourcesOf`): the sums of a
+    per-token loss it adds to a loss's extras, by source name."""
 
-    source: torch.Tensor
-    names: tuple[str, ...]
-
-    def sums(self, per_token: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
-        """`loss/<name>` (the loss summed over the source's loss tokens) and
-        `loss_tokens/<name>` for every source, present in the batch or not (every rank
-        reduces the same keys)."""
-        per_sample = per_token.sum(dim=1)
-        tokens = mask.sum(dim=1).to(per_sample.dtype)
-        sums = {}
-        for index, name in enumerate(self.names):
-            mine = self.source.to(per_sample.device) == index
-            sums[f"loss/{name}"] = per_sample[mine].sum()
-            sums[f"loss_tokens/{name}"] = tokens[mine].sum()
-        return sums
+    def sums(self, per_token: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]: ...
 
 
 def forward_with_loss(
@@ -222,7 +208,7 @@ def forward_with_loss(
     labels: torch.Tensor,
     num_chunks: int | None,
     ignore_index: int = IGNORE_INDEX,
-    sources: SourcesOf | None = None,
+    sources: SumsBySource | None = None,
     **inputs,
 ):
     """`model`'s forward with a `ChunkedCrossEntropy` of `labels` as its output loss:

@@ -24,7 +24,12 @@ from freetx.training.meters import (
     train_step_metrics,
 )
 from freetx.training.seed import rng_state, seed_everything, set_rng_state
-from freetx.training.step import accumulate_gradients, count_over_ranks, optimizer_step
+from freetx.training.step import (
+    accumulate_gradients,
+    count_over_ranks,
+    evaluation_sums,
+    optimizer_step,
+)
 
 __all__ = [
     "CrossEntropyLoss",
@@ -33,6 +38,7 @@ __all__ = [
     "TrainingConfig",
     "TrainingRun",
     "accumulate_gradients",
+    "evaluation_sums",
     "build_lr_scheduler",
     "check_layout",
     "check_written_folders",

@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from freetx.data.sampling import IGNORE_INDEX
+from freetx.data.batch import IGNORE_INDEX, SourcesOf, TokenBatch
 from freetx.models.output_loss import (
     ChunkedCrossEntropy,
-    SourcesOf,
     TokenLosses,
     check_num_chunks,
     forward_with_loss,
@@ -87,7 +86,7 @@ class CrossEntropyLoss:
         return self(model, input_ids, labels, **inputs)
 
 
-def loss_tokens(batch: dict[str, torch.Tensor], ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+def loss_tokens(batch: TokenBatch) -> torch.Tensor:
     """How many loss tokens a token batch holds (labels that are not ignored): the unit
     its summed loss is normalized by (`accumulate_gradients(..., count=loss_tokens)`)."""
-    return (batch["labels"] != ignore_index).sum()
+    return batch.loss_tokens()

@@ -15,7 +15,8 @@ import time
 
 import torch
 
-from freetx.data import GlobalBatchSampler
+from freetx.data import GlobalBatchSampler, TokenBatch
+from freetx.data.batch import sample_positions
 from freetx.distributed import ParallelGroups
 
 # Dense (no sparsity) bf16 peak, FLOP/s, matched by substring of the device name.
@@ -141,16 +142,11 @@ class ThroughputMeter:
         return metrics
 
 
-def real_tokens(batches: list[dict[str, torch.Tensor]]) -> float:
-    """The positions of token batches that are not padding (`real_tokens` per sample where
-    the data says, as packed and padded samples do; else every position)."""
-    total = 0.0
-    for batch in batches:
-        if "real_tokens" in batch:
-            total += float(batch["real_tokens"].sum())
-        else:
-            total += float(batch["input_ids"].numel())
-    return total
+def real_tokens(batches: list[TokenBatch], groups: ParallelGroups) -> float:
+    """This rank's share of the positions of its token batches that are not padding
+    (`real_tokens` per sample where the data says, as packed and padded samples do; else
+    every position): the cp ranks that split the batches share them out."""
+    return sum(batch.real_positions() for batch in batches) / groups.size("cp")
 
 
 def first_batches_padding(loader, steps: int = 4) -> str | None:
@@ -164,11 +160,11 @@ def first_batches_padding(loader, steps: int = 4) -> str | None:
     for step in range(steps):
         for micro in range(sampler.accumulation):
             for index in sampler.indices(step, micro):
-                sample = dataset[index]
-                if "real_tokens" not in sample:
+                length, not_padding = sample_positions(dataset[index])
+                if not_padding is None:
                     return None
-                positions += sample["input_ids"].numel()
-                real += int(sample["real_tokens"])
+                positions += length
+                real += not_padding
     if not positions:
         return None
     return f"{100 * (1 - real / positions):.1f}% of the first {steps} steps' positions"
@@ -177,7 +173,7 @@ def first_batches_padding(loader, steps: int = 4) -> str | None:
 def per_source_means(metrics: dict[str, float], prefix: str = "") -> dict[str, float]:
     """A mixture's per-source sums made means: `loss/<name>` over `loss_tokens/<name>`
     (both divided by the same total before, which the ratio cancels;
-    `freetx.models.output_loss.SourcesOf`). A source without loss tokens in the window
+    `freetx.data.SourcesOf`). A source without loss tokens in the window
     is left out."""
     means = {}
     for key, value in metrics.items():

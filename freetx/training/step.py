@@ -14,8 +14,9 @@ from typing import Any
 
 import torch
 
+from freetx.data.batch import TokenBatch
 from freetx.distributed import ParallelGroups, ParallelPlan
-from freetx.distributed.pipeline import PipelineBatch, PipelinedLoss
+from freetx.distributed.pipeline import PipelinedLoss
 from freetx.training.grad import clip_grad_norm
 
 Batch = Any  # whatever the recipe's data loader yields
@@ -34,37 +35,68 @@ def accumulate_gradients(
     batches: list[Batch],
     compute_loss: LossFn,
     count: Callable[[Batch], torch.Tensor | int],
-    pipelined: Callable[[list[Batch]], tuple[PipelineBatch, PipelinedLoss]] | None = None,
+    loss: PipelinedLoss | None = None,
 ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """Forward and backward over the micro-batches of one global batch.
 
-    The units of all micro-batches on all data-parallel ranks are counted first
-    (one all-reduce); every micro-batch's summed loss is divided by that total, so
-    each unit weighs the same whatever the split over ranks and micro-batches.
-    Gradients are communicated only on the last micro-batch. Under pipeline
-    parallelism (`plan.pipeline`) the micro-batches run through the stages by its
-    schedule: `pipelined(batches)` gives them joined, and the recipe's loss. Returns
-    (the sums for logging, the global unit count that normalizes them).
+    Token batches (`TokenBatch`) come to the device first, each rank with its part of
+    every sequence under context parallelism (`placed`). The units of all micro-batches
+    on all data-parallel ranks are counted next (one all-reduce); every micro-batch's
+    summed loss is divided by that total, so each unit weighs the same whatever the
+    split over ranks and micro-batches. Gradients are communicated only on the last
+    micro-batch. Under pipeline parallelism (`plan.pipeline`) the token micro-batches
+    run joined through the stages by its schedule, with the recipe's `loss` (its
+    output loss and sums at the last stage). Returns (the sums for logging, the global
+    unit count that normalizes them).
     """
+    batches = [placed(plan, b) for b in batches]
     total = count_over_ranks(plan.groups, [count(b) for b in batches])
     if plan.pipeline is not None:
-        if pipelined is None:
-            raise ValueError("accumulate_gradients: a pipeline needs the recipe's `pipelined`")
-        batch, loss = pipelined(batches)
+        if loss is None:
+            raise ValueError("accumulate_gradients: a pipeline needs the recipe's loss")
         scale = plan.gradient_ranks / total.clamp(min=1)
-        return plan.pipeline.step(batch, loss, scale.to(plan.runtime.device)), total
+        joined = TokenBatch.join(batches)
+        return plan.pipeline.step(joined, loss, scale.to(plan.runtime.device)), total
     sums = {"loss": torch.zeros((), device=plan.runtime.device)}
     for i, batch in enumerate(batches):
         with plan.gradient_sync(enabled=i == len(batches) - 1):
             with plan.autocast():
-                loss, extras = compute_loss(batch)
+                summed, extras = compute_loss(batch)
             # DDP and FSDP average gradients over the dp (x cp) ranks: multiply back
             # a global batch without units (its loss is 0) divides by 1, not 0
-            plan.scaler.scale(loss * plan.gradient_ranks / total.clamp(min=1)).backward()
-        sums["loss"] += loss.detach()
+            plan.scaler.scale(summed * plan.gradient_ranks / total.clamp(min=1)).backward()
+        sums["loss"] += summed.detach()
         for name, value in extras.items():
             sums[name] = sums.get(name, 0) + value
     return sums, total
+
+
+def placed(plan: ParallelPlan, batch: Batch) -> Batch:
+    """A token batch on this rank's device, with its part of each sequence (cp); any
+    other batch as it is (its recipe moves it)."""
+    if not isinstance(batch, TokenBatch):
+        return batch
+    return batch.to(plan.runtime.device).split(plan.context)
+
+
+@torch.no_grad()
+def evaluation_sums(
+    plan: ParallelPlan, batch: TokenBatch, loss, rows: int
+) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """An evaluation batch's loss sums (`loss.evaluate`: the loss and its metrics) and
+    its loss tokens, an evaluation shard's repeated rows left out; under pipeline
+    parallelism through the stages, in groups of `rows` (the training's rows per
+    optimizer step on this rank: the stages' shapes)."""
+    batch = placed(plan, batch).without_padding_rows()
+    with plan.autocast():
+        if plan.pipeline is not None:
+            parts = plan.pipeline.evaluate(batch, loss, rows)
+        else:  # the loss runs the forward pass (its output layer in chunks)
+            total, parts = loss.evaluate(
+                plan.model, batch.input_ids, batch.labels, **batch.model_inputs()
+            )
+            parts = {"loss": total, **parts}
+    return parts, batch.loss_tokens()
 
 
 def optimizer_step(

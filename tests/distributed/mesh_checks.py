@@ -14,9 +14,9 @@ import argparse
 import torch
 from omegaconf import OmegaConf
 
+from freetx.data import TokenBatch
 from freetx.distributed import DistributedConfig, build_groups, init_distributed, parallelize
 from freetx.distributed.init import full_tensor, materialize
-from freetx.distributed.pipeline import PipelineBatch
 from freetx.models.peft import apply_lora
 from freetx.models.transformer import decoder
 from freetx.training import CrossEntropyLoss, build_lr_scheduler, optimizer_step
@@ -100,7 +100,7 @@ def step(model, plan, chunks: int | None, accumulation: int, packed: bool, data_
         optimizer.zero_grad(set_to_none=True)
         summed = torch.zeros((), dtype=torch.float64)  # the loss of the step, all tokens
         if plan is not None and plan.pipeline is not None:  # micro-batches through the stages
-            joined = PipelineBatch(torch.cat([x for x, _ in parts]),
+            joined = TokenBatch(torch.cat([x for x, _ in parts]),
                                    torch.cat([y for _, y in parts]), documents)  # fmt: skip
             summed += plan.pipeline.step(joined, loss_fn, torch.as_tensor(ranks / total))["loss"]
         else:

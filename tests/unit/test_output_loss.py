@@ -9,9 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from freetx.data import SourcesOf
 from freetx.distributed import materialize
 from freetx.models.free_transformer import FreeTransformerLoss, free_transformer
-from freetx.models.output_loss import ChunkedCrossEntropy, SourcesOf, default_num_chunks
+from freetx.models.output_loss import ChunkedCrossEntropy, default_num_chunks
 from freetx.models.protocol import OutputLayer
 from freetx.models.transformer import decoder
 from freetx.training import CrossEntropyLoss, per_source_means

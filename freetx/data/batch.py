@@ -1,0 +1,174 @@
+"""The token batch: what a language model's datasets give, its loaders yield, and its
+losses read, as one type. The keys of a token sample are spelled here and nowhere else.
+
+    sample = token_sample(input_ids, labels, real_tokens=n)    # a dataset's item
+    batch = TokenBatch.collate([sample, ...], source_names)    # a loader's micro-batch
+    batch = batch.to(device).split(context)                    # this rank's part (cp)
+    joined = TokenBatch.join(micro_batches)                    # a pipeline's step (pp)
+    loss, sums = loss_fn(model, batch.input_ids, batch.labels, **batch.model_inputs())
+
+A batch keeps its rows whole and in order through `join` (the micro-batches one after
+another) and `split` (each row's part of the sequence), so rows that belong together (a
+prompt's chosen and rejected answers, one after the other) stay on one rank and in one
+micro-batch. A batch with more inputs (a teacher's) is a subclass with more fields.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, NamedTuple, Protocol
+
+import torch
+
+IGNORE_INDEX = -100  # a label that is no target (torch's cross-entropy default)
+# the keys of a token sample (a dict: what `torch.utils.data` datasets give)
+INPUT_IDS, LABELS, DOCUMENTS = "input_ids", "labels", "documents"
+REAL_TOKENS = "real_tokens"  # the positions that are not padding (packed, padded samples)
+SOURCE = "source"  # a mixture's: which of its sources the sample is from
+PADDING = "padding"  # an evaluation shard's: a repeat that fills the last rank's share
+
+
+def token_sample(
+    input_ids: torch.Tensor,
+    labels: torch.Tensor,
+    documents: torch.Tensor | None = None,
+    real_tokens: torch.Tensor | int | None = None,
+) -> dict[str, torch.Tensor]:
+    """A dataset's item: input ids and labels [seq_len] (labels IGNORE_INDEX where a token
+    is not a target), a packed sample's document of each position, and the positions
+    that are not padding where some are (else every position is real)."""
+    sample = {INPUT_IDS: input_ids, LABELS: labels}
+    if documents is not None:
+        sample[DOCUMENTS] = documents
+    if real_tokens is not None:
+        sample[REAL_TOKENS] = torch.as_tensor(real_tokens, dtype=torch.long)
+    return sample
+
+
+def sample_positions(sample: dict[str, torch.Tensor]) -> tuple[int, int | None]:
+    """A sample's positions and how many of them are not padding (None: it does not say)."""
+    real = sample.get(REAL_TOKENS)
+    return sample[INPUT_IDS].numel(), None if real is None else int(real)
+
+
+class SourcesOf(NamedTuple):
+    """Which source each row of a batch is from (`source` [B], a mixture's), and the
+    sources' names: the per-source sums a loss adds to its extras."""
+
+    source: torch.Tensor
+    names: tuple[str, ...]
+
+    def sums(self, per_token: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
+        """`loss/<name>` (the loss summed over the source's loss tokens) and
+        `loss_tokens/<name>` for every source, present in the batch or not (every rank
+        reduces the same keys)."""
+        per_sample = per_token.sum(dim=1)
+        tokens = mask.sum(dim=1).to(per_sample.dtype)
+        sums = {}
+        for index, name in enumerate(self.names):
+            mine = self.source.to(per_sample.device) == index
+            sums[f"loss/{name}"] = per_sample[mine].sum()
+            sums[f"loss_tokens/{name}"] = tokens[mine].sum()
+        return sums
+
+
+class SplitsSequences(Protocol):
+    """A part of each sequence per rank (context parallelism:
+    `freetx.distributed.ContextShard`); the model reads it too (`forward(context=...)`)."""
+
+    size: int
+
+    def split(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def check_length(self, length: int) -> None: ...
+
+
+@dataclass
+class TokenBatch:
+    """Rows of tokens [B, T] and what a loss needs beside them (module docstring)."""
+
+    input_ids: torch.Tensor
+    labels: torch.Tensor
+    documents: torch.Tensor | None = None  # a packed batch: each position's document
+    sources: SourcesOf | None = None  # a mixture's: each row's source
+    real_tokens: torch.Tensor | None = None  # [B]: positions that are not padding
+    padding: torch.Tensor | None = None  # [B] bools: an evaluation shard's repeated rows
+    context: SplitsSequences | None = None  # the shard it was split by (cp)
+
+    @classmethod
+    def collate(cls, samples: list[dict[str, torch.Tensor]], source_names=()) -> TokenBatch:
+        """A loader's micro-batch of token samples (`source_names`: a mixture's)."""
+
+        def stacked(key: str) -> torch.Tensor | None:
+            return torch.stack([s[key] for s in samples]) if key in samples[0] else None
+
+        source = stacked(SOURCE)
+        return cls(
+            stacked(INPUT_IDS), stacked(LABELS), stacked(DOCUMENTS),
+            None if source is None else SourcesOf(source, tuple(source_names)),
+            stacked(REAL_TOKENS), stacked(PADDING),
+        )  # fmt: skip
+
+    def tensors(self) -> dict[str, Any]:
+        """The fields, by name (the context shard left out)."""
+        return {
+            f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "context"
+        }
+
+    def to(self, device: torch.device) -> TokenBatch:
+        """The batch on `device` (a mixture's sources stay where they are: logging)."""
+        moved = {k: v.to(device) if isinstance(v, torch.Tensor) else v
+                 for k, v in self.tensors().items()}  # fmt: skip
+        return dataclasses.replace(self, **moved)
+
+    def split(self, context: SplitsSequences | None) -> TokenBatch:
+        """This rank's part of each sequence under context parallelism (`context`; None:
+        the batch): input ids and labels split, documents whole (the keys' documents),
+        real_tokens shared out (the ranks' parts add up to the batch's)."""
+        if context is None:
+            return self
+        context.check_length(self.input_ids.shape[1])
+        real = None if self.real_tokens is None else self.real_tokens / context.size
+        return dataclasses.replace(
+            self, input_ids=context.split(self.input_ids), labels=context.split(self.labels),
+            real_tokens=real, context=context,
+        )  # fmt: skip
+
+    @classmethod
+    def join(cls, batches: list[TokenBatch]) -> TokenBatch:
+        """Micro-batches one after another, as one batch (a pipeline's step: its schedule
+        splits them again, in the same order)."""
+        first = batches[0]
+        joined = {}
+        for name, value in first.tensors().items():
+            if isinstance(value, torch.Tensor):
+                joined[name] = torch.cat([getattr(b, name) for b in batches])
+            elif isinstance(value, SourcesOf):
+                joined[name] = SourcesOf(
+                    torch.cat([b.sources.source for b in batches]), value.names
+                )
+        return dataclasses.replace(first, **joined)
+
+    def model_inputs(self) -> dict[str, Any]:
+        """What a loss passes on to the model besides input ids and labels: a packed
+        batch's documents, the context shard; and what it sums by: a mixture's sources."""
+        inputs = {"documents": self.documents, "sources": self.sources, "context": self.context}
+        return {k: v for k, v in inputs.items() if v is not None}
+
+    def loss_tokens(self, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+        """The labels that are not ignored: the unit a summed loss is normalized by."""
+        return (self.labels != ignore_index).sum()
+
+    def real_positions(self) -> float:
+        """The positions that are not padding (every position where the data does not say)."""
+        if self.real_tokens is None:
+            return float(self.input_ids.numel())
+        return float(self.real_tokens.sum())
+
+    def without_padding_rows(self) -> TokenBatch:
+        """An evaluation batch whose repeated rows (`padding`) count no loss token."""
+        if self.padding is None:
+            return self
+        labels = self.labels.masked_fill(self.padding[:, None].to(self.labels.device), IGNORE_INDEX)
+        return dataclasses.replace(self, labels=labels)
