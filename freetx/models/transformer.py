@@ -1,8 +1,8 @@
 """The Llama-style decoder freetx builds natively: RoPE, RMSNorm, grouped-query attention,
 SwiGLU; with the variants of Qwen3 (q/k RMSNorm per head), OLMo 2 (q/k RMSNorm over the
 whole projections, norms after attention and MLP instead of before), Phi-3/Phi-4 (fused
-q/k/v and gate/up projections, RoPE on part of each head, LongRoPE), Gemma 2 and 3, and a
-mixture of experts in the MLP (Mixtral, Qwen3-MoE: `num_experts`; freetx.models.moe).
+q/k/v and gate/up projections, RoPE on part of each head, LongRoPE), Gemma 2 and 3, SmolLM3
+(layers without RoPE), and a mixture of experts in the MLP (Mixtral, Qwen3-MoE: `num_experts`; freetx.models.moe).
 
 It is made of parts (`freetx/models/decoder/`): its config (`config.py`), RoPE
 (`rope.py`), its layers (`layers.py`: `DecoderBlock`, the unit that parallelism wraps),
@@ -14,8 +14,8 @@ them all; a model without one simply does not follow its protocol
 (`freetx/models/protocol.py`), and freetx refuses it for that axis before any work.
 
 Parameter names and the rotate-half RoPE convention follow HF Llama closely enough that
-weights convert by renaming; the HF layouts (names, config.json) live in
-`transformer_hf.py`. One builder, `decoder(preset=None, **fields)`, makes every shape: a
+weights convert by renaming; the HF families are records in `hf_families.py`, their
+layouts (names, config.json) in `transformer_hf.py`. One builder, `decoder(preset=None, **fields)`, makes every shape: a
 preset of `PRESETS` with any field changed, or any shape from its fields;
 `hf_decoder(path)` the shape of an HF folder.
 """
@@ -70,6 +70,7 @@ def decoder(preset: str | None = None, **fields) -> Transformer:
 @builds(TransformerConfig)
 def hf_decoder(path: str, **fields) -> Transformer:
     """The decoder an HF model folder's config.json describes (Llama 2/3/3.1/3.2, Mistral,
-    Qwen2/2.5, Qwen3, OLMo 2, Phi-3/3.5/4, Gemma 2, Gemma 3 text, Mixtral, Qwen3-MoE), with any `TransformerConfig` field changed (e.g. max_seq_len, dropout).
+    Qwen2/2.5, Qwen3, OLMo 2, Phi-3/3.5/4, Gemma 2, Gemma 3 text, Mixtral, Qwen3-MoE,
+    SmolLM3), with any `TransformerConfig` field changed (e.g. max_seq_len, dropout).
     Its weights: `checkpoint.initial_weights=<the same folder>`."""
     return Transformer(build_config(TransformerConfig, hf_config_fields(path, fields)))

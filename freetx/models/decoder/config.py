@@ -63,7 +63,9 @@ class TransformerConfig:
     # RoPE rotates the first int(head_dim * factor) dims of each head, the rest pass
     # through (Phi-4-mini: 0.75); 1.0: every dim
     partial_rotary_factor: float = 1.0
-    hf_model_type: str = "llama"  # the HF architecture it exports as (transformer_hf.ARCHITECTURES)
+    # layers whose queries and keys get no RoPE (NoPE: SmolLM3's every 4th); []: none
+    nope_layers: list[int] = field(default_factory=list)
+    hf_model_type: str = "llama"  # the HF family it exports as (hf_families.FAMILIES)
     # a mixture of experts in the MLP (Mixtral, Qwen3-MoE; freetx.models.moe); 0: dense
     num_experts: int = 0
     experts_per_token: int = 2  # top-k: the experts each token is sent to
@@ -170,6 +172,12 @@ class TransformerConfig:
             found["pad_token_id"] = (
                 "it is the embedding row that gets no gradient (transformers' padding_idx); "
                 f"set an id below vocab_size={vocab}, or null for none."
+            )
+        nope, layers = values.get("nope_layers") or [], values.get("num_layers")
+        if layers is not None and not all(isinstance(i, int) and 0 <= i < layers for i in nope):
+            found["nope_layers"] = (
+                f"it lists the layers without RoPE by index, 0 to num_layers - 1 = {layers - 1}; "
+                "list those, or [] for RoPE in every layer."
             )
         if not 0 < values.get("partial_rotary_factor", 1.0) <= 1:
             found["partial_rotary_factor"] = (

@@ -52,15 +52,16 @@ class Attention(nn.Module):
     queries, keys and values ([q | k | v] rows, Phi-3's qkv_proj), split after the matmul. `causal=False` gives the bidirectional attention an encoder needs;
     `kv_input` takes keys and values from another stream than the queries
     (the Free Transformer's encoder and injection block). `sliding`: this layer attends
-    within `cfg.sliding_window`.
+    within `cfg.sliding_window`; `rotary`: False where it applies no RoPE (`nope_layers`).
     """
 
-    def __init__(self, cfg: TransformerConfig, sliding: bool = False):
+    def __init__(self, cfg: TransformerConfig, sliding: bool = False, rotary: bool = True):
         super().__init__()
         self.num_heads = cfg.num_heads
         self.num_kv_heads = cfg.num_kv_heads
         self.head_dim = cfg.head_dim
         self.attention_dropout = cfg.attention_dropout
+        self.rotary = rotary
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.sizes = (q_size, kv_size, kv_size)
         self.fused = cfg.fused_projections
@@ -114,7 +115,8 @@ class Attention(nn.Module):
         if self.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.rotary:  # a NoPE layer (`nope_layers`) has no positions
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         dropout = self.attention_dropout if self.training else 0.0
         key_valid = None
         if cache is not None:
@@ -195,7 +197,7 @@ class DecoderBlock(nn.Module):
     def __init__(self, cfg: TransformerConfig, layer: int = 0, sliding: bool = False):
         super().__init__()
         self.attention_norm = _norm(cfg, "pre", "sandwich")
-        self.attention = Attention(cfg, sliding)
+        self.attention = Attention(cfg, sliding, rotary=layer not in cfg.nope_layers)
         self.post_attention_norm = _norm(cfg, "post", "sandwich")
         self.ffn_norm = _norm(cfg, "pre")
         self.pre_ffn_norm = _norm(cfg, "sandwich")
