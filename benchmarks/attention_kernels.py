@@ -20,9 +20,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import freetx.models.transformer as transformer  # noqa: E402
+import freetx.models.decoder.layers as layers  # noqa: E402
 from benchmarks.common import table  # noqa: E402
 from freetx.distributed import materialize  # noqa: E402
+from freetx.models.transformer import decoder  # noqa: E402
 
 CASES = [  # (what the layers compute, its fields, the kernels that compute it)
     ("causal", {}, ["sdpa", "sdpa_mask", "explicit", "flex"]),
@@ -51,11 +52,11 @@ def kernel_rows(model, ids, kernels, label: str, repeats: int = 20) -> list[list
     """[label, kernel, forward ms, forward + backward ms] of `model` on `ids`, with each of
     `kernels` forced in every layer (FlexAttention: forward only, none on CPU): the
     fastest of `repeats` calls."""
-    original = transformer.attend
+    original = layers.attend
     rows = []
     try:
         for kernel in kernels:
-            transformer.attend = functools.partial(original, kernel=kernel)
+            layers.attend = functools.partial(original, kernel=kernel)
             with torch.no_grad():
                 forward = best_ms(functools.partial(model, ids), repeats)
             backward = "none on CPU"
@@ -63,7 +64,7 @@ def kernel_rows(model, ids, kernels, label: str, repeats: int = 20) -> list[list
                 backward = f"{best_ms(functools.partial(train_step, model, ids), repeats):.0f}"
             rows.append([label, kernel, f"{forward:.0f}", backward])
     finally:
-        transformer.attend = original
+        layers.attend = original
     return rows
 
 
@@ -74,7 +75,7 @@ def main() -> None:
     rows = []
     for name, fields, kernels in CASES:
         with torch.device("meta"):
-            model = transformer.decoder("tiny", **fields)
+            model = decoder("tiny", **fields)
         materialize(model, torch.device("cpu"), seed=0)
         rows += kernel_rows(model, ids, kernels, name)
     print("tiny decoder, batch 4 x 256, fp32, 1 thread: ms per call (fastest of 20)")

@@ -1,7 +1,7 @@
 """Model folders as `transformers` writes them (tiny, random weights), for the tests of
 freetx's HF reading and writing. Every family freetx reads (Llama, Mistral, Qwen2,
-Qwen3, OLMo 2, Phi-3/Phi-4, Gemma 2, Gemma 3 text and multimodal, Mixtral, Qwen3-MoE),
-sharded and not, in the current config layout (`rope_parameters`) and the older one
+Qwen3, OLMo 2, Phi-3/Phi-4, Gemma 2, Gemma 3 text and multimodal, Mixtral, Qwen3-MoE,
+SmolLM3), sharded and not, in the current config layout (`rope_parameters`) and the older one
 (`rope_theta` + `rope_scaling` at the top); and causal LMs freetx has no native layout for,
 read through the generic transformers path (`GENERIC_FAMILIES`)."""
 
@@ -43,6 +43,8 @@ GEMMA3 = dict(GEMMA_TOKENS, num_hidden_layers=3, head_dim=32, query_pre_attn_sca
               rope_parameters={
                   "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
                   "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})  # fmt: skip
+
+SMOLLM3 = dict(num_hidden_layers=4, pad_token_id=0, bos_token_id=1, eos_token_id=2)
 
 # a SigLIP vision tower of 2x2 patches of 14 pixels, one layer (Gemma 3's, tiny)
 VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
@@ -135,6 +137,14 @@ FAMILIES = {
                                     mm_tokens_per_image=4, boi_token_index=380,
                                     eoi_token_index=381, image_token_index=382),
                dict(max_shard_size="40KB")),
+    # SmolLM3: Llama's blocks, every 4th layer without RoPE (NoPE), tied; sharded
+    # (SmolLM3Config's default ids, 128000 and on, lie outside the tiny vocabulary)
+    "smollm3": ("SmolLM3Config", dict(SMOLLM3, rope_parameters={"rope_type": "default",
+                                                                "rope_theta": 2000000.0}),
+                dict(max_shard_size="40KB")),
+    # SmolLM3 with a window on its NoPE layers (transformers' default layer_types)
+    "smollm3_window": ("SmolLM3Config", dict(SMOLLM3, use_sliding_window=True,
+                                             sliding_window=48), {}),
     # Phi-3-mini-4k's window (2047 there) shorter than the tests' sequences (160 tokens)
     "phi3_window": ("Phi3Config", dict(**PHI3_IDS, sliding_window=48,
                                        rope_parameters={"rope_type": "default",

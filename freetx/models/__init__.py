@@ -1,11 +1,16 @@
 """Models: plain nn.Modules following the model protocol; parallelism comes from outside.
 
 protocol.py           what freetx asks of a model; presets through one builder per family
-transformer.py        the Llama-style decoder (DecoderBlock), presets tiny ... llama3_8b
+transformer.py        the Llama-style decoder (Transformer: the core and every capability),
+                      presets tiny ... llama3_8b
+decoder/              the decoder in parts: config, RoPE, layers, core, and the capabilities
+                      a model lists (tensor_parallel, pipeline, masks, incremental)
 kv_cache.py           its KV cache (generation): keys and values per layer, left padding
 moe.py                its mixture-of-experts MLP (Mixtral, Qwen3-MoE): router, grouped experts
-transformer_hf.py     its HF layouts (Llama, Mistral, Qwen2, Qwen3, OLMo 2, Phi-3, Mixtral,
-                      Qwen3-MoE): names, config.json
+hf_families.py        the HF families it reads and writes natively, one record each (Llama,
+                      Mistral, Qwen2, Qwen3, OLMo 2, Mixtral, Qwen3-MoE, Phi-3, Gemma 2 and
+                      3, SmolLM3)
+transformer_hf.py     its HF layouts: tensor names, config.json (by a family's record)
 hf.py                 finding a model's HF layout (the checkpoint package asks here);
                       `hf_model(path)`: a folder's model, native or generic
 hf_generic.py         the generic transformers path: any other causal LM transformers knows

@@ -16,14 +16,10 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from freetx.models.decoder.config import TransformerConfig
+from freetx.models.decoder.layers import DecoderBlock, init_decoder_parameter, rms_norm
+from freetx.models.decoder.rope import RotaryTables
 from freetx.models.protocol import build_config, builds
-from freetx.models.transformer import (
-    DecoderBlock,
-    RotaryTables,
-    TransformerConfig,
-    init_decoder_parameter,
-    rms_norm,
-)
 
 
 @dataclass

@@ -36,7 +36,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from freetx.errors import ConfigError
+from freetx.models.decoder.config import TransformerConfig
+from freetx.models.decoder.core import DecoderCore
+from freetx.models.decoder.layers import DecoderBlock
 from freetx.models.output_loss import (
     IGNORE_INDEX,
     SumsBySource,
@@ -44,7 +46,6 @@ from freetx.models.output_loss import (
     forward_with_loss,
 )
 from freetx.models.protocol import OutputLoss, build_config, builds
-from freetx.models.transformer import DecoderBlock, Transformer, TransformerConfig
 
 MODES = ("training", "prior")
 MAX_TABLE_BITS = 16  # the table post-sampler has 2^H rows: 65,536 at H = 16
@@ -253,19 +254,17 @@ def kl_to_uniform(z_logits: torch.Tensor) -> torch.Tensor:
     return z_logits.shape[-1] * math.log(2) - entropy.sum(-1)
 
 
-class FreeTransformer(Transformer):
-    """A decoder whose block `split_layer + 1` sees a per-token latent code."""
+class FreeTransformer(DecoderCore):
+    """A decoder whose block `split_layer + 1` sees a per-token latent code.
+
+    It has the decoder's core and none of its capabilities (`freetx.models.decoder`):
+    its encoder reads the whole sequence, bidirectionally, so it takes no packed batches,
+    no part of a sequence per rank (context parallelism) and no pipeline stages (the
+    encoder reads a middle block's input); generate samples it with a full forward per
+    token (`LatentModel`), without a KV cache; freetx does not slice its encoder and
+    latent path over tensor-parallel ranks; transformers has no HF layout for it."""
 
     config_class = FreeTransformerConfig
-    hf_layout = None  # transformers has no Free Transformer
-    # generate samples it with a full forward per token (LatentModel), no KV cache: a
-    # method set to None opts out of the decoder's protocol (DecodesIncrementally)
-    new_cache = None
-    # its encoder reads the whole sequence (bidirectional): no packed batches, and no
-    # part of a sequence per rank (context parallelism)
-    attention_masks = None
-    context_masks = None
-    keep_blocks = None  # nor into pipeline stages (its encoder reads every block's input)
 
     def __init__(self, cfg: FreeTransformerConfig):
         super().__init__(cfg)
@@ -276,13 +275,6 @@ class FreeTransformer(Transformer):
 
     def describe(self) -> str:
         return f"Free Transformer ({self.config.latent_dim}-bit latent per token)"
-
-    def tensor_parallel_plan(self, tp: int) -> dict[str, str]:
-        raise ConfigError(
-            "distributed.tp: freetx does not slice the Free Transformer's encoder and latent "
-            "path over tensor-parallel ranks yet.",
-            fix="Set distributed.tp=1 (fsdp alone shards it).",
-        )
 
     def forward(
         self,

@@ -22,6 +22,7 @@ from typing import Any, Protocol
 from torch import nn
 
 from freetx.errors import CheckpointError
+from freetx.models.decoder.config import TransformerConfig
 from freetx.models.hf_generic import (
     GENERIC_LAYOUT,
     HFGenericConfig,
@@ -29,7 +30,7 @@ from freetx.models.hf_generic import (
     transformers_causal_lm_types,
 )
 from freetx.models.protocol import HFLayoutModel, build_config, builds, model_class
-from freetx.models.transformer import Transformer, TransformerConfig
+from freetx.models.transformer import Transformer
 from freetx.models.transformer_hf import DECODER_LAYOUTS, read_hf_config
 from freetx.models.transformer_hf import text_model_config as text_model_config  # for exports
 

@@ -34,9 +34,9 @@ import torch
 from torch import nn
 
 from freetx.errors import CheckpointError, ConfigError
+from freetx.models.decoder.layers import init_normal
 from freetx.models.kv_cache import CachedRows
 from freetx.models.protocol import OutputLayer, OutputLoss
-from freetx.models.transformer import init_normal
 
 # tensors some folders carry that are not weights (older checkpoints' RoPE tables)
 _NOT_WEIGHTS = (".rotary_emb.inv_freq", ".rotary_emb.original_inv_freq")

@@ -16,75 +16,49 @@ checkpoints are applied from outside, through these members (`Model`):
 and, each only where a model needs it, one protocol per optional hook of the model
 class (who calls it, when):
 
-    InitBuffers       init_buffers(): recompute non-persistent buffers (RoPE tables)
-                      on their device; `materialize`, after the parameters are set
-    CountsParameters  num_parameters(): for the banner (default: every parameter)
-    CountsActiveParameters  num_active_parameters(): the parameters one token computes
-                      with (an MoE decoder: its k experts of E); the banner and `estimate`
-                      say it beside the total (default: every parameter)
-    CountsFlops       flops_per_token(seq_len): for MFU and `estimate` (default:
-                      6 x parameters)
-    DescribesItself   describe(): what the model is, in words, for the banner
-                      ("native freetx decoder for qwen3")
-    EstimatesActivations  activation_bytes(tokens, compute_bytes): what a training
-                      micro-batch keeps for backward, loss included; `estimate`
-                      (default: the decoder's count per token and block)
-    HFLayoutModel     hf_layout (class attribute): how the model maps to an HF
-                      transformers folder (`freetx.models.hf.HFLayout`), or None;
-                      checkpoint conversion and HF loading
-    ExtraForwards     fsdp_forward_methods (class attribute): methods called outside
-                      `forward` that FSDP2 gathers the parameters for, like forward;
-                      `parallelize`, after sharding
-    AdapterTargets    adapter_targets (class attribute): short name -> module suffix
-                      (q -> attention.wq); `apply_lora`, resolving peft.target_modules
-    AlwaysTrained     always_trained (class attribute): modules Spectrum trains whatever
-                      it selects; `apply_peft`
-    DecodesIncrementally  new_cache(left_padding, max_len), and forward(input_ids,
-                      cache=cache): a KV cache, so that each generated token costs a
-                      forward over that token alone; the `generate` recipe
-    PacksDocuments    attention_masks(documents), and forward(input_ids,
-                      documents=documents): several samples per sequence, each computed
-                      as if alone; a recipe training on a packed dataset (refused before
-                      any work for a model without it: `check_packing`)
-    ShardsContext     context_masks(shard, documents, length), and forward(input_ids,
-                      context=shard): this rank's part of each sequence under context
-                      parallelism (`SequenceShard`), computed as the whole sequence
-                      would be; a run with distributed.cp > 1 (refused before any work
-                      for a model without it: `check_context`)
-    SplitsIntoStages  keep_blocks(blocks, first, last), forward_stage(x, *carry,
-                      blocks=...): the model split into pipeline stages of consecutive
-                      blocks; a run with distributed.pp > 1 (refused before any work
-                      for a model without it)
-    ProjectsInChunks  output_layer(), and forward(input_ids, output_loss=loss): the
-                      model hands its last hidden states and its output layer to the
-                      loss instead of computing the logits, so the loss makes them a
-                      chunk of tokens at a time (`freetx.training.CrossEntropyLoss`,
-                      `num_chunks`); every training and evaluation forward of an LM loss
+    InitBuffers            init_buffers(): non-persistent buffers (RoPE tables); `materialize`
+    CountsParameters       num_parameters(): the banner (default: every parameter)
+    CountsActiveParameters num_active_parameters(): what one token computes with (an MoE
+                           decoder's k of E experts); the banner and `estimate`
+    CountsFlops            flops_per_token(seq_len): MFU and `estimate` (default: 6 x N)
+    DescribesItself        describe(): the banner ("native freetx decoder for qwen3")
+    EstimatesActivations   activation_bytes(tokens, compute_bytes): `estimate` (default:
+                           the decoder's count per token and block)
+    HFLayoutModel          hf_layout: its HF transformers layout; conversion, HF loading
+    ExtraForwards          fsdp_forward_methods: methods FSDP2 gathers for; `parallelize`
+    AdapterTargets         adapter_targets: short name -> module suffix; `apply_lora`
+    AlwaysTrained          always_trained: modules Spectrum always trains; `apply_peft`
+    DecodesIncrementally   new_cache(left_padding, max_len), forward(cache=): generation
+                           with a KV cache; the `generate` recipe
+    PacksDocuments         attention_masks(documents), forward(documents=): packed
+                           batches; refused before any work without it (`check_packing`)
+    ShardsContext          context_masks(shard, documents, length), forward(context=):
+                           distributed.cp > 1; refused before any work without it
+    SplitsIntoStages       keep_blocks, held_elsewhere, forward_stage: distributed.pp > 1;
+                           refused before any work without it
+    SlicesLayers           tensor_parallel_plan(tp), slice_vocabulary: distributed.tp > 1;
+                           refused before any work without it
+    ProjectsInChunks       output_layer(), forward(output_loss=): the LM losses make the
+                           logits a chunk of tokens at a time; every LM forward
 
 and one per hook of a submodule (an adapter layer, say), which receives local
 shards only: `freetx.distributed` unwraps DTensors before calling and wraps again
 after, so no model code touches one:
 
-    SelfInitialized       own_parameters, reset_parameter(name, full, generator): the
-                          parameters the module fills itself (adapters); `materialize`
-                          fills them even when the weights are loaded, since no base
-                          file has them, and `load_initial_weights` does not expect them
-    DerivedFromWeights    init_from_weights(local): values that follow from the final
-                          weights (DoRA's magnitudes), given the module's own
-                          parameters' local shards by name; after the weights are
-                          initialized or loaded
-    StoredInOwnForm       stores_parameter(name), stored_value(name, full, shard): a
-                          parameter kept in another form (QLoRA's NF4 base), set only
-                          from its full value: the module returns what this rank keeps
-                          (`shard` = (index, count) of its rows, None unsharded);
-                          initialization and loading
-    SlicesWithLinear      tensor_parallel_dims(role): how tensor parallelism slices the
-                          module's parameters when it wraps a sliced Linear (LoRA: B's
-                          rows with a colwise base, A's columns with a rowwise one);
-                          `freetx.distributed.tensor_parallel`
-    FrozenInComputeDtype  frozen_in_compute_dtype: the module's frozen parameters need
-                          no fp32 master copy; the frozen-base decision
-                          (`freetx.distributed.frozen_base`: `parallelize`, `estimate`)
+    SelfInitialized        own_parameters, reset_parameter(...): parameters the module
+                           fills itself (adapters), also when the weights are loaded
+    DerivedFromWeights     init_from_weights(local): values that follow from the final
+                           weights (DoRA's magnitudes); after initialization or loading
+    StoredInOwnForm        stores_parameter, stored_value(...): a parameter kept in another
+                           form (QLoRA's NF4 base); initialization and loading
+    SlicesWithLinear       tensor_parallel_dims(role): how tensor parallelism slices an
+                           adapter around a sliced Linear
+    FrozenInComputeDtype   frozen_in_compute_dtype: no fp32 master for its frozen
+                           parameters; the frozen-base decision
+
+Each protocol's docstring says the rest. The native decoder has its capabilities as
+classes it lists among its bases (`freetx.models.decoder`): a model without one simply
+does not follow that protocol.
 
 `check_model` refuses, when a model is built or parallelized, a model class or
 module that defines a near-miss of one of these names (`init_buffer`,
@@ -95,19 +69,6 @@ returns `LMOutput(logits, aux_loss, metrics)` from forward in training mode; the
 loss (`freetx.training.CrossEntropyLoss`) adds `aux_loss` per loss token and logs
 `metrics`. Logits come first, so code that reads `output[0]` reads the logits.
 
-A model whose layers can be sliced over tensor-parallel ranks follows `SlicesLayers`
-(`tensor_parallel_plan(tp)`: module name -> role), which `parallelize` applies when
-`distributed.tp` > 1; the model's code sees local slices (its attention reshapes by
-head_dim, never by the configured head count). A head sliced by vocabulary makes this
-rank's slice of the logits: tensor parallelism gives the model its `VocabSlice`
-(`slice_vocabulary`), which its output layer hands to the loss (a vocabulary-parallel
-cross-entropy: no logits are gathered) and `head` uses to gather whole logits.
-
-`OutputLayer` and `OutputLoss` are the types of that hand-over: forward(...,
-output_loss=f) returns `f(hidden, model.output_layer())` where it would return the
-logits (inside `LMOutput` too), computed inside forward so that FSDP2 holds the output
-layer's gathered weights.
-
 A model with a latent code per position also follows `LatentModel`
 (`prior_codes`, `posterior_codes`, `forward(..., codes=codes)`), which is
 what the `generate` recipe asks for; it never names a model class.
@@ -116,11 +77,9 @@ Models are built on the meta device, parallelized, then materialized and
 initialized one parameter at a time (`freetx.distributed.init.materialize`),
 so the initial weights depend only on the seed, never on the world size.
 
-A model family has one builder, `family(preset=None, **fields)`: a named
-preset's fields (the `PRESETS` table beside the model) with any field
-changed, or any shape from its fields alone. `build_config` does that for
-every family; `freetx validate` checks a config's keys against the family's
-config fields (the builder's `config_class`).
+A model family has one builder, `family(preset=None, **fields)`: a preset's fields (the
+`PRESETS` table beside the model) with any field changed, or any shape from its fields
+(`build_config`); `freetx validate` checks a config's keys against its `config_class`.
 """
 
 from __future__ import annotations
@@ -246,8 +205,8 @@ class DecodesIncrementally(Protocol):
     left_padding[b] tokens that no query sees, its positions counted from its first real
     token. `forward(input_ids, cache=cache)` takes the tokens after the cached ones
     ([B, T]: the prompts first, then one token per row at a time), returns their logits
-    [B, T, vocab] in eval mode, and leaves them cached. A subclass opts out by setting
-    `new_cache = None` (the Free Transformer)."""
+    [B, T, vocab] in eval mode, and leaves them cached. The decoder's capability
+    `IncrementalDecoding` (`freetx.models.decoder`); the Free Transformer has none."""
 
     def new_cache(self, left_padding: torch.Tensor, max_len: int) -> Any: ...
 
@@ -258,8 +217,7 @@ class PacksDocuments(Protocol):
     documents=documents)`, `documents` [B, T] int64 the sample each position belongs to
     (0, 1, 2, ... within a row; -1 on padding), computes each sample as if it were alone
     (positions from 0, attention within the sample). `attention_masks(documents)` builds
-    the per-layer masks that forward uses. A subclass opts out by setting
-    `attention_masks = None` (the Free Transformer)."""
+    the per-layer masks that forward uses (the decoder's capability `DocumentMasks`)."""
 
     def attention_masks(self, documents: torch.Tensor) -> Any: ...
 
@@ -291,8 +249,8 @@ class ShardsContext(Protocol):
     computes them exactly as the whole sequence would: attention over every rank's keys
     and values (`shard.gather`), RoPE at the tokens' positions, an MoE router's
     statistics over the whole sequence (`shard.sum`). `context_masks(shard, documents,
-    length)` builds the per-layer masks that forward uses. A subclass opts out by
-    setting `context_masks = None` (the Free Transformer)."""
+    length)` builds the per-layer masks that forward uses (the decoder's capability
+    `ContextMasks`)."""
 
     def context_masks(
         self, shard: SequenceShard, documents: torch.Tensor | None, length: int
@@ -310,7 +268,8 @@ class SplitsIntoStages(Protocol):
     stage's outputs, to the next stage's inputs (the hidden states, and what else must
     travel: an MoE model's router statistics), or at the last stage what forward returns.
     `held_elsewhere(name)`: whether a tensor of the whole model is another stage's (what
-    loading weights and resuming leave to that stage). A subclass opts out by setting `keep_blocks = None` (the Free Transformer)."""
+    loading weights and resuming leave to that stage). The decoder's capability
+    `PipelineStages`."""
 
     def keep_blocks(self, blocks: list[int], first: bool, last: bool) -> None: ...
 
@@ -513,7 +472,8 @@ class ProjectsInChunks(Protocol):
     loss computes the [B, T, vocab] logits a chunk of tokens at a time and never whole
     (`freetx.training.CrossEntropyLoss`, `num_chunks`). A model whose logits come whole
     (the generic transformers path) hands them over as `hidden` with an identity
-    `project`. Called by the LM losses on every training and evaluation forward."""
+    `project`. Called by the LM losses on every training and evaluation forward; inside
+    forward, so that FSDP2 holds the output layer's gathered weights."""
 
     def output_layer(self) -> OutputLayer: ...
 
@@ -546,7 +506,10 @@ class SlicesLayers(Protocol):
     """A model whose layers can be sliced over `tp` tensor-parallel ranks: module name ->
     role (`TP_ROLES`); raises ConfigError, naming the fix, for a `tp` the model cannot
     take (heads not divisible, a layer kind it cannot slice). `parallelize`, when
-    `distributed.tp` > 1, before activation checkpointing and FSDP2."""
+    `distributed.tp` > 1, before activation checkpointing and FSDP2. The model's code
+    sees local slices (its attention reshapes by head_dim, never by the head count).
+    A head sliced by vocabulary makes this rank's slice of the logits: its output layer
+    hands the `VocabSlice` to the loss (no logits gathered); `head` gathers them whole."""
 
     def tensor_parallel_plan(self, tp: int, sequence_parallel: bool = False) -> dict[str, str]: ...
 

@@ -2,10 +2,12 @@
 for the Llama family as `transformers` writes it: Llama 2/3/3.1/3.2/3.3, Mistral,
 Qwen2/Qwen2.5, Qwen3 (q/k norms per head), OLMo 2 (q/k norms over the projections,
 post-norms), Phi-3/3.5/4 (fused qkv_proj and gate_up_proj, LongRoPE, partial rotary),
-Gemma 2 and Gemma 3 text (norms before and after, `gemma_settings`; Gemma 3's multimodal
-folders read as their text model, `text_model_config`), sliding windows of Mistral, Phi-3,
-Qwen2/3 and Gemma on the layers config.json names, and the mixtures of experts Mixtral and
-Qwen3-MoE.
+Gemma 2 and Gemma 3 text (norms before and after; Gemma 3's multimodal folders read as
+their text model, `text_model_config`), SmolLM3 (layers without RoPE), sliding windows
+of Mistral, Phi-3, Qwen2/3 and Gemma on the layers config.json names, and the mixtures
+of experts Mixtral and Qwen3-MoE. Each family is one record of
+`freetx.models.hf_families.FAMILIES`; `to_hf_config` and `from_hf_config` loop over its
+fields and call its hooks, and name no family.
 
 A tensor of freetx can be the stack of several HF tensors: an MoE block keeps each
 projection of all its experts in one tensor (`feed_forward.experts.w1` [E, F, H]), which
@@ -38,6 +40,13 @@ from typing import Any
 
 from freetx.errors import CheckpointError
 from freetx.models.attention import sliding_layers
+from freetx.models.hf_families import (
+    FAMILIES,
+    HELD_BY_SOME,
+    Family,
+    rope_settings,
+    unsupported,
+)
 
 # freetx name pattern -> HF name pattern ({i} is the layer index)
 _NAMES = [
@@ -80,18 +89,15 @@ _NORM_NAMES = {
         ("layers.{i}.post_ffn_norm.weight", "model.layers.{i}.post_feedforward_layernorm.weight"),
     ],
 }  # fmt: skip
-# an MoE block (freetx.models.moe), by model type: its HF module, and each expert's HF
-# names of w1 (gate), w3 (up) and w2 (down); the router is `<module>.gate.weight`
-MOE_MODULES = {
-    "mixtral": ("block_sparse_moe", {"w1": "w1", "w3": "w3", "w2": "w2"}),
-    "qwen3_moe": ("mlp", {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}),
-}
-_ROUTER = r"^model\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\.gate\.weight$"
+# an MoE block (freetx.models.moe), by model type: its HF module and expert names
+EXPERTS = {t: family.experts for t, family in FAMILIES.items() if family.experts is not None}
+_EXPERT_NAMES = {hf: ours for e in EXPERTS.values() for ours, hf in e.names.items()}
+_MODULES = "|".join(dict.fromkeys(e.module for e in EXPERTS.values()))
+_ROUTER = rf"^model\.layers\.(\d+)\.(?:{_MODULES})\.gate\.weight$"
 _EXPERT = (
-    r"^model\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\."
-    r"(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$"
+    rf"^model\.layers\.(\d+)\.(?:{_MODULES})\.experts\.(\d+)\."
+    rf"({'|'.join(_EXPERT_NAMES)})\.weight$"
 )
-_EXPERT_NAMES = {hf: ours for _, names in MOE_MODULES.values() for ours, hf in names.items()}
 _OURS_MOE = re.compile(r"^layers\.(\d+)\.feed_forward\.(gate\.weight|experts\.(w1|w2|w3))$")
 # tensors some folders carry that are not weights (older Llama checkpoints)
 IGNORED_HF_TENSORS = re.compile(r"^model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq$")
@@ -104,48 +110,8 @@ TEXT_MODEL_OF = {"gemma3": "gemma3_text"}
 _TEXT_MODEL_TENSOR = re.compile(r"^language_model\.(?=model\.|lm_head\.)")
 OTHER_MODALITIES = re.compile(r"^(?:vision_tower|multi_modal_projector)\.")
 
-ARCHITECTURES = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-    "olmo2": "Olmo2ForCausalLM",
-    "mixtral": "MixtralForCausalLM",
-    "qwen3_moe": "Qwen3MoeForCausalLM",
-    "phi3": "Phi3ForCausalLM",
-    "gemma2": "Gemma2ForCausalLM",
-    "gemma3_text": "Gemma3ForCausalLM",
-}
-# the blocks of each model_type: (qk_norm, norm_position), as TransformerConfig names them
-BLOCKS = {
-    "llama": (None, "pre"),
-    "mistral": (None, "pre"),
-    "qwen2": (None, "pre"),
-    "qwen3": ("head", "pre"),
-    "olmo2": ("projection", "post"),
-    "mixtral": (None, "pre"),
-    "qwen3_moe": ("head", "pre"),
-    "phi3": (None, "pre"),
-    "gemma2": (None, "sandwich"),
-    "gemma3_text": ("head", "sandwich"),
-}
-# model types whose q/k/v and gate/up projections are one Linear each (fused_projections)
-FUSED_PROJECTIONS = ("phi3",)
-# model types whose RoPE may be longrope and rotate part of each head (transformers' other
-# decoders rotate every dim and ignore partial_rotary_factor)
-PHI_ROPE = ("phi3",)
-# Gemma's decoder: RMSNorm scaling by 1 + weight, embeddings times sqrt(hidden), the
-# attention's scale, soft-capping and sliding windows in config.json (gemma_settings)
-GEMMA_TYPES = ("gemma2", "gemma3_text")
 # activations as config.json names them -> TransformerConfig's
 _ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
-# the pad_token_id transformers 5.24's config classes assume where config.json has none (the
-# others: None); every family here builds its embedding with padding_idx=pad_token_id
-PAD_TOKEN_IDS = {"olmo2": 1, "phi3": 32000, "gemma2": 0, "gemma3_text": 0}
-# model types whose `sliding_window` applies to every layer (they have no layer_types)
-EVERY_LAYER_WINDOW = ("mistral", "phi3")
-# model types whose config.json has no head_dim (derived from hidden_size / heads)
-_DERIVED_HEAD_DIM = ("qwen2", "olmo2", "phi3")
 # what transformers 5.24 (and 4.50) assumes where a gemma3 folder's text_config leaves a
 # field out (Gemma3TextConfig's defaults: the Hub's 4B-27B configs list only a few fields)
 _GEMMA3_TEXT_DEFAULTS = dict(
@@ -189,54 +155,6 @@ def _rename(name: str, table) -> str | None:
     return None
 
 
-def _unsupported(field: str, value: Any, supported: str, fix: str = "") -> CheckpointError:
-    return CheckpointError(
-        f"config.json sets {field}={json.dumps(value)}, which freetx's decoder does not "
-        f"compute ({supported}); a model built without it would give other outputs than "
-        f"transformers, so it is not built.{(' ' + fix) if fix else ''}"
-    )
-
-
-def rope_settings(hf: dict[str, Any], layer_type: str | None = None) -> tuple[float, dict | None]:
-    """(rope_theta, rope_scaling) from either config.json layout; unsupported kinds refused.
-    `layer_type`: the RoPE of those layers where `rope_parameters` has one per layer type
-    (Gemma 3, 5.x); None: such a config is refused."""
-    params = hf.get("rope_parameters")
-    if isinstance(params, dict) and any(isinstance(v, dict) for v in params.values()):
-        if layer_type is None:
-            raise _unsupported("rope_parameters", params, "one RoPE for every layer")
-        hf, params = {}, params.get(layer_type)
-    params = dict(params or hf.get("rope_scaling") or {})
-    theta = params.pop("rope_theta", hf.get("rope_theta", 10000.0))
-    kind = params.pop("rope_type", params.pop("type", "default"))
-    params.pop("partial_rotary_factor", None)
-    if kind == "default":
-        return float(theta), None
-    if hf.get("model_type") in PHI_ROPE and kind in ("su", "yarn", "longrope"):
-        kind = "longrope"  # su and yarn: older names of Phi-3's LongRoPE, as Phi3Config reads them
-        params.update(_phi3_longrope(hf, params))
-    elif kind not in ("llama3", "linear"):
-        raise _unsupported("rope_type", kind, "default, llama3, linear and (Phi-3) longrope RoPE")
-    if kind == "llama3":
-        params.setdefault(
-            "original_max_position_embeddings", hf.get("max_position_embeddings", 8192)
-        )
-    return float(theta), {"rope_type": kind, **params}
-
-
-def _phi3_longrope(hf: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
-    """The numbers Phi-3's LongRoPE takes from outside its rope parameters, as transformers
-    5.24 takes them: the top-level original_max_position_embeddings (Phi3Config's field,
-    4096 when absent) wins over the rope parameters' own, and a missing `factor` is
-    max_position_embeddings / original_max_position_embeddings (the folder's, whatever
-    length freetx's tables get), which sets the attention factor."""
-    original = int(hf.get("original_max_position_embeddings", 4096))
-    factor = params.get("factor")
-    if factor is None:
-        factor = int(hf.get("max_position_embeddings", 4096)) / original
-    return {"original_max_position_embeddings": original, "factor": float(factor)}
-
-
 def partial_rotary_factor(hf: dict[str, Any]) -> float:
     """The fraction of each head RoPE rotates: in the rope parameters (transformers 5) or at
     the top of config.json (Phi-4-mini's folders); 1.0 when neither has it."""
@@ -244,130 +162,17 @@ def partial_rotary_factor(hf: dict[str, Any]) -> float:
     return float(params.get("partial_rotary_factor") or hf.get("partial_rotary_factor") or 1.0)
 
 
-# what transformers assumes where a Gemma config.json leaves a field out
-_GEMMA_DEFAULTS = {
-    "gemma2": dict(query_pre_attn_scalar=256, sliding_window=4096, attn_logit_softcapping=50.0,
-                   final_logit_softcapping=30.0, sliding_window_pattern=2,
-                   tie_word_embeddings=True),
-    "gemma3_text": dict(query_pre_attn_scalar=256, sliding_window=4096,
-                        attn_logit_softcapping=None, final_logit_softcapping=None,
-                        sliding_window_pattern=6, tie_word_embeddings=True),
-}  # fmt: skip
-
-
-def gemma_settings(hf: dict[str, Any], model_type: str) -> dict[str, Any]:
-    """The decoder's Gemma fields from a gemma2 / gemma3_text config.json (either layout):
-    norms scaling by 1 + weight, scaled embeddings, the attention's scale and soft-caps,
-    the sliding layers (`layer_types`, or transformers' default pattern: every 2nd layer
-    full in Gemma 2, every 6th in Gemma 3) and Gemma 3's RoPE of sliding layers
-    (`rope_parameters.sliding_attention`, 5.x; `rope_local_base_freq`, 4.x)."""
-    get = {**_GEMMA_DEFAULTS[model_type], **hf}.get
-    if hf.get("use_bidirectional_attention"):
-        raise _unsupported("use_bidirectional_attention", True, "causal attention")
-    if model_type == "gemma3_text" and get("attn_logit_softcapping") is not None:
-        raise CheckpointError(
-            f"config.json sets attn_logit_softcapping={get('attn_logit_softcapping')} for a "
-            "gemma3_text model, which transformers' Gemma 3 ignores (its attention is not "
-            "soft-capped), so the folder does not say which model it is. Gemma 3 has none: "
-            "set it to null in config.json for the model transformers computes."
-        )
-    layers, pattern = int(hf["num_hidden_layers"]), int(get("sliding_window_pattern"))
-    default_types = [
-        "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)
-    ]
-    fields = {
-        "norm_plus_one": True,
-        "scale_embeddings": True,
-        "query_pre_attn_scalar": get("query_pre_attn_scalar"),
-        "attn_logit_softcap": get("attn_logit_softcapping"),
-        "final_logit_softcap": get("final_logit_softcapping"),
-        "sliding_window": get("sliding_window"),
-        "layer_types": list(hf.get("layer_types") or default_types),
-        "tie_embeddings": bool(get("tie_word_embeddings")),
-    }
-    if model_type == "gemma3_text":
-        params = hf.get("rope_parameters") or {}
-        if "sliding_attention" in params:
-            local, scaling = rope_settings(hf, "sliding_attention")
-            if scaling is not None:
-                raise _unsupported(
-                    "rope_parameters.sliding_attention", params["sliding_attention"],
-                    "unscaled RoPE on sliding layers",
-                )  # fmt: skip
-        else:
-            local = float(hf.get("rope_local_base_freq", 10000.0))
-        fields["rope_local_theta"] = local
-    return fields
-
-
-def _gemma_config(model_type: str, c: dict[str, Any], hf: dict[str, Any]) -> None:
-    """Write the decoder's Gemma fields into a gemma2 / gemma3_text config.json (5.x)."""
-    hf["hidden_activation"] = hf.pop("hidden_act")
-    scalar = c.get("query_pre_attn_scalar") or hf["head_dim"]
-    sliding = sliding_layers(c["num_layers"], c.get("sliding_window"), c.get("layer_types"))
-    hf.update(
-        query_pre_attn_scalar=int(scalar) if float(scalar).is_integer() else scalar,
-        attn_logit_softcapping=c.get("attn_logit_softcap"),
-        final_logit_softcapping=c.get("final_logit_softcap"),
-        sliding_window=c.get("sliding_window"),
-        layer_types=["sliding_attention" if s else "full_attention" for s in sliding],
-    )  # fmt: skip
-    if model_type == "gemma3_text":
-        local = c.get("rope_local_theta") or c["rope_theta"]
-        hf["rope_parameters"] = {
-            "full_attention": hf["rope_parameters"],
-            "sliding_attention": {"rope_type": "default", "rope_theta": local},
-        }
-        hf["use_bidirectional_attention"] = False
-
-
-# fields only some model types' config.json can hold -> those types
-_HELD_BY = {
-    "query_pre_attn_scalar": GEMMA_TYPES,
-    "attn_logit_softcap": ("gemma2",),
-    "final_logit_softcap": GEMMA_TYPES,
-    "rope_local_theta": ("gemma3_text",),
-    "sliding_window": ("mistral", "phi3", "qwen2", "qwen3", "qwen3_moe", *GEMMA_TYPES),
-}
-
-
-def _qwen_window(hf: dict[str, Any]) -> dict[str, Any]:
-    """A Qwen2/Qwen3 window (`use_sliding_window`): on the layers `layer_types` names (5.x),
-    or (4.x) on those from `max_window_layers` on."""
-    first, layers = int(hf.get("max_window_layers", 28)), int(hf["num_hidden_layers"])
-    derived = ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
-    return {
-        "sliding_window": int(hf.get("sliding_window") or 4096),
-        "layer_types": list(hf.get("layer_types") or derived),
-    }
-
-
-def _qwen_window_config(c: dict[str, Any]) -> dict[str, Any]:
-    """A Qwen2/Qwen3 config.json's window fields: `layer_types`, and `max_window_layers`
-    (the first sliding layer, for readers without layer_types)."""
-    sliding = sliding_layers(c["num_layers"], c.get("sliding_window"), c.get("layer_types"))
-    if not any(sliding):
-        return {"use_sliding_window": False, "sliding_window": None}
-    return {
-        "use_sliding_window": True,
-        "sliding_window": c["sliding_window"],
-        "max_window_layers": sliding.index(True),
-        "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding],
-    }
-
-
-def _not_held(model_type: str, c: dict[str, Any]) -> list[str]:
-    """The decoder's fields (as `name=value`) an HF `model_type` model cannot have."""
-    gemma = model_type in GEMMA_TYPES
+def _not_held(family: Family, c: dict[str, Any]) -> list[str]:
+    """The decoder's fields (as `name=value`) an HF model of `family` cannot have."""
     found = [
         f"{name}={json.dumps(c.get(name, False))}"
         for name in ("norm_plus_one", "scale_embeddings")
-        if c.get(name, False) != gemma
+        if c.get(name, False) != family.gemma
     ]
-    found += [f"{name}={json.dumps(c[name])}" for name, types in _HELD_BY.items()
-              if c.get(name) is not None and model_type not in types]  # fmt: skip
+    found += [f"{name}={json.dumps(c[name])}" for name in HELD_BY_SOME
+              if c.get(name) and name not in family.holds]  # fmt: skip
     sliding = sliding_layers(c["num_layers"], c.get("sliding_window"), c.get("layer_types"))
-    if model_type in EVERY_LAYER_WINDOW and any(sliding) and not all(sliding):
+    if family.window_on_every_layer and any(sliding) and not all(sliding):
         found.append(f"layer_types={json.dumps(c['layer_types'])}")
     return found
 
@@ -388,7 +193,7 @@ class LlamaFamilyLayout:
 
     def __init__(self, norm_position: str) -> None:
         self.norm_position = norm_position
-        self.model_types = tuple(t for t, (_, p) in BLOCKS.items() if p == norm_position)
+        self.model_types = tuple(t for t, f in FAMILIES.items() if f.norm_position == norm_position)
         self.model_types += tuple(m for m, t in TEXT_MODEL_OF.items() if t in self.model_types)
 
     def to_hf_name(self, name: str) -> str:
@@ -408,16 +213,17 @@ class LlamaFamilyLayout:
         if moe is None:
             return [self.to_hf_name(name)]
         model_type = model_config.get("hf_model_type", "llama")
-        if model_type not in MOE_MODULES:
+        if model_type not in EXPERTS:
             raise CheckpointError(
                 f"tensor {name} belongs to a mixture of experts, which an HF {model_type} "
-                f"model does not have; export it as {' or '.join(MOE_MODULES)}."
+                f"model does not have; export it as {' or '.join(EXPERTS)}."
             )
-        module, expert_names = MOE_MODULES[model_type]
-        prefix = f"model.layers.{moe.group(1)}.{module}"
+        experts = EXPERTS[model_type]
+        prefix = f"model.layers.{moe.group(1)}.{experts.module}"
         if moe.group(3) is None:
             return [f"{prefix}.gate.weight"]
-        return [f"{prefix}.experts.{e}.{expert_names[moe.group(3)]}.weight" for e in range(rows)]
+        hf_name = experts.names[moe.group(3)]
+        return [f"{prefix}.experts.{e}.{hf_name}.weight" for e in range(rows)]
 
     def stack_index(self, name: str) -> int | None:
         """Which slice along dim 0 of its freetx tensor (`from_hf_name`) HF tensor `name`
@@ -446,20 +252,20 @@ class LlamaFamilyLayout:
         return renamed
 
     def to_hf_config(self, model_config: dict[str, Any], dtype: str) -> dict[str, Any]:
-        """`config.json` of the model's HF architecture, with the decoder's shape."""
+        """`config.json` of the model's HF architecture (its family's record), with the
+        decoder's shape."""
         c = model_config
-        model_type = c.get("hf_model_type", "llama")
-        qkv_bias, wo_bias = c.get("qkv_bias", False), c.get("wo_bias", False)
-        check_blocks(
-            model_type, c.get("qk_norm"), c.get("norm_position", "pre"), bool(c.get("num_experts"))
-        )
-        check_projections(model_type, c.get("fused_projections", False))
+        family = check_blocks(
+            c.get("hf_model_type", "llama"), c.get("qk_norm"), c.get("norm_position", "pre"),
+            bool(c.get("num_experts")),
+        )  # fmt: skip
+        check_projections(family, c.get("fused_projections", False))
         partial = c.get("partial_rotary_factor", 1.0)
-        check_rope(model_type, c.get("rope_scaling"), partial)
-        check_fields(model_type, c)
+        check_rope(family, c.get("rope_scaling"), partial)
+        check_fields(family, c)
         hf: dict[str, Any] = {
-            "architectures": [ARCHITECTURES[model_type]],
-            "model_type": model_type,
+            "architectures": [family.architecture],
+            "model_type": family.model_type,
             "vocab_size": c["vocab_size"],
             "hidden_size": c["hidden_dim"],
             "intermediate_size": c["ffn_hidden_dim"],
@@ -482,56 +288,28 @@ class LlamaFamilyLayout:
             "pad_token_id": c.get("pad_token_id"),  # the embedding's row without gradient
             "dtype": dtype,
         }
-        if model_type == "qwen2":
-            if wo_bias or not qkv_bias:
-                raise CheckpointError(
-                    "a qwen2 model has biases on q, k and v and none on o; this one has "
-                    f"qkv_bias={qkv_bias}, wo_bias={wo_bias}. Export it as llama "
-                    "(model.hf_model_type=llama) instead."
-                )
-            hf.update(_qwen_window_config(c))
-        elif model_type == "phi3":
-            hf.update(_phi3_config(c))
-        else:
-            if qkv_bias != wo_bias:
-                raise CheckpointError(
-                    f"an HF {model_type} model has biases on all of q, k, v, o or on none; this "
-                    f"one has qkv_bias={qkv_bias}, wo_bias={wo_bias}. "
-                    + ("Export it as qwen2." if BLOCKS[model_type] == BLOCKS["qwen2"]
-                       else "Convert it to .safetensors or DCP instead.")
-                )  # fmt: skip
-            if model_type != "mixtral":  # Mixtral's attention has no biases
-                hf["attention_bias"] = qkv_bias
-            if model_type in ("mistral", "mixtral"):
-                hf["sliding_window"] = c.get("sliding_window")
-            elif model_type in GEMMA_TYPES:
-                _gemma_config(model_type, c, hf)
-            elif model_type in ("qwen3", "qwen3_moe"):
-                hf.update(_qwen_window_config(c))
-            elif model_type == "llama":
-                hf["mlp_bias"] = False
-        if model_type in _DERIVED_HEAD_DIM:
+        hf.update(_biases_to_hf(family, c.get("qkv_bias", False), c.get("wo_bias", False)))
+        family.write(c, hf)
+        if family.head_dim_derived:
             if hf["head_dim"] * c["num_heads"] != c["hidden_dim"]:
                 raise CheckpointError(
-                    f"an HF {model_type} model has head_dim = hidden_size / heads; this one has "
-                    f"head_dim={hf['head_dim']}, hidden_dim={c['hidden_dim']}, "
+                    f"an HF {family.model_type} model has head_dim = hidden_size / heads; this "
+                    f"one has head_dim={hf['head_dim']}, hidden_dim={c['hidden_dim']}, "
                     f"num_heads={c['num_heads']}. Convert it to .safetensors or DCP instead."
                 )
             del hf["head_dim"]
-        hf.update(_moe_to_hf(c, model_type))
+        hf.update(_moe_to_hf(c, family))
         return hf
 
     def from_hf_config(self, hf: dict[str, Any], max_seq_len: int | None = None) -> dict[str, Any]:
-        """The decoder's config fields from an HF config.json (any of ARCHITECTURES);
+        """The decoder's config fields from an HF config.json (any family of `FAMILIES`);
         `max_seq_len` replaces max_position_embeddings (the RoPE tables' length)."""
         hf = text_model_config(hf)
-        model_type = hf.get("model_type")
+        family = FAMILIES[hf.get("model_type")]
         try:
             num_heads = int(hf["num_attention_heads"])
             hidden = int(hf["hidden_size"])
-            theta, scaling = rope_settings(
-                hf, "full_attention" if model_type in GEMMA_TYPES else None
-            )
+            theta, scaling = rope_settings(hf, "full_attention" if family.gemma else None)
             fields = {
                 "vocab_size": int(hf["vocab_size"]),
                 "hidden_dim": hidden,
@@ -548,57 +326,41 @@ class LlamaFamilyLayout:
                 "init_std": float(hf.get("initializer_range", 0.02)),
                 "dropout": float(hf.get("resid_pdrop") or 0.0),  # Phi-3's; others have none
                 "partial_rotary_factor": partial_rotary_factor(hf),
-                "fused_projections": model_type in FUSED_PROJECTIONS,
+                "fused_projections": family.fused_projections,
                 "head_dim": int(hf.get("head_dim") or hidden // num_heads),
-                "hf_model_type": model_type,
-                "pad_token_id": hf.get("pad_token_id", PAD_TOKEN_IDS.get(model_type)),
-                "qk_norm": BLOCKS[model_type][0],
-                "norm_position": BLOCKS[model_type][1],
-                **_moe_from_hf(hf, model_type),
+                "hf_model_type": family.model_type,
+                "pad_token_id": hf.get("pad_token_id", family.pad_token_id),
+                "qk_norm": family.qk_norm,
+                "norm_position": family.norm_position,
+                **_moe_from_hf(hf, family),
             }
         except (KeyError, TypeError, ValueError) as e:
             if isinstance(e, CheckpointError):
                 raise
             raise CheckpointError(
                 f"config.json lacks the field {e} (or holds a wrong type); it is not a complete "
-                f"transformers {model_type} config. Restore it from the model's original folder."
+                f"transformers {family.model_type} config. Restore it from the model's "
+                "original folder."
             ) from None
         # Gemma 2 and 3 name it hidden_activation (4.x: hidden_act too, which Gemma 2 ignored)
         key = "hidden_activation" if hf.get("hidden_activation") else "hidden_act"
         if hf.get(key, "silu") not in _ACTIVATIONS:
-            raise _unsupported(key, hf[key], f"gated MLPs with {', '.join(_ACTIVATIONS)}")
+            raise unsupported(key, hf[key], f"gated MLPs with {', '.join(_ACTIVATIONS)}")
         fields["activation"] = _ACTIVATIONS[hf.get(key, "silu")]
         if hf.get("mlp_bias"):
-            raise _unsupported("mlp_bias", True, "MLPs without biases")
-        if fields["partial_rotary_factor"] != 1.0 and model_type not in PHI_ROPE:
-            raise _unsupported(
+            raise unsupported("mlp_bias", True, "MLPs without biases")
+        if fields["partial_rotary_factor"] != 1.0 and not family.phi_rope:
+            raise unsupported(
                 "partial_rotary_factor", fields["partial_rotary_factor"],
-                f"RoPE on every dim of a {model_type} model's heads, as transformers computes it",
+                f"RoPE on every dim of a {family.model_type} model's heads, as transformers "
+                "computes it",
             )  # fmt: skip
-        if model_type == "qwen2":
-            fields.update(qkv_bias=True, wo_bias=False)
-        else:
-            bias = bool(hf.get("attention_bias", False))
-            fields.update(qkv_bias=bias, wo_bias=bias)
-        if model_type in ("qwen2", "qwen3", "qwen3_moe"):
-            if hf.get("use_sliding_window"):
-                fields.update(_qwen_window(hf))
-        elif model_type in GEMMA_TYPES:
-            fields.update(gemma_settings(hf, model_type))
-        elif model_type in EVERY_LAYER_WINDOW:
-            fields["sliding_window"] = hf.get("sliding_window")
-        else:
-            window = hf.get("sliding_window")
-            if window is not None and window < fields["max_seq_len"]:
-                raise _unsupported(
-                    "sliding_window", window, "full attention",
-                    f"It makes no difference on sequences of up to {window} tokens: build the "
-                    f"model with max_seq_len={window} (a key of the model section) to train on "
-                    "those.",
-                )  # fmt: skip
+        bias = bool(hf.get("attention_bias", False)) and family.biases == "all_or_none"
+        fields.update(qkv_bias=bias or family.biases == "qkv", wo_bias=bias)
+        fields.update(family.read(hf, fields))
         pad = fields["pad_token_id"]
         if pad is not None and not 0 <= pad < fields["vocab_size"]:
-            given = "sets" if "pad_token_id" in hf else f"has none, and {model_type} assumes"
+            given = "sets" if "pad_token_id" in hf else f"has none, and {family.model_type} assumes"
             raise CheckpointError(
                 f"config.json {given} pad_token_id={pad}, outside vocab_size="
                 f"{fields['vocab_size']}: the embedding has no such padding row (transformers "
@@ -607,39 +369,49 @@ class LlamaFamilyLayout:
             )
         layer_types = set(hf.get("layer_types") or ["full_attention"])
         if layer_types != {"full_attention"} and "layer_types" not in fields:
-            raise _unsupported("layer_types", sorted(layer_types), "full attention in every layer")
+            raise unsupported("layer_types", sorted(layer_types), "full attention in every layer")
         return fields
 
 
-def _phi3_config(c: dict[str, Any]) -> dict[str, Any]:
-    """What a phi3 config.json says beyond the Llama fields, for the decoder's config `c`."""
-    if c.get("qkv_bias") or c.get("wo_bias"):
+def _biases_to_hf(family: Family, qkv_bias: bool, wo_bias: bool) -> dict[str, Any]:
+    """config.json's `attention_bias` where the family has it, or an error where the
+    decoder's biases do not fit the family."""
+    model_type = family.model_type
+    if family.biases == "all_or_none":
+        if qkv_bias != wo_bias:
+            qkv_only = [t for t, f in FAMILIES.items() if f.biases == "qkv" and _blocks(f)
+                        == _blocks(family)]  # fmt: skip
+            raise CheckpointError(
+                f"an HF {model_type} model has biases on all of q, k, v, o or on none; this "
+                f"one has qkv_bias={qkv_bias}, wo_bias={wo_bias}. "
+                + (f"Export it as {qkv_only[0]}." if qkv_only
+                   else "Convert it to .safetensors or DCP instead.")
+            )  # fmt: skip
+        return {"attention_bias": qkv_bias}
+    qkv = family.biases == "qkv"
+    if (qkv_bias, wo_bias) != (qkv, False):
         raise CheckpointError(
-            f"an HF phi3 model has no biases on its projections; this one has qkv_bias="
-            f"{c.get('qkv_bias')}, wo_bias={c.get('wo_bias')}. Convert it to .safetensors or "
-            "DCP instead."
-        )
-    scaling = c.get("rope_scaling") or {}
-    return {
-        # Phi3Config reads LongRoPE's original length from here (4096 when absent)
-        "original_max_position_embeddings": scaling.get(
-            "original_max_position_embeddings", c["max_seq_len"]
-        ),
-        "sliding_window": c.get("sliding_window"),  # on every layer
-        # freetx's dropout acts on the embeddings and both residual branches alike
-        "resid_pdrop": c.get("dropout", 0.0),
-        "embd_pdrop": c.get("dropout", 0.0),
-    }
+            f"an HF {model_type} model has "
+            + ("biases on q, k and v and none on o" if qkv else "no biases on its projections")
+            + f"; this one has qkv_bias={qkv_bias}, wo_bias={wo_bias}. "
+            + ("Export it as llama (model.hf_model_type=llama) instead." if qkv
+               else "Convert it to .safetensors or DCP instead.")
+        )  # fmt: skip
+    return {}
 
 
-def check_rope(model_type: str, scaling: dict | None, partial: float) -> None:
-    """A model exports as `model_type` only with a RoPE that type computes."""
+def _blocks(family: Family) -> tuple[str | None, str]:
+    return family.qk_norm, family.norm_position
+
+
+def check_rope(family: Family, scaling: dict | None, partial: float) -> None:
+    """A model exports as `family` only with a RoPE that family computes."""
     kind = (scaling or {}).get("rope_type", "default")
-    phi = model_type in PHI_ROPE
+    phi = family.phi_rope
     kinds = ("default", "longrope") if phi else ("default", "llama3", "linear")
     if kind not in kinds or (partial != 1.0 and not phi):
         raise CheckpointError(
-            f"an HF {model_type} model has {', '.join(kinds)} RoPE"
+            f"an HF {family.model_type} model has {', '.join(kinds)} RoPE"
             f"{'' if phi else ' on every dim of each head'}; this one has rope_type={kind}, "
             f"partial_rotary_factor={partial}. "
             + ("Convert" if phi else "Export it as phi3 (model.hf_model_type=phi3) if its "
@@ -648,116 +420,99 @@ def check_rope(model_type: str, scaling: dict | None, partial: float) -> None:
         )  # fmt: skip
 
 
-def check_projections(model_type: str, fused: bool) -> None:
-    """A model exports as `model_type` only with that type's projections (fused or not)."""
-    if (model_type in FUSED_PROJECTIONS) != fused:
-        fits = [t for t in BLOCKS if (t in FUSED_PROJECTIONS) == fused]
+def check_projections(family: Family, fused: bool) -> None:
+    """A model exports as `family` only with its projections (fused or not)."""
+    if family.fused_projections != fused:
+        fits = [t for t, f in FAMILIES.items() if f.fused_projections == fused]
         raise CheckpointError(
-            f"an HF {model_type} model has fused_projections={not fused} (q/k/v and gate/up "
-            f"{'in one Linear each' if not fused else 'apart'}); this one has fused_projections="
-            f"{fused}. Export it as {' or '.join(fits)} (model.hf_model_type={fits[0]}) if its "
-            "other blocks fit, or convert it to .safetensors or DCP."
+            f"an HF {family.model_type} model has fused_projections={not fused} (q/k/v and "
+            f"gate/up {'in one Linear each' if not fused else 'apart'}); this one has "
+            f"fused_projections={fused}. Export it as {' or '.join(fits)} "
+            f"(model.hf_model_type={fits[0]}) if its other blocks fit, or convert it to "
+            ".safetensors or DCP."
         )
 
 
-def _moe_from_hf(hf: dict[str, Any], model_type: str) -> dict[str, Any]:
-    """The decoder's MoE fields from a Mixtral or Qwen3-MoE config.json ({} for the others)."""
-    if model_type not in MOE_MODULES:
+def _moe_from_hf(hf: dict[str, Any], family: Family) -> dict[str, Any]:
+    """The decoder's MoE fields from the config.json of a family with experts ({} for
+    the others)."""
+    if family.experts is None:
         return {}
     if hf.get("router_jitter_noise"):
-        raise _unsupported(
+        raise unsupported(
             "router_jitter_noise", hf["router_jitter_noise"], "routers without noise",
             "Set it to 0.0 to train without the noise.",
         )  # fmt: skip
-    mixtral = model_type == "mixtral"
     return {
         "num_experts": int(hf.get("num_local_experts") or hf["num_experts"]),
         "experts_per_token": int(hf["num_experts_per_tok"]),
-        "moe_ffn_hidden_dim": int(hf["intermediate_size" if mixtral else "moe_intermediate_size"]),
-        "norm_topk_prob": mixtral or bool(hf.get("norm_topk_prob", False)),
-        "expert_weights_fp32": mixtral,
         "router_aux_loss_coef": float(hf.get("router_aux_loss_coef", 0.001)),
-        "decoder_sparse_step": 1 if mixtral else int(hf.get("decoder_sparse_step") or 1),
-        "mlp_only_layers": [] if mixtral else [int(i) for i in hf.get("mlp_only_layers") or []],
+        **family.experts.read(hf),
+        **family.experts.fixed,
     }
 
 
-def _moe_to_hf(c: dict[str, Any], model_type: str) -> dict[str, Any]:
-    """config.json's MoE fields of `model_type` for a decoder's config `c`, or an error when
-    its experts (or their absence) do not fit that model type."""
-    experts = int(c.get("num_experts") or 0)
-    if (model_type in MOE_MODULES) != bool(experts):
-        kinds = " or ".join(MOE_MODULES) if experts else "a dense type (llama, qwen3, ...)"
+def _moe_to_hf(c: dict[str, Any], family: Family) -> dict[str, Any]:
+    """config.json's MoE fields of `family` for a decoder's config `c`, or an error when
+    its experts (or their absence) do not fit that family."""
+    experts, model_type = int(c.get("num_experts") or 0), family.model_type
+    if (family.experts is not None) != bool(experts):
+        kinds = " or ".join(EXPERTS) if experts else "a dense type (llama, qwen3, ...)"
         raise CheckpointError(
-            f"an HF {model_type} model {'has' if model_type in MOE_MODULES else 'has no'} "
-            f"experts; this one has num_experts={experts}. Export it as {kinds} "
-            "(model.hf_model_type) instead."
+            f"an HF {model_type} model {'has' if family.experts else 'has no'} experts; this "
+            f"one has num_experts={experts}. Export it as {kinds} (model.hf_model_type) "
+            "instead."
         )
     if not experts:
         return {}
-    mixtral = model_type == "mixtral"
-    fixed = (
-        {"norm_topk_prob": True, "expert_weights_fp32": True, "decoder_sparse_step": 1,
-         "mlp_only_layers": [], "qkv_bias": False, "wo_bias": False}
-        if mixtral else {"expert_weights_fp32": False}
-    )  # fmt: skip
+    fixed = family.experts.fixed
     differing = {k: c.get(k) for k, v in fixed.items() if c.get(k) != v}
     if differing:
         raise CheckpointError(
             f"an HF {model_type} model has {json.dumps(fixed)}; this one has "
             f"{json.dumps(differing)}. Convert it to .safetensors or DCP instead."
         )
-    common = {
+    return {
         "num_experts_per_tok": c["experts_per_token"],
         "router_aux_loss_coef": c.get("router_aux_loss_coef", 0.0),
         "output_router_logits": False,
+        **family.experts.write(c),
     }
-    if mixtral:
-        return {**common, "num_local_experts": experts, "router_jitter_noise": 0.0,
-                "intermediate_size": c["moe_ffn_hidden_dim"]}  # fmt: skip
-    # the Hub's Qwen3-MoE folders (transformers 4.x) say num_experts; 5.x writes and reads
-    # num_local_experts (num_experts an alias): both, so either version reads the export
-    return {**common, "num_experts": experts, "num_local_experts": experts,
-            "moe_intermediate_size": c["moe_ffn_hidden_dim"],
-            "norm_topk_prob": c["norm_topk_prob"],
-            "decoder_sparse_step": c["decoder_sparse_step"],
-            "mlp_only_layers": list(c["mlp_only_layers"])}  # fmt: skip
 
 
-def check_fields(model_type: str, c: dict[str, Any]) -> None:
-    """A model exports as `model_type` only if that type's config.json holds all it computes
-    (Gemma's norms and embedding scale, soft-caps, windows)."""
-    found = _not_held(model_type, c)
+def check_fields(family: Family, c: dict[str, Any]) -> None:
+    """A model exports as `family` only if its config.json holds all it computes (Gemma's
+    norms and embedding scale, soft-caps, windows, layers without RoPE)."""
+    found = _not_held(family, c)
     if found:
         blocks = (c.get("qk_norm"), c.get("norm_position", "pre"))
-        fits = [t for t in BLOCKS if BLOCKS[t] == blocks and not _not_held(t, c)]
+        fits = [t for t, f in FAMILIES.items() if _blocks(f) == blocks and not _not_held(f, c)]
         fix = (
             f"Export it as {' or '.join(fits)} (model.hf_model_type={fits[0]}) instead."
             if fits
             else "Convert it to .safetensors or DCP instead."
         )
         raise CheckpointError(
-            f"an HF {model_type} model cannot have {', '.join(found)}, which this one has; "
-            f"an export would compute something else. {fix}"
+            f"an HF {family.model_type} model cannot have {', '.join(found)}, which this one "
+            f"has; an export would compute something else. {fix}"
         )
 
 
 def check_blocks(
     model_type: str, qk_norm: str | None, norm_position: str, experts: bool = False
-) -> None:
-    """A model exports as `model_type` only with that type's blocks (q/k norms, norm position);
-    the types it is pointed to instead have experts when it has (`experts`)."""
-    if model_type not in BLOCKS:
+) -> Family:
+    """The family a model exports as (`model_type`), if it has that family's blocks (q/k
+    norms, norm position); the families it is pointed to instead have experts when it has
+    (`experts`)."""
+    family = FAMILIES.get(model_type)
+    if family is None:
         raise CheckpointError(
             f"hf_model_type={model_type!r} is not an HF architecture freetx writes; it writes "
-            f"{', '.join(BLOCKS)}."
+            f"{', '.join(FAMILIES)}."
         )
-    if BLOCKS[model_type] != (qk_norm, norm_position):
-        fits = [
-            t
-            for t, blocks in BLOCKS.items()
-            if blocks == (qk_norm, norm_position) and (t in MOE_MODULES) == experts
-        ]
+    if _blocks(family) != (qk_norm, norm_position):
+        fits = [t for t, f in FAMILIES.items()
+                if _blocks(f) == (qk_norm, norm_position) and (f.experts is not None) == experts]  # fmt: skip
         fix = (
             f"Export it as {' or '.join(fits)} (model.hf_model_type={fits[0]}) instead."
             if fits
@@ -765,10 +520,11 @@ def check_blocks(
             ".safetensors or DCP instead."
         )
         raise CheckpointError(
-            f"an HF {model_type} model has qk_norm={BLOCKS[model_type][0]}, norm_position="
-            f"{BLOCKS[model_type][1]}; this one has qk_norm={qk_norm}, norm_position="
+            f"an HF {model_type} model has qk_norm={family.qk_norm}, norm_position="
+            f"{family.norm_position}; this one has qk_norm={qk_norm}, norm_position="
             f"{norm_position}. {fix}"
         )
+    return family
 
 
 LLAMA_LAYOUT = LlamaFamilyLayout("pre")
@@ -801,9 +557,9 @@ def hf_config_fields(path: str | Path, fields: dict[str, Any]) -> dict[str, Any]
     """The decoder's config fields for a model folder, with `fields` (e.g. max_seq_len,
     dropout) changed."""
     hf = text_model_config(read_hf_config(path))
-    if hf.get("model_type") not in ARCHITECTURES:
+    if hf.get("model_type") not in FAMILIES:
         raise CheckpointError(
             f"{path}/config.json describes a '{hf.get('model_type')}' model; the decoder reads "
-            f"{', '.join(ARCHITECTURES)}."
+            f"{', '.join(FAMILIES)}."
         )
     return {**LLAMA_LAYOUT.from_hf_config(hf, fields.get("max_seq_len")), **fields}

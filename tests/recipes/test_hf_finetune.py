@@ -195,7 +195,8 @@ RESUMED = {"gemma2": ("sliding_window", "attn_logit_softcapping", "layer_types")
            "llama3_2": ("rope_parameters", "tie_word_embeddings"),
            "qwen3": ("head_dim",), "olmo2": (), "mistral_window": ("sliding_window",),
            "qwen3_moe": ("num_local_experts", "num_experts_per_tok", "mlp_only_layers"),
-           "gemma3_text": ("layer_types", "rope_parameters")}  # fmt: skip
+           "gemma3_text": ("layer_types", "rope_parameters"),
+           "smollm3_window": ("no_rope_layers", "use_sliding_window", "layer_types")}  # fmt: skip
 
 
 @pytest.mark.slow  # 25 s each on 2 CPU cores
@@ -246,7 +247,7 @@ def test_a_folder_of_each_family_finetunes_on_2_processes_resumes_exactly_and_ex
      pytest.param("llama3_2", ["peft.use_dora=true"], marks=pytest.mark.slow, id="dora"),
      pytest.param("llama3_2", ["peft.quantize_base=nf4"], marks=pytest.mark.slow, id="qlora"),
      *(pytest.param(f, [], marks=pytest.mark.slow, id=f)
-       for f in ("gemma2", "mistral", "qwen2", "olmo2", "gemma3_text")),
+       for f in ("gemma2", "mistral", "qwen2", "olmo2", "gemma3_text", "smollm3")),
      pytest.param("mixtral", ["peft.target_modules=[q_proj,k_proj,v_proj,o_proj]"],
                   marks=pytest.mark.slow, id="mixtral")],
 )  # fmt: skip

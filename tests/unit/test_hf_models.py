@@ -90,6 +90,9 @@ def test_config_fields_are_read_from_both_layouts(folders):
         assert config["norm_plus_one"] and config["scale_embeddings"] and config["tie_embeddings"]
     assert open_tensors(folders["mistral_window"]).model_config["sliding_window"] == 48
     assert open_tensors(folders["qwen2_window"]).model_config["layer_types"] == [full, sliding]
+    smollm3 = open_tensors(folders["smollm3_window"]).model_config  # NoPE every 4th layer,
+    assert smollm3["nope_layers"] == [3]  # which slides by default
+    assert (smollm3["layer_types"], smollm3["sliding_window"]) == ([full] * 3 + [sliding], 48)
 
 
 def test_a_gemma3_folder_reads_as_its_text_model(folders):
@@ -166,16 +169,16 @@ def test_every_decoder_tensor_name_reads_back_through_its_folders_layout():
     post_attention_layernorm is the pre-MLP norm of Llama and the post-attention one of
     OLMo 2)."""
     from freetx.models.hf import layout_for_hf_config, layout_of
+    from freetx.models.hf_families import FAMILIES
     from freetx.models.transformer import decoder
-    from freetx.models.transformer_hf import BLOCKS, FUSED_PROJECTIONS
 
     writer = layout_of("freetx.models.transformer.Transformer")
-    for model_type, (qk_norm, norm_position) in BLOCKS.items():
-        fused = model_type in FUSED_PROJECTIONS
+    for model_type, family in FAMILIES.items():
         with torch.device("meta"):
             model = decoder(
-                "tiny", qk_norm=qk_norm, norm_position=norm_position, fused_projections=fused
-            )
+                "tiny", qk_norm=family.qk_norm, norm_position=family.norm_position,
+                fused_projections=family.fused_projections,
+            )  # fmt: skip
         reader = layout_for_hf_config({"model_type": model_type})
         names = [name for name, _ in model.named_parameters()]
         assert [reader.from_hf_name(writer.to_hf_name(n)) for n in names] == names
@@ -215,6 +218,8 @@ def test_max_seq_len_can_shorten_the_tables_and_keeps_llama3_scaling(folders):
         "gemma2",
         "gemma3_text",
         "phi3_window",
+        "smollm3",
+        "smollm3_window",
     ],
 )
 def test_hf_to_dcp_to_hf_is_bit_for_bit_and_loads_in_transformers(tmp_path, family):
@@ -295,7 +300,9 @@ def save_freetx_model(path, **fields):
      dict(GEMMA, attn_logit_softcap=3.0, final_logit_softcap=2.0, query_pre_attn_scalar=20,
           hf_model_type="gemma2"),
      dict(GEMMA, qk_norm="head", rope_local_theta=1000.0, rope_scaling={
-         "rope_type": "linear", "factor": 2.0}, hf_model_type="gemma3_text")],
+         "rope_type": "linear", "factor": 2.0}, hf_model_type="gemma3_text"),
+     {"nope_layers": [1, 3], "sliding_window": 20, "hf_model_type": "smollm3",
+      "layer_types": ["full_attention", "sliding_attention"] * 2}],
 )  # fmt: skip
 def test_a_freetx_model_exports_to_an_hf_folder_transformers_loads(tmp_path, fields):
     """A decoder freetx made (not from HF) -> safetensors -> HF folder -> transformers."""
@@ -331,6 +338,8 @@ def test_a_freetx_model_exports_to_an_hf_folder_transformers_loads(tmp_path, fie
       "an HF phi3 model has default, longrope RoPE; this one has rope_type=linear"),
      ({"sliding_window": 20}, "an HF llama model cannot have sliding_window=20, which this one "
       "has; an export would compute something else. Export it as mistral"),
+     ({"nope_layers": [3]}, "an HF llama model cannot have nope_layers=[3], which this one "
+      "has; an export would compute something else. Export it as smollm3"),
      ({"fused_projections": True, "hf_model_type": "phi3", "sliding_window": 20,
        "layer_types": ["sliding_attention", "full_attention"] * 2},
       'an HF phi3 model cannot have layer_types=["sliding_attention", "full_attention",'),

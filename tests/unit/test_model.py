@@ -7,8 +7,9 @@ import torch
 from freetx.distributed import materialize
 from freetx.models import Model
 from freetx.models.ad import ad_transformer
+from freetx.models.decoder.rope import apply_rope, rope_tables
 from freetx.models.free_transformer import free_transformer
-from freetx.models.transformer import apply_rope, decoder, rope_tables
+from freetx.models.transformer import decoder
 
 
 def small_model(**kw):

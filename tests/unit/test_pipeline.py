@@ -15,8 +15,9 @@ from freetx.distributed.pipeline import (
     stage_blocks,
 )
 from freetx.errors import ConfigError
+from freetx.models.decoder.layers import HeldElsewhere
 from freetx.models.free_transformer import FreeTransformer
-from freetx.models.transformer import HeldElsewhere, decoder
+from freetx.models.transformer import decoder
 
 
 def test_blocks_split_evenly_with_the_rest_in_the_middle_stages():
