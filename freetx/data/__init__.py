@@ -6,11 +6,10 @@ Datasets take rank and world size as arguments (never from the process group),
 and import nothing from the rest of freetx but its errors.
 """
 
+from freetx.data.activation_rows import ActivationRows, PlantedFeatures
 from freetx.data.activations import (
-    ActivationRows,
     Activations,
     ActivationsConfig,
-    PlantedFeatures,
     RowLoading,
     SourceConfig,
     harvested_activations,
