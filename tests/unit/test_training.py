@@ -96,7 +96,7 @@ def test_estimate_counts_model_states_exactly_and_lands_near_torchtitan():
     import torch
 
     from freetx.models.transformer import decoder
-    from freetx.training.estimate import estimate
+    from freetx.planning.estimate import estimate
 
     with torch.device("meta"):
         model = decoder("small", max_seq_len=64)
@@ -115,7 +115,7 @@ def test_estimate_counts_the_scores_the_explicit_attention_keeps():
     import torch
 
     from freetx.models.transformer import decoder
-    from freetx.training.estimate import estimate
+    from freetx.planning.estimate import estimate
 
     def activations(device, **fields):
         with torch.device("meta"):
@@ -187,7 +187,7 @@ def test_estimate_divides_the_sliced_layers_and_their_activations_by_tp():
 
     from freetx.errors import ConfigError
     from freetx.models.transformer import decoder
-    from freetx.training.estimate import estimate
+    from freetx.planning.estimate import estimate
 
     with torch.device("meta"):
         model = decoder("llama3_8b")
@@ -214,7 +214,7 @@ def test_estimate_counts_a_context_shard_and_a_pipeline_stage():
 
     from freetx.distributed import DistributedConfig
     from freetx.models.transformer import decoder
-    from freetx.training.estimate import estimate, pipeline_stage_shapes
+    from freetx.planning.estimate import estimate, pipeline_stage_shapes
 
     with torch.device("meta"):
         model, first, last = (decoder("llama3_8b", tie_embeddings=False) for _ in range(3))
