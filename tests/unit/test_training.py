@@ -129,6 +129,23 @@ def test_estimate_counts_the_scores_the_explicit_attention_keeps():
     assert activations("h100", attention_dropout=0.1, **capped) > activations("h100")
 
 
+def test_estimate_refuses_a_model_that_does_not_count_its_activations():
+    """Each model answers its own activation bytes (`EstimatesActivations`): the estimate
+    reads no model's config, and refuses a model without the hook in one paragraph."""
+    from freetx.errors import ConfigError
+    from freetx.planning.estimate import estimate
+
+    class Plain(torch.nn.Module):
+        block_types = ()
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = torch.nn.Linear(4, 4)
+
+    with pytest.raises(ConfigError, match="cannot count its activations"):
+        estimate(Plain(), shapes(2), 8, 8, "float32", "none", 1, "cpu", 0.4)
+
+
 def test_estimate_measure_runs_a_fake_step_per_strategy(tmp_path):
     """`--measure` on llm/tiny at 2 ranks: one step per strategy on fake tensors and a fake
     process group. What rank 0 holds matches the analytic model states (FSDP2 pads uneven
