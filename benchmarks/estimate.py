@@ -4,7 +4,7 @@ For each strategy, rank 0's bytes at the peak of a steady training step (the sec
 the first creates the optimizer state), three ways, same shape (2 sequences of 256
 tokens per rank):
 - real: torchrun, gloo, real tensors, torch's memory trackers (FSDPMemTracker /
-  MemTracker over every tensor alive, `freetx.training.estimate.tracked_step`);
+  MemTracker over every tensor alive, `freetx.planning.measure.tracked_step`);
 - measured: `freetx estimate --measure` (one process, fake tensors, a fake group);
 - analytic: `freetx estimate` (formulas from the model's shape).
 Model states (parameters + gradients + optimizer) are compared exactly; peaks as ratios.
@@ -51,7 +51,8 @@ def worker(strategy: str) -> None:
         init_distributed,
         parallelize,
     )
-    from freetx.training.estimate import meta_model, tracked_step
+    from freetx.planning.config import meta_model
+    from freetx.planning.measure import tracked_step
 
     runtime = init_distributed("cpu")
     cfg = config(runtime.world_size, strategy)
@@ -82,7 +83,9 @@ def main() -> None:
     if args.worker:
         worker(args.worker)
         return
-    from freetx.training.estimate import estimate, measure, meta_model
+    from freetx.planning.config import meta_model
+    from freetx.planning.estimate import estimate
+    from freetx.planning.measure import measure
 
     rows = []
     for world_size, strategies in ((1, ["fsdp"]), (2, ["fsdp", "zero2", "zero1", "ddp"])):

@@ -45,6 +45,7 @@ from freetx.envs import (
 from freetx.errors import ConfigError
 from freetx.fields import written_folder
 from freetx.training import (
+    PlannedRun,
     TrainingConfig,
     TrainingRun,
     accumulate_gradients,
@@ -89,6 +90,9 @@ class ADRecipeConfig(TrainingConfig):
     histories: HistoryConfig = field(default_factory=HistoryConfig)
     model: Any = MISSING
     eval: InContextEvalConfig = field(default_factory=InContextEvalConfig)
+
+    def planned(self) -> PlannedRun:  # windows of the model's context (n_transit)
+        return PlannedRun(self.model)
 
 
 class ADRecipeDDP:

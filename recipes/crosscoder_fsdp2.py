@@ -49,6 +49,7 @@ from freetx.entry import parse
 from freetx.models.crosscoder import CrosscoderLoss, CrosscoderStats
 from freetx.models.hf import own_module_name
 from freetx.training import (
+    PlannedRun,
     TrainingConfig,
     TrainingRun,
     accumulate_gradients,
@@ -84,6 +85,9 @@ class CrosscoderConfig(TrainingConfig):
     activations: ActivationsConfig = field(default_factory=ActivationsConfig)
     sparsity: SparsityConfig = field(default_factory=SparsityConfig)
     eval: CrosscoderEvalConfig = field(default_factory=CrosscoderEvalConfig)
+
+    def planned(self) -> PlannedRun:  # rows of one token's activations from its sources
+        return PlannedRun(self.model, seq_len=1, activations=self.activations)
 
 
 class CrosscoderRecipeFSDP2:

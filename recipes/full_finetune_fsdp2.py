@@ -41,6 +41,7 @@ from freetx.distributed import build_groups, init_distributed, parallelize
 from freetx.entry import parse
 from freetx.models.peft import PEFTConfig, apply_peft
 from freetx.training import (
+    PlannedRun,
     TrainingConfig,
     TrainingRun,
     accumulate_gradients,
@@ -48,6 +49,7 @@ from freetx.training import (
     check_context,
     check_model_and_data,
     check_packing,
+    dataset_seq_len,
     evaluation_sums,
     first_batches_padding,
     loss_tokens,
@@ -83,6 +85,9 @@ class FullFinetuneConfig(TrainingConfig):
     loss: Any = field(default_factory=lambda: {"_component_": "freetx.training.CrossEntropyLoss"})
     eval: EvalConfig = field(default_factory=EvalConfig)
     peft: PEFTConfig = field(default_factory=PEFTConfig)  # LoRA / QLoRA / DoRA / Spectrum
+
+    def planned(self) -> PlannedRun:  # sequences of the dataset's seq_len, with adapters
+        return PlannedRun(self.model, dataset_seq_len(self), self.peft, self.loss)
 
 
 class FullFinetuneRecipeFSDP2:

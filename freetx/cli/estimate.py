@@ -1,6 +1,6 @@
 """`freetx estimate CONFIG [key=value ...] --world-size N [--device h100|a100|cpu]`: memory
 per rank and step time of a training config (a decoder's, AD's, a crosscoder's) for every
-strategy, before renting GPUs (freetx/training/estimate.py says what is counted and what
+strategy, before renting GPUs (freetx/planning/estimate.py says what is counted and what
 is not)."""
 
 from __future__ import annotations
@@ -9,7 +9,6 @@ import argparse
 import dataclasses
 import json
 from pathlib import Path
-from typing import Any
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -38,127 +37,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-@dataclasses.dataclass
-class ConfigEstimate:
-    """`estimate_config`'s answer: the meta model, the micro-batch per rank (sequences of
-    `seq_len` tokens; a crosscoder's rows: 1), a row per strategy a run would accept, why
-    it refuses the rest, and a crosscoder's sources (None for other models)."""
-
-    model: Any
-    micro: int
-    seq_len: int
-    rows: list  # freetx.training.estimate.Estimate
-    refused: dict[str, str]
-    sources: Any = None  # freetx.training.estimate.ActivationSources
-    shapes: list = dataclasses.field(default_factory=list)  # MeshShape, per strategy estimated
-
-
-def estimate_config(
-    cfg: Any,
-    world_size: int,
-    device: str,
-    mfu: float = 0.4,
-    replicas: int = 1,
-    source_dim: int | None = None,
-) -> ConfigEstimate:
-    """The analytic estimate of a training config (a schema instance) at `world_size` ranks
-    of `device` (a key of freetx.training.estimate.DEVICES), under the run's own checks: a
-    batch that does not split refuses it all; a strategy that a run would refuse gets no
-    row. A crosscoder's config (`activations:`) is estimated with its source models
-    (`activation_sources`; `source_dim`: its hooked width where they cannot be read)."""
-    from freetx.data import micro_batch_size
-    from freetx.data.activations import ActivationsConfig
-    from freetx.distributed import Layout
-    from freetx.distributed.parallelize import strategy_shapes
-    from freetx.training.checks import dataset_seq_len
-    from freetx.training.estimate import (
-        activation_sources,
-        estimate,
-        meta_model,
-        pipeline_stage_shapes,
-    )
-
-    refuse_untrained(cfg)
-    processes = Layout(world_size, device_type="cpu" if device == "cpu" else "cuda")
-    # replicas: hsdp's replicate degree (the other strategies ignore it)
-    shapes, refused = strategy_shapes(cfg.distributed, processes, replicas)
-    data_ranks = shapes[0].dp if shapes else world_size  # a pp x cp x tp group reads one share
-    micro = micro_batch_size(cfg.batch_size, data_ranks, cfg.gradient_accumulation_steps)
-    sources = None
-    if isinstance(getattr(cfg, "activations", None), ActivationsConfig):  # a crosscoder
-        sources = activation_sources(cfg.activations, device, source_dim)
-        model = meta_model(
-            cfg.model, num_sources=sources.num_sources, source_dim=sources.source_dim
-        )
-        seq_len = 1  # a row is one token's activations
-    else:
-        model = meta_model(cfg.model, getattr(cfg, "peft", None))
-        seq_len = (  # AD's windows: the model's context (n_transit)
-            dataset_seq_len(cfg) if hasattr(cfg, "dataset") else model.config.max_seq_len
-        )
-    dist = cfg.distributed
-
-    def rows_of(part, stage=None):
-        return estimate(
-            part, shapes, micro * seq_len, seq_len, dist.mixed_precision.param_dtype,
-            dist.activation_checkpointing, dist.ac_every_n_blocks, device, mfu,
-            sources=sources.bytes if sources else 0.0,
-            optimizer_bytes=2.0 if "8bit" in str(cfg.optimizer.get("_component_", "")) else 8.0,
-            loss_chunks=loss_chunks(cfg, model), stage=stage,
-            sequence_parallel=dist.sequence_parallel and dist.pp == 1,
-        )  # fmt: skip
-
-    if dist.pp == 1:
-        rows = rows_of(model)
-    else:  # the first stage (most micro-batches in flight) or the last (the loss): the fuller
-        stages = pipeline_stage_shapes(dist, cfg.gradient_accumulation_steps)
-        staged = [rows_of(stage_model(cfg, dist, end), shape)
-                  for end, shape in zip(("first", "last"), stages)]  # fmt: skip
-        rows = [max(pair, key=lambda r: r.peak) for pair in zip(*staged)]
-    return ConfigEstimate(model, micro, seq_len, rows, refused, sources, shapes)
-
-
-def stage_model(cfg: Any, dist: Any, end: str):
-    """The meta model of the pipeline rank holding the first or the last stage."""
-    from freetx.distributed.parallelize import find_blocks
-    from freetx.distributed.pipeline import check_stages, num_stages, rank_stages, stage_blocks
-    from freetx.training.estimate import meta_model
-
-    model = meta_model(cfg.model, getattr(cfg, "peft", None))
-    check_stages(model)
-    num_blocks = len(find_blocks(model))
-    blocks = stage_blocks(num_blocks, num_stages(dist), dist.pp_blocks_per_stage)
-    rank = 0 if end == "first" else dist.pp - 1
-    mine = [blocks[s] for s in rank_stages(rank, dist.pp, dist.pp_stages_per_rank)]
-    model.keep_blocks(sorted(i for stage in mine for i in stage), first=rank == 0,
-                      last=mine[-1].stop == num_blocks)  # fmt: skip
-    return model
-
-
-def loss_chunks(cfg: Any, model) -> int:
-    """How many chunks of tokens a training config's loss makes the logits in
-    (`num_chunks`, or the default by the model's vocabulary)."""
-    from freetx.models.output_loss import default_num_chunks
-
-    loss = getattr(cfg, "loss", None)
-    chunks = loss.get("num_chunks") if loss is not None else None
-    vocab = getattr(model.config, "vocab_size", 0)
-    return int(chunks) if chunks else default_num_chunks(vocab)
-
-
-def refuse_untrained(cfg: Any) -> None:
-    """A config without a model or a training batch (generate's) has nothing to estimate."""
-    from freetx.errors import ConfigError
-
-    if not hasattr(cfg, "model") or not hasattr(cfg, "batch_size"):
-        raise ConfigError(
-            "freetx estimate reads training configs (a model and a batch_size); this one "
-            "trains nothing.",
-            fix="Give a training config: full_finetune_fsdp2, lora_finetune_fsdp2, ad_ddp or "
-            "crosscoder_fsdp2's.",
-        )
-
-
 def main(args: argparse.Namespace) -> int:
     import torch
 
@@ -168,8 +46,10 @@ def main(args: argparse.Namespace) -> int:
     from freetx.errors import ConfigError
     from freetx.files import refuse_existing, write_user_file
     from freetx.models import num_active_parameters
+    from freetx.planning.config import estimate_config, planned_run
+    from freetx.planning.estimate import DEVICES, GIB
+    from freetx.planning.measure import measure
     from freetx.registry import recipe_for_config
-    from freetx.training.estimate import DEVICES, GIB, measure
 
     if args.json:
         refuse_existing(Path(args.json), args.overwrite, "another --json PATH")
@@ -178,8 +58,7 @@ def main(args: argparse.Namespace) -> int:
         raise ConfigError(f"{args.config} is not a built-in config: give --recipe too.")
     target = load_recipe(recipe)
     cfg = load_recipe_config(args.config, list(args.overrides), target.schema)
-    refuse_untrained(cfg)
-    if args.measure and not hasattr(cfg, "dataset"):
+    if args.measure and planned_run(cfg).loss is None:
         raise ConfigError(
             f"--measure steps a decoder's token batches; {args.config} is not a decoder config.",
             fix="Leave out --measure: the analytic estimate counts this model.",

@@ -1,5 +1,5 @@
 """`freetx import deepspeed|accelerate|fsdp FILE [--world-size N]`: the freetx overrides
-an old config means (freetx/training/config_import.py holds the mapping)."""
+an old config means (freetx/planning/config_import.py holds the mapping)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import shlex
 
 from freetx.cli.common import at_least_one
 
-FORMATS = ("deepspeed", "accelerate", "fsdp-config")  # what freetx.training.config_import reads
+FORMATS = ("deepspeed", "accelerate", "fsdp-config")  # what freetx.planning.config_import reads
 DESCRIPTION = """Read an old config and print the freetx overrides it means, ready to paste
 after `freetx run RECIPE --config CFG`, then (as # comments) the launch options and
 environment it asks for, and every key with no freetx equivalent and why.
@@ -44,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(args: argparse.Namespace) -> int:
-    from freetx.training.config_import import import_config, read_config_file
+    from freetx.planning.config_import import import_config, read_config_file
 
     found = import_config(args.format, read_config_file(args.file), args.world_size)
     print(" ".join(shlex.quote(a) for a in found.override_args()))

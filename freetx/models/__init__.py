@@ -1,6 +1,7 @@
 """Models: plain nn.Modules following the model protocol; parallelism comes from outside.
 
 protocol.py           what freetx asks of a model; presets through one builder per family
+memory.py             what `estimate` tells a model counting its activations, and its answer
 transformer.py        the Llama-style decoder (Transformer: the core and every capability),
                       presets tiny ... llama3_8b
 decoder/              the decoder in parts: config, RoPE, layers, core, and the capabilities

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from freetx.models.decoder.config import TransformerConfig
+from freetx.models.decoder.estimate import DecoderActivations
 from freetx.models.decoder.layers import DecoderBlock, init_decoder_parameter, rms_norm
 from freetx.models.decoder.rope import RotaryTables
 from freetx.models.protocol import build_config, builds
@@ -52,7 +53,7 @@ class ADConfig(TransformerConfig):
         return found
 
 
-class ADTransformer(nn.Module):
+class ADTransformer(DecoderActivations, nn.Module):
     """Transitions in, next-action logits out: [B, T] x 3 -> [B, T, num_actions]."""
 
     block_types = (DecoderBlock,)

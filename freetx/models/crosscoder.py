@@ -44,6 +44,7 @@ import torch
 from torch import nn
 
 from freetx.fields import refuse_meaningless
+from freetx.models.memory import ActivationBytes, TrainingShape
 from freetx.models.protocol import build_config, builds
 
 BANDWIDTH = 2.0  # JumpReLU's straight-through kernel width
@@ -313,15 +314,16 @@ class Crosscoder(nn.Module):
         c = self.config
         return float(6 * 2 * c.num_sources * c.source_dim * c.dict_size)
 
-    def activation_bytes(self, tokens: int, compute_bytes: int) -> float:
-        """A training micro-batch of `tokens` rows at its peak (in backward): per row,
-        `ACTIVATION_ELEMENTS` [m] and [n, d] tensors in the compute dtype (pre-activations,
-        features, their gradients; the scaled input, reconstruction, error), and the
-        batch itself in float32."""
-        c = self.config
+    def activation_bytes(self, run: TrainingShape) -> ActivationBytes:
+        """A training micro-batch of `run.tokens` rows (1/cp of them per rank) at its peak
+        (in backward), loss included: per row, `ACTIVATION_ELEMENTS` [m] and [n, d] tensors
+        in the compute dtype (pre-activations, features, their gradients; the scaled input,
+        reconstruction, error), and the batch itself in float32."""
+        c, rows, element = self.config, run.tokens // run.cp, run.compute_bytes
         per_dict, per_source = ACTIVATION_ELEMENTS[c.activation]
         nd = c.num_sources * c.source_dim
-        return float(tokens * ((per_dict * c.dict_size + per_source * nd) * compute_bytes + nd * 4))
+        per_row = (per_dict * c.dict_size + per_source * nd) * element + nd * 4
+        return ActivationBytes(float(rows * per_row))
 
 
 @builds(CrosscoderConfig)

@@ -38,6 +38,7 @@ from torch import nn
 
 from freetx.models.decoder.config import TransformerConfig
 from freetx.models.decoder.core import DecoderCore
+from freetx.models.decoder.estimate import DecoderActivations
 from freetx.models.decoder.layers import DecoderBlock
 from freetx.models.output_loss import (
     IGNORE_INDEX,
@@ -254,7 +255,7 @@ def kl_to_uniform(z_logits: torch.Tensor) -> torch.Tensor:
     return z_logits.shape[-1] * math.log(2) - entropy.sum(-1)
 
 
-class FreeTransformer(DecoderCore):
+class FreeTransformer(DecoderCore, DecoderActivations):
     """A decoder whose block `split_layer + 1` sees a per-token latent code.
 
     It has the decoder's core and none of its capabilities (`freetx.models.decoder`):

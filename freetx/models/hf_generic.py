@@ -34,8 +34,10 @@ import torch
 from torch import nn
 
 from freetx.errors import CheckpointError, ConfigError
+from freetx.models.decoder.estimate import decoder_activations
 from freetx.models.decoder.layers import init_normal
 from freetx.models.kv_cache import CachedRows
+from freetx.models.memory import ActivationBytes, TrainingShape
 from freetx.models.protocol import OutputLayer, OutputLoss
 
 # tensors some folders carry that are not weights (older checkpoints' RoPE tables)
@@ -92,7 +94,7 @@ class HFGenericConfig:
     def vocab_size(self) -> int:
         return int(self.hf_config["vocab_size"])
 
-    # the shape `freetx estimate` counts a decoder's activations by (as the decoder names it)
+    # the shape its activations are counted by (`activation_bytes`), as the decoder names it
     @property
     def num_heads(self) -> int:
         return int(self.hf_config.get("num_attention_heads") or self.hf_config["n_head"])
@@ -385,6 +387,12 @@ class HFGenericModel(nn.Module):
         text = self.hf.config.get_text_config()
         attention = 12 * text.num_hidden_layers * text.hidden_size * seq_len
         return float(6 * self.num_parameters(exclude_embeddings=True) + attention)
+
+    def activation_bytes(self, run: TrainingShape) -> ActivationBytes:
+        """Counted as a dense decoder of its width (every key and value head its own)."""
+        c = self.config
+        kv = c.num_heads * (c.hidden_dim // c.num_heads)
+        return decoder_activations(run, c.hidden_dim, c.ffn_hidden_dim, kv, c.vocab_size)
 
 
 def _drop_tied(module: HFGenericModel, state_dict: dict, prefix: str, local_metadata) -> None:

@@ -22,8 +22,7 @@ class (who calls it, when):
                            decoder's k of E experts); the banner and `estimate`
     CountsFlops            flops_per_token(seq_len): MFU and `estimate` (default: 6 x N)
     DescribesItself        describe(): the banner ("native freetx decoder for qwen3")
-    EstimatesActivations   activation_bytes(tokens, compute_bytes): `estimate` (default:
-                           the decoder's count per token and block)
+    EstimatesActivations   activation_bytes(run): a micro-batch's activations; `estimate`
     HFLayoutModel          hf_layout: its HF transformers layout; conversion, HF loading
     ExtraForwards          fsdp_forward_methods: methods FSDP2 gathers for; `parallelize`
     AdapterTargets         adapter_targets: short name -> module suffix; `apply_lora`
@@ -49,8 +48,9 @@ after, so no model code touches one:
                            fills itself (adapters), also when the weights are loaded
     DerivedFromWeights     init_from_weights(local): values that follow from the final
                            weights (DoRA's magnitudes); after initialization or loading
-    StoredInOwnForm        stores_parameter, stored_value(...): a parameter kept in another
-                           form (QLoRA's NF4 base); initialization and loading
+    StoredInOwnForm        stores_parameter, stored_value(...), stored_element_bytes: a
+                           parameter kept in another form (QLoRA's NF4 base); initialization,
+                           loading and `estimate`
     SlicesWithLinear       tensor_parallel_dims(role): how tensor parallelism slices an
                            adapter around a sliced Linear
     FrozenInComputeDtype   frozen_in_compute_dtype: no fp32 master for its frozen
@@ -60,22 +60,20 @@ Each protocol's docstring says the rest. The native decoder has its capabilities
 classes it lists among its bases (`freetx.models.decoder`): a model without one simply
 does not follow that protocol.
 
-`check_model` refuses, when a model is built or parallelized, a model class or
-module that defines a near-miss of one of these names (`init_buffer`,
-`fsdp_forward_method`): a misspelt hook would otherwise be silently ignored.
+`check_model` refuses, when a model is built or parallelized, a model class or module
+that defines a near-miss of a hook's name (`init_buffer`): it would be silently ignored.
 
 A model with a training term besides the logits (an MoE router's load-balancing loss)
 returns `LMOutput(logits, aux_loss, metrics)` from forward in training mode; the
 loss (`freetx.training.CrossEntropyLoss`) adds `aux_loss` per loss token and logs
 `metrics`. Logits come first, so code that reads `output[0]` reads the logits.
 
-A model with a latent code per position also follows `LatentModel`
-(`prior_codes`, `posterior_codes`, `forward(..., codes=codes)`), which is
-what the `generate` recipe asks for; it never names a model class.
+A model with a latent code per position also follows `LatentModel` (`prior_codes`,
+`posterior_codes`, `forward(..., codes=codes)`), which the `generate` recipe asks for.
 
-Models are built on the meta device, parallelized, then materialized and
-initialized one parameter at a time (`freetx.distributed.init.materialize`),
-so the initial weights depend only on the seed, never on the world size.
+Models are built on the meta device, parallelized, then materialized and initialized one
+parameter at a time (`freetx.distributed.init.materialize`), so the initial weights
+depend only on the seed, never on the world size.
 
 A model family has one builder, `family(preset=None, **fields)`: a preset's fields (the
 `PRESETS` table beside the model) with any field changed, or any shape from its fields
@@ -94,6 +92,7 @@ import torch
 from torch import nn
 
 from freetx.errors import CheckpointError, ConfigError
+from freetx.models.memory import ActivationBytes, TrainingShape
 
 
 @runtime_checkable
@@ -157,12 +156,11 @@ class DescribesItself(Protocol):
 
 @runtime_checkable
 class EstimatesActivations(Protocol):
-    """The model's own activation memory, for `estimate`: the bytes a training micro-batch
-    of `tokens` units (rows, for a crosscoder) keeps at its peak in forward and backward,
-    loss included, with tensors in `compute_bytes` per element. A model without it is
-    counted as a decoder (its blocks' saved tensors per token, and the logits)."""
+    """The model's own activation memory, for `estimate`: what a training micro-batch
+    (`run`: its tokens, or a crosscoder's rows, and what of the run changes them) keeps at
+    its peak in forward and backward, its loss, and what tp and cp move (freetx.models.memory)."""
 
-    def activation_bytes(self, tokens: int, compute_bytes: int) -> float: ...
+    def activation_bytes(self, run: TrainingShape) -> ActivationBytes: ...
 
 
 @runtime_checkable
@@ -306,9 +304,12 @@ class StoredInOwnForm(Protocol):
     """A module that keeps a parameter in another form (QLoRA's NF4 base), set from its
     full value only. `stored_value(name, full, shard)` returns what this rank keeps:
     the whole stored form (`shard` None), or rows `index` of `count` equal chunks
-    (`shard` = (index, count)); `freetx.distributed.init` wraps it as the parameter."""
+    (`shard` = (index, count)); `freetx.distributed.init` wraps it as the parameter;
+    `stored_element_bytes(name)`: its bytes per element as stored, for `estimate`."""
 
     def stores_parameter(self, name: str) -> bool: ...
+
+    def stored_element_bytes(self, name: str) -> float: ...
 
     def stored_value(
         self, name: str, full: torch.Tensor, shard: tuple[int, int] | None

@@ -9,7 +9,8 @@ It is made of parts (`freetx/models/decoder/`): its config (`config.py`), RoPE
 the core model (`core.py`: `DecoderCore`), and the capabilities a model opts into by
 listing them among its bases, one per parallel axis or input: tensor parallelism
 (`tensor_parallel.py`), pipeline stages (`pipeline.py`), packed documents and context
-shards (`masks.py`), generation with a KV cache (`incremental.py`). `Transformer` lists
+shards (`masks.py`), generation with a KV cache (`incremental.py`), its activation memory
+for `freetx estimate` (`estimate.py`). `Transformer` lists
 them all; a model without one simply does not follow its protocol
 (`freetx/models/protocol.py`), and freetx refuses it for that axis before any work.
 
@@ -23,6 +24,7 @@ preset of `PRESETS` with any field changed, or any shape from its fields;
 from __future__ import annotations
 
 from freetx.models.decoder.config import TransformerConfig
+from freetx.models.decoder.estimate import DecoderActivations
 from freetx.models.decoder.incremental import IncrementalDecoding
 from freetx.models.decoder.masks import ContextMasks, DocumentMasks
 from freetx.models.decoder.pipeline import PipelineStages
@@ -32,10 +34,15 @@ from freetx.models.transformer_hf import LLAMA_LAYOUT, hf_config_fields
 
 
 class Transformer(
-    IncrementalDecoding, DocumentMasks, ContextMasks, PipelineStages, TensorParallelPlan
+    IncrementalDecoding,
+    DocumentMasks,
+    ContextMasks,
+    PipelineStages,
+    TensorParallelPlan,
+    DecoderActivations,
 ):
     """The decoder with every capability: KV-cache generation, packed batches, context
-    and tensor parallelism, pipeline stages; and its HF layouts."""
+    and tensor parallelism, pipeline stages, its activation memory; and its HF layouts."""
 
     hf_layout = LLAMA_LAYOUT
 

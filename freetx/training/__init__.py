@@ -7,8 +7,9 @@ from freetx.training.checks import (
     check_model_and_data,
     check_packing,
     check_written_folders,
+    dataset_seq_len,
 )
-from freetx.training.config import TrainingConfig, default_metric_loggers
+from freetx.training.config import PlannedRun, TrainingConfig, default_metric_loggers
 from freetx.training.grad import clip_grad_norm
 from freetx.training.lifecycle import TrainingRun, training_state
 from freetx.training.loss import CrossEntropyLoss, loss_tokens
@@ -33,6 +34,7 @@ from freetx.training.step import (
 
 __all__ = [
     "CrossEntropyLoss",
+    "PlannedRun",
     "LRScheduleConfig",
     "ThroughputMeter",
     "TrainingConfig",
@@ -45,6 +47,7 @@ __all__ = [
     "check_model_and_data",
     "check_context",
     "check_packing",
+    "dataset_seq_len",
     "clip_grad_norm",
     "count_over_ranks",
     "default_metric_loggers",

@@ -22,6 +22,17 @@ def default_metric_loggers() -> list[Any]:
     ]
 
 
+@dataclass(frozen=True)
+class PlannedRun:
+    """What a training config trains, as `freetx estimate` reads it (`TrainingConfig.planned`)."""
+
+    model: Any  # the model's node
+    seq_len: int | None = None  # tokens per sample; None: the model's context (max_seq_len)
+    adapters: Any = None  # the `peft:` section, applied to the model
+    loss: Any = None  # an LM loss's node (its num_chunks): what `estimate --measure` steps
+    activations: Any = None  # a crosscoder's `activations:`: the rows and their source models
+
+
 @dataclass
 class TrainingConfig:
     """What every training recipe's schema starts with: the run, its loop, the optimizer,
@@ -54,3 +65,8 @@ class TrainingConfig:
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     metric_loggers: list[Any] = field(default_factory=default_metric_loggers)
     profiler: ProfilerConfig = field(default_factory=ProfilerConfig)  # torch.profiler traces
+
+    def planned(self) -> PlannedRun | None:
+        """What this config trains, for `freetx estimate`: a recipe's schema says it (None:
+        nothing the estimate counts)."""
+        return None

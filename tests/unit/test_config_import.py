@@ -1,4 +1,4 @@
-"""`freetx import`'s mapping (freetx/training/config_import.py): each foreign key, read from
+"""`freetx import`'s mapping (freetx/planning/config_import.py): each foreign key, read from
 small files written here, to the freetx override it means or to the unmapped list."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from freetx.errors import FreetxError
-from freetx.training.config_import import import_config, read_config_file
+from freetx.planning.config_import import import_config, read_config_file
 
 BF16 = {  # what bf16 means: bfloat16 compute, float32 gradient reduction
     "distributed.mixed_precision.param_dtype": "bfloat16",

@@ -11,10 +11,11 @@ import torch
 from torch.distributed._tools.mem_tracker import MemTracker
 
 from freetx.cli.common import load_recipe
-from freetx.cli.estimate import estimate_config
 from freetx.config.run_config import load_recipe_config
 from freetx.models.ad import ad_transformer
 from freetx.models.crosscoder import CrosscoderLoss, crosscoder
+from freetx.models.memory import TrainingShape
+from freetx.planning.config import estimate_config
 from freetx.registry import recipe_for_config
 from tests.conftest import flat, run_freetx_here
 
@@ -104,7 +105,7 @@ def test_crosscoder_activation_bytes_bound_a_real_step(activation):
     peak = {getattr(k, "value", k): v for k, v in next(iter(tracker.get_tracker_snapshot("peak").values())).items()}  # fmt: skip
     held = peak["Total"] - sum(peak[k] for k in ("Parameter", "Gradient", "Optstate", "Buffer"))
     held += x.numel() * 4  # the batch, made before the tracker
-    estimated = model.activation_bytes(4096, 4)
+    estimated = model.activation_bytes(TrainingShape(4096, 1, 4, blocks=0)).kept
     assert held <= estimated <= 1.5 * held, (activation, held, estimated)
 
 

@@ -53,6 +53,16 @@ def test_checkpoint_and_training_do_not_import_each_other_both_ways():
     assert "training" not in graph["checkpoint"]
 
 
+def test_only_the_cli_imports_the_planning_tools():
+    """estimate and import live apart from training/, which holds what loops share."""
+    graph = package_graph()
+    assert {p for p, targets in graph.items() if "planning" in targets} == {"cli"}
+    assert graph["planning"] <= {"training", "distributed", "models", "data", "config",
+                                 "checkpoint", *BELOW_EVERYTHING}, graph["planning"]  # fmt: skip
+    recipes = "".join(p.read_text() for p in (REPO / "recipes").glob("*.py"))
+    assert "freetx.planning" not in recipes
+
+
 def test_no_import_cycles_between_packages():
     graph = package_graph()
 

@@ -17,10 +17,10 @@ import torch
 from safetensors.torch import save_file
 
 from freetx.cli.common import load_recipe
-from freetx.cli.estimate import estimate_config
 from freetx.config.run_config import load_recipe_config
+from freetx.planning.config import estimate_config, meta_model
+from freetx.planning.estimate import DEVICES, GIB
 from freetx.registry import recipe_for_config
-from freetx.training.estimate import DEVICES, GIB, meta_model
 from tests.conftest import REPO, flat, run_freetx_here
 
 CONFIGS = sorted(

@@ -96,7 +96,7 @@ def test_estimate_counts_model_states_exactly_and_lands_near_torchtitan():
     import torch
 
     from freetx.models.transformer import decoder
-    from freetx.training.estimate import estimate
+    from freetx.planning.estimate import estimate
 
     with torch.device("meta"):
         model = decoder("small", max_seq_len=64)
@@ -115,7 +115,7 @@ def test_estimate_counts_the_scores_the_explicit_attention_keeps():
     import torch
 
     from freetx.models.transformer import decoder
-    from freetx.training.estimate import estimate
+    from freetx.planning.estimate import estimate
 
     def activations(device, **fields):
         with torch.device("meta"):
@@ -127,6 +127,23 @@ def test_estimate_counts_the_scores_the_explicit_attention_keeps():
     assert activations("cpu", **capped) - activations("cpu") == 128 * layers * heads * 64 * 12
     assert activations("h100", **capped) == activations("h100")
     assert activations("h100", attention_dropout=0.1, **capped) > activations("h100")
+
+
+def test_estimate_refuses_a_model_that_does_not_count_its_activations():
+    """Each model answers its own activation bytes (`EstimatesActivations`): the estimate
+    reads no model's config, and refuses a model without the hook in one paragraph."""
+    from freetx.errors import ConfigError
+    from freetx.planning.estimate import estimate
+
+    class Plain(torch.nn.Module):
+        block_types = ()
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = torch.nn.Linear(4, 4)
+
+    with pytest.raises(ConfigError, match="cannot count its activations"):
+        estimate(Plain(), shapes(2), 8, 8, "float32", "none", 1, "cpu", 0.4)
 
 
 def test_estimate_measure_runs_a_fake_step_per_strategy(tmp_path):
@@ -187,7 +204,7 @@ def test_estimate_divides_the_sliced_layers_and_their_activations_by_tp():
 
     from freetx.errors import ConfigError
     from freetx.models.transformer import decoder
-    from freetx.training.estimate import estimate
+    from freetx.planning.estimate import estimate
 
     with torch.device("meta"):
         model = decoder("llama3_8b")
@@ -214,7 +231,7 @@ def test_estimate_counts_a_context_shard_and_a_pipeline_stage():
 
     from freetx.distributed import DistributedConfig
     from freetx.models.transformer import decoder
-    from freetx.training.estimate import estimate, pipeline_stage_shapes
+    from freetx.planning.estimate import estimate, pipeline_stage_shapes
 
     with torch.device("meta"):
         model, first, last = (decoder("llama3_8b", tie_embeddings=False) for _ in range(3))

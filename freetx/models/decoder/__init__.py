@@ -10,4 +10,6 @@ capabilities, each a subclass of DecoderCore that a model lists among its bases:
                     rank's part of each sequence under context parallelism (ShardsContext)
   pipeline.py       PipelineStages: pipeline stages of blocks (SplitsIntoStages)
   tensor_parallel.py  TensorParallelPlan: layers sliced over tp ranks (SlicesLayers)
+estimate.py         DecoderActivations: its activation memory, for `freetx estimate`
+                    (EstimatesActivations); listed by any model with a TransformerConfig
 """

@@ -96,6 +96,9 @@ class NF4LoRALinear(LoRALinear):
         """The base weight is kept quantized."""
         return name == "weight"
 
+    def stored_element_bytes(self, name: str) -> float:
+        return BYTES_PER_WEIGHT
+
     @torch.no_grad()
     def stored_value(
         self, name: str, full: torch.Tensor, shard: tuple[int, int] | None

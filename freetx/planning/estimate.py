@@ -1,0 +1,229 @@
+"""`freetx estimate`: memory per rank and step time of a config, for each strategy, before
+renting GPUs. Analytic, from the model's exact parameter counts (it is built on the
+meta device, adapters and all) and its shape:
+
+model states (exact): parameters (fp32 masters; frozen LoRA bases in the compute
+dtype; NF4 bases at 0.516 bytes), gradients of what trains (fp32), AdamW's two
+moments (fp32; 8-bit optimizers: 2 bytes), each divided by the ranks that shard it:
+
+    | strategy | parameters | gradients | optimizer |
+    | ddp      | 1          | 1         | 1         |
+    | zero1    | 1          | 1         | 1/N       |
+    | zero2    | 1/N        | 1/N       | 1/N       |  + every block gathered (fwd to bwd)
+    | fsdp     | 1/N        | 1/N       | 1/N       |  + two blocks gathered at a time
+    | hsdp     | 1/S        | 1/S       | 1/S       |  S = N / replicas
+
+activations per micro-batch: the model's own count (`EstimatesActivations`: the
+decoder's per token and block, and its logits, in freetx/models/decoder/estimate.py; AD's
+transformer and the generic transformers path counted as a decoder; the crosscoder's per
+row), told the micro-batch and what of the run changes it (`TrainingShape`); a model
+without blocks is gathered whole by FSDP. A crosscoder's frozen source models
+(`freetx.planning.sources`) are counted on every rank. Step time:
+training FLOPs per token (from the active parameters of an MoE model) x tokens per rank
+/ (peak x MFU),
+and the FSDP traffic (gathers in forward and backward, a reduce-scatter) over the
+interconnect, assumed overlapped: the step takes the longer of the two.
+
+What it leaves out: the allocator's fragmentation and caching (5-10% on CUDA),
+communication buffers beyond the gathered blocks, compile's saved memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from freetx.distributed import FrozenBase, MeshShape, ShardLayout, canonical_name, frozen_base
+from freetx.distributed.parallelize import find_blocks
+from freetx.distributed.tensor_parallel import check_slices
+from freetx.models.memory import TrainingShape
+from freetx.models.protocol import CountsFlops, EstimatesActivations, StoredInOwnForm, require_hook
+
+# device -> (peak dense bf16 FLOP/s, intra-node GB/s per GPU, HBM GiB)
+DEVICES = {
+    "h100": (989e12, 450e9, 80),
+    "a100": (312e12, 240e9, 80),
+    "cpu": (0.155e12, 10e9, 24),  # this machine's fp32 matmul peak on 2 threads
+}
+GIB = 2**30
+
+
+@dataclass
+class Estimate:
+    strategy: str
+    parameters: float
+    gradients: float
+    optimizer: float
+    gathered: float
+    activations: float
+    loss: float
+    step_s: float
+    compute_s: float
+    comm_s: float
+    sources: float = 0.0  # a crosscoder's frozen source models while they harvest
+
+    @property
+    def states(self) -> float:
+        return self.parameters + self.gradients + self.optimizer
+
+    @property
+    def peak(self) -> float:
+        return self.states + self.gathered + self.activations + self.loss + self.sources
+
+
+def parameter_bytes(
+    model: nn.Module,
+    compute_bytes: int,
+    frozen: FrozenBase,
+    sliced: frozenset = frozenset(),
+    tp: int = 1,
+) -> tuple[float, float]:
+    """(bytes of all parameters as stored, trainable elements) on one tensor-parallel rank:
+    NF4 bases at their quantized size, the frozen parameters the decision keeps in the
+    compute dtype in it, the rest as fp32 masters; the parameters of the `sliced` modules
+    divided by `tp`."""
+    stored = trainable = 0.0
+    for name, p in model.named_parameters():
+        owner, local_name = _owner(model, name)
+        share = 1 / tp if name.rpartition(".")[0] in sliced else 1.0
+        if isinstance(owner, StoredInOwnForm) and owner.stores_parameter(local_name):
+            stored += p.numel() * owner.stored_element_bytes(local_name) * share
+        elif canonical_name(name) in frozen.in_compute_dtype:
+            stored += p.numel() * compute_bytes * share
+        else:
+            stored += p.numel() * 4 * share
+        trainable += p.numel() * share if p.requires_grad else 0
+    return stored, trainable
+
+
+def sliced_modules(model: nn.Module, tp: int) -> frozenset:
+    """The modules tensor parallelism slices (their parameters 1/tp per rank): the model's
+    plan (`SlicesLayers`), which refuses a tp it cannot take; none at tp=1."""
+    if tp == 1:
+        return frozenset()
+    check_slices(model)
+    plan = model.tensor_parallel_plan(tp)
+    return frozenset(name for name, role in plan.items() if role != "heads_norm")
+
+
+def _owner(model: nn.Module, name: str) -> tuple[nn.Module, str]:
+    module_name, _, local_name = name.rpartition(".")
+    return (model.get_submodule(module_name) if module_name else model), local_name
+
+
+def estimate(
+    model: nn.Module,
+    shapes: list[MeshShape],
+    tokens_per_rank: int,
+    seq_len: int,
+    compute_dtype: str,
+    activation_checkpointing: str,
+    ac_every_n_blocks: int,
+    device: str,
+    mfu: float,
+    optimizer_bytes: float = 8.0,
+    frozen: FrozenBase | None = None,
+    sources: float = 0.0,
+    loss_chunks: int | None = 1,
+    stage: PipelineStageShape | None = None,
+    sequence_parallel: bool = False,
+) -> list[Estimate]:
+    """The estimate of a (meta) model under each of `shapes` (one per strategy, with the
+    same axes: `strategy_shapes`); `frozen`:
+    the frozen-base decision (`frozen_base`, made from the model when not given);
+    `sources`: bytes every rank holds besides (a crosscoder's source models);
+    `loss_chunks`: the loss's logits a chunk of tokens at a time (`num_chunks`; None: the
+    model's default); the
+    shapes' `tp`: tensor-parallel ranks (the sliced layers 1/tp per rank, whose
+    micro-batch of `tokens_per_rank` every rank of a tp group computes 1/tp of, with two
+    sums of its activations over tp per block and pass on the critical path); `cp`:
+    context-parallel ranks (each holds 1/cp of the micro-batch's tokens, and keeps the
+    whole sequence's keys and values of each block for backward; an all-gather of them
+    per block in forward, again in a recomputed forward, and a reduce-scatter of their
+    gradients in backward, on the critical path; FSDP2 shards over dp_shard x cp);
+    `stage`: under pipeline parallelism, `model` is one stage's (pruned: `keep_blocks`),
+    whose activations are kept for `stage.in_flight` micro-batches at once, whose share
+    of the work is 1/pp, stretched by the schedule's bubble; FSDP2 shards within it;
+    `sequence_parallel`: with tp, the residual stream and its norms 1/tp per rank."""
+    if not shapes:
+        return []
+    axes = shapes[0]  # pp, cp and tp: the same in every shape
+    tp, cp = axes.tp, axes.cp
+    compute = 2 if compute_dtype in ("bfloat16", "float16") else 4
+    frozen = frozen or frozen_base(model)
+    sliced = sliced_modules(model, tp)
+    stored, trainable = parameter_bytes(model, compute, frozen, sliced, tp)
+    total_trainable = parameter_bytes(model, compute, frozen)[1]
+    blocks = find_blocks(model)
+    # what FSDP gathers at a time: two blocks (one prefetched), or a model without blocks whole
+    unit, copies = (blocks[0], 2) if blocks else (model, 1)
+    unit_name = next((n for n, m in model.named_modules() if m is unit), "")
+    block_params = sum(
+        p.numel() / (tp if f"{unit_name}.{n}".lstrip(".").rpartition(".")[0] in sliced else 1)
+        for n, p in unit.named_parameters()
+    )
+    require_hook(
+        model,
+        EstimatesActivations,
+        "freetx estimate cannot count its activations",
+        "Give its class activation_bytes(run) (freetx.models.protocol.EstimatesActivations).",
+    )
+    counted = model.activation_bytes(TrainingShape(
+        tokens_per_rank, seq_len, compute, len(blocks), activation_checkpointing,
+        ac_every_n_blocks, loss_chunks, tp, cp, sequence_parallel,
+        "cpu" if device == "cpu" else "cuda",
+    ))  # fmt: skip
+    activations, loss = counted.kept, counted.loss
+    stage = stage or PipelineStageShape()
+    activations *= stage.in_flight
+    loss = loss if stage.holds_loss else 0.0
+    peak, bandwidth, _ = DEVICES[device]
+    flops = (
+        model.flops_per_token(seq_len) if isinstance(model, CountsFlops) else 6 * total_trainable
+    )
+    compute_s = flops * tokens_per_rank / (peak * mfu * axes.per_data_rank) * (1 + stage.bubble)
+    tp_s = counted.exchanged / bandwidth  # tp's sums and cp's gathers, not overlapped
+    out = []
+    for shape in shapes:
+        layout, world_size = ShardLayout.of(shape), shape.world_size
+        shards = layout.parameter_shards
+        if layout.blocks_stay_gathered:
+            gathered = stored / 4 * compute  # every block kept unsharded, forward to backward
+        elif layout.gathers_per_block:
+            gathered = copies * block_params * compute + block_params * 4  # + a unit's grads
+        elif layout.all_reduce and world_size > 1:
+            # DDP's gradient buckets: allocated once and kept, even while the gradients
+            # (views of them) are None between steps
+            gathered = trainable * 4
+        else:
+            gathered = 0.0
+        traffic = 0.0 if shards == 1 else 3 * stored / 4 * compute * (shards - 1) / shards
+        if layout.all_reduce and world_size > 1:
+            traffic = 2 * trainable * 4 * (shape.dp - 1) / shape.dp  # an all-reduce
+        comm_s = traffic / bandwidth
+        out.append(Estimate(
+            layout.strategy, stored / shards, trainable * 4 / layout.gradient_shards,
+            trainable * optimizer_bytes / layout.optimizer_shards,
+            gathered if world_size > 1 else 0.0, activations, loss,
+            max(compute_s, comm_s) + tp_s, compute_s, comm_s + tp_s, sources,
+        ))  # fmt: skip
+    return out
+
+
+@dataclass(frozen=True)
+class PipelineStageShape:
+    """What pipeline parallelism changes for one stage's estimate (`estimate(stage=)`)."""
+
+    in_flight: int = 1  # micro-batches whose activations a stage keeps at once (1F1B: pp)
+    bubble: float = 0.0  # the schedule's idle share: (pp - 1) / (stages per rank x micro-batches)
+    holds_loss: bool = True  # the last stage: the head's logits
+
+
+def pipeline_stage_shapes(cfg, micro_batches: int) -> list[PipelineStageShape]:
+    """The first and the last stage's shapes under `cfg` (a `distributed:` section): the
+    first keeps the most micro-batches in flight, the last computes the loss."""
+    pp, per_rank = cfg.pp, cfg.pp_stages_per_rank
+    in_flight = micro_batches if cfg.pp_schedule == "gpipe" else min(pp, micro_batches)
+    bubble = (pp - 1) / (per_rank * micro_batches)
+    return [PipelineStageShape(in_flight, bubble, False), PipelineStageShape(1, bubble, True)]
