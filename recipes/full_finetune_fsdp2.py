@@ -28,7 +28,7 @@ import torch
 from omegaconf import MISSING
 
 from freetx.checkpoint import files_read_by
-from freetx.config import at_least, instantiate
+from freetx.config import instantiate
 from freetx.data import (
     TokenBatch,
     build_eval_loader,
@@ -42,6 +42,7 @@ from freetx.entry import parse
 from freetx.models.peft import PEFTConfig, apply_peft
 from freetx.training import (
     PlannedRun,
+    TokenEvalConfig,
     TrainingConfig,
     TrainingRun,
     accumulate_gradients,
@@ -61,15 +62,6 @@ from freetx.training import (
 
 
 @dataclass
-class EvalConfig:
-    every_n_steps: int = at_least(0, default=0)  # 0: only at the end of training
-    # validation sequences per forward pass, over all ranks (like batch_size): the same
-    # samples at any world size
-    batch_size: int = at_least(1, default=16)
-    max_batches: Optional[int] = at_least(1, default=None)  # of those; None: the whole split
-
-
-@dataclass
 class FullFinetuneConfig(TrainingConfig):
     """The schema of this recipe's configs: TrainingConfig's keys (the run, its loop, the
     optimizer, schedule, parallelism, loggers), then these; a key not listed is an error."""
@@ -83,7 +75,7 @@ class FullFinetuneConfig(TrainingConfig):
     tokenizer: Any = MISSING
     dataset: Any = MISSING  # built twice: split=train and split=validation
     loss: Any = field(default_factory=lambda: {"_component_": "freetx.training.CrossEntropyLoss"})
-    eval: EvalConfig = field(default_factory=EvalConfig)
+    eval: TokenEvalConfig = field(default_factory=TokenEvalConfig)
     peft: PEFTConfig = field(default_factory=PEFTConfig)  # LoRA / QLoRA / DoRA / Spectrum
 
     def planned(self) -> PlannedRun:  # sequences of the dataset's seq_len, with adapters

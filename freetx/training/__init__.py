@@ -9,7 +9,12 @@ from freetx.training.checks import (
     check_written_folders,
     dataset_seq_len,
 )
-from freetx.training.config import PlannedRun, TrainingConfig, default_metric_loggers
+from freetx.training.config import (
+    PlannedRun,
+    TokenEvalConfig,
+    TrainingConfig,
+    default_metric_loggers,
+)
 from freetx.training.grad import clip_grad_norm
 from freetx.training.lifecycle import TrainingRun, training_state
 from freetx.training.loss import CrossEntropyLoss, loss_tokens
@@ -37,6 +42,7 @@ __all__ = [
     "PlannedRun",
     "LRScheduleConfig",
     "ThroughputMeter",
+    "TokenEvalConfig",
     "TrainingConfig",
     "TrainingRun",
     "accumulate_gradients",

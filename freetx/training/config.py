@@ -34,6 +34,17 @@ class PlannedRun:
 
 
 @dataclass
+class TokenEvalConfig:
+    """The `eval:` section of a recipe that measures a validation loss over token batches."""
+
+    every_n_steps: int = at_least(0, default=0)  # 0: only at the end of training
+    # validation sequences per forward pass, over all ranks (like batch_size): the same
+    # samples at any world size
+    batch_size: int = at_least(1, default=16)
+    max_batches: Optional[int] = at_least(1, default=None)  # of those; None: the whole split
+
+
+@dataclass
 class TrainingConfig:
     """What every training recipe's schema starts with: the run, its loop, the optimizer,
     the schedule, parallelism and loggers. A recipe's schema subclasses it and adds what
