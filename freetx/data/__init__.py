@@ -15,12 +15,11 @@ from freetx.data.activations import (
     harvested_activations,
     planted_activations,
 )
-from freetx.data.batch import SourcesOf, TokenBatch, token_sample
+from freetx.data.batch import MixesSources, SourcesOf, TokenBatch, source_names, token_sample
 from freetx.data.chat import ChatDataset
 from freetx.data.instruct import InstructDataset
 from freetx.data.letter_block import LetterBlockDataset
 from freetx.data.mixture import MadeOfParts, Mixture
-from freetx.data.samples import MixesSources, source_names
 from freetx.data.sampling import (
     IGNORE_INDEX,
     EvalShard,

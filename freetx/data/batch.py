@@ -16,8 +16,9 @@ micro-batch. A batch with more inputs (a teacher's) is a subclass with more fiel
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import torch
 
@@ -71,6 +72,20 @@ class SourcesOf(NamedTuple):
             sums[f"loss/{name}"] = per_sample[mine].sum()
             sums[f"loss_tokens/{name}"] = tokens[mine].sum()
         return sums
+
+
+@runtime_checkable
+class MixesSources(Protocol):
+    """A dataset whose samples come from several named sources (`freetx.data.Mixture`):
+    each sample carries `source`, its index into `source_names`, so that a recipe logs
+    each source's loss."""
+
+    source_names: Sequence[str]
+
+
+def source_names(dataset: object) -> tuple[str, ...]:
+    """A mixture's source names (`MixesSources`); () for any other dataset."""
+    return tuple(dataset.source_names) if isinstance(dataset, MixesSources) else ()
 
 
 class SplitsSequences(Protocol):

@@ -32,11 +32,11 @@ import os
 
 from freetx.data.formats import BadRow, BadRows, Messages, check_not_empty, encode_rows, read_split
 from freetx.data.instruct import dataset_records
-from freetx.data.samples import TokenSamples
 from freetx.data.sampling import check_split, split_of
 from freetx.data.sources import RECORD_SUFFIXES, source_files
 from freetx.data.token_cache import cached_rows, settings_of
 from freetx.data.token_rows import Encoded
+from freetx.data.token_samples import TokenSamples
 from freetx.errors import DataError
 
 

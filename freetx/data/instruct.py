@@ -22,11 +22,11 @@ from collections.abc import Iterable
 
 from freetx.data.corpus import builtin_documents
 from freetx.data.formats import BadRows, Format, check_not_empty, read_split
-from freetx.data.samples import TokenSamples
 from freetx.data.sampling import check_split, split_of
 from freetx.data.sources import RECORD_SUFFIXES, Record, read_records, source_files
 from freetx.data.token_cache import cached_rows, settings_of
 from freetx.data.token_rows import Encoded
+from freetx.data.token_samples import TokenSamples
 from freetx.data.tokenizers import leading_bos
 from freetx.errors import DataError
 

@@ -13,9 +13,6 @@ dataset's length is then the number of packs.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Protocol, runtime_checkable
-
 import torch
 from torch.utils.data import Dataset
 
@@ -52,17 +49,3 @@ class TokenSamples(Dataset):
             return fixed_length_sample(self.rows[index], self.seq_len, self.pad_id)
         samples = [self.rows[i] for i in self.packs[index]]
         return packed_sample(samples, self.seq_len, self.pad_id)
-
-
-@runtime_checkable
-class MixesSources(Protocol):
-    """A dataset whose samples come from several named sources (`freetx.data.Mixture`):
-    each sample carries `source`, its index into `source_names`, so that a recipe logs
-    each source's loss."""
-
-    source_names: Sequence[str]
-
-
-def source_names(dataset: object) -> tuple[str, ...]:
-    """A mixture's source names (`MixesSources`); () for any other dataset."""
-    return tuple(dataset.source_names) if isinstance(dataset, MixesSources) else ()
