@@ -25,7 +25,7 @@ from freetx.checkpoint.adapters import refuse_adapters
 from freetx.checkpoint.dcp_folder import MODEL_PREFIX, SafeLoadPlanner, quiet_single_process
 from freetx.checkpoint.formats import DCPSource, TensorSource, open_tensors, skipped_note
 from freetx.checkpoint.identity import input_identity
-from freetx.checkpoint.run_folder import resolve_checkpoint
+from freetx.checkpoint.run_folder import newest_checkpoint, resolve_checkpoint
 from freetx.checkpoint.state import ModelState
 from freetx.distributed import dtype_named
 from freetx.distributed.init import (
@@ -43,15 +43,19 @@ from freetx.models.protocol import SplitsIntoStages
 class WeightSource:
     """Weights read from files besides a run's own checkpoint (`checkpoint.initial_weights`,
     a frozen base), surveyed once: the path as given, the checkpoint it means now (a run
-    folder: its newest complete one), its tensors (kind, names, shapes, meta; opened when
-    first asked) and its identity (recorded in the run's checkpoints)."""
+    folder: its newest complete one), its tensors (kind, names, shapes, meta; read when
+    first asked, or already by the run folder's survey) and its identity (recorded in the
+    run's checkpoints)."""
 
     given: str
     path: Path
+    opened: TensorSource | None = None
 
-    @cached_property
+    @property
     def tensors(self) -> TensorSource:
-        return open_tensors(self.path)
+        if self.opened is None:
+            self.opened = open_tensors(self.path)
+        return self.opened
 
     @cached_property
     def identity(self) -> dict[str, Any]:
@@ -60,7 +64,10 @@ class WeightSource:
 
 def weight_source(path: str | Path) -> WeightSource:
     """The weights `path` means (a run's output_dir: its newest complete checkpoint)."""
-    return WeightSource(str(path), resolve_checkpoint(path))
+    found = newest_checkpoint(path)
+    if found is not None:
+        return WeightSource(str(path), found.path, found)
+    return WeightSource(str(path), Path(path).expanduser())
 
 
 def model_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:

@@ -15,8 +15,8 @@ may do with the folder it was given:
   PATH`), what the run would replace, which settings changed since the save.
   Anything that would lose saved work or give a silently different result is
   refused with the list of what was found and the fix.
-- `resolve_checkpoint`: the checkpoint a path means (a run's output_dir: its
-  newest complete one, found as a resume finds it).
+- `newest_checkpoint`, `resolve_checkpoint`: the checkpoint a path means (a
+  run's output_dir: its newest complete one, found as a resume finds it).
 """
 
 from __future__ import annotations
@@ -278,17 +278,24 @@ def _explicit(path: Path) -> ResumePlan:
     return ResumePlan(source, int(source.meta.get("step", step_of(path.name) or 0)))
 
 
-def resolve_checkpoint(path: str | Path) -> Path:
-    """A run's output_dir or checkpoints/ folder (its newest complete checkpoint, found as
-    a resume finds it), or a checkpoint itself."""
+def newest_checkpoint(path: str | Path) -> DCPSource | None:
+    """The newest complete checkpoint of a run's output_dir or checkpoints/ folder (found
+    as a resume finds it), its index and meta.json read; None when `path` is neither."""
     path = Path(path).expanduser()
     for checkpoints in (path / "checkpoints", path):
         folders = survey(checkpoints)
         if (checkpoints / LATEST_FILE).exists() or folders:
             plan = choose_checkpoint(checkpoints, "auto", overwrite=False, folders=folders)
-            if plan.path is not None:
-                return plan.path
-    return path
+            if plan.source is not None:
+                return plan.source
+    return None
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A run's output_dir or checkpoints/ folder (its newest complete checkpoint, found as
+    a resume finds it), or a checkpoint itself."""
+    found = newest_checkpoint(path)
+    return found.path if found is not None else Path(path).expanduser()
 
 
 def _start_anew_from(plan: ResumePlan) -> str:
