@@ -1,7 +1,8 @@
 """Checkpoints: DCP sharded saves and exact resume (checkpointer.py), the run folder's
-guard (run_folder.py), what they hold (state.py), safe reading (files.py), formats and
-conversion (formats.py, convert.py; written through freetx/files.py), reading weights into a
-model (loading.py; HF layouts are the models' own, freetx.models.hf)."""
+guard and which checkpoint a path means (run_folder.py), what they hold (state.py), a DCP
+folder read safely (dcp_folder.py), formats and conversion (formats.py, convert.py;
+written through freetx/files.py), reading weights into a model (loading.py: survey,
+check, load; HF layouts are the models' own, freetx.models.hf)."""
 
 from freetx.checkpoint.checkpointer import CheckpointConfig, Checkpointer, build_meta
 from freetx.checkpoint.convert import convert, inspect_report, merge
@@ -12,10 +13,9 @@ from freetx.checkpoint.loading import (
     load_model,
     load_source_model,
     model_from_checkpoint,
-    resolve_checkpoint,
     source_model_on_meta,
 )
-from freetx.checkpoint.run_folder import step_name
+from freetx.checkpoint.run_folder import resolve_checkpoint, step_name
 from freetx.checkpoint.state import (
     LRSchedulerState,
     ModelState,

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from freetx.checkpoint.files import FROZEN_FROM, MODEL_PREFIX
+from freetx.checkpoint.dcp_folder import FROZEN_FROM, MODEL_PREFIX
 from freetx.checkpoint.formats import TensorSource
 from freetx.errors import CheckpointError
 from freetx.models.hf import layout_of

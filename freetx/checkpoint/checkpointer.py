@@ -45,19 +45,23 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.futures import Future
 
 import freetx
-from freetx.checkpoint.files import (
+from freetx.checkpoint.dcp_folder import (
     DCP_ERRORS,
     FROZEN_FROM,
     META_FILE,
     SafeLoadPlanner,
-    check_checkpoint_files,
-    check_model_matches,
     describe_dcp_error,
     describe_save_error,
-    read_meta,
 )
+from freetx.checkpoint.formats import DCPSource
 from freetx.checkpoint.identity import changed_inputs, input_identity, same_input
-from freetx.checkpoint.loading import load_initial_weights
+from freetx.checkpoint.loading import (
+    WeightSource,
+    check_checkpoint,
+    check_weights,
+    load_weights,
+    weight_source,
+)
 from freetx.checkpoint.run_folder import (
     LATEST_FILE,
     STEP_PREFIX,
@@ -267,73 +271,82 @@ class Checkpointer:
         sources, say); with the initial weights they are recorded by identity in every
         checkpoint (`identity.py`), and a resume whose inputs changed is refused.
 
-        Returns the lines for the log (how the run starts, and every notice), or None.
+        One pass: the survey (the checkpoint, surveyed when the resume was planned; the
+        weights read from files; what every input is now), the check (every refusal,
+        before a weight is touched), the load. Returns the lines for the log (how the
+        run starts, and every notice), or None.
         """
-        inputs = dict(inputs or {})
-        if self.cfg.initial_weights:
-            inputs[INITIAL_WEIGHTS] = str(self.cfg.initial_weights)
         self.meta = {**meta, "config": config_as_dict(self.run_config)}
         lines = list(self.plan.notices)
-        if self.plan.path is not None:
-            recorded = dict(read_meta(self.plan.path).get("inputs", {}))
-            if frozen_from is not None:
-                frozen_from = self._recorded_base(recorded, frozen_from, lines)
-                inputs[INITIAL_WEIGHTS] = frozen_from
-            else:  # the checkpoint holds every weight: the initial ones are not read again
-                inputs.pop(INITIAL_WEIGHTS, None)
-            changed = changed_inputs(recorded, inputs)
+        checkpoint = self.plan.source
+        # the survey
+        recorded = dict(self.plan.saved_meta.get("inputs", {}))
+        weights: WeightSource | None = None
+        if checkpoint is None and self.cfg.initial_weights:
+            weights = weight_source(self.cfg.initial_weights)
+        elif checkpoint is not None and frozen_from is not None:
+            # the checkpoint holds the trainable part; the frozen base is read again
+            weights = self._frozen_base(recorded, frozen_from, lines)
+        now = {name: input_identity(path) for name, path in (inputs or {}).items()}
+        if weights is not None:
+            now[INITIAL_WEIGHTS] = weights.identity
+        # the check
+        if checkpoint is not None:
+            changed = changed_inputs(recorded, now)
             if changed:
                 raise CheckpointError(
-                    f"{self.plan.path} was trained on other inputs than this resume would "
+                    f"{checkpoint.path} was trained on other inputs than this resume would "
                     "read:\n" + "\n".join(f"  - {line}" for line in changed) + "\nPoint them "
                     "back at what the run read, or start a new run (another output_dir): one "
                     "run's checkpoints would otherwise mix two inputs."
                 )
-            if frozen_from is not None:
-                # the checkpoint holds the trainable part; the frozen base is read again
-                load_initial_weights(model, frozen_from)
-            saved = self.load(self.plan.path, state, model=model)
+        if weights is not None:
+            check_weights(model, weights)
+        if checkpoint is not None and "model" in state:
+            check_checkpoint(model, checkpoint, include=state["model"].include)
+        # the load
+        not_read = load_weights(model, weights) if weights is not None else []
+        if checkpoint is not None:
+            self._load(checkpoint, state)
             lines.append(
-                f"resumed from {self.plan.path} (step {state['train'].step}, saved at world "
-                f"size {saved.get('world_size', '?')} with {saved.get('strategy', '?')})"
+                f"resumed from {checkpoint.path} (step {state['train'].step}, saved at world "
+                f"size {checkpoint.meta.get('world_size', '?')} with "
+                f"{checkpoint.meta.get('strategy', '?')})"
             )
-            recorded.update({k: input_identity(v) for k, v in inputs.items() if k not in recorded})
+            recorded.update({k: v for k, v in now.items() if k not in recorded})
         else:
-            if self.cfg.initial_weights:
-                not_read = load_initial_weights(model, self.cfg.initial_weights)
-                lines += [f"initial weights from {self.cfg.initial_weights}", *not_read]
-            recorded = {name: input_identity(path) for name, path in inputs.items()}
+            if weights is not None:
+                lines += [f"initial weights from {weights.given}", *not_read]
+            recorded = now
         self.meta["inputs"] = recorded
         if frozen_from is not None:
-            self.meta[FROZEN_FROM] = frozen_from  # only the trainable part
+            self.meta[FROZEN_FROM] = weights.given  # only the trainable part
         if self.rank == 0:
             write_resolved_config(self.run_config)
         return "\n".join(lines) or None
 
     @staticmethod
-    def _recorded_base(recorded: dict[str, dict], frozen_from: str, lines: list[str]) -> str:
+    def _frozen_base(recorded: dict[str, dict], frozen_from: str, lines: list[str]) -> WeightSource:
         """Where a resume reads its frozen base: the checkpoint the run started from, while
         it is there unchanged (a base run folder may have trained on since), else the
         configured path (then compared with the record)."""
+        configured = weight_source(frozen_from)
         before = recorded.get(INITIAL_WEIGHTS)
         if before is None or not Path(before["path"]).exists():
-            return frozen_from
-        if not same_input(before, input_identity(before["path"])):
-            return frozen_from
-        if input_identity(frozen_from)["path"] != before["path"]:
+            return configured
+        base = weight_source(before["path"])
+        if not same_input(before, base.identity):
+            return configured
+        if str(configured.path.resolve()) != before["path"]:
             lines.append(
                 f"the frozen base is read from {before['path']}, the checkpoint this run "
                 f"started from ({frozen_from} means another one now)"
             )
-        return before["path"]
+        return base
 
-    # -- loading --------------------------------------------------------------
-    def load(self, path: Path, state: dict[str, Stateful], model=None) -> dict[str, Any]:
-        """Load `state` in place from a checkpoint; returns its meta.json (or {})."""
-        metadata = check_checkpoint_files(path)
-        if model is not None and "model" in state:
-            check_model_matches(metadata, model, path, include=state["model"].include)
-        saved = metadata.state_dict_metadata
+    def _load(self, checkpoint: DCPSource, state: dict[str, Stateful]) -> None:
+        """Load `state` in place from a checked checkpoint (`check_checkpoint`)."""
+        saved = checkpoint.infos.keys() | checkpoint.extras.keys()
         state = {
             key: value
             for key, value in state.items()
@@ -344,15 +357,15 @@ class Checkpointer:
                 own = f"{key}.rank_{value.rank}"
                 value.source_rank = value.rank if own in saved else 0
         try:
-            dcp.load(state, checkpoint_id=str(path), planner=SafeLoadPlanner())
+            dcp.load(state, checkpoint_id=str(checkpoint.path), planner=SafeLoadPlanner())
         except CheckpointError:
             raise
         except DCP_ERRORS as e:
             raise CheckpointError(
-                f"loading checkpoint {path} failed: {describe_dcp_error(e)}. Its files may be "
-                "truncated or corrupt; resume from an earlier checkpoint (resume=PATH)."
+                f"loading checkpoint {checkpoint.path} failed: {describe_dcp_error(e)}. Its "
+                "files may be truncated or corrupt; resume from an earlier checkpoint "
+                "(resume=PATH)."
             ) from e
-        return read_meta(path)
 
     # -- saving ----------------------------------------------------------------
     def save(self, step: int, state: dict[str, Stateful], extra_meta: dict[str, Any]) -> None:

@@ -24,7 +24,7 @@ from freetx.checkpoint.adapters import (
     refuse_adapters,
     write_peft,
 )
-from freetx.checkpoint.files import (
+from freetx.checkpoint.dcp_folder import (
     DCP_ERRORS,
     META_FILE,
     MODEL_PREFIX,
@@ -42,7 +42,7 @@ from freetx.checkpoint.formats import (
     open_tensors,
     skipped_note,
 )
-from freetx.checkpoint.loading import resolve_checkpoint
+from freetx.checkpoint.run_folder import resolve_checkpoint
 from freetx.distributed.parallelize import dtype_named
 from freetx.errors import CheckpointError
 from freetx.files import check_destination, staged_output

@@ -19,9 +19,13 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    Metadata,
+    TensorStorageMetadata,
+)
 
-from freetx.checkpoint.files import (
+from freetx.checkpoint.dcp_folder import (
     DCP_ERRORS,
     MODEL_PREFIX,
     SafeLoadPlanner,
@@ -83,6 +87,10 @@ class TensorSource(abc.ABC):
         """Names of the model's tensors, without the `model.` prefix."""
         return [n[len(MODEL_PREFIX) :] for n in self.infos if n.startswith(MODEL_PREFIX)]
 
+    def model_shapes(self) -> dict[str, tuple[int, ...]]:
+        """The model's tensors (without the `model.` prefix) -> their shapes."""
+        return {name: self.infos[MODEL_PREFIX + name].shape for name in self.model_names()}
+
     def model_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name in self.model_names():
             yield name, self.get(MODEL_PREFIX + name)
@@ -93,17 +101,24 @@ class TensorSource(abc.ABC):
 
 
 class DCPSource(TensorSource):
+    """A DCP checkpoint folder: its index (`.metadata`, every data file it points into
+    checked) and its meta.json; `metadata` and `meta`: both, when already read and
+    checked (a run folder's survey)."""
+
     kind = "dcp"
 
-    def __init__(self, path: Path) -> None:
+    def __init__(
+        self, path: Path, metadata: Metadata | None = None, meta: dict | None = None
+    ) -> None:
         super().__init__(path)
-        metadata = check_checkpoint_files(self.path)
-        for key, meta in metadata.state_dict_metadata.items():
-            if isinstance(meta, TensorStorageMetadata):
-                self.infos[key] = TensorInfo(tuple(meta.size), meta.properties.dtype)
-            elif isinstance(meta, BytesStorageMetadata):
+        if metadata is None:
+            metadata = check_checkpoint_files(self.path)
+        for key, entry in metadata.state_dict_metadata.items():
+            if isinstance(entry, TensorStorageMetadata):
+                self.infos[key] = TensorInfo(tuple(entry.size), entry.properties.dtype)
+            elif isinstance(entry, BytesStorageMetadata):
                 self.extras[key] = None
-        self.meta = read_meta(self.path)
+        self.meta = read_meta(self.path) if meta is None else meta
 
     def get(self, name: str) -> torch.Tensor:
         info = self.infos[name]

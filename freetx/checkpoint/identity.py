@@ -17,7 +17,7 @@ import hashlib
 from pathlib import Path
 from typing import Any
 
-from freetx.checkpoint.loading import resolve_checkpoint
+from freetx.checkpoint.run_folder import resolve_checkpoint
 from freetx.fields import ReadsFiles
 
 # the files that hold a model: DCP's, safetensors and torch files, HF's config.json (a
@@ -35,9 +35,10 @@ def files_read_by(**readers: Any) -> dict[str, list[Path]]:
     }
 
 
-def input_identity(path: str | Path | list[Path]) -> dict[str, Any]:
+def input_identity(path: str | Path | list[Path], resolved: Path | None = None) -> dict[str, Any]:
     """The identity of an input given as `path` (a run folder, checkpoint, file, HF
-    folder), or as the list of files a dataset or tokenizer read."""
+    folder; `resolved`: the checkpoint it means, when already found), or as the list of
+    files a dataset or tokenizer read."""
     if isinstance(path, list):
         files = sorted(Path(p).resolve() for p in path)
         return {
@@ -45,7 +46,7 @@ def input_identity(path: str | Path | list[Path]) -> dict[str, Any]:
             "path": [str(p) for p in files],
             "fingerprint": _fingerprint(files, base=None),
         }
-    resolved = resolve_checkpoint(path)
+    resolved = resolved or resolve_checkpoint(path)
     if resolved.is_file():
         files = [resolved]
     else:
@@ -75,27 +76,29 @@ def same_input(recorded: dict[str, Any], now: dict[str, Any]) -> bool:
     return recorded.get("path") == now["path"] and recorded.get("fingerprint") == now["fingerprint"]
 
 
-def changed_inputs(recorded: dict[str, dict], given: dict[str, Any]) -> list[str]:
-    """One line per input in `given` (name -> path, or files read) that is not what `recorded` (from a
-    checkpoint's meta.json) says the run read: another checkpoint, or other files."""
+def changed_inputs(recorded: dict[str, dict], now: dict[str, dict]) -> list[str]:
+    """One line per input in `now` (name -> its `input_identity`) that is not what
+    `recorded` (from a checkpoint's meta.json) says the run read: another checkpoint, or
+    other files."""
     lines = []
-    for name, path in given.items():
+    for name, identity in now.items():
         before = recorded.get(name)
         if before is None:  # recorded by an older freetx, or a new input: nothing to compare
             continue
-        now = input_identity(path)
-        if same_input(before, now):
+        if same_input(before, identity):
             continue
-        if isinstance(path, list):  # the files a dataset or tokenizer read
+        if isinstance(identity["given"], list):  # the files a dataset or tokenizer read
             read = ", ".join(before.get("path") or [])
-            if before.get("path") != now["path"]:
-                lines.append(f"{name}: the run read {read}; it reads {', '.join(now['path'])} now")
+            if before.get("path") != identity["path"]:
+                lines.append(
+                    f"{name}: the run read {read}; it reads {', '.join(identity['path'])} now"
+                )
             else:
                 lines.append(f"{name}: {read} changed since the run read them (rewritten)")
             continue
-        if before.get("path") != now["path"]:
-            what = f"now means {now['path']}"
+        if before.get("path") != identity["path"]:
+            what = f"now means {identity['path']}"
         else:
             what = "has other files now (rewritten or retrained in place)"
-        lines.append(f"{name}: the run read {before['path']}; {path} {what}")
+        lines.append(f"{name}: the run read {before['path']}; {identity['given']} {what}")
     return lines

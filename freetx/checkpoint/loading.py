@@ -1,6 +1,8 @@
-"""Reading weights into a model: a run's initial weights (`load_initial_weights`), a
-whole model rebuilt from a checkpoint (`load_model`), and which checkpoint a path means
-(`resolve_checkpoint`: a run's output_dir means its newest complete checkpoint).
+"""Reading weights into a model, in three steps: the survey (`weight_source`: what a
+path means and holds, read once), the check (`check_weights`, `check_checkpoint`: names
+and shapes against the model, every refusal before a weight is touched) and the load
+(`load_weights`). `load_initial_weights` is the three in a row; `load_model` rebuilds a
+whole model from a checkpoint.
 
 Every format `open_tensors` reads works here: DCP folders (resharded through DCP),
 safetensors files and HF folders (each rank reads only the rows of its own shard).
@@ -8,25 +10,22 @@ safetensors files and HF folders (each rank reads only the rows of its own shard
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 from freetx.checkpoint.adapters import refuse_adapters
-from freetx.checkpoint.files import (
-    MODEL_PREFIX,
-    SafeLoadPlanner,
-    checkpoint_model_shapes,
-    held_here,
-    mismatch_report,
-    model_shapes,
-    quiet_single_process,
-    read_dcp_metadata,
-)
-from freetx.checkpoint.formats import DCPSource, open_tensors, skipped_note
-from freetx.checkpoint.run_folder import LATEST_FILE, choose_checkpoint, survey
+from freetx.checkpoint.dcp_folder import MODEL_PREFIX, SafeLoadPlanner, quiet_single_process
+from freetx.checkpoint.formats import DCPSource, TensorSource, open_tensors, skipped_note
+from freetx.checkpoint.identity import input_identity
+from freetx.checkpoint.run_folder import newest_checkpoint, resolve_checkpoint
 from freetx.checkpoint.state import ModelState
 from freetx.distributed import dtype_named
 from freetx.distributed.init import (
@@ -37,26 +36,120 @@ from freetx.distributed.init import (
     set_full_parameter,
 )
 from freetx.errors import CheckpointError
+from freetx.models.protocol import SplitsIntoStages
 
 
-def load_initial_weights(model: nn.Module, path: str | Path) -> list[str]:
-    """Set a (parallelized) model's weights from a safetensors file, DCP folder or HF folder.
+@dataclass
+class WeightSource:
+    """Weights read from files besides a run's own checkpoint (`checkpoint.initial_weights`,
+    a frozen base), surveyed once: the path as given, the checkpoint it means now (a run
+    folder: its newest complete one), its tensors (kind, names, shapes, meta; read when
+    first asked, or already by the run folder's survey) and its identity (recorded in the
+    run's checkpoints)."""
 
-    Every rank calls it. Keys and shapes are checked first; a mismatch lists the
-    offending tensors. Adapters (parameters a module initializes itself) are not
-    expected in the file and keep their values. DCP checkpoints reshard through
-    DCP; from safetensors files (one, or an HF folder's shards) each rank reads
-    only the rows of its own shard, a tensor at a time. Afterwards, values that
-    follow from the weights (DoRA's magnitudes) are set. Returns lines naming what of the
-    file is not read (a multimodal folder's vision tower), for the run's output.
+    given: str
+    path: Path
+    opened: TensorSource | None = None
+
+    @property
+    def tensors(self) -> TensorSource:
+        if self.opened is None:
+            self.opened = open_tensors(self.path)
+        return self.opened
+
+    @cached_property
+    def identity(self) -> dict[str, Any]:
+        return input_identity(self.given, resolved=self.path)
+
+
+def weight_source(path: str | Path) -> WeightSource:
+    """The weights `path` means (a run's output_dir: its newest complete checkpoint)."""
+    found = newest_checkpoint(path)
+    if found is not None:
+        return WeightSource(str(path), found.path, found)
+    return WeightSource(str(path), Path(path).expanduser())
+
+
+def model_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
+    """Model tensor name -> global shape, as DCP would save them."""
+    return {k: tuple(v.shape) for k, v in get_model_state_dict(model).items() if torch.is_tensor(v)}
+
+
+def held_here(model: nn.Module, found: dict[str, tuple]) -> dict[str, tuple]:
+    """`found` (a file's or checkpoint's tensors) less those another pipeline stage holds
+    (`SplitsIntoStages.held_elsewhere`): what a stage's model must match."""
+    inner = getattr(model, "module", model)  # under a DDP wrapper
+    if not isinstance(inner, SplitsIntoStages):
+        return found
+    return {name: shape for name, shape in found.items() if not inner.held_elsewhere(name)}
+
+
+def mismatch_report(
+    expected: dict[str, tuple], found: dict[str, tuple], limit: int = 12
+) -> list[str]:
+    """Lines describing missing, unexpected and mis-shaped tensors."""
+    lines = []
+    for name in sorted(set(expected) - set(found)):
+        lines.append(f"missing {name} {list(expected[name])}")
+    for name in sorted(set(found) - set(expected)):
+        lines.append(f"unexpected {name} {list(found[name])}")
+    for name in sorted(set(expected) & set(found)):
+        if expected[name] != found[name]:
+            lines.append(
+                f"shape of {name}: model {list(expected[name])}, checkpoint {list(found[name])}"
+            )
+    if len(lines) > limit:
+        lines = lines[:limit] + [f"... and {len(lines) - limit} more"]
+    return lines
+
+
+def _differences(model: nn.Module, source: TensorSource, expected: Callable[[str], bool]):
+    """The lines of `mismatch_report` between the model's tensors that `expected` accepts
+    and the ones `source` holds for this pipeline stage."""
+    wanted = {n: s for n, s in model_shapes(model).items() if expected(n)}
+    return mismatch_report(wanted, held_here(model, source.model_shapes()))
+
+
+def check_weights(model: nn.Module, weights: WeightSource) -> None:
+    """Refuse weights that do not fit `model`, listing every difference. Adapters
+    (parameters a module initializes itself) are not expected in the files."""
+    adapters = set(self_initialized(getattr(model, "module", model)))
+    problems = _differences(model, weights.tensors, lambda name: name not in adapters)
+    if problems:
+        raise CheckpointError(
+            f"initial weights {weights.given} do not fit this model ({len(problems)} "
+            "difference(s)):\n"
+            + "\n".join(f"  - {p}" for p in problems)
+            + "\nUse weights of this model shape, or change the model config to match them."
+        )
+
+
+def check_checkpoint(model: nn.Module, source: DCPSource, include=None) -> None:
+    """Refuse a checkpoint whose model tensors differ from `model`'s, listing every
+    difference (`include`: the names a partial checkpoint holds)."""
+    problems = _differences(model, source, include or (lambda name: True))
+    if problems:
+        raise CheckpointError(
+            f"checkpoint {source.path} does not fit this model ({len(problems)} difference(s)):\n"
+            + "\n".join(f"  - {p}" for p in problems)
+            + "\nIt was saved from another model or shape; use a checkpoint of this model, "
+            "or change the model config to the one it was saved with (see its meta.json)."
+        )
+
+
+def load_weights(model: nn.Module, weights: WeightSource) -> list[str]:
+    """Set a (parallelized) model's weights from checked `weights` (`check_weights`).
+
+    Every rank calls it. Adapters keep their values. DCP checkpoints reshard
+    through DCP; from safetensors files (one, or an HF folder's shards) each rank
+    reads only the rows of its own shard, a tensor at a time. Afterwards, values
+    that follow from the weights (DoRA's magnitudes) are set. Returns lines naming
+    what of the files is not read (a multimodal folder's vision tower), for the
+    run's output.
     """
-    source = open_tensors(resolve_checkpoint(path))  # a run's output_dir: its newest
-    inner = getattr(model, "module", model)
+    source, inner = weights.tensors, getattr(model, "module", model)
     adapters = set(self_initialized(inner))
-    expected = {n: s for n, s in model_shapes(model).items() if n not in adapters}
     if isinstance(source, DCPSource):
-        found = held_here(model, checkpoint_model_shapes(read_dcp_metadata(source.path)))
-        _check_fits(expected, found, path)
         stored = self_stored(inner)  # e.g. NF4 bases: quantized from the full weight
         state = ModelState(model, include=lambda name: name not in adapters | stored)
         with quiet_single_process():  # a run always has a process group; tests may not
@@ -64,8 +157,6 @@ def load_initial_weights(model: nn.Module, path: str | Path) -> list[str]:
         for name in sorted(stored):
             set_full_parameter(inner, name, source.get(MODEL_PREFIX + name))
     else:
-        found = {n: source.infos[MODEL_PREFIX + n].shape for n in source.model_names()}
-        _check_fits(expected, held_here(model, found), path)
         load_parameters(
             inner,
             lambda name, rows, out: source.read_into(MODEL_PREFIX + name, rows, out),
@@ -75,31 +166,21 @@ def load_initial_weights(model: nn.Module, path: str | Path) -> list[str]:
     return skipped_note(source)
 
 
-def _check_fits(expected: dict[str, tuple], found: dict[str, tuple], path) -> None:
-    problems = mismatch_report(expected, found)
-    if problems:
-        raise CheckpointError(
-            f"initial weights {path} do not fit this model ({len(problems)} difference(s)):\n"
-            + "\n".join(f"  - {p}" for p in problems)
-            + "\nUse weights of this model shape, or change the model config to match them."
-        )
-
-
-def resolve_checkpoint(path: str | Path) -> Path:
-    """A run's output_dir or checkpoints/ folder (its newest complete checkpoint, found as
-    a resume finds it), or a checkpoint itself."""
-    path = Path(path).expanduser()
-    for checkpoints in (path / "checkpoints", path):
-        if (checkpoints / LATEST_FILE).exists() or survey(checkpoints):
-            plan = choose_checkpoint(checkpoints, "auto", overwrite=False)
-            if plan.path is not None:
-                return plan.path
-    return path
+def load_initial_weights(model: nn.Module, path: str | Path) -> list[str]:
+    """Set a (parallelized) model's weights from a safetensors file, DCP folder, HF folder
+    or a run's output_dir (its newest checkpoint): surveyed, checked, loaded
+    (`load_weights`: what it returns)."""
+    weights = weight_source(path)
+    check_weights(model, weights)
+    return load_weights(model, weights)
 
 
 def model_from_checkpoint(path: str | Path):
     """(model class path, model config) that a checkpoint recorded, for building its model."""
-    source = open_tensors(path)
+    return _recorded_model(open_tensors(path), path)
+
+
+def _recorded_model(source: TensorSource, path: str | Path):
     model_class = source.meta.get("model_class")
     if model_class is None or source.model_config is None:
         raise CheckpointError(
@@ -117,13 +198,13 @@ def load_model(path: str | Path, device, seed: int = 0) -> nn.Module:
     from freetx.distributed.init import materialize
     from freetx.models import build_model
 
-    resolved = resolve_checkpoint(path)
-    refuse_adapters(open_tensors(resolved), "loaded as a model")
-    model_class, model_config = model_from_checkpoint(resolved)
+    weights = weight_source(path)
+    refuse_adapters(weights.tensors, "loaded as a model")
     with torch.device("meta"):
-        model = build_model(model_class, model_config)
+        model = build_model(*_recorded_model(weights.tensors, weights.path))
     materialize(model, device, seed=seed, init_weights=False)
-    load_initial_weights(model, resolved)
+    check_weights(model, weights)
+    load_weights(model, weights)
     return model.eval()
 
 

@@ -9,11 +9,14 @@ may do with the folder it was given:
 - `RunLock`: an exclusive lock on `<output_dir>/.freetx.lock`, held by rank 0
   for the whole run, so two runs never write one folder.
 - `survey`: every `step_*` folder, each either complete (DCP index, every data
-  file long enough, meta.json with its step) or with the reason it is not.
+  file long enough, meta.json with its step: read once, kept as its `DCPSource`)
+  or with the reason it is not.
 - `plan_resume`: which checkpoint to continue from (`resume: auto | never |
   PATH`), what the run would replace, which settings changed since the save.
   Anything that would lose saved work or give a silently different result is
   refused with the list of what was found and the fix.
+- `newest_checkpoint`, `resolve_checkpoint`: the checkpoint a path means (a
+  run's output_dir: its newest complete one, found as a resume finds it).
 """
 
 from __future__ import annotations
@@ -26,14 +29,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from freetx.checkpoint.files import (
+from freetx.checkpoint.dcp_folder import (
     FROZEN_FROM,
     META_FILE,
-    check_checkpoint_files,
     missing_data,
     read_dcp_metadata,
     read_meta,
 )
+from freetx.checkpoint.formats import DCPSource
 from freetx.config.compare import resume_changes
 from freetx.errors import CheckpointError, first_line
 
@@ -117,6 +120,8 @@ class StepFolder:
     path: Path
     step: int
     problem: str | None = None  # why it is not a complete checkpoint; None when it is
+    # a complete one's index and meta.json, as read when it was checked
+    source: DCPSource | None = field(default=None, repr=False, compare=False)
 
     @property
     def name(self) -> str:
@@ -126,32 +131,37 @@ class StepFolder:
         return f"{self.name} ({self.problem or 'complete'})"
 
 
-def completeness_problem(path: Path, step: int | None = None) -> str | None:
-    """Why a step folder is not a complete checkpoint, or None when it is.
+def check_step_folder(path: Path, step: int) -> StepFolder:
+    """A step folder, complete or with the reason it is not.
 
     Complete: DCP's index reads, every data file it points into is there and
     long enough, and meta.json (written last, before the folder got its final
     name) is valid and names the same step.
     """
     if not path.is_dir():
-        return "not a folder"
+        return StepFolder(path, step, "not a folder")
     if not (path / ".metadata").is_file():
-        return "no .metadata: the save did not finish or the file was deleted"
+        return StepFolder(
+            path, step, "no .metadata: the save did not finish or the file was deleted"
+        )
     try:
-        problem = missing_data(path, read_dcp_metadata(path))
+        metadata = read_dcp_metadata(path)
     except CheckpointError:
-        return ".metadata cannot be read"
+        return StepFolder(path, step, ".metadata cannot be read")
+    problem = missing_data(path, metadata)
     if problem:
-        return problem
+        return StepFolder(path, step, problem)
     if not (path / META_FILE).is_file():
-        return "no meta.json: the save did not finish or the file was deleted"
+        return StepFolder(
+            path, step, "no meta.json: the save did not finish or the file was deleted"
+        )
     try:
         meta = read_meta(path)
     except CheckpointError:
-        return "meta.json is not valid JSON"
-    if step is not None and meta.get("step") != step:
-        return f"its meta.json says step {meta.get('step')!r}"
-    return None
+        return StepFolder(path, step, "meta.json is not valid JSON")
+    if meta.get("step") != step:
+        return StepFolder(path, step, f"its meta.json says step {meta.get('step')!r}")
+    return StepFolder(path, step, source=DCPSource(path, metadata, meta))
 
 
 def survey(checkpoints: Path) -> list[StepFolder]:
@@ -162,7 +172,7 @@ def survey(checkpoints: Path) -> list[StepFolder]:
     for path in checkpoints.iterdir():
         step = step_of(path.name)
         if step is not None:
-            found.append(StepFolder(path, step, completeness_problem(path, step)))
+            found.append(check_step_folder(path, step))
     return sorted(found, key=lambda f: f.step)
 
 
@@ -189,20 +199,31 @@ def is_complete_fast(path: Path) -> bool:
 class ResumePlan:
     """What a run does with its output_dir: the checkpoint it continues (or none)."""
 
-    path: Path | None = None  # the checkpoint to resume from; None: start fresh
+    # the checkpoint to resume from, its index and meta.json read and checked (every data
+    # file there and long enough); None: start fresh
+    source: DCPSource | None = None
     step: int = 0
-    saved_meta: dict[str, Any] = field(default_factory=dict)
     reason: str | None = None  # how it was found, when LATEST could not say
     notices: list[str] = field(default_factory=list)  # what the run log says before training
+
+    @property
+    def path(self) -> Path | None:
+        return self.source.path if self.source is not None else None
+
+    @property
+    def saved_meta(self) -> dict[str, Any]:
+        return self.source.meta if self.source is not None else {}
 
 
 def _listing(folders: list[StepFolder]) -> str:
     return "\n".join(f"  - {f.describe()}" for f in folders)
 
 
-def choose_checkpoint(checkpoints: Path, resume: str, overwrite: bool) -> ResumePlan:
-    """The checkpoint `resume` (auto | never | a path) points at, checked, or a refusal."""
-    folders = survey(checkpoints)
+def choose_checkpoint(
+    checkpoints: Path, resume: str, overwrite: bool, folders: list[StepFolder]
+) -> ResumePlan:
+    """The checkpoint `resume` (auto | never | a path) points at, checked, or a refusal
+    (`folders`: the `survey` of `checkpoints`)."""
     if resume == "never":
         if folders and not overwrite:
             raise CheckpointError(
@@ -224,7 +245,7 @@ def choose_checkpoint(checkpoints: Path, resume: str, overwrite: bool) -> Resume
     if name is not None:
         named = next((f for f in folders if f.name == name), None)
         if named is not None and named.problem is None:
-            return _plan_for(named.path, named.step)
+            return ResumePlan(named.source, named.step)
         problem = f"LATEST names {name}, " + (
             f"which is incomplete ({named.problem})" if named else "which does not exist"
         )
@@ -232,7 +253,7 @@ def choose_checkpoint(checkpoints: Path, resume: str, overwrite: bool) -> Resume
         return ResumePlan()  # a new run: nothing saved yet
     if complete:
         newest = complete[-1]
-        plan = _plan_for(newest.path, newest.step)
+        plan = ResumePlan(newest.source, newest.step)
         skipped = [f for f in folders if f.problem is not None]
         plan.reason = f"{problem}; the newest complete checkpoint is {newest.name}"
         plan.notices += [f"not a complete checkpoint: {f.describe()}" for f in skipped]
@@ -253,13 +274,28 @@ def choose_checkpoint(checkpoints: Path, resume: str, overwrite: bool) -> Resume
 
 def _explicit(path: Path) -> ResumePlan:
     """resume=PATH: a checkpoint folder (of this run or another), its files checked."""
-    check_checkpoint_files(path)
-    meta = read_meta(path)
-    return _plan_for(path, int(meta.get("step", step_of(path.name) or 0)), meta)
+    source = DCPSource(path)
+    return ResumePlan(source, int(source.meta.get("step", step_of(path.name) or 0)))
 
 
-def _plan_for(path: Path, step: int, meta: dict[str, Any] | None = None) -> ResumePlan:
-    return ResumePlan(path=path, step=step, saved_meta=read_meta(path) if meta is None else meta)
+def newest_checkpoint(path: str | Path) -> DCPSource | None:
+    """The newest complete checkpoint of a run's output_dir or checkpoints/ folder (found
+    as a resume finds it), its index and meta.json read; None when `path` is neither."""
+    path = Path(path).expanduser()
+    for checkpoints in (path / "checkpoints", path):
+        folders = survey(checkpoints)
+        if (checkpoints / LATEST_FILE).exists() or folders:
+            plan = choose_checkpoint(checkpoints, "auto", overwrite=False, folders=folders)
+            if plan.source is not None:
+                return plan.source
+    return None
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A run's output_dir or checkpoints/ folder (its newest complete checkpoint, found as
+    a resume finds it), or a checkpoint itself."""
+    found = newest_checkpoint(path)
+    return found.path if found is not None else Path(path).expanduser()
 
 
 def _start_anew_from(plan: ResumePlan) -> str:
@@ -290,12 +326,13 @@ def plan_resume(
     replace (unless overwrite), settings a resume may not change, a max_steps
     below the checkpoint's step. Changed settings that may change are listed.
     """
-    plan = choose_checkpoint(checkpoints, resume, overwrite)
+    folders = survey(checkpoints)
+    plan = choose_checkpoint(checkpoints, resume, overwrite, folders)
     if plan.path is None:
         return plan
     problems = []
     here = plan.path.resolve()
-    later = [f for f in survey(checkpoints) if f.step > plan.step and f.path.resolve() != here]
+    later = [f for f in folders if f.step > plan.step and f.path.resolve() != here]
     if later and not overwrite:
         newest = next((f for f in reversed(later) if f.problem is None), None)
         hint = f"Continue the newest with resume={newest.path}, or move" if newest else "Move"

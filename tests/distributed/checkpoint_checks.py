@@ -18,7 +18,7 @@ import torch
 from omegaconf import OmegaConf
 
 from freetx.checkpoint import ModelState, OptimizerState, TrainState
-from freetx.checkpoint.files import SafeLoadPlanner
+from freetx.checkpoint.dcp_folder import SafeLoadPlanner
 from freetx.distributed import DistributedConfig, build_groups, init_distributed, parallelize
 from freetx.models.transformer import decoder
 from tests.distributed.launcher import write_results

@@ -83,9 +83,13 @@ def test_the_files_a_tokenizer_and_dataset_read_are_their_identity(tmp_path):
     dataset = PackedTextDataset(tokenizer, source=str(folder), seq_len=16)
     read = files_read_by(tokenizer=tokenizer, dataset=dataset)
     assert read == {"dataset": [folder / "a.txt", folder / "b.jsonl"]}  # bytes read no file
-    recorded = {name: input_identity(files) for name, files in read.items()}
-    assert changed_inputs(recorded, read) == []
+
+    def identities(read):
+        return {name: input_identity(files) for name, files in read.items()}
+
+    recorded = identities(read)
+    assert changed_inputs(recorded, identities(read)) == []
     (folder / "c.txt").write_text("gamma " * 300)  # a new file in the folder
     now = files_read_by(dataset=PackedTextDataset(tokenizer, source=str(folder), seq_len=16))
-    (line,) = changed_inputs(recorded, now)
+    (line,) = changed_inputs(recorded, identities(now))
     assert line.startswith("dataset: the run read") and "c.txt" in line

@@ -67,7 +67,7 @@ def test_blocks_and_tied_weights_come_from_the_architecture(folders):
     assert model.tied == {"lm_head.weight": "model.embed_tokens.weight"}
     loaded = load(folders["starcoder2"])  # materialize ties them again
     assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
-    from freetx.checkpoint.files import model_shapes
+    from freetx.checkpoint.loading import model_shapes
 
     assert "lm_head.weight" not in model_shapes(loaded)  # saved once
 

@@ -1,11 +1,13 @@
-"""Reading checkpoints safely: file checks, model-match checks, pickle-free loads.
+"""A DCP checkpoint folder on disk, read safely: its index, its data files, its meta.json.
 
 Before any load, `check_checkpoint_files` reads DCP's `.metadata` and checks
 that every data file it points into exists and is long enough, so a truncated
-or missing file is named, not a stack trace. `check_model_matches` compares the
-checkpoint's model tensors with the model's and lists every difference.
-Non-tensor entries (optimizer hyperparameters, loader and RNG states) are read
-with `torch.load(weights_only=True)`: a checkpoint is data, never code.
+or missing file is named, not a stack trace. Non-tensor entries (optimizer
+hyperparameters, loader and RNG states) are read with
+`torch.load(weights_only=True)` (`SafeLoadPlanner`): a checkpoint is data,
+never code. JSON files (meta.json, an HF folder's config.json) are read by
+`read_json`; a failed save or load is described by the first failing rank's
+cause (`describe_save_error`, `describe_dcp_error`).
 """
 
 from __future__ import annotations
@@ -20,16 +22,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint._nested_dict import set_element
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
-from torch.distributed.checkpoint.state_dict import get_model_state_dict
+from torch.distributed.checkpoint.metadata import Metadata
 
 from freetx.errors import CheckpointError, first_line, os_error_in
-from freetx.models.protocol import SplitsIntoStages
 
 META_FILE = "meta.json"
 FROZEN_FROM = "frozen_from"  # meta.json: the base of a checkpoint without its frozen weights
@@ -175,59 +174,3 @@ def read_meta(path: Path) -> dict[str, Any]:
             "it was damaged or hand-edited. Use another checkpoint."
         )
     return meta
-
-
-def checkpoint_model_shapes(metadata: Metadata) -> dict[str, tuple[int, ...]]:
-    """Model tensor name -> global shape, as the checkpoint recorded them."""
-    return {
-        key[len(MODEL_PREFIX) :]: tuple(meta.size)
-        for key, meta in metadata.state_dict_metadata.items()
-        if key.startswith(MODEL_PREFIX) and isinstance(meta, TensorStorageMetadata)
-    }
-
-
-def model_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
-    """Model tensor name -> global shape, as DCP would save them."""
-    return {k: tuple(v.shape) for k, v in get_model_state_dict(model).items() if torch.is_tensor(v)}
-
-
-def held_here(model: nn.Module, found: dict[str, tuple]) -> dict[str, tuple]:
-    """`found` (a file's or checkpoint's tensors) less those another pipeline stage holds
-    (`SplitsIntoStages.held_elsewhere`): what a stage's model must match."""
-    inner = getattr(model, "module", model)  # under a DDP wrapper
-    if not isinstance(inner, SplitsIntoStages):
-        return found
-    return {name: shape for name, shape in found.items() if not inner.held_elsewhere(name)}
-
-
-def mismatch_report(
-    expected: dict[str, tuple], found: dict[str, tuple], limit: int = 12
-) -> list[str]:
-    """Lines describing missing, unexpected and mis-shaped tensors."""
-    lines = []
-    for name in sorted(set(expected) - set(found)):
-        lines.append(f"missing {name} {list(expected[name])}")
-    for name in sorted(set(found) - set(expected)):
-        lines.append(f"unexpected {name} {list(found[name])}")
-    for name in sorted(set(expected) & set(found)):
-        if expected[name] != found[name]:
-            lines.append(
-                f"shape of {name}: model {list(expected[name])}, checkpoint {list(found[name])}"
-            )
-    if len(lines) > limit:
-        lines = lines[:limit] + [f"... and {len(lines) - limit} more"]
-    return lines
-
-
-def check_model_matches(metadata: Metadata, model: nn.Module, path: Path, include=None) -> None:
-    """Raise a CheckpointError listing every tensor that differs between model and checkpoint
-    (`include`: the names a partial checkpoint holds)."""
-    expected = {k: v for k, v in model_shapes(model).items() if include is None or include(k)}
-    problems = mismatch_report(expected, held_here(model, checkpoint_model_shapes(metadata)))
-    if problems:
-        raise CheckpointError(
-            f"checkpoint {path} does not fit this model ({len(problems)} difference(s)):\n"
-            + "\n".join(f"  - {p}" for p in problems)
-            + "\nIt was saved from another model or shape; use a checkpoint of this model, "
-            "or change the model config to the one it was saved with (see its meta.json)."
-        )
