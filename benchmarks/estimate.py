@@ -35,9 +35,9 @@ def config(world_size: int, strategy: str):
 
 
 def shape_of(strategy: str, world_size: int):
-    from freetx.distributed import DistributedConfig, Layout, check_distributed
+    from freetx.distributed import DistributedConfig, Processes, check_distributed
 
-    return check_distributed(DistributedConfig(strategy=strategy), Layout(world_size))
+    return check_distributed(DistributedConfig(strategy=strategy), Processes(world_size))
 
 
 def worker(strategy: str) -> None:
@@ -45,7 +45,7 @@ def worker(strategy: str) -> None:
 
     from freetx.config import instantiate
     from freetx.distributed import (
-        ShardLayout,
+        StateSharding,
         build_groups,
         destroy_distributed,
         init_distributed,
@@ -61,7 +61,7 @@ def worker(strategy: str) -> None:
     )
     optimizer = plan.build_optimizer(cfg.optimizer)
     input_ids = torch.randint(0, cfg.model.vocab_size, (2, 256))
-    layout = ShardLayout.of(shape_of(strategy, runtime.world_size))
+    layout = StateSharding.of(shape_of(strategy, runtime.world_size))
     loss_fn = instantiate(cfg.loss)
     result = tracked_step(plan, optimizer, loss_fn, input_ids, layout)
     with plan.autocast():  # once more, to count the gradients this rank keeps

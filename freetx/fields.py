@@ -38,7 +38,7 @@ WRITES_KEY = "writes"
 def written_folder(default: Any = _REQUIRED, *, own: bool = False) -> Any:
     """A schema field naming a folder the command writes into (None: not used). `freetx
     run` and `freetx validate` check it can be written before anything is launched
-    (`freetx.files.check_written_folders`). `own`: the folder is freetx's alone (a
+    (`freetx.user_files.check_written_folders`). `own`: the folder is freetx's alone (a
     cache), so an existing folder holding other files is refused too."""
     return dataclasses.field(default=default, metadata={WRITES_KEY: "own" if own else "any"})
 

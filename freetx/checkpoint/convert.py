@@ -45,8 +45,8 @@ from freetx.checkpoint.formats import (
 from freetx.checkpoint.run_folder import resolve_checkpoint
 from freetx.distributed.parallelize import dtype_named
 from freetx.errors import CheckpointError
-from freetx.files import check_destination, staged_output
 from freetx.models.hf import TOKENIZER_FILES, layout_of, text_model_config
+from freetx.user_files import check_destination, staged_output
 
 FORMATS = ("safetensors", "torch", "dcp", "hf", "peft")
 MODEL_ONLY_FORMATS = ("safetensors", "hf", "peft")
@@ -85,7 +85,7 @@ def convert(
     started from, that is one). To a PEFT adapter folder: `lora`, the run's settings.
 
     The destination is written under a temporary name and renamed into place
-    (`freetx.files`): it may not be, hold or lie inside the source, and an
+    (`freetx.user_files`): it may not be, hold or lie inside the source, and an
     existing one is replaced only with `overwrite`.
     """
     source = open_tensors(resolve_checkpoint(src))  # a run's output_dir: its newest

@@ -28,7 +28,7 @@ from freetx.checkpoint.identity import input_identity
 from freetx.checkpoint.run_folder import newest_checkpoint, resolve_checkpoint
 from freetx.checkpoint.state import ModelState
 from freetx.distributed import dtype_named
-from freetx.distributed.init import (
+from freetx.distributed.parameters import (
     init_from_weights,
     load_parameters,
     self_initialized,
@@ -195,7 +195,7 @@ def load_model(path: str | Path, device, seed: int = 0) -> nn.Module:
     freetx wrote, or an HF folder of the decoder family), rebuilt from what it recorded,
     its weights loaded, on `device`, in eval mode. Not sharded: for sampling and for
     reading activations."""
-    from freetx.distributed.init import materialize
+    from freetx.distributed.parameters import materialize
     from freetx.models import build_model
 
     weights = weight_source(path)

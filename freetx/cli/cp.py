@@ -49,7 +49,7 @@ def _source(name: str) -> Path:
 
 
 def main(args: argparse.Namespace) -> int:
-    from freetx.files import refuse_existing, write_user_file
+    from freetx.user_files import refuse_existing, write_user_file
 
     src = _source(args.name)
     dest = Path(args.dest)

@@ -56,9 +56,9 @@ def main(args: argparse.Namespace) -> int:
 
 def analyze(args: argparse.Namespace) -> int:
     from freetx.errors import FreetxError
-    from freetx.files import refuse_existing, write_user_file
     from freetx.loggers.charts import histogram_png
     from freetx.models.crosscoder import diffing_analysis
+    from freetx.user_files import refuse_existing, write_user_file
 
     run = Path(args.checkpoint).expanduser()
     out = Path(args.output) if args.output else (
@@ -99,7 +99,7 @@ def analyze(args: argparse.Namespace) -> int:
 def export(args: argparse.Namespace) -> int:
     import torch
 
-    from freetx.files import check_destination, staged_output
+    from freetx.user_files import check_destination, staged_output
 
     source = _tensors(args.checkpoint)
     dst = Path(args.output).expanduser()

@@ -42,14 +42,14 @@ def main(args: argparse.Namespace) -> int:
 
     from freetx.cli.common import load_recipe
     from freetx.config.run_config import load_recipe_config
-    from freetx.distributed import ShardLayout
+    from freetx.distributed import StateSharding
     from freetx.errors import ConfigError
-    from freetx.files import refuse_existing, write_user_file
     from freetx.models import num_active_parameters
     from freetx.planning.config import estimate_config, planned_run
     from freetx.planning.estimate import DEVICES, GIB
     from freetx.planning.measure import measure
     from freetx.registry import recipe_for_config
+    from freetx.user_files import refuse_existing, write_user_file
 
     if args.json:
         refuse_existing(Path(args.json), args.overwrite, "another --json PATH")
@@ -110,7 +110,7 @@ def main(args: argparse.Namespace) -> int:
     if args.measure:  # one step per distinct layout (at world size 1: the plain model, once)
         steps = {}
         for each in found.shapes:
-            key = dataclasses.astuple(ShardLayout.of(each))[1:] if args.world_size > 1 else ()
+            key = dataclasses.astuple(StateSharding.of(each))[1:] if args.world_size > 1 else ()
             if key not in steps:
                 steps[key] = measure(cfg, each)
             measured[each.strategy] = steps[key]

@@ -94,20 +94,20 @@ def _spec(args: argparse.Namespace):
         workdir=os.getcwd(),
     )  # fmt: skip
     from freetx.cli.common import config_device
-    from freetx.distributed import Layout
+    from freetx.distributed import Processes
     from freetx.training import check_layout
 
     # the refusals the ranks would make before their first step, before a script exists
     device = "cuda" if spec.gpus_per_node else config_device(getattr(cfg, "device", "auto"))
     per_node = spec.processes_per_node
-    check_layout(cfg, Layout(spec.nodes * per_node, per_node, device))
+    check_layout(cfg, Processes(spec.nodes * per_node, per_node, device))
     return spec
 
 
 def main(args: argparse.Namespace) -> int:
     from freetx.errors import FreetxError
-    from freetx.files import refuse_existing, write_user_file
     from freetx.launch import slurm_script, torchrun_commands
+    from freetx.user_files import refuse_existing, write_user_file
 
     path = None  # the script file: -o, or JOB_NAME.sbatch to submit
     if args.where == "slurm" and (args.output or args.submit):

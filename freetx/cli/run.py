@@ -151,13 +151,13 @@ def _check_layout(cfg, world_size: int, processes_per_node: int) -> None:
     import torch
 
     from freetx.cli.common import config_device
-    from freetx.distributed import Layout
+    from freetx.distributed import Processes
     from freetx.training import check_layout
 
     device = config_device(getattr(cfg, "device", "auto"))  # generate has no layout to check
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    check_layout(cfg, Layout(world_size, processes_per_node, device))
+    check_layout(cfg, Processes(world_size, processes_per_node, device))
 
 
 def _preempted(output_dir: str | None, code: int) -> int:

@@ -55,8 +55,8 @@ def _beside(model: Path) -> Path:
 
 def main(args: argparse.Namespace) -> int:
     from freetx.errors import FreetxError
-    from freetx.files import refuse_existing, write_user_file
     from freetx.models.peft.spectrum import select, selection_text
+    from freetx.user_files import refuse_existing, write_user_file
 
     model = Path(args.model).expanduser()
     if not model.exists():

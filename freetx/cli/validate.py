@@ -39,7 +39,7 @@ def main(args: argparse.Namespace) -> int:
     from freetx.cli.common import config_device, load_recipe
     from freetx.config.run_config import load_and_check
     from freetx.config.schema import apply_schema, as_schema_instance
-    from freetx.distributed import Layout
+    from freetx.distributed import Processes
     from freetx.errors import ConfigError
     from freetx.training import check_layout, check_written_folders
 
@@ -58,7 +58,7 @@ def main(args: argparse.Namespace) -> int:
         try:  # the run's own checks, with what is known before it starts
             instance = as_schema_instance(apply_schema(cfg, target.schema), target.schema)
             device = config_device(cfg.get("device", "auto"))
-            check_layout(instance, Layout(args.world_size, device_type=device))
+            check_layout(instance, Processes(args.world_size, device_type=device))
             check_written_folders(instance)
         except ConfigError as e:
             problems = [*e.problems[:-1], f"{e.problems[-1]} {e.fix or ''}".rstrip()]

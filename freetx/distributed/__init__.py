@@ -10,7 +10,19 @@ package names one.
 from freetx.distributed.context_parallel import ContextShard
 from freetx.distributed.frozen import FrozenBase, frozen_base
 from freetx.distributed.groups import HostGroup, ParallelGroups
-from freetx.distributed.init import (
+from freetx.distributed.mesh import MeshShape, Processes
+from freetx.distributed.parallelize import (
+    DistributedConfig,
+    MixedPrecisionConfig,
+    ParallelPlan,
+    StateSharding,
+    build_groups,
+    check_distributed,
+    dtype_named,
+    parallelize,
+    unwrap,
+)
+from freetx.distributed.parameters import (
     canonical_name,
     fill_parameters,
     full_norm,
@@ -18,18 +30,6 @@ from freetx.distributed.init import (
     load_parameters,
     local_parameters,
     materialize,
-)
-from freetx.distributed.mesh import Layout, MeshShape
-from freetx.distributed.parallelize import (
-    DistributedConfig,
-    MixedPrecisionConfig,
-    ParallelPlan,
-    ShardLayout,
-    build_groups,
-    check_distributed,
-    dtype_named,
-    parallelize,
-    unwrap,
 )
 from freetx.distributed.runtime import (
     DistributedRuntime,
@@ -49,9 +49,9 @@ __all__ = [
     "ParallelGroups",
     "MixedPrecisionConfig",
     "ParallelPlan",
-    "ShardLayout",
+    "StateSharding",
     "build_groups",
-    "Layout",
+    "Processes",
     "check_distributed",
     "canonical_name",
     "destroy_distributed",

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from freetx.distributed.init import canonical_name, self_stored
+from freetx.distributed.parameters import canonical_name, self_stored
 from freetx.models.protocol import FrozenInComputeDtype
 
 

@@ -1,7 +1,7 @@
 """The shape of a run's parallelism: how many ranks each axis has (`MeshShape`), every
 refusal of a layout the processes cannot form, and one build of the device meshes.
 
-    shape = MeshShape.of(cfg.distributed, Layout.of(runtime))
+    shape = MeshShape.of(cfg.distributed, Processes.of(runtime))
     shape.dp, shape.dp_cp, shape.fsdp     # the batch's, the loss's and FSDP2's ranks
     meshes = shape.build("cuda")          # {"pp", "dp", "cp", "tp", "dp_cp", "fsdp", ...}
 
@@ -39,17 +39,17 @@ def canonical_strategy(name: str) -> str:
 
 
 @dataclass(frozen=True)
-class Layout:
+class Processes:
     """Where a run's processes are, as far as it is known: `freetx validate` knows none
     of it, `freetx run` / `launch` know the processes before launching, a running rank
-    knows everything (`Layout.of(runtime)`)."""
+    knows everything (`Processes.of(runtime)`)."""
 
     world_size: int | None = None
     processes_per_node: int | None = None
     device_type: str | None = None  # cpu | cuda
 
     @classmethod
-    def of(cls, runtime) -> Layout:
+    def of(cls, runtime) -> Processes:
         per_node = int(os.environ.get("LOCAL_WORLD_SIZE", runtime.world_size))
         return cls(runtime.world_size, per_node, runtime.device_type)
 
@@ -137,7 +137,7 @@ class MeshShape:
         )
         return "".join(f" x {_WORDS[a]} {n}" for a in shown if (n := getattr(self, a)) > 1)
 
-    def layout(self) -> str:
+    def describe(self) -> str:
         """The strategy and any other axis, in words (checkpoints' meta): `fsdp x cp 2 x tp 2`."""
         axes = [f"{axis} {getattr(self, axis)}" for axis in ("pp", "cp", "tp")]
         return " x ".join([self.strategy] + [a for a in axes if not a.endswith(" 1")])
@@ -186,15 +186,15 @@ class MeshShape:
 
     # -- the shape a config makes ---------------------------------------------------------
     @classmethod
-    def of(cls, cfg, layout: Layout = Layout()) -> MeshShape:
-        """The shape a `distributed:` section makes on `layout`'s processes, after every
-        refusal of it (those needing the world or the node size only where `layout`
+    def of(cls, cfg, processes: Processes = Processes()) -> MeshShape:
+        """The shape a `distributed:` section makes on `processes`'s processes, after every
+        refusal of it (those needing the world or the node size only where `processes`
         knows them). Where the world is not known (`freetx validate`), the smallest
         world the config fits: one data-parallel rank per replica."""
         strategy = canonical_strategy(cfg.strategy)
         inner = cls(strategy, cfg.pp, 1, 1, cfg.cp, cfg.tp)
-        inner.refuse_axes(cfg.strategy, layout)
-        world = layout.world_size
+        inner.refuse_axes(cfg.strategy, processes)
+        world = processes.world_size
         if world is None:
             replicas = (cfg.replicate_degree or 1) if strategy == "hsdp" else 1
             return cls(strategy, cfg.pp, replicas, 1, cfg.cp, cfg.tp)
@@ -203,10 +203,10 @@ class MeshShape:
             return cls(strategy, cfg.pp, dp, 1, cfg.cp, cfg.tp)
         replicas = 1
         if strategy == "hsdp":
-            replicas = inner.replicas(cfg.replicate_degree, dp, layout)
+            replicas = inner.replicas(cfg.replicate_degree, dp, processes)
         return cls(strategy, cfg.pp, replicas, dp // replicas, cfg.cp, cfg.tp)
 
-    def refuse_axes(self, named_strategy: str, layout: Layout) -> None:
+    def refuse_axes(self, named_strategy: str, processes: Processes) -> None:
         """pp, cp and tp: the strategies they compose with, a tp inside a node, and a
         product that divides the processes."""
         axes = {name: n for name in ("pp", "cp", "tp") if (n := getattr(self, name)) > 1}
@@ -221,7 +221,7 @@ class MeshShape:
                 f"ranks of a (pp, dp, cp, tp) mesh), not {named_strategy}.",
                 fix=f"Use distributed.strategy=fsdp (or hsdp for replicas), or set {reset}.",
             )
-        per_node = layout.processes_per_node
+        per_node = processes.processes_per_node
         if per_node is not None and per_node % self.tp:
             raise ConfigError(
                 f"distributed.tp={self.tp} does not divide the {per_node} process(es) per node "
@@ -230,22 +230,22 @@ class MeshShape:
                 fix="Pick a tp that divides the processes (GPUs) of one node, e.g. tp=8 with "
                 "8 per node, or set distributed.tp=1.",
             )
-        if layout.world_size is not None and layout.world_size % self.per_data_rank:
+        if processes.world_size is not None and processes.world_size % self.per_data_rank:
             product = " x ".join(f"{name} {n}" for name, n in axes.items())
             raise ConfigError(
                 f"{named} need{s} {self.per_data_rank} processes per data-parallel rank "
-                f"({product}), which does not divide the {layout.describe()} of this run, so "
+                f"({product}), which does not divide the {processes.describe()} of this run, so "
                 "they cannot form a (pp, dp, cp, tp) mesh.",
                 fix=f"Pick sizes whose product divides the number of processes (e.g. tp=2 or "
                 f"cp=2 on 4: 2 x 2), or set {reset}.",
             )
 
-    def replicas(self, configured: int | None, dp: int, layout: Layout) -> int:
+    def replicas(self, configured: int | None, dp: int, processes: Processes) -> int:
         """hsdp's replicas among `dp` data-parallel ranks: the configured degree, else
         one per node (the data-parallel ranks of a node shard one copy)."""
         degree = configured
-        per_node = layout.processes_per_node
-        if degree is None and per_node and per_node < (layout.world_size or 0):
+        per_node = processes.processes_per_node
+        if degree is None and per_node and per_node < (processes.world_size or 0):
             shards = max(1, per_node // (self.cp * self.tp))  # a node's data-parallel ranks
             degree = max(1, dp // shards)
         degree = degree or 1
@@ -253,7 +253,7 @@ class MeshShape:
             inner = f" ({self.per_data_rank} processes each)" if self.has_axes else ""
             raise ConfigError(
                 f"hsdp: a replicate degree of {degree} does not divide the {dp} data-parallel "
-                f"ranks{inner} of the {layout.describe()} of this run, so they cannot form a "
+                f"ranks{inner} of the {processes.describe()} of this run, so they cannot form a "
                 "replicas x shards mesh.",
                 fix="Pick a distributed.replicate_degree (estimate: --replicas) that divides the "
                 "number of data-parallel ranks, e.g. the number of nodes.",

@@ -11,7 +11,7 @@ every recipe, and the only place that knows the strategies.
 
 The order follows torchtitan: activation checkpointing, per-block compile,
 then sharding or DDP. The model arrives on the meta device and leaves
-materialized and initialized (see `freetx.distributed.init`). Blocks are found
+materialized and initialized (see `freetx.distributed.parameters`). Blocks are found
 by module type (the model's `block_types`); a model with none is sharded and
 checkpointed as one unit. The returned `ParallelPlan` answers every
 strategy-specific question a recipe has: what to call, the model under any
@@ -41,8 +41,8 @@ from freetx.config.instantiate import COMPONENT, import_component, instantiate, 
 from freetx.distributed.context_parallel import ContextShard, check_shards_context
 from freetx.distributed.frozen import FrozenBase, frozen_base
 from freetx.distributed.groups import ParallelGroups
-from freetx.distributed.init import canonical_name, materialize
-from freetx.distributed.mesh import REPLICATED, SHARDED, Layout, MeshShape, canonical_strategy
+from freetx.distributed.mesh import REPLICATED, SHARDED, MeshShape, Processes, canonical_strategy
+from freetx.distributed.parameters import canonical_name, materialize
 from freetx.distributed.pipeline import (
     Pipeline,
     check_micro_batches,
@@ -126,7 +126,7 @@ def dtype_named(name: str) -> torch.dtype:
 
 
 @dataclass(frozen=True)
-class ShardLayout:
+class StateSharding:
     """How a strategy spreads the model states over its data-parallel ranks: what each
     rank holds (1 / shards of each), what it gathers, and how gradients travel. For
     estimates made before a run (`freetx estimate`)."""
@@ -141,7 +141,7 @@ class ShardLayout:
     replicas: int = 1  # hsdp: the replica groups (each shards over dp_shard x cp)
 
     @classmethod
-    def of(cls, shape: MeshShape) -> ShardLayout:
+    def of(cls, shape: MeshShape) -> StateSharding:
         """The layout of `shape.strategy` on the data-parallel ranks of `shape`."""
         strategy, shards, replicas = shape.strategy, shape.fsdp, shape.dp_replicate
         if strategy == "ddp":
@@ -189,11 +189,6 @@ class ParallelPlan:
         enabled = self.cfg.mixed_precision.param_dtype == "float16"
         self.scaler = GradScaler(self.groups, enabled=enabled)
         self.context = ContextShard(self.groups) if self.groups.size("cp") > 1 else None
-
-    @property
-    def layout(self) -> str:
-        """The strategy and any other axis, in words (checkpoints' meta): `fsdp x cp 2 x tp 2`."""
-        return self.groups.shape.layout()
 
     @property
     def gradient_ranks(self) -> int:
@@ -262,8 +257,8 @@ class ParallelPlan:
         return torch.autocast(self.runtime.device_type, dtype=dtype)
 
 
-def check_distributed(cfg: DistributedConfig, layout: Layout = Layout()) -> MeshShape:
-    """Every refusal of a `distributed:` section, made with what `layout` knows: by
+def check_distributed(cfg: DistributedConfig, processes: Processes = Processes()) -> MeshShape:
+    """Every refusal of a `distributed:` section, made with what `processes` knows: by
     `freetx validate`, by `freetx run` / `launch` before they launch anything, by
     `freetx estimate`, and by the run itself (`build_groups`). One function, so that a
     config one of them accepts is not refused by another."""
@@ -274,30 +269,30 @@ def check_distributed(cfg: DistributedConfig, layout: Layout = Layout()) -> Mesh
                 f"distributed.cpu_offload works with fsdp, zero2 and hsdp, not {cfg.strategy}.",
                 fix="Use distributed.strategy=fsdp, or set distributed.cpu_offload=false.",
             )
-        if layout.device_type == "cpu":
+        if processes.device_type == "cpu":
             raise ConfigError(
                 "distributed.cpu_offload needs an accelerator: FSDP2's CPUOffloadPolicy moves "
                 "parameters between GPU and CPU, and this run is on the CPU already.",
                 fix="Set distributed.cpu_offload=false (or run on CUDA).",
             )
     check_pipeline_schedule(cfg)
-    check_async_tp(cfg, layout)
-    return MeshShape.of(cfg, layout)  # the axes' refusals, and hsdp's replicas
+    check_async_tp(cfg, processes)
+    return MeshShape.of(cfg, processes)  # the axes' refusals, and hsdp's replicas
 
 
 STRATEGIES = ("ddp", "zero1", "zero2", "fsdp", "hsdp")  # the canonical names
 
 
 def strategy_shapes(
-    cfg: DistributedConfig, layout: Layout, replicas: int | None = None
+    cfg: DistributedConfig, processes: Processes, replicas: int | None = None
 ) -> tuple[list[MeshShape], dict[str, str]]:
-    """The shape of every strategy for `cfg`'s other axes on `layout` (hsdp with
+    """The shape of every strategy for `cfg`'s other axes on `processes` (hsdp with
     `replicas`), and why a run would refuse the others: what `freetx estimate` compares."""
     shapes, refused = [], {}
     for strategy in STRATEGIES:
         try:
             options = dict(strategy=strategy, replicate_degree=replicas)
-            shapes.append(check_distributed(dataclasses.replace(cfg, **options), layout))
+            shapes.append(check_distributed(dataclasses.replace(cfg, **options), processes))
         except ConfigError as e:
             refused[strategy] = e.problems[0]
     return shapes, refused
@@ -328,7 +323,7 @@ def check_pipeline_schedule(cfg: DistributedConfig) -> None:
         )
 
 
-def check_async_tp(cfg: DistributedConfig, layout: Layout) -> None:
+def check_async_tp(cfg: DistributedConfig, processes: Processes) -> None:
     """distributed.async_tp: tp's collectives overlapped inside compiled blocks on CUDA."""
     if not cfg.async_tp:
         return
@@ -339,7 +334,7 @@ def check_async_tp(cfg: DistributedConfig, layout: Layout) -> None:
     elif not cfg.compile:
         why = ("is a pass of Inductor over the compiled blocks, and distributed.compile is "
                "false", "Set distributed.compile=true")  # fmt: skip
-    elif layout.device_type == "cpu":
+    elif processes.device_type == "cpu":
         why = ("splits collectives through CUDA's symmetric memory, and this run is on the "
                "CPU", "Run on CUDA")  # fmt: skip
     if why is not None:
@@ -384,7 +379,7 @@ def build_groups(runtime: DistributedRuntime, cfg: DistributedConfig) -> Paralle
     """The job's ranks by axis for this `distributed:` section, before data or model are
     made (data reads `groups.dp_rank`'s share), with the meshes the layout shards over.
     Refuses combinations that cannot work first."""
-    shape = check_distributed(cfg, Layout.of(runtime))
+    shape = check_distributed(cfg, Processes.of(runtime))
     meshes = shape.build(runtime.device_type) if shape.needs_mesh(cfg.cpu_offload) else {}
     return ParallelGroups(runtime, shape, meshes)
 
@@ -413,7 +408,7 @@ def parallelize(
     """
     check_model(model)
     runtime = groups.runtime
-    check_distributed(cfg, Layout.of(runtime))
+    check_distributed(cfg, Processes.of(runtime))
     strategy = canonical_strategy(cfg.strategy)
     frozen = frozen or frozen_base(model)
     store_frozen_bases_in(model, DTYPES[cfg.mixed_precision.param_dtype], frozen)

@@ -36,16 +36,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from freetx.models.decoder.config import TransformerConfig
-from freetx.models.decoder.core import DecoderCore
-from freetx.models.decoder.estimate import DecoderActivations
-from freetx.models.decoder.layers import DecoderBlock
-from freetx.models.output_loss import (
+from freetx.models.chunked_loss import (
     IGNORE_INDEX,
     SumsBySource,
     check_num_chunks,
     forward_with_loss,
 )
+from freetx.models.decoder.config import TransformerConfig
+from freetx.models.decoder.core import DecoderCore
+from freetx.models.decoder.estimate import DecoderActivations
+from freetx.models.decoder.layers import DecoderBlock
 from freetx.models.protocol import OutputLoss, build_config, builds
 
 MODES = ("training", "prior")

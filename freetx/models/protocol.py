@@ -72,7 +72,7 @@ A model with a latent code per position also follows `LatentModel` (`prior_codes
 `posterior_codes`, `forward(..., codes=codes)`), which the `generate` recipe asks for.
 
 Models are built on the meta device, parallelized, then materialized and initialized one
-parameter at a time (`freetx.distributed.init.materialize`), so the initial weights
+parameter at a time (`freetx.distributed.parameters.materialize`), so the initial weights
 depend only on the seed, never on the world size.
 
 A model family has one builder, `family(preset=None, **fields)`: a preset's fields (the
@@ -119,7 +119,7 @@ class Model(HasBlocks, Protocol):
 @runtime_checkable
 class InitBuffers(Protocol):
     """Non-persistent buffers to compute once the model has storage (RoPE tables).
-    Called by `freetx.distributed.init.materialize` after the parameters are set."""
+    Called by `freetx.distributed.parameters.materialize` after the parameters are set."""
 
     def init_buffers(self) -> None: ...
 
@@ -304,7 +304,7 @@ class StoredInOwnForm(Protocol):
     """A module that keeps a parameter in another form (QLoRA's NF4 base), set from its
     full value only. `stored_value(name, full, shard)` returns what this rank keeps:
     the whole stored form (`shard` None), or rows `index` of `count` equal chunks
-    (`shard` = (index, count)); `freetx.distributed.init` wraps it as the parameter;
+    (`shard` = (index, count)); `freetx.distributed.parameters` wraps it as the parameter;
     `stored_element_bytes(name)`: its bytes per element as stored, for `estimate`."""
 
     def stores_parameter(self, name: str) -> bool: ...

@@ -11,7 +11,7 @@ import torch
 
 from freetx.config import instantiate
 from freetx.data import micro_batch_size
-from freetx.distributed import Layout
+from freetx.distributed import Processes
 from freetx.distributed.parallelize import find_blocks, strategy_shapes
 from freetx.distributed.pipeline import check_stages, num_stages, rank_stages, stage_blocks
 from freetx.errors import ConfigError
@@ -50,7 +50,7 @@ def estimate_config(
     row. A crosscoder's config (`activations:`) is estimated with its source models
     (`activation_sources`; `source_dim`: its hooked width where they cannot be read)."""
     planned = planned_run(cfg)
-    processes = Layout(world_size, device_type="cpu" if device == "cpu" else "cuda")
+    processes = Processes(world_size, device_type="cpu" if device == "cpu" else "cuda")
     # replicas: hsdp's replicate degree (the other strategies ignore it)
     shapes, refused = strategy_shapes(cfg.distributed, processes, replicas)
     data_ranks = shapes[0].dp if shapes else world_size  # a pp x cp x tp group reads one share

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from freetx.distributed import FrozenBase, MeshShape, ShardLayout, canonical_name, frozen_base
+from freetx.distributed import FrozenBase, MeshShape, StateSharding, canonical_name, frozen_base
 from freetx.distributed.parallelize import find_blocks
 from freetx.distributed.tensor_parallel import check_slices
 from freetx.models.memory import TrainingShape
@@ -186,7 +186,7 @@ def estimate(
     tp_s = counted.exchanged / bandwidth  # tp's sums and cp's gathers, not overlapped
     out = []
     for shape in shapes:
-        layout, world_size = ShardLayout.of(shape), shape.world_size
+        layout, world_size = StateSharding.of(shape), shape.world_size
         shards = layout.parameter_shards
         if layout.blocks_stay_gathered:
             gathered = stored / 4 * compute  # every block kept unsharded, forward to backward

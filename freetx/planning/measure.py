@@ -13,7 +13,7 @@ from freetx.distributed import (
     DistributedRuntime,
     MeshShape,
     ParallelGroups,
-    ShardLayout,
+    StateSharding,
     fake_world,
     parallelize,
 )
@@ -47,7 +47,7 @@ def measure(cfg, shape: MeshShape) -> dict[str, float]:
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    layout, world_size = ShardLayout.of(shape), shape.world_size
+    layout, world_size = StateSharding.of(shape), shape.world_size
     sharded = layout.parameter_shards > 1  # else replicated: the plain model at world size 1
     distributed = dataclasses.replace(
         cfg.distributed,
@@ -78,7 +78,7 @@ def measure(cfg, shape: MeshShape) -> dict[str, float]:
     return out
 
 
-def tracked_step(plan, optimizer, loss_fn, input_ids, layout: ShardLayout) -> dict[str, float]:
+def tracked_step(plan, optimizer, loss_fn, input_ids, layout: StateSharding) -> dict[str, float]:
     """One training step of `plan`'s model under torch's memory tracker (FSDPMemTracker for
     FSDP2, MemTracker otherwise), after a first step that creates the optimizer state: the
     bytes this rank held at the step's peak, by column of `Estimate`, and `peak`. Real or

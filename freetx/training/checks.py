@@ -9,20 +9,20 @@ from omegaconf import DictConfig, ListConfig
 from torch import nn
 
 from freetx.data import micro_batch_size
-from freetx.distributed import Layout, MeshShape, check_distributed
+from freetx.distributed import MeshShape, Processes, check_distributed
 from freetx.distributed.context_parallel import check_shards_context
 from freetx.distributed.pipeline import check_micro_batches, check_stages
 from freetx.distributed.tensor_parallel import check_slices
 from freetx.errors import ConfigError
 from freetx.fields import written_folders
-from freetx.files import check_writable_folder
 from freetx.models.protocol import DescribesItself, PacksDocuments
 from freetx.training.config import TrainingConfig
 from freetx.training.export import built_class, check_final_export
+from freetx.user_files import check_writable_folder
 
 
-def check_layout(cfg: object, layout: Layout) -> None:
-    """Every refusal of a training config's layout, made with what `layout` knows: the
+def check_layout(cfg: object, processes: Processes) -> None:
+    """Every refusal of a training config's layout, made with what `processes` knows: the
     `distributed:` section (strategy, dtype, offload, hsdp mesh), the split of the
     global batch over the data-parallel ranks x accumulation steps, and
     `checkpoint.final_export` (`check_final_export`). `freetx validate`,
@@ -30,7 +30,7 @@ def check_layout(cfg: object, layout: Layout) -> None:
     call it; a running recipe makes the same checks (`build_groups`, `micro_batch_size`)."""
     if not isinstance(cfg, TrainingConfig):  # e.g. generate: nothing is distributed
         return
-    shape = check_distributed(cfg.distributed, layout)
+    shape = check_distributed(cfg.distributed, processes)
     model_class = built_class(getattr(cfg, "model", None))
     check_final_export(cfg, model_class)
     dataset = getattr(cfg, "dataset", None)
@@ -45,7 +45,7 @@ def check_layout(cfg: object, layout: Layout) -> None:
     if cfg.distributed.cp > 1 and model_class is not None:
         seq_len = dataset_seq_len(cfg) if isinstance(dataset, DictConfig) else None
         check_context(model_class, shape, seq_len)
-    if layout.world_size is not None:  # pipeline, context, tensor ranks read the same data
+    if processes.world_size is not None:  # pipeline, context, tensor ranks read the same data
         micro_batch_size(cfg.batch_size, shape.dp, cfg.gradient_accumulation_steps)
 
 

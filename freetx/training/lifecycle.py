@@ -180,7 +180,7 @@ class TrainingRun:
             plan, optimizer, lr_scheduler, self.progress, train_loader, self.runtime.rank,
             frozen,
         )  # fmt: skip
-        meta = build_meta(module, self.runtime.world_size, plan.layout)
+        meta = build_meta(module, self.runtime.world_size, plan.groups.shape.describe())
         message = self.checkpointer.restore(
             self.state, plan.model, meta, frozen.read_from, inputs=inputs
         )

@@ -1,7 +1,7 @@
 """Token losses summed, not averaged: the recipe divides by the global token count.
 
 The output layer's logits are made `num_chunks` chunks of tokens at a time and never
-whole (`freetx.models.output_loss`: the model hands its last hidden states and its
+whole (`freetx.models.chunked_loss`: the model hands its last hidden states and its
 output layer to the loss).
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from freetx.data.batch import IGNORE_INDEX, SourcesOf, TokenBatch
-from freetx.models.output_loss import (
+from freetx.models.chunked_loss import (
     ChunkedCrossEntropy,
     TokenLosses,
     check_num_chunks,

@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 
 from freetx.data import TokenBatch
 from freetx.distributed import DistributedConfig, build_groups, init_distributed, parallelize
-from freetx.distributed.init import full_tensor, materialize
+from freetx.distributed.parameters import full_tensor, materialize
 from freetx.models.peft import apply_lora
 from freetx.models.transformer import decoder
 from freetx.training import CrossEntropyLoss, build_lr_scheduler, optimizer_step

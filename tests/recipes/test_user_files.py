@@ -1,7 +1,7 @@
 """Files a command writes outside a run folder are never replaced unasked: each command
 refuses an existing destination with one paragraph naming it and the fix (exit 1),
 before its costly work, and leaves it byte-identical; `--overwrite` replaces it
-(freetx/files.py). `freetx cp` and `checkpoint convert` are tried in test_cli.py and
+(freetx/user_files.py). `freetx cp` and `checkpoint convert` are tried in test_cli.py and
 test_saved_work.py."""
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from freetx.data import ByteTokenizer, InstructDataset, PackedTextDataset
 from freetx.data.packing import pack_lengths, packed_sample, positions_taken
 from freetx.data.sampling import IGNORE_INDEX
-from freetx.distributed.init import materialize
+from freetx.distributed.parameters import materialize
 from freetx.models import PacksDocuments
 from freetx.models.attention import (
     AttentionSpec,

@@ -118,11 +118,11 @@ def test_config_error_lists_every_problem():
     ],
 )  # fmt: skip
 def test_impossible_mesh_layouts_are_refused_with_the_fix(options, world, wanted, fix):
-    from freetx.distributed import DistributedConfig, Layout, check_distributed
+    from freetx.distributed import DistributedConfig, Processes, check_distributed
     from freetx.errors import ConfigError
 
     with pytest.raises(ConfigError) as error:
-        check_distributed(DistributedConfig(**options), Layout(world, min(world, 4), "cpu"))
+        check_distributed(DistributedConfig(**options), Processes(world, min(world, 4), "cpu"))
     assert wanted in str(error.value) and fix in str(error.value)
 
 

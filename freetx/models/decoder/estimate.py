@@ -18,9 +18,9 @@ from __future__ import annotations
 import math
 
 from freetx.models.attention import AttentionSpec, choose_kernel
+from freetx.models.chunked_loss import default_num_chunks
 from freetx.models.decoder.config import TransformerConfig
 from freetx.models.memory import ActivationBytes, TrainingShape
-from freetx.models.output_loss import default_num_chunks
 
 
 class DecoderActivations:

@@ -13,7 +13,7 @@ with `requires_grad=False`, and every rank's shard must hold whole scale
 blocks. The layer keeps its base in its own form (`StoredInOwnForm` of
 `freetx.models.protocol`): set from a full tensor, quantized whole once (so
 every rank shares the same scales), of which each rank keeps its chunk of rows
-(`freetx.distributed.init` makes it the DTensor FSDP2 expects). torchao's NF4
+(`freetx.distributed.parameters` makes it the DTensor FSDP2 expects). torchao's NF4
 shards on a 1-D mesh and works replicated; a 2-D mesh is refused. At world
 size 1 the model is not sharded.
 """

@@ -1,4 +1,4 @@
-"""The loss that never makes the logits whole (freetx.models.output_loss): chunked
+"""The loss that never makes the logits whole (freetx.models.chunked_loss): chunked
 cross-entropy equals the unchunked loss and gradients, for tied and untied heads,
 Gemma's final soft-cap, a mixture of experts' aux loss, packed documents and the Free
 Transformer; evaluation takes no gradients; the default by vocabulary size; a
@@ -11,8 +11,8 @@ import torch
 
 from freetx.data import SourcesOf
 from freetx.distributed import materialize
+from freetx.models.chunked_loss import ChunkedCrossEntropy, default_num_chunks
 from freetx.models.free_transformer import FreeTransformerLoss, free_transformer
-from freetx.models.output_loss import ChunkedCrossEntropy, default_num_chunks
 from freetx.models.protocol import OutputLayer
 from freetx.models.transformer import decoder
 from freetx.training import CrossEntropyLoss, per_source_means
@@ -159,7 +159,7 @@ def test_the_vocabulary_parallel_cross_entropy_is_the_cross_entropy():
     against torch's on one slice; several slices: tests/distributed/test_mesh_layouts.py."""
     import torch.nn.functional as F
 
-    from freetx.models.output_loss import sliced_cross_entropy
+    from freetx.models.chunked_loss import sliced_cross_entropy
 
     generator = torch.Generator().manual_seed(0)
     logits = (torch.randn(6, 11, generator=generator) * 4).requires_grad_()
