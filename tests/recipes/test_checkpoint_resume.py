@@ -80,6 +80,7 @@ def test_resume_reproduces_the_uninterrupted_run_exactly(
         assert a[step] == b[step], (step, a[step], b[step])
 
 
+@pytest.mark.slow  # ~15-20 s of 2-process runs: make test's 12 minutes
 def test_resume_at_another_world_size_and_strategy(tmp_path, straight_losses):
     resumed = tmp_path / "resumed"
     train(resumed, "max_steps=4")
@@ -133,6 +134,7 @@ def test_float16_resume_of_a_float32_checkpoint_starts_the_scaler_afresh(tmp_pat
     assert scaler_state(out, 4) == (65536.0, 2)  # two steps since the scaler started
 
 
+@pytest.mark.slow  # ~15-20 s of 2-process runs: make test's 12 minutes
 def test_rank_killed_during_a_save_leaves_the_previous_checkpoint(tmp_path, straight_losses):
     run_dir = tmp_path / "run"
     env = {

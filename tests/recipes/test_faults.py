@@ -65,6 +65,7 @@ def test_two_nodes_from_launch_torchrun_equal_one_node(tmp_path, straight):
     assert losses(tmp_path) == straight
 
 
+@pytest.mark.slow  # ~15-20 s of 2-process runs: make test's 12 minutes
 def test_a_killed_rank_is_restarted_and_continues_exactly(tmp_path, straight):
     result = train(tmp_path, "checkpoint.every_n_steps=4", env=fault("kill", 7, 1),
                    launch=("--nproc-per-node", "2", "--max-restarts", "1"))  # fmt: skip
@@ -75,6 +76,7 @@ def test_a_killed_rank_is_restarted_and_continues_exactly(tmp_path, straight):
         assert resumed[step] == straight[step], step
 
 
+@pytest.mark.slow  # ~15-20 s of 2-process runs: make test's 12 minutes
 def test_sigterm_saves_at_the_step_boundary_and_the_rerun_continues_exactly(tmp_path, straight):
     result = train(tmp_path, env=fault("sigterm", 5, 0), expect=75)
     assert "stopped by SIGTERM at step 5" in flat(result.stderr)
@@ -87,6 +89,7 @@ def test_sigterm_saves_at_the_step_boundary_and_the_rerun_continues_exactly(tmp_
     assert all(resumed[s] == straight[s] for s in range(1, 13))
 
 
+@pytest.mark.slow  # ~15-20 s of 2-process runs: make test's 12 minutes
 @pytest.mark.parametrize("policy", ["skip", "stop"])
 def test_a_nan_is_skipped_or_stops_and_never_reaches_a_checkpoint(tmp_path, policy):
     expect = 0 if policy == "skip" else 1
