@@ -27,7 +27,7 @@ from freetx.checkpoint.formats import DCPSource, TensorSource, open_tensors, ski
 from freetx.checkpoint.identity import input_identity
 from freetx.checkpoint.run_folder import newest_checkpoint, resolve_checkpoint
 from freetx.checkpoint.state import ModelState
-from freetx.distributed import dtype_named
+from freetx.distributed import dtype_named, unwrap
 from freetx.distributed.parameters import (
     init_from_weights,
     load_parameters,
@@ -78,7 +78,7 @@ def model_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
 def held_here(model: nn.Module, found: dict[str, tuple]) -> dict[str, tuple]:
     """`found` (a file's or checkpoint's tensors) less those another pipeline stage holds
     (`SplitsIntoStages.held_elsewhere`): what a stage's model must match."""
-    inner = getattr(model, "module", model)  # under a DDP wrapper
+    inner = unwrap(model)  # under a DDP wrapper
     if not isinstance(inner, SplitsIntoStages):
         return found
     return {name: shape for name, shape in found.items() if not inner.held_elsewhere(name)}
@@ -113,7 +113,7 @@ def _differences(model: nn.Module, source: TensorSource, expected: Callable[[str
 def check_weights(model: nn.Module, weights: WeightSource) -> None:
     """Refuse weights that do not fit `model`, listing every difference. Adapters
     (parameters a module initializes itself) are not expected in the files."""
-    adapters = set(self_initialized(getattr(model, "module", model)))
+    adapters = set(self_initialized(unwrap(model)))
     problems = _differences(model, weights.tensors, lambda name: name not in adapters)
     if problems:
         raise CheckpointError(
@@ -147,7 +147,7 @@ def load_weights(model: nn.Module, weights: WeightSource) -> list[str]:
     what of the files is not read (a multimodal folder's vision tower), for the
     run's output.
     """
-    source, inner = weights.tensors, getattr(model, "module", model)
+    source, inner = weights.tensors, unwrap(model)
     adapters = set(self_initialized(inner))
     if isinstance(source, DCPSource):
         stored = self_stored(inner)  # e.g. NF4 bases: quantized from the full weight
