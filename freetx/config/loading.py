@@ -22,6 +22,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from freetx import registry
+from freetx.config.foreign_names import foreign_key, foreign_why
 from freetx.errors import ConfigError, UsageError, first_line
 
 _DOTTED_NAME = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)+$")
@@ -74,11 +75,29 @@ def check_override_syntax(overrides: list[str]) -> None:
     """Raise a UsageError for an argument that is neither `key=value` nor `~key`."""
     for item in overrides:
         key = item[1:] if item.startswith("~") else item.split("=", 1)[0]
+        if item.startswith("-") and not item.startswith("~"):
+            raise UsageError(_option_after_recipe(item))
         if not (item.startswith("~") or "=" in item) or not key:
             raise UsageError(
                 f"'{item}' is not an override. Write overrides as key=value "
                 "(nested: a.b=value) or ~key to delete a key."
             )
+
+
+def _option_after_recipe(item: str) -> str:
+    """`--batch_size 256` after the recipe: an option of the command, or a key written
+    as another system's flag (the seeds' `--batch_size`)."""
+    name = item.lstrip("-").split("=", 1)[0]
+    text = (
+        f"'{item}' after the recipe is not an override: after the recipe come only --config "
+        "and key=value overrides, and the command's own options (--nproc-per-node, -o, ...) "
+        "go before the recipe: freetx run [OPTIONS] RECIPE --config CFG [key=value ...]."
+    )
+    key = foreign_key(name) or (name if name.isidentifier() else None)
+    if key:
+        why = foreign_why(name)
+        text += f" As an override it is {key}=VALUE" + (f" ({why})." if why else ".")
+    return text
 
 
 def apply_overrides(cfg: DictConfig, overrides: list[str]) -> DictConfig:

@@ -29,6 +29,7 @@ from typing import Any, Literal, Union
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from freetx.config.foreign_names import foreign_hint
 from freetx.config.instantiate import check_components
 from freetx.errors import ConfigError
 from freetx.fields import MIN_KEY, at_least, field_problems  # noqa: F401 - at_least re-exported
@@ -52,8 +53,13 @@ def _resolved_hints(schema: type) -> dict[str, Any]:
     return typing.get_type_hints(schema)
 
 
-def _suggest(key: str, level_keys: list[str], schema_root: type, path: str) -> str:
+def _suggest(
+    key: str, level_keys: list[str], schema_root: type, path: str, value: Any = None
+) -> str:
     close = difflib.get_close_matches(key, level_keys, n=1, cutoff=0.6)
+    foreign = foreign_hint(key, value, _all_keys(schema_root))  # torchtune's, the seeds'
+    if foreign and (not path or not close):
+        return foreign
     if close:
         return f"did you mean '{path}{close[0]}'?"
     elsewhere = [k for k in _all_keys(schema_root) if k.rsplit(".", 1)[-1] == key]
@@ -129,7 +135,7 @@ def _check_level(
     for key in node.keys():
         key = str(key)
         if key not in fields:
-            hint = _suggest(key, list(fields), root, path)
+            hint = _suggest(key, list(fields), root, path, _plain_value(node, key))
             problems.append(f"unknown key '{path}{key}': {hint}")
             continue
         if OmegaConf.is_missing(node, key):
@@ -163,6 +169,11 @@ def _check_level(
             problems.append(f"missing required key '{path}{name}' ({_describe(hints[name])}).")
     if len(problems) == before:  # every value has its type: ask what they mean together
         problems.extend(field_problems(schema, _plain_values(node, hints), path))
+
+
+def _plain_value(node: DictConfig, key: str) -> Any:
+    """A key's value as plain data (None where it does not resolve here)."""
+    return _plain_values(node, {}).get(key)
 
 
 def _plain_values(node: DictConfig, hints: dict[str, Any]) -> dict[str, Any]:

@@ -18,10 +18,13 @@ does not hold: listed as unmapped.
 from __future__ import annotations
 
 import json
+import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from freetx.config.foreign_names import foreign_why, global_batch_note
 from freetx.distributed.parallelize import (
     DATA_PARALLEL_STRATEGY,
     DTYPE_ABBREVIATIONS,
@@ -43,7 +46,17 @@ SHARDED_SAVES = (
 BLOCKS = "freetx shards and checkpoints the model's blocks, found by type (block_types)"
 ALWAYS = "freetx always does this (meta-device build, each rank loads its own shard)"
 OPTIMIZERS = {"adam": "torch.optim.Adam", "adamw": "torch.optim.AdamW", "sgd": "torch.optim.SGD"}
+# DeepSpeed's schedules: the decay, and the lr it ends at (a ratio of the peak):
+# WarmupDecayLR decays linearly to 0, WarmupCosineLR to cos_min_ratio (0.0001 by default)
 SCHEDULE_DECAYS = {"WarmupLR": "constant", "WarmupDecayLR": "linear", "WarmupCosineLR": "cosine"}
+SCHEDULE_MIN_LR_RATIOS = {"WarmupDecayLR": 0.0, "WarmupCosineLR": 0.0001}
+AUTO_PRECISION = (
+    "auto: the HF Trainer turns it on from its own --bf16 / --fp16 arguments, which this file "
+    "does not hold, so no precision is imported and the recipe's config decides "
+    "(distributed.mixed_precision.param_dtype; set it to bfloat16 for the Trainer's --bf16)"
+)
+MAX_FILE_BYTES = 4 * 1024 * 1024  # a config file; anything larger is not one
+CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")  # but tab and newline
 PRECISIONS = {"bf16": "bfloat16", "fp16": "float16", "no": "float32", "fp32": "float32"}
 
 # keys with no freetx equivalent, and why, by format
@@ -121,6 +134,9 @@ SEED_TRAINING_UNMAPPED = {
 class ImportedConfig:
     """What a foreign config means in freetx (see the module docstring)."""
 
+    source: str = "the file"  # its path, for messages
+    recipe: str = "RECIPE"  # the freetx recipe and config to start from, where known
+    config: str = "CFG"
     overrides: dict[str, Any] = field(default_factory=dict)
     launch: list[str] = field(default_factory=list)
     environment: dict[str, str] = field(default_factory=dict)
@@ -150,21 +166,51 @@ def format_value(value: Any) -> str:
 
 
 def read_config_file(path: str) -> dict:
-    """A JSON or YAML file's top-level mapping; one paragraph when it is missing or broken."""
+    """A JSON or YAML file's top-level mapping; one paragraph when it is missing, broken,
+    binary, a shell script, or a YAML file with aliases (which can expand without bound)."""
     file = Path(path).expanduser()
     if not file.is_file():
         raise FreetxError(
             f"{path} does not exist (or is not a file); give the path to your old config, "
             "e.g. ds_config.json or ~/.cache/huggingface/accelerate/default_config.yaml."
         )
+    if file.stat().st_size > MAX_FILE_BYTES:
+        raise FreetxError(
+            f"{path} is {file.stat().st_size // 1024 // 1024} MiB, too large for a config "
+            "file; give the config file itself (a DeepSpeed JSON, an accelerate or torchtune "
+            "YAML)."
+        )
     import yaml
 
-    text = file.read_text(encoding="utf-8")
+    raw = file.read_bytes()
     try:
-        data = json.loads(text) if file.suffix == ".json" else yaml.safe_load(text)
-    except (ValueError, yaml.YAMLError) as e:
-        kind = "JSON" if file.suffix == ".json" else "YAML"
-        detail = " ".join(str(e).split())
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        text = None
+    if text is None or "\x00" in text or CONTROL.search(text):
+        raise FreetxError(
+            f"{path} is not a text file (it holds bytes no JSON or YAML file has); give the "
+            "config file itself (a DeepSpeed JSON, an accelerate or torchtune YAML)."
+        )
+    if text.startswith("#!") or re.search(r"^#SBATCH", text, re.MULTILINE):
+        raise FreetxError(
+            f"{path} is a shell script{' (a SLURM batch script)' if '#SBATCH' in text else ''}"
+            ", and freetx import reads config files, not scripts. Its launch settings are "
+            "freetx launch's options: `freetx launch slurm --nodes N --gpus-per-node G "
+            "--time T --partition P RECIPE --config CFG` writes freetx's SLURM script; give "
+            "`freetx import` the config files the script passes (ds_config.json, ...)."
+        )
+    kind = "JSON" if file.suffix == ".json" else "YAML"
+    try:
+        if file.suffix == ".json":
+            data = json.loads(text)
+        else:
+            refuse_yaml_aliases(path, text)
+            data = yaml.safe_load(text)
+    except (ValueError, RecursionError, yaml.YAMLError) as e:
+        detail = (
+            " ".join(str(e).split()) if not isinstance(e, RecursionError) else "nested too deep"
+        )
         raise FreetxError(
             f"{path} is not valid {kind}: {detail}. Fix the file (a .json file is read as "
             "JSON, anything else as YAML)."
@@ -174,12 +220,52 @@ def read_config_file(path: str) -> dict:
             f"{path} holds a {type(data).__name__}, not a mapping of keys to values; give "
             "the config file itself."
         )
+    refuse_non_finite(path, data)
     return data
 
 
-def import_config(kind: str, data: dict, world_size: int | None = None) -> ImportedConfig:
-    """The freetx overrides a foreign config of `kind` (deepspeed, accelerate, fsdp-config) means."""
-    found = ImportedConfig()
+def refuse_yaml_aliases(path: str, text: str) -> None:
+    """YAML aliases (`*name`) refused before anything is built: a few lines of them can
+    stand for billions of values (an "alias bomb"), and no config freetx imports needs one.
+    The event scan is linear in the file's size."""
+    import yaml
+
+    for event in yaml.parse(text, Loader=yaml.SafeLoader):
+        if isinstance(event, yaml.AliasEvent):
+            line = event.start_mark.line + 1 if event.start_mark else "?"
+            raise FreetxError(
+                f"{path} uses a YAML alias (*{event.anchor}, line {line}); freetx import "
+                "refuses aliases, since a few of them can stand for billions of values. "
+                "Write the values out in full (or give the file `yaml.safe_load` then "
+                "`yaml.safe_dump` wrote)."
+            )
+
+
+def refuse_non_finite(path: str, data: Any, key: str = "") -> None:
+    """NaN and infinities (JSON's NaN, 1e400) refused, naming the key."""
+    if isinstance(data, dict):
+        for name, value in data.items():
+            refuse_non_finite(path, value, f"{key}{name}" if not key else f"{key}.{name}")
+    elif isinstance(data, list):
+        for i, value in enumerate(data):
+            refuse_non_finite(path, value, f"{key}[{i}]")
+    elif isinstance(data, float) and not math.isfinite(data):
+        raise FreetxError(
+            f"{path}: {key or 'the value'} is {data} (a {'NaN' if data != data else 'number too large for a float'}), "
+            "which no setting means; fix the value in the file. Nothing was printed."
+        )
+
+
+def import_config(
+    kind: str,
+    data: dict,
+    world_size: int | None = None,
+    source: str = "the file",
+) -> ImportedConfig:
+    """The freetx overrides a foreign config of `kind` (deepspeed, accelerate, fsdp-config)
+    means; one paragraph for a value no setting can mean (`bad_value`). torchtune's:
+    freetx.planning.torchtune_import."""
+    found = ImportedConfig(source=source)
     {"deepspeed": _deepspeed, "accelerate": _accelerate, "fsdp-config": _seed_fsdp}[kind](
         found, data, world_size
     )
@@ -191,15 +277,49 @@ def _is_auto(value: Any) -> bool:
     return isinstance(value, str) and value.lower() == "auto"
 
 
-def _number(found: ImportedConfig, key: str, value: Any) -> float | None:
-    """A numeric value, or None (listed as unmapped) when it is auto or not a number."""
+# what a number may be, by what it counts: (integer, lowest, highest)
+COUNT = (True, 1, 10**9)  # batch sizes, processes, steps of accumulation
+STEPS = (True, 0, 10**12)  # training or warmup steps
+RATE = (False, 0.0, 10.0)  # learning rates, weight decay, betas
+NORM = (False, 0.0, 1e9)  # gradient clipping
+
+
+def bad_value(found: ImportedConfig, key: str, value: Any, expected: str) -> FreetxError:
+    """One paragraph for a value no freetx setting can mean: huge, negative, not a
+    number, the wrong type; the import prints nothing."""
+    shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
+    return FreetxError(
+        f"{found.source}: {CONTROL.sub('?', key)} is {shown}, but it must be {expected}; "
+        "fix the value in the file and import it again. Nothing was printed."
+    )
+
+
+def _number(
+    found: ImportedConfig, key: str, value: Any, kind: tuple[bool, float, float] = COUNT
+) -> float | None:
+    """A numeric value in `kind`'s range, None when it is "auto" (listed as unmapped);
+    anything else is refused (`bad_value`). YAML's `2e-5` (a string to PyYAML) is a
+    number."""
     if _is_auto(value):
         found.skip(key, AUTO)
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        found.skip(key, f"{value!r} is not a number")
-        return None
-    return value
+    integer, low, high = kind
+    number = value
+    if isinstance(value, str):
+        try:
+            number = float(value)
+        except ValueError:
+            number = None
+    what = f"{'a whole number' if integer else 'a number'} from {low:g} to {high:g}"
+    if isinstance(value, bool) or not isinstance(number, (int, float)):
+        raise bad_value(found, key, value, what)
+    if not math.isfinite(number) or not low <= number <= high:
+        raise bad_value(found, key, value, what)
+    if integer:
+        if number != int(number):
+            raise bad_value(found, key, value, what)
+        return int(number)
+    return number
 
 
 def set_batch(
@@ -220,11 +340,17 @@ def set_batch(
     if world_size is None:
         found.skip(
             micro[0],
-            f"a per-GPU batch ({int(per_gpu)}); freetx's batch_size is global: give "
-            "--world-size N (the GPUs) and it is multiplied out",
+            f"a per-device batch ({int(per_gpu)}); {global_batch_note(int(per_gpu))}: give "
+            "--world-size N (the processes) and it is multiplied out",
         )
         return
-    found.set("batch_size", int(per_gpu) * int(steps) * world_size)
+    total = int(per_gpu) * int(steps) * world_size
+    found.set("batch_size", total)
+    found.notes.append(
+        f"batch_size={total} is global: {micro[0]}={int(per_gpu)} per device x "
+        f"{world_size} ranks (--world-size) x gradient_accumulation_steps={int(steps)}; "
+        "freetx splits it back into per-rank micro-batches"
+    )
 
 
 def set_precision(found: ImportedConfig, key: str, name: Any) -> None:
@@ -285,6 +411,77 @@ def _flatten(data: dict, prefix: str = "") -> dict[str, Any]:
     return flat
 
 
+def set_number(
+    found: ImportedConfig, key: str, value: Any, target: str, kind: tuple[bool, float, float]
+) -> None:
+    number = _number(found, key, value, kind)
+    if number is not None:
+        found.set(target, number)
+
+
+def set_clipping(found: ImportedConfig, key: str, value: Any) -> None:
+    """A clipping norm -> max_grad_norm (0, "no clipping" to DeepSpeed, is null)."""
+    norm = _number(found, key, value, NORM)
+    if norm is not None:
+        found.set("max_grad_norm", None if norm == 0 else norm)
+
+
+def set_betas(found: ImportedConfig, key: str, value: Any) -> None:
+    if _is_auto(value):
+        found.skip(key, AUTO)
+        return
+    if not isinstance(value, (list, tuple)) or len(value) != 2:
+        raise bad_value(found, key, value, "two numbers, e.g. [0.9, 0.95]")
+    found.set("optimizer.betas", [_number(found, key, v, (False, 0.0, 0.999999)) for v in value])
+
+
+def _flag(found: ImportedConfig, key: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise bad_value(found, key, value, "true or false")
+    return value
+
+
+def _mapping(found: ImportedConfig, key: str, value: Any) -> dict:
+    """A section that must be a mapping (accelerate's fsdp_config, ...); None is empty."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise bad_value(found, key, value, "a mapping of keys to values (a YAML section)")
+    return value
+
+
+def _seed_key(found: ImportedConfig, key: str, name: str, value: Any) -> bool:
+    """A training key of the seeds' YAML or the HF Trainer's (`training.gradient_clip_norm`,
+    `distributed.gradient_accumulation_steps`, `num_workers`, `use_deepspeed`), met in any
+    importer's file; False when `name` is none of them."""
+    if name in ("gradient_clip_norm", "gradient_clipping", "max_grad_norm", "grad_clip",
+                "clip_grad_norm"):  # fmt: skip
+        set_clipping(found, key, value)
+    elif name == "gradient_accumulation_steps":
+        set_number(found, key, value, "gradient_accumulation_steps", COUNT)
+    elif name in ("num_workers", "dataloader_num_workers"):
+        set_number(found, key, value, "num_workers", (True, 0, 1024))
+    elif name in ("learning_rate", "lr"):
+        set_number(found, key, value, "optimizer.lr", RATE)
+    elif name == "weight_decay":
+        set_number(found, key, value, "optimizer.weight_decay", RATE)
+    elif name == "warmup_steps":
+        set_number(found, key, value, "lr_schedule.warmup_steps", STEPS)
+    elif name in ("steps", "max_steps"):
+        set_number(found, key, value, "max_steps", (True, 1, 10**12))
+    elif name == "use_deepspeed":
+        found.skip(key, foreign_why("use_deepspeed"))
+    elif name == "deepspeed_config" and isinstance(value, str):
+        found.skip(key, f"a DeepSpeed file: run `freetx import deepspeed {value}`")
+    elif name == "fsdp_config" and isinstance(value, str):
+        found.skip(key, f"an FSDP file: run `freetx import fsdp-config {value}`")
+    elif name in SEED_TRAINING_UNMAPPED:
+        found.skip(key, SEED_TRAINING_UNMAPPED[name])
+    else:
+        return False
+    return True
+
+
 # -- DeepSpeed ------------------------------------------------------------------------
 def _deepspeed(found: ImportedConfig, data: dict, world_size: int | None) -> None:
     flat = _flatten(data)
@@ -313,6 +510,13 @@ def _deepspeed(found: ImportedConfig, data: dict, world_size: int | None) -> Non
                    "cosine, linear or constant decay")  # fmt: skip
     elif scheduler_type is not None:
         found.set("lr_schedule.decay", SCHEDULE_DECAYS[scheduler_type])
+        if scheduler_type in SCHEDULE_MIN_LR_RATIOS:
+            ratio = flat.pop("scheduler.params.cos_min_ratio", None)
+            ratio = SCHEDULE_MIN_LR_RATIOS[scheduler_type] if ratio is None else ratio
+            found.set(
+                "lr_schedule.min_lr_ratio",
+                _number(found, "scheduler.params.cos_min_ratio", ratio, (False, 0.0, 1.0)),
+            )
     for key, value in flat.items():
         _deepspeed_key(found, key, value)
 
@@ -320,50 +524,48 @@ def _deepspeed(found: ImportedConfig, data: dict, world_size: int | None) -> Non
 def _deepspeed_key(found: ImportedConfig, key: str, value: Any) -> None:
     section = key.split(".")[0]
     if key == "zero_optimization.stage":
-        if value not in ZERO_STAGE_STRATEGIES:
-            found.skip(key, f"{value!r} is not a ZeRO stage (0-3)")
-        else:
-            found.set("distributed.strategy", ZERO_STAGE_STRATEGIES[value])
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int)
+            or value not in ZERO_STAGE_STRATEGIES
+        ):
+            raise bad_value(found, key, value, "a ZeRO stage: 0, 1, 2 or 3")
+        found.set("distributed.strategy", ZERO_STAGE_STRATEGIES[value])
     elif key in (
         "zero_optimization.offload_optimizer.device",
         "zero_optimization.offload_param.device",
     ):
         set_offload(found, key, value)
     elif key in ("bf16.enabled", "fp16.enabled"):
-        if value is True:
+        if _is_auto(value):
+            found.skip(key, AUTO_PRECISION)
+        elif value is True:
             set_precision(found, key, section)
+        elif value is not False:
+            raise bad_value(found, key, value, 'true, false or "auto"')
     elif key == "communication_data_type":
         set_dtype(found, key, "reduce_dtype", value)
     elif key == "gradient_clipping":
-        norm = _number(found, key, value)
-        if norm is not None:
-            found.set("max_grad_norm", None if norm == 0 else norm)
+        set_clipping(found, key, value)
     elif key in ("optimizer.params.lr", "scheduler.params.warmup_max_lr"):
-        lr = _number(found, key, value)
-        if lr is not None:
-            found.set("optimizer.lr", lr)
-    elif key in ("optimizer.params.weight_decay", "optimizer.params.eps", "optimizer.params.betas"):
-        if _is_auto(value):
-            found.skip(key, AUTO)
-        else:
-            found.set(f"optimizer.{key.rsplit('.', 1)[1]}", value)
+        set_number(found, key, value, "optimizer.lr", RATE)
+    elif key in ("optimizer.params.weight_decay", "optimizer.params.eps"):
+        set_number(found, key, value, f"optimizer.{key.rsplit('.', 1)[1]}", RATE)
+    elif key == "optimizer.params.betas":
+        set_betas(found, key, value)
     elif key == "scheduler.params.warmup_num_steps":
-        steps = _number(found, key, value)
-        if steps is not None:
-            found.set("lr_schedule.warmup_steps", int(steps))
+        set_number(found, key, value, "lr_schedule.warmup_steps", STEPS)
     elif key == "scheduler.params.total_num_steps":
-        steps = _number(found, key, value)
-        if steps is not None:
-            found.set("max_steps", int(steps))
+        set_number(found, key, value, "max_steps", (True, 1, 10**12))
     elif key == "steps_per_print":
-        found.set("log_every_n_steps", value)
+        set_number(found, key, value, "log_every_n_steps", COUNT)
     elif key == "compile.enabled":
-        found.set("distributed.compile", bool(value))
+        found.set("distributed.compile", _flag(found, key, value))
     elif key in DEEPSPEED_UNMAPPED or section in DEEPSPEED_UNMAPPED:
         found.skip(key, DEEPSPEED_UNMAPPED.get(key) or DEEPSPEED_UNMAPPED[section])
     elif key.startswith(("optimizer.params.", "scheduler.params.")):
         found.skip(key, "no freetx equivalent of this optimizer / scheduler parameter")
-    else:
+    elif not _seed_key(found, key, key.rsplit(".", 1)[-1], value):
         found.skip(key, "not a DeepSpeed key freetx maps")
 
 
@@ -383,11 +585,14 @@ def _fsdp_key(found: ImportedConfig, key: str, name: str, value: Any) -> bool:
         else:
             found.set("distributed.strategy", strategy)
     elif name == "fsdp_reshard_after_forward":
-        found.set("distributed.strategy", RESHARD_AFTER_FORWARD_STRATEGIES[bool(value)])
+        found.set(
+            "distributed.strategy", RESHARD_AFTER_FORWARD_STRATEGIES[_flag(found, key, value)]
+        )
     elif name in ("fsdp_offload_params", "fsdp_cpu_offload"):
-        found.set("distributed.cpu_offload", bool(value))
+        found.set("distributed.cpu_offload", _flag(found, key, value))
     elif name == "fsdp_activation_checkpointing":
-        found.set("distributed.activation_checkpointing", "full" if value else "none")
+        checkpointing = _flag(found, key, value)
+        found.set("distributed.activation_checkpointing", "full" if checkpointing else "none")
     elif name == "fsdp_mixed_precision":
         set_precision(found, key, value)
     elif name == "fsdp_param_dtype":
@@ -411,7 +616,8 @@ def _seed_fsdp(found: ImportedConfig, data: dict, world_size: int | None) -> Non
     flat = _flatten(data)
     per_gpu = ("batch_size", "micro_batch_size", "train_batch_size")  # the seeds' names
     micro = _pop(flat, *per_gpu, *(f"training.{name}" for name in per_gpu))
-    steps = _pop(flat, "gradient_accumulation_steps", "training.gradient_accumulation_steps")
+    steps = _pop(flat, *(f"{section}gradient_accumulation_steps"
+                         for section in ("", "training.", "distributed.")))  # fmt: skip
     set_batch(found, micro, steps, world_size)
     for key, value in flat.items():
         name = key.rsplit(".", 1)[-1]
@@ -424,23 +630,7 @@ def _seed_fsdp(found: ImportedConfig, data: dict, world_size: int | None) -> Non
             set_precision(found, key, value)
         elif name == "gradient_checkpointing":
             found.set("distributed.activation_checkpointing", "full" if value else "none")
-        elif name in ("learning_rate", "lr"):
-            found.set("optimizer.lr", value)
-        elif name in ("max_grad_norm", "gradient_clipping"):
-            found.set("max_grad_norm", value)
-        elif name == "weight_decay":
-            found.set("optimizer.weight_decay", value)
-        elif name == "warmup_steps":
-            found.set("lr_schedule.warmup_steps", value)
-        elif name in ("steps", "max_steps"):
-            found.set("max_steps", value)
-        elif name == "deepspeed_config":
-            found.skip(key, f"a DeepSpeed file: run `freetx import deepspeed {value}`")
-        elif name == "fsdp_config" and isinstance(value, str):
-            found.skip(key, f"an FSDP file: run `freetx import fsdp-config {value}`")
-        elif name in SEED_TRAINING_UNMAPPED:
-            found.skip(key, SEED_TRAINING_UNMAPPED[name])
-        else:
+        elif not _seed_key(found, key, name, value):
             found.skip(key, "not a key freetx maps")
 
 
@@ -449,23 +639,34 @@ def _accelerate(found: ImportedConfig, data: dict, world_size: int | None) -> No
     kind = str(data.get("distributed_type", "NO")).upper()
     processes = data.get("num_processes")
     machines = data.get("num_machines", 1)
-    if isinstance(processes, int) and isinstance(machines, int) and machines >= 1:
+    processes = None if processes is None else _number(found, "num_processes", processes)
+    machines = 1 if machines is None else _number(found, "num_machines", machines)
+    fsdp = _mapping(found, "fsdp_config", data.get("fsdp_config"))
+    dynamo = _mapping(found, "dynamo_config", data.get("dynamo_config"))
+    deepspeed = _mapping(found, "deepspeed_config", data.get("deepspeed_config"))
+    if processes is not None and machines is not None:
         if processes > 1 or machines > 1:
             found.launch += [
                 "--nnodes",
                 str(machines),
                 "--nproc-per-node",
-                str(processes // machines),
+                str(max(1, processes // machines)),
             ]
         if processes % machines:
             found.skip("num_processes", f"{processes} processes do not split over {machines} "
                        "machines; freetx launches the same count on every node")  # fmt: skip
-    if machines != 1 and isinstance(machines, int):
+    if machines != 1:
         for key, flag in (("machine_rank", "--node-rank"), ("main_process_ip", "--master-addr"),
                           ("main_process_port", "--master-port"),
                           ("rdzv_backend", "--rdzv-backend")):  # fmt: skip
-            if data.get(key) is not None:
-                found.launch += [flag, str(data[key])]
+            value = data.get(key)
+            if value is None:
+                continue
+            if key == "machine_rank":
+                value = _number(found, key, value, (True, 0, 10**6))
+            elif key == "main_process_port":
+                value = _number(found, key, value, (True, 1, 65535))
+            found.launch += [flag, str(value)]  # printed quoted
     if kind in ("MULTI_GPU", "MULTI_CPU"):
         found.set("distributed.strategy", DATA_PARALLEL_STRATEGY)
     elif kind not in ("NO", "FSDP", "DEEPSPEED"):
@@ -477,27 +678,30 @@ def _accelerate(found: ImportedConfig, data: dict, world_size: int | None) -> No
         set_precision(found, "mixed_precision", data["mixed_precision"])
     gpu_ids = data.get("gpu_ids")
     if gpu_ids is not None and str(gpu_ids).lower() != "all":
-        found.environment["CUDA_VISIBLE_DEVICES"] = str(gpu_ids).replace(" ", "")
+        ids = str(gpu_ids).replace(" ", "")
+        if not re.fullmatch(r"\d+(,\d+)*", ids):
+            raise bad_value(found, "gpu_ids", gpu_ids, "all, or GPU numbers such as 0,1,2")
+        found.environment["CUDA_VISIBLE_DEVICES"] = ids
     if data.get("debug") is True:
         found.environment["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
-    backend = str((data.get("dynamo_config") or {}).get("dynamo_backend", "NO")).upper()
+    backend = str(dynamo.get("dynamo_backend", "NO")).upper()
     if backend == "INDUCTOR":
         found.set("distributed.compile", True)
     elif backend != "NO":
         found.skip("dynamo_config.dynamo_backend", f"{backend}: freetx compiles blocks with "
                    "inductor (distributed.compile=true)")  # fmt: skip
-    world = world_size or (processes if isinstance(processes, int) else None)
+    world = world_size or processes
     found.notes.append(
         "accelerate's file holds no batch size: set batch_size to your script's per-GPU "
         f"batch x its gradient accumulation steps x {world or 'the GPUs'} (freetx's is global)"
     )
     if kind == "FSDP":
         found.overrides.setdefault("distributed.strategy", FSDP_SHARDING_STRATEGIES["FULL_SHARD"])
-        for name, value in (data.get("fsdp_config") or {}).items():
+        for name, value in fsdp.items():
             if not _fsdp_key(found, f"fsdp_config.{name}", name, value):
                 found.skip(f"fsdp_config.{name}", "not an FSDP key freetx maps")
     if kind == "DEEPSPEED":
-        _accelerate_deepspeed(found, data.get("deepspeed_config") or {}, world)
+        _accelerate_deepspeed(found, deepspeed, world)
     handled = {"distributed_type", "num_processes", "num_machines", "machine_rank",
                "main_process_ip", "main_process_port", "rdzv_backend", "use_cpu",
                "mixed_precision", "gpu_ids", "debug", "dynamo_config", "fsdp_config",

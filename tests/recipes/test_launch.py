@@ -25,7 +25,7 @@ def test_the_slurm_script_has_one_launcher_per_node_and_requeues(tmp_path):
         assert line in script, line
     srun = next(line for line in script.splitlines() if line.startswith("srun"))
     assert '--nnodes "$SLURM_JOB_NUM_NODES" --nproc-per-node 8' in srun
-    assert '--rdzv-endpoint "$head_node:29500"' in srun and "--max-restarts 2" in srun
+    assert '--rdzv-endpoint "$head_node:$port"' in srun and "--max-restarts 2" in srun
     assert srun.endswith("full_finetune_fsdp2 --config llm/tiny max_steps=10 batch_size=64")
 
 

@@ -64,6 +64,7 @@ def test_deepspeed_precision_clipping_offload_optimizer_scheduler(tmp_path):
     assert found.overrides == {
         "optimizer._component_": "torch.optim.AdamW",
         "lr_schedule.decay": "cosine",
+        "lr_schedule.min_lr_ratio": 0.0001,  # DeepSpeed's cos_min_ratio default
         **BF16,
         "max_grad_norm": 0.3,
         "distributed.strategy": "fsdp",

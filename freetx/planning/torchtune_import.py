@@ -1,0 +1,418 @@
+"""A torchtune recipe config read as freetx overrides (`freetx import torchtune`).
+
+torchtune's config names a model builder (torchtune.models.llama3_2.llama3_2_1b), a
+checkpointer whose `checkpoint_dir` is the HF folder, a tokenizer file, a dataset
+builder, an optimizer, per-device batch sizes and epochs. freetx reads the model, its
+tokenizer and its weights from one HF folder (`model_dir`), counts optimizer steps
+(`max_steps`) and a global batch. What maps:
+
+    checkpointer.checkpoint_dir -> model_dir      checkpointer.output_dir -> output_dir
+    model builder -> the freetx config to start from (full, LoRA or QLoRA)
+    model.lora_rank / lora_alpha / lora_dropout / lora_attn_modules -> peft.*
+    tokenizer.max_seq_len -> dataset.seq_len   tokenizer.path -> tokenizer.path (a folder)
+    dataset builder + source files -> dataset._component_, source, format
+    optimizer.{lr, weight_decay, betas, eps} -> optimizer.*
+    lr_scheduler.num_warmup_steps -> lr_schedule.warmup_steps (cosine to 0)
+    batch_size x gradient_accumulation_steps x --world-size -> batch_size (global)
+    epochs x steps per epoch (--dataset-size) -> max_steps
+    dtype -> distributed.mixed_precision.param_dtype, clip_grad_norm -> max_grad_norm,
+    enable_activation_checkpointing, compile, fsdp_cpu_offload -> distributed.*
+
+Every other key is listed with why (freetx.config.foreign_names holds the names
+torchtune users bring, for `freetx validate`'s hints too).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+from freetx.config.foreign_names import foreign_key, foreign_why
+from freetx.distributed.parallelize import RESHARD_AFTER_FORWARD_STRATEGIES
+from freetx.planning.config_import import (
+    COUNT,
+    NORM,
+    RATE,
+    STEPS,
+    ImportedConfig,
+    _flag,
+    _mapping,
+    _number,
+    bad_value,
+    set_batch,
+    set_betas,
+    set_number,
+    set_precision,
+)
+
+# a builder's model name (lora_ / qlora_ taken off) -> freetx's config for that family:
+# (full fine-tuning, LoRA); a name not here starts from the 8B configs (any HF folder)
+FAMILY_CONFIGS = {
+    "llama3_2_1b": ("llm/llama3_2_1b_full", "llm/llama3_1_8b_lora"),
+    "llama3_2_3b": ("llm/llama3_2_1b_full", "llm/llama3_1_8b_lora"),
+    "llama3_1_8b": ("llm/llama3_1_8b_full", "llm/llama3_1_8b_lora"),
+    "llama3_8b": ("llm/llama3_1_8b_full", "llm/llama3_1_8b_lora"),
+    "llama3_1_70b": ("llm/llama3_70b_full", "llm/llama3_70b_lora"),
+    "llama3_3_70b": ("llm/llama3_70b_full", "llm/llama3_70b_lora"),
+    "llama3_70b": ("llm/llama3_70b_full", "llm/llama3_70b_lora"),
+    "qwen2_5_7b": ("llm/qwen2_5_7b_full", "llm/llama3_1_8b_lora"),
+    "qwen3_8b": ("llm/qwen3_8b_full", "llm/llama3_1_8b_lora"),
+    "gemma2_2b": ("llm/gemma2_2b_full", "llm/llama3_1_8b_lora"),
+    "phi4_mini": ("llm/llama3_1_8b_full", "llm/phi4_mini_lora"),
+}
+DEFAULT_CONFIGS = ("llm/llama3_1_8b_full", "llm/llama3_1_8b_lora")
+QLORA_CONFIG = "llm/llama3_1_8b_qlora"
+# torchtune's LoRA module names -> freetx's (peft.target_modules)
+LORA_MODULES = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "output_proj": "o"}
+MLP_MODULES = ["gate", "up", "down"]  # apply_lora_to_mlp: torchtune's w1, w3, w2
+# torchtune's dataset builders -> (freetx's dataset component, its format)
+DATASETS = {
+    "alpaca_dataset": ("freetx.data.InstructDataset", "alpaca"),
+    "alpaca_cleaned_dataset": ("freetx.data.InstructDataset", "alpaca"),
+    "instruct_dataset": ("freetx.data.InstructDataset", None),
+    "chat_dataset": ("freetx.data.ChatDataset", None),
+    "slimorca_dataset": ("freetx.data.ChatDataset", "sharegpt"),
+    "text_completion_dataset": ("freetx.data.PackedTextDataset", None),
+}
+CONVERSATION_STYLES = {"sharegpt": "sharegpt", "openai": "messages"}
+HUB_DATASET = re.compile(r"^[\w.-]+/[\w.-]+$")
+LOCAL_FORMATS = ("json", "csv", "parquet", "text", "arrow")
+
+UNMAPPED = {
+    "metric_logger": "freetx's loggers are metric_loggers (progress bar, JSONL, TensorBoard, "
+    "WandB); the recipe's config lists them",
+    "profiler": "profiler.enabled=true writes a torch.profiler trace",
+    "loss": "freetx's loss is chunked already (loss.num_chunks, chosen by the vocabulary)",
+    "checkpointer._component_": "freetx reads HF folders (config.json, *.safetensors) and "
+    "saves DCP checkpoints; `freetx checkpoint convert --to hf` writes HF folders",
+    "checkpointer.checkpoint_files": "freetx reads every *.safetensors file of model_dir "
+    "(by model.safetensors.index.json)",
+    "checkpointer.model_type": "freetx reads the family from model_dir's config.json",
+    "checkpointer.recipe_checkpoint": "freetx resumes from output_dir's DCP checkpoints "
+    "(resume=auto)",
+    "checkpointer.adapter_checkpoint": "freetx resumes adapters from output_dir (resume=auto)",
+    "tokenizer._component_": "freetx's HFTokenizer reads the HF folder's tokenizer.json and "
+    "chat template (tokenizer.path=${model_dir})",
+    "tokenizer.prompt_template": "freetx renders prompts with the HF folder's chat template",
+    "optimizer.fused": "freetx fuses AdamW on CUDA itself",
+    "dataset.train_on_input": "freetx's instruct and chat datasets put the loss on the "
+    "responses only",
+    "dataset.split": "freetx holds out dataset.val_fraction of the file for validation",
+}
+
+
+def import_torchtune(
+    data: dict,
+    world_size: int | None = None,
+    source: str = "the file",
+    dataset_size: int | None = None,
+) -> ImportedConfig:
+    """What a torchtune recipe config means in freetx (see the module docstring)."""
+    found = ImportedConfig(source=source)
+    data = _resolve(data)
+    model = _mapping(found, "model", data.pop("model", None))
+    builder = str(model.pop("_component_", "") or "")
+    lora = _lora(found, model, builder)
+    for key in model:
+        found.skip(f"model.{key}", "freetx reads the model's shape from model_dir's config.json")
+    _checkpointer(found, _mapping(found, "checkpointer", data.pop("checkpointer", None)), data)
+    _base_config(found, builder, lora, data.get("output_dir"))
+    _tokenizer(found, _mapping(found, "tokenizer", data.pop("tokenizer", None)))
+    _dataset(found, data.pop("dataset", None))
+    _optimizer(found, _mapping(found, "optimizer", data.pop("optimizer", None)))
+    _scheduler(found, _mapping(found, "lr_scheduler", data.pop("lr_scheduler", None)))
+    micro = ("batch_size", data.pop("batch_size")) if "batch_size" in data else None
+    steps = data.pop("gradient_accumulation_steps", None)
+    set_batch(found, micro, None if steps is None else ("gradient_accumulation_steps", steps),
+              world_size)  # fmt: skip
+    _epochs(found, data.pop("epochs", None), data.pop("max_steps_per_epoch", None), dataset_size)
+    for key, value in data.items():
+        _top_level(found, key, value)
+    return found
+
+
+def _resolve(data: dict) -> dict:
+    """torchtune's `${output_dir}` interpolations of top-level keys, resolved (PyYAML
+    leaves them as text)."""
+
+    def resolve(value: Any) -> Any:
+        if isinstance(value, str):
+            return re.sub(
+                r"\$\{(\w+)\}",
+                lambda m: str(data[m.group(1)]) if isinstance(data.get(m.group(1)), str)
+                else m.group(0),
+                value,
+            )  # fmt: skip
+        if isinstance(value, dict):
+            return {k: resolve(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [resolve(v) for v in value]
+        return value
+
+    return {k: resolve(v) for k, v in data.items()}
+
+
+def _model_name(builder: str) -> str:
+    """torchtune.models.llama3_2.lora_llama3_2_1b -> llama3_2_1b."""
+    return re.sub(r"^(q?lora_)", "", builder.rsplit(".", 1)[-1])
+
+
+def _lora(found: ImportedConfig, model: dict, builder: str) -> str | None:
+    """LoRA's keys of the model node -> peft.*; "lora", "qlora" or None."""
+    leaf = builder.rsplit(".", 1)[-1]
+    kind = "qlora" if leaf.startswith("qlora_") else "lora" if leaf.startswith("lora_") else None
+    if kind is None and "lora_rank" not in model:
+        return None
+    found.set("peft.method", "lora")
+    if kind == "qlora":
+        found.set("peft.quantize_base", "nf4")
+    modules = model.pop("lora_attn_modules", None)
+    if modules is not None:
+        if not isinstance(modules, list) or not all(isinstance(m, str) for m in modules):
+            raise bad_value(found, "model.lora_attn_modules", modules,
+                            "a list of module names (q_proj, k_proj, v_proj, output_proj)")  # fmt: skip
+        targets = [LORA_MODULES.get(m, m) for m in modules]
+        if _flag(found, "model.apply_lora_to_mlp", model.pop("apply_lora_to_mlp", False)):
+            targets += MLP_MODULES
+        if _flag(found, "model.apply_lora_to_output", model.pop("apply_lora_to_output", False)):
+            targets.append("output")
+        found.set("peft.target_modules", targets)
+    for name, target, kind_ in (("lora_rank", "peft.rank", COUNT),
+                                ("lora_alpha", "peft.alpha", (False, 0.0, 1e6)),
+                                ("lora_dropout", "peft.dropout", (False, 0.0, 1.0))):  # fmt: skip
+        if name in model:
+            set_number(found, f"model.{name}", model.pop(name), target, kind_)
+    if "use_dora" in model:
+        found.set("peft.use_dora", _flag(found, "model.use_dora", model.pop("use_dora")))
+    model.pop("quantize_base", None)  # qlora_ builders say it already
+    return kind or "lora"
+
+
+def _base_config(found: ImportedConfig, builder: str, lora: str | None, output_dir: Any) -> None:
+    name = _model_name(builder)
+    family = next((k for k in sorted(FAMILY_CONFIGS, key=len, reverse=True)
+                   if name.startswith(k)), None)  # fmt: skip
+    full, lora_config = FAMILY_CONFIGS.get(family, DEFAULT_CONFIGS)
+    config = QLORA_CONFIG if lora == "qlora" else lora_config if lora else full
+    found.recipe = "lora_finetune_fsdp2" if lora else "full_finetune_fsdp2"
+    found.config = config
+    if builder:
+        found.notes.append(
+            f"model {builder}: freetx builds the model from model_dir's config.json (an HF "
+            f"folder); start from --config {config}"
+            + (
+                ""
+                if family
+                else " (no freetx config for this family; the model comes from "
+                "model_dir whatever its size)"
+            )  # fmt: skip
+        )
+    else:
+        found.skip("model", "no model._component_: the model comes from model_dir")
+
+
+def _checkpointer(found: ImportedConfig, checkpointer: dict, data: dict) -> None:
+    folder = checkpointer.pop("checkpoint_dir", None)
+    if folder is not None:
+        found.set("model_dir", str(folder))
+        found.set("checkpoint.initial_weights", "${model_dir}")
+    else:
+        found.notes.append("no checkpointer.checkpoint_dir: set model_dir=HF_FOLDER")
+    output_dir = checkpointer.pop("output_dir", None)
+    if output_dir is not None and "output_dir" not in data:
+        found.set("output_dir", str(output_dir))
+    for key in checkpointer:
+        name = f"checkpointer.{key}"
+        found.skip(name, UNMAPPED.get(name) or "not a checkpointer key freetx maps")
+
+
+def _tokenizer(found: ImportedConfig, tokenizer: dict) -> None:
+    path = tokenizer.pop("path", None)
+    if path is not None:
+        folder = Path(str(path)).parent
+        model_dir = found.overrides.get("model_dir")
+        inside = model_dir is not None and (
+            folder == Path(model_dir) or folder.parent == Path(model_dir)
+        )
+        if not inside:
+            found.set("tokenizer.path", str(folder))
+        found.notes.append(
+            f"tokenizer {path}: freetx's HFTokenizer reads the folder's tokenizer.json and "
+            "chat template" + (" (model_dir's, the config's default)" if inside else "")
+        )
+    seq_len = tokenizer.pop("max_seq_len", None)
+    if seq_len is not None:
+        set_number(found, "tokenizer.max_seq_len", seq_len, "dataset.seq_len", COUNT)
+    for key in tokenizer:
+        name = f"tokenizer.{key}"
+        found.skip(name, UNMAPPED.get(name) or "not a tokenizer key freetx maps")
+
+
+def _dataset(found: ImportedConfig, node: Any) -> None:
+    if isinstance(node, list):
+        found.skip("dataset", "a list of datasets: freetx's mixture is freetx.data.Mixture "
+                   "(docs/data.md); import one entry at a time")  # fmt: skip
+        return
+    dataset = dict(_mapping(found, "dataset", node))
+    builder = str(dataset.pop("_component_", "") or "")
+    known = DATASETS.get(builder.rsplit(".", 1)[-1])
+    if builder and known is None:
+        found.skip("dataset._component_", f"{builder}: no freetx equivalent; freetx reads "
+                   "instruct, chat and text files (freetx.data.InstructDataset, ChatDataset, "
+                   "PackedTextDataset)")  # fmt: skip
+    elif known is not None:
+        found.set("dataset", known[0])  # the component shorthand: the keys stay
+        if known[1]:
+            found.set("dataset.format", known[1])
+    source = dataset.pop("source", "tatsu-lab/alpaca" if "alpaca" in builder else None)
+    files = dataset.pop("data_files", None)
+    if isinstance(files, list) and len(files) == 1:
+        files = files[0]
+    if files is not None:
+        found.set("dataset.source", str(files) if not isinstance(files, list) else files)
+    elif isinstance(source, str) and source not in LOCAL_FORMATS and HUB_DATASET.match(source):
+        found.skip("dataset.source", f"{source} is a Hugging Face Hub dataset; freetx reads "
+                   "local files: download it (huggingface-cli download --repo-type dataset "
+                   f"{source}) and set dataset.source=PATH")  # fmt: skip
+    elif isinstance(source, str) and source not in LOCAL_FORMATS:
+        found.set("dataset.source", source)
+    style = dataset.pop("conversation_style", None)
+    if style is not None:
+        if str(style) not in CONVERSATION_STYLES:
+            found.skip("dataset.conversation_style", f"{style!r}: freetx reads sharegpt and "
+                       "openai (messages) conversations")  # fmt: skip
+        else:
+            found.set("dataset.format", CONVERSATION_STYLES[str(style)])
+    column_map = dataset.pop("column_map", None)
+    if column_map is not None:
+        found.set("dataset.columns", _mapping(found, "dataset.column_map", column_map))
+    if "packed" in dataset:
+        found.set("dataset.packed", _flag(found, "dataset.packed", dataset.pop("packed")))
+    for key in dataset:
+        name = f"dataset.{key}"
+        found.skip(name, UNMAPPED.get(name) or "not a dataset key freetx maps")
+
+
+def _optimizer(found: ImportedConfig, optimizer: dict) -> None:
+    component = optimizer.pop("_component_", None)
+    if component is not None:
+        if str(component).startswith("torch.optim."):
+            found.set("optimizer._component_", str(component))
+        else:
+            found.skip("optimizer._component_", f"{component}: freetx builds torch optimizers "
+                       "and torchao's (optimizer._component_=torchao.optim.AdamW8bit for an "
+                       "8-bit AdamW)")  # fmt: skip
+    for name in ("lr", "weight_decay", "eps"):
+        if name in optimizer:
+            set_number(found, f"optimizer.{name}", optimizer.pop(name), f"optimizer.{name}", RATE)
+    if "betas" in optimizer:
+        set_betas(found, "optimizer.betas", optimizer.pop("betas"))
+    for key in optimizer:
+        name = f"optimizer.{key}"
+        found.skip(name, UNMAPPED.get(name) or "not an optimizer argument freetx maps")
+
+
+def _scheduler(found: ImportedConfig, scheduler: dict) -> None:
+    if not scheduler:
+        return
+    component = str(scheduler.pop("_component_", ""))
+    if component.endswith("get_cosine_schedule_with_warmup"):
+        found.set("lr_schedule.decay", "cosine")
+        found.set("lr_schedule.min_lr_ratio", 0.0)  # torchtune's cosine ends at 0
+    elif component:
+        found.skip("lr_scheduler._component_", f"{component}: freetx's lr_schedule is warmup, "
+                   "then cosine, linear or constant decay")  # fmt: skip
+    if "num_warmup_steps" in scheduler:
+        set_number(found, "lr_scheduler.num_warmup_steps", scheduler.pop("num_warmup_steps"),
+                   "lr_schedule.warmup_steps", STEPS)  # fmt: skip
+    for key in scheduler:
+        found.skip(f"lr_scheduler.{key}", "not a schedule argument freetx maps")
+
+
+def _epochs(
+    found: ImportedConfig, epochs: Any, per_epoch_cap: Any, dataset_size: int | None
+) -> None:
+    """epochs x steps per epoch -> max_steps: steps per epoch are the training samples
+    over the global batch (torchtune drops the last partial batch), capped by
+    max_steps_per_epoch."""
+    cap = None if per_epoch_cap is None else _number(found, "max_steps_per_epoch", per_epoch_cap)
+    if epochs is None:
+        return
+    count = _number(found, "epochs", epochs, COUNT)
+    batch = found.overrides.get("batch_size")
+    if cap is not None and (dataset_size is None or batch is None):
+        found.set("max_steps", count * cap)
+        return
+    if dataset_size is None or batch is None:
+        missing = " and ".join(
+            what
+            for what, known in (
+                ("--dataset-size N (the training samples)", dataset_size),
+                ("--world-size N", batch),
+            )
+            if known is None  # fmt: skip
+        )
+        found.skip("epochs", f"{count} epoch(s): freetx counts optimizer steps; give {missing} "
+                   "and max_steps is computed (epochs x samples / the global batch_size)")  # fmt: skip
+        return
+    per_epoch = dataset_size // batch
+    if per_epoch < 1:
+        raise bad_value(found, "epochs", epochs, f"run on a dataset of at least one batch "
+                        f"({batch} samples; --dataset-size is {dataset_size})")  # fmt: skip
+    if cap is not None:
+        per_epoch = min(per_epoch, cap)
+    found.set("max_steps", count * per_epoch)
+    found.notes.append(
+        f"max_steps={count * per_epoch}: {count} epoch(s) x {per_epoch} steps ({dataset_size} "
+        f"samples // batch_size {batch}"
+        + (f", capped at max_steps_per_epoch={cap}" if cap is not None else "")
+        + ")"
+    )
+
+
+def _top_level(found: ImportedConfig, key: str, value: Any) -> None:
+    if key == "output_dir":
+        found.set("output_dir", str(value))
+    elif key == "seed":
+        if value is None:
+            found.skip("seed", "null (a random seed): freetx's seed is a number, 0 by default")
+        else:
+            set_number(found, key, value, "seed", (True, 0, 2**32 - 1))
+    elif key == "device":
+        if str(value) not in ("cuda", "cpu"):
+            found.skip(key, f"{value!r}: freetx runs on cuda or cpu (device=auto picks)")
+        else:
+            found.set("device", str(value))
+    elif key == "dtype":
+        set_precision(found, key, value)
+    elif key == "clip_grad_norm":
+        if value is None:
+            found.set("max_grad_norm", None)  # torchtune's null: no clipping (freetx: 1.0)
+        else:
+            set_number(found, key, value, "max_grad_norm", NORM)
+    elif key == "log_every_n_steps":
+        set_number(found, key, value, "log_every_n_steps", COUNT)
+    elif key == "resume_from_checkpoint":
+        if _flag(found, key, value):
+            found.set("resume", "auto")
+        else:
+            found.notes.append(
+                "resume_from_checkpoint: false: freetx's resume=auto continues from "
+                "output_dir's newest checkpoint when there is one; resume=never starts afresh"
+            )
+    elif key in ("enable_activation_checkpointing", "compile", "fsdp_cpu_offload",
+                 "fsdp_reshard_after_forward"):  # fmt: skip
+        on = _flag(found, key, value)
+        if key == "enable_activation_checkpointing":
+            found.set("distributed.activation_checkpointing", "full" if on else "none")
+        elif key == "fsdp_reshard_after_forward":
+            found.set("distributed.strategy", RESHARD_AFTER_FORWARD_STRATEGIES[on])
+        else:
+            found.set(foreign_key(key), on)
+    elif key in UNMAPPED:
+        found.skip(key, UNMAPPED[key])
+    elif foreign_why(key) is not None:
+        found.skip(key, foreign_why(key))
+    else:
+        found.skip(key, "not a torchtune key freetx maps")
