@@ -230,7 +230,9 @@ def python_lines(spec: LaunchSpec) -> list[str]:
         'if [ -n "${FREETX_PYTHON:-}" ]; then candidates=("$FREETX_PYTHON" "${candidates[@]}"); fi',
         "python=",
         'for candidate in "${candidates[@]}"; do',
-        '  if "$candidate" -c "import freetx" 2>/dev/null; then python=$candidate; break; fi',
+        '  if "$candidate" -c "import freetx" 2>/dev/null; then',
+        '    python=$(command -v "$candidate"); break  # the path, for the log',
+        "  fi",
         "done",
         'if [ -z "$python" ]; then',
         '  echo "freetx: no Python on this node imports freetx (tried: ${candidates[*]}); '
