@@ -144,6 +144,10 @@ class ImportedConfig:
     notes: list[str] = field(default_factory=list)
 
     def set(self, key: str, value: Any) -> None:
+        """An override; text from the file holding a newline (or another control
+        character) is refused: it cannot be pasted as one line."""
+        if isinstance(value, str) and not value.isprintable():
+            raise bad_value(self, key, value, "text on one line (no control characters)")
         self.overrides[key] = value
 
     def skip(self, key: str, why: str) -> None:

@@ -277,3 +277,10 @@ def test_torchtune_key_gets_a_targeted_hint(key, expected):
     assert result.returncode == 1
     assert expected in flat(result.stdout), result.stdout
     assert "valid keys here" not in result.stdout
+
+
+def test_imported_text_value_with_a_newline_is_refused(tmp_path):
+    path = tmp_path / "tt.yaml"
+    path.write_text(yaml.safe_dump({"checkpointer": {"checkpoint_dir": "/m\ntouch /tmp/x"}}))
+    result = run_freetx_here("import", "torchtune", str(path))
+    assert "text on one line" in one_paragraph(result) and result.stdout == ""
