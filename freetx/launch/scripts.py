@@ -225,12 +225,12 @@ def python_lines(spec: LaunchSpec) -> list[str]:
     if spec.python is None and spec.fallback_python:
         candidates.append(spec.fallback_python)
     return [
-        "# the Python that has freetx: FREETX_PYTHON, else the first of these that imports it",
+        "# the Python that has freetx: FREETX_PYTHON, else the first of these that imports it and its dependencies",
         f"candidates=({' '.join(shlex.quote(c) for c in candidates)})",
         'if [ -n "${FREETX_PYTHON:-}" ]; then candidates=("$FREETX_PYTHON" "${candidates[@]}"); fi',
         "python=",
         'for candidate in "${candidates[@]}"; do',
-        '  if "$candidate" -c "import freetx" 2>/dev/null; then',
+        '  if "$candidate" -c "import torch, freetx.cli.main" 2>/dev/null; then',
         '    python=$(command -v "$candidate"); break  # the path, for the log',
         "  fi",
         "done",
