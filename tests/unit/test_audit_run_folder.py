@@ -132,7 +132,12 @@ TINY = ["max_steps=2", "eval.max_batches=1", "log_every_n_steps=1",
 def test_a_rerun_with_nothing_left_to_train_says_so_last_and_logs_nothing(tmp_path):
     out = tmp_path / "run"
     args = ["run", "full_finetune_fsdp2", "--config", "llm/tiny", f"output_dir={out}", *TINY]
-    assert run_freetx(*args).returncode == 0
+    first = run_freetx(*args)
+    assert first.returncode == 0, first.stderr
+    # what the data is made of, once at start-up (llm/tiny: a token stream in windows)
+    (summary,) = [line for line in first.stdout.splitlines() if line.startswith("data: ")]
+    assert "documents (both splits, as one token stream) -> " in summary
+    assert "sequences of 128 tokens, 0.0% padding (not packed)" in summary
     before = (out / "metrics.jsonl").read_text()
     again = run_freetx(*args)
     assert again.returncode == 0, again.stderr
