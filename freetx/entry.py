@@ -19,6 +19,7 @@ from a test) it just runs.
 from __future__ import annotations
 
 import functools
+import inspect
 import json
 import os
 import sys
@@ -50,6 +51,21 @@ class _Position:
 
 
 _position = _Position()
+
+
+class _Running:
+    """The file of the recipe this process runs (set when its `recipe_main` is called)."""
+
+    file: Path | None = None
+
+
+_running = _Running()
+
+
+def running_recipe_file() -> Path | None:
+    """The file of the recipe this process runs (a built-in's or a user's copy), or None
+    outside a recipe's `recipe_main`."""
+    return _running.file
 
 
 def at_step(step: int) -> None:
@@ -164,6 +180,7 @@ def parse(schema: type | None = None, *, supports_distributed: bool = True):
     def decorate(recipe_main: Callable[[Any], object]):
         @functools.wraps(recipe_main)
         def wrapper(cfg: Any = None) -> int | None:
+            _running.file = Path(inspect.getfile(recipe_main)).resolve()
             if cfg is not None:
                 recipe_main(cfg)
                 return None

@@ -66,8 +66,10 @@ from freetx.checkpoint.run_folder import (
     LATEST_FILE,
     STEP_PREFIX,
     TMP_PREFIX,
+    RecipeMark,
     ResumePlan,
     RunLock,
+    check_recipe,
     is_complete_fast,
     plan_resume,
     read_latest,
@@ -180,8 +182,15 @@ class Checkpointer:
     that would lose saved work is refused before any model is built.
     """
 
-    def __init__(self, run_config: Any, rank: int, host: HostGroup | None = None) -> None:
+    def __init__(
+        self,
+        run_config: Any,
+        rank: int,
+        host: HostGroup | None = None,
+        recipe: RecipeMark | None = None,
+    ) -> None:
         self.run_config = run_config
+        self.recipe = recipe  # recorded in output_dir (recipe.json) and meta.json
         self.output_dir = Path(run_config.output_dir)
         self.dir = self.output_dir / "checkpoints"
         self.cfg = run_config.checkpoint
@@ -209,18 +218,23 @@ class Checkpointer:
             ) from None
         if lock_notice:
             notices.append(lock_notice)
+        resume, overwrite = str(self.run_config.resume), bool(self.cfg.overwrite)
+        if self.recipe is not None:  # another recipe's folder: refused before anything
+            check_recipe(self.output_dir, self.recipe, resume, overwrite)
         for stale in sorted(self.dir.glob(f"{TMP_PREFIX}{STEP_PREFIX}*")):
             if stale.is_dir():  # a save that never finished: never a checkpoint
                 shutil.rmtree(stale, ignore_errors=True)
                 notices.append(f"removed {stale.name}, a save that did not finish")
         plan = plan_resume(
             self.dir,
-            str(self.run_config.resume),
-            bool(self.cfg.overwrite),
+            resume,
+            overwrite,
             int(self.run_config.max_steps),
             config_as_dict(self.run_config),
             fixed_on_resume(self.run_config),
         )
+        if self.recipe is not None:  # the folder is this recipe's run from now on
+            self.recipe.write(self.output_dir)
         plan.notices[:0] = notices
         return plan
 
@@ -277,6 +291,8 @@ class Checkpointer:
         run starts, and every notice), or None.
         """
         self.meta = {**meta, "config": config_as_dict(self.run_config)}
+        if self.recipe is not None:
+            self.meta["recipe"] = self.recipe.as_dict()
         lines = list(self.plan.notices)
         checkpoint = self.plan.source
         # the survey

@@ -8,7 +8,10 @@ each input as `{"given", "path", "fingerprint"}` in its checkpoints' meta.json
 (`inputs`), and a resume or a cache compares: the resolved checkpoint and the
 sizes and modification times of its weight files (stat only: cheap for 8B
 models; a file rewritten in place changes its time). The files a dataset or a
-tokenizer read (`ReadsFiles`) are recorded the same way, as the list of them.
+tokenizer read (`ReadsFiles`) are recorded the same way, as the list of them, and by
+content as well (`content`: their sha256s, remembered by size and modification time as
+the token cache remembers them, so a file is hashed again only when those changed): a
+file rewritten with the same bytes (a copy, a checkout) is the same input.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from freetx.checkpoint.run_folder import resolve_checkpoint
+from freetx.data.token_cache import cache_root, content_hash
 from freetx.fields import ReadsFiles
 
 # the files that hold a model: DCP's, safetensors and torch files, HF's config.json (a
@@ -41,10 +45,13 @@ def input_identity(path: str | Path | list[Path], resolved: Path | None = None) 
     files a dataset or tokenizer read."""
     if isinstance(path, list):
         files = sorted(Path(p).resolve() for p in path)
+        root = cache_root(None)  # where the token cache remembers its sources' hashes
+        contents = "\n".join(f"{f.name}\t{content_hash(f, root)}" for f in files)
         return {
             "given": [str(p) for p in path],
             "path": [str(p) for p in files],
             "fingerprint": _fingerprint(files, base=None),
+            "content": hashlib.sha256(contents.encode()).hexdigest()[:16],
         }
     resolved = resolved or resolve_checkpoint(path)
     if resolved.is_file():
@@ -73,7 +80,13 @@ def _fingerprint(files: list[Path], base: Path | None) -> str:
 
 
 def same_input(recorded: dict[str, Any], now: dict[str, Any]) -> bool:
-    return recorded.get("path") == now["path"] and recorded.get("fingerprint") == now["fingerprint"]
+    """The same path, and the same files: untouched (sizes and times), or for the files a
+    dataset or tokenizer read, the same bytes (a copy or a checkout gives new times)."""
+    if recorded.get("path") != now["path"]:
+        return False
+    if recorded.get("fingerprint") == now["fingerprint"]:
+        return True
+    return "content" in now and recorded.get("content") == now["content"]
 
 
 def changed_inputs(recorded: dict[str, dict], now: dict[str, dict]) -> list[str]:

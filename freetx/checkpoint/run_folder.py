@@ -15,12 +15,16 @@ may do with the folder it was given:
   PATH`), what the run would replace, which settings changed since the save.
   Anything that would lose saved work or give a silently different result is
   refused with the list of what was found and the fix.
+- `RecipeMark`, `check_recipe`: which recipe a folder's run belongs to
+  (`<output_dir>/recipe.json`, written when a run claims it); another recipe's run
+  on it is refused with the fix.
 - `newest_checkpoint`, `resolve_checkpoint`: the checkpoint a path means (a
   run's output_dir: its newest complete one, found as a resume finds it).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import socket
@@ -42,6 +46,7 @@ from freetx.errors import CheckpointError, first_line
 
 LATEST_FILE = "LATEST"
 LOCK_FILE = ".freetx.lock"
+RECIPE_FILE = "recipe.json"
 STEP_PREFIX = "step_"
 TMP_PREFIX = ".tmp_"
 _STEP_NAME = re.compile(rf"^{STEP_PREFIX}(\d+)$")
@@ -111,6 +116,60 @@ class RunLock:
         fcntl.flock(self._file, fcntl.LOCK_UN)
         self._file.close()
         self._file = None
+
+
+@dataclass(frozen=True)
+class RecipeMark:
+    """The recipe a run folder belongs to: a built-in recipe by its name, or a recipe
+    file of the user's (a copy they edit) by its path, with the name it gives its runs."""
+
+    name: str
+    file: str | None = None  # a recipe file outside the built-in ones (resolved); None: built-in
+
+    def describe(self) -> str:
+        if self.file is None:
+            return self.name
+        try:
+            shown = f"./{Path(self.file).relative_to(Path.cwd())}"
+        except ValueError:
+            shown = self.file
+        return f"{shown} (a recipe file, its runs named {self.name})"
+
+    def as_dict(self) -> dict[str, str | None]:
+        return {"recipe": self.name, "file": self.file}
+
+    @classmethod
+    def read(cls, output_dir: Path) -> RecipeMark | None:
+        """The mark `output_dir` holds; None without one (a new folder, an older freetx)."""
+        try:
+            data = json.loads((Path(output_dir) / RECIPE_FILE).read_text(encoding="utf-8"))
+            return cls(str(data["recipe"]), data.get("file"))
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    def write(self, output_dir: Path) -> None:
+        path = Path(output_dir) / RECIPE_FILE
+        tmp = path.with_name(f"{TMP_PREFIX}{RECIPE_FILE}")
+        tmp.write_text(json.dumps(self.as_dict(), indent=2) + "\n", encoding="utf-8")
+        os.replace(tmp, path)
+
+
+def check_recipe(output_dir: Path, recipe: RecipeMark, resume: str, overwrite: bool) -> None:
+    """Refuse a run of `recipe` on a folder another recipe's run holds (its recipe.json):
+    it would resume or write over that run's checkpoints, config.yaml and metrics. Starting
+    over there (resume=never checkpoint.overwrite=true) is allowed."""
+    made_by = RecipeMark.read(output_dir)
+    if made_by is None or made_by == recipe or (resume == "never" and overwrite):
+        return
+    own = f"{output_dir}_{Path(recipe.file).stem if recipe.file else recipe.name}"
+    raise CheckpointError(
+        f"output_dir {output_dir} holds a run of {made_by.describe()}, and this run's recipe is "
+        f"{recipe.describe()}. One folder holds one recipe's run: this one would resume or "
+        f"write over that run's checkpoints, config.yaml and metrics. Give this run its own "
+        f"folder (output_dir={own}), or run the recipe that made it ({made_by.describe()}) to "
+        "continue that run; to start over in that folder, resume=never "
+        "checkpoint.overwrite=true."
+    )
 
 
 @dataclass(frozen=True)
@@ -205,6 +264,7 @@ class ResumePlan:
     step: int = 0
     reason: str | None = None  # how it was found, when LATEST could not say
     notices: list[str] = field(default_factory=list)  # what the run log says before training
+    finished: bool = False  # the checkpoint is at max_steps: nothing left to train
 
     @property
     def path(self) -> Path | None:
@@ -312,6 +372,16 @@ def _start_anew_from(plan: ResumePlan) -> str:
     )
 
 
+def nothing_left_to_train(output_dir: str | Path, max_steps: int) -> str:
+    """The last line of a run that resumed a checkpoint at max_steps: what to pass to
+    train on, or to start a new run."""
+    return (
+        f"{output_dir} is at max_steps={max_steps}: nothing left to train; raise max_steps "
+        f"(e.g. max_steps={2 * max_steps}) to train on, or pass output_dir={output_dir}_2 "
+        "(another folder) for a new run"
+    )
+
+
 def plan_resume(
     checkpoints: Path,
     resume: str,
@@ -368,7 +438,7 @@ def plan_resume(
             "output_dir to start over."
         )
     elif max_steps == plan.step:
-        plan.notices.append(f"{plan.path.name} is at max_steps={max_steps}: nothing left to train")
+        plan.finished = True  # said last, by `nothing_left_to_train`, when the run ends
     if problems:
         raise CheckpointError("\n".join(([plan.reason + "."] if plan.reason else []) + problems))
     if plan.reason:

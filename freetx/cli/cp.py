@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 from pathlib import Path
 
 from freetx import registry
@@ -48,6 +49,23 @@ def _source(name: str) -> Path:
     )
 
 
+# a config's top-level `output_dir: VALUE`, with any comment after it
+_OUTPUT_DIR = re.compile(r"^output_dir:[ \t]*(?P<value>[^#\n]*?)(?P<rest>[ \t]*(#.*)?)$", re.M)
+
+
+def own_output_dir(text: str, dest: Path) -> tuple[str, str | None]:
+    """A copied config's text with its `output_dir` named after the copy (`my.yaml`:
+    `runs/my`), so that its runs get their own folder instead of resuming the original's;
+    the rest of the file (comments, layout) as it was. The new value, or None when the
+    config names no output_dir at the top level."""
+    match = _OUTPUT_DIR.search(text)
+    if match is None:
+        return text, None
+    value = f"runs/{dest.stem}"
+    start, end = match.span("value")
+    return text[:start] + value + text[end:], value
+
+
 def main(args: argparse.Namespace) -> int:
     from freetx.user_files import refuse_existing, write_user_file
 
@@ -70,6 +88,16 @@ def main(args: argparse.Namespace) -> int:
                 f"the directory {dest.parent} does not exist; create it or add --make-parents."
             )
         dest.parent.mkdir(parents=True)
-    write_user_file(dest, src.read_bytes(), overwrite, "another DEST")
-    print(f"Copied {args.name} to {dest}")
+    data, output_dir = src.read_bytes(), None
+    if src.suffix == ".yaml":
+        text, output_dir = own_output_dir(data.decode("utf-8"), dest)
+        data = text.encode("utf-8")
+    write_user_file(dest, data, overwrite, "another DEST")
+    if output_dir is None:
+        print(f"Copied {args.name} to {dest}")
+    else:
+        print(
+            f"Copied {args.name} to {dest} with output_dir: {output_dir} (named after the "
+            f"copy: its runs get their own folder, not {args.name}'s)"
+        )
     return 0

@@ -1,10 +1,21 @@
 """`freetx data prepare CONFIG [key=value ...]`: tokenize a config's dataset into the token
 cache on this machine (no torchrun), so that runs start by mapping it
-(freetx/data/token_cache.py says what is cached, where, and under which key)."""
+(freetx/data/token_cache.py says what is cached, where, and under which key).
+
+`freetx data show CONFIG [N] [key=value ...]`: the first N sequences of the training split
+as the model sees them (decoded, the tokens without loss in [brackets], document
+boundaries of packed sequences marked), and what the split is made of (samples ->
+sequences, padding), as a run prints it at start-up."""
 
 from __future__ import annotations
 
 import argparse
+
+LEGEND = (
+    "legend: [bracketed] text has no loss (masked: prompts, padding, a sequence's first "
+    "token); plain text is trained on; ‖ separates the documents packed into one sequence; "
+    "[<pad> x N] is N positions of padding"
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -15,44 +26,61 @@ def build_parser() -> argparse.ArgumentParser:
             "both splits, as the run "
             "would (same key: dataset settings, tokenizer, source contents), printing what it "
             "wrote (rows, tokens, size, time) or that it was already there. The cache folder "
-            "is dataset.cache_dir, else $FREETX_CACHE, else ~/.cache/freetx/tokens. No "
+            "is dataset.cache_dir, else $FREETX_CACHE, else ~/.cache/freetx/tokens. "
+            "show: the first N (default 3) training sequences as the model sees them, the "
+            "tokens without loss in [brackets], and the samples -> sequences summary. No "
             "process group needed."
         ),
     )
-    # one action today; a positional with choices keeps options and overrides intermixed
-    p.add_argument("action", choices=("prepare",), help="prepare: tokenize into the cache")
+    # a positional with choices keeps options and overrides intermixed
+    p.add_argument(
+        "action", choices=("prepare", "show"),
+        help="prepare: tokenize into the cache; show: render training sequences",
+    )  # fmt: skip
     p.add_argument("config", help="a config name (llm/tiny) or a path to a .yaml file")
-    p.add_argument("overrides", nargs="*", help="key=value or ~key")
+    p.add_argument("overrides", nargs="*", help="show: N first, then key=value or ~key")
     p.add_argument("--recipe", help="for a config file outside the built-in ones")
     return p
 
 
-def main(args: argparse.Namespace) -> int:
-    import time
-
+def _dataset_config(args: argparse.Namespace, overrides: list[str]):
+    """The run's config, or None when it has no tokenized dataset (said on stdout)."""
     from freetx.cli.common import load_recipe
-    from freetx.config import instantiate
     from freetx.config.run_config import load_recipe_config
-    from freetx.data.mixture import MadeOfParts
-    from freetx.data.token_cache import UsesTokenCache
     from freetx.errors import ConfigError
     from freetx.registry import recipe_for_config
 
     recipe = args.recipe or getattr(recipe_for_config(args.config), "name", None)
     if recipe is None:
         raise ConfigError(f"{args.config} is not a built-in config: give --recipe too.")
-    cfg = load_recipe_config(args.config, list(args.overrides), load_recipe(recipe).schema)
+    cfg = load_recipe_config(args.config, overrides, load_recipe(recipe).schema)
     node = getattr(cfg, "dataset", None)
     if not hasattr(cfg, "tokenizer") or "_component_" not in (node or {}):
-        print(f"{args.config}: nothing to cache (no tokenized dataset: no `dataset` with a "
-              "`_component_` and a `tokenizer`).")  # fmt: skip
+        what = "cache" if args.action == "prepare" else "show"
+        print(f"{args.config}: nothing to {what} (no tokenized dataset: no `dataset` "
+              "with a `_component_` and a `tokenizer`).")  # fmt: skip
+        return None
+    return cfg
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.action == "show":
+        return show(args)
+    import time
+
+    from freetx.config import instantiate
+    from freetx.data.mixture import MadeOfParts
+    from freetx.data.token_cache import UsesTokenCache
+
+    cfg = _dataset_config(args, list(args.overrides))
+    if cfg is None:
         return 0
     start = time.perf_counter()
     tokenizer = instantiate(cfg.tokenizer)
     # by (part, label): a text dataset's one entry serves both splits
     lines: dict[tuple[int, str], str] = {}
     for split in ("train", "validation"):
-        data = instantiate(node, tokenizer=tokenizer, split=split)
+        data = instantiate(cfg.dataset, tokenizer=tokenizer, split=split)
         parts = data.parts if isinstance(data, MadeOfParts) else [data]  # a Mixture's sources
         cached = [(i, p) for i, p in enumerate(parts) if isinstance(p, UsesTokenCache)]
         if not cached:
@@ -64,3 +92,115 @@ def main(args: argparse.Namespace) -> int:
     print("\n".join(lines.values()))
     print(f"{args.config}: done in {time.perf_counter() - start:.1f} s")
     return 0
+
+
+def _count(overrides: list[str]) -> tuple[int, list[str]]:
+    """`show`'s N (the first of the overrides when it is a number; default 3) and the rest."""
+    from freetx.errors import ConfigError
+
+    if not overrides or "=" in overrides[0] or overrides[0].startswith("~"):
+        return 3, overrides
+    if not overrides[0].isdigit() or int(overrides[0]) < 1:
+        raise ConfigError(
+            f"freetx data show: {overrides[0]!r} is neither a number of sequences (N, at "
+            "least 1) nor an override (key=value).",
+            fix="Write it as: freetx data show CONFIG [N] [key=value ...], e.g. "
+            "freetx data show llm/instruct_tiny 2 dataset.packed=true.",
+        )
+    return int(overrides[0]), overrides[1:]
+
+
+def show(args: argparse.Namespace) -> int:
+    from freetx.config import instantiate
+    from freetx.data.mixture import summary_lines
+
+    count, overrides = _count(list(args.overrides))
+    cfg = _dataset_config(args, overrides)
+    if cfg is None:
+        return 0
+    tokenizer = instantiate(cfg.tokenizer)
+    data = instantiate(cfg.dataset, tokenizer=tokenizer, split="train")
+    print(LEGEND)
+    shown = min(count, len(data))
+    for index in range(shown):
+        sample = data[index]
+        print(f"\n--- sequence {index + 1} of {len(data):,} (training split) ---")
+        print(render_sample(sample, tokenizer))
+    if shown < count:
+        print(f"\n(the training split holds {len(data):,} sequences)")
+    print()
+    for line in summary_lines(data):
+        print(line)
+    return 0
+
+
+def _token_names(tokenizer) -> dict[int, str]:
+    """The special tokens by id, as they are shown: their text, else <bos>, <eos>, <pad>."""
+    names = {}
+    for role in ("pad", "bos", "eos"):  # eos last: a pad that is eos shows as eos
+        token = getattr(tokenizer, f"{role}_id", None)
+        if token is not None:
+            names[int(token)] = tokenizer.decode([token]) or f"<{role}>"
+    return names
+
+
+def render_sample(sample: dict, tokenizer) -> str:
+    """One token sample as text: each document's tokens (the inputs, then the last label),
+    the ones without loss in [brackets], documents separated by ‖, padding counted."""
+    from freetx.data.batch import DOCUMENTS, IGNORE_INDEX, INPUT_IDS, LABELS, REAL_TOKENS
+
+    inputs, labels = sample[INPUT_IDS].tolist(), sample[LABELS].tolist()
+    real = int(sample[REAL_TOKENS]) if REAL_TOKENS in sample else len(inputs)
+    documents = sample[DOCUMENTS].tolist() if DOCUMENTS in sample else [0] * len(inputs)
+    names = _token_names(tokenizer)
+    pieces: list[str] = []
+    start = 0
+    while start < real:
+        end = start
+        while end < real and documents[end] == documents[start]:
+            end += 1
+        # (token, trained): a document's first token is no label; each next token is the
+        # label of the position before it where that is a target, else the next input
+        tokens = [(inputs[start], False)]
+        for position in range(start, end):
+            if labels[position] != IGNORE_INDEX:
+                tokens.append((labels[position], True))
+            elif position + 1 < end:
+                tokens.append((inputs[position + 1], False))
+        if pieces:
+            pieces.append(" ‖ ")
+        pieces.append(_spans(tokens, tokenizer, names))
+        start = end
+    if real < len(inputs):
+        pad = names.get(int(getattr(tokenizer, "pad_id", -1)), "<pad>")
+        pieces.append(f"[{pad} x {len(inputs) - real}]")
+    return "".join(pieces)
+
+
+def _spans(tokens: list[tuple[int, bool]], tokenizer, names: dict[int, str]) -> str:
+    """Runs of tokens decoded together, the untrained runs in [brackets]."""
+    out, run, trained = [], [], None
+
+    def flush() -> None:
+        if not run:
+            return
+        text, plain = [], []
+        for token in run + [None]:
+            if token is None or token in names:
+                if plain:
+                    text.append(tokenizer.decode(plain))
+                    plain = []
+                if token is not None:
+                    text.append(names[token])
+            else:
+                plain.append(token)
+        joined = "".join(text)
+        out.append(joined if trained else f"[{joined}]")
+
+    for token, is_trained in tokens:
+        if is_trained != trained:
+            flush()
+            run, trained = [], is_trained
+        run.append(int(token))
+    flush()
+    return "".join(out)

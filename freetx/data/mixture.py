@@ -43,7 +43,7 @@ import torch
 from torch.utils.data import Dataset
 
 from freetx.data.batch import SOURCE
-from freetx.data.packing import packs
+from freetx.data.packing import SummarizesData, packs
 from freetx.errors import ConfigError
 from freetx.fields import ReadsFiles
 
@@ -58,6 +58,19 @@ class MadeOfParts(Protocol):
     parts: list[Any]
 
     def line(self) -> str: ...
+
+
+def summary_lines(dataset: object) -> list[str]:
+    """What a split is made of (`SummarizesData`): samples -> sequences, padding, and why
+    packing packed nothing when it did; a mixture's for each source, by name. Empty for a
+    dataset that does not say."""
+    if isinstance(dataset, Mixture):
+        return [
+            f"{name}: {line}"
+            for name, part in zip(dataset.source_names, dataset.parts)
+            for line in summary_lines(part)
+        ]
+    return dataset.summary().lines() if isinstance(dataset, SummarizesData) else []
 
 
 class Mixture(Dataset):

@@ -17,6 +17,7 @@ padding left is at most the shortest sample's length per pack.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import numpy as np
@@ -37,6 +38,51 @@ class PacksSamples(Protocol):
 def packs(dataset: object) -> bool:
     """Whether a dataset serves packed samples (`PacksSamples` with `packed` set)."""
     return isinstance(dataset, PacksSamples) and dataset.packed
+
+
+@dataclass(frozen=True)
+class DataSummary:
+    """What a split is made of, as sequences: how many samples (documents, for a token
+    stream) went into how many sequences of seq_len, and how much of them is padding."""
+
+    samples: int
+    sequences: int
+    seq_len: int
+    real_positions: int  # over all sequences, the positions that are not padding
+    packed: bool
+    unit: str = "samples"
+    # packed: the positions the two shortest samples take (why packing packed nothing)
+    two_shortest: tuple[int, int] | None = None
+
+    @property
+    def padding(self) -> float:
+        return 1 - self.real_positions / max(self.sequences * self.seq_len, 1)
+
+    def lines(self) -> list[str]:
+        """The summary line, and when packing packed nothing, why and what to change."""
+        how = "packed" if self.packed else "not packed"
+        lines = [
+            f"data: {self.samples:,} {self.unit} -> {self.sequences:,} sequences of "
+            f"{self.seq_len} tokens, {self.padding:.1%} padding ({how})"
+        ]
+        if self.packed and self.two_shortest and self.sequences == self.samples:
+            a, b = self.two_shortest
+            wider = 1 << (a + b - 1).bit_length()  # a power of 2 that holds the two shortest
+            lines.append(
+                f"data: packing packed nothing: no two samples fit in {self.seq_len} positions "
+                f"together (the two shortest take {a} + {b}); raise dataset.seq_len (e.g. "
+                f"dataset.seq_len={max(wider, 2 * self.seq_len)}, with model.max_seq_len at "
+                "least that) to put several samples in a sequence"
+            )
+        return lines
+
+
+@runtime_checkable
+class SummarizesData(Protocol):
+    """A dataset that says what it is made of (`DataSummary`): `freetx data show` and
+    the start-up line of a run."""
+
+    def summary(self) -> DataSummary: ...
 
 
 def positions_taken(lengths: np.ndarray, seq_len: int) -> np.ndarray:

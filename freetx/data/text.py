@@ -33,7 +33,7 @@ from torch.utils.data import Dataset
 from freetx.data.batch import token_sample
 from freetx.data.corpus import builtin_documents
 from freetx.data.formats import DEFAULT_COLUMNS, BadRows, Format, read_split
-from freetx.data.packing import stream_documents
+from freetx.data.packing import DataSummary, stream_documents
 from freetx.data.sampling import Split, check_split, split_of
 from freetx.data.sources import (
     RECORD_SUFFIXES,
@@ -140,6 +140,7 @@ class PackedTextDataset(Dataset):
         )  # fmt: skip
         self.bad_rows = bad_rows.noted(self.token_cache.notes)  # a hit's, as built
         self.tokens = rows.ids  # the documents back to back, one row each
+        self.documents = len(rows)
         self.seq_len = seq_len
         self.tokenizer = tokenizer
         total = (len(self.tokens) - 1) // seq_len
@@ -171,6 +172,14 @@ class PackedTextDataset(Dataset):
         input_ids = window[:-1]
         documents, labels = stream_documents(input_ids, window[1:], self.tokenizer.eos_id)
         return token_sample(input_ids, labels, documents, real_tokens=self.seq_len)
+
+    def summary(self) -> DataSummary:
+        """The documents of both splits -> this split's windows, no padding
+        (`freetx.data.SummarizesData`)."""
+        return DataSummary(
+            self.documents, len(self), self.seq_len, self.num_tokens, self.packed,
+            unit="documents (both splits, as one token stream)",
+        )  # fmt: skip
 
     @property
     def num_tokens(self) -> int:

@@ -13,10 +13,11 @@ dataset's length is then the number of packs.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from freetx.data.packing import pack_lengths, packed_sample
+from freetx.data.packing import DataSummary, pack_lengths, packed_sample, positions_taken
 from freetx.data.seq_len import fit_to_seq_len, fixed_length_sample
 from freetx.data.token_rows import TokenRows
 
@@ -43,6 +44,15 @@ class TokenSamples(Dataset):
 
     def __len__(self) -> int:
         return len(self.rows) if self.packs is None else len(self.packs)
+
+    def summary(self) -> DataSummary:
+        """Samples -> sequences (`freetx.data.SummarizesData`)."""
+        taken = positions_taken(self.rows.lengths, self.seq_len)
+        two = tuple(int(n) for n in np.sort(taken)[:2]) if len(taken) > 1 else None
+        return DataSummary(
+            len(self.rows), len(self), self.seq_len, int(taken.sum()), self.packed,
+            two_shortest=two,
+        )  # fmt: skip
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         if self.packs is None:

@@ -46,13 +46,14 @@ from freetx.checkpoint import (
     step_name,
 )
 from freetx.checkpoint.checkpointer import build_meta
+from freetx.checkpoint.run_folder import RecipeMark, nothing_left_to_train
 from freetx.checkpoint.state import LRSchedulerState
 from freetx.data.formats import SkipsBadRows
-from freetx.data.mixture import MadeOfParts
+from freetx.data.mixture import MadeOfParts, summary_lines
 from freetx.data.seq_len import CutsToSeqLen
 from freetx.data.token_cache import UsesTokenCache
 from freetx.distributed import FrozenBase, HostGroup, ParallelGroups, ParallelPlan, frozen_base
-from freetx.entry import at_step
+from freetx.entry import at_step, running_recipe_file
 from freetx.errors import TrainingError
 from freetx.loggers import build_metric_loggers, training_banner
 from freetx.models import flops_per_token, num_active_parameters, num_parameters
@@ -93,6 +94,17 @@ def training_state(
     return state
 
 
+def recipe_mark(name: str, file: Path | None) -> RecipeMark:
+    """The recipe a run belongs to, for its folder: `name` (what the recipe calls its
+    runs) and its file, unless that is a built-in recipe's (whose path is this
+    installation's)."""
+    from freetx.registry import recipes_dir
+
+    if file is None or Path(file).resolve().parent == recipes_dir().resolve():
+        return RecipeMark(name)
+    return RecipeMark(name, str(Path(file).resolve()))
+
+
 class TrainingRun:
     """A run's progress, checkpoints, loggers and meters (see the module docstring)."""
 
@@ -102,7 +114,9 @@ class TrainingRun:
         self.runtime = runtime = groups.runtime
         self.recipe = recipe
         # first: a run that would lose saved work is refused before anything is built
-        self.checkpointer = Checkpointer(cfg, runtime.rank, groups.host())
+        self.checkpointer = Checkpointer(
+            cfg, runtime.rank, groups.host(), recipe=recipe_mark(recipe, running_recipe_file())
+        )
         self.progress = TrainState()  # step, epoch, tokens seen: saved with every checkpoint
         self.loggers = build_metric_loggers(
             cfg.metric_loggers, cfg.output_dir, cfg.max_steps, runtime.rank
@@ -292,8 +306,11 @@ class TrainingRun:
         seq_len: how many, and how many were left with no loss tokens (dropped); what the
         token cache did for each (reused, built, or why not cached); and one for each read
         that skipped bad rows (`dataset.on_bad_row=skip`), once when two splits share it.
-        A mixture (`MadeOfParts`) says how it mixes, then gives each source's lines."""
-        lines = [d.line() for d in datasets if isinstance(d, MadeOfParts)]
+        A mixture (`MadeOfParts`) says how it mixes, then gives each source's lines. First,
+        what the first dataset (the training split) is made of: samples -> sequences of
+        seq_len, padding, packed or not (`freetx.data.mixture.summary_lines`)."""
+        lines = summary_lines(datasets[0]) if datasets else []
+        lines += [d.line() for d in datasets if isinstance(d, MadeOfParts)]
         datasets = tuple(
             p for d in datasets for p in (d.parts if isinstance(d, MadeOfParts) else (d,))
         )
@@ -322,8 +339,9 @@ class TrainingRun:
         self.saved_step = self.step
 
     def finish(self, evaluate: Callable[[], dict[str, float]]) -> None:
-        """After the loop: evaluate and save the last step, unless already done (also after
-        a resume with nothing left to train), then write `checkpoint.final_export`. When stopping on a signal: save this step
+        """After the loop: evaluate and save the last step, unless already done (a resume
+        at max_steps trains, evaluates and logs nothing, and says so last), then write
+        `checkpoint.final_export`. When stopping on a signal: save this step
         and leave PREEMPTED in output_dir (`freetx run` then exits for a requeue)."""
         if self.stopping:
             if self.saved_step != self.step:
@@ -338,7 +356,9 @@ class TrainingRun:
                 f"{step_name(self.step)} saved; the same command continues from it"
             )
             return
-        if self.evaluated_step != self.step:
+        # a resume at max_steps trains nothing: its step was evaluated and logged already
+        nothing_trained = self.checkpointer.plan.finished and self.step == self.saved_step
+        if self.evaluated_step != self.step and not nothing_trained:
             self.evaluate(evaluate)
         if self.cfg.checkpoint.save_final and self.saved_step != self.step:
             self.save()
@@ -354,6 +374,8 @@ class TrainingRun:
                 )
                 for note in written["notes"]:  # what the export is, what was not read
                     self.write(note)
+        if nothing_trained:  # the last line: what to pass to train on
+            self.write(nothing_left_to_train(self.cfg.output_dir, self.cfg.max_steps))
 
     def close(self) -> None:
         if getattr(self, "profiler", None) is not None:
