@@ -66,7 +66,9 @@ def broken_links(page: Path) -> list[str]:
 
 
 def test_github_slug_follows_githubs_rules():
-    assert github_slug("The loss in chunks (`loss.num_chunks`)") == "the-loss-in-chunks-lossnum_chunks"
+    assert (
+        github_slug("The loss in chunks (`loss.num_chunks`)") == "the-loss-in-chunks-lossnum_chunks"
+    )
     assert github_slug("`freetx doctor [--nproc-per-node N]`") == "freetx-doctor---nproc-per-node-n"
     assert github_slug("Gemma 3's multimodal folders") == "gemma-3s-multimodal-folders"
     assert github_slug("See [data](data.md): packing") == "see-data-packing"
