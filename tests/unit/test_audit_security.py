@@ -108,7 +108,7 @@ def test_estimate_builds_a_component_of_the_users_own_module(tmp_path, monkeypat
 # -- a tiny checkpoint, made in this process -----------------------------------------------
 
 
-def save_checkpoint(folder: Path, step: int, checksums: bool = True) -> Path:
+def save_checkpoint(folder: Path, step: int) -> Path:
     """A DCP checkpoint of the tiny decoder as the checkpointer writes it (its writer, which
     records each rank's checksums, and meta.json with them folded in)."""
     with torch.device("meta"):
@@ -119,9 +119,7 @@ def save_checkpoint(folder: Path, step: int, checksums: bool = True) -> Path:
     state["optimizer.step"] = torch.tensor(float(step))
     dcp.save(state, storage_writer=_Writer(str(path)), no_dist=True)
     meta = {**build_meta(model, 1, "fsdp"), "step": step}
-    folded = fold_checksums(path)
-    if checksums:
-        meta[CHECKSUMS] = folded
+    meta[CHECKSUMS] = fold_checksums(path)
     (path / META_FILE).write_text(json.dumps(meta))
     return path
 
@@ -213,10 +211,15 @@ def test_flipped_distcp_bytes_are_refused_by_inspect_convert_and_resume(checkpoi
     open_tensors(checkpoints / "step_000002")  # the earlier one is intact
 
 
-def test_checkpoint_saved_without_checksums_still_loads(tmp_path):
-    step = save_checkpoint(tmp_path, 2, checksums=False)
-    assert "step_000002" in inspect_report(step)
-    assert not list(step.glob(".checksums_*"))  # the rank files were folded away
+def test_checkpoint_saved_without_checksums_still_loads(checkpoints):
+    step = checkpoints / "step_000004"
+    assert not list(step.glob(".checksums_*"))  # the rank files were folded into meta.json
+    meta = json.loads((step / META_FILE).read_text())
+    del meta[CHECKSUMS]  # as freetx saved before it recorded them
+    (step / META_FILE).write_text(json.dumps(meta))
+    flip(step / "__0_0.distcp")  # unnoticed without checksums, as before
+    assert "step_000004" in inspect_report(step)
+    assert plan_resume(checkpoints, "auto", False, 10, {}, ()).step == 4
 
 
 # -- the HF export --------------------------------------------------------------------------
