@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -85,28 +85,56 @@ def _remove(path: Path) -> None:
         path.unlink(missing_ok=True)
 
 
-def _replace(staged: Path, destination: Path) -> None:
-    """Move `staged` onto `destination`; an existing folder is swapped out, then removed."""
+class WriteFailed(FreetxError):
+    """Writing a staged output failed (an OS error: a full disk, permissions); `cause`
+    says why, and nothing was replaced."""
+
+    def __init__(self, destination: Path, cause: str) -> None:
+        self.destination, self.cause = destination, cause
+        super().__init__(
+            f"writing {destination} failed ({cause}); nothing was replaced. Check that its "
+            "folder exists, is writable and has space, or pick another path."
+        )
+
+
+def _replace(staged: Path, destination: Path, keep: Callable[[str], bool] | None) -> None:
+    """Move `staged` onto `destination`; an existing folder is swapped out, then removed,
+    but its entries that `keep` names (and `staged` has not) are moved into it first."""
     if not destination.exists() or (staged.is_file() and destination.is_file()):
         os.replace(staged, destination)  # atomic for files
         return
+    carried: list[str] = []
     old = destination.parent / f".{destination.name}.freetx-old-{os.getpid()}"
-    os.replace(destination, old)
+    try:
+        if keep is not None and destination.is_dir() and staged.is_dir():
+            for entry in sorted(destination.iterdir()):
+                if keep(entry.name) and not (staged / entry.name).exists():
+                    os.replace(entry, staged / entry.name)
+                    carried.append(entry.name)
+        os.replace(destination, old)
+    except OSError:
+        for name in carried:  # back where they were
+            os.replace(staged / name, destination / name)
+        raise
     try:
         os.replace(staged, destination)
     except OSError:
         os.replace(old, destination)
+        for name in carried:
+            os.replace(staged / name, destination / name)
         raise
     _remove(old)
 
 
 @contextmanager
-def staged_output(destination: Path) -> Iterator[Path]:
+def staged_output(destination: Path, keep: Callable[[str], bool] | None = None) -> Iterator[Path]:
     """Yield a temporary path beside `destination`; on success it becomes `destination`.
 
     On any failure (an error, Ctrl-C) the temporary path is removed and the
     destination is untouched. OS errors (permissions, a full disk) become a
-    FreetxError naming the destination.
+    `WriteFailed` naming the destination. `keep`: for a folder replacing a folder, the
+    names of the old folder's entries that go on into the new one (files a user added to
+    an export: freetx deletes nothing it did not write).
     """
     destination = Path(destination)
     staged = destination.parent / f".{destination.name}.freetx-tmp-{os.getpid()}"
@@ -114,12 +142,9 @@ def staged_output(destination: Path) -> Iterator[Path]:
         destination.parent.mkdir(parents=True, exist_ok=True)
         _remove(staged)
         yield staged
-        _replace(staged, destination)
+        _replace(staged, destination, keep)
     except OSError as e:
-        raise FreetxError(
-            f"writing {destination} failed ({e.strerror or e}); nothing was replaced. Check "
-            "that its folder exists, is writable and has space, or pick another path."
-        ) from None
+        raise WriteFailed(destination, str(e.strerror or e)) from None
     finally:
         _remove(staged)
 

@@ -6,6 +6,7 @@ check, load; HF layouts are the models' own, freetx.models.hf)."""
 
 from freetx.checkpoint.checkpointer import CheckpointConfig, Checkpointer, build_meta
 from freetx.checkpoint.convert import convert, inspect_report, merge
+from freetx.checkpoint.dcp_folder import step_name
 from freetx.checkpoint.formats import open_tensors
 from freetx.checkpoint.identity import ReadsFiles, files_read_by, input_identity
 from freetx.checkpoint.loading import (
@@ -15,7 +16,7 @@ from freetx.checkpoint.loading import (
     model_from_checkpoint,
     source_model_on_meta,
 )
-from freetx.checkpoint.run_folder import resolve_checkpoint, step_name
+from freetx.checkpoint.run_folder import resolve_checkpoint
 from freetx.checkpoint.state import (
     LRSchedulerState,
     ModelState,

@@ -46,12 +46,19 @@ from torch.futures import Future
 
 import freetx
 from freetx.checkpoint.dcp_folder import (
+    CHECKSUMS,
     DCP_ERRORS,
     FROZEN_FROM,
     META_FILE,
+    STEP_PREFIX,
+    DCPReader,
     SafeLoadPlanner,
     describe_dcp_error,
     describe_save_error,
+    fold_checksums,
+    record_checksums,
+    step_name,
+    step_of,
 )
 from freetx.checkpoint.formats import DCPSource
 from freetx.checkpoint.identity import changed_inputs, input_identity, same_input
@@ -64,7 +71,6 @@ from freetx.checkpoint.loading import (
 )
 from freetx.checkpoint.run_folder import (
     LATEST_FILE,
-    STEP_PREFIX,
     TMP_PREFIX,
     RecipeMark,
     ResumePlan,
@@ -73,8 +79,6 @@ from freetx.checkpoint.run_folder import (
     is_complete_fast,
     plan_resume,
     read_latest,
-    step_name,
-    step_of,
 )
 from freetx.checkpoint.state import PerRankState, ScalerState
 from freetx.config.compare import fixed_on_resume
@@ -150,6 +154,8 @@ class _Writer(FileSystemWriter):
         written: list = []
         while not results.empty():
             written += results.get_nowait()
+        # this rank's digests of its files (in the background thread of an async save)
+        record_checksums(Path(self.path), [r.storage_data.relative_path for r in written])
         future: Future = Future()
         future.set_result(written)
         return future
@@ -373,7 +379,9 @@ class Checkpointer:
                 own = f"{key}.rank_{value.rank}"
                 value.source_rank = value.rank if own in saved else 0
         try:
-            dcp.load(state, checkpoint_id=str(checkpoint.path), planner=SafeLoadPlanner())
+            dcp.load(
+                state, storage_reader=DCPReader(str(checkpoint.path)), planner=SafeLoadPlanner()
+            )
         except CheckpointError:
             raise
         except DCP_ERRORS as e:
@@ -444,6 +452,7 @@ class Checkpointer:
     def _finalize(self, tmp: Path, final: Path, meta: dict) -> None:
         """Rank 0: meta.json, rename into place, LATEST, prune. Then all ranks agree."""
         if self.rank == 0:
+            meta[CHECKSUMS] = fold_checksums(tmp)  # every rank's write has finished
             (tmp / META_FILE).write_text(json.dumps(meta, indent=2, default=str))
             if final.exists():
                 # the plan refused a run whose saves would land on a checkpoint it did

@@ -9,6 +9,8 @@ optimizer. No process group is needed.
 from __future__ import annotations
 
 import json
+import os
+import re
 import shutil
 from collections.abc import Sequence
 from pathlib import Path
@@ -25,6 +27,7 @@ from freetx.checkpoint.adapters import (
     write_peft,
 )
 from freetx.checkpoint.dcp_folder import (
+    CHECKSUMS,
     DCP_ERRORS,
     META_FILE,
     MODEL_PREFIX,
@@ -86,7 +89,8 @@ def convert(
 
     The destination is written under a temporary name and renamed into place
     (`freetx.user_files`): it may not be, hold or lie inside the source, and an
-    existing one is replaced only with `overwrite`.
+    existing one is replaced only with `overwrite`, and an HF or PEFT folder keeps the
+    entries no export writes (`user_entry`: a README a user added).
     """
     source = open_tensors(resolve_checkpoint(src))  # a run's output_dir: its newest
     dst = Path(dst).expanduser()
@@ -112,7 +116,7 @@ def convert(
         return target if target is not None and info.dtype.is_floating_point else info.dtype
 
     notes = skipped_note(source)
-    with staged_output(dst) as out:
+    with staged_output(dst, user_entry if fmt in ("hf", "peft") else None) as out:
         if fmt == "safetensors":
             strip = lambda n: n[len(MODEL_PREFIX) :]  # noqa: E731
             written = _write_safetensors(source, out, strip, cast, out_dtype)
@@ -157,7 +161,7 @@ def _write_dcp(source: TensorSource, out: Path, names: list[str], cast, model_on
     except DCP_ERRORS as e:
         raise OSError(describe_dcp_error(e)) from None
     if source.model_config is not None:
-        meta = {k: v for k, v in source.meta.items() if k != "step"}
+        meta = {k: v for k, v in source.meta.items() if k not in ("step", CHECKSUMS)}
         meta["model_config"] = source.model_config
         (out / META_FILE).write_text(json.dumps(meta, indent=2, default=str))
     return sum(v.numel() * v.element_size() for v in state.values() if torch.is_tensor(v))
@@ -329,16 +333,49 @@ def _write_hf(
             "weight_map": {name: file for file, shard in zip(files, shards) for name in shard},
         }
         (dst / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-    generation = companion / "generation_config.json" if companion else None
-    if generation is not None and generation.is_file():
-        shutil.copyfile(generation, dst / "generation_config.json")
-    else:
+    for name in ("generation_config.json", *TOKENIZER_FILES) if companion else ():
+        notes += _copy_own_file(companion, name, dst)
+    if not (dst / "generation_config.json").is_file():
         tokens = {k: hf_config[k] for k in ("bos_token_id", "eos_token_id") if k in hf_config}
         (dst / "generation_config.json").write_text(json.dumps(tokens, indent=2))
-    for name in TOKENIZER_FILES if companion else ():
-        if (companion / name).is_file():
-            shutil.copyfile(companion / name, dst / name)
     return sum(info.nbytes for info in infos.values()), notes
+
+
+def _copy_own_file(folder: Path, name: str, dst: Path) -> list[str]:
+    """Copy `folder/name` into `dst` when it is a regular file of that folder: a symbolic
+    link (which could point at any file of the machine) is not followed, and a .json file
+    that is not JSON is not copied; either way a line says so."""
+    src = folder / name
+    if src.is_symlink():
+        return [
+            f"{name} of {folder} is a symbolic link (to {os.readlink(src)}) and was not "
+            "copied: an export copies only the folder's own regular files. Copy it by hand "
+            "if you trust what it points to."
+        ]
+    if not src.is_file():
+        return []
+    if name.endswith(".json"):
+        try:
+            json.loads(src.read_bytes().decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            return [f"{name} of {folder} is not valid JSON and was not copied."]
+    shutil.copyfile(src, dst / name, follow_symlinks=False)
+    return []
+
+
+# the names of what an export writes into its folder (an HF folder, PEFT adapters); any
+# other entry a user put into such a folder is kept when it is written again
+_SHARD = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
+EXPORT_FILES = (
+    "config.json", "generation_config.json", "model.safetensors",
+    "model.safetensors.index.json", "adapter_model.safetensors", "adapter_config.json",
+    *TOKENIZER_FILES,
+)  # fmt: skip
+
+
+def user_entry(name: str) -> bool:
+    """Whether an entry of an HF or PEFT folder is none of what an export writes."""
+    return name not in EXPORT_FILES and not _SHARD.match(name)
 
 
 def merge(
@@ -360,7 +397,7 @@ def merge(
     check_destination(base_source.path, dst, overwrite)
     source = MergedSource(base_source, adapters, lora)
     companion = base_source.path if base_source.kind == "hf" else None
-    with staged_output(dst) as out:
+    with staged_output(dst, user_entry) as out:
         written, written_as = _write_hf(
             source, out, lambda t: t, lambda info: info.dtype, max_shard_size, companion
         )

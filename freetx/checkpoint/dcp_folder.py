@@ -4,8 +4,9 @@ Before any load, `check_checkpoint_files` reads DCP's `.metadata` and checks
 that every data file it points into exists and is long enough, so a truncated
 or missing file is named, not a stack trace. Non-tensor entries (optimizer
 hyperparameters, loader and RNG states) are read with
-`torch.load(weights_only=True)` (`SafeLoadPlanner`): a checkpoint is data,
-never code. JSON files (meta.json, an HF folder's config.json) are read by
+`torch.load(weights_only=True)` (`SafeLoadPlanner`), and DCP's `.metadata` (a
+pickle) by `DCPReader`, whose unpickler admits DCP's index classes, torch sizes and
+dtypes and plain containers only: a checkpoint is data, never code. JSON files (meta.json, an HF folder's config.json) are read by
 `read_json`; a failed save or load is described by the first failing rank's
 cause (`describe_save_error`, `describe_dcp_error`).
 """
@@ -13,28 +14,50 @@ cause (`describe_save_error`, `describe_dcp_error`).
 from __future__ import annotations
 
 import errno
+import hashlib
 import io
 import json
+import pickle
+import re
 import shutil
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint._nested_dict import set_element
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from freetx.errors import CheckpointError, first_line, os_error_in
 
+STEP_PREFIX = "step_"
+_STEP_NAME = re.compile(rf"^{STEP_PREFIX}(\d+)$")
 META_FILE = "meta.json"
 FROZEN_FROM = "frozen_from"  # meta.json: the base of a checkpoint without its frozen weights
 MODEL_PREFIX = "model."
+# meta.json: {"sha256": {file: digest}}, every data file and .metadata as saved (sha256:
+# twice blake2b's speed on CPUs with SHA instructions)
+CHECKSUMS = "checksums"
+_CHECKSUM = "sha256"
+_RANK_CHECKSUMS = ".checksums_"  # + a rank's first data file + .json, until folded in
 # DCP raises CheckpointException, a BaseException (not an Exception), for errors on any rank
 DCP_ERRORS = (Exception, CheckpointException)
+
+
+def step_name(step: int) -> str:
+    return f"{STEP_PREFIX}{step:06d}"
+
+
+def step_of(name: str) -> int | None:
+    """The step a folder name like `step_000200` stands for, or None."""
+    match = _STEP_NAME.match(name)
+    return int(match.group(1)) if match else None
 
 
 @contextmanager
@@ -100,6 +123,67 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             self.state_dict[read_item.dest_index.fqn] = obj
 
 
+# what DCP's `.metadata` pickle may name besides its own index classes (its module's
+# classes): torch's sizes, dtypes, layouts and memory formats, paths, plain containers
+_METADATA_GLOBALS = {
+    ("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch.distributed.checkpoint.filesystem", "_StoragePrefix"),
+    *(("pathlib", name) for name in ("Path", "PosixPath", "WindowsPath", "PurePath",
+                                     "PurePosixPath", "PureWindowsPath")),
+    *(("builtins", name) for name in ("set", "frozenset", "dict", "list", "tuple", "bytes",
+                                      "bytearray", "int", "float", "complex", "bool", "str",
+                                      "slice")),
+}  # fmt: skip
+
+
+class NotDCPMetadata(CheckpointError):
+    """A `.metadata` file whose pickle names something DCP's index never holds."""
+
+    def __init__(self, file: str, named: str) -> None:
+        self.reason = f"its pickle names {named}"
+        super().__init__(
+            f"{file} is not a DCP metadata file: {self.reason}, which DCP's index never holds "
+            "(a planted file runs code when unpickled), so freetx did not read it. Do not use "
+            "this checkpoint; use another one, or one you saved yourself."
+        )
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def __init__(self, stream: Any, file: str) -> None:
+        super().__init__(stream)
+        self.file = file
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == dcp_metadata.__name__:
+            found = getattr(dcp_metadata, name, None)
+            if isinstance(found, type) and found.__module__ == module:
+                return found
+        elif module == "torch" and isinstance(
+            getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)
+        ):
+            return getattr(torch, name)
+        elif (module, name) in _METADATA_GLOBALS:
+            return super().find_class(module, name)
+        raise NotDCPMetadata(self.file, f"{module}.{name}")
+
+
+class DCPReader(FileSystemReader):
+    """DCP's file reader, but `.metadata` is unpickled admitting only what DCP's index holds
+    (`_MetadataUnpickler`); every read of a DCP folder (the index, `dcp.load`) uses it."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        file = self._get_metadata_path(kwargs.get("rank"))
+        with self.fs.create_stream(file, "rb") as stream:
+            metadata = _MetadataUnpickler(stream, str(file)).load()
+        if not isinstance(metadata, Metadata):
+            raise NotDCPMetadata(str(file), f"a {type(metadata).__name__}, not DCP's Metadata")
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
 def read_dcp_metadata(path: Path) -> Metadata:
     """DCP's `.metadata` of a checkpoint folder, or a CheckpointError naming the problem."""
     path = Path(path)
@@ -111,12 +195,81 @@ def read_dcp_metadata(path: Path) -> Metadata:
             "folder like <output_dir>/checkpoints/step_000200."
         )
     try:
-        return FileSystemReader(str(path)).read_metadata()
+        return DCPReader(str(path)).read_metadata()
+    except CheckpointError:
+        raise
     except Exception as e:
         raise CheckpointError(
             f"the checkpoint index {path / '.metadata'} cannot be read ({first_line(e)}); "
             "the checkpoint is corrupt. Use an earlier one."
         ) from None
+
+
+def file_digest(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, _CHECKSUM).hexdigest()
+
+
+def record_checksums(folder: Path, names: list[str]) -> None:
+    """A rank's digests of the data files it wrote into `folder`, in a file of its own
+    beside them (each rank hashes its own files, right after writing them)."""
+    names = sorted(set(names))
+    if names:
+        with ThreadPoolExecutor(min(len(names), 4)) as pool:  # hashlib releases the GIL
+            digests = dict(zip(names, pool.map(file_digest, [folder / n for n in names])))
+        (folder / f"{_RANK_CHECKSUMS}{names[0]}.json").write_text(json.dumps(digests))
+
+
+def fold_checksums(folder: Path) -> dict[str, dict[str, str]]:
+    """Every rank's digests (`record_checksums`) and .metadata's, for meta.json; the rank
+    files are removed. Call it once every rank's write has finished (DCP's index is
+    written after all of them)."""
+    digests: dict[str, str] = {}
+    for rank_file in sorted(folder.glob(f"{_RANK_CHECKSUMS}*.json")):
+        digests.update(json.loads(rank_file.read_text()))
+        rank_file.unlink()
+    digests[".metadata"] = file_digest(folder / ".metadata")
+    return {_CHECKSUM: digests}
+
+
+def earlier_checkpoint(path: Path) -> Path | None:
+    """The newest checkpoint saved before `path` beside it (both files a finished save
+    writes are there), or None."""
+    step = step_of(Path(path).name)
+    if step is None or not Path(path).parent.is_dir():
+        return None
+    earlier = [
+        (step_of(p.name), p)
+        for p in Path(path).parent.iterdir()
+        if (step_of(p.name) or step) < step and (p / ".metadata").is_file()
+        and (p / META_FILE).is_file()
+    ]  # fmt: skip
+    return max(earlier)[1] if earlier else None
+
+
+def check_checksums(path: Path, metadata: Metadata, meta: dict[str, Any]) -> None:
+    """Refuse a checkpoint a file of which is not what was saved (its digest in meta.json
+    differs), naming the file and an earlier checkpoint. One saved without digests (before
+    freetx recorded them) is taken as it is."""
+    recorded = (meta.get(CHECKSUMS) or {}).get(_CHECKSUM)
+    if not isinstance(recorded, dict):
+        return
+    names = {".metadata", *(i.relative_path for i in (metadata.storage_data or {}).values())}
+    for name in sorted(names):
+        if recorded.get(name) == file_digest(Path(path) / name):
+            continue
+        earlier = earlier_checkpoint(path)
+        fix = (
+            f"Use the earlier checkpoint {earlier} (to resume from it, move {Path(path).name} "
+            f"out of {Path(path).parent}, or resume={earlier} checkpoint.overwrite=true)"
+            if earlier
+            else "Use another checkpoint, or restore this one from a copy"
+        )
+        raise CheckpointError(
+            f"checkpoint {path}: {name} is damaged: its bytes differ from what was saved (its "
+            f"checksum in {META_FILE} does not match), and reading it would give corrupted "
+            f"weights or optimizer state. {fix}."
+        )
 
 
 def missing_data(path: Path, metadata: Metadata) -> str | None:

@@ -28,8 +28,10 @@ from torch.distributed.checkpoint.metadata import (
 from freetx.checkpoint.dcp_folder import (
     DCP_ERRORS,
     MODEL_PREFIX,
+    DCPReader,
     SafeLoadPlanner,
     check_checkpoint_files,
+    check_checksums,
     describe_dcp_error,
     quiet_single_process,
     read_json,
@@ -111,14 +113,26 @@ class DCPSource(TensorSource):
         self, path: Path, metadata: Metadata | None = None, meta: dict | None = None
     ) -> None:
         super().__init__(path)
+        opened = metadata is None  # by its path, not by a run folder's survey
         if metadata is None:
             metadata = check_checkpoint_files(self.path)
+        self.index = metadata
+        self._verified = False
         for key, entry in metadata.state_dict_metadata.items():
             if isinstance(entry, TensorStorageMetadata):
                 self.infos[key] = TensorInfo(tuple(entry.size), entry.properties.dtype)
             elif isinstance(entry, BytesStorageMetadata):
                 self.extras[key] = None
         self.meta = read_meta(self.path) if meta is None else meta
+        if opened:
+            self.verify()
+
+    def verify(self) -> None:
+        """Refuse it when a file is not what was saved (`check_checksums`: every byte read
+        once). A survey's checkpoints are verified by whoever picks one."""
+        if not self._verified:
+            check_checksums(self.path, self.index, self.meta)
+            self._verified = True
 
     def get(self, name: str) -> torch.Tensor:
         info = self.infos[name]
@@ -135,7 +149,10 @@ class DCPSource(TensorSource):
         try:
             with quiet_single_process():
                 dcp.load(
-                    state, checkpoint_id=str(self.path), planner=SafeLoadPlanner(), no_dist=True
+                    state,
+                    storage_reader=DCPReader(str(self.path)),
+                    planner=SafeLoadPlanner(),
+                    no_dist=True,
                 )
         except CheckpointError:
             raise

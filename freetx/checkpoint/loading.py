@@ -22,7 +22,12 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 from freetx.checkpoint.adapters import refuse_adapters
-from freetx.checkpoint.dcp_folder import MODEL_PREFIX, SafeLoadPlanner, quiet_single_process
+from freetx.checkpoint.dcp_folder import (
+    MODEL_PREFIX,
+    DCPReader,
+    SafeLoadPlanner,
+    quiet_single_process,
+)
 from freetx.checkpoint.formats import DCPSource, TensorSource, open_tensors, skipped_note
 from freetx.checkpoint.identity import input_identity
 from freetx.checkpoint.run_folder import newest_checkpoint, resolve_checkpoint
@@ -66,6 +71,7 @@ def weight_source(path: str | Path) -> WeightSource:
     """The weights `path` means (a run's output_dir: its newest complete checkpoint)."""
     found = newest_checkpoint(path)
     if found is not None:
+        found.verify()  # its files are what was saved
         return WeightSource(str(path), found.path, found)
     return WeightSource(str(path), Path(path).expanduser())
 
@@ -153,7 +159,11 @@ def load_weights(model: nn.Module, weights: WeightSource) -> list[str]:
         stored = self_stored(inner)  # e.g. NF4 bases: quantized from the full weight
         state = ModelState(model, include=lambda name: name not in adapters | stored)
         with quiet_single_process():  # a run always has a process group; tests may not
-            dcp.load({"model": state}, checkpoint_id=str(source.path), planner=SafeLoadPlanner())
+            dcp.load(
+                {"model": state},
+                storage_reader=DCPReader(str(source.path)),
+                planner=SafeLoadPlanner(),
+            )
         for name in sorted(stored):
             set_full_parameter(inner, name, source.get(MODEL_PREFIX + name))
     else:

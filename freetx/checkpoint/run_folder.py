@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import socket
 import time
 from dataclasses import dataclass, field
@@ -36,9 +35,11 @@ from typing import Any
 from freetx.checkpoint.dcp_folder import (
     FROZEN_FROM,
     META_FILE,
+    NotDCPMetadata,
     missing_data,
     read_dcp_metadata,
     read_meta,
+    step_of,
 )
 from freetx.checkpoint.formats import DCPSource
 from freetx.config.compare import resume_changes
@@ -47,19 +48,7 @@ from freetx.errors import CheckpointError, first_line
 LATEST_FILE = "LATEST"
 LOCK_FILE = ".freetx.lock"
 RECIPE_FILE = "recipe.json"
-STEP_PREFIX = "step_"
 TMP_PREFIX = ".tmp_"
-_STEP_NAME = re.compile(rf"^{STEP_PREFIX}(\d+)$")
-
-
-def step_name(step: int) -> str:
-    return f"{STEP_PREFIX}{step:06d}"
-
-
-def step_of(name: str) -> int | None:
-    """The step a folder name like `step_000200` stands for, or None."""
-    match = _STEP_NAME.match(name)
-    return int(match.group(1)) if match else None
 
 
 class RunLock:
@@ -205,6 +194,8 @@ def check_step_folder(path: Path, step: int) -> StepFolder:
         )
     try:
         metadata = read_dcp_metadata(path)
+    except NotDCPMetadata as e:  # planted: never unpickled
+        return StepFolder(path, step, f".metadata is not a DCP metadata file ({e.reason})")
     except CheckpointError:
         return StepFolder(path, step, ".metadata cannot be read")
     problem = missing_data(path, metadata)
@@ -398,8 +389,9 @@ def plan_resume(
     """
     folders = survey(checkpoints)
     plan = choose_checkpoint(checkpoints, resume, overwrite, folders)
-    if plan.path is None:
+    if plan.source is None:
         return plan
+    plan.source.verify()  # its files are what was saved
     problems = []
     here = plan.path.resolve()
     later = [f for f in folders if f.step > plan.step and f.path.resolve() != here]

@@ -38,6 +38,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(args: argparse.Namespace) -> int:
+    from freetx.config.instantiate import known_components_only
+
+    with known_components_only("estimate"):  # builds nothing of other packages
+        return _estimate(args)
+
+
+def _estimate(args: argparse.Namespace) -> int:
     import torch
 
     from freetx.cli.common import load_recipe

@@ -36,6 +36,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(args: argparse.Namespace) -> int:
+    from freetx.config.instantiate import known_components_only
+
+    with known_components_only("validate"):  # it builds nothing; if a check ever does
+        return _validate(args)
+
+
+def _validate(args: argparse.Namespace) -> int:
     from freetx.cli.common import config_device, load_recipe
     from freetx.config.run_config import load_and_check
     from freetx.config.schema import apply_schema, as_schema_instance

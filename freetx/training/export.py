@@ -26,8 +26,9 @@ from typing import Any
 from freetx.checkpoint import convert, open_tensors, resolve_checkpoint
 from freetx.checkpoint.adapters import LoRASettings
 from freetx.config.instantiate import COMPONENT, import_component
-from freetx.errors import ConfigError
+from freetx.errors import ConfigError, FreetxError
 from freetx.models.protocol import HFLayoutModel
+from freetx.user_files import WriteFailed
 
 EXPORT_DIR = "export"
 FILE_NAMES = {"safetensors": "model.safetensors"}  # the other formats are folders
@@ -64,10 +65,21 @@ def recorded_run(path: str | Path) -> dict[str, Any]:
 
 def export_final(checkpoint: Path, output_dir: str | Path, fmt: str) -> dict[str, Any]:
     """Convert the final checkpoint into `export_path(output_dir, fmt)`, replacing an
-    earlier export of this run (it is made from the checkpoint, which stays)."""
+    earlier export of this run (it is made from the checkpoint, which stays); files a user
+    added to the export folder stay. When the export cannot be written (a full disk), the
+    error says that training and the checkpoint are complete, and how to export later."""
     dst = export_path(output_dir, fmt)
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    return convert(checkpoint, dst, to=fmt, overwrite=True, **recorded_run(checkpoint))
+    try:
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        return convert(checkpoint, dst, to=fmt, overwrite=True, **recorded_run(checkpoint))
+    except (WriteFailed, OSError) as e:
+        cause = e.cause if isinstance(e, WriteFailed) else (e.strerror or str(e))
+        raise FreetxError(
+            f"training finished, and its last checkpoint {checkpoint} is complete; only the "
+            f"final export to {dst} failed ({cause}), and nothing there was replaced. Once "
+            f"there is room (or elsewhere), export it: freetx checkpoint convert {checkpoint} "
+            f"{dst} --to {fmt} --overwrite"
+        ) from None
 
 
 def built_class(model_node: Any) -> type | None:
