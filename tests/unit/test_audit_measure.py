@@ -59,3 +59,53 @@ def test_chunk_bounds_are_tensor_splits():
         splits = torch.arange(n).tensor_split(chunks)
         expected = [(int(s[0]), int(s[-1]) + 1) for s in splits if s.numel()]
         assert chunk_bounds(n, chunks) == expected
+
+
+# -- warnings: torch's deprecated collectives, torchao's enums -----------------------------
+
+
+@pytest.mark.parametrize("collective", ["reduce_scatter", "all_gather"])
+def test_cp_collectives_emit_no_future_warning(collective):
+    """llm/tiny_cp printed torch's `reduce_scatter_tensor` FutureWarning once per rank."""
+    import warnings
+
+    from freetx.distributed import DistributedRuntime, MeshShape, ParallelGroups, fake_world
+
+    with fake_world(2):
+        runtime = DistributedRuntime(0, 0, 2, torch.device("cpu"))
+        groups = ParallelGroups(runtime, MeshShape("ddp", dp_replicate=2), {})
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # any warning of the call fails the test
+            if collective == "reduce_scatter":
+                assert groups.reduce_scatter(torch.zeros(2, 3)).shape == (3,)
+            else:
+                assert groups.all_gather(torch.zeros(3)).shape == (2, 3)
+
+
+@pytest.mark.parametrize("name", ["ScaleCalculationMode", "KernelPreference"])
+def test_generic_path_prints_no_torchao_deprecation_line(name):
+    """transformers imports torchao on every generic-path run, and torchao registers its
+    enums with pytree (`torchao.utils.register_as_pytree_constant`), which torch logs as
+    deprecated: freetx's filter drops that record for these two enums, and nothing else."""
+    import enum
+    import logging
+
+    from freetx.noise import quiet_known_noise
+
+    quiet_known_noise()
+    seen: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            seen.append(record.getMessage())
+
+    logger, handler = logging.getLogger("torch.utils._pytree"), Keep()
+    logger.addHandler(handler)
+    try:
+        torchao_enum = enum.Enum(name, "A B", type=str)  # torchao's enum, as torchao registers it
+        torch.utils._pytree.register_constant(torchao_enum)
+        other = enum.Enum("SomeoneElsesEnum", "A B", type=str)  # not torchao's: still shown
+        torch.utils._pytree.register_constant(other)
+    finally:
+        logger.removeHandler(handler)
+    assert len(seen) == 1 and "SomeoneElsesEnum" in seen[0], seen
