@@ -61,6 +61,17 @@ class WeightSource:
     def identity(self) -> dict[str, Any]:
         return input_identity(self.given, resolved=self.path)
 
+    def describe(self) -> str:
+        """The path as given and what it holds, for the banner: `DIR (HF safetensors)`, a
+        run folder's `DIR (DCP checkpoint step_000040)`."""
+        words = _KIND_WORDS.get(self.tensors.kind, self.tensors.kind)
+        at = f" {self.path.name}" if self.path != Path(self.given).expanduser() else ""
+        return f"{self.given} ({words}{at})"
+
+
+_KIND_WORDS = {"hf": "HF safetensors", "dcp": "DCP checkpoint", "safetensors": "safetensors file",
+               "torch": "torch file"}  # fmt: skip
+
 
 def weight_source(path: str | Path) -> WeightSource:
     """The weights `path` means (a run's output_dir: its newest complete checkpoint)."""
