@@ -133,6 +133,26 @@ def check_weights(model: nn.Module, weights: WeightSource) -> None:
             + "\n".join(f"  - {p}" for p in problems)
             + "\nUse weights of this model shape, or change the model config to match them."
         )
+    refuse_non_float(model, weights.tensors, skip=adapters | self_stored(unwrap(model)))
+
+
+def refuse_non_float(model: nn.Module, source: TensorSource, skip: set[str]) -> None:
+    """Refuse a stored tensor that is not floating-point (int32, uint8, bool) where the
+    model's is: loaded, it would be cast silently into meaningless weights (an int32
+    embedding of whole numbers). `skip`: names the model keeps in its own form (adapters,
+    NF4 bases)."""
+    for name, tensor in get_model_state_dict(model).items():
+        info = source.infos.get(MODEL_PREFIX + name)
+        if name in skip or info is None or not torch.is_tensor(tensor):
+            continue
+        if tensor.is_floating_point() and not info.dtype.is_floating_point:
+            raise CheckpointError(
+                f"{source.where(MODEL_PREFIX + name)} is {info.dtype}, where the model's "
+                f"{name} is {tensor.dtype}: whole numbers or flags are not weights, and "
+                "loading them would cast them silently. The file is damaged or holds a "
+                "quantized model freetx does not read; use a folder with floating-point "
+                "weights (float32, bfloat16 or float16), e.g. the original download."
+            )
 
 
 def check_checkpoint(model: nn.Module, source: DCPSource, include=None) -> None:

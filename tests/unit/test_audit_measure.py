@@ -109,3 +109,27 @@ def test_generic_path_prints_no_torchao_deprecation_line(name):
     finally:
         logger.removeHandler(handler)
     assert len(seen) == 1 and "SomeoneElsesEnum" in seen[0], seen
+
+
+# -- an int32 embedding in an HF folder ---------------------------------------------------
+
+
+def test_an_int32_embedding_in_an_hf_folder_is_refused_naming_tensor_dtype_and_file(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from freetx.checkpoint import load_model
+    from freetx.errors import CheckpointError
+    from tests.hf_folders import make_folder
+
+    folder = make_folder(tmp_path / "llama", "llama_head_dim")
+    file = folder / "model.safetensors"
+    tensors = load_file(file)
+    name = "model.embed_tokens.weight"
+    tensors[name] = (tensors[name] * 100).to(torch.int32)
+    save_file(tensors, file, metadata={"format": "pt"})
+    with pytest.raises(CheckpointError) as error:
+        load_model(folder, "cpu")
+    message = " ".join(str(error.value).split())
+    assert f"{name} in {file} is torch.int32" in message
+    assert "floating-point weights" in message  # the fix
+    assert "\n\n" not in str(error.value)
