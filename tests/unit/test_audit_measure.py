@@ -133,3 +133,41 @@ def test_an_int32_embedding_in_an_hf_folder_is_refused_naming_tensor_dtype_and_f
     assert f"{name} in {file} is torch.int32" in message
     assert "floating-point weights" in message  # the fix
     assert "\n\n" not in str(error.value)
+
+
+# -- spectrum: cached scores of other weights ---------------------------------------------
+
+
+def _tiny_weights(path, seed: int):
+    from safetensors.torch import save_file
+
+    from freetx.distributed import materialize
+    from freetx.models.transformer import decoder
+
+    with torch.device("meta"):
+        model = decoder("tiny", vocab_size=64, max_seq_len=16, num_layers=1)
+    materialize(model, torch.device("cpu"), seed=seed)
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path))
+
+
+def test_spectrum_scores_of_earlier_weights_are_not_reused_after_the_model_trained_on(tmp_path):
+    import json
+
+    weights, cache = tmp_path / "model.safetensors", tmp_path / "spectrum_scores.json"
+    _tiny_weights(weights, seed=0)
+
+    def scan(top: str):
+        out = tmp_path / f"top{top}.yaml"
+        result = run_freetx_here("spectrum", "scan", str(weights), "--top-percent", top, "-o", str(out))  # fmt: skip
+        assert result.returncode == 0, result.stdout + result.stderr
+        return result.stdout, json.loads(cache.read_text())["scores"]
+
+    _, first = scan("25")
+    out, again = scan("50")  # the same weights: the cache serves
+    assert "reusing the scores" in out and again == first
+    _tiny_weights(weights, seed=1)  # trained on: other weights in the same file
+    out, fresh = scan("75")
+    assert "reusing" not in out and "scanning again" in out
+    assert fresh != first
+    out, _ = scan("10")
+    assert "reusing the scores" in out  # keyed by the new weights now
