@@ -171,3 +171,47 @@ def test_spectrum_scores_of_earlier_weights_are_not_reused_after_the_model_train
     assert fresh != first
     out, _ = scan("10")
     assert "reusing the scores" in out  # keyed by the new weights now
+
+
+# -- crosscoder analyze: every source, rounded figures ------------------------------------
+
+
+def _crosscoder(path, sources: int):
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(0)
+    m, d = 16, 4
+    decoder = torch.randn(m, sources, d, generator=g)
+    save_file({"W_dec": decoder, "W_enc": torch.randn(m, sources, d, generator=g),
+               "b_enc": torch.zeros(m), "b_dec": torch.zeros(sources, d)}, str(path))  # fmt: skip
+    return path
+
+
+def test_crosscoder_analyze_compares_every_source_and_prints_rounded_cosines(tmp_path):
+    import json
+    import re
+
+    crosscoder, out = _crosscoder(tmp_path / "cc.safetensors", 3), tmp_path / "analysis"
+    result = run_freetx_here("crosscoder", "analyze", str(crosscoder), "-o", str(out))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "3 sources: each source against source 0" in result.stdout
+    assert "source 1 vs 0:" in result.stdout and "source 2 vs 0:" in result.stdout
+    cosines = re.findall(r"decoder cosine ([^)]*)\)", result.stdout)
+    assert len(cosines) == 2
+    for cosine in cosines:  # 4 significant digits at most, not float's 16
+        float(cosine)  # a figure (the features are shared)
+        assert len(cosine.lstrip("-0.").replace(".", "")) <= 4, cosine
+    analysis = json.loads((out / "analysis.json").read_text())
+    assert analysis["compared"] == "each source against source 0"
+    assert [pair["sources"] for pair in analysis["pairs"]] == [[0, 1], [0, 2]]
+    assert (out / "relative_decoder_norm.png").is_file()
+    assert (out / "relative_decoder_norm_0_vs_2.png").is_file()
+
+
+def test_crosscoder_analyze_of_one_named_pair_says_which(tmp_path):
+    crosscoder, out = _crosscoder(tmp_path / "cc.safetensors", 3), tmp_path / "analysis"
+    args = ("crosscoder", "analyze", str(crosscoder), "-o", str(out), "--sources", "2", "1")
+    result = run_freetx_here(*args)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "3 sources: source 1 against source 2" in result.stdout
+    assert "source 1 vs 2:" in result.stdout and "vs 0" not in result.stdout
