@@ -1,9 +1,9 @@
 """The known-harmless messages of freetx's dependencies, hidden from a user's console.
 
 Each entry names one message exactly (its logger and a regex of its text) and why it
-is harmless; anything else, a new warning included, still shows. (torch's FutureWarning
-about `all_gather_into_tensor` is not filtered: freetx calls the new name,
-`freetx.distributed.groups`.)
+is harmless; anything else, a new warning included, still shows. (torch's FutureWarnings
+about `all_gather_into_tensor` and `reduce_scatter_tensor` are not filtered: freetx calls
+the new names, `freetx.distributed.groups`.)
 `quiet_known_noise()` installs the filters; the CLI (`freetx.cli.main`) and every
 recipe process (`freetx.entry`) call it before torch or torchao is imported. Imports
 nothing of freetx.
@@ -19,9 +19,13 @@ KNOWN_LOG_RECORDS = (
     # torchao's optional CUDA kernels (MX-FP8, CUTLASS sm90a): freetx uses neither, and
     # a CPU build or another GPU cannot load them
     ("torchao", r"^Failed to load \S*torchao[/\\]_C_(mxfp8|cutlass_90a)\S*: "),
-    # torchao registers its KernelPreference enum the way torch now deprecates; freetx
-    # never passes it
-    ("torch.utils._pytree", r"^<enum 'KernelPreference'> is an Enum subclass and is now"),
+    # torchao registers its KernelPreference and ScaleCalculationMode enums the way torch
+    # now deprecates (transformers imports torchao on every generic-path run); freetx
+    # passes neither
+    (
+        "torch.utils._pytree",
+        r"^<enum '(KernelPreference|ScaleCalculationMode)'> is an Enum subclass and is now",
+    ),
 )
 
 

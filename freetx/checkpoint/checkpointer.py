@@ -25,6 +25,7 @@ the next save (or the end of training) waits for it first.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -275,6 +276,20 @@ class Checkpointer:
         """Whether `restore` will set every model weight (a resume or initial weights)."""
         return self.plan.path is not None or bool(self.cfg.initial_weights)
 
+    @functools.cached_property
+    def initial_weights(self) -> WeightSource | None:
+        """`checkpoint.initial_weights`, surveyed once (the banner's line, then `restore`)."""
+        return weight_source(self.cfg.initial_weights) if self.cfg.initial_weights else None
+
+    def weights_origin(self, seed: int) -> str:
+        """Where the model's weights come from, for the banner: `resumed from CHECKPOINT`,
+        the initial weights (`DIR (HF safetensors)`), or `random init (seed N)`."""
+        if self.plan.source is not None:
+            return f"resumed from {self.plan.source.path}"
+        if self.initial_weights is not None:
+            return self.initial_weights.describe()
+        return f"random init (seed {seed})"
+
     def restore(
         self,
         state: dict[str, Stateful],
@@ -304,8 +319,8 @@ class Checkpointer:
         # the survey
         recorded = dict(self.plan.saved_meta.get("inputs", {}))
         weights: WeightSource | None = None
-        if checkpoint is None and self.cfg.initial_weights:
-            weights = weight_source(self.cfg.initial_weights)
+        if checkpoint is None and self.initial_weights is not None:
+            weights = self.initial_weights
         elif checkpoint is not None and frozen_from is not None:
             # the checkpoint holds the trainable part; the frozen base is read again
             weights = self._frozen_base(recorded, frozen_from, lines)

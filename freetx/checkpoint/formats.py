@@ -93,6 +93,11 @@ class TensorSource(abc.ABC):
         """The model's tensors (without the `model.` prefix) -> their shapes."""
         return {name: self.infos[MODEL_PREFIX + name].shape for name in self.model_names()}
 
+    def where(self, name: str) -> str:
+        """Tensor `name` (a key of `infos`) as stored and the file that holds it, for
+        messages: `NAME in FILE`."""
+        return f"{name.removeprefix(MODEL_PREFIX)} in {self.path}"
+
     def model_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name in self.model_names():
             yield name, self.get(MODEL_PREFIX + name)
@@ -276,6 +281,10 @@ class SafetensorsSource(TensorSource):
         out = torch.empty(info.shape, dtype=info.dtype)
         self.read_into(name, None, out)
         return out
+
+    def where(self, name: str) -> str:
+        file, stored = self._where[name] if name in self._where else self._stacks[name][0]
+        return f"{stored} in {file.path}"
 
     def read_into(self, name: str, rows: slice | None, out: torch.Tensor) -> None:
         if name not in self._stacks:

@@ -66,6 +66,17 @@ class WeightSource:
     def identity(self) -> dict[str, Any]:
         return input_identity(self.given, resolved=self.path)
 
+    def describe(self) -> str:
+        """The path as given and what it holds, for the banner: `DIR (HF safetensors)`, a
+        run folder's `DIR (DCP checkpoint step_000040)`."""
+        words = _KIND_WORDS.get(self.tensors.kind, self.tensors.kind)
+        at = f" {self.path.name}" if self.path != Path(self.given).expanduser() else ""
+        return f"{self.given} ({words}{at})"
+
+
+_KIND_WORDS = {"hf": "HF safetensors", "dcp": "DCP checkpoint", "safetensors": "safetensors file",
+               "torch": "torch file"}  # fmt: skip
+
 
 def weight_source(path: str | Path) -> WeightSource:
     """The weights `path` means (a run's output_dir: its newest complete checkpoint)."""
@@ -128,6 +139,26 @@ def check_weights(model: nn.Module, weights: WeightSource) -> None:
             + "\n".join(f"  - {p}" for p in problems)
             + "\nUse weights of this model shape, or change the model config to match them."
         )
+    refuse_non_float(model, weights.tensors, skip=adapters | self_stored(unwrap(model)))
+
+
+def refuse_non_float(model: nn.Module, source: TensorSource, skip: set[str]) -> None:
+    """Refuse a stored tensor that is not floating-point (int32, uint8, bool) where the
+    model's is: loaded, it would be cast silently into meaningless weights (an int32
+    embedding of whole numbers). `skip`: names the model keeps in its own form (adapters,
+    NF4 bases)."""
+    for name, tensor in get_model_state_dict(model).items():
+        info = source.infos.get(MODEL_PREFIX + name)
+        if name in skip or info is None or not torch.is_tensor(tensor):
+            continue
+        if tensor.is_floating_point() and not info.dtype.is_floating_point:
+            raise CheckpointError(
+                f"{source.where(MODEL_PREFIX + name)} is {info.dtype}, where the model's "
+                f"{name} is {tensor.dtype}: whole numbers or flags are not weights, and "
+                "loading them would cast them silently. The file is damaged or holds a "
+                "quantized model freetx does not read; use a folder with floating-point "
+                "weights (float32, bfloat16 or float16), e.g. the original download."
+            )
 
 
 def check_checkpoint(model: nn.Module, source: DCPSource, include=None) -> None:

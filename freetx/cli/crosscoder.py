@@ -3,7 +3,9 @@
 analyze: model diffing from a crosscoder checkpoint's decoder: the relative decoder
 norm of each feature between two sources (a histogram as PNG and in TensorBoard),
 the counts of A-only, B-only and shared features, the decoder cosine of the shared
-ones, into analysis.json (an earlier analysis there is refused unless --overwrite).
+ones, into analysis.json (an earlier analysis there is refused unless --overwrite);
+every source against source 0 (or the one pair --sources names), figures printed to 4
+significant digits.
 export: the crosscoder as one safetensors file with the input normalization folded
 into its weights (it reads raw activations) and a config.json naming its sources.
 """
@@ -26,8 +28,9 @@ def build_parser() -> argparse.ArgumentParser:
     analyze.add_argument("checkpoint", help="a crosscoder run's output_dir or a checkpoint")
     analyze.add_argument("-o", "--output", help="folder (default: RUN/analysis)")
     analyze.add_argument(
-        "--sources", nargs=2, type=at_least_zero, default=[0, 1], metavar=("A", "B")
-    )
+        "--sources", nargs=2, type=at_least_zero, default=None, metavar=("A", "B"),
+        help="one pair of sources to compare (default: each source against source 0)",
+    )  # fmt: skip
     analyze.add_argument(
         "--overwrite", action="store_true", help="replace an earlier analysis in the folder"
     )
@@ -57,7 +60,7 @@ def main(args: argparse.Namespace) -> int:
 def analyze(args: argparse.Namespace) -> int:
     from freetx.errors import FreetxError
     from freetx.loggers.charts import histogram_png
-    from freetx.models.crosscoder import diffing_analysis
+    from freetx.models.crosscoder import diffing_analysis, relative_decoder_norm
     from freetx.user_files import refuse_existing, write_user_file
 
     run = Path(args.checkpoint).expanduser()
@@ -68,31 +71,49 @@ def analyze(args: argparse.Namespace) -> int:
     for file in files:  # before reading the checkpoint
         refuse_existing(file, args.overwrite, "another -o FOLDER")
     source = _tensors(args.checkpoint)
+    n = source.infos["model.W_dec"].shape[1]
+    if n < 2:
+        raise FreetxError(f"{args.checkpoint} is a crosscoder of one source: nothing to compare.")
+    if args.sources is None:  # every source, each against the first
+        pairs = [(0, b) for b in range(1, n)]
+        compared = "each source against source 0"
+    else:
+        a, b = args.sources
+        if not (0 <= a < n and 0 <= b < n) or a == b:
+            raise FreetxError(
+                f"--sources {a} {b}: the crosscoder reads {n} sources (0 to {n - 1}); give "
+                "two different ones."
+            )
+        pairs, compared = [(a, b)], f"source {b} against source {a}"
+    pngs = [files[1]] + [out / f"relative_decoder_norm_{a}_vs_{b}.png" for a, b in pairs[1:]]
+    for file in pngs[1:]:  # before reading the decoder
+        refuse_existing(file, args.overwrite, "another -o FOLDER")
     decoder = source.get("model.W_dec")
-    a, b = args.sources
-    if not (0 <= a < decoder.shape[1] and 0 <= b < decoder.shape[1]) or a == b:
-        raise FreetxError(
-            f"--sources {a} {b}: the crosscoder reads {decoder.shape[1]} sources (0 to "
-            f"{decoder.shape[1] - 1}); give two different ones."
-        )
-    result = diffing_analysis(decoder, a, b)
+    results = [diffing_analysis(decoder, a, b) for a, b in pairs]
+    # the first pair's figures at the top (as with two sources), every pair in `pairs`
+    result = {**results[0], "compared": compared, "pairs": results}
     result["checkpoint"] = str(source.path)
     write_user_file(files[0], json.dumps(result, indent=2), args.overwrite)
-    write_user_file(
-        files[1], histogram_png(result["relative_norm_histogram"]["counts"]), args.overwrite
-    )
+    for png, each in zip(pngs, results):
+        write_user_file(
+            png, histogram_png(each["relative_norm_histogram"]["counts"]), args.overwrite
+        )
     from torch.utils.tensorboard import SummaryWriter
 
-    norms = decoder.float().norm(dim=-1)
-    relative = norms[:, b] / (norms[:, a] + norms[:, b]).clamp_min(1e-12)
     with SummaryWriter(log_dir=str(out / "tb")) as writer:
-        writer.add_histogram(
-            "relative_decoder_norm", relative, global_step=source.meta.get("step", 0)
-        )
-    print(f"{result['features']} features: {result['a_only']} only in source {a}, "
-          f"{result['b_only']} only in source {b}, {result['shared']} shared (decoder cosine "
-          f"{result['shared_decoder_cosine_mean']}) -> {out}/analysis.json, "
-          "relative_decoder_norm.png, tb/")  # fmt: skip
+        for png, (a, b) in zip(pngs, pairs):
+            writer.add_histogram(
+                png.stem,
+                relative_decoder_norm(decoder, a, b),
+                global_step=source.meta.get("step", 0),
+            )
+    print(f"{result['features']} features, {n} sources: {compared}")
+    for (a, b), each in zip(pairs, results):
+        cosine = each["shared_decoder_cosine_mean"]
+        print(f"  source {b} vs {a}: {each['a_only']} only in source {a}, {each['b_only']} only "
+              f"in source {b}, {each['shared']} shared (decoder cosine "
+              f"{'n/a' if cosine is None else f'{cosine:.4g}'})")  # fmt: skip
+    print(f"-> {out}/analysis.json, {', '.join(p.name for p in pngs)}, tb/")
     return 0
 
 

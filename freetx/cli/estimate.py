@@ -160,6 +160,9 @@ def _estimate(args: argparse.Namespace) -> int:
             f"(measured: rank 0's tensors at the peak of a steady training step, on fake "
             f"tensors with {kernels} kernels; activations include temporaries and the loss)"
         )
+        if dist.compile:
+            print("(measured with the blocks uncompiled: distributed.compile's savings, a few "
+                  "percent, are not counted)")  # fmt: skip
     if args.json:
         analytic = {r.strategy: {**dataclasses.asdict(r), "peak": r.peak} for r in rows}
         figures = json.dumps({"analytic": analytic, "measured": measured})

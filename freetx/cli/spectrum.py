@@ -4,8 +4,9 @@ MODEL is an HF folder, a run's output_dir, a DCP checkpoint or a .safetensors
 file. Every weight matrix of the repeated blocks is scored (the SNR of its
 singular values against the Marchenko-Pastur edge, freetx/models/peft/spectrum.py);
 with `--nproc-per-node N` the matrices are split over N processes. The scores
-are cached beside the model (`spectrum_scores.json`), so another --top-percent
-costs nothing; the selection goes to MODEL/spectrum_top<P>.yaml (or -o FILE)
+are cached beside the model (`spectrum_scores.json`) with the identity of the weights
+they were computed from (the checkpoint MODEL meant, its files' sizes and times), so
+another --top-percent costs nothing, and a model that trained on since is scanned again; the selection goes to MODEL/spectrum_top<P>.yaml (or -o FILE)
 for `peft.method=spectrum peft.spectrum_selection=FILE`. An existing selection file
 (perhaps edited by hand) is refused before scanning, unless --overwrite.
 """
@@ -54,6 +55,7 @@ def _beside(model: Path) -> Path:
 
 
 def main(args: argparse.Namespace) -> int:
+    from freetx.checkpoint.identity import input_identity
     from freetx.errors import FreetxError
     from freetx.models.peft.spectrum import select, selection_text
     from freetx.user_files import refuse_existing, write_user_file
@@ -69,14 +71,13 @@ def main(args: argparse.Namespace) -> int:
     elsewhere = "another -o FILE"
     refuse_existing(out, args.overwrite, elsewhere)  # before the scan, which is costly
     cache = _beside(model) / CACHE_NAME
-    scores = None
-    if cache.is_file() and not args.rescan:
-        scores = json.loads(cache.read_text()).get("scores")
-        print(f"reusing the scores in {cache} (--rescan to compute them again)")
+    weights = input_identity(model)  # the checkpoint MODEL means now, and its files
+    scores = None if args.rescan else _cached_scores(cache, weights, args.model)
     if scores is None:
         scores = _scan(model, args.nproc_per_node)
         try:
-            cache.write_text(json.dumps({"source": str(model), "scores": scores}, indent=2))
+            cached = {"source": str(model), "weights": weights, "scores": scores}
+            cache.write_text(json.dumps(cached, indent=2))
         except OSError as e:
             print(f"(scores not cached: {cache} cannot be written, {e.strerror})")
     score = {name: s["score"] for name, s in scores.items()}
@@ -86,6 +87,33 @@ def main(args: argparse.Namespace) -> int:
     print(f"{len(modules)} of {len(score)} weight matrices selected (top {args.top_percent:g}% of "
           f"each kind) -> {out}")  # fmt: skip
     return 0
+
+
+def _cached_scores(cache: Path, weights: dict, given: str) -> dict | None:
+    """The scores cached in `cache` when they were computed from `weights` (the checkpoint
+    and files MODEL means now: `input_identity`), else None (scan again, saying why): a run
+    folder that trained on, or a file rewritten, has other weights than its scores."""
+    from freetx.checkpoint.identity import same_input
+
+    if not cache.is_file():
+        return None
+    try:
+        cached = json.loads(cache.read_text())
+    except (OSError, ValueError):
+        cached = None
+    if not isinstance(cached, dict) or not isinstance(cached.get("scores"), dict):
+        print(f"{cache} is not a scores file freetx wrote: scanning again")
+        return None
+    before = cached.get("weights")
+    if not isinstance(before, dict) or not same_input(before, weights):
+        was = before.get("path") if isinstance(before, dict) else "weights it did not record"
+        now = weights["path"] if weights["path"] != was else f"{was}, rewritten since"
+        print(f"the scores in {cache} were computed from {was}; {given} now means {now}: "
+              "scanning again")  # fmt: skip
+        return None
+    print(f"reusing the scores in {cache}, computed from {weights['path']} (--rescan to "
+          "compute them again)")  # fmt: skip
+    return cached["scores"]
 
 
 def _scan(model: Path, nproc: int) -> dict:

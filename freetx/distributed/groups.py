@@ -125,7 +125,9 @@ class ParallelGroups:
         if not self._active(over):
             return tensor[0]
         out = tensor.new_empty(tensor[0].numel())  # gloo wants flat tensors
-        dist.reduce_scatter_tensor(out, tensor.contiguous().reshape(-1), group=self._group(over))
+        # torch 2.13 renamed reduce_scatter_tensor (now a FutureWarning) reduce_scatter_single
+        scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        scatter(out, tensor.contiguous().reshape(-1), group=self._group(over))
         return out.view(tensor.shape[1:])
 
     def all_gather_varying(self, tensor: torch.Tensor, over: Axis = "dp") -> torch.Tensor:

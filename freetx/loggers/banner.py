@@ -5,14 +5,17 @@ from __future__ import annotations
 from freetx.loggers.loggers import format_value
 
 
-def training_banner(recipe: str, runtime, shape, cfg, model: str | None = None, **facts) -> str:
+def training_banner(
+    recipe: str, runtime, shape, cfg, model: str | None = None, weights: str | None = None, **facts
+) -> str:
     """`recipe | world size | strategy and axes | device (backend) | precision | batch
-    split | model: what it is | facts`.
+    split | model: what it is | weights: where they come from | facts`.
 
     `shape` is the run's `MeshShape` (its strategy, the degree of each axis); `cfg` the
     run's config (batch_size, gradient_accumulation_steps, distributed.mixed_precision);
     `model`: the model's own words for what it is ("native freetx decoder for qwen3"),
-    where it says; `facts` are the recipe's own (numbers are formatted with thousands
+    where it says; `weights`: where its weights come from ("random init (seed 0)", "DIR
+    (HF safetensors)", "resumed from CHECKPOINT"); `facts` are the recipe's own (numbers are formatted with thousands
     separators).
     """
     mp = cfg.distributed.mixed_precision
@@ -30,6 +33,8 @@ def training_banner(recipe: str, runtime, shape, cfg, model: str | None = None, 
     ]
     if model is not None:
         parts.append(f"model: {model}")
+    if weights is not None:
+        parts.append(f"weights: {weights}")
     parts += [
         f"{name.replace('_', ' ')} {format_value(value)}"
         for name, value in facts.items()

@@ -115,9 +115,26 @@ def sliced_cross_entropy(
         valid = labels != ignore_index
         losses = torch.where(valid, peak + sum_exp.log() - target, 0.0)
         grad = exp / sum_exp[:, None]
-        grad[here.nonzero()[:, 0], local[here]] -= 1.0
+        # minus the label's one-hot on this slice (a scatter: no data-dependent shapes)
+        grad.scatter_add_(
+            1, local.clamp(0, logits.shape[-1] - 1)[:, None], -here[:, None].to(grad.dtype)
+        )
         grad *= valid[:, None]
     return losses, grad
+
+
+def chunk_bounds(n: int, chunks: int) -> list[tuple[int, int]]:
+    """The (start, end) rows of `chunks` near-equal chunks of `n` (torch's `tensor_split`
+    sizes: the first `n % chunks` one row longer), empty ones left out. From sizes alone,
+    never a tensor's values: the loss runs on fake tensors too (`freetx estimate --measure`)."""
+    size, longer = divmod(n, chunks)
+    bounds, start = [], 0
+    for i in range(chunks):
+        end = start + size + (i < longer)
+        if end > start:
+            bounds.append((start, end))
+        start = end
+    return bounds
 
 
 def _chunk_losses(hidden, labels, head, chunks: int, ignore_index: int, wants):
@@ -135,14 +152,13 @@ def _chunk_losses(hidden, labels, head, chunks: int, ignore_index: int, wants):
     grad_params = [torch.zeros_like(p, dtype=torch.float32) for p in params]
     per_token = torch.empty(flat_labels.shape, dtype=torch.float32, device=hidden.device)
     total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-    for rows in torch.arange(flat_labels.numel()).tensor_split(chunks):
-        if rows.numel() == 0:
-            continue
-        start, end = int(rows[0]), int(rows[-1]) + 1
+    for start, end in chunk_bounds(flat_labels.numel(), chunks):
         chunk = flat_hidden[start:end].detach().requires_grad_(wants_hidden)
         inputs = ([chunk] if wants_hidden else []) + params
         with torch.enable_grad() if wants else torch.no_grad():
-            logits = project(chunk).float()
+            # a view, not the leaf itself: a hook on a module's input (torch's memory
+            # trackers') may not stand on a leaf that autograd.grad differentiates
+            logits = project(chunk.view_as(chunk)).float()
             if vocab is None:
                 losses = F.cross_entropy(
                     logits, flat_labels[start:end], ignore_index=ignore_index, reduction="none"

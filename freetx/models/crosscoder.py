@@ -457,6 +457,13 @@ class CrosscoderStats:
 
 
 @torch.no_grad()
+def relative_decoder_norm(decoder: torch.Tensor, a: int, b: int) -> torch.Tensor:
+    """Each feature's decoder norm in source b over its norms in a and b together [m]: 0
+    only in a, 1 only in b (0 where both are 0)."""
+    norms = decoder.float().norm(dim=-1)
+    return norms[:, b] / (norms[:, a] + norms[:, b]).clamp_min(1e-12)
+
+
 def diffing_analysis(decoder: torch.Tensor, a: int = 0, b: int = 1, bins: int = 20) -> dict:
     """Model diffing from the decoder [m, n, d]: the relative decoder norm of each feature
     between sources a and b (a histogram of `bins`), the features that are A-only (< 0.1),
@@ -464,7 +471,7 @@ def diffing_analysis(decoder: torch.Tensor, a: int = 0, b: int = 1, bins: int = 
     decoder directions in the two sources."""
     norms = decoder.float().norm(dim=-1)
     alive = (norms[:, a] + norms[:, b]) > 1e-8
-    relative = (norms[:, b] / (norms[:, a] + norms[:, b]).clamp_min(1e-12))[alive]
+    relative = relative_decoder_norm(decoder, a, b)[alive]
     counts = torch.histc(relative, bins=bins, min=0.0, max=1.0).long().tolist()
     shared = alive.clone()
     shared[alive] = (relative >= 0.3) & (relative <= 0.7)

@@ -4,7 +4,9 @@ by column of `freetx.planning.estimate.Estimate`)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from collections.abc import Iterator
 
 import torch
 
@@ -43,7 +45,8 @@ def measure(cfg, shape: MeshShape) -> dict[str, float]:
     block more). DDP's gradient hooks do not run on the fake group: replicated layouts
     (ddp, zero1) measure the plain model (DDP's buckets are the gradients themselves, as
     views, kept between steps: added to `gathered`), with the optimizer state divided by
-    the ranks sharing it. Returns bytes per column of `Estimate`, and `peak`.
+    the ranks sharing it. Blocks run uncompiled (Dynamo does not trace the fake step: it
+    crashed the process). Returns bytes per column of `Estimate`, and `peak`.
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -53,6 +56,8 @@ def measure(cfg, shape: MeshShape) -> dict[str, float]:
         cfg.distributed,
         strategy=shape.strategy,
         replicate_degree=shape.dp_replicate,  # read by hsdp alone
+        compile=False,  # Dynamo cannot trace fake tensors under the trackers (it crashed)
+        async_tp=False,  # a pass of compile's
     )
     planned = planned_run(cfg)
     micro = cfg.batch_size // (shape.dp * cfg.gradient_accumulation_steps)
@@ -78,6 +83,25 @@ def measure(cfg, shape: MeshShape) -> dict[str, float]:
     return out
 
 
+@contextlib.contextmanager
+def _gradients_in_forward(tracker) -> Iterator[None]:
+    """The chunked loss (`freetx.models.chunked_loss`) takes each chunk's gradients inside
+    forward (`torch.autograd.grad`); torch's module tracker, under the memory trackers,
+    takes the end of that for the end of the step's backward and forgets which modules
+    are running (the next chunk then fails as "multiple iterative calls"). While forward
+    runs, the tracker's end-of-backward callback is held back; the step's own backward
+    ends it as always."""
+    if tracker is None:
+        yield
+        return
+    modules = tracker._mod_tracker
+    modules._maybe_set_engine_callback = lambda: None  # shadows the method on this instance
+    try:
+        yield
+    finally:
+        del modules._maybe_set_engine_callback
+
+
 def tracked_step(plan, optimizer, loss_fn, input_ids, layout: StateSharding) -> dict[str, float]:
     """One training step of `plan`'s model under torch's memory tracker (FSDPMemTracker for
     FSDP2, MemTracker otherwise), after a first step that creates the optimizer state: the
@@ -87,8 +111,8 @@ def tracked_step(plan, optimizer, loss_fn, input_ids, layout: StateSharding) -> 
     from torch.distributed._tools.mem_tracker import MemTracker
     from torch.distributed.fsdp import FSDPModule
 
-    def step() -> None:
-        with plan.autocast():
+    def step(tracker: MemTracker | None = None) -> None:
+        with plan.autocast(), _gradients_in_forward(tracker):
             loss, _ = loss_fn(plan.model, input_ids, input_ids)
         loss.backward()
         optimizer.step()
@@ -101,7 +125,7 @@ def tracked_step(plan, optimizer, loss_fn, input_ids, layout: StateSharding) -> 
         tracker = MemTracker()  # ZeRO-1's state lives in its local optimizer
         tracker.track_external(plan.model, getattr(optimizer, "optim", optimizer))
     with tracker:
-        step()
+        step(tracker)
     peak = next(iter(tracker.get_tracker_snapshot("peak").values()))
     out = dict.fromkeys(("parameters", "gradients", "optimizer", "gathered", "activations"), 0.0)
     for kind, value in peak.items():

@@ -185,9 +185,18 @@ class TrainingRun:
             training_banner(
                 self.recipe, self.runtime, plan.groups.shape, cfg,
                 model=module.describe() if isinstance(module, DescribesItself) else None,
+                weights=self.checkpointer.weights_origin(cfg.seed),
                 parameters=num_parameters(module), **facts,
             )
         )  # fmt: skip
+        planned = cfg.planned()
+        notice = random_weights_notice(
+            planned.model if planned is not None else None,
+            self.checkpointer.loads_weights,
+            cfg.seed,
+        )
+        if notice:
+            self.loggers.write(notice)
         check_final_export(cfg, type(module))  # the model class is known now
         frozen = self.frozen or self.decide_frozen_base(module)
         self.state = training_state(
@@ -383,3 +392,21 @@ class TrainingRun:
         self.checkpointer.close()  # waits for an asynchronous save to finish
         self.stop_group.destroy()
         self.loggers.close()
+
+
+def random_weights_notice(model_node: Any, loads_weights: bool, seed: int) -> str | None:
+    """A config that takes its model's shape from an HF folder (the model node's `path`)
+    and loads no weights (`loads_weights`: no resume, no `checkpoint.initial_weights`)
+    trains that shape from random weights: said loudly, with the fix, since the folder's
+    weights were likely meant. None otherwise."""
+    path = model_node.get("path") if hasattr(model_node, "get") else None
+    if loads_weights or not isinstance(path, str):
+        return None
+    if not (Path(path).expanduser() / "config.json").is_file():
+        return None
+    return (
+        f"NOTICE: the model's shape comes from the HF folder {path}, but its weights do "
+        f"not: this run trains from random weights (seed {seed}). To start from the "
+        f"folder's weights, set checkpoint.initial_weights={path} (as llm/hf_tiny_full "
+        "does: initial_weights: ${model_dir}); to train from scratch on purpose, ignore this."
+    )
