@@ -8,13 +8,18 @@ import dataclasses
 from omegaconf import DictConfig, ListConfig
 from torch import nn
 
+from freetx.config.instantiate import node_config
 from freetx.data import micro_batch_size
 from freetx.distributed import MeshShape, Processes, check_distributed
 from freetx.distributed.context_parallel import check_shards_context
-from freetx.distributed.pipeline import check_micro_batches, check_stages
+from freetx.distributed.pipeline import check_micro_batches, check_stages, num_stages, stage_blocks
 from freetx.distributed.tensor_parallel import check_slices
 from freetx.errors import ConfigError
 from freetx.fields import written_folders
+from freetx.models.decoder.config import TransformerConfig
+from freetx.models.decoder.tensor_parallel import check_tensor_parallel
+from freetx.models.peft import PEFTConfig
+from freetx.models.peft.lora import check_dora_slices
 from freetx.models.protocol import DescribesItself, PacksDocuments
 from freetx.training.config import TrainingConfig
 from freetx.training.export import built_class, check_final_export
@@ -39,6 +44,7 @@ def check_layout(cfg: object, processes: Processes) -> None:
         check_packing(model_class, bool(packed))
     if cfg.distributed.tp > 1 and model_class is not None:
         check_slices(model_class)
+    check_model_shape(cfg, node_config(getattr(cfg, "model", None)))
     check_micro_batches(cfg.distributed, cfg.gradient_accumulation_steps)
     if cfg.distributed.pp > 1 and model_class is not None:
         check_stages(model_class)
@@ -47,6 +53,23 @@ def check_layout(cfg: object, processes: Processes) -> None:
         check_context(model_class, shape, seq_len)
     if processes.world_size is not None:  # pipeline, context, tensor ranks read the same data
         micro_batch_size(cfg.batch_size, shape.dp, cfg.gradient_accumulation_steps)
+
+
+def check_model_shape(cfg: TrainingConfig, shape: object) -> None:
+    """The refusals a run makes of its model's shape when it parallelizes it, made from
+    the model node's config (`shape`: a native decoder's; None: known only once built):
+    tp slices its heads (`check_tensor_parallel`), pp splits its blocks into stages
+    (`stage_blocks`); and a DoRA run is refused with tp (`check_dora_slices`)."""
+    dist = cfg.distributed
+    peft = getattr(cfg, "peft", None)
+    if dist.tp > 1 and isinstance(peft, PEFTConfig) and peft.method == "lora":
+        check_dora_slices(peft.use_dora)
+    if not isinstance(shape, TransformerConfig):
+        return
+    if dist.tp > 1:
+        check_tensor_parallel(shape, dist.tp)
+    if dist.pp > 1:
+        stage_blocks(shape.num_layers, num_stages(dist), dist.pp_blocks_per_stage)
 
 
 def dataset_nodes(dataset: DictConfig) -> list[DictConfig]:
