@@ -81,10 +81,11 @@ def _torchrun_parser():
 
 
 def main(argv: list[str]) -> int:
-    from freetx.cli.common import load_recipe
+    from freetx.cli.common import check_recipe_fits, config_owner_hint, load_recipe
     from freetx.config.loading import resolve_config_path
     from freetx.config.run_config import load_recipe_config, split_recipe_args
     from freetx.config.schema import config_as_dict
+    from freetx.errors import ConfigError
     from freetx.training import check_written_folders
 
     parser = _torchrun_parser()
@@ -93,7 +94,14 @@ def main(argv: list[str]) -> int:
 
     config, overrides = split_recipe_args(args.training_script_args)
     target = load_recipe(args.training_script)
-    cfg = load_recipe_config(config, overrides, target.schema)  # fail fast, before launching
+    try:
+        cfg = load_recipe_config(config, overrides, target.schema)  # fail fast, before launching
+    except ConfigError as e:
+        hint = config_owner_hint(config, args.training_script)
+        if hint is None:
+            raise
+        raise ConfigError([*e.problems, hint], fix=e.fix) from None
+    check_recipe_fits(args.training_script, cfg)
     check_written_folders(cfg)  # a read-only output_dir or cache fails here, not on N ranks
     config_path = resolve_config_path(config)
     script_args = ["--config", str(config_path), *overrides]
@@ -152,11 +160,13 @@ def _check_layout(cfg, world_size: int, processes_per_node: int) -> None:
 
     from freetx.cli.common import config_device
     from freetx.distributed import Processes
+    from freetx.distributed.runtime import check_device
     from freetx.training import check_layout
 
     device = config_device(getattr(cfg, "device", "auto"))  # generate has no layout to check
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
+    check_device(device, processes_per_node)
     check_layout(cfg, Processes(world_size, processes_per_node, device))
 
 
