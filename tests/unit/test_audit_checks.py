@@ -151,3 +151,61 @@ def test_tp_that_does_not_divide_a_node_still_says_the_group_would_span_nodes():
 
     with pytest.raises(ConfigError, match="a tp group would span nodes"):
         MeshShape.of(DistributedConfig(tp=2), Processes(6, 3, "cpu"))
+
+
+def launch(*argv: str) -> None:
+    """`freetx run ARGV` in this process, for a refusal made before anything is launched."""
+    from freetx.cli.run import main
+
+    main(list(argv))
+
+
+def test_run_refuses_device_cuda_on_a_machine_without_one_before_starting_ranks(tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(ConfigError, match="device: cuda was asked for, but this machine has no"):
+        launch("--nproc-per-node", "8", "full_finetune_fsdp2", "--config", "llm/tiny",
+               "device=cuda", f"output_dir={tmp_path}")  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "override, words",
+    [("model.num_layers=0", "'model.num_layers' is 0"),
+     ("distributed.pp_blocks_per_stage=[1,1]", "pp_blocks_per_stage=[1, 1] gives 2 blocks")],
+    ids=["num_layers_0", "pp_blocks_per_stage_not_summing"],
+)  # fmt: skip
+def test_run_refuses_before_starting_ranks(tmp_path, override, words):
+    config = "llm/tiny_pp" if "pp_" in override else "llm/tiny"
+    with pytest.raises(ConfigError) as e:
+        launch("--nproc-per-node", "4", "full_finetune_fsdp2", "--config", config, override,
+               f"output_dir={tmp_path}")  # fmt: skip
+    assert words in flat(str(e.value))
+
+
+def test_lora_recipe_run_without_peft_is_refused_before_any_work(tmp_path):
+    with pytest.raises(ConfigError, match="peft.method=lora"):
+        launch("lora_finetune_fsdp2", "--config", "llm/tiny", f"output_dir={tmp_path}")
+
+
+def test_doctor_refuses_a_timeout_too_small_for_the_processes_to_start():
+    result = run_freetx_here("doctor", "--timeout-s", "0.001")
+    assert result.returncode == 2
+    assert "--timeout-s: 0.001 is less than 1" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_spectrum_top_percent_0_001_says_the_real_share_it_selected():
+    from freetx.models.peft.spectrum import select, selected_share, selection_text
+
+    scores = {f"layers.{i}.attention.{m}": float(i) for i in range(4) for m in ("wq", "wk")}
+    modules = select(scores, 0.001)
+    assert modules == ["layers.3.attention.wk", "layers.3.attention.wq"]
+    said = selected_share(modules, scores, 0.001)
+    assert said.startswith("2 of 8 weight matrices selected (25%: --top-percent 0.001 keeps")
+    assert "at least one of each kind" in said
+    assert f"# {said}" in selection_text(modules, 0.001, "m", scores)
+    assert selected_share(select(scores, 50), scores, 50).endswith(
+        "(50%: the top 50% of each kind)"
+    )
