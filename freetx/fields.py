@@ -56,6 +56,25 @@ def written_folders(config: Any, path: str = "") -> list[tuple[str, str, bool]]:
     return found
 
 
+READS_KEY = "reads"
+
+
+def read_path(default: Any = _REQUIRED) -> Any:
+    """A schema field naming a file or folder the run reads (None: not used): `freetx run`
+    and `freetx validate` check it exists before anything is launched
+    (`freetx.training.check_read_paths`)."""
+    return dataclasses.field(default=default, metadata={READS_KEY: True})
+
+
+def read_paths(config: Any) -> list[tuple[str, str]]:
+    """(key, path) of every `read_path` field set in a config dataclass instance."""
+    return [
+        (f.name, getattr(config, f.name))
+        for f in dataclasses.fields(config)
+        if f.metadata.get(READS_KEY) and isinstance(getattr(config, f.name, None), str)
+    ]
+
+
 @runtime_checkable
 class ChecksMeaning(Protocol):
     """A config dataclass that can tell which of its values make a knob meaningless."""

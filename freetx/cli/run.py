@@ -86,7 +86,7 @@ def main(argv: list[str]) -> int:
     from freetx.config.run_config import load_recipe_config, split_recipe_args
     from freetx.config.schema import config_as_dict
     from freetx.errors import ConfigError
-    from freetx.training import check_written_folders
+    from freetx.training import check_read_paths, check_written_folders
 
     parser = _torchrun_parser()
     args = parser.parse_args(argv)
@@ -103,6 +103,7 @@ def main(argv: list[str]) -> int:
         raise ConfigError([*e.problems, hint], fix=e.fix) from None
     check_recipe_fits(args.training_script, cfg)
     check_written_folders(cfg)  # a read-only output_dir or cache fails here, not on N ranks
+    check_read_paths(cfg)  # a model_dir that is not there too
     config_path = resolve_config_path(config)
     script_args = ["--config", str(config_path), *overrides]
     output_dir = config_as_dict(cfg).get("output_dir")  # where a stopped run says so

@@ -46,7 +46,7 @@ def main(args: argparse.Namespace) -> int:
     from freetx.config.schema import apply_schema, as_schema_instance
     from freetx.distributed import Processes
     from freetx.errors import ConfigError
-    from freetx.training import check_layout, check_written_folders
+    from freetx.training import check_layout, check_read_paths, check_written_folders
 
     recipe_name = args.recipe
     if recipe_name is None:
@@ -65,6 +65,7 @@ def main(args: argparse.Namespace) -> int:
             device = config_device(cfg.get("device", "auto"))
             check_layout(instance, Processes(args.world_size, device_type=device))
             check_written_folders(instance)
+            check_read_paths(instance)
             check_recipe_fits(recipe_name, instance)
         except ConfigError as e:
             problems = [*e.problems[:-1], f"{e.problems[-1]} {e.fix or ''}".rstrip()]

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 from omegaconf import DictConfig, ListConfig
 from torch import nn
@@ -15,7 +16,7 @@ from freetx.distributed.context_parallel import check_shards_context
 from freetx.distributed.pipeline import check_micro_batches, check_stages, num_stages, stage_blocks
 from freetx.distributed.tensor_parallel import check_slices
 from freetx.errors import ConfigError
-from freetx.fields import written_folders
+from freetx.fields import read_paths, written_folders
 from freetx.models.decoder.config import TransformerConfig
 from freetx.models.decoder.tensor_parallel import check_tensor_parallel
 from freetx.models.peft import PEFTConfig
@@ -140,6 +141,22 @@ def check_context(model: nn.Module | type, shape: MeshShape, seq_len: int | None
     if seq_len is not None:
         shape.check_sequence_length(seq_len)
     check_shards_context(model)
+
+
+def check_read_paths(cfg: object) -> None:
+    """Every file or folder a config names for the run to read (`read_path` fields:
+    model_dir) exists: checked before anything is launched (`freetx run`, `freetx
+    validate`), so a typo costs no start-up and is not reported as another key's problem."""
+    if not dataclasses.is_dataclass(cfg):
+        return
+    for key, path in read_paths(cfg):
+        if path and path != "???" and not Path(path).expanduser().exists():
+            raise ConfigError(
+                f"{key}={path} does not exist.",
+                fix=f"Point {key} at what the run reads (an HF model folder, a run's "
+                "output_dir, a DCP folder or a .safetensors file); a run's output_dir is "
+                "there once that run has saved a checkpoint.",
+            )
 
 
 def check_written_folders(cfg: object) -> None:

@@ -130,10 +130,38 @@ def test_a_config_file_of_another_recipe_names_the_recipe_it_looks_like(tmp_path
     assert f"{path} looks like a config of recipe ad_ddp" in flat(result.stdout)
 
 
-def test_the_right_recipe_gets_no_hint_and_shipped_lora_configs_pass():
+def test_the_right_recipe_gets_no_hint_and_shipped_lora_configs_pass(tmp_path):
     for config in ("llm/tiny", "llm/lora_tiny", "llm/spectrum_tiny"):
-        result = run_freetx_here("validate", config)
+        result = run_freetx_here("validate", config, f"model_dir={tmp_path}")
         assert result.returncode == 0, result.stdout
+
+
+def test_validate_refuses_a_model_dir_that_does_not_exist(tmp_path):
+    result = run_freetx_here("validate", "llm/lora_tiny", f"model_dir={tmp_path / 'nope'}")
+    assert result.returncode == 1
+    assert f"model_dir={tmp_path / 'nope'} does not exist. Point model_dir at" in flat(
+        result.stdout
+    )
+
+
+def test_run_refuses_a_model_dir_that_does_not_exist_before_starting_ranks(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        launch("--nproc-per-node", "2", "lora_finetune_fsdp2", "--config", "llm/lora_tiny",
+               f"model_dir={tmp_path / 'nope'}", f"output_dir={tmp_path / 'run'}")  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "config, key", [("llm/instruct_tiny", "dataset.source"),
+                    ("llm/mixture_tiny", "dataset.sources.0.source")],
+    ids=["data_file", "data_file_of_a_mixture_source"],
+)  # fmt: skip
+def test_validate_refuses_a_data_file_that_does_not_exist(tmp_path, config, key):
+    missing = tmp_path / "pairs.jsonl"
+    result = run_freetx_here("validate", config, f"{key}={missing}")
+    assert result.returncode == 1
+    assert f"data file {missing} does not exist; fix dataset.source" in flat(result.stdout)
+    missing.write_text('{"prompt": "a", "response": "b"}\n')
+    assert run_freetx_here("validate", config, f"{key}={missing}").returncode == 0
 
 
 def test_tp_on_one_node_of_3_processes_says_3_is_not_divisible_by_tp():
