@@ -32,8 +32,8 @@ import os
 
 from freetx.data.formats import BadRow, BadRows, Messages, check_not_empty, encode_rows, read_split
 from freetx.data.instruct import dataset_records
-from freetx.data.sampling import check_split, split_of
-from freetx.data.sources import RECORD_SUFFIXES, dataset_problems, source_files
+from freetx.data.sampling import check_split, split_of, split_problems
+from freetx.data.sources import RECORD_SUFFIXES, source_files
 from freetx.data.token_cache import cached_rows, settings_of
 from freetx.data.token_rows import Encoded
 from freetx.data.token_samples import TokenSamples
@@ -48,7 +48,7 @@ class ChatDataset(TokenSamples):
     the assistant's and IGNORE_INDEX elsewhere (padding included).
     """
 
-    meaningless = staticmethod(dataset_problems)  # checked before it is built
+    meaningless = staticmethod(split_problems)  # checked before it is built
 
     def __init__(
         self,

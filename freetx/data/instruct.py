@@ -22,11 +22,10 @@ from collections.abc import Iterable
 
 from freetx.data.corpus import builtin_documents
 from freetx.data.formats import BadRows, Format, check_not_empty, read_split
-from freetx.data.sampling import check_split, split_of
+from freetx.data.sampling import check_split, split_of, split_problems
 from freetx.data.sources import (
     RECORD_SUFFIXES,
     Record,
-    dataset_problems,
     read_records,
     source_files,
 )
@@ -83,7 +82,7 @@ def dataset_records(
 class InstructDataset(TokenSamples):
     """Prompt/response pairs as fixed-length, response-only-loss samples."""
 
-    meaningless = staticmethod(dataset_problems)  # checked before it is built
+    meaningless = staticmethod(split_problems)  # checked before it is built
 
     def __init__(
         self,

@@ -25,7 +25,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from freetx.data.sampling import split_problems
 from freetx.errors import DataError
 
 RECORD_SUFFIXES = (".jsonl", ".json", ".parquet")
@@ -54,9 +53,10 @@ MISSING_SOURCE = (
 
 
 def source_problems(values: dict[str, Any]) -> dict[str, str]:
-    """A dataset's `source` naming a file or folder that is not there, by key (part of a
-    dataset's `meaningless`: `freetx validate` and every run check it before anything is
-    built; `source_parts` refuses the same when the dataset is)."""
+    """A dataset node's `source` naming a file or folder that is not there, by key
+    (`freetx validate` and `freetx run` check every node's before anything is launched:
+    `freetx.training.check_read_paths`; `source_parts` refuses the same when a dataset is
+    built). Not `freetx estimate`'s: a run planned elsewhere has its data there."""
     source = values.get("source")
     items = [source] if isinstance(source, str) else source if isinstance(source, list) else []
     for item in items:
@@ -64,12 +64,6 @@ def source_problems(values: dict[str, Any]) -> dict[str, str]:
             if not Path(item).expanduser().exists():
                 return {"source": f"data file {item} {MISSING_SOURCE}"}
     return {}
-
-
-def dataset_problems(values: dict[str, Any]) -> dict[str, str]:
-    """A dataset's values no run can read (its `meaningless`): the split's
-    (`split_problems`) and its source's (`source_problems`)."""
-    return {**split_problems(values), **source_problems(values)}
 
 
 def source_parts(source: str | Sequence[str], suffixes: Sequence[str]) -> list[Path]:

@@ -34,12 +34,11 @@ from freetx.data.batch import token_sample
 from freetx.data.corpus import builtin_documents
 from freetx.data.formats import DEFAULT_COLUMNS, BadRows, Format, read_split
 from freetx.data.packing import stream_documents
-from freetx.data.sampling import Split, check_split, split_of
+from freetx.data.sampling import Split, check_split, split_of, split_problems
 from freetx.data.sources import (
     RECORD_SUFFIXES,
     TEXT_SUFFIX,
     Record,
-    dataset_problems,
     not_text,
     read_part,
     source_files,
@@ -108,7 +107,7 @@ def _encode_documents(source: str | Sequence[str], fmt: Format, bad_rows: BadRow
 class PackedTextDataset(Dataset):
     """Fixed-length token windows from packed documents, one split of them."""
 
-    meaningless = staticmethod(dataset_problems)  # checked before it is built
+    meaningless = staticmethod(split_problems)  # checked before it is built
 
     def __init__(
         self,

@@ -6,11 +6,12 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from omegaconf import DictConfig, ListConfig
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from torch import nn
 
-from freetx.config.instantiate import node_config
+from freetx.config.instantiate import find_components, node_config, to_container
 from freetx.data import micro_batch_size
+from freetx.data.sources import source_problems
 from freetx.distributed import MeshShape, Processes, check_distributed
 from freetx.distributed.context_parallel import check_shards_context
 from freetx.distributed.pipeline import check_micro_batches, check_stages, num_stages, stage_blocks
@@ -149,6 +150,11 @@ def check_read_paths(cfg: object) -> None:
     validate`), so a typo costs no start-up and is not reported as another key's problem."""
     if not dataclasses.is_dataclass(cfg):
         return
+    for where, node in _component_nodes(cfg):
+        if "source" in node and not OmegaConf.is_missing(node, "source"):
+            source = to_container(node.source)
+            for why in source_problems({"source": source}).values():
+                raise ConfigError(f"{where}.source: {why}")
     for key, path in read_paths(cfg):
         if path and path != "???" and not Path(path).expanduser().exists():
             raise ConfigError(
@@ -157,6 +163,18 @@ def check_read_paths(cfg: object) -> None:
                 "output_dir, a DCP folder or a .safetensors file); a run's output_dir is "
                 "there once that run has saved a checkpoint.",
             )
+
+
+def _component_nodes(cfg: object, path: str = "") -> list[tuple[str, DictConfig]]:
+    """Every `_component_` node of a schema instance (in its sections too), with its key."""
+    found = []
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name, None)
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            found.extend(_component_nodes(value, f"{path}{f.name}."))
+        elif isinstance(value, (DictConfig, ListConfig)):
+            found.extend(find_components(value, f"{path}{f.name}"))
+    return found
 
 
 def check_written_folders(cfg: object) -> None:

@@ -237,3 +237,18 @@ def test_spectrum_top_percent_0_001_says_the_real_share_it_selected():
     assert selected_share(select(scores, 50), scores, 50).endswith(
         "(50%: the top 50% of each kind)"
     )
+
+
+def test_vocab_size_10_12_in_config_json_is_refused_before_allocating(generic_folder, tmp_path):
+    import json
+    import shutil
+
+    folder = shutil.copytree(generic_folder, tmp_path / "big")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "vocab_size": 10**12}))
+    result = run_freetx_here("validate", "llm/hf_tiny_full", f"model_dir={folder}")
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert f"{folder / 'config.json'} gives vocab_size=1000000000000, past any model's" in flat(
+        result.stderr
+    )
+    assert "Fix vocab_size in config.json" in flat(result.stderr)
