@@ -56,6 +56,25 @@ def written_folders(config: Any, path: str = "") -> list[tuple[str, str, bool]]:
     return found
 
 
+READS_KEY = "reads"
+
+
+def read_path(default: Any = _REQUIRED) -> Any:
+    """A schema field naming a file or folder the run reads (None: not used): `freetx run`
+    and `freetx validate` check it exists before anything is launched
+    (`freetx.training.check_read_paths`)."""
+    return dataclasses.field(default=default, metadata={READS_KEY: True})
+
+
+def read_paths(config: Any) -> list[tuple[str, str]]:
+    """(key, path) of every `read_path` field set in a config dataclass instance."""
+    return [
+        (f.name, getattr(config, f.name))
+        for f in dataclasses.fields(config)
+        if f.metadata.get(READS_KEY) and isinstance(getattr(config, f.name, None), str)
+    ]
+
+
 @runtime_checkable
 class ChecksMeaning(Protocol):
     """A config dataclass that can tell which of its values make a knob meaningless."""
@@ -112,16 +131,28 @@ def _defaults(config_class: type) -> dict[str, Any]:
 
 
 def field_problems(config_class: Any, values: dict[str, Any], path: str = "") -> list[str]:
-    """What `config_class.meaningless` finds in `values` (over the class's defaults), each
-    naming its key under `path` ("peft.") and its value; [] for a class without it."""
-    if not isinstance(config_class, ChecksMeaning) or not dataclasses.is_dataclass(config_class):
+    """What `config_class.meaningless` finds in `values` (over the class's defaults, for a
+    dataclass), each naming its key under `path` ("peft.") and its value; [] for a class
+    without it. `config_class` may be a `_component_` target itself (a dataset, a loss)
+    whose `meaningless` reads its constructor's keywords."""
+    if not isinstance(config_class, ChecksMeaning):
         return []
-    merged = {**_defaults(config_class), **values}
+    defaults = _defaults(config_class) if dataclasses.is_dataclass(config_class) else {}
+    merged = {**defaults, **values}
     try:
         found = config_class.meaningless(merged)
     except TypeError:  # a value of the wrong type: the type checks or the builder say so
         return []
-    return [f"'{path}{key}' is {merged.get(key)!r}: {why}" for key, why in found.items()]
+    return [f"'{path}{key}' is {_value_at(merged, key)!r}: {why}" for key, why in found.items()]
+
+
+def _value_at(values: dict[str, Any], key: str) -> Any:
+    """The value of a key, or of a dotted key into a section given as a dict ("optimizer.lr")."""
+    if key in values:
+        return values[key]
+    head, _, rest = key.partition(".")
+    inner = values.get(head)
+    return _value_at(inner, rest) if rest and isinstance(inner, dict) else None
 
 
 def refuse_meaningless(config: Any) -> None:

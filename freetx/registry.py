@@ -23,6 +23,7 @@ class Recipe:
     configs: tuple[str, ...]
     supports_distributed: bool = True
     description: str = ""
+    trains_adapters: bool = False  # a config with no `peft:` method is refused (a full fine-tune)
 
 
 RECIPES: tuple[Recipe, ...] = (
@@ -59,6 +60,7 @@ RECIPES: tuple[Recipe, ...] = (
     Recipe(
         name="lora_finetune_fsdp2",
         file="full_finetune_fsdp2.py",  # one loop: the `peft:` section picks what trains
+        trains_adapters=True,
         configs=(
             "llm/lora_tiny",
             "llm/dora_tiny",
@@ -146,6 +148,26 @@ def recipe_for_config(name: str) -> Recipe | None:
     """The built-in recipe that a built-in config belongs to."""
     name = name.removesuffix(".yaml")
     return next((r for r in RECIPES if name in r.configs), None)
+
+
+def recipe_guessed_for(keys: set[str]) -> Recipe | None:
+    """The built-in recipe whose configs use the top-level `keys` of a config file most
+    alike (every key among theirs, fewest others), or None: for a hint naming whose
+    config a file is."""
+    import yaml
+
+    best, score = None, None
+    for recipe in RECIPES:
+        known: set[str] = set()
+        for name in recipe.configs:
+            try:
+                data = yaml.safe_load((configs_dir() / f"{name}.yaml").read_text())
+            except (OSError, yaml.YAMLError):
+                continue
+            known |= set(data) if isinstance(data, dict) else set()
+        if keys and keys <= known and (score is None or len(known - keys) < score):
+            best, score = recipe, len(known - keys)
+    return best
 
 
 def closest(name: str, candidates: list[str]) -> str | None:

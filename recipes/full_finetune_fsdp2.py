@@ -39,6 +39,7 @@ from freetx.data import (
 from freetx.data.packing import packs
 from freetx.distributed import build_groups, init_distributed, parallelize
 from freetx.entry import parse
+from freetx.fields import read_path
 from freetx.models.peft import PEFTConfig, apply_peft
 from freetx.training import (
     PlannedRun,
@@ -70,7 +71,9 @@ class FullFinetuneConfig(TrainingConfig):
         *TrainingConfig.fixed_on_resume, "model", "tokenizer", "dataset", "peft",
     )  # fmt: skip
 
-    model_dir: Optional[str] = None  # an HF model folder, for ${model_dir} in the sections below
+    model_dir: Optional[str] = read_path(
+        None
+    )  # an HF model folder, for ${model_dir} in the sections below
     model: Any = MISSING
     tokenizer: Any = MISSING
     dataset: Any = MISSING  # built twice: split=train and split=validation

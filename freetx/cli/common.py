@@ -7,9 +7,10 @@ import importlib.util
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from freetx import registry
-from freetx.errors import FreetxError
+from freetx.errors import ConfigError, FreetxError
 
 
 @dataclass
@@ -113,3 +114,46 @@ port = number(int, at_least=1, at_most=65535)
 def config_device(device: str) -> str | None:
     """The device type a config's `device:` names (None for auto: known only where it runs)."""
     return None if device == "auto" else device
+
+
+def check_recipe_fits(recipe_name: str, cfg: Any) -> None:
+    """What a built-in recipe asks of a config beyond its schema (`freetx validate` and
+    `freetx run`, before anything is launched): lora_finetune_fsdp2 trains adapters, so a
+    config without a `peft:` method (a full fine-tune) is refused."""
+    recipe = registry.get_recipe(recipe_name)
+    peft = getattr(cfg, "peft", None)  # a schema without one: nothing to compare
+    method = getattr(peft, "method", None)
+    if recipe is None or not recipe.trains_adapters or method != "none":
+        return
+    examples = ", ".join(c for c in recipe.configs if c.endswith("_tiny"))
+    raise ConfigError(
+        f"recipe {recipe.name} trains adapters, and this config sets no peft.method (no "
+        "`peft:` section), so it would fine-tune every weight without a word.",
+        fix=f"Add peft.method=lora (with peft.rank=..., peft.use_dora=true for DoRA; the "
+        f"configs {examples} show the section), or run full_finetune_fsdp2 for a full "
+        "fine-tune.",
+    )
+
+
+def config_owner_hint(config: str, recipe_name: str) -> str | None:
+    """A line naming the recipe a config belongs to, when it is another than the one it was
+    given to (a built-in config: the registry says; a file: guessed from its top-level
+    keys), with the command that runs it; None otherwise. Added to a config's problems."""
+    owner = registry.recipe_for_config(config)
+    if owner is None and Path(config).is_file():
+        import yaml
+
+        try:
+            data = yaml.safe_load(Path(config).read_text())
+        except (OSError, yaml.YAMLError, UnicodeDecodeError):
+            data = None
+        if isinstance(data, dict):
+            owner = registry.recipe_guessed_for({str(k) for k in data})
+    given = registry.get_recipe(recipe_name)
+    if owner is None or owner.name == recipe_name or (given and given.file == owner.file):
+        return None
+    known = "is a config of" if registry.recipe_for_config(config) else "looks like a config of"
+    return (
+        f"{config} {known} recipe {owner.name}, not {recipe_name}: run it with "
+        f"`freetx run {owner.name} --config {config}`."
+    )

@@ -15,6 +15,8 @@ from pathlib import Path
 from freetx.cli.common import at_least_one, number
 
 POSITIVE = number(float, above=0)  # sizes and seconds
+# below this, torch's store times out while the processes start and prints its C++ frames
+MIN_TIMEOUT_S = 1.0
 
 # Free space below one checkpoint of a 1B-parameter model is a WARN: fp32 weights and
 # AdamW's two moments are 12 bytes per parameter (4 + 8), 12 GB for 1e9 parameters.
@@ -76,9 +78,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--timeout-s",
-        type=POSITIVE,
+        type=number(float, at_least=MIN_TIMEOUT_S),
         default=120.0,
-        help="a collective not done within this fails the check (default 120)",
+        help="a collective not done within this fails the check (default 120; at least "
+        f"{MIN_TIMEOUT_S:g}: the processes' start-up and first collective take that long)",
     )
     return parser
 

@@ -81,11 +81,12 @@ def _torchrun_parser():
 
 
 def main(argv: list[str]) -> int:
-    from freetx.cli.common import load_recipe
+    from freetx.cli.common import check_recipe_fits, config_owner_hint, load_recipe
     from freetx.config.loading import resolve_config_path
     from freetx.config.run_config import load_recipe_config, split_recipe_args
     from freetx.config.schema import config_as_dict
-    from freetx.training import check_written_folders
+    from freetx.errors import ConfigError
+    from freetx.training import check_read_paths, check_written_folders
 
     parser = _torchrun_parser()
     args = parser.parse_args(argv)
@@ -93,8 +94,16 @@ def main(argv: list[str]) -> int:
 
     config, overrides = split_recipe_args(args.training_script_args)
     target = load_recipe(args.training_script)
-    cfg = load_recipe_config(config, overrides, target.schema)  # fail fast, before launching
+    try:
+        cfg = load_recipe_config(config, overrides, target.schema)  # fail fast, before launching
+    except ConfigError as e:
+        hint = config_owner_hint(config, args.training_script)
+        if hint is None:
+            raise
+        raise ConfigError([*e.problems, hint], fix=e.fix) from None
+    check_recipe_fits(args.training_script, cfg)
     check_written_folders(cfg)  # a read-only output_dir or cache fails here, not on N ranks
+    check_read_paths(cfg)  # a model_dir that is not there too
     config_path = resolve_config_path(config)
     script_args = ["--config", str(config_path), *overrides]
     output_dir = config_as_dict(cfg).get("output_dir")  # where a stopped run says so
@@ -152,11 +161,13 @@ def _check_layout(cfg, world_size: int, processes_per_node: int) -> None:
 
     from freetx.cli.common import config_device
     from freetx.distributed import Processes
+    from freetx.distributed.runtime import check_device
     from freetx.training import check_layout
 
     device = config_device(getattr(cfg, "device", "auto"))  # generate has no layout to check
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
+    check_device(device, processes_per_node)
     check_layout(cfg, Processes(world_size, processes_per_node, device))
 
 

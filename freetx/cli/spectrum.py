@@ -57,7 +57,7 @@ def _beside(model: Path) -> Path:
 def main(args: argparse.Namespace) -> int:
     from freetx.checkpoint.identity import input_identity
     from freetx.errors import FreetxError
-    from freetx.models.peft.spectrum import select, selection_text
+    from freetx.models.peft.spectrum import select, selected_share, selection_text
     from freetx.user_files import refuse_existing, write_user_file
 
     model = Path(args.model).expanduser()
@@ -84,8 +84,7 @@ def main(args: argparse.Namespace) -> int:
     modules = select(score, args.top_percent)
     text = selection_text(modules, args.top_percent, str(args.model), score)
     write_user_file(out, text, args.overwrite, elsewhere)
-    print(f"{len(modules)} of {len(score)} weight matrices selected (top {args.top_percent:g}% of "
-          f"each kind) -> {out}")  # fmt: skip
+    print(f"{selected_share(modules, score, args.top_percent)} -> {out}")
     return 0
 
 

@@ -43,12 +43,17 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _validate(args: argparse.Namespace) -> int:
-    from freetx.cli.common import config_device, load_recipe
+    from freetx.cli.common import (
+        check_recipe_fits,
+        config_device,
+        config_owner_hint,
+        load_recipe,
+    )
     from freetx.config.run_config import load_and_check
     from freetx.config.schema import apply_schema, as_schema_instance
     from freetx.distributed import Processes
     from freetx.errors import ConfigError
-    from freetx.training import check_layout, check_written_folders
+    from freetx.training import check_layout, check_read_paths, check_written_folders
 
     recipe_name = args.recipe
     if recipe_name is None:
@@ -67,10 +72,15 @@ def _validate(args: argparse.Namespace) -> int:
             device = config_device(cfg.get("device", "auto"))
             check_layout(instance, Processes(args.world_size, device_type=device))
             check_written_folders(instance)
+            check_read_paths(instance)
+            check_recipe_fits(recipe_name, instance)
         except ConfigError as e:
             problems = [*e.problems[:-1], f"{e.problems[-1]} {e.fix or ''}".rstrip()]
         except FreetxError as e:  # a folder the run would write cannot be written
             problems = [str(e)]
+    hint = config_owner_hint(args.config, recipe_name) if problems else None
+    if hint:
+        problems = [*problems, hint]
     if problems:
         print(
             f"{args.config}: {len(problems)} problem{'s' if len(problems) > 1 else ''} "

@@ -383,14 +383,45 @@ def _meaningless_values(target: Any, where: str, kwargs: dict) -> list[str]:
     """The values of a builder's config dataclass (`freetx.models.protocol.builds`) that it
     calls meaningless (`freetx.fields.field_problems`); building it would refuse them too."""
     config_class, _ = builder_config(target, kwargs)
-    if config_class is None:
-        return []
+    if config_class is None:  # a target that checks its own keywords (a dataset, a loss)
+        plain = {k: OmegaConf.to_container(v) if isinstance(v, ListConfig) else v
+                 for k, v in kwargs.items() if not isinstance(v, DictConfig)}  # fmt: skip
+        return field_problems(target, plain, f"{where}.")
+    return field_problems(config_class, _field_values(target, config_class, kwargs), f"{where}.")
+
+
+def _field_values(target: Any, config_class: type, kwargs: dict) -> dict[str, Any]:
+    """A builder's config fields a node sets, over its preset's, as plain values."""
     names = {f.name for f in dataclasses.fields(config_class)}
     preset = target.presets.get(kwargs.get("preset"), {})  # the node's keys over its preset's
-    plain = {k: OmegaConf.to_container(v) if isinstance(v, ListConfig) else v
-             for k, v in {**preset, **kwargs}.items()
-             if k in names and not isinstance(v, DictConfig)}  # fmt: skip
-    return field_problems(config_class, plain, f"{where}.")
+    return {k: OmegaConf.to_container(v) if isinstance(v, ListConfig) else v
+            for k, v in {**preset, **kwargs}.items()
+            if k in names and not isinstance(v, DictConfig)}  # fmt: skip
+
+
+def node_config_class(node: DictConfig, target: Any) -> type | None:
+    """The config dataclass `target` (a node's builder) picks for the node's keys, or None."""
+    return builder_config(target, {k: v for k, v in _items(node) if k != COMPONENT})[0]
+
+
+def node_config(node: Any) -> Any | None:
+    """The config dataclass instance a builder's node makes (a model's shape, from its
+    preset and keys: nothing is built), for the checks before a run; None when the node
+    names no builder with one, or its values do not make one (validate says why)."""
+    if not isinstance(node, DictConfig) or not isinstance(node.get(COMPONENT), str):
+        return None
+    try:
+        target = import_component(node[COMPONENT], f"model.{COMPONENT}")
+    except ConfigError:
+        return None
+    kwargs = {k: v for k, v in _items(node) if k != COMPONENT}
+    config_class, _ = builder_config(target, kwargs)
+    if config_class is None:
+        return None
+    try:
+        return config_class(**_field_values(target, config_class, kwargs))
+    except (TypeError, ValueError):
+        return None
 
 
 def _items(node: DictConfig) -> list[tuple[Any, Any]]:

@@ -30,7 +30,7 @@ from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from freetx.config.foreign_names import foreign_hint
-from freetx.config.instantiate import check_components
+from freetx.config.instantiate import COMPONENT, check_components
 from freetx.errors import ConfigError
 from freetx.fields import MIN_KEY, at_least, field_problems  # noqa: F401 - at_least re-exported
 
@@ -196,7 +196,27 @@ def _plain_values(node: DictConfig, hints: dict[str, Any]) -> dict[str, Any]:
 def check_config(cfg: DictConfig, schema: type | None) -> list[str]:
     """Every problem with a resolved config: schema first, then components."""
     problems = schema_problems(cfg, schema) if schema is not None else []
+    if schema is not None:
+        cfg = _with_default_components(cfg, schema)
     return problems + check_components(cfg)
+
+
+def _with_default_components(cfg: DictConfig, schema: type) -> DictConfig:
+    """The config with the `_component_` of each top-level node the schema gives by default
+    (a recipe's loss) where the config sets the node's keys only (`loss.num_chunks=0`), so
+    those keys are checked against the component the run builds."""
+    filled = None
+    for f in dataclasses.fields(schema):
+        node = cfg.get(f.name) if f.name in cfg else None
+        if not isinstance(node, DictConfig) or COMPONENT in node:
+            continue
+        if f.default_factory is dataclasses.MISSING:
+            continue
+        default = f.default_factory()
+        if isinstance(default, dict) and COMPONENT in default:
+            filled = filled if filled is not None else cfg.copy()
+            filled[f.name] = OmegaConf.merge(default, node)
+    return cfg if filled is None else filled
 
 
 def apply_schema(cfg: DictConfig, schema: type) -> DictConfig:

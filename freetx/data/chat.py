@@ -32,7 +32,7 @@ import os
 
 from freetx.data.formats import BadRow, BadRows, Messages, check_not_empty, encode_rows, read_split
 from freetx.data.instruct import dataset_records
-from freetx.data.sampling import check_split, split_of
+from freetx.data.sampling import check_split, split_of, split_problems
 from freetx.data.sources import RECORD_SUFFIXES, source_files
 from freetx.data.token_cache import cached_rows, settings_of
 from freetx.data.token_rows import Encoded
@@ -47,6 +47,8 @@ class ChatDataset(TokenSamples):
     cut to `seq_len + 1` and padded with PAD, labels the next token where it is
     the assistant's and IGNORE_INDEX elsewhere (padding included).
     """
+
+    meaningless = staticmethod(split_problems)  # checked before it is built
 
     def __init__(
         self,

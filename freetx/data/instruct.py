@@ -22,8 +22,13 @@ from collections.abc import Iterable
 
 from freetx.data.corpus import builtin_documents
 from freetx.data.formats import BadRows, Format, check_not_empty, read_split
-from freetx.data.sampling import check_split, split_of
-from freetx.data.sources import RECORD_SUFFIXES, Record, read_records, source_files
+from freetx.data.sampling import check_split, split_of, split_problems
+from freetx.data.sources import (
+    RECORD_SUFFIXES,
+    Record,
+    read_records,
+    source_files,
+)
 from freetx.data.token_cache import cached_rows, settings_of
 from freetx.data.token_rows import Encoded
 from freetx.data.token_samples import TokenSamples
@@ -76,6 +81,8 @@ def dataset_records(
 
 class InstructDataset(TokenSamples):
     """Prompt/response pairs as fixed-length, response-only-loss samples."""
+
+    meaningless = staticmethod(split_problems)  # checked before it is built
 
     def __init__(
         self,

@@ -73,6 +73,12 @@ def summary_lines(dataset: object) -> list[str]:
     return dataset.summary().lines() if isinstance(dataset, SummarizesData) else []
 
 
+WEIGHT_FIX = (
+    "a weight is a positive number (the source's share is its weight over their sum). Make "
+    "it positive, or remove the source from dataset.sources."
+)
+
+
 class Mixture(Dataset):
     """Several datasets as one, in proportions set by `weights` (see the module docstring).
 
@@ -84,6 +90,19 @@ class Mixture(Dataset):
     """
 
     built_later = ("sources",)  # freetx.fields.BuildsParts: factories, called here
+
+    @staticmethod
+    def meaningless(values: dict[str, Any]) -> dict[str, str]:
+        """Weights no mixture has, by key: why, and the fix (checked by `freetx validate`
+        and every run before anything is built; `_check_arguments` when one is)."""
+        for i, w in enumerate(values.get("weights") or []):
+            if (
+                isinstance(w, bool)
+                or not isinstance(w, numbers.Real)
+                or not (math.isfinite(w) and w > 0)
+            ):
+                return {"weights": f"weights[{i}] is {w!r}; {WEIGHT_FIX}"}
+        return {}
 
     def __init__(
         self,
@@ -193,17 +212,8 @@ def _check_arguments(sources, weights, split, names, num_samples) -> None:
                 fix="Give one weight per source, in the order of dataset.sources (or leave "
                 "weights out to concatenate the sources).",
             )
-        for i, w in enumerate(weights):
-            if (
-                isinstance(w, bool)
-                or not isinstance(w, numbers.Real)
-                or not (math.isfinite(w) and w > 0)
-            ):
-                raise ConfigError(
-                    f"dataset.weights[{i}] is {w!r}; a weight is a positive number (the "
-                    "source's share is its weight over their sum).",
-                    fix="Make it positive, or remove the source from dataset.sources.",
-                )
+        for why in Mixture.meaningless({"weights": weights}).values():
+            raise ConfigError(f"dataset.{why}")
     if names is not None:
         names = list(names)
         if len(names) != len(sources):

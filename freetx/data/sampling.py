@@ -210,10 +210,26 @@ def check_split(split: str, val_fraction: float, seq_len: int) -> None:
     """The arguments every dataset with a train/validation split takes, checked."""
     if split not in ("train", "validation"):
         raise DataError(f"split must be 'train' or 'validation', got {split!r}.")
-    if not 0 < val_fraction < 0.5:
-        raise DataError(f"dataset.val_fraction must be in (0, 0.5), got {val_fraction}.")
-    if seq_len < 1:
-        raise DataError(f"dataset.seq_len must be positive, got {seq_len}.")
+    values = {"val_fraction": val_fraction, "seq_len": seq_len}
+    found = split_problems(values)
+    if found:
+        raise DataError(" ".join(f"dataset.{k}={values[k]!r}: {why}" for k, why in found.items()))
+
+
+def split_problems(values: dict[str, Any]) -> dict[str, str]:
+    """The `val_fraction` and `seq_len` of a dataset with a split that no split has, by
+    key: why, and the fix (a dataset's `meaningless`: `freetx validate` and every run
+    check a config's dataset nodes with it before anything is built; `check_split`
+    when one is)."""
+    found = {}
+    fraction, seq_len = values.get("val_fraction"), values.get("seq_len")
+    if isinstance(fraction, (int, float)) and not 0 < fraction < 0.5:
+        found["val_fraction"] = (
+            "it is the share of rows held out for validation; set it in (0, 0.5) (e.g. 0.05)."
+        )
+    if isinstance(seq_len, int) and seq_len < 1:
+        found["seq_len"] = "it is the tokens of a training sequence; set 1 or more (e.g. 128)."
+    return found
 
 
 @dataclass(frozen=True)

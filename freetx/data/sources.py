@@ -46,6 +46,26 @@ def _is_datasets_folder(path: Path) -> bool:
     return (path / "state.json").is_file() or (path / "dataset_dict.json").is_file()
 
 
+MISSING_SOURCE = (
+    "does not exist; fix dataset.source (a file, a folder of shards, a datasets "
+    "save_to_disk folder, a list of them, or `builtin`)."
+)
+
+
+def source_problems(values: dict[str, Any]) -> dict[str, str]:
+    """A dataset node's `source` naming a file or folder that is not there, by key
+    (`freetx validate` and `freetx run` check every node's before anything is launched:
+    `freetx.training.check_read_paths`; `source_parts` refuses the same when a dataset is
+    built). Not `freetx estimate`'s: a run planned elsewhere has its data there."""
+    source = values.get("source")
+    items = [source] if isinstance(source, str) else source if isinstance(source, list) else []
+    for item in items:
+        if isinstance(item, str) and item not in ("builtin", "???"):
+            if not Path(item).expanduser().exists():
+                return {"source": f"data file {item} {MISSING_SOURCE}"}
+    return {}
+
+
 def source_parts(source: str | Sequence[str], suffixes: Sequence[str]) -> list[Path]:
     """The files (and `datasets` folders) a source names, in reading order."""
     parts: list[Path] = []
@@ -62,10 +82,7 @@ def source_parts(source: str | Sequence[str], suffixes: Sequence[str]) -> list[P
         elif path.is_dir():
             parts.append(path)
         elif not path.exists():
-            raise DataError(
-                f"data file {item} does not exist; fix dataset.source (a file, a folder of "
-                "shards, a datasets save_to_disk folder, a list of them, or `builtin`)."
-            )
+            raise DataError(f"data file {item} {MISSING_SOURCE}")
         elif path.suffix not in suffixes:
             raise DataError(
                 f"data file {item} is not one of {', '.join(suffixes)}; point dataset.source "

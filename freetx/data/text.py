@@ -34,7 +34,7 @@ from freetx.data.batch import token_sample
 from freetx.data.corpus import builtin_documents
 from freetx.data.formats import DEFAULT_COLUMNS, BadRows, Format, read_split
 from freetx.data.packing import DataSummary, stream_documents
-from freetx.data.sampling import Split, check_split, split_of
+from freetx.data.sampling import Split, check_split, split_of, split_problems
 from freetx.data.sources import (
     RECORD_SUFFIXES,
     TEXT_SUFFIX,
@@ -106,6 +106,8 @@ def _encode_documents(source: str | Sequence[str], fmt: Format, bad_rows: BadRow
 
 class PackedTextDataset(Dataset):
     """Fixed-length token windows from packed documents, one split of them."""
+
+    meaningless = staticmethod(split_problems)  # checked before it is built
 
     def __init__(
         self,

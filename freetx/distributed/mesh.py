@@ -222,7 +222,8 @@ class MeshShape:
                 fix=f"Use distributed.strategy=fsdp (or hsdp for replicas), or set {reset}.",
             )
         per_node = processes.processes_per_node
-        if per_node is not None and per_node % self.tp:
+        nodes = (processes.world_size or 0) > (per_node or 0)  # one node: the check below
+        if per_node is not None and nodes and per_node % self.tp:
             raise ConfigError(
                 f"distributed.tp={self.tp} does not divide the {per_node} process(es) per node "
                 "of this run: a tp group would span nodes, and its two sums per block and "

@@ -21,6 +21,7 @@ wrapper, the optimizer (ZeRO-1 included), gradient sync, autocast, the scaler.
 from __future__ import annotations
 
 import dataclasses
+import math
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
@@ -118,6 +119,18 @@ class DistributedConfig:
     # a collective that a rank does not reach within this ends the job with a message
     # naming the step (the hang guard); large saves and evaluations must fit inside it
     collective_timeout_s: float = 1800.0
+
+    @staticmethod
+    def meaningless(values: dict[str, Any]) -> dict[str, str]:
+        """Values no run could use (freetx.fields: checked by `freetx validate` and before
+        every run), by key: why, and the fix."""
+        timeout = values.get("collective_timeout_s", 1800.0)
+        if not 0 < timeout < math.inf:
+            return {
+                "collective_timeout_s": "it is how long a collective may wait for every rank "
+                "before the run stops; set a positive number of seconds (default 1800)."
+            }
+        return {}
 
 
 def dtype_named(name: str) -> torch.dtype:

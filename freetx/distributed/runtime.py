@@ -43,6 +43,25 @@ class DistributedRuntime:
         return dist.get_backend() if dist.is_initialized() else "none"
 
 
+def check_device(device: str, processes_per_node: int) -> None:
+    """`device: cuda` needs a usable CUDA device, one per process of this node (a rank's
+    check, and `freetx run`'s before it launches any)."""
+    if device != "cuda":
+        return
+    if not torch.cuda.is_available():
+        raise ConfigError(
+            "device: cuda was asked for, but this machine has no usable CUDA device.",
+            fix="Use device=auto (CPU here) or device=cpu.",
+        )
+    count = torch.cuda.device_count()
+    if processes_per_node > count:
+        raise ConfigError(
+            f"{processes_per_node} processes per node with device: cuda need a GPU each, and "
+            f"this node has {count}.",
+            fix=f"Launch at most {count} processes per node (--nproc-per-node {count}).",
+        )
+
+
 def select_device(device: str, local_rank: int = 0) -> torch.device:
     """`auto` -> cuda:LOCAL_RANK when CUDA is present, else cpu."""
     if device not in DEVICE_CHOICES:
@@ -50,16 +69,7 @@ def select_device(device: str, local_rank: int = 0) -> torch.device:
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda":
-        if not torch.cuda.is_available():
-            raise ConfigError(
-                "device: cuda was asked for, but this machine has no usable CUDA device.",
-                fix="Use device=auto (CPU here) or device=cpu.",
-            )
-        if local_rank >= torch.cuda.device_count():
-            raise ConfigError(
-                f"local rank {local_rank} has no GPU: this node has "
-                f"{torch.cuda.device_count()}. Launch at most that many processes per node."
-            )
+        check_device(device, local_rank + 1)
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
     return torch.device("cpu")

@@ -10,6 +10,7 @@ are "none" (their own embedding rows).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -50,6 +51,15 @@ class ADConfig(TransformerConfig):
             if values.get(name, default) != default:
                 unset = "false" if default is False else "null"
                 found[name] = f"AD's transformer does not compute it; set {name}={unset}."
+        grid, states = values.get("grid_size", 9), values.get("num_states", 81)
+        if values.get("state_encoding") == "xy" and grid**2 < states:
+            side = math.isqrt(states - 1) + 1
+            found["grid_size"] = (
+                f"with state_encoding=xy a state is a cell of a grid_size x grid_size grid, and "
+                f"{grid}x{grid} = {grid**2} cells hold fewer than model.num_states={states}; set "
+                f"model.grid_size={side} (the Dark Room's env.grid_size), or model.num_states="
+                f"{grid**2}."
+            )
         return found
 
 
@@ -64,9 +74,7 @@ class ADTransformer(DecoderActivations, nn.Module):
         self.config = cfg
         if cfg.state_encoding not in ("index", "xy"):
             raise ValueError(f"state_encoding must be index or xy, got {cfg.state_encoding!r}")
-        if cfg.state_encoding == "xy":
-            if cfg.grid_size**2 < cfg.num_states:
-                raise ValueError(f"grid_size={cfg.grid_size} has fewer cells than num_states")
+        if cfg.state_encoding == "xy":  # grid_size**2 >= num_states: ADConfig.meaningless
             self.row_embedding = nn.Embedding(cfg.grid_size, cfg.hidden_dim)
             self.column_embedding = nn.Embedding(cfg.grid_size, cfg.hidden_dim)
         else:

@@ -14,7 +14,7 @@ chunk's logits alive at a time (`benchmarks/memory.py`). The LM losses use it:
 
 from __future__ import annotations
 
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -33,9 +33,23 @@ CHUNKS_FOR_LARGE_VOCABULARY = 8
 def check_num_chunks(num_chunks: int | None) -> int | None:
     """A loss's `num_chunks` (None: by vocabulary), refused below 1; the LM losses' own
     check when they are built (before any model is)."""
-    if num_chunks is not None and num_chunks < 1:
-        raise ValueError(f"num_chunks must be 1 or more (or None: by vocabulary), got {num_chunks}")
+    found = num_chunks_problem({"num_chunks": num_chunks})
+    if found:
+        raise ValueError(f"num_chunks={num_chunks}: {found['num_chunks']}")
     return num_chunks
+
+
+def num_chunks_problem(values: dict[str, Any]) -> dict[str, str]:
+    """An LM loss's `num_chunks` below 1, by key: why, and the fix (the losses'
+    `meaningless`: `freetx validate` and every run check a config's `loss:` node with it
+    before anything is built)."""
+    chunks = values.get("num_chunks")
+    if isinstance(chunks, int) and chunks < 1:
+        return {
+            "num_chunks": "the logits are made that many chunks of tokens at a time; set 1 or "
+            "more, or null (by the vocabulary size)."
+        }
+    return {}
 
 
 def default_num_chunks(vocab_size: int) -> int:

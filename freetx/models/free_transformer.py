@@ -41,6 +41,7 @@ from freetx.models.chunked_loss import (
     SumsBySource,
     check_num_chunks,
     forward_with_loss,
+    num_chunks_problem,
 )
 from freetx.models.decoder.config import TransformerConfig
 from freetx.models.decoder.core import DecoderCore
@@ -69,13 +70,6 @@ class FreeTransformerConfig(TransformerConfig):
         super().__post_init__()
         if self.split_layer is None:
             self.split_layer = self.num_layers // 2
-        if not 1 <= self.split_layer < self.num_layers:
-            raise ValueError(
-                f"split_layer={self.split_layer} must be in [1, num_layers - 1] "
-                f"(num_layers={self.num_layers})"
-            )
-        if self.latent_dim < 1:
-            raise ValueError(f"latent_dim={self.latent_dim} must be at least 1")
 
     @staticmethod
     def meaningless(values: dict[str, Any]) -> dict[str, str]:
@@ -91,7 +85,21 @@ class FreeTransformerConfig(TransformerConfig):
             found["rope_local_theta"] = (
                 "the Free Transformer's layers share one RoPE; set rope_local_theta=null."
             )
+        split, layers = values.get("split_layer"), values.get("num_layers")
+        if layers is not None and layers >= 1:
+            if split is None and layers < 2 or split is not None and not 1 <= split < layers:
+                found["split_layer"] = (
+                    f"the latent joins after split_layer of the num_layers={layers} blocks, with "
+                    "blocks before and after it; set it in [1, num_layers - 1] (null: half), "
+                    "with num_layers of 2 or more."
+                )
         bits = values.get("latent_dim")
+        if bits is not None and bits < 1:
+            found["latent_dim"] = (
+                "it is the latent's bits per token (2^latent_dim codes); set it to 1 or more "
+                "(free_transformer/tiny: 8)."
+            )
+            return found
         if bits is None or bits <= MAX_TABLE_BITS or values["factored_post_sampler"]:
             return found
         return {
@@ -361,6 +369,8 @@ class FreeTransformerLoss:
     Never compare posterior CE alone with a baseline: it flatters the model by up
     to the KL. A collapsed latent shows prior_ce == ce.
     """
+
+    meaningless = staticmethod(num_chunks_problem)  # checked before it is built
 
     def __init__(
         self,

@@ -38,7 +38,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from freetx.errors import CheckpointError
+from freetx.errors import CheckpointError, ConfigError
 from freetx.models.attention import sliding_layers
 from freetx.models.hf_families import (
     FAMILIES,
@@ -550,7 +550,37 @@ def read_hf_config(path: str | Path) -> dict[str, Any]:
         ) from None
     if not isinstance(hf, dict):
         raise CheckpointError(f"{file} is not a JSON object of model settings.")
+    check_hf_sizes(hf, file)
     return hf
+
+
+# The largest size of each kind freetx reads from a config.json: far above any model's
+# (vocabularies reach ~256k, widths ~16k, MLPs ~100k), far below what would make the
+# parameters alone more than a machine's memory, so a typo is refused before allocating
+HF_SIZE_LIMITS = {"vocab_size": 10**8, "hidden_size": 10**6, "intermediate_size": 10**7,
+                  "num_hidden_layers": 10**5, "num_attention_heads": 10**5,
+                  "num_key_value_heads": 10**5}  # fmt: skip
+
+
+def check_hf_sizes(hf: dict[str, Any], file: Path) -> None:
+    """Refuse a config.json size of 0 or less, or one past `HF_SIZE_LIMITS` (a typo such as
+    vocab_size 10^12: the embedding alone would not fit in memory), naming the field,
+    before anything is built: every reader of a folder's config.json calls it."""
+    text = hf.get("text_config")
+    for section in (hf, text if isinstance(text, dict) else {}):
+        for key, limit in HF_SIZE_LIMITS.items():
+            value = section.get(key)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                continue
+            if not 0 < value <= limit:
+                why = ("a size of 0 or less" if value <= 0 else
+                       f"past any model's (freetx reads at most {limit:,}: the parameters "
+                       "alone would not fit in a machine's memory)")  # fmt: skip
+                raise ConfigError(
+                    f"{file} gives {key}={value}, {why}.",
+                    fix=f"Fix {key} in config.json (the model's original folder has the "
+                    "right value).",
+                )
 
 
 def hf_config_fields(path: str | Path, fields: dict[str, Any]) -> dict[str, Any]:

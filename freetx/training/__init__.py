@@ -6,6 +6,7 @@ from freetx.training.checks import (
     check_layout,
     check_model_and_data,
     check_packing,
+    check_read_paths,
     check_written_folders,
     dataset_seq_len,
 )
@@ -49,6 +50,7 @@ __all__ = [
     "evaluation_sums",
     "build_lr_scheduler",
     "check_layout",
+    "check_read_paths",
     "check_written_folders",
     "check_model_and_data",
     "check_context",

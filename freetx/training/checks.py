@@ -4,17 +4,24 @@
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
-from omegaconf import DictConfig, ListConfig
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from torch import nn
 
+from freetx.config.instantiate import find_components, node_config, to_container
 from freetx.data import micro_batch_size
+from freetx.data.sources import source_problems
 from freetx.distributed import MeshShape, Processes, check_distributed
 from freetx.distributed.context_parallel import check_shards_context
-from freetx.distributed.pipeline import check_micro_batches, check_stages
+from freetx.distributed.pipeline import check_micro_batches, check_stages, num_stages, stage_blocks
 from freetx.distributed.tensor_parallel import check_slices
 from freetx.errors import ConfigError
-from freetx.fields import written_folders
+from freetx.fields import read_paths, written_folders
+from freetx.models.decoder.config import TransformerConfig
+from freetx.models.decoder.tensor_parallel import check_tensor_parallel
+from freetx.models.peft import PEFTConfig
+from freetx.models.peft.lora import check_dora_slices
 from freetx.models.protocol import DescribesItself, PacksDocuments
 from freetx.training.config import TrainingConfig
 from freetx.training.export import built_class, check_final_export
@@ -39,6 +46,7 @@ def check_layout(cfg: object, processes: Processes) -> None:
         check_packing(model_class, bool(packed))
     if cfg.distributed.tp > 1 and model_class is not None:
         check_slices(model_class)
+    check_model_shape(cfg, node_config(getattr(cfg, "model", None)))
     check_micro_batches(cfg.distributed, cfg.gradient_accumulation_steps)
     if cfg.distributed.pp > 1 and model_class is not None:
         check_stages(model_class)
@@ -47,6 +55,23 @@ def check_layout(cfg: object, processes: Processes) -> None:
         check_context(model_class, shape, seq_len)
     if processes.world_size is not None:  # pipeline, context, tensor ranks read the same data
         micro_batch_size(cfg.batch_size, shape.dp, cfg.gradient_accumulation_steps)
+
+
+def check_model_shape(cfg: TrainingConfig, shape: object) -> None:
+    """The refusals a run makes of its model's shape when it parallelizes it, made from
+    the model node's config (`shape`: a native decoder's; None: known only once built):
+    tp slices its heads (`check_tensor_parallel`), pp splits its blocks into stages
+    (`stage_blocks`); and a DoRA run is refused with tp (`check_dora_slices`)."""
+    dist = cfg.distributed
+    peft = getattr(cfg, "peft", None)
+    if dist.tp > 1 and isinstance(peft, PEFTConfig) and peft.method == "lora":
+        check_dora_slices(peft.use_dora)
+    if not isinstance(shape, TransformerConfig):
+        return
+    if dist.tp > 1:
+        check_tensor_parallel(shape, dist.tp)
+    if dist.pp > 1:
+        stage_blocks(shape.num_layers, num_stages(dist), dist.pp_blocks_per_stage)
 
 
 def dataset_nodes(dataset: DictConfig) -> list[DictConfig]:
@@ -117,6 +142,39 @@ def check_context(model: nn.Module | type, shape: MeshShape, seq_len: int | None
     if seq_len is not None:
         shape.check_sequence_length(seq_len)
     check_shards_context(model)
+
+
+def check_read_paths(cfg: object) -> None:
+    """Every file or folder a config names for the run to read (`read_path` fields:
+    model_dir) exists: checked before anything is launched (`freetx run`, `freetx
+    validate`), so a typo costs no start-up and is not reported as another key's problem."""
+    if not dataclasses.is_dataclass(cfg):
+        return
+    for where, node in _component_nodes(cfg):
+        if "source" in node and not OmegaConf.is_missing(node, "source"):
+            source = to_container(node.source)
+            for why in source_problems({"source": source}).values():
+                raise ConfigError(f"{where}.source: {why}")
+    for key, path in read_paths(cfg):
+        if path and path != "???" and not Path(path).expanduser().exists():
+            raise ConfigError(
+                f"{key}={path} does not exist.",
+                fix=f"Point {key} at what the run reads (an HF model folder, a run's "
+                "output_dir, a DCP folder or a .safetensors file); a run's output_dir is "
+                "there once that run has saved a checkpoint.",
+            )
+
+
+def _component_nodes(cfg: object, path: str = "") -> list[tuple[str, DictConfig]]:
+    """Every `_component_` node of a schema instance (in its sections too), with its key."""
+    found = []
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name, None)
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            found.extend(_component_nodes(value, f"{path}{f.name}."))
+        elif isinstance(value, (DictConfig, ListConfig)):
+            found.extend(find_components(value, f"{path}{f.name}"))
+    return found
 
 
 def check_written_folders(cfg: object) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, Optional
 
@@ -12,6 +13,14 @@ from freetx.distributed import DistributedConfig
 from freetx.fields import at_least, written_folder
 from freetx.training.lr_schedule import LRScheduleConfig
 from freetx.training.profiling import ProfilerConfig
+
+
+def _number(value: Any) -> float:
+    """A value as a float (a string too: `lr=nan` on a command line), NaN when it is none."""
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return math.nan
 
 
 def default_metric_loggers() -> list[Any]:
@@ -76,6 +85,31 @@ class TrainingConfig:
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     metric_loggers: list[Any] = field(default_factory=default_metric_loggers)
     profiler: ProfilerConfig = field(default_factory=ProfilerConfig)  # torch.profiler traces
+
+    @staticmethod
+    def meaningless(values: dict[str, Any]) -> dict[str, str]:
+        """Values the loop would read as something else (freetx.fields: checked by `freetx
+        validate` and before every run), by key: why, and the fix."""
+        found = {}
+        norm = values.get("max_grad_norm")
+        if norm is not None and not norm > 0:
+            found["max_grad_norm"] = (
+                "gradients are clipped to a positive norm; set one (e.g. 1.0), or "
+                "max_grad_norm=null for no clipping."
+            )
+        flops = values.get("peak_flops")
+        if flops is not None and not 0 < flops < math.inf:
+            found["peak_flops"] = (
+                "it is a device's peak FLOP/s, for MFU; set a positive number (e.g. 1e14), or "
+                "null (the GPU table's, or no MFU)."
+            )
+        optimizer = values.get("optimizer")
+        lr = optimizer.get("lr") if isinstance(optimizer, dict) else None
+        if lr is not None and not isinstance(lr, bool) and not 0 <= _number(lr) < math.inf:
+            found["optimizer.lr"] = (
+                "a learning rate is a finite number, 0 or more; set one (e.g. 3e-4)."
+            )
+        return found
 
     def planned(self) -> PlannedRun | None:
         """What this config trains, for `freetx estimate`: a recipe's schema says it (None:

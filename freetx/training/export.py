@@ -25,7 +25,7 @@ from typing import Any
 
 from freetx.checkpoint import convert, open_tensors, resolve_checkpoint
 from freetx.checkpoint.adapters import LoRASettings
-from freetx.config.instantiate import COMPONENT, import_component
+from freetx.config.instantiate import COMPONENT, import_component, node_config_class
 from freetx.errors import ConfigError, FreetxError
 from freetx.models.protocol import HFLayoutModel
 from freetx.user_files import WriteFailed
@@ -84,8 +84,10 @@ def export_final(checkpoint: Path, output_dir: str | Path, fmt: str) -> dict[str
 
 def built_class(model_node: Any) -> type | None:
     """The class a `model:` node builds: the `_component_` itself when it is a class, the
-    return annotation of a builder function; None when neither says (a recipe that
-    builds its model otherwise)."""
+    return annotation of a builder function (of a builder that picks its config class
+    by its keys, `ChoosesConfig`: the annotated class whose `config_class` it picks, an
+    HF folder's generic path); None when neither says (a recipe that builds its model
+    otherwise)."""
     if not hasattr(model_node, "get") or not isinstance(model_node.get(COMPONENT), str):
         return None
     target = import_component(model_node[COMPONENT], f"model.{COMPONENT}")
@@ -95,7 +97,11 @@ def built_class(model_node: Any) -> type | None:
         built = typing.get_type_hints(target).get("return")
     except (NameError, TypeError):
         return None
-    return built if isinstance(built, type) else None
+    if isinstance(built, type):
+        return built
+    config_class = node_config_class(model_node, target)
+    chosen = [m for m in typing.get_args(built) if getattr(m, "config_class", None) is config_class]
+    return chosen[0] if config_class is not None and len(chosen) == 1 else None
 
 
 def check_final_export(cfg: Any, model_class: type | None) -> None:

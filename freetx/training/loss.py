@@ -15,6 +15,7 @@ from freetx.models.chunked_loss import (
     TokenLosses,
     check_num_chunks,
     forward_with_loss,
+    num_chunks_problem,
 )
 from freetx.models.protocol import LMOutput
 
@@ -36,6 +37,8 @@ class CrossEntropyLoss:
     sum and loss tokens, `loss/<name>` and `loss_tokens/<name>`
     (`freetx.training.meters.per_source_means` makes them means).
     """
+
+    meaningless = staticmethod(num_chunks_problem)  # checked before it is built
 
     def __init__(self, ignore_index: int = IGNORE_INDEX, num_chunks: int | None = None) -> None:
         self.ignore_index = ignore_index

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR
@@ -22,6 +22,23 @@ class LRScheduleConfig:
     # the share of the steps after warmup over which the decay happens, at the end;
     # the lr is constant before (0.2: the last 20%, as crosscoder trainers do)
     decay_fraction: float = 1.0
+
+    @staticmethod
+    def meaningless(values: dict[str, Any]) -> dict[str, str]:
+        """Schedules that are no decay (freetx.fields: checked by `freetx validate` and
+        before every run), by key: why, and the fix."""
+        found = {}
+        if not 0 <= values.get("min_lr_ratio", 0.1) <= 1:
+            found["min_lr_ratio"] = (
+                "the lr decays to min_lr_ratio x lr, so a ratio above 1 raises it and one below "
+                "0 makes it negative; set it in [0, 1] (e.g. 0.1)."
+            )
+        if not 0 < values.get("decay_fraction", 1.0) <= 1:
+            found["decay_fraction"] = (
+                "it is the share of the steps after warmup over which the lr decays; set it in "
+                "(0, 1] (1.0: all of them)."
+            )
+        return found
 
 
 def lr_multiplier(step: int, total_steps: int, cfg: LRScheduleConfig) -> float:

@@ -93,7 +93,7 @@ def test_config_error_lists_every_problem():
 @pytest.mark.parametrize(
     ("options", "world", "wanted", "fix"),
     [
-        ({"tp": 3}, 4, "distributed.tp=3 does not divide the 4 process(es)", "tp=1"),
+        ({"tp": 3}, 4, "distributed.tp=3 needs 3 processes per data-parallel rank", "tp=1"),  # one node
         ({"tp": 2, "strategy": "ddp"}, 4, "distributed.tp=2 composes with fsdp, zero2 or hsdp",
          "tp=1"),
         ({"tp": 2, "strategy": "hsdp", "replicate_degree": 4}, 12,

@@ -85,15 +85,8 @@ class TransformerConfig:
             self.num_kv_heads = self.num_heads
         if self.ffn_hidden_dim is None:
             self.ffn_hidden_dim = 256 * math.ceil(int(8 * self.hidden_dim / 3) / 256)
-        sizes = ("vocab_size", "hidden_dim", "num_layers", "num_heads", "num_kv_heads")
-        for name in (*sizes, "ffn_hidden_dim", "max_seq_len"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)} must be at least 1")
+        refuse_meaningless(self)  # sizes first: what follows divides by them
         if self.head_dim is None:
-            if self.hidden_dim % self.num_heads:
-                raise ValueError(
-                    f"hidden_dim={self.hidden_dim} is not divisible by num_heads={self.num_heads}"
-                )
             self.head_dim = self.hidden_dim // self.num_heads
         if self.head_dim < 2 or self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even (RoPE rotates pairs)")
@@ -103,10 +96,6 @@ class TransformerConfig:
                 f"head_dim={self.head_dim} dims; RoPE rotates pairs, so set a factor in (0, 1] "
                 "that gives an even number of at least 2"
             )
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(
-                f"num_heads={self.num_heads} is not divisible by num_kv_heads={self.num_kv_heads}"
-            )
         check_rope_scaling(self.rope_scaling, self.rotary_dim)
         for name in ("sliding_window", "query_pre_attn_scalar", "attn_logit_softcap",
                      "final_logit_softcap"):  # fmt: skip
@@ -114,7 +103,6 @@ class TransformerConfig:
                 raise ValueError(f"{name}={getattr(self, name)} must be positive (or null)")
         if self.moe_ffn_hidden_dim is None:
             self.moe_ffn_hidden_dim = self.ffn_hidden_dim
-        refuse_meaningless(self)
 
     @property
     def rotary_dim(self) -> int:
@@ -137,7 +125,7 @@ class TransformerConfig:
     def meaningless(values: dict[str, Any]) -> dict[str, str]:
         """Block layouts the decoder does not have (freetx.fields: checked by `freetx
         validate`, before a run, and when built), by key: why, and the fix."""
-        found = {}
+        found = _size_problems(values)
         if values.get("qk_norm") not in (None, "head", "projection"):
             found["qk_norm"] = (
                 "the decoder normalizes queries and keys per head (head: Qwen3), over the "
@@ -185,6 +173,34 @@ class TransformerConfig:
                 "it in (0, 1]."
             )
         return {**found, **_moe_meaningless(values)}
+
+
+SIZES = ("vocab_size", "hidden_dim", "num_layers", "num_heads", "num_kv_heads",
+         "ffn_hidden_dim", "max_seq_len")  # fmt: skip
+
+
+def _size_problems(values: dict[str, Any]) -> dict[str, str]:
+    """The sizes of a decoder that no decoder has (0 or fewer, heads that do not split the
+    width or group the kv heads), by key; a size not given yet (an HF folder's) is skipped."""
+    found = {}
+    for name in SIZES:
+        value = values.get(name)
+        if value is not None and value < 1:
+            found[name] = f"{name} is a size: set it to 1 or more."
+    hidden, heads, kv_heads = (values.get(k) for k in ("hidden_dim", "num_heads", "num_kv_heads"))
+    if found or heads is None:
+        return found
+    if values.get("head_dim") is None and hidden is not None and hidden % heads:
+        found["num_heads"] = (
+            f"the heads split hidden_dim={hidden} evenly (head_dim = hidden_dim / num_heads); "
+            "set a num_heads that divides it, or head_dim."
+        )
+    elif kv_heads is not None and heads % kv_heads:
+        found["num_kv_heads"] = (
+            f"each kv head serves a group of the num_heads={heads} query heads; set a "
+            "num_kv_heads that divides num_heads."
+        )
+    return found
 
 
 def _moe_meaningless(values: dict[str, Any]) -> dict[str, str]:

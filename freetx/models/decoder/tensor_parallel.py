@@ -7,9 +7,31 @@ from __future__ import annotations
 from torch import nn
 
 from freetx.errors import ConfigError
+from freetx.models.decoder.config import TransformerConfig
 from freetx.models.decoder.core import DecoderCore
 from freetx.models.decoder.layers import NORM_NAMES
 from freetx.models.protocol import VocabSlice
+
+
+def check_tensor_parallel(c: TransformerConfig, tp: int) -> None:
+    """Refuse a decoder shape that `tp` ranks cannot slice: the heads, the MLP's hidden
+    units, and the layouts freetx does not slice (the plan's check when a model is
+    parallelized; `freetx.training.check_layout`'s, from a config's model node, before
+    anything is launched)."""
+    why = None
+    if c.num_heads % tp or c.num_kv_heads % tp:
+        why = (f"tp={tp} does not divide the model's {c.num_heads} attention heads and "
+               f"{c.num_kv_heads} key/value heads", "Pick a tp that divides both")  # fmt: skip
+    elif c.ffn_hidden_dim % tp:
+        why = (f"tp={tp} does not divide the MLP's {c.ffn_hidden_dim} hidden units",
+               "Pick a tp that divides it")  # fmt: skip
+    elif c.fused_projections or c.qk_norm == "projection":
+        kind = ("fused q/k/v and gate/up projections (Phi-3)" if c.fused_projections
+                else "q/k norms over whole projections (OLMo 2)")  # fmt: skip
+        why = (f"freetx does not slice {kind} over tensor-parallel ranks yet",
+               "Set distributed.tp=1 (fsdp alone shards it)")  # fmt: skip
+    if why is not None:
+        raise ConfigError(f"distributed.tp: {why[0]}.", fix=f"{why[1]}, or set tp=1.")
 
 
 class TensorParallelPlan(DecoderCore):
@@ -25,20 +47,7 @@ class TensorParallelPlan(DecoderCore):
         attention and the MLP, summed and scattered after). Refuses what it cannot
         slice."""
         c = self.config
-        why = None
-        if c.num_heads % tp or c.num_kv_heads % tp:
-            why = (f"tp={tp} does not divide the model's {c.num_heads} attention heads and "
-                   f"{c.num_kv_heads} key/value heads", "Pick a tp that divides both")  # fmt: skip
-        elif c.ffn_hidden_dim % tp:
-            why = (f"tp={tp} does not divide the MLP's {c.ffn_hidden_dim} hidden units",
-                   "Pick a tp that divides it")  # fmt: skip
-        elif c.fused_projections or c.qk_norm == "projection":
-            kind = ("fused q/k/v and gate/up projections (Phi-3)" if c.fused_projections
-                    else "q/k norms over whole projections (OLMo 2)")  # fmt: skip
-            why = (f"freetx does not slice {kind} over tensor-parallel ranks yet",
-                   "Set distributed.tp=1 (fsdp alone shards it)")  # fmt: skip
-        if why is not None:
-            raise ConfigError(f"distributed.tp: {why[0]}.", fix=f"{why[1]}, or set tp=1.")
+        check_tensor_parallel(c, tp)
         sp = "_sequence" if sequence_parallel else ""
         plan = {}
         for i in self.held_blocks():

@@ -57,6 +57,19 @@ def merge_weight(
     return merged
 
 
+def check_dora_slices(use_dora: bool) -> None:
+    """DoRA is refused with tensor parallelism: its norm is over whole rows, which a
+    rowwise slice splits (when the adapters are sliced, and `freetx.training.check_layout`
+    before anything is launched)."""
+    if use_dora:
+        raise ConfigError(
+            "distributed.tp: DoRA's magnitudes divide by the norm of each whole weight "
+            "row, and tensor parallelism slices the rows of some layers; freetx does not "
+            "compute that norm over the tp ranks yet.",
+            fix="Use LoRA (peft.use_dora=false) with tp, or set distributed.tp=1.",
+        )
+
+
 class LoRALinear(nn.Linear):
     """`nn.Linear` with a frozen base and a trainable LoRA (or DoRA) update."""
 
@@ -93,13 +106,7 @@ class LoRALinear(nn.Linear):
         """`SlicesWithLinear`: a colwise base's rows are sliced, and so are B's (A is whole:
         each rank's B A covers its rows); a rowwise base's columns, and A's (each rank's B A
         x is a part of the sum tensor parallelism adds up)."""
-        if self.use_dora:  # its norm is over whole rows, which a rowwise slice splits
-            raise ConfigError(
-                "distributed.tp: DoRA's magnitudes divide by the norm of each whole weight "
-                "row, and tensor parallelism slices the rows of some layers; freetx does not "
-                "compute that norm over the tp ranks yet.",
-                fix="Use LoRA (peft.use_dora=false) with tp, or set distributed.tp=1.",
-            )
+        check_dora_slices(self.use_dora)
         if role == "colwise":
             return {"weight": 0, "bias": 0, "lora_a.weight": None, "lora_b.weight": 0}
         if role.startswith("rowwise"):  # its output summed (and scattered by sequence)

@@ -65,6 +65,19 @@ def select(scores: dict[str, float], top_percent: float) -> list[str]:
     return sorted(chosen)
 
 
+def selected_share(modules: list[str], scores: dict[str, float], top_percent: float) -> str:
+    """The selection in words: how many matrices of how many, their real share, and, where
+    the at-least-one-of-each-kind rule took more than asked, that it did."""
+    share = 100 * len(modules) / max(1, len(scores))
+    text = f"{len(modules)} of {len(scores)} weight matrices selected ({share:.3g}%"
+    if share > top_percent * 1.0001:
+        return (
+            f"{text}: --top-percent {top_percent:g} keeps fewer than one of some kinds, and "
+            "Spectrum keeps at least one of each kind)"
+        )
+    return f"{text}: the top {top_percent:g}% of each kind)"
+
+
 def selection_text(modules: list[str], top_percent: float, source: str,
                    scores: dict[str, float]) -> str:  # fmt: skip
     """The YAML of a selection file (`read_selection` reads it), commented with each score."""
@@ -73,6 +86,7 @@ def selection_text(modules: list[str], top_percent: float, source: str,
         "# stays frozen (the embeddings and output head always train).",
         f"#   freetx spectrum scan {source} --top-percent {top_percent:g}",
         f"source: {source}",
+        f"# {selected_share(modules, scores, top_percent)}",
         f"top_percent: {top_percent:g}",
         "modules:",
         *[f"  - {m}  # score {scores[m]:.4g}" for m in modules],
