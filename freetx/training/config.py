@@ -10,6 +10,7 @@ from omegaconf import MISSING
 from freetx.checkpoint import CheckpointConfig
 from freetx.distributed import DistributedConfig
 from freetx.fields import at_least, written_folder
+from freetx.loggers import LoggersConfig
 from freetx.training.lr_schedule import LRScheduleConfig
 from freetx.training.profiling import ProfilerConfig
 
@@ -75,6 +76,7 @@ class TrainingConfig:
     lr_schedule: LRScheduleConfig = field(default_factory=LRScheduleConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     metric_loggers: list[Any] = field(default_factory=default_metric_loggers)
+    loggers: LoggersConfig = field(default_factory=LoggersConfig)  # more, by name: loggers.wandb
     profiler: ProfilerConfig = field(default_factory=ProfilerConfig)  # torch.profiler traces
 
     def planned(self) -> PlannedRun | None:

@@ -1,0 +1,105 @@
+"""Issue 36, migrating users: loggers by name (W&B with the run's config), data format
+messages that name the value, determinism."""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+from omegaconf import OmegaConf
+
+from freetx.config.loading import apply_overrides
+from freetx.errors import ConfigError
+from freetx.loggers import LoggersConfig, build_metric_loggers
+from freetx.loggers.loggers import logger_nodes
+from tests.conftest import flat, run_freetx_here
+
+
+class FakeRun:
+    def __init__(self):
+        self.logged = []
+        self.finished = False
+
+    def log(self, metrics, step):
+        self.logged.append((step, metrics))
+
+    def finish(self):
+        self.finished = True
+
+
+@pytest.fixture
+def fake_wandb(monkeypatch):
+    """A stand-in for the optional wandb client: records what `init` was given."""
+    module = types.ModuleType("wandb")
+    module.inits = []
+
+    def init(**settings):
+        module.inits.append(settings)
+        return FakeRun()
+
+    module.init = init
+    monkeypatch.setitem(sys.modules, "wandb", module)
+    return module
+
+
+def test_wandb_by_name_gets_the_project_and_the_run_config(fake_wandb, tmp_path):
+    named = LoggersConfig(wandb={"project": "my-project", "mode": "offline"})
+    run_config = {"seed": 3, "optimizer": {"_component_": "torch.optim.AdamW", "lr": 0.01}}
+    loggers = build_metric_loggers(
+        [{"_component_": "freetx.loggers.JSONLLogger"}], str(tmp_path), 10, 0,
+        named=named, hyperparameters=run_config,
+    )  # fmt: skip
+    loggers.log(1, {"loss": 2.5})
+    loggers.close()
+    assert len(loggers.loggers) == 2  # the list kept, W&B added
+    (settings,) = fake_wandb.inits
+    assert settings["project"] == "my-project"
+    assert settings["mode"] == "offline"
+    assert settings["config"] == run_config
+
+
+def test_wandb_by_name_on_other_ranks_builds_nothing(fake_wandb, tmp_path):
+    named = LoggersConfig(wandb={"project": "p"})
+    loggers = build_metric_loggers([], str(tmp_path), 10, 1, named=named)
+    loggers.log(1, {"loss": 1.0})
+    assert loggers.loggers == [] and fake_wandb.inits == []
+
+
+def test_named_logger_already_listed_gets_the_keys_not_a_second_copy():
+    nodes = [{"_component_": "freetx.loggers.JSONLLogger", "filename": "a.jsonl"}]
+    found = logger_nodes(nodes, LoggersConfig(jsonl={"filename": "b.jsonl"}))
+    assert len(found) == 1 and found[0]["filename"] == "b.jsonl"
+
+
+def test_wandb_requested_but_not_installed_says_pip_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "wandb", None)  # `import wandb` fails
+    result = run_freetx_here("validate", "llm/tiny", "loggers.wandb.project=X")
+    text = flat(result.stdout + result.stderr)
+    assert result.returncode != 0
+    assert "loggers.wandb" in text and "pip install wandb" in text
+
+
+def test_wandb_logger_listed_but_not_installed_says_pip_install(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "wandb", None)
+    with pytest.raises(ConfigError, match="pip install wandb"):
+        build_metric_loggers([{"_component_": "freetx.loggers.WandBLogger"}], str(tmp_path), 1, 0)
+
+
+def test_loggers_wandb_project_override_is_valid(fake_wandb):
+    result = run_freetx_here("validate", "llm/tiny", "loggers.wandb.project=X")
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_unknown_logger_name_is_refused_with_the_names():
+    result = run_freetx_here("validate", "llm/tiny", "loggers.wandbb.project=X")
+    assert "did you mean 'loggers.wandb'" in flat(result.stdout + result.stderr)
+
+
+def test_appending_to_metric_loggers_by_index_names_the_fix():
+    cfg = OmegaConf.create({"metric_loggers": [{"_component_": "a"}]})
+    with pytest.raises(ConfigError) as e:
+        apply_overrides(cfg, ["metric_loggers.1._component_=freetx.loggers.WandBLogger"])
+    text = flat(str(e.value))
+    assert "list of 1 item" in text and "loggers.wandb.project=NAME" in text
+    assert "list index out of range" not in text
