@@ -3,6 +3,7 @@ messages that name the value, determinism."""
 
 from __future__ import annotations
 
+import json
 import sys
 import types
 
@@ -10,7 +11,8 @@ import pytest
 from omegaconf import OmegaConf
 
 from freetx.config.loading import apply_overrides
-from freetx.errors import ConfigError
+from freetx.data import ByteTokenizer, InstructDataset
+from freetx.errors import ConfigError, DataError
 from freetx.loggers import LoggersConfig, build_metric_loggers
 from freetx.loggers.loggers import logger_nodes
 from tests.conftest import flat, run_freetx_here
@@ -103,3 +105,69 @@ def test_appending_to_metric_loggers_by_index_names_the_fix():
     text = flat(str(e.value))
     assert "list of 1 item" in text and "loggers.wandb.project=NAME" in text
     assert "list index out of range" not in text
+
+
+# -- data formats: the message names the value, and offers skip only for a minority ----
+
+SHAREGPT_ROW = {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]}
+MESSAGES_ROW = {
+    "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+}
+
+
+def write_rows(tmp_path, rows) -> str:
+    path = tmp_path / "data.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def instruct_error(source: str, **kwargs) -> str:
+    with pytest.raises(DataError) as e:
+        InstructDataset(
+            ByteTokenizer(), seq_len=256, source=source, validation_source=source, **kwargs
+        )
+    return flat(str(e.value))
+
+
+@pytest.mark.parametrize(
+    ("row", "fix"),
+    [
+        (SHAREGPT_ROW, "dataset.format=sharegpt"),
+        (
+            {"conversations": MESSAGES_ROW["messages"]},
+            "dataset.format=messages dataset.columns.messages=conversations",
+        ),
+        ({"instruction": "a", "input": "", "output": "b"}, "dataset.format=alpaca"),
+        (
+            {"prompt": "a", "completion": "b"},
+            "dataset.format=prompt_response dataset.columns.response=completion",
+        ),
+    ],
+)
+def test_sharegpt_file_with_default_format_names_the_format_value(tmp_path, row, fix):
+    message = instruct_error(write_rows(tmp_path, [row] * 6))  # the default format: prompt_response
+    assert f"set {fix}" in message
+
+
+def test_default_format_on_every_row_does_not_suggest_skip(tmp_path):
+    message = instruct_error(write_rows(tmp_path, [SHAREGPT_ROW] * 6))
+    assert "on_bad_row=skip" not in message
+    assert "6 of the 6 rows are bad" in message
+
+
+def test_a_minority_of_bad_rows_suggests_skip(tmp_path):
+    rows = [MESSAGES_ROW] * 9 + [{"messages": []}]
+    message = instruct_error(write_rows(tmp_path, rows), format="messages")
+    assert "data.jsonl:10" in message and "on_bad_row=skip" in message
+    assert "1 of the 10 rows is bad" in message
+
+
+def test_columnar_source_without_the_format_columns_names_the_format(tmp_path):
+    pytest.importorskip("pyarrow")
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "data.parquet"
+    pq.write_table(pa.table({"instruction": ["a"] * 4, "output": ["b"] * 4}), path)
+    message = instruct_error(str(path), format="prompt_response")
+    assert "set dataset.format=alpaca" in message
