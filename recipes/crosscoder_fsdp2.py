@@ -32,6 +32,7 @@ from freetx.data import (
     Activations,
     ActivationsConfig,
     RowLoading,
+    checked_tokenizer,
     harvested_activations,
     micro_batch_size,
     planted_activations,
@@ -141,7 +142,7 @@ class CrosscoderRecipeFSDP2:
             return planted_activations(
                 train, instantiate(acfg.synthetic, split="validation"), loading
             )
-        tokenizer = instantiate(acfg.tokenizer)
+        tokenizer = checked_tokenizer(instantiate(acfg.tokenizer), "activations.tokenizer")
         text = instantiate(acfg.text, tokenizer=tokenizer, split="train")
         val_text = instantiate(acfg.text, tokenizer=tokenizer, split="validation")
         models = [load_source_model(s.model, self.device, acfg.source_dtype) for s in acfg.sources]

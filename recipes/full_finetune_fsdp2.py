@@ -33,12 +33,14 @@ from freetx.data import (
     TokenBatch,
     build_eval_loader,
     build_train_loader,
+    checked_tokenizer,
     micro_batch_size,
     source_names,
 )
 from freetx.data.packing import packs
 from freetx.distributed import build_groups, init_distributed, parallelize
 from freetx.entry import parse
+from freetx.models.hf import model_folder_problem
 from freetx.models.peft import PEFTConfig, apply_peft
 from freetx.training import (
     PlannedRun,
@@ -78,6 +80,12 @@ class FullFinetuneConfig(TrainingConfig):
     eval: TokenEvalConfig = field(default_factory=TokenEvalConfig)
     peft: PEFTConfig = field(default_factory=PEFTConfig)  # LoRA / QLoRA / DoRA / Spectrum
 
+    @staticmethod
+    def meaningless(values: dict[str, Any]) -> dict[str, str]:
+        """A model_dir that is no model folder: said first, not as its tokenizer's problem."""
+        problem = model_folder_problem(values["model_dir"]) if values.get("model_dir") else None
+        return {"model_dir": problem} if problem else {}
+
     def planned(self) -> PlannedRun:  # sequences of the dataset's seq_len, with adapters
         return PlannedRun(self.model, dataset_seq_len(self), self.peft, self.loss)
 
@@ -99,7 +107,7 @@ class FullFinetuneRecipeFSDP2:
         name = "full_finetune_fsdp2" if cfg.peft.method == "none" else "lora_finetune_fsdp2"
         self.run = TrainingRun(cfg, self.groups, name)
         micro_batch_size(cfg.batch_size, world_size, self.accumulation)
-        self.tokenizer = instantiate(cfg.tokenizer)
+        self.tokenizer = checked_tokenizer(instantiate(cfg.tokenizer))
         self.loss_fn = instantiate(cfg.loss)  # its output layer in chunks: loss.num_chunks
         train_set = instantiate(cfg.dataset, tokenizer=self.tokenizer, split="train")
         val_set = instantiate(cfg.dataset, tokenizer=self.tokenizer, split="validation")

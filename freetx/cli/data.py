@@ -33,6 +33,7 @@ def main(args: argparse.Namespace) -> int:
     from freetx.cli.common import load_recipe
     from freetx.config import instantiate
     from freetx.config.run_config import load_recipe_config
+    from freetx.data import checked_tokenizer
     from freetx.data.mixture import MadeOfParts
     from freetx.data.token_cache import UsesTokenCache
     from freetx.errors import ConfigError
@@ -48,7 +49,7 @@ def main(args: argparse.Namespace) -> int:
               "`_component_` and a `tokenizer`).")  # fmt: skip
         return 0
     start = time.perf_counter()
-    tokenizer = instantiate(cfg.tokenizer)
+    tokenizer = checked_tokenizer(instantiate(cfg.tokenizer))
     # by (part, label): a text dataset's one entry serves both splits
     lines: dict[tuple[int, str], str] = {}
     for split in ("train", "validation"):

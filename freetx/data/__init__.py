@@ -30,7 +30,14 @@ from freetx.data.sampling import (
 )
 from freetx.data.shard_cache import ShardCache
 from freetx.data.text import PackedTextDataset, read_documents
-from freetx.data.tokenizers import ByteTokenizer, HFTokenizer, leading_bos
+from freetx.data.tokenizers import (
+    ByteTokenizer,
+    HFTokenizer,
+    Tokenizer,
+    checked_tokenizer,
+    leading_bos,
+    tokenizer_problem,
+)
 
 __all__ = [
     "IGNORE_INDEX",
@@ -45,6 +52,7 @@ __all__ = [
     "EvalShard",
     "GlobalBatchSampler",
     "HFTokenizer",
+    "Tokenizer",
     "InstructDataset",
     "LetterBlockDataset",
     "MixesSources",
@@ -57,7 +65,9 @@ __all__ = [
     "build_eval_loader",
     "build_train_loader",
     "harvested_activations",
+    "checked_tokenizer",
     "leading_bos",
+    "tokenizer_problem",
     "micro_batch_size",
     "token_sample",
     "planted_activations",

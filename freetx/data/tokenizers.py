@@ -13,9 +13,9 @@ import functools
 import json
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
-from freetx.errors import DataError
+from freetx.errors import ConfigError, DataError
 
 # The special tokens transformers hands to a chat template (as `bos_token`, ...).
 SPECIAL_TOKEN_NAMES = (
@@ -31,6 +31,39 @@ SPECIAL_TOKEN_NAMES = (
 # what a tokenizer folder holds that freetx reads (the identity a run records of it)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 _FILE_DEFAULTS = {"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>"}
+
+
+@runtime_checkable
+class Tokenizer(Protocol):
+    """What a `tokenizer:` node must build (the attributes above are set by its
+    constructor, so only the methods can be checked on a class)."""
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids) -> str: ...
+
+
+def tokenizer_problem(built: Any, node: str = "tokenizer") -> str | None:
+    """Why `built` (a class a node names, or the object it built) is no tokenizer, as one
+    paragraph naming the node and what it built; None when it is one."""
+    if isinstance(built, Tokenizer):
+        return None
+    what = built.__module__ + "." + built.__qualname__ if isinstance(built, type) else None
+    what = what or f"a {type(built).__module__}.{type(built).__qualname__}"
+    return (
+        f"the `{node}` node builds {what}, which is not a tokenizer (it has no encode and "
+        f"decode methods). Set {node}._component_ to freetx.data.ByteTokenizer, or to "
+        f"freetx.data.HFTokenizer with {node}.path=MODEL_FOLDER (docs/data.md)."
+    )
+
+
+def checked_tokenizer(built: Any, node: str = "tokenizer") -> Tokenizer:
+    """`built` (what the `node` node built), refused with one paragraph when it is no
+    tokenizer."""
+    problem = tokenizer_problem(built, node)
+    if problem:
+        raise ConfigError(problem)
+    return built
 
 
 def leading_bos(tokenizer) -> list[int]:
@@ -81,6 +114,7 @@ class HFTokenizer:
         if location.is_dir():
             file = _tokenizer_file(location, path)
             read = [location / name for name in TOKENIZER_FILES if (location / name).is_file()]
+            read_config = location / "tokenizer_config.json" in read
             config = _read_config(location / "tokenizer_config.json")
             tokens = _config_tokens(config, path)
             add_bos_token = config.get("add_bos_token")
@@ -104,6 +138,13 @@ class HFTokenizer:
         # the special tokens by name, as the chat template sees them
         self.special_tokens: dict[str, str] = tokens
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        if "eos_token" not in tokens and location.is_dir() and not read_config:
+            raise DataError(
+                f"tokenizer folder {path} has no tokenizer_config.json, the file that names "
+                "the special tokens (eos_token, bos_token) and the chat template; copy it from "
+                "the model's original folder beside tokenizer.json, or set "
+                "tokenizer.eos_token to the token that ends a text."
+            )
         if "eos_token" not in tokens:
             raise DataError(
                 f"tokenizer {path} names no EOS token (tokenizer_config.json has no eos_token); "
@@ -188,6 +229,13 @@ def _tokenizer_file(folder: Path, path: str) -> Path:
             if (folder / "tokenizer.model").exists()
             else ""
         )
+        if not found:  # a run's output_dir, a checkpoint: weights without their tokenizer
+            raise DataError(
+                f"tokenizer.path {path} holds no tokenizer (no tokenizer.json, no "
+                "tokenizer.model): a run's output_dir or a checkpoint holds weights only. Set "
+                "tokenizer.path=FOLDER to the folder the model's tokenizer is in (the HF "
+                "model folder the run started from), or to a tokenizer.json file."
+            )
         raise DataError(
             f"model folder {path} has no tokenizer.json{found}; freetx reads fast-tokenizer "
             "folders (tokenizer.json), not sentencepiece-only tokenizer.model. Convert it once "

@@ -70,13 +70,13 @@ def export_final(checkpoint: Path, output_dir: str | Path, fmt: str) -> dict[str
     return convert(checkpoint, dst, to=fmt, overwrite=True, **recorded_run(checkpoint))
 
 
-def built_class(model_node: Any) -> type | None:
-    """The class a `model:` node builds: the `_component_` itself when it is a class, the
-    return annotation of a builder function; None when neither says (a recipe that
-    builds its model otherwise)."""
+def built_class(model_node: Any, name: str = "model") -> type | None:
+    """The class a `model:` node (or the node `name`) builds: the `_component_` itself when
+    it is a class, the return annotation of a builder function; None when neither says (a
+    recipe that builds its model otherwise)."""
     if not hasattr(model_node, "get") or not isinstance(model_node.get(COMPONENT), str):
         return None
-    target = import_component(model_node[COMPONENT], f"model.{COMPONENT}")
+    target = import_component(model_node[COMPONENT], f"{name}.{COMPONENT}")
     if isinstance(target, type):
         return target
     try:
