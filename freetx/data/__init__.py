@@ -32,6 +32,7 @@ from freetx.data.shard_cache import ShardCache
 from freetx.data.text import PackedTextDataset, read_documents
 from freetx.data.tokenizers import (
     ByteTokenizer,
+    HasHFForm,
     HFTokenizer,
     Tokenizer,
     checked_tokenizer,
@@ -51,6 +52,7 @@ __all__ = [
     "ChatDataset",
     "EvalShard",
     "GlobalBatchSampler",
+    "HasHFForm",
     "HFTokenizer",
     "Tokenizer",
     "InstructDataset",

@@ -71,8 +71,37 @@ def leading_bos(tokenizer) -> list[int]:
     return [tokenizer.bos_id] if getattr(tokenizer, "add_bos_token", True) else []
 
 
+@runtime_checkable
+class HasHFForm(Protocol):
+    """A tokenizer that can write itself as transformers' tokenizer files (an HF export of
+    a model trained with it then loads with AutoTokenizer)."""
+
+    def hf_files(self) -> dict[str, str]:
+        """File name -> text: tokenizer.json, tokenizer_config.json."""
+        ...
+
+    def special_ids(self) -> dict[str, int]:
+        """bos_token_id, eos_token_id, pad_token_id (for config.json and
+        generation_config.json)."""
+        ...
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's printable stand-in for each byte (what a ByteLevel pre-tokenizer maps to)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
+    printable += range(ord("®"), ord("ÿ") + 1)
+    chars, extra = {b: chr(b) for b in printable}, 0
+    for b in range(256):
+        if b not in chars:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return chars
+
+
 class ByteTokenizer:
     """UTF-8 bytes 0..255, then BOS=256, EOS=257, PAD=258 (vocabulary 259)."""
+
+    SPECIAL = {"bos_token": "<|bos|>", "eos_token": "<|eos|>", "pad_token": "<|pad|>"}
 
     def __init__(self) -> None:
         self.bos_id, self.eos_id, self.pad_id = 256, 257, 258
@@ -85,6 +114,56 @@ class ByteTokenizer:
 
     def decode(self, ids) -> str:
         return bytes(int(i) for i in ids if int(i) < 256).decode("utf-8", errors="replace")
+
+    def special_ids(self) -> dict[str, int]:
+        return {"bos_token_id": self.bos_id, "eos_token_id": self.eos_id,
+                "pad_token_id": self.pad_id}  # fmt: skip
+
+    def hf_files(self) -> dict[str, str]:
+        """This tokenizer in the `tokenizers` library's format: a byte-level BPE without
+        merges (each byte one token, its id the byte), the three special tokens, and BOS
+        added before a text as freetx's training does (`AutoTokenizer(text).input_ids` =
+        [256, *utf-8 bytes]). Only a text holding the special tokens' own spelling
+        (`<|eos|>`) encodes differently: transformers reads it as the token."""
+        ids = {"<|bos|>": self.bos_id, "<|eos|>": self.eos_id, "<|pad|>": self.pad_id}
+        bos = [{"SpecialToken": {"id": "<|bos|>", "type_id": 0}}]
+        byte_level = {"add_prefix_space": False, "trim_offsets": True, "use_regex": False}
+        tokenizer = {
+            "version": "1.0", "truncation": None, "padding": None,
+            "added_tokens": [
+                {"id": i, "content": token, "single_word": False, "lstrip": False,
+                 "rstrip": False, "normalized": False, "special": True}
+                for token, i in ids.items()
+            ],
+            "normalizer": None,
+            "pre_tokenizer": {"type": "ByteLevel", **byte_level},
+            "post_processor": {
+                "type": "TemplateProcessing",
+                "single": [*bos, {"Sequence": {"id": "A", "type_id": 0}}],
+                "pair": [*bos, {"Sequence": {"id": "A", "type_id": 0}},
+                         *bos, {"Sequence": {"id": "B", "type_id": 0}}],
+                "special_tokens": {
+                    "<|bos|>": {"id": "<|bos|>", "ids": [self.bos_id], "tokens": ["<|bos|>"]}
+                },
+            },
+            "decoder": {"type": "ByteLevel", **byte_level},
+            "model": {
+                "type": "BPE", "dropout": None, "unk_token": None,
+                "continuing_subword_prefix": None, "end_of_word_suffix": None,
+                "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
+                "vocab": {char: b for b, char in _bytes_to_unicode().items()}, "merges": [],
+            },
+        }  # fmt: skip
+        config = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            **self.SPECIAL,
+            "add_bos_token": True,
+            "clean_up_tokenization_spaces": False,
+        }
+        return {
+            "tokenizer.json": json.dumps(tokenizer, ensure_ascii=False, indent=1),
+            "tokenizer_config.json": json.dumps(config, indent=2),
+        }
 
 
 class HFTokenizer:

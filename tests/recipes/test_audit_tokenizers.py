@@ -111,3 +111,53 @@ def test_tokenizer_end_token_differing_from_config_json_warns_and_generation_sto
     assert f"eos_token_id {first}" in text and "stops at either" in text
     (sample,) = [json.loads(x) for x in (out / "samples.jsonl").read_text().splitlines()]
     assert sample["stopped_at_eos"] and sample["reply_tokens"] == 0
+
+
+# -- the llm/tiny HF export: the byte tokenizer in transformers' form --------------
+
+TEXTS = ["hi there", "héllo wörld ✓ 日本", "  spaces\n\ttabs and 'quotes' <s>", ""]
+
+
+def test_byte_tokenizer_hf_files_encode_as_freetx_with_transformers(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from freetx.data import ByteTokenizer
+
+    byte = ByteTokenizer()
+    for name, text in byte.hf_files().items():
+        (tmp_path / name).write_text(text, encoding="utf-8")
+    hf = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    assert (hf.bos_token_id, hf.eos_token_id, hf.pad_token_id) == (256, 257, 258)
+    assert len(hf) == byte.vocab_size
+    ours = HFTokenizer(str(tmp_path))  # freetx reads the same files alike
+    for text in TEXTS:
+        assert hf(text).input_ids == [byte.bos_id, *byte.encode(text)]
+        assert hf.decode(hf(text).input_ids, skip_special_tokens=True) == text
+        assert ours.encode(text) == byte.encode(text)
+
+
+@pytest.mark.slow
+def test_llm_tiny_hf_export_has_a_tokenizer_and_a_generation_config(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    out = tmp_path / "run"
+    result = run_freetx(
+        "run", "full_finetune_fsdp2", "--config", "llm/tiny", f"output_dir={out}",
+        "max_steps=2", "eval.max_batches=1", "checkpoint.final_export=hf",
+        "metric_loggers=[]",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    converted = run_freetx_here(
+        "checkpoint", "convert", str(out), str(tmp_path / "hf"), "--to", "hf"
+    )
+    assert converted.returncode == 0, converted.stdout + converted.stderr
+    assert "no tokenizer files" not in converted.stdout
+    for folder in (out / "export" / "hf", tmp_path / "hf"):
+        generation = json.loads((folder / "generation_config.json").read_text())
+        assert generation == {"bos_token_id": 256, "eos_token_id": 257, "pad_token_id": 258,
+                              "max_length": 256}  # fmt: skip
+        tok = transformers.AutoTokenizer.from_pretrained(folder)
+        model = transformers.AutoModelForCausalLM.from_pretrained(folder)
+        ids = tok("The Python", return_tensors="pt").input_ids
+        assert ids[0].tolist() == [256, *b"The Python"]
+        new = model.generate(ids, max_new_tokens=5, do_sample=False)
+        assert new.shape[1] > ids.shape[1]
+        assert isinstance(tok.decode(new[0], skip_special_tokens=True), str)
