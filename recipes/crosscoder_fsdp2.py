@@ -98,7 +98,7 @@ class CrosscoderRecipeFSDP2:
         self.device = self.runtime.device
         self.accumulation = cfg.gradient_accumulation_steps
         self.files_read: dict[str, list] = {}  # what the text and tokenizer read (models)
-        seed_everything(cfg.seed, self.runtime.rank)
+        seed_everything(cfg.seed, self.runtime.rank, cfg.deterministic)
 
     def setup(self) -> None:
         cfg = self.cfg

@@ -58,6 +58,9 @@ class TrainingConfig:
 
     output_dir: str = written_folder()
     seed: int = 0
+    # torch's deterministic algorithms, cuDNN's deterministic kernels, cuBLAS's fixed
+    # workspace: the same numbers run to run on a GPU, slower (docs/configs.md)
+    deterministic: bool = False
     device: Literal["auto", "cpu", "cuda"] = "auto"
     max_steps: int = at_least(1)
     batch_size: int = at_least(1)  # global: samples per optimizer step, over all ranks

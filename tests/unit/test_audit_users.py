@@ -171,3 +171,56 @@ def test_columnar_source_without_the_format_columns_names_the_format(tmp_path):
     pq.write_table(pa.table({"instruction": ["a"] * 4, "output": ["b"] * 4}), path)
     message = instruct_error(str(path), format="prompt_response")
     assert "set dataset.format=alpaca" in message
+
+
+# -- deterministic: true -------------------------------------------------------------
+
+
+@pytest.fixture
+def torch_flags(monkeypatch):
+    """Torch's determinism flags and the environment, put back after the test."""
+    import torch
+
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    saved = (torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.deterministic,
+             torch.backends.cudnn.benchmark)  # fmt: skip
+    yield torch
+    torch.use_deterministic_algorithms(saved[0])
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = saved[1:]
+
+
+def test_deterministic_true_sets_torch_cudnn_and_cublas_state(torch_flags):
+    import os
+
+    from freetx.training import seed_everything
+
+    torch = torch_flags
+    torch.backends.cudnn.benchmark = True
+    seed_everything(0, 0, deterministic=True)
+    assert torch.are_deterministic_algorithms_enabled()
+    assert torch.backends.cudnn.deterministic and not torch.backends.cudnn.benchmark
+    assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+
+
+def test_deterministic_false_leaves_torch_nondeterministic(torch_flags):
+    from freetx.training import seed_everything
+
+    torch = torch_flags
+    seed_everything(0, 0, deterministic=False)
+    assert not torch.are_deterministic_algorithms_enabled()
+    assert not torch.backends.cudnn.deterministic
+
+
+def test_deterministic_env_is_given_to_launched_ranks_and_keeps_the_users(monkeypatch):
+    from freetx.training.seed import deterministic_env
+
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    assert deterministic_env(True) == {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+    assert deterministic_env(False) == {}
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")
+    assert deterministic_env(True) == {"CUBLAS_WORKSPACE_CONFIG": ":16:8"}
+
+
+def test_deterministic_is_a_top_level_key_of_every_training_config():
+    result = run_freetx_here("validate", "llm/tiny", "deterministic=true")
+    assert result.returncode == 0, result.stdout + result.stderr
