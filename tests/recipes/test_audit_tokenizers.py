@@ -32,22 +32,36 @@ def test_folder_with_sentencepiece_model_still_says_convert(tmp_path):
 
 
 def test_model_dir_that_is_a_file_is_reported_as_a_file_not_a_tokenizer(tmp_path):
-    file = tmp_path / "model.safetensors"
+    file = tmp_path / "pytorch_model.bin"
     file.write_bytes(b"\xff\xfe not text")
     result = run_freetx_here("validate", "llm/hf_tiny_lora", f"model_dir={file}")
     text = flat(result.stdout + result.stderr)
     assert result.returncode != 0
     assert f"'model_dir' is '{file}': it is a file, not a folder" in text
+    shards = tmp_path / "model.safetensors"  # a .safetensors file is a model_dir
+    shards.write_bytes(b"")
+    assert "model_dir" not in flat(
+        run_freetx_here("validate", "llm/lora_tiny", f"model_dir={shards}").stdout
+    )
     assert "UTF-8" not in text and "tokenizer" not in text.split("model_dir")[0]
 
 
 def test_model_dir_that_does_not_exist_is_reported_as_model_dir(tmp_path):
     missing = tmp_path / "nowhere"
-    result = run_freetx_here("validate", "llm/hf_tiny_lora", f"model_dir={missing}")
-    text = flat(result.stdout + result.stderr)
-    assert result.returncode != 0
-    assert f"'model_dir' is '{missing}': it does not exist" in text
+    result = run_freetx(
+        "run", "lora_finetune_fsdp2", "--config", "llm/hf_tiny_lora", f"model_dir={missing}",
+        f"output_dir={tmp_path / 'out'}",
+    )  # fmt: skip
+    text = flat(result.stderr)
+    assert result.returncode == 1 and "Traceback" not in text
+    assert f"model_dir {missing}: it does not exist" in text
     assert "tokenizer.path" not in text
+
+
+def test_model_dir_of_a_run_not_yet_made_still_validates():
+    """llm/lora_tiny starts from runs/llm_tiny, which llm/tiny makes later."""
+    result = run_freetx_here("validate", "llm/lora_tiny", "model_dir=runs/not_yet")
+    assert result.returncode == 0, result.stdout + result.stderr
 
 
 @pytest.fixture(scope="module")
