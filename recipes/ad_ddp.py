@@ -101,7 +101,7 @@ class ADRecipeDDP:
         self.runtime = init_distributed(cfg.device, cfg.distributed.collective_timeout_s)
         self.device = self.runtime.device
         self.accumulation = cfg.gradient_accumulation_steps
-        seed_everything(cfg.seed, self.runtime.rank)
+        seed_everything(cfg.seed, self.runtime.rank, cfg.deterministic)
 
     def setup(self) -> None:
         cfg = self.cfg

@@ -32,6 +32,7 @@ from freetx.data import (
     Activations,
     ActivationsConfig,
     RowLoading,
+    checked_tokenizer,
     harvested_activations,
     micro_batch_size,
     planted_activations,
@@ -97,7 +98,7 @@ class CrosscoderRecipeFSDP2:
         self.device = self.runtime.device
         self.accumulation = cfg.gradient_accumulation_steps
         self.files_read: dict[str, list] = {}  # what the text and tokenizer read (models)
-        seed_everything(cfg.seed, self.runtime.rank)
+        seed_everything(cfg.seed, self.runtime.rank, cfg.deterministic)
 
     def setup(self) -> None:
         cfg = self.cfg
@@ -141,7 +142,7 @@ class CrosscoderRecipeFSDP2:
             return planted_activations(
                 train, instantiate(acfg.synthetic, split="validation"), loading
             )
-        tokenizer = instantiate(acfg.tokenizer)
+        tokenizer = checked_tokenizer(instantiate(acfg.tokenizer), "activations.tokenizer")
         text = instantiate(acfg.text, tokenizer=tokenizer, split="train")
         val_text = instantiate(acfg.text, tokenizer=tokenizer, split="validation")
         models = [load_source_model(s.model, self.device, acfg.source_dtype) for s in acfg.sources]

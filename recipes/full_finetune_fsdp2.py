@@ -33,13 +33,16 @@ from freetx.data import (
     TokenBatch,
     build_eval_loader,
     build_train_loader,
+    checked_tokenizer,
     micro_batch_size,
     source_names,
 )
 from freetx.data.packing import packs
 from freetx.distributed import build_groups, init_distributed, parallelize
 from freetx.entry import parse
+from freetx.errors import ConfigError
 from freetx.fields import read_path
+from freetx.models.hf import model_folder_problem
 from freetx.models.peft import PEFTConfig, apply_peft
 from freetx.training import (
     PlannedRun,
@@ -81,6 +84,15 @@ class FullFinetuneConfig(TrainingConfig):
     eval: TokenEvalConfig = field(default_factory=TokenEvalConfig)
     peft: PEFTConfig = field(default_factory=PEFTConfig)  # LoRA / QLoRA / DoRA / Spectrum
 
+    @staticmethod
+    def meaningless(values: dict[str, Any]) -> dict[str, str]:
+        """A model_dir that cannot be a model (a text file, ...): said first, not as its
+        tokenizer's problem. One that does not exist yet (the run that makes it has not
+        run) is refused when the run starts (`setup`)."""
+        folder = values.get("model_dir")
+        problem = model_folder_problem(folder, must_exist=False) if folder else None
+        return {"model_dir": problem} if problem else {}
+
     def planned(self) -> PlannedRun:  # sequences of the dataset's seq_len, with adapters
         return PlannedRun(self.model, dataset_seq_len(self), self.peft, self.loss)
 
@@ -91,7 +103,7 @@ class FullFinetuneRecipeFSDP2:
         self.runtime = init_distributed(cfg.device, cfg.distributed.collective_timeout_s)
         self.device = self.runtime.device
         self.accumulation = cfg.gradient_accumulation_steps
-        seed_everything(cfg.seed, self.runtime.rank)
+        seed_everything(cfg.seed, self.runtime.rank, cfg.deterministic)
 
     def setup(self) -> None:
         cfg = self.cfg
@@ -102,7 +114,10 @@ class FullFinetuneRecipeFSDP2:
         name = "full_finetune_fsdp2" if cfg.peft.method == "none" else "lora_finetune_fsdp2"
         self.run = TrainingRun(cfg, self.groups, name)
         micro_batch_size(cfg.batch_size, world_size, self.accumulation)
-        self.tokenizer = instantiate(cfg.tokenizer)
+        problem = model_folder_problem(cfg.model_dir) if cfg.model_dir else None
+        if problem:  # before the tokenizer and the weights read from it
+            raise ConfigError(f"model_dir {cfg.model_dir}: {problem}")
+        self.tokenizer = checked_tokenizer(instantiate(cfg.tokenizer))
         self.loss_fn = instantiate(cfg.loss)  # its output layer in chunks: loss.num_chunks
         train_set = instantiate(cfg.dataset, tokenizer=self.tokenizer, split="train")
         val_set = instantiate(cfg.dataset, tokenizer=self.tokenizer, split="validation")

@@ -39,13 +39,15 @@ from omegaconf import MISSING
 
 from freetx.checkpoint import load_model, resolve_checkpoint
 from freetx.config import at_least, instantiate, write_resolved_config
-from freetx.data import leading_bos
+from freetx.data import checked_tokenizer, leading_bos
 from freetx.distributed import init_distributed
 from freetx.entry import parse
 from freetx.errors import ConfigError
 from freetx.fields import written_folder
 from freetx.loggers import build_metric_loggers
 from freetx.models import DecodesIncrementally, LatentModel
+from freetx.models.hf import end_token_ids
+from freetx.training.export import recorded_run
 
 
 @dataclass
@@ -89,7 +91,7 @@ class GenerateRecipe:
         self.model = model = load_model(self.checkpoint, self.device, seed=cfg.seed)
         self.latent = isinstance(model, LatentModel)
         self.cached = cfg.kv_cache and isinstance(model, DecodesIncrementally)
-        self.tokenizer = instantiate(cfg.tokenizer)
+        self.tokenizer = checked_tokenizer(instantiate(cfg.tokenizer))
         if cfg.chat and getattr(self.tokenizer, "chat_template", None) is None:
             raise ConfigError(
                 "chat=true renders each prompt with the tokenizer's chat template, and this "
@@ -98,11 +100,28 @@ class GenerateRecipe:
             )
         self.measures = [instantiate(node) for node in cfg.sample_metrics]
         self.loggers = build_metric_loggers(cfg.metric_loggers, cfg.output_dir, None, 0)
+        self.end_ids = self.ends() if cfg.stop_at_eos else []
         kind = f"{type(model).__name__}{' (latent per position)' if self.latent else ''}"
         decoding = "KV cache" if self.cached else "a full forward per token"
         self.loggers.write(
             f"generate | {kind} from {self.checkpoint} | device {self.device} | {decoding}"
         )
+
+    def ends(self) -> list[int]:
+        """The ids a reply ends at: the tokenizer's EOS, and the model's own end tokens (its
+        HF folder's eos_token_id, or that of the folder the run started from), warned
+        about when they differ."""
+        eos = self.tokenizer.eos_id
+        folders = [self.checkpoint, *recorded_run(self.checkpoint)["run_folders"]]
+        model_ids = next((ids for f in folders if (ids := end_token_ids(f))), [])
+        if model_ids and eos not in model_ids:
+            self.loggers.write(
+                f"warning: the tokenizer's end token is id {eos}, and the model's config.json "
+                f"says eos_token_id {model_ids[0] if len(model_ids) == 1 else model_ids}: "
+                "a reply stops at either. Use the model's own tokenizer (tokenizer.path) or "
+                "set tokenizer.eos_token to the model's end token."
+            )
+        return [eos, *(i for i in model_ids if i != eos)]
 
     def encode(self, prompt: str) -> list[int]:
         tok = self.tokenizer
@@ -152,7 +171,7 @@ class GenerateRecipe:
         codes = self.latent_codes(prompts, total) if self.latent else None
         cache = self.model.new_cache(padding, total) if self.cached else None
         fresh = tokens  # what the cache has not seen
-        eos = self.tokenizer.eos_id if cfg.stop_at_eos else None
+        ends = torch.tensor(self.end_ids, dtype=torch.long, device=self.device)
         ended = torch.zeros(len(rows), dtype=torch.bool, device=self.device)
         for _ in range(cfg.max_new_tokens):
             if cache is not None:
@@ -163,8 +182,8 @@ class GenerateRecipe:
                 logits = self.model(tokens)
             new = self.next_tokens(logits[:, -1])
             tokens, fresh = torch.cat([tokens, new[:, None]], dim=1), new[:, None]
-            if eos is not None:
-                ended |= new == eos
+            if self.end_ids:
+                ended |= torch.isin(new, ends)
                 if bool(ended.all()):
                     break
         replies = [self.reply(row) for row in tokens[:, longest:].tolist()]
@@ -176,10 +195,9 @@ class GenerateRecipe:
                 "stopped_at_eos": len(reply) < len(row)}  # fmt: skip
 
     def until_eos(self, ids: list[int]) -> list[int]:
-        eos = self.tokenizer.eos_id
-        if self.cfg.stop_at_eos and eos in ids:
-            return ids[: ids.index(eos)]
-        return ids
+        """`ids` up to the first end token (`ends`), when stop_at_eos."""
+        stops = [ids.index(end) for end in self.end_ids if end in ids]
+        return ids[: min(stops)] if stops else ids
 
     def next_tokens(self, logits: torch.Tensor) -> torch.Tensor:
         if self.cfg.temperature == 0:

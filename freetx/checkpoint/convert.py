@@ -13,6 +13,7 @@ import os
 import re
 import shutil
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +69,15 @@ def output_format(dst: Path, to: str | None) -> str:
     )
 
 
+@dataclass(frozen=True)
+class HFTokenizerFiles:
+    """A run's tokenizer as an HF export writes it when no HF folder gives its files
+    (`freetx.data.HasHFForm`: freetx's byte tokenizer)."""
+
+    files: dict[str, str]  # name -> text (tokenizer.json, tokenizer_config.json)
+    ids: dict[str, int]  # bos_token_id, eos_token_id, pad_token_id
+
+
 def convert(
     src: str | Path,
     dst: str | Path,
@@ -79,13 +89,15 @@ def convert(
     hf_files_from: str | Path | None = None,
     run_folders: Sequence[str | Path] = (),
     lora: LoRASettings | None = None,
+    tokenizer: HFTokenizerFiles | None = None,
 ) -> dict[str, Any]:
     """Convert a checkpoint; returns what was written (format, tensors, bytes).
 
     To an HF folder: weights in shards of `max_shard_size`, config.json,
     generation_config.json and the tokenizer files of the HF folder the model came
     from (`hf_files_from`, else the first of `run_folders`, the folders the run
-    started from, that is one). To a PEFT adapter folder: `lora`, the run's settings.
+    started from, that is one); without such a folder, those of `tokenizer` (the run's
+    tokenizer in transformers' form). To a PEFT adapter folder: `lora`, the run's settings.
 
     The destination is written under a temporary name and renamed into place
     (`freetx.user_files`): it may not be, hold or lie inside the source, and an
@@ -122,7 +134,9 @@ def convert(
             written = _write_safetensors(source, out, strip, cast, out_dtype)
         elif fmt == "hf":
             companion = hf_companion_folder(source, hf_files_from, run_folders)
-            written, written_as = _write_hf(source, out, cast, out_dtype, max_shard_size, companion)
+            written, written_as = _write_hf(
+                source, out, cast, out_dtype, max_shard_size, companion, tokenizer
+            )
             notes += written_as
         elif fmt == "peft":
             companion = hf_companion_folder(source, hf_files_from, run_folders)
@@ -256,13 +270,20 @@ def hf_companion_folder(
 
 
 def _write_hf(
-    source: TensorSource, dst: Path, cast, out_dtype, max_shard_size, companion: Path | None
+    source: TensorSource,
+    dst: Path,
+    cast,
+    out_dtype,
+    max_shard_size,
+    companion: Path | None,
+    tokenizer: HFTokenizerFiles | None = None,
 ) -> tuple[int, list[str]]:
     """An HF model folder in the layout the model class names: config.json, weights in
     shards of at most `max_shard_size` (one model.safetensors when they fit, else shards
-    and their index), generation_config.json, and the companion folder's tokenizer files.
-    Returns the bytes written, and a line saying what the folder is when the companion
-    is a multimodal folder it holds the text model of."""
+    and their index), generation_config.json, and the companion folder's tokenizer files
+    (else `tokenizer`'s, else a note that the folder has none). Returns the bytes written,
+    and lines saying what the folder is (the text model of a multimodal companion; no
+    tokenizer)."""
     if source.model_config is None or not source.meta.get("model_class"):
         raise CheckpointError(
             f"{source.path} does not record its model class and config, which config.json "
@@ -309,6 +330,10 @@ def _write_hf(
                 hf_config["max_position_embeddings"],
                 int(companion_config.get("max_position_embeddings") or 0),
             )
+    tokenizer = tokenizer or HFTokenizerFiles({}, {})
+    for key, value in tokenizer.ids.items():  # the ids a companion's config did not give
+        if hf_config.get(key) is None:
+            hf_config[key] = value
     (dst / "config.json").write_text(json.dumps(hf_config, indent=2))
     files = (
         ["model.safetensors"]
@@ -336,8 +361,22 @@ def _write_hf(
     for name in ("generation_config.json", *TOKENIZER_FILES) if companion else ():
         notes += _copy_own_file(companion, name, dst)
     if not (dst / "generation_config.json").is_file():
-        tokens = {k: hf_config[k] for k in ("bos_token_id", "eos_token_id") if k in hf_config}
-        (dst / "generation_config.json").write_text(json.dumps(tokens, indent=2))
+        ids = ("bos_token_id", "eos_token_id", "pad_token_id")
+        generation = {k: hf_config[k] for k in ids if hf_config.get(k) is not None}
+        if "max_position_embeddings" in hf_config:  # generate()'s default length: the model's
+            generation["max_length"] = hf_config["max_position_embeddings"]
+        (dst / "generation_config.json").write_text(json.dumps(generation, indent=2))
+    copied = [n for n in TOKENIZER_FILES if (dst / n).is_file()]
+    if not copied:
+        for name, text in tokenizer.files.items():
+            (dst / name).write_text(text, encoding="utf-8")
+    if not copied and not tokenizer.files:
+        notes.append(
+            "The folder has no tokenizer files: the run's tokenizer has no HF form freetx "
+            "writes, and no HF folder it started from holds them. Copy them from the "
+            "tokenizer's folder (--hf-files-from FOLDER) before loading it with "
+            "AutoTokenizer."
+        )
     return sum(info.nbytes for info in infos.values()), notes
 
 

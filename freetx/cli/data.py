@@ -69,6 +69,7 @@ def main(args: argparse.Namespace) -> int:
     import time
 
     from freetx.config import instantiate
+    from freetx.data import checked_tokenizer
     from freetx.data.mixture import MadeOfParts
     from freetx.data.token_cache import UsesTokenCache
 
@@ -76,7 +77,7 @@ def main(args: argparse.Namespace) -> int:
     if cfg is None:
         return 0
     start = time.perf_counter()
-    tokenizer = instantiate(cfg.tokenizer)
+    tokenizer = checked_tokenizer(instantiate(cfg.tokenizer))
     # by (part, label): a text dataset's one entry serves both splits
     lines: dict[tuple[int, str], str] = {}
     for split in ("train", "validation"):
@@ -112,13 +113,14 @@ def _count(overrides: list[str]) -> tuple[int, list[str]]:
 
 def show(args: argparse.Namespace) -> int:
     from freetx.config import instantiate
+    from freetx.data import checked_tokenizer
     from freetx.data.mixture import summary_lines
 
     count, overrides = _count(list(args.overrides))
     cfg = _dataset_config(args, overrides)
     if cfg is None:
         return 0
-    tokenizer = instantiate(cfg.tokenizer)
+    tokenizer = checked_tokenizer(instantiate(cfg.tokenizer))
     data = instantiate(cfg.dataset, tokenizer=tokenizer, split="train")
     print(LEGEND)
     shown = min(count, len(data))

@@ -87,6 +87,7 @@ def main(argv: list[str]) -> int:
     from freetx.config.schema import config_as_dict
     from freetx.errors import ConfigError
     from freetx.training import check_read_paths, check_written_folders
+    from freetx.training.seed import deterministic_env
 
     parser = _torchrun_parser()
     args = parser.parse_args(argv)
@@ -107,6 +108,8 @@ def main(argv: list[str]) -> int:
     config_path = resolve_config_path(config)
     script_args = ["--config", str(config_path), *overrides]
     output_dir = config_as_dict(cfg).get("output_dir")  # where a stopped run says so
+    # `deterministic: true`: the ranks' environment, there before CUDA starts in them
+    os.environ.update(deterministic_env(bool(config_as_dict(cfg).get("deterministic"))))
 
     if not launch_tokens:
         _check_layout(cfg, 1, 1)

@@ -138,6 +138,19 @@ def _check_parents(cfg: DictConfig, key: str, item: str) -> None:
     for i in range(1, len(parts)):
         parent = ".".join(parts[:i])
         value = OmegaConf.select(cfg, parent, default=None, throw_on_resolution_failure=False)
+        index = parts[i].strip("[]")
+        if isinstance(value, ListConfig) and index.isdigit() and int(index) >= len(value):
+            named = (
+                " To add a logger without restating the list, name it: "
+                "loggers.wandb.project=NAME (or loggers.tensorboard={})."
+                if parent == "metric_loggers"
+                else ""
+            )
+            raise ConfigError(
+                f"cannot apply override '{item}': '{parent}' is a list of {len(value)} "
+                f"item(s) (indices 0 to {len(value) - 1}); an override cannot append to it. "
+                f"Give the whole list instead ({parent}=[...]).{named}"
+            )
         if value is not None and not OmegaConf.is_config(value):
             raise ConfigError(
                 f"cannot apply override '{item}': '{parent}' holds the value {value!r}, "

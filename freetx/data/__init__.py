@@ -30,7 +30,15 @@ from freetx.data.sampling import (
 )
 from freetx.data.shard_cache import ShardCache
 from freetx.data.text import PackedTextDataset, read_documents
-from freetx.data.tokenizers import ByteTokenizer, HFTokenizer, leading_bos
+from freetx.data.tokenizers import (
+    ByteTokenizer,
+    HasHFForm,
+    HFTokenizer,
+    Tokenizer,
+    checked_tokenizer,
+    leading_bos,
+    tokenizer_problem,
+)
 
 __all__ = [
     "IGNORE_INDEX",
@@ -44,7 +52,9 @@ __all__ = [
     "ChatDataset",
     "EvalShard",
     "GlobalBatchSampler",
+    "HasHFForm",
     "HFTokenizer",
+    "Tokenizer",
     "InstructDataset",
     "LetterBlockDataset",
     "MixesSources",
@@ -57,7 +67,9 @@ __all__ = [
     "build_eval_loader",
     "build_train_loader",
     "harvested_activations",
+    "checked_tokenizer",
     "leading_bos",
+    "tokenizer_problem",
     "micro_batch_size",
     "token_sample",
     "planted_activations",

@@ -36,7 +36,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from freetx.data.sampling import Split
-from freetx.data.sources import Record
+from freetx.data.sources import Record, format_of_shape, format_overrides
 from freetx.errors import DataError
 
 Messages = list[dict[str, str]]
@@ -140,6 +140,17 @@ class Format:
             return record.raw.encode()
         return canonical({c: record.fields.get(c) for c in self.record_columns})
 
+    def _fix(self, fields: dict[str, Any]) -> str:
+        """What to do about a row this format cannot read: the format and columns that read
+        its shape, when that is another format's (`format_of_shape`), else fix the row."""
+        found = format_of_shape(fields)
+        if (
+            found is not None
+            and Format(found[0], {**DEFAULT_COLUMNS[found[0]], **found[1]}) != self
+        ):
+            return f"the row looks like format {found[0]}: set {format_overrides(*found)}"
+        return "fix the row, or set dataset.format / map the columns with dataset.columns"
+
     def _string(self, fields: dict[str, Any], role: str, optional: bool = False) -> str:
         column = self.columns[role]
         value = fields.get(column)
@@ -149,7 +160,7 @@ class Format:
             raise BadRow(
                 f"has no '{column}' column (format {self.name} reads "
                 f"{', '.join(self.record_columns)}; it has {', '.join(sorted(fields)) or 'none'}); "
-                "fix the row, or set dataset.format / map the columns with dataset.columns."
+                f"{self._fix(fields)}."
             )
         if not isinstance(value, str):
             raise BadRow(
@@ -164,8 +175,8 @@ class Format:
         if not isinstance(messages, list) or not messages:
             raise BadRow(
                 f"has no '{column}' list; format {self.name} reads rows like "
-                f'{{"{column}": [{{"{role_key}": ..., "{content_key}": ...}}, ...]}}: fix the '
-                "row, or set dataset.format / map the columns with dataset.columns."
+                f'{{"{column}": [{{"{role_key}": ..., "{content_key}": ...}}, ...]}}: '
+                f"{self._fix(fields)}."
             )
         out = []
         for n, message in enumerate(messages):
@@ -234,6 +245,7 @@ class BadRows:
     rows: int = 0  # of those, the split's
     skipped: int = 0
     first: str = ""  # the first skipped row: where, and what was wrong
+    refused: int = 0  # bad rows found with on_bad_row=error (`refuse` raises for them)
 
     def __post_init__(self) -> None:
         if self.on_bad_row not in ON_BAD_ROW:
@@ -245,13 +257,27 @@ class BadRows:
     def bad(self, where: str, problem: BadRow) -> None:
         """A bad row at `where`: an error, or counted and skipped."""
         message = f"{where} {problem}"
-        if self.on_bad_row == "error":
-            raise DataError(
-                f"{message} Or set dataset.on_bad_row=skip to skip such rows (they are counted "
-                "and reported at start-up)."
-            )
-        self.skipped += 1
         self.first = self.first or message
+        if self.on_bad_row == "error":
+            self.refused += 1  # `refuse` raises once the read counted them all
+            return
+        self.skipped += 1
+
+    def refuse(self, read: int) -> None:
+        """With on_bad_row=error, raise for the bad rows among the `read` rows: the first
+        named, and `on_bad_row=skip` offered only when it keeps most of the rows."""
+        if not self.refused:
+            return
+        count = f"{self.refused} of the {read} rows" if read > 1 else "the row"
+        if 2 * self.refused < read:
+            fix = (
+                f" Or set dataset.on_bad_row=skip to skip such rows ({count} "
+                f"{'is' if self.refused == 1 else 'are'} bad; they are counted and reported "
+                "at start-up)."
+            )
+        else:
+            fix = f" ({count} {'is' if count == 'the row' else 'are'} bad.)"
+        raise DataError(f"{self.first}{fix}")
 
     def notes(self) -> dict[str, Any]:
         """What the read counted, kept with a token cache entry (`noted` reads it back)."""
@@ -297,6 +323,7 @@ def read_split(
             examples.append((record.where, convert(record.fields)))
         except BadRow as problem:
             bad_rows.bad(record.where, problem)
+    bad_rows.refuse(bad_rows.rows)
     return examples
 
 
@@ -313,6 +340,7 @@ def encode_rows(
             bad_rows.bad(where, problem)
             continue
         kept.append(i)
+    bad_rows.refuse(len(examples))
     return encoded, kept
 
 

@@ -42,6 +42,57 @@ class Record:
     raw: str = ""  # the row's text when it could not be read (what the split hashes)
 
 
+def _message_keys(value: Any) -> set[str]:
+    """The keys of a conversation's first message (none when it is not one)."""
+    if isinstance(value, list) and value and isinstance(value[0], dict):
+        return set(value[0])
+    return set()
+
+
+def format_of_shape(
+    fields: dict[str, Any] | Sequence[str],
+) -> tuple[str, dict[str, str]] | None:
+    """The format a row of this shape is in (its fields, or only its column names) and the
+    columns to map for it: (`sharegpt`, {}) for `conversations` of from/value messages,
+    (`prompt_response`, {response: completion}), ...; None when it is none of the formats'."""
+    names = set(fields)
+    for column in ("conversations", "messages"):
+        if column in names:
+            inner = _message_keys(fields[column]) if isinstance(fields, dict) else set()
+            if {"from", "value"} <= inner or (not inner and column == "conversations"):
+                name, default = "sharegpt", "conversations"
+            else:
+                name, default = "messages", "messages"
+            return name, {} if column == default else {"messages": column}
+    if {"instruction", "output"} <= names:
+        return "alpaca", {}
+    for response in ("response", "completion", "output", "answer"):
+        if "prompt" in names and response in names:
+            return "prompt_response", {} if response == "response" else {"response": response}
+    if "text" in names:
+        return "text", {}
+    return None
+
+
+def format_overrides(name: str, columns: dict[str, str]) -> str:
+    """`dataset.format=NAME dataset.columns.ROLE=COLUMN ...`: what reads rows of a shape."""
+    return " ".join(
+        [f"dataset.format={name}"] + [f"dataset.columns.{k}={v}" for k, v in columns.items()]
+    )
+
+
+def format_fix(fields: dict[str, Any] | Sequence[str]) -> str:
+    """How to read rows of this shape: the overrides when it is one of the formats', else
+    where to say it."""
+    found = format_of_shape(fields)
+    if found:
+        return f"the data looks like format {found[0]}: set {format_overrides(*found)}"
+    return (
+        "set dataset.format to the format of the data, or map its columns with "
+        "dataset.columns (see docs/data.md)"
+    )
+
+
 def _is_datasets_folder(path: Path) -> bool:
     return (path / "state.json").is_file() or (path / "dataset_dict.json").is_file()
 
@@ -191,8 +242,7 @@ def _present(path: Path, columns: Sequence[str], names: Sequence[str]) -> list[s
     if not present:
         raise DataError(
             f"{path} has none of the columns the dataset's format reads ({', '.join(columns)}); "
-            f"its columns are {', '.join(names)}. Set dataset.format to the format of the "
-            "data, or map its columns with dataset.columns (see docs/data.md)."
+            f"its columns are {', '.join(names)}; {format_fix(names)}."
         )
     return present
 

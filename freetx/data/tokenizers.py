@@ -13,9 +13,9 @@ import functools
 import json
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
-from freetx.errors import DataError
+from freetx.errors import ConfigError, DataError
 
 # The special tokens transformers hands to a chat template (as `bos_token`, ...).
 SPECIAL_TOKEN_NAMES = (
@@ -33,13 +33,75 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jin
 _FILE_DEFAULTS = {"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>"}
 
 
+@runtime_checkable
+class Tokenizer(Protocol):
+    """What a `tokenizer:` node must build (the attributes above are set by its
+    constructor, so only the methods can be checked on a class)."""
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids) -> str: ...
+
+
+def tokenizer_problem(built: Any, node: str = "tokenizer") -> str | None:
+    """Why `built` (a class a node names, or the object it built) is no tokenizer, as one
+    paragraph naming the node and what it built; None when it is one."""
+    if isinstance(built, Tokenizer):
+        return None
+    what = built.__module__ + "." + built.__qualname__ if isinstance(built, type) else None
+    what = what or f"a {type(built).__module__}.{type(built).__qualname__}"
+    return (
+        f"the `{node}` node builds {what}, which is not a tokenizer (it has no encode and "
+        f"decode methods). Set {node}._component_ to freetx.data.ByteTokenizer, or to "
+        f"freetx.data.HFTokenizer with {node}.path=MODEL_FOLDER (docs/data.md)."
+    )
+
+
+def checked_tokenizer(built: Any, node: str = "tokenizer") -> Tokenizer:
+    """`built` (what the `node` node built), refused with one paragraph when it is no
+    tokenizer."""
+    problem = tokenizer_problem(built, node)
+    if problem:
+        raise ConfigError(problem)
+    return built
+
+
 def leading_bos(tokenizer) -> list[int]:
     """What a sequence starts with: [BOS] for tokenizers that add one, else nothing."""
     return [tokenizer.bos_id] if getattr(tokenizer, "add_bos_token", True) else []
 
 
+@runtime_checkable
+class HasHFForm(Protocol):
+    """A tokenizer that can write itself as transformers' tokenizer files (an HF export of
+    a model trained with it then loads with AutoTokenizer)."""
+
+    def hf_files(self) -> dict[str, str]:
+        """File name -> text: tokenizer.json, tokenizer_config.json."""
+        ...
+
+    def special_ids(self) -> dict[str, int]:
+        """bos_token_id, eos_token_id, pad_token_id (for config.json and
+        generation_config.json)."""
+        ...
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's printable stand-in for each byte (what a ByteLevel pre-tokenizer maps to)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
+    printable += range(ord("®"), ord("ÿ") + 1)
+    chars, extra = {b: chr(b) for b in printable}, 0
+    for b in range(256):
+        if b not in chars:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return chars
+
+
 class ByteTokenizer:
     """UTF-8 bytes 0..255, then BOS=256, EOS=257, PAD=258 (vocabulary 259)."""
+
+    SPECIAL = {"bos_token": "<|bos|>", "eos_token": "<|eos|>", "pad_token": "<|pad|>"}
 
     def __init__(self) -> None:
         self.bos_id, self.eos_id, self.pad_id = 256, 257, 258
@@ -52,6 +114,56 @@ class ByteTokenizer:
 
     def decode(self, ids) -> str:
         return bytes(int(i) for i in ids if int(i) < 256).decode("utf-8", errors="replace")
+
+    def special_ids(self) -> dict[str, int]:
+        return {"bos_token_id": self.bos_id, "eos_token_id": self.eos_id,
+                "pad_token_id": self.pad_id}  # fmt: skip
+
+    def hf_files(self) -> dict[str, str]:
+        """This tokenizer in the `tokenizers` library's format: a byte-level BPE without
+        merges (each byte one token, its id the byte), the three special tokens, and BOS
+        added before a text as freetx's training does (`AutoTokenizer(text).input_ids` =
+        [256, *utf-8 bytes]). Only a text holding the special tokens' own spelling
+        (`<|eos|>`) encodes differently: transformers reads it as the token."""
+        ids = {"<|bos|>": self.bos_id, "<|eos|>": self.eos_id, "<|pad|>": self.pad_id}
+        bos = [{"SpecialToken": {"id": "<|bos|>", "type_id": 0}}]
+        byte_level = {"add_prefix_space": False, "trim_offsets": True, "use_regex": False}
+        tokenizer = {
+            "version": "1.0", "truncation": None, "padding": None,
+            "added_tokens": [
+                {"id": i, "content": token, "single_word": False, "lstrip": False,
+                 "rstrip": False, "normalized": False, "special": True}
+                for token, i in ids.items()
+            ],
+            "normalizer": None,
+            "pre_tokenizer": {"type": "ByteLevel", **byte_level},
+            "post_processor": {
+                "type": "TemplateProcessing",
+                "single": [*bos, {"Sequence": {"id": "A", "type_id": 0}}],
+                "pair": [*bos, {"Sequence": {"id": "A", "type_id": 0}},
+                         *bos, {"Sequence": {"id": "B", "type_id": 0}}],
+                "special_tokens": {
+                    "<|bos|>": {"id": "<|bos|>", "ids": [self.bos_id], "tokens": ["<|bos|>"]}
+                },
+            },
+            "decoder": {"type": "ByteLevel", **byte_level},
+            "model": {
+                "type": "BPE", "dropout": None, "unk_token": None,
+                "continuing_subword_prefix": None, "end_of_word_suffix": None,
+                "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
+                "vocab": {char: b for b, char in _bytes_to_unicode().items()}, "merges": [],
+            },
+        }  # fmt: skip
+        config = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            **self.SPECIAL,
+            "add_bos_token": True,
+            "clean_up_tokenization_spaces": False,
+        }
+        return {
+            "tokenizer.json": json.dumps(tokenizer, ensure_ascii=False, indent=1),
+            "tokenizer_config.json": json.dumps(config, indent=2),
+        }
 
 
 class HFTokenizer:
@@ -81,6 +193,7 @@ class HFTokenizer:
         if location.is_dir():
             file = _tokenizer_file(location, path)
             read = [location / name for name in TOKENIZER_FILES if (location / name).is_file()]
+            read_config = location / "tokenizer_config.json" in read
             config = _read_config(location / "tokenizer_config.json")
             tokens = _config_tokens(config, path)
             add_bos_token = config.get("add_bos_token")
@@ -104,6 +217,13 @@ class HFTokenizer:
         # the special tokens by name, as the chat template sees them
         self.special_tokens: dict[str, str] = tokens
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        if "eos_token" not in tokens and location.is_dir() and not read_config:
+            raise DataError(
+                f"tokenizer folder {path} has no tokenizer_config.json, the file that names "
+                "the special tokens (eos_token, bos_token) and the chat template; copy it from "
+                "the model's original folder beside tokenizer.json, or set "
+                "tokenizer.eos_token to the token that ends a text."
+            )
         if "eos_token" not in tokens:
             raise DataError(
                 f"tokenizer {path} names no EOS token (tokenizer_config.json has no eos_token); "
@@ -188,6 +308,13 @@ def _tokenizer_file(folder: Path, path: str) -> Path:
             if (folder / "tokenizer.model").exists()
             else ""
         )
+        if not found:  # a run's output_dir, a checkpoint: weights without their tokenizer
+            raise DataError(
+                f"tokenizer.path {path} holds no tokenizer (no tokenizer.json, no "
+                "tokenizer.model): a run's output_dir or a checkpoint holds weights only. Set "
+                "tokenizer.path=FOLDER to the folder the model's tokenizer is in (the HF "
+                "model folder the run started from), or to a tokenizer.json file."
+            )
         raise DataError(
             f"model folder {path} has no tokenizer.json{found}; freetx reads fast-tokenizer "
             "folders (tokenizer.json), not sentencepiece-only tokenizer.model. Convert it once "

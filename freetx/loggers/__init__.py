@@ -3,6 +3,7 @@
 from freetx.loggers.banner import training_banner
 from freetx.loggers.loggers import (
     JSONLLogger,
+    LoggersConfig,
     MetricLogger,
     MetricLoggers,
     ProgressBarLogger,
@@ -14,6 +15,7 @@ from freetx.loggers.loggers import (
 
 __all__ = [
     "JSONLLogger",
+    "LoggersConfig",
     "MetricLogger",
     "MetricLoggers",
     "ProgressBarLogger",

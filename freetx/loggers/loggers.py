@@ -7,6 +7,11 @@
 
 Every logger is built with `output_dir` and `total_steps` from the recipe plus
 its own keys from the config, and receives `log(step, {name: float})`.
+
+A logger can also be added by name, without restating the list (`LoggersConfig`):
+
+    loggers:
+      wandb: {project: my-project}       # on the command line: loggers.wandb.project=X
 """
 
 from __future__ import annotations
@@ -17,10 +22,11 @@ import math
 import sys
 import time
 from collections.abc import Iterable
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
-from omegaconf import ListConfig
+from omegaconf import ListConfig, OmegaConf
 
 from freetx.config.instantiate import instantiate
 
@@ -53,6 +59,10 @@ class MetricLogger(abc.ABC):
 
     def write(self, text: str) -> None:
         """A line of text for the console (banner, notices); most loggers ignore it."""
+
+    def hyperparameters(self, config: dict[str, Any]) -> None:
+        """The run's resolved config (given before the first `log`); most loggers ignore
+        it (config.yaml holds it), a tracking service records it with the run."""
 
     def resume_at(self, step: int) -> None:
         """The run continues after `step`: records of later steps (from a run that went
@@ -181,6 +191,21 @@ class TensorBoardLogger(MetricLogger):
             self.writer.close()
 
 
+WANDB_MISSING = (
+    "W&B logging needs the wandb package, which is not installed: pip install wandb "
+    "(or pip install freetx[wandb])"
+)
+
+
+def wandb_installed() -> bool:
+    """Whether `import wandb` would find the package (without importing it)."""
+    if "wandb" in sys.modules:
+        return sys.modules["wandb"] is not None
+    import importlib.util
+
+    return importlib.util.find_spec("wandb") is not None
+
+
 class WandBLogger(MetricLogger):
     """Weights & Biases (an optional extra: `pip install freetx[wandb]`). The run starts at
     the first record, so a run refused at set-up makes none. `mode: offline` (or
@@ -198,16 +223,13 @@ class WandBLogger(MetricLogger):
         tags: list[str] | None = None,
     ):
         super().__init__(output_dir, total_steps)
-        try:
-            import wandb
-        except ImportError:
+        if not wandb_installed():
             from freetx.errors import ConfigError
 
-            raise ConfigError(
-                "freetx.loggers.WandBLogger needs the wandb package: pip install wandb (or "
-                "pip install freetx[wandb]), or leave the logger out of metric_loggers."
-            ) from None
+            raise ConfigError(WANDB_MISSING + ", or leave the logger out of metric_loggers.")
         import os
+
+        import wandb
 
         self._wandb = wandb
         world_size = os.environ.get("WORLD_SIZE", "1")
@@ -219,6 +241,9 @@ class WandBLogger(MetricLogger):
             "dir": str(self.output_dir),
         }
         self.run = None
+
+    def hyperparameters(self, config: dict[str, Any]) -> None:
+        self.settings["config"] = config  # wandb.init(config=...): the run's hyperparameters
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         if self.run is None:
@@ -243,6 +268,10 @@ class MetricLoggers:
         for logger in self.loggers:
             logger.log(step, metrics)
 
+    def hyperparameters(self, config: dict[str, Any]) -> None:
+        for logger in self.loggers:
+            logger.hyperparameters(config)
+
     def resume_at(self, step: int) -> None:
         for logger in self.loggers:
             logger.resume_at(step)
@@ -262,12 +291,63 @@ class MetricLoggers:
             logger.close()
 
 
+# `loggers.NAME`: the logger class each name adds to metric_loggers
+NAMED_LOGGERS = {
+    "wandb": "freetx.loggers.WandBLogger",
+    "tensorboard": "freetx.loggers.TensorBoardLogger",
+    "jsonl": "freetx.loggers.JSONLLogger",
+}
+
+
+@dataclass
+class LoggersConfig:
+    """Loggers added by name to `metric_loggers` (which is then not restated): each key
+    holds the logger's own keys, `{}` for its defaults. `loggers.wandb.project=X` turns
+    W&B on; a logger already in metric_loggers gets these keys instead of a second copy."""
+
+    wandb: Optional[dict[str, Any]] = None  # WandBLogger: project, name, mode, tags
+    tensorboard: Optional[dict[str, Any]] = None  # TensorBoardLogger: subdir
+    jsonl: Optional[dict[str, Any]] = None  # JSONLLogger: filename
+
+    @staticmethod
+    def meaningless(values: dict[str, Any]) -> dict[str, str]:
+        """`loggers.wandb` without the wandb package: refused before the run starts."""
+        if values.get("wandb") is not None and not wandb_installed():
+            return {"wandb": WANDB_MISSING + ", or drop loggers.wandb (~loggers.wandb)."}
+        return {}
+
+
+def logger_nodes(nodes: ListConfig | list | None, named: LoggersConfig | None) -> list[Any]:
+    """`metric_loggers` with the loggers of `named` (the `loggers:` section) added."""
+    found = [n if OmegaConf.is_config(n) else OmegaConf.create(n) for n in nodes or []]
+    for name, keys in (asdict(named) if named is not None else {}).items():
+        if keys is None:
+            continue
+        component = NAMED_LOGGERS[name]
+        same = [i for i, n in enumerate(found) if n.get("_component_") == component]
+        if same:  # already listed: these keys go to it
+            found[same[0]] = OmegaConf.merge(found[same[0]], keys)
+        else:
+            found.append(OmegaConf.create({"_component_": component, **keys}))
+    return found
+
+
 def build_metric_loggers(
-    nodes: ListConfig | list | None, output_dir: str, total_steps: int | None, rank: int
+    nodes: ListConfig | list | None,
+    output_dir: str,
+    total_steps: int | None,
+    rank: int,
+    named: LoggersConfig | None = None,
+    hyperparameters: dict[str, Any] | None = None,
 ) -> MetricLoggers:
-    """Instantiate the configured loggers on rank 0; other ranks get a silent one."""
+    """Instantiate the configured loggers (`metric_loggers` and the ones added by name) on
+    rank 0, giving them the run's resolved config; other ranks get a silent one."""
+    nodes = logger_nodes(nodes, named)
     if rank != 0 or not nodes:
         return MetricLoggers([], active=rank == 0)
-    return MetricLoggers(
+    loggers = MetricLoggers(
         instantiate(node, output_dir=str(output_dir), total_steps=total_steps) for node in nodes
     )
+    if hyperparameters is not None:
+        loggers.hyperparameters(hyperparameters)
+    return loggers

@@ -17,6 +17,8 @@ export writes.
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
 from typing import Any, Protocol
 
 from torch import nn
@@ -31,8 +33,47 @@ from freetx.models.hf_generic import (
 )
 from freetx.models.protocol import HFLayoutModel, build_config, builds, model_class
 from freetx.models.transformer import Transformer
-from freetx.models.transformer_hf import DECODER_LAYOUTS, read_hf_config
-from freetx.models.transformer_hf import text_model_config as text_model_config  # for exports
+from freetx.models.transformer_hf import DECODER_LAYOUTS, read_hf_config, text_model_config
+
+
+def model_folder_problem(path: str, must_exist: bool = True) -> str | None:
+    """What is wrong with `path` as a model to start from (an HF folder, a run's output_dir,
+    a DCP folder or a .safetensors file): it does not exist (when `must_exist`), or it is
+    a file of another kind; with the fix. None when it may be one. Checked before anything
+    reads it, so that its tokenizer is not blamed."""
+    location = Path(path).expanduser()
+    kinds = "an HF model folder (config.json, *.safetensors, tokenizer files), a run's output_dir"
+    if not location.exists():
+        if not must_exist:
+            return None
+        return f"it does not exist; point it at {kinds}, a DCP folder or a .safetensors file."
+    if location.is_file() and location.suffix != ".safetensors":
+        return (
+            f"it is a file, not a folder (nor a .safetensors file); point it at {kinds} or a "
+            "DCP folder, e.g. the folder this file is in."
+        )
+    return None
+
+
+def end_token_ids(folder: str | Path) -> list[int]:
+    """The ids that end a text by an HF folder's config.json and generation_config.json
+    (`eos_token_id`: one id or a list); [] for a path that is no HF folder."""
+    location = Path(folder).expanduser()
+    if not (location / "config.json").is_file():
+        return []
+    found = [text_model_config(read_hf_config(location)).get("eos_token_id")]
+    generation = location / "generation_config.json"
+    if generation.is_file():
+        try:
+            found.append(json.loads(generation.read_text(encoding="utf-8")).get("eos_token_id"))
+        except (ValueError, UnicodeDecodeError, AttributeError):
+            pass  # not the model's to judge here: the config.json ids stand
+    ids: list[int] = []
+    for value in found:
+        for token in value if isinstance(value, list) else [value]:
+            if isinstance(token, int) and not isinstance(token, bool) and token not in ids:
+                ids.append(token)
+    return ids
 
 
 class HFLayout(Protocol):

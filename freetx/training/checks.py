@@ -10,7 +10,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from torch import nn
 
 from freetx.config.instantiate import find_components, node_config, to_container
-from freetx.data import micro_batch_size
+from freetx.data import micro_batch_size, tokenizer_problem
 from freetx.data.sources import source_problems
 from freetx.distributed import MeshShape, Processes, check_distributed
 from freetx.distributed.context_parallel import check_shards_context
@@ -40,6 +40,9 @@ def check_layout(cfg: object, processes: Processes) -> None:
     shape = check_distributed(cfg.distributed, processes)
     model_class = built_class(getattr(cfg, "model", None))
     check_final_export(cfg, model_class)
+    tokenizer_class = built_class(getattr(cfg, "tokenizer", None), "tokenizer")
+    if tokenizer_class is not None and tokenizer_problem(tokenizer_class):
+        raise ConfigError(tokenizer_problem(tokenizer_class))
     dataset = getattr(cfg, "dataset", None)
     if model_class is not None and isinstance(dataset, DictConfig):
         packed = any(node.get("packed", False) for node in dataset_nodes(dataset))

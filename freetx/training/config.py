@@ -11,6 +11,7 @@ from omegaconf import MISSING
 from freetx.checkpoint import CheckpointConfig
 from freetx.distributed import DistributedConfig
 from freetx.fields import at_least, written_folder
+from freetx.loggers import LoggersConfig
 from freetx.training.lr_schedule import LRScheduleConfig
 from freetx.training.profiling import ProfilerConfig
 
@@ -66,6 +67,9 @@ class TrainingConfig:
 
     output_dir: str = written_folder()
     seed: int = 0
+    # torch's deterministic algorithms, cuDNN's deterministic kernels, cuBLAS's fixed
+    # workspace: the same numbers run to run on a GPU, slower (docs/configs.md)
+    deterministic: bool = False
     device: Literal["auto", "cpu", "cuda"] = "auto"
     max_steps: int = at_least(1)
     batch_size: int = at_least(1)  # global: samples per optimizer step, over all ranks
@@ -84,6 +88,7 @@ class TrainingConfig:
     lr_schedule: LRScheduleConfig = field(default_factory=LRScheduleConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     metric_loggers: list[Any] = field(default_factory=default_metric_loggers)
+    loggers: LoggersConfig = field(default_factory=LoggersConfig)  # more, by name: loggers.wandb
     profiler: ProfilerConfig = field(default_factory=ProfilerConfig)  # torch.profiler traces
 
     @staticmethod

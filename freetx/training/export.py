@@ -23,9 +23,13 @@ import typing
 from pathlib import Path
 from typing import Any
 
+from omegaconf import OmegaConf
+
 from freetx.checkpoint import convert, open_tensors, resolve_checkpoint
 from freetx.checkpoint.adapters import LoRASettings
-from freetx.config.instantiate import COMPONENT, import_component, node_config_class
+from freetx.checkpoint.convert import HFTokenizerFiles
+from freetx.config.instantiate import COMPONENT, import_component, instantiate, node_config_class
+from freetx.data import HasHFForm
 from freetx.errors import ConfigError, FreetxError
 from freetx.models.protocol import HFLayoutModel
 from freetx.user_files import WriteFailed
@@ -60,7 +64,27 @@ def recorded_run(path: str | Path) -> dict[str, Any]:
             dropout=peft.get("dropout", 0.0),
             use_dora=bool(peft.get("use_dora", False)),
         )
-    return {"run_folders": [f for f in folders if isinstance(f, str)], "lora": lora}
+    return {
+        "run_folders": [f for f in folders if isinstance(f, str)],
+        "lora": lora,
+        "tokenizer": hf_tokenizer_files(run.get("tokenizer")),
+    }
+
+
+def hf_tokenizer_files(node: Any) -> HFTokenizerFiles | None:
+    """The HF files of the tokenizer a run's `tokenizer:` node builds, when it has an HF form
+    (`HasHFForm`: freetx's byte tokenizer); None otherwise, or when its class no longer
+    imports (the export then says it has no tokenizer)."""
+    try:
+        built = built_class(node, "tokenizer")
+    except ConfigError:
+        return None
+    if built is None or not isinstance(built, HasHFForm):
+        return None
+    tokenizer = instantiate(OmegaConf.create(node))
+    if not isinstance(tokenizer, HasHFForm):
+        return None
+    return HFTokenizerFiles(tokenizer.hf_files(), tokenizer.special_ids())
 
 
 def export_final(checkpoint: Path, output_dir: str | Path, fmt: str) -> dict[str, Any]:
@@ -82,15 +106,15 @@ def export_final(checkpoint: Path, output_dir: str | Path, fmt: str) -> dict[str
         ) from None
 
 
-def built_class(model_node: Any) -> type | None:
-    """The class a `model:` node builds: the `_component_` itself when it is a class, the
-    return annotation of a builder function (of a builder that picks its config class
-    by its keys, `ChoosesConfig`: the annotated class whose `config_class` it picks, an
-    HF folder's generic path); None when neither says (a recipe that builds its model
-    otherwise)."""
+def built_class(model_node: Any, name: str = "model") -> type | None:
+    """The class a `model:` node (or the node `name`) builds: the `_component_` itself when
+    it is a class, the return annotation of a builder function (of a builder that picks its
+    config class by its keys, `ChoosesConfig`: the annotated class whose `config_class` it
+    picks, an HF folder's generic path); None when neither says (a recipe that builds its
+    model otherwise)."""
     if not hasattr(model_node, "get") or not isinstance(model_node.get(COMPONENT), str):
         return None
-    target = import_component(model_node[COMPONENT], f"model.{COMPONENT}")
+    target = import_component(model_node[COMPONENT], f"{name}.{COMPONENT}")
     if isinstance(target, type):
         return target
     try:

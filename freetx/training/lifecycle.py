@@ -48,6 +48,7 @@ from freetx.checkpoint import (
 from freetx.checkpoint.checkpointer import build_meta
 from freetx.checkpoint.run_folder import RecipeMark, nothing_left_to_train
 from freetx.checkpoint.state import LRSchedulerState
+from freetx.config.schema import config_as_dict
 from freetx.data.formats import SkipsBadRows
 from freetx.data.mixture import MadeOfParts, summary_lines
 from freetx.data.seq_len import CutsToSeqLen
@@ -119,8 +120,9 @@ class TrainingRun:
         )
         self.progress = TrainState()  # step, epoch, tokens seen: saved with every checkpoint
         self.loggers = build_metric_loggers(
-            cfg.metric_loggers, cfg.output_dir, cfg.max_steps, runtime.rank
-        )
+            cfg.metric_loggers, cfg.output_dir, cfg.max_steps, runtime.rank,
+            named=cfg.loggers, hyperparameters=config_as_dict(cfg),
+        )  # fmt: skip
         self.saved_step: int | None = None
         self.evaluated_step: int | None = None
         self.nonfinite_in_a_row = 0

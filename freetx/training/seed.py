@@ -2,24 +2,48 @@
 
 from __future__ import annotations
 
+import os
 import random
 from typing import Any
 
 import numpy as np
 import torch
 
+# cuBLAS's fixed workspaces (read when its first handle is made): what torch's
+# deterministic algorithms need on CUDA >= 10.2
+DETERMINISTIC_ENV = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
 
-def seed_everything(seed: int, rank: int = 0) -> None:
+
+def deterministic_env(deterministic: bool) -> dict[str, str]:
+    """The environment a run's processes need for `deterministic: true` (set by `freetx
+    run` before it launches the ranks, so that it is there before CUDA starts); a value the
+    user set wins."""
+    if not deterministic:
+        return {}
+    return {k: os.environ.get(k, v) for k, v in DETERMINISTIC_ENV.items()}
+
+
+def seed_everything(seed: int, rank: int = 0, deterministic: bool = False) -> None:
     """Seed python, numpy and torch (CPU and CUDA) for this rank.
 
     Ranks get different streams (seed + rank), so dropout masks are independent
     across ranks. Parameter init does not use these streams (it has its own
     per-parameter generators), so initial weights do not depend on the rank.
+
+    `deterministic` (the config's `deterministic: true`): torch's deterministic
+    algorithms (an op without one raises, naming it), cuDNN's deterministic kernels and no
+    benchmarking, cuBLAS's fixed workspace. Slower on a GPU; off, only the seeds are set
+    (and the flags are put back to torch's defaults).
     """
     rank_seed = seed + rank
     random.seed(rank_seed)
     np.random.seed(rank_seed % 2**32)
     torch.manual_seed(rank_seed)
+    if deterministic:
+        os.environ.update(deterministic_env(True))  # before cuBLAS's first handle
+    torch.use_deterministic_algorithms(deterministic)
+    torch.backends.cudnn.deterministic = deterministic
+    torch.backends.cudnn.benchmark = False
 
 
 def rng_state() -> dict[str, Any]:
