@@ -134,13 +134,17 @@ def field_problems(config_class: Any, values: dict[str, Any], path: str = "") ->
     """What `config_class.meaningless` finds in `values` (over the class's defaults, for a
     dataclass), each naming its key under `path` ("peft.") and its value; [] for a class
     without it. `config_class` may be a `_component_` target itself (a dataset, a loss)
-    whose `meaningless` reads its constructor's keywords."""
+    whose `meaningless` reads its constructor's keywords. A subclass's `meaningless` adds
+    to its bases' (a recipe's schema keeps TrainingConfig's checks)."""
     if not isinstance(config_class, ChecksMeaning):
         return []
     defaults = _defaults(config_class) if dataclasses.is_dataclass(config_class) else {}
     merged = {**defaults, **values}
+    owners = [c for c in getattr(config_class, "__mro__", ()) if "meaningless" in vars(c)]
+    found: dict[str, str] = {}
     try:
-        found = config_class.meaningless(merged)
+        for check in [c.meaningless for c in reversed(owners)] or [config_class.meaningless]:
+            found.update(check(merged))
     except TypeError:  # a value of the wrong type: the type checks or the builder say so
         return []
     return [f"'{path}{key}' is {_value_at(merged, key)!r}: {why}" for key, why in found.items()]

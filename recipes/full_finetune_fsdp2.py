@@ -40,7 +40,6 @@ from freetx.data import (
 from freetx.data.packing import packs
 from freetx.distributed import build_groups, init_distributed, parallelize
 from freetx.entry import parse
-from freetx.errors import ConfigError
 from freetx.fields import read_path
 from freetx.models.hf import model_folder_problem
 from freetx.models.peft import PEFTConfig, apply_peft
@@ -87,10 +86,9 @@ class FullFinetuneConfig(TrainingConfig):
     @staticmethod
     def meaningless(values: dict[str, Any]) -> dict[str, str]:
         """A model_dir that cannot be a model (a text file, ...): said first, not as its
-        tokenizer's problem. One that does not exist yet (the run that makes it has not
-        run) is refused when the run starts (`setup`)."""
+        tokenizer's problem (one that does not exist: `check_read_paths`)."""
         folder = values.get("model_dir")
-        problem = model_folder_problem(folder, must_exist=False) if folder else None
+        problem = model_folder_problem(folder) if folder else None
         return {"model_dir": problem} if problem else {}
 
     def planned(self) -> PlannedRun:  # sequences of the dataset's seq_len, with adapters
@@ -114,9 +112,6 @@ class FullFinetuneRecipeFSDP2:
         name = "full_finetune_fsdp2" if cfg.peft.method == "none" else "lora_finetune_fsdp2"
         self.run = TrainingRun(cfg, self.groups, name)
         micro_batch_size(cfg.batch_size, world_size, self.accumulation)
-        problem = model_folder_problem(cfg.model_dir) if cfg.model_dir else None
-        if problem:  # before the tokenizer and the weights read from it
-            raise ConfigError(f"model_dir {cfg.model_dir}: {problem}")
         self.tokenizer = checked_tokenizer(instantiate(cfg.tokenizer))
         self.loss_fn = instantiate(cfg.loss)  # its output layer in chunks: loss.num_chunks
         train_set = instantiate(cfg.dataset, tokenizer=self.tokenizer, split="train")

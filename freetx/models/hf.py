@@ -36,20 +36,16 @@ from freetx.models.transformer import Transformer
 from freetx.models.transformer_hf import DECODER_LAYOUTS, read_hf_config, text_model_config
 
 
-def model_folder_problem(path: str, must_exist: bool = True) -> str | None:
+def model_folder_problem(path: str) -> str | None:
     """What is wrong with `path` as a model to start from (an HF folder, a run's output_dir,
-    a DCP folder or a .safetensors file): it does not exist (when `must_exist`), or it is
-    a file of another kind; with the fix. None when it may be one. Checked before anything
-    reads it, so that its tokenizer is not blamed."""
+    a DCP folder or a .safetensors file): it is a file of another kind; with the fix. None
+    when it may be one (one that does not exist is `check_read_paths`'s to refuse). Checked
+    before anything reads it, so that its tokenizer is not blamed."""
     location = Path(path).expanduser()
-    kinds = "an HF model folder (config.json, *.safetensors, tokenizer files), a run's output_dir"
-    if not location.exists():
-        if not must_exist:
-            return None
-        return f"it does not exist; point it at {kinds}, a DCP folder or a .safetensors file."
     if location.is_file() and location.suffix != ".safetensors":
         return (
-            f"it is a file, not a folder (nor a .safetensors file); point it at {kinds} or a "
+            "it is a file, not a folder (nor a .safetensors file); point it at an HF model "
+            "folder (config.json, *.safetensors, tokenizer files), a run's output_dir or a "
             "DCP folder, e.g. the folder this file is in."
         )
     return None
