@@ -222,9 +222,7 @@ def _checkpointer(found: ImportedConfig, checkpointer: dict, data: dict) -> None
     output_dir = checkpointer.pop("output_dir", None)
     if output_dir is not None and "output_dir" not in data:
         found.set("output_dir", str(output_dir))
-    for key in checkpointer:
-        name = f"checkpointer.{key}"
-        found.skip(name, UNMAPPED.get(name) or "not a checkpointer key freetx maps")
+    _skip_rest(found, "checkpointer", checkpointer, "not a checkpointer key freetx maps")
 
 
 def _tokenizer(found: ImportedConfig, tokenizer: dict) -> None:
@@ -244,9 +242,7 @@ def _tokenizer(found: ImportedConfig, tokenizer: dict) -> None:
     seq_len = tokenizer.pop("max_seq_len", None)
     if seq_len is not None:
         set_number(found, "tokenizer.max_seq_len", seq_len, "dataset.seq_len", COUNT)
-    for key in tokenizer:
-        name = f"tokenizer.{key}"
-        found.skip(name, UNMAPPED.get(name) or "not a tokenizer key freetx maps")
+    _skip_rest(found, "tokenizer", tokenizer, "not a tokenizer key freetx maps")
 
 
 def _dataset(found: ImportedConfig, node: Any) -> None:
@@ -289,9 +285,7 @@ def _dataset(found: ImportedConfig, node: Any) -> None:
         found.set("dataset.columns", _mapping(found, "dataset.column_map", column_map))
     if "packed" in dataset:
         found.set("dataset.packed", _flag(found, "dataset.packed", dataset.pop("packed")))
-    for key in dataset:
-        name = f"dataset.{key}"
-        found.skip(name, UNMAPPED.get(name) or "not a dataset key freetx maps")
+    _skip_rest(found, "dataset", dataset, "not a dataset key freetx maps")
 
 
 def _optimizer(found: ImportedConfig, optimizer: dict) -> None:
@@ -308,9 +302,7 @@ def _optimizer(found: ImportedConfig, optimizer: dict) -> None:
             set_number(found, f"optimizer.{name}", optimizer.pop(name), f"optimizer.{name}", RATE)
     if "betas" in optimizer:
         set_betas(found, "optimizer.betas", optimizer.pop("betas"))
-    for key in optimizer:
-        name = f"optimizer.{key}"
-        found.skip(name, UNMAPPED.get(name) or "not an optimizer argument freetx maps")
+    _skip_rest(found, "optimizer", optimizer, "not an optimizer argument freetx maps")
 
 
 def _scheduler(found: ImportedConfig, scheduler: dict) -> None:
@@ -416,3 +408,10 @@ def _top_level(found: ImportedConfig, key: str, value: Any) -> None:
         found.skip(key, foreign_why(key))
     else:
         found.skip(key, "not a torchtune key freetx maps")
+
+
+def _skip_rest(found: ImportedConfig, section: str, keys: dict, what: str) -> None:
+    """List the keys of a torchtune section left after mapping, each with why."""
+    for key in keys:
+        name = f"{section}.{key}"
+        found.skip(name, UNMAPPED.get(name) or what)
