@@ -25,10 +25,15 @@ def finetune(model_dir, output_dir, *overrides):
     return result.stdout
 
 
+def banner_of(out: str) -> str:
+    """The banner line (after the `data:` summary lines)."""
+    return next(line for line in out.splitlines() if not line.startswith("data:"))
+
+
 @pytest.mark.slow  # a 1-process run, ~10 s
 def test_a_model_dir_without_initial_weights_trains_random_weights_and_says_so(tmp_path, model_dir):
     out = finetune(model_dir, tmp_path / "run", "checkpoint.initial_weights=null")
-    banner = out.splitlines()[0]
+    banner = banner_of(out)
     assert "| weights: random init (seed 0) |" in banner
     notice = flat(out)
     assert f"NOTICE: the model's shape comes from the HF folder {model_dir}" in notice
@@ -39,11 +44,11 @@ def test_a_model_dir_without_initial_weights_trains_random_weights_and_says_so(t
 def test_banner_names_the_hf_weights_then_the_checkpoint_resumed_from(tmp_path, model_dir):
     run = tmp_path / "run"
     first = finetune(model_dir, run)
-    assert f"| weights: {model_dir} (HF safetensors) |" in first.splitlines()[0]
+    assert f"| weights: {model_dir} (HF safetensors) |" in banner_of(first)
     assert "NOTICE" not in first
     resumed = finetune(model_dir, run, "max_steps=2")
     checkpoint = run / "checkpoints" / "step_000001"
-    assert f"| weights: resumed from {checkpoint} |" in resumed.splitlines()[0]
+    assert f"| weights: resumed from {checkpoint} |" in banner_of(resumed)
     assert "NOTICE" not in resumed
 
 
