@@ -78,6 +78,20 @@ RECIPES: tuple[Recipe, ...] = (
         description="LoRA / QLoRA / DoRA / Spectrum fine-tuning (full_finetune_fsdp2's loop)",
     ),
     Recipe(
+        name="dpo_fsdp2",
+        file="dpo_fsdp2.py",
+        configs=(
+            "llm/dpo_tiny",
+            "llm/dpo_lora_tiny",
+            "llm/hf_tiny_dpo",
+            "llm/llama3_1_8b_dpo_lora",
+            "llm/qwen3_8b_dpo",
+            "llm/gemma3_4b_dpo_lora",
+        ),
+        description="preference optimization: DPO, IPO, robust DPO, hinge, SimPO, ORPO; "
+        "full or LoRA / QLoRA / DoRA",
+    ),
+    Recipe(
         name="ad_ddp",
         file="ad_ddp.py",
         configs=("ad/darkroom_tiny", "ad/darkroom", "ad/darkroom_ed"),

@@ -41,7 +41,7 @@ from freetx.data.packing import packs
 from freetx.distributed import build_groups, init_distributed, parallelize
 from freetx.entry import parse
 from freetx.fields import read_path
-from freetx.models.hf import model_folder_problem
+from freetx.models.hf import model_dir_problems
 from freetx.models.peft import PEFTConfig, apply_peft
 from freetx.training import (
     PlannedRun,
@@ -83,13 +83,9 @@ class FullFinetuneConfig(TrainingConfig):
     eval: TokenEvalConfig = field(default_factory=TokenEvalConfig)
     peft: PEFTConfig = field(default_factory=PEFTConfig)  # LoRA / QLoRA / DoRA / Spectrum
 
-    @staticmethod
-    def meaningless(values: dict[str, Any]) -> dict[str, str]:
-        """A model_dir that cannot be a model (a text file, ...): said first, not as its
-        tokenizer's problem (one that does not exist: `check_read_paths`)."""
-        folder = values.get("model_dir")
-        problem = model_folder_problem(folder) if folder else None
-        return {"model_dir": problem} if problem else {}
+    # a model_dir that cannot be a model (a text file, ...): said first, not as its
+    # tokenizer's problem (one that does not exist: `check_read_paths`)
+    meaningless = staticmethod(model_dir_problems)
 
     def planned(self) -> PlannedRun:  # sequences of the dataset's seq_len, with adapters
         return PlannedRun(self.model, dataset_seq_len(self), self.peft, self.loss)

@@ -11,6 +11,18 @@ import json
 from pathlib import Path
 
 
+# what a preference loss's reference (`PlannedRun.reference`) costs, as the table counts it
+REFERENCE_NOTES = {
+    "frozen_copy": "a frozen copy of the model in the compute dtype, sharded like the "
+    "policy (`reference` column), and one more forward per micro-batch in `step s`; "
+    "reference.precompute=true frees it after one pass over the data",
+    "adapters_off": "the base with its adapters disabled: no copy, one more forward per "
+    "micro-batch in `step s`",
+    "precomputed": "its log-probs computed in one pass over the data before training, "
+    "then freed: nothing while training",
+}
+
+
 def build_parser() -> argparse.ArgumentParser:
     from freetx.cli.common import at_least_one, number
 
@@ -85,7 +97,9 @@ def _estimate(args: argparse.Namespace) -> int:
     params = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     hbm = DEVICES[args.device][2]
+    pairs = found.planned.rows_per_sample == 2  # a preference loss's pairs
     batch = f"{micro} rows" if sources else f"{micro} x {seq_len} tokens"
+    batch = f"{micro} pairs x 2 x {seq_len} tokens" if pairs else batch
     active = num_active_parameters(model)
     if active < params:  # a mixture of experts: what one token computes with
         trainable_text = f"{trainable / 1e9:.3f}B trained, {active / 1e9:.3f}B active per token"
@@ -128,17 +142,22 @@ def _estimate(args: argparse.Namespace) -> int:
     harvested = sources is not None and bool(sources.bytes or sources.unread)  # from models
     if harvested:
         header[7:7] = ["sources"]
+    copied = found.planned.reference == "frozen_copy"
+    if copied:
+        header[7:7] = ["reference"]
     table = [header]
     for r in rows:
         g = lambda v: f"{v / GIB:.2f}"  # noqa: E731
         row = [r.strategy, g(r.parameters), g(r.gradients), g(r.optimizer), g(r.gathered),
                g(r.activations), g(r.loss), g(r.peak), "yes" if r.peak / GIB < hbm else "no",
-               f"{r.step_s:.2f}", f"{micro * seq_len / shape.per_data_rank / r.step_s:,.0f}"]  # fmt: skip
+               f"{r.step_s:.2f}", f"{micro * found.planned.rows_per_sample * seq_len / shape.per_data_rank / r.step_s:,.0f}"]  # fmt: skip
         if measured:
             m = measured[r.strategy]
             row[-3:-3] = [g(m["peak"]), g(m["activations"])]
         if harvested:
             row[7:7] = [g(r.sources)]
+        if copied:
+            row[7:7] = [g(r.reference)]
         table.append(row)
     widths = [max(len(row[i]) for row in table) for i in range(len(header))]
     for row in table:
@@ -152,6 +171,9 @@ def _estimate(args: argparse.Namespace) -> int:
         if sources.unread:
             print(f"(not counted: the source models {', '.join(sources.unread)}, which cannot "
                   "be read yet: their weights come on top)")  # fmt: skip
+    reference = REFERENCE_NOTES.get(found.planned.reference)
+    if reference:
+        print(f"(reference: {reference})")
     for strategy, reason in refused.items():
         print(f"{strategy}: not estimated, a run would refuse it: {reason}")
     if measured:

@@ -15,7 +15,14 @@ from freetx.data.activations import (
     harvested_activations,
     planted_activations,
 )
-from freetx.data.batch import MixesSources, SourcesOf, TokenBatch, source_names, token_sample
+from freetx.data.batch import (
+    MixesSources,
+    PreferenceBatch,
+    SourcesOf,
+    TokenBatch,
+    source_names,
+    token_sample,
+)
 from freetx.data.chat import ChatDataset
 from freetx.data.instruct import InstructDataset
 from freetx.data.letter_block import LetterBlockDataset
@@ -64,6 +71,7 @@ __all__ = [
     "ShardCache",
     "SourcesOf",
     "TokenBatch",
+    "PreferenceBatch",
     "build_eval_loader",
     "build_train_loader",
     "harvested_activations",

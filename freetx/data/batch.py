@@ -187,3 +187,44 @@ class TokenBatch:
             return self
         labels = self.labels.masked_fill(self.padding[:, None].to(self.labels.device), IGNORE_INDEX)
         return dataclasses.replace(self, labels=labels)
+
+
+# a preference dataset's item: a pair of token samples, the chosen and the rejected
+# completion of one prompt (and an evaluation shard's `padding`, for both)
+CHOSEN, REJECTED = "chosen", "rejected"
+REFERENCE_LOGPS = "reference_logps"  # a sample's precomputed reference: [sum, tokens]
+
+
+@dataclass
+class PreferenceBatch(TokenBatch):
+    """Pairs as rows of one token batch: row 2i is pair i's chosen completion, row 2i + 1
+    its rejected one (`collate_pairs`); `join` and `split` keep them so. With a
+    precomputed reference, each row's reference log-probs ride along."""
+
+    reference_logps: torch.Tensor | None = None  # [B, 2]: each row's (sum, loss tokens)
+
+    @classmethod
+    def collate_pairs(cls, pairs: list[dict[str, Any]], source_names=()) -> PreferenceBatch:
+        """A loader's micro-batch of pairs (`{chosen, rejected}` samples), interleaved."""
+        rows = []
+        for pair in pairs:
+            for key in (CHOSEN, REJECTED):
+                row = dict(pair[key])
+                if PADDING in pair:  # an evaluation shard's repeat: both rows
+                    row[PADDING] = pair[PADDING]
+                rows.append(row)
+        batch = cls.collate(rows, source_names)
+        if REFERENCE_LOGPS in rows[0]:
+            batch.reference_logps = torch.stack([r[REFERENCE_LOGPS] for r in rows])
+        return batch
+
+    def num_pairs(self) -> torch.Tensor:
+        """The pairs the batch holds, an evaluation shard's repeats left out: the unit a
+        preference loss is summed over and normalized by."""
+        if self.padding is None:
+            return torch.tensor(self.input_ids.shape[0] // 2)
+        return (~self.padding[0::2]).sum()
+
+    def real_pairs(self) -> torch.Tensor | None:
+        """[pairs] bools: the pairs that are no evaluation shard's repeat (None: all)."""
+        return None if self.padding is None else ~self.padding[0::2]

@@ -20,6 +20,7 @@ from freetx.distributed.parallelize import (
     check_distributed,
     dtype_named,
     parallelize,
+    parallelize_frozen,
     unwrap,
 )
 from freetx.distributed.parameters import (
@@ -57,6 +58,7 @@ __all__ = [
     "destroy_distributed",
     "dtype_named",
     "fake_world",
+    "parallelize_frozen",
     "frozen_base",
     "fill_parameters",
     "full_norm",

@@ -107,6 +107,17 @@ class ParallelGroups:
             dist.all_reduce(tensor, op=_OPS[op], group=self._group(over))
         return tensor
 
+    def sum_with_gradient(self, tensor: torch.Tensor, over: Axis = "cp") -> torch.Tensor:
+        """`tensor` summed over the ranks of `over` as a new tensor, its gradient summed
+        over them too (torch.distributed.nn): what each rank holds a part of (a sequence's
+        log-probs over its context shards) made whole on every rank, for a loss every rank
+        then computes alike."""
+        if not self._active(over):
+            return tensor
+        from torch.distributed.nn.functional import all_reduce
+
+        return all_reduce(tensor, op=_OPS["sum"], group=self._group(over) or dist.group.WORLD)
+
     def all_gather(self, tensor: torch.Tensor, over: Axis = "dp") -> torch.Tensor:
         """[ranks, *shape]: every rank's `tensor` (the same shape on every rank)."""
         if not self._active(over):

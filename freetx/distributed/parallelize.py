@@ -462,21 +462,7 @@ def parallelize(
             )
         )
 
-    if groups.mesh is None:
-        raise ValueError("parallelize: a sharded strategy needs the groups of build_groups")
-    options = {
-        "mesh": groups.mesh,
-        "reshard_after_forward": strategy != "zero2",
-        "mp_policy": MixedPrecisionPolicy(
-            param_dtype=DTYPES[cfg.mixed_precision.param_dtype],
-            reduce_dtype=DTYPES[cfg.mixed_precision.reduce_dtype],
-        ),
-    }
-    if cfg.cpu_offload:
-        options["offload_policy"] = CPUOffloadPolicy()
-    for block in blocks:
-        fully_shard(block, **options)
-    fully_shard(model, **options)  # the root gets the same policy as the blocks
+    shard_blocks(model, blocks, groups, cfg, reshard_after_forward=strategy != "zero2")
     if isinstance(model, ExtraForwards):  # methods gathered like forward
         for method in model.fsdp_forward_methods:
             register_fsdp_forward_method(model, method)
@@ -492,6 +478,57 @@ def parallelize(
             made.scaler if made.scaler.is_enabled() else None, num_blocks,
         )  # fmt: skip
     return made
+
+
+def shard_blocks(
+    model: nn.Module, blocks: list[nn.Module], groups: ParallelGroups, cfg,
+    reshard_after_forward: bool,
+) -> None:  # fmt: skip
+    """FSDP2 over `groups.mesh`: each block a unit, then the root, with the `distributed:`
+    section's mixed precision and CPU offload."""
+    if groups.mesh is None:
+        raise ValueError("parallelize: a sharded strategy needs the groups of build_groups")
+    options = {
+        "mesh": groups.mesh,
+        "reshard_after_forward": reshard_after_forward,
+        "mp_policy": MixedPrecisionPolicy(
+            param_dtype=DTYPES[cfg.mixed_precision.param_dtype],
+            reduce_dtype=DTYPES[cfg.mixed_precision.reduce_dtype],
+        ),
+    }
+    if cfg.cpu_offload:
+        options["offload_policy"] = CPUOffloadPolicy()
+    for block in blocks:
+        fully_shard(block, **options)
+    fully_shard(model, **options)  # the root gets the same policy as the blocks
+
+
+def parallelize_frozen(model: nn.Module, groups: ParallelGroups, cfg, seed: int) -> nn.Module:
+    """A frozen copy of a meta-device model, parallelized as `parallelize` would the policy
+    it sits beside (a preference loss's reference, a teacher): no gradients, no optimizer
+    state, its parameters stored in the compute dtype (`mixed_precision.param_dtype`), its
+    weights not initialized (the caller loads them). Sharded per block by FSDP2 under the
+    sharded strategies, resharded after each forward; whole on every rank under the
+    replicated ones (no DDP wrapper: nothing trains); sliced under tensor parallelism.
+    Returns the model to call, in eval mode. Pipeline parallelism is refused (`check`:
+    the recipe's)."""
+    check_model(model)
+    runtime = groups.runtime
+    model.requires_grad_(False)
+    model.to(DTYPES[cfg.mixed_precision.param_dtype])  # meta: the dtype its storage gets
+    if groups.tp_mesh is not None:
+        apply_tensor_parallel(model, groups.tp_mesh, cfg.sequence_parallel)
+    blocks = find_blocks(model)
+    if cfg.compile:
+        for block in blocks or [model]:
+            block.compile()
+    if runtime.world_size == 1 or canonical_strategy(cfg.strategy) in REPLICATED:
+        materialize(model, runtime.device, seed, init_weights=False)
+        return model.eval()
+    shard_blocks(model, blocks, groups, cfg, reshard_after_forward=True)
+    param_device = torch.device("cpu") if cfg.cpu_offload else runtime.device
+    materialize(model, param_device, seed, buffer_device=runtime.device, init_weights=False)
+    return model.eval()
 
 
 def unwrap(model: nn.Module) -> nn.Module:

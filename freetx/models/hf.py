@@ -51,6 +51,15 @@ def model_folder_problem(path: str) -> str | None:
     return None
 
 
+def model_dir_problems(values: dict) -> dict[str, str]:
+    """A config's `model_dir` that cannot be a model (`model_folder_problem`), by key: a
+    fine-tuning schema's `meaningless`, so that it is said first, not as its tokenizer's
+    problem."""
+    folder = values.get("model_dir")
+    problem = model_folder_problem(folder) if folder else None
+    return {"model_dir": problem} if problem else {}
+
+
 def end_token_ids(folder: str | Path) -> list[int]:
     """The ids that end a text by an HF folder's config.json and generation_config.json
     (`eos_token_id`: one id or a list); [] for a path that is no HF folder."""

@@ -34,6 +34,7 @@ class ConfigEstimate:
     refused: dict[str, str]
     sources: ActivationSources | None = None
     shapes: list = dataclasses.field(default_factory=list)  # MeshShape, per strategy estimated
+    planned: PlannedRun = dataclasses.field(default_factory=lambda: PlannedRun(None))
 
 
 def estimate_config(
@@ -69,12 +70,14 @@ def estimate_config(
 
     def rows_of(part, stage=None):
         return estimate(
-            part, shapes, micro * seq_len, seq_len, dist.mixed_precision.param_dtype,
+            part, shapes, micro * planned.rows_per_sample * seq_len, seq_len,
+            dist.mixed_precision.param_dtype,
             dist.activation_checkpointing, dist.ac_every_n_blocks, device, mfu,
             sources=sources.bytes if sources else 0.0,
             optimizer_bytes=2.0 if "8bit" in str(cfg.optimizer.get("_component_", "")) else 8.0,
             loss_chunks=int(chunks) if chunks else None, stage=stage,
             sequence_parallel=dist.sequence_parallel and dist.pp == 1,
+            reference=planned.reference,
         )  # fmt: skip
 
     if dist.pp == 1:
@@ -84,7 +87,7 @@ def estimate_config(
         staged = [rows_of(stage_model(planned, dist, end), shape)
                   for end, shape in zip(("first", "last"), stages)]  # fmt: skip
         rows = [max(pair, key=lambda r: r.peak) for pair in zip(*staged)]
-    return ConfigEstimate(model, micro, seq_len, rows, refused, sources, shapes)
+    return ConfigEstimate(model, micro, seq_len, rows, refused, sources, shapes, planned)
 
 
 def stage_model(planned: PlannedRun, dist: Any, end: str):

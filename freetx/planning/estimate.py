@@ -62,6 +62,7 @@ class Estimate:
     compute_s: float
     comm_s: float
     sources: float = 0.0  # a crosscoder's frozen source models while they harvest
+    reference: float = 0.0  # a preference loss's frozen copy of the model
 
     @property
     def states(self) -> float:
@@ -69,7 +70,10 @@ class Estimate:
 
     @property
     def peak(self) -> float:
-        return self.states + self.gathered + self.activations + self.loss + self.sources
+        return (
+            self.states + self.gathered + self.activations + self.loss + self.sources
+            + self.reference
+        )  # fmt: skip
 
 
 def parameter_bytes(
@@ -128,6 +132,7 @@ def estimate(
     loss_chunks: int | None = 1,
     stage: PipelineStageShape | None = None,
     sequence_parallel: bool = False,
+    reference: str = "none",
 ) -> list[Estimate]:
     """The estimate of a (meta) model under each of `shapes` (one per strategy, with the
     same axes: `strategy_shapes`); `frozen`:
@@ -145,7 +150,11 @@ def estimate(
     `stage`: under pipeline parallelism, `model` is one stage's (pruned: `keep_blocks`),
     whose activations are kept for `stage.in_flight` micro-batches at once, whose share
     of the work is 1/pp, stretched by the schedule's bubble; FSDP2 shards within it;
-    `sequence_parallel`: with tp, the residual stream and its norms 1/tp per rank."""
+    `sequence_parallel`: with tp, the residual stream and its norms 1/tp per rank;
+    `reference`: a preference loss's (`PlannedRun.reference`): `frozen_copy` holds every
+    parameter again in the compute dtype, sharded as the strategy shards parameters, and
+    runs one more forward per micro-batch (a third of a training step's FLOPs), as
+    `adapters_off` does without the copy; `precomputed` costs nothing while training."""
     if not shapes:
         return []
     axes = shapes[0]  # pp, cp and tp: the same in every shape
@@ -182,7 +191,15 @@ def estimate(
     flops = (
         model.flops_per_token(seq_len) if isinstance(model, CountsFlops) else 6 * total_trainable
     )
+    if reference in ("frozen_copy", "adapters_off"):  # the reference's forward: 2 of 6
+        flops *= 4 / 3
     compute_s = flops * tokens_per_rank / (peak * mfu * axes.per_data_rank) * (1 + stage.bubble)
+    copy = 0.0
+    if reference == "frozen_copy":  # every parameter again, in the compute dtype
+        copy = sum(
+            p.numel() / (tp if name.rpartition(".")[0] in sliced else 1)
+            for name, p in model.named_parameters()
+        ) * compute  # fmt: skip
     tp_s = counted.exchanged / bandwidth  # tp's sums and cp's gathers, not overlapped
     out = []
     for shape in shapes:
@@ -206,7 +223,7 @@ def estimate(
             layout.strategy, stored / shards, trainable * 4 / layout.gradient_shards,
             trainable * optimizer_bytes / layout.optimizer_shards,
             gathered if world_size > 1 else 0.0, activations, loss,
-            max(compute_s, comm_s) + tp_s, compute_s, comm_s + tp_s, sources,
+            max(compute_s, comm_s) + tp_s, compute_s, comm_s + tp_s, sources, copy / shards,
         ))  # fmt: skip
     return out
 

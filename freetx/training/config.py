@@ -41,6 +41,10 @@ class PlannedRun:
     adapters: Any = None  # the `peft:` section, applied to the model
     loss: Any = None  # an LM loss's node (its num_chunks): what `estimate --measure` steps
     activations: Any = None  # a crosscoder's `activations:`: the rows and their source models
+    rows_per_sample: int = 1  # sequences per sample: a preference pair's 2
+    # a preference loss's reference: none, adapters_off (one more forward), frozen_copy (a
+    # copy in the compute dtype, sharded like the policy, one more forward) or precomputed
+    reference: str = "none"
 
 
 @dataclass

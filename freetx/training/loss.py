@@ -77,16 +77,25 @@ class CrossEntropyLoss:
     def with_router_loss(self, output, losses: TokenLosses, labels: torch.Tensor, extras: dict):
         """The loss sum (an MoE model's router loss added per loss token) and the extras
         (the router's metrics, per loss token, for the recipe to divide)."""
-        if not isinstance(output, LMOutput):
-            return losses.total, extras
         tokens = (labels != self.ignore_index).sum()
-        extras.update({name: value.detach() * tokens for name, value in output.metrics.items()})
-        return losses.total + output.aux_loss * tokens, extras
+        return with_router_loss(output, losses.total, extras, tokens)
 
     def evaluate(self, model, input_ids: torch.Tensor, labels: torch.Tensor, **inputs):
         """The loss on an evaluation batch (models with latents add metrics here);
         `inputs`: the model's others (a packed batch's documents)."""
         return self(model, input_ids, labels, **inputs)
+
+
+def with_router_loss(
+    output, total: torch.Tensor, extras: dict[str, torch.Tensor], units: torch.Tensor
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """A loss summed over `units` (loss tokens, pairs) and its extras, with an MoE model's
+    router loss (`LMOutput.aux_loss`) added once per unit and its metrics summed per unit,
+    for the recipe to divide by the same count; as they were for any other output."""
+    if not isinstance(output, LMOutput):
+        return total, extras
+    extras.update({name: value.detach() * units for name, value in output.metrics.items()})
+    return total + output.aux_loss * units, extras
 
 
 def loss_tokens(batch: TokenBatch) -> torch.Tensor:

@@ -28,12 +28,13 @@ CONFIGS = sorted(
     for path in (REPO / "recipe_configs").glob("*/*.yaml")
 )
 HARDWARE = re.compile(r"^# hardware: (\d+) (?:x (H100|A100) 80GB|CPU process(?:es)?)$", re.M)
-ESTIMATED = {"full_finetune_fsdp2", "lora_finetune_fsdp2", "ad_ddp", "crosscoder_fsdp2"}
+ESTIMATED = {"full_finetune_fsdp2", "lora_finetune_fsdp2", "ad_ddp", "crosscoder_fsdp2", "dpo_fsdp2"}
 NOT_ESTIMATED = {"generate"}  # no training
 HEADROOM = 0.9
 # tiny CPU configs whose model is a file another command makes first
 MADE_FIRST = {"llm/hf_tiny_full": "a tiny HF folder (tests write one)",
               "llm/hf_tiny_lora": "a tiny HF folder (tests write one)",
+              "llm/hf_tiny_dpo": "a tiny HF folder (tests write one)",
               "llm/spectrum_tiny": "`freetx spectrum scan`'s selection of runs/llm_tiny"}  # fmt: skip
 # the shapes of the HF models the fine-tuning configs name (their config.json's, public),
 # for the configs that read the shape from `model_dir`
@@ -99,7 +100,8 @@ MODEL_OF = {"llm/llama3_1_8b_full": "Llama-3.1-8B", "llm/llama3_1_8b_lora": "Lla
             "llm/qwen2_5_7b_full": "Qwen2.5-7B", "llm/qwen3_8b_full": "Qwen3-8B",
             "llm/phi4_mini_lora": "Phi-4-mini", "llm/qwen3_30b_a3b_lora": "Qwen3-30B-A3B",
             "llm/mixtral_8x7b_qlora": "Mixtral-8x7B", "llm/gemma2_2b_full": "gemma-2-2b",
-            "llm/gemma3_4b_lora": "gemma-3-4b"}  # fmt: skip
+            "llm/gemma3_4b_lora": "gemma-3-4b", "llm/llama3_1_8b_dpo_lora": "Llama-3.1-8B",
+            "llm/qwen3_8b_dpo": "Qwen3-8B", "llm/gemma3_4b_dpo_lora": "gemma-3-4b"}  # fmt: skip
 # crosscoder configs -> the HF source model of each of their sources (local folders a user has)
 SOURCES_OF = {"crosscoder/gemma2_2b_diff": ["gemma-2-2b", "gemma-2-2b"],
               "crosscoder/gpt2_layers": ["gpt2"]}  # fmt: skip

@@ -14,6 +14,9 @@ the model's output unchanged.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
@@ -93,6 +96,7 @@ __all__ = [
     "apply_peft",
     "LoRALinear",
     "adapter_layers",
+    "adapters_disabled",
     "apply_lora",
     "is_adapter_parameter",
     "merge_adapters",
@@ -194,6 +198,22 @@ def apply_lora(
 
 def adapter_layers(model: nn.Module) -> dict[str, LoRALinear]:
     return {name: m for name, m in model.named_modules() if isinstance(m, LoRALinear)}
+
+
+@contextlib.contextmanager
+def adapters_disabled(model: nn.Module) -> Iterator[None]:
+    """Within it, every adapter layer of `model` computes its base alone (W x + b): the
+    base model, without a second copy of its weights (DPO's reference under LoRA, QLoRA,
+    DoRA). The adapters' parameters are untouched; FSDP2 still gathers them with their
+    block."""
+    layers = adapter_layers(model).values()
+    for layer in layers:
+        layer.adapter_enabled = False
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.adapter_enabled = True
 
 
 def is_adapter_parameter(model: nn.Module, name: str) -> bool:

@@ -77,6 +77,9 @@ class LoRALinear(nn.Linear):
     # FrozenInComputeDtype
     own_parameters = ADAPTER_PARAMETERS  # initialized here (reset_parameter), never loaded
     frozen_in_compute_dtype = True  # the frozen base needs no fp32 master copy
+    # False: forward computes the base alone, W x + b (a preference loss's reference:
+    # `freetx.models.peft.adapters_disabled`)
+    adapter_enabled = True
 
     def __init__(
         self,
@@ -130,6 +133,9 @@ class LoRALinear(nn.Linear):
         return F.linear(x, self.base_weight().to(x.dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.adapter_enabled:
+            out = self.base_output(x)
+            return out if self.bias is None else out + self.bias.to(out.dtype)
         update = self.lora_b(self.lora_a(self.lora_dropout(x))) * self.scale
         out = self.base_output(x)
         if self.use_dora:

@@ -1,0 +1,213 @@
+"""The reference of a preference loss: the log-probabilities the policy's are measured
+against (DPO's π_ref), made whole over context-parallel ranks, without a gradient.
+
+    reference = AdaptersOff(plan, num_chunks)        # LoRA / QLoRA / DoRA: the base itself
+    reference = FrozenCopy(model, plan, num_chunks)  # full fine-tuning: a frozen copy
+    reference = Precomputed()                        # reference.precompute: read from the batch
+    logps = reference(batch)                         # SequenceLogProbs, one per row
+
+- `AdaptersOff`: the policy's own forward with every adapter disabled
+  (`freetx.models.peft.adapters_disabled`): the base model, with no second copy of the
+  weights.
+- `FrozenCopy`: a copy of the model sharded like the policy
+  (`freetx.distributed.parallelize_frozen`: FSDP2 per block, the compute dtype, no
+  gradients, no optimizer state), its weights read from the policy's initial weights.
+- `Precomputed`: each row's reference log-probs were computed in one pass over the
+  data before training (`precompute_logps`), stored in the run folder under the
+  identity of the data and of the reference weights, and ride in the batch
+  (`PreferenceBatch.reference_logps`); the reference model is freed before training.
+
+SimPO and ORPO need none (`PreferenceLoss.needs_reference`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+from torch.utils.data import Dataset
+
+from freetx.data import PreferenceBatch, build_eval_loader
+from freetx.data.batch import CHOSEN, REFERENCE_LOGPS, REJECTED
+from freetx.distributed import ParallelGroups, ParallelPlan
+from freetx.models.peft import adapters_disabled
+from freetx.training.preference import SequenceLogProbs, sequence_logps
+from freetx.user_files import staged_output
+
+REFERENCE_FOLDER = "reference_logps"  # in output_dir: one file per split
+
+
+def batch_logps(
+    model: nn.Module, batch: PreferenceBatch, num_chunks: int | None, groups: ParallelGroups
+) -> tuple[SequenceLogProbs, Any]:
+    """Each row's summed log-probs over its loss tokens (and the forward's output), whole
+    over the context-parallel ranks (each holds a part of every row: summed over `cp`,
+    the gradient too): the policy's with a gradient, a reference's under no_grad."""
+    logps, output = sequence_logps(
+        model, batch.input_ids, batch.labels, num_chunks, **batch.model_inputs()
+    )
+    if groups.size("cp") > 1:
+        whole = groups.sum_with_gradient(torch.stack([logps.sum, logps.tokens]), over="cp")
+        logps = SequenceLogProbs(whole[0], whole[1])
+    return logps, output
+
+
+def real_pairs(logps: SequenceLogProbs | None, keep: torch.Tensor | None):
+    """The rows of the pairs `keep` marks (an evaluation shard's repeats left out)."""
+    if logps is None or keep is None:
+        return logps
+    rows = keep.to(logps.sum.device).repeat_interleave(2)
+    return SequenceLogProbs(logps.sum[rows], logps.tokens[rows])
+
+
+class Reference(Protocol):
+    """Each row's reference log-probs for a (placed) preference batch, no gradient."""
+
+    def __call__(self, batch: PreferenceBatch) -> SequenceLogProbs: ...
+
+
+class AdaptersOff:
+    """The policy with its adapters disabled: LoRA's, QLoRA's and DoRA's reference."""
+
+    def __init__(self, plan: ParallelPlan, num_chunks: int | None) -> None:
+        self.plan, self.num_chunks = plan, num_chunks
+
+    @torch.no_grad()
+    def __call__(self, batch: PreferenceBatch) -> SequenceLogProbs:
+        with adapters_disabled(self.plan.module):
+            return batch_logps(self.plan.model, batch, self.num_chunks, self.plan.groups)[0]
+
+
+class FrozenCopy:
+    """A frozen copy of the model, parallelized like the policy (`parallelize_frozen`)
+    and loaded by the caller."""
+
+    def __init__(self, model: nn.Module, plan: ParallelPlan, num_chunks: int | None) -> None:
+        self.model, self.plan, self.num_chunks = model, plan, num_chunks
+
+    @torch.no_grad()
+    def __call__(self, batch: PreferenceBatch) -> SequenceLogProbs:
+        with self.plan.autocast():
+            return batch_logps(self.model, batch, self.num_chunks, self.plan.groups)[0]
+
+
+class Precomputed:
+    """The reference log-probs a batch carries (`reference.precompute: true`)."""
+
+    def __call__(self, batch: PreferenceBatch) -> SequenceLogProbs:
+        if batch.reference_logps is None:
+            raise ValueError("Precomputed: the batch carries no reference_logps")
+        logps = batch.reference_logps.to(batch.input_ids.device)
+        return SequenceLogProbs(logps[:, 0], logps[:, 1])
+
+
+class WithReferenceLogps(Dataset):
+    """A preference dataset whose pairs carry their precomputed reference log-probs:
+    `table` [pairs, 2 rows, (sum, tokens)], in the dataset's order."""
+
+    def __init__(self, dataset: Dataset, table: torch.Tensor) -> None:
+        self.dataset, self.table = dataset, table
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        pair, logps = self.dataset[index], self.table[index]
+        return {
+            CHOSEN: {**pair[CHOSEN], REFERENCE_LOGPS: logps[0]},
+            REJECTED: {**pair[REJECTED], REFERENCE_LOGPS: logps[1]},
+        }
+
+    def __getattr__(self, name: str):  # seq_len, summary(), ...: the dataset's own
+        if name == "dataset":
+            raise AttributeError(name)
+        return getattr(self.dataset, name)
+
+
+class _Indexed(Dataset):
+    """A dataset's pairs with their index (the precomputing pass's order)."""
+
+    def __init__(self, dataset: Dataset) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int):
+        return index, self.dataset[index]
+
+
+def pairs_digest(dataset: Dataset) -> str:
+    """A digest of every pair's tokens and labels, in order: what decides the reference
+    log-probs on the data's side (source, format, tokenizer, seq_len, truncation)."""
+    digest = hashlib.sha256()
+    for index in range(len(dataset)):
+        pair = dataset[index]
+        for sample in (pair[CHOSEN], pair[REJECTED]):
+            digest.update(sample["input_ids"].numpy().tobytes())
+            digest.update(sample["labels"].numpy().tobytes())
+    return digest.hexdigest()[:32]
+
+
+def precompute_logps(
+    reference: Reference,
+    dataset: Dataset,
+    split: str,
+    identity: dict[str, Any],
+    output_dir: str | Path,
+    groups: ParallelGroups,
+    pairs_per_pass: int,
+    collate,
+    place,
+    say,
+) -> torch.Tensor:
+    """The reference log-probs of every pair of `dataset` [pairs, 2, 2], computed once:
+    read from output_dir/reference_logps/<split>.safetensors when it was made for the same
+    `identity` (the data's tokens and the reference weights'), else computed over all
+    data-parallel ranks (each its strided share, `pairs_per_pass` pairs per forward over
+    all ranks), gathered, and written there by rank 0. `place`: a batch to this rank's
+    device and part (`freetx.training.step.placed`); `say`: a line for the console."""
+    path = Path(output_dir) / REFERENCE_FOLDER / f"{split}.safetensors"
+    key = json.dumps({"split": split, **identity}, sort_keys=True)
+    if path.is_file():
+        stored = load_file(path)
+        meta = _metadata(path)
+        if meta.get("identity") == key and stored["logps"].shape[0] == len(dataset):
+            say(f"reference: {split} log-probs of {len(dataset)} pairs read from {path}")
+            return stored["logps"]
+        say(f"reference: {path} was made for other data or reference weights; computing again")
+    rank, ranks = groups.dp_rank, groups.dp_size
+    loader = build_eval_loader(
+        _Indexed(dataset), pairs_per_pass, rank, ranks,
+        collate=lambda items: ([i for i, _ in items], collate([p for _, p in items])),
+    )  # fmt: skip
+    indices, values = [], []
+    for batch_indices, batch in loader:
+        logps = reference(place(batch))
+        indices.append(torch.tensor(batch_indices))
+        values.append(torch.stack([logps.sum, logps.tokens], dim=-1).view(-1, 2, 2).cpu())
+    local_index = torch.cat(indices).to(groups.runtime.device)
+    local_values = torch.cat(values).double().to(groups.runtime.device)
+    all_index = groups.all_gather_varying(local_index, over="dp").cpu()
+    all_values = groups.all_gather_varying(local_values.reshape(-1), over="dp").cpu()
+    table = torch.zeros(len(dataset), 2, 2, dtype=torch.float64)
+    table[all_index] = all_values.view(-1, 2, 2)  # an evaluation shard's repeats: same values
+    table = table.float()
+    if groups.runtime.is_rank_zero:
+        with staged_output(path) as staged:  # whole or not at all
+            save_file({"logps": table}, staged, {"identity": key})
+    groups.barrier()
+    say(f"reference: {split} log-probs of {len(dataset)} pairs computed, kept in {path}")
+    return table
+
+
+def _metadata(path: Path) -> dict[str, str]:
+    from safetensors import safe_open
+
+    with safe_open(path, "pt") as f:
+        return f.metadata() or {}

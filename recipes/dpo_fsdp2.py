@@ -1,0 +1,292 @@
+"""Preference optimization: DPO and its kin (IPO, robust DPO, hinge, SimPO, ORPO) on pairs
+of a chosen and a rejected completion to one prompt; all of the model's weights, or LoRA /
+QLoRA / DoRA adapters (`peft:`), on FSDP2 / ZeRO / DDP strategies with tp and cp.
+
+    freetx run --nproc-per-node 2 full_finetune_fsdp2 --config llm/instruct_tiny  # the SFT
+    freetx run --nproc-per-node 2 dpo_fsdp2 --config llm/dpo_tiny
+    freetx run --nproc-per-node 2 dpo_fsdp2 --config llm/hf_tiny_dpo model_dir=DIR dataset.source=pairs.jsonl
+
+A micro-batch holds whole pairs, row 2i the chosen completion and row 2i+1 the rejected
+one (`freetx.data.PreferenceDataset`), in one forward. The loss (`loss.type`) compares
+each row's summed log-probabilities under the policy with the reference's (DPO's π_ref):
+the model the policy starts from. The reference is
+- LoRA / QLoRA / DoRA: the policy with its adapters disabled (no second copy);
+- full fine-tuning: a frozen copy sharded like the policy, or with
+  `reference.precompute: true` its log-probs computed in one pass over the data before
+  training and kept in output_dir/reference_logps (reused by a resume), after which the
+  copy is freed;
+- SimPO and ORPO: none.
+The loop is `train()`, top to bottom, as full_finetune_fsdp2's: each micro-batch's loss
+summed over its pairs, normalized by the pairs of the global batch. Copy this file
+(`freetx cp dpo_fsdp2 ./my_dpo.py`) to change the loop itself.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import sys
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Optional
+
+import torch
+from omegaconf import MISSING
+
+from freetx.checkpoint import files_read_by, input_identity, load_initial_weights
+from freetx.config import instantiate
+from freetx.data import (
+    PreferenceBatch,
+    build_eval_loader,
+    build_train_loader,
+    checked_tokenizer,
+    micro_batch_size,
+)
+from freetx.distributed import build_groups, init_distributed, parallelize, parallelize_frozen
+from freetx.entry import parse
+from freetx.fields import read_path
+from freetx.models.hf import model_dir_problems
+from freetx.models.peft import PEFTConfig, apply_peft
+from freetx.training import (
+    PlannedRun,
+    PreferenceLoss,
+    SequenceLogProbs,
+    TokenEvalConfig,
+    TrainingConfig,
+    TrainingRun,
+    accumulate_gradients,
+    build_lr_scheduler,
+    check_context,
+    check_model_and_data,
+    dataset_seq_len,
+    first_batches_padding,
+    optimizer_step,
+    real_tokens,
+    seed_everything,
+)
+from freetx.training.reference import (
+    AdaptersOff,
+    FrozenCopy,
+    Precomputed,
+    WithReferenceLogps,
+    batch_logps,
+    pairs_digest,
+    precompute_logps,
+    real_pairs,
+)
+from freetx.training.loss import with_router_loss
+from freetx.training.step import placed
+
+
+@dataclass
+class ReferenceConfig:
+    """The reference model (none for simpo and orpo): the policy's initial weights."""
+
+    # full fine-tuning: the reference's log-probs in one pass before training, then the
+    # frozen copy is freed (LoRA's reference, the base with adapters off, costs no copy)
+    precompute: bool = False
+
+
+@dataclass
+class DPOConfig(TrainingConfig):
+    """The schema of this recipe's configs: TrainingConfig's keys, then these. batch_size
+    counts pairs (each two sequences)."""
+
+    fixed_on_resume: ClassVar[tuple[str, ...]] = (
+        *TrainingConfig.fixed_on_resume, "model", "tokenizer", "dataset", "peft", "loss",
+        "reference",
+    )  # fmt: skip
+
+    model_dir: Optional[str] = read_path(None)  # an HF model folder, for ${model_dir} below
+    model: Any = MISSING
+    tokenizer: Any = MISSING
+    dataset: Any = MISSING  # a PreferenceDataset, built twice: split=train and validation
+    loss: Any = field(default_factory=lambda: {"_component_": "freetx.training.PreferenceLoss"})
+    reference: ReferenceConfig = field(default_factory=ReferenceConfig)
+    eval: TokenEvalConfig = field(default_factory=TokenEvalConfig)  # its batch_size: pairs
+    peft: PEFTConfig = field(default_factory=PEFTConfig)  # LoRA / QLoRA / DoRA
+
+    @staticmethod
+    def meaningless(values: dict[str, Any]) -> dict[str, str]:
+        """A model_dir that cannot be a model; a reference to precompute that is free (the
+        adapters' base) or does not exist (simpo, orpo); pipeline parallelism."""
+        found = model_dir_problems(values)
+        loss = values.get("loss") or {}
+        needs = PreferenceLoss.type_needs_reference(loss.get("type", "sigmoid"))
+        precompute = (values.get("reference") or {}).get("precompute")
+        if precompute and (values.get("peft") or {}).get("method", "none") != "none":
+            found["reference.precompute"] = (
+                "with adapters the reference is the base with its adapters disabled, which "
+                "costs no copy of the weights; set reference.precompute=false."
+            )
+        if precompute and not needs:
+            found["reference.precompute"] = (
+                f"loss.type={loss.get('type')} is reference-free; set reference.precompute=false."
+            )
+        if ((values.get("distributed") or {}).get("pp") or 1) > 1:
+            found["distributed.pp"] = (
+                "dpo_fsdp2 runs no pipeline: the policy and its reference would each need "
+                "the pair's rows through every stage; use tp, cp or fsdp, and pp=1."
+            )
+        return found
+
+    def planned(self) -> PlannedRun:  # pairs: two sequences per sample, with the reference
+        reference = reference_kind(self)
+        return PlannedRun(
+            self.model, dataset_seq_len(self), self.peft, self.loss, rows_per_sample=2,
+            reference=reference,
+        )  # fmt: skip
+
+
+def reference_kind(cfg: DPOConfig) -> str:
+    """none (simpo, orpo), adapters_off (LoRA), precomputed, or frozen_copy."""
+    if not PreferenceLoss.type_needs_reference(cfg.loss.get("type", "sigmoid")):
+        return "none"
+    if cfg.peft.method != "none":
+        return "adapters_off"
+    return "precomputed" if cfg.reference.precompute else "frozen_copy"
+
+
+class DPORecipeFSDP2:
+    def __init__(self, cfg: DPOConfig) -> None:
+        self.cfg = cfg
+        self.runtime = init_distributed(cfg.device, cfg.distributed.collective_timeout_s)
+        self.device = self.runtime.device
+        self.accumulation = cfg.gradient_accumulation_steps
+        seed_everything(cfg.seed, self.runtime.rank, cfg.deterministic)
+
+    def setup(self) -> None:
+        cfg = self.cfg
+        self.groups = build_groups(self.runtime, cfg.distributed)
+        rank, world_size = self.groups.dp_rank, self.groups.dp_size
+        # cheap checks first: a resume that would lose saved work, a bad batch split
+        self.run = TrainingRun(cfg, self.groups, "dpo_fsdp2")
+        micro_batch_size(cfg.batch_size, world_size, self.accumulation)  # pairs per rank
+        self.tokenizer = checked_tokenizer(instantiate(cfg.tokenizer))
+        self.loss_fn = instantiate(cfg.loss)
+        train_set = instantiate(cfg.dataset, tokenizer=self.tokenizer, split="train")
+        val_set = instantiate(cfg.dataset, tokenizer=self.tokenizer, split="validation")
+        self.run.report_cuts(train_set, val_set)  # pairs cut or dropped at seq_len
+        self.seq_len = train_set.seq_len
+
+        with torch.device("meta"):
+            model = instantiate(cfg.model)
+        check_model_and_data(model.config, self.tokenizer, self.seq_len)
+        check_context(model, self.groups.shape, self.seq_len)  # cp: a part of each sequence
+        trains = apply_peft(model, cfg.peft, world_size)  # all, or adapters
+        self.plan = parallelize(
+            model, self.groups, cfg.distributed, seed=cfg.seed,
+            init_weights=not self.run.loads_weights,
+            frozen=self.run.decide_frozen_base(model),
+        )  # fmt: skip
+        self.model = self.plan.model
+        self.optimizer = self.plan.build_optimizer(cfg.optimizer)
+        self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.max_steps, cfg.lr_schedule)
+
+        kind = reference_kind(cfg)
+        weights = cfg.checkpoint.initial_weights  # the reference: where the policy starts
+        collate = PreferenceBatch.collate_pairs
+        if kind in ("frozen_copy", "precomputed"):
+            with torch.device("meta"):
+                copy = instantiate(cfg.model)
+            copy = parallelize_frozen(copy, self.groups, cfg.distributed, seed=cfg.seed)
+            if weights is not None:
+                load_initial_weights(copy, weights)
+            self.reference = FrozenCopy(copy, self.plan, self.loss_fn.num_chunks)
+        elif kind == "adapters_off":
+            self.reference = AdaptersOff(self.plan, self.loss_fn.num_chunks)
+        else:
+            self.reference = None
+        if kind == "precomputed":  # one pass over both splits, then the copy is freed
+            identity = {"reference": input_identity(weights)["fingerprint"] if weights else
+                        f"random init, seed {cfg.seed}"}  # fmt: skip
+            place = functools.partial(placed, self.plan)
+            tables = [
+                precompute_logps(
+                    self.reference, data, split, {**identity, "data": pairs_digest(data)},
+                    cfg.output_dir, self.groups, cfg.eval.batch_size, collate, place,
+                    self.run.write,
+                )  # fmt: skip
+                for data, split in ((train_set, "train"), (val_set, "validation"))
+            ]
+            train_set, val_set = (WithReferenceLogps(d, t) for d, t in zip((train_set, val_set), tables))
+            self.reference = Precomputed()
+            del copy
+        self.val_loader = build_eval_loader(val_set, cfg.eval.batch_size, rank, world_size, collate)
+        self.train_loader = build_train_loader(
+            train_set, cfg.batch_size, self.accumulation, rank, world_size, cfg.seed,
+            num_workers=cfg.num_workers, collate=collate,
+        )  # fmt: skip
+        reference_inputs = {"reference": weights} if kind != "none" and weights else {}
+        self.run.start(
+            self.plan, self.optimizer, self.lr_scheduler, self.train_loader,
+            tokens_per_sample=2 * self.seq_len, seq_len=self.seq_len,
+            inputs={**reference_inputs, **files_read_by(tokenizer=self.tokenizer, dataset=train_set)},
+            train_pairs=len(train_set), padding=first_batches_padding(self.train_loader),
+            activation_checkpointing=cfg.distributed.activation_checkpointing, trains=trains,
+            reference=kind.replace("_", " "),
+        )  # fmt: skip
+
+    def train(self) -> None:
+        cfg, run = self.cfg, self.run
+        data = iter(self.train_loader)
+        self.model.train()
+        while run.step < cfg.max_steps and not run.stopping:  # stopping: SIGTERM, ^C
+            batches = [next(data) for _ in range(self.accumulation)]
+            self.optimizer.zero_grad(set_to_none=True)
+            sums, num_pairs = accumulate_gradients(
+                self.plan, batches, self.compute_loss, count=PreferenceBatch.num_pairs
+            )
+            grad_norm = optimizer_step(
+                self.plan, self.optimizer, self.lr_scheduler, cfg.max_grad_norm
+            )
+            run.advance(grad_norm, real_tokens(batches, self.groups))
+            if run.log_due():
+                run.log_train(sums, num_pairs, grad_norm)
+            if run.due(cfg.eval.every_n_steps):
+                run.evaluate(self.evaluate)
+            if run.due(cfg.checkpoint.every_n_steps):
+                run.save()
+        run.finish(self.evaluate)
+
+    def compute_loss(self, batch: PreferenceBatch):
+        """One micro-batch of pairs: the policy's log-probs (with a gradient), the
+        reference's, and the loss summed over the pairs (+ the metrics' sums)."""
+        policy, output = batch_logps(self.model, batch, self.loss_fn.num_chunks, self.groups)
+        reference = self.reference(batch) if self.reference is not None else None
+        loss, metrics = self.loss_fn(policy, reference)
+        return with_router_loss(output, loss, metrics, batch.num_pairs())  # MoE: router loss
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """The loss and the rewards' metrics over the validation pairs (all of them, or
+        eval.max_batches), every rank taking part; an evaluation shard's repeats left out."""
+        self.model.eval()
+        sums = {}
+        for batch in itertools.islice(self.val_loader, self.cfg.eval.max_batches):
+            batch = placed(self.plan, batch)
+            with self.plan.autocast():
+                policy, _ = batch_logps(self.model, batch, self.loss_fn.num_chunks, self.groups)
+                reference = self.reference(batch) if self.reference is not None else None
+            keep = batch.real_pairs()
+            loss, parts = self.loss_fn(real_pairs(policy, keep), real_pairs(reference, keep))
+            for name, value in {"loss": loss, **parts, "pairs": batch.num_pairs()}.items():
+                sums[name] = sums.get(name, 0) + value
+        totals = self.groups.sum(sums, over="dp_cp")
+        self.model.train()
+        pairs = max(totals.pop("pairs"), 1.0)
+        return {f"val/{name}": value / pairs for name, value in totals.items()}
+
+    def cleanup(self) -> None:
+        self.run.close()
+
+
+@parse(DPOConfig)
+def recipe_main(cfg: DPOConfig) -> None:
+    recipe = DPORecipeFSDP2(cfg)
+    recipe.setup()
+    recipe.train()
+    recipe.cleanup()
+
+
+if __name__ == "__main__":
+    sys.exit(recipe_main())
