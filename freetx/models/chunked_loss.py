@@ -10,6 +10,10 @@ once, so that nothing of the chunk is kept for backward. Backward then only scal
 gradients by the loss's own: the same matrix products as the unchunked loss, with one
 chunk's logits alive at a time (`benchmarks/memory.py`). The LM losses use it:
 `freetx.training.CrossEntropyLoss`, the Free Transformer's.
+
+`ChunkedLogProbs` returns each token's log-probability instead, for the preference
+losses (`freetx.training.preference`): their gradient in each token is known only in
+backward, which makes each chunk's logits a second time (`benchmarks/dpo.py`).
 """
 
 from __future__ import annotations
@@ -66,7 +70,33 @@ class TokenLosses(NamedTuple):
     per_token: torch.Tensor | None
 
 
-class ChunkedCrossEntropy:
+class _OverChunksOfTokens:
+    """What the chunked output losses share: the labels [B, T] and how many chunks of
+    tokens at a time (None: `default_num_chunks`); a call makes the logits whole only for
+    one chunk of an unsliced head (`whole`), else runs `_chunk_losses`: through the
+    loss's own autograd function (`differentiate`) where anything trains, plainly where
+    nothing does (under no_grad, a frozen model); `finish` makes what forward returns of
+    (total, per-token losses)."""
+
+    def __init__(
+        self, labels: torch.Tensor, num_chunks: int | None = None, ignore_index: int = IGNORE_INDEX
+    ) -> None:
+        self.labels = labels
+        self.num_chunks = num_chunks
+        self.ignore_index = ignore_index
+
+    def __call__(self, hidden: torch.Tensor, layer: OutputLayer):
+        chunks = self.num_chunks or default_num_chunks(layer.vocab_size)
+        if chunks == 1 and layer.vocab is None:
+            return self.whole(layer.project(hidden))
+        trained = [p for p in layer.parameters if p.requires_grad]
+        args = (hidden, self.labels, (layer.project, layer.vocab), chunks, self.ignore_index)
+        if torch.is_grad_enabled() and (hidden.requires_grad or trained):
+            return self.finish(*self.differentiate(*args, *trained))
+        return self.finish(*_chunk_losses(*args, ())[:2])
+
+
+class ChunkedCrossEntropy(_OverChunksOfTokens):
     """An `OutputLoss` (`freetx.models.OutputLoss`): next-token cross-entropy of `labels`
     [B, T] over the logits the output layer makes of `hidden` [B, T, d], `num_chunks`
     chunks of tokens at a time (None: `default_num_chunks`). `per_token`: also return
@@ -79,25 +109,13 @@ class ChunkedCrossEntropy:
         ignore_index: int = IGNORE_INDEX,
         per_token: bool = False,
     ) -> None:
-        self.labels = labels
-        self.num_chunks = num_chunks
-        self.ignore_index = ignore_index
+        super().__init__(labels, num_chunks, ignore_index)
         self.per_token = per_token
 
-    def __call__(self, hidden: torch.Tensor, layer: OutputLayer) -> TokenLosses:
-        chunks = self.num_chunks or default_num_chunks(layer.vocab_size)
-        if chunks == 1 and layer.vocab is None:
-            return self.whole(layer.project(hidden))
-        trained = [p for p in layer.parameters if p.requires_grad]
-        head = (layer.project, layer.vocab)
-        if torch.is_grad_enabled() and (hidden.requires_grad or trained):
-            total, per_token = _ChunkedCrossEntropy.apply(
-                hidden, self.labels, head, chunks, self.ignore_index, *trained
-            )
-        else:
-            total, per_token = _chunk_losses(
-                hidden, self.labels, head, chunks, self.ignore_index, ()
-            )[:2]
+    def differentiate(self, *args):
+        return _ChunkedCrossEntropy.apply(*args)
+
+    def finish(self, total: torch.Tensor, per_token: torch.Tensor) -> TokenLosses:
         return TokenLosses(total, per_token.view_as(self.labels) if self.per_token else None)
 
     def whole(self, logits: torch.Tensor) -> TokenLosses:
@@ -151,9 +169,10 @@ def chunk_bounds(n: int, chunks: int) -> list[tuple[int, int]]:
     return bounds
 
 
-def _chunk_losses(hidden, labels, head, chunks: int, ignore_index: int, wants):
+def _chunk_losses(hidden, labels, head, chunks: int, ignore_index: int, wants, weights=None):
     """Each chunk of tokens in turn: its logits, upcast, cross-entropy; with `wants`
-    (hidden, then the parameters to differentiate), that chunk's gradients at once.
+    (hidden, then the parameters to differentiate), that chunk's gradients at once: of the
+    losses' sum, or, given `weights` [N] (the flat tokens'), of their weighted sum.
     `head`: (project, its `VocabSlice` or None). Returns (total, per-token losses,
     gradient of hidden or None, of each parameter)."""
     project, vocab = head
@@ -178,12 +197,15 @@ def _chunk_losses(hidden, labels, head, chunks: int, ignore_index: int, wants):
                     logits, flat_labels[start:end], ignore_index=ignore_index, reduction="none"
                 )
                 loss = losses.sum()
-                grads = torch.autograd.grad(loss, inputs) if inputs else ()
+                of, scale = (loss, None) if weights is None else (losses, weights[start:end])
+                grads = torch.autograd.grad(of, inputs, scale) if inputs else ()
             else:  # this rank's slice of the vocabulary; the gradient in its logits at hand
                 losses, grad = sliced_cross_entropy(
                     logits, flat_labels[start:end], ignore_index, vocab
                 )
                 loss = losses.sum()
+                if weights is not None:
+                    grad *= weights[start:end, None]
                 grads = torch.autograd.grad(logits, inputs, grad) if inputs else ()
         if wants_hidden:
             grad_hidden[start:end] = grads[0]
@@ -223,6 +245,62 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
             scaled_hidden = (grad_hidden * grad_total.to(grad_hidden.dtype)).view(ctx.hidden_shape)
         scaled = [(g * grad_total).to(dtype) for g, dtype in zip(grad_params, ctx.param_dtypes)]
         return scaled_hidden, None, None, None, None, *scaled
+
+
+class ChunkedLogProbs(_OverChunksOfTokens):
+    """An `OutputLoss` (`freetx.models.OutputLoss`): each token's log-probability of its
+    label, [B, T] float32 (0 where the label is `ignore_index`), over the logits the output
+    layer makes of `hidden` [B, T, d], `num_chunks` chunks of tokens at a time (None:
+    `default_num_chunks`); the preference losses sum them per sequence
+    (`freetx.training.sequence_logps`).
+
+    Differentiable in `hidden` and the layer's trained parameters, for any gradient of
+    each token's log-probability (DPO's loss is not linear in them, so, unlike
+    `ChunkedCrossEntropy`, nothing can be computed ahead in forward): forward keeps no
+    chunk; backward makes each chunk's logits again and takes their gradient, the
+    one-hot minus the softmax times the token's weight, back through `project`. Without
+    gradients (a reference model under no_grad) it is the chunked forward alone."""
+
+    def differentiate(self, *args):
+        return _ChunkedLogProbs.apply(*args)
+
+    def finish(self, _total: torch.Tensor, per_token: torch.Tensor) -> torch.Tensor:
+        return -per_token.view_as(self.labels)
+
+    def whole(self, logits: torch.Tensor) -> torch.Tensor:
+        """The log-probabilities of logits made whole (one chunk), upcast to float32."""
+        flat = logits.float().flatten(0, 1), self.labels.flatten()
+        losses = F.cross_entropy(*flat, ignore_index=self.ignore_index, reduction="none")
+        return -losses.view_as(self.labels)
+
+
+class _ChunkedLogProbs(torch.autograd.Function):
+    """The chunked losses (total, each token's: minus its log-probability); backward makes
+    the chunks' logits again and takes their gradients weighted by each token's
+    (`_chunk_losses` with `weights`)."""
+
+    @staticmethod
+    def forward(ctx, hidden, labels, head, chunks, ignore_index, *params):
+        total, per_token = _chunk_losses(hidden, labels, head, chunks, ignore_index, ())[:2]
+        ctx.mark_non_differentiable(total)
+        ctx.head, ctx.chunks, ctx.ignore_index = head, chunks, ignore_index
+        ctx.param_dtypes = [p.dtype for p in params]
+        ctx.save_for_backward(hidden, labels, *params)
+        return total, per_token
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, _grad_total, grad_per_token):
+        hidden, labels, *params = ctx.saved_tensors
+        wants = ((hidden,) if ctx.needs_input_grad[0] else ()) + tuple(params)
+        weights = grad_per_token.float()
+        _, _, grad_hidden, grad_params = _chunk_losses(
+            hidden, labels, ctx.head, ctx.chunks, ctx.ignore_index, wants, weights
+        )
+        if grad_hidden is not None:
+            grad_hidden = grad_hidden.view(hidden.shape)
+        grads = [g.to(dtype) for g, dtype in zip(grad_params, ctx.param_dtypes)]
+        return grad_hidden, None, None, None, None, *grads
 
 
 class SumsBySource(Protocol):

@@ -30,6 +30,7 @@ from freetx.training.meters import (
     real_tokens,
     train_step_metrics,
 )
+from freetx.training.preference import PreferenceLoss, SequenceLogProbs, sequence_logps
 from freetx.training.seed import rng_state, seed_everything, set_rng_state
 from freetx.training.step import (
     accumulate_gradients,
@@ -41,6 +42,8 @@ from freetx.training.step import (
 __all__ = [
     "CrossEntropyLoss",
     "PlannedRun",
+    "PreferenceLoss",
+    "SequenceLogProbs",
     "LRScheduleConfig",
     "ThroughputMeter",
     "TokenEvalConfig",
@@ -67,6 +70,7 @@ __all__ = [
     "peak_flops",
     "rng_state",
     "seed_everything",
+    "sequence_logps",
     "set_rng_state",
     "train_step_metrics",
     "per_source_means",
