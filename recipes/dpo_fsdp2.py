@@ -49,7 +49,6 @@ from freetx.models.peft import PEFTConfig, apply_peft
 from freetx.training import (
     PlannedRun,
     PreferenceLoss,
-    SequenceLogProbs,
     TokenEvalConfig,
     TrainingConfig,
     TrainingRun,
@@ -63,6 +62,7 @@ from freetx.training import (
     real_tokens,
     seed_everything,
 )
+from freetx.training.loss import with_router_loss
 from freetx.training.reference import (
     AdaptersOff,
     FrozenCopy,
@@ -73,7 +73,6 @@ from freetx.training.reference import (
     precompute_logps,
     real_pairs,
 )
-from freetx.training.loss import with_router_loss
 from freetx.training.step import placed
 
 
@@ -188,7 +187,9 @@ class DPORecipeFSDP2:
         if kind in ("frozen_copy", "precomputed"):
             with torch.device("meta"):
                 copy = instantiate(cfg.model)
-            copy = parallelize_frozen(copy, self.groups, cfg.distributed, seed=cfg.seed)
+            copy = parallelize_frozen(
+                copy, self.groups, cfg.distributed, cfg.seed, init_weights=weights is None
+            )  # the policy's random init (seed), or loaded as its initial weights are
             if weights is not None:
                 load_initial_weights(copy, weights)
             self.reference = FrozenCopy(copy, self.plan, self.loss_fn.num_chunks)
@@ -202,13 +203,22 @@ class DPORecipeFSDP2:
             place = functools.partial(placed, self.plan)
             tables = [
                 precompute_logps(
-                    self.reference, data, split, {**identity, "data": pairs_digest(data)},
-                    cfg.output_dir, self.groups, cfg.eval.batch_size, collate, place,
+                    self.reference,
+                    data,
+                    split,
+                    {**identity, "data": pairs_digest(data)},
+                    cfg.output_dir,
+                    self.groups,
+                    cfg.eval.batch_size,
+                    collate,
+                    place,
                     self.run.write,
                 )  # fmt: skip
                 for data, split in ((train_set, "train"), (val_set, "validation"))
             ]
-            train_set, val_set = (WithReferenceLogps(d, t) for d, t in zip((train_set, val_set), tables))
+            train_set, val_set = (
+                WithReferenceLogps(d, t) for d, t in zip((train_set, val_set), tables)
+            )
             self.reference = Precomputed()
             del copy
         self.val_loader = build_eval_loader(val_set, cfg.eval.batch_size, rank, world_size, collate)

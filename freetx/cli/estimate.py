@@ -10,7 +10,6 @@ import dataclasses
 import json
 from pathlib import Path
 
-
 # what a preference loss's reference (`PlannedRun.reference`) costs, as the table counts it
 REFERENCE_NOTES = {
     "frozen_copy": "a frozen copy of the model in the compute dtype, sharded like the "

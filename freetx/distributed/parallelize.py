@@ -503,11 +503,14 @@ def shard_blocks(
     fully_shard(model, **options)  # the root gets the same policy as the blocks
 
 
-def parallelize_frozen(model: nn.Module, groups: ParallelGroups, cfg, seed: int) -> nn.Module:
+def parallelize_frozen(
+    model: nn.Module, groups: ParallelGroups, cfg, seed: int, init_weights: bool = False
+) -> nn.Module:
     """A frozen copy of a meta-device model, parallelized as `parallelize` would the policy
     it sits beside (a preference loss's reference, a teacher): no gradients, no optimizer
     state, its parameters stored in the compute dtype (`mixed_precision.param_dtype`), its
-    weights not initialized (the caller loads them). Sharded per block by FSDP2 under the
+    weights initialized from `seed` as the policy's (`init_weights`) or left for the
+    caller to load. Sharded per block by FSDP2 under the
     sharded strategies, resharded after each forward; whole on every rank under the
     replicated ones (no DDP wrapper: nothing trains); sliced under tensor parallelism.
     Returns the model to call, in eval mode. Pipeline parallelism is refused (`check`:
@@ -523,11 +526,11 @@ def parallelize_frozen(model: nn.Module, groups: ParallelGroups, cfg, seed: int)
         for block in blocks or [model]:
             block.compile()
     if runtime.world_size == 1 or canonical_strategy(cfg.strategy) in REPLICATED:
-        materialize(model, runtime.device, seed, init_weights=False)
+        materialize(model, runtime.device, seed, init_weights=init_weights)
         return model.eval()
     shard_blocks(model, blocks, groups, cfg, reshard_after_forward=True)
     param_device = torch.device("cpu") if cfg.cpu_offload else runtime.device
-    materialize(model, param_device, seed, buffer_device=runtime.device, init_weights=False)
+    materialize(model, param_device, seed, buffer_device=runtime.device, init_weights=init_weights)
     return model.eval()
 
 

@@ -182,7 +182,13 @@ class PreferenceLoss:
     @property
     def needs_reference(self) -> bool:
         """Whether the loss compares with a reference model (not simpo, not orpo)."""
-        return PREFERENCE_TYPES[self.type][1]
+        return self.type_needs_reference(self.type)
+
+    @staticmethod
+    def type_needs_reference(kind: str) -> bool:
+        """Whether `loss.type` `kind` compares with a reference model (an unknown type is
+        `meaningless`'s to refuse: as DPO here)."""
+        return PREFERENCE_TYPES.get(kind, ("", True))[1]
 
     def __call__(
         self, policy: SequenceLogProbs, reference: SequenceLogProbs | None = None

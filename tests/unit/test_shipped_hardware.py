@@ -28,7 +28,13 @@ CONFIGS = sorted(
     for path in (REPO / "recipe_configs").glob("*/*.yaml")
 )
 HARDWARE = re.compile(r"^# hardware: (\d+) (?:x (H100|A100) 80GB|CPU process(?:es)?)$", re.M)
-ESTIMATED = {"full_finetune_fsdp2", "lora_finetune_fsdp2", "ad_ddp", "crosscoder_fsdp2", "dpo_fsdp2"}
+ESTIMATED = {
+    "full_finetune_fsdp2",
+    "lora_finetune_fsdp2",
+    "ad_ddp",
+    "crosscoder_fsdp2",
+    "dpo_fsdp2",
+}
 NOT_ESTIMATED = {"generate"}  # no training
 HEADROOM = 0.9
 # tiny CPU configs whose model is a file another command makes first

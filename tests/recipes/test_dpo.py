@@ -1,0 +1,133 @@
+"""dpo_fsdp2 through the CLI: LoRA's first step is ln 2 (the policy is its reference),
+validate refuses what the run refuses, the losses are the same on 1 process, 2 (fsdp)
+and 4 (dp 2 x tp 2), a precomputed reference gives the live reference's losses, and a
+resume repeats the uninterrupted run's losses."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from tests.conftest import flat, run_freetx, run_freetx_here
+from tests.hf_folders import make_folder, make_tokenizer
+
+JSONL = "metric_loggers=[{_component_: freetx.loggers.JSONLLogger}]"
+# full DPO of a randomly initialized tiny decoder (seed 0): the reference is a frozen copy
+# of the same random weights, so no SFT run is needed; the built-in pairs; a constant lr,
+# so that a run stopped at step 2 and resumed to 4 sees the same lrs as a straight one
+RANDOM = ["model_dir=null", "dataset.num_builtin_examples=400", "eval.every_n_steps=0",
+          "eval.max_batches=1", "log_every_n_steps=1", "checkpoint.every_n_steps=0",
+          "batch_size=8", "eval.batch_size=8", "lr_schedule.warmup_steps=0",
+          "lr_schedule.decay=constant", JSONL]  # fmt: skip
+
+
+def losses(output_dir) -> dict[int, float]:
+    """step -> the logged training loss."""
+    rows = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+def dpo(tmp_path, name, *overrides, nproc=1, config="llm/dpo_tiny"):
+    out = tmp_path / name
+    args = ["run"] + (["--nproc-per-node", str(nproc)] if nproc > 1 else [])
+    result = run_freetx(*args, "dpo_fsdp2", "--config", config, f"output_dir={out}",
+                        *RANDOM, *overrides)  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return out, result
+
+
+@pytest.fixture(scope="module")
+def hf_pairs(tmp_path_factory):
+    """A tiny Llama-shaped HF folder with a chat template, and a file of string pairs."""
+    from freetx.data.corpus import builtin_documents
+
+    root = tmp_path_factory.mktemp("dpo_hf")
+    folder = make_folder(root / "llama", "llama3_2")
+    make_tokenizer(folder, builtin_documents()[:20])
+    pairs = root / "pairs.jsonl"
+    words = ["garden", "river", "window", "planet", "silver", "forest", "candle", "marble"]
+    with pairs.open("w") as f:
+        for i in range(64):
+            word = words[i % len(words)]
+            f.write(json.dumps({"prompt": f"Reverse the word {word} ({i}).",
+                                "chosen": word[::-1], "rejected": word}) + "\n")  # fmt: skip
+    return folder, pairs
+
+
+def test_lora_dpo_first_step_is_ln2_on_an_hf_folder(tmp_path, hf_pairs):
+    folder, pairs = hf_pairs
+    out = tmp_path / "hf_dpo"
+    result = run_freetx(
+        "run", "dpo_fsdp2", "--config", "llm/hf_tiny_dpo", f"model_dir={folder}",
+        f"dataset.source={pairs}", f"output_dir={out}", "max_steps=1", "log_every_n_steps=1",
+        "eval.every_n_steps=0", "eval.max_batches=1", "checkpoint.final_export=null", JSONL,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "reference adapters off" in flat(result.stdout)
+    assert abs(losses(out)[1] - math.log(2)) < 1e-6
+
+
+@pytest.mark.parametrize(
+    "overrides, says",
+    [
+        (["reference.precompute=true"], "with adapters the reference is the base"),
+        (["loss.type=dpo"], "did you mean 'sigmoid'"),
+        (["distributed.pp=2"], "dpo_fsdp2 runs no pipeline"),
+        (["loss.type=simpo", "loss.label_smoothing=0.1"], "has no label smoothing"),
+    ],
+)
+def test_validate_refuses_what_the_run_refuses(overrides, says):
+    result = run_freetx_here("validate", "llm/dpo_lora_tiny", "model_dir=null", *overrides)
+    assert result.returncode != 0
+    assert says in flat(result.stdout + result.stderr)
+
+
+def test_estimate_counts_the_frozen_copy_and_not_a_precomputed_one():
+    def fsdp_row(*overrides):
+        result = run_freetx_here("estimate", "llm/dpo_tiny", "model_dir=null",
+                                 "--world-size", "2", "--device", "cpu", *overrides)  # fmt: skip
+        assert result.returncode == 0, result.stderr
+        return result.stdout
+
+    frozen, precomputed = fsdp_row(), fsdp_row("reference.precompute=true")
+    assert "reference" in frozen.splitlines()[1] and "a frozen copy" in flat(frozen)
+    assert "reference" not in precomputed.splitlines()[1]
+    assert "pairs x 2 x 64 tokens" in frozen
+
+
+@pytest.mark.slow  # 3 runs of 3 steps on 1, 2 and 4 processes
+def test_fsdp_and_dp2_tp2_losses_equal_one_process(tmp_path):
+    steps = "max_steps=3"
+    one = losses(dpo(tmp_path, "one", steps)[0])
+    fsdp = losses(dpo(tmp_path, "fsdp", steps, nproc=2)[0])
+    tp = losses(dpo(tmp_path, "tp", steps, "distributed.tp=2", nproc=4)[0])
+    for step in (1, 2, 3):
+        assert abs(fsdp[step] - one[step]) <= 1e-5, (step, one, fsdp)
+        assert abs(tp[step] - one[step]) <= 1e-5, (step, one, tp)
+    assert one[1] == pytest.approx(math.log(2), abs=1e-6)  # policy = reference at step 1
+    assert one[3] < one[1]
+
+
+@pytest.mark.slow  # 2 runs of 3 steps
+def test_precomputed_reference_gives_the_live_references_losses(tmp_path):
+    live = losses(dpo(tmp_path, "live", "max_steps=3")[0])
+    out, result = dpo(tmp_path, "pre", "max_steps=3", "reference.precompute=true")
+    assert "reference: train log-probs of" in result.stdout
+    assert (out / "reference_logps" / "train.safetensors").is_file()
+    precomputed = losses(out)
+    for step in (1, 2, 3):
+        assert abs(precomputed[step] - live[step]) <= 1e-5, (live, precomputed)
+
+
+@pytest.mark.slow  # 3 runs
+def test_resume_repeats_the_uninterrupted_runs_losses(tmp_path):
+    straight = losses(dpo(tmp_path, "straight", "max_steps=4", nproc=2)[0])
+    half = ["checkpoint.every_n_steps=2", "reference.precompute=true"]
+    out, _ = dpo(tmp_path, "resumed", "max_steps=2", *half, nproc=2)
+    _, result = dpo(tmp_path, "resumed", "max_steps=4", *half, nproc=2)
+    assert "read from" in result.stdout  # the precomputed reference is reused
+    resumed = losses(out)
+    for step in (3, 4):
+        assert abs(resumed[step] - straight[step]) <= 1e-5, (straight, resumed)
