@@ -10,7 +10,15 @@ measured side by side in one run, one section each.
   what the allocator must hold, not the process's RSS); time: the median seconds of
   `--repeats`, the two alternating so that both see the same machine.
 
-    OMP_NUM_THREADS=2 python benchmarks/dpo.py                  # ~1 minute on 2 cores
+- a DPO step vs an SFT step: one process, a decoder of hidden 256 x 4 blocks (vocab
+  259), 8 pairs of 128 tokens; LoRA r 8 on every projection; the DPO step (the policy's
+  forward and backward, and the reference's forward with the adapters disabled) vs
+  an SFT step (forward and backward of the cross-entropy) on the same 16 sequences.
+- full DPO, frozen reference vs precomputed: the same model fully trained with AdamW;
+  a step with the frozen copy's forward vs a step reading precomputed log-probs; peak
+  live bytes (model, copy, gradients, optimizer state, activations) and time.
+
+    OMP_NUM_THREADS=2 python benchmarks/dpo.py                  # ~2 minutes on 2 cores
     python benchmarks/dpo.py --section logprobs
 """
 
@@ -80,7 +88,132 @@ def logprobs_chunked_vs_whole(repeats: int) -> None:
     print(table(rows, ["log-probs", "peak live MiB", "time s"]))
 
 
-SECTIONS = {"logprobs": logprobs_chunked_vs_whole}
+def _decoder(lora: bool):
+    """The benchmarks' decoder, materialized on the CPU (seed 0), with LoRA on every
+    projection or fully trained."""
+    import torch
+
+    from freetx.distributed import materialize
+    from freetx.models.peft import apply_lora
+    from freetx.models.transformer import decoder
+
+    with torch.device("meta"):
+        model = decoder(vocab_size=259, hidden_dim=256, num_layers=4, num_heads=8,
+                        num_kv_heads=4, ffn_hidden_dim=704, max_seq_len=128)  # fmt: skip
+        if lora:
+            apply_lora(model, ["q", "k", "v", "o", "gate", "up", "down"], rank=8, alpha=16)
+    materialize(model, torch.device("cpu"), seed=0)
+    return model
+
+
+def _pairs(pairs: int = 8, seq: int = 128):
+    """Input ids and labels of `pairs` pairs (rows chosen, rejected, ...), the prompt's
+    quarter of each row without loss."""
+    import torch
+
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 259, (2 * pairs, seq), generator=g)
+    labels = ids.roll(-1, 1)
+    labels[:, : seq // 4] = -100
+    return ids, labels
+
+
+def _timed(steps: dict, repeats: int) -> dict[str, float]:
+    """The median seconds of each step function, alternating so that all see the same
+    machine (one warm-up each first)."""
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for name, step in steps.items():
+        step()
+    for _ in range(repeats):
+        for name, step in steps.items():
+            start = time.perf_counter()
+            step()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def dpo_step_vs_sft_step(repeats: int) -> None:
+    """Section: a LoRA DPO step (live reference: adapters off) vs an SFT step, same tokens."""
+    import torch
+
+    from freetx.models.peft import adapters_disabled
+    from freetx.training import CrossEntropyLoss, PreferenceLoss, sequence_logps
+
+    model = _decoder(lora=True)
+    ids, labels = _pairs()
+    dpo_loss, sft_loss = PreferenceLoss("sigmoid", beta=0.1), CrossEntropyLoss()
+
+    def dpo() -> None:
+        with torch.no_grad(), adapters_disabled(model):
+            reference, _ = sequence_logps(model, ids, labels)
+        policy, _ = sequence_logps(model, ids, labels)
+        dpo_loss(policy, reference)[0].backward()
+        model.zero_grad(set_to_none=True)
+
+    def sft() -> None:
+        total, _ = sft_loss(model, ids, labels)
+        total.backward()
+        model.zero_grad(set_to_none=True)
+
+    seconds = _timed({"DPO (LoRA, live reference)": dpo, "SFT": sft}, repeats)
+    rows = [[name, f"{value:.3f}"] for name, value in seconds.items()]
+    rows.append(["DPO / SFT", f"{seconds['DPO (LoRA, live reference)'] / seconds['SFT']:.2f}"])
+    print(f"a DPO step vs an SFT step on the same {ids.shape[0]} x {ids.shape[1]} tokens "
+          f"(LoRA r 8, hidden 256 x 4 blocks, float32, median of {repeats})")  # fmt: skip
+    print(table(rows, ["step", "time s"]))
+
+
+def frozen_vs_precomputed_reference(repeats: int) -> None:
+    """Section: full DPO with a frozen reference copy vs precomputed log-probs."""
+    import torch
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from freetx.training import PreferenceLoss, sequence_logps
+
+    # the copy keeps requires_grad (MemTracker hooks every parameter it sees) but runs
+    # under no_grad only: no gradient of it is ever made
+    policy, copy = _decoder(lora=False), _decoder(lora=False).eval()
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-6)
+    ids, labels = _pairs()
+    loss_fn = PreferenceLoss("sigmoid", beta=0.1)
+    with torch.no_grad():
+        stored = sequence_logps(copy, ids, labels)[0]  # what the one pass keeps: 2 floats a row
+
+    def step(reference) -> None:
+        logps, _ = sequence_logps(policy, ids, labels)
+        loss_fn(logps, reference())[0].backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    def live():
+        with torch.no_grad():
+            return sequence_logps(copy, ids, labels)[0]
+
+    steps = {"frozen copy": lambda: step(live), "precomputed": lambda: step(lambda: stored)}
+    step(lambda: stored)  # the optimizer's state exists before the peaks are taken
+    peaks = {}
+    for name, run in steps.items():
+        tracker = MemTracker()
+        held = (policy, optimizer) if name == "precomputed" else (policy, copy, optimizer)
+        tracker.track_external(*held)
+        with tracker:
+            run()
+        peaks[name] = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+    seconds = _timed(steps, repeats)
+    rows = [[name, f"{peaks[name] / MIB:.1f}", f"{seconds[name]:.3f}"] for name in steps]
+    rows.append(["precomputed / frozen", f"{peaks['precomputed'] / peaks['frozen copy']:.2f}",
+                 f"{seconds['precomputed'] / seconds['frozen copy']:.2f}"])  # fmt: skip
+    print(f"full DPO: frozen reference copy vs precomputed log-probs ({ids.shape[0]} x "
+          f"{ids.shape[1]} tokens, hidden 256 x 4 blocks, AdamW, float32, one process = one "
+          f"rank, median of {repeats})")  # fmt: skip
+    print(table(rows, ["reference", "peak live MiB", "time s"]))
+
+
+SECTIONS = {
+    "logprobs": logprobs_chunked_vs_whole,
+    "step": dpo_step_vs_sft_step,
+    "reference": frozen_vs_precomputed_reference,
+}
 
 
 def main() -> None:
