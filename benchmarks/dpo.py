@@ -122,7 +122,7 @@ def _timed(steps: dict, repeats: int) -> dict[str, float]:
     """The median seconds of each step function, alternating so that all see the same
     machine (one warm-up each first)."""
     times: dict[str, list[float]] = {name: [] for name in steps}
-    for name, step in steps.items():
+    for step in steps.values():
         step()
     for _ in range(repeats):
         for name, step in steps.items():
