@@ -186,3 +186,14 @@ def test_under_fsdp_and_tensor_parallelism_the_log_probs_and_gradients_are_one_p
             assert rank[f"{name}/sliced"] == (tp == 2 and name == "untied")
             assert rank[f"{name}/logps"] <= 1e-5, name
             assert rank[f"{name}/grad"] <= 1e-5 * rank[f"{name}/grad_scale"], name
+
+
+def test_chunked_log_probs_run_on_fake_tensors():
+    """`freetx estimate --measure` runs a step on fake tensors: chunks from sizes alone."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        hidden, weight, labels, upstream = head_and_batch()
+        logps, grad_hidden, grad_weight = chunked(hidden, weight, labels, upstream, 4)
+        assert logps.shape == labels.shape and grad_hidden.shape == hidden.shape
+        assert grad_weight.shape == weight.shape
