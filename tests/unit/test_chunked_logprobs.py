@@ -2,11 +2,13 @@
 ChunkedLogProbs): equal to log_softmax of the whole logits, values and the gradients of
 the hidden states and of a trained head for any per-token upstream gradient, in one
 chunk, in three, in uneven chunks, with ignored tokens; through a decoder's forward;
-under no_grad; over a head sliced by vocabulary (two slices, one thread each)."""
+under no_grad; over a head sliced by vocabulary (two slices, one thread each); under
+FSDP2 and tensor parallelism, 4 processes (slow)."""
 
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +18,7 @@ from freetx.distributed import materialize
 from freetx.models.chunked_loss import ChunkedLogProbs
 from freetx.models.protocol import OutputLayer
 from freetx.models.transformer import decoder
+from tests.distributed.launcher import run_checks
 
 VOCAB, DIM = 37, 8
 
@@ -168,3 +171,29 @@ def test_a_head_sliced_by_vocabulary_gives_the_whole_log_probs_and_gradients():
     assert torch.allclose(results[0][1] + results[1][1], grad_hidden, atol=1e-5)
     assert torch.allclose(results[0][2], grad_weight[:split], atol=1e-5)
     assert torch.allclose(results[1][2], grad_weight[split:], atol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp", [1, 2])
+def test_under_fsdp_and_tensor_parallelism_the_log_probs_and_gradients_are_one_processs(
+    tp, tmp_path
+):
+    """dp 4 (FSDP2), or dp 2 x tp 2 (an untied head sliced by vocabulary), a DPO loss of the
+    rows' log-probs, against one process's whole logits (tests/distributed/logprobs_checks.py)."""
+    script = Path(__file__).parents[1] / "distributed" / "logprobs_checks.py"
+    for rank in run_checks(script, tmp_path, 4, "--tp", str(tp)):
+        for name in ("untied", "tied"):
+            assert rank[f"{name}/sliced"] == (tp == 2 and name == "untied")
+            assert rank[f"{name}/logps"] <= 1e-5, name
+            assert rank[f"{name}/grad"] <= 1e-5 * rank[f"{name}/grad_scale"], name
+
+
+def test_chunked_log_probs_run_on_fake_tensors():
+    """`freetx estimate --measure` runs a step on fake tensors: chunks from sizes alone."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        hidden, weight, labels, upstream = head_and_batch()
+        logps, grad_hidden, grad_weight = chunked(hidden, weight, labels, upstream, 4)
+        assert logps.shape == labels.shape and grad_hidden.shape == hidden.shape
+        assert grad_weight.shape == weight.shape
