@@ -81,6 +81,12 @@ def _estimate(args: argparse.Namespace) -> int:
             f"--measure steps a decoder's token batches; {args.config} is not a decoder config.",
             fix="Leave out --measure: the analytic estimate counts this model.",
         )
+    if args.measure and planned_run(cfg).rows_per_sample > 1:
+        raise ConfigError(
+            f"--measure steps a token loss on one batch of sequences; {args.config} trains on "
+            "preference pairs with a reference model, which it does not step yet.",
+            fix="Leave out --measure: the analytic estimate counts the pairs and the reference.",
+        )
     found = estimate_config(
         cfg, args.world_size, args.device, args.mfu, args.replicas, args.source_dim
     )
