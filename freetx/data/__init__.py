@@ -1,6 +1,6 @@
-"""Data: tokenizers, the built-in corpus, packed text, instruction and chat datasets, the
-letter-block task, AD's learning histories, crosscoders' activations, sampling, the
-shard cache, and mixtures of datasets.
+"""Data: tokenizers, the built-in corpus, packed text, instruction, chat and preference
+datasets, the letter-block task, AD's learning histories, crosscoders' activations,
+sampling, the shard cache, and mixtures of datasets.
 
 Datasets take rank and world size as arguments (never from the process group),
 and import nothing from the rest of freetx but its errors.
@@ -15,11 +15,19 @@ from freetx.data.activations import (
     harvested_activations,
     planted_activations,
 )
-from freetx.data.batch import MixesSources, SourcesOf, TokenBatch, source_names, token_sample
+from freetx.data.batch import (
+    MixesSources,
+    SourcesOf,
+    TokenBatch,
+    collate_pairs,
+    source_names,
+    token_sample,
+)
 from freetx.data.chat import ChatDataset
 from freetx.data.instruct import InstructDataset
 from freetx.data.letter_block import LetterBlockDataset
 from freetx.data.mixture import MadeOfParts, Mixture
+from freetx.data.preference import PreferenceDataset
 from freetx.data.sampling import (
     IGNORE_INDEX,
     EvalShard,
@@ -61,10 +69,12 @@ __all__ = [
     "MadeOfParts",
     "Mixture",
     "PackedTextDataset",
+    "PreferenceDataset",
     "ShardCache",
     "SourcesOf",
     "TokenBatch",
     "build_eval_loader",
+    "collate_pairs",
     "build_train_loader",
     "harvested_activations",
     "checked_tokenizer",

@@ -3,6 +3,7 @@ losses read, as one type. The keys of a token sample are spelled here and nowher
 
     sample = token_sample(input_ids, labels, real_tokens=n)    # a dataset's item
     batch = TokenBatch.collate([sample, ...], source_names)    # a loader's micro-batch
+    batch = collate_pairs([(chosen, rejected), ...])            # pairs: chosen, rejected, ...
     batch = batch.to(device).split(context)                    # this rank's part (cp)
     joined = TokenBatch.join(micro_batches)                    # a pipeline's step (pp)
     loss, sums = loss_fn(model, batch.input_ids, batch.labels, **batch.model_inputs())
@@ -125,6 +126,14 @@ class TokenBatch:
             stacked(REAL_TOKENS), stacked(PADDING),
         )  # fmt: skip
 
+    @classmethod
+    def collate_pairs(
+        cls, pairs: list[tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]], source_names=()
+    ) -> TokenBatch:
+        """A micro-batch of preference pairs (`freetx.data.PreferenceDataset`'s items): row
+        2i pair i's chosen sample, row 2i + 1 its rejected one."""
+        return cls.collate([sample for pair in pairs for sample in pair], source_names)
+
     def tensors(self) -> dict[str, Any]:
         """The fields, by name (the context shard left out)."""
         return {
@@ -187,3 +196,6 @@ class TokenBatch:
             return self
         labels = self.labels.masked_fill(self.padding[:, None].to(self.labels.device), IGNORE_INDEX)
         return dataclasses.replace(self, labels=labels)
+
+
+collate_pairs = TokenBatch.collate_pairs  # a loader's collate_fn for preference pairs
