@@ -7,7 +7,8 @@ being the messages the two share from their start) from any source of
 `freetx.data.sources`, or `builtin`: InstructDataset's built-in string tasks with the
 right answer chosen and a plausible wrong one rejected (reverse: the word not reversed,
 or two neighbouring letters swapped; capitals: the word in lower case, or one letter not
-capitalised; length: one off), deterministic from the seed.
+capitalised; length: one off; a word of one letter repeated: a letter short),
+deterministic from the seed.
 
 A pair is encoded as three token rows: the prompt, the chosen completion and the
 rejected one, each completion with its target flags. With a chat template (an
@@ -82,7 +83,8 @@ def plausible_wrong(task: str, word: str, rng: random.Random) -> str:
     else:
         near = [right[:i] + right[i].lower() + right[i + 1 :] for i in range(len(right))]
     kinds = [[c for c in kind if c != right] for kind in ([word], near)]
-    return rng.choice(rng.choice([kind for kind in kinds if kind]))
+    kinds = [kind for kind in kinds if kind] or [[right[:-1]]]  # "xxxx": a letter short
+    return rng.choice(rng.choice(kinds))
 
 
 def builtin_pairs(count: int, seed: int) -> list[Record]:
@@ -121,9 +123,9 @@ class PairsFit(SeqLenFit):
     def line(self) -> str:
         return (
             f"dataset {self.source} ({self.split}): {self.cut} of {self.samples} pairs cut at "
-            f"seq_len={self.seq_len}: {self.prompts_cut} prompts cut at their start (their "
-            f"end kept), {self.completions_cut} pairs' completions cut at their end; none "
-            "dropped"
+            f"seq_len={self.seq_len} (prompts cut at their start, their end kept: "
+            f"{self.prompts_cut}; completions cut at their end: {self.completions_cut}); "
+            "none dropped"
         )
 
 
@@ -232,6 +234,8 @@ class PreferenceDataset(Dataset):
                 else ([_turn("user", pair.prompt)], [_turn("assistant", pair.chosen)],
                       [_turn("assistant", pair.rejected)])
             )  # fmt: skip
+            # the same prompt tokens for both: the text before each reply is the prompt
+            # rendered with its generation prompt (`rendered_replies` checks it is)
             (prompt_ids, chosen), (_, rejected) = (
                 self._reply(prompt, completion) for completion in (chosen, rejected)
             )

@@ -15,6 +15,7 @@ from freetx.data import IGNORE_INDEX, ByteTokenizer, PreferenceDataset, collate_
 from freetx.data.instruct import BUILTIN_TASKS, builtin_examples
 from freetx.data.preference import plausible_wrong
 from freetx.errors import DataError
+from tests.conftest import run_freetx_here
 from tests.unit import test_formats
 from tests.unit.test_formats import write
 
@@ -291,6 +292,7 @@ def test_plausible_wrong_answers_differ_from_a_palindromes_reversal():
     assert {plausible_wrong("reverse", "level", rng) for _ in range(20)} <= {
         "elvel", "lveel", "leevl", "levle"
     }  # fmt: skip
+    assert plausible_wrong("reverse", "xxxx", rng) == "xxx"  # the corpus has it
 
 
 def test_builtin_refuses_a_format_or_columns():
@@ -331,3 +333,15 @@ def test_a_preference_file_given_to_the_instruct_dataset_names_the_format(tmp_pa
     source = write("jsonl", string_rows(), tmp_path / "d")
     with pytest.raises(DataError, match="looks like format preference"):
         InstructDataset(ByteTokenizer(), seq_len=64, **whole(source))
+
+
+def test_data_show_renders_a_pairs_chosen_and_rejected():
+    shown = run_freetx_here(
+        "data", "show", "llm/instruct_tiny", "1", "dataset._component_=freetx.data.PreferenceDataset",
+        "dataset.num_builtin_examples=40",
+    )  # fmt: skip
+    assert shown.returncode == 0, shown.stderr
+    lines = shown.stdout.splitlines()
+    pair = lines.index("--- pair 1 of 37 (training split) ---")
+    assert lines[pair + 1].startswith("chosen: [<bos>") and "rejected: [<bos>" in shown.stdout
+    assert "data: 37 pairs -> 74 sequences of 64 tokens" in shown.stdout
