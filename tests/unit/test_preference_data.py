@@ -11,7 +11,7 @@ import re
 import pytest
 import torch
 
-from freetx.data import IGNORE_INDEX, ByteTokenizer, PreferenceDataset, collate_pairs
+from freetx.data import IGNORE_INDEX, ByteTokenizer, EvalShard, PreferenceDataset, collate_pairs
 from freetx.data.instruct import BUILTIN_TASKS, builtin_examples
 from freetx.data.preference import plausible_wrong
 from freetx.errors import DataError
@@ -345,3 +345,12 @@ def test_data_show_renders_a_pairs_chosen_and_rejected():
     pair = lines.index("--- pair 1 of 37 (training split) ---")
     assert lines[pair + 1].startswith("chosen: [<bos>") and "rejected: [<bos>" in shown.stdout
     assert "data: 37 pairs -> 74 sequences of 64 tokens" in shown.stdout
+
+
+def test_an_evaluation_shard_of_pairs_marks_both_samples_of_a_repeated_pair(tmp_path):
+    source = write("jsonl", string_rows(), tmp_path / "d")
+    data = PreferenceDataset(ByteTokenizer(), seq_len=64, **whole(source))
+    shard = EvalShard(data, rank=2, world_size=5)  # pairs 2, 7 and 12: a repeat (of pair 0)
+    batch = collate_pairs([shard[i] for i in range(len(shard))])
+    assert batch.padding.tolist() == [False, False, False, False, True, True]
+    assert torch.equal(batch.input_ids[2], data[7][0]["input_ids"])
