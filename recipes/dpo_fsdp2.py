@@ -23,7 +23,6 @@ summed over its pairs, normalized by the pairs of the global batch. Copy this fi
 
 from __future__ import annotations
 
-import functools
 import itertools
 import sys
 from dataclasses import dataclass, field
@@ -39,6 +38,7 @@ from freetx.data import (
     build_eval_loader,
     build_train_loader,
     checked_tokenizer,
+    collate_pairs,
     micro_batch_size,
 )
 from freetx.distributed import build_groups, init_distributed, parallelize, parallelize_frozen
@@ -67,11 +67,9 @@ from freetx.training.reference import (
     AdaptersOff,
     FrozenCopy,
     Precomputed,
-    WithReferenceLogps,
     batch_logps,
-    pairs_digest,
-    precompute_logps,
     real_pairs,
+    with_reference_logps,
 )
 from freetx.training.step import placed
 
@@ -181,51 +179,18 @@ class DPORecipeFSDP2:
         self.optimizer = self.plan.build_optimizer(cfg.optimizer)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.max_steps, cfg.lr_schedule)
 
+        # the reference: the base with adapters off, a frozen copy, or its log-probs
+        # precomputed into the data (then the copy is freed); none for simpo and orpo
         kind = reference_kind(cfg)
-        weights = cfg.checkpoint.initial_weights  # the reference: where the policy starts
-        collate = PreferenceBatch.collate_pairs
-        if kind in ("frozen_copy", "precomputed"):
-            with torch.device("meta"):
-                copy = instantiate(cfg.model)
-            copy = parallelize_frozen(
-                copy, self.groups, cfg.distributed, cfg.seed, init_weights=weights is None
-            )  # the policy's random init (seed), or loaded as its initial weights are
-            if weights is not None:
-                load_initial_weights(copy, weights)
-            self.reference = FrozenCopy(copy, self.plan, self.loss_fn.num_chunks)
-        elif kind == "adapters_off":
-            self.reference = AdaptersOff(self.plan, self.loss_fn.num_chunks)
-        else:
-            self.reference = None
-        if kind == "precomputed":  # one pass over both splits, then the copy is freed
-            identity = {"reference": input_identity(weights)["fingerprint"] if weights else
-                        f"random init, seed {cfg.seed}"}  # fmt: skip
-            place = functools.partial(placed, self.plan)
-            tables = [
-                precompute_logps(
-                    self.reference,
-                    data,
-                    split,
-                    {**identity, "data": pairs_digest(data)},
-                    cfg.output_dir,
-                    self.groups,
-                    cfg.eval.batch_size,
-                    collate,
-                    place,
-                    self.run.write,
-                )  # fmt: skip
-                for data, split in ((train_set, "train"), (val_set, "validation"))
-            ]
-            train_set, val_set = (
-                WithReferenceLogps(d, t) for d, t in zip((train_set, val_set), tables)
-            )
-            self.reference = Precomputed()
-            del copy
-        self.val_loader = build_eval_loader(val_set, cfg.eval.batch_size, rank, world_size, collate)
+        train_set, val_set = self.build_reference(kind, train_set, val_set)
+        self.val_loader = build_eval_loader(
+            val_set, cfg.eval.batch_size, rank, world_size, collate_pairs
+        )
         self.train_loader = build_train_loader(
             train_set, cfg.batch_size, self.accumulation, rank, world_size, cfg.seed,
-            num_workers=cfg.num_workers, collate=collate,
+            num_workers=cfg.num_workers, collate=collate_pairs,
         )  # fmt: skip
+        weights = cfg.checkpoint.initial_weights  # the reference's, recorded as an input
         reference_inputs = {"reference": weights} if kind != "none" and weights else {}
         self.run.start(
             self.plan, self.optimizer, self.lr_scheduler, self.train_loader,
@@ -235,6 +200,46 @@ class DPORecipeFSDP2:
             activation_checkpointing=cfg.distributed.activation_checkpointing, trains=trains,
             reference=kind.replace("_", " "),
         )  # fmt: skip
+
+    def build_reference(self, kind: str, train_set, val_set):
+        """The reference (`reference_kind`): where the policy starts, its weights loaded
+        as the policy's initial weights are (or the same random init). Precomputed: a
+        frozen copy computes every pair's log-probs once (or they are read back from
+        output_dir/reference_logps), the pairs carry them, and the copy is freed.
+        Returns the datasets the loaders read."""
+        cfg, num_chunks = self.cfg, self.loss_fn.num_chunks
+        self.reference = None
+        if kind == "adapters_off":
+            self.reference = AdaptersOff(self.plan, num_chunks)
+        if kind not in ("frozen_copy", "precomputed"):
+            return train_set, val_set
+        weights = cfg.checkpoint.initial_weights
+        with torch.device("meta"):
+            copy = instantiate(cfg.model)
+        copy = parallelize_frozen(
+            copy, self.groups, cfg.distributed, cfg.seed, init_weights=weights is None
+        )  # fmt: skip
+        if weights is not None:
+            load_initial_weights(copy, weights)
+        self.reference = FrozenCopy(copy, self.plan, num_chunks)
+        if kind == "frozen_copy":
+            return train_set, val_set
+        weights_id = input_identity(weights)["fingerprint"] if weights else f"seed {cfg.seed}"
+        datasets = [
+            with_reference_logps(
+                self.reference,
+                data,
+                split,
+                {"reference": weights_id},
+                cfg.output_dir,
+                self.plan,
+                cfg.eval.batch_size,
+                self.run.write,
+            )  # fmt: skip
+            for data, split in ((train_set, "train"), (val_set, "validation"))
+        ]
+        self.reference = Precomputed()  # the copy is freed
+        return datasets
 
     def train(self) -> None:
         cfg, run = self.cfg, self.run

@@ -4,7 +4,8 @@ cache on this machine (no torchrun), so that runs start by mapping it
 
 `freetx data show CONFIG [N] [key=value ...]`: the first N sequences of the training split
 as the model sees them (decoded, the tokens without loss in [brackets], document
-boundaries of packed sequences marked), and what the split is made of (samples ->
+boundaries of packed sequences marked; a preference dataset's first N pairs, chosen
+and rejected), and what the split is made of (samples ->
 sequences, padding), as a run prints it at start-up."""
 
 from __future__ import annotations
@@ -126,10 +127,16 @@ def show(args: argparse.Namespace) -> int:
     shown = min(count, len(data))
     for index in range(shown):
         sample = data[index]
+        if isinstance(sample, tuple):  # a preference pair: (chosen, rejected)
+            print(f"\n--- pair {index + 1} of {len(data):,} (training split) ---")
+            for name, part in zip(("chosen", "rejected"), sample):
+                print(f"{name}: {render_sample(part, tokenizer)}")
+            continue
         print(f"\n--- sequence {index + 1} of {len(data):,} (training split) ---")
         print(render_sample(sample, tokenizer))
     if shown < count:
-        print(f"\n(the training split holds {len(data):,} sequences)")
+        unit = "pairs" if shown and isinstance(data[0], tuple) else "sequences"
+        print(f"\n(the training split holds {len(data):,} {unit})")
     print()
     for line in summary_lines(data):
         print(line)

@@ -1,6 +1,6 @@
-"""Data: tokenizers, the built-in corpus, packed text, instruction and chat datasets, the
-letter-block task, AD's learning histories, crosscoders' activations, sampling, the
-shard cache, and mixtures of datasets.
+"""Data: tokenizers, the built-in corpus, packed text, instruction, chat and preference
+datasets, the letter-block task, AD's learning histories, crosscoders' activations,
+sampling, the shard cache, and mixtures of datasets.
 
 Datasets take rank and world size as arguments (never from the process group),
 and import nothing from the rest of freetx but its errors.
@@ -20,6 +20,7 @@ from freetx.data.batch import (
     PreferenceBatch,
     SourcesOf,
     TokenBatch,
+    collate_pairs,
     source_names,
     token_sample,
 )
@@ -27,6 +28,7 @@ from freetx.data.chat import ChatDataset
 from freetx.data.instruct import InstructDataset
 from freetx.data.letter_block import LetterBlockDataset
 from freetx.data.mixture import MadeOfParts, Mixture
+from freetx.data.preference import PreferenceDataset
 from freetx.data.sampling import (
     IGNORE_INDEX,
     EvalShard,
@@ -68,10 +70,12 @@ __all__ = [
     "MadeOfParts",
     "Mixture",
     "PackedTextDataset",
+    "PreferenceDataset",
     "ShardCache",
     "SourcesOf",
     "TokenBatch",
     "PreferenceBatch",
+    "collate_pairs",
     "build_eval_loader",
     "build_train_loader",
     "harvested_activations",

@@ -3,6 +3,7 @@ losses read, as one type. The keys of a token sample are spelled here and nowher
 
     sample = token_sample(input_ids, labels, real_tokens=n)    # a dataset's item
     batch = TokenBatch.collate([sample, ...], source_names)    # a loader's micro-batch
+    batch = collate_pairs([(chosen, rejected), ...])            # pairs: chosen, rejected, ...
     batch = batch.to(device).split(context)                    # this rank's part (cp)
     joined = TokenBatch.join(micro_batches)                    # a pipeline's step (pp)
     loss, sums = loss_fn(model, batch.input_ids, batch.labels, **batch.model_inputs())
@@ -189,10 +190,9 @@ class TokenBatch:
         return dataclasses.replace(self, labels=labels)
 
 
-# a preference dataset's item: a pair of token samples, the chosen and the rejected
-# completion of one prompt (and an evaluation shard's `padding`, for both)
-CHOSEN, REJECTED = "chosen", "rejected"
-REFERENCE_LOGPS = "reference_logps"  # a sample's precomputed reference: [sum, tokens]
+# a precomputed reference's log-probs of a sample: [sum, loss tokens]
+REFERENCE_LOGPS = "reference_logps"
+Pair = tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]  # (chosen, rejected) samples
 
 
 @dataclass
@@ -204,18 +204,13 @@ class PreferenceBatch(TokenBatch):
     reference_logps: torch.Tensor | None = None  # [B, 2]: each row's (sum, loss tokens)
 
     @classmethod
-    def collate_pairs(cls, pairs: list[dict[str, Any]], source_names=()) -> PreferenceBatch:
-        """A loader's micro-batch of pairs (`{chosen, rejected}` samples), interleaved."""
-        rows = []
-        for pair in pairs:
-            for key in (CHOSEN, REJECTED):
-                row = dict(pair[key])
-                if PADDING in pair:  # an evaluation shard's repeat: both rows
-                    row[PADDING] = pair[PADDING]
-                rows.append(row)
+    def collate_pairs(cls, pairs: list[Pair], source_names=()) -> PreferenceBatch:
+        """A loader's micro-batch of preference pairs (`freetx.data.PreferenceDataset`'s
+        items), interleaved: row 2i pair i's chosen sample, row 2i + 1 its rejected one."""
+        rows = [sample for pair in pairs for sample in pair]
         batch = cls.collate(rows, source_names)
         if REFERENCE_LOGPS in rows[0]:
-            batch.reference_logps = torch.stack([r[REFERENCE_LOGPS] for r in rows])
+            batch.reference_logps = torch.stack([row[REFERENCE_LOGPS] for row in rows])
         return batch
 
     def num_pairs(self) -> torch.Tensor:
@@ -228,3 +223,6 @@ class PreferenceBatch(TokenBatch):
     def real_pairs(self) -> torch.Tensor | None:
         """[pairs] bools: the pairs that are no evaluation shard's repeat (None: all)."""
         return None if self.padding is None else ~self.padding[0::2]
+
+
+collate_pairs = PreferenceBatch.collate_pairs  # a loader's collate_fn for preference pairs

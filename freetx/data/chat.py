@@ -102,19 +102,30 @@ class ChatDataset(TokenSamples):
     def encode(self, messages: Messages) -> Encoded:
         """A conversation's token ids, and for each whether it is the assistant's; a
         BadRow when the chat template cannot render it or its replies cannot be found."""
-        tok = self.tokenizer
-        try:
-            text = tok.apply_chat_template(messages)
-            spans = [
-                _reply_span(tok, messages, i, text)
-                for i, message in enumerate(messages)
-                if message["role"] == "assistant"
-            ]
-        except DataError as e:
-            raise BadRow(f"cannot be rendered: {e}") from None
-        ids, offsets = tok.encode_with_offsets(text)
-        is_reply = [any(start <= s < end for start, end in spans) for s, _ in offsets]
-        return ids, is_reply
+        text, spans = rendered_replies(self.tokenizer, messages)
+        ids, offsets = self.tokenizer.encode_with_offsets(text)
+        return ids, in_spans(offsets, spans)
+
+
+def rendered_replies(tok, messages: Messages, first: int = 0) -> tuple[str, list[tuple[int, int]]]:
+    """A conversation rendered with the chat template, and the characters of each
+    assistant reply from message `first` on (see the module docstring); a BadRow when the
+    template cannot render it or its replies cannot be found."""
+    try:
+        text = tok.apply_chat_template(messages)
+        spans = [
+            _reply_span(tok, messages, i, text)
+            for i, message in enumerate(messages)
+            if i >= first and message["role"] == "assistant"
+        ]
+    except DataError as e:
+        raise BadRow(f"cannot be rendered: {e}") from None
+    return text, spans
+
+
+def in_spans(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> list[bool]:
+    """For each token (its character offsets), whether it starts in one of the spans."""
+    return [any(start <= s < end for start, end in spans) for s, _ in offsets]
 
 
 # appended to a reply's content to find where the template writes it (never in a text)

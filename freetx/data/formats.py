@@ -10,10 +10,15 @@ names onto the data's (only those that differ):
 | alpaca          | instruction, input (optional), output               | a prompt (ALPACA_PROMPT) and a response |
 | prompt_response | prompt, response                                    | a prompt and a response |
 | text            | text                                                | a document              |
+| preference      | prompt, chosen, rejected (and role, content in messages) | a preference pair (`Pair`) |
 
 ChatDataset takes conversations (a prompt and response become one user turn and one
 assistant turn), InstructDataset prompts and responses (a conversation of exactly one
-user turn and one assistant reply becomes one), PackedTextDataset documents.
+user turn and one assistant reply becomes one), PackedTextDataset documents,
+PreferenceDataset preference pairs (`Pair`): a prompt and a chosen and a rejected
+completion of it, all strings, or all conversations: `{prompt: [messages], chosen:
+[messages], rejected: [messages]}` (TRL's), or `{chosen: [messages], rejected:
+[messages]}`, the prompt being the messages the two share from their start.
 
 A row that does not fit (not JSON, a missing column, a wrong type, no assistant turn,
 a conversation the chat template cannot render) is a bad row: `dataset.on_bad_row:
@@ -48,7 +53,15 @@ DEFAULT_COLUMNS: dict[str, dict[str, str]] = {
     "alpaca": {"instruction": "instruction", "input": "input", "output": "output"},
     "prompt_response": {"prompt": "prompt", "response": "response"},
     "text": {"text": "text"},
+    "preference": {
+        "prompt": "prompt",
+        "chosen": "chosen",
+        "rejected": "rejected",
+        "role": "role",
+        "content": "content",
+    },  # fmt: skip
 }
+MESSAGE_KEYS = ("role", "content")  # the keys inside a message, not columns of a row
 CONVERSATIONS = ("messages", "sharegpt")
 SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "system": "system"}
 SHAREGPT_ROLES |= {role: role for role in ("user", "assistant")}
@@ -68,6 +81,21 @@ ALPACA_PROMPT_NO_INPUT = (
 
 class BadRow(Exception):
     """What is wrong with one row and how to fix it, worded to follow where it is."""
+
+
+@dataclass(frozen=True)
+class Pair:
+    """A preference pair: a prompt and two completions of it, the chosen one preferred.
+    All strings, or all conversations: the prompt's messages, and each completion's
+    (starting with the assistant's reply; the loss is on its assistant messages)."""
+
+    prompt: str | Messages
+    chosen: str | Messages
+    rejected: str | Messages
+
+    @property
+    def conversational(self) -> bool:
+        return isinstance(self.prompt, list)
 
 
 def canonical(value: Any) -> bytes:
@@ -109,6 +137,8 @@ class Format:
                 + (
                     "plain text is freetx.data.PackedTextDataset's."
                     if name == "text"
+                    else "preference pairs are freetx.data.PreferenceDataset's."
+                    if name == "preference"
                     else "conversations and prompt/response pairs are freetx.data.ChatDataset's "
                     "and freetx.data.InstructDataset's."
                 )
@@ -132,7 +162,7 @@ class Format:
         its messages column)."""
         if self.name in CONVERSATIONS:
             return [self.columns["messages"]]
-        return list(self.columns.values())
+        return [column for role, column in self.columns.items() if role not in MESSAGE_KEYS]
 
     def key(self, record: Record) -> bytes:
         """What the train/validation split hashes: the columns the format reads."""
@@ -169,8 +199,10 @@ class Format:
             )
         return value
 
-    def _messages(self, fields: dict[str, Any]) -> Messages:
-        column, role_key, content_key = (self.columns[k] for k in ("messages", "role", "content"))
+    def _messages(
+        self, fields: dict[str, Any], role: str = "messages", needs_reply: bool = True
+    ) -> Messages:
+        column, role_key, content_key = (self.columns[k] for k in (role, "role", "content"))
         messages = fields.get(column)
         if not isinstance(messages, list) or not messages:
             raise BadRow(
@@ -195,7 +227,7 @@ class Format:
                     )
                 role = SHAREGPT_ROLES[role]
             out.append({"role": role, "content": content})
-        if not any(message["role"] == "assistant" for message in out):
+        if needs_reply and not any(message["role"] == "assistant" for message in out):
             raise BadRow(
                 "has no assistant message, so it has nothing to learn from; add the "
                 "assistant's reply or remove the row."
@@ -228,6 +260,49 @@ class Format:
             return self._messages(fields)
         prompt, response = self.prompt_response(fields)
         return [{"role": "user", "content": prompt}, {"role": "assistant", "content": response}]
+
+    def preference(self, fields: dict[str, Any]) -> Pair:
+        """A record's preference pair (PreferenceDataset): strings, or conversations when
+        `chosen` holds messages. An empty prompt or completion, a completion that does not
+        start with the assistant's reply, or a chosen equal to its rejected is a bad row."""
+        if isinstance(fields.get(self.columns["chosen"]), list):
+            pair = self._conversation_pair(fields)
+        else:
+            pair = Pair(*(self._string(fields, role) for role in ("prompt", "chosen", "rejected")))
+        if pair.chosen == pair.rejected:
+            raise BadRow(
+                f"has the same chosen and rejected completion ({str(pair.chosen)[:60]!r}), so "
+                "there is nothing to prefer; fix or remove the row."
+            )
+        for role in ("prompt", "chosen", "rejected"):
+            value = getattr(pair, role)
+            if isinstance(value, list):  # what is said: the prompt's, the assistant's replies
+                if role != "prompt" and value and value[0]["role"] != "assistant":
+                    raise BadRow(
+                        f"has a {role} conversation that goes on after the prompt with a "
+                        f"{value[0]['role']} message, not the assistant's reply; fix the row."
+                    )
+                said = [m["content"] for m in value if role == "prompt" or m["role"] == "assistant"]
+                value = "".join(said)
+            if not value.strip():
+                raise BadRow(
+                    f"has an empty {role} ('{self.columns[role]}'): a pair is a prompt and two "
+                    "different completions of it; fix or remove the row."
+                )
+        return pair
+
+    def _conversation_pair(self, fields: dict[str, Any]) -> Pair:
+        """A pair of conversations: the prompt's messages given (TRL's conversational
+        format), or (no prompt column) the messages the chosen and rejected share from
+        their start, each completion the rest."""
+        chosen, rejected = self._messages(fields, "chosen"), self._messages(fields, "rejected")
+        if fields.get(self.columns["prompt"]) is not None:
+            return Pair(self._messages(fields, "prompt", needs_reply=False), chosen, rejected)
+        shared = next(
+            (n for n, (a, b) in enumerate(zip(chosen, rejected)) if a != b),
+            min(len(chosen), len(rejected)),
+        )
+        return Pair(chosen[:shared], chosen[shared:], rejected[shared:])
 
     def text(self, fields: dict[str, Any]) -> str:
         """A record's document (PackedTextDataset)."""

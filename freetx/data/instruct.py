@@ -39,19 +39,26 @@ from freetx.errors import DataError
 READS = ("messages", "sharegpt", "alpaca", "prompt_response")
 
 
-def builtin_examples(count: int, seed: int) -> list[dict[str, str]]:
-    """`count` string-task examples over words from the built-in corpus."""
+# the built-in string tasks: a prompt of the word, and the right answer
+BUILTIN_TASKS = {
+    "reverse": ("Reverse the word: {w}\nAnswer: ", lambda w: w[::-1]),
+    "capitals": ("Write the word in capitals: {w}\nAnswer: ", lambda w: w.upper()),
+    "length": ("How many letters are in {w}?\nAnswer: ", lambda w: str(len(w))),
+}
+
+
+def builtin_draws(count: int, seed: int) -> list[tuple[str, str]]:
+    """`count` (word, task) draws: words of the built-in corpus, tasks of BUILTIN_TASKS."""
     words = sorted({w for doc in builtin_documents() for w in re.findall(r"[a-z]{4,12}", doc)})
     rng = random.Random(seed)
-    tasks = [
-        ("Reverse the word: {w}\nAnswer: ", lambda w: w[::-1]),
-        ("Write the word in capitals: {w}\nAnswer: ", lambda w: w.upper()),
-        ("How many letters are in {w}?\nAnswer: ", lambda w: str(len(w))),
-    ]
+    return [(rng.choice(words), rng.choice(list(BUILTIN_TASKS))) for _ in range(count)]
+
+
+def builtin_examples(count: int, seed: int) -> list[dict[str, str]]:
+    """`count` string-task examples over words from the built-in corpus."""
     examples = []
-    for _ in range(count):
-        word = rng.choice(words)
-        prompt, answer = rng.choice(tasks)
+    for word, task in builtin_draws(count, seed):
+        prompt, answer = BUILTIN_TASKS[task]
         examples.append({"prompt": prompt.format(w=word), "response": answer(word)})
     return examples
 
@@ -62,17 +69,31 @@ def builtin_records(count: int, seed: int) -> list[Record]:
     return [Record(f"builtin example {i}", example) for i, example in enumerate(examples)]
 
 
+def check_builtin_format(format: str | None, columns, name: str, what: str) -> None:
+    """`builtin`'s examples are in format `name` (`what` they are): a format or column
+    mapping given with them is an error."""
+    if format not in (None, name) or columns:
+        raise DataError(
+            f"dataset.source=builtin is freetx's own {what}; drop dataset.format and "
+            "dataset.columns, or point dataset.source at your data."
+        )
+
+
+def prompt_response_tokens(tok, prompt: str, response: str) -> Encoded:
+    """BOS + prompt + response + EOS (a tokenizer without a chat template), and for each
+    token whether it is a target: the response's and the EOS."""
+    prompt_ids = [*leading_bos(tok), *tok.encode(prompt)]
+    response_ids = [*tok.encode(response), tok.eos_id]
+    return prompt_ids + response_ids, [False] * len(prompt_ids) + [True] * len(response_ids)
+
+
 def dataset_records(
     source: str, format: str | None, columns, dataset: str, default: str, count: int, seed: int
 ) -> tuple[Iterable[Record], Format]:
     """A chat or instruction dataset's records and their format: `builtin`'s examples are
     prompt/response pairs (a format or column mapping given with them is an error)."""
     if source == "builtin":
-        if format not in (None, "prompt_response") or columns:
-            raise DataError(
-                "dataset.source=builtin is freetx's own prompt/response examples; drop "
-                "dataset.format and dataset.columns, or point dataset.source at your data."
-            )
+        check_builtin_format(format, columns, "prompt_response", "prompt/response examples")
         fmt = Format.of("prompt_response", None, dataset, READS, "prompt_response")
         return builtin_records(count, seed), fmt
     fmt = Format.of(format, columns, dataset, READS, default)
@@ -127,7 +148,4 @@ class InstructDataset(TokenSamples):
 
     def encode(self, example: dict[str, str]) -> Encoded:
         """BOS + prompt + response + EOS, and for each token whether it is a target."""
-        tok = self.tokenizer
-        prompt = [*leading_bos(tok), *tok.encode(example["prompt"])]
-        response = [*tok.encode(example["response"]), tok.eos_id]
-        return prompt + response, [False] * len(prompt) + [True] * len(response)
+        return prompt_response_tokens(self.tokenizer, example["prompt"], example["response"])

@@ -150,12 +150,14 @@ class EvalShard(Dataset):
     def __len__(self) -> int:
         return self.length
 
-    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+    def __getitem__(self, index: int):
+        """A sample with `padding`; a preference pair (a tuple of samples): each of them."""
         source = index * self.world_size + self.rank
-        padding = source >= len(self.dataset)
-        sample = dict(self.dataset[0 if padding else source])
-        sample[PADDING] = torch.tensor(padding)
-        return sample
+        repeat = source >= len(self.dataset)
+        item, padding = self.dataset[0 if repeat else source], torch.tensor(repeat)
+        if isinstance(item, tuple):
+            return tuple({**sample, PADDING: padding} for sample in item)
+        return {**item, PADDING: padding}
 
 
 def build_train_loader(

@@ -56,6 +56,8 @@ def format_of_shape(
     columns to map for it: (`sharegpt`, {}) for `conversations` of from/value messages,
     (`prompt_response`, {response: completion}), ...; None when it is none of the formats'."""
     names = set(fields)
+    if {"chosen", "rejected"} <= names:
+        return "preference", {}
     for column in ("conversations", "messages"):
         if column in names:
             inner = _message_keys(fields[column]) if isinstance(fields, dict) else set()

@@ -13,7 +13,7 @@ against (DPO's π_ref), made whole over context-parallel ranks, without a gradie
   (`freetx.distributed.parallelize_frozen`: FSDP2 per block, the compute dtype, no
   gradients, no optimizer state), its weights read from the policy's initial weights.
 - `Precomputed`: each row's reference log-probs were computed in one pass over the
-  data before training (`precompute_logps`), stored in the run folder under the
+  data before training (`with_reference_logps`), stored in the run folder under the
   identity of the data and of the reference weights, and ride in the batch
   (`PreferenceBatch.reference_logps`); the reference model is freed before training.
 
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -32,11 +33,12 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.utils.data import Dataset
 
-from freetx.data import PreferenceBatch, build_eval_loader
-from freetx.data.batch import CHOSEN, REFERENCE_LOGPS, REJECTED
+from freetx.data import PreferenceBatch, build_eval_loader, collate_pairs
+from freetx.data.batch import REFERENCE_LOGPS, Pair
 from freetx.distributed import ParallelGroups, ParallelPlan
 from freetx.models.peft import adapters_disabled
 from freetx.training.preference import SequenceLogProbs, sequence_logps
+from freetx.training.step import placed
 from freetx.user_files import staged_output
 
 REFERENCE_FOLDER = "reference_logps"  # in output_dir: one file per split
@@ -116,12 +118,9 @@ class WithReferenceLogps(Dataset):
     def __len__(self) -> int:
         return len(self.dataset)
 
-    def __getitem__(self, index: int) -> dict[str, Any]:
-        pair, logps = self.dataset[index], self.table[index]
-        return {
-            CHOSEN: {**pair[CHOSEN], REFERENCE_LOGPS: logps[0]},
-            REJECTED: {**pair[REJECTED], REFERENCE_LOGPS: logps[1]},
-        }
+    def __getitem__(self, index: int) -> Pair:
+        (chosen, rejected), logps = self.dataset[index], self.table[index]
+        return {**chosen, REFERENCE_LOGPS: logps[0]}, {**rejected, REFERENCE_LOGPS: logps[1]}
 
     def __getattr__(self, name: str):  # seq_len, summary(), ...: the dataset's own
         if name == "dataset":
@@ -129,8 +128,11 @@ class WithReferenceLogps(Dataset):
         return getattr(self.dataset, name)
 
 
+INDEX = "index"  # a pair's place in its dataset, on its chosen sample (the precomputing pass)
+
+
 class _Indexed(Dataset):
-    """A dataset's pairs with their index (the precomputing pass's order)."""
+    """A dataset's pairs with their index on the chosen sample."""
 
     def __init__(self, dataset: Dataset) -> None:
         self.dataset = dataset
@@ -138,8 +140,9 @@ class _Indexed(Dataset):
     def __len__(self) -> int:
         return len(self.dataset)
 
-    def __getitem__(self, index: int):
-        return index, self.dataset[index]
+    def __getitem__(self, index: int) -> Pair:
+        chosen, rejected = self.dataset[index]
+        return {**chosen, INDEX: torch.tensor(index)}, rejected
 
 
 def pairs_digest(dataset: Dataset) -> str:
@@ -147,63 +150,65 @@ def pairs_digest(dataset: Dataset) -> str:
     log-probs on the data's side (source, format, tokenizer, seq_len, truncation)."""
     digest = hashlib.sha256()
     for index in range(len(dataset)):
-        pair = dataset[index]
-        for sample in (pair[CHOSEN], pair[REJECTED]):
+        for sample in dataset[index]:
             digest.update(sample["input_ids"].numpy().tobytes())
             digest.update(sample["labels"].numpy().tobytes())
     return digest.hexdigest()[:32]
 
 
-def precompute_logps(
+def with_reference_logps(
     reference: Reference,
     dataset: Dataset,
     split: str,
     identity: dict[str, Any],
     output_dir: str | Path,
-    groups: ParallelGroups,
+    plan: ParallelPlan,
     pairs_per_pass: int,
-    collate,
-    place,
-    say,
-) -> torch.Tensor:
-    """The reference log-probs of every pair of `dataset` [pairs, 2, 2], computed once:
-    read from output_dir/reference_logps/<split>.safetensors when it was made for the same
-    `identity` (the data's tokens and the reference weights'), else computed over all
-    data-parallel ranks (each its strided share, `pairs_per_pass` pairs per forward over
-    all ranks), gathered, and written there by rank 0. `place`: a batch to this rank's
-    device and part (`freetx.training.step.placed`); `say`: a line for the console."""
+    say: Callable[[str], None],
+) -> WithReferenceLogps:
+    """`dataset` with the reference log-probs of every pair, computed once: read from
+    output_dir/reference_logps/<split>.safetensors when it was made for the same data (a
+    digest of every pair's tokens) and `identity` (the reference weights'), else computed
+    over all data-parallel ranks (each its strided share, `pairs_per_pass` pairs per
+    forward over all ranks), gathered, and written there by rank 0. `say`: a line for
+    the console."""
     path = Path(output_dir) / REFERENCE_FOLDER / f"{split}.safetensors"
-    key = json.dumps({"split": split, **identity}, sort_keys=True)
+    key = json.dumps({"split": split, "data": pairs_digest(dataset), **identity}, sort_keys=True)
     if path.is_file():
-        stored = load_file(path)
-        meta = _metadata(path)
-        if meta.get("identity") == key and stored["logps"].shape[0] == len(dataset):
+        stored = load_file(path)["logps"]
+        if _metadata(path).get("identity") == key and stored.shape[0] == len(dataset):
             say(f"reference: {split} log-probs of {len(dataset)} pairs read from {path}")
-            return stored["logps"]
+            return WithReferenceLogps(dataset, stored)
         say(f"reference: {path} was made for other data or reference weights; computing again")
-    rank, ranks = groups.dp_rank, groups.dp_size
+    table = _computed(reference, dataset, plan, pairs_per_pass)
+    if plan.runtime.is_rank_zero:
+        with staged_output(path) as staged:  # whole or not at all
+            save_file({"logps": table}, staged, {"identity": key})
+    plan.groups.barrier()
+    say(f"reference: {split} log-probs of {len(dataset)} pairs computed, kept in {path}")
+    return WithReferenceLogps(dataset, table)
+
+
+def _computed(reference: Reference, dataset: Dataset, plan: ParallelPlan, pairs_per_pass: int):
+    """Every pair's reference log-probs [pairs, 2 rows, (sum, tokens)], in the dataset's
+    order: each data-parallel rank its strided share, gathered over them."""
+    groups = plan.groups
     loader = build_eval_loader(
-        _Indexed(dataset), pairs_per_pass, rank, ranks,
-        collate=lambda items: ([i for i, _ in items], collate([p for _, p in items])),
+        _Indexed(dataset), pairs_per_pass, groups.dp_rank, groups.dp_size,
+        collate=lambda pairs: ([int(c[INDEX]) for c, _ in pairs], collate_pairs(pairs)),
     )  # fmt: skip
     indices, values = [], []
     for batch_indices, batch in loader:
-        logps = reference(place(batch))
+        logps = reference(placed(plan, batch))
         indices.append(torch.tensor(batch_indices))
         values.append(torch.stack([logps.sum, logps.tokens], dim=-1).view(-1, 2, 2).cpu())
-    local_index = torch.cat(indices).to(groups.runtime.device)
-    local_values = torch.cat(values).double().to(groups.runtime.device)
-    all_index = groups.all_gather_varying(local_index, over="dp").cpu()
-    all_values = groups.all_gather_varying(local_values.reshape(-1), over="dp").cpu()
+    device = plan.runtime.device
+    index = groups.all_gather_varying(torch.cat(indices).to(device), over="dp").cpu()
+    gathered = torch.cat(values).double().reshape(-1).to(device)
+    gathered = groups.all_gather_varying(gathered, over="dp").cpu()
     table = torch.zeros(len(dataset), 2, 2, dtype=torch.float64)
-    table[all_index] = all_values.view(-1, 2, 2)  # an evaluation shard's repeats: same values
-    table = table.float()
-    if groups.runtime.is_rank_zero:
-        with staged_output(path) as staged:  # whole or not at all
-            save_file({"logps": table}, staged, {"identity": key})
-    groups.barrier()
-    say(f"reference: {split} log-probs of {len(dataset)} pairs computed, kept in {path}")
-    return table
+    table[index] = gathered.view(-1, 2, 2)  # an evaluation shard's repeats: the same values
+    return table.float()
 
 
 def _metadata(path: Path) -> dict[str, str]:

@@ -1,0 +1,278 @@
+"""Preference data: a prompt and two completions of it, the chosen one preferred (DPO and kin).
+
+Source: records of format `preference` (`freetx.data.formats`: `{prompt, chosen,
+rejected}` strings; `{prompt: [messages], chosen: [messages], rejected: [messages]}`,
+TRL's conversational format; `{chosen: [messages], rejected: [messages]}`, the prompt
+being the messages the two share from their start) from any source of
+`freetx.data.sources`, or `builtin`: InstructDataset's built-in string tasks with the
+right answer chosen and a plausible wrong one rejected (reverse: the word not reversed,
+or two neighbouring letters swapped; capitals: the word in lower case, or one letter not
+capitalised; length: one off; a word of one letter repeated: a letter short),
+deterministic from the seed.
+
+A pair is encoded as three token rows: the prompt, the chosen completion and the
+rejected one, each completion with its target flags. With a chat template (an
+`HFTokenizer` of a folder that has one) the prompt is rendered up to the assistant's
+reply (its generation prompt: a string prompt is one user turn) and a completion is
+its reply (a string: one assistant turn) located as ChatDataset locates replies
+(`freetx.data.chat.rendered_replies`), up to its end-of-turn; without one, the prompt
+is BOS + prompt and a completion its text + EOS, as InstructDataset encodes them. The
+prompt and the completions are tokenized apart, so chosen and rejected share the
+prompt's tokens exactly.
+
+A pair is served as two samples (`token_sample`, [seq_len] each, padded), the prompt's
+tokens then the completion's, labels only on the completion (its closing EOS or
+end-of-turn included). Cut to seq_len + 1 tokens, the prompt keeps its end: first cut
+from its start to `max_prompt_len`, then further as the longer completion needs to
+fit, but never below min(its length, seq_len // 2) tokens; then the completions' ends
+are cut. The same prompt tokens go with both completions, and at least
+seq_len + 1 - seq_len // 2 completion tokens always fit, so no pair is dropped; the
+pairs cut are counted (`fit`, printed at start-up).
+
+`collate_pairs` (`freetx.data.batch`) makes a micro-batch of pairs: row 2i the chosen,
+row 2i + 1 the rejected of pair i.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from freetx.data.chat import in_spans, rendered_replies
+from freetx.data.formats import (
+    BadRow,
+    BadRows,
+    Format,
+    Messages,
+    Pair,
+    check_not_empty,
+    encode_rows,
+    read_split,
+)
+from freetx.data.instruct import (
+    BUILTIN_TASKS,
+    builtin_draws,
+    check_builtin_format,
+    prompt_response_tokens,
+)
+from freetx.data.packing import DataSummary
+from freetx.data.sampling import check_split, split_of, split_problems
+from freetx.data.seq_len import SeqLenFit, fixed_length_sample
+from freetx.data.sources import RECORD_SUFFIXES, Record, read_records, source_files
+from freetx.data.token_cache import cached_rows, settings_of
+from freetx.data.token_rows import Encoded
+from freetx.errors import DataError
+
+READS = ("preference",)
+ROWS = 3  # token rows a pair is kept as: the prompt, the chosen, the rejected
+
+
+def plausible_wrong(task: str, word: str, rng: random.Random) -> str:
+    """A wrong answer to a built-in task that looks like the right one (module docstring)."""
+    right = BUILTIN_TASKS[task][1](word)
+    if task == "length":
+        return str(len(word) + rng.choice((-1, 1)))
+    if task == "reverse":
+        near = [right[:i] + right[i + 1] + right[i] + right[i + 2 :] for i in range(len(right) - 1)]
+    else:
+        near = [right[:i] + right[i].lower() + right[i + 1 :] for i in range(len(right))]
+    kinds = [[c for c in kind if c != right] for kind in ([word], near)]
+    kinds = [kind for kind in kinds if kind] or [[right[:-1]]]  # "xxxx": a letter short
+    return rng.choice(rng.choice(kinds))
+
+
+def builtin_pairs(count: int, seed: int) -> list[Record]:
+    """`count` preference records of the built-in tasks: the prompts and right answers of
+    `builtin_examples(count, seed)`, each with a plausible wrong answer rejected."""
+    rng = random.Random(f"rejected {seed}")
+    records = []
+    for i, (word, task) in enumerate(builtin_draws(count, seed)):
+        prompt, answer = BUILTIN_TASKS[task]
+        fields = {"prompt": prompt.format(w=word), "chosen": answer(word),
+                  "rejected": plausible_wrong(task, word, rng)}  # fmt: skip
+        records.append(Record(f"builtin pair {i}", fields))
+    return records
+
+
+def preference_problems(values: dict[str, Any]) -> dict[str, str]:
+    """A preference dataset node's settings that no run can have, by key: the split's
+    (`split_problems`) and a max_prompt_len below 1."""
+    found = split_problems(values)
+    limit = values.get("max_prompt_len")
+    if limit is not None and (not isinstance(limit, int) or limit < 1):
+        found["max_prompt_len"] = (
+            "it is the most prompt tokens a pair keeps (its end); set 1 or more, or leave it "
+            "out to cut prompts only as seq_len needs."
+        )
+    return found
+
+
+@dataclass(frozen=True)
+class PairsFit(SeqLenFit):
+    """What cutting a split's pairs to seq_len did (`samples`: pairs; `dropped` is 0)."""
+
+    prompts_cut: int = 0  # pairs whose prompt lost its start
+    completions_cut: int = 0  # pairs whose longer completion lost its end
+
+    def line(self) -> str:
+        return (
+            f"dataset {self.source} ({self.split}): {self.cut} of {self.samples} pairs cut at "
+            f"seq_len={self.seq_len} (prompts cut at their start, their end kept: "
+            f"{self.prompts_cut}; completions cut at their end: {self.completions_cut}); "
+            "none dropped"
+        )
+
+
+class PreferenceDataset(Dataset):
+    """Preference pairs as (chosen, rejected) token samples sharing the prompt's tokens."""
+
+    meaningless = staticmethod(preference_problems)  # checked before it is built
+
+    def __init__(
+        self,
+        tokenizer,
+        source: str = "builtin",
+        seq_len: int = 64,
+        split: str = "train",
+        val_fraction: float = 0.05,
+        num_builtin_examples: int = 20000,
+        seed: int = 0,
+        format: str | None = None,  # preference (the default and only one)
+        columns: dict[str, str] | None = None,  # the format's column names -> the data's
+        on_bad_row: str = "error",  # or skip (counted and reported)
+        validation_source: str | None = None,  # the validation split, whole
+        max_prompt_len: int | None = None,  # prompt tokens kept at most (its end)
+        cache: bool = True,  # tokenized once into the token cache (freetx.data.token_cache)
+        cache_dir: str | None = None,
+    ) -> None:
+        # first: every argument, before other names (max_prompt_len is applied when served)
+        settings = settings_of(locals(), served=("max_prompt_len",))
+        check_split(split, val_fraction, seq_len)
+        problems = preference_problems({"max_prompt_len": max_prompt_len})
+        if problems:
+            raise DataError(
+                f"dataset.max_prompt_len={max_prompt_len!r}: {problems['max_prompt_len']}"
+            )
+        if source == "builtin":
+            check_builtin_format(format, columns, "preference", "preference pairs")
+        fmt = Format.of(format, columns, "PreferenceDataset", READS, "preference")
+        source, rule = split_of(source, validation_source, split, val_fraction, seed)
+        self.bad_rows = BadRows(on_bad_row, source, split)
+        self.files_read = source_files(source, RECORD_SUFFIXES)
+        self.tokenizer = tokenizer
+        self.chat = getattr(tokenizer, "chat_template", None) is not None
+
+        def encode() -> Iterable[Encoded]:
+            """Every pair of the split encoded (on a cache miss): prompt, chosen, rejected."""
+            records = (
+                builtin_pairs(num_builtin_examples, seed)
+                if source == "builtin"
+                else read_records(source, fmt.record_columns)
+            )
+            pairs = read_split(records, fmt, fmt.preference, rule, self.bad_rows)
+            return [
+                row for rows in encode_rows(pairs, self.encode, self.bad_rows)[0] for row in rows
+            ]
+
+        rows, self.token_cache = cached_rows(
+            "PreferenceDataset", f"{source} ({split})", settings, self.files_read, tokenizer,
+            encode, cache, cache_dir, notes=self.bad_rows.notes,
+        )  # fmt: skip
+        self.bad_rows = self.bad_rows.noted(self.token_cache.notes)  # a hit's, as built
+        check_not_empty(len(rows) // ROWS, rule, source, self.bad_rows)
+        self.rows, self.seq_len, self.pad_id = rows, seq_len, tokenizer.pad_id
+        self.prompt_kept, self.fit = self._fit(max_prompt_len, split, source)
+
+    def _fit(self, max_prompt_len: int | None, split: str, source: str):
+        """The prompt tokens each pair keeps (module docstring), and what the cut did."""
+        lengths = self.rows.lengths.reshape(-1, ROWS)
+        prompt, longest = lengths[:, 0], lengths[:, 1:].max(axis=1)
+        kept = prompt if max_prompt_len is None else np.minimum(prompt, max_prompt_len)
+        room = self.seq_len + 1
+        kept = np.minimum(kept, np.maximum(room - longest, np.minimum(kept, self.seq_len // 2)))
+        prompts_cut, completions_cut = kept < prompt, kept + longest > room
+        fit = PairsFit(
+            split, source, self.seq_len, len(lengths), int((prompts_cut | completions_cut).sum()),
+            0, int(prompts_cut.sum()), int(completions_cut.sum()),
+        )  # fmt: skip
+        return kept, fit
+
+    def __len__(self) -> int:
+        return len(self.rows) // ROWS
+
+    def __getitem__(self, index: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """(the chosen sample, the rejected sample) of pair `index`."""
+        prompt = self.rows[ROWS * index][0]
+        prompt = prompt[len(prompt) - int(self.prompt_kept[index]) :]
+        chosen, rejected = (self._sample(prompt, self.rows[ROWS * index + k]) for k in (1, 2))
+        return chosen, rejected
+
+    def _sample(self, prompt: list[int], completion: Encoded) -> dict[str, torch.Tensor]:
+        ids, targets = completion
+        encoded = prompt + ids, [False] * len(prompt) + targets
+        return fixed_length_sample(encoded, self.seq_len, self.pad_id)
+
+    def summary(self) -> DataSummary:
+        """Pairs -> sequences, two a pair (`freetx.data.SummarizesData`)."""
+        lengths = self.rows.lengths.reshape(-1, ROWS)[:, 1:] + self.prompt_kept[:, None]
+        real = int((np.minimum(lengths, self.seq_len + 1) - 1).sum())
+        return DataSummary(len(self), 2 * len(self), self.seq_len, real, False, unit="pairs")
+
+    def encode(self, pair: Pair) -> tuple[Encoded, Encoded, Encoded]:
+        """The prompt's tokens (no targets) and each completion's with their target flags
+        (module docstring); a BadRow when the pair cannot be rendered."""
+        if self.chat:
+            prompt, chosen, rejected = (
+                (pair.prompt, pair.chosen, pair.rejected)
+                if pair.conversational
+                else ([_turn("user", pair.prompt)], [_turn("assistant", pair.chosen)],
+                      [_turn("assistant", pair.rejected)])
+            )  # fmt: skip
+            # the same prompt tokens for both: the text before each reply is the prompt
+            # rendered with its generation prompt (`rendered_replies` checks it is)
+            (prompt_ids, chosen), (_, rejected) = (
+                self._reply(prompt, completion) for completion in (chosen, rejected)
+            )
+            return (prompt_ids, [False] * len(prompt_ids)), chosen, rejected
+        prompt, chosen, rejected = _as_strings(pair, type(self.tokenizer).__name__)
+        encoded = [prompt_response_tokens(self.tokenizer, prompt, c) for c in (chosen, rejected)]
+        start = encoded[0][1].index(True)  # the prompt's tokens are those before it
+        prompt_ids = encoded[0][0][:start]
+        return (prompt_ids, [False] * start), *((ids[start:], t[start:]) for ids, t in encoded)
+
+    def _reply(self, prompt: Messages, completion: Messages) -> tuple[list[int], Encoded]:
+        """The prompt rendered with its generation prompt, tokenized; and the completion's
+        tokens up to the end of its last reply, with target flags (its replies)."""
+        tok = self.tokenizer
+        text, spans = rendered_replies(tok, [*prompt, *completion], first=len(prompt))
+        start, end = spans[0][0], spans[-1][1]
+        ids, offsets = tok.encode_with_offsets(text[start:end])
+        return tok.encode(text[:start]), (
+            ids,
+            in_spans(offsets, [(s - start, e - start) for s, e in spans]),
+        )
+
+
+def _turn(role: str, content: str) -> dict[str, str]:
+    return {"role": role, "content": content}
+
+
+def _as_strings(pair: Pair, tokenizer: str) -> tuple[str, str, str]:
+    """A pair as strings for a tokenizer without a chat template: a conversational pair
+    only when it is one user turn and one assistant reply each (else a BadRow)."""
+    if not pair.conversational:
+        return pair.prompt, pair.chosen, pair.rejected
+    roles = [[m["role"] for m in part] for part in (pair.prompt, pair.chosen, pair.rejected)]
+    if roles != [["user"], ["assistant"], ["assistant"]]:
+        raise BadRow(
+            f"is a conversation (roles {roles[0]} then {roles[1]} / {roles[2]}), and "
+            f"{tokenizer} has no chat template to render it; use freetx.data.HFTokenizer with "
+            "a model folder that has one, or give the pair as prompt/chosen/rejected strings."
+        )
+    return pair.prompt[0]["content"], pair.chosen[0]["content"], pair.rejected[0]["content"]
