@@ -43,6 +43,7 @@ from freetx.data import (
 )
 from freetx.distributed import build_groups, init_distributed, parallelize, parallelize_frozen
 from freetx.entry import parse
+from freetx.errors import ConfigError
 from freetx.fields import read_path
 from freetx.models.hf import model_dir_problems
 from freetx.models.peft import PEFTConfig, apply_peft
@@ -102,29 +103,33 @@ class DPOConfig(TrainingConfig):
     eval: TokenEvalConfig = field(default_factory=TokenEvalConfig)  # its batch_size: pairs
     peft: PEFTConfig = field(default_factory=PEFTConfig)  # LoRA / QLoRA / DoRA
 
-    @staticmethod
-    def meaningless(values: dict[str, Any]) -> dict[str, str]:
-        """A model_dir that cannot be a model; a reference to precompute that is free (the
-        adapters' base) or does not exist (simpo, orpo); pipeline parallelism."""
-        found = model_dir_problems(values)
-        loss = values.get("loss") or {}
-        needs = PreferenceLoss.type_needs_reference(loss.get("type", "sigmoid"))
-        precompute = (values.get("reference") or {}).get("precompute")
-        if precompute and (values.get("peft") or {}).get("method", "none") != "none":
-            found["reference.precompute"] = (
-                "with adapters the reference is the base with its adapters disabled, which "
-                "costs no copy of the weights; set reference.precompute=false."
+    # a model_dir that cannot be a model (a text file, ...): said first, not as its
+    # tokenizer's problem
+    meaningless = staticmethod(model_dir_problems)
+
+    def refuse_combinations(self) -> None:
+        """A reference to precompute that costs nothing (the base with adapters off) or
+        does not exist (simpo, orpo); pipeline parallelism."""
+        loss_type = self.loss.get("type", "sigmoid")
+        if self.reference.precompute and self.peft.method != "none":
+            raise ConfigError(
+                "reference.precompute=true: with adapters (peft.method="
+                f"{self.peft.method}) the reference is the base with its adapters disabled, "
+                "which costs no copy of the weights.",
+                fix="Set reference.precompute=false.",
             )
-        if precompute and not needs:
-            found["reference.precompute"] = (
-                f"loss.type={loss.get('type')} is reference-free; set reference.precompute=false."
+        if self.reference.precompute and not PreferenceLoss.type_needs_reference(loss_type):
+            raise ConfigError(
+                f"reference.precompute=true: loss.type={loss_type} is reference-free.",
+                fix="Set reference.precompute=false.",
             )
-        if ((values.get("distributed") or {}).get("pp") or 1) > 1:
-            found["distributed.pp"] = (
-                "dpo_fsdp2 runs no pipeline: the policy and its reference would each need "
-                "the pair's rows through every stage; use tp, cp or fsdp, and pp=1."
+        if self.distributed.pp > 1:
+            raise ConfigError(
+                f"distributed.pp={self.distributed.pp}: dpo_fsdp2 runs no pipeline (the "
+                "reference's forward would need a schedule of its own through the stages, "
+                "and the loss both rows of a pair at the last one).",
+                fix="Use distributed.tp, cp or a sharded strategy instead, with pp=1.",
             )
-        return found
 
     def planned(self) -> PlannedRun:  # pairs: two sequences per sample, with the reference
         reference = reference_kind(self)
@@ -153,6 +158,7 @@ class DPORecipeFSDP2:
 
     def setup(self) -> None:
         cfg = self.cfg
+        cfg.refuse_combinations()
         self.groups = build_groups(self.runtime, cfg.distributed)
         rank, world_size = self.groups.dp_rank, self.groups.dp_size
         # cheap checks first: a resume that would lose saved work, a bad batch split

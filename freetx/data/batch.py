@@ -48,8 +48,13 @@ def token_sample(
     return sample
 
 
-def sample_positions(sample: dict[str, torch.Tensor]) -> tuple[int, int | None]:
-    """A sample's positions and how many of them are not padding (None: it does not say)."""
+def sample_positions(sample) -> tuple[int, int | None]:
+    """A sample's positions and how many of them are not padding (None: it does not say);
+    a preference pair's (a tuple of samples): both samples'."""
+    if isinstance(sample, tuple):
+        parts = [sample_positions(s) for s in sample]
+        reals = [real for _, real in parts]
+        return sum(n for n, _ in parts), None if None in reals else sum(reals)
     real = sample.get(REAL_TOKENS)
     return sample[INPUT_IDS].numel(), None if real is None else int(real)
 

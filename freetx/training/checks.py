@@ -38,6 +38,7 @@ def check_layout(cfg: object, processes: Processes) -> None:
     if not isinstance(cfg, TrainingConfig):  # e.g. generate: nothing is distributed
         return
     shape = check_distributed(cfg.distributed, processes)
+    cfg.refuse_combinations()  # the schema's own
     model_class = built_class(getattr(cfg, "model", None))
     check_final_export(cfg, model_class)
     tokenizer_class = built_class(getattr(cfg, "tokenizer", None), "tokenizer")

@@ -124,3 +124,9 @@ class TrainingConfig:
         """What this config trains, for `freetx estimate`: a recipe's schema says it (None:
         nothing the estimate counts)."""
         return None
+
+    def refuse_combinations(self) -> None:
+        """Raise a ConfigError for settings of several sections that the recipe cannot
+        run together (a schema's own: a precomputed reference with adapters); checked by
+        `check_layout`, so validate, run, launch and estimate refuse alike, and by the
+        recipe before any work."""
