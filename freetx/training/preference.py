@@ -32,7 +32,9 @@ PREFERENCE_TYPES = {
     "simpo": ("SimPO, Meng et al. 2024", False),
     "orpo": ("ORPO, Hong et al. 2024", False),
 }
-SMOOTHED = ("sigmoid", "robust")  # the types that read label_smoothing
+SMOOTHED = ("sigmoid", "robust")
+# the papers' names for the types, as users write them: the did-you-mean of `meaningless`
+PAPER_NAMES = {"dpo": "sigmoid", "cdpo": "sigmoid", "rdpo": "robust", "slic": "hinge"}  # the types that read label_smoothing
 
 
 class SequenceLogProbs(NamedTuple):
@@ -148,7 +150,8 @@ class PreferenceLoss:
         found = num_chunks_problem(values)
         kind = values.get("type", "sigmoid")
         if kind not in PREFERENCE_TYPES:
-            close = difflib.get_close_matches(str(kind), PREFERENCE_TYPES, n=1)
+            close = [PAPER_NAMES[str(kind).lower()]] if str(kind).lower() in PAPER_NAMES else []
+            close = close or difflib.get_close_matches(str(kind), PREFERENCE_TYPES, n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             known = ", ".join(f"{name} ({paper})" for name, (paper, _) in PREFERENCE_TYPES.items())
             found["type"] = f"there is no such preference loss{hint}; set one of: {known}."

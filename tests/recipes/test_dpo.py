@@ -72,7 +72,7 @@ def test_lora_dpo_first_step_is_ln2_on_an_hf_folder(tmp_path, hf_pairs):
 @pytest.mark.parametrize(
     "overrides, says",
     [
-        (["reference.precompute=true"], "with adapters the reference is the base"),
+        (["reference.precompute=true"], "the reference is the base with its adapters disabled"),
         (["loss.type=dpo"], "did you mean 'sigmoid'"),
         (["distributed.pp=2"], "dpo_fsdp2 runs no pipeline"),
         (["loss.type=simpo", "loss.label_smoothing=0.1"], "has no label smoothing"),
