@@ -1,6 +1,6 @@
 """dpo_fsdp2 through the CLI: LoRA's first step is ln 2 (the policy is its reference),
-validate refuses what the run refuses, the losses are the same on 1 process, 2 (fsdp)
-and 4 (dp 2 x tp 2), a precomputed reference gives the live reference's losses, and a
+validate refuses what the run refuses, the losses are the same on 1 process, 2 (fsdp,
+cp 2) and 4 (dp 2 x tp 2), a precomputed reference gives the live reference's losses, and a
 resume repeats the uninterrupted run's losses."""
 
 from __future__ import annotations
@@ -97,15 +97,16 @@ def test_estimate_counts_the_frozen_copy_and_not_a_precomputed_one():
     assert "pairs x 2 x 64 tokens" in frozen
 
 
-@pytest.mark.slow  # 3 runs of 3 steps on 1, 2 and 4 processes
-def test_fsdp_and_dp2_tp2_losses_equal_one_process(tmp_path):
+@pytest.mark.slow  # 4 runs of 3 steps on 1, 2, 2 and 4 processes
+def test_fsdp_cp2_and_dp2_tp2_losses_equal_one_process(tmp_path):
     steps = "max_steps=3"
     one = losses(dpo(tmp_path, "one", steps)[0])
     fsdp = losses(dpo(tmp_path, "fsdp", steps, nproc=2)[0])
+    cp = losses(dpo(tmp_path, "cp", steps, "distributed.cp=2", nproc=2)[0])
     tp = losses(dpo(tmp_path, "tp", steps, "distributed.tp=2", nproc=4)[0])
     for step in (1, 2, 3):
-        assert abs(fsdp[step] - one[step]) <= 1e-5, (step, one, fsdp)
-        assert abs(tp[step] - one[step]) <= 1e-5, (step, one, tp)
+        for name, other in (("fsdp", fsdp), ("cp 2", cp), ("dp 2 x tp 2", tp)):
+            assert abs(other[step] - one[step]) <= 1e-5, (name, step, one, other)
     assert one[1] == pytest.approx(math.log(2), abs=1e-6)  # policy = reference at step 1
     assert one[3] < one[1]
 
