@@ -59,7 +59,7 @@ def straight_losses(tmp_path_factory):
 @pytest.mark.parametrize(
     "strategy,extra",
     [
-        ("fsdp", []),
+        pytest.param("fsdp", [], marks=pytest.mark.slow),  # 25 s; the fast tier: test_saved_work
         pytest.param("ddp", [], marks=pytest.mark.slow),
         pytest.param("fsdp", ["checkpoint.async_save=true"], marks=pytest.mark.slow),
     ],

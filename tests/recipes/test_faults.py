@@ -124,6 +124,7 @@ def test_a_hung_rank_ends_the_job_within_the_timeout_and_is_named(tmp_path):
     assert elapsed < 60, elapsed  # start-up + 8 s + the shutdown, not the 600 s sleep
 
 
+@pytest.mark.slow  # 9 s
 def test_ctrl_c_saves_at_the_step_boundary_and_ends_in_one_line(tmp_path):
     command = [sys.executable, "-m", "freetx", "run", "--nproc-per-node", "2",
                "full_finetune_fsdp2", "--config", "llm/tiny", f"output_dir={tmp_path}",

@@ -13,6 +13,10 @@ import torch
 
 from tests.conftest import flat, run_freetx
 
+# ~80 s of 2-process runs: make test-slow (the fast tier keeps LoRA through the DPO and
+# HF fine-tuning tests)
+pytestmark = pytest.mark.slow
+
 SHORT = ["max_steps=16", "log_every_n_steps=4", "eval.every_n_steps=0", "eval.max_batches=4",
          "metric_loggers=[{_component_: freetx.loggers.JSONLLogger}]"]  # fmt: skip
 
@@ -76,7 +80,7 @@ def test_each_method_lowers_the_validation_loss_of_the_base(tmp_path, base, conf
         assert tensors and all(".lora_" in t for t in tensors), tensors
 
 
-@pytest.mark.slow  # 30 s; make test keeps the LoRA CLI run
+@pytest.mark.slow  # 30 s
 def test_lora_resume_is_exact(tmp_path, base):
     base_dir, _ = base
     options = ["log_every_n_steps=1", "checkpoint.every_n_steps=3", "lr_schedule.warmup_steps=0",

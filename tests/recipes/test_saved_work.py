@@ -135,6 +135,7 @@ def test_a_newer_complete_checkpoint_than_latest_is_not_overwritten(run):
     assert hashes(run) == before
 
 
+@pytest.mark.slow  # 11 s
 def test_resume_never_over_checkpoints_is_refused_unless_overwrite(run):
     before = hashes(run / "checkpoints")
     message = flat(train(run, "max_steps=2", "resume=never", nproc=2, expect=1).stderr)

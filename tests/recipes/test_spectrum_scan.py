@@ -15,6 +15,7 @@ from freetx.models.transformer import decoder
 from tests.conftest import run_freetx
 
 
+@pytest.mark.slow  # two scans, 1 and 2 processes: 10 s
 def test_two_processes_score_what_one_does(tmp_path):
     with torch.device("meta"):
         model = decoder("tiny", vocab_size=259, max_seq_len=64)

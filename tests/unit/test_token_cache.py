@@ -231,6 +231,7 @@ def test_resumed_at_another_world_size_a_cached_dataset_reads_the_same_samples(t
     assert step_samples([resumed], 5) == straight[7:]
 
 
+@pytest.mark.slow  # a prepare and a run: 14 s
 def test_prepare_then_run_reuses_the_cache(tmp_path):
     env = {"FREETX_CACHE": str(tmp_path / "cache")}
     source = write_documents(tmp_path / "docs.jsonl", 400)
