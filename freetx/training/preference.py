@@ -34,7 +34,12 @@ PREFERENCE_TYPES = {
 }
 SMOOTHED = ("sigmoid", "robust")
 # the papers' names for the types, as users write them: the did-you-mean of `meaningless`
-PAPER_NAMES = {"dpo": "sigmoid", "cdpo": "sigmoid", "rdpo": "robust", "slic": "hinge"}  # the types that read label_smoothing
+PAPER_NAMES = {
+    "dpo": "sigmoid",
+    "cdpo": "sigmoid",
+    "rdpo": "robust",
+    "slic": "hinge",
+}  # the types that read label_smoothing
 
 
 class SequenceLogProbs(NamedTuple):
