@@ -1,7 +1,7 @@
 """dpo_fsdp2 through the CLI: LoRA's first step is ln 2 (the policy is its reference),
 validate refuses what the run refuses, the losses are the same on 1 process, 2 (fsdp,
 cp 2) and 4 (dp 2 x tp 2), a precomputed reference gives the live reference's losses, and a
-resume repeats the uninterrupted run's losses."""
+resume at another world size repeats the uninterrupted run's losses."""
 
 from __future__ import annotations
 
@@ -56,17 +56,19 @@ def hf_pairs(tmp_path_factory):
     return folder, pairs
 
 
-def test_lora_dpo_first_step_is_ln2_on_an_hf_folder(tmp_path, hf_pairs):
+def test_lora_dpo_first_step_is_ln2_on_an_hf_folder_and_exports_for_peft(tmp_path, hf_pairs):
     folder, pairs = hf_pairs
     out = tmp_path / "hf_dpo"
     result = run_freetx(
         "run", "dpo_fsdp2", "--config", "llm/hf_tiny_dpo", f"model_dir={folder}",
         f"dataset.source={pairs}", f"output_dir={out}", "max_steps=1", "log_every_n_steps=1",
-        "eval.every_n_steps=0", "eval.max_batches=1", "checkpoint.final_export=null", JSONL,
+        "eval.every_n_steps=0", "eval.max_batches=1", JSONL,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "reference adapters off" in flat(result.stdout)
     assert abs(losses(out)[1] - math.log(2)) < 1e-6
+    adapter = json.loads((out / "export" / "peft" / "adapter_config.json").read_text())
+    assert adapter["r"] == 16 and (out / "export" / "peft" / "adapter_model.safetensors").is_file()
 
 
 @pytest.mark.parametrize(
@@ -123,11 +125,12 @@ def test_precomputed_reference_gives_the_live_references_losses(tmp_path):
 
 
 @pytest.mark.slow  # 3 runs
-def test_resume_repeats_the_uninterrupted_runs_losses(tmp_path):
+def test_resume_at_another_world_size_repeats_the_uninterrupted_runs_losses(tmp_path):
     straight = losses(dpo(tmp_path, "straight", "max_steps=4", nproc=2)[0])
     half = ["checkpoint.every_n_steps=2", "reference.precompute=true"]
     out, _ = dpo(tmp_path, "resumed", "max_steps=2", *half, nproc=2)
-    _, result = dpo(tmp_path, "resumed", "max_steps=4", *half, nproc=2)
+    # 1 process, twice the accumulation: the same global batches in the same order
+    _, result = dpo(tmp_path, "resumed", "max_steps=4", "gradient_accumulation_steps=2", *half)
     assert "read from" in result.stdout  # the precomputed reference is reused
     resumed = losses(out)
     for step in (3, 4):

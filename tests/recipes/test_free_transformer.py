@@ -23,6 +23,7 @@ def trained(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow  # the module's trained run: 21 s (make demo trains it too)
 def test_training_logs_the_latent_metrics(trained):
     records = [json.loads(x) for x in (trained / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if "loss" in r]
@@ -38,6 +39,7 @@ def test_training_logs_the_latent_metrics(trained):
         assert key in final
 
 
+@pytest.mark.slow  # the module's trained run: 21 s (make demo trains it too)
 def test_generate_samples_with_fixed_z(trained, tmp_path):
     result = run_freetx(
         "run", "generate", "--config", "free_transformer/generate", f"checkpoint={trained}",
@@ -51,6 +53,7 @@ def test_generate_samples_with_fixed_z(trained, tmp_path):
     assert stats["samples"] == 6
 
 
+@pytest.mark.slow  # the module's trained run: 21 s (make demo trains it too)
 def test_generate_refuses_launch_options(trained):
     result = run_freetx(
         "run", "--nproc-per-node", "2", "generate", "--config", "free_transformer/generate",
@@ -59,6 +62,7 @@ def test_generate_refuses_launch_options(trained):
     assert result.returncode == 1 and "one process only" in result.stderr
 
 
+@pytest.mark.slow  # the module's trained run: 21 s (make demo trains it too)
 def test_generation_keeps_each_positions_z(trained):
     """Every forward pass of a generation sees the same codes for the positions it had."""
     import sys
