@@ -16,6 +16,7 @@ SMALL = [
 ]  # fmt: skip
 
 
+@pytest.mark.slow  # 12 s: a launch, histories and the in-context evaluation
 def test_short_run_writes_histories_metrics_and_the_evaluation_file(tmp_path):
     result = run_freetx(
         "run", "--nproc-per-node", "2", "ad_ddp", "--config", "ad/darkroom_tiny",

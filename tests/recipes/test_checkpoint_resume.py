@@ -177,6 +177,7 @@ def test_failed_save_keeps_earlier_checkpoints_and_says_why(tmp_path):
     assert (checkpoints / "step_000001" / ".metadata").is_file()
 
 
+@pytest.mark.slow  # 9 s: two runs
 def test_checkpoint_of_another_model_lists_the_mismatch(tmp_path):
     # (a resume with another model shape is refused earlier, by the settings it was
     # saved with: tests/recipes/test_saved_work.py)

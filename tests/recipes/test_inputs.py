@@ -49,6 +49,7 @@ def test_a_lora_resume_reads_the_base_it_started_from(tmp_path):
     assert max(losses(lora)) == 4  # nothing was trained or saved
 
 
+@pytest.mark.slow  # 9 s: a run and a refused resume
 def test_a_resume_on_rewritten_data_is_refused_before_any_work(tmp_path):
     """The files a dataset read are recorded by identity: a resume after the data file
     was rewritten in place (same path, same config) is refused, naming the file."""
