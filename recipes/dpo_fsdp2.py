@@ -41,6 +41,7 @@ from freetx.data import (
     collate_pairs,
     micro_batch_size,
 )
+from freetx.data.packing import packs
 from freetx.distributed import build_groups, init_distributed, parallelize, parallelize_frozen
 from freetx.entry import parse
 from freetx.errors import ConfigError
@@ -57,6 +58,7 @@ from freetx.training import (
     build_lr_scheduler,
     check_context,
     check_model_and_data,
+    check_packing,
     dataset_seq_len,
     first_batches_padding,
     optimizer_step,
@@ -69,7 +71,7 @@ from freetx.training.reference import (
     FrozenCopy,
     Precomputed,
     batch_logps,
-    real_pairs,
+    kept_pairs,
     with_reference_logps,
 )
 from freetx.training.step import placed
@@ -123,6 +125,12 @@ class DPOConfig(TrainingConfig):
                 f"reference.precompute=true: loss.type={loss_type} is reference-free.",
                 fix="Set reference.precompute=false.",
             )
+        if self.reference.precompute and self.dataset.get("packed", False):
+            raise ConfigError(
+                "reference.precompute=true with dataset.packed=true: the precomputed "
+                "log-probs are kept per pair, and packs place pairs by the seed.",
+                fix="Set one of them to false (a frozen copy serves packed pairs).",
+            )
         if self.distributed.pp > 1:
             raise ConfigError(
                 f"distributed.pp={self.distributed.pp}: dpo_fsdp2 runs no pipeline (the "
@@ -174,6 +182,7 @@ class DPORecipeFSDP2:
         with torch.device("meta"):
             model = instantiate(cfg.model)
         check_model_and_data(model.config, self.tokenizer, self.seq_len)
+        check_packing(model, packs(train_set))  # packed pairs need a model that packs
         check_context(model, self.groups.shape, self.seq_len)  # cp: a part of each sequence
         trains = apply_peft(model, cfg.peft, world_size)  # all, or adapters
         self.plan = parallelize(
@@ -202,7 +211,8 @@ class DPORecipeFSDP2:
             self.plan, self.optimizer, self.lr_scheduler, self.train_loader,
             tokens_per_sample=2 * self.seq_len, seq_len=self.seq_len,
             inputs={**reference_inputs, **files_read_by(tokenizer=self.tokenizer, dataset=train_set)},
-            train_pairs=len(train_set), padding=first_batches_padding(self.train_loader),
+            train_pairs=train_set.summary().samples,  # packed: its packs hold more
+            padding=first_batches_padding(self.train_loader),
             activation_checkpointing=cfg.distributed.activation_checkpointing, trains=trains,
             reference=kind.replace("_", " "),
         )  # fmt: skip
@@ -289,7 +299,7 @@ class DPORecipeFSDP2:
                 policy, _ = batch_logps(self.model, batch, self.loss_fn.num_chunks, self.groups)
                 reference = self.reference(batch) if self.reference is not None else None
             keep = batch.real_pairs()
-            loss, parts = self.loss_fn(real_pairs(policy, keep), real_pairs(reference, keep))
+            loss, parts = self.loss_fn(kept_pairs(policy, keep), kept_pairs(reference, keep))
             for name, value in {"loss": loss, **parts, "pairs": batch.num_pairs()}.items():
                 sums[name] = sums.get(name, 0) + value
         totals = self.groups.sum(sums, over="dp_cp")

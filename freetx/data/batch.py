@@ -221,13 +221,26 @@ class PreferenceBatch(TokenBatch):
     def num_pairs(self) -> torch.Tensor:
         """The pairs the batch holds, an evaluation shard's repeats left out: the unit a
         preference loss is summed over and normalized by."""
-        if self.padding is None:
-            return torch.tensor(self.input_ids.shape[0] // 2)
-        return (~self.padding[0::2]).sum()
+        return self.real_pairs().sum()
 
-    def real_pairs(self) -> torch.Tensor | None:
-        """[pairs] bools: the pairs that are no evaluation shard's repeat (None: all)."""
-        return None if self.padding is None else ~self.padding[0::2]
+    def real_pairs(self) -> torch.Tensor:
+        """[pairs] bools, in the order the loss reads them (pair by pair; a packed batch's
+        row by row, then document by document): those that are no evaluation shard's
+        repeat."""
+        rows = self.input_ids.shape[0] // 2
+        real = torch.ones(rows, dtype=torch.bool) if self.padding is None else ~self.padding[0::2]
+        if self.documents is None:
+            return real
+        present = documents_present(self.documents)[0::2]  # a pack's pairs: its documents
+        return real.to(present.device)[:, None].expand_as(present)[present]
 
 
 collate_pairs = PreferenceBatch.collate_pairs  # a loader's collate_fn for preference pairs
+
+
+def documents_present(documents: torch.Tensor) -> torch.Tensor:
+    """[rows, documents] bools: which documents (0, 1, ... in each row; -1 on padding) of
+    a packed batch each row holds."""
+    count = int(documents.max()) + 1 if documents.numel() else 0
+    held = torch.zeros(documents.shape[0], max(count, 0), dtype=torch.long, device=documents.device)
+    return held.scatter_add_(1, documents.clamp(min=0), (documents >= 0).long()) > 0

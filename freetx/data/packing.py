@@ -53,6 +53,7 @@ class DataSummary:
     unit: str = "samples"
     # packed: the positions the two shortest samples take (why packing packed nothing)
     two_shortest: tuple[int, int] | None = None
+    sequences_per_sample: int = 1  # a preference pair: 2 (its chosen and rejected rows)
 
     @property
     def padding(self) -> float:
@@ -65,11 +66,12 @@ class DataSummary:
             f"data: {self.samples:,} {self.unit} -> {self.sequences:,} sequences of "
             f"{self.seq_len} tokens, {self.padding:.1%} padding ({how})"
         ]
-        if self.packed and self.two_shortest and self.sequences == self.samples:
+        unpacked = self.samples * self.sequences_per_sample
+        if self.packed and self.two_shortest and self.sequences == unpacked:
             a, b = self.two_shortest
             wider = 1 << (a + b - 1).bit_length()  # a power of 2 that holds the two shortest
             lines.append(
-                f"data: packing packed nothing: no two samples fit in {self.seq_len} positions "
+                f"data: packing packed nothing: no two {self.unit} fit in {self.seq_len} positions "
                 f"together (the two shortest take {a} + {b}); raise dataset.seq_len (e.g. "
                 f"dataset.seq_len={max(wider, 2 * self.seq_len)}, with model.max_seq_len at "
                 "least that) to put several samples in a sequence"

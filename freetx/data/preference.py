@@ -31,6 +31,14 @@ pairs cut are counted (`fit`, printed at start-up).
 
 `collate_pairs` (`freetx.data.batch`) makes a micro-batch of pairs: row 2i the chosen,
 row 2i + 1 the rejected of pair i.
+
+`packed=True` serves packs of pairs instead (`freetx.data.packing`: placed by the seed,
+each pair taking the positions of its longer completion): a pack is two samples, the
+chosen completions of its pairs one after another as documents 0, 1, ... of the first
+and their rejected ones in the same order in the second, each document with its own
+prompt (`documents` marks them: the model attends within each); the dataset's length is
+then the number of packs, and the loss sums each document's log-probs
+(`freetx.training.sequence_logps`).
 """
 
 from __future__ import annotations
@@ -61,7 +69,7 @@ from freetx.data.instruct import (
     check_builtin_format,
     prompt_response_tokens,
 )
-from freetx.data.packing import DataSummary
+from freetx.data.packing import DataSummary, pack_lengths, packed_sample, positions_taken
 from freetx.data.sampling import check_split, split_of, split_problems
 from freetx.data.seq_len import SeqLenFit, fixed_length_sample
 from freetx.data.sources import RECORD_SUFFIXES, Record, read_records, source_files
@@ -148,11 +156,13 @@ class PreferenceDataset(Dataset):
         on_bad_row: str = "error",  # or skip (counted and reported)
         validation_source: str | None = None,  # the validation split, whole
         max_prompt_len: int | None = None,  # prompt tokens kept at most (its end)
+        packed: bool = False,  # several pairs per two sequences (module docstring), by seed
         cache: bool = True,  # tokenized once into the token cache (freetx.data.token_cache)
         cache_dir: str | None = None,
     ) -> None:
         # first: every argument, before other names (max_prompt_len is applied when served)
         settings = settings_of(locals(), served=("max_prompt_len",))
+        self.packed = packed
         check_split(split, val_fraction, seq_len)
         problems = preference_problems({"max_prompt_len": max_prompt_len})
         if problems:
@@ -188,6 +198,8 @@ class PreferenceDataset(Dataset):
         check_not_empty(len(rows) // ROWS, rule, source, self.bad_rows)
         self.rows, self.seq_len, self.pad_id = rows, seq_len, tokenizer.pad_id
         self.prompt_kept, self.fit = self._fit(max_prompt_len, split, source)
+        # packed: the pairs of each pack, placed by the longer completion's positions
+        self.packs = pack_lengths(self._lengths().max(axis=1), seq_len, seed) if packed else None
 
     def _fit(self, max_prompt_len: int | None, split: str, source: str):
         """The prompt tokens each pair keeps (module docstring), and what the cut did."""
@@ -204,25 +216,44 @@ class PreferenceDataset(Dataset):
         return kept, fit
 
     def __len__(self) -> int:
-        return len(self.rows) // ROWS
+        return len(self.rows) // ROWS if self.packs is None else len(self.packs)
 
     def __getitem__(self, index: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        """(the chosen sample, the rejected sample) of pair `index`."""
+        """(the chosen sample, the rejected sample) of pair `index`; packed: of pack
+        `index`, its pairs' chosen completions in one sample and their rejected ones in
+        the other, document d of each being pair d's."""
+        if self.packs is None:
+            chosen, rejected = self._encoded(index)
+            return tuple(
+                fixed_length_sample(e, self.seq_len, self.pad_id) for e in (chosen, rejected)
+            )
+        pairs = [self._encoded(i) for i in self.packs[index]]
+        return tuple(
+            packed_sample([pair[k] for pair in pairs], self.seq_len, self.pad_id) for k in (0, 1)
+        )
+
+    def _encoded(self, index: int) -> tuple[Encoded, Encoded]:
+        """Pair `index` as two token rows: the prompt's kept tokens, then each completion."""
         prompt = self.rows[ROWS * index][0]
         prompt = prompt[len(prompt) - int(self.prompt_kept[index]) :]
-        chosen, rejected = (self._sample(prompt, self.rows[ROWS * index + k]) for k in (1, 2))
-        return chosen, rejected
+        rows = (self.rows[ROWS * index + k] for k in (1, 2))
+        return tuple((prompt + ids, [False] * len(prompt) + targets) for ids, targets in rows)
 
-    def _sample(self, prompt: list[int], completion: Encoded) -> dict[str, torch.Tensor]:
-        ids, targets = completion
-        encoded = prompt + ids, [False] * len(prompt) + targets
-        return fixed_length_sample(encoded, self.seq_len, self.pad_id)
+    def _lengths(self) -> np.ndarray:
+        """[pairs, 2]: the tokens of each pair's chosen and rejected rows, as served."""
+        return self.rows.lengths.reshape(-1, ROWS)[:, 1:] + self.prompt_kept[:, None]
 
     def summary(self) -> DataSummary:
-        """Pairs -> sequences, two a pair (`freetx.data.SummarizesData`)."""
-        lengths = self.rows.lengths.reshape(-1, ROWS)[:, 1:] + self.prompt_kept[:, None]
-        real = int((np.minimum(lengths, self.seq_len + 1) - 1).sum())
-        return DataSummary(len(self), 2 * len(self), self.seq_len, real, False, unit="pairs")
+        """Pairs -> sequences, two a pair or a pack (`freetx.data.SummarizesData`)."""
+        lengths = self._lengths()
+        real = int(positions_taken(lengths.reshape(-1), self.seq_len).sum())
+        taken = np.sort(positions_taken(lengths.max(axis=1), self.seq_len))  # a pair's room
+        two = tuple(int(n) for n in taken[:2]) if len(taken) > 1 else None
+        pairs = len(self.rows) // ROWS
+        return DataSummary(
+            pairs, 2 * len(self), self.seq_len, real, self.packed, unit="pairs",
+            two_shortest=two, sequences_per_sample=2,
+        )  # fmt: skip
 
     def encode(self, pair: Pair) -> tuple[Encoded, Encoded, Encoded]:
         """The prompt's tokens (no targets) and each completion's with their target flags

@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from freetx.data.batch import IGNORE_INDEX
+from freetx.data.batch import IGNORE_INDEX, documents_present
 from freetx.fields import field_problems
 from freetx.models.chunked_loss import ChunkedLogProbs, num_chunks_problem
 
@@ -80,8 +80,34 @@ def sequence_logps(
         input_ids, output_loss=ChunkedLogProbs(labels, num_chunks, ignore_index), **inputs
     )
     per_token = output if isinstance(output, torch.Tensor) else output[0]
-    tokens = (labels != ignore_index).sum(dim=-1).float()
-    return SequenceLogProbs(per_token.sum(dim=-1), tokens), output
+    mask = labels != ignore_index
+    documents = inputs.get("documents")
+    if documents is not None:  # packed pairs: each document is a completion
+        return document_logps(per_token, mask, documents, inputs.get("context")), output
+    return SequenceLogProbs(per_token.sum(dim=-1), mask.sum(dim=-1).float()), output
+
+
+def document_logps(
+    per_token: torch.Tensor, mask: torch.Tensor, documents: torch.Tensor, context=None
+) -> SequenceLogProbs:
+    """A packed batch's log-probs by document: rows 2j and 2j + 1 hold a pack's chosen and
+    rejected completions as documents 0, 1, ... in the same order, so that document d of
+    the two is one pair; the sums come out pair by pair, chosen then rejected, as an
+    unpacked batch's rows do. `documents`: whole rows; under context parallelism
+    `per_token` and `mask` are this rank's part of each (`context` splits the documents
+    alike) and the caller sums over the cp ranks."""
+    present = documents_present(documents)  # from the whole rows: the same on every cp rank
+    local = documents if context is None else context.split(documents)
+    index, inside = local.clamp(min=0), local >= 0
+    zeros = per_token.new_zeros(present.shape)
+    sums = zeros.scatter_add(1, index, per_token * inside)
+    tokens = zeros.scatter_add(1, index, (mask & inside).to(per_token.dtype))
+    pairs = present[0::2]
+
+    def paired(x: torch.Tensor) -> torch.Tensor:
+        return torch.stack([x[0::2][pairs], x[1::2][pairs]], dim=-1).reshape(-1)
+
+    return SequenceLogProbs(paired(sums), paired(tokens))
 
 
 def _log1m_exp(x: torch.Tensor) -> torch.Tensor:

@@ -59,9 +59,9 @@ def batch_logps(
     return logps, output
 
 
-def real_pairs(logps: SequenceLogProbs | None, keep: torch.Tensor | None):
+def kept_pairs(logps: SequenceLogProbs | None, keep: torch.Tensor):
     """The rows of the pairs `keep` marks (an evaluation shard's repeats left out)."""
-    if logps is None or keep is None:
+    if logps is None:
         return logps
     rows = keep.to(logps.sum.device).repeat_interleave(2)
     return SequenceLogProbs(logps.sum[rows], logps.tokens[rows])
