@@ -135,3 +135,13 @@ def test_resume_at_another_world_size_repeats_the_uninterrupted_runs_losses(tmp_
     resumed = losses(out)
     for step in (3, 4):
         assert abs(resumed[step] - straight[step]) <= 1e-5, (straight, resumed)
+
+
+@pytest.mark.slow  # 2 runs of 3 steps
+def test_packed_pairs_under_cp2_equal_one_process(tmp_path):
+    packed = ["dataset.packed=true", "dataset.seq_len=128", "model.max_seq_len=128", "max_steps=3"]
+    out, result = dpo(tmp_path, "one", *packed)
+    assert "(packed)" in result.stdout and "train pairs 377" in flat(result.stdout)
+    one, cp = losses(out), losses(dpo(tmp_path, "cp", *packed, "distributed.cp=2", nproc=2)[0])
+    for step in (1, 2, 3):
+        assert abs(cp[step] - one[step]) <= 1e-5, (step, one, cp)
