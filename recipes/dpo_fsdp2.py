@@ -35,6 +35,7 @@ from freetx.checkpoint import files_read_by, input_identity, load_initial_weight
 from freetx.config import instantiate
 from freetx.data import (
     PreferenceBatch,
+    PreferenceDataset,
     build_eval_loader,
     build_train_loader,
     checked_tokenizer,
@@ -65,6 +66,7 @@ from freetx.training import (
     real_tokens,
     seed_everything,
 )
+from freetx.training.export import built_class
 from freetx.training.loss import with_router_loss
 from freetx.training.reference import (
     AdaptersOff,
@@ -110,9 +112,18 @@ class DPOConfig(TrainingConfig):
     meaningless = staticmethod(model_dir_problems)
 
     def refuse_combinations(self) -> None:
-        """A reference to precompute that costs nothing (the base with adapters off) or
-        does not exist (simpo, orpo); pipeline parallelism."""
+        """A dataset that gives no pairs; a reference to precompute that costs nothing (the
+        base with adapters off), does not exist (simpo, orpo) or cannot follow packs;
+        pipeline parallelism."""
         loss_type = self.loss.get("type", "sigmoid")
+        dataset = built_class(self.dataset, "dataset")
+        if dataset is not None and not issubclass(dataset, PreferenceDataset):
+            raise ConfigError(
+                f"dataset._component_ builds {dataset.__name__}, whose samples are single "
+                "sequences; dpo_fsdp2 trains on pairs of a chosen and a rejected completion.",
+                fix="Use freetx.data.PreferenceDataset ({prompt, chosen, rejected} records, or "
+                "conversations), or train on this data with full_finetune_fsdp2.",
+            )
         if self.reference.precompute and self.peft.method != "none":
             raise ConfigError(
                 "reference.precompute=true: with adapters (peft.method="

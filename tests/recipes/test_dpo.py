@@ -78,6 +78,11 @@ def test_lora_dpo_first_step_is_ln2_on_an_hf_folder_and_exports_for_peft(tmp_pat
         (["loss.type=dpo"], "did you mean 'sigmoid'"),
         (["distributed.pp=2"], "dpo_fsdp2 runs no pipeline"),
         (["loss.type=simpo", "loss.label_smoothing=0.1"], "has no label smoothing"),
+        (["dataset._component_=freetx.data.InstructDataset"], "whose samples are single sequences"),
+        (
+            ["dataset.packed=true", "peft.method=none", "reference.precompute=true"],
+            "the precomputed log-probs are kept per pair",
+        ),
     ],
 )
 def test_validate_refuses_what_the_run_refuses(overrides, says):
