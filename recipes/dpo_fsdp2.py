@@ -208,12 +208,12 @@ class DPORecipeFSDP2:
         # the reference: the base with adapters off, a frozen copy, or its log-probs
         # precomputed into the data (then the copy is freed); none for simpo and orpo
         kind = reference_kind(cfg)
-        train_set, val_set = self.build_reference(kind, train_set, val_set)
+        train_pairs, val_pairs = self.build_reference(kind, train_set, val_set)  # what is read
         self.val_loader = build_eval_loader(
-            val_set, cfg.eval.batch_size, rank, world_size, collate_pairs
+            val_pairs, cfg.eval.batch_size, rank, world_size, collate_pairs
         )
         self.train_loader = build_train_loader(
-            train_set, cfg.batch_size, self.accumulation, rank, world_size, cfg.seed,
+            train_pairs, cfg.batch_size, self.accumulation, rank, world_size, cfg.seed,
             num_workers=cfg.num_workers, collate=collate_pairs,
         )  # fmt: skip
         weights = cfg.checkpoint.initial_weights  # the reference's, recorded as an input

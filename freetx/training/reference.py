@@ -122,11 +122,6 @@ class WithReferenceLogps(Dataset):
         (chosen, rejected), logps = self.dataset[index], self.table[index]
         return {**chosen, REFERENCE_LOGPS: logps[0]}, {**rejected, REFERENCE_LOGPS: logps[1]}
 
-    def __getattr__(self, name: str):  # seq_len, summary(), ...: the dataset's own
-        if name == "dataset":
-            raise AttributeError(name)
-        return getattr(self.dataset, name)
-
 
 INDEX = "index"  # a pair's place in its dataset, on its chosen sample (the precomputing pass)
 
