@@ -92,6 +92,19 @@ RECIPES: tuple[Recipe, ...] = (
         "full or LoRA / QLoRA / DoRA",
     ),
     Recipe(
+        name="grpo_fsdp2",
+        file="grpo_fsdp2.py",
+        configs=(
+            "llm/grpo_tiny",
+            "llm/grpo_lora_tiny",
+            "llm/hf_tiny_grpo",
+            "llm/llama3_1_8b_grpo_lora",
+            "llm/qwen3_8b_grpo",
+        ),
+        description="online RL with verifiable rewards: GRPO, Dr. GRPO, DAPO, GSPO, the "
+        "policy generating its rollouts; full or LoRA / QLoRA / DoRA",
+    ),
+    Recipe(
         name="ad_ddp",
         file="ad_ddp.py",
         configs=("ad/darkroom_tiny", "ad/darkroom", "ad/darkroom_ed"),

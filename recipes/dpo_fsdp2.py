@@ -31,7 +31,7 @@ from typing import Any, ClassVar, Optional
 import torch
 from omegaconf import MISSING
 
-from freetx.checkpoint import files_read_by, input_identity, load_initial_weights
+from freetx.checkpoint import files_read_by, input_identity
 from freetx.config import instantiate
 from freetx.data import (
     PreferenceBatch,
@@ -43,7 +43,7 @@ from freetx.data import (
     micro_batch_size,
 )
 from freetx.data.packing import packs
-from freetx.distributed import build_groups, init_distributed, parallelize, parallelize_frozen
+from freetx.distributed import build_groups, init_distributed, parallelize
 from freetx.entry import parse
 from freetx.errors import ConfigError
 from freetx.fields import read_path
@@ -241,14 +241,7 @@ class DPORecipeFSDP2:
         if kind not in ("frozen_copy", "precomputed"):
             return train_set, val_set
         weights = cfg.checkpoint.initial_weights
-        with torch.device("meta"):
-            copy = instantiate(cfg.model)
-        copy = parallelize_frozen(
-            copy, self.groups, cfg.distributed, cfg.seed, init_weights=weights is None
-        )  # fmt: skip
-        if weights is not None:
-            load_initial_weights(copy, weights)
-        self.reference = FrozenCopy(copy, self.plan, num_chunks)
+        self.reference = FrozenCopy.build(cfg.model, self.plan, cfg.seed, weights, num_chunks)
         if kind == "frozen_copy":
             return train_set, val_set
         weights_id = input_identity(weights)["fingerprint"] if weights else f"seed {cfg.seed}"

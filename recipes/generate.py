@@ -46,6 +46,7 @@ from freetx.errors import ConfigError
 from freetx.fields import written_folder
 from freetx.loggers import build_metric_loggers
 from freetx.models import DecodesIncrementally, LatentModel
+from freetx.models.generation import Draws, Sampling, generate, sampling_problems
 from freetx.models.hf import end_token_ids
 from freetx.training.export import recorded_run
 
@@ -72,10 +73,13 @@ class GenerateConfig:
     stop_at_eos: bool = True  # a sample's text ends at its first EOS
     temperature: float = at_least(0, default=1.0)  # 0: greedy (the most likely token each step)
     top_k: Optional[int] = at_least(1, default=None)
+    top_p: Optional[float] = None  # the smallest set of likeliest tokens with this mass (None: all)
     show_samples: int = at_least(0, default=3)  # samples printed per group
     # measurements of the samples: components called with the records, returning metrics
     sample_metrics: list[Any] = field(default_factory=list)
     metric_loggers: list[Any] = field(default_factory=list)
+
+    meaningless = staticmethod(sampling_problems)  # a top_p outside (0, 1]
 
 
 class GenerateRecipe:
@@ -101,6 +105,7 @@ class GenerateRecipe:
         self.measures = [instantiate(node) for node in cfg.sample_metrics]
         self.loggers = build_metric_loggers(cfg.metric_loggers, cfg.output_dir, None, 0)
         self.end_ids = self.ends() if cfg.stop_at_eos else []
+        self.sampling = Sampling(cfg.temperature, cfg.top_k, cfg.top_p)
         kind = f"{type(model).__name__}{' (latent per position)' if self.latent else ''}"
         decoding = "KV cache" if self.cached else "a full forward per token"
         self.loggers.write(
@@ -154,60 +159,30 @@ class GenerateRecipe:
             per_prompt.append(codes)
         return torch.cat(per_prompt)
 
-    @torch.no_grad()
     def sample(self, prompts: list[list[int]]) -> list[list[dict[str, Any]]]:
         """samples_per_group replies to each prompt, all in one batch (rows left-padded
-        to the longest prompt), each ended at its first EOS (`stop_at_eos`); stops once
-        every reply has ended. Returns each prompt's replies."""
+        to the longest prompt: `freetx.models.generation.generate`), each ended at its
+        first EOS (`stop_at_eos`); stops once every reply has ended. Returns each
+        prompt's replies."""
         cfg, n = self.cfg, self.cfg.samples_per_group
-        longest = max(map(len, prompts))
         rows = [ids for ids in prompts for _ in range(n)]
-        padding = torch.tensor([longest - len(ids) for ids in rows], device=self.device)
-        # padding keys are masked: their id is any
-        tokens = torch.tensor(
-            [[0] * (longest - len(ids)) + ids for ids in rows], device=self.device
-        )
-        total = longest + cfg.max_new_tokens
-        codes = self.latent_codes(prompts, total) if self.latent else None
-        cache = self.model.new_cache(padding, total) if self.cached else None
-        fresh = tokens  # what the cache has not seen
-        ends = torch.tensor(self.end_ids, dtype=torch.long, device=self.device)
-        ended = torch.zeros(len(rows), dtype=torch.bool, device=self.device)
-        for _ in range(cfg.max_new_tokens):
-            if cache is not None:
-                logits = self.model(fresh, cache=cache)
-            elif codes is not None:
-                logits, _ = self.model(tokens, codes=codes[:, : tokens.shape[1]])
-            else:
-                logits = self.model(tokens)
-            new = self.next_tokens(logits[:, -1])
-            tokens, fresh = torch.cat([tokens, new[:, None]], dim=1), new[:, None]
-            if self.end_ids:
-                ended |= torch.isin(new, ends)
-                if bool(ended.all()):
-                    break
-        replies = [self.reply(row) for row in tokens[:, longest:].tolist()]
+        draws = Draws.from_generator(self.generator, len(rows), cfg.max_new_tokens)
+        forward = None
+        if self.latent:  # each position's code, drawn before the first token
+            codes = self.latent_codes(prompts, max(map(len, prompts)) + cfg.max_new_tokens)
+            forward = lambda tokens: self.model(tokens, codes=codes[:, : tokens.shape[1]])[0]  # noqa: E731
+        out = generate(
+            self.model, rows, cfg.max_new_tokens, self.sampling, self.end_ids, draws,
+            use_cache=self.cached, forward=forward,
+        )  # fmt: skip
+        replies = [self.reply(row, bool(end)) for row, end in zip(out.replies(), out.ended)]
         return [replies[i * n : (i + 1) * n] for i in range(len(prompts))]
 
-    def reply(self, row: list[int]) -> dict[str, Any]:
-        reply = self.until_eos(row)
+    def reply(self, ids: list[int], ended: bool) -> dict[str, Any]:
+        """A reply's record: its text and tokens up to its end token (not counted)."""
+        reply = ids[:-1] if ended else ids
         return {"reply": self.tokenizer.decode(reply), "reply_tokens": len(reply),
-                "stopped_at_eos": len(reply) < len(row)}  # fmt: skip
-
-    def until_eos(self, ids: list[int]) -> list[int]:
-        """`ids` up to the first end token (`ends`), when stop_at_eos."""
-        stops = [ids.index(end) for end in self.end_ids if end in ids]
-        return ids[: min(stops)] if stops else ids
-
-    def next_tokens(self, logits: torch.Tensor) -> torch.Tensor:
-        if self.cfg.temperature == 0:
-            return logits.argmax(dim=-1)
-        logits = logits.float() / self.cfg.temperature
-        if self.cfg.top_k:
-            kth = torch.topk(logits, self.cfg.top_k).values[:, -1:]
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-        probs = torch.softmax(logits, dim=-1)
-        return torch.multinomial(probs, 1, generator=self.generator).squeeze(1)
+                "stopped_at_eos": ended}  # fmt: skip
 
     def generate(self) -> None:
         cfg = self.cfg

@@ -84,8 +84,10 @@ def _estimate(args: argparse.Namespace) -> int:
     if args.measure and planned_run(cfg).rows_per_sample > 1:
         raise ConfigError(
             f"--measure steps a token loss on one batch of sequences; {args.config} trains on "
-            "preference pairs with a reference model, which it does not step yet.",
-            fix="Leave out --measure: the analytic estimate counts the pairs and the reference.",
+            "groups of sequences (preference pairs, or an RL prompt's completions) with a "
+            "reference model or a generation phase, which it does not step yet.",
+            fix="Leave out --measure: the analytic estimate counts the rows, the reference "
+            "and the generation.",
         )
     found = estimate_config(
         cfg, args.world_size, args.device, args.mfu, args.replicas, args.source_dim
@@ -102,9 +104,12 @@ def _estimate(args: argparse.Namespace) -> int:
     params = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     hbm = DEVICES[args.device][2]
-    pairs = found.planned.rows_per_sample == 2  # a preference loss's pairs
+    generations = found.planned.generations_per_prompt  # online RL: completions per prompt
+    pairs = found.planned.rows_per_sample == 2 and not generations  # preference pairs
     batch = f"{micro} rows" if sources else f"{micro} x {seq_len} tokens"
     batch = f"{micro} pairs x 2 x {seq_len} tokens" if pairs else batch
+    if generations:
+        batch = f"{micro} prompts x {found.planned.rows_per_sample} completions x {seq_len} tokens"
     active = num_active_parameters(model)
     if active < params:  # a mixture of experts: what one token computes with
         trainable_text = f"{trainable / 1e9:.3f}B trained, {active / 1e9:.3f}B active per token"
@@ -150,6 +155,8 @@ def _estimate(args: argparse.Namespace) -> int:
     copied = found.planned.reference == "frozen_copy"
     if copied:
         header[7:7] = ["reference"]
+    if generations:
+        header[7:7] = ["generation"]
     table = [header]
     for r in rows:
         g = lambda v: f"{v / GIB:.2f}"  # noqa: E731
@@ -163,6 +170,8 @@ def _estimate(args: argparse.Namespace) -> int:
             row[7:7] = [g(r.sources)]
         if copied:
             row[7:7] = [g(r.reference)]
+        if generations:
+            row[7:7] = [g(r.generation)]
         table.append(row)
     widths = [max(len(row[i]) for row in table) for i in range(len(header))]
     for row in table:
@@ -176,6 +185,11 @@ def _estimate(args: argparse.Namespace) -> int:
         if sources.unread:
             print(f"(not counted: the source models {', '.join(sources.unread)}, which cannot "
                   "be read yet: their weights come on top)")  # fmt: skip
+    if generations:
+        print("(generation: the generation phase, instead of gathered + activations + loss: "
+              "every parameter gathered in the compute dtype (sharded strategies), the KV "
+              f"cache of {cfg.batch_size // shape.dp * generations} completions per rank and a "
+              "step's logits; peak counts the larger phase)")  # fmt: skip
     reference = REFERENCE_NOTES.get(found.planned.reference)
     if reference:
         print(f"(reference: {reference})")

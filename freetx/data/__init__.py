@@ -18,6 +18,7 @@ from freetx.data.activations import (
 from freetx.data.batch import (
     MixesSources,
     PreferenceBatch,
+    RolloutBatch,
     SourcesOf,
     TokenBatch,
     collate_pairs,
@@ -75,6 +76,7 @@ __all__ = [
     "SourcesOf",
     "TokenBatch",
     "PreferenceBatch",
+    "RolloutBatch",
     "collate_pairs",
     "build_eval_loader",
     "build_train_loader",

@@ -244,3 +244,44 @@ def documents_present(documents: torch.Tensor) -> torch.Tensor:
     count = int(documents.max()) + 1 if documents.numel() else 0
     held = torch.zeros(documents.shape[0], max(count, 0), dtype=torch.long, device=documents.device)
     return held.scatter_add_(1, documents.clamp(min=0), (documents >= 0).long()) > 0
+
+
+@dataclass
+class RolloutBatch(TokenBatch):
+    """Completions of online RL's rollouts (GRPO) as rows of one token batch: each row a
+    prompt then its completion, right-padded, the labels only on the completion's tokens
+    (its end token included). Each row's `advantages`; for each label, the policy's
+    log-probs when it generated (`old_logps`: when more than one optimizer step uses one
+    generation) and the reference's (`ref_logps`: a KL term), both [B, T] or None."""
+
+    advantages: torch.Tensor | None = None  # [B]
+    old_logps: torch.Tensor | None = None
+    ref_logps: torch.Tensor | None = None
+
+    @classmethod
+    def of_rollouts(
+        cls, prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]],
+        advantages: torch.Tensor,
+    ) -> RolloutBatch:  # fmt: skip
+        """Rows of prompt + completion ids (input ids: all but the last; labels: the next
+        token where it is the completion's), padded on the right to the longest."""
+        rows = [[*p, *c] for p, c in zip(prompts, completions)]
+        width = max(len(r) for r in rows) - 1
+        input_ids = torch.zeros(len(rows), width, dtype=torch.long)
+        labels = torch.full((len(rows), width), IGNORE_INDEX, dtype=torch.long)
+        for i, (row, prompt) in enumerate(zip(rows, prompts)):
+            input_ids[i, : len(row) - 1] = torch.tensor(row[:-1])
+            start = len(prompt) - 1  # the position whose next token is the completion's first
+            labels[i, start : len(row) - 1] = torch.tensor(row[len(prompt) :])
+        real = torch.tensor([len(r) - 1 for r in rows])
+        return cls(input_ids, labels, real_tokens=real, advantages=advantages.float())
+
+    def rows(self, index: slice) -> RolloutBatch:
+        """The rows `index` selects (a micro-batch of them), every per-row field with them."""
+        sliced = {name: value[index] for name, value in self.tensors().items()
+                  if isinstance(value, torch.Tensor)}  # fmt: skip
+        return dataclasses.replace(self, **sliced)
+
+    def completion_mask(self) -> torch.Tensor:
+        """[B, T] bools: the labels that are completion tokens."""
+        return self.labels != IGNORE_INDEX

@@ -221,6 +221,30 @@ class ParallelPlan:
         the sharded model otherwise, where every rank must run as many forwards."""
         return self.module if self.replicated else self.model
 
+    @contextmanager
+    def gathered(self):
+        """The model for many forwards that differ between ranks (generation: each rank
+        its own prompts, stopping when its rows end), yielded: every FSDP2-sharded
+        parameter gathered once on entry (one all-gather per sharded module) and kept
+        whole until exit, where each is sharded again, so that the forwards inside run
+        no collective over the sharding axes. Replicated parameters: the bare module.
+        Tensor-parallel layers still reduce over `tp` in each forward; the tp ranks of
+        one data shard generate the same rows, so they run the same forwards."""
+        if self.replicated:
+            yield self.module
+            return
+        sharded = [m for m in self.model.modules() if isinstance(m, FSDPModule)]
+        for module in sharded:
+            module.unshard()  # the root's first: FSDP2's lazy init, then every block's
+            module.set_reshard_after_forward(False, recurse=False)
+        try:
+            yield self.model
+        finally:
+            for module in sharded:
+                module.reshard()
+                if module is not self.model:  # the root stays gathered after forward
+                    module.set_reshard_after_forward(self.strategy != "zero2", recurse=False)
+
     def build_optimizer(self, node) -> torch.optim.Optimizer:
         """The optimizer a `_component_` node names, over the trainable parameters.
 

@@ -16,16 +16,23 @@ import torch
 
 
 class LayerCache:
-    """One layer's keys and values [B, kv_heads, max_len, head_dim], written in place."""
+    """One layer's keys and values [B, kv_heads, max_len, head_dim], written in place;
+    made at their first write, in its shape and dtype (under tensor parallelism this
+    rank's slice of the heads; the compute dtype under autocast or mixed precision)."""
 
-    def __init__(self, owner: KVCache, shape: tuple[int, ...], dtype, device) -> None:
+    def __init__(self, owner: KVCache) -> None:
         self.owner = owner
-        self.keys = torch.zeros(shape, dtype=dtype, device=device)
-        self.values = torch.zeros(shape, dtype=dtype, device=device)
+        self.keys: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
 
     def extend(self, k: torch.Tensor, v: torch.Tensor):
         """The new keys and values [B, kv_heads, T, D] stored after the cached ones; returns
         every key and value so far and which keys are real (None: no padding)."""
+        if self.keys is None or self.values is None:
+            rows, heads, _, dim = k.shape
+            shape = (rows, heads, self.owner.max_len, dim)
+            self.keys = k.new_zeros(shape)
+            self.values = v.new_zeros(shape[:3] + (v.shape[3],))
         start, end = self.owner.length, self.owner.length + k.shape[2]
         self.keys[:, :, start:end] = k
         self.values[:, :, start:end] = v
@@ -78,16 +85,6 @@ class CachedRows:
 class KVCache(CachedRows):
     """The native decoder's cache: each layer's keys and values (`layers`)."""
 
-    def __init__(
-        self,
-        layers: int,
-        kv_heads: int,
-        head_dim: int,
-        max_len: int,
-        left_padding: torch.Tensor,
-        dtype: torch.dtype,
-    ) -> None:
+    def __init__(self, layers: int, max_len: int, left_padding: torch.Tensor) -> None:
         super().__init__(max_len, left_padding)
-        shape = (len(left_padding), kv_heads, max_len, head_dim)
-        device = left_padding.device
-        self.layers = [LayerCache(self, shape, dtype, device) for _ in range(layers)]
+        self.layers = [LayerCache(self) for _ in range(layers)]

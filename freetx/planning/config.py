@@ -16,7 +16,7 @@ from freetx.distributed.parallelize import find_blocks, strategy_shapes
 from freetx.distributed.pipeline import check_stages, num_stages, rank_stages, stage_blocks
 from freetx.errors import ConfigError
 from freetx.models.protocol import check_model
-from freetx.planning.estimate import estimate, pipeline_stage_shapes
+from freetx.planning.estimate import GenerationPhase, estimate, pipeline_stage_shapes
 from freetx.planning.sources import ActivationSources, activation_sources
 from freetx.training import PlannedRun, TrainingConfig
 
@@ -68,6 +68,11 @@ def estimate_config(
     dist = cfg.distributed
     chunks = planned.loss.get("num_chunks") if planned.loss is not None else None
 
+    generation = None
+    if planned.generations_per_prompt:  # online RL: this rank's completions of one generation
+        rows = cfg.batch_size // data_ranks * planned.generations_per_prompt
+        generation = GenerationPhase(rows, seq_len)
+
     def rows_of(part, stage=None):
         return estimate(
             part, shapes, micro * planned.rows_per_sample * seq_len, seq_len,
@@ -77,7 +82,7 @@ def estimate_config(
             optimizer_bytes=2.0 if "8bit" in str(cfg.optimizer.get("_component_", "")) else 8.0,
             loss_chunks=int(chunks) if chunks else None, stage=stage,
             sequence_parallel=dist.sequence_parallel and dist.pp == 1,
-            reference=planned.reference,
+            reference=planned.reference, generation=generation,
         )  # fmt: skip
 
     if dist.pp == 1:

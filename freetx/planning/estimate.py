@@ -63,6 +63,9 @@ class Estimate:
     comm_s: float
     sources: float = 0.0  # a crosscoder's frozen source models while they harvest
     reference: float = 0.0  # a preference loss's frozen copy of the model
+    # online RL's generation phase, instead of training's gathered + activations + loss:
+    # every parameter gathered in the compute dtype, the KV cache, a step's logits
+    generation: float = 0.0
 
     @property
     def states(self) -> float:
@@ -70,10 +73,23 @@ class Estimate:
 
     @property
     def peak(self) -> float:
-        return (
-            self.states + self.gathered + self.activations + self.loss + self.sources
-            + self.reference
-        )  # fmt: skip
+        training = self.gathered + self.activations + self.loss
+        return self.states + max(training, self.generation) + self.sources + self.reference
+
+
+@dataclass(frozen=True)
+class GenerationPhase:
+    """Online RL's generation on one rank: `rows` sequences of up to `length` tokens."""
+
+    rows: int
+    length: int
+
+    def cache_bytes(self, model: nn.Module, compute: int, tp: int) -> float:
+        """The KV cache of every layer (this tp rank's heads) and one step's logits (fp32),
+        by the decoder's shape (`model.config`: num_layers, num_kv_heads, head_dim)."""
+        c = model.config
+        kv = c.num_layers * 2 * (c.num_kv_heads // tp) * c.head_dim * compute
+        return self.rows * (self.length * kv + 2 * c.vocab_size * 4)
 
 
 def parameter_bytes(
@@ -133,6 +149,7 @@ def estimate(
     stage: PipelineStageShape | None = None,
     sequence_parallel: bool = False,
     reference: str = "none",
+    generation: GenerationPhase | None = None,
 ) -> list[Estimate]:
     """The estimate of a (meta) model under each of `shapes` (one per strategy, with the
     same axes: `strategy_shapes`); `frozen`:
@@ -154,7 +171,10 @@ def estimate(
     `reference`: a preference loss's (`PlannedRun.reference`): `frozen_copy` holds every
     parameter again in the compute dtype, sharded as the strategy shards parameters, and
     runs one more forward per micro-batch (a third of a training step's FLOPs), as
-    `adapters_off` does without the copy; `precomputed` costs nothing while training."""
+    `adapters_off` does without the copy; `precomputed` costs nothing while training;
+    `generation`: online RL's generation phase (`GenerationPhase`), which holds every
+    parameter gathered (a sharded strategy's: in the compute dtype) and the KV cache, in
+    place of a training step's gathered blocks, activations and loss."""
     if not shapes:
         return []
     axes = shapes[0]  # pp, cp and tp: the same in every shape
@@ -201,6 +221,7 @@ def estimate(
             for name, p in model.named_parameters()
         ) * compute  # fmt: skip
     tp_s = counted.exchanged / bandwidth  # tp's sums and cp's gathers, not overlapped
+    cache = generation.cache_bytes(model, compute, tp) if generation is not None else 0.0
     out = []
     for shape in shapes:
         layout, world_size = StateSharding.of(shape), shape.world_size
@@ -224,6 +245,7 @@ def estimate(
             trainable * optimizer_bytes / layout.optimizer_shards,
             gathered if world_size > 1 else 0.0, activations, loss,
             max(compute_s, comm_s) + tp_s, compute_s, comm_s + tp_s, sources, copy / shards,
+            cache + (stored / 4 * compute if shards > 1 else 0.0) if generation else 0.0,
         ))  # fmt: skip
     return out
 

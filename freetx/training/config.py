@@ -45,6 +45,10 @@ class PlannedRun:
     # a preference loss's reference: none, adapters_off (one more forward), frozen_copy (a
     # copy in the compute dtype, sharded like the policy, one more forward) or precomputed
     reference: str = "none"
+    # online RL: the completions generated per prompt of the batch in one generation
+    # (num_generations x steps_per_generation), each of up to seq_len tokens: the
+    # generation phase holds every parameter gathered and their KV cache
+    generations_per_prompt: int = 0
 
 
 @dataclass

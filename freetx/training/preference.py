@@ -63,6 +63,25 @@ class SequenceLogProbs(NamedTuple):
         return self.sum / self.tokens.clamp(min=1)
 
 
+def token_logps(
+    model,
+    input_ids: torch.Tensor,
+    labels: torch.Tensor,
+    num_chunks: int | None = None,
+    ignore_index: int = IGNORE_INDEX,
+    **inputs,
+) -> tuple[torch.Tensor, Any]:
+    """`model`'s forward with a `ChunkedLogProbs` of `labels` as its output loss: each
+    label's log-probability [B, T] float32 (0 where it is `ignore_index`), never the whole
+    logits; and what forward returned (an `LMOutput`'s router loss and metrics, for an
+    MoE model). `inputs`: the model's others (a packed batch's documents, a context
+    shard)."""
+    output = model(
+        input_ids, output_loss=ChunkedLogProbs(labels, num_chunks, ignore_index), **inputs
+    )
+    return (output if isinstance(output, torch.Tensor) else output[0]), output
+
+
 def sequence_logps(
     model,
     input_ids: torch.Tensor,
@@ -71,15 +90,10 @@ def sequence_logps(
     ignore_index: int = IGNORE_INDEX,
     **inputs,
 ) -> tuple[SequenceLogProbs, Any]:
-    """`model`'s forward with a `ChunkedLogProbs` of `labels` as its output loss, each
-    row's log-probabilities summed over its loss tokens; and what forward returned (an
-    `LMOutput`'s router loss and metrics, for an MoE model). `inputs`: the model's
-    others (a packed batch's documents, a context shard). Under context parallelism
-    each rank holds part of each row: the caller sums the rows over the cp ranks."""
-    output = model(
-        input_ids, output_loss=ChunkedLogProbs(labels, num_chunks, ignore_index), **inputs
-    )
-    per_token = output if isinstance(output, torch.Tensor) else output[0]
+    """Each row's log-probabilities summed over its loss tokens (`token_logps`), and what
+    forward returned. Under context parallelism each rank holds part of each row: the
+    caller sums the rows over the cp ranks."""
+    per_token, output = token_logps(model, input_ids, labels, num_chunks, ignore_index, **inputs)
     mask = labels != ignore_index
     documents = inputs.get("documents")
     if documents is not None:  # packed pairs: each document is a completion

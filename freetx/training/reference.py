@@ -33,11 +33,13 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.utils.data import Dataset
 
-from freetx.data import PreferenceBatch, build_eval_loader, collate_pairs
+from freetx.checkpoint import load_initial_weights
+from freetx.config import instantiate
+from freetx.data import PreferenceBatch, TokenBatch, build_eval_loader, collate_pairs
 from freetx.data.batch import REFERENCE_LOGPS, Pair
-from freetx.distributed import ParallelGroups, ParallelPlan
+from freetx.distributed import ParallelGroups, ParallelPlan, parallelize_frozen
 from freetx.models.peft import adapters_disabled
-from freetx.training.preference import SequenceLogProbs, sequence_logps
+from freetx.training.preference import SequenceLogProbs, sequence_logps, token_logps
 from freetx.training.step import placed
 from freetx.user_files import staged_output
 
@@ -73,29 +75,65 @@ class Reference(Protocol):
     def __call__(self, batch: PreferenceBatch) -> SequenceLogProbs: ...
 
 
-class AdaptersOff:
+class _ReferenceModel:
+    """A reference that is a model to run: each preference row's summed log-probs
+    (`__call__`), or each label's of any token batch (`tokens`, GRPO's KL term)."""
+
+    num_chunks: int | None
+    plan: ParallelPlan
+
+    def __call__(self, batch: PreferenceBatch) -> SequenceLogProbs:
+        return self.run(lambda model: batch_logps(model, batch, self.num_chunks, self.plan.groups)[0])
+
+    def tokens(self, batch: TokenBatch) -> torch.Tensor:
+        """[B, T] each label's log-probability (0 where it is ignored)."""
+        inputs = batch.model_inputs()
+        return self.run(
+            lambda model: token_logps(
+                model, batch.input_ids, batch.labels, self.num_chunks, **inputs
+            )[0]
+        )  # fmt: skip
+
+    def run(self, forward):
+        raise NotImplementedError
+
+
+class AdaptersOff(_ReferenceModel):
     """The policy with its adapters disabled: LoRA's, QLoRA's and DoRA's reference."""
 
     def __init__(self, plan: ParallelPlan, num_chunks: int | None) -> None:
         self.plan, self.num_chunks = plan, num_chunks
 
     @torch.no_grad()
-    def __call__(self, batch: PreferenceBatch) -> SequenceLogProbs:
+    def run(self, forward):
         with adapters_disabled(self.plan.module):
-            return batch_logps(self.plan.model, batch, self.num_chunks, self.plan.groups)[0]
+            return forward(self.plan.model)
 
 
-class FrozenCopy:
-    """A frozen copy of the model, parallelized like the policy (`parallelize_frozen`)
-    and loaded by the caller."""
+class FrozenCopy(_ReferenceModel):
+    """A frozen copy of the model, parallelized like the policy (`parallelize_frozen`),
+    its weights read from the policy's initial weights (`build`)."""
 
     def __init__(self, model: nn.Module, plan: ParallelPlan, num_chunks: int | None) -> None:
         self.model, self.plan, self.num_chunks = model, plan, num_chunks
 
+    @classmethod
+    def build(cls, model_node, plan: ParallelPlan, seed: int, weights: str | None,
+              num_chunks: int | None) -> FrozenCopy:  # fmt: skip
+        """The copy of the model `model_node` builds, parallelized like `plan`'s policy,
+        from `weights` (the policy's initial weights) or, without any, the seed's random
+        init, as the policy's."""
+        with torch.device("meta"):
+            copy = instantiate(model_node)
+        copy = parallelize_frozen(copy, plan.groups, plan.cfg, seed, init_weights=weights is None)
+        if weights is not None:
+            load_initial_weights(copy, weights)
+        return cls(copy, plan, num_chunks)
+
     @torch.no_grad()
-    def __call__(self, batch: PreferenceBatch) -> SequenceLogProbs:
+    def run(self, forward):
         with self.plan.autocast():
-            return batch_logps(self.model, batch, self.num_chunks, self.plan.groups)[0]
+            return forward(self.model)
 
 
 class Precomputed:

@@ -24,5 +24,4 @@ class IncrementalDecoding(DecoderCore):
                 f"goes past the model's max_seq_len={c.max_seq_len}, the positions it has "
                 "RoPE tables for. Lower max_new_tokens or shorten the prompts."
             )
-        dtype = self.tok_embeddings.weight.dtype
-        return KVCache(c.num_layers, c.num_kv_heads, c.head_dim, max_len, left_padding, dtype)
+        return KVCache(c.num_layers, max_len, left_padding)
