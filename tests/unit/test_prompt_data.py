@@ -43,8 +43,9 @@ def bos_prompt(text: str) -> list[int]:
 @pytest.mark.parametrize("kind", ["jsonl", "json", "parquet"])
 def test_string_prompts_keep_their_other_columns_as_fields(kind, tmp_path):
     rows = [{"prompt": f"What is {i} + 1?", "answer": str(i + 1), "level": i} for i in range(4)]
-    data = PromptDataset(BYTES, **whole(write(kind, rows, tmp_path / "p")))
-    assert len(data) == 4
+    source = write(kind, rows, tmp_path / "p")
+    data = PromptDataset(BYTES, **whole(source))
+    assert (len(data), data.files_read) == (4, [tmp_path / f"p.{kind}"])
     sample = data[2]
     assert sample["prompt"] == "What is 2 + 1?"
     assert sample["prompt_ids"].tolist() == bos_prompt("What is 2 + 1?")
@@ -181,6 +182,9 @@ def test_max_prompt_len_keeps_the_end_of_a_long_prompt_and_counts_it(tmp_path):
     assert data[1]["prompt"] == rows[1]["prompt"]  # the rewards see it whole
     assert (data.fit.cut, data.fit.samples) == (1, 2)
     assert "1 of 2 prompts cut to max_prompt_len=10" in data.fit.line()
+    assert data.summary().lines() == [
+        "data: 2 prompts -> 2 sequences of 10 tokens, 20.0% padding (not packed)"
+    ]  # 6 + 10 tokens of 2 x 10
     with pytest.raises(DataError, match="max_prompt_len=0"):
         PromptDataset(BYTES, max_prompt_len=0, num_builtin_examples=20)
 

@@ -154,6 +154,23 @@ def test_a_function_with_the_wrong_signature_is_refused_with_the_expected_one(
     assert "def reward(prompt: str, completion: str, row: dict) -> float" in str(error.value)
 
 
+@pytest.mark.parametrize(
+    "source, said",
+    [
+        ("class Plain:\n    pass\n", "builds a Plain, which cannot be called"),
+        (
+            "class TwoArgs:\n    def __call__(self, prompt, completion):\n        return 1.0\n",
+            "TwoArgs(prompt, completion) cannot be called",
+        ),
+    ],
+)
+def test_a_class_whose_objects_are_no_reward_is_refused(source, said, tmp_path, monkeypatch):
+    name = source.split()[1].rstrip(":")
+    write_module(tmp_path, monkeypatch, f"rewards_{name}", source)  # a module each: no cache
+    with pytest.raises(ConfigError, match=re.escape(said)):
+        build_rewards([node(f"rewards_{name}.{name}")])
+
+
 def test_a_function_given_settings_is_refused(tmp_path, monkeypatch):
     write_module(
         tmp_path, monkeypatch, "set_rewards", "def f(prompt, completion, row):\n    return 1.0\n"
