@@ -75,6 +75,27 @@ def read_paths(config: Any) -> list[tuple[str, str]]:
     ]
 
 
+HOLDS_KEY = "holds"
+
+
+def component_list(*keys: str, default_factory: Any = None) -> Any:
+    """A schema field holding a list of `_component_` nodes, each of which may also set
+    `keys`: the recipe reads them itself (a reward's `weight` and `name`), they are no
+    arguments of the node's target. `freetx validate` checks a node's other keys against
+    its target (`freetx.config.instantiate.check_components`), and
+    `instantiate_except(node, keys)` builds it without them. No default_factory: required."""
+    if default_factory is None:
+        return dataclasses.field(default=_REQUIRED, metadata={HOLDS_KEY: keys})
+    return dataclasses.field(default_factory=default_factory, metadata={HOLDS_KEY: keys})
+
+
+def held_keys(schema: type) -> dict[str, tuple[str, ...]]:
+    """Field name -> the keys its `component_list` nodes hold for the recipe."""
+    return {
+        f.name: f.metadata[HOLDS_KEY] for f in dataclasses.fields(schema) if HOLDS_KEY in f.metadata
+    }
+
+
 @runtime_checkable
 class ChecksMeaning(Protocol):
     """A config dataclass that can tell which of its values make a knob meaningless."""

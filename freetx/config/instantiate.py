@@ -36,6 +36,7 @@ import functools
 import importlib
 import inspect
 import os
+import re
 import sys
 import sysconfig
 import types
@@ -304,6 +305,12 @@ def instantiate(node: Any, *args: Any, **kwargs: Any) -> Any:
     the node's keys. Nested component nodes are built first, but for the arguments a
     `BuildsParts` target builds itself (`built_later`): those get factories.
     """
+    return instantiate_except(node, (), *args, **kwargs)
+
+
+def instantiate_except(node: Any, held: tuple[str, ...], *args: Any, **kwargs: Any) -> Any:
+    """`instantiate(node, *args, **kwargs)`, the node's `held` keys left out: they are the
+    recipe's to read (a reward's weight and name: `freetx.fields.component_list`)."""
     if node is None:
         return None
     where = node_path(node)
@@ -317,7 +324,7 @@ def instantiate(node: Any, *args: Any, **kwargs: Any) -> Any:
     file_kwargs = {
         k: _factories(v) if k in later else _build_value(v)
         for k, v in node.items()
-        if k != COMPONENT
+        if k != COMPONENT and k not in held
     }
     merged = {**file_kwargs, **kwargs}
     problem = _bind_problem(target, node[COMPONENT], where, args, merged)
@@ -361,8 +368,10 @@ def find_components(cfg: Any, path: str = "") -> Iterator[tuple[str, DictConfig]
             yield from find_components(value, f"{path}[{i}]")
 
 
-def check_components(cfg: DictConfig) -> list[str]:
-    """Import every component and bind its keys to the signature; list the problems."""
+def check_components(cfg: DictConfig, held: dict[str, tuple[str, ...]] | None = None) -> list[str]:
+    """Import every component and bind its keys to the signature; list the problems.
+    `held`: a top-level key -> the keys its nodes (or its list's nodes) hold for the
+    recipe, not for their target (`freetx.fields.component_list`)."""
     problems = []
     for path, node in find_components(cfg):
         try:
@@ -370,7 +379,8 @@ def check_components(cfg: DictConfig) -> list[str]:
         except ConfigError as e:
             problems.extend(e.problems)
             continue
-        keys = {k: v for k, v in _items(node) if k != COMPONENT}
+        skip = (held or {}).get(re.sub(r"\[\d+\]$", "", path), ())
+        keys = {k: v for k, v in _items(node) if k != COMPONENT and k not in skip}
         problem = _bind_problem(target, node[COMPONENT], path, None, keys)
         if problem:
             problems.append(problem)

@@ -32,7 +32,7 @@ from omegaconf.errors import OmegaConfBaseException
 from freetx.config.foreign_names import foreign_hint
 from freetx.config.instantiate import COMPONENT, check_components
 from freetx.errors import ConfigError
-from freetx.fields import MIN_KEY, at_least, field_problems  # noqa: F401 - at_least re-exported
+from freetx.fields import MIN_KEY, at_least, field_problems, held_keys  # noqa: F401 - at_least re-exported
 
 _NONE = type(None)
 
@@ -198,7 +198,7 @@ def check_config(cfg: DictConfig, schema: type | None) -> list[str]:
     problems = schema_problems(cfg, schema) if schema is not None else []
     if schema is not None:
         cfg = _with_default_components(cfg, schema)
-    return problems + check_components(cfg)
+    return problems + check_components(cfg, held_keys(schema) if schema is not None else None)
 
 
 def _with_default_components(cfg: DictConfig, schema: type) -> DictConfig:

@@ -1,5 +1,5 @@
-"""Data: tokenizers, the built-in corpus, packed text, instruction, chat and preference
-datasets, the letter-block task, AD's learning histories, crosscoders' activations,
+"""Data: tokenizers, the built-in corpus, packed text, instruction, chat, preference and
+prompt datasets, the letter-block task, AD's learning histories, crosscoders' activations,
 sampling, the shard cache, and mixtures of datasets.
 
 Datasets take rank and world size as arguments (never from the process group),
@@ -30,6 +30,7 @@ from freetx.data.instruct import InstructDataset
 from freetx.data.letter_block import LetterBlockDataset
 from freetx.data.mixture import MadeOfParts, Mixture
 from freetx.data.preference import PreferenceDataset
+from freetx.data.prompts import PromptBatch, PromptDataset, collate_prompts
 from freetx.data.sampling import (
     IGNORE_INDEX,
     EvalShard,
@@ -72,6 +73,9 @@ __all__ = [
     "Mixture",
     "PackedTextDataset",
     "PreferenceDataset",
+    "PromptBatch",
+    "PromptDataset",
+    "collate_prompts",
     "ShardCache",
     "SourcesOf",
     "TokenBatch",

@@ -11,11 +11,14 @@ names onto the data's (only those that differ):
 | prompt_response | prompt, response                                    | a prompt and a response |
 | text            | text                                                | a document              |
 | preference      | prompt, chosen, rejected (and role, content in messages) | a preference pair (`Pair`) |
+| prompt          | prompt (a string or messages), else messages; role, content | a prompt (`Format.prompt`) |
 
 ChatDataset takes conversations (a prompt and response become one user turn and one
 assistant turn), InstructDataset prompts and responses (a conversation of exactly one
 user turn and one assistant reply becomes one), PackedTextDataset documents,
-PreferenceDataset preference pairs (`Pair`): a prompt and a chosen and a rejected
+PromptDataset prompts (a string, or a conversation ending in the user's turn; the other
+columns are the row's fields, for the rewards), PreferenceDataset preference pairs
+(`Pair`): a prompt and a chosen and a rejected
 completion of it, all strings, or all conversations: `{prompt: [messages], chosen:
 [messages], rejected: [messages]}` (TRL's), or `{chosen: [messages], rejected:
 [messages]}`, the prompt being the messages the two share from their start.
@@ -60,6 +63,7 @@ DEFAULT_COLUMNS: dict[str, dict[str, str]] = {
         "role": "role",
         "content": "content",
     },  # fmt: skip
+    "prompt": {"prompt": "prompt", "messages": "messages", "role": "role", "content": "content"},
 }
 MESSAGE_KEYS = ("role", "content")  # the keys inside a message, not columns of a row
 CONVERSATIONS = ("messages", "sharegpt")
@@ -139,6 +143,8 @@ class Format:
                     if name == "text"
                     else "preference pairs are freetx.data.PreferenceDataset's."
                     if name == "preference"
+                    else "prompts alone are freetx.data.PromptDataset's."
+                    if name == "prompt"
                     else "conversations and prompt/response pairs are freetx.data.ChatDataset's "
                     "and freetx.data.InstructDataset's."
                 )
@@ -290,6 +296,31 @@ class Format:
                     "different completions of it; fix or remove the row."
                 )
         return pair
+
+    def prompt(self, fields: dict[str, Any]) -> tuple[str | Messages, str | None]:
+        """A record's prompt (PromptDataset): its prompt string, or a conversation ending in
+        the user's turn (format prompt: `prompt` holding messages, or no `prompt` column and
+        a `messages` one); a conversation's final assistant turn is dropped, and returned as
+        the answer (else None). An empty prompt is a bad row."""
+        column = self.columns.get("prompt")
+        conversation = self.name in CONVERSATIONS or isinstance(fields.get(column), list)
+        if not conversation and (column in fields or self.columns["messages"] not in fields):
+            text = self._string(fields, "prompt")
+            if not text.strip():
+                raise BadRow(f"has an empty prompt ('{column}'); fix or remove the row.")
+            return text, None
+        role = "prompt" if isinstance(fields.get(column), list) else "messages"
+        messages, answer = self._messages(fields, role, needs_reply=False), None
+        if messages[-1]["role"] == "assistant":
+            messages, answer = messages[:-1], messages[-1]["content"]
+        if not messages or messages[-1]["role"] != "user" or not messages[-1]["content"].strip():
+            roles = [m["role"] for m in messages]
+            raise BadRow(
+                f"is a conversation of {roles} (a final assistant turn taken as its answer), "
+                "and a prompt ends with the user's turn, not empty, for the model to reply "
+                "to; fix or remove the row."
+            )
+        return messages, answer
 
     def _conversation_pair(self, fields: dict[str, Any]) -> Pair:
         """A pair of conversations: the prompt's messages given (TRL's conversational

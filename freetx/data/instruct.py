@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import random
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from freetx.data.corpus import builtin_documents
 from freetx.data.formats import BadRows, Format, check_not_empty, read_split
@@ -47,11 +47,15 @@ BUILTIN_TASKS = {
 }
 
 
-def builtin_draws(count: int, seed: int) -> list[tuple[str, str]]:
-    """`count` (word, task) draws: words of the built-in corpus, tasks of BUILTIN_TASKS."""
+def builtin_draws(
+    count: int, seed: int, tasks: Sequence[str] | None = None
+) -> list[tuple[str, str]]:
+    """`count` (word, task) draws: words of the built-in corpus, tasks of `tasks` (names of
+    BUILTIN_TASKS; None: all of them)."""
     words = sorted({w for doc in builtin_documents() for w in re.findall(r"[a-z]{4,12}", doc)})
     rng = random.Random(seed)
-    return [(rng.choice(words), rng.choice(list(BUILTIN_TASKS))) for _ in range(count)]
+    names = list(BUILTIN_TASKS if tasks is None else tasks)
+    return [(rng.choice(words), rng.choice(names)) for _ in range(count)]
 
 
 def builtin_examples(count: int, seed: int) -> list[dict[str, str]]:

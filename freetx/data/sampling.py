@@ -208,7 +208,7 @@ def build_eval_loader(
     )
 
 
-def check_split(split: str, val_fraction: float, seq_len: int) -> None:
+def check_split(split: str, val_fraction: float, seq_len: int | None = None) -> None:
     """The arguments every dataset with a train/validation split takes, checked."""
     if split not in ("train", "validation"):
         raise DataError(f"split must be 'train' or 'validation', got {split!r}.")

@@ -163,14 +163,15 @@ def not_text(path: Path, error: UnicodeDecodeError) -> DataError:
     )
 
 
-def read_records(source: str | Sequence[str], columns: Sequence[str]) -> Iterator[Record]:
+def read_records(source: str | Sequence[str], columns: Sequence[str] | None) -> Iterator[Record]:
     """Every record of a source (see the module docstring). `columns`: those the format
-    reads; parquet and `datasets` read only those of them the data has."""
+    reads; parquet and `datasets` read only those of them the data has (None: all its
+    columns, for a dataset that hands a row's other fields on: prompts to rewards)."""
     for part in source_parts(source, RECORD_SUFFIXES):
         yield from read_part(part, columns)
 
 
-def read_part(path: Path, columns: Sequence[str]) -> Iterator[Record]:
+def read_part(path: Path, columns: Sequence[str] | None) -> Iterator[Record]:
     """The records of one file or `datasets` folder."""
     if path.is_dir():
         yield from _read_saved_dataset(path, columns)
@@ -238,8 +239,11 @@ def _rows_of_batches(where: Path, batches) -> Iterator[Record]:
             n += 1
 
 
-def _present(path: Path, columns: Sequence[str], names: Sequence[str]) -> list[str]:
-    """The columns a columnar source has of those the format reads; none is an error."""
+def _present(path: Path, columns: Sequence[str] | None, names: Sequence[str]) -> list[str]:
+    """The columns a columnar source has of those the format reads (None: every column it
+    has); none is an error."""
+    if columns is None:
+        return list(names)
     present = [c for c in columns if c in names]
     if not present:
         raise DataError(
@@ -249,7 +253,7 @@ def _present(path: Path, columns: Sequence[str], names: Sequence[str]) -> list[s
     return present
 
 
-def _read_parquet(path: Path, columns: Sequence[str]) -> Iterator[Record]:
+def _read_parquet(path: Path, columns: Sequence[str] | None) -> Iterator[Record]:
     try:
         import pyarrow.parquet as pq
     except ImportError:
@@ -266,7 +270,7 @@ def _read_parquet(path: Path, columns: Sequence[str]) -> Iterator[Record]:
         raise DataError(f"{path} could not be read to its end ({e}); fix or replace it.") from e
 
 
-def _read_saved_dataset(path: Path, columns: Sequence[str]) -> Iterator[Record]:
+def _read_saved_dataset(path: Path, columns: Sequence[str] | None) -> Iterator[Record]:
     try:
         import datasets
     except ImportError:

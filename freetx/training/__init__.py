@@ -1,5 +1,5 @@
 """What training loops share: the run's lifecycle, gradient accumulation and the optimizer
-step, schedules, clipping, losses, seeding, meters."""
+step, schedules, clipping, losses, rewards, seeding, meters."""
 
 from freetx.training.checks import (
     check_context,
@@ -31,6 +31,16 @@ from freetx.training.meters import (
     train_step_metrics,
 )
 from freetx.training.preference import PreferenceLoss, SequenceLogProbs, sequence_logps
+from freetx.training.rewards import (
+    ExactMatch,
+    LengthPenalty,
+    RegexFormat,
+    Reward,
+    RewardError,
+    RewardFunction,
+    build_rewards,
+    score_completions,
+)
 from freetx.training.seed import rng_state, seed_everything, set_rng_state
 from freetx.training.step import (
     accumulate_gradients,
@@ -40,6 +50,14 @@ from freetx.training.step import (
 )
 
 __all__ = [
+    "ExactMatch",
+    "LengthPenalty",
+    "RegexFormat",
+    "Reward",
+    "RewardError",
+    "RewardFunction",
+    "build_rewards",
+    "score_completions",
     "CrossEntropyLoss",
     "PlannedRun",
     "PreferenceLoss",
