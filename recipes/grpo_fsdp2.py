@@ -58,7 +58,7 @@ from freetx.data import (
 from freetx.distributed import build_groups, init_distributed, parallelize
 from freetx.entry import parse
 from freetx.errors import ConfigError
-from freetx.fields import at_least, read_path
+from freetx.fields import at_least, component_list, read_path
 from freetx.models.generation import Draws, Sampling, generate, sampling_problems
 from freetx.models.hf import end_token_ids, model_dir_problems
 from freetx.models.peft import PEFTConfig, apply_peft
@@ -137,7 +137,8 @@ class GRPOConfig(TrainingConfig):
     model: Any = MISSING
     tokenizer: Any = MISSING
     dataset: Any = MISSING  # a PromptDataset, built twice: split=train and validation
-    rewards: list[Any] = MISSING  # [{_component_: ..., weight: ...}]: freetx.training.rewards
+    # [{_component_: ..., weight: 1.0, name: ...}]: freetx.training.rewards, docs/rewards.md
+    rewards: list[Any] = component_list("weight", "name")
     loss: Any = field(default_factory=lambda: {"_component_": "freetx.training.GRPOLoss"})
     generation: GenerationConfig = field(default_factory=GenerationConfig)
     eval: RolloutEvalConfig = field(default_factory=RolloutEvalConfig)
@@ -220,7 +221,7 @@ class GRPORecipeFSDP2:
         train_set = instantiate(cfg.dataset, tokenizer=self.tokenizer, split="train")
         val_set = instantiate(cfg.dataset, tokenizer=self.tokenizer, split="validation")
         self.run.report_cuts(train_set, val_set)
-        longest = max(train_set.longest_prompt, val_set.longest_prompt)
+        longest = max(train_set.fit.seq_len, val_set.fit.seq_len)  # prompt tokens at most
         self.seq_len = longest + gen.max_completion_length
 
         with torch.device("meta"):

@@ -106,6 +106,15 @@ class PromptBatch:
     ids: list[str]
     padding: list[bool] = field(default_factory=list)
 
+    def take(self, count: int) -> PromptBatch:
+        """The first `count` prompts."""
+        return PromptBatch(self.prompt_ids[:count], self.prompts[:count], self.fields[:count],
+                           self.ids[:count], self.padding[:count])  # fmt: skip
+
+    def real_rows(self) -> torch.Tensor:
+        """[prompts] bools: those that are no evaluation shard's repeat."""
+        return ~torch.tensor(self.padding or [False] * len(self.ids), dtype=torch.bool)
+
 
 def collate_prompts(samples: list[dict[str, Any]]) -> PromptBatch:
     """A PromptBatch of PromptDataset samples (an EvalShard's with `padding`)."""
