@@ -17,6 +17,7 @@ from freetx.training.config import (
     default_metric_loggers,
 )
 from freetx.training.grad import clip_grad_norm
+from freetx.training.grpo import GroupAdvantages, GRPOLoss, group_advantages
 from freetx.training.lifecycle import TrainingRun, training_state
 from freetx.training.loss import CrossEntropyLoss, loss_tokens
 from freetx.training.lr_schedule import LRScheduleConfig, build_lr_scheduler, lr_multiplier
@@ -59,6 +60,8 @@ __all__ = [
     "build_rewards",
     "score_completions",
     "CrossEntropyLoss",
+    "GRPOLoss",
+    "GroupAdvantages",
     "PlannedRun",
     "PreferenceLoss",
     "SequenceLogProbs",
@@ -69,6 +72,7 @@ __all__ = [
     "TrainingRun",
     "accumulate_gradients",
     "evaluation_sums",
+    "group_advantages",
     "build_lr_scheduler",
     "check_layout",
     "check_read_paths",
