@@ -272,14 +272,11 @@ class GRPORecipeFSDP2:
     # -- the loop ---------------------------------------------------------------
     def train(self) -> None:
         cfg, run = self.cfg, self.run
-        steps = cfg.generation.steps_per_generation
         self.model.train()
         while run.step < cfg.max_steps and not run.stopping:  # stopping: SIGTERM, ^C
-            rollouts, metrics = self.rollout()
-            started = time.perf_counter()
-            per_step = len(rollouts) // steps  # groups of completions per optimizer step
-            for k in range(steps):
-                batches = self.micro_batches(rollouts[k * per_step : (k + 1) * per_step])
+            steps, metrics = self.rollout()
+            for batches in steps:  # each optimizer step's micro-batches
+                started = time.perf_counter()
                 self.optimizer.zero_grad(set_to_none=True)
                 sums, units = accumulate_gradients(
                     self.plan, batches, self.compute_loss,
@@ -290,19 +287,18 @@ class GRPORecipeFSDP2:
                 )
                 run.advance(grad_norm, sum(b.real_positions() for b in batches))
                 if run.log_due():
-                    run.log_train(sums, units, grad_norm)
                     metrics["time/training"] = time.perf_counter() - started
-                    run.log(metrics)
+                    run.log_train(sums, units, grad_norm, metrics)
                 if run.due(cfg.eval.every_n_steps):
                     run.evaluate(self.evaluate)
                 if run.due(cfg.checkpoint.every_n_steps):
                     run.save()
         run.finish(self.evaluate)
 
-    def rollout(self) -> tuple[list[RolloutBatch], dict[str, float]]:
+    def rollout(self) -> tuple[list[list[RolloutBatch]], dict[str, float]]:
         """One generation: this rank's prompts, their completions, rewards, advantages
-        and the log-probs the loss reads, as one RolloutBatch per prompt (its group), in
-        prompt order; and the generation's metrics (over all ranks)."""
+        and the log-probs the loss reads, as each optimizer step's micro-batches; and the
+        generation's metrics (over all ranks)."""
         gen = self.cfg.generation
         step = self.run.step
         started = time.perf_counter()
@@ -320,19 +316,15 @@ class GRPORecipeFSDP2:
                 groups[index] = group
             made = {k: made[k] + extra_made[k] for k in made}
         timing = {"time/generation": made["generation_s"], "time/scoring": made["scoring_s"]}
-        rollouts = []
-        for group in groups:
-            batch = RolloutBatch.of_rollouts(
-                [group["prompt_ids"]] * len(group["completions"]), group["completions"],
-                group["advantages"],
-            )  # fmt: skip
-            rollouts.append(batch)
-        self.with_logps(rollouts)
+        per_step = len(groups) // gen.steps_per_generation
+        steps = [self.micro_batches(groups[k * per_step : (k + 1) * per_step])
+                 for k in range(gen.steps_per_generation)]  # fmt: skip
+        self.with_logps([batch for batches in steps for batch in batches])
         self.write_samples(step, groups)
         metrics = self.rollout_metrics(groups, made)
         metrics.update(timing)
         metrics["time/rollout"] = time.perf_counter() - started
-        return rollouts, metrics
+        return steps, metrics
 
     def sample_groups(self, prompts: PromptBatch, step: int, when: str):
         """num_generations completions of each prompt, scored, with their advantages: one
@@ -340,7 +332,11 @@ class GRPORecipeFSDP2:
         cfg, gen = self.cfg, self.cfg.generation
         n = gen.num_generations
         rows = [ids for ids in prompts.prompt_ids for _ in range(n)]
-        keys = [f"seed {cfg.seed} {when} prompt {pid} sample {j}" for pid in prompts.ids for j in range(n)]
+        keys = [
+            f"seed {cfg.seed} {when} prompt {pid} sample {j}"
+            for pid in prompts.ids
+            for j in range(n)
+        ]
         started = time.perf_counter()
         with self.plan.gathered() as model:  # one all-gather for the whole phase
             model.eval()
@@ -351,7 +347,9 @@ class GRPORecipeFSDP2:
             model.train()
         generated = time.perf_counter() - started
         replies = out.replies()
-        texts = [self.tokenizer.decode(r[:-1] if e else r) for r, e in zip(replies, out.ended.tolist())]
+        texts = [
+            self.tokenizer.decode(r[:-1] if e else r) for r, e in zip(replies, out.ended.tolist())
+        ]
         rows_fields = []  # each completion's row: the prompt's fields and its length
         for i, f in enumerate(prompts.fields):
             for j in range(n):
@@ -378,15 +376,21 @@ class GRPORecipeFSDP2:
         tokens = float(out.lengths.sum())
         return groups, {"generation_s": generated, "scoring_s": scored, "tokens": tokens}
 
-    def micro_batches(self, groups: list[RolloutBatch]) -> list[RolloutBatch]:
-        """One optimizer step's groups in gradient_accumulation_steps micro-batches."""
+    def micro_batches(self, groups: list[dict]) -> list[RolloutBatch]:
+        """One optimizer step's groups in gradient_accumulation_steps micro-batches, each
+        its groups' completions as rows (a group never split)."""
         size = len(groups) // self.accumulation
-        return [
-            RolloutBatch.join(groups[i * size : (i + 1) * size]) for i in range(self.accumulation)
-        ]
+        batches = []
+        for part in (groups[i * size : (i + 1) * size] for i in range(self.accumulation)):
+            batches.append(RolloutBatch.of_rollouts(
+                [g["prompt_ids"] for g in part for _ in g["completions"]],
+                [c for g in part for c in g["completions"]],
+                torch.cat([g["advantages"] for g in part]),
+            ))  # fmt: skip
+        return batches
 
     @torch.no_grad()
-    def with_logps(self, rollouts: list[RolloutBatch]) -> None:
+    def with_logps(self, batches: list[RolloutBatch]) -> None:
         """Each group's log-probs the loss reads besides the policy's own: the policy's at
         generation time (more than one step per generation) and the reference's (a KL
         term), a micro-batch at a time (every rank runs as many forwards)."""
@@ -394,20 +398,22 @@ class GRPORecipeFSDP2:
         if steps == 1 and self.reference is None:
             return
         num_chunks = self.loss_fn.num_chunks
-        for group in rollouts:
-            batch = group.to(self.device)
+        for batch in batches:
+            placed = batch.to(self.device)
             if steps > 1:
                 with self.plan.autocast():
-                    group.old_logps = token_logps(
-                        self.model, batch.input_ids, batch.labels, num_chunks
-                    )[0].cpu()
+                    batch.old_logps = token_logps(
+                        self.model, placed.input_ids, placed.labels, num_chunks
+                    )[0]
             if self.reference is not None:
-                group.ref_logps = self.reference.tokens(batch).cpu()
+                batch.ref_logps = self.reference.tokens(placed)
 
     def compute_loss(self, batch: RolloutBatch):
         """One micro-batch of completions: the policy's log-probs (with a gradient) and
         the GRPO loss summed over its units (+ the metrics' sums)."""
-        logps, output = token_logps(self.model, batch.input_ids, batch.labels, self.loss_fn.num_chunks)
+        logps, output = token_logps(
+            self.model, batch.input_ids, batch.labels, self.loss_fn.num_chunks
+        )
         mask = batch.completion_mask()
         loss, metrics = self.loss_fn(
             logps, batch.old_logps, batch.ref_logps, batch.advantages.to(logps.device), mask,
@@ -423,7 +429,9 @@ class GRPORecipeFSDP2:
         limit = self.cfg.generation.max_completion_length
         raw = torch.cat([g["raw"] for g in groups])
         total = torch.cat([g["total"] for g in groups])
-        lengths = torch.tensor([len(c) for g in groups for c in g["completions"]], dtype=torch.float)
+        lengths = torch.tensor(
+            [len(c) for g in groups for c in g["completions"]], dtype=torch.float
+        )
         ended = torch.cat([g["ended"] for g in groups])
         sums = {
             "completions": len(total), "groups": len(groups),

@@ -295,12 +295,15 @@ class TrainingRun:
     def log_due(self) -> bool:
         return self.due(self.cfg.log_every_n_steps) or self.step == self.cfg.max_steps
 
-    def log_train(self, sums, count, grad_norm: float) -> None:
+    def log_train(
+        self, sums, count, grad_norm: float, more: dict[str, float] | None = None
+    ) -> None:
         """Log a step: loss and sums per unit over all ranks (a collective), lr, grad norm,
-        throughput, peak memory, tokens seen, epoch."""
+        throughput, peak memory, tokens seen, epoch; and the recipe's `more` metrics."""
         metrics = train_step_metrics(
             self.groups, sums, count, grad_norm, self.lr_scheduler, self.meter
         )
+        metrics.update(more or {})
         metrics["tokens_seen"] = self.progress.tokens_seen
         metrics["epoch"] = self.progress.epoch
         self.loggers.log(self.step, metrics)
