@@ -199,6 +199,27 @@ def reference_kind(cfg: GRPOConfig) -> str:
     return "adapters_off" if cfg.peft.method != "none" else "frozen_copy"
 
 
+@dataclass
+class Group:
+    """One prompt's completions (num_generations of them), as generated and scored."""
+
+    prompt_ids: list[int]
+    prompt: str  # the prompt's text, as the rewards see it
+    id: str  # its row's id
+    completions: list[list[int]]  # each one's tokens, its end token included
+    texts: list[str]  # as the rewards read them
+    raw: torch.Tensor  # [n, rewards]: each reward function's value
+    total: torch.Tensor  # [n]: their weighted sum
+    ended: torch.Tensor  # [n]: reached an end token
+    entropy: torch.Tensor  # [n]: the mean entropy of its tokens' distributions
+    advantages: torch.Tensor | None = None  # [n], once every group is in (`set_advantages`)
+
+    @property
+    def zero_variance(self) -> bool:
+        """Every completion got the same reward: the group carries no signal."""
+        return bool((self.total == self.total[0]).all())
+
+
 class GRPORecipeFSDP2:
     def __init__(self, cfg: GRPOConfig) -> None:
         self.cfg = cfg
@@ -300,92 +321,102 @@ class GRPORecipeFSDP2:
         and the log-probs the loss reads, as each optimizer step's micro-batches; and the
         generation's metrics (over all ranks)."""
         gen = self.cfg.generation
-        step = self.run.step
-        started = time.perf_counter()
-        prompts = next(self.prompts)
-        groups, made = self.sample_groups(prompts, step, f"step {step}")
-        for round_ in range(gen.dynamic_sampling):  # DAPO: replace the groups of no signal
-            flat = [i for i, g in enumerate(groups) if g["zero_variance"]]
-            if not flat:
+        step, started = self.run.step, time.perf_counter()
+        groups, made = self.sample_groups(next(self.prompts), f"step {step}")
+        for round_ in range(1, gen.dynamic_sampling + 1):  # DAPO: replace groups of no signal
+            flat = [i for i, g in enumerate(groups) if g.zero_variance]
+            # every rank takes part in each round (its parameters are gathered together)
+            if not self.groups.sum({"flat": torch.tensor(len(flat))}, over="dp")["flat"]:
                 break
-            extra = next(self.prompts)
-            more, extra_made = self.sample_groups(
-                extra.take(len(flat)), step, f"step {step} round {round_ + 1}"
-            )
+            extra = next(self.prompts).take(len(flat))
+            more, extra_made = self.sample_groups(extra, f"step {step} round {round_}")
             for index, group in zip(flat, more):
                 groups[index] = group
             made = {k: made[k] + extra_made[k] for k in made}
-        timing = {"time/generation": made["generation_s"], "time/scoring": made["scoring_s"]}
+        self.set_advantages(groups)
         per_step = len(groups) // gen.steps_per_generation
         steps = [self.micro_batches(groups[k * per_step : (k + 1) * per_step])
                  for k in range(gen.steps_per_generation)]  # fmt: skip
         self.with_logps([batch for batches in steps for batch in batches])
         self.write_samples(step, groups)
         metrics = self.rollout_metrics(groups, made)
-        metrics.update(timing)
+        metrics["time/generation"], metrics["time/scoring"] = (
+            made["generation_s"],
+            made["scoring_s"],
+        )
         metrics["time/rollout"] = time.perf_counter() - started
         return steps, metrics
 
-    def sample_groups(self, prompts: PromptBatch, step: int, when: str):
-        """num_generations completions of each prompt, scored, with their advantages: one
-        dict per prompt; and the time and tokens it took."""
+    def sample_groups(self, prompts: PromptBatch, when: str) -> tuple[list[Group], dict]:
+        """num_generations completions of each prompt, scored: a Group per prompt; and
+        the time and tokens it took. Each completion's draws are keyed by the run's seed,
+        `when`, the prompt's id and its index in the group."""
         cfg, gen = self.cfg, self.cfg.generation
         n = gen.num_generations
         rows = [ids for ids in prompts.prompt_ids for _ in range(n)]
-        keys = [
-            f"seed {cfg.seed} {when} prompt {pid} sample {j}"
-            for pid in prompts.ids
-            for j in range(n)
-        ]
+        keys = [f"seed {cfg.seed} {when} prompt {pid} sample {j}"
+                for pid in prompts.ids for j in range(n)]  # fmt: skip
         started = time.perf_counter()
         with self.plan.gathered() as model:  # one all-gather for the whole phase
             model.eval()
-            out = generate(
-                model, rows, gen.max_completion_length, self.sampling, self.end_ids,
-                Draws.keyed(keys, gen.max_completion_length),
-            )  # fmt: skip
+            out = None
+            if rows:
+                out = generate(
+                    model, rows, gen.max_completion_length, self.sampling, self.end_ids,
+                    Draws.keyed(keys, gen.max_completion_length),
+                )  # fmt: skip
             model.train()
         generated = time.perf_counter() - started
-        replies = out.replies()
-        texts = [
-            self.tokenizer.decode(r[:-1] if e else r) for r, e in zip(replies, out.ended.tolist())
-        ]
-        rows_fields = []  # each completion's row: the prompt's fields and its length
-        for i, f in enumerate(prompts.fields):
-            for j in range(n):
-                rows_fields.append({**f, "completion_tokens": len(replies[i * n + j])})
+        if out is None:
+            return [], {"generation_s": generated, "scoring_s": 0.0, "tokens": 0.0}
+        replies, ended = out.replies(), out.ended.cpu()
+        texts = [self.tokenizer.decode(r[:-1] if e else r) for r, e in zip(replies, ended.tolist())]
+        fields = [{**prompts.fields[i // n], "completion_tokens": len(r)}
+                  for i, r in enumerate(replies)]  # fmt: skip
         scoring = time.perf_counter()
         raw = score_completions(
-            self.rewards, [p for p in prompts.prompts for _ in range(n)], texts, rows_fields,
+            self.rewards, [p for p in prompts.prompts for _ in range(n)], texts, fields,
             [i for i in prompts.ids for _ in range(n)],
         )  # fmt: skip
-        total = raw @ self.weights
         scored = time.perf_counter() - scoring
-        advantages = group_advantages(total, n, self.loss_fn.scale_rewards)
         entropy = (out.entropy.sum(dim=1) / out.lengths.clamp(min=1)).cpu()
         groups = []
         for i, prompt_ids in enumerate(prompts.prompt_ids):
             part = slice(i * n, (i + 1) * n)
-            groups.append({
-                "prompt_ids": prompt_ids, "prompt": prompts.prompts[i], "id": prompts.ids[i],
-                "completions": replies[part], "texts": texts[part], "raw": raw[part],
-                "total": total[part], "advantages": advantages.advantages[part],
-                "zero_variance": bool(advantages.zero_variance[i]),
-                "ended": out.ended[part].cpu(), "entropy": entropy[part],
-            })  # fmt: skip
+            groups.append(Group(
+                prompt_ids, prompts.prompts[i], prompts.ids[i], replies[part], texts[part],
+                raw[part], raw[part] @ self.weights, ended[part], entropy[part],
+            ))  # fmt: skip
         tokens = float(out.lengths.sum())
         return groups, {"generation_s": generated, "scoring_s": scored, "tokens": tokens}
 
-    def micro_batches(self, groups: list[dict]) -> list[RolloutBatch]:
+    def set_advantages(self, groups: list[Group]) -> None:
+        """Each completion's advantage: its reward minus its group's mean, divided by the
+        group's std (`scale_rewards: group`), by the std of every rank's rewards (`batch`),
+        or not at all (`none`, Dr. GRPO)."""
+        n, scale = self.cfg.generation.num_generations, self.loss_fn.scale_rewards
+        total = torch.cat([g.total for g in groups])
+        found = group_advantages(total, n, "none" if scale == "batch" else scale)
+        advantages = found.advantages
+        if scale == "batch":  # the std over every rank's rewards, as TRL's
+            sums = self.groups.sum({"n": torch.tensor(float(len(total))), "sum": total.sum(),
+                                    "sq": (total.double() ** 2).sum()}, over="dp")  # fmt: skip
+            mean = sums["sum"] / sums["n"]
+            variance = (sums["sq"] - sums["n"] * mean**2) / max(sums["n"] - 1, 1)
+            advantages = advantages / (max(variance, 0.0) ** 0.5 + 1e-4)
+        for i, group in enumerate(groups):
+            group.advantages = advantages[i * n : (i + 1) * n]
+
+    def micro_batches(self, groups: list[Group]) -> list[RolloutBatch]:
         """One optimizer step's groups in gradient_accumulation_steps micro-batches, each
         its groups' completions as rows (a group never split)."""
         size = len(groups) // self.accumulation
         batches = []
         for part in (groups[i * size : (i + 1) * size] for i in range(self.accumulation)):
             batches.append(RolloutBatch.of_rollouts(
-                [g["prompt_ids"] for g in part for _ in g["completions"]],
-                [c for g in part for c in g["completions"]],
-                torch.cat([g["advantages"] for g in part]),
+                [g.prompt_ids for g in part for _ in g.completions],
+                [c for g in part for c in g.completions],
+                torch.cat([g.advantages for g in part]),
             ))  # fmt: skip
         return batches
 
@@ -422,25 +453,23 @@ class GRPORecipeFSDP2:
         return with_router_loss(output, loss, metrics, self.loss_fn.units(mask))
 
     # -- what it logs -----------------------------------------------------------
-    def rollout_metrics(self, groups: list[dict], made: dict[str, float]) -> dict[str, float]:
+    def rollout_metrics(self, groups: list[Group], made: dict[str, float]) -> dict[str, float]:
         """TRL's names, over every rank's completions: reward (mean, and the mean of the
         groups' std), each reward's mean and std, the groups without signal, completion
         lengths, how many hit max_completion_length, entropy, generation tokens/s."""
         limit = self.cfg.generation.max_completion_length
-        raw = torch.cat([g["raw"] for g in groups])
-        total = torch.cat([g["total"] for g in groups])
-        lengths = torch.tensor(
-            [len(c) for g in groups for c in g["completions"]], dtype=torch.float
-        )
-        ended = torch.cat([g["ended"] for g in groups])
+        raw = torch.cat([g.raw for g in groups])
+        total = torch.cat([g.total for g in groups])
+        lengths = torch.tensor([len(c) for g in groups for c in g.completions], dtype=torch.float)
+        ended = torch.cat([g.ended for g in groups])
         sums = {
             "completions": len(total), "groups": len(groups),
             "reward": float(total.sum()), "reward_sq": float((total**2).sum()),
-            "reward_std": sum(float(g["total"].std()) for g in groups),
-            "frac_reward_zero_std": sum(g["zero_variance"] for g in groups),
+            "reward_std": sum(float(g.total.std()) for g in groups),
+            "frac_reward_zero_std": sum(g.zero_variance for g in groups),
             "completions/mean_length": float(lengths.sum()),
             "completions/clipped_ratio": float(((lengths >= limit) & ~ended).sum()),
-            "entropy": float(torch.cat([g["entropy"] for g in groups]).sum()),
+            "entropy": float(torch.cat([g.entropy for g in groups]).sum()),
             "generation_tokens": made["tokens"], "generation_s": made["generation_s"],
         }  # fmt: skip
         for i, reward in enumerate(self.rewards):
@@ -465,7 +494,7 @@ class GRPORecipeFSDP2:
         )
         return out
 
-    def write_samples(self, step: int, groups: list[dict]) -> None:
+    def write_samples(self, step: int, groups: list[Group]) -> None:
         """samples.every_n_steps: rank 0's first `count` completions to samples.jsonl
         (prompt, completion, each reward, total), `show` of them on the console."""
         cfg = self.cfg.samples
@@ -473,11 +502,11 @@ class GRPORecipeFSDP2:
             return
         records = []
         for group in groups:
-            for j, text in enumerate(group["texts"]):
-                rewards = {r.name: float(group["raw"][j, i]) for i, r in enumerate(self.rewards)}
-                records.append({"step": step, "id": group["id"], "prompt": group["prompt"],
+            for j, text in enumerate(group.texts):
+                rewards = {r.name: float(group.raw[j, i]) for i, r in enumerate(self.rewards)}
+                records.append({"step": step, "id": group.id, "prompt": group.prompt,
                                 "completion": text, "rewards": rewards,
-                                "reward": float(group["total"][j])})  # fmt: skip
+                                "reward": float(group.total[j])})  # fmt: skip
         records = records[: cfg.count]
         with open(Path(self.cfg.output_dir) / "samples.jsonl", "a") as f:
             for record in records:

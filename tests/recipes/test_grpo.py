@@ -1,0 +1,157 @@
+"""grpo_fsdp2 through the CLI: LoRA GRPO of an HF folder with a reward from the user's own
+module, exported for PEFT; a reward that raises is named with its row; validate refuses
+what the run refuses; estimate counts the generation phase; 2 processes (fsdp, and tp 2)
+give 1 process's rollouts, rewards and losses; a resume, at another world size too,
+repeats the uninterrupted run."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.conftest import flat, one_paragraph, run_freetx, run_freetx_here
+from tests.hf_folders import make_folder, make_tokenizer
+
+JSONL = "metric_loggers=[{_component_: freetx.loggers.JSONLLogger}]"
+# a randomly initialized tiny decoder (seed 0) samples bytes; a completion is rewarded when
+# it holds a vowel, which some of a group's do and some do not: advantages that are not 0
+VOWEL = "rewards=[{_component_: freetx.training.RegexFormat, pattern: '(?s).*[aeiou].*'}]"
+RANDOM = ["model_dir=null", "dataset.num_builtin_examples=400", "eval.every_n_steps=0",
+          "eval.max_batches=1", "eval.batch_size=8", "log_every_n_steps=1",
+          "checkpoint.every_n_steps=0", "batch_size=4", "generation.num_generations=4",
+          "generation.max_completion_length=8", "samples.every_n_steps=0",
+          "lr_schedule.warmup_steps=0", "optimizer.lr=1e-2", VOWEL, JSONL]  # fmt: skip
+
+
+def metrics(output_dir) -> dict[int, dict]:
+    """step -> the training step's logged metrics."""
+    rows = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r for r in rows if "loss" in r}
+
+
+def grpo(tmp_path, name, *overrides, nproc=1, config="llm/grpo_tiny", env=None):
+    out = tmp_path / name
+    args = ["run"] + (["--nproc-per-node", str(nproc)] if nproc > 1 else [])
+    result = run_freetx(*args, "grpo_fsdp2", "--config", config, f"output_dir={out}",
+                        *RANDOM, *overrides, env=env)  # fmt: skip
+    return out, result
+
+
+def ran(pair):
+    out, result = pair
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def hf_prompts(tmp_path_factory):
+    """A tiny Llama-shaped HF folder with a chat template, a prompts file asking for a
+    number of words, and the user's reward module scoring it."""
+    from freetx.data.corpus import builtin_documents
+
+    root = tmp_path_factory.mktemp("grpo_hf")
+    folder = make_folder(root / "llama", "llama3_2")
+    make_tokenizer(folder, builtin_documents()[:20])
+    prompts = root / "prompts.jsonl"
+    with prompts.open("w") as f:
+        for i in range(40):
+            f.write(json.dumps({"prompt": f"Say {i % 4 + 1} words.", "words": i % 4 + 1}) + "\n")
+    module = root / "user" / "my_rewards.py"
+    module.parent.mkdir()
+    module.write_text(
+        "def count_words(prompt, completion, row):\n"
+        "    return -abs(len(completion.split()) - int(row['words']))\n"
+        "def boom(prompt, completion, row):\n"
+        "    raise KeyError('score')\n"
+    )
+    return folder, prompts, module.parent
+
+
+def test_lora_grpo_of_an_hf_folder_with_the_users_reward_exports_for_peft(tmp_path, hf_prompts):
+    folder, prompts, user = hf_prompts
+    out = tmp_path / "hf_grpo"
+    result = run_freetx(
+        "run", "grpo_fsdp2", "--config", "llm/hf_tiny_grpo", f"model_dir={folder}",
+        f"dataset.source={prompts}", "rewards=[{_component_: my_rewards.count_words}]",
+        "dataset.val_fraction=0.2", f"output_dir={out}", "max_steps=2", "log_every_n_steps=1", "batch_size=2",
+        "generation.num_generations=4", "generation.max_completion_length=12",
+        "eval.every_n_steps=0", "eval.max_batches=1", "eval.batch_size=2",
+        "samples.every_n_steps=1", "checkpoint.every_n_steps=0", JSONL,
+        env={"PYTHONPATH": str(user)},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "reference adapters off" in flat(result.stdout)  # beta 0.04: the base
+    logged = metrics(out)
+    assert set(logged) == {1, 2}
+    for name in ("reward", "rewards/count_words/mean", "kl", "clip_ratio/region_mean",
+                 "completions/mean_length", "entropy", "generation/tokens_per_s",
+                 "time/generation", "time/scoring", "time/training", "frac_reward_zero_std"):  # fmt: skip
+        assert name in logged[2], name
+    assert logged[1]["kl"] == pytest.approx(0.0, abs=1e-6)  # the policy is its reference
+    samples = [json.loads(x) for x in (out / "samples.jsonl").read_text().splitlines()]
+    assert {s["step"] for s in samples} == {0, 1} and "count_words" in samples[0]["rewards"]
+    adapter = json.loads((out / "export" / "peft" / "adapter_config.json").read_text())
+    assert adapter["r"] == 16
+
+
+def test_a_reward_that_raises_is_named_with_its_row(tmp_path, hf_prompts):
+    _, _, user = hf_prompts
+    out, result = grpo(tmp_path, "boom", "max_steps=1",
+                       "rewards=[{_component_: my_rewards.boom}]", env={"PYTHONPATH": str(user)})  # fmt: skip
+    text = one_paragraph(result)
+    assert "boom" in text and "builtin prompt" in text and "KeyError" in text
+
+
+@pytest.mark.parametrize(
+    "overrides, says",
+    [
+        (["distributed.cp=2"], "the KV cache holds no context shard"),
+        (["distributed.pp=2"], "a pipeline would generate one token per pass"),
+        (["generation.steps_per_generation=3"], "not a multiple of generation.steps_per_generation"),
+        (["dataset._component_=freetx.data.InstructDataset", "~dataset.tasks"], "generates from prompts"),
+        (["loss.aggregation=dapo"], "did you mean 'token'"),
+        (["generation.top_p=1.5"], "top_p"),
+        (["rewards=[{_component_: freetx.training.ExactMatch, weight: 1, wieght: 2}]"], "wieght"),
+    ],
+)
+def test_validate_refuses_what_the_run_refuses(overrides, says):
+    result = run_freetx_here("validate", "llm/grpo_tiny", "model_dir=null", *overrides)
+    assert result.returncode != 0
+    assert says in flat(result.stdout + result.stderr)
+
+
+def test_estimate_counts_the_generation_phase():
+    result = run_freetx_here("estimate", "llm/grpo_tiny", "model_dir=null", "dataset.max_prompt_len=48",
+                             "--world-size", "2", "--device", "cpu")  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "generation" in result.stdout.splitlines()[1]
+    assert "8 prompts x 8 completions x 64 tokens" in result.stdout
+    assert "the KV cache of 64 completions per rank" in flat(result.stdout)
+
+
+@pytest.mark.slow  # 3 runs of 3 steps on 1, 2 and 2 processes
+def test_two_processes_fsdp_and_tp2_give_one_process_rollouts_and_losses(tmp_path):
+    one = metrics(ran(grpo(tmp_path, "one", "max_steps=3")))
+    fsdp = metrics(ran(grpo(tmp_path, "fsdp", "max_steps=3", nproc=2)))
+    tp = metrics(ran(grpo(tmp_path, "tp", "max_steps=3", "distributed.tp=2", nproc=2)))
+    assert 0 < one[1]["frac_reward_zero_std"] < 1 or 0 < one[2]["frac_reward_zero_std"] < 1
+    for step in (1, 2, 3):
+        for name, other in (("fsdp", fsdp), ("tp 2", tp)):
+            for key in ("reward", "completions/mean_length", "loss"):
+                assert abs(other[step][key] - one[step][key]) <= 1e-5, (name, step, key)
+
+
+@pytest.mark.slow  # 3 runs: 4 steps straight, 2 + a resume to 4 on 1 process
+def test_a_resume_at_another_world_size_repeats_the_uninterrupted_run(tmp_path):
+    # two optimizer steps per generation (the ratio to the generation's log-probs) and a KL
+    # term to a frozen copy of the initial weights: everything a resume must restore
+    more = ["generation.steps_per_generation=2", "loss.beta=0.1", "checkpoint.every_n_steps=2"]
+    straight = metrics(ran(grpo(tmp_path, "straight", "max_steps=4", *more, nproc=2)))
+    ran(grpo(tmp_path, "resumed", "max_steps=2", *more, nproc=2))
+    resumed = metrics(ran(grpo(tmp_path, "resumed", "max_steps=4", *more)))
+    assert set(resumed) >= {3, 4}
+    for step in (3, 4):
+        for key in ("reward", "loss", "kl", "clip_ratio/region_mean"):
+            assert abs(resumed[step][key] - straight[step][key]) <= 1e-5, (step, key)
+    assert straight[2]["kl"] > 0  # the policy moved from its reference
