@@ -19,6 +19,7 @@ from __future__ import annotations
 import random
 import re
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 from freetx.data.corpus import builtin_documents
 from freetx.data.formats import BadRows, Format, check_not_empty, read_split
@@ -71,6 +72,29 @@ def builtin_records(count: int, seed: int) -> list[Record]:
     """The built-in examples as prompt/response records."""
     examples = builtin_examples(count, seed)
     return [Record(f"builtin example {i}", example) for i, example in enumerate(examples)]
+
+
+def builtin_tasks_problem(tasks: Any) -> str | None:
+    """Why a dataset's `tasks` (which built-in tasks it draws) cannot be, and the fix."""
+    if tasks is None:
+        return None
+    unknown = [t for t in tasks if t not in BUILTIN_TASKS] if isinstance(tasks, list) else []
+    if isinstance(tasks, list) and tasks and not unknown:
+        return None
+    return (
+        f"it picks among the built-in tasks {', '.join(BUILTIN_TASKS)}"
+        + (f" ({', '.join(map(str, unknown))} is none of them)" if unknown else "")
+        + "; list some of them, or leave it out for all."
+    )
+
+
+def check_builtin_tasks(source: str, tasks: list[str] | None) -> None:
+    """`tasks` with a source that is not `builtin` is an error (it picks built-in tasks)."""
+    if source != "builtin" and tasks is not None:
+        raise DataError(
+            f"dataset.tasks={tasks!r} picks among the built-in tasks, and dataset.source "
+            f"is {source}; drop dataset.tasks, or set dataset.source=builtin."
+        )
 
 
 def check_builtin_format(format: str | None, columns, name: str, what: str) -> None:

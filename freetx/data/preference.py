@@ -66,7 +66,9 @@ from freetx.data.formats import (
 from freetx.data.instruct import (
     BUILTIN_TASKS,
     builtin_draws,
+    builtin_tasks_problem,
     check_builtin_format,
+    check_builtin_tasks,
     prompt_response_tokens,
 )
 from freetx.data.packing import DataSummary, pack_lengths, packed_sample, positions_taken
@@ -95,12 +97,13 @@ def plausible_wrong(task: str, word: str, rng: random.Random) -> str:
     return rng.choice(rng.choice(kinds))
 
 
-def builtin_pairs(count: int, seed: int) -> list[Record]:
-    """`count` preference records of the built-in tasks: the prompts and right answers of
-    `builtin_examples(count, seed)`, each with a plausible wrong answer rejected."""
+def builtin_pairs(count: int, seed: int, tasks: list[str] | None = None) -> list[Record]:
+    """`count` preference records of the built-in tasks (`tasks`: which; None: all): the
+    prompts and right answers of `builtin_examples(count, seed)`, each with a plausible
+    wrong answer rejected."""
     rng = random.Random(f"rejected {seed}")
     records = []
-    for i, (word, task) in enumerate(builtin_draws(count, seed)):
+    for i, (word, task) in enumerate(builtin_draws(count, seed, tasks)):
         prompt, answer = BUILTIN_TASKS[task]
         fields = {"prompt": prompt.format(w=word), "chosen": answer(word),
                   "rejected": plausible_wrong(task, word, rng)}  # fmt: skip
@@ -109,9 +112,13 @@ def builtin_pairs(count: int, seed: int) -> list[Record]:
 
 
 def preference_problems(values: dict[str, Any]) -> dict[str, str]:
-    """A preference dataset node's settings that no run can have, by key: the split's
-    (`split_problems`) and a max_prompt_len below 1."""
+    """A preference (or prompt) dataset node's settings that no run can have, by key: the
+    split's (`split_problems`), a max_prompt_len below 1, tasks that are no built-in
+    task."""
     found = split_problems(values)
+    tasks_problem = builtin_tasks_problem(values.get("tasks"))
+    if tasks_problem:
+        found["tasks"] = tasks_problem
     limit = values.get("max_prompt_len")
     if limit is not None and (not isinstance(limit, int) or limit < 1):
         found["max_prompt_len"] = (
@@ -156,6 +163,7 @@ class PreferenceDataset(Dataset):
         on_bad_row: str = "error",  # or skip (counted and reported)
         validation_source: str | None = None,  # the validation split, whole
         max_prompt_len: int | None = None,  # prompt tokens kept at most (its end)
+        tasks: list[str] | None = None,  # builtin only: which of its tasks (None: all)
         packed: bool = False,  # several pairs per two sequences (module docstring), by seed
         cache: bool = True,  # tokenized once into the token cache (freetx.data.token_cache)
         cache_dir: str | None = None,
@@ -164,11 +172,10 @@ class PreferenceDataset(Dataset):
         settings = settings_of(locals(), served=("max_prompt_len",))
         self.packed = packed
         check_split(split, val_fraction, seq_len)
-        problems = preference_problems({"max_prompt_len": max_prompt_len})
-        if problems:
-            raise DataError(
-                f"dataset.max_prompt_len={max_prompt_len!r}: {problems['max_prompt_len']}"
-            )
+        values = {"max_prompt_len": max_prompt_len, "tasks": tasks}
+        for key, why in preference_problems(values).items():
+            raise DataError(f"dataset.{key}={values[key]!r}: {why}")
+        check_builtin_tasks(source, tasks)
         if source == "builtin":
             check_builtin_format(format, columns, "preference", "preference pairs")
         fmt = Format.of(format, columns, "PreferenceDataset", READS, "preference")
@@ -181,7 +188,7 @@ class PreferenceDataset(Dataset):
         def encode() -> Iterable[Encoded]:
             """Every pair of the split encoded (on a cache miss): prompt, chosen, rejected."""
             records = (
-                builtin_pairs(num_builtin_examples, seed)
+                builtin_pairs(num_builtin_examples, seed, tasks)
                 if source == "builtin"
                 else read_records(source, fmt.record_columns)
             )

@@ -43,7 +43,12 @@ from freetx.data.formats import (
     encode_rows,
     read_split,
 )
-from freetx.data.instruct import BUILTIN_TASKS, builtin_draws, check_builtin_format
+from freetx.data.instruct import (
+    BUILTIN_TASKS,
+    builtin_draws,
+    check_builtin_format,
+    check_builtin_tasks,
+)
 from freetx.data.packing import DataSummary
 from freetx.data.preference import preference_problems
 from freetx.data.sampling import check_split, split_of
@@ -66,20 +71,7 @@ def builtin_prompts(count: int, seed: int, tasks: list[str] | None = None) -> li
     return records
 
 
-def prompt_problems(values: dict[str, Any]) -> dict[str, str]:
-    """A prompt dataset node's settings that no run can have, by key: the split's, a
-    max_prompt_len below 1 (`preference_problems`), and tasks that are no built-in task."""
-    found = preference_problems(values)
-    tasks = values.get("tasks")
-    if tasks is not None:
-        unknown = [t for t in tasks if t not in BUILTIN_TASKS] if isinstance(tasks, list) else []
-        if not isinstance(tasks, list) or not tasks or unknown:
-            found["tasks"] = (
-                f"it picks among the built-in tasks {', '.join(BUILTIN_TASKS)}"
-                + (f" ({', '.join(map(str, unknown))} is none of them)" if unknown else "")
-                + "; list some of them, or leave it out for all."
-            )
-    return found
+prompt_problems = preference_problems  # the split's, max_prompt_len, tasks
 
 
 @dataclass(frozen=True)
@@ -149,13 +141,9 @@ class PromptDataset(Dataset):
         values = {"max_prompt_len": max_prompt_len, "tasks": tasks}
         for key, why in prompt_problems(values).items():
             raise DataError(f"dataset.{key}={values[key]!r}: {why}")
+        check_builtin_tasks(source, tasks)
         if source == "builtin":
             check_builtin_format(format, columns, "prompt", "prompts")
-        elif tasks is not None:
-            raise DataError(
-                f"dataset.tasks={tasks!r} picks among the built-in tasks, and dataset.source "
-                f"is {source}; drop dataset.tasks, or set dataset.source=builtin."
-            )
         fmt = Format.of(format, columns, "PromptDataset", READS, "prompt")
         source, rule = split_of(source, validation_source, split, val_fraction, seed)
         self.bad_rows = BadRows(on_bad_row, source, split)

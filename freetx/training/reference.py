@@ -83,7 +83,9 @@ class _ReferenceModel:
     plan: ParallelPlan
 
     def __call__(self, batch: PreferenceBatch) -> SequenceLogProbs:
-        return self.run(lambda model: batch_logps(model, batch, self.num_chunks, self.plan.groups)[0])
+        return self.run(
+            lambda model: batch_logps(model, batch, self.num_chunks, self.plan.groups)[0]
+        )
 
     def tokens(self, batch: TokenBatch) -> torch.Tensor:
         """[B, T] each label's log-probability (0 where it is ignored)."""

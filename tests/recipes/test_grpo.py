@@ -108,8 +108,14 @@ def test_a_reward_that_raises_is_named_with_its_row(tmp_path, hf_prompts):
     [
         (["distributed.cp=2"], "the KV cache holds no context shard"),
         (["distributed.pp=2"], "a pipeline would generate one token per pass"),
-        (["generation.steps_per_generation=3"], "not a multiple of generation.steps_per_generation"),
-        (["dataset._component_=freetx.data.InstructDataset", "~dataset.tasks"], "generates from prompts"),
+        (
+            ["generation.steps_per_generation=3"],
+            "not a multiple of generation.steps_per_generation",
+        ),
+        (
+            ["dataset._component_=freetx.data.InstructDataset", "~dataset.tasks"],
+            "generates from prompts",
+        ),
         (["loss.aggregation=dapo"], "did you mean 'token'"),
         (["generation.top_p=1.5"], "top_p"),
         (["rewards=[{_component_: freetx.training.ExactMatch, weight: 1, wieght: 2}]"], "wieght"),
