@@ -112,6 +112,7 @@ class RolloutEvalConfig:
     batch_size: int = at_least(1, default=32)  # validation prompts per batch, over all ranks
     max_batches: Optional[int] = at_least(1, default=None)  # of those; None: all
     temperature: float = at_least(0, default=0.0)  # 0: greedy
+    before_training: bool = True  # also at step 0 (every_n_steps > 0): where it starts
 
 
 @dataclass
@@ -270,10 +271,11 @@ class GRPORecipeFSDP2:
         self.sampling = Sampling(gen.temperature, gen.top_k, gen.top_p)
         folder = [] if cfg.model_dir is None else end_token_ids(cfg.model_dir)
         self.end_ids = [self.tokenizer.eos_id, *(i for i in folder if i != self.tokenizer.eos_id)]
-        # every rank's prompts for one generation: batch_size x steps_per_generation
+        # this rank's share of each optimizer step's prompts (a generation takes
+        # steps_per_generation of them: the same prompts per step at any world size)
         self.prompt_loader = build_train_loader(
-            train_set, cfg.batch_size * gen.steps_per_generation, 1, rank, world_size,
-            cfg.seed, num_workers=cfg.num_workers, collate=collate_prompts,
+            train_set, cfg.batch_size, 1, rank, world_size, cfg.seed,
+            num_workers=cfg.num_workers, collate=collate_prompts,
         )  # fmt: skip
         self.val_loader = build_eval_loader(
             val_set, cfg.eval.batch_size, rank, world_size, collate_prompts
@@ -293,6 +295,8 @@ class GRPORecipeFSDP2:
     # -- the loop ---------------------------------------------------------------
     def train(self) -> None:
         cfg, run = self.cfg, self.run
+        if run.step == 0 and cfg.eval.every_n_steps and cfg.eval.before_training:
+            run.evaluate(self.evaluate)  # the success rate it starts from
         self.model.train()
         while run.step < cfg.max_steps and not run.stopping:  # stopping: SIGTERM, ^C
             steps, metrics = self.rollout()
@@ -322,7 +326,8 @@ class GRPORecipeFSDP2:
         generation's metrics (over all ranks)."""
         gen = self.cfg.generation
         step, started = self.run.step, time.perf_counter()
-        groups, made = self.sample_groups(next(self.prompts), f"step {step}")
+        prompts = PromptBatch.join([next(self.prompts) for _ in range(gen.steps_per_generation)])
+        groups, made = self.sample_groups(prompts, f"step {step}")
         for round_ in range(1, gen.dynamic_sampling + 1):  # DAPO: replace groups of no signal
             flat = [i for i, g in enumerate(groups) if g.zero_variance]
             # every rank takes part in each round (its parameters are gathered together)

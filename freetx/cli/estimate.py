@@ -13,8 +13,7 @@ from pathlib import Path
 # what a preference loss's reference (`PlannedRun.reference`) costs, as the table counts it
 REFERENCE_NOTES = {
     "frozen_copy": "a frozen copy of the model in the compute dtype, sharded like the "
-    "policy (`reference` column), and one more forward per micro-batch in `step s`; "
-    "reference.precompute=true frees it after one pass over the data",
+    "policy (`reference` column), and one more forward per micro-batch in `step s`",
     "adapters_off": "the base with its adapters disabled: no copy, one more forward per "
     "micro-batch in `step s`",
     "precomputed": "its log-probs computed in one pass over the data before training, "
@@ -191,6 +190,8 @@ def _estimate(args: argparse.Namespace) -> int:
               f"cache of {cfg.batch_size // shape.dp * generations} completions per rank and a "
               "step's logits; peak counts the larger phase)")  # fmt: skip
     reference = REFERENCE_NOTES.get(found.planned.reference)
+    if reference and copied and not generations:  # dpo_fsdp2's other choice
+        reference += "; reference.precompute=true frees it after one pass over the data"
     if reference:
         print(f"(reference: {reference})")
     for strategy, reason in refused.items():

@@ -98,6 +98,12 @@ class PromptBatch:
     ids: list[str]
     padding: list[bool] = field(default_factory=list)
 
+    @classmethod
+    def join(cls, batches: list[PromptBatch]) -> PromptBatch:
+        """Batches one after another, as one."""
+        return cls(*([x for b in batches for x in getattr(b, name)]
+                     for name in ("prompt_ids", "prompts", "fields", "ids", "padding")))  # fmt: skip
+
     def take(self, count: int) -> PromptBatch:
         """The first `count` prompts."""
         return PromptBatch(self.prompt_ids[:count], self.prompts[:count], self.fields[:count],

@@ -132,7 +132,7 @@ def test_estimate_counts_the_generation_phase():
                              "--world-size", "2", "--device", "cpu")  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert "generation" in result.stdout.splitlines()[1]
-    assert "8 prompts x 8 completions x 64 tokens" in result.stdout
+    assert "8 prompts x 8 completions x 52 tokens" in result.stdout
     assert "the KV cache of 64 completions per rank" in flat(result.stdout)
 
 

@@ -34,6 +34,7 @@ ESTIMATED = {
     "ad_ddp",
     "crosscoder_fsdp2",
     "dpo_fsdp2",
+    "grpo_fsdp2",
 }
 NOT_ESTIMATED = {"generate"}  # no training
 HEADROOM = 0.9
@@ -41,6 +42,7 @@ HEADROOM = 0.9
 MADE_FIRST = {"llm/hf_tiny_full": "a tiny HF folder (tests write one)",
               "llm/hf_tiny_lora": "a tiny HF folder (tests write one)",
               "llm/hf_tiny_dpo": "a tiny HF folder (tests write one)",
+              "llm/hf_tiny_grpo": "a tiny HF folder (tests write one)",
               "llm/spectrum_tiny": "`freetx spectrum scan`'s selection of runs/llm_tiny"}  # fmt: skip
 # the shapes of the HF models the fine-tuning configs name (their config.json's, public),
 # for the configs that read the shape from `model_dir`
@@ -107,7 +109,8 @@ MODEL_OF = {"llm/llama3_1_8b_full": "Llama-3.1-8B", "llm/llama3_1_8b_lora": "Lla
             "llm/phi4_mini_lora": "Phi-4-mini", "llm/qwen3_30b_a3b_lora": "Qwen3-30B-A3B",
             "llm/mixtral_8x7b_qlora": "Mixtral-8x7B", "llm/gemma2_2b_full": "gemma-2-2b",
             "llm/gemma3_4b_lora": "gemma-3-4b", "llm/llama3_1_8b_dpo_lora": "Llama-3.1-8B",
-            "llm/qwen3_8b_dpo": "Qwen3-8B", "llm/gemma3_4b_dpo_lora": "gemma-3-4b"}  # fmt: skip
+            "llm/qwen3_8b_dpo": "Qwen3-8B", "llm/gemma3_4b_dpo_lora": "gemma-3-4b",
+            "llm/qwen3_8b_grpo": "Qwen3-8B", "llm/llama3_1_8b_grpo_lora": "Llama-3.1-8B"}  # fmt: skip
 # crosscoder configs -> the HF source model of each of their sources (local folders a user has)
 SOURCES_OF = {"crosscoder/gemma2_2b_diff": ["gemma-2-2b", "gemma-2-2b"],
               "crosscoder/gpt2_layers": ["gpt2"]}  # fmt: skip
