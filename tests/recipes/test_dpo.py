@@ -20,7 +20,8 @@ JSONL = "metric_loggers=[{_component_: freetx.loggers.JSONLLogger}]"
 RANDOM = ["model_dir=null", "dataset.num_builtin_examples=400", "eval.every_n_steps=0",
           "eval.max_batches=1", "log_every_n_steps=1", "checkpoint.every_n_steps=0",
           "batch_size=8", "eval.batch_size=8", "lr_schedule.warmup_steps=0",
-          "lr_schedule.decay=constant", JSONL]  # fmt: skip
+          "lr_schedule.decay=constant", "loss.rpo_alpha=null", "optimizer.lr=1e-4", "~dataset.tasks",
+          JSONL]  # fmt: skip
 
 
 def losses(output_dir) -> dict[int, float]:
