@@ -16,6 +16,7 @@ from freetx.training.config import (
     TrainingConfig,
     default_metric_loggers,
 )
+from freetx.training.distillation import DistillationLoss, TeacherTokens, TeacherTopK
 from freetx.training.grad import clip_grad_norm
 from freetx.training.grpo import GroupAdvantages, GRPOLoss, group_advantages
 from freetx.training.lifecycle import TrainingRun, training_state
@@ -60,6 +61,9 @@ __all__ = [
     "build_rewards",
     "score_completions",
     "CrossEntropyLoss",
+    "DistillationLoss",
+    "TeacherTokens",
+    "TeacherTopK",
     "GRPOLoss",
     "GroupAdvantages",
     "PlannedRun",

@@ -1,0 +1,432 @@
+"""Knowledge distillation's loss: the labels' cross-entropy plus a divergence from a
+teacher's distribution, a chunk of tokens at a time through both models' output layers.
+
+A student learns a frozen teacher's next-token distribution (Hinton et al. 2015;
+torchtune's `knowledge_distillation_*`, GKD): `DistillationLoss.output_loss(labels,
+teacher)` is an `OutputLoss` (`freetx.models.OutputLoss`) that the student's forward
+calls with its last hidden states and output layer. The teacher comes either live, as
+its own last hidden states and output layer (`TeacherTokens`: what the teacher's forward
+returns given `output_loss=TeacherTokens`), or precomputed, as its top-k log-probs per
+position (`TeacherTopK`). Neither model's [B, T, vocab] logits are ever whole: each
+chunk of tokens makes both models' logits, upcasts them to float32, and takes that
+chunk's gradients (of the student's hidden states and trained head parameters) at once,
+as `ChunkedCrossEntropy` does, so that nothing of a chunk is kept for backward and the
+teacher's head runs once per step; backward only scales them by the loss's gradient.
+
+Over a head sliced by vocabulary (tensor parallelism, `OutputLayer.vocab`) each rank
+holds its slice of both models' logits (the same entries for both): the log-softmaxes'
+normalizers and the divergences' sums over the vocabulary are reduced over the slices
+(`VocabSlice.max` / `.sum`), as `sliced_cross_entropy` does; no logits are gathered.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import math
+from pathlib import Path
+from typing import Any, NamedTuple, Protocol, runtime_checkable
+
+import torch
+
+from freetx.errors import ConfigError
+from freetx.fields import ReadsFiles, field_problems
+from freetx.models.chunked_loss import (
+    IGNORE_INDEX,
+    chunk_bounds,
+    default_num_chunks,
+    num_chunks_problem,
+    sliced_cross_entropy,
+)
+from freetx.models.protocol import OutputLayer, VocabSlice
+
+# divergence -> what it is (its paper)
+DIVERGENCES = {
+    "forward_kl": "KL(teacher || student), Hinton et al. 2015, torchtune's",
+    "reverse_kl": "KL(student || teacher), MiniLLM, Gu et al. 2024",
+    "jsd": "generalized Jensen-Shannon with beta, GKD, Agarwal et al. 2024",
+}
+# the names users write for them: the did-you-mean of `meaningless`
+OTHER_NAMES = {"kl": "forward_kl", "fkl": "forward_kl", "rkl": "reverse_kl", "gkd": "jsd"}
+
+
+class TeacherTokens(NamedTuple):
+    """A live teacher at each position: its last hidden states [B, T, d_teacher] (no
+    gradient) and its output layer, over the same vocabulary as the student's. A
+    `ProjectsInChunks` teacher's forward returns it given `output_loss=TeacherTokens`.
+    Its `project` is called while the student's loss runs: its weights must be at hand
+    then (under FSDP2, gathered)."""
+
+    hidden: torch.Tensor
+    layer: OutputLayer
+
+
+class TeacherTopK(NamedTuple):
+    """A precomputed teacher: at each position its top-k token ids [B, T, k] (int64) and
+    its log-softmax at temperature 1 for those ids [B, T, k] (float32)."""
+
+    ids: torch.Tensor
+    logps: torch.Tensor
+
+
+class _WholeVocabulary:
+    """The `VocabSlice` of an unsliced head: one slice, the whole vocabulary; nothing to
+    reduce (so that one code path serves both)."""
+
+    start = 0
+
+    def max(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def sum(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+WHOLE_VOCABULARY = _WholeVocabulary()
+
+
+class DistillationLoss:
+    """The distillation loss of a student's tokens, summed over its loss tokens (labels
+    other than `ignore_index`; the recipe divides by the global count):
+
+        ce_weight x cross-entropy of the labels (temperature 1)
+        + kd_weight x T^2 x divergence(teacher, student) at temperature T
+
+    both distributions at `temperature` T (softmax(logits / T)); the divergence per token
+    is multiplied by T^2 (Hinton et al. 2015), which keeps its gradients' scale as T
+    changes. With p the teacher's distribution and q the student's, `divergence`:
+
+        forward_kl  KL(p || q) = sum p (log p - log q), the teacher's mass covered
+                    (torchtune's `ForwardKLLoss` minus the teacher's entropy, which has
+                    no gradient: here 0 where the student is the teacher)
+        reverse_kl  KL(q || p) = sum q (log q - log p), mode-seeking
+        jsd         GKD's generalized Jensen-Shannon divergence (Agarwal et al. 2024),
+                    P the teacher, Q the student, as GKD and TRL write it:
+                    beta KL(P || M) + (1 - beta) KL(Q || M), M = beta P + (1 - beta) Q;
+                    beta in (0, 1) (at 0 and 1 it is 0 for any student; TRL's
+                    beta = 0 and 1 are forward_kl and reverse_kl here)
+
+    A precomputed teacher (`TeacherTopK`, axolotl's kd plugin's semantics) has only its
+    top-k log-probs at temperature 1: the divergence is forward KL over those k ids,
+    sum_k p_k (log p_k - log q_k), with the student's log-softmax over the whole
+    vocabulary at temperature 1 (k = vocabulary size: the live forward KL); reverse_kl,
+    jsd and a temperature other than 1 need the teacher's whole distribution and are
+    refused for it. `num_chunks`: the logits a chunk of tokens at a time (None: by the
+    vocabulary size, `default_num_chunks`).
+    """
+
+    def __init__(
+        self,
+        ce_weight: float = 0.5,
+        kd_weight: float = 0.5,
+        divergence: str = "forward_kl",
+        beta: float = 0.5,
+        temperature: float = 1.0,
+        num_chunks: int | None = None,
+        ignore_index: int = IGNORE_INDEX,
+    ) -> None:
+        self.ce_weight, self.kd_weight, self.divergence = ce_weight, kd_weight, divergence
+        self.beta, self.temperature = beta, temperature
+        self.num_chunks, self.ignore_index = num_chunks, ignore_index
+        problems = field_problems(DistillationLoss, vars(self))
+        if problems:
+            raise ValueError(" ".join(problems))
+
+    @staticmethod
+    def meaningless(values: dict[str, Any]) -> dict[str, str]:
+        """Values the loss would read as something else, by key: why, and the fix
+        (`freetx validate` and every run check a config's `loss:` node with it)."""
+        found = num_chunks_problem(values)
+        for key in ("ce_weight", "kd_weight"):
+            if not values.get(key, 0.5) >= 0:
+                found[key] = "it weighs its term of the loss; set 0 or more (0.5)."
+        if values.get("ce_weight", 0.5) == 0 and values.get("kd_weight", 0.5) == 0:
+            found["kd_weight"] = (
+                "ce_weight and kd_weight are both 0, so the loss is 0 and nothing learns; set "
+                "kd_weight above 0 (0.5), ce_weight too for the labels' cross-entropy."
+            )
+        if not values.get("temperature", 1.0) > 0:
+            found["temperature"] = (
+                "both models' logits are divided by it before the softmax; set a positive "
+                "one (1.0 keeps them; 2.0 softens them)."
+            )
+        kind = values.get("divergence", "forward_kl")
+        beta = values.get("beta", 0.5)
+        if kind not in DIVERGENCES:
+            close = [OTHER_NAMES[str(kind).lower()]] if str(kind).lower() in OTHER_NAMES else []
+            close = close or difflib.get_close_matches(str(kind), DIVERGENCES, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            known = ", ".join(f"{name} ({what})" for name, what in DIVERGENCES.items())
+            found["divergence"] = f"there is no such divergence{hint}; set one of: {known}."
+        if not 0 <= beta <= 1:
+            found["beta"] = (
+                "it is the jsd's mixture weight of the teacher, M = beta P + (1 - beta) Q; set "
+                "one between 0 and 1 (0.5)."
+            )
+        elif kind == "jsd" and beta in (0, 1):
+            same = "forward_kl" if beta == 0 else "reverse_kl"
+            found["beta"] = (
+                f"the jsd at beta {beta} is 0 for any student (TRL's GKD reads it as "
+                f"{same}); set divergence={same}, or a beta between 0 and 1 (0.5)."
+            )
+        return found
+
+    def output_loss(self, labels: torch.Tensor, teacher: TeacherTokens | TeacherTopK):
+        """The `OutputLoss` of a batch: called with the student's last hidden states
+        [B, T, d] and output layer, it returns (total, {"ce": ce_sum, "kd": kd_sum}):
+        the loss summed over the loss tokens, differentiable in the hidden states and
+        the layer's trained parameters, and its two terms' sums (unweighted, kd with
+        its T^2; detached, to log). `labels` [B, T] (`ignore_index` where no loss)."""
+        if isinstance(teacher, TeacherTopK):
+            refused = self.divergence != "forward_kl" or self.temperature != 1
+            if refused:
+                raise ValueError(
+                    f"a precomputed teacher's top-k log-probs (teacher.precompute: top_k) "
+                    f"hold part of its distribution at temperature 1 only, so only "
+                    f"forward_kl at temperature 1 can be taken over them; this loss has "
+                    f"divergence={self.divergence}, temperature={self.temperature}. Set "
+                    "divergence=forward_kl and temperature=1.0, or use the live teacher."
+                )
+            if teacher.ids.shape != teacher.logps.shape or teacher.ids.shape[:2] != labels.shape:
+                raise ValueError(
+                    f"the teacher's top-k ids {tuple(teacher.ids.shape)} and log-probs "
+                    f"{tuple(teacher.logps.shape)} must both be [B, T, k] for labels "
+                    f"{tuple(labels.shape)}: precompute them over the same batches."
+                )
+        elif teacher.hidden.shape[:2] != labels.shape:
+            raise ValueError(
+                f"the teacher's hidden states {tuple(teacher.hidden.shape)} are not [B, T, d] "
+                f"for labels {tuple(labels.shape)}: run the teacher on the student's input ids."
+            )
+        return _OverChunks(self, labels, teacher)
+
+    def divergence_terms(self, log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
+        """Each vocabulary entry's term of the divergence [N, V] (their sum over the
+        vocabulary is the divergence), from the teacher's log-probs `log_p` and the
+        student's `log_q`; 0 where the distribution that weighs it is 0."""
+        p, q = log_p.exp(), log_q.exp()
+        if self.divergence == "forward_kl":
+            return torch.where(p > 0, p * (log_p - log_q), 0.0)
+        if self.divergence == "reverse_kl":
+            return torch.where(q > 0, q * (log_q - log_p), 0.0)
+        log_m = torch.logaddexp(log_p + math.log(self.beta), log_q + math.log(1 - self.beta))
+        teacher = torch.where(p > 0, p * (log_p - log_m), 0.0)
+        student = torch.where(q > 0, q * (log_q - log_m), 0.0)
+        return self.beta * teacher + (1 - self.beta) * student
+
+
+def _log_sum_exp(logits: torch.Tensor, vocab: VocabSlice) -> torch.Tensor:
+    """Each row's log-sum-exp over the whole vocabulary, from this rank's slice [N, V/tp]
+    (no gradient)."""
+    with torch.no_grad():
+        peak = vocab.max(logits.max(dim=-1).values)
+        return peak + vocab.sum((logits - peak[:, None]).exp().sum(dim=-1)).log()
+
+
+class _OverChunks:
+    """`DistillationLoss.output_loss`'s `OutputLoss` (its docstring)."""
+
+    def __init__(self, loss: DistillationLoss, labels, teacher: TeacherTokens | TeacherTopK):
+        self.loss, self.labels, self.teacher = loss, labels, teacher
+
+    def __call__(self, hidden: torch.Tensor, layer: OutputLayer):
+        if isinstance(self.teacher, TeacherTokens):
+            self.check_heads(layer, self.teacher.layer)
+        chunks = self.loss.num_chunks or default_num_chunks(layer.vocab_size)
+        trained = [p for p in layer.parameters if p.requires_grad]
+        if torch.is_grad_enabled() and (hidden.requires_grad or trained):
+            total, ce, kd = _Distillation.apply(hidden, self, layer, chunks, *trained)
+        else:
+            total, ce, kd = self.over_chunks(hidden, layer, chunks, ())[:3]
+        return total, {"ce": ce, "kd": kd}
+
+    @staticmethod
+    def check_heads(student: OutputLayer, teacher: OutputLayer) -> None:
+        """Refuse heads that do not share a vocabulary, or sliced unlike each other."""
+        if student.vocab_size != teacher.vocab_size:
+            raise ValueError(
+                f"the student's head has {student.vocab_size} entries and the teacher's "
+                f"{teacher.vocab_size}: distillation compares their distributions entry by "
+                "entry; pick a teacher over the student's vocabulary (check_same_vocabulary)."
+            )
+        if (student.vocab is None) != (teacher.vocab is None):
+            raise ValueError(
+                "one model's head is sliced by vocabulary (tensor parallelism) and the "
+                "other's is not: slice both heads alike (the same tp plan), so that each rank "
+                "holds the same entries of both models' logits."
+            )
+
+    def over_chunks(self, hidden, layer: OutputLayer, chunks: int, wants):
+        """Each chunk of tokens in turn: both models' logits, upcast; its two terms and,
+        with `wants` (hidden, then the parameters to differentiate), its gradients at
+        once. Returns (total, ce sum, kd sum, gradient of hidden or None, of each
+        parameter)."""
+        loss, vocab = self.loss, layer.vocab or WHOLE_VOCABULARY
+        flat_hidden, flat_labels = hidden.flatten(0, -2), self.labels.flatten()
+        wants_hidden = bool(wants) and wants[0] is hidden
+        params = list(wants[1:] if wants_hidden else wants)
+        grad_hidden = torch.empty_like(flat_hidden) if wants_hidden else None
+        grad_params = [torch.zeros_like(p, dtype=torch.float32) for p in params]
+        ce_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        kd_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        for start, end in chunk_bounds(flat_labels.numel(), chunks):
+            chunk = flat_hidden[start:end].detach().requires_grad_(wants_hidden)
+            inputs = ([chunk] if wants_hidden else []) + params
+            with torch.enable_grad() if wants else torch.no_grad():
+                # a view, not the leaf itself (as in chunked_loss: torch's memory trackers)
+                logits = layer.project(chunk.view_as(chunk)).float()
+            labels = flat_labels[start:end]
+            ce, grad = sliced_cross_entropy(logits.detach(), labels, loss.ignore_index, vocab)
+            kd, grad_kd = self.chunk_divergence(
+                logits.detach(), labels, (start, end), vocab, inputs
+            )
+            ce_sum += ce.sum()
+            kd_sum += kd
+            if inputs:
+                grad = loss.ce_weight * grad + loss.kd_weight * grad_kd
+                grads = torch.autograd.grad(logits, inputs, grad)
+                if wants_hidden:
+                    grad_hidden[start:end] = grads[0]
+                    grads = grads[1:]
+                for summed, g in zip(grad_params, grads):
+                    summed += g
+        total = loss.ce_weight * ce_sum + loss.kd_weight * kd_sum
+        return total, ce_sum, kd_sum, grad_hidden, grad_params
+
+    def chunk_divergence(self, logits, labels, rows, vocab: VocabSlice, differentiate):
+        """A chunk's divergence summed over its loss tokens (flat rows `rows`), times T^2,
+        and, where it will `differentiate`, its gradient in the student's logits (this
+        rank's slice [N, V/tp] float32; else None). The student's normalizer (log-sum-exp)
+        enters as a leaf of its own: its gradient, summed over the slices, adds softmax
+        times it to each slice's (the log-softmax's Jacobian)."""
+        temperature = self.loss.temperature
+        valid = labels != self.loss.ignore_index
+        scaled = (logits / temperature).requires_grad_(bool(differentiate))
+        normalizer = _log_sum_exp(scaled.detach(), vocab).requires_grad_(bool(differentiate))
+        with torch.enable_grad() if differentiate else torch.no_grad():
+            log_q = scaled - normalizer[:, None]
+            terms = self.teacher_terms(log_q, *rows, vocab)
+            per_token = terms.sum(dim=-1) * valid * temperature**2
+            kd = vocab.sum(per_token.detach()).sum()
+            if not differentiate:
+                return kd, None
+            grad_scaled, grad_normalizer = torch.autograd.grad(
+                per_token.sum(), (scaled, normalizer)
+            )
+        with torch.no_grad():
+            softmax = (scaled - normalizer[:, None]).exp()
+            grad = (grad_scaled + vocab.sum(grad_normalizer)[:, None] * softmax) / temperature
+        return kd, grad
+
+    def teacher_terms(self, log_q, start: int, end: int, vocab: VocabSlice) -> torch.Tensor:
+        """The divergence's terms of a chunk against the teacher, on this rank's slice:
+        [N, V/tp] for a live teacher, [N, k] over the top-k ids (those on this slice)."""
+        teacher = self.teacher
+        if isinstance(teacher, TeacherTopK):
+            ids = teacher.ids.flatten(0, 1)[start:end] - vocab.start
+            here = (ids >= 0) & (ids < log_q.shape[-1])
+            log_p = teacher.logps.flatten(0, 1)[start:end].float()
+            p, picked = log_p.exp(), log_q.gather(1, ids.clamp(0, log_q.shape[-1] - 1))
+            return torch.where(here & (p > 0), p * (log_p - picked), 0.0)
+        with torch.no_grad():
+            hidden = teacher.hidden.flatten(0, -2)[start:end]
+            logits = teacher.layer.project(hidden).float() / self.loss.temperature
+            log_p = logits - _log_sum_exp(logits, teacher.layer.vocab or WHOLE_VOCABULARY)[:, None]
+        return self.loss.divergence_terms(log_p, log_q)
+
+
+class _Distillation(torch.autograd.Function):
+    """The chunked loss and, in the same pass, its gradients (the loss's gradient taken as
+    one); backward scales them by the loss's real gradient (a scalar)."""
+
+    @staticmethod
+    def forward(ctx, hidden, over: _OverChunks, layer, chunks, *params):
+        wants = ((hidden,) if ctx.needs_input_grad[0] else ()) + params
+        total, ce, kd, grad_hidden, grad_params = over.over_chunks(hidden, layer, chunks, wants)
+        ctx.mark_non_differentiable(ce, kd)
+        ctx.hidden_shape = hidden.shape
+        ctx.param_dtypes = [p.dtype for p in params]
+        ctx.save_for_backward(
+            grad_hidden if grad_hidden is not None else torch.empty(0), *grad_params
+        )
+        ctx.has_hidden = grad_hidden is not None
+        return total, ce, kd
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_total, _grad_ce, _grad_kd):
+        grad_hidden, *grad_params = ctx.saved_tensors
+        scaled_hidden = None
+        if ctx.has_hidden:
+            scaled_hidden = (grad_hidden * grad_total.to(grad_hidden.dtype)).view(ctx.hidden_shape)
+        scaled = [(g * grad_total).to(dtype) for g, dtype in zip(grad_params, ctx.param_dtypes)]
+        return scaled_hidden, None, None, None, *scaled
+
+
+@runtime_checkable
+class ListsVocabulary(Protocol):
+    """A tokenizer that lists its vocabulary (transformers' and `tokenizers`' do):
+    token -> id."""
+
+    def get_vocab(self) -> dict[str, int]: ...
+
+
+def vocabulary_of(tokenizer: Any) -> dict[str, int] | None:
+    """A tokenizer's token -> id: its own list (`ListsVocabulary`), else the
+    tokenizer.json it was read from (`ReadsFiles`: freetx's `HFTokenizer`), its model's
+    vocabulary and added tokens; None for one with neither (freetx's `ByteTokenizer`)."""
+    if isinstance(tokenizer, ListsVocabulary):
+        return tokenizer.get_vocab()
+    files = tokenizer.files_read if isinstance(tokenizer, ReadsFiles) else []
+    for file in files:
+        if Path(file).name == "tokenizer.json":
+            spec = json.loads(Path(file).read_text(encoding="utf-8"))
+            vocab = spec.get("model", {}).get("vocab", {})
+            if isinstance(vocab, list):  # a Unigram model's [piece, score] pairs
+                vocab = {piece: i for i, (piece, _) in enumerate(vocab)}
+            added = {token["content"]: token["id"] for token in spec.get("added_tokens", [])}
+            return {**vocab, **added}
+    return None
+
+
+def _describe(tokenizer: Any, vocab_size: int) -> str:
+    """A tokenizer as a user named it: its class, its path where it has one, its size."""
+    path = getattr(tokenizer, "path", None)
+    where = f" at {path}" if path else ""
+    return f"{type(tokenizer).__name__}{where} (head: {vocab_size} entries)"
+
+
+def check_same_vocabulary(
+    student_tokenizer: Any, teacher_tokenizer: Any, student_vocab_size: int, teacher_vocab_size: int
+) -> None:
+    """Refuse, before launch, a teacher whose vocabulary is not the student's: their
+    token -> id maps where both tokenizers have one (`vocabulary_of`), else their sizes,
+    and their heads' sizes (distillation compares the two distributions entry by entry,
+    so entry i must be the same token in both)."""
+    tokenizers = (student_tokenizer, teacher_tokenizer)
+    student_vocab, teacher_vocab = (vocabulary_of(t) for t in tokenizers)
+    if student_vocab is not None and teacher_vocab is not None:
+        moved = {t for t, i in student_vocab.items() if teacher_vocab.get(t) != i}
+        moved |= set(teacher_vocab) - set(student_vocab)
+        example = ", ".join(repr(t) for t in sorted(moved)[:3])
+        differ, how = bool(moved), f"{len(moved)} tokens differ (e.g. {example})"
+    else:
+        sizes = [t.vocab_size for t in tokenizers]
+        differ, how = (
+            sizes[0] != sizes[1],
+            f"their vocabularies have {sizes[0]} and {sizes[1]} tokens",
+        )
+    if not differ and student_vocab_size != teacher_vocab_size:
+        differ, how = True, "the tokenizers agree but the models' heads do not"
+    if differ:
+        raise ConfigError(
+            f"the student's tokenizer {_describe(student_tokenizer, student_vocab_size)} and "
+            f"the teacher's {_describe(teacher_tokenizer, teacher_vocab_size)} do not share a "
+            f"vocabulary: {how}. Distillation compares the two models' next-token "
+            "distributions entry by entry, so both must map every token to the same id. "
+            "Pick a teacher of the student's family (the same tokenizer), or point the "
+            "student's tokenizer at the teacher's."
+        )
