@@ -105,6 +105,13 @@ RECIPES: tuple[Recipe, ...] = (
         "policy generating its rollouts; full or LoRA / QLoRA / DoRA",
     ),
     Recipe(
+        name="kd_fsdp2",
+        file="kd_fsdp2.py",
+        configs=("llm/kd_tiny",),
+        description="knowledge distillation: a student learns a frozen teacher's "
+        "distribution (forward / reverse KL, JSD) and the labels; full or LoRA",
+    ),
+    Recipe(
         name="ad_ddp",
         file="ad_ddp.py",
         configs=("ad/darkroom_tiny", "ad/darkroom", "ad/darkroom_ed"),

@@ -21,6 +21,7 @@ from freetx.distributed.parallelize import (
     dtype_named,
     parallelize,
     parallelize_frozen,
+    root_gathered,
     unwrap,
 )
 from freetx.distributed.parameters import (
@@ -59,6 +60,7 @@ __all__ = [
     "dtype_named",
     "fake_world",
     "parallelize_frozen",
+    "root_gathered",
     "frozen_base",
     "fill_parameters",
     "full_norm",

@@ -558,6 +558,22 @@ def parallelize_frozen(
     return model.eval()
 
 
+@contextmanager
+def root_gathered(model: nn.Module):
+    """A frozen FSDP2 model's root unit (its embedding, final norm and head: what is not in
+    a block) kept gathered inside, so that its head can project hidden states outside
+    the model's own forward (a teacher's, in the student's distillation loss); nothing
+    to do for a model that is not sharded."""
+    if not isinstance(model, FSDPModule):
+        yield
+        return
+    model.unshard()
+    try:
+        yield
+    finally:
+        model.reshard()
+
+
 def unwrap(model: nn.Module) -> nn.Module:
     """The model under a DDP wrapper (FSDP2 models are not wrapped)."""
     return model.module if isinstance(model, DistributedDataParallel) else model

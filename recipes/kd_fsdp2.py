@@ -1,0 +1,261 @@
+"""Knowledge distillation: a student decoder learns a frozen teacher's next-token
+distribution and the labels; all of the student's weights, or LoRA / QLoRA / DoRA
+adapters (`peft:`), on FSDP2 / ZeRO / DDP strategies with tp.
+
+    freetx run --nproc-per-node 2 full_finetune_fsdp2 --config llm/kd_teacher_tiny  # the teacher
+    freetx run --nproc-per-node 2 kd_fsdp2 --config llm/kd_tiny
+    freetx run --nproc-per-node 2 kd_fsdp2 --config llm/hf_tiny_kd model_dir=STUDENT teacher_dir=TEACHER
+
+The loop is full_finetune_fsdp2's, top to bottom in `train()`; only the loss differs
+(`Distill`): each micro-batch goes through the teacher first (frozen, sharded like the
+student by `parallelize_frozen`, no gradients or optimizer state), which hands back its
+last hidden states and output layer (`TeacherTokens`); then through the student, whose
+output layer and the teacher's make both models' logits a chunk of tokens at a time
+inside the loss (`freetx.training.DistillationLoss`: ce_weight x cross-entropy +
+kd_weight x forward KL, reverse KL or JSD at a temperature), never two whole
+[batch, seq, vocab] tensors. The teacher and the student must share a vocabulary
+(checked before anything is built). Copy this file (`freetx cp kd_fsdp2 ./my_kd.py`)
+to change the loop itself.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import math
+import sys
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Optional
+
+import torch
+from omegaconf import MISSING
+
+from freetx.checkpoint import files_read_by
+from freetx.config import instantiate
+from freetx.data import (
+    TokenBatch,
+    build_eval_loader,
+    build_train_loader,
+    checked_tokenizer,
+    micro_batch_size,
+    source_names,
+)
+from freetx.distributed import build_groups, init_distributed, parallelize, root_gathered
+from freetx.entry import parse
+from freetx.errors import ConfigError
+from freetx.fields import read_path
+from freetx.models.hf import model_dir_problems
+from freetx.models.peft import PEFTConfig, apply_peft
+from freetx.models.protocol import LMOutput
+from freetx.training import (
+    DistillationLoss,
+    PlannedRun,
+    TeacherTokens,
+    TokenEvalConfig,
+    TrainingConfig,
+    TrainingRun,
+    accumulate_gradients,
+    build_lr_scheduler,
+    check_model_and_data,
+    dataset_seq_len,
+    evaluation_sums,
+    first_batches_padding,
+    loss_tokens,
+    optimizer_step,
+    real_tokens,
+    seed_everything,
+)
+from freetx.training.distillation import check_same_vocabulary
+from freetx.training.loss import with_router_loss
+from freetx.training.reference import FrozenCopy
+
+
+@dataclass
+class TeacherConfig:
+    """The frozen teacher: its model, its weights and its tokenizer (for the vocabulary
+    check: the student's and the teacher's must be the same)."""
+
+    model: Any = MISSING  # a model node, e.g. {_component_: freetx.models.hf_model, path: ...}
+    weights: Optional[str] = read_path(None)  # an HF folder, a run's output_dir, a DCP folder
+    tokenizer: Any = None  # None: the student's
+
+
+@dataclass
+class KDConfig(TrainingConfig):
+    """The schema of this recipe's configs: TrainingConfig's keys, then these."""
+
+    fixed_on_resume: ClassVar[tuple[str, ...]] = (
+        *TrainingConfig.fixed_on_resume, "model", "tokenizer", "dataset", "peft", "teacher",
+        "loss",
+    )  # fmt: skip
+
+    model_dir: Optional[str] = read_path(None)  # the student's HF folder, for ${model_dir}
+    teacher_dir: Optional[str] = read_path(None)  # the teacher's HF folder, for ${teacher_dir}
+    model: Any = MISSING
+    tokenizer: Any = MISSING
+    dataset: Any = MISSING  # built twice: split=train and split=validation
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
+    loss: Any = field(default_factory=lambda: {"_component_": "freetx.training.DistillationLoss"})
+    eval: TokenEvalConfig = field(default_factory=TokenEvalConfig)
+    peft: PEFTConfig = field(default_factory=PEFTConfig)
+
+    meaningless = staticmethod(model_dir_problems)
+
+    def refuse_combinations(self) -> None:
+        """Pipeline parallelism: the teacher's hidden states would have to reach the
+        student's last stage."""
+        if self.distributed.pp > 1:
+            raise ConfigError(
+                f"distributed.pp={self.distributed.pp}: kd_fsdp2 runs no pipeline (the "
+                "teacher's last hidden states are needed where the student's loss is, at its "
+                "last stage).",
+                fix="Use distributed.tp or a sharded strategy instead, with pp=1.",
+            )
+
+    def planned(self) -> PlannedRun:  # the student; the teacher counted as a frozen copy
+        return PlannedRun(self.model, dataset_seq_len(self), self.peft, self.loss)
+
+
+class Distill:
+    """The loss as the SFT recipes call theirs: `loss(model, input_ids, labels, **inputs)`
+    -> (the loss summed over the loss tokens, its parts' sums: ce, kd). The teacher runs
+    first, under no_grad; its head stays gathered while the student's loss projects its
+    hidden states."""
+
+    def __init__(self, loss: DistillationLoss, teacher: FrozenCopy) -> None:
+        self.loss, self.teacher = loss, teacher
+
+    def __call__(self, model, input_ids, labels, **inputs):
+        teacher = self.teacher.run(lambda m: m(input_ids, output_loss=TeacherTokens, **inputs))
+        with root_gathered(self.teacher.model):
+            output = model(input_ids, output_loss=self.loss.output_loss(labels, teacher), **inputs)
+        total, parts = output[0] if isinstance(output, LMOutput) else output
+        return with_router_loss(output, total, dict(parts), (labels != -100).sum())
+
+    evaluate = __call__
+
+
+class KDRecipeFSDP2:
+    def __init__(self, cfg: KDConfig) -> None:
+        self.cfg = cfg
+        self.runtime = init_distributed(cfg.device, cfg.distributed.collective_timeout_s)
+        self.device = self.runtime.device
+        self.accumulation = cfg.gradient_accumulation_steps
+        seed_everything(cfg.seed, self.runtime.rank, cfg.deterministic)
+
+    def setup(self) -> None:
+        cfg = self.cfg
+        cfg.refuse_combinations()
+        self.groups = build_groups(self.runtime, cfg.distributed)
+        rank, world_size = self.groups.dp_rank, self.groups.dp_size
+        self.run = TrainingRun(cfg, self.groups, "kd_fsdp2")
+        micro_batch_size(cfg.batch_size, world_size, self.accumulation)
+        self.tokenizer = checked_tokenizer(instantiate(cfg.tokenizer))
+        teacher_tokenizer = (
+            self.tokenizer if cfg.teacher.tokenizer is None
+            else checked_tokenizer(instantiate(cfg.teacher.tokenizer))
+        )  # fmt: skip
+        train_set = instantiate(cfg.dataset, tokenizer=self.tokenizer, split="train")
+        val_set = instantiate(cfg.dataset, tokenizer=self.tokenizer, split="validation")
+        self.run.report_cuts(train_set, val_set)
+        self.seq_len = train_set.seq_len
+        collate = functools.partial(TokenBatch.collate, source_names=source_names(train_set))
+        self.val_loader = build_eval_loader(val_set, cfg.eval.batch_size, rank, world_size, collate)
+
+        with torch.device("meta"):
+            model = instantiate(cfg.model)
+            teacher_shape = instantiate(cfg.teacher.model)
+        check_model_and_data(model.config, self.tokenizer, self.seq_len)
+        check_model_and_data(teacher_shape.config, teacher_tokenizer, self.seq_len)
+        check_same_vocabulary(
+            self.tokenizer, teacher_tokenizer, model.config.vocab_size,
+            teacher_shape.config.vocab_size,
+        )  # fmt: skip
+        trains = apply_peft(model, cfg.peft, world_size)
+        self.plan = parallelize(
+            model, self.groups, cfg.distributed, seed=cfg.seed,
+            init_weights=not self.run.loads_weights,
+            frozen=self.run.decide_frozen_base(model),
+        )  # fmt: skip
+        self.model = self.plan.model
+        self.optimizer = self.plan.build_optimizer(cfg.optimizer)
+        self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.max_steps, cfg.lr_schedule)
+        distill = instantiate(cfg.loss)
+        teacher = FrozenCopy.build(
+            cfg.teacher.model, self.plan, cfg.seed, cfg.teacher.weights, distill.num_chunks
+        )
+        self.loss_fn = Distill(distill, teacher)
+
+        self.train_loader = build_train_loader(
+            train_set, cfg.batch_size, self.accumulation, rank, world_size, cfg.seed,
+            num_workers=cfg.num_workers, collate=collate,
+        )  # fmt: skip
+        teacher_inputs = {"teacher": cfg.teacher.weights} if cfg.teacher.weights else {}
+        self.run.start(
+            self.plan, self.optimizer, self.lr_scheduler, self.train_loader,
+            tokens_per_sample=self.seq_len, seq_len=self.seq_len,
+            inputs={**teacher_inputs, **files_read_by(tokenizer=self.tokenizer, dataset=train_set)},
+            train_sequences=len(train_set), padding=first_batches_padding(self.train_loader),
+            teacher=cfg.teacher.weights or f"random (seed {cfg.seed})",
+            activation_checkpointing=cfg.distributed.activation_checkpointing, trains=trains,
+        )  # fmt: skip
+
+    def train(self) -> None:
+        cfg, run = self.cfg, self.run
+        data = iter(self.train_loader)
+        self.model.train()
+        while run.step < cfg.max_steps and not run.stopping:  # stopping: SIGTERM, ^C
+            batches = [next(data) for _ in range(self.accumulation)]
+            self.optimizer.zero_grad(set_to_none=True)
+            sums, num_tokens = accumulate_gradients(
+                self.plan, batches, self.compute_loss, count=loss_tokens
+            )
+            grad_norm = optimizer_step(
+                self.plan, self.optimizer, self.lr_scheduler, cfg.max_grad_norm
+            )
+            run.advance(grad_norm, real_tokens(batches, self.groups), loss_tokens=num_tokens)
+            if run.log_due():
+                run.log_train(sums, num_tokens, grad_norm)
+            if run.due(cfg.eval.every_n_steps):
+                run.evaluate(self.evaluate)
+            if run.due(cfg.checkpoint.every_n_steps):
+                run.save()
+        run.finish(self.evaluate)
+
+    def compute_loss(self, batch: TokenBatch):
+        """One micro-batch: the teacher's forward, then the student's with the KD loss."""
+        return self.loss_fn(self.model, batch.input_ids, batch.labels, **batch.model_inputs())
+
+    def evaluate(self) -> dict[str, float]:
+        """The validation loss and its parts per loss token (`val/ce`: the student's
+        cross-entropy of the labels, and its perplexity); every rank takes part."""
+        self.model.eval()
+        sums, tokens = {}, torch.zeros((), device=self.device)
+        rows = self.cfg.batch_size // self.groups.dp_size
+        with torch.no_grad():
+            for batch in itertools.islice(self.val_loader, self.cfg.eval.max_batches):
+                parts, loss_tokens = evaluation_sums(self.plan, batch, self.loss_fn, rows)
+                for name, value in parts.items():
+                    sums[name] = sums.get(name, 0) + value
+                tokens += loss_tokens
+        totals = self.groups.sum({**sums, "tokens": tokens}, over="dp_cp")
+        self.model.train()
+        num_tokens = max(totals.pop("tokens"), 1.0)
+        metrics = {f"val/{name}": value / num_tokens for name, value in totals.items()}
+        metrics["val/perplexity"] = math.exp(min(metrics["val/ce"], 50.0))
+        return metrics
+
+    def cleanup(self) -> None:
+        self.run.close()
+
+
+@parse(KDConfig)
+def recipe_main(cfg: KDConfig) -> None:
+    recipe = KDRecipeFSDP2(cfg)
+    recipe.setup()
+    recipe.train()
+    recipe.cleanup()
+
+
+if __name__ == "__main__":
+    sys.exit(recipe_main())

@@ -1,0 +1,55 @@
+"""kd_fsdp2 through the CLI: 2 processes (fsdp) give 1 process's losses; a teacher of
+another vocabulary is refused before any work, naming both; validate refuses a pipeline."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.conftest import flat, one_paragraph, run_freetx, run_freetx_here
+
+JSONL = "metric_loggers=[{_component_: freetx.loggers.JSONLLogger}]"
+# a random student and a random teacher (seed 0): no teacher run is needed
+RANDOM = ["teacher.weights=null", "dataset.num_builtin_examples=400", "eval.every_n_steps=0",
+          "eval.max_batches=1", "log_every_n_steps=1", "checkpoint.every_n_steps=0",
+          "batch_size=8", "eval.batch_size=8", "lr_schedule.warmup_steps=0", JSONL]  # fmt: skip
+
+
+def logged(output_dir) -> dict[int, dict]:
+    rows = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r for r in rows if "loss" in r}
+
+
+def kd(tmp_path, name, *overrides, nproc=1):
+    out = tmp_path / name
+    args = ["run"] + (["--nproc-per-node", str(nproc)] if nproc > 1 else [])
+    result = run_freetx(*args, "kd_fsdp2", "--config", "llm/kd_tiny", f"output_dir={out}",
+                        *RANDOM, *overrides)  # fmt: skip
+    return out, result
+
+
+def test_a_teacher_of_another_vocabulary_is_refused_naming_both(tmp_path):
+    out, result = kd(tmp_path, "vocab", "max_steps=1", "teacher.model.vocab_size=300")
+    text = one_paragraph(result)
+    assert "259" in text and "300" in text and "ByteTokenizer" in text
+    assert not list(out.glob("checkpoints/step_*"))  # before any work
+
+
+def test_validate_refuses_a_pipeline():
+    result = run_freetx_here("validate", "llm/kd_tiny", "distributed.pp=2")
+    assert result.returncode != 0
+    assert "kd_fsdp2 runs no pipeline" in flat(result.stdout + result.stderr)
+
+
+@pytest.mark.slow  # 2 runs of 3 steps on 1 and 2 processes
+def test_two_processes_give_one_process_losses(tmp_path):
+    one_out, one_result = kd(tmp_path, "one", "max_steps=3")
+    assert one_result.returncode == 0, one_result.stdout[-3000:] + one_result.stderr[-3000:]
+    two_out, two_result = kd(tmp_path, "two", "max_steps=3", nproc=2)
+    assert two_result.returncode == 0, two_result.stdout[-3000:] + two_result.stderr[-3000:]
+    one, two = logged(one_out), logged(two_out)
+    for step in (1, 2, 3):
+        for key in ("loss", "ce", "kd"):
+            assert abs(one[step][key] - two[step][key]) <= 1e-5, (step, key, one, two)
+    assert one[1]["kd"] > 0 and one[3]["loss"] < one[1]["loss"]
