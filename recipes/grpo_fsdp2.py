@@ -362,7 +362,7 @@ class GRPORecipeFSDP2:
         keys = [f"seed {cfg.seed} {when} prompt {pid} sample {j}"
                 for pid in prompts.ids for j in range(n)]  # fmt: skip
         started = time.perf_counter()
-        with self.plan.gathered() as model:  # one all-gather for the whole phase
+        with self.plan.gathered() as model, self.plan.autocast():  # one all-gather
             model.eval()
             out = None
             if rows:
@@ -529,7 +529,7 @@ class GRPORecipeFSDP2:
         cfg = self.cfg
         sampling = Sampling(cfg.eval.temperature, cfg.generation.top_k, cfg.generation.top_p)
         sums: dict[str, Any] = {}
-        with self.plan.gathered() as model:
+        with self.plan.gathered() as model, self.plan.autocast():
             model.eval()
             for batch in itertools.islice(self.val_loader, cfg.eval.max_batches):
                 keys = [f"seed {cfg.seed} validation {i}" for i in batch.ids]
