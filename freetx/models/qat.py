@@ -65,14 +65,14 @@ SCHEMES = {
     INT4_WEIGHT: "int4 weights per group, activations unquantized",
     INT8_DYNAMIC_ACT_INT4_WEIGHT: "int4 weights per group, int8 activations per token",
 }
-# the names torchtune's and torchao's users know a scheme by
+# the names torchtune's and torchao's users know a scheme by (lower case, no underscores;
+# torchao's config classes and torchtune's QAT quantizers without "config" / "qatquantizer")
 KNOWN_AS = {
     "8da4w": INT8_DYNAMIC_ACT_INT4_WEIGHT,
-    "int8_dynamic_activation_int4_weight": INT8_DYNAMIC_ACT_INT4_WEIGHT,
+    "int8dynamicactivationint4weight": INT8_DYNAMIC_ACT_INT4_WEIGHT,
+    "int8dynamicactivationintxweight": INT8_DYNAMIC_ACT_INT4_WEIGHT,
     "int8dynactint4weight": INT8_DYNAMIC_ACT_INT4_WEIGHT,
-    "int8_dynamic_activation_intx_weight": INT8_DYNAMIC_ACT_INT4_WEIGHT,
     "4w": INT4_WEIGHT,
-    "int4_weight_only": INT4_WEIGHT,
     "int4weightonly": INT4_WEIGHT,
 }
 # int4_weight's real kernels take these group sizes: the CPU one (Int4OpaqueTensor) 32, 64
@@ -85,8 +85,8 @@ def scheme_named(name: str) -> str | None:
     key = str(name).lower()
     if key in SCHEMES or key == "none":
         return key
-    flat = key.removesuffix("config").removesuffix("qatquantizer").replace("-", "_")
-    return KNOWN_AS.get(flat) or KNOWN_AS.get(flat.replace("_", ""))
+    flat = key.replace("_", "").replace("-", "").removesuffix("config")
+    return KNOWN_AS.get(flat.removesuffix("qatquantizer"))
 
 
 @dataclass

@@ -198,6 +198,11 @@ def test_a_group_size_that_does_not_divide_a_linear_is_refused_naming_it():
         ({"scheme": "int8_dynamic_activation_int4_weight"}, "scheme", "'int8_dynamic_act_int4"),
         ({"scheme": "int4_weight_only"}, "scheme", "did you mean 'int4_weight'"),
         ({"scheme": "Int4WeightOnlyConfig"}, "scheme", "did you mean 'int4_weight'"),
+        (
+            {"scheme": "Int8DynActInt4WeightQATQuantizer"},
+            "scheme",
+            "'int8_dynamic_act_int4_weight'",
+        ),
         ({"scheme": "int4_wieght"}, "scheme", "did you mean 'int4_weight'"),
         ({"scheme": "int4_weight", "group_size": 256}, "group_size", "32, 64 or 128"),
         ({"scheme": "int8_dynamic_act_int4_weight", "group_size": 48}, "group_size", "power of 2"),
