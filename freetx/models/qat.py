@@ -153,12 +153,12 @@ def real_config(scheme: str, group_size: int, device: torch.device) -> Any:
         import importlib.util
 
         from torchao.quantization import Int4WeightOnlyConfig
+        from torchao.quantization.quantize_.workflows import Int4PackingFormat
 
-        if importlib.util.find_spec("mslk") is None:  # no mslk kernels: tinygemm's format
-            return Int4WeightOnlyConfig(
-                group_size=group_size, int4_packing_format="tile_packed_to_4d"
-            )
-        return Int4WeightOnlyConfig(group_size=group_size)
+        # mslk's kernels take torchao's default (plain) format; without them, tinygemm's
+        plain = importlib.util.find_spec("mslk") is not None
+        packing = Int4PackingFormat.PLAIN if plain else Int4PackingFormat.TILE_PACKED_TO_4D
+        return Int4WeightOnlyConfig(group_size=group_size, int4_packing_format=packing)
     if scheme == INT4_WEIGHT:
         raise ConfigError(
             f"torchao 0.18 has int4 weight-only kernels for CPU and CUDA, not {device.type}; "
@@ -305,3 +305,44 @@ def convert_qat(model: nn.Module, cfg: QATConfig) -> nn.Module:
         filter_fn=lambda m, fqn: isinstance(m, FakeQuantizedLinear),
     )
     return quantize_ptq(model, cfg.scheme, cfg.group_size)
+
+
+# -- export: what transformers loads (its TorchAoConfig) ------------------------------------
+# torchao 0.18 serializes these tensor classes to safetensors (its ALLOWED_TENSORS_SUBCLASSES);
+# the CPU's int4 Int4OpaqueTensor is not among them
+SERIALIZED = ("IntxUnpackedToInt8Tensor", "Int4Tensor", "Int4TilePackedTo4dTensor")
+
+
+def hf_quantization_config(scheme: str, group_size: int, device: torch.device) -> dict[str, Any]:
+    """The `quantization_config` of config.json that makes transformers load a quantized
+    export (`TorchAoConfig` of the config `real_config` gives; the output head and embedding
+    are not quantized, as its default `modules_to_not_convert` has them)."""
+    from transformers import TorchAoConfig
+
+    return TorchAoConfig(real_config(scheme, group_size, device)).to_dict()
+
+
+def flat_quantized(
+    state: dict[str, torch.Tensor],
+) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """A quantized model's state dict (its keys already the exported names) as safetensors'
+    tensors and metadata: each torchao tensor `a.weight` stored as `a._weight_qdata`,
+    `a._weight_scale`, ... and described in the metadata (torchao's format, which
+    transformers reads back)."""
+    from torchao.prototype.safetensors.safetensors_support import flatten_tensor_state_dict
+
+    for name, tensor in state.items():
+        kind = type(tensor).__name__
+        if type(tensor) is not torch.Tensor and kind not in SERIALIZED:
+            raise ConfigError(
+                f"{name} is a torchao {kind}, which torchao {_torchao_version()} cannot write to "
+                "safetensors (the CPU's int4 kernel format). Export int4_weight from a CUDA "
+                f"machine, or train and export {INT8_DYNAMIC_ACT_INT4_WEIGHT} (any device)."
+            )
+    return flatten_tensor_state_dict(state)
+
+
+def _torchao_version() -> str:
+    import torchao
+
+    return torchao.__version__

@@ -18,7 +18,10 @@ from freetx.models.qat import (
     QATLoRALinear,
     apply_qat,
     convert_qat,
+    flat_quantized,
+    hf_quantization_config,
     quantize_ptq,
+    real_config,
     set_fake_quantization,
 )
 from freetx.models.transformer import decoder
@@ -223,3 +226,71 @@ def test_sensible_values_are_accepted():
             field_problems(QATConfig, {"scheme": scheme, "group_size": 64, "start_step": 5}) == []
         )
     assert field_problems(QATConfig, {}) == []
+
+
+def test_a_quantized_state_round_trips_through_safetensors(tmp_path):
+    from safetensors.torch import load_file, save_file
+    from torchao.prototype.safetensors.safetensors_support import unflatten_tensor_state_dict
+
+    model = quantize_ptq(tiny(), "int8_dynamic_act_int4_weight", 32)
+    tensors, metadata = flat_quantized(model.state_dict())
+    save_file(tensors, tmp_path / "model.safetensors", metadata=metadata)
+    state, left = unflatten_tensor_state_dict(load_file(tmp_path / "model.safetensors"), metadata)
+    again = quantize_ptq(tiny(seed=6), "int8_dynamic_act_int4_weight", 32)
+    again.load_state_dict(state, assign=True)
+    with torch.no_grad():
+        assert not left and torch.equal(again(IDS), model(IDS))
+
+
+def test_the_cpu_int4_format_is_refused_for_export_with_the_fix():
+    model = quantize_ptq(tiny(), "int4_weight", 32)
+    with pytest.raises(ConfigError, match="Int4OpaqueTensor.*CUDA machine.*int8_dynamic_act"):
+        flat_quantized(model.state_dict())
+
+
+@pytest.mark.slow
+def test_transformers_loads_an_export_with_the_same_logits(tmp_path):
+    """A Llama quantized by quantize_ptq, written as an export is (flat_quantized and
+    hf_quantization_config), loads in transformers as the same quantized model."""
+    import json
+
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=259, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = quantize_ptq(LlamaForCausalLM(config).eval(), "int8_dynamic_act_int4_weight", 32)
+    tensors, metadata = flat_quantized(model.state_dict())
+    save_file(tensors, tmp_path / "model.safetensors", metadata=metadata)
+    written = config.to_dict() | {
+        "quantization_config": hf_quantization_config(
+            "int8_dynamic_act_int4_weight", 32, torch.device("cpu")
+        )
+    }
+    (tmp_path / "config.json").write_text(json.dumps(written))
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert type(loaded.model.layers[0].mlp.down_proj.weight.data).__name__ == (
+        "IntxUnpackedToInt8Tensor"
+    )
+    with torch.no_grad():
+        assert torch.equal(loaded(IDS).logits, model(IDS).logits)
+
+
+def test_the_real_kernels_are_chosen_by_the_device():
+    from torchao.prototype.quantization.int4 import PrototypeInt4WeightOnlyConfig
+    from torchao.quantization import Int4WeightOnlyConfig, Int8DynamicActivationIntxWeightConfig
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert isinstance(real_config("int4_weight", 64, cpu), PrototypeInt4WeightOnlyConfig)
+    on_cuda = real_config("int4_weight", 64, cuda)
+    assert isinstance(on_cuda, Int4WeightOnlyConfig) and on_cuda.group_size == 64
+    for device in (cpu, cuda):
+        config = real_config("int8_dynamic_act_int4_weight", 64, device)
+        assert isinstance(config, Int8DynamicActivationIntxWeightConfig)
+        assert config.weight_dtype == torch.int4 and config.weight_granularity.group_size == 64
+    exported = hf_quantization_config("int4_weight", 64, cuda)
+    assert exported["quant_method"] == "torchao"
+    assert exported["quant_type"]["default"]["_type"] == "Int4WeightOnlyConfig"
