@@ -270,12 +270,17 @@ def quantize_ptq(model: nn.Module, scheme: str, group_size: int) -> nn.Module:
     """Real quantized weights of `scheme` in the target Linears of a full-precision model, in
     place, for the device its weights are on: post-training quantization (and `convert_qat`'s
     last step). LoRA adapters are merged first. On CUDA, int4_weight casts the model to bf16
-    (tinygemm's kernel computes in bf16)."""
+    (tinygemm's kernel computes in bf16). `scheme` is freetx's name (`scheme_named` turns
+    torchtune's or torchao's into it)."""
     from torchao.quantization import quantize_
 
+    try:  # QATConfig's checks: a scheme that is none of freetx's, a group size torchao refuses
+        QATConfig(scheme=scheme, group_size=group_size)
+    except ValueError as error:
+        raise ConfigError(f"quantize: {error}") from None
     if scheme not in SCHEMES:
         raise ConfigError(
-            f"quantize: there is no scheme {scheme!r}; set one of {', '.join(SCHEMES)}."
+            f"quantize: scheme {scheme} quantizes nothing; set one of {', '.join(SCHEMES)}."
         )
     merge_adapters(model)
     chosen = set(qat_targets(model, group_size))

@@ -294,3 +294,8 @@ def test_the_real_kernels_are_chosen_by_the_device():
     exported = hf_quantization_config("int4_weight", 64, cuda)
     assert exported["quant_method"] == "torchao"
     assert exported["quant_type"]["default"]["_type"] == "Int4WeightOnlyConfig"
+
+
+def test_quantize_ptq_refuses_an_unknown_scheme_with_the_fix():
+    with pytest.raises(ConfigError, match="quantize: 'scheme' is '8da4w'.*did you mean"):
+        quantize_ptq(tiny(), "8da4w", 32)
