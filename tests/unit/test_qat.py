@@ -271,6 +271,8 @@ def test_transformers_loads_an_export_with_the_same_logits(tmp_path):
         )
     }
     (tmp_path / "config.json").write_text(json.dumps(written))
+    on_cuda = hf_quantization_config("int4_weight", 64, torch.device("cuda"))
+    assert on_cuda["quant_type"]["default"]["_type"] == "Int4WeightOnlyConfig"
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     assert type(loaded.model.layers[0].mlp.down_proj.weight.data).__name__ == (
         "IntxUnpackedToInt8Tensor"
@@ -291,9 +293,6 @@ def test_the_real_kernels_are_chosen_by_the_device():
         config = real_config("int8_dynamic_act_int4_weight", 64, device)
         assert isinstance(config, Int8DynamicActivationIntxWeightConfig)
         assert config.weight_dtype == torch.int4 and config.weight_granularity.group_size == 64
-    exported = hf_quantization_config("int4_weight", 64, cuda)
-    assert exported["quant_method"] == "torchao"
-    assert exported["quant_type"]["default"]["_type"] == "Int4WeightOnlyConfig"
 
 
 def test_quantize_ptq_refuses_an_unknown_scheme_with_the_fix():
