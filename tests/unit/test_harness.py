@@ -65,12 +65,10 @@ metric_list:
 """
 
 
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    """A tiny Llama 3.2 folder with spread weights (greedy text that changes token) and a
+def tiny_folder(root, family: str):
+    """A tiny folder of `family` with spread weights (greedy text that changes token) and a
     tokenizer that starts a text with BOS, as Llama 3's does."""
-    root = tmp_path_factory.mktemp("harness")
-    folder = spread_weights(make_folder(root / "base", "llama3_2"), root / "model", std=0.2)
+    folder = spread_weights(make_folder(root / "base", family), root / "model", std=0.2)
     make_tokenizer(folder, TEXTS * 8)
     file = folder / "tokenizer.json"
     tokenizer = json.loads(file.read_text())
@@ -89,19 +87,7 @@ def folder(tmp_path_factory):
     return folder
 
 
-@pytest.fixture(scope="module")
-def tasks(tmp_path_factory):
-    """A folder of two local task YAMLs, their rows in local jsonl files."""
-    root = tmp_path_factory.mktemp("tasks")
-    for name, rows, task in [("mc", MC_ROWS, MC_TASK), ("gen", GEN_ROWS, GEN_TASK)]:
-        data = root / f"{name}.jsonl"
-        data.write_text("".join(json.dumps(row) + "\n" for row in rows))
-        (root / f"{name}.yaml").write_text(task.format(data=data))
-    return root
-
-
-@pytest.fixture(scope="module")
-def models(folder):
+def adapter_and_hflm(folder):
     """(freetx's adapter, lm-eval's HFLM) on the same folder."""
     from lm_eval.models.huggingface import HFLM
 
@@ -116,6 +102,23 @@ def models(folder):
     theirs = HFLM(pretrained=str(folder), batch_size=3, max_length=MAX_LENGTH, device="cpu",
                   dtype="float32")  # fmt: skip
     return ours, theirs
+
+
+@pytest.fixture(scope="module")
+def tasks(tmp_path_factory):
+    """A folder of two local task YAMLs, their rows in local jsonl files."""
+    root = tmp_path_factory.mktemp("tasks")
+    for name, rows, task in [("mc", MC_ROWS, MC_TASK), ("gen", GEN_ROWS, GEN_TASK)]:
+        data = root / f"{name}.jsonl"
+        data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+        (root / f"{name}.yaml").write_text(task.format(data=data))
+    return root
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """(freetx's adapter, lm-eval's HFLM) on a Llama 3.2 folder (freetx's native decoder)."""
+    return adapter_and_hflm(tiny_folder(tmp_path_factory.mktemp("llama"), "llama3_2"))
 
 
 def requests(kind: str, args: list[tuple]) -> list:
@@ -168,6 +171,19 @@ def test_greedy_generations_equal_lm_evals_hf_backend(models):
     hf = theirs.generate_until(requests("generate_until", GENERATIONS))
     assert mine == hf
     assert len(mine[1]) < 20 and "==" not in mine[1]  # cut at a stop string
+
+
+def test_the_generic_hf_path_scores_as_lm_evals_hf_backend(tmp_path):
+    """A family freetx computes through transformers' modules (Granite): the same
+    log-likelihoods and greedy generations."""
+    ours, theirs = adapter_and_hflm(tiny_folder(tmp_path, "granite"))
+    assert "HFGeneric" in type(ours.model).__name__
+    mine = ours.loglikelihood(requests("loglikelihood", PAIRS))
+    hf = theirs.loglikelihood(requests("loglikelihood", PAIRS))
+    assert [logp for logp, _ in mine] == pytest.approx([logp for logp, _ in hf], abs=1e-4)
+    assert ours.generate_until(requests("generate_until", GENERATIONS)) == theirs.generate_until(
+        requests("generate_until", GENERATIONS)
+    )
 
 
 def test_task_scores_equal_lm_evals_hf_backend(models, tasks):
@@ -259,4 +275,3 @@ def test_a_missing_lm_eval_is_refused_naming_the_extra(models, monkeypatch):
     with pytest.raises(ConfigError) as error:
         harness_model(ours.model, ours.tokenizer, "cpu")
     assert "pip install 'freetx[eval]'" in flat(str(error.value))
-
