@@ -263,6 +263,45 @@ def test_two_processes_give_the_results_of_one(models):
     assert results[0][1] == one[1]
 
 
+def score_in_a_process_group(rank: int, folder: str, rendezvous: str, out: str) -> None:
+    """One of two processes of a gloo group: the adapter's results on PAIRS and
+    GENERATIONS, its share gathered over the group harness_model makes."""
+    import torch.distributed as dist
+
+    from freetx.checkpoint import load_model
+    from freetx.data import HFTokenizer
+    from freetx.models.hf import end_token_ids
+
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=2)
+    tokenizer = HFTokenizer(folder)
+    lm = harness_model(load_model(folder, torch.device("cpu")), tokenizer, "cpu", batch_size=3,
+                       max_length=MAX_LENGTH, rank=rank, world_size=2,
+                       end_ids=[*end_token_ids(folder), tokenizer.eos_id])  # fmt: skip
+    results = [lm.loglikelihood(requests("loglikelihood", PAIRS)),
+               lm.generate_until(requests("generate_until", GENERATIONS))]  # fmt: skip
+    with open(f"{out}.{rank}", "w") as file:
+        json.dump(results, file)
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow  # starts two processes (37 s on a loaded 2-core machine)
+def test_two_gloo_processes_give_the_results_of_one(models, tmp_path):
+    import torch.multiprocessing as mp
+
+    ours, _ = models
+    folder = str(ours.tokenizer.path)
+    out = str(tmp_path / "results")
+    mp.start_processes(score_in_a_process_group, args=(folder, str(tmp_path / "rdv"), out),
+                       nprocs=2, start_method="spawn")  # fmt: skip
+    one = [ours.loglikelihood(requests("loglikelihood", PAIRS)),
+           ours.generate_until(requests("generate_until", GENERATIONS))]  # fmt: skip
+    for rank in range(2):
+        logps, texts = json.loads((tmp_path / f"results.{rank}").read_text())
+        assert [p for p, _ in logps] == pytest.approx([p for p, _ in one[0]], abs=1e-5)
+        assert [g for _, g in logps] == [g for _, g in one[0]]
+        assert texts == one[1]
+
+
 def test_world_size_without_a_process_group_is_refused(models):
     ours, _ = models
     with pytest.raises(ConfigError, match="torch.distributed is not initialized"):
