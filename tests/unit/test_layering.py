@@ -63,6 +63,15 @@ def test_only_the_cli_imports_the_planning_tools():
     assert "freetx.planning" not in recipes
 
 
+def test_only_the_cli_imports_evaluation():
+    """The harness adapter (lm-eval, an optional extra) lies apart from what training loops
+    share; the eval recipe and `freetx eval` reach it."""
+    graph = package_graph()
+    assert {p for p, targets in graph.items() if "evaluation" in targets} <= {"cli"}
+    assert graph["evaluation"] <= {"models", "data", "checkpoint", "distributed", "config",
+                                   *BELOW_EVERYTHING}, graph["evaluation"]  # fmt: skip
+
+
 def test_no_import_cycles_between_packages():
     graph = package_graph()
 
