@@ -59,6 +59,7 @@ from freetx.distributed import build_groups, init_distributed, parallelize
 from freetx.entry import parse
 from freetx.errors import ConfigError
 from freetx.fields import at_least, component_list, read_path
+from freetx.models import DecodesIncrementally
 from freetx.models.generation import Draws, Sampling, generate, sampling_problems
 from freetx.models.hf import end_token_ids, model_dir_problems
 from freetx.models.peft import PEFTConfig, apply_peft
@@ -249,6 +250,14 @@ class GRPORecipeFSDP2:
         with torch.device("meta"):
             model = instantiate(cfg.model)
         check_model_and_data(model.config, self.tokenizer, self.seq_len)
+        if not isinstance(model, DecodesIncrementally):  # rollouts of many prompt lengths
+            raise ConfigError(
+                f"model: {type(model).__name__} has no KV cache (DecodesIncrementally), and "
+                "grpo_fsdp2 generates each rank's prompts of different lengths in one "
+                "left-padded batch, which only a KV cache masks.",
+                fix="Train a decoder LM (freetx.models.transformer.decoder or an HF folder "
+                "through freetx.models.hf_model).",
+            )
         trains = apply_peft(model, cfg.peft, world_size)
         self.plan = parallelize(
             model, self.groups, cfg.distributed, seed=cfg.seed,

@@ -22,6 +22,7 @@ SimPO and ORPO need none (`PreferenceLoss.needs_reference`).
 
 from __future__ import annotations
 
+import abc
 import hashlib
 import json
 from collections.abc import Callable
@@ -75,9 +76,10 @@ class Reference(Protocol):
     def __call__(self, batch: PreferenceBatch) -> SequenceLogProbs: ...
 
 
-class _ReferenceModel:
+class _ReferenceModel(abc.ABC):
     """A reference that is a model to run: each preference row's summed log-probs
-    (`__call__`), or each label's of any token batch (`tokens`, GRPO's KL term)."""
+    (`__call__`), or each label's of any token batch (`tokens`, GRPO's KL term); `run`
+    calls a forward with the model, under no_grad, as the kind of reference needs."""
 
     num_chunks: int | None
     plan: ParallelPlan
@@ -96,8 +98,8 @@ class _ReferenceModel:
             )[0]
         )  # fmt: skip
 
-    def run(self, forward):
-        raise NotImplementedError
+    @abc.abstractmethod
+    def run(self, forward): ...
 
 
 class AdaptersOff(_ReferenceModel):

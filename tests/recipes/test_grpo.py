@@ -161,3 +161,12 @@ def test_a_resume_at_another_world_size_repeats_the_uninterrupted_run(tmp_path):
         for key in ("reward", "loss", "kl", "clip_ratio/region_mean"):
             assert abs(resumed[step][key] - straight[step][key]) <= 1e-5, (step, key)
     assert straight[2]["kl"] > 0  # the policy moved from its reference
+
+
+def test_a_model_without_a_kv_cache_is_refused_before_any_work(tmp_path):
+    out, result = grpo(tmp_path, "latent", "max_steps=1",
+                       "model={_component_: freetx.models.free_transformer.free_transformer, "
+                       "preset: tiny, vocab_size: 259, max_seq_len: 128}")  # fmt: skip
+    text = one_paragraph(result)
+    assert "has no KV cache" in text and "freetx.models.transformer.decoder" in text
+    assert not list(out.glob("checkpoints/step_*"))
