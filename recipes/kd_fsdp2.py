@@ -25,15 +25,15 @@ import itertools
 import math
 import sys
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Optional
+from typing import Any, ClassVar, Literal, Optional
 
 import torch
-from omegaconf import MISSING
+from omegaconf import MISSING, OmegaConf
 
-from freetx.checkpoint import files_read_by
+from freetx.checkpoint import files_read_by, input_identity
 from freetx.config import instantiate
 from freetx.data import (
-    TokenBatch,
+    DistillBatch,
     build_eval_loader,
     build_train_loader,
     checked_tokenizer,
@@ -43,7 +43,7 @@ from freetx.data import (
 from freetx.distributed import build_groups, init_distributed, parallelize, root_gathered
 from freetx.entry import parse
 from freetx.errors import ConfigError
-from freetx.fields import read_path
+from freetx.fields import at_least, read_path
 from freetx.models.hf import model_dir_problems
 from freetx.models.peft import PEFTConfig, apply_peft
 from freetx.models.protocol import LMOutput
@@ -51,6 +51,7 @@ from freetx.training import (
     DistillationLoss,
     PlannedRun,
     TeacherTokens,
+    TeacherTopK,
     TokenEvalConfig,
     TrainingConfig,
     TrainingRun,
@@ -65,7 +66,7 @@ from freetx.training import (
     real_tokens,
     seed_everything,
 )
-from freetx.training.distillation import check_same_vocabulary
+from freetx.training.distillation import check_same_vocabulary, with_teacher_top_k
 from freetx.training.loss import with_router_loss
 from freetx.training.reference import FrozenCopy
 
@@ -78,6 +79,10 @@ class TeacherConfig:
     model: Any = MISSING  # a model node, e.g. {_component_: freetx.models.hf_model, path: ...}
     weights: Optional[str] = read_path(None)  # an HF folder, a run's output_dir, a DCP folder
     tokenizer: Any = None  # None: the student's
+    # top_k: the teacher's top_k log-probs per position computed once before training, kept
+    # in output_dir/teacher_topk, and the teacher freed (forward KL at temperature 1 only)
+    precompute: Literal["none", "top_k"] = "none"
+    top_k: int = at_least(1, default=64)
 
 
 @dataclass
@@ -103,13 +108,31 @@ class KDConfig(TrainingConfig):
 
     def refuse_combinations(self) -> None:
         """Pipeline parallelism: the teacher's hidden states would have to reach the
-        student's last stage."""
+        student's last stage. A precomputed teacher: whole sequences (no cp), and a loss
+        its top-k can give (forward KL at temperature 1)."""
         if self.distributed.pp > 1:
             raise ConfigError(
                 f"distributed.pp={self.distributed.pp}: kd_fsdp2 runs no pipeline (the "
                 "teacher's last hidden states are needed where the student's loss is, at its "
                 "last stage).",
                 fix="Use distributed.tp or a sharded strategy instead, with pp=1.",
+            )
+        if self.teacher.precompute == "none":
+            return
+        if self.distributed.cp > 1:
+            raise ConfigError(
+                f"teacher.precompute=top_k keeps the teacher's top-k per position of whole "
+                f"sequences, and distributed.cp={self.distributed.cp} splits each sequence.",
+                fix="Set distributed.cp=1, or teacher.precompute=none (the live teacher).",
+            )
+        loss = dict(self.loss)
+        if loss.get("divergence", "forward_kl") != "forward_kl" or loss.get("temperature", 1) != 1:
+            raise ConfigError(
+                "teacher.precompute=top_k keeps the teacher's top-k log-probs at temperature 1, "
+                "which only forward KL at temperature 1 can be taken over; the loss has "
+                f"divergence={loss.get('divergence')}, temperature={loss.get('temperature')}.",
+                fix="Set loss.divergence=forward_kl loss.temperature=1.0, or use the live "
+                "teacher (teacher.precompute=none).",
             )
 
     def planned(self) -> PlannedRun:  # the student; the teacher counted as a frozen copy
@@ -118,17 +141,22 @@ class KDConfig(TrainingConfig):
 
 class Distill:
     """The loss as the SFT recipes call theirs: `loss(model, input_ids, labels, **inputs)`
-    -> (the loss summed over the loss tokens, its parts' sums: ce, kd). The teacher runs
-    first, under no_grad; its head stays gathered while the student's loss projects its
-    hidden states."""
+    -> (the loss summed over the loss tokens, its parts' sums: ce, kd). A live teacher
+    runs first, under no_grad; its head stays gathered while the student's loss projects
+    its hidden states. A precomputed one's top-k comes with the batch (`teacher_top_k`)."""
 
-    def __init__(self, loss: DistillationLoss, teacher: FrozenCopy) -> None:
+    def __init__(self, loss: DistillationLoss, teacher: FrozenCopy | None) -> None:
         self.loss, self.teacher = loss, teacher
 
-    def __call__(self, model, input_ids, labels, **inputs):
-        teacher = self.teacher.run(lambda m: m(input_ids, output_loss=TeacherTokens, **inputs))
-        with root_gathered(self.teacher.model):
-            output = model(input_ids, output_loss=self.loss.output_loss(labels, teacher), **inputs)
+    def __call__(self, model, input_ids, labels, teacher_top_k=None, **inputs):
+        if teacher_top_k is not None:
+            output_loss = self.loss.output_loss(labels, TeacherTopK(*teacher_top_k))
+            output = model(input_ids, output_loss=output_loss, **inputs)
+        else:
+            teacher = self.teacher.run(lambda m: m(input_ids, output_loss=TeacherTokens, **inputs))
+            with root_gathered(self.teacher.model):
+                output_loss = self.loss.output_loss(labels, teacher)
+                output = model(input_ids, output_loss=output_loss, **inputs)
         total, parts = output[0] if isinstance(output, LMOutput) else output
         return with_router_loss(output, total, dict(parts), (labels != -100).sum())
 
@@ -159,8 +187,7 @@ class KDRecipeFSDP2:
         val_set = instantiate(cfg.dataset, tokenizer=self.tokenizer, split="validation")
         self.run.report_cuts(train_set, val_set)
         self.seq_len = train_set.seq_len
-        collate = functools.partial(TokenBatch.collate, source_names=source_names(train_set))
-        self.val_loader = build_eval_loader(val_set, cfg.eval.batch_size, rank, world_size, collate)
+        names = source_names(train_set)
 
         with torch.device("meta"):
             model = instantiate(cfg.model)
@@ -184,8 +211,13 @@ class KDRecipeFSDP2:
         teacher = FrozenCopy.build(
             cfg.teacher.model, self.plan, cfg.seed, cfg.teacher.weights, distill.num_chunks
         )
+        if cfg.teacher.precompute == "top_k":  # computed once, then the teacher is freed
+            train_set, val_set = self.precomputed(teacher, train_set, val_set)
+            teacher = None
         self.loss_fn = Distill(distill, teacher)
 
+        collate = functools.partial(DistillBatch.collate_teacher, source_names=names)
+        self.val_loader = build_eval_loader(val_set, cfg.eval.batch_size, rank, world_size, collate)
         self.train_loader = build_train_loader(
             train_set, cfg.batch_size, self.accumulation, rank, world_size, cfg.seed,
             num_workers=cfg.num_workers, collate=collate,
@@ -199,6 +231,30 @@ class KDRecipeFSDP2:
             teacher=cfg.teacher.weights or f"random (seed {cfg.seed})",
             activation_checkpointing=cfg.distributed.activation_checkpointing, trains=trains,
         )  # fmt: skip
+
+    def precomputed(self, teacher: FrozenCopy, *datasets):
+        """The datasets with the teacher's top-k per position (`with_teacher_top_k`):
+        computed once by the ranks together, or read from output_dir/teacher_topk when
+        made for the same data, k and teacher."""
+        cfg = self.cfg
+        weights = cfg.teacher.weights
+        identity = {
+            "teacher": input_identity(weights)["fingerprint"] if weights else f"seed {cfg.seed}",
+            "teacher_model": OmegaConf.to_container(cfg.teacher.model, resolve=True),
+        }
+        return [
+            with_teacher_top_k(
+                teacher,
+                data,
+                split,
+                identity,
+                cfg.output_dir,
+                cfg.eval.batch_size,
+                cfg.teacher.top_k,
+                self.run.write,
+            )  # fmt: skip
+            for data, split in zip(datasets, ("train", "validation"))
+        ]
 
     def train(self) -> None:
         cfg, run = self.cfg, self.run
@@ -222,7 +278,7 @@ class KDRecipeFSDP2:
                 run.save()
         run.finish(self.evaluate)
 
-    def compute_loss(self, batch: TokenBatch):
+    def compute_loss(self, batch: DistillBatch):
         """One micro-batch: the teacher's forward, then the student's with the KD loss."""
         return self.loss_fn(self.model, batch.input_ids, batch.labels, **batch.model_inputs())
 

@@ -16,6 +16,7 @@ from freetx.data.activations import (
     planted_activations,
 )
 from freetx.data.batch import (
+    DistillBatch,
     MixesSources,
     PreferenceBatch,
     RolloutBatch,
@@ -79,6 +80,7 @@ __all__ = [
     "ShardCache",
     "SourcesOf",
     "TokenBatch",
+    "DistillBatch",
     "PreferenceBatch",
     "RolloutBatch",
     "collate_pairs",

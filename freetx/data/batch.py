@@ -246,6 +246,36 @@ def documents_present(documents: torch.Tensor) -> torch.Tensor:
     return held.scatter_add_(1, documents.clamp(min=0), (documents >= 0).long()) > 0
 
 
+# a precomputed teacher's top-k at each position of a sample: its ids and log-probs [T, k]
+TEACHER_IDS, TEACHER_LOGPS = "teacher_ids", "teacher_logps"
+
+
+@dataclass
+class DistillBatch(TokenBatch):
+    """Token rows with a precomputed teacher's top-k at each position (distillation's
+    `teacher.precompute: top_k`): its token ids and log-probs [B, T, k]."""
+
+    teacher_ids: torch.Tensor | None = None
+    teacher_logps: torch.Tensor | None = None
+
+    @classmethod
+    def collate_teacher(cls, samples: list[dict[str, torch.Tensor]], source_names=()):
+        """A loader's micro-batch of token samples carrying their teacher's top-k."""
+        batch = cls.collate(samples, source_names)
+        if TEACHER_IDS in samples[0]:
+            batch.teacher_ids = torch.stack([s[TEACHER_IDS] for s in samples])
+            batch.teacher_logps = torch.stack([s[TEACHER_LOGPS] for s in samples])
+        return batch
+
+    def model_inputs(self) -> dict[str, Any]:
+        """TokenBatch's, and the teacher's top-k as (ids, log-probs) where the batch
+        carries them (`teacher_top_k`: for the distillation loss, not the model)."""
+        inputs = super().model_inputs()
+        if self.teacher_ids is not None:
+            inputs["teacher_top_k"] = (self.teacher_ids, self.teacher_logps)
+        return inputs
+
+
 @dataclass
 class RolloutBatch(TokenBatch):
     """Completions of online RL's rollouts (GRPO) as rows of one token batch: each row a

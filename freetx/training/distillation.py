@@ -24,11 +24,16 @@ from __future__ import annotations
 import difflib
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import torch
+from torch.utils.data import Dataset
 
+from freetx.data import TokenBatch
+from freetx.data.batch import TEACHER_IDS, TEACHER_LOGPS
+from freetx.distributed import root_gathered
 from freetx.errors import ConfigError
 from freetx.fields import ReadsFiles, field_problems
 from freetx.models.chunked_loss import (
@@ -39,6 +44,8 @@ from freetx.models.chunked_loss import (
     sliced_cross_entropy,
 )
 from freetx.models.protocol import OutputLayer, VocabSlice
+from freetx.training.precompute import per_sample_table, samples_digest, stored_or_computed
+from freetx.training.reference import FrozenCopy
 
 # divergence -> what it is (its paper)
 DIVERGENCES = {
@@ -67,6 +74,28 @@ class TeacherTopK(NamedTuple):
 
     ids: torch.Tensor
     logps: torch.Tensor
+
+
+@torch.no_grad()
+def teacher_top_k(teacher: TeacherTokens, k: int, num_chunks: int | None = None) -> TeacherTopK:
+    """A live teacher's top-k log-probs at temperature 1 at each position, a chunk of
+    tokens at a time (`teacher.precompute: top_k`): the log-softmax over the whole
+    vocabulary (a sliced head's slices joined, one chunk at a time), its k largest
+    entries and their ids. The same position's `TeacherTopK` with k = vocabulary size
+    makes the loss the live forward KL."""
+    layer = teacher.layer
+    hidden = teacher.hidden.flatten(0, -2)
+    chunks = num_chunks or default_num_chunks(layer.vocab_size)
+    ids, logps = [], []
+    for start, end in chunk_bounds(hidden.shape[0], chunks):
+        logits = layer.project(hidden[start:end]).float()
+        if layer.vocab is not None:
+            logits = layer.vocab.gather(logits)
+        top = logits.log_softmax(dim=-1).topk(min(k, logits.shape[-1]), dim=-1)
+        ids.append(top.indices)
+        logps.append(top.values)
+    shape = (*teacher.hidden.shape[:-1], -1)
+    return TeacherTopK(torch.cat(ids).view(shape), torch.cat(logps).view(shape))
 
 
 class _WholeVocabulary:
@@ -326,7 +355,7 @@ class _OverChunks:
         [N, V/tp] for a live teacher, [N, k] over the top-k ids (those on this slice)."""
         teacher = self.teacher
         if isinstance(teacher, TeacherTopK):
-            ids = teacher.ids.flatten(0, 1)[start:end] - vocab.start
+            ids = teacher.ids.flatten(0, 1)[start:end].long() - vocab.start
             here = (ids >= 0) & (ids < log_q.shape[-1])
             log_p = teacher.logps.flatten(0, 1)[start:end].float()
             p, picked = log_p.exp(), log_q.gather(1, ids.clamp(0, log_q.shape[-1] - 1))
@@ -430,3 +459,57 @@ def check_same_vocabulary(
             "Pick a teacher of the student's family (the same tokenizer), or point the "
             "student's tokenizer at the teacher's."
         )
+
+
+# -- a precomputed teacher (`teacher.precompute: top_k`) ------------------------------------
+TEACHER_FOLDER = "teacher_topk"  # in output_dir: one file per split
+
+
+class WithTeacherTopK(Dataset):
+    """A token dataset whose samples carry their teacher's top-k: `table` holds "ids"
+    [samples, T, k] (int32) and "logps" [samples, T, k] (float32), in the dataset's order."""
+
+    def __init__(self, dataset: Dataset, table: dict[str, torch.Tensor]) -> None:
+        self.dataset, self.table = dataset, table
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        ids, logps = self.table["ids"][index], self.table["logps"][index]
+        return {**self.dataset[index], TEACHER_IDS: ids, TEACHER_LOGPS: logps}
+
+
+def with_teacher_top_k(
+    teacher: FrozenCopy,
+    dataset: Dataset,
+    split: str,
+    identity: dict[str, Any],
+    output_dir: str | Path,
+    samples_per_pass: int,
+    k: int,
+    say: Callable[[str], None],
+) -> WithTeacherTopK:
+    """`dataset` with the teacher's top-k log-probs at every position of every sample
+    (`teacher_top_k`), computed once: read from output_dir/teacher_topk/<split>.safetensors
+    when it was made for the same data (a digest of every sample's tokens), k and
+    `identity` (the teacher's model and weights), else computed over all data-parallel
+    ranks (`samples_per_pass` samples per forward over all ranks), gathered, and written
+    there by rank 0. It holds samples x seq_len x k x 8 bytes."""
+    path = Path(output_dir) / TEACHER_FOLDER / f"{split}.safetensors"
+    key = json.dumps({"split": split, "data": samples_digest(dataset), "top_k": k, **identity},
+                     sort_keys=True)  # fmt: skip
+
+    def top_k(batch: TokenBatch) -> dict[str, torch.Tensor]:
+        inputs = batch.model_inputs()
+        tokens = teacher.run(lambda m: m(batch.input_ids, output_loss=TeacherTokens, **inputs))
+        with root_gathered(teacher.model):  # its head projects outside its forward
+            top = teacher.run(lambda _: teacher_top_k(tokens, k, teacher.num_chunks))
+        return {"ids": top.ids.int(), "logps": top.logps}
+
+    table = stored_or_computed(
+        path, key,
+        lambda: per_sample_table(dataset, top_k, TokenBatch.collate, teacher.plan, samples_per_pass),
+        teacher.plan, say, f"teacher: top-{k} log-probs of {len(dataset)} {split} samples",
+    )  # fmt: skip
+    return WithTeacherTopK(dataset, table)

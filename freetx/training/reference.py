@@ -23,26 +23,23 @@ SimPO and ORPO need none (`PreferenceLoss.needs_reference`).
 from __future__ import annotations
 
 import abc
-import hashlib
 import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
-from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.utils.data import Dataset
 
 from freetx.checkpoint import load_initial_weights
 from freetx.config import instantiate
-from freetx.data import PreferenceBatch, TokenBatch, build_eval_loader, collate_pairs
+from freetx.data import PreferenceBatch, TokenBatch, collate_pairs
 from freetx.data.batch import REFERENCE_LOGPS, Pair
 from freetx.distributed import ParallelGroups, ParallelPlan, parallelize_frozen
 from freetx.models.peft import adapters_disabled
+from freetx.training.precompute import per_sample_table, samples_digest, stored_or_computed
 from freetx.training.preference import SequenceLogProbs, sequence_logps, token_logps
-from freetx.training.step import placed
-from freetx.user_files import staged_output
 
 REFERENCE_FOLDER = "reference_logps"  # in output_dir: one file per split
 
@@ -165,34 +162,6 @@ class WithReferenceLogps(Dataset):
         return {**chosen, REFERENCE_LOGPS: logps[0]}, {**rejected, REFERENCE_LOGPS: logps[1]}
 
 
-INDEX = "index"  # a pair's place in its dataset, on its chosen sample (the precomputing pass)
-
-
-class _Indexed(Dataset):
-    """A dataset's pairs with their index on the chosen sample."""
-
-    def __init__(self, dataset: Dataset) -> None:
-        self.dataset = dataset
-
-    def __len__(self) -> int:
-        return len(self.dataset)
-
-    def __getitem__(self, index: int) -> Pair:
-        chosen, rejected = self.dataset[index]
-        return {**chosen, INDEX: torch.tensor(index)}, rejected
-
-
-def pairs_digest(dataset: Dataset) -> str:
-    """A digest of every pair's tokens and labels, in order: what decides the reference
-    log-probs on the data's side (source, format, tokenizer, seq_len, truncation)."""
-    digest = hashlib.sha256()
-    for index in range(len(dataset)):
-        for sample in dataset[index]:
-            digest.update(sample["input_ids"].numpy().tobytes())
-            digest.update(sample["labels"].numpy().tobytes())
-    return digest.hexdigest()[:32]
-
-
 def with_reference_logps(
     reference: Reference,
     dataset: Dataset,
@@ -210,46 +179,15 @@ def with_reference_logps(
     forward over all ranks), gathered, and written there by rank 0. `say`: a line for
     the console."""
     path = Path(output_dir) / REFERENCE_FOLDER / f"{split}.safetensors"
-    key = json.dumps({"split": split, "data": pairs_digest(dataset), **identity}, sort_keys=True)
-    if path.is_file():
-        stored = load_file(path)["logps"]
-        if _metadata(path).get("identity") == key and stored.shape[0] == len(dataset):
-            say(f"reference: {split} log-probs of {len(dataset)} pairs read from {path}")
-            return WithReferenceLogps(dataset, stored)
-        say(f"reference: {path} was made for other data or reference weights; computing again")
-    table = _computed(reference, dataset, plan, pairs_per_pass)
-    if plan.runtime.is_rank_zero:
-        with staged_output(path) as staged:  # whole or not at all
-            save_file({"logps": table}, staged, {"identity": key})
-    plan.groups.barrier()
-    say(f"reference: {split} log-probs of {len(dataset)} pairs computed, kept in {path}")
-    return WithReferenceLogps(dataset, table)
+    key = json.dumps({"split": split, "data": samples_digest(dataset), **identity}, sort_keys=True)
 
+    def pair_logps(batch: PreferenceBatch) -> dict[str, torch.Tensor]:
+        logps = reference(batch)  # a row per sequence: [pairs, 2 rows, (sum, tokens)]
+        return {"logps": torch.stack([logps.sum, logps.tokens], dim=-1).double().view(-1, 2, 2)}
 
-def _computed(reference: Reference, dataset: Dataset, plan: ParallelPlan, pairs_per_pass: int):
-    """Every pair's reference log-probs [pairs, 2 rows, (sum, tokens)], in the dataset's
-    order: each data-parallel rank its strided share, gathered over them."""
-    groups = plan.groups
-    loader = build_eval_loader(
-        _Indexed(dataset), pairs_per_pass, groups.dp_rank, groups.dp_size,
-        collate=lambda pairs: ([int(c[INDEX]) for c, _ in pairs], collate_pairs(pairs)),
+    table = stored_or_computed(
+        path, key,
+        lambda: per_sample_table(dataset, pair_logps, collate_pairs, plan, pairs_per_pass),
+        plan, say, f"reference: {split} log-probs of {len(dataset)} pairs",
     )  # fmt: skip
-    indices, values = [], []
-    for batch_indices, batch in loader:
-        logps = reference(placed(plan, batch))
-        indices.append(torch.tensor(batch_indices))
-        values.append(torch.stack([logps.sum, logps.tokens], dim=-1).view(-1, 2, 2).cpu())
-    device = plan.runtime.device
-    index = groups.all_gather_varying(torch.cat(indices).to(device), over="dp").cpu()
-    gathered = torch.cat(values).double().reshape(-1).to(device)
-    gathered = groups.all_gather_varying(gathered, over="dp").cpu()
-    table = torch.zeros(len(dataset), 2, 2, dtype=torch.float64)
-    table[index] = gathered.view(-1, 2, 2)  # an evaluation shard's repeats: the same values
-    return table.float()
-
-
-def _metadata(path: Path) -> dict[str, str]:
-    from safetensors import safe_open
-
-    with safe_open(path, "pt") as f:
-        return f.metadata() or {}
+    return WithReferenceLogps(dataset, table["logps"].float())

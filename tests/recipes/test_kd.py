@@ -53,3 +53,29 @@ def test_two_processes_give_one_process_losses(tmp_path):
         for key in ("loss", "ce", "kd"):
             assert abs(one[step][key] - two[step][key]) <= 1e-5, (step, key, one, two)
     assert one[1]["kd"] > 0 and one[3]["loss"] < one[1]["loss"]
+
+
+def test_validate_refuses_a_precomputed_teacher_with_reverse_kl():
+    result = run_freetx_here(
+        "validate", "llm/kd_tiny", "teacher.precompute=top_k", "loss.divergence=reverse_kl"
+    )
+    assert result.returncode != 0
+    text = flat(result.stdout + result.stderr)
+    assert "teacher.precompute=top_k" in text and "loss.divergence=forward_kl" in text
+
+
+@pytest.mark.slow  # 3 runs of 3 steps
+def test_a_precomputed_teacher_of_the_whole_vocabulary_gives_the_live_teachers_losses(tmp_path):
+    live_out, live = kd(tmp_path, "live", "max_steps=3")
+    assert live.returncode == 0, live.stdout[-3000:] + live.stderr[-3000:]
+    pre_out, pre = kd(tmp_path, "pre", "max_steps=3", "teacher.precompute=top_k",
+                      "teacher.top_k=259", nproc=2)  # fmt: skip
+    assert pre.returncode == 0, pre.stdout[-3000:] + pre.stderr[-3000:]
+    assert "computed, kept in" in pre.stdout
+    for step in (1, 2, 3):
+        for key in ("loss", "ce", "kd"):
+            assert abs(logged(live_out)[step][key] - logged(pre_out)[step][key]) <= 1e-5, key
+    # a second run finds the table made for the same data, k and teacher; top-8 is another
+    again_out, again = kd(tmp_path, "pre", "max_steps=4", "teacher.precompute=top_k",
+                          "teacher.top_k=259", "resume=auto")  # fmt: skip
+    assert again.returncode == 0 and "read from" in again.stdout, again.stdout[-3000:]

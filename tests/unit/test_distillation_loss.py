@@ -20,7 +20,7 @@ from freetx.errors import ConfigError
 from freetx.models.protocol import OutputLayer
 from freetx.models.transformer import decoder
 from freetx.training import DistillationLoss, TeacherTokens, TeacherTopK
-from freetx.training.distillation import check_same_vocabulary
+from freetx.training.distillation import check_same_vocabulary, teacher_top_k
 from tests.unit.test_chunked_logprobs import ThreadSlice
 
 VOCAB, DIM, TEACHER_DIM = 37, 8, 12
@@ -138,6 +138,15 @@ def test_top_k_below_the_vocabulary_is_forward_kl_over_those_ids_only():
     want.backward()
     got = chunked(loss, hidden, weight, TeacherTopK(top.indices, top.values), labels)
     assert_close(got, (want.detach(), got[1], want.detach(), h.grad, w.grad))
+
+
+def test_teacher_top_k_in_chunks_is_the_log_softmaxs_k_largest_entries():
+    _, _, t_hidden, t_weight, _ = batch()
+    layer = OutputLayer(lambda h: h @ t_weight.t(), (t_weight,), VOCAB)
+    top = teacher_top_k(TeacherTokens(t_hidden, layer), 5, num_chunks=3)
+    want = F.log_softmax(t_hidden @ t_weight.t(), -1).topk(5, dim=-1)
+    assert top.ids.shape == (ROWS, LENGTH, 5) and torch.equal(top.ids, want.indices)
+    torch.testing.assert_close(top.logps, want.values, atol=1e-6, rtol=0)
 
 
 @pytest.mark.parametrize("divergence", ["reverse_kl", "jsd"])

@@ -1,0 +1,126 @@
+"""Values a frozen model computes once per sample before training, kept in a file under
+the identity of the data and of the model: DPO's reference log-probs
+(`reference.precompute: true`) and distillation's teacher top-k (`teacher.precompute:
+top_k`).
+
+    table = stored_or_computed(path, key, lambda: per_sample_table(...), plan, say, what)
+
+`per_sample_table` runs a function over every sample of a dataset, each data-parallel
+rank its strided share (`build_eval_loader`: the same batches at any world size), and
+gathers the results over the ranks into one table per value, in the dataset's order.
+`stored_or_computed` reads the table from its file when the file was made for the same
+key (a digest of every sample's tokens, `samples_digest`, and the model's identity),
+else has it computed and written by rank 0, whole or not at all.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from torch.utils.data import Dataset
+
+from freetx.data import build_eval_loader
+from freetx.distributed import ParallelPlan
+from freetx.training.step import placed
+from freetx.user_files import staged_output
+
+INDEX = "index"  # a sample's place in its dataset (on a pair's chosen sample)
+
+
+class Indexed(Dataset):
+    """A dataset's items with their index: on a sample (a dict of tensors), or on the
+    first sample of a pair."""
+
+    def __init__(self, dataset: Dataset) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int):
+        item, tag = self.dataset[index], {INDEX: torch.tensor(index)}
+        if isinstance(item, tuple):
+            return ({**item[0], **tag}, *item[1:])
+        return {**item, **tag}
+
+
+def _index_of(item) -> int:
+    return int((item[0] if isinstance(item, tuple) else item)[INDEX])
+
+
+def samples_digest(dataset: Dataset) -> str:
+    """A digest of every sample's tokens and labels (both of a pair's), in order: what
+    decides a frozen model's values on the data's side (source, format, tokenizer,
+    seq_len, truncation)."""
+    digest = hashlib.sha256()
+    for index in range(len(dataset)):
+        item = dataset[index]
+        for sample in item if isinstance(item, tuple) else (item,):
+            digest.update(sample["input_ids"].numpy().tobytes())
+            digest.update(sample["labels"].numpy().tobytes())
+    return digest.hexdigest()[:32]
+
+
+def per_sample_table(
+    dataset: Dataset,
+    compute: Callable[[Any], dict[str, torch.Tensor]],
+    collate: Callable[[list], Any],
+    plan: ParallelPlan,
+    samples_per_pass: int,
+) -> dict[str, torch.Tensor]:
+    """`compute` (a placed batch -> name -> [rows, ...] tensor, one row per sample) over
+    every sample of `dataset`, each data-parallel rank its strided share
+    (`samples_per_pass` samples per forward over all ranks), gathered over them: name ->
+    [len(dataset), ...] on the CPU, in the dataset's order."""
+    groups = plan.groups
+    loader = build_eval_loader(
+        Indexed(dataset), samples_per_pass, groups.dp_rank, groups.dp_size,
+        collate=lambda items: ([_index_of(item) for item in items], collate(items)),
+    )  # fmt: skip
+    indices, values = [], {}
+    for batch_indices, batch in loader:
+        indices.append(torch.tensor(batch_indices))
+        for name, value in compute(placed(plan, batch)).items():
+            values.setdefault(name, []).append(value.cpu())
+    device = plan.runtime.device
+    index = groups.all_gather_varying(torch.cat(indices).to(device), over="dp").cpu()
+    table = {}
+    for name, parts in values.items():
+        mine = torch.cat(parts)
+        gathered = groups.all_gather_varying(mine.reshape(-1).to(device), over="dp").cpu()
+        table[name] = mine.new_zeros(len(dataset), *mine.shape[1:])
+        table[name][index] = gathered.view(-1, *mine.shape[1:])  # a shard's repeats: equal
+    return table
+
+
+def stored_or_computed(
+    path: Path,
+    key: str,
+    compute: Callable[[], dict[str, torch.Tensor]],
+    plan: ParallelPlan,
+    say: Callable[[str], None],
+    what: str,
+) -> dict[str, torch.Tensor]:
+    """The table kept in `path` when it was made for `key` (read by every rank), else
+    `compute()` (every rank), written there by rank 0 under `key`. `say`: a line for the
+    console; `what`: the table's description in it."""
+    if path.is_file():
+        with safe_open(path, "pt") as f:
+            stored_key = (f.metadata() or {}).get("identity")
+        if stored_key == key:
+            say(f"{what} read from {path}")
+            return load_file(path)
+        say(f"{path} was made for other data or other weights; computing {what} again")
+    table = compute()
+    if plan.runtime.is_rank_zero:
+        with staged_output(path) as staged:  # whole or not at all
+            save_file({k: v.contiguous() for k, v in table.items()}, staged, {"identity": key})
+    plan.groups.barrier()
+    say(f"{what} computed, kept in {path}")
+    return table
