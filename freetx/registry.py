@@ -107,7 +107,7 @@ RECIPES: tuple[Recipe, ...] = (
     Recipe(
         name="kd_fsdp2",
         file="kd_fsdp2.py",
-        configs=("llm/kd_tiny",),
+        configs=("llm/kd_tiny", "llm/hf_tiny_kd"),
         description="knowledge distillation: a student learns a frozen teacher's "
         "distribution (forward / reverse KL, JSD) and the labels; full or LoRA",
     ),

@@ -1,13 +1,18 @@
 """kd_fsdp2 through the CLI: 2 processes (fsdp) give 1 process's losses; a teacher of
-another vocabulary is refused before any work, naming both; validate refuses a pipeline."""
+another vocabulary is refused before any work, naming both; validate refuses a pipeline
+and a precomputed teacher with a divergence its top-k cannot give; a precomputed teacher
+of the whole vocabulary gives the live teacher's losses, and is read back by a second
+run; llm/hf_tiny_kd between two HF folders, exported."""
 
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 
 from tests.conftest import flat, one_paragraph, run_freetx, run_freetx_here
+from tests.hf_folders import make_folder
 
 JSONL = "metric_loggers=[{_component_: freetx.loggers.JSONLLogger}]"
 # a random student and a random teacher (seed 0): no teacher run is needed
@@ -79,3 +84,25 @@ def test_a_precomputed_teacher_of_the_whole_vocabulary_gives_the_live_teachers_l
     again_out, again = kd(tmp_path, "pre", "max_steps=4", "teacher.precompute=top_k",
                           "teacher.top_k=259", "resume=auto")  # fmt: skip
     assert again.returncode == 0 and "read from" in again.stdout, again.stdout[-3000:]
+
+
+@pytest.mark.slow  # 2 processes, 3 steps of two tiny HF folders
+def test_hf_tiny_kd_distills_between_two_hf_folders_and_exports(tmp_path):
+    from tests.recipes.test_hf_finetune import tiny_folder
+
+    student = tiny_folder(tmp_path / "student", "llama3_2")
+    teacher = make_folder(tmp_path / "teacher", "llama3_2", seed=1)  # other weights, one tokenizer
+    shutil.copy(student / "tokenizer.json", teacher / "tokenizer.json")
+    shutil.copy(student / "tokenizer_config.json", teacher / "tokenizer_config.json")
+    out = tmp_path / "run"
+    result = run_freetx(
+        "run", "--nproc-per-node", "2", "kd_fsdp2", "--config", "llm/hf_tiny_kd",
+        f"model_dir={student}", f"teacher_dir={teacher}", f"output_dir={out}", "max_steps=3",
+        "eval.every_n_steps=0", "eval.max_batches=1", "log_every_n_steps=1",
+        "dataset.num_builtin_examples=200", "dataset.seq_len=64", JSONL,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rows = logged(out)
+    assert rows[1]["kd"] > 0 and all(r["loss"] == r["loss"] for r in rows.values())
+    transformers = pytest.importorskip("transformers")
+    transformers.AutoModelForCausalLM.from_pretrained(out / "export" / "hf")  # it loads

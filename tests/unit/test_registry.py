@@ -32,7 +32,8 @@ def test_shipped_config_validates(config):
     target = load_recipe(recipe.name)
     # configs that start from an HF folder take it (and their data) from the command line
     text = registry.config_file(config).read_text()
-    given = [f"{key}=/path/given/by/the/user" for key in ("model_dir", "dataset.source", "checkpoint")
+    keys = ("model_dir", "teacher_dir", "dataset.source", "checkpoint")
+    given = [f"{key}=/path/given/by/the/user" for key in keys
              if f"{key.split('.')[-1]}: ???" in text]  # fmt: skip
     if "rewards: ???" in text:  # and their own reward functions
         given.append("rewards=[{_component_: freetx.training.ExactMatch}]")
