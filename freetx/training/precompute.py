@@ -16,6 +16,7 @@ else has it computed and written by rank 0, whole or not at all.
 from __future__ import annotations
 
 import hashlib
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -117,10 +118,13 @@ def stored_or_computed(
             say(f"{what} read from {path}")
             return load_file(path)
         say(f"{path} was made for other data or other weights; computing {what} again")
+    started = time.perf_counter()
     table = compute()
+    seconds = time.perf_counter() - started
+    size = sum(v.numel() * v.element_size() for v in table.values()) / 2**20
     if plan.runtime.is_rank_zero:
         with staged_output(path) as staged:  # whole or not at all
             save_file({k: v.contiguous() for k, v in table.items()}, staged, {"identity": key})
     plan.groups.barrier()
-    say(f"{what} computed, kept in {path}")
+    say(f"{what} computed in {seconds:.1f} s, kept in {path} ({size:.1f} MiB)")
     return table
