@@ -204,7 +204,7 @@ def test_a_decoders_forward_returns_the_loss_in_place_of_the_logits():
     models = []
     for seed in (3, 4):
         with torch.device("meta"):
-            models.append(decoder(preset="tiny", num_layers=1))
+            models.append(decoder(preset="tiny", num_layers=1, max_seq_len=16))
         materialize(models[-1], torch.device("cpu"), seed=seed)
     student, teacher = models
     teacher.requires_grad_(False)
