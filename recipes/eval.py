@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any, Literal, Optional
 
 import torch
-from omegaconf import MISSING, OmegaConf
+from omegaconf import MISSING, DictConfig, OmegaConf
 
 from freetx.checkpoint import load_model, open_tensors, resolve_checkpoint
 from freetx.config import at_least, instantiate, write_resolved_config
@@ -124,7 +124,7 @@ def refuse_nothing_to_evaluate(cfg: EvalConfig) -> None:
 
 def _source(node: Any) -> Any:
     """A dataset node's source (None: the node is not there or evaluates nothing)."""
-    return node.get("source") if isinstance(node, dict) or hasattr(node, "get") else None
+    return node.get("source") if isinstance(node, (dict, DictConfig)) else None
 
 
 class EvalRecipe:
@@ -207,11 +207,17 @@ class EvalRecipe:
             scores = evaluate_tasks(lm, list(cfg.tasks), cfg.include_path, cfg.num_fewshot,
                                     cfg.limit)  # fmt: skip
         if self.val_loader is not None:
-            evaluated["dataset"] = {**OmegaConf.to_container(cfg.dataset), "split": cfg.split}
+            evaluated["dataset"] = {
+                **OmegaConf.to_container(cfg.dataset, resolve=True),
+                "split": cfg.split,
+            }
             dataset = self.perplexity()
         if self.prompt_loader is not None:
             evaluated["rewards"] = [r.name for r in self.rewards]
-            evaluated["prompts"] = {**OmegaConf.to_container(cfg.prompts), "split": cfg.split}
+            evaluated["prompts"] = {
+                **OmegaConf.to_container(cfg.prompts, resolve=True),
+                "split": cfg.split,
+            }
             rewards = self.reward_means()
         results = eval_results(cfg.checkpoint, evaluated, scores, dataset, rewards)
         if self.rank == 0:

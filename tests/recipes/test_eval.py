@@ -157,3 +157,8 @@ def test_freetx_eval_is_the_short_form_of_run_eval():
         "--nproc-per-node", "2", "eval", "--config", "llm/hf_eval", "checkpoint=runs/x",
         "tasks=[a,b]", "include_path=t", "limit=5",
     ]  # fmt: skip
+
+
+def test_no_checkpoint_is_refused():
+    assert "checkpoint" in flat(run_freetx_here("validate", "llm/hf_eval").stdout)
+    assert "CHECKPOINT" in one_paragraph(run_freetx_here("eval"), code=2)  # argparse's usage
