@@ -159,7 +159,8 @@ class EvalRecipe:
             )
         adapters = recorded_peft(self.checkpoint)  # a LoRA run: its adapters, unmerged
         self.model = load_model(self.checkpoint, self.device, cfg.seed, adapters)
-        self.model.to(dtype_named(cfg.dtype))
+        if cfg.dtype != "float32":  # load_model builds in float32 (QLoRA: NF4 bases)
+            self.model.to(dtype_named(cfg.dtype))
         self.end_ids = self.ends()
         if self.rank == 0:
             kind = f" with its {adapters.method} adapters (unmerged)" if adapters else ""
