@@ -130,6 +130,13 @@ RECIPES: tuple[Recipe, ...] = (
         description="sparse crosscoders over model activations (cross-layer, model diffing), FSDP2",
     ),
     Recipe(
+        name="eval",
+        file="eval.py",
+        configs=("llm/hf_eval",),
+        description="evaluate a checkpoint: lm-evaluation-harness tasks, perplexity over a "
+        "dataset, rewards over generations",
+    ),
+    Recipe(
         name="generate",
         file="generate.py",
         configs=("free_transformer/generate", "llm/hf_generate"),

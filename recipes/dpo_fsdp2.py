@@ -46,6 +46,7 @@ from freetx.data.packing import packs
 from freetx.distributed import build_groups, init_distributed, parallelize
 from freetx.entry import parse
 from freetx.errors import ConfigError
+from freetx.evaluation import FinalTasks
 from freetx.fields import read_path
 from freetx.models.hf import model_dir_problems
 from freetx.models.peft import PEFTConfig, apply_peft
@@ -182,6 +183,7 @@ class DPORecipeFSDP2:
         rank, world_size = self.groups.dp_rank, self.groups.dp_size
         # cheap checks first: a resume that would lose saved work, a bad batch split
         self.run = TrainingRun(cfg, self.groups, "dpo_fsdp2")
+        self.final_tasks = FinalTasks(cfg.eval, self.groups)  # eval.after_training's, checked
         micro_batch_size(cfg.batch_size, world_size, self.accumulation)  # pairs per rank
         self.tokenizer = checked_tokenizer(instantiate(cfg.tokenizer))
         self.loss_fn = instantiate(cfg.loss)
@@ -282,6 +284,7 @@ class DPORecipeFSDP2:
             if run.due(cfg.checkpoint.every_n_steps):
                 run.save()
         run.finish(self.evaluate)
+        self.final_tasks.run(self.plan, self.tokenizer, cfg.output_dir)  # lm-eval: eval.json
 
     def compute_loss(self, batch: PreferenceBatch):
         """One micro-batch of pairs: the policy's log-probs (with a gradient), the

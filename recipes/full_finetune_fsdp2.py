@@ -40,6 +40,7 @@ from freetx.data import (
 from freetx.data.packing import packs
 from freetx.distributed import build_groups, init_distributed, parallelize
 from freetx.entry import parse
+from freetx.evaluation import FinalTasks
 from freetx.fields import read_path
 from freetx.models.hf import model_dir_problems
 from freetx.models.peft import PEFTConfig, apply_peft
@@ -107,6 +108,7 @@ class FullFinetuneRecipeFSDP2:
         # bad batch split or data path fails before any model exists. (`peft:`: the LoRA recipe)
         name = "full_finetune_fsdp2" if cfg.peft.method == "none" else "lora_finetune_fsdp2"
         self.run = TrainingRun(cfg, self.groups, name)
+        self.final_tasks = FinalTasks(cfg.eval, self.groups)  # eval.after_training's, checked
         micro_batch_size(cfg.batch_size, world_size, self.accumulation)
         self.tokenizer = checked_tokenizer(instantiate(cfg.tokenizer))
         self.loss_fn = instantiate(cfg.loss)  # its output layer in chunks: loss.num_chunks
@@ -167,6 +169,7 @@ class FullFinetuneRecipeFSDP2:
             if run.due(cfg.checkpoint.every_n_steps):
                 run.save()
         run.finish(self.evaluate)
+        self.final_tasks.run(self.plan, self.tokenizer, cfg.output_dir)  # lm-eval: eval.json
 
     def compute_loss(self, batch: TokenBatch):
         """One micro-batch: forward and the loss summed over its loss tokens (+ extras)."""

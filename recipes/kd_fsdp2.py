@@ -43,6 +43,7 @@ from freetx.data import (
 from freetx.distributed import build_groups, init_distributed, parallelize, root_gathered
 from freetx.entry import parse
 from freetx.errors import ConfigError
+from freetx.evaluation import FinalTasks
 from freetx.fields import at_least, read_path
 from freetx.models.hf import model_dir_problems
 from freetx.models.peft import PEFTConfig, apply_peft
@@ -177,6 +178,7 @@ class KDRecipeFSDP2:
         self.groups = build_groups(self.runtime, cfg.distributed)
         rank, world_size = self.groups.dp_rank, self.groups.dp_size
         self.run = TrainingRun(cfg, self.groups, "kd_fsdp2")
+        self.final_tasks = FinalTasks(cfg.eval, self.groups)  # eval.after_training's, checked
         micro_batch_size(cfg.batch_size, world_size, self.accumulation)
         self.tokenizer = checked_tokenizer(instantiate(cfg.tokenizer))
         teacher_tokenizer = (
@@ -277,6 +279,7 @@ class KDRecipeFSDP2:
             if run.due(cfg.checkpoint.every_n_steps):
                 run.save()
         run.finish(self.evaluate)
+        self.final_tasks.run(self.plan, self.tokenizer, cfg.output_dir)  # lm-eval: eval.json
 
     def compute_loss(self, batch: DistillBatch):
         """One micro-batch: the teacher's forward, then the student's with the KD loss."""

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 from freetx.checkpoint.adapters import refuse_adapters
 from freetx.checkpoint.dcp_folder import (
+    FROZEN_FROM,
     MODEL_PREFIX,
     DCPReader,
     SafeLoadPlanner,
@@ -42,6 +43,9 @@ from freetx.distributed.parameters import (
 )
 from freetx.errors import CheckpointError
 from freetx.models.protocol import SplitsIntoStages
+
+if TYPE_CHECKING:
+    from freetx.models.peft import PEFTConfig
 
 
 @dataclass
@@ -231,22 +235,71 @@ def _recorded_model(source: TensorSource, path: str | Path):
     return model_class, source.model_config
 
 
-def load_model(path: str | Path, device, seed: int = 0) -> nn.Module:
+def load_model(
+    path: str | Path, device, seed: int = 0, adapters: PEFTConfig | None = None
+) -> nn.Module:
     """The model a checkpoint holds (a run's output_dir, a DCP folder, a .safetensors file
     freetx wrote, or an HF folder of the decoder family), rebuilt from what it recorded,
-    its weights loaded, on `device`, in eval mode. Not sharded: for sampling and for
-    reading activations."""
+    its weights loaded, on `device`, in eval mode. Not sharded: for sampling, evaluation
+    and reading activations.
+
+    `adapters`: the `peft:` section of the run that saved a LoRA / DoRA / Spectrum
+    checkpoint (`freetx.training.export.recorded_peft`): the model is rebuilt with its
+    adapters, unmerged, and the checkpoint's tensors set over its base: the base's own
+    weights where the checkpoint holds the trained part only (it records the base it was
+    read from, `frozen_from`), else the checkpoint's. Without it a LoRA checkpoint is
+    refused, naming the merge."""
     from freetx.distributed.parameters import materialize
     from freetx.models import build_model
+    from freetx.models.peft import apply_peft
 
     weights = weight_source(path)
-    refuse_adapters(weights.tensors, "loaded as a model")
+    if adapters is None or adapters.method == "none":
+        refuse_adapters(weights.tensors, "loaded as a model")
     with torch.device("meta"):
         model = build_model(*_recorded_model(weights.tensors, weights.path))
+        if adapters is not None:
+            apply_peft(model, adapters)
     materialize(model, device, seed=seed, init_weights=False)
-    check_weights(model, weights)
-    load_weights(model, weights)
+    base = weights.tensors.meta.get(FROZEN_FROM)
+    if base is None:  # the whole model saved (with its adapters, which this leaves)
+        check_weights(model, weights)
+        load_weights(model, weights)
+        saved = set(self_initialized(model))
+    else:  # the trained part only: over the base it was trained on
+        load_initial_weights(model, base)
+        saved = {n for n in model_shapes(model) if MODEL_PREFIX + n in weights.tensors.infos}
+    if saved:
+        load_only(model, weights.tensors, saved)
     return model.eval()
+
+
+def load_only(model: nn.Module, source: TensorSource, names: set[str]) -> None:
+    """Set the (unsharded) model's parameters `names` from `source`, checked first."""
+    if isinstance(source, DCPSource):
+        check_checkpoint(model, source, include=lambda name: name in names)
+        with quiet_single_process():
+            dcp.load(
+                {"model": ModelState(model, include=lambda name: name in names)},
+                storage_reader=DCPReader(str(source.path)),
+                planner=SafeLoadPlanner(),
+            )
+        return
+    problems = mismatch_report(
+        {n: s for n, s in model_shapes(model).items() if n in names},
+        {n: s for n, s in source.model_shapes().items() if n in names},
+    )
+    if problems:
+        raise CheckpointError(
+            f"{source.path} does not fit this model's adapters:\n"
+            + "\n".join(f"  - {p}" for p in problems)
+            + "\nUse the peft: settings of the run that saved it."
+        )
+    load_parameters(
+        model,
+        lambda name, rows, out: source.read_into(MODEL_PREFIX + name, rows, out),
+        only=lambda name: name in names,
+    )
 
 
 def load_source_model(path: str, device: torch.device, dtype: str = "auto") -> nn.Module:

@@ -24,6 +24,7 @@ SUBCOMMANDS = {
     "cat": "print a config, overrides applied and interpolations resolved",
     "validate": "check a config against its recipe's schema and components",
     "run": "run a recipe, in this process or on N processes via torchrun",
+    "eval": "evaluate a checkpoint: lm-eval tasks, perplexity, rewards (the eval recipe)",
     "checkpoint": "inspect, convert or merge checkpoints (DCP, safetensors, torch, HF, PEFT)",
     "spectrum": "score a model's weight matrices and choose the ones Spectrum trains",
     "crosscoder": "analyze (model diffing) or export a crosscoder checkpoint",
@@ -33,7 +34,10 @@ SUBCOMMANDS = {
     "doctor": "check this machine before a run: torch, GPUs, NCCL, collective bandwidth, disk",
     "data": "prepare a config's data: tokenize its dataset into the token cache",
 }
-MODULES = {"import": "import_config"}  # a subcommand whose module has another name
+MODULES = {
+    "import": "import_config",
+    "eval": "evaluate",
+}  # a subcommand whose module has another name
 
 EPILOG = """examples:
   freetx ls
@@ -42,6 +46,7 @@ EPILOG = """examples:
   freetx validate llm/tiny batch_size=4
   freetx run full_finetune_fsdp2 --config llm/tiny
   freetx run --nproc-per-node 2 ./my_recipe.py --config ./my.yaml max_steps=50
+  freetx eval runs/llm_tiny --tasks my_task --include-path tasks/
   freetx checkpoint inspect runs/llm_tiny/checkpoints/step_000120
   freetx checkpoint convert runs/llm_tiny/checkpoints/step_000120 model.safetensors
   freetx launch slurm --nodes 4 --gpus-per-node 8 full_finetune_fsdp2 --config llm/llama3_8b

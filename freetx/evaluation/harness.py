@@ -36,6 +36,7 @@ from __future__ import annotations
 import functools
 import json
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -344,15 +345,7 @@ def evaluate_tasks(
     from lm_eval import simple_evaluate
     from lm_eval.utils import handle_non_serializable
 
-    manager = _task_manager(include_path, tasks)
-    unknown = [task for task in tasks if not manager.match_tasks([task])]
-    if unknown:
-        where = f"in {include_path} nor " if include_path else ""
-        raise ConfigError(
-            f"lm-eval knows no task {', '.join(map(repr, unknown))} (defined neither {where}"
-            "among the harness's own tasks); check the name against the `task:` line of your "
-            "task YAML, and set include_path= to the folder of your task YAMLs."
-        )
+    manager = check_tasks(tasks, include_path)
     results = simple_evaluate(
         model=lm, tasks=list(tasks), num_fewshot=num_fewshot, limit=limit,
         task_manager=manager, log_samples=False,
@@ -370,9 +363,35 @@ def evaluate_tasks(
     return {**scores, "lm_eval": raw}
 
 
-def _task_manager(include_path: str | None, tasks: list[str]):
+def check_tasks(tasks: list[str], include_path: str | None):
+    """lm-eval's TaskManager for `tasks`, refusing a task name that neither the YAMLs
+    under `include_path` nor the harness define (and a missing lm-eval), before any
+    scoring: the eval recipe checks its tasks before loading weights, a training run
+    with `eval.after_training` before training."""
+    _lm_eval()
+    if include_path is not None and not Path(include_path).expanduser().is_dir():
+        raise ConfigError(
+            f"include_path={include_path} is not a folder; point it at the folder of your "
+            "lm-eval task YAMLs (each with a `task:` name), or leave it out for the harness's "
+            "own tasks."
+        )
+    manager = _task_manager(include_path, tuple(tasks))
+    unknown = [task for task in tasks if not manager.match_tasks([task])]
+    if unknown:
+        where = f"in {include_path} nor " if include_path else ""
+        raise ConfigError(
+            f"lm-eval knows no task {', '.join(map(repr, unknown))} (defined neither {where}"
+            "among the harness's own tasks); check the name against the `task:` line of your "
+            "task YAML, and set include_path= to the folder of your task YAMLs."
+        )
+    return manager
+
+
+@functools.cache
+def _task_manager(include_path: str | None, tasks: tuple[str, ...]):
     """lm-eval's TaskManager for `tasks`: the folder's YAMLs alone where they define every
-    task (indexing the harness's own thousands of YAMLs takes seconds), else with them."""
+    task (indexing the harness's own thousands of YAMLs takes seconds), else with them;
+    made once per folder and tasks."""
     from lm_eval.tasks import TaskManager
 
     if include_path is not None:

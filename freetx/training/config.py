@@ -60,6 +60,24 @@ class TokenEvalConfig:
     # samples at any world size
     batch_size: int = at_least(1, default=16)
     max_batches: Optional[int] = at_least(1, default=None)  # of those; None: the whole split
+    # lm-eval tasks on the final model, after the final save: <output_dir>/eval.json, as
+    # the eval recipe writes it (docs/recipes/eval.md); needs the `eval` extra
+    after_training: bool = False
+    tasks: list[str] = field(default_factory=list)  # lm-eval task names
+    include_path: Optional[str] = None  # a folder of local task YAMLs
+    num_fewshot: Optional[int] = at_least(0, default=None)  # None: each task's own
+    limit: Optional[int] = at_least(1, default=None)  # documents per task; None: all
+
+    @staticmethod
+    def meaningless(values: dict[str, Any]) -> dict[str, str]:
+        """after_training with no task to score, by key: why, and the fix."""
+        if values.get("after_training") and not values.get("tasks"):
+            return {
+                "after_training": "it scores lm-eval tasks at the end of the run, and "
+                "eval.tasks names none; set eval.tasks=[TASK, ...] (with eval.include_path= "
+                "for a folder of local task YAMLs), or eval.after_training=false."
+            }
+        return {}
 
 
 @dataclass

@@ -31,6 +31,7 @@ from freetx.checkpoint.convert import HFTokenizerFiles
 from freetx.config.instantiate import COMPONENT, import_component, instantiate, node_config_class
 from freetx.data import HasHFForm
 from freetx.errors import ConfigError, FreetxError
+from freetx.models.peft import PEFTConfig
 from freetx.models.protocol import HFLayoutModel
 from freetx.user_files import WriteFailed
 
@@ -69,6 +70,16 @@ def recorded_run(path: str | Path) -> dict[str, Any]:
         "lora": lora,
         "tokenizer": hf_tokenizer_files(run.get("tokenizer")),
     }
+
+
+def recorded_peft(path: str | Path) -> PEFTConfig | None:
+    """The `peft:` section of the run that saved checkpoint `path` (None: a whole model,
+    or no run of freetx's), for `load_model(..., adapters=)`."""
+    run = open_tensors(resolve_checkpoint(path)).meta.get("config") or {}
+    peft = run.get("peft") or {}
+    if peft.get("method", "none") == "none":
+        return None
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(PEFTConfig), peft))
 
 
 def hf_tokenizer_files(node: Any) -> HFTokenizerFiles | None:

@@ -47,7 +47,10 @@ def test_every_shipped_training_config_writes_tensorboard(config):
     """The README says every run writes tb/: every shipped training config logs to
     TensorBoard (generate configs train nothing; the torchtune-timed workload logs as
     torchtune's does)."""
-    if registry.recipe_for_config(config).name == "generate" or config == "llm/tiny_llama_bench":
+    if (
+        registry.recipe_for_config(config).name in ("generate", "eval")
+        or config == "llm/tiny_llama_bench"
+    ):
         return
     loggers = OmegaConf.load(registry.config_file(config)).metric_loggers
     assert "freetx.loggers.TensorBoardLogger" in [node["_component_"] for node in loggers]

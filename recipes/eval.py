@@ -1,0 +1,284 @@
+"""Evaluate a checkpoint: lm-evaluation-harness tasks, perplexity over a dataset, rewards.
+
+    freetx eval runs/sft --tasks my_task --include-path tasks/     # the short form of
+    freetx run eval --config llm/hf_eval checkpoint=runs/sft tasks=[my_task] include_path=tasks/
+    freetx run --nproc-per-node 2 eval --config llm/hf_eval checkpoint=DIR dataset.source=FILE
+
+The checkpoint is an HF folder, a run's output_dir (its newest checkpoint), a DCP step or
+a .safetensors file; a LoRA / DoRA run's checkpoint is its base with the adapters
+beside it, unmerged (`load_model(..., adapters=)`). What is evaluated, any of:
+
+- `tasks`: lm-eval task names (the harness's own, or those of the YAMLs under
+  `include_path`), through freetx's adapter (`freetx.evaluation.harness_model`: scores as
+  lm-eval's own HF backend does);
+- `dataset`: a dataset node of the SFT recipes (`dataset.source=` enables it), its
+  `split` (the loss and perplexity over every loss token; `dataset.validation_source=FILE`
+  makes a whole file the validation split);
+- `rewards` over `prompts` (the GRPO recipe's reward components and prompt dataset):
+  one completion per prompt (greedy unless `temperature`), the mean of each reward.
+
+Every process loads the whole model and scores its share: the harness's requests
+strided over the ranks, the dataset's and the prompts' samples as a training run's
+evaluation splits them; sums over the ranks, so N processes give the scores of one.
+Rank 0 writes `<output_dir>/eval.json` and prints the table (`freetx.evaluation`).
+A user's mistake (nothing to evaluate, an unknown task, lm-eval missing, a checkpoint
+with no tokenizer) is refused before any weight is read.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import math
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import torch
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+from freetx.checkpoint import load_model, open_tensors, resolve_checkpoint
+from freetx.config import at_least, instantiate, write_resolved_config
+from freetx.data import (
+    HFTokenizer,
+    TokenBatch,
+    build_eval_loader,
+    checked_tokenizer,
+    collate_prompts,
+    source_names,
+)
+from freetx.distributed import DistributedConfig, build_groups, dtype_named, init_distributed
+from freetx.entry import parse
+from freetx.errors import ConfigError
+from freetx.evaluation import (
+    check_tasks,
+    eval_results,
+    evaluate_tasks,
+    harness_model,
+    results_table,
+    write_results,
+)
+from freetx.evaluation.results import task_settings
+from freetx.fields import component_list, read_path, written_folder
+from freetx.models.generation import Draws, Sampling, generate
+from freetx.models.hf import end_token_ids
+from freetx.training import build_rewards, per_source_means, score_completions
+from freetx.training.export import recorded_peft, recorded_run
+
+
+@dataclass
+class EvalConfig:
+    """The schema of eval's configs."""
+
+    # an HF folder, a run's output_dir, a DCP step, a .safetensors file
+    checkpoint: str = read_path(MISSING)
+    output_dir: str = written_folder("runs/eval")  # eval.json
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    dtype: Literal["float32", "bfloat16"] = "float32"  # the weights, as evaluated
+    seed: int = 0
+    tokenizer: Any = None  # None: the checkpoint's own (an HF folder's, the run's)
+    # lm-evaluation-harness (`pip install 'freetx[eval]'`)
+    tasks: list[str] = field(default_factory=list)  # lm-eval task names
+    include_path: Optional[str] = None  # a folder of local task YAMLs
+    num_fewshot: Optional[int] = at_least(0, default=None)  # None: each task's own
+    limit: Optional[int] = at_least(1, default=None)  # documents per task; None: all
+    batch_size: int = at_least(1, default=8)  # rows per forward pass, on each process
+    max_length: Optional[int] = at_least(1, default=None)  # None: the model's max_seq_len
+    # loss and perplexity over a dataset (a node of the SFT recipes; source: null: none)
+    dataset: Any = None
+    split: Literal["train", "validation"] = "validation"
+    loss: Any = field(default_factory=lambda: {"_component_": "freetx.training.CrossEntropyLoss"})
+    max_batches: Optional[int] = at_least(1, default=None)  # of batch_size x processes
+    # rewards over one completion per prompt (the GRPO recipe's components)
+    rewards: list[Any] = component_list("weight", "name", default_factory=list)
+    prompts: Any = None  # a freetx.data.PromptDataset node (source: null: none)
+    max_new_tokens: int = at_least(1, default=64)
+    temperature: float = at_least(0, default=0.0)  # 0: greedy
+
+    @staticmethod
+    def meaningless(values: dict[str, Any]) -> dict[str, str]:
+        """Rewards without prompts, or prompts without rewards, by key: why, and the fix."""
+        if bool(values.get("rewards")) != (_source(values.get("prompts")) is not None):
+            return {"rewards": (
+                "rewards score one completion per prompt, so they need each other: set both "
+                "rewards=[...] and prompts.source=FILE (a freetx.data.PromptDataset), or "
+                "neither."
+            )}  # fmt: skip
+        return {}
+
+
+def refuse_nothing_to_evaluate(cfg: EvalConfig) -> None:
+    """A config that names no task, no dataset and no reward, refused with the fix (the
+    shipped config names none: the command line does)."""
+    if not cfg.tasks and _source(cfg.dataset) is None and not cfg.rewards:
+        raise ConfigError(
+            f"there is nothing to evaluate in {cfg.checkpoint}: no lm-eval task, no "
+            "dataset.source and no rewards.",
+            fix="Name tasks (tasks=[TASK, ...], with include_path=DIR for local task YAMLs; "
+            "`freetx eval CHECKPOINT --tasks a,b`), a dataset for perplexity "
+            "(dataset.source=FILE), or rewards with prompts (rewards=[...] "
+            "prompts.source=FILE).",
+        )
+
+
+def _source(node: Any) -> Any:
+    """A dataset node's source (None: the node is not there or evaluates nothing)."""
+    return node.get("source") if isinstance(node, (dict, DictConfig)) else None
+
+
+class EvalRecipe:
+    def __init__(self, cfg: EvalConfig) -> None:
+        self.cfg = cfg
+        self.runtime = init_distributed(cfg.device)
+        self.device = self.runtime.device
+        self.groups = build_groups(self.runtime, DistributedConfig())  # data parallel only
+        self.rank, self.world = self.groups.dp_rank, self.groups.dp_size
+
+    def setup(self) -> None:
+        """Everything a mistake can stop before a weight is read, then the model."""
+        cfg = self.cfg
+        refuse_nothing_to_evaluate(cfg)
+        if cfg.tasks:  # lm-eval installed, every task name known
+            check_tasks(list(cfg.tasks), cfg.include_path)
+        self.rewards = build_rewards(cfg.rewards) if cfg.rewards else []
+        self.checkpoint = str(resolve_checkpoint(cfg.checkpoint))
+        self.tokenizer = checked_tokenizer(self.build_tokenizer())
+        self.val_loader = self.prompt_loader = None
+        if _source(cfg.dataset) is not None:
+            data = instantiate(cfg.dataset, tokenizer=self.tokenizer, split=cfg.split)
+            collate = functools.partial(TokenBatch.collate, source_names=source_names(data))
+            self.val_loader = build_eval_loader(
+                data, cfg.batch_size * self.world, self.rank, self.world, collate
+            )
+            self.loss_fn = instantiate(cfg.loss)
+        if self.rewards:
+            prompts = instantiate(cfg.prompts, tokenizer=self.tokenizer, split=cfg.split)
+            self.prompt_loader = build_eval_loader(
+                prompts, cfg.batch_size * self.world, self.rank, self.world, collate_prompts
+            )
+        adapters = recorded_peft(self.checkpoint)  # a LoRA run: its adapters, unmerged
+        self.model = load_model(self.checkpoint, self.device, cfg.seed, adapters)
+        if cfg.dtype != "float32":  # load_model builds in float32 (QLoRA: NF4 bases)
+            self.model.to(dtype_named(cfg.dtype))
+        self.end_ids = self.ends()
+        if self.rank == 0:
+            kind = f" with its {adapters.method} adapters (unmerged)" if adapters else ""
+            print(f"eval | {type(self.model).__name__} from {cfg.checkpoint}{kind} | "
+                  f"device {self.device} | {self.world} process(es)", flush=True)  # fmt: skip
+
+    def build_tokenizer(self):
+        """The config's tokenizer, else the checkpoint's: an HF folder's own, or the
+        tokenizer node of the run that saved it."""
+        cfg = self.cfg
+        if cfg.tokenizer is not None:
+            return instantiate(cfg.tokenizer)
+        folder = Path(cfg.checkpoint).expanduser()
+        if (folder / "tokenizer.json").is_file() or (folder / "tokenizer_config.json").is_file():
+            return HFTokenizer(str(folder))
+        recorded = (open_tensors(self.checkpoint).meta.get("config") or {}).get("tokenizer")
+        if recorded is None:
+            raise ConfigError(
+                f"{cfg.checkpoint} holds no tokenizer and records none (not an HF folder "
+                "with tokenizer files, nor a checkpoint of a freetx run), so its ids cannot "
+                "be read as text.",
+                fix="Give one: tokenizer._component_=freetx.data.HFTokenizer "
+                "tokenizer.path=MODEL_FOLDER.",
+            )
+        return instantiate(OmegaConf.create(recorded))
+
+    def ends(self) -> list[int]:
+        """The ids a generation ends at: the tokenizer's EOS and the model's own (its HF
+        folder's generation config, or that of the folder its run started from)."""
+        folders = [self.checkpoint, *recorded_run(self.checkpoint)["run_folders"]]
+        model_ids = next((ids for f in folders if (ids := end_token_ids(f))), [])
+        eos = self.tokenizer.eos_id
+        return [eos, *(i for i in model_ids if i != eos)]
+
+    def evaluate(self) -> dict[str, Any]:
+        cfg = self.cfg
+        evaluated: dict[str, Any] = {}
+        scores = dataset = rewards = None
+        if cfg.tasks:
+            evaluated.update(task_settings(cfg))
+            lm = harness_model(
+                self.model, self.tokenizer, self.device, cfg.batch_size, cfg.max_length,
+                self.rank, self.world, self.end_ids, self.groups.host().all_gather_object,
+            )  # fmt: skip
+            scores = evaluate_tasks(lm, list(cfg.tasks), cfg.include_path, cfg.num_fewshot,
+                                    cfg.limit)  # fmt: skip
+        if self.val_loader is not None:
+            evaluated["dataset"] = {
+                **OmegaConf.to_container(cfg.dataset, resolve=True),
+                "split": cfg.split,
+            }
+            dataset = self.perplexity()
+        if self.prompt_loader is not None:
+            evaluated["rewards"] = [r.name for r in self.rewards]
+            evaluated["prompts"] = {
+                **OmegaConf.to_container(cfg.prompts, resolve=True),
+                "split": cfg.split,
+            }
+            rewards = self.reward_means()
+        results = eval_results(cfg.checkpoint, evaluated, scores, dataset, rewards)
+        if self.rank == 0:
+            write_resolved_config(cfg)
+            write_results(cfg.output_dir, results)
+            print(results_table(results), flush=True)
+        return results
+
+    @torch.no_grad()
+    def perplexity(self) -> dict[str, float]:
+        """The loss per loss token over the split (every process its share, summed)."""
+        sums, tokens = {}, torch.zeros((), device=self.device)
+        for batch in itertools.islice(self.val_loader, self.cfg.max_batches):
+            batch = batch.to(self.device).without_padding_rows()
+            total, parts = self.loss_fn.evaluate(
+                self.model, batch.input_ids, batch.labels, **batch.model_inputs()
+            )
+            for name, value in {"loss": total, **parts}.items():
+                sums[name] = sums.get(name, 0) + value
+            tokens += batch.loss_tokens()
+        totals = self.groups.sum({**sums, "tokens": tokens}, over="dp")
+        count = totals.pop("tokens")
+        metrics = per_source_means({k: v / max(count, 1.0) for k, v in totals.items()})
+        return {**metrics, "perplexity": math.exp(min(metrics["loss"], 50.0)), "tokens": count}
+
+    @torch.no_grad()
+    def reward_means(self) -> dict[str, float]:
+        """One completion per prompt (greedy unless temperature), scored by every reward:
+        the weighted reward's mean, each reward's and the completions' mean length."""
+        cfg = self.cfg
+        weights = torch.tensor([r.weight for r in self.rewards])
+        sampling = Sampling(cfg.temperature)
+        sums: dict[str, Any] = {}
+        for batch in self.prompt_loader:
+            keys = [f"seed {cfg.seed} eval {i}" for i in batch.ids]
+            out = generate(self.model, batch.prompt_ids, cfg.max_new_tokens, sampling,
+                           self.end_ids, Draws.keyed(keys, cfg.max_new_tokens))  # fmt: skip
+            replies = out.replies()
+            texts = [self.tokenizer.decode(r[:-1] if e else r)
+                     for r, e in zip(replies, out.ended.tolist())]  # fmt: skip
+            fields = [{**f, "completion_tokens": len(r)} for f, r in zip(batch.fields, replies)]
+            raw = score_completions(self.rewards, batch.prompts, texts, fields, batch.ids)
+            keep = batch.real_rows()
+            totals = {"reward": (raw @ weights)[keep].sum(), "prompts": keep.sum().float(),
+                      "mean_length": out.lengths.cpu().float()[keep].sum()}  # fmt: skip
+            for i, reward in enumerate(self.rewards):
+                totals[f"rewards/{reward.name}/mean"] = raw[keep, i].sum()
+            for name, value in totals.items():
+                sums[name] = sums.get(name, 0) + value
+        totals = self.groups.sum(sums, over="dp")
+        prompts = max(float(totals.pop("prompts")), 1.0)
+        return {name: float(value) / prompts for name, value in totals.items()}
+
+
+@parse(EvalConfig)
+def recipe_main(cfg: EvalConfig) -> None:
+    recipe = EvalRecipe(cfg)
+    recipe.setup()
+    recipe.evaluate()
+
+
+if __name__ == "__main__":
+    sys.exit(recipe_main())
