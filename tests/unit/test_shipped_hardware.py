@@ -35,14 +35,16 @@ ESTIMATED = {
     "crosscoder_fsdp2",
     "dpo_fsdp2",
     "grpo_fsdp2",
+    "kd_fsdp2",  # the student (the teacher is not counted: docs/recipes/kd_fsdp2.md)
 }
-NOT_ESTIMATED = {"generate"}  # no training
+NOT_ESTIMATED = {"generate", "eval"}  # no training
 HEADROOM = 0.9
 # tiny CPU configs whose model is a file another command makes first
 MADE_FIRST = {"llm/hf_tiny_full": "a tiny HF folder (tests write one)",
               "llm/hf_tiny_lora": "a tiny HF folder (tests write one)",
               "llm/hf_tiny_dpo": "a tiny HF folder (tests write one)",
               "llm/hf_tiny_grpo": "a tiny HF folder (tests write one)",
+              "llm/hf_tiny_kd": "two tiny HF folders (tests write them)",
               "llm/spectrum_tiny": "`freetx spectrum scan`'s selection of runs/llm_tiny"}  # fmt: skip
 # the shapes of the HF models the fine-tuning configs name (their config.json's, public),
 # for the configs that read the shape from `model_dir`
