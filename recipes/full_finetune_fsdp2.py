@@ -43,6 +43,7 @@ from freetx.entry import parse
 from freetx.fields import read_path
 from freetx.models.hf import model_dir_problems
 from freetx.models.peft import PEFTConfig, apply_peft
+from freetx.models.qat import QATConfig, apply_qat, set_fake_quantization
 from freetx.training import (
     PlannedRun,
     TokenEvalConfig,
@@ -62,6 +63,7 @@ from freetx.training import (
     real_tokens,
     seed_everything,
 )
+from freetx.training.export import export_quantized_final
 
 
 @dataclass
@@ -70,7 +72,7 @@ class FullFinetuneConfig(TrainingConfig):
     optimizer, schedule, parallelism, loggers), then these; a key not listed is an error."""
 
     fixed_on_resume: ClassVar[tuple[str, ...]] = (
-        *TrainingConfig.fixed_on_resume, "model", "tokenizer", "dataset", "peft",
+        *TrainingConfig.fixed_on_resume, "model", "tokenizer", "dataset", "peft", "qat",
     )  # fmt: skip
 
     model_dir: Optional[str] = read_path(
@@ -82,6 +84,7 @@ class FullFinetuneConfig(TrainingConfig):
     loss: Any = field(default_factory=lambda: {"_component_": "freetx.training.CrossEntropyLoss"})
     eval: TokenEvalConfig = field(default_factory=TokenEvalConfig)
     peft: PEFTConfig = field(default_factory=PEFTConfig)  # LoRA / QLoRA / DoRA / Spectrum
+    qat: QATConfig = field(default_factory=QATConfig)  # fake-quantized training (torchao)
 
     # a model_dir that cannot be a model (a text file, ...): said first, not as its
     # tokenizer's problem (one that does not exist: `check_read_paths`)
@@ -123,6 +126,7 @@ class FullFinetuneRecipeFSDP2:
         check_packing(model, packs(train_set))  # a packed dataset needs a model that packs
         check_context(model, self.groups.shape, self.seq_len)  # cp: a part of each sequence
         trains = apply_peft(model, cfg.peft, world_size)  # all, or adapters / some modules
+        apply_qat(model, cfg.qat)  # fake-quantized linears (qat.scheme), before FSDP2
         self.plan = parallelize(
             model, self.groups, cfg.distributed, seed=cfg.seed,
             init_weights=not self.run.loads_weights,  # random init unless weights are loaded
@@ -151,6 +155,8 @@ class FullFinetuneRecipeFSDP2:
         self.model.train()
         while run.step < cfg.max_steps and not run.stopping:  # stopping: SIGTERM, ^C
             batches = [next(data) for _ in range(self.accumulation)]
+            if cfg.qat.scheme != "none":  # fake quantization from qat.start_step on
+                set_fake_quantization(self.model, run.step >= cfg.qat.start_step)
             self.optimizer.zero_grad(set_to_none=True)
             sums, num_tokens = accumulate_gradients(
                 self.plan, batches, self.compute_loss, count=loss_tokens, loss=self.loss_fn
@@ -167,6 +173,11 @@ class FullFinetuneRecipeFSDP2:
             if run.due(cfg.checkpoint.every_n_steps):
                 run.save()
         run.finish(self.evaluate)
+        if cfg.qat.scheme != "none" and cfg.checkpoint.save_final and not run.stopping:
+            run.checkpointer.wait()  # the final save is complete
+            if self.runtime.is_rank_zero:  # from the saved checkpoint, as final_export
+                for line in export_quantized_final(cfg.output_dir, cfg.qat):
+                    run.write(line)
 
     def compute_loss(self, batch: TokenBatch):
         """One micro-batch: forward and the loss summed over its loss tokens (+ extras)."""

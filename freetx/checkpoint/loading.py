@@ -218,10 +218,10 @@ def load_initial_weights(model: nn.Module, path: str | Path) -> list[str]:
 
 def model_from_checkpoint(path: str | Path):
     """(model class path, model config) that a checkpoint recorded, for building its model."""
-    return _recorded_model(open_tensors(path), path)
+    return recorded_model(open_tensors(path), path)
 
 
-def _recorded_model(source: TensorSource, path: str | Path):
+def recorded_model(source: TensorSource, path: str | Path):
     model_class = source.meta.get("model_class")
     if model_class is None or source.model_config is None:
         raise CheckpointError(
@@ -235,14 +235,27 @@ def load_model(path: str | Path, device, seed: int = 0) -> nn.Module:
     """The model a checkpoint holds (a run's output_dir, a DCP folder, a .safetensors file
     freetx wrote, or an HF folder of the decoder family), rebuilt from what it recorded,
     its weights loaded, on `device`, in eval mode. Not sharded: for sampling and for
-    reading activations."""
+    reading activations. An HF folder of torchao-quantized weights (`freetx checkpoint
+    convert --quantize`, transformers' TorchAoConfig) gives the model with torchao's
+    quantized tensors in its Linears (`freetx.checkpoint.quantized`); a folder quantized
+    otherwise (bitsandbytes, GPTQ ...) is refused before a weight is read."""
+    from freetx.checkpoint.quantized import load_quantized, quantization_method
+
+    if quantization_method(path) is not None:
+        return load_quantized(path, device, seed)
+    weights = weight_source(path)
+    refuse_adapters(weights.tensors, "loaded as a model")
+    return model_from_weights(weights, device, seed)
+
+
+def model_from_weights(weights: WeightSource, device, seed: int = 0) -> nn.Module:
+    """The model `weights` hold (the class and config they recorded), built unsharded on
+    `device`, its weights checked and loaded, in eval mode."""
     from freetx.distributed.parameters import materialize
     from freetx.models import build_model
 
-    weights = weight_source(path)
-    refuse_adapters(weights.tensors, "loaded as a model")
     with torch.device("meta"):
-        model = build_model(*_recorded_model(weights.tensors, weights.path))
+        model = build_model(*recorded_model(weights.tensors, weights.path))
     materialize(model, device, seed=seed, init_weights=False)
     check_weights(model, weights)
     load_weights(model, weights)
