@@ -1,6 +1,6 @@
 """Quantized exports: a checkpoint's model with torchao's real quantized weights, as an HF
 folder transformers loads (config.json's `quantization_config` is its TorchAoConfig), and
-the same folder read back into a freetx model.
+the same folder read back into a freetx model (`freetx.checkpoint.loading.load_quantized`).
 
     freetx checkpoint convert RUN DST --quantize int8_dynamic_act_int4_weight [--group-size 32]
     load_model(DST, device)          # freetx's model, torchao's tensors in its Linears
@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
 from freetx.checkpoint.adapters import LoRASettings, MergedSource, adapter_tensors
 from freetx.checkpoint.convert import (
@@ -32,13 +31,11 @@ from freetx.checkpoint.convert import (
     user_entry,
     write_hf_files,
 )
-from freetx.checkpoint.dcp_folder import FROZEN_FROM, read_json
-from freetx.checkpoint.formats import TensorSource, hf_weight_files, open_tensors
+from freetx.checkpoint.dcp_folder import FROZEN_FROM
+from freetx.checkpoint.formats import TensorSource, open_tensors
 from freetx.checkpoint.loading import (
     WeightSource,
-    mismatch_report,
     model_from_weights,
-    model_shapes,
     recorded_model,
     weight_source,
 )
@@ -163,76 +160,3 @@ def export_quantized(
     written = sum(v.numel() * v.element_size() for v in flat.values())
     return {"format": "hf", "scheme": scheme, "group_size": group_size, "tensors": len(tensors),
             "bytes": written, "path": str(dst), "notes": notes}  # fmt: skip
-
-
-def quantization_method(path: str | Path) -> str | None:
-    """The `quant_method` of an HF folder's quantization_config (torchao, bitsandbytes,
-    gptq ...); None when `path` is no HF folder or its weights are not quantized."""
-    config = Path(path).expanduser() / "config.json"
-    if not config.is_file():
-        return None
-    hf = read_json(config, "HF model config")
-    quantization = hf.get("quantization_config") if isinstance(hf, dict) else None
-    if not isinstance(quantization, dict):
-        return None
-    return str(quantization.get("quant_method", "unnamed"))
-
-
-def load_quantized(path: str | Path, device, seed: int = 0) -> nn.Module:
-    """freetx's model of an HF folder of torchao-quantized weights (`export_quantized`, or
-    transformers' save of a TorchAoConfig model): built from config.json, each stored tensor
-    set as it is (`load_state_dict(assign=True)`: a quantized Linear holds torchao's tensor,
-    as the export's model did), on `device`, in eval mode. Another quantization method is
-    refused before a weight is read."""
-    from safetensors import safe_open
-    from torchao.prototype.safetensors.safetensors_support import unflatten_tensor_state_dict
-
-    from freetx.distributed.parameters import materialize
-    from freetx.models.hf import layout_for_hf_config
-
-    folder = Path(path).expanduser()
-    method = quantization_method(folder)
-    if method != "torchao":
-        raise CheckpointError(
-            f"{folder} holds a model quantized by {method} (config.json's quantization_config), "
-            "which freetx does not read: it reads torchao's quantized folders (freetx "
-            "checkpoint convert SRC DST --quantize SCHEME writes them) and unquantized ones. "
-            "Use the unquantized model's folder (e.g. the original download) instead."
-        )
-    hf = read_json(folder / "config.json", "HF model config")
-    hf = {k: v for k, v in hf.items() if k != "quantization_config"}  # the model itself
-    layout = layout_for_hf_config(hf)
-    with torch.device("meta"):
-        model = build_model(layout.model_class, layout.from_hf_config(hf))
-    materialize(model, torch.device("cpu"), seed=seed, init_weights=False)
-    tied = bool(hf.get("tie_word_embeddings", False))
-    state: dict[str, torch.Tensor] = {}
-    stacks: dict[str, dict[int, torch.Tensor]] = {}
-    for file in hf_weight_files(folder):
-        with safe_open(str(file), "pt") as f:
-            stored = {key: f.get_tensor(key) for key in f.keys()}
-            metadata = f.metadata() or {}
-        tensors, _ = unflatten_tensor_state_dict(stored, metadata)
-        for hf_name, tensor in tensors.items():
-            name = None if tied and hf_name == "lm_head.weight" else layout.from_hf_name(hf_name)
-            index = None if name is None else layout.stack_index(hf_name)
-            if name is not None and index is None:
-                state[name] = tensor
-            elif name is not None:
-                stacks.setdefault(name, {})[index] = tensor
-    state |= {name: torch.stack([p[i] for i in sorted(p)]) for name, p in stacks.items()}
-    held = dict(model.named_parameters(remove_duplicate=False))
-    for name, parameter in held.items():  # a tied weight: the one it shares storage with
-        twin = [n for n, p in held.items() if p is parameter and n in state]
-        if name not in state and twin:
-            state[name] = state[twin[0]]
-    problems = mismatch_report(model_shapes(model), {n: tuple(t.shape) for n, t in state.items()})
-    if problems:
-        raise CheckpointError(
-            f"the quantized weights of {folder} do not fit the model its config.json "
-            f"describes ({len(problems)} difference(s)):\n"
-            + "\n".join(f"  - {p}" for p in problems)
-            + "\nThe folder is incomplete or was edited; export it again."
-        )
-    model.load_state_dict(state, strict=False, assign=True)
-    return model.to(device).eval()
