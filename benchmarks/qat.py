@@ -125,8 +125,8 @@ def main() -> None:
     qat = [f"qat.scheme={args.scheme}", f"qat.group_size={args.group_size}"]
     scheme, size, cpu, checks = args.scheme, args.group_size, torch.device("cpu"), []
     start = load_model(args.start, cpu)
-    rows = [["start", "-", f"{validation_loss(start):.4f}", "-",
-             f"{quantized_loss(start, scheme, size, checks):.4f}", "-"]]  # fmt: skip
+    rows = [["start", f"{validation_loss(start):.4f}",
+             f"{quantized_loss(start, scheme, size, checks):.4f}", "-", "-"]]  # fmt: skip
     results, seconds = [], {"plain": 0.0, "qat": 0.0}
     for seed in range(args.seeds):  # the data order: the runs' spread
         runs = {}
