@@ -21,7 +21,7 @@ differ in their data order alone lie about 0.01 apart here, as much as PTQ loses
 is not enough); recovered: 1 - QAT's / PTQ's.
 
     python benchmarks/qat.py --start RUN_OR_CHECKPOINT [--steps 100] [--scheme int4_weight]
-        [--group-size 64] [--lr 3e-4] [--seeds 2]
+        [--group-size 64] [--lr 1e-4] [--seeds 2]
 
 int4_weight is converted in this process (the CPU's int4 kernel; only its export needs a
 CUDA machine), and, that kernel being slow at this shape, its losses are the fake-quantized
@@ -107,7 +107,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--start", required=True, help="a run folder or checkpoint of llm/instruct_tiny")
     p.add_argument("--steps", type=int, default=100)
-    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--scheme", default="int4_weight")
     p.add_argument("--group-size", type=int, default=64)
     p.add_argument("--seeds", type=int, default=2, help="data orders (run seeds) to average")

@@ -1,5 +1,7 @@
 """Train a decoder LM: pretrain or fine-tune, on FSDP2 / ZeRO / DDP strategies; all of
-its weights, or LoRA / QLoRA / DoRA adapters or Spectrum's modules (`peft:`).
+its weights, or LoRA / QLoRA / DoRA adapters or Spectrum's modules (`peft:`); for int4
+weights with torchao's quantization-aware training (`qat:`, docs/qat.md), exported
+quantized at the end.
 
     freetx run --nproc-per-node 2 full_finetune_fsdp2 --config llm/tiny
     freetx run full_finetune_fsdp2 --config llm/tiny distributed.strategy=ddp max_steps=20
