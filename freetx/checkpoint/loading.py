@@ -181,7 +181,7 @@ def check_checkpoint(model: nn.Module, source: DCPSource, include=None) -> None:
         )
 
 
-def load_weights(model: nn.Module, weights: WeightSource) -> list[str]:
+def load_weights(model: nn.Module, weights: WeightSource, alone: bool = False) -> list[str]:
     """Set a (parallelized) model's weights from checked `weights` (`check_weights`).
 
     Every rank calls it. Adapters keep their values. DCP checkpoints reshard
@@ -189,7 +189,8 @@ def load_weights(model: nn.Module, weights: WeightSource) -> list[str]:
     reads only the rows of its own shard, a tensor at a time. Afterwards, values
     that follow from the weights (DoRA's magnitudes) are set. Returns lines naming
     what of the files is not read (a multimodal folder's vision tower), for the
-    run's output.
+    run's output. `alone`: one rank of a process group loads an unsharded model by itself
+    (an export at the end of a run), so a DCP checkpoint is read without collectives.
     """
     source, inner = weights.tensors, unwrap(model)
     adapters = set(self_initialized(inner))
@@ -201,6 +202,7 @@ def load_weights(model: nn.Module, weights: WeightSource) -> list[str]:
                 {"model": state},
                 storage_reader=DCPReader(str(source.path)),
                 planner=SafeLoadPlanner(),
+                no_dist=alone,
             )
         for name in sorted(stored):
             set_full_parameter(inner, name, source.get(MODEL_PREFIX + name))
@@ -253,9 +255,11 @@ def load_model(path: str | Path, device, seed: int = 0) -> nn.Module:
     return model_from_weights(weights, device, seed)
 
 
-def model_from_weights(weights: WeightSource, device, seed: int = 0) -> nn.Module:
+def model_from_weights(
+    weights: WeightSource, device, seed: int = 0, alone: bool = False
+) -> nn.Module:
     """The model `weights` hold (the class and config they recorded), built unsharded on
-    `device`, its weights checked and loaded, in eval mode."""
+    `device`, its weights checked and loaded, in eval mode (`alone`: as `load_weights`)."""
     from freetx.distributed.parameters import materialize
     from freetx.models import build_model
 
@@ -263,7 +267,7 @@ def model_from_weights(weights: WeightSource, device, seed: int = 0) -> nn.Modul
         model = build_model(*recorded_model(weights.tensors, weights.path))
     materialize(model, device, seed=seed, init_weights=False)
     check_weights(model, weights)
-    load_weights(model, weights)
+    load_weights(model, weights, alone)
     return model.eval()
 
 

@@ -137,7 +137,7 @@ def export_quantized(
     layout = hf_layout(source)  # a source that records no model class: refused here
     with torch.device("meta"):  # a group size that does not divide a width: before reading
         qat_targets(build_model(*recorded_model(source, src)), group_size, "--group-size")
-    model = quantize_ptq(model_from_weights(weights, device), scheme, group_size)
+    model = quantize_ptq(model_from_weights(weights, device, alone=True), scheme, group_size)
     state = model.state_dict()
     tensors: dict[str, torch.Tensor] = {}
     for name in source.model_names():

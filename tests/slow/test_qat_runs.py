@@ -135,3 +135,35 @@ def test_an_int4_weight_run_on_the_cpu_says_its_export_was_not_written(tmp_path)
     assert "The quantized export was not written" in text and "on a CUDA machine" in text
     assert "--quantize int4_weight --group-size 32" in text and "Nothing is lost" in text
     assert not (tmp_path / "export" / "quantized").exists()
+
+
+@pytest.mark.parametrize(
+    "recipe, config", [("full_finetune_fsdp2", "llm/hf_tiny_full"),
+                       ("lora_finetune_fsdp2", "llm/hf_tiny_lora")],
+)  # fmt: skip
+def test_an_hf_folder_trains_with_qat_on_2_processes_and_exports_what_transformers_loads(
+    tmp_path, recipe, config
+):
+    from transformers import AutoModelForCausalLM
+
+    from freetx.data.corpus import builtin_documents
+    from tests.hf_folders import make_folder, make_tokenizer
+
+    folder = make_folder(tmp_path / "llama", "llama3_2")
+    make_tokenizer(folder, builtin_documents()[:20])
+    run = tmp_path / "run"
+    result = run_freetx(
+        "run", "--nproc-per-node", "2", recipe, "--config", config, f"model_dir={folder}",
+        f"output_dir={run}", "max_steps=2", "eval.every_n_steps=0", "eval.max_batches=1",
+        "checkpoint.every_n_steps=0", f"qat.scheme={SCHEME}", "log_every_n_steps=1",
+        "metric_loggers=[{_component_: freetx.loggers.JSONLLogger}]",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert f"initial weights from {folder}" in result.stdout
+    assert all(math.isfinite(v) for v in losses(run).values())
+    export = run / "export" / "quantized"
+    theirs = AutoModelForCausalLM.from_pretrained(export).eval()
+    ids = IDS % theirs.config.vocab_size
+    with torch.no_grad():
+        ours = load_model(export, torch.device("cpu"))(ids)
+        assert torch.allclose(theirs(ids).logits, ours, atol=1e-5, rtol=0)
