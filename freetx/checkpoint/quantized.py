@@ -86,7 +86,7 @@ def export_device(scheme: str, src: str | Path, dst: str | Path, group_size: int
     raise ConfigError(
         "an int4_weight export holds torchao's CUDA int4 format, which only a CUDA machine "
         "makes (torchao cannot write its CPU int4 format, Int4OpaqueTensor, to safetensors), "
-        f"and this machine has no CUDA device. Run the same command on a CUDA machine: freetx "
+        f"and this machine has no CUDA device. Export it on a CUDA machine: freetx "
         f"checkpoint convert {src} {dst} --quantize {INT4_WEIGHT} --group-size {group_size}; "
         f"or export --quantize {INT8_DYNAMIC_ACT_INT4_WEIGHT} here (any device)."
     )
