@@ -21,7 +21,7 @@ differ in their data order alone lie about 0.01 apart here, as much as PTQ loses
 is not enough); recovered: 1 - QAT's / PTQ's.
 
     python benchmarks/qat.py --start RUN_OR_CHECKPOINT [--steps 100] [--scheme int4_weight]
-        [--group-size 64] [--lr 1e-4] [--seeds 2]
+        [--group-size 64] [--lr 1e-4] [--seeds 2] [--start-step 0]
 
 int4_weight is converted in this process (the CPU's int4 kernel; only its export needs a
 CUDA machine), and, that kernel being slow at this shape, its losses are the fake-quantized
@@ -110,6 +110,7 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--scheme", default="int4_weight")
     p.add_argument("--group-size", type=int, default=64)
+    p.add_argument("--start-step", type=int, default=0, help="qat.start_step of the QAT runs")
     p.add_argument("--seeds", type=int, default=2, help="data orders (run seeds) to average")
     p.add_argument("--out", help="keep the two runs here (default: a temporary folder)")
     args = p.parse_args()
@@ -122,7 +123,8 @@ def main() -> None:
 
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     out = Path(args.out or tempfile.mkdtemp(prefix="freetx_qat_bench_"))
-    qat = [f"qat.scheme={args.scheme}", f"qat.group_size={args.group_size}"]
+    qat = [f"qat.scheme={args.scheme}", f"qat.group_size={args.group_size}",
+           f"qat.start_step={args.start_step}"]  # fmt: skip
     scheme, size, cpu, checks = args.scheme, args.group_size, torch.device("cpu"), []
     start = load_model(args.start, cpu)
     rows = [["start", f"{validation_loss(start):.4f}",
@@ -152,7 +154,7 @@ def main() -> None:
     recovered = 1 - qat_loss / ptq if ptq > 0 else float("nan")
     print(
         f"{scheme}, groups of {size}; {args.steps} steps at lr {args.lr} from {args.start}, "
-        f"{args.seeds} data orders; fine-tuning {seconds['plain']:.0f} s plain, "
+        f"qat.start_step {args.start_step}, {args.seeds} data orders; fine-tuning {seconds['plain']:.0f} s plain, "
         f"{seconds['qat']:.0f} s qat"
     )
     if checks:
