@@ -1,5 +1,7 @@
 """Train a decoder LM: pretrain or fine-tune, on FSDP2 / ZeRO / DDP strategies; all of
-its weights, or LoRA / QLoRA / DoRA adapters or Spectrum's modules (`peft:`).
+its weights, or LoRA / QLoRA / DoRA adapters or Spectrum's modules (`peft:`); for int4
+weights with torchao's quantization-aware training (`qat:`, docs/qat.md), exported
+quantized at the end.
 
     freetx run --nproc-per-node 2 full_finetune_fsdp2 --config llm/tiny
     freetx run full_finetune_fsdp2 --config llm/tiny distributed.strategy=ddp max_steps=20
@@ -44,6 +46,7 @@ from freetx.evaluation import FinalTasks
 from freetx.fields import read_path
 from freetx.models.hf import model_dir_problems
 from freetx.models.peft import PEFTConfig, apply_peft
+from freetx.models.qat import QATConfig, apply_qat, set_fake_quantization
 from freetx.training import (
     PlannedRun,
     TokenEvalConfig,
@@ -63,6 +66,7 @@ from freetx.training import (
     real_tokens,
     seed_everything,
 )
+from freetx.training.export import export_quantized_final
 
 
 @dataclass
@@ -71,7 +75,7 @@ class FullFinetuneConfig(TrainingConfig):
     optimizer, schedule, parallelism, loggers), then these; a key not listed is an error."""
 
     fixed_on_resume: ClassVar[tuple[str, ...]] = (
-        *TrainingConfig.fixed_on_resume, "model", "tokenizer", "dataset", "peft",
+        *TrainingConfig.fixed_on_resume, "model", "tokenizer", "dataset", "peft", "qat",
     )  # fmt: skip
 
     model_dir: Optional[str] = read_path(
@@ -83,6 +87,7 @@ class FullFinetuneConfig(TrainingConfig):
     loss: Any = field(default_factory=lambda: {"_component_": "freetx.training.CrossEntropyLoss"})
     eval: TokenEvalConfig = field(default_factory=TokenEvalConfig)
     peft: PEFTConfig = field(default_factory=PEFTConfig)  # LoRA / QLoRA / DoRA / Spectrum
+    qat: QATConfig = field(default_factory=QATConfig)  # fake-quantized training (torchao)
 
     # a model_dir that cannot be a model (a text file, ...): said first, not as its
     # tokenizer's problem (one that does not exist: `check_read_paths`)
@@ -125,6 +130,7 @@ class FullFinetuneRecipeFSDP2:
         check_packing(model, packs(train_set))  # a packed dataset needs a model that packs
         check_context(model, self.groups.shape, self.seq_len)  # cp: a part of each sequence
         trains = apply_peft(model, cfg.peft, world_size)  # all, or adapters / some modules
+        apply_qat(model, cfg.qat)  # fake-quantized linears (qat.scheme), before FSDP2
         self.plan = parallelize(
             model, self.groups, cfg.distributed, seed=cfg.seed,
             init_weights=not self.run.loads_weights,  # random init unless weights are loaded
@@ -153,6 +159,8 @@ class FullFinetuneRecipeFSDP2:
         self.model.train()
         while run.step < cfg.max_steps and not run.stopping:  # stopping: SIGTERM, ^C
             batches = [next(data) for _ in range(self.accumulation)]
+            if cfg.qat.scheme != "none":  # fake quantization from qat.start_step on
+                set_fake_quantization(self.model, run.step >= cfg.qat.start_step)
             self.optimizer.zero_grad(set_to_none=True)
             sums, num_tokens = accumulate_gradients(
                 self.plan, batches, self.compute_loss, count=loss_tokens, loss=self.loss_fn
@@ -169,6 +177,11 @@ class FullFinetuneRecipeFSDP2:
             if run.due(cfg.checkpoint.every_n_steps):
                 run.save()
         run.finish(self.evaluate)
+        if cfg.qat.scheme != "none" and cfg.checkpoint.save_final and not run.stopping:
+            run.checkpointer.wait()  # the final save is complete
+            if self.runtime.is_rank_zero:  # from the saved checkpoint, as final_export
+                for line in export_quantized_final(cfg.output_dir, cfg.qat):
+                    run.write(line)
         self.final_tasks.run(self.plan, self.tokenizer, cfg.output_dir)  # lm-eval: eval.json
 
     def compute_loss(self, batch: TokenBatch):

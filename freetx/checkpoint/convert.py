@@ -49,7 +49,7 @@ from freetx.checkpoint.formats import (
 from freetx.checkpoint.run_folder import resolve_checkpoint
 from freetx.distributed.parallelize import dtype_named
 from freetx.errors import CheckpointError
-from freetx.models.hf import TOKENIZER_FILES, layout_of, text_model_config
+from freetx.models.hf import TOKENIZER_FILES, HFLayout, layout_of, text_model_config
 from freetx.user_files import check_destination, staged_output
 
 FORMATS = ("safetensors", "torch", "dcp", "hf", "peft")
@@ -284,13 +284,7 @@ def _write_hf(
     (else `tokenizer`'s, else a note that the folder has none). Returns the bytes written,
     and lines saying what the folder is (the text model of a multimodal companion; no
     tokenizer)."""
-    if source.model_config is None or not source.meta.get("model_class"):
-        raise CheckpointError(
-            f"{source.path} does not record its model class and config, which config.json "
-            "needs; convert from the DCP checkpoint (its meta.json has them) or from a "
-            "safetensors file freetx wrote."
-        )
-    layout = layout_of(source.meta["model_class"])
+    layout = hf_layout(source)
     # HF name -> (freetx key, its slice along dim 0 or None): a stacked tensor (an MoE
     # block's experts) is written as one HF tensor per slice
     parts: dict[str, tuple[str, int | None]] = {}
@@ -303,9 +297,61 @@ def _write_hf(
             parts[hf_name] = (key, i if stacked else None)
             infos[hf_name] = TensorInfo(info.shape[1:] if stacked else info.shape, out_dtype(info))
     shards = plan_shards({n: i.nbytes for n, i in infos.items()}, parse_size(max_shard_size))
-    dst.mkdir(parents=True, exist_ok=True)
     first = next(iter(infos.values()))
-    hf_config = layout.to_hf_config(source.model_config, str(first.dtype).removeprefix("torch."))
+    notes = write_hf_files(source, dst, str(first.dtype), companion, tokenizer)
+    files = (
+        ["model.safetensors"]
+        if len(shards) == 1
+        else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    )
+    held: tuple[str, torch.Tensor] | None = None  # the stacked tensor being written out
+    for file, shard in zip(files, shards):
+        writer = SafetensorsStreamWriter(dst / file, {n: infos[n] for n in shard}, {"format": "pt"})
+        for name in shard:
+            key, index = parts[name]
+            if index is None:
+                writer.write(name, cast(source.get(key)))
+                continue
+            if held is None or held[0] != key:
+                held = (key, source.get(key))
+            writer.write(name, cast(held[1][index]))
+        writer.close()
+    if len(shards) > 1:
+        index = {
+            "metadata": {"total_size": sum(i.nbytes for i in infos.values())},
+            "weight_map": {name: file for file, shard in zip(files, shards) for name in shard},
+        }
+        (dst / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    return sum(info.nbytes for info in infos.values()), notes
+
+
+def hf_layout(source: TensorSource) -> HFLayout:
+    """The HF layout of the model a source holds, which an HF export writes in; a source
+    that does not record its model class and config is refused."""
+    if source.model_config is None or not source.meta.get("model_class"):
+        raise CheckpointError(
+            f"{source.path} does not record its model class and config, which config.json "
+            "needs; convert from the DCP checkpoint (its meta.json has them) or from a "
+            "safetensors file freetx wrote."
+        )
+    return layout_of(source.meta["model_class"])
+
+
+def write_hf_files(
+    source: TensorSource,
+    dst: Path,
+    dtype: str,
+    companion: Path | None,
+    tokenizer: HFTokenizerFiles | None = None,
+    quantization_config: dict[str, Any] | None = None,
+) -> list[str]:
+    """What an HF folder holds besides its weights, into `dst`: config.json (the source
+    model's, its weights' `dtype`; `quantization_config` added when given), the companion
+    folder's generation_config.json and tokenizer files (else `tokenizer`'s). Returns the
+    lines `_write_hf` says about the folder."""
+    layout = hf_layout(source)
+    dst.mkdir(parents=True, exist_ok=True)
+    hf_config = layout.to_hf_config(source.model_config, dtype.removeprefix("torch."))
     companion_config = {}
     if companion is not None and (companion / "config.json").is_file():
         companion_config = read_json(companion / "config.json", "HF model config")
@@ -334,30 +380,9 @@ def _write_hf(
     for key, value in tokenizer.ids.items():  # the ids a companion's config did not give
         if hf_config.get(key) is None:
             hf_config[key] = value
+    if quantization_config is not None:
+        hf_config["quantization_config"] = quantization_config
     (dst / "config.json").write_text(json.dumps(hf_config, indent=2))
-    files = (
-        ["model.safetensors"]
-        if len(shards) == 1
-        else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-    )
-    held: tuple[str, torch.Tensor] | None = None  # the stacked tensor being written out
-    for file, shard in zip(files, shards):
-        writer = SafetensorsStreamWriter(dst / file, {n: infos[n] for n in shard}, {"format": "pt"})
-        for name in shard:
-            key, index = parts[name]
-            if index is None:
-                writer.write(name, cast(source.get(key)))
-                continue
-            if held is None or held[0] != key:
-                held = (key, source.get(key))
-            writer.write(name, cast(held[1][index]))
-        writer.close()
-    if len(shards) > 1:
-        index = {
-            "metadata": {"total_size": sum(i.nbytes for i in infos.values())},
-            "weight_map": {name: file for file, shard in zip(files, shards) for name in shard},
-        }
-        (dst / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     for name in ("generation_config.json", *TOKENIZER_FILES) if companion else ():
         notes += _copy_own_file(companion, name, dst)
     if not (dst / "generation_config.json").is_file():
@@ -377,7 +402,7 @@ def _write_hf(
             "tokenizer's folder (--hf-files-from FOLDER) before loading it with "
             "AutoTokenizer."
         )
-    return sum(info.nbytes for info in infos.values()), notes
+    return notes
 
 
 def _copy_own_file(folder: Path, name: str, dst: Path) -> list[str]:

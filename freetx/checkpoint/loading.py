@@ -28,8 +28,15 @@ from freetx.checkpoint.dcp_folder import (
     DCPReader,
     SafeLoadPlanner,
     quiet_single_process,
+    read_json,
 )
-from freetx.checkpoint.formats import DCPSource, TensorSource, open_tensors, skipped_note
+from freetx.checkpoint.formats import (
+    DCPSource,
+    TensorSource,
+    hf_weight_files,
+    open_tensors,
+    skipped_note,
+)
 from freetx.checkpoint.identity import input_identity
 from freetx.checkpoint.run_folder import newest_checkpoint, resolve_checkpoint
 from freetx.checkpoint.state import ModelState
@@ -178,7 +185,7 @@ def check_checkpoint(model: nn.Module, source: DCPSource, include=None) -> None:
         )
 
 
-def load_weights(model: nn.Module, weights: WeightSource) -> list[str]:
+def load_weights(model: nn.Module, weights: WeightSource, alone: bool = False) -> list[str]:
     """Set a (parallelized) model's weights from checked `weights` (`check_weights`).
 
     Every rank calls it. Adapters keep their values. DCP checkpoints reshard
@@ -186,7 +193,8 @@ def load_weights(model: nn.Module, weights: WeightSource) -> list[str]:
     reads only the rows of its own shard, a tensor at a time. Afterwards, values
     that follow from the weights (DoRA's magnitudes) are set. Returns lines naming
     what of the files is not read (a multimodal folder's vision tower), for the
-    run's output.
+    run's output. `alone`: one rank of a process group loads an unsharded model by itself
+    (an export at the end of a run), so a DCP checkpoint is read without collectives.
     """
     source, inner = weights.tensors, unwrap(model)
     adapters = set(self_initialized(inner))
@@ -198,6 +206,7 @@ def load_weights(model: nn.Module, weights: WeightSource) -> list[str]:
                 {"model": state},
                 storage_reader=DCPReader(str(source.path)),
                 planner=SafeLoadPlanner(),
+                no_dist=alone,
             )
         for name in sorted(stored):
             set_full_parameter(inner, name, source.get(MODEL_PREFIX + name))
@@ -222,10 +231,10 @@ def load_initial_weights(model: nn.Module, path: str | Path) -> list[str]:
 
 def model_from_checkpoint(path: str | Path):
     """(model class path, model config) that a checkpoint recorded, for building its model."""
-    return _recorded_model(open_tensors(path), path)
+    return recorded_model(open_tensors(path), path)
 
 
-def _recorded_model(source: TensorSource, path: str | Path):
+def recorded_model(source: TensorSource, path: str | Path):
     model_class = source.meta.get("model_class")
     if model_class is None or source.model_config is None:
         raise CheckpointError(
@@ -248,18 +257,23 @@ def load_model(
     adapters, unmerged, and the checkpoint's tensors set over its base: the base's own
     weights where the checkpoint holds the trained part only (it records the base it was
     read from, `frozen_from`), else the checkpoint's. Without it a LoRA checkpoint is
-    refused, naming the merge."""
+    refused, naming the merge. An HF folder of torchao-quantized weights (`freetx
+    checkpoint convert --quantize`, transformers' TorchAoConfig) gives the model with
+    torchao's quantized tensors in its Linears (`freetx.checkpoint.quantized`); a folder
+    quantized otherwise (bitsandbytes, GPTQ ...) is refused before a weight is read."""
+    if quantization_method(path) is not None:
+        return load_quantized(path, device, seed)
+    weights = weight_source(path)
+    if adapters is None or adapters.method == "none":
+        refuse_adapters(weights.tensors, "loaded as a model")
+        return model_from_weights(weights, device, seed)
     from freetx.distributed.parameters import materialize
     from freetx.models import build_model
     from freetx.models.peft import apply_peft
 
-    weights = weight_source(path)
-    if adapters is None or adapters.method == "none":
-        refuse_adapters(weights.tensors, "loaded as a model")
     with torch.device("meta"):
-        model = build_model(*_recorded_model(weights.tensors, weights.path))
-        if adapters is not None:
-            apply_peft(model, adapters)
+        model = build_model(*recorded_model(weights.tensors, weights.path))
+        apply_peft(model, adapters)
     materialize(model, device, seed=seed, init_weights=False)
     base = weights.tensors.meta.get(FROZEN_FROM)
     if base is None:  # the whole model saved (with its adapters, which this leaves)
@@ -300,6 +314,96 @@ def load_only(model: nn.Module, source: TensorSource, names: set[str]) -> None:
         lambda name, rows, out: source.read_into(MODEL_PREFIX + name, rows, out),
         only=lambda name: name in names,
     )
+
+
+def model_from_weights(
+    weights: WeightSource, device, seed: int = 0, alone: bool = False
+) -> nn.Module:
+    """The model `weights` hold (the class and config they recorded), built unsharded on
+    `device`, its weights checked and loaded, in eval mode (`alone`: as `load_weights`)."""
+    from freetx.distributed.parameters import materialize
+    from freetx.models import build_model
+
+    with torch.device("meta"):
+        model = build_model(*recorded_model(weights.tensors, weights.path))
+    materialize(model, device, seed=seed, init_weights=False)
+    check_weights(model, weights)
+    load_weights(model, weights, alone)
+    return model.eval()
+
+
+def quantization_method(path: str | Path) -> str | None:
+    """The `quant_method` of an HF folder's quantization_config (torchao, bitsandbytes,
+    gptq ...); None when `path` is no HF folder or its weights are not quantized."""
+    config = Path(path).expanduser() / "config.json"
+    if not config.is_file():
+        return None
+    hf = read_json(config, "HF model config")
+    quantization = hf.get("quantization_config") if isinstance(hf, dict) else None
+    if not isinstance(quantization, dict):
+        return None
+    return str(quantization.get("quant_method", "unnamed"))
+
+
+def load_quantized(path: str | Path, device, seed: int = 0) -> nn.Module:
+    """freetx's model of an HF folder of torchao-quantized weights (`export_quantized`, or
+    transformers' save of a TorchAoConfig model): built from config.json, each stored tensor
+    set as it is (`load_state_dict(assign=True)`: a quantized Linear holds torchao's tensor,
+    as the export's model did), on `device`, in eval mode. Another quantization method is
+    refused before a weight is read."""
+    from safetensors import safe_open
+    from torchao.prototype.safetensors.safetensors_support import unflatten_tensor_state_dict
+
+    from freetx.distributed.parameters import materialize
+    from freetx.models import build_model
+    from freetx.models.hf import layout_for_hf_config
+
+    folder = Path(path).expanduser()
+    method = quantization_method(folder)
+    if method != "torchao":
+        raise CheckpointError(
+            f"{folder} holds a model quantized by {method} (config.json's quantization_config), "
+            "which freetx does not read: it reads torchao's quantized folders (freetx "
+            "checkpoint convert SRC DST --quantize SCHEME writes them) and unquantized ones. "
+            "Use the unquantized model's folder (e.g. the original download) instead."
+        )
+    hf = read_json(folder / "config.json", "HF model config")
+    hf = {k: v for k, v in hf.items() if k != "quantization_config"}  # the model itself
+    layout = layout_for_hf_config(hf)
+    with torch.device("meta"):
+        model = build_model(layout.model_class, layout.from_hf_config(hf))
+    materialize(model, torch.device("cpu"), seed=seed, init_weights=False)
+    tied = bool(hf.get("tie_word_embeddings", False))
+    state: dict[str, torch.Tensor] = {}
+    stacks: dict[str, dict[int, torch.Tensor]] = {}
+    for file in hf_weight_files(folder):
+        with safe_open(str(file), "pt") as f:
+            stored = {key: f.get_tensor(key) for key in f.keys()}
+            metadata = f.metadata() or {}
+        tensors, _ = unflatten_tensor_state_dict(stored, metadata)
+        for hf_name, tensor in tensors.items():
+            name = None if tied and hf_name == "lm_head.weight" else layout.from_hf_name(hf_name)
+            index = None if name is None else layout.stack_index(hf_name)
+            if name is not None and index is None:
+                state[name] = tensor
+            elif name is not None:
+                stacks.setdefault(name, {})[index] = tensor
+    state |= {name: torch.stack([p[i] for i in sorted(p)]) for name, p in stacks.items()}
+    held = dict(model.named_parameters(remove_duplicate=False))
+    for name, parameter in held.items():  # a tied weight: the one it shares storage with
+        twin = [n for n, p in held.items() if p is parameter and n in state]
+        if name not in state and twin:
+            state[name] = state[twin[0]]
+    problems = mismatch_report(model_shapes(model), {n: tuple(t.shape) for n, t in state.items()})
+    if problems:
+        raise CheckpointError(
+            f"the quantized weights of {folder} do not fit the model its config.json "
+            f"describes ({len(problems)} difference(s)):\n"
+            + "\n".join(f"  - {p}" for p in problems)
+            + "\nThe folder is incomplete or was edited; export it again."
+        )
+    model.load_state_dict(state, strict=False, assign=True)
+    return model.to(device).eval()
 
 
 def load_source_model(path: str, device: torch.device, dtype: str = "auto") -> nn.Module:

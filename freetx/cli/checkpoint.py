@@ -65,6 +65,20 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="replace DST if it exists (never allowed when DST is, holds or lies in SRC)",
     )
+    convert.add_argument(
+        "--quantize",
+        metavar="SCHEME",
+        help="an HF folder of torchao's quantized weights that transformers loads: "
+        "int8_dynamic_act_int4_weight (8da4w; any device) or int4_weight (a CUDA machine). "
+        "From a QAT run it converts what QAT trained; from any other run it is post-training "
+        "quantization (a LoRA run: its adapters merged in)",
+    )
+    convert.add_argument(
+        "--group-size",
+        type=int,
+        help="--quantize: input columns per int4 weight scale (default: the run's "
+        "qat.group_size, else 32)",
+    )
     merge = sub.add_parser(
         "merge",
         help="an HF folder of a base model with a LoRA / DoRA checkpoint's adapters merged in",
@@ -96,6 +110,8 @@ def main(args: argparse.Namespace) -> int:
         for note in result["notes"]:  # what the folder is, what was not read
             print(note)
         return 0
+    if args.quantize is not None or args.group_size is not None:
+        return quantize(args)
     result = convert(
         args.src, args.dst, to=args.to, dtype=args.dtype, model_only=args.model_only,
         overwrite=args.overwrite, max_shard_size=args.max_shard_size,
@@ -104,6 +120,33 @@ def main(args: argparse.Namespace) -> int:
     print(
         f"Wrote {result['path']} ({result['format']}): {result['tensors']} tensors, "
         f"{result['bytes'] / 2**20:.1f} MiB"
+    )
+    for note in result["notes"]:
+        print(note)
+    return 0
+
+
+def quantize(args: argparse.Namespace) -> int:
+    """`convert --quantize SCHEME`: an HF folder of torchao's quantized weights."""
+    from freetx.checkpoint.quantized import export_quantized
+    from freetx.errors import ConfigError
+    from freetx.training.export import recorded_qat, recorded_run
+
+    if args.quantize is None:
+        raise ConfigError("--group-size sizes the groups of --quantize; add --quantize SCHEME.")
+    if args.to not in (None, "hf") or args.dtype or args.model_only:
+        raise ConfigError(
+            "--quantize writes an HF folder of quantized weights (the weights' dtype stays the "
+            "model's; only the model is written); leave out --to, --dtype and --model-only."
+        )
+    group_size = args.group_size or recorded_qat(args.src).group_size
+    result = export_quantized(
+        args.src, args.dst, args.quantize, group_size, overwrite=args.overwrite,
+        hf_files_from=args.hf_files_from, **recorded_run(args.src),
+    )  # fmt: skip
+    print(
+        f"Wrote {result['path']} (hf, {result['scheme']} in groups of {group_size}): "
+        f"{result['tensors']} tensors, {result['bytes'] / 2**20:.1f} MiB"
     )
     for note in result["notes"]:
         print(note)

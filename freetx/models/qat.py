@@ -167,9 +167,10 @@ def real_config(scheme: str, group_size: int, device: torch.device) -> Any:
     return _ptq_config(scheme, group_size)
 
 
-def qat_targets(model: nn.Module, group_size: int) -> list[str]:
+def qat_targets(model: nn.Module, group_size: int, key: str = "qat.group_size") -> list[str]:
     """The Linear modules a scheme quantizes: all but the output head and MoE routers. One
-    whose input is no whole number of groups is refused, naming it and the fix."""
+    whose input is no whole number of groups is refused, naming it and the fix (`key`: where
+    the group size was set)."""
     modules = dict(model.named_modules())
     # routers, and a LoRA layer's adapters (its base is the target)
     skipped = {f"{n}.gate" for n, m in modules.items() if isinstance(m, MoEFeedForward)}
@@ -187,9 +188,9 @@ def qat_targets(model: nn.Module, group_size: int) -> list[str]:
         if layer.in_features % group_size:
             sizes = [s for s in (16, 32, 64, 128, 256) if layer.in_features % s == 0]
             raise ConfigError(
-                f"qat.group_size={group_size} does not divide the {layer.in_features} input "
+                f"{key}={group_size} does not divide the {layer.in_features} input "
                 f"columns of {name}, and every group of a weight needs {group_size} of them. Set "
-                f"qat.group_size to one that divides it ({', '.join(map(str, sizes)) or 'none'})."
+                f"{key} to one that divides it ({', '.join(map(str, sizes)) or 'none'})."
             )
     return names
 

@@ -28,11 +28,13 @@ from omegaconf import OmegaConf
 from freetx.checkpoint import convert, open_tensors, resolve_checkpoint
 from freetx.checkpoint.adapters import LoRASettings
 from freetx.checkpoint.convert import HFTokenizerFiles
+from freetx.checkpoint.quantized import export_device, export_quantized
 from freetx.config.instantiate import COMPONENT, import_component, instantiate, node_config_class
 from freetx.data import HasHFForm
 from freetx.errors import ConfigError, FreetxError
 from freetx.models.peft import PEFTConfig
 from freetx.models.protocol import HFLayoutModel
+from freetx.models.qat import QATConfig
 from freetx.user_files import WriteFailed
 
 EXPORT_DIR = "export"
@@ -80,6 +82,46 @@ def recorded_peft(path: str | Path) -> PEFTConfig | None:
     if peft.get("method", "none") == "none":
         return None
     return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(PEFTConfig), peft))
+
+
+def recorded_qat(path: str | Path) -> QATConfig:
+    """The `qat:` section the run that saved checkpoint `path` recorded (scheme none and
+    group size 32 for a run without one, or a checkpoint that records no run)."""
+    run = open_tensors(resolve_checkpoint(path)).meta.get("config") or {}
+    qat = run.get("qat") or {}
+    return QATConfig(**{k: v for k, v in qat.items() if k in ("scheme", "group_size")})
+
+
+def export_quantized_final(output_dir: str | Path, qat: QATConfig) -> list[str]:
+    """A QAT run's last step: its final checkpoint quantized by `qat.scheme` into
+    <output_dir>/export/quantized/ (`export_quantized`, as `freetx checkpoint convert
+    --quantize` writes it). Returns the lines to print: what was written, or why it was not
+    (an int4_weight run on a machine without CUDA) and the command that writes it."""
+    checkpoint = resolve_checkpoint(output_dir)
+    dst = Path(output_dir) / EXPORT_DIR / "quantized"
+    try:
+        export_device(qat.scheme, checkpoint, dst, qat.group_size)
+    except ConfigError as e:
+        return [
+            f"The quantized export was not written: {e} Nothing is lost: the "
+            f"checkpoint {checkpoint} is saved, and the command exports it."
+        ]
+    try:
+        written = export_quantized(checkpoint, dst, qat.scheme, qat.group_size, overwrite=True,
+                                   **recorded_run(checkpoint))  # fmt: skip
+    except (WriteFailed, OSError) as e:
+        cause = e.cause if isinstance(e, WriteFailed) else (e.strerror or str(e))
+        raise FreetxError(
+            f"training finished, and its last checkpoint {checkpoint} is complete; only the "
+            f"quantized export to {dst} failed ({cause}). Once there is room (or elsewhere), "
+            f"export it: freetx checkpoint convert {checkpoint} {dst} --quantize {qat.scheme} "
+            f"--group-size {qat.group_size} --overwrite"
+        ) from None
+    line = (
+        f"exported {checkpoint.name} quantized ({qat.scheme}, groups of {qat.group_size}) to "
+        f"{written['path']} ({written['bytes'] / 2**20:.1f} MiB): transformers loads it"
+    )
+    return [line, *written["notes"]]
 
 
 def hf_tokenizer_files(node: Any) -> HFTokenizerFiles | None:

@@ -1,0 +1,162 @@
+"""Quantized exports: a checkpoint's model with torchao's real quantized weights, as an HF
+folder transformers loads (config.json's `quantization_config` is its TorchAoConfig), and
+the same folder read back into a freetx model (`freetx.checkpoint.loading.load_quantized`).
+
+    freetx checkpoint convert RUN DST --quantize int8_dynamic_act_int4_weight [--group-size 32]
+    load_model(DST, device)          # freetx's model, torchao's tensors in its Linears
+
+`export_quantized` loads the whole model a checkpoint holds (a run folder, a DCP step, an HF
+folder, a safetensors file; a LoRA run's adapters merged into the base its checkpoint names),
+quantizes it (`freetx.models.qat.quantize_ptq`: every Linear of the decoder blocks, the
+embedding and output head kept) and writes config.json, the weights as torchao flattens them
+(one model.safetensors: `a.weight` stored as `a._weight_qdata`, `a._weight_scale` ... and
+described in the file's metadata) and the tokenizer files, as `convert --to hf` writes them.
+Applied to a QAT run it converts what QAT trained for; to any other run it is post-training
+quantization (PTQ). int4_weight exports need a CUDA machine: torchao cannot serialize the CPU
+kernel's int4 format (`freetx.models.qat.flat_quantized`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from freetx.checkpoint.adapters import LoRASettings, MergedSource, adapter_tensors
+from freetx.checkpoint.convert import (
+    HFTokenizerFiles,
+    hf_companion_folder,
+    hf_layout,
+    user_entry,
+    write_hf_files,
+)
+from freetx.checkpoint.dcp_folder import FROZEN_FROM
+from freetx.checkpoint.formats import TensorSource, open_tensors
+from freetx.checkpoint.loading import (
+    WeightSource,
+    model_from_weights,
+    recorded_model,
+    weight_source,
+)
+from freetx.checkpoint.run_folder import resolve_checkpoint
+from freetx.errors import CheckpointError, ConfigError
+from freetx.models import build_model
+from freetx.models.qat import (
+    INT4_WEIGHT,
+    INT8_DYNAMIC_ACT_INT4_WEIGHT,
+    SCHEMES,
+    QATConfig,
+    flat_quantized,
+    hf_quantization_config,
+    qat_targets,
+    quantize_ptq,
+    scheme_named,
+)
+from freetx.user_files import check_destination, staged_output
+
+QUANTIZED_FILE = "model.safetensors"
+
+
+def quantize_settings(given: str, group_size: int) -> str:
+    """freetx's name of scheme `given` (its own, or torchtune's / torchao's for it), checked
+    with `group_size`; a scheme that is none of them, `none`, or a group size its kernels do
+    not take is refused with the fix."""
+    scheme = scheme_named(given) or given
+    if scheme == "none":
+        raise ConfigError(
+            f"--quantize none quantizes nothing; name a scheme: {', '.join(SCHEMES)}, or "
+            "convert without --quantize."
+        )
+    try:
+        QATConfig(scheme=scheme, group_size=group_size)
+    except ValueError as error:
+        raise ConfigError(f"--quantize {given} --group-size {group_size}: {error}") from None
+    return scheme
+
+
+def export_device(scheme: str, src: str | Path, dst: str | Path, group_size: int) -> torch.device:
+    """Where `scheme`'s weights are quantized for an export: int4_weight on CUDA (torchao
+    serializes only its CUDA formats; without a CUDA device it is refused, saying where to
+    run it), int8_dynamic_act_int4_weight on the CPU (its format is the same everywhere)."""
+    if scheme != INT4_WEIGHT:
+        return torch.device("cpu")
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    raise ConfigError(
+        "an int4_weight export holds torchao's CUDA int4 format, which only a CUDA machine "
+        "makes (torchao cannot write its CPU int4 format, Int4OpaqueTensor, to safetensors), "
+        f"and this machine has no CUDA device. Export it on a CUDA machine: freetx "
+        f"checkpoint convert {src} {dst} --quantize {INT4_WEIGHT} --group-size {group_size}; "
+        f"or export --quantize {INT8_DYNAMIC_ACT_INT4_WEIGHT} here (any device)."
+    )
+
+
+def whole_model_weights(src: str | Path, lora: LoRASettings | None) -> WeightSource:
+    """The weights of the whole model checkpoint `src` holds: its own, or for a LoRA run's
+    adapter-only checkpoint the base it records (`frozen_from`) with the adapters merged in
+    (`lora`: the run's settings)."""
+    source = open_tensors(resolve_checkpoint(src))
+    try:
+        adapter_tensors(source)
+    except CheckpointError:  # no adapters: the model itself
+        return WeightSource(str(src), source.path, source)
+    base = source.meta.get(FROZEN_FROM)
+    if base is None:
+        raise CheckpointError(
+            f"{source.path} holds LoRA adapters and does not record the base they were "
+            f"trained on; merge them first (freetx checkpoint merge {source.path} --base BASE "
+            "MERGED) and quantize MERGED."
+        )
+    merged = MergedSource(weight_source(base).tensors, source, lora)
+    return WeightSource(str(src), source.path, merged)
+
+
+def export_quantized(
+    src: str | Path,
+    dst: str | Path,
+    scheme: str,
+    group_size: int = 32,
+    overwrite: bool = False,
+    hf_files_from: str | Path | None = None,
+    run_folders: tuple[str | Path, ...] | list[str] = (),
+    lora: LoRASettings | None = None,
+    tokenizer: HFTokenizerFiles | None = None,
+) -> dict[str, Any]:
+    """An HF folder of the model `src` holds, quantized by `scheme` in groups of
+    `group_size` (the module's docstring), that transformers loads; the other arguments as
+    `convert` takes them. Everything a user can get wrong (the scheme, the group size, an
+    int4_weight export without CUDA, the destination) is refused before a weight is read.
+    Returns what was written, as `convert` does."""
+    scheme = quantize_settings(scheme, group_size)
+    device = export_device(scheme, src, dst, group_size)
+    weights = whole_model_weights(src, lora)
+    source: TensorSource = weights.tensors
+    dst = Path(dst).expanduser()
+    check_destination(source.path, dst, overwrite)
+    layout = hf_layout(source)  # a source that records no model class: refused here
+    with torch.device("meta"):  # a group size that does not divide a width: before reading
+        qat_targets(build_model(*recorded_model(source, src)), group_size, "--group-size")
+    model = quantize_ptq(model_from_weights(weights, device, alone=True), scheme, group_size)
+    state = model.state_dict()
+    tensors: dict[str, torch.Tensor] = {}
+    for name in source.model_names():
+        tensor = state[name]
+        hf_names = layout.to_hf_names(name, tensor.shape[0], source.model_config)
+        if layout.stack_index(hf_names[0]) is None:
+            tensors[hf_names[0]] = tensor
+        else:  # an MoE block's experts (not quantized): one HF tensor per slice
+            tensors.update({hf_name: tensor[i] for i, hf_name in enumerate(hf_names)})
+    flat, metadata = flat_quantized(tensors)
+    companion = hf_companion_folder(source, hf_files_from, run_folders)
+    quantization = hf_quantization_config(scheme, group_size, device)
+    dtype = str(next(iter(state.values())).dtype)
+    from safetensors.torch import save_file
+
+    with staged_output(dst, user_entry) as out:
+        notes = write_hf_files(source, out, dtype, companion, tokenizer, quantization)
+        flat = {k: v.detach().contiguous().cpu() for k, v in flat.items()}
+        save_file(flat, out / QUANTIZED_FILE, metadata={"format": "pt", **metadata})
+    written = sum(v.numel() * v.element_size() for v in flat.values())
+    return {"format": "hf", "scheme": scheme, "group_size": group_size, "tensors": len(tensors),
+            "bytes": written, "path": str(dst), "notes": notes}  # fmt: skip
