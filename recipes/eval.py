@@ -38,7 +38,7 @@ from typing import Any, Literal, Optional
 import torch
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-from freetx.checkpoint import load_model, open_tensors, resolve_checkpoint
+from freetx.checkpoint import load_model, resolve_checkpoint
 from freetx.config import at_least, instantiate, write_resolved_config
 from freetx.data import (
     HFTokenizer,
@@ -64,7 +64,7 @@ from freetx.fields import component_list, read_path, written_folder
 from freetx.models.generation import Draws, Sampling, generate
 from freetx.models.hf import end_token_ids
 from freetx.training import build_rewards, per_source_means, score_completions
-from freetx.training.export import recorded_peft, recorded_run
+from freetx.training.export import recorded_config, recorded_peft, recorded_run
 
 
 @dataclass
@@ -176,7 +176,7 @@ class EvalRecipe:
         folder = Path(cfg.checkpoint).expanduser()
         if (folder / "tokenizer.json").is_file() or (folder / "tokenizer_config.json").is_file():
             return HFTokenizer(str(folder))
-        recorded = (open_tensors(self.checkpoint).meta.get("config") or {}).get("tokenizer")
+        recorded = recorded_config(self.checkpoint).get("tokenizer")
         if recorded is None:
             raise ConfigError(
                 f"{cfg.checkpoint} holds no tokenizer and records none (not an HF folder "

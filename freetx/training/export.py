@@ -28,6 +28,7 @@ from omegaconf import OmegaConf
 from freetx.checkpoint import convert, open_tensors, resolve_checkpoint
 from freetx.checkpoint.adapters import LoRASettings
 from freetx.checkpoint.convert import HFTokenizerFiles
+from freetx.checkpoint.loading import quantization_method
 from freetx.checkpoint.quantized import export_device, export_quantized
 from freetx.config.instantiate import COMPONENT, import_component, instantiate, node_config_class
 from freetx.data import HasHFForm
@@ -48,11 +49,19 @@ def export_path(output_dir: str | Path, fmt: str) -> Path:
     return folder / FILE_NAMES[fmt] if fmt in FILE_NAMES else folder
 
 
+def recorded_config(path: str | Path) -> dict[str, Any]:
+    """The config the run that saved checkpoint `path` recorded ({} for a checkpoint no
+    freetx run saved: an HF folder, a quantized export, which records none)."""
+    if quantization_method(path) is not None:
+        return {}
+    return open_tensors(resolve_checkpoint(path)).meta.get("config") or {}
+
+
 def recorded_run(path: str | Path) -> dict[str, Any]:
     """What the run that saved checkpoint `path` recorded in its config, as `convert` and
     `merge` take it: the folders it started from (`run_folders`: its model path,
     tokenizer path and initial weights) and its LoRA settings (`lora`, or None)."""
-    run = open_tensors(resolve_checkpoint(path)).meta.get("config") or {}
+    run = recorded_config(path)
     folders = [
         (run.get("model") or {}).get("path"),
         (run.get("tokenizer") or {}).get("path"),
@@ -77,7 +86,7 @@ def recorded_run(path: str | Path) -> dict[str, Any]:
 def recorded_peft(path: str | Path) -> PEFTConfig | None:
     """The `peft:` section of the run that saved checkpoint `path` (None: a whole model,
     or no run of freetx's), for `load_model(..., adapters=)`."""
-    run = open_tensors(resolve_checkpoint(path)).meta.get("config") or {}
+    run = recorded_config(path)
     peft = run.get("peft") or {}
     if peft.get("method", "none") == "none":
         return None
@@ -87,7 +96,7 @@ def recorded_peft(path: str | Path) -> PEFTConfig | None:
 def recorded_qat(path: str | Path) -> QATConfig:
     """The `qat:` section the run that saved checkpoint `path` recorded (scheme none and
     group size 32 for a run without one, or a checkpoint that records no run)."""
-    run = open_tensors(resolve_checkpoint(path)).meta.get("config") or {}
+    run = recorded_config(path)
     qat = run.get("qat") or {}
     return QATConfig(**{k: v for k, v in qat.items() if k in ("scheme", "group_size")})
 

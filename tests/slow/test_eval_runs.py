@@ -3,7 +3,8 @@ local lm-eval tasks (tests/recipes/test_eval.py's): lm-eval's own HF backend (HF
 same folder; a freetx run folder (perplexity = the run's own val/loss); a LoRA run's
 adapters unmerged (= its merged folder); 2 processes (= 1); `eval.after_training` at the
 end of an SFT run on 1 process and on 2 FSDP2 processes (= the recipe on its checkpoint);
-an unknown task refused before any weight is read."""
+an unknown task refused before any weight is read; a quantized export (PTQ) as HFLM
+scores it."""
 
 from __future__ import annotations
 
@@ -160,3 +161,23 @@ def test_an_unknown_task_is_refused_before_loading_weights(folder, tasks, tmp_pa
     text = one_paragraph(result)
     assert "'freetx_no_such_task'" in text and "include_path=" in text
     assert "eval |" not in result.stdout  # the banner that follows loading the model
+
+
+def test_a_quantized_export_evaluates_as_lm_evals_hf_backend_on_it(folder, tasks, tmp_path):
+    """`freetx checkpoint convert --quantize 8da4w` (PTQ) of the folder, evaluated: the
+    scores transformers' load of the same quantized folder gets through HFLM."""
+    quantized = tmp_path / "quantized"
+    made = run_freetx_here("checkpoint", "convert", str(folder), str(quantized),
+                           "--quantize", "8da4w")  # fmt: skip
+    assert made.returncode == 0, made.stdout + made.stderr
+    _, results = evaluate(
+        str(quantized), "--tasks", ",".join(TASKS), "--include-path", str(tasks),
+        f"output_dir={tmp_path / 'eval'}", "batch_size=3", f"max_length={MAX_LENGTH}",
+    )  # fmt: skip
+    assert_scores_equal(results["tasks"], hflm_scores(quantized, tasks), rel=1e-3)
+    _, plain = evaluate(
+        str(folder), "--tasks", "freetx_tiny_ppl", "--include-path", str(tasks),
+        f"output_dir={tmp_path / 'plain'}", "batch_size=3", f"max_length={MAX_LENGTH}",
+    )  # fmt: skip
+    ppl = "freetx_tiny_ppl"
+    assert results["tasks"][ppl]["bits_per_byte"] != plain["tasks"][ppl]["bits_per_byte"]
