@@ -61,9 +61,9 @@ from freetx.evaluation import (
 )
 from freetx.evaluation.results import task_settings
 from freetx.fields import component_list, read_path, written_folder
-from freetx.models.generation import Draws, Sampling, generate
+from freetx.models.generation import Sampling
 from freetx.models.hf import end_token_ids
-from freetx.training import build_rewards, per_source_means, score_completions
+from freetx.training import build_rewards, per_source_means, reward_sums
 from freetx.training.export import recorded_config, recorded_peft, recorded_run
 
 
@@ -249,23 +249,20 @@ class EvalRecipe:
         """One completion per prompt (greedy unless temperature), scored by every reward:
         the weighted reward's mean, each reward's and the completions' mean length."""
         cfg = self.cfg
-        weights = torch.tensor([r.weight for r in self.rewards])
         sampling = Sampling(cfg.temperature)
         sums: dict[str, Any] = {}
         for batch in self.prompt_loader:
             keys = [f"seed {cfg.seed} eval {i}" for i in batch.ids]
-            out = generate(self.model, batch.prompt_ids, cfg.max_new_tokens, sampling,
-                           self.end_ids, Draws.keyed(keys, cfg.max_new_tokens))  # fmt: skip
-            replies = out.replies()
-            texts = [self.tokenizer.decode(r[:-1] if e else r)
-                     for r, e in zip(replies, out.ended.tolist())]  # fmt: skip
-            fields = [{**f, "completion_tokens": len(r)} for f, r in zip(batch.fields, replies)]
-            raw = score_completions(self.rewards, batch.prompts, texts, fields, batch.ids)
-            keep = batch.real_rows()
-            totals = {"reward": (raw @ weights)[keep].sum(), "prompts": keep.sum().float(),
-                      "mean_length": out.lengths.cpu().float()[keep].sum()}  # fmt: skip
-            for i, reward in enumerate(self.rewards):
-                totals[f"rewards/{reward.name}/mean"] = raw[keep, i].sum()
+            totals = reward_sums(
+                self.model,
+                batch,
+                self.rewards,
+                self.tokenizer,
+                self.end_ids,
+                cfg.max_new_tokens,
+                sampling,
+                keys,
+            )
             for name, value in totals.items():
                 sums[name] = sums.get(name, 0) + value
         totals = self.groups.sum(sums, over="dp")

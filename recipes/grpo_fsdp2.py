@@ -74,6 +74,7 @@ from freetx.training import (
     check_model_and_data,
     group_advantages,
     optimizer_step,
+    reward_sums,
     score_completions,
     seed_everything,
 )
@@ -542,21 +543,17 @@ class GRPORecipeFSDP2:
             model.eval()
             for batch in itertools.islice(self.val_loader, cfg.eval.max_batches):
                 keys = [f"seed {cfg.seed} validation {i}" for i in batch.ids]
-                out = generate(
-                    model, batch.prompt_ids, cfg.generation.max_completion_length, sampling,
-                    self.end_ids, Draws.keyed(keys, cfg.generation.max_completion_length),
-                )  # fmt: skip
-                replies = out.replies()
-                texts = [self.tokenizer.decode(r[:-1] if e else r)
-                         for r, e in zip(replies, out.ended.tolist())]  # fmt: skip
-                fields = [{**f, "completion_tokens": len(r)} for f, r in zip(batch.fields, replies)]
-                raw = score_completions(self.rewards, batch.prompts, texts, fields, batch.ids)
-                keep = batch.real_rows()
-                totals = {"val/reward": (raw @ self.weights)[keep].sum(),
-                          "val/completions/mean_length": out.lengths.cpu().float()[keep].sum(),
-                          "prompts": keep.sum().float()}  # fmt: skip
-                for i, reward in enumerate(self.rewards):
-                    totals[f"val/rewards/{reward.name}/mean"] = raw[keep, i].sum()
+                totals = reward_sums(
+                    model,
+                    batch,
+                    self.rewards,
+                    self.tokenizer,
+                    self.end_ids,
+                    cfg.generation.max_completion_length,
+                    sampling,
+                    keys,
+                )
+                totals = {(k if k == "prompts" else f"val/{k}"): v for k, v in totals.items()}
                 for name, value in totals.items():
                     sums[name] = sums.get(name, 0) + value
             model.train()

@@ -8,7 +8,7 @@ file, `<output_dir>/eval.json` (`eval_results`, `write_results`):
                    "dataset": {...}, "rewards": [...]},
      "tasks": {"my_task": {"acc": 0.5, "acc_stderr": 0.2}},   # lm-eval's metrics
      "dataset": {"loss": 2.31, "perplexity": 10.1, "tokens": 4096},
-     "rewards": {"reward": 0.4, "rewards/exact_match/mean": 0.4, "mean_length": 12.0},
+     "rewards": {"reward": 0.4, "rewards/exact_match/mean": 0.4, "completions/mean_length": 12.0},
      "lm_eval": {...}}                              # lm-eval's whole result
 
 (a section only where it was evaluated), and the same console table (`results_table`).

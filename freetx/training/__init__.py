@@ -41,6 +41,7 @@ from freetx.training.rewards import (
     RewardError,
     RewardFunction,
     build_rewards,
+    reward_sums,
     score_completions,
 )
 from freetx.training.seed import rng_state, seed_everything, set_rng_state
@@ -59,6 +60,7 @@ __all__ = [
     "RewardError",
     "RewardFunction",
     "build_rewards",
+    "reward_sums",
     "score_completions",
     "CrossEntropyLoss",
     "DistillationLoss",

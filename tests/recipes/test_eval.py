@@ -93,13 +93,19 @@ def test_tasks_perplexity_of_a_dataset_and_rewards_over_greedy_completions(folde
         2.718281828 ** dataset["loss"]
     )
     assert results["evaluated"]["dataset"]["source"] == str(text)
-    assert 0 < rewards["mean_length"] <= 6
-    assert rewards["rewards/completion_tokens/mean"] == pytest.approx(rewards["mean_length"])
-    assert rewards["reward"] == pytest.approx(rewards["mean_length"])  # weight 1
+    assert 0 < rewards["completions/mean_length"] <= 6
+    assert rewards["rewards/completion_tokens/mean"] == pytest.approx(
+        rewards["completions/mean_length"]
+    )
+    assert rewards["reward"] == pytest.approx(rewards["completions/mean_length"])  # weight 1
     assert 0 <= results["tasks"]["freetx_tiny_mc"]["acc"] <= 1
     table = [line.split() for line in result.stdout.splitlines()]
     assert ["dataset", "perplexity", f"{dataset['perplexity']:.4f}"] in table
-    assert ["rewards", "mean_length", f"{rewards['mean_length']:.4f}"] in table
+    assert [
+        "rewards",
+        "completions/mean_length",
+        f"{rewards['completions/mean_length']:.4f}",
+    ] in table
 
 
 def test_nothing_to_evaluate_is_refused_with_the_fix(folder, tmp_path):
