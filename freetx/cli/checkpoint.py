@@ -105,11 +105,7 @@ def main(args: argparse.Namespace) -> int:
         lora = recorded_run(args.checkpoint)["lora"]
         result = merge(args.checkpoint, args.base, args.dst, overwrite=args.overwrite,
                        max_shard_size=args.max_shard_size, lora=lora)  # fmt: skip
-        print(f"Wrote {result['path']} (hf, adapters merged): {result['tensors']} tensors, "
-              f"{result['bytes'] / 2**20:.1f} MiB")  # fmt: skip
-        for note in result["notes"]:  # what the folder is, what was not read
-            print(note)
-        return 0
+        return said(result, "hf, adapters merged")
     if args.quantize is not None or args.group_size is not None:
         return quantize(args)
     result = convert(
@@ -117,10 +113,14 @@ def main(args: argparse.Namespace) -> int:
         overwrite=args.overwrite, max_shard_size=args.max_shard_size,
         hf_files_from=args.hf_files_from, **recorded_run(args.src),
     )  # fmt: skip
-    print(
-        f"Wrote {result['path']} ({result['format']}): {result['tensors']} tensors, "
-        f"{result['bytes'] / 2**20:.1f} MiB"
-    )
+    return said(result, result["format"])
+
+
+def said(result: dict, kind: str) -> int:
+    """What a conversion wrote (its path, `kind`, tensors, size) and its notes (what the
+    folder is, what was not read); the exit code 0."""
+    print(f"Wrote {result['path']} ({kind}): {result['tensors']} tensors, "
+          f"{result['bytes'] / 2**20:.1f} MiB")  # fmt: skip
     for note in result["notes"]:
         print(note)
     return 0
@@ -144,10 +144,4 @@ def quantize(args: argparse.Namespace) -> int:
         args.src, args.dst, args.quantize, group_size, overwrite=args.overwrite,
         hf_files_from=args.hf_files_from, **recorded_run(args.src),
     )  # fmt: skip
-    print(
-        f"Wrote {result['path']} (hf, {result['scheme']} in groups of {group_size}): "
-        f"{result['tensors']} tensors, {result['bytes'] / 2**20:.1f} MiB"
-    )
-    for note in result["notes"]:
-        print(note)
-    return 0
+    return said(result, f"hf, {result['scheme']} in groups of {group_size}")
