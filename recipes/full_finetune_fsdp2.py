@@ -42,6 +42,7 @@ from freetx.data import (
 from freetx.data.packing import packs
 from freetx.distributed import build_groups, init_distributed, parallelize
 from freetx.entry import parse
+from freetx.errors import ConfigError
 from freetx.evaluation import FinalTasks
 from freetx.fields import read_path
 from freetx.models.hf import model_dir_problems
@@ -92,6 +93,15 @@ class FullFinetuneConfig(TrainingConfig):
     # a model_dir that cannot be a model (a text file, ...): said first, not as its
     # tokenizer's problem (one that does not exist: `check_read_paths`)
     meaningless = staticmethod(model_dir_problems)
+
+    def refuse_combinations(self) -> None:
+        """QAT under tensor parallelism: torchao's fake-quantized linears are not sliced."""
+        if self.qat.scheme != "none" and self.distributed.tp > 1:
+            raise ConfigError(
+                f"qat.scheme={self.qat.scheme} fake-quantizes whole Linear layers, and "
+                f"distributed.tp={self.distributed.tp} slices them over ranks.",
+                fix="Set distributed.tp=1 (fsdp, zero or ddp train a QAT model), or qat.scheme=none.",
+            )
 
     def planned(self) -> PlannedRun:  # sequences of the dataset's seq_len, with adapters
         return PlannedRun(self.model, dataset_seq_len(self), self.peft, self.loss)

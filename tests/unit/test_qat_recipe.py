@@ -16,7 +16,7 @@ from freetx.distributed import materialize
 from freetx.errors import CheckpointError
 from freetx.models.qat import quantize_ptq
 from freetx.models.transformer import decoder
-from tests.conftest import one_paragraph, run_freetx_here
+from tests.conftest import flat, one_paragraph, run_freetx_here
 
 IDS = torch.randint(0, 259, (2, 16), generator=torch.Generator().manual_seed(0))
 SCHEME = "int8_dynamic_act_int4_weight"
@@ -110,3 +110,12 @@ def test_a_folder_quantized_by_another_method_is_refused_by_name(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(b"not read")
     with pytest.raises(CheckpointError, match="quantized by bitsandbytes.*unquantized"):
         load_model(tmp_path, torch.device("cpu"))
+
+
+def test_validate_refuses_qat_under_tensor_parallelism_with_the_fix():
+    result = run_freetx_here(
+        "validate", "llm/instruct_tiny", f"qat.scheme={SCHEME}", "distributed.tp=2"
+    )
+    assert result.returncode != 0
+    text = flat(result.stdout + result.stderr)
+    assert "distributed.tp=2 slices them" in text and "Set distributed.tp=1" in text
