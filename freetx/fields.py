@@ -89,6 +89,13 @@ def component_list(*keys: str, default_factory: Any = None) -> Any:
     return dataclasses.field(default_factory=default_factory, metadata={HOLDS_KEY: keys})
 
 
+def component_node(*keys: str) -> Any:
+    """A required schema field holding one `_component_` node that may also set `keys`, which
+    the recipe (or freetx) reads itself: the optimizer's memory rungs (`offload`, ...), no
+    arguments of its class. Checked and built as `component_list`'s nodes are."""
+    return dataclasses.field(default=_REQUIRED, metadata={HOLDS_KEY: keys})
+
+
 def held_keys(schema: type) -> dict[str, tuple[str, ...]]:
     """Field name -> the keys its `component_list` nodes hold for the recipe."""
     return {

@@ -3,7 +3,9 @@
     model         ModelState: get/set_model_state_dict (FSDP2 shards, DDP's
                   `module.` prefix stripped), so one layout serves every strategy
     optimizer     OptimizerState: get/set_optimizer_state_dict, keyed by parameter
-                  name; ZeRO-1 saves each rank's partition under the same names
+                  name; ZeRO-1 saves each rank's partition under the same names; the
+                  memory rungs' optimizers (offload, in_backward, state_dtype) the same
+                  shape, so a run resumes with a rung switched on or off
     lr_scheduler  LRSchedulerState: the scheduler's own state_dict
     train         TrainState: step, epoch, tokens seen
     scaler        ScalerState: float16's loss scale and growth tracker (float16 runs only)
@@ -35,6 +37,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.optim.lr_scheduler import LambdaLR
 
+from freetx.distributed.optimizer import StepsEachParameter
 from freetx.distributed.parallelize import unwrap
 
 
@@ -86,8 +89,16 @@ class OptimizerState(Stateful):
     def _local(self):
         return self.optimizer.optim if self.zero else self.optimizer
 
+    def _named(self) -> dict[str, Any]:
+        """The local optimizer's state keyed by parameter name: torch's for an ordinary
+        optimizer, its own for freetx's per-parameter ones (the same shape)."""
+        local = self._local()
+        if isinstance(local, StepsEachParameter):
+            return local.named_state_dict()
+        return get_optimizer_state_dict(self.model, local)
+
     def state_dict(self) -> dict[str, Any]:
-        state = get_optimizer_state_dict(self.model, self._local())
+        state = self._named()
         if self.zero:
             state["param_groups"] = self._all_param_groups(state["param_groups"])
         return state
@@ -104,8 +115,7 @@ class OptimizerState(Stateful):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if self.zero:
-            local = get_optimizer_state_dict(self.model, self._local())
-            mine = set(local["state"])
+            mine = set(self._named()["state"])
             state_dict = {
                 "state": {k: v for k, v in state_dict["state"].items() if k in mine},
                 "param_groups": [
@@ -114,7 +124,10 @@ class OptimizerState(Stateful):
                 ],
             }
         configured = [_hyperparameters(g) for g in self._local().param_groups]
-        set_optimizer_state_dict(self.model, self._local(), state_dict)
+        if isinstance(self._local(), StepsEachParameter):
+            self._local().load_named_state_dict(state_dict)
+        else:
+            set_optimizer_state_dict(self.model, self._local(), state_dict)
         for group, values in zip(self._local().param_groups, configured):
             group.update(values)
 

@@ -38,11 +38,12 @@ from torch.distributed.fsdp import (
 )
 from torch.nn.parallel import DistributedDataParallel
 
-from freetx.config.instantiate import COMPONENT, import_component, instantiate, node_path
+from freetx.config.instantiate import COMPONENT, import_component, node_path
 from freetx.distributed.context_parallel import ContextShard, check_shards_context
 from freetx.distributed.frozen import FrozenBase, frozen_base
 from freetx.distributed.groups import ParallelGroups
 from freetx.distributed.mesh import REPLICATED, SHARDED, MeshShape, Processes, canonical_strategy
+from freetx.distributed.optimizer import build_optimizer, offloaded
 from freetx.distributed.parameters import canonical_name, materialize
 from freetx.distributed.pipeline import (
     Pipeline,
@@ -184,6 +185,7 @@ class ParallelPlan:
     context: ContextShard | None = field(init=False)
     # distributed.pp > 1: this rank's pipeline stages and their schedule (`parallelize`)
     pipeline: Pipeline | None = field(default=None, init=False)
+    optimizer: Any = field(default=None, init=False)  # what `build_optimizer` made
 
     @property
     def runtime(self) -> DistributedRuntime:
@@ -246,7 +248,9 @@ class ParallelPlan:
                     module.set_reshard_after_forward(self.strategy != "zero2", recurse=False)
 
     def build_optimizer(self, node) -> torch.optim.Optimizer:
-        """The optimizer a `_component_` node names, over the trainable parameters.
+        """The optimizer a `_component_` node names, over the trainable parameters, with
+        the node's memory rungs (`optimizer.offload`, `in_backward`, `state_dtype`:
+        freetx.distributed.optimizer).
 
         - zero1: the optimizer class runs inside ZeroRedundancyOptimizer, so each
           rank keeps the state of its share of the parameters (DeepSpeed ZeRO-1).
@@ -255,25 +259,29 @@ class ParallelPlan:
         (`_component_: torchao.optim.AdamW8bit`).
         """
         target = import_component(node[COMPONENT], f"{node_path(node)}._component_")
-        extra = {}
-        if self.runtime.device_type == "cuda" and target in _FUSABLE and "fused" not in node:
-            extra["fused"] = True
-        params = [p for p in self.model.parameters() if p.requires_grad]
+        fused = self.runtime.device_type == "cuda" and target in _FUSABLE and "fused" not in node
+        zero = None
         if self.strategy == "zero1" and self.runtime.world_size > 1:  # nothing to share at 1
             # imported here: torch.distributed.optim scripts its optimizers on import (~0.4 s)
-            from torch.distributed.optim import ZeroRedundancyOptimizer
-
-            kwargs = {k: v for k, v in node.items() if k != COMPONENT}
-            return ZeroRedundancyOptimizer(params, optimizer_class=target, **kwargs, **extra)
-        return instantiate(node, params, **extra)
+            from torch.distributed.optim import ZeroRedundancyOptimizer as zero
+        names = {id(p): canonical_name(n) for n, p in self.model.named_parameters()}
+        self.optimizer = build_optimizer(
+            node, self.model, names, replicated=self.replicated and self.runtime.world_size > 1,
+            zero=zero, fused=fused,
+        )  # fmt: skip
+        return self.optimizer
 
     @contextmanager
     def gradient_sync(self, enabled: bool):
         """Skip gradient communication for micro-batches that are not the last one.
 
-        FSDP2: `set_requires_gradient_sync`; DDP (and ZeRO-1): `no_sync()`.
+        FSDP2: `set_requires_gradient_sync`; DDP (and ZeRO-1): `no_sync()`. An offloaded
+        optimizer copies the gradients to the host in the last one's backward only.
         """
         model = self.model
+        host = offloaded(self.optimizer)
+        if host is not None:
+            host.copy_gradients(enabled)
         if isinstance(model, DistributedDataParallel):
             with nullcontext() if enabled else model.no_sync():
                 yield

@@ -14,6 +14,7 @@ from freetx.data import micro_batch_size, tokenizer_problem
 from freetx.data.sources import source_problems
 from freetx.distributed import MeshShape, Processes, check_distributed
 from freetx.distributed.context_parallel import check_shards_context
+from freetx.distributed.optimizer import check_optimizer
 from freetx.distributed.pipeline import check_micro_batches, check_stages, num_stages, stage_blocks
 from freetx.distributed.tensor_parallel import check_slices
 from freetx.errors import ConfigError
@@ -38,6 +39,10 @@ def check_layout(cfg: object, processes: Processes) -> None:
     if not isinstance(cfg, TrainingConfig):  # e.g. generate: nothing is distributed
         return
     shape = check_distributed(cfg.distributed, processes)
+    check_optimizer(
+        cfg.optimizer, cfg.distributed, processes, cfg.gradient_accumulation_steps,
+        cfg.max_grad_norm,
+    )  # fmt: skip
     cfg.refuse_combinations()  # the schema's own
     model_class = built_class(getattr(cfg, "model", None))
     check_final_export(cfg, model_class)

@@ -6,11 +6,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, Optional
 
-from omegaconf import MISSING
-
 from freetx.checkpoint import CheckpointConfig
 from freetx.distributed import DistributedConfig
-from freetx.fields import at_least, written_folder
+from freetx.distributed.optimizer import OPTIMIZER_KEYS
+from freetx.fields import at_least, component_node, written_folder
 from freetx.loggers import LoggersConfig
 from freetx.training.lr_schedule import LRScheduleConfig
 from freetx.training.profiling import ProfilerConfig
@@ -110,7 +109,9 @@ class TrainingConfig:
     num_workers: int = at_least(0, default=0)
     resume: str = "auto"  # auto (newest checkpoint in output_dir, if any) | never | a path
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    optimizer: Any = MISSING  # a _component_ node: torch.optim.AdamW, torchao's, ...
+    # a _component_ node: torch.optim.AdamW, torchao's, ...; and freetx's memory rungs
+    # (offload: cpu, in_backward: true, state_dtype: bfloat16: freetx.distributed.optimizer)
+    optimizer: Any = component_node(*OPTIMIZER_KEYS)
     lr_schedule: LRScheduleConfig = field(default_factory=LRScheduleConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     metric_loggers: list[Any] = field(default_factory=default_metric_loggers)

@@ -2,25 +2,37 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from freetx.distributed import ParallelGroups
+from freetx.distributed.optimizer import measured_norm
 
 
 def clip_grad_norm(
-    model: nn.Module, max_norm: float | None, groups: ParallelGroups | None = None
+    model: nn.Module,
+    max_norm: float | None,
+    groups: ParallelGroups | None = None,
+    optimizer: Any = None,
 ) -> float:
     """Clip all gradients to a global L2 norm of `max_norm` (None: only measure).
 
     With FSDP2 the gradients are DTensor shards and torch computes the norm
     over all ranks; the result is the same number on every rank. Under pipeline
     parallelism each rank holds its stages' gradients: the squares are summed over the
-    pp ranks (`groups`).
+    pp ranks (`groups`). An `optimizer` that measured the gradients in backward (offload,
+    in_backward: their device copies are freed there) gives the norm, and its gradients
+    (the host copies) are the ones clipped.
     """
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    norm = total_norm(grads)
+    measured = measured_norm(optimizer)
+    if measured is not None:
+        grads, norm = measured.gradients(), measured.gradient_norm()
+    else:
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        norm = total_norm(grads)
     if groups is not None and groups.size("pp") > 1:
         norm = groups.all_reduce(norm.reshape(1).double() ** 2, over="pp")[0].sqrt()
         norm = norm.to(torch.float32)

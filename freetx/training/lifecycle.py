@@ -53,7 +53,15 @@ from freetx.data.formats import SkipsBadRows
 from freetx.data.mixture import MadeOfParts, summary_lines
 from freetx.data.seq_len import CutsToSeqLen
 from freetx.data.token_cache import UsesTokenCache
-from freetx.distributed import FrozenBase, HostGroup, ParallelGroups, ParallelPlan, frozen_base
+from freetx.distributed import (
+    FrozenBase,
+    HostGroup,
+    ParallelGroups,
+    ParallelPlan,
+    Processes,
+    frozen_base,
+)
+from freetx.distributed.optimizer import check_optimizer, steps_in_backward
 from freetx.entry import at_step, running_recipe_file
 from freetx.errors import TrainingError
 from freetx.loggers import build_metric_loggers, training_banner
@@ -118,6 +126,11 @@ class TrainingRun:
         self.checkpointer = Checkpointer(
             cfg, runtime.rank, groups.host(), recipe=recipe_mark(recipe, running_recipe_file())
         )
+        # the optimizer's memory rungs a run cannot take (validate and run refuse alike)
+        check_optimizer(
+            cfg.optimizer, cfg.distributed, Processes.of(runtime),
+            cfg.gradient_accumulation_steps, cfg.max_grad_norm,
+        )  # fmt: skip
         self.progress = TrainState()  # step, epoch, tokens seen: saved with every checkpoint
         self.loggers = build_metric_loggers(
             cfg.metric_loggers, cfg.output_dir, cfg.max_steps, runtime.rank,
@@ -178,6 +191,8 @@ class TrainingRun:
         )
         self.lr_scheduler = lr_scheduler
         self.scaler = plan.scaler
+        # optimizer.in_backward: the parameters change in backward, before the norm is known
+        self.updates_in_backward = steps_in_backward(optimizer)
         trainable = sum(p.numel() for p in module.parameters() if p.requires_grad)
         if trainable < sum(p.numel() for p in module.parameters()):
             facts = {"trainable parameters": trainable, **facts}
@@ -239,6 +254,12 @@ class TrainingRun:
         this step."""
         if not math.isfinite(grad_norm):
             self.nonfinite_in_a_row += 1
+            if self.updates_in_backward:
+                raise TrainingError(
+                    f"the gradients are not finite at step {self.progress.step + 1}, and "
+                    "optimizer.in_backward=true updated each parameter as its gradient was "
+                    "ready, so the update could not be skipped. " + self._after_nonfinite()
+                )
             # float16: an overflow of the scaled gradients is the loss scaler at work (it
             # lowers the scale); only max_nonfinite_skips in a row end the run
             overflow = self.scaler.is_enabled()

@@ -106,7 +106,7 @@ def optimizer_step(
     the schedule. Returns the gradient norm before clipping (the same on every rank). A
     non-finite norm means a NaN or Inf somewhere: the update is skipped."""
     plan.scaler.unscale_(optimizer)
-    grad_norm = clip_grad_norm(plan.model, max_grad_norm, plan.groups)
+    grad_norm = clip_grad_norm(plan.model, max_grad_norm, plan.groups, optimizer)
     if math.isfinite(grad_norm) or plan.scaler.is_enabled():  # the scaler skips inf itself
         plan.scaler.step(optimizer)
     else:  # a NaN or Inf loss or gradient: no update (TrainingRun.advance decides the rest)

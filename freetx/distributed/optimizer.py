@@ -1,0 +1,547 @@
+"""A run's optimizer (`build_optimizer`, through `ParallelPlan.build_optimizer`) and the
+rungs of the memory ladder it takes: keys of the `optimizer:` node that freetx reads
+itself (they are no arguments of the optimizer class):
+
+    offload: cpu          ZeRO-Offload: the optimizer's states, an fp32 copy of what trains
+                          and the optimizer step on the CPU; parameters and gradients on
+                          the device. Each gradient is copied to the host as backward
+                          produces it (after FSDP2's reduce-scatter, on a side CUDA stream,
+                          and freed on the device then); DDP and ZeRO-1 copy them at the step,
+                          after their all-reduce. The updated values are copied back.
+    in_backward: true     each parameter's optimizer step runs in backward as soon as its
+                          gradient is ready (after FSDP2's reduce-scatter: per sharded
+                          parameter), and its gradient is freed then: no step holds every
+                          gradient at once (torchtune's optimizer_in_bwd)
+    state_dtype: bfloat16 the optimizer's states (AdamW's moments) stored in bfloat16,
+                          upcast to fp32 for each parameter's step and stored back with
+                          stochastic rounding (torchao's), so small updates of the second
+                          moment are not rounded away; null: the parameters' dtype
+
+Under these rungs the optimizer steps each parameter with an optimizer of the node's class
+of its own (`ParameterSteps`), so any optimizer class works, torchao's low-bit ones
+included; what the LR scheduler and the checkpoint see is the ordinary optimizer's shape:
+one group per group, and the state keyed by parameter name (`named_state_dict`), so a run
+resumes with any rung switched on or off.
+
+What a rung cannot combine with is refused before launch (`check_optimizer`): in_backward
+with gradient accumulation (each micro-batch's backward would step) and with a gradient
+norm to clip to (the global norm is unknown when the first parameter steps: torchtune's
+choice; the norm is still measured and logged); both rungs with pipeline parallelism and
+float16 (its loss scaler unscales and checks every gradient before any step), in_backward
+under ddp and zero1 on more than one process (the gradient is ready before DDP's all-reduce).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, Optional
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import _init_optim_state
+from torch.distributed.tensor import DTensor
+
+from freetx.config.instantiate import COMPONENT, import_component, instantiate_except, node_path
+from freetx.distributed.mesh import REPLICATED, Processes, canonical_strategy
+from freetx.errors import ConfigError
+
+OPTIMIZER_KEYS = ("offload", "in_backward", "state_dtype")  # freetx's, not the class's
+STATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+_LOW_BIT = "torchao.optim"  # optimizers whose states are 8-bit, 4-bit or float8 already
+
+
+@dataclass(frozen=True)
+class OptimizerOptions:
+    """The memory rungs an `optimizer:` node asks for (the module docstring)."""
+
+    offload: Literal["none", "cpu"] = "none"
+    in_backward: bool = False
+    state_dtype: Optional[Literal["float32", "bfloat16"]] = None
+
+    @classmethod
+    def of(cls, node: Any) -> OptimizerOptions:
+        """The options a node sets; a value no rung knows is refused with the ones it takes."""
+        if node is None or not hasattr(node, "get"):
+            return cls()
+        where = node_path(node) if hasattr(node, "_get_full_key") else "optimizer"
+        offload = node.get("offload", "none")
+        offload = "none" if offload in (None, False) else offload
+        if offload not in ("none", "cpu"):
+            raise ConfigError(
+                f"{where}.offload={offload}: the optimizer is offloaded to the CPU or not.",
+                fix=f"Set {where}.offload=cpu (ZeRO-Offload) or none.",
+            )
+        in_backward = node.get("in_backward", False)
+        if not isinstance(in_backward, bool):
+            raise ConfigError(
+                f"{where}.in_backward={in_backward}: it is true or false.",
+                fix=f"Set {where}.in_backward=true (steps in backward) or false.",
+            )
+        state_dtype = node.get("state_dtype", None)
+        if state_dtype is not None and state_dtype not in STATE_DTYPES:
+            raise ConfigError(
+                f"{where}.state_dtype={state_dtype}: the optimizer's states are stored in "
+                "float32 or bfloat16.",
+                fix=f"Set {where}.state_dtype=bfloat16, float32, or null (the parameters').",
+            )
+        return cls(offload, in_backward, state_dtype)
+
+    @property
+    def per_parameter(self) -> bool:
+        """Whether a rung is on: the optimizer steps each parameter by itself."""
+        return self.offload != "none" or self.in_backward or self.state_dtype is not None
+
+
+def check_optimizer(
+    node: Any,
+    distributed: Any,
+    processes: Processes,
+    accumulation: int,
+    max_grad_norm: float | None,
+) -> OptimizerOptions:
+    """Every refusal of the `optimizer:` node's rungs, made with what `processes` knows: by
+    `check_layout` (validate, run, launch, estimate) and by the run (`TrainingRun`)."""
+    options = OptimizerOptions.of(node)
+    where = node_path(node) if hasattr(node, "_get_full_key") else "optimizer"
+    target = str(node.get(COMPONENT, "")) if hasattr(node, "get") else ""
+    if options.state_dtype == "bfloat16" and target.startswith(_LOW_BIT):
+        raise ConfigError(
+            f"{where}.state_dtype=bfloat16 stores the states of {target} in bfloat16, and "
+            "its states are 8-bit, 4-bit or float8 already.",
+            fix=f"Leave {where}.state_dtype out (null), or use torch.optim.AdamW.",
+        )
+    rungs = [f"{where}.{k}" for k, on in (("offload", options.offload != "none"),
+                                          ("in_backward", options.in_backward)) if on]  # fmt: skip
+    if not rungs:
+        return options
+    if distributed.pp > 1:
+        raise ConfigError(
+            f"{' and '.join(rungs)} step(s) each parameter by itself, and pipeline parallelism "
+            f"(distributed.pp={distributed.pp}) accumulates every micro-batch's gradients.",
+            fix=f"Set distributed.pp=1, or leave {' and '.join(rungs)} out.",
+        )
+    if distributed.mixed_precision.param_dtype == "float16":
+        raise ConfigError(
+            f"{' and '.join(rungs)} with float16: its loss scaler unscales and checks every "
+            "gradient for overflow before the optimizer steps any.",
+            fix="Set distributed.mixed_precision.param_dtype=bfloat16, or leave "
+            f"{' and '.join(rungs)} out.",
+        )
+    if not options.in_backward:
+        return options
+    if options.offload != "none":
+        raise ConfigError(
+            f"{where}.offload=cpu and {where}.in_backward=true: the offloaded optimizer "
+            "already takes each gradient off the device as backward produces it, and steps on "
+            "the CPU after backward.",
+            fix=f"Set one of them: {where}.offload=cpu (less device memory) or "
+            f"{where}.in_backward=true (no host memory).",
+        )
+    if accumulation > 1:
+        raise ConfigError(
+            f"{where}.in_backward=true steps each parameter as its gradient is ready, and "
+            f"gradient_accumulation_steps={accumulation} sums the gradients of several "
+            "backward passes first.",
+            fix="Set gradient_accumulation_steps=1 (a larger batch_size per process instead), "
+            f"or {where}.in_backward=false.",
+        )
+    if max_grad_norm is not None:
+        raise ConfigError(
+            f"{where}.in_backward=true steps each parameter before the others' gradients "
+            f"exist, so the global gradient norm that max_grad_norm={max_grad_norm} clips to "
+            "is not known yet (the norm is still measured and logged).",
+            fix=f"Set max_grad_norm=null, or {where}.in_backward=false.",
+        )
+    strategy = canonical_strategy(distributed.strategy)
+    if strategy in REPLICATED and (processes.world_size or 2) > 1:
+        raise ConfigError(
+            f"{where}.in_backward=true under distributed.strategy={distributed.strategy}: a "
+            "gradient is ready before DDP's all-reduce has averaged it.",
+            fix="Set distributed.strategy=fsdp (or zero2, hsdp: the step runs after the "
+            "reduce-scatter, per sharded parameter), or run on one process.",
+        )
+    return options
+
+
+# -- the optimizer ---------------------------------------------------------------------
+
+
+def build_optimizer(
+    node: Any,
+    model: nn.Module,
+    names: dict[int, str],
+    replicated: bool,
+    zero: Any = None,
+    fused: bool = False,
+) -> torch.optim.Optimizer:
+    """The optimizer a `_component_` node names over `model`'s trainable parameters, with
+    the node's rungs (`OptimizerOptions`): `names` maps id(parameter) to its name in a
+    checkpoint; `replicated`: DDP or ZeRO-1 average the gradients after backward (an
+    offloaded optimizer copies them at the step, not in backward); `zero`:
+    ZeroRedundancyOptimizer's class under zero1 (each rank steps its share);
+    `fused`: torch's fused Adam/AdamW kernels (CUDA)."""
+    options = OptimizerOptions.of(node)
+    extra = {"fused": True} if fused else {}
+    params = [p for p in model.parameters() if p.requires_grad]
+    make = functools.partial(instantiate_except, node, OPTIMIZER_KEYS, **extra)
+    if zero is not None:
+        kwargs = {k: v for k, v in node.items() if k not in (COMPONENT, *OPTIMIZER_KEYS)}
+        target = zero_target(node, options, names, make)
+        return zero(params, optimizer_class=target, **kwargs, **extra)
+    if not options.per_parameter:
+        return make(params)
+    if options.offload == "cpu":
+        return OffloadedOptimizer(params, make, names, options, copy_in_backward=not replicated)
+    return PerParameterOptimizer(params, make, names, options)
+
+
+def zero_target(node, options: OptimizerOptions, names, make) -> Callable:
+    """The optimizer class ZeRO-1 builds over each rank's share: the node's, or (with
+    rungs) an offloaded / per-parameter optimizer over it."""
+    if not options.per_parameter:
+        return import_component(node[COMPONENT], f"{node_path(node)}._component_")
+
+    def build(params, **_hyperparameters):  # ZeRO passes the node's own keys back
+        if options.offload == "cpu":
+            return OffloadedOptimizer(params, make, names, options, copy_in_backward=False)
+        return PerParameterOptimizer(params, make, names, options)
+
+    return build
+
+
+class GradientNorm:
+    """The global L2 norm of gradients seen one at a time (in backward hooks): each one's
+    sum of squares added to a running sum per mesh (a DTensor's: a partial sum, reduced
+    over its mesh once, at `total`), as `freetx.training.grad.total_norm` takes them."""
+
+    def __init__(self) -> None:
+        self.sums: dict[object, torch.Tensor] = {}
+
+    def add(self, grad: torch.Tensor) -> None:
+        key = grad.device_mesh if isinstance(grad, DTensor) else None
+        square = grad.detach().float().pow(2).sum()
+        self.sums[key] = self.sums[key] + square if key in self.sums else square
+
+    def total(self) -> torch.Tensor:
+        """The norm so far (a plain fp32 tensor), and start again."""
+        parts = [s.full_tensor() if isinstance(s, DTensor) else s for s in self.sums.values()]
+        self.sums = {}
+        if not parts:
+            return torch.zeros(())
+        return torch.stack([p.to(parts[0].device) for p in parts]).sum().sqrt()
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def _like(value: torch.Tensor, template: torch.Tensor) -> torch.Tensor:
+    """`value` (a local tensor) as `template` is: a DTensor on its mesh, or plain."""
+    if not isinstance(template, DTensor):
+        return value
+    return DTensor.from_local(
+        value, template.device_mesh, template.placements, run_check=False,
+        shape=template.shape, stride=template.stride(),
+    )  # fmt: skip
+
+
+class ParameterSteps:
+    """One optimizer of the node's class per parameter of `params` (`make([p])`), stepped
+    one at a time (`step(i)`), its floating states kept in `state_dtype` between steps
+    (upcast to fp32 for the step, stored back with stochastic rounding)."""
+
+    def __init__(self, params: Sequence[torch.Tensor], make, state_dtype: str | None) -> None:
+        self.params = list(params)
+        self.optimizers = [make([p]) for p in self.params]
+        self.state_dtype = STATE_DTYPES.get(state_dtype) if state_dtype else None
+
+    def step(self, i: int, hyperparameters: dict[str, Any]) -> None:
+        optimizer, param = self.optimizers[i], self.params[i]
+        copy_hyperparameters(hyperparameters, optimizer.param_groups[0])
+        state = optimizer.state.get(param, {})
+        stored = self._stored_states(param, state)
+        for key in stored:
+            state[key] = state[key].float()
+        optimizer.step()
+        stored = stored or self._stored_states(param, optimizer.state.get(param, {}))
+        for key in stored:
+            state = optimizer.state[param]
+            state[key] = _stored(state[key], self.state_dtype)
+
+    def _stored_states(self, param: torch.Tensor, state: dict) -> list[str]:
+        """The states kept in state_dtype: floating tensors of the parameter's shape."""
+        if self.state_dtype is None or self.state_dtype == param.dtype:
+            return []
+        return [k for k, v in state.items()
+                if torch.is_tensor(v) and v.is_floating_point() and v.shape == param.shape]  # fmt: skip
+
+
+def _stored(value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """fp32 -> bfloat16 with stochastic rounding (unbiased); other dtypes by rounding."""
+    if dtype == torch.bfloat16 and value.dtype == torch.float32:
+        from torchao.optim.quant_utils import _fp32_to_bf16_sr
+
+        return _fp32_to_bf16_sr(value)
+    return value.to(dtype)
+
+
+def copy_hyperparameters(source: dict[str, Any], group: dict[str, Any]) -> None:
+    """A group's hyperparameters set from `source` (the scheduler's lr among them); a
+    tensor lr (torchao's optimizers) is filled in place."""
+    for key, value in source.items():
+        if key == "params":
+            continue
+        if torch.is_tensor(group.get(key)):
+            group[key].fill_(float(value))
+        else:
+            group[key] = value.clone() if torch.is_tensor(value) else value
+
+
+class StepsEachParameter(torch.optim.Optimizer):
+    """The ordinary optimizer's face over per-parameter steps: its param groups (one per
+    group given, holding the model's parameters: what the LR scheduler sets), its state
+    keyed by parameter name in a checkpoint (`named_state_dict`), the same as
+    `get_optimizer_state_dict` of the ordinary optimizer."""
+
+    steps: ParameterSteps  # over the parameters, or their host copies (offload)
+    norm: GradientNorm | None = None  # gradients measured in backward, when they are
+
+    def __init__(self, params, names: dict[int, str]) -> None:
+        groups = list(params)
+        if groups and not isinstance(groups[0], dict):
+            groups = [{"params": groups}]
+        self.names = names
+        self.param_groups = []
+        self.state = {}
+        self.defaults = {}
+        self._optimizer_step_pre_hooks = {}
+        self._optimizer_step_post_hooks = {}
+        self._optimizer_state_dict_pre_hooks = {}
+        self._optimizer_state_dict_post_hooks = {}
+        self._optimizer_load_state_dict_pre_hooks = {}
+        self._optimizer_load_state_dict_post_hooks = {}
+        self._zero_grad_profile_name = "Optimizer.zero_grad"
+        self._groups_given = groups
+
+    def _face(self, params: list[torch.Tensor]) -> None:
+        """The groups of the optimizer, made once `steps` exists (its defaults)."""
+        first = self.steps.optimizers[0].param_groups[0] if self.steps.optimizers else {}
+        self.defaults = {k: v for k, v in first.items() if k != "params"}
+        index = {id(p): i for i, p in enumerate(params)}
+        self.group_of = [0] * len(params)
+        for g, given in enumerate(self._groups_given):
+            group = {**self.defaults, **{k: v for k, v in given.items() if k != "params"}}
+            group["params"] = list(given["params"])
+            for p in group["params"]:
+                self.group_of[index[id(p)]] = g
+            self.param_groups.append(group)
+
+    def _hyperparameters(self, i: int) -> dict[str, Any]:
+        return self.param_groups[self.group_of[i]]
+
+    # -- the checkpoint's view: keyed by parameter name, as the ordinary optimizer's --
+    def named_state_dict(self) -> dict[str, Any]:
+        params = self.model_parameters
+        state = {}
+        for i, (optimizer, target) in enumerate(zip(self.steps.optimizers, self.steps.params)):
+            if not optimizer.state.get(target):
+                self._initialize(i)
+            state[self.names[id(params[i])]] = dict(optimizer.state[target])
+        groups = [{**{k: v for k, v in g.items() if k != "params"},
+                   "params": [self.names[id(p)] for p in g["params"]]}
+                  for g in self.param_groups]  # fmt: skip
+        return {"state": state, "param_groups": groups}
+
+    def load_named_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Each parameter's saved state (moments, step); the hyperparameters stay the
+        config's, as `freetx.checkpoint.OptimizerState` keeps them."""
+        params = self.model_parameters
+        for i, (optimizer, target) in enumerate(zip(self.steps.optimizers, self.steps.params)):
+            saved = state_dict["state"].get(self.names[id(params[i])])
+            if saved is None:
+                continue
+            group = optimizer.param_groups[0]
+            hyper = {k: v for k, v in group.items() if k != "params"}
+            optimizer.load_state_dict(
+                {"state": {0: saved}, "param_groups": [{**hyper, "params": [0]}]}
+            )
+            copy_hyperparameters(hyper, optimizer.param_groups[0])
+            if self.steps.state_dtype is not None:  # stored as the rung stores them
+                state = optimizer.state[target]
+                for key in self.steps._stored_states(target, state):
+                    state[key] = state[key].to(self.steps.state_dtype)
+
+    def _initialize(self, i: int) -> None:
+        """A parameter's state before its first step (a checkpoint's load template): torch's
+        zero-gradient step at lr 0, its gradient put back after."""
+        target = self.steps.params[i]
+        grad = target.grad
+        target.grad = None
+        _init_optim_state(self.steps.optimizers[i])
+        target.grad = grad
+        if self.steps.state_dtype is not None:
+            state = self.steps.optimizers[i].state[target]
+            for key in self.steps._stored_states(target, state):
+                state[key] = _stored(state[key], self.steps.state_dtype)
+
+    @property
+    def model_parameters(self) -> list[torch.Tensor]:
+        return [p for g in self.param_groups for p in g["params"]]
+
+    def gradient_norm(self) -> torch.Tensor | None:
+        """The gradients' global norm measured in backward; None: not measured there."""
+        return None if self.norm is None else self.norm.total()
+
+    def gradients(self) -> list[torch.Tensor]:
+        """The gradients the next step uses (what clipping scales)."""
+        raise NotImplementedError
+
+
+class PerParameterOptimizer(StepsEachParameter):
+    """The node's optimizer class per parameter: `in_backward` steps each one in backward
+    as its gradient is ready (a post-accumulate-grad hook, after FSDP2's reduce-scatter)
+    and frees its gradient; else `step` steps them in turn (`state_dtype`)."""
+
+    def __init__(self, params, make, names, options: OptimizerOptions) -> None:
+        super().__init__(params, names)
+        flat = [p for g in self._groups_given for p in g["params"]]
+        self.steps = ParameterSteps(flat, make, options.state_dtype)
+        self._face(flat)
+        self.in_backward = options.in_backward
+        if self.in_backward:
+            self.norm = GradientNorm()
+            for i, p in enumerate(flat):
+                p.register_post_accumulate_grad_hook(functools.partial(self._step_in_backward, i))
+
+    def _step_in_backward(self, i: int, param: torch.Tensor) -> None:
+        self.norm.add(param.grad)
+        self.steps.step(i, self._hyperparameters(i))
+        param.grad = None
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if closure is not None:
+            raise ValueError("freetx's per-parameter optimizer takes no closure")
+        if self.in_backward:  # every parameter stepped in backward already
+            return None
+        for i, p in enumerate(self.steps.params):
+            if p.grad is not None:
+                self.steps.step(i, self._hyperparameters(i))
+        return None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.steps.params:
+            p.grad = None
+
+    def gradients(self) -> list[torch.Tensor]:
+        return [p.grad for p in self.steps.params if p.grad is not None]
+
+
+class OffloadedOptimizer(StepsEachParameter):
+    """ZeRO-Offload: an fp32 host copy of each trainable parameter (this rank's shard; pinned
+    on CUDA) with its gradient and the optimizer's states there, stepped on the CPU.
+
+    `copy_in_backward`: each gradient is copied to its host copy as backward produces it (a
+    post-accumulate-grad hook: after FSDP2's reduce-scatter; on one process at the last
+    micro-batch of a step, `copy_gradients(enabled)`) on a side stream, its norm measured,
+    and the device's freed; else (DDP, ZeRO-1: the gradient is averaged after backward)
+    at the step. The step then copies the updated values back into the parameters."""
+
+    def __init__(self, params, make, names, options: OptimizerOptions, copy_in_backward: bool):
+        super().__init__(params, names)
+        flat = [p for g in self._groups_given for p in g["params"]]
+        self.device_params = flat
+        cuda = any(_local(p).is_cuda for p in flat)
+        self.stream = torch.cuda.Stream() if cuda else None
+        self.hosts = [nn.Parameter(_like(self._host_copy(p, cuda), p)) for p in flat]
+        self.steps = ParameterSteps(self.hosts, make, options.state_dtype)
+        self._face(flat)
+        self.copying = True
+        self.in_backward = copy_in_backward
+        self.norm = GradientNorm() if copy_in_backward else None
+        self.pending: list[int] = []  # gradients copied in backward, not stepped yet
+        if copy_in_backward:
+            for i, p in enumerate(flat):
+                p.register_post_accumulate_grad_hook(functools.partial(self._copy_in_backward, i))
+
+    @staticmethod
+    def _host_copy(param: torch.Tensor, pin: bool) -> torch.Tensor:
+        local = _local(param).detach()
+        host = torch.empty(local.shape, dtype=torch.float32, pin_memory=pin)
+        host.copy_(local)
+        return host
+
+    def copy_gradients(self, enabled: bool) -> None:
+        """Whether this backward is a step's last (one process, gradient accumulation: the
+        device sums the micro-batches' gradients first)."""
+        self.copying = enabled
+
+    def _copy_in_backward(self, i: int, param: torch.Tensor) -> None:
+        if not self.copying:
+            return
+        self.norm.add(param.grad)
+        self._take_gradient(i, param.grad)
+        param.grad = None  # freed once its copy is done (`record_stream`)
+        self.pending.append(i)
+
+    def _take_gradient(self, i: int, grad: torch.Tensor) -> None:
+        host = self.hosts[i]
+        if host.grad is None:
+            local = torch.empty(_local(host).shape, dtype=torch.float32,
+                                pin_memory=self.stream is not None)  # fmt: skip
+            host.grad = _like(local, host)
+        device_grad = _local(grad)
+        if self.stream is None:
+            _local(host.grad).copy_(device_grad)
+            return
+        self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream):
+            _local(host.grad).copy_(device_grad, non_blocking=True)
+        device_grad.record_stream(self.stream)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if closure is not None:
+            raise ValueError("freetx's offloaded optimizer takes no closure")
+        if not self.in_backward:  # DDP, ZeRO-1: the averaged gradients, now
+            self.pending = []
+            for i, p in enumerate(self.device_params):
+                if p.grad is not None:
+                    self._take_gradient(i, p.grad)
+                    self.pending.append(i)
+        if self.stream is not None:
+            self.stream.synchronize()
+        for i in self.pending:
+            self.steps.step(i, self._hyperparameters(i))
+            _local(self.device_params[i]).copy_(_local(self.hosts[i]), non_blocking=True)
+        self.pending = []
+        return None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.device_params:
+            p.grad = None
+        if not self.in_backward:
+            self.pending = []
+
+    def gradients(self) -> list[torch.Tensor]:
+        return [self.hosts[i].grad for i in self.pending]
+
+
+def offloaded(optimizer: Any) -> OffloadedOptimizer | None:
+    """The offloaded optimizer under `optimizer` (ZeRO-1's local one too), or None."""
+    local = getattr(optimizer, "optim", optimizer)
+    return local if isinstance(local, OffloadedOptimizer) else None
+
+
+def steps_in_backward(optimizer: Any) -> bool:
+    """Whether `optimizer` updates the parameters in backward (in_backward): a non-finite
+    gradient cannot be skipped once it is seen."""
+    return isinstance(optimizer, PerParameterOptimizer) and optimizer.in_backward
+
+
+def measured_norm(optimizer: Any) -> StepsEachParameter | None:
+    """The per-parameter optimizer that measured the gradients' norm in backward (their
+    device copies are gone), or None: measure the model's gradients."""
+    return optimizer if isinstance(optimizer, StepsEachParameter) and optimizer.norm else None
