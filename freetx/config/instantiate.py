@@ -235,8 +235,11 @@ def _signature(target: Any) -> inspect.Signature | None:
         return None
 
 
-def _bind_problem(target: Any, dotted: str, where: str, args: tuple, kwargs: dict) -> str | None:
-    """Why `target(*args, **kwargs)` would not bind, or None when it binds."""
+def _bind_problem(
+    target: Any, dotted: str, where: str, args: tuple, kwargs: dict, held: tuple[str, ...] = ()
+) -> str | None:
+    """Why `target(*args, **kwargs)` would not bind, or None when it binds; `held`: the
+    keys the node may also set for the recipe (named in the hint for a misspelt one)."""
     sig = _signature(target)
     if sig is None:
         return None
@@ -248,6 +251,7 @@ def _bind_problem(target: Any, dotted: str, where: str, args: tuple, kwargs: dic
         return _config_field_problem(target, dotted, where, sig, kwargs)
     except TypeError as e:
         params = [p for p in sig.parameters if p not in ("self", "args", "kwargs")]
+        params += list(held)
         unknown = [k for k in kwargs if k not in sig.parameters]
         if unknown and not any(
             p.kind is inspect.Parameter.VAR_KEYWORD for p in sig.parameters.values()
@@ -381,7 +385,7 @@ def check_components(cfg: DictConfig, held: dict[str, tuple[str, ...]] | None = 
             continue
         skip = (held or {}).get(re.sub(r"\[\d+\]$", "", path), ())
         keys = {k: v for k, v in _items(node) if k != COMPONENT and k not in skip}
-        problem = _bind_problem(target, node[COMPONENT], path, None, keys)
+        problem = _bind_problem(target, node[COMPONENT], path, None, keys, skip)
         if problem:
             problems.append(problem)
         else:
