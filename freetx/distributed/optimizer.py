@@ -248,39 +248,68 @@ def _like(value: torch.Tensor, template: torch.Tensor) -> torch.Tensor:
 
 
 class ParameterSteps:
-    """One optimizer of the node's class per parameter of `params` (`make([p])`), stepped
-    one at a time (`step(i)`), its floating states kept in `state_dtype` between steps
-    (upcast to fp32 for the step, stored back with stochastic rounding)."""
+    """One optimizer of the node's class per tensor of `params` (`make([p])`), stepped one
+    at a time (`step(i)`), its moments (floating states of the tensor's shape) kept in
+    `state_dtype` between steps: upcast to fp32 for the step, stored back with stochastic
+    rounding."""
 
     def __init__(self, params: Sequence[torch.Tensor], make, state_dtype: str | None) -> None:
         self.params = list(params)
         self.optimizers = [make([p]) for p in self.params]
         self.state_dtype = STATE_DTYPES.get(state_dtype) if state_dtype else None
 
+    @property
+    def defaults(self) -> dict[str, Any]:
+        return dict(self.optimizers[0].defaults) if self.optimizers else {}
+
     def step(self, i: int, hyperparameters: dict[str, Any]) -> None:
         optimizer, param = self.optimizers[i], self.params[i]
         copy_hyperparameters(hyperparameters, optimizer.param_groups[0])
         state = optimizer.state.get(param, {})
-        stored = self._stored_states(param, state)
-        for key in stored:
+        for key in self._moments(param, state):
             state[key] = state[key].float()
         optimizer.step()
-        stored = stored or self._stored_states(param, optimizer.state.get(param, {}))
-        for key in stored:
-            state = optimizer.state[param]
-            state[key] = _stored(state[key], self.state_dtype)
+        self._store(i, stochastic=True)
 
-    def _stored_states(self, param: torch.Tensor, state: dict) -> list[str]:
-        """The states kept in state_dtype: floating tensors of the parameter's shape."""
+    def initialize(self, i: int) -> None:
+        """The tensor's state before its first step (a checkpoint's load template): torch's
+        zero-gradient step at lr 0, the tensor's gradient put back after."""
+        target = self.params[i]
+        grad, target.grad = target.grad, None
+        _init_optim_state(self.optimizers[i])
+        target.grad = grad
+        self._store(i, stochastic=False)  # zeros: no rounding, no random draw
+
+    def state(self, i: int) -> dict[str, Any]:
+        return self.optimizers[i].state.get(self.params[i], {})
+
+    def load(self, i: int, saved: dict[str, Any]) -> None:
+        """A saved state (moments, step), cast to the tensor's dtype and device by torch,
+        then to state_dtype; the hyperparameters are left as they were."""
+        optimizer = self.optimizers[i]
+        hyperparameters = {k: v for k, v in optimizer.param_groups[0].items() if k != "params"}
+        group = {**hyperparameters, "params": [0]}
+        optimizer.load_state_dict({"state": {0: saved}, "param_groups": [group]})
+        copy_hyperparameters(hyperparameters, optimizer.param_groups[0])
+        self._store(i, stochastic=False)
+
+    def _store(self, i: int, stochastic: bool) -> None:
+        state = self.optimizers[i].state.get(self.params[i], {})
+        for key in self._moments(self.params[i], state):
+            state[key] = _stored(state[key], self.state_dtype, stochastic)
+
+    def _moments(self, param: torch.Tensor, state: dict) -> list[str]:
+        """The states kept in state_dtype; none when it is the parameter's own dtype."""
         if self.state_dtype is None or self.state_dtype == param.dtype:
             return []
         return [k for k, v in state.items()
                 if torch.is_tensor(v) and v.is_floating_point() and v.shape == param.shape]  # fmt: skip
 
 
-def _stored(value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """fp32 -> bfloat16 with stochastic rounding (unbiased); other dtypes by rounding."""
-    if dtype == torch.bfloat16 and value.dtype == torch.float32:
+def _stored(value: torch.Tensor, dtype: torch.dtype, stochastic: bool) -> torch.Tensor:
+    """A moment in `dtype`: fp32 -> bfloat16 with stochastic rounding (torchao's: unbiased,
+    so a second moment's small updates are not rounded away), else rounded."""
+    if stochastic and dtype == torch.bfloat16 and value.dtype == torch.float32:
         from torchao.optim.quant_utils import _fp32_to_bf16_sr
 
         return _fp32_to_bf16_sr(value)
@@ -299,96 +328,50 @@ def copy_hyperparameters(source: dict[str, Any], group: dict[str, Any]) -> None:
             group[key] = value.clone() if torch.is_tensor(value) else value
 
 
+def _groups(params) -> list[dict[str, Any]]:
+    """Parameters or param groups (ZeRO-1 passes its share as groups) as groups."""
+    groups = list(params)
+    return groups if groups and isinstance(groups[0], dict) else [{"params": groups}]
+
+
 class StepsEachParameter(torch.optim.Optimizer):
-    """The ordinary optimizer's face over per-parameter steps: its param groups (one per
-    group given, holding the model's parameters: what the LR scheduler sets), its state
-    keyed by parameter name in a checkpoint (`named_state_dict`), the same as
-    `get_optimizer_state_dict` of the ordinary optimizer."""
+    """The ordinary optimizer's face over per-parameter steps (`steps`: over the parameters,
+    or their host copies): its param groups hold the model's parameters (what the LR
+    scheduler sets, copied into each parameter's optimizer before its step), and its
+    checkpoint state (`named_state_dict`) is `get_optimizer_state_dict`'s of the ordinary
+    optimizer: one entry per parameter name, the groups' hyperparameters."""
 
-    steps: ParameterSteps  # over the parameters, or their host copies (offload)
-    norm: GradientNorm | None = None  # gradients measured in backward, when they are
+    norm: GradientNorm | None = None  # the gradients' norm, when measured in backward
 
-    def __init__(self, params, names: dict[int, str]) -> None:
-        groups = list(params)
-        if groups and not isinstance(groups[0], dict):
-            groups = [{"params": groups}]
-        self.names = names
-        self.param_groups = []
-        self.state = {}
-        self.defaults = {}
-        self._optimizer_step_pre_hooks = {}
-        self._optimizer_step_post_hooks = {}
-        self._optimizer_state_dict_pre_hooks = {}
-        self._optimizer_state_dict_post_hooks = {}
-        self._optimizer_load_state_dict_pre_hooks = {}
-        self._optimizer_load_state_dict_post_hooks = {}
-        self._zero_grad_profile_name = "Optimizer.zero_grad"
-        self._groups_given = groups
-
-    def _face(self, params: list[torch.Tensor]) -> None:
-        """The groups of the optimizer, made once `steps` exists (its defaults)."""
-        first = self.steps.optimizers[0].param_groups[0] if self.steps.optimizers else {}
-        self.defaults = {k: v for k, v in first.items() if k != "params"}
-        index = {id(p): i for i, p in enumerate(params)}
-        self.group_of = [0] * len(params)
-        for g, given in enumerate(self._groups_given):
-            group = {**self.defaults, **{k: v for k, v in given.items() if k != "params"}}
-            group["params"] = list(given["params"])
-            for p in group["params"]:
-                self.group_of[index[id(p)]] = g
-            self.param_groups.append(group)
+    def __init__(self, params, make, names: dict[int, str], options: OptimizerOptions,
+                 targets: list[torch.Tensor] | None = None) -> None:  # fmt: skip
+        groups = _groups(params)
+        flat = [p for g in groups for p in g["params"]]
+        self.steps = ParameterSteps(targets or flat, make, options.state_dtype)
+        super().__init__(groups, self.steps.defaults)
+        self.group_names = [[names[id(p)] for p in g["params"]] for g in groups]
+        self.names = [name for group in self.group_names for name in group]
+        self.group_of = [g for g, group in enumerate(self.group_names) for _ in group]
 
     def _hyperparameters(self, i: int) -> dict[str, Any]:
         return self.param_groups[self.group_of[i]]
 
-    # -- the checkpoint's view: keyed by parameter name, as the ordinary optimizer's --
     def named_state_dict(self) -> dict[str, Any]:
-        params = self.model_parameters
         state = {}
-        for i, (optimizer, target) in enumerate(zip(self.steps.optimizers, self.steps.params)):
-            if not optimizer.state.get(target):
-                self._initialize(i)
-            state[self.names[id(params[i])]] = dict(optimizer.state[target])
-        groups = [{**{k: v for k, v in g.items() if k != "params"},
-                   "params": [self.names[id(p)] for p in g["params"]]}
-                  for g in self.param_groups]  # fmt: skip
+        for i, name in enumerate(self.names):
+            if not self.steps.state(i):
+                self.steps.initialize(i)
+            state[name] = dict(self.steps.state(i))
+        groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": list(names)}
+                  for g, names in zip(self.param_groups, self.group_names)]  # fmt: skip
         return {"state": state, "param_groups": groups}
 
     def load_named_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Each parameter's saved state (moments, step); the hyperparameters stay the
         config's, as `freetx.checkpoint.OptimizerState` keeps them."""
-        params = self.model_parameters
-        for i, (optimizer, target) in enumerate(zip(self.steps.optimizers, self.steps.params)):
-            saved = state_dict["state"].get(self.names[id(params[i])])
-            if saved is None:
-                continue
-            group = optimizer.param_groups[0]
-            hyper = {k: v for k, v in group.items() if k != "params"}
-            optimizer.load_state_dict(
-                {"state": {0: saved}, "param_groups": [{**hyper, "params": [0]}]}
-            )
-            copy_hyperparameters(hyper, optimizer.param_groups[0])
-            if self.steps.state_dtype is not None:  # stored as the rung stores them
-                state = optimizer.state[target]
-                for key in self.steps._stored_states(target, state):
-                    state[key] = state[key].to(self.steps.state_dtype)
-
-    def _initialize(self, i: int) -> None:
-        """A parameter's state before its first step (a checkpoint's load template): torch's
-        zero-gradient step at lr 0, its gradient put back after."""
-        target = self.steps.params[i]
-        grad = target.grad
-        target.grad = None
-        _init_optim_state(self.steps.optimizers[i])
-        target.grad = grad
-        if self.steps.state_dtype is not None:
-            state = self.steps.optimizers[i].state[target]
-            for key in self.steps._stored_states(target, state):
-                state[key] = _stored(state[key], self.steps.state_dtype)
-
-    @property
-    def model_parameters(self) -> list[torch.Tensor]:
-        return [p for g in self.param_groups for p in g["params"]]
+        for i, name in enumerate(self.names):
+            if name in state_dict["state"]:
+                self.steps.load(i, state_dict["state"][name])
 
     def gradient_norm(self) -> torch.Tensor | None:
         """The gradients' global norm measured in backward; None: not measured there."""
@@ -405,10 +388,8 @@ class PerParameterOptimizer(StepsEachParameter):
     and frees its gradient; else `step` steps them in turn (`state_dtype`)."""
 
     def __init__(self, params, make, names, options: OptimizerOptions) -> None:
-        super().__init__(params, names)
-        flat = [p for g in self._groups_given for p in g["params"]]
-        self.steps = ParameterSteps(flat, make, options.state_dtype)
-        self._face(flat)
+        super().__init__(params, make, names, options)
+        flat = self.steps.params
         self.in_backward = options.in_backward
         if self.in_backward:
             self.norm = GradientNorm()
@@ -431,10 +412,6 @@ class PerParameterOptimizer(StepsEachParameter):
                 self.steps.step(i, self._hyperparameters(i))
         return None
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        for p in self.steps.params:
-            p.grad = None
-
     def gradients(self) -> list[torch.Tensor]:
         return [p.grad for p in self.steps.params if p.grad is not None]
 
@@ -450,14 +427,12 @@ class OffloadedOptimizer(StepsEachParameter):
     at the step. The step then copies the updated values back into the parameters."""
 
     def __init__(self, params, make, names, options: OptimizerOptions, copy_in_backward: bool):
-        super().__init__(params, names)
-        flat = [p for g in self._groups_given for p in g["params"]]
+        flat = [p for g in _groups(params) for p in g["params"]]
         self.device_params = flat
         cuda = any(_local(p).is_cuda for p in flat)
         self.stream = torch.cuda.Stream() if cuda else None
         self.hosts = [nn.Parameter(_like(self._host_copy(p, cuda), p)) for p in flat]
-        self.steps = ParameterSteps(self.hosts, make, options.state_dtype)
-        self._face(flat)
+        super().__init__(params, make, names, options, targets=self.hosts)
         self.copying = True
         self.in_backward = copy_in_backward
         self.norm = GradientNorm() if copy_in_backward else None
