@@ -79,7 +79,9 @@ def freetx(*args: str, env=None) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "freetx", *args]
     result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=env)
     if result.returncode != 0:
-        raise RuntimeError(f"{' '.join(args[:3])} failed:\n{result.stdout[-3000:]}{result.stderr[-3000:]}")
+        raise RuntimeError(
+            f"{' '.join(args[:3])} failed:\n{result.stdout[-3000:]}{result.stderr[-3000:]}"
+        )
     return result
 
 

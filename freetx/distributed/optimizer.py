@@ -122,6 +122,13 @@ def check_optimizer(
             f"(distributed.pp={distributed.pp}) accumulates every micro-batch's gradients.",
             fix=f"Set distributed.pp=1, or leave {' and '.join(rungs)} out.",
         )
+    if distributed.cpu_offload and options.offload != "none":
+        raise ConfigError(
+            f"{where}.offload=cpu with distributed.cpu_offload=true: FSDP2's CPU offload "
+            "keeps the parameters, gradients and optimizer states on the CPU already.",
+            fix=f"Set one of them: {where}.offload=cpu (parameters stay on the device) or "
+            "distributed.cpu_offload=true.",
+        )
     if distributed.mixed_precision.param_dtype == "float16":
         raise ConfigError(
             f"{' and '.join(rungs)} with float16: its loss scaler unscales and checks every "

@@ -128,6 +128,9 @@ def main() -> None:
         same_training(results, f"offload/{strategy}/accumulation", strategy, offload, 0.05, 2)
         same_training(results, f"bf16_states/{strategy}", strategy, {"state_dtype": "bfloat16"},
                       1.0)  # fmt: skip
+    # tensor parallelism: the sliced layers' gradients on a (dp, tp) mesh, the rest's on dp
+    same_training(results, "offload/tp2", "fsdp", offload, 0.05, tp=2)
+    same_training(results, "in_backward/tp2", "fsdp", in_backward, None, tp=2)
     same_training(results, "in_backward/lora", "fsdp", in_backward, None, lora=True)
     same_training(results, "offload/lora", "fsdp", offload, 1.0, lora=True)
     with tempfile.TemporaryDirectory() as scratch:

@@ -21,7 +21,7 @@ def results(tmp_path_factory):
     return run_checks(script, tmp_path_factory.mktemp("rungs"), 2, *LOW_BIT)
 
 
-@pytest.mark.parametrize("strategy", ["fsdp", "zero2", "hsdp2", "ddp", "zero1"])
+@pytest.mark.parametrize("strategy", ["fsdp", "zero2", "hsdp2", "ddp", "zero1", "tp2"])
 def test_offload_trains_as_the_ordinary_optimizer(results, strategy):
     for rank in results:
         assert rank[f"offload/{strategy}/loss"] <= EXACT
@@ -35,7 +35,7 @@ def test_offload_after_gradient_accumulation_trains_as_the_ordinary_optimizer(re
         assert rank[f"offload/{strategy}/accumulation/param"] <= EXACT
 
 
-@pytest.mark.parametrize("strategy", ["fsdp", "zero2", "hsdp2", "lora"])
+@pytest.mark.parametrize("strategy", ["fsdp", "zero2", "hsdp2", "tp2", "lora"])
 def test_in_backward_per_sharded_parameter_trains_as_the_ordinary_optimizer(results, strategy):
     for rank in results:
         assert rank[f"in_backward/{strategy}/loss"] <= EXACT

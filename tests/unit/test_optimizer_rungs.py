@@ -169,3 +169,7 @@ def test_bfloat16_states_of_a_low_bit_optimizer_are_refused():
                                        ("in_backward", "yes")])  # fmt: skip
 def test_a_value_no_rung_knows_is_refused(key, value):
     assert f"optimizer.{key}={value}" in refusal({key: value}, world=1)
+
+
+def test_optimizer_offload_with_fsdp_cpu_offload_is_refused():
+    assert "Set one of them" in refusal({"offload": "cpu"}, cpu_offload=True)
