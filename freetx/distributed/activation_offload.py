@@ -5,7 +5,9 @@ device as the backward needs them (torchtune's idea, written here from its descr
 `OffloadActivations` is a `torch.autograd.graph.saved_tensors_hooks` context around the
 forward. Its pack hook copies each saved activation into pinned host memory on a side
 CUDA stream, the device tensor kept alive until its copy has finished (then dropped,
-so the allocator reuses its memory for the next activations); its unpack hook brings a
+so the allocator reuses its memory for the next activations; with more than
+`in_flight` copies unfinished the compute stream waits for the oldest, which bounds
+the device memory of a forward that computes faster than PCIe copies); its unpack hook brings a
 tensor back, first waiting on the copy made ahead for it, and copies the next
 `prefetch` tensors the backward will need (the reverse of the packing order) on the
 side stream, which the compute stream waits on through an event. The hooks stay with
@@ -37,6 +39,7 @@ from torch.autograd.graph import saved_tensors_hooks
 
 MIN_BYTES = 1024  # smaller saved tensors stay where they are
 PREFETCH = 2  # tensors brought back ahead of the backward
+IN_FLIGHT = 5  # host copies the forward runs ahead of; beyond, its stream waits for one
 
 _side_streams: dict[torch.device, torch.cuda.Stream] = {}
 
@@ -75,14 +78,18 @@ class OffloadActivations(saved_tensors_hooks):
         keep: Iterable[torch.Tensor] = (),
         min_bytes: int = MIN_BYTES,
         prefetch: int = PREFETCH,
+        in_flight: int = IN_FLIGHT,
         copy_on_cpu: bool = False,
     ) -> None:
         self.device = torch.device(device)
         self.on_cuda = self.device.type == "cuda"
+        if self.on_cuda and self.device.index is None:  # as saved tensors name it
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.copies = self.on_cuda or copy_on_cpu
         self.kept_storages = {t.untyped_storage().data_ptr() for t in keep}
         self.min_bytes = min_bytes
         self.prefetch = prefetch
+        self.in_flight = in_flight
         self.stream = side_stream(self.device) if self.on_cuda else None
         self.order: list[weakref.ref[_Saved]] = []  # every offloaded tensor, packing order
         self.pending: deque[_Saved] = deque()  # host copies not yet known to be done
@@ -145,9 +152,15 @@ class OffloadActivations(saved_tensors_hooks):
         self.pending.append(saved)
 
     def release_copied(self) -> None:
-        """Drop the device tensors whose host copies have finished (in order: one stream)."""
-        while self.pending and self.pending[0].copied.query():
-            self.pending.popleft().device_tensor = None
+        """Drop the device tensors whose host copies have finished (in order: one stream),
+        and the oldest beyond `in_flight` once the compute stream waits for their copies
+        (what it runs next may reuse their memory)."""
+        while self.pending and (
+            len(self.pending) > self.in_flight or self.pending[0].copied.query()
+        ):
+            saved = self.pending.popleft()
+            torch.cuda.current_stream(self.device).wait_event(saved.copied)
+            saved.device_tensor = None
 
     def unpack(self, saved: torch.Tensor | _Saved) -> torch.Tensor:
         if isinstance(saved, torch.Tensor):
