@@ -4,7 +4,7 @@
 - tensorwise: one scale per tensor (cuBLAS's float8 kernel, the fastest). Under FSDP2
   the weights are cast to float8 before their all-gather (half of bf16's bytes), and
   their scales computed for all of them in one all-reduce after each optimizer step
-  (`precompute_float8_scales`).
+  (`precompute_float8_scales`); not with `cpu_offload` (the shards live on the CPU).
 - rowwise: one scale per row (CUTLASS's kernel; closer to bf16); weights all-gathered
   in the parameter dtype.
 

@@ -10,8 +10,8 @@ every recipe, and the only place that knows the strategies.
 | hsdp            | fully_shard on a 2-D mesh (replicate x shard)          | hybrid shard         |
 
 The order follows torchtitan: tensor parallelism's slices, float8's Linears,
-activation checkpointing, per-block compile, then sharding or DDP. The model arrives on the meta device and leaves
-materialized and initialized (see `freetx.distributed.parameters`). Blocks are found
+activation checkpointing, per-block compile, then sharding or DDP. The model arrives
+on the meta device and leaves materialized and initialized (see `freetx.distributed.parameters`). Blocks are found
 by module type (the model's `block_types`); a model with none is sharded and
 checkpointed as one unit. The returned `ParallelPlan` answers every
 strategy-specific question a recipe has: what to call, the model under any
@@ -503,7 +503,8 @@ def parallelize(
         apply_tensor_parallel(model, groups.tp_mesh, cfg.sequence_parallel and cfg.pp == 1)
         if cfg.async_tp:
             enable_async_tp(groups.tp_mesh)
-    sharded = strategy not in REPLICATED and (runtime.world_size > 1 or cfg.cpu_offload)
+    # float8 all-gather: tensorwise under FSDP2, its shards on the device (not offloaded)
+    sharded = strategy not in REPLICATED and runtime.world_size > 1 and not cfg.cpu_offload
     float8_all_gather = cfg.float8 == "tensorwise" and sharded
     if cfg.float8 != "none":  # after tp's slices (refused with tp > 1), before AC
         convert_to_float8(model, cfg.float8, float8_all_gather)

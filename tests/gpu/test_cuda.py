@@ -223,7 +223,7 @@ def test_activation_offloading_on_cuda_equals_and_holds_less():
     offloaded_loss, offloaded_grads, offloaded_peak = offloading_run(model, ids, offload=True)
     print(f"peak above the model: {peak / 2**20:.0f} MiB without, "
           f"{offloaded_peak / 2**20:.0f} MiB with activation offloading")  # fmt: skip
-    assert offloaded_loss == loss
+    assert abs(offloaded_loss - loss) <= 1e-6 * loss  # the same kernels on the same data
     for grad, offloaded in zip(grads, offloaded_grads, strict=True):
         torch.testing.assert_close(offloaded, grad, rtol=1e-4, atol=1e-6)
     assert offloaded_peak < 0.6 * peak
