@@ -9,9 +9,9 @@ every recipe, and the only place that knows the strategies.
 | fsdp (zero3)    | fully_shard per block, then the root                   | ZeRO-3, full_shard   |
 | hsdp            | fully_shard on a 2-D mesh (replicate x shard)          | hybrid shard         |
 
-The order follows torchtitan: activation checkpointing, per-block compile,
-then sharding or DDP. The model arrives on the meta device and leaves
-materialized and initialized (see `freetx.distributed.parameters`). Blocks are found
+The order follows torchtitan: tensor parallelism's slices, float8's Linears,
+activation checkpointing, per-block compile, then sharding or DDP. The model arrives
+on the meta device and leaves materialized and initialized (see `freetx.distributed.parameters`). Blocks are found
 by module type (the model's `block_types`); a model with none is sharded and
 checkpointed as one unit. The returned `ParallelPlan` answers every
 strategy-specific question a recipe has: what to call, the model under any
@@ -39,7 +39,14 @@ from torch.distributed.fsdp import (
 from torch.nn.parallel import DistributedDataParallel
 
 from freetx.config.instantiate import COMPONENT, import_component, node_path
+from freetx.distributed.activation_offload import OffloadActivations
 from freetx.distributed.context_parallel import ContextShard, check_shards_context
+from freetx.distributed.float8 import (
+    check_float8,
+    check_float8_device,
+    convert_to_float8,
+    precompute_float8_scales,
+)
 from freetx.distributed.frozen import FrozenBase, frozen_base
 from freetx.distributed.groups import ParallelGroups
 from freetx.distributed.mesh import REPLICATED, SHARDED, MeshShape, Processes, canonical_strategy
@@ -93,6 +100,16 @@ class DistributedConfig:
     cpu_offload: bool = False
     activation_checkpointing: Literal["none", "full", "selective"] = "none"
     ac_every_n_blocks: int = at_least(1, default=2)  # selective: checkpoint every n-th block
+    # the activations a forward saves for backward moved to pinned host memory as they
+    # are saved (a side CUDA stream), brought back ahead of the backward's need; with
+    # activation checkpointing, only the blocks' inputs (freetx.distributed.
+    # activation_offload); on the CPU the same hooks keep them where they are; not pp > 1
+    activation_offloading: bool = False
+    # the blocks' Linears in float8 (torchao.float8; CUDA capability 8.9+: H100 and
+    # later): tensorwise scales (under FSDP2 the weights all-gathered in float8) or
+    # rowwise ones (closer to bf16, slower); none: the compute dtype (freetx.
+    # distributed.float8); not with tp > 1
+    float8: Literal["none", "tensorwise", "rowwise"] = "none"
     compile: bool = False
     # tensor parallelism: each block's attention and MLP sliced over this many ranks (with
     # fsdp or zero2 over the others: a (dp, tp) mesh); 1: none
@@ -186,6 +203,9 @@ class ParallelPlan:
     # distributed.pp > 1: this rank's pipeline stages and their schedule (`parallelize`)
     pipeline: Pipeline | None = field(default=None, init=False)
     optimizer: Any = field(default=None, init=False)  # what `build_optimizer` made
+    # distributed.float8=tensorwise under FSDP2: weights all-gathered in float8, their
+    # scales computed after each optimizer step (`after_optimizer_step`)
+    float8_all_gather: bool = field(default=False, init=False)
 
     @property
     def runtime(self) -> DistributedRuntime:
@@ -301,6 +321,20 @@ class ParallelPlan:
             return nullcontext()
         return torch.autocast(self.runtime.device_type, dtype=dtype)
 
+    def offloaded_activations(self):
+        """Around a forward: with distributed.activation_offloading, the activations it
+        saves for backward go to host memory and come back for the backward (the model's
+        buffers stay); a no-op context otherwise."""
+        if not self.cfg.activation_offloading:
+            return nullcontext()
+        return OffloadActivations(self.runtime.device, keep=self.module.buffers())
+
+    def after_optimizer_step(self) -> None:
+        """What follows every optimizer step: with float8 all-gather, the float8 scales
+        of the updated weights for their next all-gather (one all-reduce); else nothing."""
+        if self.float8_all_gather:
+            precompute_float8_scales(self.model)
+
 
 def check_distributed(cfg: DistributedConfig, processes: Processes = Processes()) -> MeshShape:
     """Every refusal of a `distributed:` section, made with what `processes` knows: by
@@ -320,6 +354,14 @@ def check_distributed(cfg: DistributedConfig, processes: Processes = Processes()
                 "parameters between GPU and CPU, and this run is on the CPU already.",
                 fix="Set distributed.cpu_offload=false (or run on CUDA).",
             )
+    if cfg.activation_offloading and cfg.pp > 1:
+        raise ConfigError(
+            "distributed.activation_offloading works on a model's forward, and with "
+            f"distributed.pp={cfg.pp} the pipeline schedule runs the stages' forwards itself.",
+            fix="Set distributed.activation_offloading=false (pipeline stages hold fewer "
+            "blocks' activations each), or distributed.pp=1.",
+        )
+    check_float8(cfg.float8, cfg.tp, processes.device_type)
     check_pipeline_schedule(cfg)
     check_async_tp(cfg, processes)
     return MeshShape.of(cfg, processes)  # the axes' refusals, and hsdp's replicas
@@ -425,6 +467,7 @@ def build_groups(runtime: DistributedRuntime, cfg: DistributedConfig) -> Paralle
     made (data reads `groups.dp_rank`'s share), with the meshes the layout shards over.
     Refuses combinations that cannot work first."""
     shape = check_distributed(cfg, Processes.of(runtime))
+    check_float8_device(cfg.float8, runtime.device)
     meshes = shape.build(runtime.device_type) if shape.needs_mesh(cfg.cpu_offload) else {}
     return ParallelGroups(runtime, shape, meshes)
 
@@ -468,6 +511,11 @@ def parallelize(
         apply_tensor_parallel(model, groups.tp_mesh, cfg.sequence_parallel and cfg.pp == 1)
         if cfg.async_tp:
             enable_async_tp(groups.tp_mesh)
+    # float8 all-gather: tensorwise under FSDP2, its shards on the device (not offloaded)
+    sharded = strategy not in REPLICATED and runtime.world_size > 1 and not cfg.cpu_offload
+    float8_all_gather = cfg.float8 == "tensorwise" and sharded
+    if cfg.float8 != "none":  # after tp's slices (refused with tp > 1), before AC
+        convert_to_float8(model, cfg.float8, float8_all_gather)
     blocks = find_blocks(model)
     whole = blocks or [model]  # a model without blocks is one unit
     apply_activation_checkpointing(whole, cfg.activation_checkpointing, cfg.ac_every_n_blocks)
@@ -476,7 +524,9 @@ def parallelize(
             block.compile()
 
     def plan(trained: nn.Module) -> ParallelPlan:
-        return ParallelPlan(trained, model, strategy, groups, cfg)
+        made = ParallelPlan(trained, model, strategy, groups, cfg)
+        made.float8_all_gather = float8_all_gather
+        return made
 
     if runtime.world_size == 1 and not cfg.cpu_offload:
         # nothing to shard or replicate: the plain model is the fastest way to train

@@ -60,7 +60,7 @@ def accumulate_gradients(
     sums = {"loss": torch.zeros((), device=plan.runtime.device)}
     for i, batch in enumerate(batches):
         with plan.gradient_sync(enabled=i == len(batches) - 1):
-            with plan.autocast():
+            with plan.autocast(), plan.offloaded_activations():
                 summed, extras = compute_loss(batch)
             # DDP and FSDP average gradients over the dp (x cp) ranks: multiply back
             # a global batch without units (its loss is 0) divides by 1, not 0
@@ -112,5 +112,6 @@ def optimizer_step(
     else:  # a NaN or Inf loss or gradient: no update (TrainingRun.advance decides the rest)
         optimizer.zero_grad(set_to_none=True)
     plan.scaler.update()
+    plan.after_optimizer_step()
     lr_scheduler.step()
     return grad_norm

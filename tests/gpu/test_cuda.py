@@ -181,3 +181,175 @@ def test_context_parallel_queries_on_compiled_flex_attention(packed):
         assert mask.kernel == "flex"
         rows = attend(q[:, :, mine], k, v, spec, mask=mask)
         assert (rows - whole[:, :, mine]).abs().max() <= 2e-3, rank
+
+
+def offloading_run(model, ids, offload: bool):
+    """One forward and backward of `model` on `ids` (fp32), with or without activation
+    offloading: the loss, the gradients, the allocator's peak above the model."""
+    from contextlib import nullcontext
+
+    from freetx.distributed.activation_offload import OffloadActivations
+
+    model.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    hooks = OffloadActivations(torch.device("cuda"), keep=model.buffers()) if offload else None
+    with hooks or nullcontext():
+        logits = model(ids[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
+    del logits
+    loss.backward()
+    torch.cuda.synchronize()
+    grads = [p.grad.clone() for p in model.parameters()]
+    return loss.item(), grads, torch.cuda.max_memory_allocated() - base
+
+
+def test_activation_offloading_on_cuda_equals_and_holds_less():
+    """A 8-block decoder, 8 x 1024 tokens, fp32: with saved activations offloaded to
+    pinned host memory (side stream, prefetched), the same loss, the gradients within
+    the attention backward's nondeterminism, and a lower allocator peak."""
+    from freetx.distributed import materialize
+    from freetx.models.transformer import decoder
+
+    with torch.device("meta"):
+        model = decoder(vocab_size=259, hidden_dim=512, num_layers=8, num_heads=8,
+                        num_kv_heads=4, ffn_hidden_dim=1408, max_seq_len=1024)  # fmt: skip
+    materialize(model, torch.device("cuda"), seed=0)
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    ids = torch.randint(0, 259, (8, 1025), device="cuda", generator=generator)
+    offloading_run(model, ids, offload=True)  # warm-up: kernels, the pinned host pool
+    loss, grads, peak = offloading_run(model, ids, offload=False)
+    offloaded_loss, offloaded_grads, offloaded_peak = offloading_run(model, ids, offload=True)
+    print(f"peak above the model: {peak / 2**20:.0f} MiB without, "
+          f"{offloaded_peak / 2**20:.0f} MiB with activation offloading")  # fmt: skip
+    assert abs(offloaded_loss - loss) <= 1e-6 * loss  # the same kernels on the same data
+    for grad, offloaded in zip(grads, offloaded_grads, strict=True):
+        torch.testing.assert_close(offloaded, grad, rtol=1e-4, atol=1e-6)
+    assert offloaded_peak < 0.6 * peak
+
+
+def test_activation_offloading_through_the_recipe_with_checkpointing(tmp_path):
+    """llm/tiny in bf16 with full activation checkpointing: the losses with the
+    blocks' inputs offloaded equal those without, within bf16's run-to-run noise."""
+    losses = {}
+    for offloading in ("false", "true"):
+        out = tmp_path / offloading
+        run_ok("run", *TINY, f"output_dir={out}", "max_steps=10", "log_every_n_steps=1",
+               "checkpoint.every_n_steps=0", "checkpoint.save_final=false",
+               "distributed.mixed_precision.param_dtype=bfloat16",
+               "distributed.activation_checkpointing=full",
+               f"distributed.activation_offloading={offloading}")  # fmt: skip
+        losses[offloading] = [r["loss"] for r in train_records(out)]
+    assert len(losses["true"]) == 10
+    for with_it, without in zip(losses["true"], losses["false"], strict=True):
+        assert abs(with_it - without) <= 1e-2 * without
+
+
+needs_float8 = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+    reason="float8 matmuls need CUDA capability 8.9+",
+)
+
+
+def float8_losses(recipe: str, steps: int = 10) -> list[float]:
+    """`steps` AdamW steps of a 2-block decoder (d 256) under bf16 autocast, its blocks'
+    Linears in float8 by `recipe` (none: bf16), on the same batches."""
+    from freetx.distributed import materialize
+    from freetx.distributed.float8 import convert_to_float8
+    from freetx.models.transformer import decoder
+
+    with torch.device("meta"):
+        model = decoder(vocab_size=259, hidden_dim=256, num_layers=2, num_heads=4,
+                        num_kv_heads=2, ffn_hidden_dim=768, max_seq_len=512)  # fmt: skip
+    if recipe != "none":
+        convert_to_float8(model, recipe, float8_all_gather=False)
+    materialize(model, torch.device("cuda"), seed=0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    losses = []
+    for _ in range(steps):
+        ids = torch.randint(0, 259, (8, 257), device="cuda", generator=generator)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            logits = model(ids[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), ids[:, 1:].flatten())
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses
+
+
+@needs_float8
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_float8_trains_like_bf16(recipe):
+    """10 steps: each float8 loss within 2% of bf16's (torchao publishes no loss
+    tolerance; its tests compare float8 linears to high precision by SQNR)."""
+    reference, float8 = float8_losses("none"), float8_losses(recipe)
+    print(recipe, [f"{a:.4f}/{b:.4f}" for a, b in zip(float8, reference)])
+    for got, expected in zip(float8, reference, strict=True):
+        assert abs(got - expected) <= 0.02 * expected
+
+
+@needs_float8
+def test_float8_all_gather_under_fsdp2_at_one_process(tmp_path):
+    """The FSDP2 path of distributed.float8=tensorwise on a 1-rank NCCL mesh: the
+    converted weights stay float8-cast wrappers through `materialize`, their scales are
+    precomputed after each step, and the losses follow float8 without all-gather."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from freetx.distributed import materialize
+    from freetx.distributed.float8 import convert_to_float8, precompute_float8_scales
+    from freetx.models.transformer import decoder
+
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("nccl", store=store, rank=0, world_size=1)
+    try:
+        with torch.device("meta"):
+            model = decoder(vocab_size=259, hidden_dim=256, num_layers=2, num_heads=4,
+                            num_kv_heads=2, ffn_hidden_dim=768, max_seq_len=512)  # fmt: skip
+        convert_to_float8(model, "tensorwise", float8_all_gather=True)
+        mesh = init_device_mesh("cuda", (1,))
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for block in model.layers:
+            fully_shard(block, mesh=mesh, mp_policy=policy)
+        fully_shard(model, mesh=mesh, mp_policy=policy)
+        materialize(model, torch.device("cuda"), seed=0)
+        weight = model.layers[0].feed_forward.w1.weight
+        assert type(weight.to_local()).__name__ == "WeightWithDynamicFloat8CastTensor"
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        generator = torch.Generator(device="cuda").manual_seed(0)
+        losses = []
+        for _ in range(10):
+            ids = torch.randint(0, 259, (8, 257), device="cuda", generator=generator)
+            logits = model(ids[:, :-1])
+            loss = torch.nn.functional.cross_entropy(
+                logits.float().flatten(0, 1), ids[:, 1:].flatten()
+            )
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            precompute_float8_scales(model)
+            losses.append(loss.item())
+    finally:
+        dist.destroy_process_group()
+    reference = float8_losses("tensorwise")
+    for got, expected in zip(losses, reference, strict=True):
+        assert abs(got - expected) <= 0.02 * expected
+
+
+@needs_float8
+def test_float8_through_the_recipe(tmp_path):
+    """llm/tiny with distributed.float8=tensorwise in bf16, 1 process: trains, within 2%
+    of bf16's losses."""
+    losses = {}
+    for recipe in ("none", "tensorwise"):
+        out = tmp_path / recipe
+        run_ok("run", *TINY, f"output_dir={out}", "max_steps=10", "log_every_n_steps=5",
+               "checkpoint.every_n_steps=0", "distributed.mixed_precision.param_dtype=bfloat16",
+               f"distributed.float8={recipe}")  # fmt: skip
+        losses[recipe] = [r["loss"] for r in train_records(out)]
+    for got, expected in zip(losses["tensorwise"], losses["none"], strict=True):
+        assert abs(got - expected) <= 0.02 * expected
