@@ -67,10 +67,9 @@ FOREIGN_KEYS: dict[str, tuple[str | None, str]] = {
         "true -> full (or selective: every distributed.ac_every_n_blocks-th block)",
     ),  # fmt: skip
     "enable_activation_offloading": (
-        None,
-        "freetx does not offload activations; "
-        "distributed.cpu_offload=true offloads parameters, "
-        "gradients and the optimizer step",
+        "distributed.activation_offloading",
+        "true moves saved activations to pinned host memory (with activation "
+        "checkpointing: the blocks' inputs)",
     ),  # fmt: skip
     "compile": ("distributed.compile", "distributed.compile=true compiles each block"),
     "clip_grad_norm": ("max_grad_norm", "null turns clipping off"),
@@ -93,9 +92,9 @@ FOREIGN_KEYS: dict[str, tuple[str | None, str]] = {
         "true -> fsdp, false -> zero2 (blocks stay gathered from forward to backward)",
     ),  # fmt: skip
     "optimizer_in_bwd": (
-        None,
-        "freetx steps the optimizer after the backward (gradients "
-        "are needed whole for clipping and accumulation)",
+        "optimizer.in_backward",
+        "true steps each parameter in backward as its gradient is ready (no gradient "
+        "accumulation, max_grad_norm=null)",
     ),  # fmt: skip
     "custom_sharded_layers": (
         None,

@@ -394,7 +394,8 @@ def _top_level(found: ImportedConfig, key: str, value: Any) -> None:
                 "output_dir's newest checkpoint when there is one; resume=never starts afresh"
             )
     elif key in ("enable_activation_checkpointing", "compile", "fsdp_cpu_offload",
-                 "fsdp_reshard_after_forward"):  # fmt: skip
+                 "fsdp_reshard_after_forward", "enable_activation_offloading",
+                 "optimizer_in_bwd"):  # fmt: skip
         on = _flag(found, key, value)
         if key == "enable_activation_checkpointing":
             found.set("distributed.activation_checkpointing", "full" if on else "none")

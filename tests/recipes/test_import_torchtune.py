@@ -144,7 +144,9 @@ def test_torchtune_full_finetune_config_imports_and_validates(tmp_path, model_fo
     assert "full_finetune_fsdp2 --config llm/llama3_2_1b_full" in result.stdout
     out = flat(result.stdout)
     assert "max_steps=124: 2 epoch(s) x 62 steps (1000 samples // batch_size 16)" in out
-    for key in ("optimizer_in_bwd", "custom_sharded_layers", "checkpointer.model_type",
+    assert "optimizer.in_backward=false" in overrides
+    assert "distributed.activation_offloading=false" in overrides
+    for key in ("custom_sharded_layers", "checkpointer.model_type",
                 "metric_logger", "shuffle", "optimizer.fused"):  # fmt: skip
         assert f"#   {key}: " in result.stdout, key
     checked = run_freetx_here("validate", "llm/hf_tiny_full", "--world-size", "2", *overrides)
