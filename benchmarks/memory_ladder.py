@@ -16,7 +16,12 @@ Columns: the peak memory of the fullest rank (its max RSS: on the CPU the "devic
 median step time over steps 3..N, real (not padding) tokens per second, each with its
 ratio to the baseline.
 
-    OMP_NUM_THREADS=1 python benchmarks/memory_ladder.py [--steps 6]
+A second table says what the optimizer's state formats lose: llm/tiny (1.6M parameters)
+trained for `--format-steps` steps on one process with AdamW's states in fp32, bf16
+(`optimizer.state_dtype`), torchao's 8-bit, 4-bit and float8 AdamW: the validation loss
+at the end, and its difference to fp32's.
+
+    OMP_NUM_THREADS=1 python benchmarks/memory_ladder.py [--steps 6] [--format-steps 300]
 """
 
 from __future__ import annotations
@@ -110,10 +115,39 @@ def estimated(overrides: list[str], nproc: int, out: Path) -> dict:
     return {"estimate": figures["peak"], "host": figures.get("host", 0.0)}
 
 
+FORMATS = [
+    ("AdamW fp32", ["optimizer._component_=torch.optim.AdamW"]),
+    (
+        "AdamW, bf16 states",
+        ["optimizer._component_=torch.optim.AdamW", "optimizer.state_dtype=bfloat16"],
+    ),  # fmt: skip
+    ("AdamW8bit", ["optimizer._component_=torchao.optim.AdamW8bit"]),
+    ("AdamW4bit", ["optimizer._component_=torchao.optim.AdamW4bit"]),
+    ("AdamWFp8", ["optimizer._component_=torchao.optim.AdamWFp8"]),
+]
+
+
+def format_losses(steps: int, tmp: Path) -> list[list[str]]:
+    """The final validation loss of llm/tiny with each optimizer state format."""
+    rows, base = [], None
+    for i, (name, overrides) in enumerate(FORMATS):
+        out = tmp / f"format{i}"
+        freetx("run", "full_finetune_fsdp2", "--config", "llm/tiny", f"output_dir={out}",
+               f"max_steps={steps}", "checkpoint.save_final=false", "eval.max_batches=8",
+               "metric_loggers=[{_component_: freetx.loggers.JSONLLogger}]", *overrides)  # fmt: skip
+        records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+        loss = [r["val/loss"] for r in records if "val/loss" in r][-1]
+        base = loss if base is None else base
+        rows.append([name, f"{loss:.4f}", f"{loss - base:+.4f}"])
+        print(f"{name}: done", file=sys.stderr, flush=True)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--format-steps", type=int, default=300)
     args = parser.parse_args()
     rows, base = [], None
     with tempfile.TemporaryDirectory() as tmp:
@@ -135,6 +169,10 @@ def main() -> None:
           f"step, {args.steps} steps a row")  # fmt: skip
     print(table(rows, ["rung (cumulative)", "max RSS GiB/rank", "estimate GiB/rank",
                        "estimate host GiB", "step s", "real tokens/s"]))  # fmt: skip
+    with tempfile.TemporaryDirectory() as tmp:
+        formats = format_losses(args.format_steps, Path(tmp))
+    print(f"\nllm/tiny (1.6M), 1 process, {args.format_steps} steps: what a state format loses")
+    print(table(formats, ["optimizer states", "val/loss", "vs fp32"]))
 
 
 if __name__ == "__main__":
