@@ -353,3 +353,19 @@ def test_float8_through_the_recipe(tmp_path):
         losses[recipe] = [r["loss"] for r in train_records(out)]
     for got, expected in zip(losses["tensorwise"], losses["none"], strict=True):
         assert abs(got - expected) <= 0.02 * expected
+
+
+@pytest.mark.parametrize("rung", ["optimizer.offload=cpu", "optimizer.in_backward=true"])
+def test_an_optimizer_rung_on_cuda_trains_as_the_ordinary_optimizer_and_holds_less(tmp_path, rung):
+    """fp32 on one GPU: the same losses (the offloaded step runs on the CPU: AdamW's CPU
+    and CUDA kernels round alike in fp32 to ~1e-6), and a lower allocator peak (offload:
+    no AdamW states on the device; in_backward: no step holds every gradient)."""
+    common = ["max_steps=6", "log_every_n_steps=1", "max_grad_norm=null",
+              "model.dropout=0.0"]  # fmt: skip
+    run_ok("run", *TINY, f"output_dir={tmp_path / 'plain'}", *common)
+    run_ok("run", *TINY, f"output_dir={tmp_path / 'rung'}", *common, rung)
+    plain, rung_run = train_records(tmp_path / "plain"), train_records(tmp_path / "rung")
+    for a, b in zip(plain, rung_run):
+        assert abs(a["loss"] - b["loss"]) <= 1e-4, (a["step"], a["loss"], b["loss"])
+    peak = "memory/peak_allocated_gib"
+    assert rung_run[-1][peak] < plain[-1][peak]
