@@ -93,6 +93,16 @@ class DistributedConfig:
     cpu_offload: bool = False
     activation_checkpointing: Literal["none", "full", "selective"] = "none"
     ac_every_n_blocks: int = at_least(1, default=2)  # selective: checkpoint every n-th block
+    # the activations a forward saves for backward moved to pinned host memory as they
+    # are saved (a side CUDA stream), brought back ahead of the backward's need; with
+    # activation checkpointing, only the blocks' inputs (freetx.distributed.
+    # activation_offload); on the CPU the same hooks keep them where they are; not pp > 1
+    activation_offloading: bool = False
+    # the blocks' Linears in float8 (torchao.float8; CUDA capability 8.9+: H100 and
+    # later): tensorwise scales (under FSDP2 the weights all-gathered in float8) or
+    # rowwise ones (closer to bf16, slower); none: the compute dtype (freetx.
+    # distributed.float8); not with tp > 1
+    float8: Literal["none", "tensorwise", "rowwise"] = "none"
     compile: bool = False
     # tensor parallelism: each block's attention and MLP sliced over this many ranks (with
     # fsdp or zero2 over the others: a (dp, tp) mesh); 1: none
