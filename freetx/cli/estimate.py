@@ -262,7 +262,7 @@ def _print_ladder(cfg, args: argparse.Namespace, hbm: float) -> int:
           "max_grad_norm; float8: tensorwise, devices with float8 matmuls only)")  # fmt: skip
     for rung in rungs:
         if rung.row is None:
-            print(f"{rung.name}: refused, a run would refuse it: {rung.refused}")
+            print(f"{rung.name}: not estimated, a run would refuse it: {rung.refused}")
     if DEVICES[args.device].float8_peak is None:
         print(f"(no float8 row: the {args.device} has no float8 matmuls)")
     if args.json:
