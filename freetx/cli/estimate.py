@@ -1,7 +1,8 @@
-"""`freetx estimate CONFIG [key=value ...] --world-size N [--device h100|a100|cpu]`: memory
-per rank and step time of a training config (a decoder's, AD's, a crosscoder's) for every
-strategy, before renting GPUs (freetx/planning/estimate.py says what is counted and what
-is not)."""
+"""`freetx estimate CONFIG [key=value ...] --world-size N [--device h100|a100|rtx4090|cpu]
+[--ladder]`: memory per rank and step time of a training config (a decoder's, AD's, a
+crosscoder's) for every strategy, before renting GPUs (freetx/planning/estimate.py says
+what is counted and what is not); `--ladder`: for the config's strategy, rung by rung of
+the memory ladder (freetx/planning/ladder.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import dataclasses
 import json
 from pathlib import Path
 
+DEVICE_NAMES = ("h100", "a100", "rtx4090", "cpu")  # freetx.planning.estimate.DEVICES' keys
 # what a preference loss's reference (`PlannedRun.reference`) costs, as the table counts it
 REFERENCE_NOTES = {
     "frozen_copy": "a frozen copy of the model in the compute dtype, sharded like the "
@@ -29,18 +31,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", help="key=value")
     p.add_argument("--world-size", type=at_least_one, default=8)
     p.add_argument("--replicas", type=at_least_one, default=1, help="hsdp: replica groups")
-    p.add_argument("--device", choices=("h100", "a100", "cpu"), default="h100")
+    p.add_argument("--device", choices=DEVICE_NAMES, default="h100")
     p.add_argument("--mfu", type=number(float, above=0, at_most=1), default=0.4,
                    help="the share of peak FLOP/s reached, in (0, 1]")  # fmt: skip
     p.add_argument("--recipe", help="for a config file outside the built-in ones")
     p.add_argument("--source-dim", type=at_least_one, metavar="D",
                    help="a crosscoder's hooked width, where its source models cannot be read "
                    "yet (a run not made) or the hooks are not on the residual stream")  # fmt: skip
-    p.add_argument(
+    kind = p.add_mutually_exclusive_group()
+    kind.add_argument(
         "--measure",
         action="store_true",
         help="also run one step per strategy on fake tensors and a fake process "
         "group, and print what rank 0 held at its peak (seconds per strategy)",
+    )
+    kind.add_argument(
+        "--ladder",
+        action="store_true",
+        help="for the config's strategy, a row per rung of the memory ladder switched on "
+        "(from a baseline with every rung off): device and host memory per rank, step time",
     )
     p.add_argument("--json", metavar="PATH", help="write the figures (bytes) to this file")
     p.add_argument("--overwrite", action="store_true", help="replace the --json file if it exists")
@@ -102,7 +111,7 @@ def _estimate(args: argparse.Namespace) -> int:
     dist = cfg.distributed
     params = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    hbm = DEVICES[args.device][2]
+    hbm = DEVICES[args.device].memory_gib
     generations = found.planned.generations_per_prompt  # online RL: completions per prompt
     pairs = found.planned.rows_per_sample == 2 and not generations  # preference pairs
     batch = f"{micro} rows" if sources else f"{micro} x {seq_len} tokens"
@@ -122,6 +131,8 @@ def _estimate(args: argparse.Namespace) -> int:
           f"{args.world_size} x {args.device}{grid}, micro-batch {batch}, "
           f"{dist.mixed_precision.param_dtype}, activation checkpointing "
           f"{dist.activation_checkpointing}, MFU {args.mfu:g}")  # fmt: skip
+    if args.ladder:
+        return _print_ladder(cfg, args, hbm)
     measured = {}
     if args.measure and trainable < params:
         raise ConfigError(
@@ -156,6 +167,9 @@ def _estimate(args: argparse.Namespace) -> int:
         header[7:7] = ["reference"]
     if generations:
         header[7:7] = ["generation"]
+    hosted = any(r.host for r in rows)  # an offloaded optimizer, offloaded activations
+    if hosted:
+        header[header.index("peak GiB") + 1 : header.index("peak GiB") + 1] = ["host GiB"]
     table = [header]
     for r in rows:
         g = lambda v: f"{v / GIB:.2f}"  # noqa: E731
@@ -171,12 +185,15 @@ def _estimate(args: argparse.Namespace) -> int:
             row[7:7] = [g(r.reference)]
         if generations:
             row[7:7] = [g(r.generation)]
+        if hosted:
+            row[header.index("host GiB") : header.index("host GiB")] = [g(r.host)]
         table.append(row)
-    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
-    for row in table:
-        print("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
+    _print_table(table)
     print("(GiB per rank; `gathered`: unsharded blocks and gradient buckets in flight; the "
           "allocator's caching and fragmentation come on top, 5-10% on CUDA)")  # fmt: skip
+    if hosted:
+        print("(host: CPU memory per rank, not in the peak: an offloaded optimizer's states, "
+              "fp32 copy and gradients; offloaded activations)")  # fmt: skip
     if harvested:
         print(f"(crosscoder: {sources.num_sources} sources x d {sources.source_dim}; `sources`: "
               f"the source models' weights {sources.weights / GIB:.2f} GiB and one harvesting "
@@ -209,4 +226,48 @@ def _estimate(args: argparse.Namespace) -> int:
         analytic = {r.strategy: {**dataclasses.asdict(r), "peak": r.peak} for r in rows}
         figures = json.dumps({"analytic": analytic, "measured": measured})
         write_user_file(Path(args.json), figures, args.overwrite, "another --json PATH")
+    return 0
+
+
+def _print_table(table: list[list[str]]) -> None:
+    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
+    for row in table:
+        print("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
+
+
+def _print_ladder(cfg, args: argparse.Namespace, hbm: float) -> int:
+    """The `--ladder` table: a row per rung, ratios to the baseline's (the first row)."""
+    from freetx.planning.estimate import DEVICES, GIB
+    from freetx.planning.ladder import ladder
+    from freetx.user_files import write_user_file
+
+    rungs = ladder(cfg, args.world_size, args.device, args.mfu, args.replicas)
+    base = rungs[0].row
+    table = [["rung", "peak GiB", "x base", "host GiB", "fits", "step s", "x base"]]
+    for rung in rungs:
+        r = rung.row
+        if r is None:
+            table.append([rung.name, "refused"] + [""] * 5)
+            continue
+        table.append([
+            rung.name, f"{r.peak / GIB:.2f}", f"{r.peak / base.peak:.2f}" if base else "",
+            f"{r.host / GIB:.2f}", "yes" if r.peak / GIB < hbm else "no", f"{r.step_s:.2f}",
+            f"{r.step_s / base.step_s:.2f}" if base else "",
+        ])  # fmt: skip
+    print(f"memory ladder, {cfg.distributed.strategy} on {args.world_size} x {args.device}, "
+          "each row adding its rung to those above:")  # fmt: skip
+    _print_table(table)
+    print("(GiB per rank: peak on the device, host in CPU memory; baseline: no activation "
+          "checkpointing, num_chunks 1, fp32 AdamW; optimizer in backward without "
+          "max_grad_norm; float8: tensorwise, devices with float8 matmuls only)")  # fmt: skip
+    for rung in rungs:
+        if rung.row is None:
+            print(f"{rung.name}: not estimated, a run would refuse it: {rung.refused}")
+    if DEVICES[args.device].float8_peak is None:
+        print(f"(no float8 row: the {args.device} has no float8 matmuls)")
+    if args.json:
+        figures = {rung.name: None if rung.row is None else
+                   {**dataclasses.asdict(rung.row), "peak": rung.row.peak} for rung in rungs}  # fmt: skip
+        write_user_file(Path(args.json), json.dumps({"ladder": figures}), args.overwrite,
+                        "another --json PATH")  # fmt: skip
     return 0

@@ -12,11 +12,14 @@ import torch
 from freetx.config import instantiate
 from freetx.data import micro_batch_size
 from freetx.distributed import Processes
+from freetx.distributed.optimizer import check_optimizer
 from freetx.distributed.parallelize import find_blocks, strategy_shapes
 from freetx.distributed.pipeline import check_stages, num_stages, rank_stages, stage_blocks
 from freetx.errors import ConfigError
+from freetx.models.chunked_loss import CHUNKS_FOR_LARGE_VOCABULARY as CHUNKS
 from freetx.models.protocol import check_model
 from freetx.planning.estimate import GenerationPhase, estimate, pipeline_stage_shapes
+from freetx.planning.rungs import Rungs
 from freetx.planning.sources import ActivationSources, activation_sources
 from freetx.training import PlannedRun, TrainingConfig
 
@@ -44,16 +47,21 @@ def estimate_config(
     mfu: float = 0.4,
     replicas: int = 1,
     source_dim: int | None = None,
+    chunked: bool | None = None,
 ) -> ConfigEstimate:
     """The analytic estimate of a training config (a schema instance) at `world_size` ranks
     of `device` (a key of freetx.planning.estimate.DEVICES), under the run's own checks: a
     batch that does not split refuses it all; a strategy that a run would refuse gets no
-    row. A crosscoder's config (`activations:`) is estimated with its source models
-    (`activation_sources`; `source_dim`: its hooked width where they cannot be read)."""
+    row (the `optimizer:` node's rungs too: `check_optimizer`). A crosscoder's config
+    (`activations:`) is estimated with its source models (`activation_sources`;
+    `source_dim`: its hooked width where they cannot be read). `chunked`: the loss's
+    logits in chunks (the config's num_chunks above 1, else 8: the default for large
+    vocabularies) or not (num_chunks 1); None: as the config says."""
     planned = planned_run(cfg)
     processes = Processes(world_size, device_type="cpu" if device == "cpu" else "cuda")
     # replicas: hsdp's replicate degree (the other strategies ignore it)
     shapes, refused = strategy_shapes(cfg.distributed, processes, replicas)
+    shapes = optimizer_shapes(cfg, shapes, refused, processes)
     data_ranks = shapes[0].dp if shapes else world_size  # a pp x cp x tp group reads one share
     micro = micro_batch_size(cfg.batch_size, data_ranks, cfg.gradient_accumulation_steps)
     sources = None
@@ -67,6 +75,9 @@ def estimate_config(
     seq_len = planned.seq_len or model.config.max_seq_len  # AD's windows: the model's context
     dist = cfg.distributed
     chunks = planned.loss.get("num_chunks") if planned.loss is not None else None
+    if chunked is not None:
+        chunks = (chunks if chunks and int(chunks) > 1 else CHUNKS) if chunked else 1
+    rungs = Rungs.of(cfg)
 
     generation = None
     if planned.generations_per_prompt:  # online RL: this rank's completions of one generation
@@ -79,7 +90,7 @@ def estimate_config(
             dist.mixed_precision.param_dtype,
             dist.activation_checkpointing, dist.ac_every_n_blocks, device, mfu,
             sources=sources.bytes if sources else 0.0,
-            optimizer_bytes=2.0 if "8bit" in str(cfg.optimizer.get("_component_", "")) else 8.0,
+            rungs=rungs,
             loss_chunks=int(chunks) if chunks else None, stage=stage,
             sequence_parallel=dist.sequence_parallel and dist.pp == 1,
             reference=planned.reference, generation=generation,
@@ -93,6 +104,25 @@ def estimate_config(
                   for end, shape in zip(("first", "last"), stages)]  # fmt: skip
         rows = [max(pair, key=lambda r: r.peak) for pair in zip(*staged)]
     return ConfigEstimate(model, micro, seq_len, rows, refused, sources, shapes, planned)
+
+
+def optimizer_shapes(cfg: Any, shapes: list, refused: dict[str, str], processes: Processes):
+    """The `shapes` whose strategy the `optimizer:` node's rungs take (`check_optimizer`),
+    the others' reasons added to `refused`; a refusal of every strategy is raised."""
+    kept, first = [], None
+    for shape in shapes:
+        try:
+            check_optimizer(
+                cfg.optimizer, dataclasses.replace(cfg.distributed, strategy=shape.strategy),
+                processes, cfg.gradient_accumulation_steps, cfg.max_grad_norm,
+            )  # fmt: skip
+            kept.append(shape)
+        except ConfigError as e:
+            first = first or e
+            refused[shape.strategy] = e.problems[0]
+    if shapes and not kept:
+        raise first
+    return kept
 
 
 def stage_model(planned: PlannedRun, dist: Any, end: str):

@@ -75,7 +75,8 @@ DEEPSPEED_UNMAPPED = {
     "zero_optimization.sub_group_size": BLOCKS,
     "zero_optimization.stage3_gather_16bit_weights_on_model_save": SHARDED_SAVES,
     "zero_optimization.round_robin_gradients": "a ZeRO-2 offload optimization of DeepSpeed's own",
-    "zero_optimization.offload_optimizer.pin_memory": "FSDP2's CPUOffloadPolicy pins memory always",
+    "zero_optimization.offload_optimizer.pin_memory": "freetx's offloaded optimizer pins its "
+    "host copies on CUDA always",
     "zero_optimization.offload_param.pin_memory": "FSDP2's CPUOffloadPolicy pins memory always",
     "zero_allow_untested_optimizer": "freetx's strategies work with any torch optimizer",
     "zero_force_ds_cpu_optimizer": "freetx uses the torch optimizer the config names",
@@ -380,21 +381,46 @@ def set_dtype(found: ImportedConfig, key: str, knob: str, name: Any) -> None:
     found.set(f"distributed.mixed_precision.{knob}", dtype)
 
 
+OPTIMIZER_OFFLOAD_NOTE = (
+    "optimizer.offload=cpu keeps the optimizer's states, an fp32 copy of the parameters and "
+    "the optimizer step on the CPU, parameters and gradients on the GPU (ZeRO-Offload)"
+)
+PARAMETER_OFFLOAD_NOTE = (
+    "distributed.cpu_offload=true moves parameters, gradients and the optimizer step to "
+    "the CPU together (FSDP2's CPUOffloadPolicy; sharded strategies only)"
+)
+BOTH_OFFLOADS_NOTE = (
+    "offload_optimizer is taken in by distributed.cpu_offload=true, which steps the "
+    "optimizer on the CPU already (no optimizer.offload)"
+)
+
+
 def set_offload(found: ImportedConfig, key: str, device: Any) -> None:
-    """DeepSpeed's offload device: cpu -> cpu_offload (parameters, gradients and the
-    optimizer step go to the CPU together: FSDP2's CPUOffloadPolicy)."""
-    if str(device).lower() in ("none", "null", ""):
+    """DeepSpeed's offload devices, each to its own key: offload_optimizer's cpu ->
+    optimizer.offload=cpu (ZeRO-Offload), offload_param's -> distributed.cpu_offload
+    (FSDP2's CPUOffloadPolicy: parameters, gradients and the optimizer step on the CPU
+    together, so with both, cpu_offload alone); an NVMe device is not mapped, said by name."""
+    text = str(device).lower()
+    if text in ("none", "null", ""):
         return
-    if str(device).lower() != "cpu":
-        found.skip(key, f"{device!r}: freetx offloads to the CPU only (no NVMe)")
+    optimizer = "offload_optimizer" in key
+    if text != "cpu":
+        what = "optimizer's states" if optimizer else "parameters"
+        found.skip(key, f"{device!r}: freetx offloads the {what} to the CPU only; "
+                   "DeepSpeed's NVMe offload (ZeRO-Infinity) has no freetx equivalent")  # fmt: skip
         return
-    found.set("distributed.cpu_offload", True)
-    note = (
-        "distributed.cpu_offload=true moves parameters, gradients and the optimizer step to "
-        "the CPU together (FSDP2's CPUOffloadPolicy; sharded strategies only)"
-    )
-    if note not in found.notes:
-        found.notes.append(note)
+    if optimizer and found.overrides.get("distributed.cpu_offload"):
+        notes = [BOTH_OFFLOADS_NOTE]
+    elif optimizer:
+        found.set("optimizer.offload", "cpu")
+        notes = [OPTIMIZER_OFFLOAD_NOTE]
+    else:
+        found.set("distributed.cpu_offload", True)
+        notes = [PARAMETER_OFFLOAD_NOTE]
+        if found.overrides.pop("optimizer.offload", None):  # the optimizer's came first
+            found.notes.remove(OPTIMIZER_OFFLOAD_NOTE)
+            notes.append(BOTH_OFFLOADS_NOTE)
+    found.notes.extend(note for note in notes if note not in found.notes)
 
 
 def _pop(flat: dict[str, Any], *keys: str) -> tuple[str, Any] | None:

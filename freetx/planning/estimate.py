@@ -3,8 +3,9 @@ renting GPUs. Analytic, from the model's exact parameter counts (it is built on 
 meta device, adapters and all) and its shape:
 
 model states (exact): parameters (fp32 masters; frozen LoRA bases in the compute
-dtype; NF4 bases at 0.516 bytes), gradients of what trains (fp32), AdamW's two
-moments (fp32; 8-bit optimizers: 2 bytes), each divided by the ranks that shard it:
+dtype; NF4 bases at 0.516 bytes), gradients of what trains (fp32), the optimizer's states
+by its class (AdamW's two fp32 moments: 8 bytes per trained element; torchao's 8-bit
+AdamW about 2: `freetx.planning.rungs`), each divided by the ranks that shard it:
 
     | strategy | parameters | gradients | optimizer |
     | ddp      | 1          | 1         | 1         |
@@ -22,29 +23,63 @@ without blocks is gathered whole by FSDP. A crosscoder's frozen source models
 training FLOPs per token (from the active parameters of an MoE model) x tokens per rank
 / (peak x MFU),
 and the FSDP traffic (gathers in forward and backward, a reduce-scatter) over the
-interconnect, assumed overlapped: the step takes the longer of the two.
+interconnect, assumed overlapped: the step takes the longer of the two; activation
+checkpointing adds the recomputed forward (a third of the FLOPs; selective every n-th
+block: 1/n of that).
+
+The memory ladder's rungs (`Rungs`), per rank:
+
+- optimizer.offload=cpu: the optimizer's states, an fp32 copy of what this rank trains and
+  its gradient buffer (4 + 4 bytes per element) in `host` memory, none on the device; the
+  device's gradients are copied and freed as backward produces them under the sharded
+  strategies and on one process (one block's counted; on one process with gradient
+  accumulation, all of them), and stay under the all-reducing ones;
+- optimizer.in_backward: the gradients of the largest trained parameter only;
+- distributed.activation_offloading: the kept activations, taken as the same share per
+  block, in `host` memory except two blocks' (the one computed and the one prefetched);
+  with activation checkpointing, one block's recomputed activations stay on the device
+  too; the copies are taken as overlapped (no step time);
+- distributed.float8: the blocks' Linears' FLOPs (6 per weight and token) at the device's
+  float8 peak, the rest at its bf16 one; tensorwise under a sharded strategy gathers those
+  weights at 1 byte per element.
 
 What it leaves out: the allocator's fragmentation and caching (5-10% on CUDA),
-communication buffers beyond the gathered blocks, compile's saved memory.
+communication buffers beyond the gathered blocks, compile's saved memory, pinned host
+memory's rounding.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 from torch import nn
 
 from freetx.distributed import FrozenBase, MeshShape, StateSharding, canonical_name, frozen_base
+from freetx.distributed.float8 import float8_filter
 from freetx.distributed.parallelize import find_blocks
 from freetx.distributed.tensor_parallel import check_slices
+from freetx.errors import ConfigError
 from freetx.models.memory import TrainingShape
 from freetx.models.protocol import CountsFlops, EstimatesActivations, StoredInOwnForm, require_hook
+from freetx.planning.rungs import Rungs
 
-# device -> (peak dense bf16 FLOP/s, intra-node GB/s per GPU, HBM GiB)
+
+class Device(NamedTuple):
+    """A device's published figures."""
+
+    peak: float  # dense bf16 tensor FLOP/s
+    bandwidth: float  # intra-node bytes/s per GPU
+    memory_gib: float
+    float8_peak: float | None = None  # dense float8 tensor FLOP/s; None: no float8 matmuls
+
+
 DEVICES = {
-    "h100": (989e12, 450e9, 80),
-    "a100": (312e12, 240e9, 80),
-    "cpu": (0.155e12, 10e9, 24),  # this machine's fp32 matmul peak on 2 threads
+    "h100": Device(989e12, 450e9, 80, 1979e12),
+    "a100": Device(312e12, 240e9, 80),
+    # Ada's whitepaper, fp32 accumulate, dense; PCIe 4.0 x16 between GPUs
+    "rtx4090": Device(165.2e12, 32e9, 24, 330.3e12),
+    "cpu": Device(0.155e12, 10e9, 24),  # this machine's fp32 matmul peak on 2 threads
 }
 GIB = 2**30
 
@@ -66,6 +101,9 @@ class Estimate:
     # online RL's generation phase, instead of training's gathered + activations + loss:
     # every parameter gathered in the compute dtype, the KV cache, a step's logits
     generation: float = 0.0
+    # host memory: an offloaded optimizer's states, fp32 copy and gradients; offloaded
+    # activations (not in `peak`, which is the device's)
+    host: float = 0.0
 
     @property
     def states(self) -> float:
@@ -104,9 +142,8 @@ def parameter_bytes(
     compute dtype in it, the rest as fp32 masters; the parameters of the `sliced` modules
     divided by `tp`."""
     stored = trainable = 0.0
-    for name, p in model.named_parameters():
+    for name, p, share in _shares(model, sliced, tp):
         owner, local_name = _owner(model, name)
-        share = 1 / tp if name.rpartition(".")[0] in sliced else 1.0
         if isinstance(owner, StoredInOwnForm) and owner.stores_parameter(local_name):
             stored += p.numel() * owner.stored_element_bytes(local_name) * share
         elif canonical_name(name) in frozen.in_compute_dtype:
@@ -115,6 +152,38 @@ def parameter_bytes(
             stored += p.numel() * 4 * share
         trainable += p.numel() * share if p.requires_grad else 0
     return stored, trainable
+
+
+def _shares(model: nn.Module, sliced: frozenset, tp: int):
+    """(name, parameter, the share of it one tensor-parallel rank holds) of each parameter."""
+    for name, p in model.named_parameters():
+        yield name, p, 1 / tp if name.rpartition(".")[0] in sliced else 1.0
+
+
+def trained_sizes(model: nn.Module, sliced: frozenset = frozenset(), tp: int = 1) -> list[float]:
+    """The elements of each trainable parameter on one tensor-parallel rank."""
+    return [p.numel() * share for _, p, share in _shares(model, sliced, tp) if p.requires_grad]
+
+
+def float8_elements(model: nn.Module, module: nn.Module) -> int:
+    """The weight elements of the Linears in `module` (a part of `model`) that
+    distributed.float8 converts (`freetx.distributed.float8.float8_filter`'s rule)."""
+    converts = float8_filter(model)
+    names = {id(m): name for name, m in model.named_modules()}
+    return sum(m.weight.numel() for m in module.modules() if converts(m, names[id(m)]))
+
+
+def offloaded_activations(model: nn.Module, run: TrainingShape, kept: float) -> float:
+    """What activation offloading moves to host memory of the `kept` activations of `run`:
+    all but two blocks' shares (the block computed and the one prefetched), the kept
+    bytes taken as the same per block; with checkpointing, less one block's recomputed
+    activations (its whole count without checkpointing), which stay on the device."""
+    if run.blocks <= 2:
+        return 0.0
+    recomputed = 0.0
+    if run.checkpointing != "none":
+        recomputed = model.activation_bytes(replace(run, checkpointing="none")).kept / run.blocks
+    return (kept - recomputed) * (1 - 2 / run.blocks)
 
 
 def sliced_modules(model: nn.Module, tp: int) -> frozenset:
@@ -142,7 +211,7 @@ def estimate(
     ac_every_n_blocks: int,
     device: str,
     mfu: float,
-    optimizer_bytes: float = 8.0,
+    rungs: Rungs | None = None,
     frozen: FrozenBase | None = None,
     sources: float = 0.0,
     loss_chunks: int | None = 1,
@@ -154,7 +223,9 @@ def estimate(
     """The estimate of a (meta) model under each of `shapes` (one per strategy, with the
     same axes: `strategy_shapes`); `frozen`:
     the frozen-base decision (`frozen_base`, made from the model when not given);
-    `sources`: bytes every rank holds besides (a crosscoder's source models);
+    `rungs`: the memory ladder's (`Rungs`: the optimizer's states, its offload or steps
+    in backward, activation offloading, float8; the module docstring); None: AdamW's
+    states, no rung; `sources`: bytes every rank holds besides (a crosscoder's source models);
     `loss_chunks`: the loss's logits a chunk of tokens at a time (`num_chunks`; None: the
     model's default); the
     shapes' `tp`: tensor-parallel ranks (the sliced layers 1/tp per rank, whose
@@ -182,38 +253,66 @@ def estimate(
     compute = 2 if compute_dtype in ("bfloat16", "float16") else 4
     frozen = frozen or frozen_base(model)
     sliced = sliced_modules(model, tp)
+    rungs = rungs or Rungs()
     stored, trainable = parameter_bytes(model, compute, frozen, sliced, tp)
     total_trainable = parameter_bytes(model, compute, frozen)[1]
+    sizes = trained_sizes(model, sliced, tp)
     blocks = find_blocks(model)
     # what FSDP gathers at a time: two blocks (one prefetched), or a model without blocks whole
     unit, copies = (blocks[0], 2) if blocks else (model, 1)
     unit_name = next((n for n, m in model.named_modules() if m is unit), "")
-    block_params = sum(
-        p.numel() / (tp if f"{unit_name}.{n}".lstrip(".").rpartition(".")[0] in sliced else 1)
+    unit_shares = [
+        (p, 1 / tp if f"{unit_name}.{n}".lstrip(".").rpartition(".")[0] in sliced else 1)
         for n, p in unit.named_parameters()
-    )
+    ]
+    block_params = sum(p.numel() * share for p, share in unit_shares)
+    block_trained = sum(p.numel() * share for p, share in unit_shares if p.requires_grad)
+    device_figures = DEVICES[device]
+    float8 = rungs.float8 != "none"
+    if float8 and device_figures.float8_peak is None:
+        raise ConfigError(
+            f"distributed.float8={rungs.float8}: the {device} has no float8 matmuls (they "
+            "need CUDA capability 8.9+).",
+            fix="Set distributed.float8=none, or estimate for --device h100 or rtx4090.",
+        )
+    # float8's Linears (tp is 1 with float8): all blocks' and the gathered unit's weights
+    fast = sum(float8_elements(model, b) for b in blocks) if float8 else 0
+    # tensorwise gathers them in float8: 1 byte per element instead of the compute dtype's
+    unit_saved = float8_elements(model, unit) * (compute - 1) if rungs.float8 == "tensorwise" else 0
+    all_saved = fast * (compute - 1) if rungs.float8 == "tensorwise" else 0
     require_hook(
         model,
         EstimatesActivations,
         "freetx estimate cannot count its activations",
         "Give its class activation_bytes(run) (freetx.models.protocol.EstimatesActivations).",
     )
-    counted = model.activation_bytes(TrainingShape(
+    run = TrainingShape(
         tokens_per_rank, seq_len, compute, len(blocks), activation_checkpointing,
         ac_every_n_blocks, loss_chunks, tp, cp, sequence_parallel,
         "cpu" if device == "cpu" else "cuda",
-    ))  # fmt: skip
+    )  # fmt: skip
+    counted = model.activation_bytes(run)
     activations, loss = counted.kept, counted.loss
+    offloaded = 0.0
+    if rungs.activation_offloading:
+        offloaded = offloaded_activations(model, run, activations)
+        activations -= offloaded
     stage = stage or PipelineStageShape()
     activations *= stage.in_flight
+    offloaded *= stage.in_flight
     loss = loss if stage.holds_loss else 0.0
-    peak, bandwidth, _ = DEVICES[device]
+    peak, bandwidth = device_figures.peak, device_figures.bandwidth
     flops = (
         model.flops_per_token(seq_len) if isinstance(model, CountsFlops) else 6 * total_trainable
     )
+    fast_flops = min(6 * fast, flops)  # float8's Linears, forward and backward
+    seconds = (flops - fast_flops) / peak + fast_flops / (device_figures.float8_peak or peak)
     if reference in ("frozen_copy", "adapters_off"):  # the reference's forward: 2 of 6
-        flops *= 4 / 3
-    compute_s = flops * tokens_per_rank / (peak * mfu * axes.per_data_rank) * (1 + stage.bubble)
+        seconds *= 4 / 3
+    if activation_checkpointing != "none":  # the checkpointed blocks' forward again
+        every = ac_every_n_blocks if activation_checkpointing == "selective" else 1
+        seconds *= 1 + 1 / (3 * every)
+    compute_s = seconds * tokens_per_rank / (mfu * axes.per_data_rank) * (1 + stage.bubble)
     copy = 0.0
     if reference == "frozen_copy":  # every parameter again, in the compute dtype
         copy = sum(
@@ -226,28 +325,52 @@ def estimate(
     for shape in shapes:
         layout, world_size = StateSharding.of(shape), shape.world_size
         shards = layout.parameter_shards
-        if layout.blocks_stay_gathered:
-            gathered = stored / 4 * compute  # every block kept unsharded, forward to backward
-        elif layout.gathers_per_block:
-            gathered = copies * block_params * compute + block_params * 4  # + a unit's grads
+        if layout.blocks_stay_gathered:  # every block kept unsharded, forward to backward
+            gathered = stored / 4 * compute - all_saved
+        elif layout.gathers_per_block:  # + a unit's grads
+            gathered = copies * (block_params * compute - unit_saved) + block_params * 4
         elif layout.all_reduce and world_size > 1:
             # DDP's gradient buckets: allocated once and kept, even while the gradients
             # (views of them) are None between steps
             gathered = trainable * 4
         else:
             gathered = 0.0
-        traffic = 0.0 if shards == 1 else 3 * stored / 4 * compute * (shards - 1) / shards
+        # two gathers (forward, backward) and a reduce-scatter
+        traffic = 3 * stored / 4 * compute - 2 * all_saved
+        traffic = 0.0 if shards == 1 else traffic * (shards - 1) / shards
         if layout.all_reduce and world_size > 1:
             traffic = 2 * trainable * 4 * (shape.dp - 1) / shape.dp  # an all-reduce
         comm_s = traffic / bandwidth
+        gradients, optimizer, host = model_state_rungs(
+            rungs, layout, world_size, sizes, block_trained
+        )
         out.append(Estimate(
-            layout.strategy, stored / shards, trainable * 4 / layout.gradient_shards,
-            trainable * optimizer_bytes / layout.optimizer_shards,
+            layout.strategy, stored / shards, gradients, optimizer,
             gathered if world_size > 1 else 0.0, activations, loss,
             max(compute_s, comm_s) + tp_s, compute_s, comm_s + tp_s, sources, copy / shards,
             cache + (stored / 4 * compute if shards > 1 else 0.0) if generation else 0.0,
+            host + offloaded,
         ))  # fmt: skip
     return out
+
+
+def model_state_rungs(
+    rungs: Rungs, layout: StateSharding, world_size: int, sizes: list[float], block: float
+) -> tuple[float, float, float]:
+    """(device gradients, device optimizer states, host bytes) on one rank of `layout`,
+    for trained parameters of `sizes` elements (one tensor-parallel rank's), `block` of
+    them in the unit FSDP gathers (the module docstring)."""
+    trainable = sum(sizes)
+    states = sum(rungs.states.bytes(n / layout.optimizer_shards) for n in sizes)
+    gradients = trainable * 4 / layout.gradient_shards
+    if rungs.in_backward:  # each freed once its parameter stepped
+        return max(sizes, default=0.0) * 4 / layout.gradient_shards, states, 0.0
+    if not rungs.optimizer_offload:
+        return gradients, states, 0.0
+    copied = rungs.accumulation == 1 if world_size == 1 else not layout.all_reduce
+    if copied:  # to the host as backward produces them: one block's at a time
+        gradients = min(block, trainable) * 4 / layout.gradient_shards
+    return gradients, 0.0, states + 8 * trainable / layout.optimizer_shards
 
 
 @dataclass(frozen=True)

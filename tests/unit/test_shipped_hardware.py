@@ -27,7 +27,9 @@ CONFIGS = sorted(
     str(path.relative_to(REPO / "recipe_configs").with_suffix(""))
     for path in (REPO / "recipe_configs").glob("*/*.yaml")
 )
-HARDWARE = re.compile(r"^# hardware: (\d+) (?:x (H100|A100) 80GB|CPU process(?:es)?)$", re.M)
+# the GPUs a header names -> the estimate's device
+GPUS = {"H100 80GB": "h100", "A100 80GB": "a100", "RTX 4090 24GB": "rtx4090"}
+HARDWARE = re.compile(rf"^# hardware: (\d+) (?:x ({'|'.join(GPUS)})|CPU process(?:es)?)$", re.M)
 ESTIMATED = {
     "full_finetune_fsdp2",
     "lora_finetune_fsdp2",
@@ -104,6 +106,7 @@ HF_SHAPES = {
                  n_positions=1024),
 }  # fmt: skip
 MODEL_OF = {"llm/llama3_1_8b_full": "Llama-3.1-8B", "llm/llama3_1_8b_lora": "Llama-3.1-8B",
+            "llm/llama3_1_8b_full_1gpu": "Llama-3.1-8B", "llm/llama3_1_8b_lora_24gb": "Llama-3.1-8B",
             "llm/llama3_1_8b_128k": "Llama-3.1-8B", "llm/llama3_70b_full": "Llama-3.1-70B",
             "llm/llama3_70b_lora": "Llama-3.1-70B",
             "llm/llama3_1_8b_qlora": "Llama-3.1-8B", "llm/llama3_2_1b_full": "Llama-3.2-1B",
@@ -139,7 +142,7 @@ def hardware(config: str) -> tuple[int, str]:
     found = HARDWARE.findall(header)
     assert len(found) == 1, f"{config}: one '# hardware:' line in the header, as docs/configs.md"
     count, gpu = found[0]
-    return int(count), gpu.lower() or "cpu"
+    return int(count), GPUS.get(gpu, "cpu")
 
 
 def test_every_config_names_its_hardware_and_a_known_recipe():
