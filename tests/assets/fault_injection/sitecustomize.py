@@ -88,12 +88,12 @@ if _fault and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
                 time.sleep(600)
         return _count_over_ranks(groups, counts)
 
-    def clip_grad_norm(model, max_norm, groups=None):
+    def clip_grad_norm(model, max_norm, groups=None, optimizer=None):
         if _kind == "nan" and _mine and _calls["count"] == int(_at):
             grads = [p.grad for p in model.parameters() if p.grad is not None]
             local = grads[0].to_local() if hasattr(grads[0], "to_local") else grads[0]
             local.view(-1)[0] = float("nan")
-        return _clip(model, max_norm, groups)
+        return _clip(model, max_norm, groups, optimizer)
 
     _step.count_over_ranks, _step.clip_grad_norm = count_over_ranks, clip_grad_norm
     del torch
