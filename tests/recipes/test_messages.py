@@ -123,6 +123,18 @@ def test_a_nan_stop_before_any_checkpoint_says_none_exists(tmp_path):
     assert not list((tmp_path / "checkpoints").glob("step_*"))
 
 
+def test_a_nan_under_in_backward_stops_saying_the_update_could_not_be_skipped(tmp_path):
+    result = run_freetx("run", "full_finetune_fsdp2", "--config", "llm/tiny",
+                        f"output_dir={tmp_path}", "max_steps=4", "checkpoint.every_n_steps=1",
+                        "optimizer.in_backward=true", "max_grad_norm=null", *QUICK,
+                        env=fault(FREETX_TEST_FAULT="nan:3:0"))  # fmt: skip
+    message = one_paragraph(result)  # on_nonfinite=skip cannot skip it: the run stops
+    assert "not finite at step 3" in message and "could not be skipped" in message
+    assert "the last one is step 2" in message
+    saved = sorted(p.name for p in (tmp_path / "checkpoints").glob("step_*"))
+    assert saved[-1] == "step_000002"
+
+
 # -- 3c, 3d. adapter-only checkpoints -----------------------------------------------------
 
 

@@ -76,6 +76,7 @@ if _fault and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
     _calls = {"count": 0}
     _mine = os.environ.get("RANK", "0") == _rank
     _count_over_ranks, _clip = _step.count_over_ranks, _step.clip_grad_norm
+    _nan = torch.tensor([float("nan")])
 
     def count_over_ranks(groups, counts):
         _calls["count"] += 1
@@ -91,8 +92,11 @@ if _fault and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
     def clip_grad_norm(model, max_norm, groups=None, optimizer=None):
         if _kind == "nan" and _mine and _calls["count"] == int(_at):
             grads = [p.grad for p in model.parameters() if p.grad is not None]
-            local = grads[0].to_local() if hasattr(grads[0], "to_local") else grads[0]
-            local.view(-1)[0] = float("nan")
+            if not grads:  # optimizer.in_backward: stepped and freed, its norm measured
+                optimizer.norm.add(_nan)
+            else:
+                local = grads[0].to_local() if hasattr(grads[0], "to_local") else grads[0]
+                local.view(-1)[0] = float("nan")
         return _clip(model, max_norm, groups, optimizer)
 
     _step.count_over_ranks, _step.clip_grad_norm = count_over_ranks, clip_grad_norm
