@@ -174,6 +174,52 @@ GENERIC_FAMILIES = {
 }  # fmt: skip
 
 
+# MoE architectures whose folders transformers converts on load (experts stored one tensor
+# each, held stacked), read by the generic path with transformers' own rules; sharded so
+# that experts span shards. Routers' biases (DeepSeek-V3's e_score_correction_bias, a
+# stored buffer) are nonzero (`make_folder`)
+MOE = dict(moe_intermediate_size=32, num_experts_per_tok=2)
+CONVERTED_MOE_FAMILIES = {
+    # DeepSeek-V3: MLA (q and kv low-rank), sigmoid routing with a bias and grouped top-k
+    # (2 groups, 1 kept), a shared expert, layer 0 dense
+    "deepseek_v3": ("DeepseekV3Config", dict(IDS, **MOE, n_routed_experts=4, n_shared_experts=1,
+                                             first_k_dense_replace=1, n_group=2, topk_group=1,
+                                             q_lora_rank=32, kv_lora_rank=32, qk_rope_head_dim=8,
+                                             qk_nope_head_dim=8, v_head_dim=16),
+                    dict(max_shard_size="40KB")),
+    # Qwen2-MoE (Qwen1.5-MoE): softmax top-2 of 4 experts, a gated shared expert, qkv biases
+    "qwen2_moe": ("Qwen2MoeConfig", dict(IDS, **MOE, num_experts=4,
+                                         shared_expert_intermediate_size=48),
+                  dict(max_shard_size="40KB")),
+    # GLM-4.5: DeepSeek-V3's router (one group), partial rotary, a shared expert, layer 0 dense
+    "glm4_moe": ("Glm4MoeConfig", dict(IDS, **MOE, n_routed_experts=4, n_shared_experts=1,
+                                       first_k_dense_replace=1, n_group=1, topk_group=1,
+                                       head_dim=16), dict(max_shard_size="40KB")),
+    # OLMoE: q/k norms over the projections, 4 experts of intermediate_size, top 2
+    "olmoe": ("OlmoeConfig", dict(IDS, num_experts=4, num_experts_per_tok=2),
+              dict(max_shard_size="40KB")),
+}  # fmt: skip
+
+# hybrid models: gated linear attention (Qwen3.5's Gated DeltaNet) or state-space layers
+# beside full attention; transformers' DynamicCache holds each layer's kind
+QWEN3_5 = dict(IDS, head_dim=16, linear_key_head_dim=16, linear_value_head_dim=16,
+               linear_num_key_heads=2, linear_num_value_heads=4, linear_conv_kernel_dim=4,
+               layer_types=["linear_attention", "full_attention"])  # fmt: skip
+HYBRID_FAMILIES = {
+    "qwen3_5_text": ("Qwen3_5TextConfig", QWEN3_5, dict(max_shard_size="40KB")),
+    "qwen3_5_moe_text": ("Qwen3_5MoeTextConfig",
+                         dict(QWEN3_5, **MOE, num_experts=4, shared_expert_intermediate_size=32),
+                         dict(max_shard_size="40KB")),
+    # no attention layer at all: transformers' cache cannot say how long it is
+    "qwen3_5_text_all_linear": ("Qwen3_5TextConfig",
+                                dict(QWEN3_5, layer_types=["linear_attention"] * 2), {}),
+    # LFM2: short convolutions, layer 1 attention
+    "lfm2_conv": ("Lfm2Config", dict(IDS, full_attn_idxs=[1]), {}),
+    # Mamba: selective state-space layers only (a cache of its own kind)
+    "mamba": ("MambaConfig", dict(IDS, state_size=8, expand=2, conv_kernel=4), {}),
+}  # fmt: skip
+
+
 def to_old_layout(folder: Path) -> None:
     """Rewrite config.json as transformers 4.x wrote it: rope_theta and rope_scaling."""
     path = folder / "config.json"
@@ -201,7 +247,8 @@ def make_folder(folder: Path, family: str, dtype: torch.dtype = torch.float32, s
     """Write the family's tiny model with `save_pretrained`; returns the folder."""
     import transformers
 
-    class_name, fields, options = {**FAMILIES, **GENERIC_FAMILIES}[family]
+    families = {**FAMILIES, **GENERIC_FAMILIES, **CONVERTED_MOE_FAMILIES, **HYBRID_FAMILIES}
+    class_name, fields, options = families[family]
     shape = {} if "text_config" in fields else SHAPE
     config = getattr(transformers, class_name)(**{**shape, **fields})
     torch.manual_seed(seed)
@@ -214,6 +261,11 @@ def make_folder(folder: Path, family: str, dtype: torch.dtype = torch.float32, s
                 param.normal_(1.0, 0.1)
             elif name.endswith("mlp.gate.weight"):  # routers that spread tokens over experts
                 param.normal_(0.0, 0.5)
+            elif ".experts." in name and family in CONVERTED_MOE_FAMILIES:  # experts that
+                param.normal_(0.0, 0.2)  # matter: a misplaced row shows in the logits
+        for name, buffer in model.named_buffers():  # a stored router bias (DeepSeek-V3's)
+            if name.endswith("e_score_correction_bias"):
+                buffer.normal_(0.0, 0.5)
     model.to(dtype).save_pretrained(folder, **options)
     if family.endswith("old_layout"):
         to_old_layout(folder)

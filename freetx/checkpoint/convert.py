@@ -285,17 +285,16 @@ def _write_hf(
     and lines saying what the folder is (the text model of a multimodal companion; no
     tokenizer)."""
     layout = hf_layout(source)
-    # HF name -> (freetx key, its slice along dim 0 or None): a stacked tensor (an MoE
-    # block's experts) is written as one HF tensor per slice
-    parts: dict[str, tuple[str, int | None]] = {}
+    # HF name -> (freetx key, its piece: `hf_pieces`): a stacked tensor (an MoE block's
+    # experts) is written as one HF tensor per slice, or per part of a slice
+    parts: dict[str, tuple[str, Piece | None]] = {}
     infos: dict[str, TensorInfo] = {}
     for name in source.model_names():
         key, info = MODEL_PREFIX + name, source.infos[MODEL_PREFIX + name]
-        hf_names = layout.to_hf_names(name, info.shape[0] if info.shape else 1, source.model_config)
-        stacked = layout.stack_index(hf_names[0]) is not None
-        for i, hf_name in enumerate(hf_names):
-            parts[hf_name] = (key, i if stacked else None)
-            infos[hf_name] = TensorInfo(info.shape[1:] if stacked else info.shape, out_dtype(info))
+        for hf_name, piece in hf_pieces(layout, name, info.shape, source.model_config):
+            parts[hf_name] = (key, piece)
+            shape = info.shape if piece is None else piece.shape(info.shape)
+            infos[hf_name] = TensorInfo(shape, out_dtype(info))
     shards = plan_shards({n: i.nbytes for n, i in infos.items()}, parse_size(max_shard_size))
     first = next(iter(infos.values()))
     notes = write_hf_files(source, dst, str(first.dtype), companion, tokenizer)
@@ -308,13 +307,13 @@ def _write_hf(
     for file, shard in zip(files, shards):
         writer = SafetensorsStreamWriter(dst / file, {n: infos[n] for n in shard}, {"format": "pt"})
         for name in shard:
-            key, index = parts[name]
-            if index is None:
+            key, piece = parts[name]
+            if piece is None:
                 writer.write(name, cast(source.get(key)))
                 continue
             if held is None or held[0] != key:
                 held = (key, source.get(key))
-            writer.write(name, cast(held[1][index]))
+            writer.write(name, cast(piece.of(held[1])))
         writer.close()
     if len(shards) > 1:
         index = {
@@ -323,6 +322,40 @@ def _write_hf(
         }
         (dst / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     return sum(info.nbytes for info in infos.values()), notes
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Which stored tensor of a stacked freetx tensor an HF tensor is: slice `row` along
+    dim 0, or part `part` of its `parts` equal parts along the slice's first dim."""
+
+    row: int
+    part: int = 0
+    parts: int = 1
+
+    def shape(self, stacked: tuple[int, ...]) -> tuple[int, ...]:
+        row = stacked[1:]
+        return row if self.parts == 1 else (row[0] // self.parts, *row[1:])
+
+    def of(self, stacked: torch.Tensor) -> torch.Tensor:
+        row = stacked[self.row]
+        return row if self.parts == 1 else row.chunk(self.parts)[self.part]
+
+
+def hf_pieces(
+    layout: HFLayout, name: str, shape: tuple[int, ...], model_config: dict[str, Any]
+) -> list[tuple[str, Piece | None]]:
+    """The HF tensors of freetx tensor `name` (of `shape`), with their pieces of it (None:
+    the whole tensor), as `layout` (bound to the model: `layout_of`) names them."""
+    hf_names = layout.to_hf_names(name, shape[0] if shape else 1, model_config)
+    places = [layout.stack_index(hf_name) for hf_name in hf_names]
+    if places[0] is None:
+        return [(hf_names[0], None)]
+    parts = 1 + max((place[1] for place in places if isinstance(place, tuple)), default=0)
+    return [
+        (hf_name, Piece(*place, parts) if isinstance(place, tuple) else Piece(place))
+        for hf_name, place in zip(hf_names, places)
+    ]
 
 
 def hf_layout(source: TensorSource) -> HFLayout:
@@ -334,7 +367,7 @@ def hf_layout(source: TensorSource) -> HFLayout:
             "needs; convert from the DCP checkpoint (its meta.json has them) or from a "
             "safetensors file freetx wrote."
         )
-    return layout_of(source.meta["model_class"])
+    return layout_of(source.meta["model_class"], source.model_config)
 
 
 def write_hf_files(

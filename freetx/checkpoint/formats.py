@@ -249,22 +249,26 @@ class SafetensorsFile:
 class SafetensorsSource(TensorSource):
     """One or several safetensors files (an HF folder's shards), tensors by name.
 
-    `rename(stored)` names each stored tensor: a name, None (skipped), or `(name, i)`:
+    `rename(stored)` names each stored tensor: a name, None (skipped), `(name, i)`:
     slice i along dim 0 of tensor `name`, stacked from several stored tensors (an HF
-    folder's per-expert weights; the layout says which, `HFLayout.stack_index`)."""
+    folder's per-expert weights; the layout says which, `HFLayout.stack_index`), or
+    `(name, i, p)`: part p of slice i, a slice's parts joined along its first dim in
+    order (an expert's gate and up projections, held as one)."""
 
     kind = "safetensors"
 
     def __init__(self, path: Path, files: list[Path] | None = None, rename=None) -> None:
         super().__init__(path)
         self._where: dict[str, tuple[SafetensorsFile, str]] = {}
-        self._stacks: dict[str, list[tuple[SafetensorsFile, str]]] = {}
-        slices: dict[str, dict[int, tuple[SafetensorsFile, str]]] = {}
+        # a stacked tensor: per slice, its parts in order
+        self._stacks: dict[str, list[list[tuple[SafetensorsFile, str]]]] = {}
+        slices: dict[str, dict[int, dict[int, tuple[SafetensorsFile, str]]]] = {}
         for file in [SafetensorsFile(f) for f in (files or [Path(path)])]:
             for stored, (info, _, _) in file.entries.items():
                 name = rename(stored) if rename else MODEL_PREFIX + stored
                 if isinstance(name, tuple):
-                    slices.setdefault(name[0], {})[name[1]] = (file, stored)
+                    part = name[2] if len(name) > 2 else 0
+                    slices.setdefault(name[0], {}).setdefault(name[1], {})[part] = (file, stored)
                 elif name is not None:
                     self.infos[name] = info
                     self._where[name] = (file, stored)
@@ -272,8 +276,13 @@ class SafetensorsSource(TensorSource):
                 self.meta["model_config"] = json.loads(file.metadata[MODEL_CONFIG_KEY])
             if MODEL_CLASS_KEY in file.metadata:
                 self.meta["model_class"] = file.metadata[MODEL_CLASS_KEY]
-        for name, parts in slices.items():
-            self._stacks[name] = [parts[i] for i in _complete_stack(name, parts, self.path)]
+        for name, rows in slices.items():
+            count = max(len(row) for row in rows.values())  # the parts of each slice
+            self._stacks[name] = [
+                [rows[i][p] for p in _complete_stack(f"{name} (slice {i}'s parts)", rows[i],
+                                                     self.path, count)]
+                for i in _complete_stack(name, rows, self.path)
+            ]  # fmt: skip
             self.infos[name] = _stacked_info(name, self._stacks[name], self.path)
 
     def get(self, name: str) -> torch.Tensor:
@@ -283,7 +292,7 @@ class SafetensorsSource(TensorSource):
         return out
 
     def where(self, name: str) -> str:
-        file, stored = self._where[name] if name in self._where else self._stacks[name][0]
+        file, stored = self._where[name] if name in self._where else self._stacks[name][0][0]
         return f"{stored} in {file.path}"
 
     def read_into(self, name: str, rows: slice | None, out: torch.Tensor) -> None:
@@ -291,35 +300,49 @@ class SafetensorsSource(TensorSource):
             file, stored = self._where[name]
             file.read_into(stored, rows, out)
             return
-        parts = self._stacks[name]  # rows of a stacked tensor: whole stored tensors
-        for row, index in enumerate(range(*(rows or slice(None)).indices(len(parts)))):
-            file, stored = parts[index]
-            file.read_into(stored, None, out[row])
+        stack = self._stacks[name]  # rows of a stacked tensor: whole stored tensors, each
+        for row, index in enumerate(range(*(rows or slice(None)).indices(len(stack)))):
+            offset = 0  # its parts one after the other along its first dim
+            for file, stored in stack[index]:
+                size = file.entries[stored][0].shape[0] if len(stack[index]) > 1 else None
+                target = out[row] if size is None else out[row][offset : offset + size]
+                file.read_into(stored, None, target)
+                offset += size or 0
 
 
-def _complete_stack(name: str, parts: dict[int, Any], path: Path) -> range:
-    """The slice indices 0..n-1 of a stacked tensor, or an error naming the missing ones."""
-    missing = sorted(set(range(max(parts) + 1)) - set(parts))
+def _complete_stack(name: str, parts: dict[int, Any], path: Path, count: int = 0) -> range:
+    """The slice indices 0..n-1 of a stacked tensor (n at least `count`), or an error
+    naming the missing ones."""
+    total = max(max(parts) + 1, count)
+    missing = sorted(set(range(total)) - set(parts))
     if missing:
         raise CheckpointError(
             f"{path} lacks slices {missing[:5]} of {name.removeprefix(MODEL_PREFIX)} (it has "
-            f"{len(parts)} of {max(parts) + 1}: one file per expert is missing); the download "
+            f"{len(parts)} of {total}: one file per expert is missing); the download "
             "or copy is incomplete, fetch it again."
         )
     return range(len(parts))
 
 
-def _stacked_info(name: str, parts: list[tuple[SafetensorsFile, str]], path: Path) -> TensorInfo:
-    """The shape and dtype of a tensor stacked from `parts`, which must all agree."""
-    infos = {file.entries[stored][0] for file, stored in parts}
-    if len(infos) > 1:
+def _stacked_info(
+    name: str, rows: list[list[tuple[SafetensorsFile, str]]], path: Path
+) -> TensorInfo:
+    """The shape and dtype of a tensor stacked from `rows` (each row's parts joined along
+    their first dim), which must all agree."""
+    infos = {tuple(file.entries[stored][0] for file, stored in parts) for parts in rows}
+    parts = next(iter(infos))
+    if len(infos) > 1 or any((p.shape[1:], p.dtype) != (parts[0].shape[1:], parts[0].dtype)
+                             for p in parts):  # fmt: skip
+        shapes = {str((list(p.shape), p.dtype)) for row in infos for p in row}
         raise CheckpointError(
             f"{path}: the slices of {name.removeprefix(MODEL_PREFIX)} differ in shape or dtype "
-            f"({', '.join(sorted(str((list(i.shape), i.dtype)) for i in infos))}); every "
-            "expert's tensor must have the same; the folder is damaged."
+            f"({', '.join(sorted(shapes))}); every expert's tensor must have the same; the "
+            "folder is damaged."
         )
-    info = infos.pop()
-    return TensorInfo((len(parts), *info.shape), info.dtype)
+    if len(parts) == 1:
+        return TensorInfo((len(rows), *parts[0].shape), parts[0].dtype)
+    joined = (sum(p.shape[0] for p in parts), *parts[0].shape[1:])
+    return TensorInfo((len(rows), *joined), parts[0].dtype)
 
 
 class TorchSource(TensorSource):
@@ -367,7 +390,7 @@ class HFFolderSource(SafetensorsSource):
         layout = layout_for_hf_config(hf)
         tied = bool(hf.get("tie_word_embeddings", False))
 
-        def rename(stored: str) -> str | tuple[str, int] | None:
+        def rename(stored: str) -> str | tuple | None:
             if tied and stored == "lm_head.weight":  # a copy of the embedding some folders keep
                 return None
             name = layout.from_hf_name(stored)
@@ -375,7 +398,13 @@ class HFFolderSource(SafetensorsSource):
                 self.skipped.append(stored)
                 return None
             index = layout.stack_index(stored)
-            return MODEL_PREFIX + name if index is None else (MODEL_PREFIX + name, index)
+            if index is None:
+                return MODEL_PREFIX + name
+            return (
+                (MODEL_PREFIX + name, *index)
+                if isinstance(index, tuple)
+                else (MODEL_PREFIX + name, index)
+            )
 
         super().__init__(folder, hf_weight_files(folder), rename=rename)
         self.meta["model_class"] = layout.model_class

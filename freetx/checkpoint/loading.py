@@ -42,6 +42,7 @@ from freetx.checkpoint.run_folder import newest_checkpoint, resolve_checkpoint
 from freetx.checkpoint.state import ModelState
 from freetx.distributed import dtype_named, unwrap
 from freetx.distributed.parameters import (
+    canonical_name,
     init_from_weights,
     load_parameters,
     self_initialized,
@@ -216,8 +217,22 @@ def load_weights(model: nn.Module, weights: WeightSource, alone: bool = False) -
             lambda name, rows, out: source.read_into(MODEL_PREFIX + name, rows, out),
             only=lambda name: name not in adapters,
         )
+        load_buffers(inner, source)
     init_from_weights(inner)
     return skipped_note(source)
+
+
+@torch.no_grad()
+def load_buffers(model: nn.Module, source: TensorSource) -> None:
+    """Set the model's buffers that `source` holds (persistent ones a folder stores beside
+    the weights: DeepSeek-V3's `e_score_correction_bias`), whole on every rank, as FSDP2
+    keeps them; the others keep what the model computed (`init_buffers`)."""
+    for name, buffer in model.named_buffers():
+        key = MODEL_PREFIX + canonical_name(name)
+        if key in source.infos:
+            host = torch.empty(buffer.shape, dtype=buffer.dtype)
+            source.read_into(key, None, host)
+            buffer.copy_(host)
 
 
 def load_initial_weights(model: nn.Module, path: str | Path) -> list[str]:

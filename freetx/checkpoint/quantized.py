@@ -28,6 +28,7 @@ from freetx.checkpoint.convert import (
     HFTokenizerFiles,
     hf_companion_folder,
     hf_layout,
+    hf_pieces,
     user_entry,
     write_hf_files,
 )
@@ -142,11 +143,9 @@ def export_quantized(
     tensors: dict[str, torch.Tensor] = {}
     for name in source.model_names():
         tensor = state[name]
-        hf_names = layout.to_hf_names(name, tensor.shape[0], source.model_config)
-        if layout.stack_index(hf_names[0]) is None:
-            tensors[hf_names[0]] = tensor
-        else:  # an MoE block's experts (not quantized): one HF tensor per slice
-            tensors.update({hf_name: tensor[i] for i, hf_name in enumerate(hf_names)})
+        for hf_name, piece in hf_pieces(layout, name, tuple(tensor.shape), source.model_config):
+            # an MoE block's experts (not quantized): one HF tensor per slice, or its part
+            tensors[hf_name] = tensor if piece is None else piece.of(tensor)
     flat, metadata = flat_quantized(tensors)
     companion = hf_companion_folder(source, hf_files_from, run_folders)
     quantization = hf_quantization_config(scheme, group_size, device)

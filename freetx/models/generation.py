@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
@@ -69,12 +70,37 @@ class Sampling:
 
 def sampling_problems(values: dict[str, Any]) -> dict[str, str]:
     """A sampling config's values no run can use, by key (`ChecksMeaning`): a top_p
-    outside (0, 1]."""
+    outside (0, 1]; a KV cache (`kv_cache`) for an HF folder's model (`checkpoint`) that
+    cannot generate from one (`freetx.models.hf_generic.cache_problem`), said before any
+    weight is read."""
     top_p = values.get("top_p")
     if top_p is not None and not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
         return {"top_p": "it is the probability mass of the likeliest tokens kept; set a "
                 "value in (0, 1], or null for every token."}  # fmt: skip
-    return {}
+    problem = _folder_cache_problem(values.get("checkpoint")) if values.get("kv_cache") else None
+    return {"kv_cache": problem} if problem else {}
+
+
+def _folder_cache_problem(checkpoint: Any) -> str | None:
+    """`cache_problem` of the generic model of an HF folder; None for anything else (a
+    run's checkpoint: `new_cache` refuses it once built)."""
+    from freetx.errors import CheckpointError, ConfigError
+    from freetx.models.hf import NATIVE_LAYOUTS, read_hf_config
+    from freetx.models.hf_generic import cache_problem, transformers_causal_lm_types
+
+    if (
+        not isinstance(checkpoint, str)
+        or not (Path(checkpoint).expanduser() / "config.json").is_file()
+    ):
+        return None
+    try:
+        hf = read_hf_config(checkpoint)
+        native = any(hf.get("model_type") in layout.model_types for layout in NATIVE_LAYOUTS)
+        if native or hf.get("model_type") not in transformers_causal_lm_types():
+            return None
+        return cache_problem(hf)
+    except (CheckpointError, ConfigError):
+        return None  # the folder's own problem: building it says so
 
 
 class Draws:

@@ -90,9 +90,11 @@ class HFLayout(Protocol):
     def from_hf_name(self, name: str) -> str | None: ...  # None: not a weight (skipped)
 
     # A freetx tensor may be several HF tensors stacked along dim 0 (an MoE block's
-    # experts): slice i is the HF tensor whose stack_index is i. Readers stack, writers
-    # unstack; a tensor that is one HF tensor has stack_index None and one HF name.
-    def stack_index(self, name: str) -> int | None: ...
+    # experts): slice i is the HF tensor whose stack_index is i; (i, p): part p of slice
+    # i, the parts of a slice joined along its first dim in order (an expert's gate and up
+    # projections, held as one). Readers stack, writers unstack; a tensor that is one HF
+    # tensor has stack_index None and one HF name.
+    def stack_index(self, name: str) -> int | tuple[int, int] | None: ...
 
     def to_hf_names(self, name: str, rows: int, model_config: dict[str, Any]) -> list[str]: ...
 
@@ -113,8 +115,10 @@ TOKENIZER_FILES = (
 )  # fmt: skip
 
 
-def layout_of(dotted_class: str) -> HFLayout:
-    """The HF layout of a model class, or an error naming the classes that have one."""
+def layout_of(dotted_class: str, model_config: dict[str, Any] | None = None) -> HFLayout:
+    """The HF layout of a model class, or an error naming the classes that have one; with
+    the model's config, the layout that names its stored tensors (the generic path's, bound
+    to its model type's conversion rules)."""
     cls = model_class(dotted_class)
     layout = cls.hf_layout if isinstance(cls, HFLayoutModel) else None
     if layout is None:
@@ -123,6 +127,8 @@ def layout_of(dotted_class: str) -> HFLayout:
             f"{dotted_class} has no HF transformers layout, so it cannot become an HF folder "
             f"(models that have one: {have}). Convert it to .safetensors or DCP instead."
         )
+    if layout is GENERIC_LAYOUT and model_config is not None:
+        return GENERIC_LAYOUT.for_config(model_config["hf_config"])
     return layout
 
 
@@ -141,7 +147,7 @@ def layout_for_hf_config(hf: dict[str, Any]) -> HFLayout:
         )
     for layout in LAYOUTS:
         if hf.get("model_type") in layout.model_types:
-            return layout
+            return GENERIC_LAYOUT.for_config(hf) if layout is GENERIC_LAYOUT else layout
     native = ", ".join(t for layout in NATIVE_LAYOUTS for t in layout.model_types)
     if not transformers_causal_lm_types():
         raise CheckpointError(

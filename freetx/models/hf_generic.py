@@ -14,8 +14,11 @@ last in `freetx.models.hf.LAYOUTS`) keeps the folder's tensor names and writes
 config.json back from the recorded dict.
 
 A model type whose folders transformers converts when loading (MoE experts stored per
-expert, held stacked) is refused by name: freetx reads a folder's tensors by their
-stored names. `transformers` is an optional extra (`pip install 'freetx[hf]'`).
+expert, held stacked: DeepSeek-V3, Qwen2-MoE, GLM-4.5, OLMoE, ...) is read by transformers'
+own rules (`ConvertedNames`): each stored tensor lands in its row (and part) of the
+fused parameter, so a rank reads its own experts only, and an export writes the stored
+names back; a rule freetx does not stream is refused by name before a weight is read.
+`transformers` is an optional extra (`pip install 'freetx[hf]'`).
 
 Generation keeps transformers' own KV cache (`DynamicCache` for the model's config, as
 transformers' `generate` makes it: sliding layers keep their window) behind freetx's
@@ -26,8 +29,11 @@ transformers' `generate` makes it: sliding layers keep their window) behind free
 from __future__ import annotations
 
 import inspect
+import json
+import re
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 import torch
@@ -112,7 +118,7 @@ def build_hf(hf_config: dict[str, Any]) -> nn.Module:
     hf = transformers.AutoModelForCausalLM.from_config(  # in torch's default dtype, as every
         config, attn_implementation=attention(config), dtype=torch.get_default_dtype()
     )  # freetx model (not config.json's: mixed precision is the run's choice)
-    _refuse_converted_names(hf, hf_config["model_type"])
+    converted_names(hf, hf_config["model_type"])  # refuses a rule freetx does not read
     if next(hf.parameters(recurse=False), None) is not None:
         raise CheckpointError(
             f"{type(hf).__name__} holds parameters outside its submodules, which the "
@@ -141,44 +147,144 @@ def _transformers_config(transformers, hf_config: dict[str, Any]):
     return transformers.AutoConfig.for_model(**hf_config)
 
 
-def _refuse_converted_names(model: nn.Module, model_type: str) -> None:
-    """A model type whose stored tensor names transformers converts on load is refused."""
-    from transformers.conversion_mapping import get_model_conversion_mapping
+class ConvertedNames:
+    """transformers' conversion rules of one model type (`get_model_conversion_mapping`,
+    what its `from_pretrained` applies), as freetx reads a folder tensor by tensor: a
+    stored name -> the model's name and its place in it, and back for an export.
 
-    conversions = get_model_conversion_mapping(model, add_legacy=False)
-    if conversions:
-        example = conversions[0]
-        raise CheckpointError(
-            f"transformers stores '{model_type}' folders under other tensor names than its "
-            f"modules hold (it converts {example.source_patterns} to {example.target_patterns} "
-            "when loading), and freetx's generic path reads a folder's tensors by their own "
-            f"names, so it cannot load this model. No native freetx layout reads "
-            f"'{model_type}' yet: see docs/models.md for the model types freetx trains."
-        )
+    A renaming (`WeightRenaming`, `PrefixChange`) renames; a `WeightConverter` that stacks
+    the experts' tensors (`MergeModulelist(0)`, then `Concatenate(1)` where several stored
+    tensors make one expert's row: its gate and up projections) gives the stored tensor's
+    place: (row e, part p) of the fused tensor. Any other rule is refused by name, before
+    a weight is read. An export writes the stored names back: the converters reversed,
+    then the renamings, a `PrefixChange` left out (as transformers' `save_pretrained` does
+    for a model it did not load: a text model's folder has no `language_model.` prefix)."""
+
+    def __init__(self, rules: list, model_type: str) -> None:
+        self.renamings, self.converters = [], []
+        for rule in rules:
+            kind = type(rule).__name__
+            if kind in ("WeightRenaming", "PrefixChange"):
+                self.renamings.append(rule)
+            elif kind == "WeightConverter" and _streamable(rule):
+                self.converters.append(rule)
+            else:
+                operations = ", ".join(repr(op) for op in getattr(rule, "operations", ()))
+                raise CheckpointError(
+                    f"transformers converts '{model_type}' folders on load with {kind}"
+                    f"({rule.source_patterns} -> {rule.target_patterns}"
+                    f"{', ' + operations if operations else ''}), which freetx does not "
+                    "read as it streams a folder (it reads renamings and experts stacked "
+                    "per expert, with their gate and up projections joined). No native "
+                    f"freetx layout reads '{model_type}' yet: see docs/models.md for the "
+                    "model types freetx trains."
+                )
+
+    def place(self, stored: str) -> tuple[str, int | tuple[int, int] | None]:
+        """The model's name of a stored tensor, and its place there: None (the whole
+        tensor), row e of a stacked one, or (e, p): part p of row e (`HFLayout.stack_index`)."""
+        name = stored
+        for rule in self.renamings:
+            name, _ = rule.rename_source_key(name)
+        for rule in self.converters:
+            fused, pattern = rule.rename_source_key(name)
+            if pattern is not None:
+                row = int(re.search(_row_pattern(pattern), name).group(1))
+                part = rule.source_patterns.index(pattern)
+                return fused, (row if len(rule.source_patterns) == 1 else (row, part))
+        return name, None
+
+    def stored_names(self, name: str, rows: int) -> list[str]:
+        """The stored names of model tensor `name` (`rows`: its first dimension), row by
+        row and each row's parts in order."""
+        for rule in self.converters:
+            renamed, pattern = rule.reverse_transform().rename_source_key(name)
+            if pattern is not None:
+                before, _, after = renamed.partition(rule.source_patterns[0])
+                names = [
+                    before + source.replace("*", str(row)) + after
+                    for row in range(rows)
+                    for source in rule.source_patterns
+                ]
+                return [self._renamed_back(n) for n in names]
+        return [self._renamed_back(name)]
+
+    def _renamed_back(self, name: str) -> str:
+        for rule in reversed(self.renamings):
+            if type(rule).__name__ != "PrefixChange":
+                name, _ = rule.reverse_transform().rename_source_key(name)
+        return name
+
+
+def _streamable(rule) -> bool:
+    """A converter that stacks experts (`MergeModulelist(0)`; with several sources, each
+    expert's joined along its rows: `Concatenate(1)`), its patterns plain names with one
+    `*` (the expert's number)."""
+    kinds = [(type(op).__name__, getattr(op, "dim", None)) for op in rule.operations]
+    sources = rule.source_patterns
+    plain = all(p.count("*") == 1 and re.fullmatch(r"[\w.*]+", p) for p in sources) and all(
+        re.fullmatch(r"[\w.]+", p) for p in rule.target_patterns
+    )
+    if len(sources) == 1:
+        return plain and kinds == [("MergeModulelist", 0)]
+    return plain and kinds == [("MergeModulelist", 0), ("Concatenate", 1)]
+
+
+def _row_pattern(source_pattern: str) -> str:
+    return re.escape(source_pattern).replace(r"\*", r"(\d+)")
+
+
+# each model type's rules, read once (they depend on its classes, not on its sizes)
+_CONVERSIONS: dict[str, ConvertedNames] = {}
+
+
+def converted_names(hf: nn.Module, model_type: str) -> ConvertedNames:
+    """The conversion rules of transformers model `hf` (built on any device), or an error
+    naming one freetx does not read."""
+    if model_type not in _CONVERSIONS:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+
+        rules = get_model_conversion_mapping(hf, add_legacy=False)
+        _CONVERSIONS[model_type] = ConvertedNames(rules, model_type)
+    return _CONVERSIONS[model_type]
 
 
 class HFGenericLayout:
-    """The generic model's HF layout: the folder's own tensor names, and config.json
+    """The generic model's HF layout: the folder's tensor names as transformers stores
+    them (`ConvertedNames`: its conversion rules, where the type has any), and config.json
     written back from the recorded dict. It reads every model_type transformers builds
-    as a causal LM (`freetx.models.hf.LAYOUTS` asks the native layouts first)."""
+    as a causal LM (`freetx.models.hf.LAYOUTS` asks the native layouts first); bound to
+    one (`for_config`), it names that type's stored tensors."""
 
     model_class = "freetx.models.hf_generic.HFGenericModel"
+
+    def __init__(self, names: ConvertedNames | None = None) -> None:
+        self.names = names
+
+    def for_config(self, hf: dict[str, Any]) -> HFGenericLayout:
+        """This layout for a config.json's model type (its rules read on the meta device)."""
+        if hf["model_type"] not in _CONVERSIONS:
+            with torch.device("meta"):
+                build_hf(hf)
+        return HFGenericLayout(_CONVERSIONS[hf["model_type"]])
 
     @property
     def model_types(self) -> tuple[str, ...]:
         return transformers_causal_lm_types()
 
     def to_hf_name(self, name: str) -> str:
-        return name
+        return name if self.names is None else self.names.stored_names(name, 1)[0]
 
     def from_hf_name(self, name: str) -> str | None:
-        return None if name.endswith(_NOT_WEIGHTS) else name
+        if name.endswith(_NOT_WEIGHTS):
+            return None
+        return name if self.names is None else self.names.place(name)[0]
 
     def to_hf_names(self, name: str, rows: int, model_config: dict[str, Any]) -> list[str]:
-        return [name]  # one folder tensor per parameter: nothing is stacked
+        return self.for_config(model_config["hf_config"]).names.stored_names(name, rows)
 
-    def stack_index(self, name: str) -> int | None:
-        return None
+    def stack_index(self, name: str) -> int | tuple[int, int] | None:
+        return None if self.names is None else self.names.place(name)[1]
 
     def to_hf_config(self, model_config: dict[str, Any], dtype: str) -> dict[str, Any]:
         return {**model_config["hf_config"], "dtype": dtype}
@@ -238,6 +344,54 @@ def cache_argument(hf: nn.Module) -> str | None:
     (transformers >= 5.2x), `past_key_values` (before), or None (a recurrent state)."""
     parameters = inspect.signature(hf.forward).parameters
     return next((name for name in ("cache", "past_key_values") if name in parameters), None)
+
+
+@lru_cache(maxsize=16)
+def _cache_problem(hf_json: str) -> str | None:
+    hf_config = json.loads(hf_json)
+    transformers = require_transformers()
+    from transformers.cache_utils import CacheLayerMixin
+
+    with torch.device("meta"):
+        hf = build_hf(hf_config)
+    name, argument = type(hf).__name__, cache_argument(hf)
+    if argument is None:
+        return (
+            f"transformers' {name} takes no KV cache freetx can pass (it keeps a state of its "
+            "own). Generate with a full forward per token: kv_cache=false."
+        )
+    config = hf.config.get_text_config(decoder=True)
+    cache = transformers.DynamicCache(config=config)
+    if any(isinstance(layer, CacheLayerMixin) for layer in cache.layers):
+        return None  # an attention layer keeps the cached length
+    try:  # every layer recurrent: does the forward ask the cache for its length?
+        with torch.device("meta"):
+            hf(input_ids=torch.zeros(1, 1, dtype=torch.long), use_cache=True, **{argument: cache})
+    except ValueError as e:
+        if "get_seq_length" not in str(e):
+            return None
+        kinds = sorted(set(getattr(config, "layer_types", None) or ["linear_attention"]))
+        return (
+            f"transformers' {name} cannot generate from its cache: every layer of this "
+            f"'{hf_config['model_type']}' model is {' or '.join(kinds)} (no attention layer), "
+            "and its forward reads the cached length from an attention layer, so a cached "
+            "step would fail. Generate with a full forward per token: kv_cache=false (or "
+            "give config.json's layer_types a full_attention layer)."
+        )
+    except Exception:  # noqa: BLE001 - the meta device cannot run it all (routing): no verdict
+        return None
+    return None
+
+
+def cache_problem(hf_config: dict[str, Any]) -> str | None:
+    """Why transformers' own cache (`new_cache`) cannot serve the generation of a generic
+    model of config.json `hf_config`, as a one-paragraph refusal with the fix, or None.
+    Asked of the model built on the meta device (no weight read): a model that keeps a
+    state of its own (no cache argument), or one whose every layer is linear attention or
+    state-space (no attention layer) while its forward reads the cached length from an
+    attention layer (Qwen3.5 with no full_attention layer; Mamba, which never asks, is
+    served)."""
+    return _cache_problem(json.dumps(hf_config, sort_keys=True))
 
 
 def takes_positions(hf: nn.Module) -> bool:
@@ -302,14 +456,12 @@ class HFGenericModel(nn.Module):
         return name if kind == "sdpa" else f"{name} ({kind} attention)"
 
     def new_cache(self, left_padding: torch.Tensor, max_len: int) -> HFCache:
-        """transformers' DynamicCache for len(left_padding) rows (`DecodesIncrementally`)."""
+        """transformers' DynamicCache for len(left_padding) rows (`DecodesIncrementally`),
+        or the refusal of `cache_problem`."""
         transformers = require_transformers()
-        if cache_argument(self.hf) is None:
-            raise ConfigError(
-                f"transformers' {type(self.hf).__name__} takes no KV cache freetx can pass "
-                "(it keeps a state of its own). Generate with a full forward per token: "
-                "kv_cache=false."
-            )
+        problem = cache_problem(self.config.hf_config)
+        if problem is not None:
+            raise ConfigError(problem)
         config = self.hf.config.get_text_config(decoder=True)
         return HFCache(transformers.DynamicCache(config=config), max_len, left_padding)
 
@@ -333,15 +485,18 @@ class HFGenericModel(nn.Module):
             logits = self.hf(input_ids=input_ids, use_cache=False).logits
             return logits if output_loss is None else output_loss(logits, self.output_layer())
         new = input_ids.shape[1]
-        inputs = {cache_argument(self.hf): cache.hf}
-        if takes_positions(self.hf):
-            inputs["position_ids"] = cache.positions(new)
-        logits = self.hf(
-            input_ids=input_ids,
+        positions = {"position_ids": cache.positions(new)} if takes_positions(self.hf) else {}
+        # the step's inputs as transformers' `generate` makes them: each model's own rules
+        # (Mamba reads the mask on the prompt alone; a mask on later steps changes its state)
+        inputs = self.hf.prepare_inputs_for_generation(
+            input_ids,
             attention_mask=cache.attention_mask(cache.length + new),
             use_cache=True,
-            **inputs,
-        ).logits
+            is_first_iteration=cache.length == 0,
+            **{cache_argument(self.hf): cache.hf},
+            **positions,
+        )
+        logits = self.hf(**inputs).logits
         cache.advance(input_ids)
         return logits
 
