@@ -1,0 +1,148 @@
+"""MoE folders whose experts transformers converts on load (stored one tensor per expert,
+held stacked: DeepSeek-V3, Qwen2-MoE, GLM-4.5, OLMoE), read through the generic path by
+transformers' own conversion rules (`freetx.models.hf_generic.ConvertedNames`): tiny
+sharded folders transformers wrote give its logits through `load_model`, HF -> DCP -> HF
+gives every stored tensor back bit for bit under its own name, a rank reads only its
+rows of the experts, DeepSeek-V3's stored router bias (a buffer) is read, a rule freetx
+does not stream is refused by name before a weight is read, and a 2-process fsdp
+fine-tune through the CLI resumes exactly and exports under the folder's names."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tests.conftest import one_paragraph, run_freetx_here
+from tests.hf_folders import CONVERTED_MOE_FAMILIES, hf_logits, make_folder
+
+transformers = pytest.importorskip("transformers")
+
+FAMILIES = list(CONVERTED_MOE_FAMILIES)
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("moe_folders")
+    return {family: make_folder(root / family, family) for family in FAMILIES}
+
+
+def ids(seed=1):
+    return torch.randint(3, 384, (2, 24), generator=torch.Generator().manual_seed(seed))
+
+
+def stored(folder):
+    """Every tensor of an HF folder's safetensors files, by its stored name."""
+    from safetensors.torch import load_file
+
+    tensors = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        tensors.update(load_file(file))
+    return tensors
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_each_converted_moe_folder_gives_transformers_logits(folders, family):
+    from freetx.checkpoint import load_model
+
+    folder = folders[family]
+    assert len(list(folder.glob("*.safetensors"))) > 1  # sharded: experts span files
+    model = load_model(folder, "cpu")
+    assert model.describe() == f"generic transformers path for {family}"
+    with torch.no_grad():
+        assert (model(ids()) - hf_logits(folder, ids())).abs().max() <= 1e-4
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_hf_to_dcp_to_hf_gives_each_stored_tensor_back_bit_for_bit(tmp_path, folders, family):
+    from freetx.checkpoint import convert
+
+    folder = folders[family]
+    convert(folder, tmp_path / "dcp", to="dcp")
+    convert(tmp_path / "dcp", tmp_path / "hf", to="hf", max_shard_size="40KB")
+    before, after = stored(folder), stored(tmp_path / "hf")
+    assert set(after) == set(before)  # the per-expert names, not the fused ones
+    assert any(".experts.3." in name for name in before)
+    for name, tensor in before.items():
+        assert after[name].dtype == tensor.dtype and torch.equal(after[name], tensor), name
+
+
+def test_a_rank_reads_only_its_rows_of_the_fused_experts(folders):
+    """FSDP2 shards dim 0 (the experts): rows 1..2 of gate_up_proj are read as experts 1
+    and 2's gate and up projections joined, equal to transformers' parameter."""
+    from freetx.checkpoint.formats import open_tensors
+
+    folder = folders["qwen2_moe"]
+    source = open_tensors(folder)
+    name = "model.model.layers.1.mlp.experts.gate_up_proj"
+    full = source.get(name)
+    rows = torch.empty(2, *full.shape[1:])
+    source.read_into(name, slice(1, 3), rows)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder)
+    assert torch.equal(full, hf.model.layers[1].mlp.experts.gate_up_proj.detach())
+    assert torch.equal(rows, full[1:3])
+    gate, up = (
+        stored(folder)[f"model.layers.1.mlp.experts.2.{p}_proj.weight"] for p in ("gate", "up")
+    )
+    assert torch.equal(rows[1], torch.cat([gate, up]))
+
+
+def test_the_stored_router_bias_of_deepseek_v3_is_read(folders):
+    """e_score_correction_bias is a buffer the folder stores: loaded, not recomputed."""
+    from freetx.checkpoint import load_model
+
+    folder = folders["deepseek_v3"]
+    bias = stored(folder)["model.layers.1.mlp.gate.e_score_correction_bias"]
+    model = load_model(folder, "cpu")
+    held = model.get_buffer("model.layers.1.mlp.gate.e_score_correction_bias")
+    assert bias.abs().max() > 0.1 and torch.equal(held, bias)
+    with torch.no_grad():
+        read = model(ids())
+        held.zero_()  # the bias chooses experts: without it the logits differ
+        assert (model(ids()) - read).abs().max() > 1e-3
+
+
+def test_a_conversion_rule_freetx_does_not_stream_is_refused_by_name_before_any_weight_is_read(
+    tmp_path,
+):
+    """HRM's rule splits a stored tensor (Chunk): refused naming it, with the weights file
+    never opened (it is not even safetensors)."""
+    folder = tmp_path / "hrm"
+    folder.mkdir()
+    config = transformers.AutoConfig.for_model("hrm_text").to_dict()
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "model.safetensors").write_bytes(b"not read")
+    result = run_freetx_here("checkpoint", "convert", str(folder), str(tmp_path / "dcp"),
+                             "--to", "dcp")  # fmt: skip
+    message = one_paragraph(result)
+    assert "transformers converts 'hrm_text' folders on load with WeightConverter" in message
+    assert "Chunk(dim=0)" in message and "No native freetx layout reads 'hrm_text'" in message
+    assert not (tmp_path / "dcp").exists()
+
+
+@pytest.mark.slow  # three 2-process runs and an export, ~60 s on 2 CPU cores
+def test_a_deepseek_v3_folder_finetunes_on_2_processes_resumes_exactly_and_exports(tmp_path):
+    from tests.recipes.test_checkpoint_resume import COMMON, losses
+    from tests.recipes.test_hf_finetune import tensor_names, tiny_folder
+    from tests.recipes.test_hf_generic_finetune import finetune
+
+    folder = tiny_folder(tmp_path / "folder", "deepseek_v3")
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    result = finetune(folder, straight, "max_steps=4", "checkpoint.every_n_steps=2", *COMMON)
+    assert "| model: generic transformers path for deepseek_v3 |" in result.stdout
+    finetune(folder, resumed, "max_steps=2", "checkpoint.every_n_steps=2", *COMMON)
+    result = finetune(folder, resumed, "max_steps=4", "checkpoint.every_n_steps=2", *COMMON)
+    assert "resumed from" in result.stdout and "(step 2," in result.stdout
+    a, b = losses(straight), losses(resumed)
+    assert sorted(b) == [1, 2, 3, 4] and all(a[step] == b[step] for step in (3, 4)), (a, b)
+    out = tmp_path / "exported"
+    checkpoint = resumed / "checkpoints" / "step_000004"
+    from freetx.checkpoint import convert, load_model
+
+    convert(checkpoint, out, to="hf")
+    assert tensor_names(out) == tensor_names(folder)  # per-expert names, the router bias
+    with torch.no_grad():
+        trained = hf_logits(out, ids())
+        assert (trained - load_model(checkpoint, "cpu")(ids())).abs().max() <= 1e-4
+        assert (trained - hf_logits(folder, ids())).abs().max() > 1e-3  # the 4 steps trained
