@@ -225,6 +225,8 @@ class SafetensorsFile:
         shape = info.shape
         row_bytes = info.nbytes // shape[0] if shape and shape[0] else info.nbytes
         start, stop = (0, shape[0] if shape else 1) if rows is None else rows.indices(shape[0])[:2]
+        if out.numel() == 0:  # a shard of no rows (a [1, H] gate's on the second rank)
+            return
         target = out.reshape(max(stop - start, 0), -1) if shape else out.reshape(1, -1)
         direct = out.dtype == info.dtype and out.is_contiguous() and out.device.type == "cpu"
         step = max(1, READ_CHUNK // max(row_bytes, 1))

@@ -21,9 +21,11 @@ names back; a rule freetx does not stream is refused by name before a weight is 
 `transformers` is an optional extra (`pip install 'freetx[hf]'`).
 
 Generation keeps transformers' own KV cache (`DynamicCache` for the model's config, as
-transformers' `generate` makes it: sliding layers keep their window) behind freetx's
-`DecodesIncrementally` (`HFCache`), with the attention mask and positions transformers'
-`generate` gives left-padded rows.
+transformers' `generate` makes it: sliding layers keep their window, linear-attention,
+convolution and state-space layers their state) behind freetx's `DecodesIncrementally`
+(`HFCache`), each step's inputs made by the model's own `prepare_inputs_for_generation`
+with the attention mask and positions transformers' `generate` gives left-padded rows. A
+model that cannot generate from that cache is refused it by name (`cache_problem`).
 """
 
 from __future__ import annotations
@@ -179,6 +181,13 @@ class ConvertedNames:
                     f"freetx layout reads '{model_type}' yet: see docs/models.md for the "
                     "model types freetx trains."
                 )
+        # an export's: the converters reversed, then the renamings (PrefixChange left out)
+        self.back = [(rule, rule.reverse_transform()) for rule in self.converters]
+        self.renamed_back = [
+            rule.reverse_transform()
+            for rule in reversed(self.renamings)
+            if type(rule).__name__ != "PrefixChange"
+        ]
 
     def place(self, stored: str) -> tuple[str, int | tuple[int, int] | None]:
         """The model's name of a stored tensor, and its place there: None (the whole
@@ -197,8 +206,8 @@ class ConvertedNames:
     def stored_names(self, name: str, rows: int) -> list[str]:
         """The stored names of model tensor `name` (`rows`: its first dimension), row by
         row and each row's parts in order."""
-        for rule in self.converters:
-            renamed, pattern = rule.reverse_transform().rename_source_key(name)
+        for rule, reverse in self.back:
+            renamed, pattern = reverse.rename_source_key(name)
             if pattern is not None:
                 before, _, after = renamed.partition(rule.source_patterns[0])
                 names = [
@@ -210,9 +219,8 @@ class ConvertedNames:
         return [self._renamed_back(name)]
 
     def _renamed_back(self, name: str) -> str:
-        for rule in reversed(self.renamings):
-            if type(rule).__name__ != "PrefixChange":
-                name, _ = rule.reverse_transform().rename_source_key(name)
+        for rule in self.renamed_back:
+            name, _ = rule.rename_source_key(name)
         return name
 
 

@@ -88,6 +88,16 @@ def test_a_rank_reads_only_its_rows_of_the_fused_experts(folders):
     assert torch.equal(rows[1], torch.cat([gate, up]))
 
 
+def test_a_shard_of_no_rows_reads_nothing(folders):
+    """Qwen2-MoE's shared_expert_gate is [1, H]: FSDP2 on 2 ranks gives the second none."""
+    from freetx.checkpoint.formats import open_tensors
+
+    source = open_tensors(folders["qwen2_moe"])
+    name = "model.model.layers.0.mlp.shared_expert_gate.weight"
+    assert source.infos[name].shape == (1, 64)
+    source.read_into(name, slice(1, 1), torch.empty(0, 64))
+
+
 def test_the_stored_router_bias_of_deepseek_v3_is_read(folders):
     """e_score_correction_bias is a buffer the folder stores: loaded, not recomputed."""
     from freetx.checkpoint import load_model
