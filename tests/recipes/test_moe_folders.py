@@ -88,6 +88,25 @@ def test_a_rank_reads_only_its_rows_of_the_fused_experts(folders):
     assert torch.equal(rows[1], torch.cat([gate, up]))
 
 
+def test_a_folder_missing_one_experts_up_projection_is_refused_naming_it(tmp_path, folders):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from freetx.checkpoint.formats import open_tensors
+    from freetx.errors import CheckpointError
+
+    folder = shutil.copytree(folders["qwen2_moe"], tmp_path / "damaged")
+    missing = "model.layers.1.mlp.experts.2.up_proj.weight"
+    for file in folder.glob("*.safetensors"):
+        tensors = load_file(file)
+        if missing in tensors:
+            save_file({k: v for k, v in tensors.items() if k != missing}, file)
+    with pytest.raises(CheckpointError, match=r"lacks slices \[1\] of model\.layers\.1\.mlp"
+                       r"\.experts\.gate_up_proj \(slice 2's parts\)"):  # fmt: skip
+        open_tensors(folder)
+
+
 def test_a_shard_of_no_rows_reads_nothing(folders):
     """Qwen2-MoE's shared_expert_gate is [1, H]: FSDP2 on 2 ranks gives the second none."""
     from freetx.checkpoint.formats import open_tensors
