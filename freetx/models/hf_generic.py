@@ -120,7 +120,7 @@ def build_hf(hf_config: dict[str, Any]) -> nn.Module:
     hf = transformers.AutoModelForCausalLM.from_config(  # in torch's default dtype, as every
         config, attn_implementation=attention(config), dtype=torch.get_default_dtype()
     )  # freetx model (not config.json's: mixed precision is the run's choice)
-    converted_names(hf, hf_config["model_type"])  # refuses a rule freetx does not read
+    converted_names(hf, hf_config)  # refuses a rule freetx does not read
     if next(hf.parameters(recurse=False), None) is not None:
         raise CheckpointError(
             f"{type(hf).__name__} holds parameters outside its submodules, which the "
@@ -159,10 +159,12 @@ class ConvertedNames:
     tensors make one expert's row: its gate and up projections) gives the stored tensor's
     place: (row e, part p) of the fused tensor. Any other rule is refused by name, before
     a weight is read. An export writes the stored names back: the converters reversed,
-    then the renamings, a `PrefixChange` left out (as transformers' `save_pretrained` does
-    for a model it did not load: a text model's folder has no `language_model.` prefix)."""
+    then the renamings; a `PrefixChange` (a multimodal folder's `model.language_model.`)
+    only for a multimodal config (`multimodal`: its text model's tensors carry the prefix
+    there, as transformers' `save_pretrained` writes them back after loading such a
+    folder; a text model's folder never had it)."""
 
-    def __init__(self, rules: list, model_type: str) -> None:
+    def __init__(self, rules: list, model_type: str, multimodal: bool = False) -> None:
         self.renamings, self.converters = [], []
         for rule in rules:
             kind = type(rule).__name__
@@ -186,7 +188,7 @@ class ConvertedNames:
         self.renamed_back = [
             rule.reverse_transform()
             for rule in reversed(self.renamings)
-            if type(rule).__name__ != "PrefixChange"
+            if multimodal or type(rule).__name__ != "PrefixChange"
         ]
 
     def place(self, stored: str) -> tuple[str, int | tuple[int, int] | None]:
@@ -246,14 +248,16 @@ def _row_pattern(source_pattern: str) -> str:
 _CONVERSIONS: dict[str, ConvertedNames] = {}
 
 
-def converted_names(hf: nn.Module, model_type: str) -> ConvertedNames:
-    """The conversion rules of transformers model `hf` (built on any device), or an error
-    naming one freetx does not read."""
+def converted_names(hf: nn.Module, hf_config: dict[str, Any]) -> ConvertedNames:
+    """The conversion rules of transformers model `hf` (built on any device) of config.json
+    `hf_config`, or an error naming one freetx does not read."""
+    model_type = hf_config["model_type"]
     if model_type not in _CONVERSIONS:
         from transformers.conversion_mapping import get_model_conversion_mapping
 
         rules = get_model_conversion_mapping(hf, add_legacy=False)
-        _CONVERSIONS[model_type] = ConvertedNames(rules, model_type)
+        multimodal = "text_config" in hf_config
+        _CONVERSIONS[model_type] = ConvertedNames(rules, model_type, multimodal)
     return _CONVERSIONS[model_type]
 
 
@@ -266,15 +270,16 @@ class HFGenericLayout:
 
     model_class = "freetx.models.hf_generic.HFGenericModel"
 
-    def __init__(self, names: ConvertedNames | None = None) -> None:
+    def __init__(
+        self, names: ConvertedNames | None = None, keys: frozenset[str] | None = None
+    ) -> None:
         self.names = names
+        self.keys = keys  # the model's tensors (bound): a stored tensor of none is skipped
 
     def for_config(self, hf: dict[str, Any]) -> HFGenericLayout:
-        """This layout for a config.json's model type (its rules read on the meta device)."""
-        if hf["model_type"] not in _CONVERSIONS:
-            with torch.device("meta"):
-                build_hf(hf)
-        return HFGenericLayout(_CONVERSIONS[hf["model_type"]])
+        """This layout for a config.json: its model type's rules and its model's tensors
+        (read on the meta device, once per config)."""
+        return _bound_layout(json.dumps(hf, sort_keys=True))
 
     @property
     def model_types(self) -> tuple[str, ...]:
@@ -284,9 +289,12 @@ class HFGenericLayout:
         return name if self.names is None else self.names.stored_names(name, 1)[0]
 
     def from_hf_name(self, name: str) -> str | None:
+        """The model's name of a stored tensor; None for one that is no tensor of the model
+        (a multimodal folder's vision tower, which transformers' causal LM leaves too)."""
         if name.endswith(_NOT_WEIGHTS):
             return None
-        return name if self.names is None else self.names.place(name)[0]
+        name = name if self.names is None else self.names.place(name)[0]
+        return None if self.keys is not None and name not in self.keys else name
 
     def to_hf_names(self, name: str, rows: int, model_config: dict[str, Any]) -> list[str]:
         return self.for_config(model_config["hf_config"]).names.stored_names(name, rows)
@@ -306,6 +314,14 @@ class HFGenericLayout:
 
 
 GENERIC_LAYOUT = HFGenericLayout()
+
+
+@lru_cache(maxsize=16)
+def _bound_layout(hf_json: str) -> HFGenericLayout:
+    hf_config = json.loads(hf_json)
+    with torch.device("meta"):
+        keys = frozenset(build_hf(hf_config).state_dict())
+    return HFGenericLayout(_CONVERSIONS[hf_config["model_type"]], keys)
 
 
 def _is_norm(module: nn.Module) -> bool:

@@ -110,6 +110,40 @@ def test_hf_to_dcp_to_hf_gives_a_qwen3_5_folder_back_bit_for_bit(tmp_path, folde
     assert all(torch.equal(after[k], v) and after[k].dtype == v.dtype for k, v in before.items())
 
 
+def test_a_multimodal_qwen3_5_folder_gives_its_text_models_logits_and_back_bit_for_bit(tmp_path):
+    """Qwen3.5's releases are `qwen3_5` folders written by Qwen3_5ForConditionalGeneration:
+    the text model under `model.language_model.` (transformers' PrefixChange), a vision
+    tower beside it. transformers' causal LM reads the text model and leaves the tower; so
+    does freetx (a note names it), and an export writes the text model's tensors back
+    under their prefixed names."""
+    from safetensors.torch import load_file
+
+    from freetx.checkpoint import convert, load_model
+    from freetx.checkpoint.formats import open_tensors, skipped_note
+    from tests.hf_folders import QWEN3_5, SHAPE
+
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
+                  out_hidden_size=64, patch_size=14, spatial_merge_size=2)  # fmt: skip
+    config = transformers.AutoConfig.for_model(
+        "qwen3_5", text_config=dict(SHAPE, **QWEN3_5), vision_config=vision
+    )
+    torch.manual_seed(0)
+    transformers.Qwen3_5ForConditionalGeneration(config).save_pretrained(tmp_path / "mm")
+    model = load_model(tmp_path / "mm", "cpu")
+    with torch.no_grad():
+        assert (model(ids()) - hf_logits(tmp_path / "mm", ids())).abs().max() <= 1e-4
+    assert "model.* (" in skipped_note(open_tensors(tmp_path / "mm"))[0]  # the vision tower
+    convert(tmp_path / "mm", tmp_path / "dcp", to="dcp")
+    convert(tmp_path / "dcp", tmp_path / "hf", to="hf")
+    before, after = (
+        load_file(tmp_path / "mm" / "model.safetensors"),
+        load_file(tmp_path / "hf" / "model.safetensors"),
+    )
+    text = {k: v for k, v in before.items() if not k.startswith("model.visual.")}
+    assert set(after) == set(text) and any(k.startswith("model.language_model.") for k in text)
+    assert all(torch.equal(after[k], v) and after[k].dtype == v.dtype for k, v in text.items())
+
+
 def test_a_model_with_no_attention_layer_is_refused_a_kv_cache_by_name_before_any_weight_is_read(
     tmp_path,
 ):
