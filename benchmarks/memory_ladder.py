@@ -7,7 +7,7 @@ samples padded, AdamW in fp32), + activation checkpointing (full), + chunked los
 chunks), + packing, + 8-bit AdamW (torchao), + optimizer in backward (no clipping), +
 optimizer offload (instead of in backward: they do not combine), + all (offload and
 activation offloading on top). Data: the built-in instruct tasks (documents of varied
-length, so that packing has padding to remove), seq 128, 8 sequences a step, fp32, 2
+length, so that packing has padding to remove), seq 256, 8 sequences a step, fp32, 2
 processes under fsdp.
 
 Columns: the peak memory of the fullest rank (its max RSS: on the CPU the "device" and the
@@ -21,7 +21,7 @@ trained for `--format-steps` steps on one process with AdamW's states in fp32, b
 (`optimizer.state_dtype`), torchao's 8-bit, 4-bit and float8 AdamW: the validation loss
 at the end, and its difference to fp32's.
 
-    OMP_NUM_THREADS=1 python benchmarks/memory_ladder.py [--steps 6] [--format-steps 300]
+    OMP_NUM_THREADS=1 python benchmarks/memory_ladder.py [--steps 5] [--format-steps 300]
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from benchmarks.common import REPO, table  # noqa: E402
 GIB = 2**30
 COMMON = [
     "dataset._component_=freetx.data.InstructDataset", "dataset.source=builtin",
-    "dataset.seq_len=128", "dataset.num_builtin_examples=2000", "batch_size=8",
+    "dataset.seq_len=256", "dataset.num_builtin_examples=2000", "batch_size=8",
     "distributed.mixed_precision.param_dtype=float32", "model.dropout=0.0",
     "log_every_n_steps=1", "eval.max_batches=1", "checkpoint.save_final=false",
     "metric_loggers=[{_component_: freetx.loggers.JSONLLogger}]",
@@ -145,7 +145,7 @@ def format_losses(steps: int, tmp: Path) -> list[list[str]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--format-steps", type=int, default=300)
     args = parser.parse_args()
@@ -165,7 +165,7 @@ def main() -> None:
                 f"{figures['tokens_per_s']:,.0f} ({figures['tokens_per_s'] / base['tokens_per_s']:.2f}x)",
             ])  # fmt: skip
             print(f"{name}: done", file=sys.stderr, flush=True)
-    print(f"llm/small (52M), fsdp on {args.nproc} CPU processes, fp32, seq 128, 8 sequences a "
+    print(f"llm/small (52M), fsdp on {args.nproc} CPU processes, fp32, seq 256, 8 sequences a "
           f"step, {args.steps} steps a row")  # fmt: skip
     print(table(rows, ["rung (cumulative)", "max RSS GiB/rank", "estimate GiB/rank",
                        "estimate host GiB", "step s", "real tokens/s"]))  # fmt: skip

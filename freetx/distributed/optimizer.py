@@ -192,6 +192,8 @@ def build_optimizer(
     options = OptimizerOptions.of(node)
     extra = {"fused": True} if fused else {}
     params = [p for p in model.parameters() if p.requires_grad]
+    if str(node.get(COMPONENT, "")).startswith(_LOW_BIT):
+        avoid_shared_compile_cache(params)
     make = functools.partial(instantiate_except, node, OPTIMIZER_KEYS, **extra)
     if zero is not None:
         kwargs = {k: v for k, v in node.items() if k not in (COMPONENT, *OPTIMIZER_KEYS)}
@@ -202,6 +204,19 @@ def build_optimizer(
     if options.offload == "cpu":
         return OffloadedOptimizer(params, make, names, options, copy_in_backward=not replicated)
     return PerParameterOptimizer(params, make, names, options)
+
+
+def avoid_shared_compile_cache(params: list[torch.Tensor]) -> None:
+    """torchao's low-bit optimizers compile their step per parameter shape. For FSDP2's
+    DTensor shards torch 2.13's AOTAutograd cache keys a compiled step by the global shape
+    only (pytorch#188390), so a rank whose shard is uneven (259 rows over 2 ranks: 130 and
+    129) loads another rank's compiled step from a warm cache and fails ("expected size
+    130==129"): a second run, or a resume, of the same config. That cache is turned off for
+    such a run (Inductor's own cache, keyed by the local shapes, stays on)."""
+    if any(isinstance(p, DTensor) for p in params):
+        import torch._functorch.config as functorch_config
+
+        functorch_config.enable_autograd_cache = False
 
 
 def zero_target(node, options: OptimizerOptions, names, make) -> Callable:

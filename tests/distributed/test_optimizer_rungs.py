@@ -67,4 +67,8 @@ def test_a_checkpoint_resumes_with_the_rung_switched(results, switch):
 def test_torchao_low_bit_adamw_is_sharded_and_resumes_exactly(results, name):
     for rank in results:
         assert rank[f"low_bit/{name}/resume/loss"] == 0.0
-        assert rank[f"low_bit/{name}/offload_resume/loss"] == 0.0
+
+
+def test_torchao_8bit_adamw_offloaded_resumes_exactly(results):
+    for rank in results:
+        assert rank["low_bit/AdamW8bit/offload_resume/loss"] == 0.0

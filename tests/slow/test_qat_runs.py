@@ -41,10 +41,10 @@ def train(output_dir, *overrides, recipe="full_finetune_fsdp2", config="llm/inst
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """3-step runs from the same seed: plain, and QAT (8da4w) from step 0."""
+    """3-step runs from the same seed: plain, and QAT (8da4w in groups of 64) from step 0."""
     root = tmp_path_factory.mktemp("qat")
     train(root / "plain", "max_steps=3")
-    result = train(root / "qat", "max_steps=3", f"qat.scheme={SCHEME}")
+    result = train(root / "qat", "max_steps=3", f"qat.scheme={SCHEME}", "qat.group_size=64")
     return root, result
 
 
@@ -63,23 +63,23 @@ def test_steps_before_start_step_are_the_plain_runs(runs, tmp_path):
     assert abs(late[3] - plain[3]) > 1e-5
 
 
-def test_a_resume_with_fake_quantization_on_is_exact(tmp_path):
-    qat = [f"qat.scheme={SCHEME}", "qat.start_step=1"]
-    train(tmp_path / "straight", "max_steps=4", *qat)
+def test_a_resume_with_fake_quantization_on_is_exact(runs, tmp_path):
+    root, _ = runs  # the straight run: the module's QAT run
+    qat = [f"qat.scheme={SCHEME}", "qat.group_size=64"]
     train(tmp_path / "resumed", "max_steps=2", *qat)
-    train(tmp_path / "resumed", "max_steps=4", *qat)
-    assert losses(tmp_path / "resumed") == losses(tmp_path / "straight")
+    train(tmp_path / "resumed", "max_steps=3", *qat)
+    assert losses(tmp_path / "resumed") == losses(root / "qat")
 
 
 def test_a_qat_run_exports_at_its_end_and_converts_to_what_transformers_loads(runs, tmp_path):
     from transformers import AutoModelForCausalLM
 
     root, result = runs
-    assert "quantized (int8_dynamic_act_int4_weight, groups of 32)" in result.stdout
+    assert "quantized (int8_dynamic_act_int4_weight, groups of 64)" in result.stdout
     converted = run_freetx("checkpoint", "convert", str(root / "qat"), str(tmp_path / "q"),
                            "--quantize", "8da4w")  # fmt: skip
     assert converted.returncode == 0, converted.stderr
-    expected = quantize_ptq(load_model(root / "qat", torch.device("cpu")), SCHEME, 32)
+    expected = quantize_ptq(load_model(root / "qat", torch.device("cpu")), SCHEME, 64)
     theirs = AutoModelForCausalLM.from_pretrained(tmp_path / "q").eval()
     with torch.no_grad():
         want = expected(IDS)
@@ -101,9 +101,9 @@ def test_a_plain_run_converts_as_ptq_with_the_given_group_size(runs, tmp_path):
         assert torch.allclose(got, expected(IDS), atol=1e-5, rtol=0)
 
 
-def test_the_group_size_defaults_to_the_qat_runs(tmp_path):
-    train(tmp_path / "run", "max_steps=1", f"qat.scheme={SCHEME}", "qat.group_size=64")
-    result = run_freetx("checkpoint", "convert", str(tmp_path / "run"), str(tmp_path / "q"),
+def test_the_group_size_defaults_to_the_qat_runs(runs, tmp_path):
+    root, _ = runs  # trained in groups of 64 (the default is 32)
+    result = run_freetx("checkpoint", "convert", str(root / "qat"), str(tmp_path / "q"),
                         "--quantize", SCHEME)  # fmt: skip
     assert result.returncode == 0 and "in groups of 64" in result.stdout, result.stderr
 
