@@ -20,7 +20,6 @@ function of the global step, so rank 0's sampler position is everyone's.
 from __future__ import annotations
 
 import io
-import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -37,7 +36,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.optim.lr_scheduler import LambdaLR
 
-from freetx.distributed.optimizer import StepsEachParameter
+from freetx.distributed.optimizer import StepsEachParameter, local_optimizer
 from freetx.distributed.parallelize import unwrap
 
 
@@ -61,14 +60,6 @@ class ModelState(Stateful):
         set_model_state_dict(self.model, state_dict, options=options)
 
 
-def _is_zero_redundancy(optimizer) -> bool:
-    """Whether this is ZeRO-1's optimizer; torch.distributed.optim is imported only by the
-    zero1 strategy (it scripts its optimizers on import, ~0.4 s), so if it is not loaded
-    the optimizer cannot be one."""
-    zero = sys.modules.get("torch.distributed.optim")
-    return zero is not None and isinstance(optimizer, zero.ZeroRedundancyOptimizer)
-
-
 class OptimizerState(Stateful):
     """The optimizer state keyed by parameter name (portable across strategies).
 
@@ -84,10 +75,10 @@ class OptimizerState(Stateful):
     def __init__(self, model: nn.Module, optimizer) -> None:
         self.model = model
         self.optimizer = optimizer
-        self.zero = _is_zero_redundancy(optimizer)
+        self.zero = local_optimizer(optimizer) is not optimizer  # ZeRO-1's: this rank's share
 
     def _local(self):
-        return self.optimizer.optim if self.zero else self.optimizer
+        return local_optimizer(self.optimizer)
 
     def _named(self) -> dict[str, Any]:
         """The local optimizer's state keyed by parameter name: torch's for an ordinary

@@ -34,7 +34,8 @@ under ddp and zero1 on more than one process (the gradient is ready before DDP's
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+import sys
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Optional
 
@@ -63,9 +64,9 @@ class OptimizerOptions:
     @classmethod
     def of(cls, node: Any) -> OptimizerOptions:
         """The options a node sets; a value no rung knows is refused with the ones it takes."""
-        if node is None or not hasattr(node, "get"):
+        if not isinstance(node, Mapping):
             return cls()
-        where = node_path(node) if hasattr(node, "_get_full_key") else "optimizer"
+        where = node_path(node, "optimizer")
         offload = node.get("offload", "none")
         offload = "none" if offload in (None, False) else offload
         if offload not in ("none", "cpu"):
@@ -104,8 +105,8 @@ def check_optimizer(
     """Every refusal of the `optimizer:` node's rungs, made with what `processes` knows: by
     `check_layout` (validate, run, launch, estimate) and by the run (`TrainingRun`)."""
     options = OptimizerOptions.of(node)
-    where = node_path(node) if hasattr(node, "_get_full_key") else "optimizer"
-    target = str(node.get(COMPONENT, "")) if hasattr(node, "get") else ""
+    where = node_path(node, "optimizer")
+    target = str(node.get(COMPONENT, "")) if isinstance(node, Mapping) else ""
     if options.state_dtype == "bfloat16" and target.startswith(_LOW_BIT):
         raise ConfigError(
             f"{where}.state_dtype=bfloat16 stores the states of {target} in bfloat16, and "
@@ -400,8 +401,9 @@ class StepsEachParameter(torch.optim.Optimizer):
         return None if self.norm is None else self.norm.total()
 
     def gradients(self) -> list[torch.Tensor]:
-        """The gradients the next step uses (what clipping scales)."""
-        raise NotImplementedError
+        """The gradients the next step uses (what clipping scales): those of what it steps
+        (the parameters, or their host copies)."""
+        return [t.grad for t in self.steps.params if t.grad is not None]
 
 
 class PerParameterOptimizer(StepsEachParameter):
@@ -433,9 +435,6 @@ class PerParameterOptimizer(StepsEachParameter):
             if p.grad is not None:
                 self.steps.step(i, self._hyperparameters(i))
         return None
-
-    def gradients(self) -> list[torch.Tensor]:
-        return [p.grad for p in self.steps.params if p.grad is not None]
 
 
 class OffloadedOptimizer(StepsEachParameter):
@@ -508,8 +507,7 @@ class OffloadedOptimizer(StepsEachParameter):
                 if p.grad is not None:
                     self._take_gradient(i, p.grad)
                     self.pending.append(i)
-        if self.stream is not None:
-            self.stream.synchronize()
+        self._copies_done()
         for i in self.pending:
             self.steps.step(i, self._hyperparameters(i))
             _local(self.device_params[i]).copy_(_local(self.hosts[i]), non_blocking=True)
@@ -523,12 +521,28 @@ class OffloadedOptimizer(StepsEachParameter):
             self.pending = []
 
     def gradients(self) -> list[torch.Tensor]:
-        return [self.hosts[i].grad for i in self.pending]
+        self._copies_done()  # clipping scales the host copies: their copies must be done
+        return super().gradients()
+
+    def _copies_done(self) -> None:
+        """Wait for the gradients' copies to the host (CUDA's side stream)."""
+        if self.stream is not None:
+            self.stream.synchronize()
+
+
+def local_optimizer(optimizer: Any) -> Any:
+    """The optimizer that steps this rank's parameters: ZeRO-1's local one (its share), or
+    `optimizer` itself. torch.distributed.optim is imported only by the zero1 strategy (it
+    scripts its optimizers on import, ~0.4 s): if it is not loaded, no optimizer is ZeRO-1's."""
+    zero = sys.modules.get("torch.distributed.optim")
+    if zero is not None and isinstance(optimizer, zero.ZeroRedundancyOptimizer):
+        return optimizer.optim
+    return optimizer
 
 
 def offloaded(optimizer: Any) -> OffloadedOptimizer | None:
     """The offloaded optimizer under `optimizer` (ZeRO-1's local one too), or None."""
-    local = getattr(optimizer, "optim", optimizer)
+    local = local_optimizer(optimizer)
     return local if isinstance(local, OffloadedOptimizer) else None
 
 

@@ -1,7 +1,7 @@
 """The optimizer's memory rungs through the CLI, as a user runs them (full_finetune_fsdp2,
-llm/tiny): on 2 processes `optimizer.offload=cpu` trains to the ordinary optimizer's
-losses, and a run saved with it resumes without it; on 1 process `optimizer.in_backward`
-does the same (no clipping: it cannot clip)."""
+llm/tiny): on 2 processes `optimizer.offload=cpu` (with activation offloading) trains to
+the ordinary optimizer's losses, and a run saved with it resumes without it; on 1
+process `optimizer.in_backward` does the same (no clipping: it cannot clip)."""
 
 from __future__ import annotations
 
@@ -19,8 +19,10 @@ def close(a: dict, b: dict, steps) -> float:
 
 def test_offload_on_two_processes_trains_and_resumes_as_the_ordinary_optimizer(tmp_path):
     train(tmp_path / "plain", "max_steps=6")
-    switched = tmp_path / "switched"
-    train(switched, "max_steps=3", "optimizer.offload=cpu")
+    switched = tmp_path / "switched"  # with activation offloading too (CPU: the same hooks)
+    train(
+        switched, "max_steps=3", "optimizer.offload=cpu", "distributed.activation_offloading=true"
+    )
     result = train(switched, "max_steps=6")  # the rung off on resume
     assert "(step 3," in result.stdout
     assert close(losses(switched), losses(tmp_path / "plain"), range(1, 7)) <= EXACT
