@@ -66,12 +66,16 @@ def test_grouped_mm_is_chosen_only_where_its_kernel_runs():
     assert not grouped_mm_fits("cuda", bf16, (8, 0), (64, 128))  # A100: the loop
     assert not grouped_mm_fits("cuda", fp32, (9, 0), (64, 128))
     assert not grouped_mm_fits("cuda", bf16, (9, 0), (64, 20))  # rows not 16-byte aligned
-    assert not grouped_mm_fits("cpu", bf16, None, (64, 128))
+    assert grouped_mm_fits("cpu", fp32, None, (64, 20))  # torch's CPU kernel: any size
+    assert grouped_mm_fits("cpu", bf16, None, (64, 128))
+    assert not grouped_mm_fits("cpu", torch.float64, None, (64, 128))
 
 
 def test_the_grouped_mm_path_computes_what_the_loop_does(monkeypatch):
-    """torch._grouped_mm has a CPU kernel too (torch 2.13): its call (weights transposed,
-    int32 offsets) is checked here, forward and backward, against the loop."""
+    """torch's grouped matmul has a CPU kernel (torch 2.10+), which the CPU runs: its call
+    (weights transposed, int32 offsets) is checked here, forward and backward, against the
+    loop: the same sums exactly, also with an expert no token chose and a gradient that
+    is a broadcast (the sum's: strides 0, which the kernel's backward refuses as such)."""
     import freetx.models.moe as moe
 
     torch.manual_seed(0)
@@ -83,12 +87,22 @@ def test_the_grouped_mm_path_computes_what_the_loop_does(monkeypatch):
     for grouped in (False, True):
         monkeypatch.setattr(moe, "_uses_grouped_mm", lambda _x, _w, g=grouped: g)
         layer.zero_grad()
-        out, _ = layer(x)
+        out, routing = layer(x)
         out.square().sum().backward()
         results.append((out, [p.grad.clone() for p in layer.parameters()]))
     (loop, loop_grads), (grouped, grouped_grads) = results
-    assert (loop - grouped).abs().max() < 1e-5
-    assert all((a - b).abs().max() < 1e-4 for a, b in zip(loop_grads, grouped_grads))
+    assert torch.equal(loop, grouped)
+    assert all(torch.equal(a, b) for a, b in zip(loop_grads, grouped_grads))
+    sums = []
+    for grouped in (False, True):
+        monkeypatch.setattr(moe, "_uses_grouped_mm", lambda _x, _w, g=grouped: g)
+        weight = torch.randn(4, 8, 16, generator=torch.Generator().manual_seed(0)).requires_grad_()
+        rows = torch.randn(6, 16, generator=torch.Generator().manual_seed(1)).requires_grad_()
+        out = moe.grouped_linear(rows, weight, [2, 0, 3, 1])  # expert 1: no rows
+        out.sum().backward()  # a broadcast gradient
+        sums.append((out, weight.grad, rows.grad))
+    assert all(torch.equal(a, b) for a, b in zip(*sums))
+    assert torch.equal(sums[1][1][1], torch.zeros(8, 16))
 
 
 def test_aux_loss_equals_transformers_load_balancing_loss_on_the_same_router_logits():

@@ -1,0 +1,228 @@
+"""Mixture-of-experts blocks, side by side in one run.
+
+`--section grouped-mm` (a CUDA GPU, sm90+): one Qwen3-30B-A3B-shaped MoE block (hidden
+2048, 128 experts of 768, 8 per token, bf16) over `--tokens` tokens, forward and backward,
+with the experts' matmuls as `torch._grouped_mm` (what freetx runs there) and as the
+loop over the experts (what it runs elsewhere): median step time over `--repeats`
+steps after 3 warm-ups (CUDA events), the allocator's peak, and how far the two outputs
+and the w1 gradients are apart (bf16 rounding of different summation orders).
+
+    python benchmarks/moe.py --section grouped-mm [--tokens 8192] [--repeats 20]
+
+`--section paths` (CPU): one folder transformers converts on load (Qwen3-MoE: experts
+stored one tensor per expert, held fused by transformers 5), trained as freetx's native
+decoder and through the generic transformers path (`freetx.models.hf_generic`), each in
+its own process on one thread: fp32 forward + backward of 4 x 256 tokens, the median step
+over `--repeats` after 2 warm-ups, the process's peak RSS, and the two paths' logits apart.
+
+    OMP_NUM_THREADS=1 python benchmarks/moe.py --section paths [--repeats 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from unittest import mock
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import table  # noqa: E402
+
+GIB = 2**30
+# Qwen3-30B-A3B's MoE block (config.json: hidden_size 2048, moe_intermediate_size 768,
+# num_experts 128, num_experts_per_tok 8, norm_topk_prob true)
+QWEN3_30B_A3B = dict(hidden_dim=2048, ffn_hidden_dim=768, num_experts=128, experts_per_token=8)
+
+
+def _block(shape: dict, device: str, dtype: torch.dtype, seed: int = 0):
+    from freetx.models.moe import MoEFeedForward
+
+    torch.manual_seed(seed)
+    block = MoEFeedForward(**shape, norm_topk_prob=True, expert_weights_fp32=False)
+    for p in block.parameters():
+        torch.nn.init.normal_(p, std=0.02)
+    return block.to(device=device, dtype=dtype)
+
+
+def _timed_steps(block, x, grad, repeats: int, device: str) -> tuple[float, float, tuple]:
+    """Median seconds of forward + backward, the peak allocated GiB, (output, w1.grad)."""
+    times = []
+    for i in range(3 + repeats):
+        block.zero_grad(set_to_none=True)
+        if device == "cuda":
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+        else:
+            t0 = time.perf_counter()
+        out, _ = block(x)
+        out.backward(grad)
+        if device == "cuda":
+            end.record()
+            torch.cuda.synchronize()
+            seconds = start.elapsed_time(end) / 1000
+        else:
+            seconds = time.perf_counter() - t0
+        if i >= 3:
+            times.append(seconds)
+    peak = torch.cuda.max_memory_allocated() / GIB if device == "cuda" else float("nan")
+    return statistics.median(times), peak, (out.detach().float(), block.experts.w1.grad.float())
+
+
+def grouped_mm(tokens: int, repeats: int, shape: dict) -> None:
+    from freetx.models import moe
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16
+    block = _block(shape, device, dtype)
+    gen = torch.Generator(device=device).manual_seed(1)
+    x = torch.randn(tokens, shape["hidden_dim"], device=device, dtype=dtype, generator=gen)
+    grad = torch.randn(x.shape, device=device, dtype=dtype, generator=gen)
+    sizes = (shape["ffn_hidden_dim"], shape["hidden_dim"])
+    grouped = moe._uses_grouped_mm(x, block.experts.w1) and moe._uses_grouped_mm(
+        torch.empty(0, sizes[0], device=device, dtype=dtype), block.experts.w2
+    )
+    rows, results = [], {}
+    kernels = [("grouped_mm", True), ("loop over experts", False)] if grouped else []
+    if not grouped:
+        print(f"torch._grouped_mm does not run here ({device}, {dtype}): the loop only")
+        kernels = [("loop over experts", False)]
+    for name, use in kernels:
+        if device == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        with mock.patch.object(moe, "_uses_grouped_mm", lambda *_, use=use: use):
+            results[name] = _timed_steps(block, x, grad, repeats, device)
+    base = results[kernels[-1][0]][0]
+    for name, (seconds, peak, _) in results.items():
+        rows.append([name, f"{seconds * 1000:.2f}", f"{base / seconds:.2f}x", f"{peak:.2f}"])
+    device_name = torch.cuda.get_device_name() if device == "cuda" else "CPU"
+    print(
+        f"one MoE block, {shape['num_experts']} experts of {shape['ffn_hidden_dim']}, "
+        f"{shape['experts_per_token']} per token, hidden {shape['hidden_dim']}, {tokens} tokens, "
+        f"bf16, forward + backward, median of {repeats} ({device_name}, torch {torch.__version__})"
+    )
+    print(table(rows, ["kernel", "ms / step", "speed vs loop", "peak GiB"]))
+    if len(results) == 2:
+        (_, _, (out_a, grad_a)), (_, _, (out_b, grad_b)) = results.values()
+        scale = out_b.abs().max().item()
+        print(
+            f"output max |grouped - loop| = {(out_a - out_b).abs().max().item():.3e} "
+            f"(of max |output| {scale:.3e}); w1.grad max diff "
+            f"{(grad_a - grad_b).abs().max().item():.3e} (of {grad_b.abs().max().item():.3e})"
+        )
+
+
+# a Qwen3-MoE shaped like Qwen3-30B-A3B (top 8 of 128, q/k norms, GQA), scaled down
+PATHS_FOLDER = dict(vocab_size=2048, hidden_size=256, intermediate_size=512,
+                    moe_intermediate_size=128, num_experts=32, num_experts_per_tok=4,
+                    num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
+                    head_dim=32, max_position_embeddings=512, norm_topk_prob=True)  # fmt: skip
+
+
+def _qwen3_moe_folder(folder: Path) -> None:
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.Qwen3MoeConfig(**PATHS_FOLDER)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+
+
+def _one_path(folder: Path, path: str, repeats: int) -> dict:
+    """In this process: build the model the `path` way, time its training steps."""
+    from freetx.checkpoint import load_model
+    from freetx.models.hf_generic import GENERIC_LAYOUT, HFGenericConfig, HFGenericModel
+
+    if path == "native":
+        model = load_model(folder, "cpu")
+    else:
+        import transformers
+
+        hf = json.loads((folder / "config.json").read_text())
+        model = HFGenericModel(HFGenericConfig(**GENERIC_LAYOUT.for_config(hf).from_hf_config(hf)))
+        weights = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+        model.load_state_dict(weights.state_dict(), strict=False)
+        del weights
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, PATHS_FOLDER["vocab_size"], (4, 256), generator=generator)
+    with torch.no_grad():
+        logits = model.eval()(ids[:1, :32])
+    model.train()  # the native decoder adds its router loss (LMOutput): the step counts it
+    times = []
+    for i in range(2 + repeats):
+        model.zero_grad(set_to_none=True)
+        t0 = time.perf_counter()
+        out = model(ids)
+        logits_out, aux = (out, 0.0) if isinstance(out, torch.Tensor) else out[:2]
+        loss = torch.nn.functional.cross_entropy(
+            logits_out[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten()
+        )
+        (loss + aux).backward()
+        times.append(time.perf_counter() - t0) if i >= 2 else None
+    return dict(
+        step_s=statistics.median(times),
+        peak_gib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB,
+        logits=logits.flatten().tolist(),
+        describe=model.describe(),
+    )
+
+
+def paths(repeats: int) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp) / "qwen3_moe"
+        _qwen3_moe_folder(folder)
+        results = {}
+        for path in ("native", "generic"):
+            cmd = [sys.executable, __file__, "--section", "one-path", "--path", path,
+                   "--folder", str(folder), "--repeats", str(repeats)]  # fmt: skip
+            done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+            if done.returncode != 0:
+                raise RuntimeError(f"the {path} path failed:\n{done.stderr[-3000:]}")
+            results[path] = json.loads(done.stdout.strip().splitlines()[-1])
+    native = results["native"]
+    rows = [[name, r["describe"], f"{r['step_s'] * 1000:.0f}",
+             f"{native['step_s'] / r['step_s']:.2f}x", f"{r['peak_gib']:.2f}"]
+            for name, r in results.items()]  # fmt: skip
+    apart = (torch.tensor(native["logits"]) - torch.tensor(results["generic"]["logits"])).abs()
+    shape = PATHS_FOLDER
+    print(
+        f"Qwen3-MoE folder: {shape['num_hidden_layers']} layers, hidden {shape['hidden_size']}, "
+        f"{shape['num_experts']} experts of {shape['moe_intermediate_size']}, top "
+        f"{shape['num_experts_per_tok']}; fp32, 4 x 256 tokens, forward + backward, median of "
+        f"{repeats}, one CPU thread per process"
+    )
+    print(table(rows, ["path", "model", "ms / step", "speed vs native", "peak RSS GiB"]))
+    print(f"logits max |native - generic| = {apart.max().item():.2e}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--section", choices=["grouped-mm", "paths", "one-path"], required=True)
+    parser.add_argument("--path", choices=["native", "generic"], help=argparse.SUPPRESS)
+    parser.add_argument("--folder", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--repeats", type=int, default=None, help="20 (grouped-mm), 5 (paths)")
+    parser.add_argument("--small", action="store_true", help="a 16x smaller block (a dry run)")
+    args = parser.parse_args()
+    shape = dict(QWEN3_30B_A3B)
+    if args.small:
+        shape.update(hidden_dim=128, ffn_hidden_dim=48, num_experts=16)
+    if args.section == "grouped-mm":
+        grouped_mm(args.tokens, args.repeats or 20, shape)
+    elif args.section == "paths":
+        paths(args.repeats or 5)
+    else:
+        print(json.dumps(_one_path(args.folder, args.path, args.repeats)))
+
+
+if __name__ == "__main__":
+    main()
