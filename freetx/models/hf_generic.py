@@ -95,21 +95,27 @@ class HFGenericConfig:
             raise ValueError(f"max_seq_len={self.max_seq_len} must be at least 1")
 
     @property
+    def text_config(self) -> dict:
+        """The language model's fields: a multimodal folder's `text_config` (Qwen3.5's
+        `qwen3_5`), else the config itself."""
+        return self.hf_config.get("text_config") or self.hf_config
+
+    @property
     def hidden_dim(self) -> int:  # the residual width, named as the decoder's config names it
-        return int(self.hf_config.get("hidden_size") or self.hf_config["n_embd"])
+        return int(self.text_config.get("hidden_size") or self.text_config["n_embd"])
 
     @property
     def vocab_size(self) -> int:
-        return int(self.hf_config["vocab_size"])
+        return int(self.text_config["vocab_size"])
 
     # the shape its activations are counted by (`activation_bytes`), as the decoder names it
     @property
     def num_heads(self) -> int:
-        return int(self.hf_config.get("num_attention_heads") or self.hf_config["n_head"])
+        return int(self.text_config.get("num_attention_heads") or self.text_config["n_head"])
 
     @property
     def ffn_hidden_dim(self) -> int:
-        return int(self.hf_config.get("intermediate_size") or 4 * self.hidden_dim)
+        return int(self.text_config.get("intermediate_size") or 4 * self.hidden_dim)
 
 
 def build_hf(hf_config: dict[str, Any]) -> nn.Module:
