@@ -7,10 +7,8 @@ both soft-caps and a 128-token window on every other layer; Qwen3-MoE with 8 exp
 - native: `freetx.models.hf_model(folder)` (its layout: freetx's decoder), on CPU with
   the kernel `choose_kernel` picks (Gemma 2: explicit, for the soft-cap; Qwen3-MoE: SDPA).
 - generic: `HFGenericModel` of the same config.json (transformers' modules; Gemma 2: eager
-  attention, as transformers has no sdpa for it). The generic path refuses a qwen3_moe
-  folder (transformers converts its per-expert tensors on load), so Qwen3-MoE's generic
-  figure is transformers' `AutoModelForCausalLM.from_config` of the same config, randomly
-  initialized: the modules HFGenericModel would hold.
+  attention, as transformers has no sdpa for it; Qwen3-MoE: its experts fused, as
+  transformers converts a folder's per-expert tensors on load).
 
 A training step is forward + cross-entropy (+ the native MoE's router loss) + backward +
 AdamW step: the median (and the fastest) of 9 steps after 2 warm-up steps, the native and
@@ -41,7 +39,7 @@ from benchmarks.attention_kernels import kernel_rows  # noqa: E402
 from benchmarks.common import table  # noqa: E402
 from freetx.distributed import materialize  # noqa: E402
 from freetx.models import hf_model  # noqa: E402
-from freetx.models.hf_generic import HFGenericConfig, HFGenericModel, attention  # noqa: E402
+from freetx.models.hf_generic import HFGenericConfig, HFGenericModel  # noqa: E402
 
 SHAPE = dict(vocab_size=2048, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
              num_attention_heads=4, num_key_value_heads=2, head_dim=64,
@@ -68,19 +66,11 @@ def native(folder: Path):
 
 
 def generic(config):
-    """The generic path's model of `config`; for a type it refuses (qwen3_moe), the
-    transformers model it would wrap, randomly initialized."""
-    hf_config = config.to_dict()
-    if hf_config["model_type"] != "qwen3_moe":
-        with torch.device("meta"):
-            model = HFGenericModel(HFGenericConfig(hf_config))
-        materialize(model, torch.device("cpu"), seed=0)
-        return model, model.describe()
-    import transformers
-
-    kind = attention(config)
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=kind)
-    return model, f"transformers' {type(model).__name__} ({kind}; the generic path refuses it)"
+    """The generic path's model of `config` (transformers' modules)."""
+    with torch.device("meta"):
+        model = HFGenericModel(HFGenericConfig(config.to_dict()))
+    materialize(model, torch.device("cpu"), seed=0)
+    return model, model.describe()
 
 
 def train_step(model, optimizer, ids: torch.Tensor) -> None:

@@ -9,22 +9,18 @@ and the w1 gradients are apart (bf16 rounding of different summation orders).
 
     python benchmarks/moe.py --section grouped-mm [--tokens 8192] [--repeats 20]
 
-`--section paths` (CPU): one folder transformers converts on load (Qwen3-MoE: experts
-stored one tensor per expert, held fused by transformers 5), trained as freetx's native
-decoder and through the generic transformers path (`freetx.models.hf_generic`), each in
-its own process on one thread: fp32 forward + backward of 4 x 256 tokens, the median step
-over `--repeats` after 2 warm-ups, the process's peak RSS, and the two paths' logits apart.
+`--section paths` (CPU): a family whose folders transformers converts on load (Qwen3-MoE:
+experts stored one tensor per expert, held fused), as freetx's native decoder and through
+the generic transformers path, by benchmarks/hf_paths.py's measure (training steps in
+turn, peak live tensor bytes), at a shape with more, smaller experts than hf_paths' own.
 
-    OMP_NUM_THREADS=1 python benchmarks/moe.py --section paths [--repeats 5]
+    OMP_NUM_THREADS=1 python benchmarks/moe.py --section paths
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import resource
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -122,106 +118,62 @@ def grouped_mm(tokens: int, repeats: int, shape: dict) -> None:
         )
 
 
-# a Qwen3-MoE shaped like Qwen3-30B-A3B (top 8 of 128, q/k norms, GQA), scaled down
-PATHS_FOLDER = dict(vocab_size=2048, hidden_size=256, intermediate_size=512,
-                    moe_intermediate_size=128, num_experts=32, num_experts_per_tok=4,
-                    num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
-                    head_dim=32, max_position_embeddings=512, norm_topk_prob=True)  # fmt: skip
+# a Qwen3-MoE shaped like Qwen3-30B-A3B's blocks (many small experts, top 8 of 128 there),
+# scaled down: 32 experts of 128, top 4
+PATHS_SHAPE = dict(vocab_size=2048, hidden_size=256, intermediate_size=512,
+                   moe_intermediate_size=128, num_experts=32, num_experts_per_tok=4,
+                   num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
+                   head_dim=32, max_position_embeddings=512, norm_topk_prob=True)  # fmt: skip
 
 
-def _qwen3_moe_folder(folder: Path) -> None:
+def paths() -> None:
+    """benchmarks/hf_paths.py's comparison on PATHS_SHAPE: the two paths' training steps
+    in turn in one process, peak live tensor bytes by MemTracker."""
     import transformers
 
-    torch.manual_seed(0)
-    config = transformers.Qwen3MoeConfig(**PATHS_FOLDER)
-    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    from benchmarks import hf_paths
 
-
-def _one_path(folder: Path, path: str, repeats: int) -> dict:
-    """In this process: build the model the `path` way, time its training steps."""
-    from freetx.checkpoint import load_model
-    from freetx.models.hf_generic import GENERIC_LAYOUT, HFGenericConfig, HFGenericModel
-
-    if path == "native":
-        model = load_model(folder, "cpu")
-    else:
-        import transformers
-
-        hf = json.loads((folder / "config.json").read_text())
-        model = HFGenericModel(HFGenericConfig(**GENERIC_LAYOUT.for_config(hf).from_hf_config(hf)))
-        weights = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-        model.load_state_dict(weights.state_dict(), strict=False)
-        del weights
-    generator = torch.Generator().manual_seed(1)
-    ids = torch.randint(3, PATHS_FOLDER["vocab_size"], (4, 256), generator=generator)
-    with torch.no_grad():
-        logits = model.eval()(ids[:1, :32])
-    model.train()  # the native decoder adds its router loss (LMOutput): the step counts it
-    times = []
-    for i in range(2 + repeats):
-        model.zero_grad(set_to_none=True)
-        t0 = time.perf_counter()
-        out = model(ids)
-        logits_out, aux = (out, 0.0) if isinstance(out, torch.Tensor) else out[:2]
-        loss = torch.nn.functional.cross_entropy(
-            logits_out[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten()
-        )
-        (loss + aux).backward()
-        times.append(time.perf_counter() - t0) if i >= 2 else None
-    return dict(
-        step_s=statistics.median(times),
-        peak_gib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB,
-        logits=logits.flatten().tolist(),
-        describe=model.describe(),
+    torch.set_num_threads(1)
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(
+        3, PATHS_SHAPE["vocab_size"], (hf_paths.BATCH, hf_paths.SEQ), generator=generator
     )
-
-
-def paths(repeats: int) -> None:
     with tempfile.TemporaryDirectory() as tmp:
-        folder = Path(tmp) / "qwen3_moe"
-        _qwen3_moe_folder(folder)
-        results = {}
-        for path in ("native", "generic"):
-            cmd = [sys.executable, __file__, "--section", "one-path", "--path", path,
-                   "--folder", str(folder), "--repeats", str(repeats)]  # fmt: skip
-            done = subprocess.run(cmd, capture_output=True, text=True, check=False)
-            if done.returncode != 0:
-                raise RuntimeError(f"the {path} path failed:\n{done.stderr[-3000:]}")
-            results[path] = json.loads(done.stdout.strip().splitlines()[-1])
-    native = results["native"]
-    rows = [[name, r["describe"], f"{r['step_s'] * 1000:.0f}",
-             f"{native['step_s'] / r['step_s']:.2f}x", f"{r['peak_gib']:.2f}"]
-            for name, r in results.items()]  # fmt: skip
-    apart = (torch.tensor(native["logits"]) - torch.tensor(results["generic"]["logits"])).abs()
-    shape = PATHS_FOLDER
+        config = transformers.Qwen3MoeConfig(**PATHS_SHAPE)
+        config.save_pretrained(tmp)
+        built = {"native": hf_paths.native(Path(tmp)), "generic": hf_paths.generic(config)}
+    times = hf_paths.step_times([model for model, _ in built.values()], ids)
+    rows, figures = [], {}
+    for (path, (model, what)), spent in zip(built.items(), times):
+        figures[path] = (statistics.median(spent), hf_paths.peak_mib(model, ids))
+        median, peak = figures[path]
+        rows.append([path, what, f"{median:.0f}", f"{peak:.0f}"])
+    rows.append(["generic / native", "", *(f"{g / n:.2f}" for n, g in zip(*figures.values()))])
+    shape = PATHS_SHAPE
     print(
-        f"Qwen3-MoE folder: {shape['num_hidden_layers']} layers, hidden {shape['hidden_size']}, "
+        f"Qwen3-MoE: {shape['num_hidden_layers']} layers, hidden {shape['hidden_size']}, "
         f"{shape['num_experts']} experts of {shape['moe_intermediate_size']}, top "
-        f"{shape['num_experts_per_tok']}; fp32, 4 x 256 tokens, forward + backward, median of "
-        f"{repeats}, one CPU thread per process"
+        f"{shape['num_experts_per_tok']}; training step (forward + backward + AdamW), batch "
+        f"{hf_paths.BATCH} x {hf_paths.SEQ}, fp32, 1 thread; the paths' steps in turn, "
+        f"{hf_paths.STEPS} each after {hf_paths.WARMUP}"
     )
-    print(table(rows, ["path", "model", "ms / step", "speed vs native", "peak RSS GiB"]))
-    print(f"logits max |native - generic| = {apart.max().item():.2e}")
+    print(table(rows, ["path", "model", "median ms", "peak MiB"]))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--section", choices=["grouped-mm", "paths", "one-path"], required=True)
-    parser.add_argument("--path", choices=["native", "generic"], help=argparse.SUPPRESS)
-    parser.add_argument("--folder", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--section", choices=["grouped-mm", "paths"], required=True)
     parser.add_argument("--tokens", type=int, default=8192)
-    parser.add_argument("--repeats", type=int, default=None, help="20 (grouped-mm), 5 (paths)")
+    parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--small", action="store_true", help="a 16x smaller block (a dry run)")
     args = parser.parse_args()
     shape = dict(QWEN3_30B_A3B)
     if args.small:
         shape.update(hidden_dim=128, ffn_hidden_dim=48, num_experts=16)
     if args.section == "grouped-mm":
-        grouped_mm(args.tokens, args.repeats or 20, shape)
-    elif args.section == "paths":
-        paths(args.repeats or 5)
+        grouped_mm(args.tokens, args.repeats, shape)
     else:
-        print(json.dumps(_one_path(args.folder, args.path, args.repeats)))
+        paths()
 
 
 if __name__ == "__main__":

@@ -533,15 +533,22 @@ class HFGenericModel(nn.Module):
     # -- initialization ---------------------------------------------------
     def init_parameter(self, name: str, tensor: torch.Tensor, generator: torch.Generator) -> None:
         """By the owning module's type: Linear, Embedding and transformers' Conv1D (GPT-2)
-        weights ~ N(0, initializer_range) (an embedding's padding row zero), norms one,
-        biases zero; anything else is refused."""
+        weights ~ N(0, initializer_range) (an embedding's padding row zero), and so an MoE
+        block's experts (`Qwen3MoeExperts`' [E, 2I, H] `gate_up_proj`) and router weights, as
+        each model's `_init_weights` starts them; norms one, biases zero; anything else is
+        refused."""
         module_name, _, param_name = name.rpartition(".")
         module = self.get_submodule(module_name)
-        if param_name == "bias":
+        moe = type(module).__name__.endswith(("Experts", "Router"))
+        if param_name == "bias" or (moe and param_name.endswith("bias")):
             tensor.zero_()
         elif _is_norm(module):
             tensor.fill_(1.0)
-        elif isinstance(module, (nn.Linear, nn.Embedding)) or type(module).__name__ == "Conv1D":
+        elif (
+            isinstance(module, (nn.Linear, nn.Embedding))
+            or type(module).__name__ == "Conv1D"
+            or moe
+        ):
             std = float(self.config.hf_config.get("initializer_range", 0.02))
             init_normal(module, tensor, std, generator)
         else:

@@ -87,6 +87,29 @@ def test_random_init_and_buffers(folders):
         assert torch.isfinite(model(ids())).all()
 
 
+def test_random_init_of_moe_experts_and_routers():
+    """transformers' MoE modules (fused experts [E, 2I, H], a router's weight, gpt-oss's
+    expert biases) start as their models' `_init_weights` starts them."""
+    from freetx.models.hf_generic import HFGenericConfig, HFGenericModel
+
+    shape = dict(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=1,
+                 num_attention_heads=2, num_key_value_heads=1, head_dim=16)  # fmt: skip
+    config = transformers.Qwen2MoeConfig(**shape, num_experts=4, moe_intermediate_size=32)
+    with torch.device("meta"):
+        model = HFGenericModel(HFGenericConfig(config.to_dict()))
+    materialize(model, torch.device("cpu"), seed=0)
+    mlp = model.model.layers[0].mlp
+    assert mlp.experts.gate_up_proj.dim() == 3
+    assert 0.015 < float(mlp.experts.gate_up_proj.detach().std()) < 0.025
+    assert 0.015 < float(mlp.gate.weight.detach().std()) < 0.025
+    config = transformers.GptOssConfig(**shape, num_local_experts=4)
+    with torch.device("meta"):
+        model = HFGenericModel(HFGenericConfig(config.to_dict()))
+    bias = torch.ones(4, 64)
+    model.init_parameter("model.layers.0.mlp.experts.gate_up_proj_bias", bias, None)
+    assert torch.all(bias == 0.0)
+
+
 @pytest.mark.parametrize("family", ["starcoder2", "granite", "phi"])
 def test_hf_to_dcp_to_hf_gives_the_tensors_back_and_loads_in_transformers(tmp_path, family):
     source = make_folder(tmp_path / "src", family, dtype=torch.bfloat16)
