@@ -86,9 +86,7 @@ class ExpertParallel(ParallelStyle):
         self.routes: _Routes | None = None
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        return distribute_module(
-            module, device_mesh, _shard_experts, self._dispatch, self._combine
-        )
+        return distribute_module(module, device_mesh, _shard_experts, self._dispatch, self._combine)
 
     def _dispatch(self, module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
         rows, counts = inputs
@@ -141,7 +139,9 @@ class _Routes:
 
     def dispatch(self, rows: torch.Tensor) -> torch.Tensor:
         """This rank's rows (sorted by expert) -> the rows of its experts (sorted by expert)."""
-        arrived = all_to_all_single_autograd(rows.contiguous(), self.received, self.sent, self.group)
+        arrived = all_to_all_single_autograd(
+            rows.contiguous(), self.received, self.sent, self.group
+        )
         return arrived[self.order]
 
     def combine(self, out: torch.Tensor) -> torch.Tensor:

@@ -49,7 +49,9 @@ def main() -> None:
         results[f"{name}/grad"] = max_diff(grads, expected)
         results[f"{name}/experts_per_rank"] = held
         results[f"{name}/aux_loss"] = extras["aux_loss"].item()
-        results[f"{name}/expert_grad"] = grads["layers.0.feed_forward.experts.w2"].abs().sum().item()
+        results[f"{name}/expert_grad"] = (
+            grads["layers.0.feed_forward.experts.w2"].abs().sum().item()
+        )
     write_results(results)
 
 
