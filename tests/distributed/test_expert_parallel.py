@@ -1,7 +1,9 @@
 """Expert parallelism on 4 gloo processes: one step's gradients of the MoE decoder equal
 one process's under (ep 2 x dp 2), (ep 4) and (ep 2 x tp 2), each rank holding
-E / ep experts."""
+E / ep experts; a checkpoint saved at ep 4 resumes at ep 2 and on one process through
+the CLI with the straight run's losses."""
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -26,3 +28,26 @@ def test_expert_parallel_gradients_match_one_process(results, layout):
         assert rank[f"{layout}/experts_per_rank"] == experts
         assert rank[f"{layout}/expert_grad"] > 0  # the experts train
         assert rank[f"{layout}/aux_loss"] > 0  # with the router loss
+
+
+@pytest.mark.slow  # 4 runs of a Qwen3-MoE folder (1 or 4 processes): ~1.5 minutes on 2 cores
+def test_a_save_at_ep4_resumes_at_ep2_and_on_one_process_with_the_straight_runs_losses(tmp_path):
+    """The folder's 4 experts per block: 1 per rank at ep 4, 2 at ep 2 (FSDP2 over the 2
+    ranks holding the same ones); one process takes the 4 data-parallel ranks' micro-batches
+    one after another (the router loss is a micro-batch's). Saved at step 4 of 8."""
+    pytest.importorskip("transformers")
+    from tests.hf_folders import RANDOM_WEIGHTS_LR
+    from tests.recipes.test_hf_finetune import tiny_folder
+    from tests.recipes.test_mesh_finetune import assert_same, losses
+
+    folder = tiny_folder(tmp_path, "qwen3_moe")
+    moe = ["--config", "llm/hf_tiny_full", f"model_dir={folder}", RANDOM_WEIGHTS_LR,
+           "checkpoint.every_n_steps=4", "dataset.num_builtin_examples=400"]  # fmt: skip
+    alone = ["gradient_accumulation_steps=4"]
+    straight = losses(tmp_path / "straight", 1, *moe, *alone, "max_steps=8")
+    saved = tmp_path / "ep4"
+    assert_same(losses(saved, 4, *moe, "max_steps=4", "distributed.ep=4"), straight, range(1, 5))
+    for name, nproc, layout in [("ep2", 4, ["distributed.ep=2"]), ("one", 1, alone)]:
+        shutil.copytree(saved, tmp_path / name)
+        resumed = losses(tmp_path / name, nproc, *moe, "max_steps=8", *layout)
+        assert_same(resumed, straight, range(5, 9))
