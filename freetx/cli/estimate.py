@@ -124,7 +124,7 @@ def _estimate(args: argparse.Namespace) -> int:
     else:
         trainable_text = f"{trainable / 1e9:.3f}B trained"
     shape = found.shapes[0] if found.shapes else None  # the axes are the same in each
-    axes = "".join(f" x {name} {getattr(shape, name)}" for name in ("pp", "cp", "tp")
+    axes = "".join(f" x {name} {getattr(shape, name)}" for name in ("pp", "cp", "tp", "ep")
                    if shape is not None and getattr(shape, name) > 1)  # fmt: skip
     grid = f" as {shape.dp} data-parallel{axes}" if axes else ""
     print(f"{args.config}: {params / 1e9:.3f}B parameters ({trainable_text}), "
@@ -191,6 +191,13 @@ def _estimate(args: argparse.Namespace) -> int:
     _print_table(table)
     print("(GiB per rank; `gathered`: unsharded blocks and gradient buckets in flight; the "
           "allocator's caching and fragmentation come on top, 5-10% on CUDA)")  # fmt: skip
+    if shape is not None and shape.ep > 1:
+        print(f"(ep {shape.ep}: each rank holds 1/{shape.ep} of every MoE block's experts, "
+              f"sharded over {shape.expert_fsdp} rank(s): "
+              + ", ".join(f"{r.strategy} {r.expert_states / GIB:.2f} GiB" for r in rows)
+              + " of their parameters, gradients and optimizer states, within the states "
+              f"above; the tokens' all-to-all {rows[0].all_to_all / GIB:.3f} GiB per rank and "
+              "micro-batch, in step s)")  # fmt: skip
     if hosted:
         print("(host: CPU memory per rank, not in the peak: an offloaded optimizer's states, "
               "fp32 copy and gradients; offloaded activations)")  # fmt: skip
