@@ -14,11 +14,13 @@ cheap; pipeline stages and replicas cross nodes. Every product of the degrees is
 computed here and nowhere else.
 
 Expert parallelism (`ep`) borrows its ranks from the data-parallel ones: the dp axis is
-split into (`dp_mod_ep`, `ep`), `ep` inner (neighbouring data-parallel ranks, within a
-node), so dp = dp_mod_ep x ep and the world is unchanged. A block's experts are spread
-over `ep` (E / ep whole experts per rank) and FSDP2 shards them over `expert_fsdp`
-(dp_mod_ep x cp: the ranks holding the same experts); everything else is sharded over
-dp x cp as without it (torchtitan's dp_shard_mod_ep).
+split into (`dp_mod_ep`, `ep`), so dp = dp_mod_ep x ep and the world is unchanged; the
+mesh is (pp, dp_mod_ep, cp, ep, tp), ep inside cp (an ep group's ranks are neighbours,
+tp apart, where its all-to-alls are cheap). A block's experts are spread over `ep` (E /
+ep whole experts per rank) and FSDP2 shards them over `expert_fsdp` (dp_mod_ep x cp: the
+ranks holding the same experts), which with `ep` makes a 2-D mesh of dimensions in the
+mesh's order (DTensor's collectives over both need that); everything else is sharded
+over dp x cp as without it (torchtitan's dp_shard_mod_ep).
 """
 
 from __future__ import annotations
@@ -211,23 +213,22 @@ class MeshShape:
         return meshes
 
     def _build_with_experts(self, device_type: str) -> dict[str, DeviceMesh]:
-        """`build` with ep > 1 (fsdp or zero2): (pp, dp_mod_ep, ep, cp, tp), dp the
-        flattened (dp_mod_ep, ep). FSDP2 shards an expert over `expert_fsdp` and the
-        experts' DTensors over `ep` make one 2-D mesh with it (both come from this mesh)."""
-        dims = {"pp": self.pp, "dp_mod_ep": self.dp_mod_ep, "ep": self.ep, "cp": self.cp,
+        """`build` with ep > 1 (fsdp or zero2): (pp, dp_mod_ep, cp, ep, tp), dp the
+        flattened (dp_mod_ep, ep). FSDP2 shards an expert over `expert_fsdp` (dp_mod_ep x
+        cp), which with the experts' `ep` makes one 2-D mesh (both come from this mesh)."""
+        dims = {"pp": self.pp, "dp_mod_ep": self.dp_mod_ep, "cp": self.cp, "ep": self.ep,
                 "tp": self.tp}  # fmt: skip
         mesh = init_device_mesh(device_type, tuple(dims.values()), mesh_dim_names=tuple(dims))
         meshes = {name: mesh[name] for name in dims}
-        data = ("dp_mod_ep", "ep")
-        meshes["dp"] = mesh[data]._flatten("dp")
-        meshes["dp_cp"] = mesh[(*data, "cp")]._flatten("dp_cp") if self.cp > 1 else meshes["dp"]
+        meshes["dp"] = mesh[("dp_mod_ep", "ep")]._flatten("dp")
+        meshes["dp_cp"] = meshes["dp"]
+        meshes["expert_fsdp"] = meshes["dp_mod_ep"]
+        if self.cp > 1:
+            meshes["dp_cp"] = mesh[("dp_mod_ep", "cp", "ep")]._flatten("dp_cp")
+            meshes["expert_fsdp"] = mesh[("dp_mod_ep", "cp")]._flatten("dp_mod_ep_cp")
         meshes["fsdp"] = meshes["dp_cp"]
-        meshes["expert_fsdp"] = (
-            mesh[("dp_mod_ep", "cp")]._flatten("dp_mod_ep_cp") if self.cp > 1
-            else meshes["dp_mod_ep"]
-        )  # fmt: skip
         if self.tp > 1:
-            mesh[(*data, "cp", "tp")]._flatten("dp_cp_tp")
+            mesh[("dp_mod_ep", "cp", "ep", "tp")]._flatten("dp_cp_tp")
         return meshes
 
     # -- the shape a config makes ---------------------------------------------------------

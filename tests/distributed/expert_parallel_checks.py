@@ -1,8 +1,10 @@
 """4-process checks of expert parallelism (run by test_expert_parallel.py through
-torchrun): the MoE decoder's gradients of one step, router loss included, under
-(ep 2 x dp 2), (ep 4) and (ep 2 x tp 2) equal one process's over the same micro-batches
-(one per data-parallel rank: the router loss is a micro-batch's), and each rank holds
-E / ep whole experts."""
+torchrun): a Qwen3-MoE-shaped decoder (mesh_checks' "moe": 4 experts, 2 per token, its
+router loss) under each layout of `LAYOUTS`, against one process taking the data-parallel
+ranks' micro-batches one after another (the router loss is a micro-batch's): the initial
+weights, one step's gradients (2 micro-batches per rank: gradient accumulation), the
+clipped SGD update (the norm over the experts' 2-D meshes), the loss; and how many of
+a block's experts each rank holds."""
 
 from __future__ import annotations
 
@@ -11,46 +13,49 @@ from omegaconf import OmegaConf
 from torch.distributed.tensor import DTensor
 
 from freetx.distributed import DistributedConfig, build_groups, init_distributed, parallelize
-from freetx.training import CrossEntropyLoss, count_over_ranks
+from freetx.distributed.parameters import materialize
 from tests.distributed.launcher import write_results
-from tests.distributed.moe_checks import make_moe, reference_grads
-from tests.distributed.parallel_checks import SEED, full_grads, global_batch, max_diff
+from tests.distributed.mesh_checks import MODELS, SEED, build, max_diff, step
 
-LAYOUTS = {"ep2_dp2": dict(ep=2), "ep4": dict(ep=4), "ep2_tp2": dict(ep=2, tp=2)}
+LAYOUTS = {
+    "ep2_dp2": dict(ep=2),
+    "ep4": dict(ep=4),
+    "ep2_tp2": dict(ep=2, tp=2),
+    "ep2_cp2": dict(ep=2, cp=2),
+    "ep4_zero2_ac": dict(ep=4, strategy="zero2", activation_checkpointing="full"),
+}
+ACCUMULATION = 2
 
 
-def expert_parallel_grads(runtime, ep: int, tp: int = 1):
-    """One step's full gradients on this rank, the global batch split over the dp ranks;
-    and the experts each rank holds of the first MoE block's w1."""
-    cfg = OmegaConf.structured(DistributedConfig(strategy="fsdp", ep=ep, tp=tp))
-    with torch.device("meta"):
-        model = make_moe()
-    groups = build_groups(runtime, cfg)
-    plan = parallelize(model, groups, cfg, seed=SEED)
-    model = plan.model.train()
-    inputs, labels = global_batch()
-    per_rank = len(inputs) // plan.dp_size
-    mine = slice(plan.dp_rank * per_rank, (plan.dp_rank + 1) * per_rank)
-    total = count_over_ranks(groups, [(labels[mine] != -100).sum()])
-    loss, extras = CrossEntropyLoss()(model, inputs[mine], labels[mine])
-    (loss * plan.gradient_ranks / total).backward()
+def experts_held(plan, groups) -> int:
+    """The experts of the first block this rank computes: its rows of the ep-sharded
+    w1, times the ranks FSDP2 shards them over."""
     w1 = plan.module.layers[0].feed_forward.experts.w1
-    held = w1.to_local().shape[0] * groups.size("expert_fsdp") if isinstance(w1, DTensor) else 0
-    return full_grads(model), extras, held
+    if not isinstance(w1, DTensor):
+        return 0
+    return w1.to_local().shape[0] * groups.size("expert_fsdp")
 
 
 def main() -> None:
     runtime = init_distributed("cpu")
     results = {}
     for name, layout in LAYOUTS.items():
-        dp = runtime.world_size // layout.get("tp", 1)
-        expected = reference_grads(micro_batches=dp)
-        grads, extras, held = expert_parallel_grads(runtime, **layout)
-        results[f"{name}/grad"] = max_diff(grads, expected)
-        results[f"{name}/experts_per_rank"] = held
-        results[f"{name}/aux_loss"] = extras["aux_loss"].item()
+        cfg = OmegaConf.structured(DistributedConfig(**layout))
+        groups = build_groups(runtime, cfg)
+        with torch.device("meta"):
+            reference = build("moe", MODELS["moe"])
+        materialize(reference, torch.device("cpu"), SEED)
+        want = step(reference.train(), None, 1, ACCUMULATION, False, groups.dp_size)
+        with torch.device("meta"):
+            model = build("moe", MODELS["moe"])
+        plan = parallelize(model, groups, cfg, seed=SEED, micro_batches=ACCUMULATION)
+        got = step(plan.model.train(), plan, 1, ACCUMULATION, False, groups.dp_size)
+        for i, part in enumerate(("init", "grad", "param")):
+            results[f"{name}/{part}"] = max_diff(got[i], want[i])
+        results[f"{name}/loss"] = abs(got[3] - want[3])
+        results[f"{name}/experts_per_rank"] = experts_held(plan, groups)
         results[f"{name}/expert_grad"] = (
-            grads["layers.0.feed_forward.experts.w2"].abs().sum().item()
+            got[1]["layers.0.feed_forward.experts.w2"].abs().sum().item()
         )
     write_results(results)
 

@@ -1,7 +1,9 @@
-"""Expert parallelism on 4 gloo processes: one step's gradients of the MoE decoder equal
-one process's under (ep 2 x dp 2), (ep 4) and (ep 2 x tp 2), each rank holding
-E / ep experts; a checkpoint saved at ep 4 resumes at ep 2 and on one process through
-the CLI with the straight run's losses."""
+"""Expert parallelism on 4 gloo processes: a Qwen3-MoE-shaped decoder's initial weights,
+gradients (router loss and gradient accumulation included), clipped update and loss
+equal one process's under (ep 2 x dp 2), (ep 4), (ep 2 x tp 2), (ep 2 x cp 2) and (ep 4,
+zero2, full activation checkpointing), each rank holding E / ep experts; a checkpoint
+saved at ep 4 resumes at ep 2 and on one process through the CLI with the straight
+run's losses."""
 
 import shutil
 from pathlib import Path
@@ -11,6 +13,7 @@ import pytest
 from tests.distributed.launcher import run_checks
 
 TIGHT = 2e-6  # fp32: differences come only from the order of summation
+LAYOUTS = {"ep2_dp2": 2, "ep4": 1, "ep2_tp2": 2, "ep2_cp2": 2, "ep4_zero2_ac": 1}  # experts held
 
 
 @pytest.fixture(scope="module")
@@ -19,15 +22,15 @@ def results(tmp_path_factory):
     return run_checks(script, tmp_path_factory.mktemp("expert_parallel"), 4)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("layout", ["ep2_dp2", "ep4", "ep2_tp2"])
-def test_expert_parallel_gradients_match_one_process(results, layout):
-    experts = {"ep2_dp2": 2, "ep4": 1, "ep2_tp2": 2}[layout]  # 4 experts / ep
+@pytest.mark.slow  # one launch of 4 processes, 5 layouts: ~20 s on 2 cores
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_expert_parallel_layouts_repeat_one_process(results, layout):
     for rank in results:
-        assert rank[f"{layout}/grad"] < TIGHT
-        assert rank[f"{layout}/experts_per_rank"] == experts
+        assert rank[f"{layout}/init"] == 0.0
+        for part in ("grad", "param", "loss"):
+            assert rank[f"{layout}/{part}"] < TIGHT, part
+        assert rank[f"{layout}/experts_per_rank"] == LAYOUTS[layout]  # of 4, by ep
         assert rank[f"{layout}/expert_grad"] > 0  # the experts train
-        assert rank[f"{layout}/aux_loss"] > 0  # with the router loss
 
 
 @pytest.mark.slow  # 4 runs of a Qwen3-MoE folder (1 or 4 processes): ~1.5 minutes on 2 cores
