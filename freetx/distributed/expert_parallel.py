@@ -75,6 +75,21 @@ def check_expert_parallel(num_experts: int, ep: int, where: str = "the model") -
         )
 
 
+def check_same_forwards(ep: int, what: str) -> None:
+    """ep > 1 runs collectives in every forward (the all-to-alls of each MoE block), so
+    every rank of an ep group must run as many forwards: refuse `what` (generation,
+    lm-eval scoring: each rank its own rows, stopping when they end) with ep > 1."""
+    if ep > 1:
+        raise ConfigError(
+            f"distributed.ep={ep}: {what} runs forwards that differ between ranks (each its "
+            "own rows, until they end), and expert parallelism sends every forward's tokens "
+            "to the experts of the other ranks of its ep group, which would wait for "
+            "forwards that never come.",
+            fix="Set distributed.ep=1 for this run (a checkpoint saved at any ep loads), "
+            "or shard the experts with fsdp alone.",
+        )
+
+
 class ExpertParallel(ParallelStyle):
     """The parallel style of one `GroupedExperts` module over an ep mesh: its parameters
     sharded along the experts, its input rows dispatched to their experts' ranks and its

@@ -41,7 +41,11 @@ from torch.nn.parallel import DistributedDataParallel
 from freetx.config.instantiate import COMPONENT, import_component, node_path
 from freetx.distributed.activation_offload import OffloadActivations
 from freetx.distributed.context_parallel import ContextShard, check_shards_context
-from freetx.distributed.expert_parallel import apply_expert_parallel, expert_modules
+from freetx.distributed.expert_parallel import (
+    apply_expert_parallel,
+    check_same_forwards,
+    expert_modules,
+)
 from freetx.distributed.float8 import (
     check_float8,
     check_float8_device,
@@ -258,7 +262,9 @@ class ParallelPlan:
         whole until exit, where each is sharded again, so that the forwards inside run
         no collective over the sharding axes. Replicated parameters: the bare module.
         Tensor-parallel layers still reduce over `tp` in each forward; the tp ranks of
-        one data shard generate the same rows, so they run the same forwards."""
+        one data shard generate the same rows, so they run the same forwards. Refused
+        with expert parallelism, whose forwards send tokens to other ranks."""
+        check_same_forwards(self.groups.size("ep"), "generating or scoring per rank")
         if self.replicated:
             yield self.module
             return

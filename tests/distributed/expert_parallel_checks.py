@@ -3,8 +3,9 @@ torchrun): a Qwen3-MoE-shaped decoder (mesh_checks' "moe": 4 experts, 2 per toke
 router loss) under each layout of `LAYOUTS`, against one process taking the data-parallel
 ranks' micro-batches one after another (the router loss is a micro-batch's): the initial
 weights, one step's gradients (2 micro-batches per rank: gradient accumulation), the
-clipped SGD update (the norm over the experts' 2-D meshes), the loss; and how many of
-a block's experts each rank holds."""
+clipped SGD update (the norm over the experts' 2-D meshes), the loss, the logits in
+eval mode and those of a frozen copy (`parallelize_frozen`: a reference model, a
+teacher); and how many of a block's experts each rank holds."""
 
 from __future__ import annotations
 
@@ -12,10 +13,16 @@ import torch
 from omegaconf import OmegaConf
 from torch.distributed.tensor import DTensor
 
-from freetx.distributed import DistributedConfig, build_groups, init_distributed, parallelize
+from freetx.distributed import (
+    DistributedConfig,
+    build_groups,
+    init_distributed,
+    parallelize,
+    parallelize_frozen,
+)
 from freetx.distributed.parameters import materialize
 from tests.distributed.launcher import write_results
-from tests.distributed.mesh_checks import MODELS, SEED, build, max_diff, step
+from tests.distributed.mesh_checks import MODELS, SEED, batch, build, max_diff, step
 
 LAYOUTS = {
     "ep2_dp2": dict(ep=2),
@@ -57,6 +64,16 @@ def main() -> None:
         results[f"{name}/expert_grad"] = (
             got[1]["layers.0.feed_forward.experts.w2"].abs().sum().item()
         )
+        with torch.device("meta"):  # the initial weights, frozen
+            frozen, initial = build("moe", MODELS["moe"]), build("moe", MODELS["moe"])
+        frozen = parallelize_frozen(frozen, groups, cfg, SEED, init_weights=True)
+        materialize(initial, torch.device("cpu"), SEED)
+        ids = batch(False)[0][groups.dp_rank :: groups.dp_size]  # each rank its own rows
+        with torch.no_grad():
+            logits = plan.model.eval()(ids) - reference.eval()(ids)  # after the step
+            results[f"{name}/logits"] = logits.abs().max().item()
+            logits = frozen(ids) - initial.eval()(ids)
+            results[f"{name}/frozen_logits"] = logits.abs().max().item()
     write_results(results)
 
 

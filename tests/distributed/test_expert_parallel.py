@@ -1,6 +1,6 @@
 """Expert parallelism on 4 gloo processes: a Qwen3-MoE-shaped decoder's initial weights,
-gradients (router loss and gradient accumulation included), clipped update and loss
-equal one process's under (ep 2 x dp 2), (ep 4), (ep 2 x tp 2), (ep 2 x cp 2) and (ep 4,
+gradients (router loss and gradient accumulation included), clipped update, loss and
+logits (and a frozen copy's) equal one process's under (ep 2 x dp 2), (ep 4), (ep 2 x tp 2), (ep 2 x cp 2) and (ep 4,
 zero2, full activation checkpointing), each rank holding E / ep experts; a checkpoint
 saved at ep 4 resumes at ep 2 and on one process through the CLI with the straight
 run's losses."""
@@ -27,7 +27,7 @@ def results(tmp_path_factory):
 def test_expert_parallel_layouts_repeat_one_process(results, layout):
     for rank in results:
         assert rank[f"{layout}/init"] == 0.0
-        for part in ("grad", "param", "loss"):
+        for part in ("grad", "param", "loss", "logits", "frozen_logits"):
             assert rank[f"{layout}/{part}"] < TIGHT, part
         assert rank[f"{layout}/experts_per_rank"] == LAYOUTS[layout]  # of 4, by ep
         assert rank[f"{layout}/expert_grad"] > 0  # the experts train

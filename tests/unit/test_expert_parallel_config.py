@@ -16,10 +16,14 @@ from tests.conftest import flat, run_freetx_here
 MOE = ["model.num_experts=4", "model.experts_per_token=2"]
 
 
-def validate(*overrides: str) -> str:
-    """`freetx validate llm/tiny` with `overrides`: its problem, flattened ('' if none)."""
-    result = run_freetx_here("validate", "llm/tiny", *overrides)
+def validate_config(config: str, *overrides: str) -> str:
+    """`freetx validate CONFIG` with `overrides`: its problem, flattened ('' if none)."""
+    result = run_freetx_here("validate", config, *overrides)
     return flat(result.stdout + result.stderr) if result.returncode else ""
+
+
+def validate(*overrides: str) -> str:
+    return validate_config("llm/tiny", *overrides)
 
 
 def test_ep_borrows_its_ranks_from_the_data_parallel_ones():
@@ -64,6 +68,13 @@ def test_ep_on_a_dense_model_is_refused():
     message = validate("distributed.ep=2")
     assert "distributed.ep=2 spreads the experts of MoE blocks over ranks, and the model has " \
         "no native MoE block" in message  # fmt: skip
+
+
+def test_ep_with_generation_that_differs_between_ranks_is_refused():
+    message = validate_config("llm/grpo_tiny", *MOE, "distributed.ep=2")
+    assert "distributed.ep=2: grpo_fsdp2's generation runs forwards that differ between " \
+        "ranks" in message  # fmt: skip
+    assert "Set distributed.ep=1 for this run" in message
 
 
 def test_ep_that_fits_is_accepted():
