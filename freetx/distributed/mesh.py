@@ -41,8 +41,8 @@ SHARDED = ("fsdp", "zero2", "hsdp")
 AXIS_NAMES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 _WORDS = {"pp": "pipeline", "dp_replicate": "replicas", "cp": "context parallel",
           "tp": "tensor parallel", "ep": "expert parallel"}  # fmt: skip
-# the strategies expert parallelism composes with: FSDP2 over one data-parallel axis
-EXPERT_PARALLEL_STRATEGIES = ("fsdp", "zero2")
+# the strategies expert parallelism composes with: FSDP2 (hsdp: within each replica)
+EXPERT_PARALLEL_STRATEGIES = SHARDED
 
 
 def canonical_strategy(name: str) -> str:
@@ -107,13 +107,14 @@ class MeshShape:
 
     @property
     def dp_mod_ep(self) -> int:
-        """The data-parallel ranks that hold the same experts (dp / ep)."""
-        return self.dp // self.ep
+        """The data-parallel ranks of one replica that hold the same experts (dp_shard /
+        ep; hsdp's replicas hold them again)."""
+        return self.dp_shard // self.ep
 
     @property
     def expert_fsdp(self) -> int:
-        """The ranks one expert is sharded over by FSDP2 (dp / ep x cp); `fsdp` without
-        expert parallelism."""
+        """The ranks one expert is sharded over by FSDP2 (dp_shard / ep x cp, within a
+        replica); `fsdp` without expert parallelism."""
         return self.dp_mod_ep * self.cp if self.ep > 1 else self.fsdp
 
     @property
@@ -213,22 +214,31 @@ class MeshShape:
         return meshes
 
     def _build_with_experts(self, device_type: str) -> dict[str, DeviceMesh]:
-        """`build` with ep > 1 (fsdp or zero2): (pp, dp_mod_ep, cp, ep, tp), dp the
-        flattened (dp_mod_ep, ep). FSDP2 shards an expert over `expert_fsdp` (dp_mod_ep x
-        cp), which with the experts' `ep` makes one 2-D mesh (both come from this mesh)."""
-        dims = {"pp": self.pp, "dp_mod_ep": self.dp_mod_ep, "cp": self.cp, "ep": self.ep,
-                "tp": self.tp}  # fmt: skip
+        """`build` with ep > 1: (pp, [dp_replicate,] dp_mod_ep, cp, ep, tp), dp_shard the
+        flattened (dp_mod_ep, ep). FSDP2 shards an expert over dp_mod_ep x cp (hsdp: 2-D,
+        replicated over dp_replicate: `expert_fsdp`), which with the experts' `ep` makes
+        one mesh of dimensions in this mesh's order (DTensor's collectives need that)."""
+        hsdp = self.strategy == "hsdp" and self.dp_replicate > 1
+        replicas = {"dp_replicate": self.dp_replicate} if hsdp else {}
+        dims = {"pp": self.pp, **replicas, "dp_mod_ep": self.dp_mod_ep, "cp": self.cp,
+                "ep": self.ep, "tp": self.tp}  # fmt: skip
         mesh = init_device_mesh(device_type, tuple(dims.values()), mesh_dim_names=tuple(dims))
         meshes = {name: mesh[name] for name in dims}
-        meshes["dp"] = mesh[("dp_mod_ep", "ep")]._flatten("dp")
+        outer = tuple(replicas)  # ("dp_replicate",) or ()
+        meshes["dp"] = mesh[(*outer, "dp_mod_ep", "ep")]._flatten("dp")
+        shard, experts = "dp_shard", "dp_mod_ep"  # within a replica: all, and the experts'
+        meshes["dp_shard"] = mesh[("dp_mod_ep", "ep")]._flatten(shard) if hsdp else meshes["dp"]
         meshes["dp_cp"] = meshes["dp"]
-        meshes["expert_fsdp"] = meshes["dp_mod_ep"]
         if self.cp > 1:
-            meshes["dp_cp"] = mesh[("dp_mod_ep", "cp", "ep")]._flatten("dp_cp")
-            meshes["expert_fsdp"] = mesh[("dp_mod_ep", "cp")]._flatten("dp_mod_ep_cp")
-        meshes["fsdp"] = meshes["dp_cp"]
+            meshes["dp_cp"] = mesh[(*outer, "dp_mod_ep", "cp", "ep")]._flatten("dp_cp")
+            shard, experts = "dp_shard_cp", "dp_mod_ep_cp"
+            if hsdp:
+                mesh[("dp_mod_ep", "cp", "ep")]._flatten(shard)
+            mesh[("dp_mod_ep", "cp")]._flatten(experts)
+        meshes["fsdp"] = mesh[(*outer, shard)] if hsdp else meshes["dp_cp"]
+        meshes["expert_fsdp"] = mesh[(*outer, experts)]
         if self.tp > 1:
-            mesh[("dp_mod_ep", "cp", "ep", "tp")]._flatten("dp_cp_tp")
+            mesh[(*outer, "dp_mod_ep", "cp", "ep", "tp")]._flatten("dp_cp_tp")
         return meshes
 
     # -- the shape a config makes ---------------------------------------------------------
@@ -243,9 +253,9 @@ class MeshShape:
         inner.refuse_axes(cfg.strategy, processes)
         ep = cfg.ep
         world = processes.world_size
-        if ep > 1:  # the smallest world: one expert-parallel group
-            inner.refuse_experts(cfg.strategy, ep, world // inner.per_data_rank if world else ep)
-        if world is None:
+        if ep > 1:
+            inner.refuse_experts(cfg.strategy, ep)
+        if world is None:  # with ep: the smallest world of one expert-parallel group
             replicas = (cfg.replicate_degree or 1) if strategy == "hsdp" else 1
             return cls(strategy, cfg.pp, replicas, ep, cfg.cp, cfg.tp, ep)
         dp = world // inner.per_data_rank
@@ -254,17 +264,19 @@ class MeshShape:
         replicas = 1
         if strategy == "hsdp":
             replicas = inner.replicas(cfg.replicate_degree, dp, processes)
+        if ep > 1:
+            inner.refuse_expert_ranks(ep, dp // replicas, replicas)
         return cls(strategy, cfg.pp, replicas, dp // replicas, cfg.cp, cfg.tp, ep)
 
-    def refuse_experts(self, named_strategy: str, ep: int, dp: int) -> None:
-        """distributed.ep: the strategies it composes with (FSDP2 over one data-parallel
-        axis), no pipeline, and an ep that divides the `dp` data-parallel ranks."""
+    def refuse_experts(self, named_strategy: str, ep: int) -> None:
+        """distributed.ep: the strategies it composes with (FSDP2) and no pipeline."""
         if self.strategy not in EXPERT_PARALLEL_STRATEGIES:
             raise ConfigError(
                 f"distributed.ep={ep} spreads each block's experts over {ep} data-parallel "
                 "ranks, and FSDP2 shards them over the others (a (dp / ep, ep) mesh): it "
-                f"composes with fsdp or zero2, not {named_strategy}.",
-                fix="Use distributed.strategy=fsdp, or set distributed.ep=1.",
+                f"composes with fsdp, zero2 or hsdp, not {named_strategy}.",
+                fix="Use distributed.strategy=fsdp (or hsdp for replicas), or set "
+                "distributed.ep=1.",
             )
         if self.pp > 1:
             raise ConfigError(
@@ -272,14 +284,19 @@ class MeshShape:
                 "the ranks of a pipeline stage yet.",
                 fix="Set distributed.pp=1 (ep with fsdp, cp or tp), or distributed.ep=1.",
             )
-        if dp % ep:
+
+    def refuse_expert_ranks(self, ep: int, shards: int, replicas: int) -> None:
+        """An ep that divides the `shards` data-parallel ranks of a replica (all of them
+        without hsdp's `replicas`)."""
+        if shards % ep:
             per = f" (world / {self.per_data_rank}: pp x cp x tp)" if self.has_axes else ""
+            where = f"of each of its {replicas} hsdp replicas" if replicas > 1 else "of this run"
             raise ConfigError(
                 f"distributed.ep={ep} takes its ranks from the data-parallel ones, and does "
-                f"not divide the {dp} data-parallel rank(s){per} of this run, so the experts "
+                f"not divide the {shards} data-parallel rank(s){per} {where}, so the experts "
                 "cannot be spread over groups of ep ranks.",
-                fix=f"Pick an ep that divides {dp} (and the model's num_experts), or run on "
-                f"a multiple of {ep * self.per_data_rank} processes.",
+                fix=f"Pick an ep that divides {shards} (and the model's num_experts), or run "
+                f"on a multiple of {ep * self.per_data_rank * replicas} processes.",
             )
 
     def refuse_axes(self, named_strategy: str, processes: Processes) -> None:

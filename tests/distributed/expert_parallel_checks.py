@@ -30,6 +30,7 @@ LAYOUTS = {
     "ep2_tp2": dict(ep=2, tp=2),
     "ep2_cp2": dict(ep=2, cp=2),
     "ep4_zero2_ac": dict(ep=4, strategy="zero2", activation_checkpointing="full"),
+    "hsdp2_ep2": dict(ep=2, strategy="hsdp", replicate_degree=2),
 }
 ACCUMULATION = 2
 

@@ -1,7 +1,8 @@
 """Expert parallelism on 4 gloo processes: a Qwen3-MoE-shaped decoder's initial weights,
 gradients (router loss and gradient accumulation included), clipped update, loss and
-logits (and a frozen copy's) equal one process's under (ep 2 x dp 2), (ep 4), (ep 2 x tp 2), (ep 2 x cp 2) and (ep 4,
-zero2, full activation checkpointing), each rank holding E / ep experts; a checkpoint
+logits (and a frozen copy's) equal one process's under (ep 2 x dp 2), (ep 4), (ep 2 x tp 2), (ep 2 x cp 2), (ep 4,
+zero2, full activation checkpointing) and (hsdp's 2 replicas x ep 2), each rank holding
+E / ep experts; a checkpoint
 saved at ep 4 resumes at ep 2 and on one process through the CLI with the straight
 run's losses."""
 
@@ -13,7 +14,8 @@ import pytest
 from tests.distributed.launcher import run_checks
 
 TIGHT = 2e-6  # fp32: differences come only from the order of summation
-LAYOUTS = {"ep2_dp2": 2, "ep4": 1, "ep2_tp2": 2, "ep2_cp2": 2, "ep4_zero2_ac": 1}  # experts held
+# the experts of a block (of 4) each rank computes
+LAYOUTS = {"ep2_dp2": 2, "ep4": 1, "ep2_tp2": 2, "ep2_cp2": 2, "ep4_zero2_ac": 1, "hsdp2_ep2": 2}
 
 
 @pytest.fixture(scope="module")
@@ -22,14 +24,14 @@ def results(tmp_path_factory):
     return run_checks(script, tmp_path_factory.mktemp("expert_parallel"), 4)
 
 
-@pytest.mark.slow  # one launch of 4 processes, 5 layouts: ~20 s on 2 cores
+@pytest.mark.slow  # one launch of 4 processes, 6 layouts: ~25 s on 2 cores
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_expert_parallel_layouts_repeat_one_process(results, layout):
     for rank in results:
         assert rank[f"{layout}/init"] == 0.0
         for part in ("grad", "param", "loss", "logits", "frozen_logits"):
             assert rank[f"{layout}/{part}"] < TIGHT, part
-        assert rank[f"{layout}/experts_per_rank"] == LAYOUTS[layout]  # of 4, by ep
+        assert rank[f"{layout}/experts_per_rank"] == LAYOUTS[layout]
         assert rank[f"{layout}/expert_grad"] > 0  # the experts train
 
 

@@ -35,6 +35,9 @@ def test_ep_borrows_its_ranks_from_the_data_parallel_ones():
     assert (with_axes.dp, with_axes.dp_mod_ep, with_axes.expert_fsdp) == (4, 2, 4)
     assert with_axes.describe() == "fsdp x cp 2 x tp 2 x ep 2"
     assert MeshShape.of(DistributedConfig(ep=4)).dp == 4  # validate: the smallest world
+    # hsdp: ep within each replica's 4 ranks; an expert sharded over the other 2 of them
+    hsdp = MeshShape.of(DistributedConfig("hsdp", 2, ep=2), Processes(8))
+    assert (hsdp.dp_replicate, hsdp.dp_shard, hsdp.dp_mod_ep, hsdp.expert_fsdp) == (2, 4, 2, 2)
 
 
 def test_ep_that_does_not_divide_the_data_parallel_ranks_is_refused():
@@ -45,11 +48,21 @@ def test_ep_that_does_not_divide_the_data_parallel_ranks_is_refused():
     assert "run on a multiple of 8 processes" in flat(str(refused.value))
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "zero1", "hsdp"])
-def test_ep_with_a_strategy_other_than_fsdp_or_zero2_is_refused(strategy):
+def test_ep_that_does_not_divide_a_replicas_ranks_is_refused():
+    with pytest.raises(ConfigError) as refused:
+        check_distributed(DistributedConfig("hsdp", 2, ep=4), Processes(4))
+    assert "does not divide the 2 data-parallel rank(s) of each of its 2 hsdp replicas" in flat(
+        str(refused.value)
+    )
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero1"])
+def test_ep_with_a_replicating_strategy_is_refused(strategy):
     message = validate(*MOE, "distributed.ep=2", f"distributed.strategy={strategy}")
-    assert f"it composes with fsdp or zero2, not {strategy}" in message
-    assert "Use distributed.strategy=fsdp, or set distributed.ep=1" in message
+    assert f"it composes with fsdp, zero2 or hsdp, not {strategy}" in message
+    assert (
+        "Use distributed.strategy=fsdp (or hsdp for replicas), or set distributed.ep=1" in message
+    )
 
 
 def test_ep_with_pipeline_stages_is_refused():
@@ -120,5 +133,5 @@ def test_freetx_estimate_prints_the_experts_share_and_the_all_to_all():
     assert result.returncode == 0, result.stderr
     out = flat(result.stdout)
     assert "as 4 data-parallel x ep 2" in out
-    assert "(ep 2: each rank holds 1/2 of every MoE block's experts, sharded over 2 rank(s)" in out
+    assert "(ep 2: each rank computes 1/2 of every MoE block's experts" in out
     assert "ddp: not estimated, a run would refuse it: distributed.ep=2" in out
