@@ -143,14 +143,7 @@ class _Routes:
         incoming = incoming.view(ranks, per_rank)  # [source rank, local expert]
         sent = counts.view(ranks, per_rank).sum(1).tolist()
         received = incoming.sum(1).tolist()
-        # the received rows, (source, expert)-major, reordered expert-major
-        sizes = incoming.reshape(-1)
-        starts = (sizes.cumsum(0) - sizes).view(ranks, per_rank).t().reshape(-1)
-        by_expert = incoming.t().reshape(-1)
-        first = torch.repeat_interleave(starts, by_expert)
-        within = torch.arange(int(by_expert.sum()), device=counts.device)
-        within = within - torch.repeat_interleave(by_expert.cumsum(0) - by_expert, by_expert)
-        return cls(group, sent, received, first + within, incoming.sum(0).tolist())
+        return cls(group, sent, received, expert_major(incoming), incoming.sum(0).tolist())
 
     def dispatch(self, rows: torch.Tensor) -> torch.Tensor:
         """This rank's rows (sorted by expert) -> the rows of its experts (sorted by expert)."""
@@ -165,6 +158,19 @@ class _Routes:
         back[self.order] = torch.arange(len(self.order), device=self.order.device)
         return all_to_all_single_autograd(out[back].contiguous(), self.sent, self.received,
                                           self.group)  # fmt: skip
+
+
+def expert_major(incoming: torch.Tensor) -> torch.Tensor:
+    """The order that puts rows received (source rank, local expert)-major, `incoming`
+    [ranks, local experts] of them from each rank for each expert, expert-major (and by
+    source rank within an expert): the indices of the received rows, in that order."""
+    ranks, experts = incoming.shape
+    sizes = incoming.reshape(-1)
+    starts = (sizes.cumsum(0) - sizes).view(ranks, experts).t().reshape(-1)
+    by_expert = incoming.t().reshape(-1)
+    first = torch.repeat_interleave(starts, by_expert)
+    within = torch.arange(int(by_expert.sum()), device=incoming.device)
+    return first + within - torch.repeat_interleave(by_expert.cumsum(0) - by_expert, by_expert)
 
 
 def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> list[nn.Module]:

@@ -1,5 +1,6 @@
 """`distributed.ep` before any launch: the mesh it makes, every refusal (by `freetx validate`,
-`freetx run` and the run alike), and what `freetx estimate` counts for it."""
+`freetx run` and the run alike), what `freetx estimate` counts for it; and the order the
+received rows are put in for the local experts."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import pytest
 import torch
 
 from freetx.distributed import DistributedConfig, MeshShape, Processes, check_distributed
+from freetx.distributed.expert_parallel import expert_major
 from freetx.distributed.parallelize import strategy_shapes
 from freetx.errors import ConfigError
 from freetx.models.transformer import decoder
@@ -135,3 +137,10 @@ def test_freetx_estimate_prints_the_experts_share_and_the_all_to_all():
     assert "as 4 data-parallel x ep 2" in out
     assert "(ep 2: each rank computes 1/2 of every MoE block's experts" in out
     assert "ddp: not estimated, a run would refuse it: distributed.ep=2" in out
+
+
+def test_received_rows_are_put_expert_major():
+    # from rank 0: 1 row for local expert 0, 2 for expert 1; from rank 1: 3 for expert 0
+    incoming = torch.tensor([[1, 2], [3, 0]])
+    assert expert_major(incoming).tolist() == [0, 3, 4, 5, 1, 2]
+    assert expert_major(torch.zeros(2, 2, dtype=torch.int64)).tolist() == []
