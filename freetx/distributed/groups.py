@@ -85,7 +85,8 @@ class ParallelGroups:
 
     @property
     def expert_mesh(self) -> DeviceMesh | None:
-        """What FSDP2 shards each expert over with ep > 1 (dp / ep x cp), else None."""
+        """What FSDP2 shards each expert over with ep > 1 (dp_shard / ep x cp; hsdp: 2-D,
+        with the replicas), else None."""
         return self.meshes["expert_fsdp"] if self.size("ep") > 1 else None
 
     @property

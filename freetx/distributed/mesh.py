@@ -13,9 +13,9 @@ fastest: the inner axes are the ranks of one node, where their traffic per block
 cheap; pipeline stages and replicas cross nodes. Every product of the degrees is
 computed here and nowhere else.
 
-Expert parallelism (`ep`) borrows its ranks from the data-parallel ones: the dp axis is
-split into (`dp_mod_ep`, `ep`), so dp = dp_mod_ep x ep and the world is unchanged; the
-mesh is (pp, dp_mod_ep, cp, ep, tp), ep inside cp (an ep group's ranks are neighbours,
+Expert parallelism (`ep`) borrows its ranks from the data-parallel ones (hsdp: those of
+each replica): dp_shard is split into (`dp_mod_ep`, `ep`), so the world is unchanged; the
+mesh is (pp, [dp_replicate,] dp_mod_ep, cp, ep, tp), ep inside cp (an ep group's ranks are neighbours,
 tp apart, where its all-to-alls are cheap). A block's experts are spread over `ep` (E /
 ep whole experts per rank) and FSDP2 shards them over `expert_fsdp` (dp_mod_ep x cp: the
 ranks holding the same experts), which with `ep` makes a 2-D mesh of dimensions in the
@@ -158,7 +158,7 @@ class MeshShape:
         """The axes besides the data-parallel ranks, for the banner: ` x pipeline 2 x
         tensor parallel 2` ('' when there are none)."""
         shown = (
-            ("pp", "dp_replicate", "cp", "tp") if self.strategy == "hsdp"
+            ("pp", "dp_replicate", "cp", "tp", "ep") if self.strategy == "hsdp"
             else ("pp", "cp", "tp", "ep")
         )  # fmt: skip
         return "".join(f" x {_WORDS[a]} {n}" for a in shown if (n := getattr(self, a)) > 1)

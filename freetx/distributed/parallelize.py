@@ -142,8 +142,8 @@ class DistributedConfig:
     # expert parallelism: each MoE block's experts spread over this many data-parallel
     # ranks (num_experts / ep whole experts each), tokens sent to their experts and back
     # by all-to-all, dropless; FSDP2 shards the experts over the other dp / ep x cp ranks
-    # and everything else over dp x cp as without it (fsdp or zero2; freetx.distributed.
-    # expert_parallel); 1: none
+    # and everything else over dp x cp as without it (fsdp, zero2 or hsdp: within each
+    # replica; freetx.distributed.expert_parallel); 1: none
     ep: int = at_least(1, default=1)
     # a collective that a rank does not reach within this ends the job with a message
     # naming the step (the hang guard); large saves and evaluations must fit inside it
@@ -584,7 +584,7 @@ def shard_blocks(
     """FSDP2 over `groups.mesh`: each block a unit, then the root, with the `distributed:`
     section's mixed precision and CPU offload. With expert parallelism each block's
     experts (spread over ep: `apply_expert_parallel`) are a unit of their own first,
-    sharded over `groups.expert_mesh` (dp / ep x cp), their gradients averaged over all
+    sharded over `groups.expert_mesh` (dp_shard / ep x cp), their gradients averaged over all
     dp x cp ranks' tokens as every other gradient is (each rank's experts summed the
     rows of its ep group)."""
     if groups.mesh is None:
