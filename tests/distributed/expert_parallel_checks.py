@@ -9,6 +9,8 @@ teacher); and how many of a block's experts each rank holds."""
 
 from __future__ import annotations
 
+import sys
+
 import torch
 from omegaconf import OmegaConf
 from torch.distributed.tensor import DTensor
@@ -25,6 +27,7 @@ from tests.distributed.launcher import write_results
 from tests.distributed.mesh_checks import MODELS, SEED, batch, build, max_diff, step
 
 LAYOUTS = {
+    "ep2": dict(ep=2),  # on 2 processes (the fast tier's)
     "ep2_dp2": dict(ep=2),
     "ep4": dict(ep=4),
     "ep2_tp2": dict(ep=2, tp=2),
@@ -45,9 +48,11 @@ def experts_held(plan, groups) -> int:
 
 
 def main() -> None:
+    """The layouts named on the command line."""
     runtime = init_distributed("cpu")
     results = {}
-    for name, layout in LAYOUTS.items():
+    for name in sys.argv[1:]:
+        layout = LAYOUTS[name]
         cfg = OmegaConf.structured(DistributedConfig(**layout))
         groups = build_groups(runtime, cfg)
         with torch.device("meta"):
