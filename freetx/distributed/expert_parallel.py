@@ -173,13 +173,17 @@ def expert_major(incoming: torch.Tensor) -> torch.Tensor:
     return first + within - torch.repeat_interleave(by_expert.cumsum(0) - by_expert, by_expert)
 
 
-def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> list[nn.Module]:
-    """Spread every `GroupedExperts` of a (meta) model over `ep_mesh` (`ExpertParallel`):
-    returns them, for FSDP2 to shard over `expert_fsdp`. Refuses a model without native
-    experts, or whose experts do not divide by ep (`check_expert_parallel`)."""
-    experts = expert_modules(model)
-    ep = ep_mesh.size()
-    for size in {m.w1.shape[0] for m in experts.values()} or {0}:
+def check_model_experts(model: nn.Module, ep: int) -> None:
+    """`check_expert_parallel` of a built (meta) model, whole (before pipeline stages
+    prune it): refuses one without native experts, or whose experts do not divide by ep."""
+    for size in {m.w1.shape[0] for m in expert_modules(model).values()} or {0}:
         check_expert_parallel(size, ep, type(model).__name__)
+
+
+def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> list[nn.Module]:
+    """Spread every `GroupedExperts` of a (meta) model, checked by `check_model_experts`
+    (a pipeline stage may hold none), over `ep_mesh` (`ExpertParallel`): returns them, for
+    FSDP2 to shard over `expert_fsdp`."""
+    experts = expert_modules(model)
     parallelize_module(model, ep_mesh, {name: ExpertParallel() for name in experts})
     return list(experts.values())

@@ -269,7 +269,7 @@ class MeshShape:
         return cls(strategy, cfg.pp, replicas, dp // replicas, cfg.cp, cfg.tp, ep)
 
     def refuse_experts(self, named_strategy: str, ep: int) -> None:
-        """distributed.ep: the strategies it composes with (FSDP2) and no pipeline."""
+        """distributed.ep: the strategies it composes with (FSDP2)."""
         if self.strategy not in EXPERT_PARALLEL_STRATEGIES:
             raise ConfigError(
                 f"distributed.ep={ep} spreads each block's experts over {ep} data-parallel "
@@ -277,12 +277,6 @@ class MeshShape:
                 f"composes with fsdp, zero2 or hsdp, not {named_strategy}.",
                 fix="Use distributed.strategy=fsdp (or hsdp for replicas), or set "
                 "distributed.ep=1.",
-            )
-        if self.pp > 1:
-            raise ConfigError(
-                f"distributed.ep={ep} and pp={self.pp}: freetx does not spread experts over "
-                "the ranks of a pipeline stage yet.",
-                fix="Set distributed.pp=1 (ep with fsdp, cp or tp), or distributed.ep=1.",
             )
 
     def refuse_expert_ranks(self, ep: int, shards: int, replicas: int) -> None:

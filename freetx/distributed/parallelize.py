@@ -43,6 +43,7 @@ from freetx.distributed.activation_offload import OffloadActivations
 from freetx.distributed.context_parallel import ContextShard, check_shards_context
 from freetx.distributed.expert_parallel import (
     apply_expert_parallel,
+    check_model_experts,
     check_same_forwards,
     expert_modules,
 )
@@ -143,7 +144,7 @@ class DistributedConfig:
     # ranks (num_experts / ep whole experts each), tokens sent to their experts and back
     # by all-to-all, dropless; FSDP2 shards the experts over the other dp / ep x cp ranks
     # and everything else over dp x cp as without it (fsdp, zero2 or hsdp: within each
-    # replica; freetx.distributed.expert_parallel); 1: none
+    # replica; with pp, within each stage; freetx.distributed.expert_parallel); 1: none
     ep: int = at_least(1, default=1)
     # a collective that a rank does not reach within this ends the job with a message
     # naming the step (the hang guard); large saves and evaluations must fit inside it
@@ -515,6 +516,8 @@ def parallelize(
     store_frozen_bases_in(model, DTYPES[cfg.mixed_precision.param_dtype], frozen)
     if cfg.cp > 1:  # whatever the recipe: a model that cannot take a part is refused here
         check_shards_context(model)
+    if cfg.ep > 1:  # the whole model's experts, before a pipeline stage prunes them
+        check_model_experts(model, cfg.ep)
     num_blocks = len(find_blocks(model))
     stages = None
     if cfg.pp > 1:
@@ -631,6 +634,7 @@ def parallelize_frozen(
     if groups.tp_mesh is not None:
         apply_tensor_parallel(model, groups.tp_mesh, cfg.sequence_parallel)
     if groups.ep_mesh is not None:
+        check_model_experts(model, cfg.ep)
         apply_expert_parallel(model, groups.ep_mesh)
     blocks = find_blocks(model)
     if cfg.compile:

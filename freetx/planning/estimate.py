@@ -235,14 +235,14 @@ class ExpertShape:
 
     @classmethod
     def of(cls, model: nn.Module, unit: nn.Module, ep: int, compute: int, frozen: FrozenBase,
-           tokens: int, passes: float) -> ExpertShape:  # fmt: skip
-        """`model`'s experts spread over `ep` ranks (`check_expert_parallel`'s refusals):
-        `tokens` per rank and micro-batch, each sent out and back `passes` times (2:
-        forward and backward; more with recomputed forwards)."""
+           tokens: int, passes: float, stage: bool = False) -> ExpertShape:  # fmt: skip
+        """`model`'s experts spread over `ep` ranks (`check_expert_parallel`'s refusals;
+        a pipeline `stage` may hold none): `tokens` per rank and micro-batch, each sent out
+        and back `passes` times (2: forward and backward; more with recomputed forwards)."""
         if ep == 1:
             return cls()
         blocks = [m for m in model.modules() if isinstance(m, MoEFeedForward)]
-        for size in {b.experts.w1.shape[0] for b in blocks} or {0}:
+        for size in {b.experts.w1.shape[0] for b in blocks} or ({0} if not stage else set()):
             check_expert_parallel(size, ep)
         names = frozenset(expert_modules(model))
         stored, trainable = parameter_bytes(model, compute, frozen, within=names)
@@ -325,8 +325,9 @@ def estimate(
     block_trained = sum(p.numel() * share for p, share in unit_shares if p.requires_grad)
     recomputed = {"none": 0, "full": 1}.get(activation_checkpointing, 1 / ac_every_n_blocks)
     experts = ExpertShape.of(
-        model, unit, axes.ep, compute, frozen, tokens_per_rank // cp, 2 + recomputed
-    )
+        model, unit, axes.ep, compute, frozen, tokens_per_rank // cp, 2 + recomputed,
+        stage=stage is not None,
+    )  # fmt: skip
     block_params -= experts.in_unit * (1 - 1 / experts.ep)  # its E / ep experts gathered
     device_figures = DEVICES[device]
     float8 = rungs.float8 != "none"

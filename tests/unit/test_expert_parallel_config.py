@@ -67,12 +67,6 @@ def test_ep_with_a_replicating_strategy_is_refused(strategy):
     )
 
 
-def test_ep_with_pipeline_stages_is_refused():
-    message = validate(*MOE, "distributed.ep=2", "distributed.pp=2")
-    assert "distributed.ep=2 and pp=2: freetx does not spread experts over the ranks of a " \
-        "pipeline stage yet" in message  # fmt: skip
-
-
 def test_ep_that_does_not_divide_the_experts_is_refused():
     message = validate("model.num_experts=6", "distributed.ep=4")
     assert "the model has 6 experts per MoE block, which do not divide into 4" in message
@@ -92,8 +86,14 @@ def test_ep_with_generation_that_differs_between_ranks_is_refused():
     assert "Set distributed.ep=1 for this run" in message
 
 
-def test_ep_that_fits_is_accepted():
-    assert validate(*MOE, "distributed.ep=2", "distributed.tp=2", "distributed.cp=2") == ""
+@pytest.mark.parametrize(
+    "layout",
+    [["distributed.tp=2", "distributed.cp=2"], ["distributed.pp=2", "gradient_accumulation_steps=2"],
+     ["distributed.strategy=hsdp", "distributed.replicate_degree=2"]],
+    ids=["tp_cp", "pp", "hsdp"],
+)  # fmt: skip
+def test_ep_that_fits_is_accepted(layout):
+    assert validate(*MOE, "distributed.ep=2", *layout) == ""
 
 
 def moe_estimate(ep: int, checkpointing: str = "none"):
