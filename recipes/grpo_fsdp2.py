@@ -56,6 +56,7 @@ from freetx.data import (
     micro_batch_size,
 )
 from freetx.distributed import build_groups, init_distributed, parallelize
+from freetx.distributed.expert_parallel import check_same_forwards
 from freetx.entry import parse
 from freetx.errors import ConfigError
 from freetx.fields import at_least, component_list, read_path
@@ -182,6 +183,7 @@ class GRPOConfig(TrainingConfig):
                     + ".",
                     fix=f"Use distributed.tp or a sharded strategy instead, with {axis}=1.",
                 )  # fmt: skip
+        check_same_forwards(self.distributed.ep, "grpo_fsdp2's generation")
         build_rewards(self.rewards)  # each reward's signature, before any launch
 
     def planned(self) -> PlannedRun:  # a prompt's completions, the generation phase

@@ -124,7 +124,7 @@ def _estimate(args: argparse.Namespace) -> int:
     else:
         trainable_text = f"{trainable / 1e9:.3f}B trained"
     shape = found.shapes[0] if found.shapes else None  # the axes are the same in each
-    axes = "".join(f" x {name} {getattr(shape, name)}" for name in ("pp", "cp", "tp")
+    axes = "".join(f" x {name} {getattr(shape, name)}" for name in ("pp", "cp", "tp", "ep")
                    if shape is not None and getattr(shape, name) > 1)  # fmt: skip
     grid = f" as {shape.dp} data-parallel{axes}" if axes else ""
     print(f"{args.config}: {params / 1e9:.3f}B parameters ({trainable_text}), "
@@ -141,12 +141,13 @@ def _estimate(args: argparse.Namespace) -> int:
             fix="Leave out --measure: the analytic estimate counts adapters, frozen "
             "bases and NF4 weights.",
         )
-    if args.measure and shape is not None and shape.has_axes:
+    if args.measure and shape is not None and (shape.has_axes or shape.ep > 1):
         raise ConfigError(
             "--measure steps the data-parallel strategies on one process; it does not slice "
-            "layers over tensor-parallel ranks or sequences over context-parallel ranks yet.",
-            fix="Leave out --measure for distributed.tp, cp or pp > 1 (the analytic estimate "
-            "counts them), or measure at tp=1, cp=1 and pp=1.",
+            "layers over tensor-parallel ranks, sequences over context-parallel ranks or "
+            "experts over expert-parallel ones yet.",
+            fix="Leave out --measure for distributed.tp, cp, pp or ep > 1 (the analytic "
+            "estimate counts them), or measure at tp=1, cp=1, pp=1 and ep=1.",
         )
     if args.measure:  # one step per distinct layout (at world size 1: the plain model, once)
         steps = {}
@@ -191,6 +192,13 @@ def _estimate(args: argparse.Namespace) -> int:
     _print_table(table)
     print("(GiB per rank; `gathered`: unsharded blocks and gradient buckets in flight; the "
           "allocator's caching and fragmentation come on top, 5-10% on CUDA)")  # fmt: skip
+    if shape is not None and shape.ep > 1:
+        print(f"(ep {shape.ep}: each rank computes 1/{shape.ep} of every MoE block's "
+              "experts, which FSDP2 shards over the dp / ep x cp ranks of a replica: "
+              + ", ".join(f"{r.strategy} {r.expert_states / GIB:.2f} GiB" for r in rows)
+              + " of their parameters, gradients and optimizer states per rank, within the "
+              f"states above; the tokens' all-to-all {rows[0].all_to_all / GIB:.3f} GiB per "
+              "rank and micro-batch, in step s)")  # fmt: skip
     if hosted:
         print("(host: CPU memory per rank, not in the peak: an offloaded optimizer's states, "
               "fp32 copy and gradients; offloaded activations)")  # fmt: skip

@@ -11,8 +11,10 @@ parallel: the ranks that hold slices of the same layers and read the same tokens
 `dp_cp` (dp and cp together: the ranks that hold different tokens of the global batch,
 over which losses and token counts are summed and gradients averaged), `pp` (pipeline
 parallel: the ranks that hold different stages of blocks), `dp_replicate` and
-`dp_shard` (hsdp: the replicas, and the ranks one replica is sharded over) and `world`
-(every rank: agreement to stop, saves). Their sizes come from the run's `MeshShape`
+`dp_shard` (hsdp: the replicas, and the ranks one replica is sharded over), `ep` (expert
+parallel: data-parallel ranks that hold different experts of each block and send each
+other tokens), `expert_fsdp` (the ranks one expert is sharded over) and `world` (every
+rank: agreement to stop, saves). Their sizes come from the run's `MeshShape`
 (`freetx.distributed.mesh`), their process groups from the meshes it builds; an axis
 as large as the world uses the default group, an axis of one rank runs no collective.
 `mesh` is what FSDP2 shards over (1-D, or hsdp's 2-D).
@@ -33,8 +35,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from freetx.distributed.mesh import MeshShape
 from freetx.distributed.runtime import DistributedRuntime
 
-Axis = Literal["dp", "cp", "tp", "pp", "dp_cp", "dp_replicate", "dp_shard", "world"]
-AXES = ("dp", "cp", "tp", "pp", "dp_cp", "dp_replicate", "dp_shard", "world")
+Axis = Literal["dp", "cp", "tp", "pp", "dp_cp", "dp_replicate", "dp_shard", "ep", "expert_fsdp",
+               "world"]  # fmt: skip
+AXES = ("dp", "cp", "tp", "pp", "dp_cp", "dp_replicate", "dp_shard", "ep", "expert_fsdp", "world")
 ReduceOp = Literal["sum", "max", "min"]
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
@@ -74,6 +77,17 @@ class ParallelGroups:
     def tp_mesh(self) -> DeviceMesh | None:
         """The tensor-parallel mesh (distributed.tp > 1), else None."""
         return self.meshes["tp"] if self.size("tp") > 1 else None
+
+    @property
+    def ep_mesh(self) -> DeviceMesh | None:
+        """The expert-parallel mesh (distributed.ep > 1), else None."""
+        return self.meshes["ep"] if self.size("ep") > 1 else None
+
+    @property
+    def expert_mesh(self) -> DeviceMesh | None:
+        """What FSDP2 shards each expert over with ep > 1 (dp_shard / ep x cp; hsdp: 2-D,
+        with the replicas), else None."""
+        return self.meshes["expert_fsdp"] if self.size("ep") > 1 else None
 
     @property
     def dp_rank(self) -> int:

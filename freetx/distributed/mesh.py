@@ -12,6 +12,15 @@ The axes, outermost first, as torchtitan's ParallelDims: `pp` (pipeline stages),
 fastest: the inner axes are the ranks of one node, where their traffic per block is
 cheap; pipeline stages and replicas cross nodes. Every product of the degrees is
 computed here and nowhere else.
+
+Expert parallelism (`ep`) borrows its ranks from the data-parallel ones (hsdp: those of
+each replica): dp_shard is split into (`dp_mod_ep`, `ep`), so the world is unchanged; the
+mesh is (pp, [dp_replicate,] dp_mod_ep, cp, ep, tp), ep inside cp (an ep group's ranks are neighbours,
+tp apart, where its all-to-alls are cheap). A block's experts are spread over `ep` (E /
+ep whole experts per rank) and FSDP2 shards them over `expert_fsdp` (dp_mod_ep x cp: the
+ranks holding the same experts), which with `ep` makes a 2-D mesh of dimensions in the
+mesh's order (DTensor's collectives over both need that); everything else is sharded
+over dp x cp as without it (torchtitan's dp_shard_mod_ep).
 """
 
 from __future__ import annotations
@@ -31,7 +40,9 @@ SHARDED = ("fsdp", "zero2", "hsdp")
 # the mesh axes a collective may name (`ParallelGroups`), beside `world`
 AXIS_NAMES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 _WORDS = {"pp": "pipeline", "dp_replicate": "replicas", "cp": "context parallel",
-          "tp": "tensor parallel"}  # fmt: skip
+          "tp": "tensor parallel", "ep": "expert parallel"}  # fmt: skip
+# the strategies expert parallelism composes with: FSDP2 (hsdp: within each replica)
+EXPERT_PARALLEL_STRATEGIES = SHARDED
 
 
 def canonical_strategy(name: str) -> str:
@@ -71,6 +82,7 @@ class MeshShape:
     dp_shard: int = 1
     cp: int = 1
     tp: int = 1
+    ep: int = 1  # of the dp ranks (dp_shard), not a factor of the world
 
     # -- the ranks each part of the work spreads over ---------------------------------
     @property
@@ -92,6 +104,18 @@ class MeshShape:
     def fsdp(self) -> int:
         """The ranks one copy of the parameters is sharded over (1: replicated)."""
         return self.dp_shard * self.cp
+
+    @property
+    def dp_mod_ep(self) -> int:
+        """The data-parallel ranks of one replica that hold the same experts (dp_shard /
+        ep; hsdp's replicas hold them again)."""
+        return self.dp_shard // self.ep
+
+    @property
+    def expert_fsdp(self) -> int:
+        """The ranks one expert is sharded over by FSDP2 (dp_shard / ep x cp, within a
+        replica); `fsdp` without expert parallelism."""
+        return self.dp_mod_ep * self.cp if self.ep > 1 else self.fsdp
 
     @property
     def per_data_rank(self) -> int:
@@ -120,6 +144,7 @@ class MeshShape:
     def degree(self, axis: str) -> int:
         """The ranks of a named axis: a mesh axis, `dp`, `dp_cp`, `fsdp` or `world`."""
         combined = {"dp": self.dp, "dp_cp": self.dp_cp, "fsdp": self.fsdp,
+                    "dp_mod_ep": self.dp_mod_ep, "expert_fsdp": self.expert_fsdp,
                     "world": self.world_size}  # fmt: skip
         return combined[axis] if axis in combined else getattr(self, axis)
 
@@ -133,13 +158,14 @@ class MeshShape:
         """The axes besides the data-parallel ranks, for the banner: ` x pipeline 2 x
         tensor parallel 2` ('' when there are none)."""
         shown = (
-            ("pp", "dp_replicate", "cp", "tp") if self.strategy == "hsdp" else ("pp", "cp", "tp")
-        )
+            ("pp", "dp_replicate", "cp", "tp", "ep") if self.strategy == "hsdp"
+            else ("pp", "cp", "tp", "ep")
+        )  # fmt: skip
         return "".join(f" x {_WORDS[a]} {n}" for a in shown if (n := getattr(self, a)) > 1)
 
     def describe(self) -> str:
         """The strategy and any other axis, in words (checkpoints' meta): `fsdp x cp 2 x tp 2`."""
-        axes = [f"{axis} {getattr(self, axis)}" for axis in ("pp", "cp", "tp")]
+        axes = [f"{axis} {getattr(self, axis)}" for axis in ("pp", "cp", "tp", "ep")]
         return " x ".join([self.strategy] + [a for a in axes if not a.endswith(" 1")])
 
     # -- the meshes ---------------------------------------------------------------------
@@ -147,14 +173,17 @@ class MeshShape:
         """Whether the run shards over a device mesh (FSDP2, or any axis besides dp);
         DDP and a plain model use the default process group."""
         sharded = self.strategy in SHARDED and (self.world_size > 1 or cpu_offload)
-        return sharded or self.has_axes
+        return sharded or self.has_axes or self.ep > 1
 
     def build(self, device_type: str) -> dict[str, DeviceMesh]:
         """The meshes the code asks for, by name: each axis of more than one rank (`pp`,
         `cp`, `tp`, `dp_replicate`, `dp_shard`), `dp` (the batch's ranks), `dp_cp` (the
         loss's) and `fsdp` (what FSDP2 shards over: 1-D, or hsdp's 2-D (dp_replicate,
-        dp_shard x cp)). Every rank calls it at once (it makes process groups)."""
+        dp_shard x cp)); with ep > 1 also `dp_mod_ep`, `ep` and `expert_fsdp` (what FSDP2
+        shards the experts over). Every rank calls it at once (it makes process groups)."""
         replicas = self.dp_replicate > 1 and self.strategy == "hsdp"
+        if self.ep > 1:
+            return self._build_with_experts(device_type)
         if not self.has_axes:  # one data-parallel axis: 1-D, or hsdp's 2-D
             if not replicas:
                 mesh = init_device_mesh(device_type, (self.dp,), mesh_dim_names=("dp_shard",))
@@ -184,6 +213,34 @@ class MeshShape:
             mesh[(*data, "cp", "tp")]._flatten("dp_cp_tp")
         return meshes
 
+    def _build_with_experts(self, device_type: str) -> dict[str, DeviceMesh]:
+        """`build` with ep > 1: (pp, [dp_replicate,] dp_mod_ep, cp, ep, tp), dp_shard the
+        flattened (dp_mod_ep, ep). FSDP2 shards an expert over dp_mod_ep x cp (hsdp: 2-D,
+        replicated over dp_replicate: `expert_fsdp`), which with the experts' `ep` makes
+        one mesh of dimensions in this mesh's order (DTensor's collectives need that)."""
+        hsdp = self.strategy == "hsdp" and self.dp_replicate > 1
+        replicas = {"dp_replicate": self.dp_replicate} if hsdp else {}
+        dims = {"pp": self.pp, **replicas, "dp_mod_ep": self.dp_mod_ep, "cp": self.cp,
+                "ep": self.ep, "tp": self.tp}  # fmt: skip
+        mesh = init_device_mesh(device_type, tuple(dims.values()), mesh_dim_names=tuple(dims))
+        meshes = {name: mesh[name] for name in dims}
+        outer = tuple(replicas)  # ("dp_replicate",) or ()
+        meshes["dp"] = mesh[(*outer, "dp_mod_ep", "ep")]._flatten("dp")
+        shard, experts = "dp_shard", "dp_mod_ep"  # within a replica: all, and the experts'
+        meshes["dp_shard"] = mesh[("dp_mod_ep", "ep")]._flatten(shard) if hsdp else meshes["dp"]
+        meshes["dp_cp"] = meshes["dp"]
+        if self.cp > 1:
+            meshes["dp_cp"] = mesh[(*outer, "dp_mod_ep", "cp", "ep")]._flatten("dp_cp")
+            shard, experts = "dp_shard_cp", "dp_mod_ep_cp"
+            if hsdp:
+                mesh[("dp_mod_ep", "cp", "ep")]._flatten(shard)
+            mesh[("dp_mod_ep", "cp")]._flatten(experts)
+        meshes["fsdp"] = mesh[(*outer, shard)] if hsdp else meshes["dp_cp"]
+        meshes["expert_fsdp"] = mesh[(*outer, experts)]
+        if self.tp > 1:
+            mesh[(*outer, "dp_mod_ep", "cp", "ep", "tp")]._flatten("dp_cp_tp")
+        return meshes
+
     # -- the shape a config makes ---------------------------------------------------------
     @classmethod
     def of(cls, cfg, processes: Processes = Processes()) -> MeshShape:
@@ -194,17 +251,47 @@ class MeshShape:
         strategy = canonical_strategy(cfg.strategy)
         inner = cls(strategy, cfg.pp, 1, 1, cfg.cp, cfg.tp)
         inner.refuse_axes(cfg.strategy, processes)
+        ep = cfg.ep
         world = processes.world_size
-        if world is None:
+        if ep > 1:
+            inner.refuse_experts(cfg.strategy, ep)
+        if world is None:  # with ep: the smallest world of one expert-parallel group
             replicas = (cfg.replicate_degree or 1) if strategy == "hsdp" else 1
-            return cls(strategy, cfg.pp, replicas, 1, cfg.cp, cfg.tp)
+            return cls(strategy, cfg.pp, replicas, ep, cfg.cp, cfg.tp, ep)
         dp = world // inner.per_data_rank
         if strategy in REPLICATED:
             return cls(strategy, cfg.pp, dp, 1, cfg.cp, cfg.tp)
         replicas = 1
         if strategy == "hsdp":
             replicas = inner.replicas(cfg.replicate_degree, dp, processes)
-        return cls(strategy, cfg.pp, replicas, dp // replicas, cfg.cp, cfg.tp)
+        if ep > 1:
+            inner.refuse_expert_ranks(ep, dp // replicas, replicas)
+        return cls(strategy, cfg.pp, replicas, dp // replicas, cfg.cp, cfg.tp, ep)
+
+    def refuse_experts(self, named_strategy: str, ep: int) -> None:
+        """distributed.ep: the strategies it composes with (FSDP2)."""
+        if self.strategy not in EXPERT_PARALLEL_STRATEGIES:
+            raise ConfigError(
+                f"distributed.ep={ep} spreads each block's experts over {ep} data-parallel "
+                "ranks, and FSDP2 shards them over the others (a (dp / ep, ep) mesh): it "
+                f"composes with fsdp, zero2 or hsdp, not {named_strategy}.",
+                fix="Use distributed.strategy=fsdp (or hsdp for replicas), or set "
+                "distributed.ep=1.",
+            )
+
+    def refuse_expert_ranks(self, ep: int, shards: int, replicas: int) -> None:
+        """An ep that divides the `shards` data-parallel ranks of a replica (all of them
+        without hsdp's `replicas`)."""
+        if shards % ep:
+            per = f" (world / {self.per_data_rank}: pp x cp x tp)" if self.has_axes else ""
+            where = f"of each of its {replicas} hsdp replicas" if replicas > 1 else "of this run"
+            raise ConfigError(
+                f"distributed.ep={ep} takes its ranks from the data-parallel ones, and does "
+                f"not divide the {shards} data-parallel rank(s){per} {where}, so the experts "
+                "cannot be spread over groups of ep ranks.",
+                fix=f"Pick an ep that divides {shards} (and the model's num_experts), or run "
+                f"on a multiple of {ep * self.per_data_rank * replicas} processes.",
+            )
 
     def refuse_axes(self, named_strategy: str, processes: Processes) -> None:
         """pp, cp and tp: the strategies they compose with, a tp inside a node, and a

@@ -41,6 +41,12 @@ from torch.nn.parallel import DistributedDataParallel
 from freetx.config.instantiate import COMPONENT, import_component, node_path
 from freetx.distributed.activation_offload import OffloadActivations
 from freetx.distributed.context_parallel import ContextShard, check_shards_context
+from freetx.distributed.expert_parallel import (
+    apply_expert_parallel,
+    check_model_experts,
+    check_same_forwards,
+    expert_modules,
+)
 from freetx.distributed.float8 import (
     check_float8,
     check_float8_device,
@@ -134,6 +140,12 @@ class DistributedConfig:
     # blocks per stage, first to last (pp x pp_stages_per_rank of them); None: as even as
     # the blocks divide
     pp_blocks_per_stage: Optional[list[int]] = None
+    # expert parallelism: each MoE block's experts spread over this many data-parallel
+    # ranks (num_experts / ep whole experts each), tokens sent to their experts and back
+    # by all-to-all, dropless; FSDP2 shards the experts over the other dp / ep x cp ranks
+    # and everything else over dp x cp as without it (fsdp, zero2 or hsdp: within each
+    # replica; with pp, within each stage; freetx.distributed.expert_parallel); 1: none
+    ep: int = at_least(1, default=1)
     # a collective that a rank does not reach within this ends the job with a message
     # naming the step (the hang guard); large saves and evaluations must fit inside it
     collective_timeout_s: float = 1800.0
@@ -251,7 +263,9 @@ class ParallelPlan:
         whole until exit, where each is sharded again, so that the forwards inside run
         no collective over the sharding axes. Replicated parameters: the bare module.
         Tensor-parallel layers still reduce over `tp` in each forward; the tp ranks of
-        one data shard generate the same rows, so they run the same forwards."""
+        one data shard generate the same rows, so they run the same forwards. Refused
+        with expert parallelism, whose forwards send tokens to other ranks."""
+        check_same_forwards(self.groups.size("ep"), "generating or scoring per rank")
         if self.replicated:
             yield self.module
             return
@@ -502,6 +516,8 @@ def parallelize(
     store_frozen_bases_in(model, DTYPES[cfg.mixed_precision.param_dtype], frozen)
     if cfg.cp > 1:  # whatever the recipe: a model that cannot take a part is refused here
         check_shards_context(model)
+    if cfg.ep > 1:  # the whole model's experts, before a pipeline stage prunes them
+        check_model_experts(model, cfg.ep)
     num_blocks = len(find_blocks(model))
     stages = None
     if cfg.pp > 1:
@@ -511,6 +527,8 @@ def parallelize(
         apply_tensor_parallel(model, groups.tp_mesh, cfg.sequence_parallel and cfg.pp == 1)
         if cfg.async_tp:
             enable_async_tp(groups.tp_mesh)
+    if groups.ep_mesh is not None:  # the experts spread over ep, before AC and FSDP2
+        apply_expert_parallel(model, groups.ep_mesh)
     # float8 all-gather: tensorwise under FSDP2, its shards on the device (not offloaded)
     sharded = strategy not in REPLICATED and runtime.world_size > 1 and not cfg.cpu_offload
     float8_all_gather = cfg.float8 == "tensorwise" and sharded
@@ -567,7 +585,11 @@ def shard_blocks(
     reshard_after_forward: bool,
 ) -> None:  # fmt: skip
     """FSDP2 over `groups.mesh`: each block a unit, then the root, with the `distributed:`
-    section's mixed precision and CPU offload."""
+    section's mixed precision and CPU offload. With expert parallelism each block's
+    experts (spread over ep: `apply_expert_parallel`) are a unit of their own first,
+    sharded over `groups.expert_mesh` (dp_shard / ep x cp), their gradients averaged over all
+    dp x cp ranks' tokens as every other gradient is (each rank's experts summed the
+    rows of its ep group)."""
     if groups.mesh is None:
         raise ValueError("parallelize: a sharded strategy needs the groups of build_groups")
     options = {
@@ -580,6 +602,14 @@ def shard_blocks(
     }
     if cfg.cpu_offload:
         options["offload_policy"] = CPUOffloadPolicy()
+    if groups.expert_mesh is not None:
+        for experts in expert_modules(model).values():
+            fully_shard(experts, **{**options, "mesh": groups.expert_mesh})
+            experts.set_gradient_divide_factor(groups.size("dp_cp"))
+            # gloo has no PREMUL_SUM: a sum, then the division; not on one rank, where
+            # torch 2.13's FSDP2 would divide twice (no collective to choose an op for)
+            if groups.runtime.device_type == "cpu" and groups.size("expert_fsdp") > 1:
+                experts.set_force_sum_reduction_for_comms(True)
     for block in blocks:
         fully_shard(block, **options)
     fully_shard(model, **options)  # the root gets the same policy as the blocks
@@ -603,6 +633,9 @@ def parallelize_frozen(
     model.to(DTYPES[cfg.mixed_precision.param_dtype])  # meta: the dtype its storage gets
     if groups.tp_mesh is not None:
         apply_tensor_parallel(model, groups.tp_mesh, cfg.sequence_parallel)
+    if groups.ep_mesh is not None:
+        check_model_experts(model, cfg.ep)
+        apply_expert_parallel(model, groups.ep_mesh)
     blocks = find_blocks(model)
     if cfg.compile:
         for block in blocks or [model]:

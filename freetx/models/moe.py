@@ -116,9 +116,17 @@ class GroupedExperts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_dim, ffn_hidden_dim))
 
     def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """x [N, H]: token copies sorted by expert, `counts[e]` for expert e."""
-        hidden = F.silu(grouped_linear(x, self.w1, counts)) * grouped_linear(x, self.w3, counts)
-        return grouped_linear(hidden, self.w2, counts)
+        """x [N, H]: token copies sorted by expert, `counts[e]` for expert e (this rank's
+        experts under expert parallelism: its local rows of the DTensors)."""
+        w1, w3, w2 = (local_rows(w) for w in (self.w1, self.w3, self.w2))
+        hidden = F.silu(grouped_linear(x, w1, counts)) * grouped_linear(x, w3, counts)
+        return grouped_linear(hidden, w2, counts)
+
+
+def local_rows(weight: torch.Tensor) -> torch.Tensor:
+    """A weight's rows on this rank: an expert-parallel DTensor's local experts
+    (freetx.distributed.expert_parallel), any other tensor itself."""
+    return weight.to_local() if isinstance(weight, DTensor) else weight
 
 
 class MoEFeedForward(nn.Module):

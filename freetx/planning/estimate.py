@@ -27,6 +27,15 @@ interconnect, assumed overlapped: the step takes the longer of the two; activati
 checkpointing adds the recomputed forward (a third of the FLOPs; selective every n-th
 block: 1/n of that).
 
+Expert parallelism (`ep`): a rank's model states are the same share as without it (its
+E / ep experts of each block sharded over dp / ep x cp ranks: 1 / (dp x cp) of them, as
+FSDP2 shards the rest), reported apart (`expert_states`); what changes is what a rank
+gathers (a block's E / ep experts, not E: the gathered unit and FSDP's traffic shrink)
+and the all-to-alls of the tokens: each MoE block sends its k copies of every token of
+the micro-batch to their experts' ranks and back, (ep - 1) / ep of them leaving the
+rank, in forward and again in backward (and in a recomputed forward), on the critical
+path (`all_to_all`: bytes per rank and micro-batch).
+
 The memory ladder's rungs (`Rungs`), per rank:
 
 - optimizer.offload=cpu: the optimizer's states, an fp32 copy of what this rank trains and
@@ -56,11 +65,13 @@ from typing import NamedTuple
 from torch import nn
 
 from freetx.distributed import FrozenBase, MeshShape, StateSharding, canonical_name, frozen_base
+from freetx.distributed.expert_parallel import check_expert_parallel, expert_modules
 from freetx.distributed.float8 import float8_filter
 from freetx.distributed.parallelize import find_blocks
 from freetx.distributed.tensor_parallel import check_slices
 from freetx.errors import ConfigError
 from freetx.models.memory import TrainingShape
+from freetx.models.moe import MoEFeedForward
 from freetx.models.protocol import CountsFlops, EstimatesActivations, StoredInOwnForm, require_hook
 from freetx.planning.rungs import Rungs
 
@@ -104,6 +115,10 @@ class Estimate:
     # host memory: an offloaded optimizer's states, fp32 copy and gradients; offloaded
     # activations (not in `peak`, which is the device's)
     host: float = 0.0
+    # expert parallelism: this rank's share of the experts' parameters, gradients and
+    # optimizer states (within `states`), and the tokens' all-to-all bytes per micro-batch
+    expert_states: float = 0.0
+    all_to_all: float = 0.0
 
     @property
     def states(self) -> float:
@@ -136,13 +151,16 @@ def parameter_bytes(
     frozen: FrozenBase,
     sliced: frozenset = frozenset(),
     tp: int = 1,
+    within: frozenset | None = None,
 ) -> tuple[float, float]:
     """(bytes of all parameters as stored, trainable elements) on one tensor-parallel rank:
     NF4 bases at their quantized size, the frozen parameters the decision keeps in the
     compute dtype in it, the rest as fp32 masters; the parameters of the `sliced` modules
-    divided by `tp`."""
+    divided by `tp`; `within`: only the parameters of these modules (by name)."""
     stored = trainable = 0.0
     for name, p, share in _shares(model, sliced, tp):
+        if within is not None and name.rpartition(".")[0] not in within:
+            continue
         owner, local_name = _owner(model, name)
         if isinstance(owner, StoredInOwnForm) and owner.stores_parameter(local_name):
             stored += p.numel() * owner.stored_element_bytes(local_name) * share
@@ -199,6 +217,44 @@ def sliced_modules(model: nn.Module, tp: int) -> frozenset:
 def _owner(model: nn.Module, name: str) -> tuple[nn.Module, str]:
     module_name, _, local_name = name.rpartition(".")
     return (model.get_submodule(module_name) if module_name else model), local_name
+
+
+@dataclass(frozen=True)
+class ExpertShape:
+    """What expert parallelism changes in a model's estimate: its experts' parameters
+    (`stored` bytes, `trainable` elements, `sizes` of the trained tensors), those of the
+    gathered unit (`in_unit` elements), and the all-to-all bytes of one micro-batch per
+    rank (`exchanged`)."""
+
+    ep: int = 1
+    stored: float = 0.0
+    trainable: float = 0.0
+    sizes: tuple = ()
+    in_unit: float = 0.0
+    exchanged: float = 0.0
+
+    @classmethod
+    def of(cls, model: nn.Module, unit: nn.Module, ep: int, compute: int, frozen: FrozenBase,
+           tokens: int, passes: float, stage: bool = False) -> ExpertShape:  # fmt: skip
+        """`model`'s experts spread over `ep` ranks (`check_expert_parallel`'s refusals;
+        a pipeline `stage` may hold none): `tokens` per rank and micro-batch, each sent out
+        and back `passes` times (2: forward and backward; more with recomputed forwards)."""
+        if ep == 1:
+            return cls()
+        blocks = [m for m in model.modules() if isinstance(m, MoEFeedForward)]
+        for size in {b.experts.w1.shape[0] for b in blocks} or ({0} if not stage else set()):
+            check_expert_parallel(size, ep)
+        names = frozenset(expert_modules(model))
+        stored, trainable = parameter_bytes(model, compute, frozen, within=names)
+        sizes = tuple(
+            p.numel() for n, p in model.named_parameters()
+            if p.requires_grad and n.rpartition(".")[0] in names
+        )  # fmt: skip
+        in_unit = sum(p.numel() for m in expert_modules(unit).values() for p in m.parameters())
+        # per block: k copies of each token, hidden wide, out and back, (ep - 1) / ep leaving
+        rows = sum(b.top_k * b.experts.w1.shape[2] for b in blocks)
+        exchanged = 2 * passes * tokens * rows * compute * (ep - 1) / ep
+        return cls(ep, stored, trainable, sizes, in_unit, exchanged)
 
 
 def estimate(
@@ -267,6 +323,12 @@ def estimate(
     ]
     block_params = sum(p.numel() * share for p, share in unit_shares)
     block_trained = sum(p.numel() * share for p, share in unit_shares if p.requires_grad)
+    recomputed = {"none": 0, "full": 1}.get(activation_checkpointing, 1 / ac_every_n_blocks)
+    experts = ExpertShape.of(
+        model, unit, axes.ep, compute, frozen, tokens_per_rank // cp, 2 + recomputed,
+        stage=stage is not None,
+    )  # fmt: skip
+    block_params -= experts.in_unit * (1 - 1 / experts.ep)  # its E / ep experts gathered
     device_figures = DEVICES[device]
     float8 = rungs.float8 != "none"
     if float8 and device_figures.float8_peak is None:
@@ -319,14 +381,16 @@ def estimate(
             p.numel() / (tp if name.rpartition(".")[0] in sliced else 1)
             for name, p in model.named_parameters()
         ) * compute  # fmt: skip
-    tp_s = counted.exchanged / bandwidth  # tp's sums and cp's gathers, not overlapped
+    # tp's sums and cp's gathers, ep's all-to-alls: not overlapped
+    tp_s = (counted.exchanged + experts.exchanged) / bandwidth
+    elsewhere = experts.stored * (1 - 1 / experts.ep)  # the experts other ep ranks hold
     cache = generation.cache_bytes(model, compute, tp) if generation is not None else 0.0
     out = []
     for shape in shapes:
         layout, world_size = StateSharding.of(shape), shape.world_size
         shards = layout.parameter_shards
         if layout.blocks_stay_gathered:  # every block kept unsharded, forward to backward
-            gathered = stored / 4 * compute - all_saved
+            gathered = (stored - elsewhere) / 4 * compute - all_saved
         elif layout.gathers_per_block:  # + a unit's grads
             gathered = copies * (block_params * compute - unit_saved) + block_params * 4
         elif layout.all_reduce and world_size > 1:
@@ -336,8 +400,11 @@ def estimate(
         else:
             gathered = 0.0
         # two gathers (forward, backward) and a reduce-scatter
-        traffic = 3 * stored / 4 * compute - 2 * all_saved
+        traffic = 3 * (stored - experts.stored) / 4 * compute - 2 * all_saved
         traffic = 0.0 if shards == 1 else traffic * (shards - 1) / shards
+        # this rank's E / ep experts, gathered over the dp / ep x cp ranks that shard them
+        own, expert_shards = experts.stored / experts.ep, shape.expert_fsdp
+        traffic += 3 * own / 4 * compute * (expert_shards - 1) / expert_shards
         if layout.all_reduce and world_size > 1:
             traffic = 2 * trainable * 4 * (shape.dp - 1) / shape.dp  # an all-reduce
         comm_s = traffic / bandwidth
@@ -349,9 +416,19 @@ def estimate(
             gathered if world_size > 1 else 0.0, activations, loss,
             max(compute_s, comm_s) + tp_s, compute_s, comm_s + tp_s, sources, copy / shards,
             cache + (stored / 4 * compute if shards > 1 else 0.0) if generation else 0.0,
-            host + offloaded,
+            host + offloaded, expert_state_bytes(experts, rungs, layout), experts.exchanged,
         ))  # fmt: skip
     return out
+
+
+def expert_state_bytes(experts: ExpertShape, rungs: Rungs, layout: StateSharding) -> float:
+    """One rank's share of the experts' parameters, gradients and optimizer states (0
+    without expert parallelism): 1 / (ep x dp / ep x cp) of each, as the rest's."""
+    if experts.ep == 1:
+        return 0.0
+    states = sum(rungs.states.bytes(n / layout.optimizer_shards) for n in experts.sizes)
+    gradients = experts.trainable * 4 / layout.gradient_shards
+    return experts.stored / layout.parameter_shards + gradients + states
 
 
 def model_state_rungs(

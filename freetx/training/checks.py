@@ -14,6 +14,7 @@ from freetx.data import micro_batch_size, tokenizer_problem
 from freetx.data.sources import source_problems
 from freetx.distributed import MeshShape, Processes, check_distributed
 from freetx.distributed.context_parallel import check_shards_context
+from freetx.distributed.expert_parallel import check_expert_parallel
 from freetx.distributed.optimizer import check_optimizer
 from freetx.distributed.pipeline import check_micro_batches, check_stages, num_stages, stage_blocks
 from freetx.distributed.tensor_parallel import check_slices
@@ -70,7 +71,8 @@ def check_model_shape(cfg: TrainingConfig, shape: object) -> None:
     """The refusals a run makes of its model's shape when it parallelizes it, made from
     the model node's config (`shape`: a native decoder's; None: known only once built):
     tp slices its heads (`check_tensor_parallel`), pp splits its blocks into stages
-    (`stage_blocks`); and a DoRA run is refused with tp (`check_dora_slices`)."""
+    (`stage_blocks`), ep spreads its experts (`check_expert_parallel`); and a DoRA run is
+    refused with tp (`check_dora_slices`)."""
     dist = cfg.distributed
     peft = getattr(cfg, "peft", None)
     if dist.tp > 1 and isinstance(peft, PEFTConfig) and peft.method == "lora":
@@ -81,6 +83,8 @@ def check_model_shape(cfg: TrainingConfig, shape: object) -> None:
         check_tensor_parallel(shape, dist.tp)
     if dist.pp > 1:
         stage_blocks(shape.num_layers, num_stages(dist), dist.pp_blocks_per_stage)
+    if dist.ep > 1:
+        check_expert_parallel(shape.num_experts, dist.ep, "the model")
 
 
 def dataset_nodes(dataset: DictConfig) -> list[DictConfig]:
