@@ -131,9 +131,10 @@ def test_lora_on_deepseek_v3_experts_on_2_processes_resumes_exactly_and_exports_
             *overrides,
         )  # fmt: skip
 
-    refused = lora(tmp_path / "refused", "peft.dropout=0.1")  # before any work
+    refused = lora(tmp_path / "refused", "peft.dropout=0.1")  # on the meta model: no step
     assert "peft.dropout=0.1: LoRA on MoE experts" in one_paragraph(refused)
-    assert not (tmp_path / "refused" / "checkpoints").exists()
+    assert not list((tmp_path / "refused").glob("checkpoints/step_*"))
+    assert not (tmp_path / "refused" / "metrics.jsonl").exists()
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     result = lora(straight, "max_steps=4")
     assert result.returncode == 0, result.stderr
