@@ -17,7 +17,12 @@ from freetx.distributed import materialize
 from freetx.errors import ConfigError
 from freetx.models.moe import GroupedExperts
 from freetx.models.peft import adapters_disabled, apply_lora, merge_adapters
-from freetx.models.peft.experts import ExpertLoRA, LoRAGroupedExperts, adapt_experts
+from freetx.models.peft.experts import (
+    ExpertLoRA,
+    LoRAGroupedExperts,
+    adapt_experts,
+    merge_expert_adapters,
+)
 from freetx.models.transformer import decoder
 
 # layer 1 dense (its MLP Linear modules), layers 0 and 2 MoE: 4 experts of 24, hidden 32
@@ -142,6 +147,11 @@ def test_transformers_experts_compute_with_each_experts_weight_plus_its_update(f
     out.sum().backward()
     assert experts.gate_up_proj.grad is None
     assert experts.lora_down_proj.lora_a.grad.abs().sum() > 0
+    with torch.no_grad():
+        merge_expert_adapters(block)  # the updates added, transformers' class back
+        assert type(block.experts) is type(reference.experts)
+        assert not any("lora" in name for name, _ in block.named_parameters())
+        assert (output(block, x) - out).abs().max() < 1e-5
 
 
 @pytest.mark.parametrize("transposed", [False, True])

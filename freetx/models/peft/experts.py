@@ -243,13 +243,15 @@ def _parameters_replaced(module: nn.Module, values: dict[str, torch.Tensor]) -> 
             module._parameters[name] = param
 
 
-_ADAPTED_CLASSES: dict[type, type] = {}
+_ADAPTED_CLASSES: dict[type, type] = {}  # a transformers experts class -> it adapted
+_ORIGINAL_CLASSES: dict[type, type] = {}  # and back
 
 
 def adapted_class(cls: type) -> type:
     """`cls` with `AdaptedHFExperts` mixed in (one class per experts class)."""
     if cls not in _ADAPTED_CLASSES:
-        _ADAPTED_CLASSES[cls] = type(f"LoRA{cls.__name__}", (AdaptedHFExperts, cls), {})
+        adapted = type(f"LoRA{cls.__name__}", (AdaptedHFExperts, cls), {})
+        _ADAPTED_CLASSES[cls], _ORIGINAL_CLASSES[adapted] = adapted, cls
     return _ADAPTED_CLASSES[cls]
 
 
@@ -336,4 +338,4 @@ def merge_expert_adapters(model: nn.Module) -> None:
             weight = module.get_parameter(param)
             weight.data = (weight.float() + adapter.delta().float()).to(weight.dtype)
             delattr(module, adapter_name(param))
-        module.__class__ = type(module).__mro__[2]  # the class it was adapted from
+        module.__class__ = _ORIGINAL_CLASSES[type(module)]
