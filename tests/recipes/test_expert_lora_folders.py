@@ -131,8 +131,8 @@ def test_lora_on_deepseek_v3_experts_on_2_processes_resumes_exactly_and_exports_
             *overrides,
         )  # fmt: skip
 
-    refused = lora(tmp_path / "refused", "peft.dropout=0.1")  # on the meta model: no step
-    assert "peft.dropout=0.1: LoRA on MoE experts" in one_paragraph(refused)
+    refused = lora(tmp_path / "refused", "peft.dropout=0.1")  # by the config's own checks
+    assert "'peft.dropout' is 0.1: LoRA on MoE experts" in one_paragraph(refused)
     assert not list((tmp_path / "refused").glob("checkpoints/step_*"))
     assert not (tmp_path / "refused" / "metrics.jsonl").exists()
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"

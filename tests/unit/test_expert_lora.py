@@ -205,6 +205,18 @@ def test_an_mlp_target_without_experts_is_refused_naming_the_experts_target():
         adapted_names(["q", "gate"])
 
 
+def test_down_proj_on_transformers_experts_without_experts_is_refused_with_hf_names():
+    """Qwen2-MoE's shared expert has a down_proj Linear, its experts a 3-D down_proj: PEFT's
+    target_modules would adapt the first and silently miss the second."""
+    block = hf_moe_block("qwen2_moe")
+    with pytest.raises(
+        ConfigError, match=r"\(experts\.down_proj\).*\[q_proj,k_proj,v_proj,o_proj,"
+    ):
+        apply_lora(block, ["down_proj"], rank=2, alpha=4)
+    assert apply_lora(block, ["down_proj", "experts"], rank=2, alpha=4) == [
+        "experts", "shared_expert.down_proj"]  # fmt: skip
+
+
 def test_the_experts_target_on_a_dense_model_is_refused_saying_it_has_no_moe_block():
     with torch.device("meta"):
         model = decoder(**{**MOE, "num_experts": 0, "mlp_only_layers": []})
@@ -214,9 +226,9 @@ def test_the_experts_target_on_a_dense_model_is_refused_saying_it_has_no_moe_blo
 
 @pytest.mark.parametrize(
     "targets,peft,message",
-    [(["experts"], dict(dropout=0.1), r"peft.dropout=0.1: LoRA on MoE experts.*peft.dropout=0"),
+    [(["experts"], dict(dropout=0.1), r"'peft.dropout' is 0.1: LoRA on MoE experts.*peft.dropout=0"),
      (["all-linear"], dict(dropout=0.1), r"PEFT refuses lora_dropout on them"),
-     (["experts"], dict(use_dora=True), r"peft.use_dora: DoRA .* no DoRA for the grouped"),
+     (["experts"], dict(use_dora=True), r"'peft.use_dora' is True: DoRA .* no DoRA for the grouped"),
      (["experts"], dict(rank=9), r"peft.rank=9 does not fit the experts of layers.0"
                                  r".*at most the smaller side, 8")],
 )  # fmt: skip
@@ -226,6 +238,16 @@ def test_what_lora_on_experts_does_not_do_is_refused_by_name(targets, peft, mess
         model = decoder(**{**MOE, "moe_ffn_hidden_dim": 8})
     with pytest.raises(ConfigError, match=message):
         apply_lora(model, targets, **options)
+
+
+def test_the_experts_target_with_dropout_dora_or_nf4_is_refused_by_the_config_itself():
+    """Before a model is built (`freetx validate`, the checks before a run)."""
+    from freetx.models.peft import PEFTConfig
+
+    for key, value in (("dropout", 0.1), ("use_dora", True), ("quantize_base", "nf4")):
+        with pytest.raises(ValueError, match=rf"'{key}' is {value!r}: .*experts"):
+            PEFTConfig(method="lora", target_modules=["q", "experts"], **{key: value})
+    assert PEFTConfig(method="lora", target_modules=["q", "experts"], dropout=0.0)
 
 
 def test_qlora_on_experts_is_refused_by_name():

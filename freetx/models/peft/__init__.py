@@ -32,6 +32,7 @@ from freetx.models.peft.experts import (
     adapt_experts,
     expert_adapter_layers,
     expert_modules,
+    expert_option_problems,
     expert_tensors,
     merge_expert_adapters,
     refuse_expert_options,
@@ -75,6 +76,9 @@ class PEFTConfig:
                     "change the output; set it above 0 (commonly twice the rank, e.g. 32 for "
                     "rank 16)."
                 )
+            if EXPERTS in values["target_modules"]:  # LoRA on experts does not do these
+                found.update(expert_option_problems(values["dropout"], values["use_dora"],
+                                                    values["quantize_base"]))  # fmt: skip
             if not values["target_modules"]:
                 found["target_modules"] = (
                     "LoRA adapts these modules and freezes the rest, so nothing would train; "
@@ -144,7 +148,7 @@ def resolve_targets(model: nn.Module, targets: list[str]) -> dict[str, list[str]
         else:
             found[target] = _named(linears, aliases.get(target, target))
     if not any(t in (ALL_LINEAR, EXPERTS) for t in targets):
-        _refuse_expert_targets(model, {t: aliases.get(t, t) for t in targets})
+        _refuse_expert_targets(model, {t: aliases.get(t, t) for t in targets}, aliases)
     missing = [t for t, names in found.items() if not names]
     if missing:
         kinds = sorted({n.rsplit(".", 1)[-1] for n in linears})
@@ -162,13 +166,16 @@ def resolve_targets(model: nn.Module, targets: list[str]) -> dict[str, list[str]
     return found
 
 
-def _refuse_expert_targets(model: nn.Module, suffixes: dict[str, str]) -> None:
+def _refuse_expert_targets(
+    model: nn.Module, suffixes: dict[str, str], aliases: dict[str, str]
+) -> None:
     """An MoE block holds its experts' projections as grouped tensors
     (`freetx.models.moe.GroupedExperts`, transformers' 3-D gate_up_proj / down_proj), which
     a Linear target does not reach: a target naming one of them is refused, pointing at
     the `experts` target (unless `experts` or all-linear is a target too, which adapts
     them)."""
     grouped = expert_tensors(model)
+    attention = "q,k,v,o" if "q" in aliases else "q_proj,k_proj,v_proj,o_proj"  # HF's names
     for target, suffix in suffixes.items():
         hits = [g for g in grouped if g.rsplit(".", 1)[-1] == suffix.rsplit(".", 1)[-1]]
         if hits:
@@ -176,8 +183,8 @@ def _refuse_expert_targets(model: nn.Module, suffixes: dict[str, str]) -> None:
                 f"peft target {target!r} names an MLP projection, which this model's MoE "
                 f"blocks hold as one grouped tensor of all experts ({hits[0]}); a Linear "
                 "target does not reach them. Adapt the experts with the target `experts` "
-                "(peft.target_modules=[q,k,v,o,experts], or all-linear), or the attention "
-                "alone: peft.target_modules=[q,k,v,o]."
+                f"(peft.target_modules=[{attention},experts], or all-linear), or the "
+                f"attention alone: peft.target_modules=[{attention}]."
             )
 
 

@@ -22,7 +22,8 @@ expert tensor (all experts' projections of a block in one parameter [E, rows, co
 Each adapter is kept in the orientation of the tensor it updates (rows, cols as stored), so
 a merge is `W + s B A` per expert whatever the model (`expert_delta`); PEFT's orientation
 ([out, in]) is the export's business (`freetx.checkpoint.adapters`). PEFT refuses dropout
-and DoRA on expert parameters (`ParamWrapper`), and so does freetx (`refuse_expert_options`).
+and DoRA on expert parameters (`ParamWrapper`), and so does freetx, with QLoRA's NF4 bases
+(2-D only in torchao): `expert_option_problems`.
 """
 
 from __future__ import annotations
@@ -88,25 +89,41 @@ def updated_part(name: str, delta: torch.Tensor) -> torch.Tensor:
     return delta.chunk(parts, dim=1)[part]
 
 
-def refuse_expert_options(dropout: float, use_dora: bool) -> None:
-    """What LoRA on experts does not do, refused by name before any work (PEFT's
-    `ParamWrapper` refuses the same)."""
+def expert_option_problems(dropout: float, use_dora: bool, quantize_base: str) -> dict[str, str]:
+    """The `peft:` keys whose value LoRA on experts does not do -> why, and the fix (PEFT's
+    `ParamWrapper` refuses dropout and DoRA too; torchao's NF4 tensor is 2-D only)."""
+    leave_out = "or leave `experts` (and all-linear) out of peft.target_modules"
+    found = {}
     if dropout > 0:
-        raise ConfigError(
-            f"peft.dropout={dropout:g}: LoRA on MoE experts adapts the grouped expert tensors "
-            "themselves (PEFT's target_parameters), which drops no input; PEFT refuses "
-            "lora_dropout on them too.",
-            fix="Set peft.dropout=0, or leave `experts` (and all-linear) out of "
-            "peft.target_modules.",
+        found["dropout"] = (
+            "LoRA on MoE experts adapts the grouped expert tensors themselves (PEFT's "
+            "target_parameters), which drops no input, and PEFT refuses lora_dropout on "
+            f"them too; set peft.dropout=0, {leave_out}."
         )
     if use_dora:
-        raise ConfigError(
-            "peft.use_dora: DoRA rescales each row of a Linear weight, and PEFT defines no "
-            "DoRA for the grouped expert tensors of an MoE block (its target_parameters "
-            "refuse it); freetx neither.",
-            fix="Use LoRA on the experts (peft.use_dora=false), or leave `experts` (and "
-            "all-linear) out of peft.target_modules.",
+        found["use_dora"] = (
+            "DoRA rescales each row of a Linear weight, and PEFT defines no DoRA for the "
+            "grouped expert tensors of an MoE block (its target_parameters refuse it), nor "
+            f"does freetx; use LoRA on the experts (peft.use_dora=false), {leave_out}."
         )
+    if quantize_base == "nf4":
+        found["quantize_base"] = (
+            "QLoRA cannot quantize MoE experts: torchao's NF4 tensor is 2-D only, and an MoE "
+            "block holds all its experts' projections as one 3-D grouped tensor, so freetx "
+            "keeps no NF4 base for them; train LoRA on the experts with a bf16 base "
+            f"(peft.quantize_base=none), {leave_out} (QLoRA on the attention: "
+            "peft.target_modules=[q,k,v,o])."
+        )
+    return found
+
+
+def refuse_expert_options(dropout: float, use_dora: bool, quantize_base: str = "none") -> None:
+    """What LoRA on experts does not do (`expert_option_problems`), refused by name before
+    any work."""
+    values = {"dropout": dropout, "use_dora": use_dora, "quantize_base": quantize_base}
+    problems = expert_option_problems(dropout, use_dora, quantize_base)
+    if problems:
+        raise ConfigError([f"'peft.{k}' is {values[k]!r}: {why}" for k, why in problems.items()])
 
 
 class ExpertLoRA(nn.Module):

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from freetx.errors import ConfigError
-from freetx.models.peft.experts import expert_adapter_layers
+from freetx.models.peft.experts import expert_adapter_layers, refuse_expert_options
 from freetx.models.peft.lora import LoRALinear
 
 BLOCK_SIZE = 64  # weights per absmax block: QLoRA's
@@ -125,16 +125,8 @@ def quantize_bases(model: nn.Module, world_size: int = 1) -> None:
     """Swap every LoRA layer of a meta model for an `NF4LoRALinear` (its base an empty NF4
     tensor), before the model is parallelized over `world_size` ranks. Adapted experts
     are refused (the module's docstring)."""
-    experts = list(expert_adapter_layers(model))
-    if experts:
-        raise ConfigError(
-            f"peft.quantize_base=nf4: QLoRA cannot quantize the experts of {experts[0]}: "
-            "torchao's NF4 tensor is 2-D only, and an MoE block holds all its experts' "
-            "projections as one 3-D grouped tensor, so freetx keeps no NF4 base for them.",
-            fix="Leave `experts` (and all-linear) out of peft.target_modules for QLoRA (the "
-            "attention's bases are quantized: peft.target_modules=[q,k,v,o]), or train "
-            "LoRA on the experts with a bf16 base (peft.quantize_base=none).",
-        )
+    if expert_adapter_layers(model):
+        refuse_expert_options(0.0, False, "nf4")
     for name, layer in list(model.named_modules()):
         if not isinstance(layer, LoRALinear):
             continue
