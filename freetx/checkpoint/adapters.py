@@ -26,9 +26,10 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -45,6 +46,9 @@ from freetx.models.peft.experts import (
     updated_part,
 )
 from freetx.models.peft.lora import PEFT_NAMES, lora_delta, merge_weight
+
+if TYPE_CHECKING:
+    from freetx.models.hf_generic import ConvertedNames
 
 
 @dataclass(frozen=True)
@@ -135,20 +139,16 @@ def write_peft(
             names[key] = f"base_model.model.{hf_module}.{PEFT_NAMES[suffix]}"
     ranks = {source.infos[k].shape[0] for k in names if k.endswith("lora_a.weight")}
     experts = expert_peft_tensors(source, layout)
-    ranks |= {tensor.shape[0] // count for tensor, count in experts.ranks.values()}
+    ranks |= experts.ranks
     out.mkdir(parents=True, exist_ok=True)
-    infos = {names[k]: source.infos[k] for k in names}
-    infos.update({n: TensorInfo(tuple(t.shape), t.dtype) for n, (t, _) in experts.ranks.items()})
-    infos.update({n: TensorInfo(tuple(t.shape), t.dtype) for n, t in experts.b.items()})
+    infos = {names[k]: source.infos[k] for k in names} | experts.infos
     writer = SafetensorsStreamWriter(
         out / "adapter_model.safetensors", dict(sorted(infos.items())), {"format": "pt"}
     )
     by_peft = {peft: key for key, peft in names.items()}
-    for name in sorted(infos):
-        if name in by_peft:
-            writer.write(name, source.get(by_peft[name]))
-        else:
-            writer.write(name, experts.ranks[name][0] if name in experts.ranks else experts.b[name])
+    for name in sorted(infos):  # one adapter tensor at a time
+        tensor = source.get(by_peft[name]) if name in by_peft else experts.tensors[name]()
+        writer.write(name, tensor)
     writer.close()
     config = {
         "peft_type": "LORA",
@@ -176,11 +176,12 @@ def write_peft(
 
 @dataclass
 class ExpertPEFTTensors:
-    """A checkpoint's expert adapters as PEFT holds them: lora_A by PEFT key (with E, to
-    read the rank), lora_B by PEFT key, and the `target_parameters` suffixes."""
+    """A checkpoint's expert adapters as PEFT holds them, each made when written: PEFT key
+    -> its info and a function making it; the ranks, and the `target_parameters`."""
 
-    ranks: dict[str, tuple[torch.Tensor, int]]
-    b: dict[str, torch.Tensor]
+    infos: dict[str, TensorInfo]
+    tensors: dict[str, Callable[[], torch.Tensor]]
+    ranks: set[int]
     targets: list[str]
 
 
@@ -205,10 +206,10 @@ def expert_peft_tensors(source: TensorSource, layout: HFLayout) -> ExpertPEFTTen
     the stored name of the tensor's first expert), a `base_layer.` for each adapted
     parameter the module registers after this one (PEFT nests them so)."""
     adapters = expert_adapter_tensors(source)
-    found = ExpertPEFTTensors({}, {}, [])
+    found = ExpertPEFTTensors({}, {}, set(), [])
     if not adapters:
         return found
-    hf = hf_model_of(source, layout)
+    hf, model = models_of(source, layout)
     by_module: dict[str, list[str]] = {}
     for module, param in adapters:
         by_module.setdefault(module, []).append(param)
@@ -216,54 +217,53 @@ def expert_peft_tensors(source: TensorSource, layout: HFLayout) -> ExpertPEFTTen
         params.sort(key=EXPERT_PARAMETERS.index)
         for depth, param in enumerate(reversed(params)):
             keys = adapters[(module, param)]
-            a, b = source.get(keys["lora_a"]), source.get(keys["lora_b"])
-            hf_name = hf_parameter_name(source, layout, hf, module, param, a.shape[0])
+            a, b = source.infos[keys["lora_a"]], source.infos[keys["lora_b"]]
+            (experts, rank, cols), rows = a.shape, b.shape[1]
+            base = next(  # the first tensor of the module the adapter updates (w1: gate_up)
+                name
+                for name, _ in model.get_submodule(module).named_parameters(recurse=False)
+                if adapted_by(f"{module}.{name}") == (module, param)
+            )
+            stored = layout.to_hf_names(f"{module}.{base}", experts, source.model_config)[0]
+            hf_name = hf.names.place(stored)[0]
             hf_module = hf_name.rpartition(".")[0]
-            transposed = bool(getattr(hf.get_submodule(hf_module), "is_transposed", False))
-            peft_a, peft_b = expert_peft_factors(a, b, transposed)
+            transposed = bool(getattr(hf.model.get_submodule(hf_module), "is_transposed", False))
+            inputs, outputs = (rows, cols) if transposed else (cols, rows)
             prefix = f"base_model.model.{hf_module}.{'base_layer.' * depth}"
-            found.ranks[prefix + "lora_A.weight"] = (peft_a, a.shape[0])
-            found.b[prefix + "lora_B.weight"] = peft_b
+            found.infos[prefix + "lora_A.weight"] = TensorInfo((rank * experts, inputs), a.dtype)
+            found.infos[prefix + "lora_B.weight"] = TensorInfo((outputs, rank * experts), b.dtype)
+
+            def factors(keys=keys, transposed=transposed):
+                a, b = source.get(keys["lora_a"]), source.get(keys["lora_b"])
+                return expert_peft_factors(a, b, transposed)
+
+            found.tensors[prefix + "lora_A.weight"] = lambda f=factors: f()[0]
+            found.tensors[prefix + "lora_B.weight"] = lambda f=factors: f()[1]
+            found.ranks.add(rank)
             found.targets.append(re.sub(r"^.*\.\d+\.", "", hf_name))
     found.targets = sorted(set(found.targets))
     return found
 
 
-def hf_model_of(source: TensorSource, layout: HFLayout) -> torch.nn.Module:
-    """transformers' model of the checkpoint's config, on the meta device."""
-    from freetx.models.hf_generic import build_hf
+@dataclass
+class HFModel:
+    """transformers' model of a checkpoint's config (on the meta device) and its rules."""
 
-    hf_config = layout.to_hf_config(source.model_config, "float32")
-    with torch.device("meta"):
-        return build_hf(hf_config)
-
-
-def hf_parameter_name(
-    source: TensorSource, layout: HFLayout, hf: torch.nn.Module, module: str, param: str,
-    experts: int,
-) -> str:  # fmt: skip
-    """transformers' model name of the grouped tensor `param` of experts `module`
-    (`model.layers.1.mlp.experts.gate_up_proj`): the stored name of its first expert's
-    tensor (a native module's first tensor of that parameter: w1 of gate_up_proj),
-    converted by the model type's own rules."""
-    from freetx.models.hf_generic import converted_names
-
-    base = f"{module}.{first_tensor(source, module, param)}"
-    stored = layout.to_hf_names(base, experts, source.model_config)[0]
-    hf_config = layout.to_hf_config(source.model_config, "float32")
-    return converted_names(hf, hf_config).place(stored)[0]
+    model: torch.nn.Module
+    names: ConvertedNames
 
 
-def first_tensor(source: TensorSource, module: str, param: str) -> str:
-    """The first of the model's tensors under experts `module` that the adapter of `param`
-    updates: `param` itself in transformers' experts, w1 (gate_up_proj) or w2 (down_proj)
-    in freetx's GroupedExperts (the model rebuilt on the meta device to ask)."""
+def models_of(source: TensorSource, layout: HFLayout) -> tuple[HFModel, torch.nn.Module]:
+    """transformers' model of the checkpoint's config with its conversion rules, and
+    freetx's model, both on the meta device."""
+    from freetx.models.hf_generic import build_hf, converted_names
     from freetx.models.protocol import build_model
 
+    hf_config = layout.to_hf_config(source.model_config, "float32")
     with torch.device("meta"):
+        hf = build_hf(hf_config)
         model = build_model(source.meta["model_class"], source.model_config)
-    local = dict(model.get_submodule(module).named_parameters(recurse=False))
-    return next(name for name in local if adapted_by(f"{module}.{name}") == (module, param))
+    return HFModel(hf, converted_names(hf, hf_config)), model
 
 
 class MergedSource(TensorSource):
