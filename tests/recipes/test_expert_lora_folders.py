@@ -9,7 +9,6 @@ resumes exactly and exports."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 
 import pytest
@@ -17,6 +16,7 @@ import torch
 
 from tests.conftest import one_paragraph, run_freetx
 from tests.hf_folders import hf_logits, make_folder
+from tests.unit.test_expert_lora import randomize_adapters, save_adapters
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
@@ -31,14 +31,8 @@ def ids(seed=1):
 
 def adapter_checkpoint(folder, path, targets):
     """freetx's model of `folder` with LoRA (rank 2, alpha 4) on `targets`, its adapters
-    random (as after training), saved alone as a .safetensors file freetx reads back (the
-    model's class and config in its metadata); returns the adapted model's logits."""
-    from freetx.checkpoint.formats import (
-        MODEL_CLASS_KEY,
-        MODEL_CONFIG_KEY,
-        SafetensorsStreamWriter,
-        TensorInfo,
-    )
+    random (as after training), saved alone as a .safetensors file freetx reads back
+    (`save_adapters`); returns the adapted model's logits."""
     from freetx.checkpoint.loading import load_initial_weights, source_model_on_meta
     from freetx.distributed import materialize
     from freetx.models.peft import apply_lora
@@ -47,23 +41,10 @@ def adapter_checkpoint(folder, path, targets):
     apply_lora(model, targets, rank=2, alpha=4)
     materialize(model, torch.device("cpu"), seed=0, init_weights=False)
     load_initial_weights(model, folder)
-    generator = torch.Generator().manual_seed(0)
-    adapters = {}
+    randomize_adapters(model)
+    save_adapters(model, path)
     with torch.no_grad():
-        for name, param in model.named_parameters():
-            if param.requires_grad:
-                param.copy_(torch.randn(param.shape, generator=generator) * 0.3)
-                adapters[name] = param.detach().clone()
-        logits = model.eval()(ids())
-    cls = type(model)
-    metadata = {"format": "pt", MODEL_CLASS_KEY: f"{cls.__module__}.{cls.__qualname__}",
-                MODEL_CONFIG_KEY: json.dumps(dataclasses.asdict(model.config))}  # fmt: skip
-    infos = {n: TensorInfo(tuple(t.shape), t.dtype) for n, t in adapters.items()}
-    writer = SafetensorsStreamWriter(path, infos, metadata)
-    for name, tensor in adapters.items():
-        writer.write(name, tensor)
-    writer.close()
-    return logits
+        return model.eval()(ids())
 
 
 def peft_tensors(folder):

@@ -31,12 +31,37 @@ MOE = dict(vocab_size=64, hidden_dim=32, num_layers=3, num_heads=4, num_kv_heads
            experts_per_token=2, router_aux_loss_coef=0.05, mlp_only_layers=[1])  # fmt: skip
 
 
-def adapted_decoder(targets, seed=3, **peft):
+def adapted_decoder(targets, seed=3, **fields):
     with torch.device("meta"):
-        model = decoder(**MOE)
-    apply_lora(model, targets, rank=2, alpha=4, **peft)
+        model = decoder(**MOE, **fields)
+    apply_lora(model, targets, rank=2, alpha=4)
     materialize(model, torch.device("cpu"), seed=seed)
     return model
+
+
+def save_adapters(model, path):
+    """The trainable parameters of `model` (its adapters) as a .safetensors file freetx reads
+    back as a LoRA checkpoint (the model's class and config in its metadata)."""
+    import dataclasses
+    import json
+
+    from freetx.checkpoint.formats import (
+        MODEL_CLASS_KEY,
+        MODEL_CONFIG_KEY,
+        SafetensorsStreamWriter,
+        TensorInfo,
+    )
+
+    adapters = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
+    cls = type(model)
+    metadata = {"format": "pt", MODEL_CLASS_KEY: f"{cls.__module__}.{cls.__qualname__}",
+                MODEL_CONFIG_KEY: json.dumps(dataclasses.asdict(model.config))}  # fmt: skip
+    infos = {n: TensorInfo(tuple(t.shape), t.dtype) for n, t in adapters.items()}
+    writer = SafetensorsStreamWriter(path, infos, metadata)
+    for name, tensor in adapters.items():
+        writer.write(name, tensor)
+    writer.close()
+    return path
 
 
 def randomize_adapters(model, seed=0):
@@ -282,3 +307,36 @@ def test_expert_adapters_initialize_themselves_kaiming_and_zero():
     adapter.reset_parameter("lora_a", a, generator)
     adapter.reset_parameter("lora_b", b, generator)
     assert b.abs().max() == 0 and 0 < a.abs().max() <= 1 / 10**0.5
+
+
+def test_native_expert_adapters_export_one_peft_wrapper_per_transformers_parameter(tmp_path):
+    """w1 and w3's adapter is transformers' gate_up_proj's (inner: `base_layer.`), w2's its
+    down_proj's, under transformers 5's module name (mlp.experts), PEFT's shapes."""
+    pytest.importorskip("transformers")
+    import json
+
+    from safetensors import safe_open
+
+    from freetx.checkpoint import convert
+    from freetx.checkpoint.adapters import LoRASettings
+
+    model = adapted_decoder(
+        ["q", "experts"], hf_model_type="qwen3_moe", qk_norm="head", expert_weights_fp32=False
+    )  # qwen3_moe's
+    randomize_adapters(model)
+    file = save_adapters(model, tmp_path / "adapters.safetensors")
+    convert(file, tmp_path / "peft", to="peft", lora=LoRASettings(alpha=4.0))
+    with safe_open(tmp_path / "peft" / "adapter_model.safetensors", "pt") as f:
+        shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    experts, rank, hidden, ffn = 4, 2, 32, 24
+    for i in (0, 2):
+        prefix = f"base_model.model.model.layers.{i}.mlp.experts."
+        assert shapes.pop(prefix + "base_layer.lora_A.weight") == (rank * experts, hidden)
+        assert shapes.pop(prefix + "base_layer.lora_B.weight") == (2 * ffn, rank * experts)
+        assert shapes.pop(prefix + "lora_A.weight") == (rank * experts, ffn)
+        assert shapes.pop(prefix + "lora_B.weight") == (hidden, rank * experts)
+    assert set(shapes) == {f"base_model.model.model.layers.{i}.self_attn.q_proj.lora_{f}.weight"
+                           for i in range(3) for f in "AB"}  # fmt: skip
+    config = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
+    assert config["target_modules"] == ["q_proj"] and config["r"] == 2
+    assert config["target_parameters"] == ["mlp.experts.down_proj", "mlp.experts.gate_up_proj"]
