@@ -312,9 +312,10 @@ class MergedSource(TensorSource):
         is half of gate_up_proj's rows)."""
         shape = tuple(self.infos[MODEL_PREFIX + name].shape)
         _, parts = part_of(name)
-        if (adapted[0], adapted[1] // parts, adapted[2]) != shape:
+        wanted = [adapted[0], adapted[1] // parts, adapted[2]]
+        if tuple(wanted) != shape:
             raise CheckpointError(
-                f"the expert adapter of {name} is for a {list(adapted)} tensor but the base "
+                f"the expert adapter of {name} is for a {wanted} tensor but the base "
                 f"{self.base.path} has {list(shape)}: it is a base of another shape. Merge "
                 "onto the base the adapters were trained on."
             )

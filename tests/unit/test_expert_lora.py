@@ -39,9 +39,10 @@ def adapted_decoder(targets, seed=3, **fields):
     return model
 
 
-def save_adapters(model, path):
-    """The trainable parameters of `model` (its adapters) as a .safetensors file freetx reads
-    back as a LoRA checkpoint (the model's class and config in its metadata)."""
+def save_adapters(model, path, everything=False):
+    """The trainable parameters of `model` (its adapters; `everything`: all parameters) as a
+    .safetensors file freetx reads back as a LoRA checkpoint (the model's class and config
+    in its metadata)."""
     import dataclasses
     import json
 
@@ -52,7 +53,7 @@ def save_adapters(model, path):
         TensorInfo,
     )
 
-    adapters = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
+    adapters = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad or everything}
     cls = type(model)
     metadata = {"format": "pt", MODEL_CLASS_KEY: f"{cls.__module__}.{cls.__qualname__}",
                 MODEL_CONFIG_KEY: json.dumps(dataclasses.asdict(model.config))}  # fmt: skip
@@ -340,3 +341,32 @@ def test_native_expert_adapters_export_one_peft_wrapper_per_transformers_paramet
     config = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
     assert config["target_modules"] == ["q_proj"] and config["r"] == 2
     assert config["target_parameters"] == ["mlp.experts.down_proj", "mlp.experts.gate_up_proj"]
+
+
+def test_a_merge_adds_each_experts_update_to_w1_w3_and_w2_and_refuses_another_base(tmp_path):
+    """`freetx checkpoint merge`'s source: w1 gets the first half of gate_up_proj's update,
+    w3 the second, w2 down_proj's, as the model merges them; a base whose experts have
+    another shape is refused naming the tensor."""
+    from freetx.checkpoint.adapters import LoRASettings, MergedSource
+    from freetx.checkpoint.formats import open_tensors
+    from freetx.errors import CheckpointError
+
+    model = adapted_decoder(["experts"])
+    randomize_adapters(model)
+    adapters = open_tensors(save_adapters(model, tmp_path / "adapters.safetensors"))
+    with torch.device("meta"):
+        plain = decoder(**MOE)
+    materialize(plain, torch.device("cpu"), seed=3)  # the base the adapters were made on
+    base = open_tensors(save_adapters(plain, tmp_path / "base.safetensors", everything=True))
+    merged = MergedSource(base, adapters, LoRASettings(alpha=4.0))
+    expected = model.layers[2].feed_forward.experts.merged()
+    for name in ("w1", "w3", "w2"):
+        tensor = merged.get(f"model.layers.2.feed_forward.experts.{name}")
+        assert torch.allclose(tensor, expected[name], atol=1e-6), name
+    with torch.device("meta"):
+        other = decoder(**{**MOE, "moe_ffn_hidden_dim": 16})
+    materialize(other, torch.device("cpu"), seed=3)
+    wrong = open_tensors(save_adapters(other, tmp_path / "other.safetensors", everything=True))
+    with pytest.raises(CheckpointError, match=r"expert adapter of layers.0.feed_forward.experts"
+                       r".w1 is for a \[4, 24, 32\] tensor but the base .* has \[4, 16, 32\]"):  # fmt: skip
+        MergedSource(wrong, adapters, LoRASettings(alpha=4.0))
