@@ -200,6 +200,17 @@ CONVERTED_MOE_FAMILIES = {
               dict(max_shard_size="40KB")),
 }  # fmt: skip
 
+# MoE architectures whose folders already hold the experts fused, as transformers' modules
+# do (nothing converted on load)
+FUSED_MOE_FAMILIES = {
+    # GPT-OSS: experts stored transposed ([E, in, out]) with biases, gate and up interleaved,
+    # a clamped SwiGLU; attention sinks, sliding and full layers, YaRN rope
+    "gpt_oss": ("GptOssConfig", dict(IDS, num_local_experts=4, num_experts_per_tok=2,
+                                     intermediate_size=32, head_dim=16, sliding_window=8,
+                                     layer_types=["sliding_attention", "full_attention"]),
+                dict(max_shard_size="40KB")),
+}  # fmt: skip
+
 # hybrid models: gated linear attention (Qwen3.5's Gated DeltaNet) or state-space layers
 # beside full attention; transformers' DynamicCache holds each layer's kind
 QWEN3_5 = dict(IDS, head_dim=16, linear_key_head_dim=16, linear_value_head_dim=16,
@@ -247,7 +258,8 @@ def make_folder(folder: Path, family: str, dtype: torch.dtype = torch.float32, s
     """Write the family's tiny model with `save_pretrained`; returns the folder."""
     import transformers
 
-    families = {**FAMILIES, **GENERIC_FAMILIES, **CONVERTED_MOE_FAMILIES, **HYBRID_FAMILIES}
+    moe = {**CONVERTED_MOE_FAMILIES, **FUSED_MOE_FAMILIES}
+    families = {**FAMILIES, **GENERIC_FAMILIES, **moe, **HYBRID_FAMILIES}
     class_name, fields, options = families[family]
     shape = {} if "text_config" in fields else SHAPE
     config = getattr(transformers, class_name)(**{**shape, **fields})
@@ -259,9 +271,9 @@ def make_folder(folder: Path, family: str, dtype: torch.dtype = torch.float32, s
                 param.normal_(0.0, 0.1)
             elif "norm" in name:
                 param.normal_(1.0, 0.1)
-            elif name.endswith("mlp.gate.weight"):  # routers that spread tokens over experts
-                param.normal_(0.0, 0.5)
-            elif ".experts." in name and family in CONVERTED_MOE_FAMILIES:  # experts that
+            elif name.endswith(("mlp.gate.weight", "mlp.router.weight")):  # routers that
+                param.normal_(0.0, 0.5)  # spread tokens over experts
+            elif ".experts." in name and family in moe:  # experts that
                 param.normal_(0.0, 0.2)  # matter: a misplaced row shows in the logits
         for name, buffer in model.named_buffers():  # a stored router bias (DeepSeek-V3's)
             if name.endswith("e_score_correction_bias"):

@@ -11,22 +11,44 @@ rank, alpha, dropout, use_dora). PEFT names a module by its HF path
 model's HF layout gives. Merging streams: each base tensor is read, merged
 with its adapter if it has one (`merge_weight`, as training merges), and
 written, one at a time.
+
+Adapters on MoE experts (`freetx.models.peft.experts`: `<experts>.lora_<parameter>.lora_a`
+[E, r, cols] and `.lora_b` [E, rows, r], as the grouped tensor is stored) export as PEFT's
+`target_parameters` (its `ParamWrapper`, PEFT 0.21): under transformers' module of the
+experts (`model.layers.1.mlp.experts`), one wrapper per parameter nested in the order
+the module registers them, the first innermost (`...experts.base_layer.lora_A.weight`:
+gate_up_proj's, `...experts.lora_A.weight`: down_proj's), with lora_A [r*E, in] (expert
+e's rows e*r..e*r+r-1) and lora_B [out, r*E] (expert e's columns e, E+e, 2E+e, ...):
+`expert_peft_factors`. Expert e's update is alpha/r B_e A_e, as freetx's.
 """
 
 from __future__ import annotations
 
 import json
+import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from freetx.checkpoint.dcp_folder import FROZEN_FROM, MODEL_PREFIX
-from freetx.checkpoint.formats import TensorSource
+from freetx.checkpoint.formats import TensorInfo, TensorSource
 from freetx.errors import CheckpointError
-from freetx.models.hf import layout_of
+from freetx.models.hf import HFLayout, layout_of
+from freetx.models.peft.experts import (
+    EXPERT_ADAPTER_KEY,
+    EXPERT_PARAMETERS,
+    adapted_by,
+    expert_delta,
+    part_of,
+    updated_part,
+)
 from freetx.models.peft.lora import PEFT_NAMES, lora_delta, merge_weight
+
+if TYPE_CHECKING:
+    from freetx.models.hf_generic import ConvertedNames
 
 
 @dataclass(frozen=True)
@@ -42,7 +64,8 @@ class LoRASettings:
 def refuse_adapters(source: TensorSource, wanted: str) -> None:
     """Refuse a LoRA checkpoint where a whole model is `wanted` (an HF folder, a model to
     sample from), saying what works: merge it, or export the adapters for PEFT."""
-    if not any(name.endswith("." + s) for name in source.infos for s in PEFT_NAMES):
+    linear = any(name.endswith("." + s) for name in source.infos for s in PEFT_NAMES)
+    if not linear and not expert_adapter_tensors(source):
         return
     base = source.meta.get(FROZEN_FROM)
     what = (
@@ -58,8 +81,20 @@ def refuse_adapters(source: TensorSource, wanted: str) -> None:
     )
 
 
+def expert_adapter_tensors(source: TensorSource) -> dict[tuple[str, str], dict[str, str]]:
+    """(experts module, transformers parameter) -> {lora_a, lora_b: checkpoint key}, for
+    every adapted grouped expert tensor (`freetx.models.peft.experts`)."""
+    found: dict[tuple[str, str], dict[str, str]] = {}
+    for key in source.infos:
+        match = EXPERT_ADAPTER_KEY.match(key[len(MODEL_PREFIX) :])
+        if key.startswith(MODEL_PREFIX) and match:
+            found.setdefault((match[1], match[2]), {})[match[3]] = key
+    return found
+
+
 def adapter_tensors(source: TensorSource) -> dict[str, dict[str, str]]:
-    """module name -> {adapter parameter: checkpoint key}, for every adapted module."""
+    """module name -> {adapter parameter: checkpoint key}, for every adapted Linear module
+    (an error when the checkpoint has no adapters, of Linear modules or experts)."""
     found: dict[str, dict[str, str]] = {}
     for key in source.infos:
         if not key.startswith(MODEL_PREFIX):
@@ -68,7 +103,7 @@ def adapter_tensors(source: TensorSource) -> dict[str, dict[str, str]]:
         for suffix in PEFT_NAMES:
             if name.endswith("." + suffix):
                 found.setdefault(name[: -len(suffix) - 1], {})[suffix] = key
-    if not found:
+    if not found and not expert_adapter_tensors(source):
         raise CheckpointError(
             f"{source.path} holds no LoRA adapters (no *.lora_a.weight tensors): it is not a "
             "checkpoint of a run with peft.method=lora. Convert it to safetensors or hf instead."
@@ -103,11 +138,17 @@ def write_peft(
         for suffix, key in parts.items():
             names[key] = f"base_model.model.{hf_module}.{PEFT_NAMES[suffix]}"
     ranks = {source.infos[k].shape[0] for k in names if k.endswith("lora_a.weight")}
+    experts = expert_peft_tensors(source, layout)
+    ranks |= experts.ranks
     out.mkdir(parents=True, exist_ok=True)
-    infos = {names[k]: source.infos[k] for k in sorted(names, key=names.get)}
-    writer = SafetensorsStreamWriter(out / "adapter_model.safetensors", infos, {"format": "pt"})
-    for key in sorted(names, key=names.get):
-        writer.write(names[key], source.get(key))
+    infos = {names[k]: source.infos[k] for k in names} | experts.infos
+    writer = SafetensorsStreamWriter(
+        out / "adapter_model.safetensors", dict(sorted(infos.items())), {"format": "pt"}
+    )
+    by_peft = {peft: key for key, peft in names.items()}
+    for name in sorted(infos):  # one adapter tensor at a time
+        tensor = source.get(by_peft[name]) if name in by_peft else experts.tensors[name]()
+        writer.write(name, tensor)
     writer.close()
     config = {
         "peft_type": "LORA",
@@ -117,6 +158,7 @@ def write_peft(
         "lora_alpha": lora.alpha,
         "lora_dropout": lora.dropout,
         "target_modules": sorted(set(hf_modules)),
+        "target_parameters": experts.targets or None,
         "use_dora": lora.use_dora,
         "bias": "none",
         "fan_in_fan_out": False,
@@ -132,6 +174,98 @@ def write_peft(
     return sum(i.nbytes for i in infos.values())
 
 
+@dataclass
+class ExpertPEFTTensors:
+    """A checkpoint's expert adapters as PEFT holds them, each made when written: PEFT key
+    -> its info and a function making it; the ranks, and the `target_parameters`."""
+
+    infos: dict[str, TensorInfo]
+    tensors: dict[str, Callable[[], torch.Tensor]]
+    ranks: set[int]
+    targets: list[str]
+
+
+def expert_peft_factors(
+    lora_a: torch.Tensor, lora_b: torch.Tensor, transposed: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """PEFT's lora_A [r*E, in] and lora_B [out, r*E] of freetx's expert adapter A [E, r,
+    cols], B [E, rows, r] (`transposed`: the tensor is stored [E, in, out], GPT-OSS's, so B
+    is the input side)."""
+    if transposed:
+        lora_a, lora_b = lora_b.transpose(1, 2), lora_a.transpose(1, 2)
+    experts, rank, inputs = lora_a.shape
+    return (
+        lora_a.reshape(experts * rank, inputs).contiguous(),
+        lora_b.permute(1, 2, 0).reshape(lora_b.shape[1], rank * experts).contiguous(),
+    )
+
+
+def expert_peft_tensors(source: TensorSource, layout: HFLayout) -> ExpertPEFTTensors:
+    """The checkpoint's expert adapters under PEFT's keys (`expert_peft_factors`): the
+    experts module as transformers' model names it (its own conversion rules applied to
+    the stored name of the tensor's first expert), a `base_layer.` for each adapted
+    parameter the module registers after this one (PEFT nests them so)."""
+    adapters = expert_adapter_tensors(source)
+    found = ExpertPEFTTensors({}, {}, set(), [])
+    if not adapters:
+        return found
+    hf, model = models_of(source, layout)
+    by_module: dict[str, list[str]] = {}
+    for module, param in adapters:
+        by_module.setdefault(module, []).append(param)
+    for module, params in by_module.items():
+        params.sort(key=EXPERT_PARAMETERS.index)
+        for depth, param in enumerate(reversed(params)):
+            keys = adapters[(module, param)]
+            a, b = source.infos[keys["lora_a"]], source.infos[keys["lora_b"]]
+            (experts, rank, cols), rows = a.shape, b.shape[1]
+            base = next(  # the first tensor of the module the adapter updates (w1: gate_up)
+                name
+                for name, _ in model.get_submodule(module).named_parameters(recurse=False)
+                if adapted_by(f"{module}.{name}") == (module, param)
+            )
+            stored = layout.to_hf_names(f"{module}.{base}", experts, source.model_config)[0]
+            hf_name = hf.names.place(stored)[0]
+            hf_module = hf_name.rpartition(".")[0]
+            transposed = bool(getattr(hf.model.get_submodule(hf_module), "is_transposed", False))
+            inputs, outputs = (rows, cols) if transposed else (cols, rows)
+            prefix = f"base_model.model.{hf_module}.{'base_layer.' * depth}"
+            found.infos[prefix + "lora_A.weight"] = TensorInfo((rank * experts, inputs), a.dtype)
+            found.infos[prefix + "lora_B.weight"] = TensorInfo((outputs, rank * experts), b.dtype)
+
+            def factors(keys=keys, transposed=transposed):
+                a, b = source.get(keys["lora_a"]), source.get(keys["lora_b"])
+                return expert_peft_factors(a, b, transposed)
+
+            found.tensors[prefix + "lora_A.weight"] = lambda f=factors: f()[0]
+            found.tensors[prefix + "lora_B.weight"] = lambda f=factors: f()[1]
+            found.ranks.add(rank)
+            found.targets.append(re.sub(r"^.*\.\d+\.", "", hf_name))
+    found.targets = sorted(set(found.targets))
+    return found
+
+
+@dataclass
+class HFModel:
+    """transformers' model of a checkpoint's config (on the meta device) and its rules."""
+
+    model: torch.nn.Module
+    names: ConvertedNames
+
+
+def models_of(source: TensorSource, layout: HFLayout) -> tuple[HFModel, torch.nn.Module]:
+    """transformers' model of the checkpoint's config with its conversion rules, and
+    freetx's model, both on the meta device."""
+    from freetx.models.hf_generic import build_hf, converted_names
+    from freetx.models.protocol import build_model
+
+    hf_config = layout.to_hf_config(source.model_config, "float32")
+    with torch.device("meta"):
+        hf = build_hf(hf_config)
+        model = build_model(source.meta["model_class"], source.model_config)
+    return HFModel(hf, converted_names(hf, hf_config)), model
+
+
 class MergedSource(TensorSource):
     """A base model's tensors with a checkpoint's adapters merged in, one at a time."""
 
@@ -143,6 +277,7 @@ class MergedSource(TensorSource):
         super().__init__(base.path)
         self.base, self.adapters = base, adapters
         self.modules = adapter_tensors(adapters)
+        self.experts = expert_adapter_tensors(adapters)
         self.alpha = float(require_settings(adapters, lora).alpha)
         self.infos = {n: i for n, i in base.infos.items() if n.startswith(MODEL_PREFIX)}
         self.meta = {
@@ -165,6 +300,25 @@ class MergedSource(TensorSource):
                     f"{base.path} has {list(weight)}: it is a base of another shape. Merge "
                     "onto the base the adapters were trained on."
                 )
+        for name in self.model_names():
+            parts = self.experts.get(adapted_by(name))
+            if parts is not None:
+                a = adapters.infos[parts["lora_a"]].shape
+                b = adapters.infos[parts["lora_b"]].shape
+                self._check_experts(name, (a[0], b[1], a[2]))
+
+    def _check_experts(self, name: str, adapted: tuple[int, int, int]) -> None:
+        """The adapter of grouped tensor `name` updates [E, rows, cols] (a native w1 / w3
+        is half of gate_up_proj's rows)."""
+        shape = tuple(self.infos[MODEL_PREFIX + name].shape)
+        _, parts = part_of(name)
+        wanted = [adapted[0], adapted[1] // parts, adapted[2]]
+        if tuple(wanted) != shape:
+            raise CheckpointError(
+                f"the expert adapter of {name} is for a {wanted} tensor but the base "
+                f"{self.base.path} has {list(shape)}: it is a base of another shape. Merge "
+                "onto the base the adapters were trained on."
+            )
 
     @property
     def model_config(self) -> dict[str, Any] | None:
@@ -172,6 +326,12 @@ class MergedSource(TensorSource):
 
     def get(self, name: str) -> torch.Tensor:
         tensor = self.base.get(name)
+        experts = self.experts.get(adapted_by(name[len(MODEL_PREFIX) :]))
+        if experts is not None:
+            a = self.adapters.get(experts["lora_a"]).float()
+            delta = expert_delta(a, self.adapters.get(experts["lora_b"]).float(),
+                                 self.alpha / a.shape[1])  # fmt: skip
+            return merge_weight(tensor, updated_part(name, delta)).to(tensor.dtype)
         module = name[len(MODEL_PREFIX) :].removesuffix(".weight")
         parts = self.modules.get(module) if name.endswith(".weight") else None
         if parts is None:

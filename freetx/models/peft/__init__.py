@@ -9,7 +9,8 @@ Targets are the model's own short names (`adapter_targets` of the model class:
 q, k, v, o, gate, up, down, output for the decoder, qkv and gate_up where its
 projections are fused (Phi-3); HF names like q_proj work too) or suffixes of module names. Adapters are sharded with the block they sit
 in, their parameters are the only trainable ones, and a fresh adapter leaves
-the model's output unchanged.
+the model's output unchanged. `experts` names the grouped expert tensors of MoE blocks
+(per-expert adapters, `experts.py`), which `all-linear` includes too.
 """
 
 from __future__ import annotations
@@ -24,7 +25,18 @@ from torch import nn
 
 from freetx.errors import ConfigError
 from freetx.fields import at_least, refuse_meaningless
-from freetx.models.moe import GroupedExperts
+from freetx.models.peft.experts import (
+    EXPERT_ADAPTER_PARAMETERS,
+    EXPERTS,
+    ExpertLoRA,
+    adapt_experts,
+    expert_adapter_layers,
+    expert_modules,
+    expert_option_problems,
+    expert_tensors,
+    merge_expert_adapters,
+    refuse_expert_options,
+)
 from freetx.models.peft.lora import ADAPTER_PARAMETERS, LoRALinear
 from freetx.models.protocol import AdapterTargets, AlwaysTrained
 
@@ -35,7 +47,8 @@ class PEFTConfig:
 
     method: Literal["none", "lora", "spectrum"] = "none"  # none: full fine-tuning
     # lora: adapters on these Linear modules (q, k, v, o, gate, up, down, output, or HF names;
-    # all-linear: every Linear but the output head)
+    # experts: the grouped expert tensors of MoE blocks; all-linear: every Linear but the
+    # output head, and the experts)
     target_modules: list[str] = field(
         default_factory=lambda: ["q", "k", "v", "o", "gate", "up", "down"]
     )
@@ -63,6 +76,9 @@ class PEFTConfig:
                     "change the output; set it above 0 (commonly twice the rank, e.g. 32 for "
                     "rank 16)."
                 )
+            if EXPERTS in values["target_modules"]:  # LoRA on experts does not do these
+                found.update(expert_option_problems(values["dropout"], values["use_dora"],
+                                                    values["quantize_base"]))  # fmt: skip
             if not values["target_modules"]:
                 found["target_modules"] = (
                     "LoRA adapts these modules and freezes the rest, so nothing would train; "
@@ -118,7 +134,8 @@ ALL_LINEAR = "all-linear"
 
 def resolve_targets(model: nn.Module, targets: list[str]) -> dict[str, list[str]]:
     """target -> the names of the Linear modules it means (`all-linear`: all but the output
-    head, as PEFT means it); an error lists what exists."""
+    head, as PEFT means it), and `experts` -> the modules holding MoE experts as grouped
+    tensors (`expert_modules`); an error lists what exists."""
     aliases = (model.adapter_targets or {}) if isinstance(model, AdapterTargets) else {}
     linears = linear_names(model)
     found: dict[str, list[str]] = {}
@@ -126,41 +143,48 @@ def resolve_targets(model: nn.Module, targets: list[str]) -> dict[str, list[str]
     for target in targets:
         if target == ALL_LINEAR:  # PEFT's meaning: every Linear module but the output head
             found[target] = [n for n in linears if n != head]
-            continue
-        suffix = aliases.get(target, target)
-        found[target] = _named(linears, suffix)
-    _refuse_expert_targets(model, {t: aliases.get(t, t) for t in targets})
+        elif target == EXPERTS:
+            found[target] = expert_modules(model)
+        else:
+            found[target] = _named(linears, aliases.get(target, target))
+    if not any(t in (ALL_LINEAR, EXPERTS) for t in targets):
+        _refuse_expert_targets(model, {t: aliases.get(t, t) for t in targets}, aliases)
     missing = [t for t, names in found.items() if not names]
     if missing:
         kinds = sorted({n.rsplit(".", 1)[-1] for n in linears})
         # only the names this model's modules answer to (a decoder with fused projections
         # has qkv and gate_up, not q, k, v, gate, up)
         known = [alias for alias, suffix in aliases.items() if _named(linears, suffix)]
+        known += [EXPERTS] if expert_modules(model) else []
         raise ConfigError(
             f"peft target(s) {', '.join(repr(t) for t in missing)} match no Linear module of "
-            f"{type(model).__name__}. Targets it knows: {', '.join(known) or '(none)'}; its "
-            f"Linear modules end in: {', '.join(kinds)}."
+            f"{type(model).__name__}"
+            + (" (`experts`: it has no MoE block)" if EXPERTS in missing else "")
+            + f". Targets it knows: {', '.join(known) or '(none)'}; its Linear modules end "
+            f"in: {', '.join(kinds)}."
         )
     return found
 
 
-def _refuse_expert_targets(model: nn.Module, suffixes: dict[str, str]) -> None:
-    """LoRA adapts Linear modules; an MoE block holds its experts' projections as grouped
-    tensors (`freetx.models.moe.GroupedExperts`), so a target meaning one is refused."""
-    grouped = [
-        f"{name}.{param}"
-        for name, module in model.named_modules()
-        if isinstance(module, GroupedExperts)
-        for param, _ in module.named_parameters()
-    ]
+def _refuse_expert_targets(
+    model: nn.Module, suffixes: dict[str, str], aliases: dict[str, str]
+) -> None:
+    """An MoE block holds its experts' projections as grouped tensors
+    (`freetx.models.moe.GroupedExperts`, transformers' 3-D gate_up_proj / down_proj), which
+    a Linear target does not reach: a target naming one of them is refused, pointing at
+    the `experts` target (unless `experts` or all-linear is a target too, which adapts
+    them)."""
+    grouped = expert_tensors(model)
+    attention = "q,k,v,o" if "q" in aliases else "q_proj,k_proj,v_proj,o_proj"  # HF's names
     for target, suffix in suffixes.items():
         hits = [g for g in grouped if g.rsplit(".", 1)[-1] == suffix.rsplit(".", 1)[-1]]
         if hits:
             raise ConfigError(
                 f"peft target {target!r} names an MLP projection, which this model's MoE "
-                f"blocks hold as one grouped tensor of all experts ({hits[0]}); LoRA adapts "
-                "Linear modules, and LoRA on experts is not supported. Adapt the attention "
-                "instead: peft.target_modules=[q,k,v,o]."
+                f"blocks hold as one grouped tensor of all experts ({hits[0]}); a Linear "
+                "target does not reach them. Adapt the experts with the target `experts` "
+                f"(peft.target_modules=[{attention},experts], or all-linear), or the "
+                f"attention alone: peft.target_modules=[{attention}]."
             )
 
 
@@ -172,9 +196,16 @@ def apply_lora(
     dropout: float = 0.0,
     use_dora: bool = False,
 ) -> list[str]:
-    """Replace the targeted Linear modules by `LoRALinear` and freeze everything else.
-    Returns the adapted module names. Works on a meta model (nothing is allocated)."""
-    names = sorted({n for found in resolve_targets(model, targets).values() for n in found})
+    """Replace the targeted Linear modules by `LoRALinear`, give the targeted experts
+    modules per-expert adapters (`experts` or all-linear: `adapt_experts`), and freeze
+    everything else. Returns the adapted module names. Works on a meta model (nothing is
+    allocated)."""
+    found = resolve_targets(model, targets)
+    experts = expert_modules(model) if ALL_LINEAR in found else found.pop(EXPERTS, [])
+    found.pop(EXPERTS, None)
+    if experts:
+        refuse_expert_options(dropout, use_dora)
+    names = sorted({n for linears in found.values() for n in linears})
     for name in names:
         linear = model.get_submodule(name)
         if not 0 < rank <= min(linear.in_features, linear.out_features):
@@ -190,13 +221,19 @@ def apply_lora(
             )  # fmt: skip
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, adapted)
+    adapt_experts(model, experts, rank, alpha)
     for pname, param in model.named_parameters():
         param.requires_grad_(is_adapter_parameter(model, pname))
-    return names
+    return sorted(names + experts)
 
 
 def adapter_layers(model: nn.Module) -> dict[str, LoRALinear]:
     return {name: m for name, m in model.named_modules() if isinstance(m, LoRALinear)}
+
+
+def adapted_modules(model: nn.Module) -> list[nn.Module]:
+    """Every module of `model` with adapters: LoRA layers and experts modules."""
+    return [*adapter_layers(model).values(), *expert_adapter_layers(model).values()]
 
 
 @contextlib.contextmanager
@@ -205,7 +242,7 @@ def adapters_disabled(model: nn.Module) -> Iterator[None]:
     base model, without a second copy of its weights (DPO's reference under LoRA, QLoRA,
     DoRA). The adapters' parameters are untouched; FSDP2 still gathers them with their
     block."""
-    layers = adapter_layers(model).values()
+    layers = adapted_modules(model)
     for layer in layers:
         layer.adapter_enabled = False
     try:
@@ -221,7 +258,8 @@ def is_adapter_parameter(model: nn.Module, name: str) -> bool:
         if name.endswith("." + suffix):
             owner = model.get_submodule(name[: -len(suffix) - 1])
             return isinstance(owner, LoRALinear)
-    return False
+    owner, _, local = name.rpartition(".")
+    return local in EXPERT_ADAPTER_PARAMETERS and isinstance(model.get_submodule(owner), ExpertLoRA)
 
 
 def train_only(model: nn.Module, modules: list[str], always: list[str] = ()) -> list[str]:
@@ -245,7 +283,8 @@ def train_only(model: nn.Module, modules: list[str], always: list[str] = ()) -> 
 
 @torch.no_grad()
 def merge_adapters(model: nn.Module) -> nn.Module:
-    """Replace every LoRALinear by a plain Linear holding its merged weight (in place)."""
+    """Replace every LoRALinear by a plain Linear holding its merged weight, and add every
+    expert adapter's update to its grouped tensor (in place)."""
     for name, layer in adapter_layers(model).items():
         merged = nn.Linear(layer.in_features, layer.out_features, bias=layer.bias is not None)
         weight = layer.merged_weight()
@@ -254,6 +293,7 @@ def merge_adapters(model: nn.Module) -> nn.Module:
             merged.bias.data = layer.bias.detach().clone()
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, merged)
+    merge_expert_adapters(model)
     return model
 
 

@@ -16,6 +16,9 @@ every rank shares the same scales), of which each rank keeps its chunk of rows
 (`freetx.distributed.parameters` makes it the DTensor FSDP2 expects). torchao's NF4
 shards on a 1-D mesh and works replicated; a 2-D mesh is refused. At world
 size 1 the model is not sharded.
+
+Adapted MoE experts (`freetx.models.peft.experts`) are refused: torchao's NF4 tensor is
+2-D only (`to_nf4` asserts dim <= 2) and an expert base is one 3-D grouped tensor.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import torch
 from torch import nn
 
 from freetx.errors import ConfigError
+from freetx.models.peft.experts import expert_adapter_layers, refuse_expert_options
 from freetx.models.peft.lora import LoRALinear
 
 BLOCK_SIZE = 64  # weights per absmax block: QLoRA's
@@ -119,7 +123,10 @@ class NF4LoRALinear(LoRALinear):
 
 def quantize_bases(model: nn.Module, world_size: int = 1) -> None:
     """Swap every LoRA layer of a meta model for an `NF4LoRALinear` (its base an empty NF4
-    tensor), before the model is parallelized over `world_size` ranks."""
+    tensor), before the model is parallelized over `world_size` ranks. Adapted experts
+    are refused (the module's docstring)."""
+    if expert_adapter_layers(model):
+        refuse_expert_options(0.0, False, "nf4")
     for name, layer in list(model.named_modules()):
         if not isinstance(layer, LoRALinear):
             continue

@@ -1,0 +1,141 @@
+"""LoRA on MoE experts with tiny sharded folders transformers wrote: native Qwen3-MoE
+(freetx's GroupedExperts) and the generic path's Qwen2-MoE, DeepSeek-V3 and GPT-OSS
+(transformers' experts modules; GPT-OSS's stored transposed). The adapters export to PEFT's
+format for expert parameters (`target_parameters`, PEFT 0.21's ParamWrapper keys and
+layout), which `peft.PeftModel.from_pretrained` loads on transformers' model with the
+logits of freetx's merged export (written under the folder's per-expert names) and of
+freetx's own adapted model; a 2-process fsdp LoRA run on the experts through the CLI
+resumes exactly and exports."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tests.conftest import one_paragraph, run_freetx
+from tests.hf_folders import hf_logits, make_folder
+from tests.unit.test_expert_lora import randomize_adapters, save_adapters
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+SLOW = pytest.mark.slow
+EXPERT_TARGETS = ["mlp.experts.down_proj", "mlp.experts.gate_up_proj"]
+
+
+def ids(seed=1):
+    return torch.randint(3, 384, (2, 24), generator=torch.Generator().manual_seed(seed))
+
+
+def adapter_checkpoint(folder, path, targets):
+    """freetx's model of `folder` with LoRA (rank 2, alpha 4) on `targets`, its adapters
+    random (as after training), saved alone as a .safetensors file freetx reads back
+    (`save_adapters`); returns the adapted model's logits."""
+    from freetx.checkpoint.loading import load_initial_weights, source_model_on_meta
+    from freetx.distributed import materialize
+    from freetx.models.peft import apply_lora
+
+    model = source_model_on_meta(str(folder))
+    apply_lora(model, targets, rank=2, alpha=4)
+    materialize(model, torch.device("cpu"), seed=0, init_weights=False)
+    load_initial_weights(model, folder)
+    randomize_adapters(model)
+    save_adapters(model, path)
+    with torch.no_grad():
+        return model.eval()(ids())
+
+
+def peft_tensors(folder):
+    from safetensors.torch import load_file
+
+    return load_file(folder / "adapter_model.safetensors")
+
+
+@pytest.mark.parametrize(
+    "family,targets",
+    [("qwen3_moe", ["q", "experts"]),  # native: w1 and w3 exported as one gate_up_proj
+     pytest.param("qwen2_moe", ["experts"], marks=SLOW),  # the experts alone
+     ("deepseek_v3", ["o_proj", "experts"]),
+     ("gpt_oss", ["all-linear"])],  # experts stored [E, in, out]; all-linear has them
+)  # fmt: skip
+def test_expert_adapters_export_to_peft_which_loads_them_with_the_merged_folders_logits(
+    tmp_path, family, targets
+):
+    from freetx.checkpoint import convert
+    from freetx.checkpoint.adapters import LoRASettings
+    from freetx.checkpoint.convert import merge
+    from tests.recipes.test_hf_finetune import tensor_names
+
+    folder = make_folder(tmp_path / family, family)
+    file = tmp_path / "adapters.safetensors"
+    ours = adapter_checkpoint(folder, file, targets)
+    lora = LoRASettings(alpha=4.0)
+    convert(file, tmp_path / "peft", to="peft", lora=lora)
+    merge(file, folder, tmp_path / "merged", lora=lora)
+    assert tensor_names(tmp_path / "merged") == tensor_names(folder)  # per-expert names
+    config = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
+    assert config["target_parameters"] == EXPERT_TARGETS and config["r"] == 2
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder)
+    moe = next(i for i, layer in enumerate(hf.model.layers) if hasattr(layer.mlp, "experts"))
+    prefix = f"base_model.model.model.layers.{moe}.mlp.experts."
+    tensors = peft_tensors(tmp_path / "peft")
+    hidden, rank_experts = hf.config.hidden_size, 2 * 4  # r * E
+    assert tensors[prefix + "base_layer.lora_A.weight"].shape == (rank_experts, hidden)
+    assert tensors[prefix + "base_layer.lora_B.weight"].shape[1] == rank_experts  # gate_up
+    assert tensors[prefix + "lora_B.weight"].shape == (hidden, rank_experts)  # down_proj
+    with torch.no_grad():
+        adapted = peft.PeftModel.from_pretrained(hf, tmp_path / "peft").eval()(ids()).logits
+        merged = hf_logits(tmp_path / "merged", ids())
+        plain = hf_logits(folder, ids())
+    assert (merged - plain).abs().max() > 1e-2  # the adapters change the logits
+    assert (adapted - merged).abs().max() <= 1e-4
+    assert (ours - merged).abs().max() <= 1e-4
+
+
+@SLOW  # three 2-process runs, ~75 s on 2 CPU cores
+def test_lora_on_deepseek_v3_experts_on_2_processes_resumes_exactly_and_exports_to_peft(tmp_path):
+    from freetx.checkpoint import load_model
+    from freetx.training.export import recorded_peft
+    from tests.recipes.test_checkpoint_resume import COMMON, losses
+    from tests.recipes.test_hf_finetune import tiny_folder
+
+    folder = tiny_folder(tmp_path / "folder", "deepseek_v3")
+
+    def lora(output_dir, *overrides):
+        return run_freetx(
+            "run", "--nproc-per-node", "2", "lora_finetune_fsdp2", "--config", "llm/hf_tiny_lora",
+            f"model_dir={folder}", f"output_dir={output_dir}", "peft.dropout=0", "peft.rank=4",
+            "peft.target_modules=[o_proj,experts]", "optimizer.lr=0.02", "dataset.seq_len=64",
+            "dataset.num_builtin_examples=400", "checkpoint.every_n_steps=2", *COMMON,
+            *overrides,
+        )  # fmt: skip
+
+    refused = lora(tmp_path / "refused", "peft.dropout=0.1")  # by the config's own checks
+    assert "'peft.dropout' is 0.1: LoRA on MoE experts" in one_paragraph(refused)
+    assert not list((tmp_path / "refused").glob("checkpoints/step_*"))
+    assert not (tmp_path / "refused" / "metrics.jsonl").exists()
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    result = lora(straight, "max_steps=4")
+    assert result.returncode == 0, result.stderr
+    assert "trains LoRA r=4 alpha=32 on 3 modules" in result.stdout  # 2 o_proj, 1 experts
+    assert lora(resumed, "max_steps=2").returncode == 0
+    result = lora(resumed, "max_steps=4")
+    assert result.returncode == 0 and "resumed from" in result.stdout, result.stderr
+    a, b = losses(straight), losses(resumed)
+    assert sorted(b) == [1, 2, 3, 4] and all(a[step] == b[step] for step in (3, 4)), (a, b)
+    checkpoint = straight / "checkpoints" / "step_000004"
+    merged = run_freetx("checkpoint", "merge", str(checkpoint), "--base", str(folder),
+                        str(tmp_path / "merged"))  # fmt: skip
+    assert merged.returncode == 0, merged.stderr
+    auto = transformers.AutoModelForCausalLM
+    with torch.no_grad():
+        ours = load_model(checkpoint, "cpu", adapters=recorded_peft(checkpoint))(ids())
+        exported = peft.PeftModel.from_pretrained(auto.from_pretrained(folder),
+                                                  straight / "export" / "peft")  # fmt: skip
+        adapted = exported.eval()(ids()).logits
+        merged_logits = hf_logits(tmp_path / "merged", ids())
+    assert (adapted - hf_logits(folder, ids())).abs().max() > 1e-3  # the 4 steps trained
+    assert (adapted - merged_logits).abs().max() <= 1e-4
+    assert (ours - merged_logits).abs().max() <= 1e-4
