@@ -24,6 +24,7 @@ from freetx.distributed import (
 )
 from freetx.distributed.expert_parallel import expert_modules
 from freetx.distributed.parameters import materialize
+from freetx.models.peft import apply_lora
 from tests.distributed.launcher import write_results
 from tests.distributed.mesh_checks import MODELS, SEED, batch, build, max_diff, step
 
@@ -36,8 +37,17 @@ LAYOUTS = {
     "ep4_zero2_ac": dict(ep=4, strategy="zero2", activation_checkpointing="full"),
     "hsdp2_ep2": dict(ep=2, strategy="hsdp", replicate_degree=2),
     "pp2_ep2": dict(ep=2, pp=2),
+    "ep2_dp2_lora": dict(ep=2),  # LoRA on the experts (and attention): adapters spread too
 }
 ACCUMULATION = 2
+
+
+def build_case(name: str, layout: dict):
+    """The decoder of a layout; `*_lora`: LoRA on the experts and q, v (r 2)."""
+    model = build("moe", fields(layout))
+    if name.endswith("_lora"):
+        apply_lora(model, ["experts", "q", "v"], rank=2, alpha=4)
+    return model
 
 
 def fields(layout: dict) -> dict:
@@ -66,11 +76,11 @@ def main() -> None:
         cfg = OmegaConf.structured(DistributedConfig(**layout))
         groups = build_groups(runtime, cfg)
         with torch.device("meta"):
-            reference = build("moe", fields(layout))
+            reference = build_case(name, layout)
         materialize(reference, torch.device("cpu"), SEED)
         want = step(reference.train(), None, 1, ACCUMULATION, False, groups.dp_size)
         with torch.device("meta"):
-            model = build("moe", fields(layout))
+            model = build_case(name, layout)
         plan = parallelize(model, groups, cfg, seed=SEED, micro_batches=ACCUMULATION)
         got = step(plan.model.train(), plan, 1, ACCUMULATION, False, groups.dp_size)
         for i, part in enumerate(("init", "grad", "param")):
@@ -80,7 +90,7 @@ def main() -> None:
         results[f"{name}/expert_grad"] = sum(
             g.abs().sum().item() for n, g in got[1].items() if ".experts." in n
         )
-        if layout.get("pp", 1) > 1:  # a stage's forward is the pipeline's; no frozen copy
+        if layout.get("pp", 1) > 1 or name.endswith("_lora"):  # pp: the schedule's forward
             continue
         with torch.device("meta"):  # the initial weights, frozen
             frozen, initial = build("moe", MODELS["moe"]), build("moe", MODELS["moe"])

@@ -16,7 +16,7 @@ from tests.distributed.launcher import run_checks
 TIGHT = 2e-6  # fp32: differences come only from the order of summation
 # the experts of a block (of 4) the ranks compute (pp: the second stage has no MoE block)
 LAYOUTS = {"ep2_dp2": {2}, "ep4": {1}, "ep2_tp2": {2}, "ep2_cp2": {2}, "ep4_zero2_ac": {1},
-           "hsdp2_ep2": {2}, "pp2_ep2": {2, 0}}  # fmt: skip
+           "hsdp2_ep2": {2}, "pp2_ep2": {2, 0}, "ep2_dp2_lora": {2}}  # fmt: skip
 
 
 SCRIPT = Path(__file__).with_name("expert_parallel_checks.py")

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from freetx.errors import ConfigError
-from freetx.models.moe import GroupedExperts, grouped_linear
+from freetx.models.moe import GroupedExperts, grouped_linear, local_rows
 
 # transformers' names for the 3-D expert parameters it holds (in the order its experts
 # modules register them: PEFT nests its wrappers in that order, the first innermost)
@@ -149,9 +149,8 @@ class ExpertLoRA(nn.Module):
     def grouped(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """s B A x for rows of `x` [N, cols] sorted by expert: [N, rows], through the rank
         (two grouped matmuls, no [E, rows, cols] update)."""
-        return grouped_linear(grouped_linear(x, self.lora_a, counts), self.lora_b, counts) * (
-            self.scale
-        )
+        lora_a, lora_b = local_rows(self.lora_a), local_rows(self.lora_b)  # ep: this rank's
+        return grouped_linear(grouped_linear(x, lora_a, counts), lora_b, counts) * self.scale
 
     def reset_parameter(self, name: str, tensor: torch.Tensor, generator) -> None:
         """Fill `lora_a` or `lora_b` (its full tensor)."""
@@ -186,12 +185,13 @@ class LoRAGroupedExperts(GroupedExperts):
             param.requires_grad_(False)
 
     def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        gate, up = grouped_linear(x, self.w1, counts), grouped_linear(x, self.w3, counts)
+        w1, w3, w2 = (local_rows(w) for w in (self.w1, self.w3, self.w2))  # ep: this rank's
+        gate, up = grouped_linear(x, w1, counts), grouped_linear(x, w3, counts)
         if self.adapter_enabled:
             update = self.lora_gate_up_proj.grouped(x, counts).to(gate.dtype)
             gate, up = gate + update[:, : gate.shape[1]], up + update[:, gate.shape[1] :]
         hidden = F.silu(gate) * up
-        out = grouped_linear(hidden, self.w2, counts)
+        out = grouped_linear(hidden, w2, counts)
         if self.adapter_enabled:
             out = out + self.lora_down_proj.grouped(hidden, counts).to(out.dtype)
         return out
