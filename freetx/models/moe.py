@@ -59,18 +59,23 @@ def grouped_mm_fits(
     device_type: str, dtype: torch.dtype, capability: tuple[int, int] | None, sizes: tuple
 ) -> bool:
     """Whether one grouped matmul computes the experts here: on the CPU torch's kernel
-    (`F.grouped_mm`, torch 2.10+; float32, bfloat16, float16); on CUDA sm90+ (Hopper and
-    later, its CUTLASS kernel) in bfloat16 with every inner size a multiple of 8 (16-byte
-    rows); elsewhere the loop over experts does."""
+    (`F.grouped_mm`, torch 2.10+; float32, bfloat16, float16), on CUDA sm90+ (Hopper and
+    later, its CUTLASS kernel) in bfloat16; either with every inner size a multiple of 16
+    bytes (a LoRA rank of 2 in float32 is not); elsewhere the loop over experts does."""
+    aligned = all(size * dtype.itemsize % 16 == 0 for size in sizes)
     if device_type == "cpu":
-        return hasattr(F, "grouped_mm") and dtype in (torch.float32, torch.bfloat16, torch.float16)
+        return (
+            hasattr(F, "grouped_mm")
+            and dtype in (torch.float32, torch.bfloat16, torch.float16)
+            and aligned
+        )
     return (
         device_type == "cuda"
         and hasattr(torch, "_grouped_mm")
         and dtype == torch.bfloat16
         and capability is not None
         and capability >= (9, 0)
-        and all(size % 8 == 0 for size in sizes)
+        and aligned
     )
 
 

@@ -66,7 +66,8 @@ def test_grouped_mm_is_chosen_only_where_its_kernel_runs():
     assert not grouped_mm_fits("cuda", bf16, (8, 0), (64, 128))  # A100: the loop
     assert not grouped_mm_fits("cuda", fp32, (9, 0), (64, 128))
     assert not grouped_mm_fits("cuda", bf16, (9, 0), (64, 20))  # rows not 16-byte aligned
-    assert grouped_mm_fits("cpu", fp32, None, (64, 20))  # torch's CPU kernel: any size
+    assert grouped_mm_fits("cpu", fp32, None, (64, 20))  # torch's CPU kernel
+    assert not grouped_mm_fits("cpu", fp32, None, (64, 2))  # rows of 8 bytes (a LoRA rank 2)
     assert grouped_mm_fits("cpu", bf16, None, (64, 128))
     assert not grouped_mm_fits("cpu", torch.float64, None, (64, 128))
 
