@@ -29,6 +29,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed.tensor import DTensor
 
 
@@ -82,6 +83,8 @@ def grouped_mm_fits(
 def _uses_grouped_mm(x: torch.Tensor, weight: torch.Tensor) -> bool:
     if isinstance(weight, DTensor) or isinstance(x, DTensor):
         return False  # the loop's F.linear takes DTensors
+    if isinstance(x, FakeTensor) and x.dtype != torch.bfloat16:
+        return False  # torch 2.13's shape function (estimate --measure) takes bf16 alone
     capability = torch.cuda.get_device_capability(x.device) if x.is_cuda else None
     return grouped_mm_fits(x.device.type, x.dtype, capability, tuple(weight.shape[1:]))
 
@@ -168,9 +171,9 @@ class MoEFeedForward(nn.Module):
         if not self.expert_weights_fp32:
             weights = weights.to(logits.dtype)
         order = chosen.reshape(-1).argsort(stable=True)  # (token, slot) pairs by expert
-        counts = torch.bincount(chosen.reshape(-1), minlength=self.num_experts)
+        counts = expert_counts(chosen, self.num_experts)
         tokens = order // self.top_k
-        out = self.experts(flat[tokens], counts.tolist())
+        out = self.experts(flat[tokens], group_sizes(counts, len(order)))
         out = out * weights.reshape(-1)[order, None]
         mixed = torch.zeros_like(flat).index_add_(0, tokens, out.to(flat.dtype))
         if valid is not None:
@@ -186,8 +189,28 @@ def valid_routing(
     the `valid` tokens only: weighted sums, no data-dependent shapes."""
     weight = valid.reshape(-1).to(probs.dtype)
     slots = weight.repeat_interleave(chosen.shape[1])
-    counts = torch.bincount(chosen.reshape(-1), weights=slots, minlength=num_experts)
+    counts = expert_counts(chosen, num_experts, slots)
     return Routing(counts.float(), (probs * weight[:, None]).sum(dim=0), weight.sum())
+
+
+def expert_counts(
+    chosen: torch.Tensor, num_experts: int, weights: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The (token, slot) pairs `chosen` [N, k] sends to each expert [E] (summed `weights`
+    per pair, if given): a sum into a fixed shape, so fake tensors (`freetx estimate
+    --measure`) count too (a bincount's shape depends on the data)."""
+    flat = chosen.reshape(-1)
+    ones = torch.ones_like(flat) if weights is None else weights
+    return ones.new_zeros(num_experts).scatter_add_(0, flat, ones)
+
+
+def group_sizes(counts: torch.Tensor, rows: int) -> list[int]:
+    """The experts' row counts as Python ints (the grouped matmul's groups); on fake tensors
+    (`freetx estimate --measure`), which hold no values, the `rows` split evenly."""
+    if not isinstance(counts, FakeTensor):
+        return counts.tolist()
+    each, extra = divmod(rows, len(counts))
+    return [each + (expert < extra) for expert in range(len(counts))]
 
 
 def combine_routings(routings: list[Routing]) -> Routing | None:

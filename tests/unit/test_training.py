@@ -146,10 +146,17 @@ def test_estimate_refuses_a_model_that_does_not_count_its_activations():
         estimate(Plain(), shapes(2), 8, 8, "float32", "none", 1, "cpu", 0.4)
 
 
-def test_estimate_measure_runs_a_fake_step_per_strategy(tmp_path):
+MOE_TINY = ["model.num_experts=4", "model.experts_per_token=2"]
+
+
+@pytest.mark.parametrize(
+    "model", [[], pytest.param(MOE_TINY, marks=pytest.mark.slow)], ids=["dense", "moe"]
+)
+def test_estimate_measure_runs_a_fake_step_per_strategy(tmp_path, model):
     """`--measure` on llm/tiny at 2 ranks: one step per strategy on fake tensors and a fake
     process group. What rank 0 holds matches the analytic model states (FSDP2 pads uneven
-    shards: within 0.1%), and the peaks agree within 15%."""
+    shards: within 0.1%), and the peaks agree within 15%. With experts too: a fake
+    router's choices hold no values, so the experts' rows are split evenly."""
     import contextlib
     import io
     import json
@@ -160,7 +167,7 @@ def test_estimate_measure_runs_a_fake_step_per_strategy(tmp_path):
 
     path = tmp_path / "estimate.json"
     with contextlib.redirect_stdout(io.StringIO()):
-        assert main(["estimate", "llm/tiny", "--world-size", "2", "--device", "cpu",
+        assert main(["estimate", "llm/tiny", *model, "--world-size", "2", "--device", "cpu",
                      "--measure", "--json", str(path)]) == 0  # fmt: skip
     assert not dist.is_initialized()  # the fake group is gone
     figures = json.loads(path.read_text())
