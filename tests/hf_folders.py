@@ -200,6 +200,22 @@ CONVERTED_MOE_FAMILIES = {
               dict(max_shard_size="40KB")),
 }  # fmt: skip
 
+# DeepSeek-V3 as freetx reads it natively, beyond the folder above: queries without the
+# low-rank bottleneck (q_proj) and RoPE on halves; YaRN RoPE (its softmax scale by
+# mscale_all_dim), biases on q_a/kv_a/o, 8 experts in 4 groups of which 2 are kept, top 3
+DEEPSEEK_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                 "original_max_position_embeddings": 64, "mscale": 1.0, "mscale_all_dim": 0.707,
+                 "beta_fast": 32, "beta_slow": 1}  # fmt: skip
+DEEPSEEK_VARIANTS = {
+    "deepseek_v3_q_proj": ("DeepseekV3Config",
+                           dict(CONVERTED_MOE_FAMILIES["deepseek_v3"][1], q_lora_rank=None,
+                                rope_interleave=False), {}),
+    "deepseek_v3_yarn": ("DeepseekV3Config",
+                         dict(CONVERTED_MOE_FAMILIES["deepseek_v3"][1], attention_bias=True,
+                              rope_parameters=DEEPSEEK_YARN, n_routed_experts=8, n_group=4,
+                              topk_group=2, num_experts_per_tok=3), dict(max_shard_size="40KB")),
+}  # fmt: skip
+
 # hybrid models: gated linear attention (Qwen3.5's Gated DeltaNet) or state-space layers
 # beside full attention; transformers' DynamicCache holds each layer's kind
 QWEN3_5 = dict(IDS, head_dim=16, linear_key_head_dim=16, linear_value_head_dim=16,
@@ -247,7 +263,8 @@ def make_folder(folder: Path, family: str, dtype: torch.dtype = torch.float32, s
     """Write the family's tiny model with `save_pretrained`; returns the folder."""
     import transformers
 
-    families = {**FAMILIES, **GENERIC_FAMILIES, **CONVERTED_MOE_FAMILIES, **HYBRID_FAMILIES}
+    families = {**FAMILIES, **GENERIC_FAMILIES, **CONVERTED_MOE_FAMILIES, **DEEPSEEK_VARIANTS,
+                **HYBRID_FAMILIES}  # fmt: skip
     class_name, fields, options = families[family]
     shape = {} if "text_config" in fields else SHAPE
     config = getattr(transformers, class_name)(**{**shape, **fields})
@@ -261,8 +278,8 @@ def make_folder(folder: Path, family: str, dtype: torch.dtype = torch.float32, s
                 param.normal_(1.0, 0.1)
             elif name.endswith("mlp.gate.weight"):  # routers that spread tokens over experts
                 param.normal_(0.0, 0.5)
-            elif ".experts." in name and family in CONVERTED_MOE_FAMILIES:  # experts that
-                param.normal_(0.0, 0.2)  # matter: a misplaced row shows in the logits
+            elif ".experts." in name and family.startswith(tuple(CONVERTED_MOE_FAMILIES)):
+                param.normal_(0.0, 0.2)  # experts that matter: a misplaced row shows
         for name, buffer in model.named_buffers():  # a stored router bias (DeepSeek-V3's)
             if name.endswith("e_score_correction_bias"):
                 buffer.normal_(0.0, 0.5)

@@ -15,6 +15,13 @@ The experts' matmuls run as `torch._grouped_mm` where the device has a kernel fo
 (`grouped_mm_fits`: CUDA sm90+, bfloat16, 16-byte aligned sizes), else as a loop over the
 experts; both read the same tokens sorted by expert, so they compute the same sums.
 
+Routers of other kinds (`RouterKind`, `route`): DeepSeek-V3's and GLM-4.5's sigmoid scores
+with a stored bias that steers the choice (`gate.e_score_correction_bias`, a float32
+buffer, not trained) and grouped top-k (the experts in groups, a token's chosen from its
+best groups); DeepSeek-V2's group-limited softmax; the weights times
+`routed_scaling_factor`. A block may add an MLP every token goes through (`shared`:
+DeepSeek's shared experts).
+
 The block returns its output and its `Routing` (tokens per expert, router probabilities
 summed over tokens); the decoder turns every layer's routing into the load-balancing
 loss (`load_balancing_loss`, as transformers' `load_balancing_loss_func` computes it),
@@ -23,7 +30,8 @@ which the model returns in training (`freetx.models.protocol.LMOutput`).
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from dataclasses import dataclass
+from typing import Literal, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -99,9 +107,91 @@ class GroupedExperts(nn.Module):
         return grouped_linear(hidden, self.w2, counts)
 
 
+@dataclass(frozen=True)
+class RouterKind:
+    """How a router turns its logits into each token's experts and their weights (`route`).
+
+    scores     "softmax" over the experts (Mixtral, Qwen, DeepSeek-V2) or "sigmoid" per
+               expert (DeepSeek-V3, GLM-4.5)
+    bias       a float32 buffer `e_score_correction_bias` [E] added to the scores for the
+               choice only (DeepSeek-V3's load balancing; read from and written to folders)
+    groups     the experts in `groups` equal groups; a token's experts are chosen from its
+               best `groups_per_token` groups, ranked by the sum of their top-2 (biased)
+               scores (sigmoid) or by their best score (softmax: DeepSeek-V2's
+               group_limited_greedy); 1: no groups
+    norm       the k weights divided by their sum (norm_topk_prob)
+    scaling    the weights times this (routed_scaling_factor)
+    fp32       the logits' matmul in float32 (DeepSeek, GLM-4.5), else in the compute dtype
+    """
+
+    scores: Literal["softmax", "sigmoid"] = "softmax"
+    bias: bool = False
+    groups: int = 1
+    groups_per_token: int = 1
+    norm: bool = True
+    scaling: float = 1.0
+    fp32: bool = False
+
+
+def route(
+    logits: torch.Tensor, kind: RouterKind, top_k: int, bias: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Logits [N, E] -> (weights [N, k] float32, chosen experts [N, k], probabilities [N, E]
+    float32 for the load-balancing statistics: the softmax, or the sigmoid scores over
+    their sum), as transformers 5.24's routers compute them (`bias`: the correction
+    added for the choice, `RouterKind.bias`)."""
+    if kind.scores == "softmax":
+        scores = F.softmax(logits, dim=-1, dtype=torch.float32)
+        probs = scores
+    else:
+        scores = logits.float().sigmoid()
+        probs = scores / scores.sum(dim=-1, keepdim=True)
+    choice = scores if bias is None else scores + bias
+    if kind.groups_per_token < kind.groups:
+        grouped = choice.view(len(choice), kind.groups, -1)
+        if kind.scores == "sigmoid":
+            rank = grouped.topk(2, dim=-1).values.sum(dim=-1)
+        else:
+            rank = grouped.amax(dim=-1)
+        kept = rank.topk(kind.groups_per_token, dim=-1, sorted=False).indices
+        keep = torch.zeros_like(rank, dtype=torch.bool).scatter_(1, kept, True)
+        # sigmoid: DeepSeek-V3 masks the others with -inf; softmax: V2 with 0.0
+        masked = float("-inf") if kind.scores == "sigmoid" else 0.0
+        choice = choice.masked_fill(~keep.repeat_interleave(grouped.shape[2], dim=1), masked)
+    chosen = torch.topk(choice, top_k, dim=-1).indices  # [N, k]
+    weights = scores.gather(1, chosen)
+    if kind.norm:  # DeepSeek-V3 adds 1e-20 to the sum; Mixtral and Qwen do not
+        total = weights.sum(dim=-1, keepdim=True)
+        weights = weights / (total + 1e-20 if kind.scores == "sigmoid" else total)
+    return weights * kind.scaling, chosen, probs
+
+
+class Router(nn.Linear):
+    """A block's router (`gate`): Linear(hidden -> E, no bias), and with `kind.bias`
+    DeepSeek-V3's `e_score_correction_bias` (a float32 persistent buffer, zero until a
+    folder's is read)."""
+
+    def __init__(self, hidden_dim: int, num_experts: int, kind: RouterKind) -> None:
+        super().__init__(hidden_dim, num_experts, bias=False)
+        self.kind = kind
+        if kind.bias:
+            self.register_buffer("e_score_correction_bias", torch.zeros(num_experts))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [N, H] -> logits [N, E] (in float32 where `kind.fp32`)."""
+        if self.kind.fp32:
+            return F.linear(x.float(), self.weight.float())
+        return super().forward(x)
+
+    def correction(self) -> torch.Tensor | None:
+        """The bias added to the scores for the choice (None: no bias)."""
+        return self.get_buffer("e_score_correction_bias") if self.kind.bias else None
+
+
 class MoEFeedForward(nn.Module):
-    """The router (`gate`) and the experts of one block; `forward` returns the output and
-    the layer's `Routing`."""
+    """The router (`gate`) and the experts of one block, and an MLP beside them that every
+    token goes through where given (`shared`: DeepSeek's shared experts, named
+    `shared_experts`); `forward` returns the output and the layer's `Routing`."""
 
     def __init__(
         self,
@@ -111,12 +201,16 @@ class MoEFeedForward(nn.Module):
         experts_per_token: int,
         norm_topk_prob: bool,
         expert_weights_fp32: bool,
+        kind: RouterKind | None = None,
+        shared: nn.Module | None = None,
     ) -> None:
         super().__init__()
         self.num_experts, self.top_k = num_experts, experts_per_token
-        self.norm_topk_prob, self.expert_weights_fp32 = norm_topk_prob, expert_weights_fp32
-        self.gate = nn.Linear(hidden_dim, num_experts, bias=False)
+        self.expert_weights_fp32 = expert_weights_fp32
+        self.kind = RouterKind(norm=norm_topk_prob) if kind is None else kind
+        self.gate = Router(hidden_dim, num_experts, self.kind)
         self.experts = GroupedExperts(num_experts, hidden_dim, ffn_hidden_dim)
+        self.shared_experts = shared
 
     def forward(
         self, x: torch.Tensor, valid: torch.Tensor | None = None
@@ -126,18 +220,17 @@ class MoEFeedForward(nn.Module):
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         logits = self.gate(flat)
-        probs = F.softmax(logits, dim=-1, dtype=torch.float32)
-        weights, chosen = torch.topk(probs, self.top_k, dim=-1)  # [N, k]
-        if self.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights, chosen, probs = route(logits, self.kind, self.top_k, self.gate.correction())
         if not self.expert_weights_fp32:
-            weights = weights.to(logits.dtype)
+            weights = weights.to(flat.dtype)
         order = chosen.reshape(-1).argsort(stable=True)  # (token, slot) pairs by expert
         counts = torch.bincount(chosen.reshape(-1), minlength=self.num_experts)
         tokens = order // self.top_k
         out = self.experts(flat[tokens], counts.tolist())
         out = out * weights.reshape(-1)[order, None]
         mixed = torch.zeros_like(flat).index_add_(0, tokens, out.to(flat.dtype))
+        if self.shared_experts is not None:
+            mixed = mixed + self.shared_experts(flat)
         if valid is not None:
             return mixed.reshape(shape), valid_routing(chosen, probs, valid, self.num_experts)
         routing = Routing(counts.float(), probs.sum(dim=0), probs.new_tensor(len(flat)))
