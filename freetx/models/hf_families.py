@@ -506,9 +506,9 @@ def rope_settings(hf: HF, layer_type: str | None = None) -> tuple[float, dict | 
     if kind == "yarn":  # transformers: a missing factor is max / original positions
         params.setdefault("original_max_position_embeddings", hf.get("max_position_embeddings"))
         if params.get("factor") is None:
-            params["factor"] = hf["max_position_embeddings"] / params[
-                "original_max_position_embeddings"
-            ]
+            params["factor"] = (
+                hf["max_position_embeddings"] / params["original_max_position_embeddings"]
+            )
     if kind == "llama3":
         params.setdefault(
             "original_max_position_embeddings", hf.get("max_position_embeddings", 8192)

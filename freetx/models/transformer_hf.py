@@ -381,16 +381,17 @@ class LlamaFamilyLayout:
         fields["activation"] = _ACTIVATIONS[hf.get(key, "silu")]
         if hf.get("mlp_bias"):
             raise unsupported("mlp_bias", True, "MLPs without biases")
-        if fields["partial_rotary_factor"] != 1.0 and not (family.phi_rope or family.partial_rotary):
+        partial = family.phi_rope or family.partial_rotary
+        if fields["partial_rotary_factor"] != 1.0 and not partial:
             raise unsupported(
                 "partial_rotary_factor", fields["partial_rotary_factor"],
                 f"RoPE on every dim of a {family.model_type} model's heads, as transformers "
                 "computes it",
             )  # fmt: skip
         bias = bool(hf.get("attention_bias", False))
+        qkv_bias = bias and family.biases in ("all_or_none", "qkv_or_none")
         fields.update(
-            qkv_bias=bias and family.biases in ("all_or_none", "qkv_or_none")
-            or family.biases == "qkv",
+            qkv_bias=qkv_bias or family.biases == "qkv",
             wo_bias=bias and family.biases == "all_or_none",
         )
         fields.update(family.read(hf, fields))

@@ -28,7 +28,9 @@ CASES = ["deepseek_v3", "deepseek_v3_q_proj", "deepseek_v3_yarn", "glm4_moe"]
 def folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("deepseek_folders")
     made = {case: make_folder(root / case, case) for case in CASES}
-    hf = transformers.AutoModelForCausalLM.from_pretrained(made["deepseek_v3"], dtype=torch.bfloat16)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        made["deepseek_v3"], dtype=torch.bfloat16
+    )
     hf.save_pretrained(root / "deepseek_v3_bf16", max_shard_size="40KB")  # router kept float32
     made["deepseek_v3_bf16"] = root / "deepseek_v3_bf16"
     return made

@@ -71,7 +71,8 @@ class LatentAttention(nn.Module):
         super().__init__()
         assert cfg.kv_lora_rank is not None and cfg.v_head_dim is not None
         self.num_heads = cfg.num_heads
-        self.rope_dim, self.nope_dim, self.v_dim = cfg.head_dim, cfg.qk_nope_head_dim, cfg.v_head_dim
+        self.rope_dim, self.nope_dim = cfg.head_dim, cfg.qk_nope_head_dim
+        self.v_dim = cfg.v_head_dim
         self.kv_lora_rank, self.interleave = cfg.kv_lora_rank, cfg.rope_interleave
         self.attention_dropout = cfg.attention_dropout
         q_size = cfg.num_heads * (self.nope_dim + self.rope_dim)
