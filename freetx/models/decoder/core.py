@@ -268,8 +268,12 @@ class DecoderCore(nn.Module):
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token: 6 N (non-embedding, active: an MoE token's experts
-        only) + 12 L H d T for attention."""
+        only) + 12 L H d T for attention (latent attention: d the mean of its query/key
+        and value dims)."""
         c = self.config
         dense = 6 * self.num_parameters(exclude_embeddings=True, active=True)
-        attention = 12 * c.num_layers * c.num_heads * c.head_dim * seq_len
+        d = c.head_dim
+        if c.kv_lora_rank is not None:
+            d = (c.qk_nope_head_dim + c.head_dim + c.v_head_dim) / 2
+        attention = 12 * c.num_layers * c.num_heads * d * seq_len
         return float(dense + attention)
