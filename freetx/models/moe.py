@@ -16,7 +16,7 @@ The experts' matmuls run as `torch._grouped_mm` where the device has a kernel fo
 experts; both read the same tokens sorted by expert, so they compute the same sums.
 
 Routers of other kinds (`RouterKind`, `route`): DeepSeek-V3's and GLM-4.5's sigmoid scores
-with a stored bias that steers the choice (`gate.e_score_correction_bias`, a float32
+with a stored bias that steers the choice (`e_score_correction_bias`, a float32
 buffer, not trained) and grouped top-k (the experts in groups, a token's chosen from its
 best groups); DeepSeek-V2's group-limited softmax; the weights times
 `routed_scaling_factor`. A block may add an MLP every token goes through (`shared`:
@@ -167,31 +167,28 @@ def route(
 
 
 class Router(nn.Linear):
-    """A block's router (`gate`): Linear(hidden -> E, no bias), and with `kind.bias`
-    DeepSeek-V3's `e_score_correction_bias` (a float32 persistent buffer, zero until a
-    folder's is read)."""
+    """A block's router (`gate`): Linear(hidden -> E, no bias), its matmul in float32 where
+    `fp32` (DeepSeek's). A LoRA adapter may replace it by another Linear (`all-linear`):
+    the block then routes by that one's logits, in the compute dtype."""
 
-    def __init__(self, hidden_dim: int, num_experts: int, kind: RouterKind) -> None:
+    def __init__(self, hidden_dim: int, num_experts: int, fp32: bool = False) -> None:
         super().__init__(hidden_dim, num_experts, bias=False)
-        self.kind = kind
-        if kind.bias:
-            self.register_buffer("e_score_correction_bias", torch.zeros(num_experts))
+        self.fp32 = fp32
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [N, H] -> logits [N, E] (in float32 where `kind.fp32`)."""
-        if self.kind.fp32:
+        """x [N, H] -> logits [N, E]."""
+        if self.fp32:
             return F.linear(x.float(), self.weight.float())
         return super().forward(x)
-
-    def correction(self) -> torch.Tensor | None:
-        """The bias added to the scores for the choice (None: no bias)."""
-        return self.get_buffer("e_score_correction_bias") if self.kind.bias else None
 
 
 class MoEFeedForward(nn.Module):
     """The router (`gate`) and the experts of one block, and an MLP beside them that every
     token goes through where given (`shared`: DeepSeek's shared experts, named
-    `shared_experts`); `forward` returns the output and the layer's `Routing`."""
+    `shared_experts`); with `kind.bias` the float32 persistent buffer
+    `e_score_correction_bias` [E] (zero until a folder's is read; HF's
+    `mlp.gate.e_score_correction_bias`). `forward` returns the output and the layer's
+    `Routing`."""
 
     def __init__(
         self,
@@ -208,7 +205,9 @@ class MoEFeedForward(nn.Module):
         self.num_experts, self.top_k = num_experts, experts_per_token
         self.expert_weights_fp32 = expert_weights_fp32
         self.kind = RouterKind(norm=norm_topk_prob) if kind is None else kind
-        self.gate = Router(hidden_dim, num_experts, self.kind)
+        self.gate = Router(hidden_dim, num_experts, self.kind.fp32)
+        if self.kind.bias:
+            self.register_buffer("e_score_correction_bias", torch.zeros(num_experts))
         self.experts = GroupedExperts(num_experts, hidden_dim, ffn_hidden_dim)
         self.shared_experts = shared
 
@@ -220,7 +219,8 @@ class MoEFeedForward(nn.Module):
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         logits = self.gate(flat)
-        weights, chosen, probs = route(logits, self.kind, self.top_k, self.gate.correction())
+        bias = self.get_buffer("e_score_correction_bias") if self.kind.bias else None
+        weights, chosen, probs = route(logits, self.kind, self.top_k, bias)
         if not self.expert_weights_fp32:
             weights = weights.to(flat.dtype)
         order = chosen.reshape(-1).argsort(stable=True)  # (token, slot) pairs by expert

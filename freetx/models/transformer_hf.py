@@ -69,7 +69,7 @@ _NAMES += [
     ("layers.{i}.attention.q_a_norm.weight", "model.layers.{i}.self_attn.q_a_layernorm.weight"),
     ("layers.{i}.attention.kv_a_norm.weight", "model.layers.{i}.self_attn.kv_a_layernorm.weight"),
     # DeepSeek's router bias (a float32 buffer) and shared experts
-    ("layers.{i}.feed_forward.gate.e_score_correction_bias",
+    ("layers.{i}.feed_forward.e_score_correction_bias",
      "model.layers.{i}.mlp.gate.e_score_correction_bias"),
     ("layers.{i}.feed_forward.shared_experts.w1.weight",
      "model.layers.{i}.mlp.shared_experts.gate_proj.weight"),

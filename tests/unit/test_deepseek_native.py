@@ -64,12 +64,12 @@ def test_sigmoid_grouped_router_with_bias_equals_transformers_deepseek_v3_router
     kind = RouterKind("sigmoid", True, 4, 2, True, 2.5, True)
     layer = MoEFeedForward(16, 8, 8, 3, True, True, kind)
     layer.gate.weight.data.copy_(reference.weight)
-    layer.gate.e_score_correction_bias.copy_(reference.e_score_correction_bias)
+    layer.e_score_correction_bias.copy_(reference.e_score_correction_bias)
     x = torch.randn(64, 16)
     _, hf_weights, hf_chosen = reference(x)
     from freetx.models.moe import route
 
-    weights, chosen, probs = route(layer.gate(x), kind, 3, layer.gate.correction())
+    weights, chosen, probs = route(layer.gate(x), kind, 3, layer.e_score_correction_bias)
     ours, theirs = chosen_set(weights, chosen), chosen_set(hf_weights, hf_chosen)
     assert torch.equal(ours[0], theirs[0]) and (ours[1] - theirs[1]).abs().max() < 1e-6
     groups = chosen // 2  # every token's experts lie in at most 2 of the 4 groups
@@ -99,11 +99,23 @@ def test_group_limited_softmax_router_equals_transformers_deepseek_v2_router():
 
 def test_the_router_bias_is_a_float32_persistent_buffer_and_the_router_runs_in_float32():
     layer = MoEFeedForward(16, 8, 8, 3, True, True, RouterKind("sigmoid", True, fp32=True))
-    assert "gate.e_score_correction_bias" in layer.state_dict()
-    assert "gate.e_score_correction_bias" not in dict(layer.named_parameters())
+    assert layer.state_dict()["e_score_correction_bias"].dtype == torch.float32
+    assert "e_score_correction_bias" not in dict(layer.named_parameters())
     layer.to(torch.bfloat16)
-    layer.gate.e_score_correction_bias.data = layer.gate.e_score_correction_bias.float()
     assert layer.gate(torch.randn(4, 16, dtype=torch.bfloat16)).dtype == torch.float32
+
+
+def test_lora_on_every_linear_adapts_the_router_and_keeps_its_bias():
+    """`all-linear` replaces the router by a LoRA Linear: the block still routes, by the
+    stored bias too."""
+    from freetx.models.peft import apply_lora
+
+    built = model()
+    apply_lora(built, ["all-linear"], rank=2, alpha=4.0)
+    block = built.layers[1].feed_forward
+    assert "layers.1.feed_forward.e_score_correction_bias" in built.state_dict()
+    out, _ = block(torch.randn(2, 3, 32))
+    assert out.shape == (2, 3, 32)
 
 
 def test_shared_experts_add_an_ungated_mlp_that_every_token_goes_through():

@@ -79,7 +79,7 @@ class TransformerConfig:
     # how the router scores the experts (freetx.models.moe.route): "softmax" (Mixtral, Qwen);
     # "sigmoid" (DeepSeek-V3, GLM-4.5: groups ranked by the sum of their top-2 scores)
     router_scores: Literal["softmax", "sigmoid"] = "softmax"
-    # a float32 buffer per MoE block (`gate.e_score_correction_bias`, DeepSeek-V3's load
+    # a float32 buffer per MoE block (`e_score_correction_bias`, DeepSeek-V3's load
     # balancing) added to the scores to choose the experts, not to weigh them
     router_bias: bool = False
     # the router's matmul in float32 (DeepSeek, GLM-4.5: transformers keeps gate.weight in

@@ -26,7 +26,7 @@ from freetx.models.decoder.layers import (
 from freetx.models.decoder.rope import RotaryTables
 from freetx.models.kv_cache import KVCache
 from freetx.models.moe import (
-    Router,
+    MoEFeedForward,
     Routing,
     combine_routings,
     expert_load_max,
@@ -240,9 +240,10 @@ class DecoderCore(nn.Module):
 
     def init_buffers(self) -> None:
         """Recompute the RoPE tables on the model's device (meta init leaves garbage), and
-        zero the routers' stored biases (`Router`: a folder's replace them when read)."""
+        zero the routers' stored biases (`MoEFeedForward`: a folder's replace them when
+        read)."""
         for module in self.modules():
-            if isinstance(module, Router) and module.kind.bias:
+            if isinstance(module, MoEFeedForward) and module.kind.bias:
                 module.get_buffer("e_score_correction_bias").zero_()
         self.rope.reset()
         if self.local_rope is not None:
