@@ -214,6 +214,14 @@ DEEPSEEK_VARIANTS = {
                          dict(CONVERTED_MOE_FAMILIES["deepseek_v3"][1], attention_bias=True,
                               rope_parameters=DEEPSEEK_YARN, n_routed_experts=8, n_group=4,
                               topk_group=2, num_experts_per_tok=3), dict(max_shard_size="40KB")),
+    # DeepSeek-V2: softmax routing limited to 2 of 4 groups (group_limited_greedy), scaled
+    # by 16, never normed; 2 shared experts; queries without the bottleneck (V2-Lite's)
+    "deepseek_v2": ("DeepseekV2Config",
+                    dict(IDS, moe_intermediate_size=32, n_routed_experts=8, n_shared_experts=2,
+                         first_k_dense_replace=1, topk_method="group_limited_greedy", n_group=4,
+                         topk_group=2, num_experts_per_tok=3, routed_scaling_factor=16.0,
+                         q_lora_rank=None, kv_lora_rank=32, qk_rope_head_dim=8,
+                         qk_nope_head_dim=8, v_head_dim=16), dict(max_shard_size="40KB")),
 }  # fmt: skip
 
 # hybrid models: gated linear attention (Qwen3.5's Gated DeltaNet) or state-space layers
@@ -278,7 +286,7 @@ def make_folder(folder: Path, family: str, dtype: torch.dtype = torch.float32, s
                 param.normal_(1.0, 0.1)
             elif name.endswith("mlp.gate.weight"):  # routers that spread tokens over experts
                 param.normal_(0.0, 0.5)
-            elif ".experts." in name and family.startswith(tuple(CONVERTED_MOE_FAMILIES)):
+            elif ".experts." in name and family.startswith(("deepseek", *CONVERTED_MOE_FAMILIES)):
                 param.normal_(0.0, 0.2)  # experts that matter: a misplaced row shows
         for name, buffer in model.named_buffers():  # a stored router bias (DeepSeek-V3's)
             if name.endswith("e_score_correction_bias"):

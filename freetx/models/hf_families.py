@@ -342,6 +342,57 @@ def deepseek_v3_config(c: Fields, hf: HF) -> None:
     )  # fmt: skip
 
 
+# DeepseekV2Config's defaults (transformers 5.24)
+DEEPSEEK_V2_DEFAULTS = dict(n_group=1, topk_group=1, routed_scaling_factor=1.0,
+                            n_shared_experts=2, first_k_dense_replace=0, q_lora_rank=1536,
+                            kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128,
+                            v_head_dim=128)  # fmt: skip
+DEEPSEEK_V2_TOPK = ("greedy", "group_limited_greedy")
+
+
+def deepseek_v2_experts(hf: HF) -> Fields:
+    """DeepSeek-V2's MoE fields: softmax routing, `topk_method` greedy (no groups) or
+    group_limited_greedy (n_group groups ranked by their best score, topk_group kept),
+    the weights never normed, times routed_scaling_factor; shared experts and dense
+    layers first as DeepSeek-V3's."""
+    method = hf.get("topk_method") or "greedy"
+    if method not in DEEPSEEK_V2_TOPK:
+        raise unsupported("topk_method", method, "greedy and group_limited_greedy routing")
+    fields = deepseek_v3_experts(hf, DEEPSEEK_V2_DEFAULTS)
+    if method == "greedy":
+        fields.update(expert_groups=1, groups_per_token=1)
+    return fields
+
+
+def deepseek_v2_experts_config(c: Fields) -> HF:
+    """config.json's MoE fields of a DeepSeek-V2 model (`deepseek_v3_experts_config`'s, and
+    its top-k method)."""
+    hf = deepseek_v3_experts_config(c)
+    grouped = c["groups_per_token"] < c["expert_groups"]
+    hf.update(topk_method=DEEPSEEK_V2_TOPK[grouped], norm_topk_prob=False)
+    return hf
+
+
+def deepseek_v2_settings(hf: HF, fields: Fields) -> Fields:
+    """DeepSeek-V2's multi-head latent attention, as DeepSeek-V3's (its defaults), RoPE
+    always on interleaved pairs (transformers' complex rotation)."""
+    settings = deepseek_v3_settings({**DEEPSEEK_V2_DEFAULTS, **hf}, fields)
+    return {**settings, "rope_interleave": True}
+
+
+def deepseek_v2_config(c: Fields, hf: HF) -> None:
+    """A deepseek_v2 config.json's attention fields (DeepSeek-V3's without rope_interleave,
+    which DeepSeek-V2 always has)."""
+    if c.get("kv_lora_rank") is not None and not c.get("rope_interleave"):
+        raise CheckpointError(
+            "an HF deepseek_v2 model rotates interleaved pairs (rope_interleave=true); this "
+            "one has rope_interleave=false. Export it as deepseek_v3, or convert it to "
+            ".safetensors or DCP."
+        )
+    deepseek_v3_config(c, hf)
+    del hf["rope_interleave"]
+
+
 def glm4_moe_settings(hf: HF, fields: Fields) -> Fields:
     """GLM-4.5's attention: grouped-query, RoPE on part of each head; its q/k norms
     (`use_qk_norm`) are refused."""
@@ -430,6 +481,14 @@ DEEPSEEK_V3_EXPERTS = Experts(
            "expert_weights_fp32": True, "decoder_sparse_step": 1},
     read=deepseek_v3_experts, write=deepseek_v3_experts_config,
 )  # fmt: skip
+# DeepSeek-V2: softmax scores, no bias, the router in float32, the weights in float32, never
+# normed
+DEEPSEEK_V2_EXPERTS = Experts(
+    "mlp", DEEPSEEK_V3_EXPERTS.names,
+    fixed={"router_scores": "softmax", "router_bias": False, "router_fp32": True,
+           "expert_weights_fp32": True, "decoder_sparse_step": 1, "norm_topk_prob": False},
+    read=deepseek_v2_experts, write=deepseek_v2_experts_config,
+)  # fmt: skip
 GLM4_MOE_EXPERTS = Experts(
     "mlp", DEEPSEEK_V3_EXPERTS.names, fixed=DEEPSEEK_V3_EXPERTS.fixed,
     read=lambda hf: deepseek_v3_experts(hf, GLM4_MOE_DEFAULTS), write=deepseek_v3_experts_config,
@@ -468,6 +527,11 @@ FAMILIES: dict[str, Family] = {family.model_type: family for family in (
     Family("deepseek_v3", "DeepseekV3ForCausalLM", experts=DEEPSEEK_V3_EXPERTS, yarn_rope=True,
            holds=("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "rope_interleave"),
            read=deepseek_v3_settings, write=deepseek_v3_config),
+    # DeepSeek-V2, V2-Lite, V2.5: the same attention (RoPE always interleaved), softmax
+    # routing (greedy or group-limited), shared experts, dense layers first
+    Family("deepseek_v2", "DeepseekV2ForCausalLM", experts=DEEPSEEK_V2_EXPERTS, yarn_rope=True,
+           holds=("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "rope_interleave"),
+           read=deepseek_v2_settings, write=deepseek_v2_config),
     # GLM-4.5 / 4.6: DeepSeek-V3's router and shared experts, grouped-query attention with
     # RoPE on part of each head, q/k/v biases (attention_bias); its MTP layer not read
     Family("glm4_moe", "Glm4MoeForCausalLM", experts=GLM4_MOE_EXPERTS, biases="qkv_or_none",

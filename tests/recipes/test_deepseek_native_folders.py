@@ -1,8 +1,9 @@
-"""DeepSeek-V3 and GLM-4.5 folders read natively (`freetx.models.hf_families.FAMILIES`:
-multi-head latent attention, sigmoid routing with the stored bias and grouped top-k,
-shared experts, dense layers first): tiny sharded folders transformers wrote give its
-logits through `load_model` (q_lora_rank set and None, RoPE interleaved or on halves,
-YaRN with biases and 4 groups of experts, GLM-4.5's partial rotary), HF -> DCP -> HF
+"""DeepSeek-V3, DeepSeek-V2 and GLM-4.5 folders read natively
+(`freetx.models.hf_families.FAMILIES`: multi-head latent attention, sigmoid routing with
+the stored bias and grouped top-k or V2's group-limited softmax, shared experts, dense
+layers first): tiny sharded folders transformers wrote give its logits through
+`load_model` (q_lora_rank set and None, RoPE interleaved or on halves, YaRN with biases
+and 4 groups of experts, GLM-4.5's partial rotary), HF -> DCP -> HF
 gives every stored tensor back bit for bit in its stored dtype (a bf16 folder's float32
 router too), the stored router bias is read, the multi-token-prediction layer is not,
 cached generation equals the uncached forward, and a 2-process fsdp fine-tune through
@@ -21,7 +22,7 @@ from tests.recipes.test_moe_folders import ids, stored
 
 transformers = pytest.importorskip("transformers")
 
-CASES = ["deepseek_v3", "deepseek_v3_q_proj", "deepseek_v3_yarn", "glm4_moe"]
+CASES = ["deepseek_v3", "deepseek_v3_q_proj", "deepseek_v3_yarn", "deepseek_v2", "glm4_moe"]
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +107,7 @@ def test_the_multi_token_prediction_layer_is_not_read(tmp_path, folders):
         assert (model(ids()) - hf_logits(folders["deepseek_v3"], ids())).abs().max() <= 1e-4
 
 
-@pytest.mark.parametrize("case", ["deepseek_v3", "deepseek_v3_q_proj", "deepseek_v3_yarn"])
+@pytest.mark.parametrize("case", CASES)
 def test_cached_generation_equals_the_uncached_forward(folders, case):
     """A prompt, then 4 tokens one at a time through the KV cache (expanded keys and
     values), give the logits of one forward over the whole sequence."""

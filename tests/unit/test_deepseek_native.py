@@ -233,3 +233,26 @@ def test_exports_refuse_what_the_family_cannot_hold():
         LLAMA_LAYOUT.to_hf_config({**gqa, "hf_model_type": "mixtral"}, "float32")
     with pytest.raises(CheckpointError, match="an HF deepseek_v3 model has multi-head latent"):
         LLAMA_LAYOUT.to_hf_config(gqa, "float32")
+
+
+def folder_config(model_type: str, **fields) -> dict:
+    """A config.json of a tiny model of `model_type` (transformers' defaults elsewhere)."""
+    transformers = pytest.importorskip("transformers")
+    shape = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=4, moe_intermediate_size=16,
+                 n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=1)  # fmt: skip
+    return transformers.AutoConfig.for_model(model_type, **{**shape, **fields}).to_dict()
+
+
+def test_a_deepseek_v2_folder_routed_another_way_is_refused_by_name():
+    hf = folder_config("deepseek_v2", topk_method="greedy")
+    assert LLAMA_LAYOUT.from_hf_config(hf)["expert_groups"] == 1
+    with pytest.raises(CheckpointError, match=r'topk_method="noaux_tc".*greedy and group_limited'):
+        LLAMA_LAYOUT.from_hf_config({**hf, "topk_method": "noaux_tc"})
+
+
+def test_a_glm4_moe_folder_with_qk_norms_is_refused_by_name():
+    hf = folder_config("glm4_moe", head_dim=8)
+    assert LLAMA_LAYOUT.from_hf_config(hf)["partial_rotary_factor"] == 0.5
+    with pytest.raises(CheckpointError, match="use_qk_norm=true"):
+        LLAMA_LAYOUT.from_hf_config({**hf, "use_qk_norm": True})
