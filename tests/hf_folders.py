@@ -200,9 +200,10 @@ CONVERTED_MOE_FAMILIES = {
               dict(max_shard_size="40KB")),
 }  # fmt: skip
 
-# DeepSeek-V3 as freetx reads it natively, beyond the folder above: queries without the
-# low-rank bottleneck (q_proj) and RoPE on halves; YaRN RoPE (its softmax scale by
-# mscale_all_dim), biases on q_a/kv_a/o, 8 experts in 4 groups of which 2 are kept, top 3
+# DeepSeek-V3 and V2 as freetx reads them natively, beyond the folder above: queries
+# without the low-rank bottleneck (q_proj) and RoPE on halves; YaRN RoPE (its softmax
+# scale by mscale_all_dim), biases on q_a/kv_a/o, 8 experts in 4 groups of which 2 are
+# kept, top 3
 DEEPSEEK_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                  "original_max_position_embeddings": 64, "mscale": 1.0, "mscale_all_dim": 0.707,
                  "beta_fast": 32, "beta_slow": 1}  # fmt: skip

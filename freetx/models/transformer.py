@@ -80,6 +80,6 @@ def decoder(preset: str | None = None, **fields) -> Transformer:
 def hf_decoder(path: str, **fields) -> Transformer:
     """The decoder an HF model folder's config.json describes (Llama 2/3/3.1/3.2, Mistral,
     Qwen2/2.5, Qwen3, OLMo 2, Phi-3/3.5/4, Gemma 2, Gemma 3 text, Mixtral, Qwen3-MoE,
-    DeepSeek-V3, GLM-4.5, SmolLM3), with any `TransformerConfig` field changed (e.g. max_seq_len, dropout).
+    DeepSeek-V3, DeepSeek-V2, GLM-4.5, SmolLM3), with any `TransformerConfig` field changed (e.g. max_seq_len, dropout).
     Its weights: `checkpoint.initial_weights=<the same folder>`."""
     return Transformer(build_config(TransformerConfig, hf_config_fields(path, fields)))

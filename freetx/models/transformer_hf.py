@@ -5,7 +5,7 @@ post-norms), Phi-3/3.5/4 (fused qkv_proj and gate_up_proj, LongRoPE, partial rot
 Gemma 2 and Gemma 3 text (norms before and after; Gemma 3's multimodal folders read as
 their text model, `text_model_config`), SmolLM3 (layers without RoPE), sliding windows
 of Mistral, Phi-3, Qwen2/3 and Gemma on the layers config.json names, the mixtures of
-experts Mixtral and Qwen3-MoE, and DeepSeek-V3 (multi-head latent attention, its router
+experts Mixtral and Qwen3-MoE, and DeepSeek-V3 and V2 (multi-head latent attention, the router
 bias, shared experts) and GLM-4.5. Each family is one record of
 `freetx.models.hf_families.FAMILIES`; `to_hf_config` and `from_hf_config` loop over its
 fields and call its hooks, and name no family.
