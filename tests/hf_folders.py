@@ -200,7 +200,7 @@ CONVERTED_MOE_FAMILIES = {
               dict(max_shard_size="40KB")),
 }  # fmt: skip
 
-# DeepSeek-V3 and V2 as freetx reads them natively, beyond the folder above: queries
+# DeepSeek-V3, V2 and GLM-4.5 as freetx reads them natively, beyond the folders above: queries
 # without the low-rank bottleneck (q_proj) and RoPE on halves; YaRN RoPE (its softmax
 # scale by mscale_all_dim), biases on q_a/kv_a/o, 8 experts in 4 groups of which 2 are
 # kept, top 3
@@ -215,6 +215,11 @@ DEEPSEEK_VARIANTS = {
                          dict(CONVERTED_MOE_FAMILIES["deepseek_v3"][1], attention_bias=True,
                               rope_parameters=DEEPSEEK_YARN, n_routed_experts=8, n_group=4,
                               topk_group=2, num_experts_per_tok=3), dict(max_shard_size="40KB")),
+    # GLM-4.5 with its q/k/v biases (attention_bias, none on o) and 8 experts in 2 groups
+    "glm4_moe_biases": ("Glm4MoeConfig",
+                        dict(CONVERTED_MOE_FAMILIES["glm4_moe"][1], attention_bias=True,
+                             n_routed_experts=8, n_group=2, topk_group=1,
+                             routed_scaling_factor=2.5), {}),
     # DeepSeek-V2: softmax routing limited to 2 of 4 groups (group_limited_greedy), scaled
     # by 16, never normed; 2 shared experts; queries without the bottleneck (V2-Lite's)
     "deepseek_v2": ("DeepseekV2Config",

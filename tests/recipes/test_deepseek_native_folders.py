@@ -3,7 +3,7 @@
 the stored bias and grouped top-k or V2's group-limited softmax, shared experts, dense
 layers first): tiny sharded folders transformers wrote give its logits through
 `load_model` (q_lora_rank set and None, RoPE interleaved or on halves, YaRN with biases
-and 4 groups of experts, GLM-4.5's partial rotary), HF -> DCP -> HF
+and 4 groups of experts, GLM-4.5's partial rotary and q/k/v biases), HF -> DCP -> HF
 gives every stored tensor back bit for bit in its stored dtype (a bf16 folder's float32
 router too), the stored router bias is read, the multi-token-prediction layer is not,
 cached generation equals the uncached forward, and a 2-process fsdp fine-tune through
@@ -22,7 +22,8 @@ from tests.recipes.test_moe_folders import ids, stored
 
 transformers = pytest.importorskip("transformers")
 
-CASES = ["deepseek_v3", "deepseek_v3_q_proj", "deepseek_v3_yarn", "deepseek_v2", "glm4_moe"]
+CASES = ["deepseek_v3", "deepseek_v3_q_proj", "deepseek_v3_yarn", "deepseek_v2", "glm4_moe",
+         "glm4_moe_biases"]  # fmt: skip
 
 
 @pytest.fixture(scope="module")

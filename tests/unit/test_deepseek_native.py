@@ -213,9 +213,10 @@ def test_tensor_parallelism_refuses_latent_attention_by_name():
      (dict(expert_groups=8, groups_per_token=2), "expert_groups"),  # top-2 sum of 1 expert
      (dict(groups_per_token=5), "groups_per_token"),
      (dict(groups_per_token=1, experts_per_token=3), "groups_per_token"),  # 2 experts kept
-     (dict(router_scores="relu"), "router_scores")],
+     (dict(router_scores="relu"), "router_scores"),
+     (dict(kv_lora_rank=0), "kv_lora_rank"), (dict(v_head_dim=0), "v_head_dim")],
 )  # fmt: skip
-def test_routers_no_config_could_follow_are_meaningless(fields, key):
+def test_routers_and_latent_sizes_no_model_has_are_meaningless(fields, key):
     assert key in TransformerConfig.meaningless({**MLA, **EXPERTS, **fields})
 
 

@@ -199,7 +199,7 @@ class TransformerConfig:
                 "it is the fraction of each head's dims RoPE rotates (Phi-4-mini: 0.75); set "
                 "it in (0, 1]."
             )
-        return {**found, **_moe_meaningless(values)}
+        return {**found, **_moe_meaningless(values), **_latent_meaningless(values)}
 
 
 SIZES = ("vocab_size", "hidden_dim", "num_layers", "num_heads", "num_kv_heads",
@@ -227,6 +227,17 @@ def _size_problems(values: dict[str, Any]) -> dict[str, str]:
             f"each kv head serves a group of the num_heads={heads} query heads; set a "
             "num_kv_heads that divides num_heads."
         )
+    return found
+
+
+def _latent_meaningless(values: dict[str, Any]) -> dict[str, str]:
+    """Multi-head latent attention's sizes that no attention has, by key (none set: {})."""
+    found = {}
+    for name, least in (("kv_lora_rank", 1), ("q_lora_rank", 1), ("qk_nope_head_dim", 0),
+                        ("v_head_dim", 1)):  # fmt: skip
+        value = values.get(name)
+        if value is not None and (not isinstance(value, int) or value < least):
+            found[name] = f"{name} is a size: set it to {least} or more (or null)."
     return found
 
 
