@@ -30,7 +30,7 @@ which the model returns in training (`freetx.models.protocol.LMOutput`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal, NamedTuple
 
 import torch
@@ -204,7 +204,8 @@ class MoEFeedForward(nn.Module):
         super().__init__()
         self.num_experts, self.top_k = num_experts, experts_per_token
         self.expert_weights_fp32 = expert_weights_fp32
-        self.kind = RouterKind(norm=norm_topk_prob) if kind is None else kind
+        # `kind`: the router's other settings (None: Mixtral's and Qwen's softmax)
+        self.kind = replace(kind or RouterKind(), norm=norm_topk_prob)
         self.gate = Router(hidden_dim, num_experts, self.kind.fp32)
         if self.kind.bias:
             self.register_buffer("e_score_correction_bias", torch.zeros(num_experts))

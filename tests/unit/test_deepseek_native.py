@@ -202,6 +202,13 @@ def test_latent_attention_refuses_cross_and_bidirectional_attention():
         attention(torch.randn(1, 4, 32), cos, sin, causal=False)
 
 
+def test_the_free_transformer_refuses_latent_attention_before_it_is_built():
+    from freetx.models.free_transformer import free_transformer
+
+    with pytest.raises(ValueError, match="set kv_lora_rank=null"):
+        free_transformer("tiny", kv_lora_rank=16)
+
+
 def test_tensor_parallelism_refuses_latent_attention_by_name():
     with pytest.raises(ConfigError, match="does not slice multi-head latent attention"):
         check_tensor_parallel(TransformerConfig(**MLA), 2)

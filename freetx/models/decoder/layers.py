@@ -178,7 +178,7 @@ def feed_forward(cfg: TransformerConfig, layer: int) -> nn.Module:
         return FeedForward(cfg)
     kind = RouterKind(
         cfg.router_scores, cfg.router_bias, cfg.expert_groups, cfg.groups_per_token,
-        cfg.norm_topk_prob, cfg.routed_scaling_factor, cfg.router_fp32,
+        scaling=cfg.routed_scaling_factor, fp32=cfg.router_fp32,
     )  # fmt: skip
     shared = FeedForward(cfg, cfg.shared_expert_ffn_dim) if cfg.shared_expert_ffn_dim else None
     return MoEFeedForward(
