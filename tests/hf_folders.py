@@ -211,6 +211,36 @@ FUSED_MOE_FAMILIES = {
                 dict(max_shard_size="40KB")),
 }  # fmt: skip
 
+# DeepSeek-V3, V2 and GLM-4.5 as freetx reads them natively, beyond the folders above: queries
+# without the low-rank bottleneck (q_proj) and RoPE on halves; YaRN RoPE (its softmax
+# scale by mscale_all_dim), biases on q_a/kv_a/o, 8 experts in 4 groups of which 2 are
+# kept, top 3
+DEEPSEEK_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                 "original_max_position_embeddings": 64, "mscale": 1.0, "mscale_all_dim": 0.707,
+                 "beta_fast": 32, "beta_slow": 1}  # fmt: skip
+DEEPSEEK_VARIANTS = {
+    "deepseek_v3_q_proj": ("DeepseekV3Config",
+                           dict(CONVERTED_MOE_FAMILIES["deepseek_v3"][1], q_lora_rank=None,
+                                rope_interleave=False), {}),
+    "deepseek_v3_yarn": ("DeepseekV3Config",
+                         dict(CONVERTED_MOE_FAMILIES["deepseek_v3"][1], attention_bias=True,
+                              rope_parameters=DEEPSEEK_YARN, n_routed_experts=8, n_group=4,
+                              topk_group=2, num_experts_per_tok=3), dict(max_shard_size="40KB")),
+    # GLM-4.5 with its q/k/v biases (attention_bias, none on o) and 8 experts in 2 groups
+    "glm4_moe_biases": ("Glm4MoeConfig",
+                        dict(CONVERTED_MOE_FAMILIES["glm4_moe"][1], attention_bias=True,
+                             n_routed_experts=8, n_group=2, topk_group=1,
+                             routed_scaling_factor=2.5), {}),
+    # DeepSeek-V2: softmax routing limited to 2 of 4 groups (group_limited_greedy), scaled
+    # by 16, never normed; 2 shared experts; queries without the bottleneck (V2-Lite's)
+    "deepseek_v2": ("DeepseekV2Config",
+                    dict(IDS, moe_intermediate_size=32, n_routed_experts=8, n_shared_experts=2,
+                         first_k_dense_replace=1, topk_method="group_limited_greedy", n_group=4,
+                         topk_group=2, num_experts_per_tok=3, routed_scaling_factor=16.0,
+                         q_lora_rank=None, kv_lora_rank=32, qk_rope_head_dim=8,
+                         qk_nope_head_dim=8, v_head_dim=16), dict(max_shard_size="40KB")),
+}  # fmt: skip
+
 # hybrid models: gated linear attention (Qwen3.5's Gated DeltaNet) or state-space layers
 # beside full attention; transformers' DynamicCache holds each layer's kind
 QWEN3_5 = dict(IDS, head_dim=16, linear_key_head_dim=16, linear_value_head_dim=16,
@@ -258,7 +288,7 @@ def make_folder(folder: Path, family: str, dtype: torch.dtype = torch.float32, s
     """Write the family's tiny model with `save_pretrained`; returns the folder."""
     import transformers
 
-    moe = {**CONVERTED_MOE_FAMILIES, **FUSED_MOE_FAMILIES}
+    moe = {**CONVERTED_MOE_FAMILIES, **FUSED_MOE_FAMILIES, **DEEPSEEK_VARIANTS}
     families = {**FAMILIES, **GENERIC_FAMILIES, **moe, **HYBRID_FAMILIES}
     class_name, fields, options = families[family]
     shape = {} if "text_config" in fields else SHAPE

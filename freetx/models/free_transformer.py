@@ -81,6 +81,11 @@ class FreeTransformerConfig(TransformerConfig):
                 "the Free Transformer's blocks have a dense MLP; mixtures of experts are the "
                 "decoder's (freetx.models.transformer.decoder). Set num_experts=0."
             )
+        if values.get("kv_lora_rank") is not None:
+            found["kv_lora_rank"] = (
+                "the Free Transformer's encoder attends across streams, which multi-head "
+                "latent attention does not; set kv_lora_rank=null (grouped-query attention)."
+            )
         if values.get("rope_local_theta") is not None:
             found["rope_local_theta"] = (
                 "the Free Transformer's layers share one RoPE; set rope_local_theta=null."

@@ -104,6 +104,10 @@ class HFLayout(Protocol):
         self, hf: dict[str, Any], max_seq_len: int | None = None
     ) -> dict[str, Any]: ...
 
+    # the layout that reads the folder of config.json `hf` (itself, or one bound to what
+    # the folder holds: the generic path's rules, the layers a native folder skips)
+    def for_config(self, hf: dict[str, Any]) -> HFLayout: ...
+
 
 # native layouts first; the generic path reads every other type transformers knows
 NATIVE_LAYOUTS: tuple[HFLayout, ...] = DECODER_LAYOUTS
@@ -147,7 +151,7 @@ def layout_for_hf_config(hf: dict[str, Any]) -> HFLayout:
         )
     for layout in LAYOUTS:
         if hf.get("model_type") in layout.model_types:
-            return GENERIC_LAYOUT.for_config(hf) if layout is GENERIC_LAYOUT else layout
+            return layout.for_config(hf)
     native = ", ".join(t for layout in NATIVE_LAYOUTS for t in layout.model_types)
     if not transformers_causal_lm_types():
         raise CheckpointError(

@@ -251,6 +251,156 @@ def qwen3_moe_experts_config(c: Fields) -> HF:
             "mlp_only_layers": list(c["mlp_only_layers"])}  # fmt: skip
 
 
+# -- DeepSeek-V3 (and GLM-4.5's router) -----------------------------------------------
+# what DeepseekV3Config (transformers 5.24) assumes where a config.json leaves a field out
+DEEPSEEK_V3_DEFAULTS = dict(n_group=8, topk_group=4, routed_scaling_factor=2.5,
+                            n_shared_experts=1, first_k_dense_replace=3, norm_topk_prob=True,
+                            rope_interleave=True, q_lora_rank=1536, kv_lora_rank=512,
+                            qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128)  # fmt: skip
+
+
+# Glm4MoeConfig's defaults for the same fields (GLM-4.5 states them all)
+GLM4_MOE_DEFAULTS = dict(n_group=1, topk_group=1, routed_scaling_factor=1.0, n_shared_experts=1,
+                         first_k_dense_replace=1, norm_topk_prob=True)  # fmt: skip
+
+
+def deepseek_v3_experts(hf: HF, defaults: HF = DEEPSEEK_V3_DEFAULTS) -> Fields:
+    """DeepSeek-V3's (and GLM-4.5's) MoE fields: sigmoid routing over n_group groups
+    (topk_group kept), the weights normed (norm_topk_prob) and scaled
+    (routed_scaling_factor), n_shared_experts experts' width of shared MLP, the first
+    `first_k_dense_replace` layers dense; `defaults`: the config class's, for what
+    config.json leaves out. No load-balancing loss (transformers computes none; the
+    stored bias balances)."""
+    get = {**defaults, **hf}.get
+    width = int(hf["moe_intermediate_size"])
+    return {
+        "num_experts": int(hf.get("num_local_experts") or hf["n_routed_experts"]),
+        "moe_ffn_hidden_dim": width,
+        "norm_topk_prob": bool(get("norm_topk_prob")),
+        "expert_groups": int(get("n_group") or 1),
+        "groups_per_token": int(get("topk_group") or 1),
+        "routed_scaling_factor": float(get("routed_scaling_factor")),
+        "shared_expert_ffn_dim": width * int(get("n_shared_experts") or 0),
+        "mlp_only_layers": list(range(int(get("first_k_dense_replace") or 0))),
+        "router_aux_loss_coef": float(hf.get("router_aux_loss_coef") or 0.0),
+    }
+
+
+def deepseek_v3_experts_config(c: Fields) -> HF:
+    """config.json's MoE fields of a DeepSeek-V3 (or GLM-4.5) model for the decoder's
+    config `c`; a shared width that is no whole number of experts, or dense layers that
+    are not the first ones, are refused."""
+    width, shared = c["moe_ffn_hidden_dim"], c.get("shared_expert_ffn_dim", 0)
+    dense = sorted(c.get("mlp_only_layers") or [])
+    if shared % width or dense != list(range(len(dense))) or c["decoder_sparse_step"] != 1:
+        raise CheckpointError(
+            f"an HF {c.get('hf_model_type')} model has shared experts of whole experts' width and its dense "
+            f"layers first (first_k_dense_replace); this one has shared_expert_ffn_dim={shared} "
+            f"(experts of {width}), mlp_only_layers={dense}, decoder_sparse_step="
+            f"{c['decoder_sparse_step']}. Convert it to .safetensors or DCP instead."
+        )
+    return {"n_routed_experts": c["num_experts"], "moe_intermediate_size": width,
+            "n_shared_experts": shared // width, "first_k_dense_replace": len(dense),
+            "n_group": c["expert_groups"], "topk_group": c["groups_per_token"],
+            "routed_scaling_factor": c["routed_scaling_factor"],
+            "norm_topk_prob": c["norm_topk_prob"]}  # fmt: skip
+
+
+def deepseek_v3_settings(hf: HF, fields: Fields) -> Fields:
+    """Multi-head latent attention's shape (freetx.models.decoder.latent_attention): the
+    q and kv ranks, the RoPE part of each head (head_dim = qk_rope_head_dim, as
+    transformers sets it), the part without, the values' dims; RoPE on interleaved pairs.
+    Every head has its own keys and values (num_key_value_heads plays no part)."""
+    get = {**DEEPSEEK_V3_DEFAULTS, **hf}.get
+    q_lora = get("q_lora_rank")
+    return {
+        **no_window(hf, fields),
+        "kv_lora_rank": int(get("kv_lora_rank")),
+        "q_lora_rank": None if q_lora is None else int(q_lora),
+        "head_dim": int(get("qk_rope_head_dim")),
+        "qk_nope_head_dim": int(get("qk_nope_head_dim")),
+        "v_head_dim": int(get("v_head_dim")),
+        "num_kv_heads": fields["num_heads"],
+        "rope_interleave": bool(get("rope_interleave")),
+    }
+
+
+def deepseek_v3_config(c: Fields, hf: HF) -> None:
+    """A deepseek_v3 config.json's attention fields; a decoder without multi-head latent
+    attention is refused."""
+    if c.get("kv_lora_rank") is None:
+        raise CheckpointError(
+            "an HF deepseek_v3 model has multi-head latent attention (kv_lora_rank); this one "
+            "has grouped-query attention. Export it as llama or qwen3_moe (model.hf_model_type) "
+            "if its other blocks fit, or convert it to .safetensors or DCP."
+        )
+    hf.update(
+        kv_lora_rank=c["kv_lora_rank"], q_lora_rank=c.get("q_lora_rank"),
+        qk_rope_head_dim=hf["head_dim"], qk_nope_head_dim=c.get("qk_nope_head_dim", 0),
+        v_head_dim=c.get("v_head_dim") or hf["head_dim"], num_key_value_heads=c["num_heads"],
+        rope_interleave=c.get("rope_interleave", False),
+    )  # fmt: skip
+
+
+# DeepseekV2Config's defaults (transformers 5.24)
+DEEPSEEK_V2_DEFAULTS = dict(n_group=1, topk_group=1, routed_scaling_factor=1.0,
+                            n_shared_experts=2, first_k_dense_replace=0, q_lora_rank=1536,
+                            kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128,
+                            v_head_dim=128)  # fmt: skip
+DEEPSEEK_V2_TOPK = ("greedy", "group_limited_greedy")
+
+
+def deepseek_v2_experts(hf: HF) -> Fields:
+    """DeepSeek-V2's MoE fields: softmax routing, `topk_method` greedy (no groups) or
+    group_limited_greedy (n_group groups ranked by their best score, topk_group kept),
+    the weights never normed, times routed_scaling_factor; shared experts and dense
+    layers first as DeepSeek-V3's."""
+    method = hf.get("topk_method") or "greedy"
+    if method not in DEEPSEEK_V2_TOPK:
+        raise unsupported("topk_method", method, "greedy and group_limited_greedy routing")
+    fields = deepseek_v3_experts(hf, DEEPSEEK_V2_DEFAULTS)
+    if method == "greedy":
+        fields.update(expert_groups=1, groups_per_token=1)
+    return fields
+
+
+def deepseek_v2_experts_config(c: Fields) -> HF:
+    """config.json's MoE fields of a DeepSeek-V2 model (`deepseek_v3_experts_config`'s, and
+    its top-k method)."""
+    hf = deepseek_v3_experts_config(c)
+    grouped = c["groups_per_token"] < c["expert_groups"]
+    hf.update(topk_method=DEEPSEEK_V2_TOPK[grouped], norm_topk_prob=False)
+    return hf
+
+
+def deepseek_v2_settings(hf: HF, fields: Fields) -> Fields:
+    """DeepSeek-V2's multi-head latent attention, as DeepSeek-V3's (its defaults), RoPE
+    always on interleaved pairs (transformers' complex rotation)."""
+    settings = deepseek_v3_settings({**DEEPSEEK_V2_DEFAULTS, **hf}, fields)
+    return {**settings, "rope_interleave": True}
+
+
+def deepseek_v2_config(c: Fields, hf: HF) -> None:
+    """A deepseek_v2 config.json's attention fields (DeepSeek-V3's without rope_interleave,
+    which DeepSeek-V2 always has)."""
+    if c.get("kv_lora_rank") is not None and not c.get("rope_interleave"):
+        raise CheckpointError(
+            "an HF deepseek_v2 model rotates interleaved pairs (rope_interleave=true); this "
+            "one has rope_interleave=false. Export it as deepseek_v3, or convert it to "
+            ".safetensors or DCP."
+        )
+    deepseek_v3_config(c, hf)
+    del hf["rope_interleave"]
+
+
+def glm4_moe_settings(hf: HF, fields: Fields) -> Fields:
+    """GLM-4.5's attention: grouped-query, RoPE on part of each head; its q/k norms
+    (`use_qk_norm`) are refused."""
+    if hf.get("use_qk_norm"):
+        raise unsupported("use_qk_norm", True, "GLM-4.5's attention without q/k norms")
+    return no_window(hf, fields)
+
+
 @dataclass(frozen=True)
 class Experts:
     """A family's mixture of experts (freetx.models.moe): its HF module and each expert's
@@ -282,8 +432,9 @@ class Family:
     # per layer type in config.json (5.x)
     gemma: bool = False
     # the attention's biases: "all_or_none" (config.json's attention_bias, on q, k, v and
-    # o alike), "qkv" (on q, k, v only: Qwen2), "none" (Phi-3, Mixtral)
-    biases: Literal["all_or_none", "qkv", "none"] = "all_or_none"
+    # o alike), "qkv" (on q, k, v only: Qwen2), "qkv_or_none" (attention_bias on q, k, v,
+    # never on o: GLM-4.5), "none" (Phi-3, Mixtral)
+    biases: Literal["all_or_none", "qkv", "qkv_or_none", "none"] = "all_or_none"
     head_dim_derived: bool = False  # config.json has no head_dim: hidden_size / heads
     # the pad_token_id transformers 5.24's config class assumes where config.json has none;
     # every family builds its embedding with padding_idx=pad_token_id
@@ -291,6 +442,8 @@ class Family:
     # decoder fields that only some families' config.json holds (`HELD_BY_SOME`): this one's
     holds: tuple[str, ...] = ()
     window_on_every_layer: bool = False  # `sliding_window` is every layer's (no layer_types)
+    yarn_rope: bool = False  # reads and writes YaRN RoPE (rope_type yarn: DeepSeek's)
+    partial_rotary: bool = False  # RoPE on part of each head (partial_rotary_factor: GLM-4.5)
     experts: Experts | None = None  # a mixture of experts in the MLP
     # the odd parts: the decoder fields read from config.json beyond the Llama ones (its
     # windows, say), and what config.json says beyond them, written for a decoder's config
@@ -301,18 +454,44 @@ class Family:
 # decoder fields (of their default values: None, False or empty) that only some families'
 # config.json can hold; a family lists those it holds in `Family.holds`
 HELD_BY_SOME = ("query_pre_attn_scalar", "attn_logit_softcap", "final_logit_softcap",
-                "rope_local_theta", "sliding_window", "nope_layers")  # fmt: skip
+                "rope_local_theta", "sliding_window", "nope_layers", "kv_lora_rank",
+                "q_lora_rank", "qk_nope_head_dim", "rope_interleave")  # fmt: skip
 
 
+# the router of Mixtral and Qwen3-MoE (freetx.models.moe.RouterKind's defaults)
+SOFTMAX_ROUTER = {"router_scores": "softmax", "router_bias": False, "router_fp32": False,
+                  "expert_groups": 1, "groups_per_token": 1, "routed_scaling_factor": 1.0,
+                  "shared_expert_ffn_dim": 0}  # fmt: skip
 MIXTRAL_EXPERTS = Experts(
     "block_sparse_moe", {"w1": "w1", "w3": "w3", "w2": "w2"},
     fixed={"norm_topk_prob": True, "expert_weights_fp32": True, "decoder_sparse_step": 1,
-           "mlp_only_layers": []},
+           "mlp_only_layers": [], **SOFTMAX_ROUTER},
     read=mixtral_experts, write=mixtral_experts_config,
 )  # fmt: skip
 QWEN3_MOE_EXPERTS = Experts(
     "mlp", {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"},
-    fixed={"expert_weights_fp32": False}, read=qwen3_moe_experts, write=qwen3_moe_experts_config,
+    fixed={"expert_weights_fp32": False, **SOFTMAX_ROUTER}, read=qwen3_moe_experts,
+    write=qwen3_moe_experts_config,
+)  # fmt: skip
+# DeepSeek-V3: sigmoid scores, the stored bias, the router in float32, the weights applied
+# in float32 (transformers' DeepseekV3Experts multiplies by its float32 weights)
+DEEPSEEK_V3_EXPERTS = Experts(
+    "mlp", {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"},
+    fixed={"router_scores": "sigmoid", "router_bias": True, "router_fp32": True,
+           "expert_weights_fp32": True, "decoder_sparse_step": 1},
+    read=deepseek_v3_experts, write=deepseek_v3_experts_config,
+)  # fmt: skip
+# DeepSeek-V2: softmax scores, no bias, the router in float32, the weights in float32, never
+# normed
+DEEPSEEK_V2_EXPERTS = Experts(
+    "mlp", DEEPSEEK_V3_EXPERTS.names,
+    fixed={"router_scores": "softmax", "router_bias": False, "router_fp32": True,
+           "expert_weights_fp32": True, "decoder_sparse_step": 1, "norm_topk_prob": False},
+    read=deepseek_v2_experts, write=deepseek_v2_experts_config,
+)  # fmt: skip
+GLM4_MOE_EXPERTS = Experts(
+    "mlp", DEEPSEEK_V3_EXPERTS.names, fixed=DEEPSEEK_V3_EXPERTS.fixed,
+    read=lambda hf: deepseek_v3_experts(hf, GLM4_MOE_DEFAULTS), write=deepseek_v3_experts_config,
 )  # fmt: skip
 
 # -- the families, in the order an error lists them ---------------------------------
@@ -342,6 +521,22 @@ FAMILIES: dict[str, Family] = {family.model_type: family for family in (
            holds=("query_pre_attn_scalar", "final_logit_softcap", "rope_local_theta",
                   "sliding_window"),
            read=gemma3_settings, write=gemma3_config),
+    # DeepSeek-V3 (and its fine-tunes: Kimi K2, Moonlight): multi-head latent attention,
+    # sigmoid-routed experts with a stored bias and grouped top-k, shared experts, dense
+    # layers first; its multi-token-prediction layer (past num_hidden_layers) is not read
+    Family("deepseek_v3", "DeepseekV3ForCausalLM", experts=DEEPSEEK_V3_EXPERTS, yarn_rope=True,
+           holds=("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "rope_interleave"),
+           read=deepseek_v3_settings, write=deepseek_v3_config),
+    # DeepSeek-V2, V2-Lite, V2.5: the same attention (RoPE always interleaved), softmax
+    # routing (greedy or group-limited), shared experts, dense layers first
+    Family("deepseek_v2", "DeepseekV2ForCausalLM", experts=DEEPSEEK_V2_EXPERTS, yarn_rope=True,
+           holds=("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "rope_interleave"),
+           read=deepseek_v2_settings, write=deepseek_v2_config),
+    # GLM-4.5 / 4.6: DeepSeek-V3's router and shared experts, grouped-query attention with
+    # RoPE on part of each head, q/k/v biases (attention_bias); its MTP layer not read
+    Family("glm4_moe", "Glm4MoeForCausalLM", experts=GLM4_MOE_EXPERTS, biases="qkv_or_none",
+           partial_rotary=True, read=glm4_moe_settings,
+           write=lambda c, hf: hf.update(use_qk_norm=False)),
     # SmolLM3: Llama's blocks, every 4th layer without RoPE (NoPE)
     Family("smollm3", "SmolLM3ForCausalLM", pad_token_id=128004,
            holds=("sliding_window", "nope_layers"), read=smollm3_settings,
@@ -368,8 +563,16 @@ def rope_settings(hf: HF, layer_type: str | None = None) -> tuple[float, dict | 
     if family is not None and family.phi_rope and kind in ("su", "yarn", "longrope"):
         kind = "longrope"  # su and yarn: older names of Phi-3's LongRoPE, as Phi3Config reads them
         params.update(phi3_longrope(hf, params))
-    elif kind not in ("llama3", "linear"):
-        raise unsupported("rope_type", kind, "default, llama3, linear and (Phi-3) longrope RoPE")
+    elif kind not in ("llama3", "linear") and not (kind == "yarn" and family and family.yarn_rope):
+        raise unsupported(
+            "rope_type", kind, "default, llama3, linear, (Phi-3) longrope and (DeepSeek) yarn RoPE"
+        )
+    if kind == "yarn":  # transformers: a missing factor is max / original positions
+        params.setdefault("original_max_position_embeddings", hf.get("max_position_embeddings"))
+        if params.get("factor") is None:
+            params["factor"] = (
+                hf["max_position_embeddings"] / params["original_max_position_embeddings"]
+            )
     if kind == "llama3":
         params.setdefault(
             "original_max_position_embeddings", hf.get("max_position_embeddings", 8192)

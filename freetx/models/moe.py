@@ -16,6 +16,13 @@ The experts' matmuls run as one grouped matmul where the device has a kernel for
 loop's sums exactly and ~5x faster; CUDA sm90+ in bfloat16 with 16-byte aligned sizes),
 else as a loop over the experts; both read the same tokens sorted by expert.
 
+Routers of other kinds (`RouterKind`, `route`): DeepSeek-V3's and GLM-4.5's sigmoid scores
+with a stored bias that steers the choice (`e_score_correction_bias`, a float32
+buffer, not trained) and grouped top-k (the experts in groups, a token's chosen from its
+best groups); DeepSeek-V2's group-limited softmax; the weights times
+`routed_scaling_factor`. A block may add an MLP every token goes through (`shared`:
+DeepSeek's shared experts).
+
 The block returns its output and its `Routing` (tokens per expert, router probabilities
 summed over tokens); the decoder turns every layer's routing into the load-balancing
 loss (`load_balancing_loss`, as transformers' `load_balancing_loss_func` computes it),
@@ -24,7 +31,8 @@ which the model returns in training (`freetx.models.protocol.LMOutput`).
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from dataclasses import dataclass, replace
+from typing import Literal, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -137,9 +145,88 @@ def local_rows(weight: torch.Tensor) -> torch.Tensor:
     return weight.to_local() if isinstance(weight, DTensor) else weight
 
 
+@dataclass(frozen=True)
+class RouterKind:
+    """How a router turns its logits into each token's experts and their weights (`route`).
+
+    scores     "softmax" over the experts (Mixtral, Qwen, DeepSeek-V2) or "sigmoid" per
+               expert (DeepSeek-V3, GLM-4.5)
+    bias       a float32 buffer `e_score_correction_bias` [E] added to the scores for the
+               choice only (DeepSeek-V3's load balancing; read from and written to folders)
+    groups     the experts in `groups` equal groups; a token's experts are chosen from its
+               best `groups_per_token` groups, ranked by the sum of their top-2 (biased)
+               scores (sigmoid) or by their best score (softmax: DeepSeek-V2's
+               group_limited_greedy); 1: no groups
+    norm       the k weights divided by their sum (norm_topk_prob)
+    scaling    the weights times this (routed_scaling_factor)
+    fp32       the logits' matmul in float32 (DeepSeek, GLM-4.5), else in the compute dtype
+    """
+
+    scores: Literal["softmax", "sigmoid"] = "softmax"
+    bias: bool = False
+    groups: int = 1
+    groups_per_token: int = 1
+    norm: bool = True
+    scaling: float = 1.0
+    fp32: bool = False
+
+
+def route(
+    logits: torch.Tensor, kind: RouterKind, top_k: int, bias: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Logits [N, E] -> (weights [N, k] float32, chosen experts [N, k], probabilities [N, E]
+    float32 for the load-balancing statistics: the softmax, or the sigmoid scores over
+    their sum), as transformers 5.24's routers compute them (`bias`: the correction
+    added for the choice, `RouterKind.bias`)."""
+    if kind.scores == "softmax":
+        scores = F.softmax(logits, dim=-1, dtype=torch.float32)
+        probs = scores
+    else:
+        scores = logits.float().sigmoid()
+        probs = scores / scores.sum(dim=-1, keepdim=True)
+    choice = scores if bias is None else scores + bias
+    if kind.groups_per_token < kind.groups:
+        grouped = choice.view(len(choice), kind.groups, -1)
+        if kind.scores == "sigmoid":
+            rank = grouped.topk(2, dim=-1).values.sum(dim=-1)
+        else:
+            rank = grouped.amax(dim=-1)
+        kept = rank.topk(kind.groups_per_token, dim=-1, sorted=False).indices
+        keep = torch.zeros_like(rank, dtype=torch.bool).scatter_(1, kept, True)
+        # sigmoid: DeepSeek-V3 masks the others with -inf; softmax: V2 with 0.0
+        masked = float("-inf") if kind.scores == "sigmoid" else 0.0
+        choice = choice.masked_fill(~keep.repeat_interleave(grouped.shape[2], dim=1), masked)
+    chosen = torch.topk(choice, top_k, dim=-1).indices  # [N, k]
+    weights = scores.gather(1, chosen)
+    if kind.norm:  # DeepSeek-V3 adds 1e-20 to the sum; Mixtral and Qwen do not
+        total = weights.sum(dim=-1, keepdim=True)
+        weights = weights / (total + 1e-20 if kind.scores == "sigmoid" else total)
+    return weights * kind.scaling, chosen, probs
+
+
+class Router(nn.Linear):
+    """A block's router (`gate`): Linear(hidden -> E, no bias), its matmul in float32 where
+    `fp32` (DeepSeek's). A LoRA adapter may replace it by another Linear (`all-linear`):
+    the block then routes by that one's logits, in the compute dtype."""
+
+    def __init__(self, hidden_dim: int, num_experts: int, fp32: bool = False) -> None:
+        super().__init__(hidden_dim, num_experts, bias=False)
+        self.fp32 = fp32
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [N, H] -> logits [N, E]."""
+        if self.fp32:
+            return F.linear(x.float(), self.weight.float())
+        return super().forward(x)
+
+
 class MoEFeedForward(nn.Module):
-    """The router (`gate`) and the experts of one block; `forward` returns the output and
-    the layer's `Routing`."""
+    """The router (`gate`) and the experts of one block, and an MLP beside them that every
+    token goes through where given (`shared`: DeepSeek's shared experts, named
+    `shared_experts`); with `kind.bias` the float32 persistent buffer
+    `e_score_correction_bias` [E] (zero until a folder's is read; HF's
+    `mlp.gate.e_score_correction_bias`). `forward` returns the output and the layer's
+    `Routing`."""
 
     def __init__(
         self,
@@ -149,12 +236,19 @@ class MoEFeedForward(nn.Module):
         experts_per_token: int,
         norm_topk_prob: bool,
         expert_weights_fp32: bool,
+        kind: RouterKind | None = None,
+        shared: nn.Module | None = None,
     ) -> None:
         super().__init__()
         self.num_experts, self.top_k = num_experts, experts_per_token
-        self.norm_topk_prob, self.expert_weights_fp32 = norm_topk_prob, expert_weights_fp32
-        self.gate = nn.Linear(hidden_dim, num_experts, bias=False)
+        self.expert_weights_fp32 = expert_weights_fp32
+        # `kind`: the router's other settings (None: Mixtral's and Qwen's softmax)
+        self.kind = replace(kind or RouterKind(), norm=norm_topk_prob)
+        self.gate = Router(hidden_dim, num_experts, self.kind.fp32)
+        if self.kind.bias:
+            self.register_buffer("e_score_correction_bias", torch.zeros(num_experts))
         self.experts = GroupedExperts(num_experts, hidden_dim, ffn_hidden_dim)
+        self.shared_experts = shared
 
     def forward(
         self, x: torch.Tensor, valid: torch.Tensor | None = None
@@ -164,18 +258,18 @@ class MoEFeedForward(nn.Module):
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         logits = self.gate(flat)
-        probs = F.softmax(logits, dim=-1, dtype=torch.float32)
-        weights, chosen = torch.topk(probs, self.top_k, dim=-1)  # [N, k]
-        if self.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+        bias = self.get_buffer("e_score_correction_bias") if self.kind.bias else None
+        weights, chosen, probs = route(logits, self.kind, self.top_k, bias)
         if not self.expert_weights_fp32:
-            weights = weights.to(logits.dtype)
+            weights = weights.to(flat.dtype)
         order = chosen.reshape(-1).argsort(stable=True)  # (token, slot) pairs by expert
         counts = expert_counts(chosen, self.num_experts)
         tokens = order // self.top_k
         out = self.experts(flat[tokens], group_sizes(counts, len(order)))
         out = out * weights.reshape(-1)[order, None]
         mixed = torch.zeros_like(flat).index_add_(0, tokens, out.to(flat.dtype))
+        if self.shared_experts is not None:
+            mixed = mixed + self.shared_experts(flat)
         if valid is not None:
             return mixed.reshape(shape), valid_routing(chosen, probs, valid, self.num_experts)
         routing = Routing(counts.float(), probs.sum(dim=0), probs.new_tensor(len(flat)))

@@ -2,7 +2,9 @@
 SwiGLU; with the variants of Qwen3 (q/k RMSNorm per head), OLMo 2 (q/k RMSNorm over the
 whole projections, norms after attention and MLP instead of before), Phi-3/Phi-4 (fused
 q/k/v and gate/up projections, RoPE on part of each head, LongRoPE), Gemma 2 and 3, SmolLM3
-(layers without RoPE), and a mixture of experts in the MLP (Mixtral, Qwen3-MoE: `num_experts`; freetx.models.moe).
+(layers without RoPE), a mixture of experts in the MLP (Mixtral, Qwen3-MoE, DeepSeek-V3's
+sigmoid router and shared experts: `num_experts`; freetx.models.moe), and DeepSeek's
+multi-head latent attention (`kv_lora_rank`; decoder/latent_attention.py).
 
 It is made of parts (`freetx/models/decoder/`): its config (`config.py`), RoPE
 (`rope.py`), its layers (`layers.py`: `DecoderBlock`, the unit that parallelism wraps),
@@ -78,6 +80,6 @@ def decoder(preset: str | None = None, **fields) -> Transformer:
 def hf_decoder(path: str, **fields) -> Transformer:
     """The decoder an HF model folder's config.json describes (Llama 2/3/3.1/3.2, Mistral,
     Qwen2/2.5, Qwen3, OLMo 2, Phi-3/3.5/4, Gemma 2, Gemma 3 text, Mixtral, Qwen3-MoE,
-    SmolLM3), with any `TransformerConfig` field changed (e.g. max_seq_len, dropout).
+    DeepSeek-V3, DeepSeek-V2, GLM-4.5, SmolLM3), with any `TransformerConfig` field changed (e.g. max_seq_len, dropout).
     Its weights: `checkpoint.initial_weights=<the same folder>`."""
     return Transformer(build_config(TransformerConfig, hf_config_fields(path, fields)))

@@ -4,8 +4,9 @@ Qwen2/Qwen2.5, Qwen3 (q/k norms per head), OLMo 2 (q/k norms over the projection
 post-norms), Phi-3/3.5/4 (fused qkv_proj and gate_up_proj, LongRoPE, partial rotary),
 Gemma 2 and Gemma 3 text (norms before and after; Gemma 3's multimodal folders read as
 their text model, `text_model_config`), SmolLM3 (layers without RoPE), sliding windows
-of Mistral, Phi-3, Qwen2/3 and Gemma on the layers config.json names, and the mixtures
-of experts Mixtral and Qwen3-MoE. Each family is one record of
+of Mistral, Phi-3, Qwen2/3 and Gemma on the layers config.json names, the mixtures of
+experts Mixtral and Qwen3-MoE, and DeepSeek-V3 and V2 (multi-head latent attention, the router
+bias, shared experts) and GLM-4.5. Each family is one record of
 `freetx.models.hf_families.FAMILIES`; `to_hf_config` and `from_hf_config` loop over its
 fields and call its hooks, and name no family.
 
@@ -61,7 +62,23 @@ _NAMES = [
     ("layers.{i}.feed_forward.w13.weight", "model.layers.{i}.mlp.gate_up_proj.weight"),  # Phi-3
 ]
 _ATTENTION = (("wq", "q_proj"), ("wk", "k_proj"), ("wv", "v_proj"), ("wo", "o_proj"))
-for _ours, _theirs in (*_ATTENTION, ("wqkv", "qkv_proj")):
+# multi-head latent attention's projections (DeepSeek; biases on wq_a and wkv_a)
+_LATENT = (("wq_a", "q_a_proj"), ("wq_b", "q_b_proj"), ("wkv_a", "kv_a_proj_with_mqa"),
+           ("wkv_b", "kv_b_proj"))  # fmt: skip
+_NAMES += [
+    ("layers.{i}.attention.q_a_norm.weight", "model.layers.{i}.self_attn.q_a_layernorm.weight"),
+    ("layers.{i}.attention.kv_a_norm.weight", "model.layers.{i}.self_attn.kv_a_layernorm.weight"),
+    # DeepSeek's router bias (a float32 buffer) and shared experts
+    ("layers.{i}.feed_forward.e_score_correction_bias",
+     "model.layers.{i}.mlp.gate.e_score_correction_bias"),
+    ("layers.{i}.feed_forward.shared_experts.w1.weight",
+     "model.layers.{i}.mlp.shared_experts.gate_proj.weight"),
+    ("layers.{i}.feed_forward.shared_experts.w3.weight",
+     "model.layers.{i}.mlp.shared_experts.up_proj.weight"),
+    ("layers.{i}.feed_forward.shared_experts.w2.weight",
+     "model.layers.{i}.mlp.shared_experts.down_proj.weight"),
+]  # fmt: skip
+for _ours, _theirs in (*_ATTENTION, ("wqkv", "qkv_proj"), *_LATENT):
     for _kind in ("weight", "bias"):
         _NAMES.append(
             (
@@ -99,6 +116,7 @@ _EXPERT = (
     rf"({'|'.join(_EXPERT_NAMES)})\.weight$"
 )
 _OURS_MOE = re.compile(r"^layers\.(\d+)\.feed_forward\.(gate\.weight|experts\.(w1|w2|w3))$")
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 # tensors some folders carry that are not weights (older Llama checkpoints)
 IGNORED_HF_TENSORS = re.compile(r"^model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq$")
 # multimodal model types read as their text decoder -> its model_type (Gemma 3 4B-27B:
@@ -191,10 +209,22 @@ class LlamaFamilyLayout:
 
     model_class = "freetx.models.transformer.Transformer"
 
-    def __init__(self, norm_position: str) -> None:
+    def __init__(self, norm_position: str, num_layers: int | None = None) -> None:
         self.norm_position = norm_position
         self.model_types = tuple(t for t, f in FAMILIES.items() if f.norm_position == norm_position)
         self.model_types += tuple(m for m, t in TEXT_MODEL_OF.items() if t in self.model_types)
+        # layers from this index on are not read (DeepSeek-V3's multi-token prediction)
+        self.num_layers = num_layers
+
+    def for_config(self, hf: dict[str, Any]) -> LlamaFamilyLayout:
+        """The layout that reads the folder of config.json `hf`: this one, or for a folder
+        with multi-token-prediction layers (`num_nextn_predict_layers`: DeepSeek-V3's
+        `model.layers.61.*`, which transformers does not load either) one that skips every
+        layer past num_hidden_layers."""
+        hf = text_model_config(hf)
+        if not hf.get("num_nextn_predict_layers"):
+            return self
+        return LlamaFamilyLayout(self.norm_position, int(hf["num_hidden_layers"]))
 
     def to_hf_name(self, name: str) -> str:
         renamed = _rename(name, _TO_HF)
@@ -236,6 +266,9 @@ class LlamaFamilyLayout:
         expert's); None for tensors that are not weights."""
         if IGNORED_HF_TENSORS.match(name) or OTHER_MODALITIES.match(name):
             return None
+        layer = _LAYER.match(name)
+        if layer and self.num_layers is not None and int(layer.group(1)) >= self.num_layers:
+            return None  # a multi-token-prediction layer (`for_config`)
         name = _TEXT_MODEL_TENSOR.sub("", name)
         expert, router = re.match(_EXPERT, name), re.match(_ROUTER, name)
         if expert is not None:
@@ -349,14 +382,19 @@ class LlamaFamilyLayout:
         fields["activation"] = _ACTIVATIONS[hf.get(key, "silu")]
         if hf.get("mlp_bias"):
             raise unsupported("mlp_bias", True, "MLPs without biases")
-        if fields["partial_rotary_factor"] != 1.0 and not family.phi_rope:
+        partial = family.phi_rope or family.partial_rotary
+        if fields["partial_rotary_factor"] != 1.0 and not partial:
             raise unsupported(
                 "partial_rotary_factor", fields["partial_rotary_factor"],
                 f"RoPE on every dim of a {family.model_type} model's heads, as transformers "
                 "computes it",
             )  # fmt: skip
-        bias = bool(hf.get("attention_bias", False)) and family.biases == "all_or_none"
-        fields.update(qkv_bias=bias or family.biases == "qkv", wo_bias=bias)
+        bias = bool(hf.get("attention_bias", False))
+        qkv_bias = bias and family.biases in ("all_or_none", "qkv_or_none")
+        fields.update(
+            qkv_bias=qkv_bias or family.biases == "qkv",
+            wo_bias=bias and family.biases == "all_or_none",
+        )
         fields.update(family.read(hf, fields))
         pad = fields["pad_token_id"]
         if pad is not None and not 0 <= pad < fields["vocab_size"]:
@@ -388,6 +426,13 @@ def _biases_to_hf(family: Family, qkv_bias: bool, wo_bias: bool) -> dict[str, An
                    else "Convert it to .safetensors or DCP instead.")
             )  # fmt: skip
         return {"attention_bias": qkv_bias}
+    if family.biases == "qkv_or_none":
+        if wo_bias:
+            raise CheckpointError(
+                f"an HF {model_type} model has biases on q, k and v or none, never on o; this "
+                "one has wo_bias=True. Convert it to .safetensors or DCP instead."
+            )
+        return {"attention_bias": qkv_bias}
     qkv = family.biases == "qkv"
     if (qkv_bias, wo_bias) != (qkv, False):
         raise CheckpointError(
@@ -409,7 +454,8 @@ def check_rope(family: Family, scaling: dict | None, partial: float) -> None:
     kind = (scaling or {}).get("rope_type", "default")
     phi = family.phi_rope
     kinds = ("default", "longrope") if phi else ("default", "llama3", "linear")
-    if kind not in kinds or (partial != 1.0 and not phi):
+    kinds += ("yarn",) if family.yarn_rope else ()
+    if kind not in kinds or (partial != 1.0 and not (phi or family.partial_rotary)):
         raise CheckpointError(
             f"an HF {family.model_type} model has {', '.join(kinds)} RoPE"
             f"{'' if phi else ' on every dim of each head'}; this one has rope_type={kind}, "
@@ -444,7 +490,9 @@ def _moe_from_hf(hf: dict[str, Any], family: Family) -> dict[str, Any]:
             "Set it to 0.0 to train without the noise.",
         )  # fmt: skip
     return {
-        "num_experts": int(hf.get("num_local_experts") or hf["num_experts"]),
+        "num_experts": int(
+            hf.get("num_local_experts") or hf.get("num_experts") or hf["n_routed_experts"]
+        ),
         "experts_per_token": int(hf["num_experts_per_tok"]),
         "router_aux_loss_coef": float(hf.get("router_aux_loss_coef", 0.001)),
         **family.experts.read(hf),

@@ -36,7 +36,17 @@ SLIDING = dict(sliding_window=5, layer_types=["sliding_attention", "full_attenti
                attn_logit_softcap=30.0)  # fmt: skip
 MODELS = {"untied": dict(tie_embeddings=False), "tied": dict(tie_embeddings=True),
           "moe": dict(tie_embeddings=False, **MOE)}  # fmt: skip
-CONTEXT_MODELS = {"sliding": dict(tie_embeddings=False, **SLIDING)}  # cp only: tp slices no window
+# DeepSeek-V3's block: latent attention, sigmoid router in 2 groups (1 kept), a shared
+# expert, layer 0 dense (tp slices no latent attention)
+MLA = dict(kv_lora_rank=16, q_lora_rank=16, qk_nope_head_dim=8, v_head_dim=12,
+           rope_interleave=True, num_experts=4, experts_per_token=2, moe_ffn_hidden_dim=24,
+           mlp_only_layers=[0], router_scores="sigmoid", router_bias=True, router_fp32=True,
+           expert_groups=2, groups_per_token=1, routed_scaling_factor=2.5,
+           shared_expert_ffn_dim=24, router_aux_loss_coef=0.05)  # fmt: skip
+CONTEXT_MODELS = {
+    "sliding": dict(tie_embeddings=False, **SLIDING),  # cp only: tp slices no
+    "mla": dict(tie_embeddings=False, **MLA),
+}  # window, no latent attention
 # LoRA on every projection (colwise and rowwise under tp), trained for two steps: B starts
 # at zero, so A's gradient is zero until the first update
 LORA_TARGETS = ["q", "k", "v", "o", "gate", "up", "down"]

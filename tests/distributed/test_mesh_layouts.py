@@ -5,7 +5,9 @@ interleaved 1F1B and with GPipe, (pp 2, tp 2) and (pp 2, cp 2), and hsdp's 2 rep
 with tp 2, cp 2 and pp 2. Each gives the same
 initial weights, gradients and clipped update as 1 process on the whole batch, for a
 dense decoder (tied and untied head; untied under pp) and an MoE one; under tp also
-LoRA on every projection (two steps); under cp also sliding-window, soft-capped layers; packed documents under cp and pp; under pp the
+LoRA on every projection (two steps); under cp also sliding-window, soft-capped layers
+and DeepSeek-V3's block (latent attention, sigmoid router, shared expert); packed
+documents under cp and pp; under pp the
 micro-batches of an optimizer step through the stages, and the stages' parameters
 together the whole model's."""
 
@@ -55,7 +57,7 @@ def cases(layout: str) -> list[str]:
         if "cp" in layout:
             runs.append("chunks1/accumulation2/packed")
         models = (
-            ("untied", "tied", "moe", "sliding")
+            ("untied", "tied", "moe", "sliding", "mla")
             if layout in ("dp2_cp2", "hsdp2_cp2")
             else ("untied", "tied", "moe")
         )

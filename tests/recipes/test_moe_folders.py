@@ -1,11 +1,12 @@
 """MoE folders whose experts transformers converts on load (stored one tensor per expert,
-held stacked: DeepSeek-V3, Qwen2-MoE, GLM-4.5, OLMoE), read through the generic path by
+held stacked: Qwen2-MoE, OLMoE; DeepSeek-V3 and GLM-4.5, which freetx reads natively:
+tests/recipes/test_deepseek_native_folders.py), read through the generic path by
 transformers' own conversion rules (`freetx.models.hf_generic.ConvertedNames`): tiny
 sharded folders transformers wrote give its logits through `load_model`, HF -> DCP -> HF
 gives every stored tensor back bit for bit under its own name, a rank reads only its
-rows of the experts, DeepSeek-V3's stored router bias (a buffer) is read, a rule freetx
-does not stream is refused by name before a weight is read, and a 2-process fsdp
-fine-tune through the CLI resumes exactly and exports under the folder's names."""
+rows of the experts, a rule freetx does not stream is refused by name before a weight is
+read, and a 2-process fsdp fine-tune through the CLI resumes exactly and exports under
+the folder's names."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from tests.hf_folders import CONVERTED_MOE_FAMILIES, hf_logits, make_folder
 transformers = pytest.importorskip("transformers")
 
 FAMILIES = list(CONVERTED_MOE_FAMILIES)
+NATIVE = ("deepseek_v3", "glm4_moe")  # freetx.models.hf_families.FAMILIES reads these
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +51,8 @@ def test_each_converted_moe_folder_gives_transformers_logits(folders, family):
     folder = folders[family]
     assert len(list(folder.glob("*.safetensors"))) > 1  # sharded: experts span files
     model = load_model(folder, "cpu")
-    assert model.describe() == f"generic transformers path for {family}"
+    path = "native freetx decoder" if family in NATIVE else "generic transformers path"
+    assert model.describe() == f"{path} for {family}"
     with torch.no_grad():
         assert (model(ids()) - hf_logits(folder, ids())).abs().max() <= 1e-4
 
@@ -117,21 +120,6 @@ def test_a_shard_of_no_rows_reads_nothing(folders):
     source.read_into(name, slice(1, 1), torch.empty(0, 64))
 
 
-def test_the_stored_router_bias_of_deepseek_v3_is_read(folders):
-    """e_score_correction_bias is a buffer the folder stores: loaded, not recomputed."""
-    from freetx.checkpoint import load_model
-
-    folder = folders["deepseek_v3"]
-    bias = stored(folder)["model.layers.1.mlp.gate.e_score_correction_bias"]
-    model = load_model(folder, "cpu")
-    held = model.get_buffer("model.layers.1.mlp.gate.e_score_correction_bias")
-    assert bias.abs().max() > 0.1 and torch.equal(held, bias)
-    with torch.no_grad():
-        read = model(ids())
-        held.zero_()  # the bias chooses experts: without it the logits differ
-        assert (model(ids()) - read).abs().max() > 1e-3
-
-
 def test_a_conversion_rule_freetx_does_not_stream_is_refused_by_name_before_any_weight_is_read(
     tmp_path,
 ):
@@ -151,15 +139,15 @@ def test_a_conversion_rule_freetx_does_not_stream_is_refused_by_name_before_any_
 
 
 @pytest.mark.slow  # three 2-process runs and an export, ~60 s on 2 CPU cores
-def test_a_deepseek_v3_folder_finetunes_on_2_processes_resumes_exactly_and_exports(tmp_path):
+def test_a_qwen2_moe_folder_finetunes_on_2_processes_resumes_exactly_and_exports(tmp_path):
     from tests.recipes.test_checkpoint_resume import COMMON, losses
     from tests.recipes.test_hf_finetune import tensor_names, tiny_folder
     from tests.recipes.test_hf_generic_finetune import finetune
 
-    folder = tiny_folder(tmp_path / "folder", "deepseek_v3")
+    folder = tiny_folder(tmp_path / "folder", "qwen2_moe")
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     result = finetune(folder, straight, "max_steps=4", "checkpoint.every_n_steps=2", *COMMON)
-    assert "| model: generic transformers path for deepseek_v3 |" in result.stdout
+    assert "| model: generic transformers path for qwen2_moe |" in result.stdout
     finetune(folder, resumed, "max_steps=2", "checkpoint.every_n_steps=2", *COMMON)
     result = finetune(folder, resumed, "max_steps=4", "checkpoint.every_n_steps=2", *COMMON)
     assert "resumed from" in result.stdout and "(step 2," in result.stdout
@@ -170,7 +158,7 @@ def test_a_deepseek_v3_folder_finetunes_on_2_processes_resumes_exactly_and_expor
     from freetx.checkpoint import convert, load_model
 
     convert(checkpoint, out, to="hf")
-    assert tensor_names(out) == tensor_names(folder)  # per-expert names, the router bias
+    assert tensor_names(out) == tensor_names(folder)  # per-expert names, the shared expert
     with torch.no_grad():
         trained = hf_logits(out, ids())
         assert (trained - load_model(checkpoint, "cpu")(ids())).abs().max() <= 1e-4

@@ -76,6 +76,31 @@ class TransformerConfig:
     router_aux_loss_coef: float = 0.0  # the load-balancing loss's weight per token in training
     decoder_sparse_step: int = 1  # layer i has experts when (i + 1) % step == 0 (Qwen3-MoE)
     mlp_only_layers: list[int] = field(default_factory=list)  # layers kept dense (Qwen3-MoE)
+    # how the router scores the experts (freetx.models.moe.route): "softmax" (Mixtral, Qwen);
+    # "sigmoid" (DeepSeek-V3, GLM-4.5: groups ranked by the sum of their top-2 scores)
+    router_scores: Literal["softmax", "sigmoid"] = "softmax"
+    # a float32 buffer per MoE block (`e_score_correction_bias`, DeepSeek-V3's load
+    # balancing) added to the scores to choose the experts, not to weigh them
+    router_bias: bool = False
+    # the router's matmul in float32 (DeepSeek, GLM-4.5: transformers keeps gate.weight in
+    # float32); False: in the compute dtype, softmax in float32 (Mixtral, Qwen)
+    router_fp32: bool = False
+    # grouped top-k: the experts in `expert_groups` equal groups, a token's experts chosen
+    # from its best `groups_per_token` groups (DeepSeek's n_group, topk_group); 1: no groups
+    expert_groups: int = 1
+    groups_per_token: int = 1
+    routed_scaling_factor: float = 1.0  # the k router weights times this (DeepSeek's)
+    # an MLP of this width beside the experts, that every token goes through (DeepSeek's
+    # shared experts: moe_intermediate_size x n_shared_experts); 0: none
+    shared_expert_ffn_dim: int = 0
+    # multi-head latent attention (DeepSeek-V2/V3; freetx.models.decoder.latent_attention):
+    # keys and values from a compressed latent of kv_lora_rank dims; None: grouped-query
+    # attention. head_dim is then the RoPE part of each query/key head (qk_rope_head_dim)
+    kv_lora_rank: int | None = None
+    q_lora_rank: int | None = None  # queries through a rank-q_lora_rank bottleneck; None: wq
+    qk_nope_head_dim: int = 0  # the part of each query/key head without RoPE (MLA)
+    v_head_dim: int | None = None  # each value head's dims (MLA); None: head_dim
+    rope_interleave: bool = False  # RoPE on interleaved pairs (x0, x1), (x2, x3) (DeepSeek)
     # the embedding row of this token id gets no gradient (and starts at zero), as
     # transformers' padding_idx = config.json's pad_token_id; None: every row trains
     pad_token_id: int | None = None
@@ -103,6 +128,8 @@ class TransformerConfig:
                 raise ValueError(f"{name}={getattr(self, name)} must be positive (or null)")
         if self.moe_ffn_hidden_dim is None:
             self.moe_ffn_hidden_dim = self.ffn_hidden_dim
+        if self.v_head_dim is None:
+            self.v_head_dim = self.head_dim
 
     @property
     def rotary_dim(self) -> int:
@@ -172,7 +199,7 @@ class TransformerConfig:
                 "it is the fraction of each head's dims RoPE rotates (Phi-4-mini: 0.75); set "
                 "it in (0, 1]."
             )
-        return {**found, **_moe_meaningless(values)}
+        return {**found, **_moe_meaningless(values), **_latent_meaningless(values)}
 
 
 SIZES = ("vocab_size", "hidden_dim", "num_layers", "num_heads", "num_kv_heads",
@@ -203,6 +230,17 @@ def _size_problems(values: dict[str, Any]) -> dict[str, str]:
     return found
 
 
+def _latent_meaningless(values: dict[str, Any]) -> dict[str, str]:
+    """Multi-head latent attention's sizes that no attention has, by key (none set: {})."""
+    found = {}
+    for name, least in (("kv_lora_rank", 1), ("q_lora_rank", 1), ("qk_nope_head_dim", 0),
+                        ("v_head_dim", 1)):  # fmt: skip
+        value = values.get(name)
+        if value is not None and (not isinstance(value, int) or value < least):
+            found[name] = f"{name} is a size: set it to {least} or more (or null)."
+    return found
+
+
 def _moe_meaningless(values: dict[str, Any]) -> dict[str, str]:
     """The MoE fields of a decoder with experts that no router could follow, by key."""
     experts = values.get("num_experts") or 0
@@ -221,6 +259,32 @@ def _moe_meaningless(values: dict[str, Any]) -> dict[str, str]:
         value = values.get(name)
         if value is not None and (not isinstance(value, int) or value < 1):
             found[name] = f"{name} is a count: set it to 1 or more."
+    groups, kept = values.get("expert_groups", 1), values.get("groups_per_token", 1)
+    if not isinstance(groups, int) or groups < 1 or experts % groups:
+        found["expert_groups"] = (
+            f"the experts split into equal groups: set a count that divides num_experts="
+            f"{experts} (1: no groups)."
+        )
+    elif not isinstance(kept, int) or not 1 <= kept <= groups:
+        found["groups_per_token"] = (
+            f"a token's experts come from its best 1 to expert_groups={groups} groups; set "
+            "groups_per_token in that range."
+        )
+    elif kept < groups and values.get("router_scores") == "sigmoid" and experts // groups < 2:
+        found["expert_groups"] = (
+            "a group is ranked by the sum of its top-2 experts' scores (DeepSeek-V3), so each "
+            f"needs 2 experts or more; set a count up to {experts // 2}."
+        )
+    elif isinstance(k, int) and k > kept * (experts // groups):
+        found["groups_per_token"] = (
+            f"its {kept} group(s) of {experts // groups} experts hold fewer than "
+            f"experts_per_token={k}; keep more groups per token or route to fewer experts."
+        )
+    if values.get("router_scores", "softmax") not in ("softmax", "sigmoid"):
+        found["router_scores"] = (
+            "the router scores experts by softmax (Mixtral, Qwen) or sigmoid (DeepSeek-V3); "
+            "set one of those."
+        )
     if (values.get("router_aux_loss_coef") or 0) < 0:
         found["router_aux_loss_coef"] = (
             "a negative weight would reward unbalanced routing; set 0 (off) or more."

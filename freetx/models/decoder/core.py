@@ -25,7 +25,13 @@ from freetx.models.decoder.layers import (
 )
 from freetx.models.decoder.rope import RotaryTables
 from freetx.models.kv_cache import KVCache
-from freetx.models.moe import Routing, combine_routings, expert_load_max, load_balancing_loss
+from freetx.models.moe import (
+    MoEFeedForward,
+    Routing,
+    combine_routings,
+    expert_load_max,
+    load_balancing_loss,
+)
 from freetx.models.protocol import LMOutput, OutputLayer, OutputLoss, SequenceShard, VocabSlice
 
 # what LoRA targets are called (freetx's short names and HF's) -> module name suffixes
@@ -38,6 +44,11 @@ ADAPTER_TARGETS = {
     **{k: "feed_forward.w3" for k in ("up", "up_proj")},
     **{k: "feed_forward.w2" for k in ("down", "down_proj")},
     **{k: "attention.wqkv" for k in ("qkv", "qkv_proj")},  # fused (Phi-3)
+    # multi-head latent attention (DeepSeek)
+    "q_a_proj": "attention.wq_a",
+    "q_b_proj": "attention.wq_b",
+    "kv_a_proj_with_mqa": "attention.wkv_a",
+    "kv_b_proj": "attention.wkv_b",
     **{k: "feed_forward.w13" for k in ("gate_up", "gate_up_proj")},
     **{k: "output" for k in ("output", "lm_head")},
 }
@@ -228,7 +239,12 @@ class DecoderCore(nn.Module):
         )
 
     def init_buffers(self) -> None:
-        """Recompute the RoPE tables on the model's device (meta init leaves garbage)."""
+        """Recompute the RoPE tables on the model's device (meta init leaves garbage), and
+        zero the routers' stored biases (`MoEFeedForward`: a folder's replace them when
+        read)."""
+        for module in self.modules():
+            if isinstance(module, MoEFeedForward) and module.kind.bias:
+                module.get_buffer("e_score_correction_bias").zero_()
         self.rope.reset()
         if self.local_rope is not None:
             self.local_rope.reset()
@@ -253,8 +269,12 @@ class DecoderCore(nn.Module):
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token: 6 N (non-embedding, active: an MoE token's experts
-        only) + 12 L H d T for attention."""
+        only) + 12 L H d T for attention (latent attention: d the mean of its query/key
+        and value dims)."""
         c = self.config
         dense = 6 * self.num_parameters(exclude_embeddings=True, active=True)
-        attention = 12 * c.num_layers * c.num_heads * c.head_dim * seq_len
+        d = c.head_dim
+        if c.kv_lora_rank is not None:
+            d = (c.qk_nope_head_dim + c.head_dim + c.v_head_dim) / 2
+        attention = 12 * c.num_layers * c.num_heads * d * seq_len
         return float(dense + attention)

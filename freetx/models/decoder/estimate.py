@@ -36,10 +36,12 @@ class DecoderActivations:
             # sent to them and their weighted outputs, the router's logits and probs
             layers, dense = max(1, run.blocks), 4 * c.ffn_hidden_dim
             moe = c.experts_per_token * (4 * c.moe_ffn_hidden_dim + 2 * c.hidden_dim)
-            moe += 2 * c.num_experts
+            moe += 2 * c.num_experts + 4 * c.shared_expert_ffn_dim  # and a shared MLP's
             share = sum(c.is_moe_layer(i) for i in range(layers)) / layers
             mlp = share * moe + (1 - share) * dense
         kv = c.num_kv_heads * c.head_dim
+        if c.kv_lora_rank is not None:  # latent attention: every head's keys and values
+            kv = c.num_heads * (c.qk_nope_head_dim + c.head_dim + c.v_head_dim) // 2
         return decoder_activations(run, c.hidden_dim, c.ffn_hidden_dim, kv, c.vocab_size,
                                    c.tie_embeddings, mlp, attention_score_bytes(c, run))  # fmt: skip
 

@@ -16,9 +16,10 @@ from torch import nn
 
 from freetx.models.attention import AttentionMask, AttentionSpec, attend
 from freetx.models.decoder.config import TransformerConfig
+from freetx.models.decoder.latent_attention import LatentAttention
 from freetx.models.decoder.rope import apply_rope
 from freetx.models.kv_cache import LayerCache
-from freetx.models.moe import MoEFeedForward
+from freetx.models.moe import MoEFeedForward, RouterKind
 from freetx.models.protocol import SequenceShard
 
 
@@ -144,21 +145,23 @@ ACTIVATIONS = {"silu": F.silu, "gelu_tanh": functools.partial(F.gelu, approximat
 class FeedForward(nn.Module):
     """SwiGLU: w2(silu(w1 x) * w3 x); GeGLU with `activation: gelu_tanh` (Gemma); with
     `fused_projections`, w2(act(g) * u) where [g | u] = w13 x (Phi-3's gate_up_proj, gate
-    rows first)."""
+    rows first). `ffn_hidden_dim`: another width than the config's (DeepSeek's shared
+    experts)."""
 
-    def __init__(self, cfg: TransformerConfig):
+    def __init__(self, cfg: TransformerConfig, ffn_hidden_dim: int | None = None):
         super().__init__()
+        width = cfg.ffn_hidden_dim if ffn_hidden_dim is None else ffn_hidden_dim
         self.activation = ACTIVATIONS[cfg.activation]
         self.fused = cfg.fused_projections
         # registered w1, w2, w3 (w13, w2 fused): the parameters' order is the order the
         # gradient norm sums them in, so a change of it changes clipped runs in the last bit
         if self.fused:
-            self.w13 = nn.Linear(cfg.hidden_dim, 2 * cfg.ffn_hidden_dim, bias=False)
+            self.w13 = nn.Linear(cfg.hidden_dim, 2 * width, bias=False)
         else:
-            self.w1 = nn.Linear(cfg.hidden_dim, cfg.ffn_hidden_dim, bias=False)
-        self.w2 = nn.Linear(cfg.ffn_hidden_dim, cfg.hidden_dim, bias=False)
+            self.w1 = nn.Linear(cfg.hidden_dim, width, bias=False)
+        self.w2 = nn.Linear(width, cfg.hidden_dim, bias=False)
         if not self.fused:
-            self.w3 = nn.Linear(cfg.hidden_dim, cfg.ffn_hidden_dim, bias=False)
+            self.w3 = nn.Linear(cfg.hidden_dim, width, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused:
@@ -169,12 +172,18 @@ class FeedForward(nn.Module):
 
 
 def feed_forward(cfg: TransformerConfig, layer: int) -> nn.Module:
-    """Block `layer`'s MLP: a SwiGLU, or a mixture of SwiGLU experts on an MoE layer."""
+    """Block `layer`'s MLP: a SwiGLU, or a mixture of SwiGLU experts on an MoE layer (with
+    a SwiGLU of `shared_expert_ffn_dim` beside them where set: DeepSeek's shared experts)."""
     if not cfg.is_moe_layer(layer):
         return FeedForward(cfg)
+    kind = RouterKind(
+        cfg.router_scores, cfg.router_bias, cfg.expert_groups, cfg.groups_per_token,
+        scaling=cfg.routed_scaling_factor, fp32=cfg.router_fp32,
+    )  # fmt: skip
+    shared = FeedForward(cfg, cfg.shared_expert_ffn_dim) if cfg.shared_expert_ffn_dim else None
     return MoEFeedForward(
         cfg.hidden_dim, cfg.moe_ffn_hidden_dim, cfg.num_experts, cfg.experts_per_token,
-        cfg.norm_topk_prob, cfg.expert_weights_fp32,
+        cfg.norm_topk_prob, cfg.expert_weights_fp32, kind, shared,
     )  # fmt: skip
 
 
@@ -197,7 +206,11 @@ class DecoderBlock(nn.Module):
     def __init__(self, cfg: TransformerConfig, layer: int = 0, sliding: bool = False):
         super().__init__()
         self.attention_norm = _norm(cfg, "pre", "sandwich")
-        self.attention = Attention(cfg, sliding, rotary=layer not in cfg.nope_layers)
+        self.attention = (
+            Attention(cfg, sliding, rotary=layer not in cfg.nope_layers)
+            if cfg.kv_lora_rank is None
+            else LatentAttention(cfg)
+        )
         self.post_attention_norm = _norm(cfg, "post", "sandwich")
         self.ffn_norm = _norm(cfg, "pre")
         self.pre_ffn_norm = _norm(cfg, "sandwich")
@@ -269,7 +282,9 @@ def init_decoder_parameter(
         tensor.fill_(1.0 if isinstance(module, nn.RMSNorm) else 0.0)
     elif isinstance(module, PlusOneRMSNorm):
         tensor.zero_()
-    elif module_name.endswith(("attention.wo", "feed_forward.w2")) or name.endswith("experts.w2"):
+    elif module_name.endswith(("attention.wo", "feed_forward.w2", "shared_experts.w2")) or (
+        name.endswith("experts.w2")
+    ):
         tensor.normal_(0.0, std / math.sqrt(2 * num_layers), generator=generator)
     else:
         init_normal(module, tensor, std, generator)

@@ -17,6 +17,10 @@ ROPE_SCALING_KEYS = {
     # beyond; factor: the context's extension (max / original), which sets the cos/sin scale
     # unless attention_factor gives it
     "longrope": ("short_factor", "long_factor", "original_max_position_embeddings", "factor"),
+    # YaRN (DeepSeek-V2/V3): frequencies between interpolated (/ factor) and kept, by a
+    # linear ramp over the dims between beta_fast and beta_slow rotations (32 and 1 when
+    # absent); cos and sin times attention_factor (else from mscale / mscale_all_dim)
+    "yarn": ("factor", "original_max_position_embeddings"),
 }
 
 
@@ -61,6 +65,8 @@ def rope_frequencies(
     inv_freq = 1.0 / (theta**exponents)
     if scaling is None:
         return inv_freq
+    if scaling["rope_type"] == "yarn":
+        return yarn_frequencies(inv_freq, rotary_dim, theta, scaling)
     factor = float(scaling["factor"])
     if scaling["rope_type"] == "linear":
         return inv_freq / factor
@@ -74,10 +80,47 @@ def rope_frequencies(
     return torch.where(between, interpolated, scaled)
 
 
+def yarn_frequencies(inv_freq: torch.Tensor, rotary_dim: int, theta: float, scaling: dict):
+    """YaRN's inverse frequencies, as transformers 5.24's `_compute_yarn_parameters`: each
+    between inv_freq / factor (interpolated) and inv_freq (kept) by a linear ramp over the
+    dims whose wavelengths fit between beta_fast and beta_slow rotations in
+    original_max_position_embeddings (bounds floored / ceiled unless `truncate` is false)."""
+    factor, original = float(scaling["factor"]), scaling["original_max_position_embeddings"]
+    fast, slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def dim_of(rotations: float) -> float:
+        return rotary_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dim_of(fast), dim_of(slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rotary_dim - 1)
+    high = high + 0.001 if low == high else high  # no singularity
+    index = torch.arange(rotary_dim // 2, dtype=torch.float32, device=inv_freq.device)
+    kept = 1 - torch.clamp((index - low) / (high - low), 0, 1)
+    return (inv_freq / factor) * (1 - kept) + inv_freq * kept
+
+
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's temperature for a context extended `scale` times (transformers'
+    `get_mscale`): 0.1 mscale ln(scale) + 1, and 1 where scale <= 1."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
 def rope_attention_factor(scaling: dict | None) -> float:
     """What cos and sin are multiplied by: longrope's attention_factor, or as transformers
     derives it from `factor`, sqrt(1 + ln(factor) / ln(original_max_position_embeddings))
-    (1 where factor <= 1); 1 for every other RoPE."""
+    (1 where factor <= 1); yarn's attention_factor, or mscale(factor, mscale) /
+    mscale(factor, mscale_all_dim) where both are given, else mscale(factor); 1 for every
+    other RoPE."""
+    if scaling is not None and scaling["rope_type"] == "yarn":
+        if scaling.get("attention_factor") is not None:
+            return float(scaling["attention_factor"])
+        factor, mscale = float(scaling["factor"]), scaling.get("mscale")
+        all_dim = scaling.get("mscale_all_dim")
+        if mscale and all_dim:
+            return yarn_mscale(factor, mscale) / yarn_mscale(factor, all_dim)
+        return yarn_mscale(factor)
     if scaling is None or scaling["rope_type"] != "longrope":
         return 1.0
     if scaling.get("attention_factor") is not None:

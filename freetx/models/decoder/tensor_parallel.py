@@ -25,6 +25,9 @@ def check_tensor_parallel(c: TransformerConfig, tp: int) -> None:
     elif c.ffn_hidden_dim % tp:
         why = (f"tp={tp} does not divide the MLP's {c.ffn_hidden_dim} hidden units",
                "Pick a tp that divides it")  # fmt: skip
+    elif c.kv_lora_rank is not None:
+        why = ("freetx does not slice multi-head latent attention (DeepSeek's kv_lora_rank) "
+               "over tensor-parallel ranks yet", "Set distributed.tp=1 (fsdp alone shards it)")  # fmt: skip
     elif c.fused_projections or c.qk_norm == "projection":
         kind = ("fused q/k/v and gate/up projections (Phi-3)" if c.fused_projections
                 else "q/k norms over whole projections (OLMo 2)")  # fmt: skip
