@@ -49,6 +49,8 @@ RECIPES: tuple[Recipe, ...] = (
             "llm/llama3_70b_full",
             "llm/qwen2_5_7b_full",
             "llm/qwen3_8b_full",
+            "llm/qwen3_30b_a3b_full",
+            "llm/moe_tiny_ep",
             "llm/gemma2_2b_full",
             "free_transformer/tiny",
             "free_transformer/baseline_tiny",

@@ -152,6 +152,7 @@ MODEL_OF = {"llm/llama3_1_8b_full": "Llama-3.1-8B", "llm/llama3_1_8b_lora": "Lla
             "llm/llama3_1_8b_qlora": "Llama-3.1-8B", "llm/llama3_2_1b_full": "Llama-3.2-1B",
             "llm/qwen2_5_7b_full": "Qwen2.5-7B", "llm/qwen3_8b_full": "Qwen3-8B",
             "llm/phi4_mini_lora": "Phi-4-mini", "llm/qwen3_30b_a3b_lora": "Qwen3-30B-A3B",
+            "llm/qwen3_30b_a3b_full": "Qwen3-30B-A3B",
             "llm/mixtral_8x7b_qlora": "Mixtral-8x7B", "llm/gemma2_2b_full": "gemma-2-2b",
             "llm/gemma3_4b_lora": "gemma-3-4b", "llm/llama3_1_8b_dpo_lora": "Llama-3.1-8B",
             "llm/qwen3_8b_dpo": "Qwen3-8B", "llm/gemma3_4b_dpo_lora": "gemma-3-4b",
