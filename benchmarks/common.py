@@ -63,6 +63,36 @@ def build_small(strategy: str = "fsdp"):
     return runtime, plan.model, optimizer
 
 
+def freetx(*args: str, env=None) -> subprocess.CompletedProcess:
+    """`python -m freetx ARGS` from the repository; its output in the error if it fails."""
+    cmd = [sys.executable, "-m", "freetx", *args]
+    result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=env)
+    if result.returncode != 0:
+        raise RuntimeError(
+            f"{' '.join(args[:3])} failed:\n{result.stdout[-3000:]}{result.stderr[-3000:]}"
+        )
+    return result
+
+
+def measured_run(config: str, overrides: list[str], steps: int, nproc: int, out: Path) -> dict:
+    """One `freetx run` of `config` on nproc processes (one thread each unless
+    OMP_NUM_THREADS says): the fullest rank's max RSS (bytes), the median step time and
+    tokens per second over steps 3..N, from its metrics.jsonl."""
+    import statistics
+
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    freetx("run", "--nproc-per-node", str(nproc), "full_finetune_fsdp2", "--config", config,
+           f"output_dir={out}", f"max_steps={steps}", *overrides, env=env)  # fmt: skip
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if "step_time_s" in r]
+    later = [r for r in train if r["step"] >= 3] or train
+    return {
+        "rss": max(r["memory/max_rss_gib"] for r in train) * 2**30,
+        "step_s": statistics.median(r["step_time_s"] for r in later),
+        "tokens_per_s": statistics.median(r["tokens_per_s"] for r in later),
+    }
+
+
 def table(rows: list[list], header: list[str]) -> str:
     cells = [header] + [[str(c) for c in row] for row in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(header))]

@@ -28,16 +28,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import REPO, table  # noqa: E402
+from benchmarks.common import freetx, measured_run, table  # noqa: E402
 
 GIB = 2**30
 COMMON = [
@@ -80,30 +77,9 @@ def with_baseline(keys: dict[str, str]) -> list[str]:
     return list({**base, **keys}.values())
 
 
-def freetx(*args: str, env=None) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "freetx", *args]
-    result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=env)
-    if result.returncode != 0:
-        raise RuntimeError(
-            f"{' '.join(args[:3])} failed:\n{result.stdout[-3000:]}{result.stderr[-3000:]}"
-        )
-    return result
-
-
 def measure(overrides: list[str], steps: int, nproc: int, out: Path) -> dict:
-    """One run: the fullest rank's max RSS and the median step time over steps 3..N."""
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    freetx("run", "--nproc-per-node", str(nproc), "full_finetune_fsdp2", "--config",
-           "llm/small", f"output_dir={out}", f"max_steps={steps}", *COMMON, *overrides,
-           env=env)  # fmt: skip
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    train = [r for r in records if "step_time_s" in r]
-    later = [r for r in train if r["step"] >= 3] or train
-    return {
-        "rss": max(r["memory/max_rss_gib"] for r in train) * GIB,
-        "step_s": statistics.median(r["step_time_s"] for r in later),
-        "tokens_per_s": statistics.median(r["tokens_per_s"] for r in later),
-    }
+    """One run of a rung: the fullest rank's max RSS and the median step time over steps 3..N."""
+    return measured_run("llm/small", [*COMMON, *overrides], steps, nproc, out)
 
 
 def estimated(overrides: list[str], nproc: int, out: Path) -> dict:

@@ -15,6 +15,15 @@ the generic transformers path, by benchmarks/hf_paths.py's measure (training ste
 turn, peak live tensor bytes), at a shape with more, smaller experts than hf_paths' own.
 
     OMP_NUM_THREADS=1 python benchmarks/moe.py --section paths
+
+`--section ep` (CPU, 4 gloo processes): llm/moe_tiny_ep's decoder with a Qwen3-MoE-shaped
+block of more, wider experts (`EP_MODEL`: 32 experts of 512, 4 per token) trained under
+fsdp at ep 1 (every rank's FSDP2 shard of every expert), ep 2 and ep 4 (a rank computes
+1/ep of each block's experts, tokens sent to them by all-to-all): the median step time
+over steps 3..N and the fullest rank's peak RSS, each with its ratio to ep 1, and
+`freetx estimate`'s peak per rank for the same runs.
+
+    python benchmarks/moe.py --section ep [--steps 8]
 """
 
 from __future__ import annotations
@@ -160,9 +169,41 @@ def paths() -> None:
     print(table(rows, ["path", "model", "median ms", "peak MiB"]))
 
 
+EP_MODEL = ["model.num_experts=32", "model.experts_per_token=4", "model.moe_ffn_hidden_dim=512",
+            "batch_size=16", "eval.max_batches=1", "checkpoint.save_final=false",
+            "metric_loggers=[{_component_: freetx.loggers.JSONLLogger}]"]  # fmt: skip
+
+
+def expert_parallel(steps: int) -> None:
+    import json
+
+    from benchmarks.common import freetx, measured_run
+
+    rows, base = [], None
+    with tempfile.TemporaryDirectory() as tmp:
+        for ep in (1, 2, 4):
+            out = Path(tmp) / f"ep{ep}"
+            overrides = [*EP_MODEL, f"distributed.ep={ep}"]
+            run = measured_run("llm/moe_tiny_ep", overrides, steps, 4, out)
+            path = out / "estimate.json"
+            freetx("estimate", "llm/moe_tiny_ep", *overrides, "--world-size", "4", "--device",
+                   "cpu", "--json", str(path), "--overwrite")  # fmt: skip
+            estimate = json.loads(path.read_text())["analytic"]["fsdp"]["peak"]
+            base = base or (run, estimate)
+            rows.append([f"ep {ep}", f"{run['step_s']:.3f} ({run['step_s'] / base[0]['step_s']:.2f}x)",
+                         f"{run['rss'] / GIB:.3f} ({run['rss'] / base[0]['rss']:.2f}x)",
+                         f"{estimate / 2**20:.1f} ({estimate / base[1]:.2f}x)"])  # fmt: skip
+    print(
+        f"llm/moe_tiny_ep with {' '.join(EP_MODEL[:3])}, fsdp on 4 CPU processes, fp32, "
+        f"{steps} steps (median over steps 3..{steps}, one thread per process)"
+    )
+    print(table(rows, ["layout", "step s", "max RSS GiB/rank", "estimate MiB/rank"]))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--section", choices=["grouped-mm", "paths"], required=True)
+    parser.add_argument("--section", choices=["grouped-mm", "paths", "ep"], required=True)
+    parser.add_argument("--steps", type=int, default=8, help="ep: training steps per run")
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--small", action="store_true", help="a 16x smaller block (a dry run)")
@@ -172,8 +213,10 @@ def main() -> None:
         shape.update(hidden_dim=128, ffn_hidden_dim=48, num_experts=16)
     if args.section == "grouped-mm":
         grouped_mm(args.tokens, args.repeats, shape)
-    else:
+    elif args.section == "paths":
         paths()
+    else:
+        expert_parallel(args.steps)
 
 
 if __name__ == "__main__":
