@@ -94,6 +94,50 @@ def test_expert_adapters_export_to_peft_which_loads_them_with_the_merged_folders
     assert (ours - merged).abs().max() <= 1e-4
 
 
+@pytest.mark.parametrize(
+    "family,targets",
+    [("qwen3_moe", ["experts"]),  # native: w1 / w3 / w2 stacked from per-expert tensors
+     ("gpt_oss", ["all-linear"])],  # experts stored transposed; the Linears in NF4 too
+)  # fmt: skip
+def test_qlora_on_experts_loads_a_folder_into_nf4_bases_with_the_dequantized_bases_logits(
+    tmp_path, family, targets
+):
+    """QLoRA's model of a folder (its experts' bases NF4 [E * rows, cols], read from the
+    folder's [E, rows, cols] or per-expert tensors) computes the logits of the LoRA model
+    whose bases are the NF4 ones dequantized."""
+    pytest.importorskip("torchao")
+    from freetx.checkpoint.loading import load_initial_weights, source_model_on_meta
+    from freetx.distributed import materialize
+    from freetx.models.peft import apply_lora
+    from freetx.models.peft.experts import expert_adapter_layers
+    from freetx.models.peft.nf4 import NF4LoRALinear, quantize_bases
+
+    folder = make_folder(tmp_path / family, family)
+    models = []
+    for quantize in (True, False):
+        model = source_model_on_meta(str(folder))
+        apply_lora(model, targets, rank=2, alpha=4)
+        if quantize:
+            quantize_bases(model)
+        materialize(model, torch.device("cpu"), seed=0, init_weights=False)
+        load_initial_weights(model, folder)
+        randomize_adapters(model)  # the same values in both
+        models.append(model.eval())
+    quantized, reference = models
+    with torch.no_grad():
+        plain = reference(ids())
+        for name, experts in expert_adapter_layers(quantized).items():
+            for param in experts.nf4_shapes:
+                dense = experts.dequantized(param, torch.float32)
+                reference.get_parameter(f"{name}.{param}").copy_(dense)
+        for name, layer in quantized.named_modules():
+            if isinstance(layer, NF4LoRALinear):
+                reference.get_parameter(f"{name}.weight").copy_(layer.base_weight().float())
+        ours = quantized(ids())
+        assert (ours - plain).abs().max() > 1e-3  # NF4 moved the bases (0.077, 0.58 measured)
+        assert torch.equal(ours, reference(ids()))  # fp32 on CPU: bit for bit
+
+
 @SLOW  # three 2-process runs, ~75 s on 2 CPU cores
 def test_lora_on_deepseek_v3_experts_on_2_processes_resumes_exactly_and_exports_to_peft(tmp_path):
     from freetx.checkpoint import load_model

@@ -77,8 +77,7 @@ class PEFTConfig:
                     "rank 16)."
                 )
             if EXPERTS in values["target_modules"]:  # LoRA on experts does not do these
-                found.update(expert_option_problems(values["dropout"], values["use_dora"],
-                                                    values["quantize_base"]))  # fmt: skip
+                found.update(expert_option_problems(values["dropout"], values["use_dora"]))
             if not values["target_modules"]:
                 found["target_modules"] = (
                     "LoRA adapts these modules and freezes the rest, so nothing would train; "
