@@ -5,7 +5,8 @@ format for expert parameters (`target_parameters`, PEFT 0.21's ParamWrapper keys
 layout), which `peft.PeftModel.from_pretrained` loads on transformers' model with the
 logits of freetx's merged export (written under the folder's per-expert names) and of
 freetx's own adapted model; a 2-process fsdp LoRA run on the experts through the CLI
-resumes exactly and exports."""
+resumes exactly and exports. QLoRA (the experts' bases in NF4): a folder loads into them
+with the logits of the dequantized bases, and 2-process runs resume exactly and merge."""
 
 from __future__ import annotations
 
@@ -204,23 +205,25 @@ def test_lora_on_deepseek_v3_experts_on_2_processes_resumes_exactly_and_exports_
     assert (ours - merged).abs().max() <= 1e-4
 
 
-@SLOW  # three 2-process runs, ~75 s on 2 CPU cores
-def test_qlora_on_deepseek_v3_experts_on_2_processes_resumes_exactly_and_merges(tmp_path):
+@SLOW  # three 2-process runs each, ~95 s on 2 CPU cores
+@pytest.mark.parametrize("family,modules", [("deepseek_v3", 3), ("qwen3_moe", 5)])
+def test_qlora_on_experts_on_2_processes_resumes_exactly_and_merges(tmp_path, family, modules):
     """The experts' bases (and o_proj's) in NF4, each rank holding its rows of the
-    quantized whole; the adapters merge onto the folder's own bases (as QLoRA's on Linears
-    do), and PEFT loads the export with the merged folder's logits."""
+    quantized whole, on transformers' experts (DeepSeek-V3: 1 MoE layer and 2 o_proj) and
+    native ones (Qwen3-MoE: 2 and 3); the adapters merge onto the folder's own bases (as
+    QLoRA's on Linears do), and PEFT loads the export with the merged folder's logits."""
     from freetx.checkpoint import load_model
     from freetx.training.export import recorded_peft
     from tests.recipes.test_hf_finetune import tiny_folder
 
-    folder = tiny_folder(tmp_path / "folder", "deepseek_v3")
+    folder = tiny_folder(tmp_path / "folder", family)
     straight, banner = resumes_exactly(tmp_path, folder, "peft.quantize_base=nf4")
-    assert "trains QLoRA r=4 alpha=32 on 3 modules" in banner
+    assert f"trains QLoRA r=4 alpha=32 on {modules} modules" in banner
     adapted, merged, plain = merged_and_peft_logits(tmp_path, folder, straight)
     assert (adapted - plain).abs().max() > 1e-3  # the 4 steps trained
     assert (adapted - merged).abs().max() <= 1e-4
     checkpoint = straight / "checkpoints" / "step_000004"
     with torch.no_grad():  # the run's own model: NF4 bases, so within NF4's error
         ours = load_model(checkpoint, "cpu", adapters=recorded_peft(checkpoint))(ids())
-    # measured: 0.13 against the 4 steps' 1.46 (the merged folder: 3.9e-7 from PEFT's)
+    # measured (deepseek_v3): 0.13 against the 4 steps' 1.46 (the merged folder: 3.9e-7)
     assert (ours - merged).abs().max() < 0.25 * (adapted - plain).abs().max()

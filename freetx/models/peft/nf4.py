@@ -198,12 +198,13 @@ class NF4GroupedLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, shape, counts):
-        ctx.weight, ctx.shape, ctx.counts = weight, shape, counts  # as linear_nf4 keeps it
+        ctx.save_for_backward(weight)  # the NF4 parameter itself, as linear_nf4 saves it
+        ctx.shape, ctx.counts = shape, counts
         return grouped_linear(x, dense_experts(weight, shape, x.dtype), counts)
 
     @staticmethod
     def backward(ctx, grad):
-        dense = dense_experts(ctx.weight, ctx.shape, grad.dtype)
+        dense = dense_experts(ctx.saved_tensors[0], ctx.shape, grad.dtype)
         return grouped_linear(grad, dense.transpose(1, 2), ctx.counts), None, None, None
 
 
