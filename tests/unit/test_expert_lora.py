@@ -483,3 +483,17 @@ def test_qlora_on_experts_whose_rows_do_not_split_into_whole_blocks_is_refused_b
                        r".w1 \(its 4 experts' rows one after the other\) \[96, 32\] for 5 "
                        r"rank\(s\)"):  # fmt: skip
         quantize_bases(model, world_size=5)
+
+
+def test_qlora_on_experts_with_tensor_parallelism_is_refused_by_validate():
+    """Before anything is launched, as an NF4 Linear base is (by then, inside the run):
+    torchao's NF4 tensors shard over fsdp's ranks only."""
+    from tests.conftest import flat, run_freetx_here
+
+    result = run_freetx_here(
+        "validate", "llm/qlora_tiny", "distributed.tp=2", "--world-size", "2",
+        "peft.target_modules=[q,experts]", "peft.dropout=0",
+    )  # fmt: skip
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert "QLoRA keeps the MoE experts' bases as NF4 tensors" in flat(result.stdout)
+    assert "Use LoRA on the experts with tp (peft.quantize_base=none)" in flat(result.stdout)

@@ -296,6 +296,21 @@ def merge_adapters(model: nn.Module) -> nn.Module:
     return model
 
 
+def check_nf4_experts_slices(cfg: PEFTConfig) -> None:
+    """QLoRA on experts (`experts` or all-linear targeted) is refused with tensor
+    parallelism, as an NF4 Linear base is (`freetx.training.check_layout`, before anything
+    is launched): torchao's NF4 tensors shard over fsdp's ranks only."""
+    targets = {EXPERTS, ALL_LINEAR} & set(cfg.target_modules)
+    if cfg.method == "lora" and cfg.quantize_base == "nf4" and targets:
+        raise ConfigError(
+            "distributed.tp: QLoRA keeps the MoE experts' bases as NF4 tensors, which shard "
+            "over fsdp's ranks only, and freetx does not hold them under tensor parallelism "
+            "(it refuses NF4 Linear bases there too).",
+            fix="Use LoRA on the experts with tp (peft.quantize_base=none), or set "
+            "distributed.tp=1 (fsdp shards NF4 bases).",
+        )
+
+
 def apply_peft(model: nn.Module, cfg: PEFTConfig, world_size: int = 1) -> str:
     """Apply the `peft:` section to a meta model (before it is parallelized over
     `world_size` ranks); returns a line for the banner."""
