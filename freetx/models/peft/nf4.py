@@ -27,7 +27,7 @@ share whole blocks (else refused, naming the tensor). Set from the file's [E, ro
 (`NF4Experts.stored_value`: reshaped, quantized whole once). Each forward dequantizes the
 whole grouped tensor to the compute dtype, E * rows * cols elements at a time (2 bytes each
 in bf16; a 30B-A3B block's w1, 128 x 768 x 2048: 0.4 GB): the native experts
-(`NF4LoRAGroupedExperts`) feed `grouped_linear` through `nf4_grouped_linear`, which keeps
+(`NF4LoRAGroupedExperts`) feed `grouped_linear` through `NF4GroupedLinear`, which keeps
 no dense copy for backward (it dequantizes again there, as `linear_nf4` does); transformers'
 experts compute with the dense W + s B A in place of W (`NF4HFExperts`), which autograd
 keeps until backward, as their LoRA with a bf16 base does (activation checkpointing frees
