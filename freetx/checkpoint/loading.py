@@ -10,6 +10,7 @@ safetensors files and HF folders (each rank reads only the rows of its own shard
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
@@ -134,9 +135,15 @@ def mismatch_report(
 
 def _differences(model: nn.Module, source: TensorSource, expected: Callable[[str], bool]):
     """The lines of `mismatch_report` between the model's tensors that `expected` accepts
-    and the ones `source` holds for this pipeline stage."""
+    and the ones `source` holds for this pipeline stage. A parameter its module keeps in
+    its own form may have another shape of the same size (an NF4 expert base [E * rows,
+    cols] of a grouped tensor [E, rows, cols]: its module reshapes what it is given)."""
     wanted = {n: s for n, s in model_shapes(model).items() if expected(n)}
-    return mismatch_report(wanted, held_here(model, source.model_shapes()))
+    found = held_here(model, source.model_shapes())
+    for name in self_stored(unwrap(model)) & wanted.keys() & found.keys():
+        if math.prod(wanted[name]) == math.prod(found[name]):
+            wanted[name] = found[name]
+    return mismatch_report(wanted, found)
 
 
 def check_weights(model: nn.Module, weights: WeightSource) -> None:
@@ -198,10 +205,9 @@ def load_weights(model: nn.Module, weights: WeightSource, alone: bool = False) -
     (an export at the end of a run), so a DCP checkpoint is read without collectives.
     """
     source, inner = weights.tensors, unwrap(model)
-    adapters = set(self_initialized(inner))
+    skipped = set(self_initialized(inner)) | self_stored(inner)
     if isinstance(source, DCPSource):
-        stored = self_stored(inner)  # e.g. NF4 bases: quantized from the full weight
-        state = ModelState(model, include=lambda name: name not in adapters | stored)
+        state = ModelState(model, include=lambda name: name not in skipped)
         with quiet_single_process():  # a run always has a process group; tests may not
             dcp.load(
                 {"model": state},
@@ -209,15 +215,15 @@ def load_weights(model: nn.Module, weights: WeightSource, alone: bool = False) -
                 planner=SafeLoadPlanner(),
                 no_dist=alone,
             )
-        for name in sorted(stored):
-            set_full_parameter(inner, name, source.get(MODEL_PREFIX + name))
     else:
         load_parameters(
             inner,
             lambda name, rows, out: source.read_into(MODEL_PREFIX + name, rows, out),
-            only=lambda name: name not in adapters,
+            only=lambda name: name not in skipped,
         )
         load_buffers(inner, source)
+    for name in sorted(self_stored(inner)):  # e.g. NF4 bases: from the full weight as stored
+        set_full_parameter(inner, name, source.get(MODEL_PREFIX + name))
     init_from_weights(inner)
     return skipped_note(source)
 

@@ -234,15 +234,13 @@ def load_parameters(
     of the parameter called `name` (canonical), or the whole tensor for `rows=None`.
     FSDP2 shards the first dimension, so a rank's shard is one run of rows, read
     straight into its local tensor: peak memory per rank stays near its shard.
-    `only` picks the parameters to read (default: all).
+    `only` picks the parameters to read (default: all). A parameter its module stores its
+    own way (an NF4 base) is not read here: `set_full_parameter` sets it from the whole
+    value, in the shape the file holds it.
     """
     for name, param in list(model.named_parameters()):
-        if only is not None and not only(canonical_name(name)):
-            continue
-        if _stored_by_owner(model, name):  # e.g. an NF4 base: quantized whole, then sharded
-            full = torch.empty(param.shape, dtype=torch.float32)
-            read_into(canonical_name(name), None, full)
-            _set_by_owner(model, name, full)
+        left_out = only is not None and not only(canonical_name(name))
+        if left_out or _stored_by_owner(model, name):
             continue
         local = _local(param)
         rows = None

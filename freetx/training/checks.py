@@ -22,7 +22,7 @@ from freetx.errors import ConfigError
 from freetx.fields import read_paths, written_folders
 from freetx.models.decoder.config import TransformerConfig
 from freetx.models.decoder.tensor_parallel import check_tensor_parallel
-from freetx.models.peft import PEFTConfig
+from freetx.models.peft import PEFTConfig, check_nf4_experts_slices
 from freetx.models.peft.lora import check_dora_slices
 from freetx.models.protocol import DescribesItself, PacksDocuments
 from freetx.training.config import TrainingConfig
@@ -71,12 +71,16 @@ def check_model_shape(cfg: TrainingConfig, shape: object) -> None:
     """The refusals a run makes of its model's shape when it parallelizes it, made from
     the model node's config (`shape`: a native decoder's; None: known only once built):
     tp slices its heads (`check_tensor_parallel`), pp splits its blocks into stages
-    (`stage_blocks`), ep spreads its experts (`check_expert_parallel`); and a DoRA run is
-    refused with tp (`check_dora_slices`)."""
+    (`stage_blocks`), ep spreads its experts (`check_expert_parallel`); and a DoRA run, or
+    QLoRA on experts, is refused with tp (`check_dora_slices`, `check_nf4_experts_slices`),
+    QLoRA on experts with ep too."""
     dist = cfg.distributed
     peft = getattr(cfg, "peft", None)
     if dist.tp > 1 and isinstance(peft, PEFTConfig) and peft.method == "lora":
         check_dora_slices(peft.use_dora)
+        check_nf4_experts_slices(peft, "tp")
+    if dist.ep > 1 and isinstance(peft, PEFTConfig):
+        check_nf4_experts_slices(peft, "ep")
     if not isinstance(shape, TransformerConfig):
         return
     if dist.tp > 1:

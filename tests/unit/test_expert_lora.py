@@ -114,21 +114,21 @@ def test_a_fresh_expert_adapter_leaves_the_output_unchanged_and_merges_to_its_ou
         assert (model(ids) - adapted).abs().max() < 1e-5
 
 
-def hf_moe_block(family):
+def hf_moe_block(family, hidden=12, ffn=8):
     """transformers' MoE block of a tiny config (hidden 12, experts of 8: no square
     tensor, so that a transposition shows), random weights."""
     transformers = pytest.importorskip("transformers")
     if family == "qwen2_moe":
         from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
 
-        config = transformers.Qwen2MoeConfig(hidden_size=12, moe_intermediate_size=8,
-                                             shared_expert_intermediate_size=8, num_experts=4,
+        config = transformers.Qwen2MoeConfig(hidden_size=hidden, moe_intermediate_size=ffn,
+                                             shared_expert_intermediate_size=ffn, num_experts=4,
                                              num_experts_per_tok=2)  # fmt: skip
         block = Qwen2MoeSparseMoeBlock(config)
     else:
         from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
 
-        config = transformers.GptOssConfig(hidden_size=12, intermediate_size=8,
+        config = transformers.GptOssConfig(hidden_size=hidden, intermediate_size=ffn,
                                            num_local_experts=4, num_experts_per_tok=2)  # fmt: skip
         block = GptOssMLP(config)  # it returns (output, router scores)
     torch.manual_seed(0)
@@ -266,26 +266,18 @@ def test_what_lora_on_experts_does_not_do_is_refused_by_name(targets, peft, mess
         apply_lora(model, targets, **options)
 
 
-def test_the_experts_target_with_dropout_dora_or_nf4_is_refused_by_the_config_itself():
-    """Before a model is built (`freetx validate`, the checks before a run)."""
+def test_the_experts_target_with_dropout_or_dora_is_refused_by_the_config_itself():
+    """Before a model is built (`freetx validate`, the checks before a run); QLoRA's NF4
+    bases are not refused."""
     from freetx.models.peft import PEFTConfig
 
-    for key, value in (("dropout", 0.1), ("use_dora", True), ("quantize_base", "nf4")):
+    for key, value in (("dropout", 0.1), ("use_dora", True)):
         with pytest.raises(ValueError, match=rf"'{key}' is {value!r}: .*experts"):
             PEFTConfig(method="lora", target_modules=["q", "experts"], **{key: value})
-    assert PEFTConfig(method="lora", target_modules=["q", "experts"], dropout=0.0)
+    assert PEFTConfig(method="lora", target_modules=["q", "experts"], quantize_base="nf4")
 
 
-def test_qlora_on_experts_is_refused_by_name():
-    pytest.importorskip("torchao")
-    from freetx.models.peft.nf4 import quantize_bases
-
-    _, model = adapted_names(["q", "experts"])
-    with pytest.raises(ConfigError, match=r"NF4 tensor is 2-D only.*peft.target_modules=\[q,k"):
-        quantize_bases(model)
-
-
-def test_estimate_counts_the_expert_adapters_and_their_bases_in_the_compute_dtype():
+def test_estimate_counts_the_expert_adapters_and_their_bases_in_the_compute_dtype_or_nf4():
     from freetx.distributed import frozen_base
     from freetx.planning.estimate import parameter_bytes
 
@@ -299,6 +291,13 @@ def test_estimate_counts_the_expert_adapters_and_their_bases_in_the_compute_dtyp
     bases = 2 * 3 * experts * hidden * ffn
     plain_stored, _ = parameter_bytes(plain, 2, frozen_base(plain))
     assert stored == plain_stored - 2 * bases + 4 * trained  # the bases in bf16
+    pytest.importorskip("torchao")
+    from freetx.models.peft.nf4 import BYTES_PER_WEIGHT, quantize_bases
+
+    quantize_bases(model)  # QLoRA: the experts' bases at NF4's 0.516 bytes per weight
+    stored_nf4, trained_nf4 = parameter_bytes(model, 2, frozen_base(model))
+    assert trained_nf4 == trained
+    assert stored_nf4 == pytest.approx(stored - bases * (2 - BYTES_PER_WEIGHT))
 
 
 def test_expert_adapters_initialize_themselves_kaiming_and_zero():
@@ -370,3 +369,133 @@ def test_a_merge_adds_each_experts_update_to_w1_w3_and_w2_and_refuses_another_ba
     with pytest.raises(CheckpointError, match=r"expert adapter of layers.0.feed_forward.experts"
                        r".w1 is for a \[4, 24, 32\] tensor but the base .* has \[4, 16, 32\]"):  # fmt: skip
         MergedSource(wrong, adapters, LoRASettings(alpha=4.0))
+
+
+# -- QLoRA: the experts' bases in NF4 (freetx.models.peft.nf4) ---------------------------
+
+
+def with_nf4_bases(module, experts="experts"):
+    """A copy of `module` whose adapted experts module `experts` keeps its bases in NF4,
+    quantized from `module`'s (world size 1), the adapters the same; `module`'s bases are
+    then set to the NF4 ones dequantized (fp32): the reference the NF4 copy must equal."""
+    pytest.importorskip("torchao")
+    from freetx.distributed.parameters import set_full_parameter
+    from freetx.models.peft.nf4 import quantize_experts
+
+    quantized = copy.deepcopy(module)
+    quantize_experts(quantized.get_submodule(experts), experts, world_size=1)
+    target = quantized.get_submodule(experts)
+    with torch.no_grad():
+        for name in target.nf4_shapes:
+            full = f"{experts}.{name}" if experts else name
+            set_full_parameter(quantized, full, module.get_parameter(full))
+            module.get_parameter(full).copy_(target.dequantized(name, torch.float32))
+    return quantized
+
+
+def test_nf4_native_experts_compute_what_their_dequantized_bases_do_forward_and_backward():
+    """`NF4GroupedLinear` dequantizes the whole grouped tensor in the forward and again in
+    the backward: the output and the gradients of the input and the adapters are those of
+    the same experts with the dequantized bases."""
+    torch.manual_seed(0)
+    reference = LoRAGroupedExperts(GroupedExperts(4, 32, 16), rank=2, alpha=4)
+    for param in reference.parameters():
+        nn.init.normal_(param, std=0.3)
+    quantized = with_nf4_bases(reference, experts="")
+    assert type(quantized).__name__ == "NF4LoRAGroupedExperts"
+    assert quantized.w1.shape == (4 * 16, 32) and quantized.w2.shape == (4 * 32, 16)
+    counts = [3, 0, 2, 2]  # an expert without tokens too
+    x = torch.randn(7, 32)
+    outputs, grads = [], []
+    for experts in (quantized, reference):
+        given = x.clone().requires_grad_(True)
+        out = experts(given, counts)
+        out.pow(2).sum().backward()
+        outputs.append(out)
+        grads.append([given.grad, *(p.grad for p in experts.parameters() if p.requires_grad)])
+    assert torch.equal(outputs[0], outputs[1])
+    for ours, theirs in zip(*grads, strict=True):
+        assert torch.equal(ours, theirs)
+    with adapters_disabled(quantized), adapters_disabled(reference):
+        assert torch.equal(quantized(x, counts), reference(x, counts))
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "gpt_oss"])
+def test_nf4_transformers_experts_compute_with_their_dequantized_bases(family):
+    """GPT-OSS's experts are stored [E, in, out]: kept as NF4 [E * in, out]."""
+    block = hf_moe_block(family, hidden=16, ffn=32)  # 64 x 16 and 16 x 32: no square
+    adapt_experts(block, ["experts"], rank=2, alpha=4)
+    randomize_adapters(block)
+    quantized = with_nf4_bases(block, experts="experts")
+    stored = (4 * 16, 64) if family == "gpt_oss" else (4 * 64, 16)  # gate_up_proj
+    assert quantized.experts.gate_up_proj.shape == stored
+    x = torch.randn(2, 5, 16)
+
+    def output(module):
+        out = module(x)
+        return out[0] if isinstance(out, tuple) else out
+
+    out = output(quantized)
+    assert torch.equal(out, output(block))
+    out.sum().backward()
+    assert quantized.experts.lora_down_proj.lora_a.grad.abs().sum() > 0
+    with adapters_disabled(quantized), adapters_disabled(block):
+        assert torch.equal(output(quantized), output(block))
+    with torch.no_grad():  # a merge: the dequantized base plus the update, transformers' class
+        merge_expert_adapters(quantized)
+        merge_expert_adapters(block)
+        assert type(quantized.experts) is type(block.experts)
+        assert torch.equal(quantized.experts.gate_up_proj, block.experts.gate_up_proj)
+
+
+def test_an_nf4_expert_base_has_the_error_of_nf4_as_each_experts_own_linear_would():
+    """Relative error |dequantized - W| / |W| (means) of a grouped tensor [8, 64, 32] kept
+    as one NF4 tensor, against each expert's [64, 32] quantized as a Linear's base
+    (measured 0.0919 and 0.0919: the same blocks of 64, other double-quantization blocks)."""
+    pytest.importorskip("torchao")
+    from freetx.models.peft.nf4 import NF4Experts, block_sizes, dense_experts, quantized
+
+    weight = (torch.randn(8, 64, 32, generator=torch.Generator().manual_seed(0)) * 0.02).to(
+        torch.bfloat16
+    )
+    experts = NF4Experts()
+    experts.nf4_shapes = {"w1": (8, 64, 32)}
+    experts.nf4_blocks = {"w1": block_sizes((8 * 64, 32), 1, "w1")}
+    grouped = dense_experts(experts.stored_value("w1", weight, None), (8, 64, 32), torch.float32)
+    each = torch.stack(
+        [quantized(w, block_sizes((64, 32), 1, "w"), None).get_original_weight() for w in weight]
+    ).float()
+
+    def error(dense):
+        return float((dense - weight.float()).abs().mean() / weight.float().abs().mean())
+
+    assert 0.05 < error(grouped) < 0.15  # NF4's 4 bits
+    assert abs(error(grouped) - error(each)) < 0.01 * error(each)
+
+
+def test_qlora_on_experts_whose_rows_do_not_split_into_whole_blocks_is_refused_by_name():
+    """4 experts of 24 x 32 on 5 ranks: 96 rows do not split into 5 equal shares."""
+    pytest.importorskip("torchao")
+    from freetx.models.peft.nf4 import quantize_bases
+
+    _, model = adapted_names(["experts"])
+    with pytest.raises(ConfigError, match=r"QLoRA cannot quantize layers.0.feed_forward.experts"
+                       r".w1 \(its 4 experts' rows one after the other\) \[96, 32\] for 5 "
+                       r"rank\(s\)"):  # fmt: skip
+        quantize_bases(model, world_size=5)
+
+
+@pytest.mark.parametrize("axis", ["tp", "ep"])
+def test_qlora_on_experts_with_tensor_or_expert_parallelism_is_refused_by_validate(axis):
+    """Before anything is launched, as an NF4 Linear base is with tp (by then, inside the
+    run): torchao's NF4 tensors shard over fsdp's ranks only."""
+    from tests.conftest import flat, run_freetx_here
+
+    model = ["model.num_experts=4", "model.experts_per_token=2"] if axis == "ep" else []
+    result = run_freetx_here(
+        "validate", "llm/qlora_tiny", f"distributed.{axis}=2", "--world-size", "2", *model,
+        "peft.target_modules=[q,experts]", "peft.dropout=0",
+    )  # fmt: skip
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert "QLoRA keeps the MoE experts' bases as NF4 tensors" in flat(result.stdout)
+    assert f"Use LoRA on the experts with {axis} (peft.quantize_base=none)" in flat(result.stdout)

@@ -77,8 +77,7 @@ class PEFTConfig:
                     "rank 16)."
                 )
             if EXPERTS in values["target_modules"]:  # LoRA on experts does not do these
-                found.update(expert_option_problems(values["dropout"], values["use_dora"],
-                                                    values["quantize_base"]))  # fmt: skip
+                found.update(expert_option_problems(values["dropout"], values["use_dora"]))
             if not values["target_modules"]:
                 found["target_modules"] = (
                     "LoRA adapts these modules and freezes the rest, so nothing would train; "
@@ -295,6 +294,24 @@ def merge_adapters(model: nn.Module) -> nn.Module:
         setattr(model.get_submodule(parent) if parent else model, child, merged)
     merge_expert_adapters(model)
     return model
+
+
+def check_nf4_experts_slices(cfg: PEFTConfig, axis: str = "tp") -> None:
+    """QLoRA on experts (`experts` or all-linear targeted) is refused with tensor
+    parallelism (`axis` "tp"), as an NF4 Linear base is, and with expert parallelism
+    ("ep": its experts would be spread over a 2-D mesh) (`freetx.training.check_layout`,
+    before anything is launched): torchao's NF4 tensors shard over fsdp's ranks only."""
+    targets = {EXPERTS, ALL_LINEAR} & set(cfg.target_modules)
+    if cfg.method == "lora" and cfg.quantize_base == "nf4" and targets:
+        held = "under tensor parallelism (it refuses NF4 Linear bases there too)"
+        if axis == "ep":
+            held = "spread over ep ranks and sharded by fsdp within them (a 2-D mesh)"
+        raise ConfigError(
+            f"distributed.{axis}: QLoRA keeps the MoE experts' bases as NF4 tensors, which "
+            f"shard over fsdp's ranks only, and freetx does not hold them {held}.",
+            fix=f"Use LoRA on the experts with {axis} (peft.quantize_base=none), or set "
+            f"distributed.{axis}=1 (fsdp shards NF4 bases).",
+        )
 
 
 def apply_peft(model: nn.Module, cfg: PEFTConfig, world_size: int = 1) -> str:

@@ -22,8 +22,9 @@ expert tensor (all experts' projections of a block in one parameter [E, rows, co
 Each adapter is kept in the orientation of the tensor it updates (rows, cols as stored), so
 a merge is `W + s B A` per expert whatever the model (`expert_delta`); PEFT's orientation
 ([out, in]) is the export's business (`freetx.checkpoint.adapters`). PEFT refuses dropout
-and DoRA on expert parameters (`ParamWrapper`), and so does freetx, with QLoRA's NF4 bases
-(2-D only in torchao): `expert_option_problems`.
+and DoRA on expert parameters (`ParamWrapper`), and so does freetx: `expert_option_problems`.
+A base is read through `base_weight` / `base_output`, which QLoRA's subclasses
+(`freetx.models.peft.nf4`: the bases in NF4) override.
 """
 
 from __future__ import annotations
@@ -89,9 +90,9 @@ def updated_part(name: str, delta: torch.Tensor) -> torch.Tensor:
     return delta.chunk(parts, dim=1)[part]
 
 
-def expert_option_problems(dropout: float, use_dora: bool, quantize_base: str) -> dict[str, str]:
+def expert_option_problems(dropout: float, use_dora: bool) -> dict[str, str]:
     """The `peft:` keys whose value LoRA on experts does not do -> why, and the fix (PEFT's
-    `ParamWrapper` refuses dropout and DoRA too; torchao's NF4 tensor is 2-D only)."""
+    `ParamWrapper` refuses dropout and DoRA too)."""
     leave_out = "or leave `experts` (and all-linear) out of peft.target_modules"
     found = {}
     if dropout > 0:
@@ -106,22 +107,14 @@ def expert_option_problems(dropout: float, use_dora: bool, quantize_base: str) -
             "grouped expert tensors of an MoE block (its target_parameters refuse it), nor "
             f"does freetx; use LoRA on the experts (peft.use_dora=false), {leave_out}."
         )
-    if quantize_base == "nf4":
-        found["quantize_base"] = (
-            "QLoRA cannot quantize MoE experts: torchao's NF4 tensor is 2-D only, and an MoE "
-            "block holds all its experts' projections as one 3-D grouped tensor, so freetx "
-            "keeps no NF4 base for them; train LoRA on the experts with a bf16 base "
-            f"(peft.quantize_base=none), {leave_out} (QLoRA on the attention: "
-            "peft.target_modules=[q,k,v,o])."
-        )
     return found
 
 
-def refuse_expert_options(dropout: float, use_dora: bool, quantize_base: str = "none") -> None:
+def refuse_expert_options(dropout: float, use_dora: bool) -> None:
     """What LoRA on experts does not do (`expert_option_problems`), refused by name before
     any work."""
-    values = {"dropout": dropout, "use_dora": use_dora, "quantize_base": quantize_base}
-    problems = expert_option_problems(dropout, use_dora, quantize_base)
+    values = {"dropout": dropout, "use_dora": use_dora}
+    problems = expert_option_problems(dropout, use_dora)
     if problems:
         raise ConfigError([f"'peft.{k}' is {values[k]!r}: {why}" for k, why in problems.items()])
 
@@ -171,7 +164,8 @@ class ExpertLoRA(nn.Module):
 class LoRAGroupedExperts(GroupedExperts):
     """`GroupedExperts` with frozen w1, w3, w2 and trainable adapters per expert: one for
     gate_up_proj (w1 and w3 joined along the rows, as transformers holds them) and one for
-    down_proj (w2). The base keeps its names, so it loads from the same files."""
+    down_proj (w2). The base keeps its names, so it loads from the same files; it is read
+    through `base_output` and `base_weight` (QLoRA's subclass keeps it in NF4)."""
 
     frozen_in_compute_dtype = True  # FrozenInComputeDtype: no fp32 master of the base
     adapter_enabled = True  # False: the base alone (`freetx.models.peft.adapters_disabled`)
@@ -184,14 +178,22 @@ class LoRAGroupedExperts(GroupedExperts):
         for param in (self.w1, self.w3, self.w2):
             param.requires_grad_(False)
 
+    def base_output(self, x: torch.Tensor, name: str, counts: list[int]) -> torch.Tensor:
+        """The base tensor `name` (w1, w3, w2) applied to the rows of `x` sorted by expert
+        (under expert parallelism this rank's experts: the DTensor's local rows)."""
+        return grouped_linear(x, local_rows(self.get_parameter(name)), counts)
+
+    def base_weight(self, name: str) -> torch.Tensor:
+        """The base tensor `name` dense, [E, rows, cols]."""
+        return self.get_parameter(name)
+
     def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        w1, w3, w2 = (local_rows(w) for w in (self.w1, self.w3, self.w2))  # ep: this rank's
-        gate, up = grouped_linear(x, w1, counts), grouped_linear(x, w3, counts)
+        gate, up = self.base_output(x, "w1", counts), self.base_output(x, "w3", counts)
         if self.adapter_enabled:
             update = self.lora_gate_up_proj.grouped(x, counts).to(gate.dtype)
             gate, up = gate + update[:, : gate.shape[1]], up + update[:, gate.shape[1] :]
         hidden = F.silu(gate) * up
-        out = grouped_linear(hidden, w2, counts)
+        out = self.base_output(hidden, "w2", counts)
         if self.adapter_enabled:
             out = out + self.lora_down_proj.grouped(hidden, counts).to(out.dtype)
         return out
@@ -203,7 +205,7 @@ class LoRAGroupedExperts(GroupedExperts):
     def merged(self) -> dict[str, torch.Tensor]:
         """w1, w3, w2 with their updates added (fp32)."""
         return {
-            name: getattr(self, name).float()
+            name: self.base_weight(name).float()
             + updated_part(name, self.adapters()[part].delta()).float()
             for name, (part, _, _) in NATIVE_PARTS.items()
         }
@@ -222,26 +224,37 @@ def expert_parameters(module: nn.Module) -> list[str]:
 
 
 class AdaptedHFExperts:
-    """Mixed into a transformers experts class (`adapt_hf_experts`): its forward computes
-    with each adapted parameter W replaced by W + s B A, its base frozen."""
+    """Mixed into a transformers experts class (`adapt_experts`): its forward computes
+    with each adapted parameter W replaced by W + s B A (the base alone while the adapters
+    are disabled), its base frozen and read through `base_weight`."""
 
     frozen_in_compute_dtype = True  # FrozenInComputeDtype: no fp32 master of the base
     adapter_enabled = True  # False: the base alone (`freetx.models.peft.adapters_disabled`)
 
     def adapters(self) -> dict[str, ExpertLoRA]:
-        return {name: self.get_submodule(adapter_name(name)) for name in expert_parameters(self)}
+        """The adapters by the parameter each updates, in the order they were added."""
+        return {
+            child.removeprefix("lora_"): module
+            for child, module in self.named_children()
+            if isinstance(module, ExpertLoRA)
+        }
+
+    def base_weight(self, name: str, dtype: torch.dtype) -> torch.Tensor:
+        """The base parameter `name` dense, as stored (`dtype`: what QLoRA dequantizes to)."""
+        return self.get_parameter(name)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if not self.adapter_enabled:
-            return super().forward(*args, **kwargs)
-        with _parameters_replaced(self, self._updated()):
+        with _parameters_replaced(self, self._computed()):
             return super().forward(*args, **kwargs)
 
-    def _updated(self) -> dict[str, torch.Tensor]:
+    def _computed(self) -> dict[str, torch.Tensor]:
+        """What each adapted parameter computes as: W + s B A, or W while disabled."""
         found = {}
         for name, adapter in self.adapters().items():
-            weight = self.get_parameter(name)
-            found[name] = weight + adapter.delta().to(weight.dtype)
+            weight = self.base_weight(name, adapter.lora_a.dtype)
+            found[name] = (
+                weight + adapter.delta().to(weight.dtype) if self.adapter_enabled else weight
+            )
         return found
 
 
@@ -260,16 +273,22 @@ def _parameters_replaced(module: nn.Module, values: dict[str, torch.Tensor]) -> 
             module._parameters[name] = param
 
 
-_ADAPTED_CLASSES: dict[type, type] = {}  # a transformers experts class -> it adapted
+_ADAPTED_CLASSES: dict[tuple[type, type], type] = {}  # (experts class, mixin) -> adapted
 _ORIGINAL_CLASSES: dict[type, type] = {}  # and back
 
 
-def adapted_class(cls: type) -> type:
-    """`cls` with `AdaptedHFExperts` mixed in (one class per experts class)."""
-    if cls not in _ADAPTED_CLASSES:
-        adapted = type(f"LoRA{cls.__name__}", (AdaptedHFExperts, cls), {})
-        _ADAPTED_CLASSES[cls], _ORIGINAL_CLASSES[adapted] = adapted, cls
-    return _ADAPTED_CLASSES[cls]
+def adapted_class(cls: type, mixin: type = AdaptedHFExperts, prefix: str = "LoRA") -> type:
+    """`cls` with `mixin` (`AdaptedHFExperts` or a subclass) mixed in, named `prefix` +
+    its name (one class per experts class and mixin)."""
+    if (cls, mixin) not in _ADAPTED_CLASSES:
+        adapted = type(f"{prefix}{cls.__name__}", (mixin, cls), {})
+        _ADAPTED_CLASSES[cls, mixin], _ORIGINAL_CLASSES[adapted] = adapted, cls
+    return _ADAPTED_CLASSES[cls, mixin]
+
+
+def original_class(adapted: type) -> type:
+    """The transformers experts class an adapted one (`adapted_class`) was made from."""
+    return _ORIGINAL_CLASSES[adapted]
 
 
 def expert_modules(model: nn.Module) -> list[str]:
@@ -343,16 +362,18 @@ def merge_expert_adapters(model: nn.Module) -> None:
     LoRAGroupedExperts becomes a GroupedExperts, a transformers experts module its class."""
     for name, module in expert_adapter_layers(model).items():
         if isinstance(module, LoRAGroupedExperts):
-            num_experts, ffn, hidden = module.w1.shape
-            with torch.device(module.w1.device):
+            merged = module.merged()
+            num_experts, ffn, hidden = merged["w1"].shape
+            with torch.device(merged["w1"].device):
                 plain = GroupedExperts(num_experts, hidden, ffn)
-            for param, value in module.merged().items():
-                getattr(plain, param).data = value.to(getattr(module, param).dtype)
+            for param, value in merged.items():
+                getattr(plain, param).data = value.to(module.base_weight(param).dtype)
             parent, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent) if parent else model, child, plain)
             continue
         for param, adapter in module.adapters().items():
-            weight = module.get_parameter(param)
-            weight.data = (weight.float() + adapter.delta().float()).to(weight.dtype)
+            weight = module.base_weight(param, adapter.lora_a.dtype)
+            merged = (weight.float() + adapter.delta().float()).to(weight.dtype)
+            setattr(module, param, nn.Parameter(merged, requires_grad=False))
             delattr(module, adapter_name(param))
-        module.__class__ = _ORIGINAL_CLASSES[type(module)]
+        module.__class__ = original_class(type(module))

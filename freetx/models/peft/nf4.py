@@ -17,8 +17,21 @@ every rank shares the same scales), of which each rank keeps its chunk of rows
 shards on a 1-D mesh and works replicated; a 2-D mesh is refused. At world
 size 1 the model is not sharded.
 
-Adapted MoE experts (`freetx.models.peft.experts`) are refused: torchao's NF4 tensor is
-2-D only (`to_nf4` asserts dim <= 2) and an expert base is one 3-D grouped tensor.
+Adapted MoE experts (`freetx.models.peft.experts`) get NF4 bases too (`quantize_experts`).
+torchao's NF4 tensor is 2-D only (`to_nf4` and FSDP2's all-gather of it), so each adapted
+grouped tensor [E, rows, cols] (a native w1 / w3 / w2, transformers' gate_up_proj /
+down_proj, GPT-OSS's stored [E, in, out]) is kept as one NF4 tensor [E * rows, cols]: its
+rows are the experts' rows one expert after the other, FSDP2 shards them by rows like a
+Linear's (whole experts where the ranks divide E), and `block_sizes` makes every rank's
+share whole blocks (else refused, naming the tensor). Set from the file's [E, rows, cols]
+(`NF4Experts.stored_value`: reshaped, quantized whole once). Each forward dequantizes the
+whole grouped tensor to the compute dtype, E * rows * cols elements at a time (2 bytes each
+in bf16; a 30B-A3B block's w1, 128 x 768 x 2048: 0.4 GB): the native experts
+(`NF4LoRAGroupedExperts`) feed `grouped_linear` through `NF4GroupedLinear`, which keeps
+no dense copy for backward (it dequantizes again there, as `linear_nf4` does); transformers'
+experts compute with the dense W + s B A in place of W (`NF4HFExperts`), which autograd
+keeps until backward, as their LoRA with a bf16 base does (activation checkpointing frees
+it).
 """
 
 from __future__ import annotations
@@ -27,7 +40,15 @@ import torch
 from torch import nn
 
 from freetx.errors import ConfigError
-from freetx.models.peft.experts import expert_adapter_layers, refuse_expert_options
+from freetx.models.moe import grouped_linear
+from freetx.models.peft.experts import (
+    NATIVE_PARTS,
+    AdaptedHFExperts,
+    LoRAGroupedExperts,
+    adapted_class,
+    expert_adapter_layers,
+    original_class,
+)
 from freetx.models.peft.lora import LoRALinear
 
 BLOCK_SIZE = 64  # weights per absmax block: QLoRA's
@@ -55,6 +76,30 @@ def block_sizes(shape: tuple[int, int], world_size: int, name: str) -> tuple[int
 BYTES_PER_WEIGHT = 0.516  # 4 bits, a bf16 absmax per 64 weights, double-quantized
 
 
+def empty_nf4(shape: tuple[int, int], blocks: tuple[int, int]) -> nn.Parameter:
+    """A frozen NF4 parameter of `shape` on the meta device (values come from `quantized`)."""
+    from torchao.quantization import to_nf4
+
+    empty = torch.empty(shape, dtype=NF4_DTYPE, device="meta")
+    return nn.Parameter(to_nf4(empty, *blocks), requires_grad=False)
+
+
+@torch.no_grad()
+def quantized(
+    full: torch.Tensor, blocks: tuple[int, int], shard: tuple[int, int] | None
+) -> torch.Tensor:
+    """A full 2-D weight as NF4 in `blocks`, quantized whole once (so every rank shares the
+    same scales): all of it, or chunk `index` of `count` (rows) when sharded (`shard`)."""
+    from torchao.quantization import to_nf4
+
+    dense = full.to(dtype=NF4_DTYPE).contiguous().clone()  # storage offset 0
+    result = to_nf4(dense, *blocks)
+    if shard is not None:
+        index, count = shard
+        result = torch.chunk(result, count, dim=0)[index]
+    return result
+
+
 class NF4LoRALinear(LoRALinear):
     """`LoRALinear` whose frozen base weight is an NF4 tensor (QLoRA)."""
 
@@ -73,17 +118,14 @@ class NF4LoRALinear(LoRALinear):
     @classmethod
     def from_lora(cls, layer: LoRALinear, nf4_blocks: tuple[int, int]) -> NF4LoRALinear:
         """The same (meta) layer with an empty NF4 base; values come from `stored_value`."""
-        from torchao.quantization import to_nf4
-
         dropout = layer.lora_dropout.p if isinstance(layer.lora_dropout, nn.Dropout) else 0.0
         with torch.device("meta"):
-            quantized = cls(
+            layer_nf4 = cls(
                 layer.in_features, layer.out_features, layer.bias is not None, layer.rank,
                 layer.alpha, dropout, layer.use_dora, nf4_blocks=nf4_blocks,
             )  # fmt: skip
-        empty = torch.empty(layer.weight.shape, dtype=NF4_DTYPE, device="meta")
-        quantized.weight = nn.Parameter(to_nf4(empty, *nf4_blocks), requires_grad=False)
-        return quantized
+        layer_nf4.weight = empty_nf4(tuple(layer.weight.shape), nf4_blocks)
+        return layer_nf4
 
     def dense(self, weight: torch.Tensor) -> torch.Tensor:
         """The NF4 base (whole, or a local shard) dequantized."""
@@ -103,35 +145,123 @@ class NF4LoRALinear(LoRALinear):
     def stored_element_bytes(self, name: str) -> float:
         return BYTES_PER_WEIGHT
 
-    @torch.no_grad()
     def stored_value(
         self, name: str, full: torch.Tensor, shard: tuple[int, int] | None
     ) -> torch.Tensor:
-        """Quantize the full base weight once; keep all of it, or chunk `index` of
-        `count` (rows) when the weight is sharded."""
-        from torchao.quantization import to_nf4
-
+        """The full base weight quantized once (`quantized`): all of it, or this rank's
+        rows."""
         if not self.stores_parameter(name):
             raise KeyError(name)
-        dense = full.to(dtype=NF4_DTYPE).contiguous().clone()  # storage offset 0
-        quantized = to_nf4(dense, *self.nf4_blocks)
-        if shard is not None:
-            index, count = shard
-            quantized = torch.chunk(quantized, count, dim=0)[index]
-        return quantized
+        return quantized(full, self.nf4_blocks, shard)
+
+
+class NF4Experts:
+    """The NF4 bases of an adapted experts module (`quantize_experts`): each adapted grouped
+    tensor [E, rows, cols] (`nf4_shapes`) kept as one NF4 tensor [E * rows, cols] in its
+    blocks (`nf4_blocks`). `StoredInOwnForm` (`freetx.models.protocol`)."""
+
+    nf4_shapes: dict[str, tuple[int, int, int]]  # by parameter: its grouped shape
+    nf4_blocks: dict[str, tuple[int, int]]  # by parameter: (block, scaler block)
+
+    def dequantized(self, name: str, dtype: torch.dtype) -> torch.Tensor:
+        """The NF4 base `name` (whole: FSDP2 has gathered it) dense, [E, rows, cols]."""
+        return dense_experts(self.get_parameter(name), self.nf4_shapes[name], dtype)
+
+    def stores_parameter(self, name: str) -> bool:
+        return name in self.nf4_shapes
+
+    def stored_element_bytes(self, name: str) -> float:
+        return BYTES_PER_WEIGHT
+
+    def stored_value(
+        self, name: str, full: torch.Tensor, shard: tuple[int, int] | None
+    ) -> torch.Tensor:
+        """The full grouped tensor (as the file holds it, [E, rows, cols]) as its NF4
+        [E * rows, cols], quantized once (`quantized`): all of it, or this rank's rows."""
+        if not self.stores_parameter(name):
+            raise KeyError(name)
+        experts, rows, cols = self.nf4_shapes[name]
+        return quantized(full.reshape(experts * rows, cols), self.nf4_blocks[name], shard)
+
+
+def dense_experts(
+    weight: torch.Tensor, shape: tuple[int, int, int], dtype: torch.dtype
+) -> torch.Tensor:
+    """An NF4 grouped tensor [E * rows, cols] dequantized to `dtype`, [E, rows, cols]."""
+    return weight.get_original_weight().to(dtype).view(shape)
+
+
+class NF4GroupedLinear(torch.autograd.Function):
+    """`grouped_linear` of rows sorted by expert with an NF4 grouped weight: dequantized
+    for the forward and again for the backward, so no dense copy lives between them (as
+    torchao's `linear_nf4`); the weight gets no gradient."""
+
+    @staticmethod
+    def forward(ctx, x, weight, shape, counts):
+        ctx.save_for_backward(weight)  # the NF4 parameter itself, as linear_nf4 saves it
+        ctx.shape, ctx.counts = shape, counts
+        return grouped_linear(x, dense_experts(weight, shape, x.dtype), counts)
+
+    @staticmethod
+    def backward(ctx, grad):
+        dense = dense_experts(ctx.saved_tensors[0], ctx.shape, grad.dtype)
+        return grouped_linear(grad, dense.transpose(1, 2), ctx.counts), None, None, None
+
+
+class NF4LoRAGroupedExperts(NF4Experts, LoRAGroupedExperts):
+    """`LoRAGroupedExperts` whose w1, w3 and w2 are NF4 (QLoRA on native experts)."""
+
+    def base_output(self, x: torch.Tensor, name: str, counts: list[int]) -> torch.Tensor:
+        return NF4GroupedLinear.apply(x, self.get_parameter(name), self.nf4_shapes[name], counts)
+
+    def base_weight(self, name: str) -> torch.Tensor:
+        return self.dequantized(name, NF4_DTYPE)
+
+
+class NF4HFExperts(NF4Experts, AdaptedHFExperts):
+    """Mixed into a transformers experts class: `AdaptedHFExperts` with its adapted
+    parameters NF4, dequantized to the adapters' dtype (the compute dtype) per forward."""
+
+    def base_weight(self, name: str, dtype: torch.dtype) -> torch.Tensor:
+        return self.dequantized(name, dtype)
+
+
+def quantize_experts(module: nn.Module, name: str, world_size: int) -> None:
+    """Give the adapted experts module `name` NF4 bases (empty, on the meta device), in
+    place: a `LoRAGroupedExperts` becomes an `NF4LoRAGroupedExperts`, an adapted
+    transformers experts module an instance of its class with `NF4HFExperts` mixed in. A
+    tensor whose rows do not split into whole blocks over `world_size` ranks is refused
+    (`block_sizes`)."""
+    if isinstance(module, LoRAGroupedExperts):
+        params, cls = list(NATIVE_PARTS), NF4LoRAGroupedExperts
+    else:
+        params = list(module.adapters())
+        cls = adapted_class(original_class(type(module)), NF4HFExperts, prefix="NF4LoRA")
+    shapes = {param: tuple(module.get_parameter(param).shape) for param in params}
+    blocks = {
+        param: block_sizes((experts * rows, cols), world_size, f"{name}.{param} (its {experts} "
+                           f"experts' rows one after the other)")
+        for param, (experts, rows, cols) in shapes.items()
+    }  # fmt: skip
+    module.__class__ = cls
+    module.nf4_shapes, module.nf4_blocks = shapes, blocks
+    for param, (experts, rows, cols) in shapes.items():
+        setattr(module, param, empty_nf4((experts * rows, cols), blocks[param]))
 
 
 def quantize_bases(model: nn.Module, world_size: int = 1) -> None:
     """Swap every LoRA layer of a meta model for an `NF4LoRALinear` (its base an empty NF4
-    tensor), before the model is parallelized over `world_size` ranks. Adapted experts
-    are refused (the module's docstring)."""
-    if expert_adapter_layers(model):
-        refuse_expert_options(0.0, False, "nf4")
+    tensor) and give every adapted experts module NF4 bases (`quantize_experts`), before
+    the model is parallelized over `world_size` ranks."""
+    experts = expert_adapter_layers(model)
     for name, layer in list(model.named_modules()):
-        if not isinstance(layer, LoRALinear):
+        if not (isinstance(layer, LoRALinear) or name in experts):
             continue
-        if layer.weight.device.type != "meta":
+        if any(p.device.type != "meta" for p in layer.parameters(recurse=False)):
             raise ConfigError("QLoRA quantizes the base on the meta device, before parallelize.")
+        if name in experts:
+            quantize_experts(layer, name, world_size)
+            continue
         blocks = block_sizes(tuple(layer.weight.shape), world_size, name)
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child,
