@@ -76,6 +76,7 @@ RECIPES: tuple[Recipe, ...] = (
             "llm/llama3_1_8b_qlora",
             "llm/phi4_mini_lora",
             "llm/qwen3_30b_a3b_lora",
+            "llm/moe_lora_tiny",
             "llm/mixtral_8x7b_qlora",
             "llm/gpt_oss_20b_lora",
             "llm/deepseek_v2_lite_lora",
