@@ -181,7 +181,9 @@ def _refuse_expert_targets(
     grouped = expert_tensors(model)
     attention = "q,k,v,o" if "q" in aliases else "q_proj,k_proj,v_proj,o_proj"  # HF's names
     for target, suffix in suffixes.items():
-        hits = [g for g in grouped if g.rsplit(".", 1)[-1] == suffix.rsplit(".", 1)[-1]]
+        # a bare name (`down`, `down_proj`) means these too; a path only where it names
+        # them (`shared_expert.down_proj` is a Linear)
+        hits = _named(grouped, suffix if "." in target else suffix.rsplit(".", 1)[-1])
         if hits:
             raise ConfigError(
                 f"peft target {target!r} names an MLP projection, which this model's MoE "
