@@ -206,8 +206,8 @@ def route(
 
 class Router(nn.Linear):
     """A block's router (`gate`): Linear(hidden -> E, no bias), its matmul in float32 where
-    `fp32` (DeepSeek's). A LoRA adapter may replace it by another Linear (`all-linear`):
-    the block then routes by that one's logits, in the compute dtype."""
+    `fp32` (DeepSeek's). LoRA's `all-linear` leaves it, as PEFT's does on transformers'
+    models (whose routers are no Linear modules)."""
 
     def __init__(self, hidden_dim: int, num_experts: int, fp32: bool = False) -> None:
         super().__init__(hidden_dim, num_experts, bias=False)

@@ -30,10 +30,10 @@ def ids(seed=1):
     return torch.randint(3, 384, (2, 24), generator=torch.Generator().manual_seed(seed))
 
 
-def adapter_checkpoint(folder, path, targets):
+def adapter_checkpoint(folder, path, targets, std=0.3):
     """freetx's model of `folder` with LoRA (rank 2, alpha 4) on `targets`, its adapters
-    random (as after training), saved alone as a .safetensors file freetx reads back
-    (`save_adapters`); returns the adapted model's logits."""
+    random (as after training: N(0, std)), saved alone as a .safetensors file freetx reads
+    back (`save_adapters`); returns the adapted model's logits."""
     from freetx.checkpoint.loading import load_initial_weights, source_model_on_meta
     from freetx.distributed import materialize
     from freetx.models.peft import apply_lora
@@ -42,7 +42,7 @@ def adapter_checkpoint(folder, path, targets):
     apply_lora(model, targets, rank=2, alpha=4)
     materialize(model, torch.device("cpu"), seed=0, init_weights=False)
     load_initial_weights(model, folder)
-    randomize_adapters(model)
+    randomize_adapters(model, std=std)
     save_adapters(model, path)
     with torch.no_grad():
         return model.eval()(ids())
@@ -52,6 +52,33 @@ def peft_tensors(folder):
     from safetensors.torch import load_file
 
     return load_file(folder / "adapter_model.safetensors")
+
+
+def peft_round_trip(tmp_path, folder, targets, std=0.3) -> dict[str, float]:
+    """freetx's LoRA on `targets` of `folder`'s model (random adapters of `std`) exported to PEFT
+    (into tmp_path/peft) and merged into a folder under the stored names; returns the
+    largest logit differences: "peft" (`PeftModel.from_pretrained` on transformers' model
+    vs the merged folder), "ours" (freetx's adapted model vs the merged folder) and
+    "change" (the merged folder vs the plain one)."""
+    from freetx.checkpoint import convert
+    from freetx.checkpoint.adapters import LoRASettings
+    from freetx.checkpoint.convert import merge
+    from tests.recipes.test_hf_finetune import tensor_names
+
+    file = tmp_path / "adapters.safetensors"
+    ours = adapter_checkpoint(folder, file, targets, std)
+    lora = LoRASettings(alpha=4.0)
+    convert(file, tmp_path / "peft", to="peft", lora=lora)
+    merge(file, folder, tmp_path / "merged", lora=lora)
+    assert tensor_names(tmp_path / "merged") == tensor_names(folder)  # per-expert names
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder)
+    with torch.no_grad():
+        adapted = peft.PeftModel.from_pretrained(hf, tmp_path / "peft").eval()(ids()).logits
+        merged = hf_logits(tmp_path / "merged", ids())
+        plain = hf_logits(folder, ids())
+    return {"peft": (adapted - merged).abs().max().item(),
+            "ours": (ours - merged).abs().max().item(),
+            "change": (merged - plain).abs().max().item()}  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -64,18 +91,8 @@ def peft_tensors(folder):
 def test_expert_adapters_export_to_peft_which_loads_them_with_the_merged_folders_logits(
     tmp_path, family, targets
 ):
-    from freetx.checkpoint import convert
-    from freetx.checkpoint.adapters import LoRASettings
-    from freetx.checkpoint.convert import merge
-    from tests.recipes.test_hf_finetune import tensor_names
-
     folder = make_folder(tmp_path / family, family)
-    file = tmp_path / "adapters.safetensors"
-    ours = adapter_checkpoint(folder, file, targets)
-    lora = LoRASettings(alpha=4.0)
-    convert(file, tmp_path / "peft", to="peft", lora=lora)
-    merge(file, folder, tmp_path / "merged", lora=lora)
-    assert tensor_names(tmp_path / "merged") == tensor_names(folder)  # per-expert names
+    diffs = peft_round_trip(tmp_path, folder, targets)
     config = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
     assert config["target_parameters"] == EXPERT_TARGETS and config["r"] == 2
     hf = transformers.AutoModelForCausalLM.from_pretrained(folder)
@@ -86,13 +103,8 @@ def test_expert_adapters_export_to_peft_which_loads_them_with_the_merged_folders
     assert tensors[prefix + "base_layer.lora_A.weight"].shape == (rank_experts, hidden)
     assert tensors[prefix + "base_layer.lora_B.weight"].shape[1] == rank_experts  # gate_up
     assert tensors[prefix + "lora_B.weight"].shape == (hidden, rank_experts)  # down_proj
-    with torch.no_grad():
-        adapted = peft.PeftModel.from_pretrained(hf, tmp_path / "peft").eval()(ids()).logits
-        merged = hf_logits(tmp_path / "merged", ids())
-        plain = hf_logits(folder, ids())
-    assert (merged - plain).abs().max() > 1e-2  # the adapters change the logits
-    assert (adapted - merged).abs().max() <= 1e-4
-    assert (ours - merged).abs().max() <= 1e-4
+    assert diffs["change"] > 1e-2  # the adapters change the logits
+    assert diffs["peft"] <= 1e-4 and diffs["ours"] <= 1e-4, diffs
 
 
 @pytest.mark.parametrize(

@@ -105,14 +105,18 @@ def test_the_router_bias_is_a_float32_persistent_buffer_and_the_router_runs_in_f
     assert layer.gate(torch.randn(4, 16, dtype=torch.bfloat16)).dtype == torch.float32
 
 
-def test_lora_on_every_linear_adapts_the_router_and_keeps_its_bias():
-    """`all-linear` replaces the router by a LoRA Linear: the block still routes, by the
-    stored bias too."""
+def test_lora_on_every_linear_leaves_the_router_and_keeps_its_bias():
+    """`all-linear` leaves the router (PEFT's does on transformers' routers, no Linear
+    modules, so an adapter there could not be exported) and adapts the experts: the block
+    still routes, by the stored bias too."""
+    from freetx.models.moe import Router
     from freetx.models.peft import apply_lora
 
     built = model()
-    apply_lora(built, ["all-linear"], rank=2, alpha=4.0)
+    names = apply_lora(built, ["all-linear"], rank=2, alpha=4.0)
     block = built.layers[1].feed_forward
+    assert type(block.gate) is Router and "layers.1.feed_forward.gate" not in names
+    assert "layers.1.feed_forward.experts" in names
     assert "layers.1.feed_forward.e_score_correction_bias" in built.state_dict()
     out, _ = block(torch.randn(2, 3, 32))
     assert out.shape == (2, 3, 32)

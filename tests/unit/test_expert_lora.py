@@ -65,12 +65,12 @@ def save_adapters(model, path, everything=False):
     return path
 
 
-def randomize_adapters(model, seed=0):
+def randomize_adapters(model, seed=0, std=0.3):
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for param in model.parameters():
             if param.requires_grad:
-                param.copy_(torch.randn(param.shape, generator=generator) * 0.3)
+                param.copy_(torch.randn(param.shape, generator=generator) * std)
 
 
 def test_native_expert_adapters_equal_a_per_expert_loop_of_the_updated_weights():

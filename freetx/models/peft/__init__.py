@@ -25,6 +25,7 @@ from torch import nn
 
 from freetx.errors import ConfigError
 from freetx.fields import at_least, refuse_meaningless
+from freetx.models.moe import Router
 from freetx.models.peft.experts import (
     EXPERT_ADAPTER_PARAMETERS,
     EXPERTS,
@@ -133,15 +134,18 @@ ALL_LINEAR = "all-linear"
 
 def resolve_targets(model: nn.Module, targets: list[str]) -> dict[str, list[str]]:
     """target -> the names of the Linear modules it means (`all-linear`: all but the output
-    head, as PEFT means it), and `experts` -> the modules holding MoE experts as grouped
+    head and the MoE routers, as PEFT means it on transformers' models), and `experts` -> the modules holding MoE experts as grouped
     tensors (`expert_modules`); an error lists what exists."""
     aliases = (model.adapter_targets or {}) if isinstance(model, AdapterTargets) else {}
     linears = linear_names(model)
+    # MoE routers (freetx's `Router` is a Linear; transformers' are not, so PEFT's all-linear
+    # leaves them, and an adapter on one could not be exported to PEFT)
+    routers = {name for name, module in model.named_modules() if isinstance(module, Router)}
     found: dict[str, list[str]] = {}
     head = aliases.get("lm_head", "lm_head")  # the output head, as the model names it
     for target in targets:
         if target == ALL_LINEAR:  # PEFT's meaning: every Linear module but the output head
-            found[target] = [n for n in linears if n != head]
+            found[target] = [n for n in linears if n != head and n not in routers]
         elif target == EXPERTS:
             found[target] = expert_modules(model)
         else:
@@ -176,7 +180,9 @@ def _refuse_expert_targets(
     grouped = expert_tensors(model)
     attention = "q,k,v,o" if "q" in aliases else "q_proj,k_proj,v_proj,o_proj"  # HF's names
     for target, suffix in suffixes.items():
-        hits = [g for g in grouped if g.rsplit(".", 1)[-1] == suffix.rsplit(".", 1)[-1]]
+        # a bare name (`down`, `down_proj`) means these too; a path only where it names
+        # them (`shared_expert.down_proj` is a Linear)
+        hits = _named(grouped, suffix if "." in target else suffix.rsplit(".", 1)[-1])
         if hits:
             raise ConfigError(
                 f"peft target {target!r} names an MLP projection, which this model's MoE "
@@ -205,9 +211,12 @@ def apply_lora(
     if experts:
         refuse_expert_options(dropout, use_dora)
     names = sorted({n for linears in found.values() for n in linears})
+    # all-linear adapts every Linear as PEFT does, one narrower than the rank too (Qwen2-
+    # and Qwen3.5-MoE's shared_expert_gate, hidden -> 1); a target naming one is refused
+    named = {n for target, linears in found.items() if target != ALL_LINEAR for n in linears}
     for name in names:
         linear = model.get_submodule(name)
-        if not 0 < rank <= min(linear.in_features, linear.out_features):
+        if name in named and not 0 < rank <= min(linear.in_features, linear.out_features):
             raise ConfigError(
                 f"peft.rank={rank} does not fit {name} ({linear.in_features} -> "
                 f"{linear.out_features}): a LoRA rank is at least 1 and at most the smaller "
