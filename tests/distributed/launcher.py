@@ -18,8 +18,10 @@ def run_checks(
 ) -> list[dict]:
     repo = str(Path(__file__).resolve().parents[2])  # check scripts import tests.*
     pythonpath = os.pathsep.join(p for p in (repo, os.environ.get("PYTHONPATH", "")) if p)
+    # PYTHONFAULTHANDLER: a rank that dies of a signal (SIGSEGV: seen once in a 4-process
+    # tp run on 2026-11-27, not reproduced in 6 more) prints its Python stack
     env = {**os.environ, "FREETX_TEST_OUT": str(out_dir), "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": pythonpath}  # fmt: skip
+           "PYTHONPATH": pythonpath, "PYTHONFAULTHANDLER": "1"}  # fmt: skip
     for _attempt in range(2):
         result = subprocess.run(
             [sys.executable, "-m", "torch.distributed.run", "--standalone",
