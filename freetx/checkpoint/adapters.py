@@ -137,6 +137,18 @@ def write_peft(
         hf_modules.append(hf_module.rsplit(".", 1)[-1])
         for suffix, key in parts.items():
             names[key] = f"base_model.model.{hf_module}.{PEFT_NAMES[suffix]}"
+    hf_type = layout.to_hf_config(source.model_config, "float32").get("model_type", "")
+    moved = peft_moves_onto_experts(hf_type, sorted(set(hf_modules)))
+    if moved:
+        raise CheckpointError(
+            f"PEFT reads the target_modules {', '.join(moved)} of a {hf_type} adapter as "
+            "transformers 4's names of an MoE block's experts and moves them onto the fused "
+            "experts when it loads the adapter, so these adapters (on the dense layers' or "
+            "shared experts' Linear modules) would not load as trained. Merge instead "
+            "(freetx checkpoint merge CKPT --base MODEL DST) for a folder with the update "
+            "applied, or train without adapters on those modules "
+            "(peft.target_modules=[q_proj, k_proj, v_proj, o_proj, experts])."
+        )
     ranks = {source.infos[k].shape[0] for k in names if k.endswith("lora_a.weight")}
     experts = expert_peft_tensors(source, layout)
     ranks |= experts.ranks
@@ -172,6 +184,22 @@ def write_peft(
     }
     (out / "adapter_config.json").write_text(json.dumps(config, indent=2))
     return sum(i.nbytes for i in infos.values())
+
+
+def peft_moves_onto_experts(model_type: str, targets: list[str]) -> list[str]:
+    """The `targets` PEFT (0.21's `_convert_peft_config_moe`) reads, for an adapter of a
+    `model_type` whose experts transformers fuses, as transformers 4's per-expert module
+    names (DeepSeek-V3, GLM-4.5, OLMoE, Qwen3-MoE: gate_proj, up_proj, down_proj) and
+    moves onto the fused experts, dropping them as trained; [] where PEFT is not installed
+    or keeps no such table (its private one, read as it is)."""
+    try:
+        from peft.utils import transformers_weight_conversion as conversion
+
+        base = conversion._MODEL_TO_CONVERSION_PATTERN.get(model_type)
+        old_names = conversion._MOE_TARGET_MODULE_MAPPING.get(base, {})
+    except (ImportError, AttributeError):
+        return []
+    return [t for t in targets if any(t == old or t.endswith(f".{old}") for old in old_names)]
 
 
 @dataclass

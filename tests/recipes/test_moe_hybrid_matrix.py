@@ -74,3 +74,24 @@ def test_a_gpt_oss_folder_gives_transformers_logits_and_back_bit_for_bit(tmp_pat
     assert set(after) == set(before) and "model.layers.0.mlp.experts.gate_up_proj_bias" in before
     for name, tensor in before.items():
         assert after[name].dtype == tensor.dtype and torch.equal(after[name], tensor), name
+
+
+def test_a_peft_export_peft_would_load_otherwise_is_refused_by_name(tmp_path):
+    """all-linear on DeepSeek-V3 adapts its dense layer's gate_proj / up_proj / down_proj,
+    which PEFT would move onto the fused experts on load: the export is refused naming
+    them and the fix, nothing written; the merge of the same adapters works."""
+    from freetx.checkpoint import convert
+    from freetx.checkpoint.adapters import LoRASettings, peft_moves_onto_experts
+    from freetx.errors import CheckpointError
+    from tests.recipes.test_expert_lora_folders import adapter_checkpoint
+
+    assert peft_moves_onto_experts("qwen2_moe", ["gate_proj", "q_proj"]) == []
+    assert peft_moves_onto_experts("glm4_moe", ["mlp.gate_proj", "q_proj"]) == ["mlp.gate_proj"]
+    folder = make_folder(tmp_path / "deepseek_v3", "deepseek_v3")
+    file = tmp_path / "adapters.safetensors"
+    adapter_checkpoint(folder, file, ["all-linear"])
+    with pytest.raises(CheckpointError) as refused:
+        convert(file, tmp_path / "peft", to="peft", lora=LoRASettings(alpha=4.0))
+    message = str(refused.value)
+    assert "down_proj, gate_proj, up_proj of a deepseek_v3 adapter" in message
+    assert "freetx checkpoint merge" in message and not (tmp_path / "peft").exists()
