@@ -179,15 +179,6 @@ def test_new_cache_of_a_model_with_no_attention_layer_is_refused_by_name(tmp_pat
 def test_a_qwen3_5_moe_folder_finetunes_on_2_processes_with_checkpointing_and_resumes_exactly(
     tmp_path,
 ):
-    from tests.recipes.test_checkpoint_resume import COMMON, losses
-    from tests.recipes.test_hf_finetune import tiny_folder
-    from tests.recipes.test_hf_generic_finetune import finetune
+    from tests.recipes.test_moe_folders import finetunes_and_resumes
 
-    folder = tiny_folder(tmp_path / "folder", "qwen3_5_moe_text")
-    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    result = finetune(folder, straight, "max_steps=4", "checkpoint.every_n_steps=2", *COMMON)
-    assert "| model: generic transformers path for qwen3_5_moe_text |" in result.stdout
-    finetune(folder, resumed, "max_steps=2", "checkpoint.every_n_steps=2", *COMMON)
-    finetune(folder, resumed, "max_steps=4", "checkpoint.every_n_steps=2", *COMMON)
-    a, b = losses(straight), losses(resumed)
-    assert sorted(b) == [1, 2, 3, 4] and all(a[step] == b[step] for step in (3, 4)), (a, b)
+    finetunes_and_resumes(tmp_path, "qwen3_5_moe_text", "generic transformers path")

@@ -138,28 +138,44 @@ def test_a_conversion_rule_freetx_does_not_stream_is_refused_by_name_before_any_
     assert not (tmp_path / "dcp").exists()
 
 
-@pytest.mark.slow  # three 2-process runs and an export, ~60 s on 2 CPU cores
-def test_a_qwen2_moe_folder_finetunes_on_2_processes_resumes_exactly_and_exports(tmp_path):
+def finetunes_and_resumes(tmp_path, family: str, path: str):
+    """A tiny `family` folder fine-tuned on 2 processes under fsdp with full activation
+    checkpointing (llm/hf_tiny_full), 4 steps straight and 2 then 2 resumed: the banner
+    names the `path` ("native freetx decoder", "generic transformers path"), steps 3 and 4
+    give the same losses; returns the folder and the resumed run's step-4 checkpoint."""
     from tests.recipes.test_checkpoint_resume import COMMON, losses
-    from tests.recipes.test_hf_finetune import tensor_names, tiny_folder
+    from tests.recipes.test_hf_finetune import tiny_folder
     from tests.recipes.test_hf_generic_finetune import finetune
 
-    folder = tiny_folder(tmp_path / "folder", "qwen2_moe")
+    folder = tiny_folder(tmp_path / "folder", family)
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     result = finetune(folder, straight, "max_steps=4", "checkpoint.every_n_steps=2", *COMMON)
-    assert "| model: generic transformers path for qwen2_moe |" in result.stdout
+    assert f"| model: {path} for {family} |" in result.stdout
     finetune(folder, resumed, "max_steps=2", "checkpoint.every_n_steps=2", *COMMON)
     result = finetune(folder, resumed, "max_steps=4", "checkpoint.every_n_steps=2", *COMMON)
     assert "resumed from" in result.stdout and "(step 2," in result.stdout
     a, b = losses(straight), losses(resumed)
     assert sorted(b) == [1, 2, 3, 4] and all(a[step] == b[step] for step in (3, 4)), (a, b)
-    out = tmp_path / "exported"
-    checkpoint = resumed / "checkpoints" / "step_000004"
-    from freetx.checkpoint import convert, load_model
+    return folder, resumed / "checkpoints" / "step_000004"
 
+
+def exports_as_trained(tmp_path, folder, checkpoint):
+    """`checkpoint` exported to an HF folder holds the source folder's tensor names (per
+    expert) and gives freetx's logits of the checkpoint, which 4 steps moved; returns it."""
+    from freetx.checkpoint import convert, load_model
+    from tests.recipes.test_hf_finetune import tensor_names
+
+    out = tmp_path / "exported"
     convert(checkpoint, out, to="hf")
-    assert tensor_names(out) == tensor_names(folder)  # per-expert names, the shared expert
+    assert tensor_names(out) == tensor_names(folder)
     with torch.no_grad():
         trained = hf_logits(out, ids())
         assert (trained - load_model(checkpoint, "cpu")(ids())).abs().max() <= 1e-4
         assert (trained - hf_logits(folder, ids())).abs().max() > 1e-3  # the 4 steps trained
+    return out
+
+
+@pytest.mark.slow  # three 2-process runs and an export, ~60 s on 2 CPU cores
+def test_a_qwen2_moe_folder_finetunes_on_2_processes_resumes_exactly_and_exports(tmp_path):
+    folder, checkpoint = finetunes_and_resumes(tmp_path, "qwen2_moe", "generic transformers path")
+    exports_as_trained(tmp_path, folder, checkpoint)  # per-expert names, the shared expert
