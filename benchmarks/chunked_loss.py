@@ -4,7 +4,7 @@ training step, `loss.num_chunks` 1 vs 8, measured side by side in one run.
 A decoder with Llama 3's vocabulary (128,256 tokens, tied head) and a small body
 (hidden 256, 2 layers), so that the output layer's logits dominate as they do at 1B
 parameters; a micro-batch of 1 x 2048 tokens per rank, 2 processes, FSDP2 over gloo,
-`freetx.training.CrossEntropyLoss(num_chunks=N)` as the recipe calls it.
+`freetx.objectives.CrossEntropyLoss(num_chunks=N)` as the recipe calls it.
 - peak: the most live tensor bytes of this rank during forward and backward (torch's
   FSDPMemTracker: what the allocator must hold, not the process's RSS), the worst rank;
 - step: the median seconds of forward + backward + AdamW over `--steps` steps, the two
@@ -40,7 +40,7 @@ def worker(steps: int, dtype: str) -> None:
 
     from freetx.distributed import DistributedConfig, build_groups, init_distributed, parallelize
     from freetx.models.transformer import decoder
-    from freetx.training import CrossEntropyLoss
+    from freetx.objectives import CrossEntropyLoss
 
     runtime = init_distributed("cpu")
     cfg = OmegaConf.structured(DistributedConfig(strategy="fsdp"))

@@ -5,7 +5,7 @@ measured side by side in one run, one section each.
   Linear of hidden 256 to Llama 3's 128,256 tokens), a batch of 4 x 512 tokens (2
   pairs); forward and backward of each token's log-probability
   (`freetx.models.chunked_loss.ChunkedLogProbs`) summed per sequence into the DPO loss
-  (`freetx.training.PreferenceLoss`), `num_chunks` 8 vs 1 (the logits made whole).
+  (`freetx.objectives.PreferenceLoss`), `num_chunks` 8 vs 1 (the logits made whole).
   peak: the most live tensor bytes during forward and backward (torch's MemTracker:
   what the allocator must hold, not the process's RSS); time: the median seconds of
   `--repeats`, the two alternating so that both see the same machine.
@@ -44,7 +44,7 @@ def logprobs_chunked_vs_whole(repeats: int) -> None:
 
     from freetx.models.chunked_loss import ChunkedLogProbs
     from freetx.models.protocol import OutputLayer
-    from freetx.training import PreferenceLoss, SequenceLogProbs
+    from freetx.objectives import PreferenceLoss, SequenceLogProbs
 
     vocab, batch, seq, dim, chunks = 128_256, 4, 512, 256, (8, 1)
     g = torch.Generator().manual_seed(0)
@@ -137,7 +137,7 @@ def dpo_step_vs_sft_step(repeats: int) -> None:
     import torch
 
     from freetx.models.peft import adapters_disabled
-    from freetx.training import CrossEntropyLoss, PreferenceLoss, sequence_logps
+    from freetx.objectives import CrossEntropyLoss, PreferenceLoss, sequence_logps
 
     model = _decoder(lora=True)
     ids, labels = _pairs()
@@ -168,7 +168,7 @@ def frozen_vs_precomputed_reference(repeats: int) -> None:
     import torch
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    from freetx.training import PreferenceLoss, sequence_logps
+    from freetx.objectives import PreferenceLoss, sequence_logps
 
     # the copy keeps requires_grad (MemTracker hooks every parameter it sees) but runs
     # under no_grad only: no gradient of it is ever made

@@ -74,7 +74,7 @@ def step_time_split() -> None:
             "--config", "llm/grpo_tiny", "model_dir=null", f"output_dir={out}", "max_steps=6",
             "log_every_n_steps=1", "eval.every_n_steps=0", "eval.max_batches=1",
             "samples.every_n_steps=0", "checkpoint.every_n_steps=0",
-            "rewards=[{_component_: freetx.training.RegexFormat, pattern: '(?s).*[aeiou].*'}]",
+            "rewards=[{_component_: freetx.objectives.RegexFormat, pattern: '(?s).*[aeiou].*'}]",
             "metric_loggers=[{_component_: freetx.loggers.JSONLLogger}]",
         ]  # fmt: skip
         subprocess.run(command, cwd=REPO, check=True, capture_output=True, text=True)

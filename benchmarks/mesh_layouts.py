@@ -48,7 +48,7 @@ def worker(cp: int, tp: int, pp: int, steps: int, batch: int, seq: int) -> None:
     from freetx.data import TokenBatch
     from freetx.distributed import DistributedConfig, build_groups, init_distributed, parallelize
     from freetx.models.transformer import decoder
-    from freetx.training import CrossEntropyLoss
+    from freetx.objectives import CrossEntropyLoss
 
     runtime = init_distributed("cpu")
     cfg = OmegaConf.structured(DistributedConfig(strategy="fsdp", cp=cp, tp=tp, pp=pp))

@@ -70,7 +70,7 @@ def validation_loss(model, samples: int | None = None) -> float:
     import torch
 
     from freetx.data import ByteTokenizer, InstructDataset, TokenBatch
-    from freetx.training import CrossEntropyLoss
+    from freetx.objectives import CrossEntropyLoss
 
     data = InstructDataset(ByteTokenizer(), source="builtin", seq_len=64, val_fraction=0.05,
                            num_builtin_examples=20000, split="validation")  # fmt: skip

@@ -50,9 +50,18 @@ from freetx.evaluation import FinalTasks
 from freetx.fields import read_path
 from freetx.models.hf import model_dir_problems
 from freetx.models.peft import PEFTConfig, apply_peft
+from freetx.objectives import PreferenceLoss
+from freetx.objectives.cross_entropy import with_router_loss
+from freetx.objectives.reference import (
+    AdaptersOff,
+    FrozenCopy,
+    Precomputed,
+    batch_logps,
+    kept_pairs,
+    with_reference_logps,
+)
 from freetx.training import (
     PlannedRun,
-    PreferenceLoss,
     TokenEvalConfig,
     TrainingConfig,
     TrainingRun,
@@ -68,15 +77,6 @@ from freetx.training import (
     seed_everything,
 )
 from freetx.training.export import built_class
-from freetx.training.loss import with_router_loss
-from freetx.training.reference import (
-    AdaptersOff,
-    FrozenCopy,
-    Precomputed,
-    batch_logps,
-    kept_pairs,
-    with_reference_logps,
-)
 from freetx.training.step import placed
 
 
@@ -103,7 +103,7 @@ class DPOConfig(TrainingConfig):
     model: Any = MISSING
     tokenizer: Any = MISSING
     dataset: Any = MISSING  # a PreferenceDataset, built twice: split=train and validation
-    loss: Any = field(default_factory=lambda: {"_component_": "freetx.training.PreferenceLoss"})
+    loss: Any = field(default_factory=lambda: {"_component_": "freetx.objectives.PreferenceLoss"})
     reference: ReferenceConfig = field(default_factory=ReferenceConfig)
     eval: TokenEvalConfig = field(default_factory=TokenEvalConfig)  # its batch_size: pairs
     peft: PEFTConfig = field(default_factory=PEFTConfig)  # LoRA / QLoRA / DoRA

@@ -63,7 +63,8 @@ from freetx.evaluation.results import task_settings
 from freetx.fields import component_list, read_path, written_folder
 from freetx.models.generation import Sampling
 from freetx.models.hf import end_token_ids
-from freetx.training import build_rewards, per_source_means, reward_sums
+from freetx.objectives import build_rewards, reward_sums
+from freetx.training import per_source_means
 from freetx.training.export import recorded_config, recorded_peft, recorded_run
 
 
@@ -88,7 +89,7 @@ class EvalConfig:
     # loss and perplexity over a dataset (a node of the SFT recipes; source: null: none)
     dataset: Any = None
     split: Literal["train", "validation"] = "validation"
-    loss: Any = field(default_factory=lambda: {"_component_": "freetx.training.CrossEntropyLoss"})
+    loss: Any = field(default_factory=lambda: {"_component_": "freetx.objectives.CrossEntropyLoss"})
     max_batches: Optional[int] = at_least(1, default=None)  # of batch_size x processes
     # rewards over one completion per prompt (the GRPO recipe's components)
     rewards: list[Any] = component_list("weight", "name", default_factory=list)

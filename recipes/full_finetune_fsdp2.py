@@ -48,6 +48,7 @@ from freetx.fields import read_path
 from freetx.models.hf import model_dir_problems
 from freetx.models.peft import PEFTConfig, apply_peft
 from freetx.models.qat import QATConfig, apply_qat, set_fake_quantization
+from freetx.objectives import loss_tokens
 from freetx.training import (
     PlannedRun,
     TokenEvalConfig,
@@ -61,7 +62,6 @@ from freetx.training import (
     dataset_seq_len,
     evaluation_sums,
     first_batches_padding,
-    loss_tokens,
     optimizer_step,
     per_source_means,
     real_tokens,
@@ -85,7 +85,7 @@ class FullFinetuneConfig(TrainingConfig):
     model: Any = MISSING
     tokenizer: Any = MISSING
     dataset: Any = MISSING  # built twice: split=train and split=validation
-    loss: Any = field(default_factory=lambda: {"_component_": "freetx.training.CrossEntropyLoss"})
+    loss: Any = field(default_factory=lambda: {"_component_": "freetx.objectives.CrossEntropyLoss"})
     eval: TokenEvalConfig = field(default_factory=TokenEvalConfig)
     peft: PEFTConfig = field(default_factory=PEFTConfig)  # LoRA / QLoRA / DoRA / Spectrum
     qat: QATConfig = field(default_factory=QATConfig)  # fake-quantized training (torchao)

@@ -17,15 +17,15 @@ in `train()`:
    seed (the run's seed, the step, the prompt's id, its index), so the rollouts are the
    same at any world size and after a resume;
 2. the reward functions score each completion (`rewards:`, weighted and summed;
-   `freetx.training.rewards`);
-3. each group's advantages (`freetx.training.group_advantages`): its rewards minus
+   `freetx.objectives.rewards`);
+3. each group's advantages (`freetx.objectives.group_advantages`): its rewards minus
    their mean, divided by their std or not (`loss.scale_rewards`); a group whose rewards
    are all equal carries no signal (counted; `generation.dynamic_sampling` replaces it);
 4. the policy's log-probs at generation time (the ratio's denominator, when more than
    one optimizer step uses the generation) and the reference's (`loss.beta` > 0: the
    base with adapters off for LoRA, a frozen copy for full fine-tuning);
 5. each optimizer step on its share of the completions: the clipped ratio objective
-   (`freetx.training.GRPOLoss`), summed over the micro-batches and divided by the
+   (`freetx.objectives.GRPOLoss`), summed over the micro-batches and divided by the
    global batch's units (tokens, or completions).
 Copy this file (`freetx cp grpo_fsdp2 ./my_grpo.py`) to change the loop itself.
 """
@@ -64,25 +64,27 @@ from freetx.models import DecodesIncrementally
 from freetx.models.generation import Draws, Sampling, generate, sampling_problems
 from freetx.models.hf import end_token_ids, model_dir_problems
 from freetx.models.peft import PEFTConfig, apply_peft
-from freetx.training import (
+from freetx.objectives import (
     GRPOLoss,
+    build_rewards,
+    group_advantages,
+    reward_sums,
+    score_completions,
+)
+from freetx.objectives.cross_entropy import with_router_loss
+from freetx.objectives.logprobs import token_logps
+from freetx.objectives.reference import AdaptersOff, FrozenCopy
+from freetx.training import (
     PlannedRun,
     TrainingConfig,
     TrainingRun,
     accumulate_gradients,
     build_lr_scheduler,
-    build_rewards,
     check_model_and_data,
-    group_advantages,
     optimizer_step,
-    reward_sums,
-    score_completions,
     seed_everything,
 )
 from freetx.training.export import built_class
-from freetx.training.loss import with_router_loss
-from freetx.training.preference import token_logps
-from freetx.training.reference import AdaptersOff, FrozenCopy
 
 
 @dataclass
@@ -141,9 +143,9 @@ class GRPOConfig(TrainingConfig):
     model: Any = MISSING
     tokenizer: Any = MISSING
     dataset: Any = MISSING  # a PromptDataset, built twice: split=train and validation
-    # [{_component_: ..., weight: 1.0, name: ...}]: freetx.training.rewards, docs/rewards.md
+    # [{_component_: ..., weight: 1.0, name: ...}]: freetx.objectives.rewards, docs/rewards.md
     rewards: list[Any] = component_list("weight", "name")
-    loss: Any = field(default_factory=lambda: {"_component_": "freetx.training.GRPOLoss"})
+    loss: Any = field(default_factory=lambda: {"_component_": "freetx.objectives.GRPOLoss"})
     generation: GenerationConfig = field(default_factory=GenerationConfig)
     eval: RolloutEvalConfig = field(default_factory=RolloutEvalConfig)
     samples: SamplesConfig = field(default_factory=SamplesConfig)

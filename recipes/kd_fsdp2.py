@@ -11,7 +11,7 @@ The loop is full_finetune_fsdp2's, top to bottom in `train()`; only the loss dif
 student by `parallelize_frozen`, no gradients or optimizer state), which hands back its
 last hidden states and output layer (`TeacherTokens`); then through the student, whose
 output layer and the teacher's make both models' logits a chunk of tokens at a time
-inside the loss (`freetx.training.DistillationLoss`: ce_weight x cross-entropy +
+inside the loss (`freetx.objectives.DistillationLoss`: ce_weight x cross-entropy +
 kd_weight x forward KL, reverse KL or JSD at a temperature), never two whole
 [batch, seq, vocab] tensors. The teacher and the student must share a vocabulary
 (checked before anything is built). Copy this file (`freetx cp kd_fsdp2 ./my_kd.py`)
@@ -48,11 +48,12 @@ from freetx.fields import at_least, read_path
 from freetx.models.hf import model_dir_problems
 from freetx.models.peft import PEFTConfig, apply_peft
 from freetx.models.protocol import LMOutput
+from freetx.objectives import DistillationLoss, TeacherTokens, TeacherTopK, loss_tokens
+from freetx.objectives.cross_entropy import with_router_loss
+from freetx.objectives.distillation import check_same_vocabulary, with_teacher_top_k
+from freetx.objectives.reference import FrozenCopy
 from freetx.training import (
-    DistillationLoss,
     PlannedRun,
-    TeacherTokens,
-    TeacherTopK,
     TokenEvalConfig,
     TrainingConfig,
     TrainingRun,
@@ -62,14 +63,10 @@ from freetx.training import (
     dataset_seq_len,
     evaluation_sums,
     first_batches_padding,
-    loss_tokens,
     optimizer_step,
     real_tokens,
     seed_everything,
 )
-from freetx.training.distillation import check_same_vocabulary, with_teacher_top_k
-from freetx.training.loss import with_router_loss
-from freetx.training.reference import FrozenCopy
 
 
 @dataclass
@@ -101,7 +98,7 @@ class KDConfig(TrainingConfig):
     tokenizer: Any = MISSING
     dataset: Any = MISSING  # built twice: split=train and split=validation
     teacher: TeacherConfig = field(default_factory=TeacherConfig)
-    loss: Any = field(default_factory=lambda: {"_component_": "freetx.training.DistillationLoss"})
+    loss: Any = field(default_factory=lambda: {"_component_": "freetx.objectives.DistillationLoss"})
     eval: TokenEvalConfig = field(default_factory=TokenEvalConfig)
     peft: PEFTConfig = field(default_factory=PEFTConfig)
 

@@ -14,6 +14,8 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from freetx.config.instantiate import with_current_names
+
 # where the run is and what it resumes from: different by design
 NOT_COMPARED = ("output_dir", "resume")
 # inside a fixed section, but deciding only where tokens are cached, not what they are
@@ -44,7 +46,8 @@ def resume_changes(
     saved: dict[str, Any], requested: dict[str, Any], fixed: Iterable[str]
 ) -> tuple[list[str], list[str]]:
     """(changes that may be applied, changes that are refused), each `key: old -> new`."""
-    old, new = flatten(saved), flatten(requested)
+    # a component freetx moved is the same under its old name (`MOVED_COMPONENTS`)
+    old, new = flatten(with_current_names(saved)), flatten(with_current_names(requested))
     allowed, refused = [], []
     for key in sorted(set(old) | set(new)):
         if _is_under(key, NOT_COMPARED):

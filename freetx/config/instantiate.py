@@ -70,6 +70,40 @@ def is_component(node: Any) -> bool:
 # modules freetx renamed: a config that names the old path is told the new one
 RENAMED_MODULES = {"freetx.logging": "freetx.loggers"}
 
+# components freetx moved without changing them: a config naming the old path (a run's
+# saved config.yaml, a user's copy) builds the same object, and a resume compares the two
+# names as one (`current_name`). A key ending in "." moves a module's every name.
+MOVED_COMPONENTS = {
+    **{f"freetx.training.{name}": f"freetx.objectives.{name}" for name in (
+        "CrossEntropyLoss", "PreferenceLoss", "GRPOLoss", "DistillationLoss", "ExactMatch",
+        "RegexFormat", "LengthPenalty",
+    )},
+    **{f"freetx.training.{old}.": f"freetx.objectives.{new}." for old, new in (
+        ("loss", "cross_entropy"), ("preference", "preference"), ("grpo", "grpo"),
+        ("distillation", "distillation"), ("rewards", "rewards"),
+    )},
+}  # fmt: skip
+
+
+def current_name(dotted: str) -> str:
+    """`dotted` with a moved component's old path replaced by its new one."""
+    for old, new in MOVED_COMPONENTS.items():
+        if dotted == old or (old.endswith(".") and dotted.startswith(old)):
+            return new + dotted[len(old) :]
+    return dotted
+
+
+def with_current_names(node: Any) -> Any:
+    """A plain config tree (dicts and lists) with each `_component_`'s `current_name`."""
+    if isinstance(node, dict):
+        return {
+            k: current_name(v) if k == COMPONENT and isinstance(v, str) else with_current_names(v)
+            for k, v in node.items()
+        }
+    if isinstance(node, list):
+        return [with_current_names(v) for v in node]
+    return node
+
 
 # what a component may not be built from unless $FREETX_ALLOW_COMPONENTS names it: modules
 # (and their every attribute) and callables that run programs or code, read or write files
@@ -175,7 +209,8 @@ def import_component(dotted: Any, where: str) -> Any:
         raise ConfigError(
             f"{where}: expected a dotted import path such as torch.optim.AdamW, got {dotted!r}."
         )
-    check_trusted(dotted.strip(), where, [])
+    dotted = current_name(dotted.strip())
+    check_trusted(dotted, where, [])
     for old, new in RENAMED_MODULES.items():
         if dotted.strip().startswith(old + "."):
             raise ConfigError(

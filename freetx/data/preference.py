@@ -38,7 +38,7 @@ chosen completions of its pairs one after another as documents 0, 1, ... of the 
 and their rejected ones in the same order in the second, each document with its own
 prompt (`documents` marks them: the model attends within each); the dataset's length is
 then the number of packs, and the loss sums each document's log-probs
-(`freetx.training.sequence_logps`).
+(`freetx.objectives.sequence_logps`).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ Source: records of format `prompt` (the default: `{"prompt": "...", ...}`,
 `sharegpt` (`freetx.data.formats`) from any source of `freetx.data.sources`. A
 conversation that ends in an assistant turn loses it, and its content becomes the row's
 field `answer` (unless the row has one). Every other column is kept as the row's fields,
-handed to the rewards with the completion (`freetx.training.rewards`): an `answer`, a
+handed to the rewards with the completion (`freetx.objectives.rewards`): an `answer`, a
 task name, test cases. Or `builtin`: InstructDataset's built-in string tasks over the
 corpus words (`tasks` picks which), with the fields `answer` (the right answer) and
 `task` (its name), deterministic from the seed.

@@ -9,10 +9,10 @@ that chunk's gradients (of the hidden states and of the output layer's parameter
 once, so that nothing of the chunk is kept for backward. Backward then only scales the
 gradients by the loss's own: the same matrix products as the unchunked loss, with one
 chunk's logits alive at a time (`benchmarks/memory.py`). The LM losses use it:
-`freetx.training.CrossEntropyLoss`, the Free Transformer's.
+`freetx.objectives.CrossEntropyLoss`, the Free Transformer's.
 
 `ChunkedLogProbs` returns each token's log-probability instead, for the preference
-losses (`freetx.training.preference`): their gradient in each token is known only in
+losses (`freetx.objectives.preference`): their gradient in each token is known only in
 backward, which makes each chunk's logits a second time (`benchmarks/dpo.py`).
 """
 
@@ -252,7 +252,7 @@ class ChunkedLogProbs(_OverChunksOfTokens):
     label, [B, T] float32 (0 where the label is `ignore_index`), over the logits the output
     layer makes of `hidden` [B, T, d], `num_chunks` chunks of tokens at a time (None:
     `default_num_chunks`); the preference losses sum them per sequence
-    (`freetx.training.sequence_logps`).
+    (`freetx.objectives.sequence_logps`).
 
     Differentiable in `hidden` and the layer's trained parameters, for any gradient of
     each token's log-probability (DPO's loss is not linear in them, so, unlike

@@ -65,7 +65,7 @@ that defines a near-miss of a hook's name (`init_buffer`): it would be silently 
 
 A model with a training term besides the logits (an MoE router's load-balancing loss)
 returns `LMOutput(logits, aux_loss, metrics)` from forward in training mode; the
-loss (`freetx.training.CrossEntropyLoss`) adds `aux_loss` per loss token and logs
+loss (`freetx.objectives.CrossEntropyLoss`) adds `aux_loss` per loss token and logs
 `metrics`. Logits come first, so code that reads `output[0]` reads the logits.
 
 A model with a latent code per position also follows `LatentModel` (`prior_codes`,
@@ -471,7 +471,7 @@ class ProjectsInChunks(Protocol):
     """A language model whose forward takes `output_loss` (an `OutputLoss`) and then
     returns `output_loss(hidden, self.output_layer())` in place of its logits, so that the
     loss computes the [B, T, vocab] logits a chunk of tokens at a time and never whole
-    (`freetx.training.CrossEntropyLoss`, `num_chunks`). A model whose logits come whole
+    (`freetx.objectives.CrossEntropyLoss`, `num_chunks`). A model whose logits come whole
     (the generic transformers path) hands them over as `hidden` with an identity
     `project`. Called by the LM losses on every training and evaluation forward; inside
     forward, so that FSDP2 holds the output layer's gathered weights."""

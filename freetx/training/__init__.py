@@ -1,5 +1,6 @@
 """What training loops share: the run's lifecycle, gradient accumulation and the optimizer
-step, schedules, clipping, losses, rewards, seeding, meters."""
+step, schedules, clipping, seeding, meters, the checks before a run, the final export.
+The losses and what they need are `freetx.objectives`'."""
 
 from freetx.training.checks import (
     check_context,
@@ -16,11 +17,8 @@ from freetx.training.config import (
     TrainingConfig,
     default_metric_loggers,
 )
-from freetx.training.distillation import DistillationLoss, TeacherTokens, TeacherTopK
 from freetx.training.grad import clip_grad_norm
-from freetx.training.grpo import GroupAdvantages, GRPOLoss, group_advantages
 from freetx.training.lifecycle import TrainingRun, training_state
-from freetx.training.loss import CrossEntropyLoss, loss_tokens
 from freetx.training.lr_schedule import LRScheduleConfig, build_lr_scheduler, lr_multiplier
 from freetx.training.meters import (
     ThroughputMeter,
@@ -32,18 +30,6 @@ from freetx.training.meters import (
     real_tokens,
     train_step_metrics,
 )
-from freetx.training.preference import PreferenceLoss, SequenceLogProbs, sequence_logps
-from freetx.training.rewards import (
-    ExactMatch,
-    LengthPenalty,
-    RegexFormat,
-    Reward,
-    RewardError,
-    RewardFunction,
-    build_rewards,
-    reward_sums,
-    score_completions,
-)
 from freetx.training.seed import rng_state, seed_everything, set_rng_state
 from freetx.training.step import (
     accumulate_gradients,
@@ -53,24 +39,7 @@ from freetx.training.step import (
 )
 
 __all__ = [
-    "ExactMatch",
-    "LengthPenalty",
-    "RegexFormat",
-    "Reward",
-    "RewardError",
-    "RewardFunction",
-    "build_rewards",
-    "reward_sums",
-    "score_completions",
-    "CrossEntropyLoss",
-    "DistillationLoss",
-    "TeacherTokens",
-    "TeacherTopK",
-    "GRPOLoss",
-    "GroupAdvantages",
     "PlannedRun",
-    "PreferenceLoss",
-    "SequenceLogProbs",
     "LRScheduleConfig",
     "ThroughputMeter",
     "TokenEvalConfig",
@@ -78,7 +47,6 @@ __all__ = [
     "TrainingRun",
     "accumulate_gradients",
     "evaluation_sums",
-    "group_advantages",
     "build_lr_scheduler",
     "check_layout",
     "check_read_paths",
@@ -90,7 +58,6 @@ __all__ = [
     "clip_grad_norm",
     "count_over_ranks",
     "default_metric_loggers",
-    "loss_tokens",
     "lr_multiplier",
     "measure_matmul_flops",
     "memory_stats",
@@ -98,7 +65,6 @@ __all__ = [
     "peak_flops",
     "rng_state",
     "seed_everything",
-    "sequence_logps",
     "set_rng_state",
     "train_step_metrics",
     "per_source_means",

@@ -28,12 +28,11 @@ from freetx.checkpoint.dcp_folder import SafeLoadPlanner
 from freetx.data.batch import TokenBatch
 from freetx.distributed import DistributedConfig, build_groups, init_distributed, parallelize
 from freetx.models import hf_model
+from freetx.objectives import CrossEntropyLoss, loss_tokens
 from freetx.training import (
-    CrossEntropyLoss,
     LRScheduleConfig,
     accumulate_gradients,
     build_lr_scheduler,
-    loss_tokens,
     optimizer_step,
 )
 from tests.distributed.launcher import write_results

@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 
 from freetx.distributed import DistributedConfig, build_groups, init_distributed, parallelize
 from freetx.distributed.parameters import full_tensor, materialize
-from freetx.training import PreferenceLoss, SequenceLogProbs, sequence_logps
+from freetx.objectives import PreferenceLoss, SequenceLogProbs, sequence_logps
 from tests.distributed.launcher import write_results
 from tests.distributed.mesh_checks import GLOBAL_BATCH, SEED, batch, build, max_diff
 

@@ -19,7 +19,8 @@ from freetx.distributed import DistributedConfig, build_groups, init_distributed
 from freetx.distributed.parameters import full_tensor, materialize
 from freetx.models.peft import apply_lora
 from freetx.models.transformer import decoder
-from freetx.training import CrossEntropyLoss, build_lr_scheduler, optimizer_step
+from freetx.objectives import CrossEntropyLoss
+from freetx.training import build_lr_scheduler, optimizer_step
 from freetx.training.config import LRScheduleConfig
 from freetx.training.step import count_over_ranks
 from tests.distributed.launcher import write_results

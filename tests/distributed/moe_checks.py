@@ -17,7 +17,8 @@ from freetx.distributed import (
     parallelize,
 )
 from freetx.models.transformer import decoder
-from freetx.training import CrossEntropyLoss, count_over_ranks
+from freetx.objectives import CrossEntropyLoss
+from freetx.training import count_over_ranks
 from tests.distributed.launcher import write_results
 from tests.distributed.parallel_checks import SEED, VOCAB, full_grads, global_batch, max_diff
 

@@ -17,7 +17,8 @@ from omegaconf import OmegaConf
 
 from freetx.checkpoint.state import ModelState, OptimizerState
 from freetx.distributed import DistributedConfig, build_groups, init_distributed, parallelize
-from freetx.training import CrossEntropyLoss, count_over_ranks
+from freetx.objectives import CrossEntropyLoss
+from freetx.training import count_over_ranks
 from freetx.training.grad import clip_grad_norm
 from tests.distributed.launcher import write_results
 from tests.distributed.parallel_checks import SEED, SEQ, VOCAB, full_params, make_model, max_diff

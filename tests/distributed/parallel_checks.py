@@ -28,7 +28,8 @@ from freetx.distributed import (
     unwrap,
 )
 from freetx.models.transformer import decoder
-from freetx.training import CrossEntropyLoss, count_over_ranks
+from freetx.objectives import CrossEntropyLoss
+from freetx.training import count_over_ranks
 from tests.distributed.launcher import write_results
 
 SEED = 7

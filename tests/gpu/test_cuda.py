@@ -132,7 +132,7 @@ def test_a_chunked_loss_in_bf16_matches_the_unchunked_and_holds_less():
     lower allocator peak."""
     from freetx.distributed import materialize
     from freetx.models.transformer import decoder
-    from freetx.training import CrossEntropyLoss
+    from freetx.objectives import CrossEntropyLoss
 
     with torch.device("meta"):
         model = decoder(vocab_size=128_256, hidden_dim=256, num_layers=2, num_heads=4,

@@ -142,7 +142,7 @@ def test_a_checkpoint_without_a_tokenizer_is_refused(folder, tasks, tmp_path):
 
 def test_rewards_without_prompts_are_refused(folder, tmp_path):
     result = run_freetx_here("eval", str(folder), f"output_dir={tmp_path}",
-                             "rewards=[{_component_: freetx.training.ExactMatch}]")  # fmt: skip
+                             "rewards=[{_component_: freetx.objectives.ExactMatch}]")  # fmt: skip
     assert "prompts.source=FILE" in one_paragraph(result)
 
 

@@ -16,7 +16,7 @@ from tests.hf_folders import make_folder, make_tokenizer
 JSONL = "metric_loggers=[{_component_: freetx.loggers.JSONLLogger}]"
 # a randomly initialized tiny decoder (seed 0) samples bytes; a completion is rewarded when
 # it holds a vowel, which some of a group's do and some do not: advantages that are not 0
-VOWEL = "rewards=[{_component_: freetx.training.RegexFormat, pattern: '(?s).*[aeiou].*'}]"
+VOWEL = "rewards=[{_component_: freetx.objectives.RegexFormat, pattern: '(?s).*[aeiou].*'}]"
 RANDOM = ["model_dir=null", "dataset.num_builtin_examples=400", "eval.every_n_steps=0",
           "eval.max_batches=1", "eval.batch_size=8", "log_every_n_steps=1",
           "checkpoint.every_n_steps=0", "batch_size=4", "generation.num_generations=4",
@@ -118,7 +118,7 @@ def test_a_reward_that_raises_is_named_with_its_row(tmp_path, hf_prompts):
         ),
         (["loss.aggregation=dapo"], "did you mean 'token'"),
         (["generation.top_p=1.5"], "top_p"),
-        (["rewards=[{_component_: freetx.training.ExactMatch, weight: 1, wieght: 2}]"], "wieght"),
+        (["rewards=[{_component_: freetx.objectives.ExactMatch, weight: 1, wieght: 2}]"], "wieght"),
     ],
 )
 def test_validate_refuses_what_the_run_refuses(overrides, says):

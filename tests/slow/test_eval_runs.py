@@ -119,7 +119,7 @@ def test_two_processes_give_the_scores_of_one(folder, tasks, tmp_path):
         "dataset._component_=freetx.data.PackedTextDataset", f"dataset.source={text}",
         f"dataset.validation_source={text}", "dataset.seq_len=16", "~dataset.val_fraction",
         f"prompts.source={prompts}", f"prompts.validation_source={prompts}",
-        "rewards=[{_component_: freetx.training.ExactMatch}]",
+        "rewards=[{_component_: freetx.objectives.ExactMatch}]",
     ]  # fmt: skip
     _, one = evaluate(*common, f"output_dir={tmp_path / 'one'}")
     result = run_freetx("eval", "--nproc-per-node", "2", *common, f"output_dir={tmp_path / 'two'}")

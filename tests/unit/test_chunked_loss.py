@@ -15,7 +15,8 @@ from freetx.models.chunked_loss import ChunkedCrossEntropy, default_num_chunks
 from freetx.models.free_transformer import FreeTransformerLoss, free_transformer
 from freetx.models.protocol import OutputLayer
 from freetx.models.transformer import decoder
-from freetx.training import CrossEntropyLoss, per_source_means
+from freetx.objectives import CrossEntropyLoss
+from freetx.training import per_source_means
 
 SMALL = dict(vocab_size=96, hidden_dim=32, num_layers=2, num_heads=4, num_kv_heads=2,
              ffn_hidden_dim=48, max_seq_len=32)  # fmt: skip

@@ -1,5 +1,5 @@
 """Knowledge distillation's loss without either model's whole logits
-(freetx.training.distillation): each divergence at temperatures 1 and 2, in 3 uneven
+(freetx.objectives.distillation): each divergence at temperatures 1 and 2, in 3 uneven
 chunks with ignored labels, equal to the whole-vocabulary formulas written plainly here
 (values, and the gradients of the student's hidden states and head); 0 for a student that
 is the teacher; a precomputed teacher's top-k at k = vocabulary size equal to the live
@@ -19,8 +19,8 @@ from freetx.distributed import materialize
 from freetx.errors import ConfigError
 from freetx.models.protocol import OutputLayer
 from freetx.models.transformer import decoder
-from freetx.training import DistillationLoss, TeacherTokens, TeacherTopK
-from freetx.training.distillation import check_same_vocabulary, teacher_top_k
+from freetx.objectives import DistillationLoss, TeacherTokens, TeacherTopK
+from freetx.objectives.distillation import check_same_vocabulary, teacher_top_k
 from tests.unit.test_chunked_logprobs import ThreadSlice
 
 VOCAB, DIM, TEACHER_DIM = 37, 8, 12

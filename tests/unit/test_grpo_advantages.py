@@ -1,4 +1,4 @@
-"""Group-relative advantages (freetx.training.group_advantages): each scale equals a direct
+"""Group-relative advantages (freetx.objectives.group_advantages): each scale equals a direct
 per-group computation, a group whose rewards are all equal gets exactly 0 and is counted,
 and rewards that are not groups of numbers are refused."""
 
@@ -9,7 +9,7 @@ import statistics
 import pytest
 import torch
 
-from freetx.training import GroupAdvantages, group_advantages
+from freetx.objectives import GroupAdvantages, group_advantages
 
 G = 3
 # 3 groups of 3: group 1's rewards are all equal, and their float32 mean is not 0.9

@@ -1,4 +1,4 @@
-"""The GRPO objective (freetx.training.GRPOLoss): each aggregation and importance sampling,
+"""The GRPO objective (freetx.objectives.GRPOLoss): each aggregation and importance sampling,
 with and without the KL term, equals a direct per-token loop of its paper's formula on a
 hand-made batch whose ratios clip on both sides, in values and in gradients; micro-batches
 summed over their summed units give the whole batch; padding reaches nothing; the
@@ -13,7 +13,7 @@ import torch
 from omegaconf import OmegaConf
 
 from freetx.config.instantiate import check_components
-from freetx.training import GRPOLoss
+from freetx.objectives import GRPOLoss
 
 LOW, HIGH, BETA, MAX_LENGTH = 0.2, 0.28, 0.1, 8
 ADVANTAGES = [1.2, -0.7, 0.9, -1.1]
@@ -249,7 +249,7 @@ def test_meaningless_values_are_refused_before_building_and_when_built(case):
     assert list(found) == [key] and words in found[key]
     with pytest.raises(ValueError, match=key):
         GRPOLoss(**values)
-    node = OmegaConf.create({"loss": {"_component_": "freetx.training.GRPOLoss", **values}})
+    node = OmegaConf.create({"loss": {"_component_": "freetx.objectives.GRPOLoss", **values}})
     assert any(f"'loss.{key}'" in problem for problem in check_components(node))
 
 

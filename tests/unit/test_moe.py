@@ -15,7 +15,7 @@ from freetx.errors import CheckpointError, ConfigError
 from freetx.models.moe import MoEFeedForward, grouped_mm_fits
 from freetx.models.protocol import LMOutput
 from freetx.models.transformer import decoder
-from freetx.training import CrossEntropyLoss
+from freetx.objectives import CrossEntropyLoss
 from tests.conftest import one_paragraph, run_freetx
 
 MOE = dict(vocab_size=64, hidden_dim=32, num_layers=3, num_heads=4, num_kv_heads=2,

@@ -1,4 +1,4 @@
-"""The preference losses (freetx.training.PreferenceLoss): each type equals a direct,
+"""The preference losses (freetx.objectives.PreferenceLoss): each type equals a direct,
 per-pair implementation of its paper's formula on a hand-made batch, in values and in
 gradients; the metrics TRL logs; the values it refuses before anything is built; which
 types need a reference; a sequence's log-probabilities through a model's forward."""
@@ -15,7 +15,7 @@ from freetx.config.instantiate import check_components
 from freetx.distributed import materialize
 from freetx.models.protocol import LMOutput
 from freetx.models.transformer import decoder
-from freetx.training import PreferenceLoss, SequenceLogProbs, sequence_logps
+from freetx.objectives import PreferenceLoss, SequenceLogProbs, sequence_logps
 
 # 4 pairs, chosen and rejected interleaved: summed log-probs and loss tokens of each row;
 # pair 0 is past the hinge (beta h > 1), pair 1 prefers the rejected, pair 3's means are near
@@ -166,7 +166,7 @@ def test_meaningless_values_are_refused_before_building_and_when_built(case):
     assert list(found) == [key] and words in found[key]
     with pytest.raises(ValueError, match=key):
         PreferenceLoss(**values)
-    node = OmegaConf.create({"loss": {"_component_": "freetx.training.PreferenceLoss", **values}})
+    node = OmegaConf.create({"loss": {"_component_": "freetx.objectives.PreferenceLoss", **values}})
     assert any(f"'loss.{key}'" in problem for problem in check_components(node))
 
 

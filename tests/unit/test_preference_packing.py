@@ -8,7 +8,7 @@ import torch
 from freetx.data import ByteTokenizer, EvalShard, PreferenceDataset, collate_pairs
 from freetx.distributed import materialize
 from freetx.models.transformer import decoder
-from freetx.training import PreferenceLoss, sequence_logps
+from freetx.objectives import PreferenceLoss, sequence_logps
 
 
 def datasets(packed: bool, seq_len: int = 128):

@@ -36,7 +36,7 @@ def test_shipped_config_validates(config):
     given = [f"{key}=/path/given/by/the/user" for key in keys
              if f"{key.split('.')[-1]}: ???" in text]  # fmt: skip
     if "rewards: ???" in text:  # and their own reward functions
-        given.append("rewards=[{_component_: freetx.training.ExactMatch}]")
+        given.append("rewards=[{_component_: freetx.objectives.ExactMatch}]")
     cfg = compose(config, given)
     assert check_config(cfg, target.schema) == []
     apply_schema(cfg, target.schema)

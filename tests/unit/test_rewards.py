@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 from freetx.config.schema import check_config
 from freetx.errors import ConfigError, FreetxError
 from freetx.fields import component_list
-from freetx.training import (
+from freetx.objectives import (
     ExactMatch,
     LengthPenalty,
     RegexFormat,
@@ -100,9 +100,9 @@ def test_length_penalty_refuses_a_soft_zone_wider_than_the_limit():
 def test_rewards_are_built_from_nodes_with_weights_and_snake_case_names():
     nodes = OmegaConf.create(
         {"rewards": [
-            node("freetx.training.ExactMatch", extract="hash"),
-            node("freetx.training.ExactMatch", weight=0.5),
-            node("freetx.training.RegexFormat", pattern=r"\d+", weight=2, name="digits"),
+            node("freetx.objectives.ExactMatch", extract="hash"),
+            node("freetx.objectives.ExactMatch", weight=0.5),
+            node("freetx.objectives.RegexFormat", pattern=r"\d+", weight=2, name="digits"),
         ]}
     ).rewards  # fmt: skip
     rewards = build_rewards(nodes)
@@ -113,7 +113,9 @@ def test_rewards_are_built_from_nodes_with_weights_and_snake_case_names():
 
 
 def test_a_plain_list_of_dicts_builds_too():
-    (reward,) = build_rewards([node("freetx.training.LengthPenalty", max_tokens=8, soft_tokens=2)])
+    (reward,) = build_rewards(
+        [node("freetx.objectives.LengthPenalty", max_tokens=8, soft_tokens=2)]
+    )
     assert reward.name == "length_penalty"
 
 
@@ -121,13 +123,13 @@ def test_a_plain_list_of_dicts_builds_too():
     "nodes, problem",
     [
         ([], "at least one reward"),
-        ([node("freetx.training.ExactMatch", weight="high")], "rewards[0].weight is 'high'"),
-        ([node("freetx.training.ExactMatch", weight=math.nan)], "rewards[0].weight is nan"),
+        ([node("freetx.objectives.ExactMatch", weight="high")], "rewards[0].weight is 'high'"),
+        ([node("freetx.objectives.ExactMatch", weight=math.nan)], "rewards[0].weight is nan"),
         ([{"weight": 1.0}], "rewards[0] is"),
-        ([node("freetx.training.ExactMatch"), node("freetx.training.RegexFormat", pattern="(")],
-         "rewards[1]: building freetx.training.RegexFormat failed: '(' is no regular"),
-        ([node("freetx.training.ExactMatch", answer="x")], "takes no argument 'answer'"),
-        ([node("freetx.training.ExactMach")], "did you mean 'freetx.training.ExactMatch'"),
+        ([node("freetx.objectives.ExactMatch"), node("freetx.objectives.RegexFormat", pattern="(")],
+         "rewards[1]: building freetx.objectives.RegexFormat failed: '(' is no regular"),
+        ([node("freetx.objectives.ExactMatch", answer="x")], "takes no argument 'answer'"),
+        ([node("freetx.objectives.ExactMach")], "did you mean 'freetx.objectives.ExactMatch'"),
         ([node("os.system")], "is refused"),
     ],
 )  # fmt: skip
@@ -200,8 +202,8 @@ def test_the_docs_example_reward_builds_and_scores(tmp_path, monkeypatch):
 
 
 def test_scores_are_each_rewards_own_values_as_float32():
-    rewards = build_rewards([node("freetx.training.ExactMatch", weight=3.0),
-                             node("freetx.training.RegexFormat", pattern="a.*", weight=0.5)])  # fmt: skip
+    rewards = build_rewards([node("freetx.objectives.ExactMatch", weight=3.0),
+                             node("freetx.objectives.RegexFormat", pattern="a.*", weight=0.5)])  # fmt: skip
     scores = score_completions(
         rewards, ["p", "p", "p"], ["abc", "x", "a"], [{"answer": "abc"}] * 3, ["0", "1", "2"]
     )
@@ -249,9 +251,9 @@ class GrpoLike:
 
 def test_validate_checks_reward_nodes_without_their_weight_and_name():
     cfg = OmegaConf.create({"rewards": [
-        node("freetx.training.ExactMatch", weight=1.0, name="right"),
-        node("freetx.training.LengthPenalty", max_tokens=10, soft_tokens=20, weight=0.1),
-        node("freetx.training.RegexFormat", patern="x"),
+        node("freetx.objectives.ExactMatch", weight=1.0, name="right"),
+        node("freetx.objectives.LengthPenalty", max_tokens=10, soft_tokens=20, weight=0.1),
+        node("freetx.objectives.RegexFormat", patern="x"),
     ]})  # fmt: skip
     problems = check_config(cfg, GrpoLike)
     assert len(problems) == 2, problems

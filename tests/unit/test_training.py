@@ -5,7 +5,8 @@ import torch
 
 from freetx.loggers import format_value
 from freetx.models import OutputLayer
-from freetx.training import CrossEntropyLoss, LRScheduleConfig, lr_multiplier
+from freetx.objectives import CrossEntropyLoss
+from freetx.training import LRScheduleConfig, lr_multiplier
 
 
 def shapes(world_size: int, strategy: str | None = None, **axes):

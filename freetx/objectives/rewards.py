@@ -6,8 +6,8 @@ the prompt's text, the completion's text, and the dataset row's other fields (an
 tokens, put there by the recipe. The config lists them, each with a weight:
 
     rewards:
-      - {_component_: freetx.training.ExactMatch, extract: hash, weight: 1.0}
-      - {_component_: freetx.training.RegexFormat, pattern: '(?s).*#### .+', weight: 0.2}
+      - {_component_: freetx.objectives.ExactMatch, extract: hash, weight: 1.0}
+      - {_component_: freetx.objectives.RegexFormat, pattern: '(?s).*#### .+', weight: 0.2}
       - {_component_: my_rewards.count_words, weight: 0.1, name: words}
 
 A class is built with the node's keys (`freetx.config.instantiate`); a plain function,
@@ -220,7 +220,7 @@ def build_rewards(nodes: Any) -> list[Reward]:
     if not isinstance(nodes, ListConfig) or not len(nodes):
         raise ConfigError(
             f"rewards is {nodes!r}, and a run scores its completions with at least one "
-            "reward; list them, e.g. rewards: [{_component_: freetx.training.ExactMatch, "
+            "reward; list them, e.g. rewards: [{_component_: freetx.objectives.ExactMatch, "
             "weight: 1.0}] (docs/rewards.md)."
         )
     built, names = [], set()
@@ -241,7 +241,7 @@ def _built(node: Any, where: str) -> tuple[str, RewardFunction, float]:
     if not is_component(node):
         raise ConfigError(
             f"{where} is {node!r}; a reward is a node with a _component_ naming a reward "
-            "class or function, e.g. {_component_: freetx.training.ExactMatch, weight: 1.0}."
+            "class or function, e.g. {_component_: freetx.objectives.ExactMatch, weight: 1.0}."
         )
     weight = node.get("weight", 1.0)
     if (

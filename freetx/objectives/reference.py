@@ -38,8 +38,8 @@ from freetx.data import PreferenceBatch, TokenBatch, collate_pairs
 from freetx.data.batch import REFERENCE_LOGPS, Pair
 from freetx.distributed import ParallelGroups, ParallelPlan, parallelize_frozen
 from freetx.models.peft import adapters_disabled
-from freetx.training.precompute import per_sample_table, samples_digest, stored_or_computed
-from freetx.training.preference import SequenceLogProbs, sequence_logps, token_logps
+from freetx.objectives.logprobs import SequenceLogProbs, sequence_logps, token_logps
+from freetx.objectives.precompute import per_sample_table, samples_digest, stored_or_computed
 
 REFERENCE_FOLDER = "reference_logps"  # in output_dir: one file per split
 

@@ -44,8 +44,8 @@ from freetx.models.chunked_loss import (
     sliced_cross_entropy,
 )
 from freetx.models.protocol import OutputLayer, VocabSlice
-from freetx.training.precompute import per_sample_table, samples_digest, stored_or_computed
-from freetx.training.reference import FrozenCopy
+from freetx.objectives.precompute import per_sample_table, samples_digest, stored_or_computed
+from freetx.objectives.reference import FrozenCopy
 
 # divergence -> what it is (its paper)
 DIVERGENCES = {

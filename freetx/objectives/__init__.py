@@ -1,0 +1,59 @@
+"""The objectives of post-training and pretraining: each loss and what it needs, one module
+per objective.
+
+    cross_entropy.py  next-token cross-entropy (SFT, pretraining), the router loss of MoE
+    logprobs.py       a model's log-probabilities of its labels: per token, sequence, document
+    preference.py     DPO and its kin (IPO, robust, hinge, SimPO, ORPO) over pairs
+    advantages.py     advantage estimates of a rollout's completions (group-relative, ...)
+    grpo.py           GRPO and its kin (DAPO, Dr. GRPO, GSPO): the clipped policy-gradient loss
+    distillation.py   a student learning a teacher's distribution (KL, reverse KL, JSD)
+    rewards.py        reward functions: what a completion scores
+    reference.py      the model a loss compares with: adapters off, a frozen copy, precomputed
+    precompute.py     per-sample tables a frozen model computes once (reference, teacher)
+
+Configs name them as `freetx.objectives.<Name>` (`loss:`, `rewards:`). Nothing here
+imports a recipe; the shared loop mechanics they use are `freetx.training`'s.
+"""
+
+from freetx.objectives.advantages import GroupAdvantages, group_advantages
+from freetx.objectives.cross_entropy import CrossEntropyLoss, loss_tokens, with_router_loss
+from freetx.objectives.distillation import DistillationLoss, TeacherTokens, TeacherTopK
+from freetx.objectives.grpo import GRPOLoss
+from freetx.objectives.logprobs import SequenceLogProbs, sequence_logps, token_logps
+from freetx.objectives.preference import PreferenceLoss
+from freetx.objectives.rewards import (
+    ExactMatch,
+    LengthPenalty,
+    RegexFormat,
+    Reward,
+    RewardError,
+    RewardFunction,
+    build_rewards,
+    reward_sums,
+    score_completions,
+)
+
+__all__ = [
+    "CrossEntropyLoss",
+    "DistillationLoss",
+    "ExactMatch",
+    "GRPOLoss",
+    "GroupAdvantages",
+    "LengthPenalty",
+    "PreferenceLoss",
+    "RegexFormat",
+    "Reward",
+    "RewardError",
+    "RewardFunction",
+    "SequenceLogProbs",
+    "TeacherTokens",
+    "TeacherTopK",
+    "build_rewards",
+    "group_advantages",
+    "loss_tokens",
+    "reward_sums",
+    "score_completions",
+    "sequence_logps",
+    "token_logps",
+    "with_router_loss",
+]
