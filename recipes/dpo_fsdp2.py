@@ -26,56 +26,35 @@ from __future__ import annotations
 import itertools
 import sys
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Optional
+from typing import Any, ClassVar
 
 import torch
-from omegaconf import MISSING
 
 from freetx.checkpoint import files_read_by, input_identity
 from freetx.config import instantiate
-from freetx.data import (
-    PreferenceBatch,
-    PreferenceDataset,
-    build_eval_loader,
-    build_train_loader,
-    checked_tokenizer,
-    collate_pairs,
-    micro_batch_size,
-)
+from freetx.data import PreferenceBatch, PreferenceDataset, collate_pairs
 from freetx.data.packing import packs
-from freetx.distributed import build_groups, init_distributed, parallelize
 from freetx.entry import parse
 from freetx.errors import ConfigError
-from freetx.evaluation import FinalTasks
-from freetx.fields import read_path
-from freetx.models.hf import model_dir_problems
-from freetx.models.peft import PEFTConfig, apply_peft
 from freetx.objectives import PreferenceLoss
 from freetx.objectives.cross_entropy import with_router_loss
 from freetx.objectives.reference import (
-    AdaptersOff,
-    FrozenCopy,
     Precomputed,
     batch_logps,
     kept_pairs,
+    reference_kind,
+    reference_model,
     with_reference_logps,
 )
 from freetx.training import (
     PlannedRun,
-    TokenEvalConfig,
-    TrainingConfig,
-    TrainingRun,
     accumulate_gradients,
-    build_lr_scheduler,
-    check_context,
-    check_model_and_data,
-    check_packing,
     dataset_seq_len,
     first_batches_padding,
     optimizer_step,
     real_tokens,
-    seed_everything,
 )
+from freetx.training.decoder import DecoderConfig, DecoderSetup
 from freetx.training.export import built_class
 from freetx.training.step import placed
 
@@ -90,32 +69,22 @@ class ReferenceConfig:
 
 
 @dataclass
-class DPOConfig(TrainingConfig):
-    """The schema of this recipe's configs: TrainingConfig's keys, then these. batch_size
-    counts pairs (each two sequences)."""
+class DPOConfig(DecoderConfig):
+    """The schema of this recipe's configs: DecoderConfig's keys, then these. batch_size
+    counts pairs (each two sequences); the dataset is a PreferenceDataset."""
 
     fixed_on_resume: ClassVar[tuple[str, ...]] = (
-        *TrainingConfig.fixed_on_resume, "model", "tokenizer", "dataset", "peft", "loss",
-        "reference",
+        *DecoderConfig.fixed_on_resume, "loss", "reference",
     )  # fmt: skip
 
-    model_dir: Optional[str] = read_path(None)  # an HF model folder, for ${model_dir} below
-    model: Any = MISSING
-    tokenizer: Any = MISSING
-    dataset: Any = MISSING  # a PreferenceDataset, built twice: split=train and validation
     loss: Any = field(default_factory=lambda: {"_component_": "freetx.objectives.PreferenceLoss"})
     reference: ReferenceConfig = field(default_factory=ReferenceConfig)
-    eval: TokenEvalConfig = field(default_factory=TokenEvalConfig)  # its batch_size: pairs
-    peft: PEFTConfig = field(default_factory=PEFTConfig)  # LoRA / QLoRA / DoRA
-
-    # a model_dir that cannot be a model (a text file, ...): said first, not as its
-    # tokenizer's problem
-    meaningless = staticmethod(model_dir_problems)
 
     def refuse_combinations(self) -> None:
         """A dataset that gives no pairs; a reference to precompute that costs nothing (the
         base with adapters off), does not exist (simpo, orpo) or cannot follow packs;
-        pipeline parallelism."""
+        pipeline parallelism. And DecoderConfig's (QAT with tp)."""
+        super().refuse_combinations()
         loss_type = self.loss.get("type", "sigmoid")
         dataset = built_class(self.dataset, "dataset")
         if dataset is not None and not issubclass(dataset, PreferenceDataset):
@@ -152,82 +121,45 @@ class DPOConfig(TrainingConfig):
             )
 
     def planned(self) -> PlannedRun:  # pairs: two sequences per sample, with the reference
-        reference = reference_kind(self)
         return PlannedRun(
             self.model, dataset_seq_len(self), self.peft, self.loss, rows_per_sample=2,
-            reference=reference,
+            reference=self.reference_kind(),
         )  # fmt: skip
 
-
-def reference_kind(cfg: DPOConfig) -> str:
-    """none (simpo, orpo), adapters_off (LoRA), precomputed, or frozen_copy."""
-    if not PreferenceLoss.type_needs_reference(cfg.loss.get("type", "sigmoid")):
-        return "none"
-    if cfg.peft.method != "none":
-        return "adapters_off"
-    return "precomputed" if cfg.reference.precompute else "frozen_copy"
+    def reference_kind(self) -> str:
+        """none (simpo, orpo), adapters_off (LoRA), precomputed, or frozen_copy."""
+        loss = instantiate(self.loss)
+        return reference_kind(loss, self.peft.method != "none", self.reference.precompute)
 
 
 class DPORecipeFSDP2:
     def __init__(self, cfg: DPOConfig) -> None:
         self.cfg = cfg
-        self.runtime = init_distributed(cfg.device, cfg.distributed.collective_timeout_s)
-        self.device = self.runtime.device
         self.accumulation = cfg.gradient_accumulation_steps
-        seed_everything(cfg.seed, self.runtime.rank, cfg.deterministic)
 
     def setup(self) -> None:
         cfg = self.cfg
-        cfg.refuse_combinations()
-        self.groups = build_groups(self.runtime, cfg.distributed)
-        rank, world_size = self.groups.dp_rank, self.groups.dp_size
-        # cheap checks first: a resume that would lose saved work, a bad batch split
-        self.run = TrainingRun(cfg, self.groups, "dpo_fsdp2")
-        self.final_tasks = FinalTasks(cfg.eval, self.groups)  # eval.after_training's, checked
-        micro_batch_size(cfg.batch_size, world_size, self.accumulation)  # pairs per rank
-        self.tokenizer = checked_tokenizer(instantiate(cfg.tokenizer))
-        self.loss_fn = instantiate(cfg.loss)
-        train_set = instantiate(cfg.dataset, tokenizer=self.tokenizer, split="train")
-        val_set = instantiate(cfg.dataset, tokenizer=self.tokenizer, split="validation")
-        self.run.report_cuts(train_set, val_set)  # pairs cut or dropped at seq_len
+        self.decoder = setup = DecoderSetup(cfg, "dpo_fsdp2")  # the run, ranks, tokenizer
+        self.run, self.groups = setup.run, setup.groups
+        self.loss_fn: PreferenceLoss = instantiate(cfg.loss)
+        train_set, val_set = setup.datasets()  # pairs cut or dropped at seq_len: said
         self.seq_len = train_set.seq_len
-
-        with torch.device("meta"):
-            model = instantiate(cfg.model)
-        check_model_and_data(model.config, self.tokenizer, self.seq_len)
-        check_packing(model, packs(train_set))  # packed pairs need a model that packs
-        check_context(model, self.groups.shape, self.seq_len)  # cp: a part of each sequence
-        trains = apply_peft(model, cfg.peft, world_size)  # all, or adapters
-        self.plan = parallelize(
-            model, self.groups, cfg.distributed, seed=cfg.seed,
-            init_weights=not self.run.loads_weights,
-            frozen=self.run.decide_frozen_base(model),
-        )  # fmt: skip
-        self.model = self.plan.model
-        self.optimizer = self.plan.build_optimizer(cfg.optimizer)
-        self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.max_steps, cfg.lr_schedule)
+        model = setup.meta_model(cfg.model, self.seq_len, packed=packs(train_set))
+        self.plan = setup.build(model)  # PEFT, QAT, parallelize, optimizer, schedule
+        self.model, self.optimizer = self.plan.model, setup.optimizer
 
         # the reference: the base with adapters off, a frozen copy, or its log-probs
         # precomputed into the data (then the copy is freed); none for simpo and orpo
-        kind = reference_kind(cfg)
+        kind = reference_kind(self.loss_fn, cfg.peft.method != "none", cfg.reference.precompute)
         train_pairs, val_pairs = self.build_reference(kind, train_set, val_set)  # what is read
-        self.val_loader = build_eval_loader(
-            val_pairs, cfg.eval.batch_size, rank, world_size, collate_pairs
-        )
-        self.train_loader = build_train_loader(
-            train_pairs, cfg.batch_size, self.accumulation, rank, world_size, cfg.seed,
-            num_workers=cfg.num_workers, collate=collate_pairs,
-        )  # fmt: skip
+        self.train_loader, self.val_loader = setup.loaders(train_pairs, val_pairs, collate_pairs)
         weights = cfg.checkpoint.initial_weights  # the reference's, recorded as an input
         reference_inputs = {"reference": weights} if kind != "none" and weights else {}
-        self.run.start(
-            self.plan, self.optimizer, self.lr_scheduler, self.train_loader,
-            tokens_per_sample=2 * self.seq_len, seq_len=self.seq_len,
-            inputs={**reference_inputs, **files_read_by(tokenizer=self.tokenizer, dataset=train_set)},
+        setup.start(
+            self.train_loader, tokens_per_sample=2 * self.seq_len, seq_len=self.seq_len,
+            inputs={**reference_inputs, **files_read_by(tokenizer=setup.tokenizer, dataset=train_set)},
             train_pairs=train_set.summary().samples,  # packed: its packs hold more
-            padding=first_batches_padding(self.train_loader),
-            activation_checkpointing=cfg.distributed.activation_checkpointing, trains=trains,
-            reference=kind.replace("_", " "),
+            padding=first_batches_padding(self.train_loader), reference=kind.replace("_", " "),
         )  # fmt: skip
 
     def build_reference(self, kind: str, train_set, val_set):
@@ -236,15 +168,11 @@ class DPORecipeFSDP2:
         frozen copy computes every pair's log-probs once (or they are read back from
         output_dir/reference_logps), the pairs carry them, and the copy is freed.
         Returns the datasets the loaders read."""
-        cfg, num_chunks = self.cfg, self.loss_fn.num_chunks
-        self.reference = None
-        if kind == "adapters_off":
-            self.reference = AdaptersOff(self.plan, num_chunks)
-        if kind not in ("frozen_copy", "precomputed"):
-            return train_set, val_set
-        weights = cfg.checkpoint.initial_weights
-        self.reference = FrozenCopy.build(cfg.model, self.plan, cfg.seed, weights, num_chunks)
-        if kind == "frozen_copy":
+        cfg, weights = self.cfg, self.cfg.checkpoint.initial_weights
+        self.reference = reference_model(
+            kind, self.plan, cfg.model, cfg.seed, weights, self.loss_fn.num_chunks
+        )
+        if kind != "precomputed":
             return train_set, val_set
         weights_id = input_identity(weights)["fingerprint"] if weights else f"seed {cfg.seed}"
         datasets = [
@@ -274,7 +202,7 @@ class DPORecipeFSDP2:
                 self.plan, batches, self.compute_loss, count=PreferenceBatch.num_pairs
             )
             grad_norm = optimizer_step(
-                self.plan, self.optimizer, self.lr_scheduler, cfg.max_grad_norm
+                self.plan, self.optimizer, self.decoder.lr_scheduler, cfg.max_grad_norm
             )
             run.advance(grad_norm, real_tokens(batches, self.groups))
             if run.log_due():
@@ -283,8 +211,7 @@ class DPORecipeFSDP2:
                 run.evaluate(self.evaluate)
             if run.due(cfg.checkpoint.every_n_steps):
                 run.save()
-        run.finish(self.evaluate)
-        self.final_tasks.run(self.plan, self.tokenizer, cfg.output_dir)  # lm-eval: eval.json
+        self.decoder.finish(self.evaluate)  # the last step's; QAT's export; lm-eval tasks
 
     def compute_loss(self, batch: PreferenceBatch):
         """One micro-batch of pairs: the policy's log-probs (with a gradient), the

@@ -63,7 +63,8 @@ from freetx.evaluation.results import task_settings
 from freetx.fields import component_list, read_path, written_folder
 from freetx.models.generation import Sampling
 from freetx.models.hf import end_token_ids
-from freetx.objectives import build_rewards, reward_sums
+from freetx.objectives import build_rewards
+from freetx.objectives.rollouts import CompletionScorer
 from freetx.training import per_source_means
 from freetx.training.export import recorded_config, recorded_peft, recorded_run
 
@@ -245,30 +246,15 @@ class EvalRecipe:
         metrics = per_source_means({k: v / max(count, 1.0) for k, v in totals.items()})
         return {**metrics, "perplexity": math.exp(min(metrics["loss"], 50.0)), "tokens": count}
 
-    @torch.no_grad()
     def reward_means(self) -> dict[str, float]:
         """One completion per prompt (greedy unless temperature), scored by every reward:
         the weighted reward's mean, each reward's and the completions' mean length."""
         cfg = self.cfg
-        sampling = Sampling(cfg.temperature)
-        sums: dict[str, Any] = {}
-        for batch in self.prompt_loader:
-            keys = [f"seed {cfg.seed} eval {i}" for i in batch.ids]
-            totals = reward_sums(
-                self.model,
-                batch,
-                self.rewards,
-                self.tokenizer,
-                self.end_ids,
-                cfg.max_new_tokens,
-                sampling,
-                keys,
-            )
-            for name, value in totals.items():
-                sums[name] = sums.get(name, 0) + value
-        totals = self.groups.sum(sums, over="dp")
-        prompts = max(float(totals.pop("prompts")), 1.0)
-        return {name: float(value) / prompts for name, value in totals.items()}
+        scorer = CompletionScorer(self.tokenizer, self.rewards, self.end_ids, cfg.max_new_tokens)
+        key = f"seed {cfg.seed} eval"  # each prompt's draws: the seed, its id
+        return scorer.validation(
+            self.model, self.prompt_loader, Sampling(cfg.temperature), key, self.groups
+        )
 
 
 @parse(EvalConfig)

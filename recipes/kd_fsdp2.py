@@ -32,41 +32,27 @@ from omegaconf import MISSING, OmegaConf
 
 from freetx.checkpoint import files_read_by, input_identity
 from freetx.config import instantiate
-from freetx.data import (
-    DistillBatch,
-    build_eval_loader,
-    build_train_loader,
-    checked_tokenizer,
-    micro_batch_size,
-    source_names,
-)
-from freetx.distributed import build_groups, init_distributed, parallelize, root_gathered
+from freetx.data import DistillBatch, checked_tokenizer, source_names
+from freetx.data.packing import packs
+from freetx.distributed import root_gathered
 from freetx.entry import parse
 from freetx.errors import ConfigError
-from freetx.evaluation import FinalTasks
 from freetx.fields import at_least, read_path
-from freetx.models.hf import model_dir_problems
-from freetx.models.peft import PEFTConfig, apply_peft
 from freetx.models.protocol import LMOutput
-from freetx.objectives import DistillationLoss, TeacherTokens, TeacherTopK, loss_tokens
+from freetx.objectives import DistillationLoss, TeacherTokens, TeacherTopK
 from freetx.objectives.cross_entropy import with_router_loss
 from freetx.objectives.distillation import check_same_vocabulary, with_teacher_top_k
 from freetx.objectives.reference import FrozenCopy
 from freetx.training import (
     PlannedRun,
-    TokenEvalConfig,
-    TrainingConfig,
-    TrainingRun,
     accumulate_gradients,
-    build_lr_scheduler,
-    check_model_and_data,
     dataset_seq_len,
     evaluation_sums,
     first_batches_padding,
     optimizer_step,
     real_tokens,
-    seed_everything,
 )
+from freetx.training.decoder import DecoderConfig, DecoderSetup
 
 
 @dataclass
@@ -84,30 +70,22 @@ class TeacherConfig:
 
 
 @dataclass
-class KDConfig(TrainingConfig):
-    """The schema of this recipe's configs: TrainingConfig's keys, then these."""
+class KDConfig(DecoderConfig):
+    """The schema of this recipe's configs: DecoderConfig's keys, then these."""
 
     fixed_on_resume: ClassVar[tuple[str, ...]] = (
-        *TrainingConfig.fixed_on_resume, "model", "tokenizer", "dataset", "peft", "teacher",
-        "loss",
+        *DecoderConfig.fixed_on_resume, "teacher", "loss",
     )  # fmt: skip
 
-    model_dir: Optional[str] = read_path(None)  # the student's HF folder, for ${model_dir}
     teacher_dir: Optional[str] = read_path(None)  # the teacher's HF folder, for ${teacher_dir}
-    model: Any = MISSING
-    tokenizer: Any = MISSING
-    dataset: Any = MISSING  # built twice: split=train and split=validation
     teacher: TeacherConfig = field(default_factory=TeacherConfig)
     loss: Any = field(default_factory=lambda: {"_component_": "freetx.objectives.DistillationLoss"})
-    eval: TokenEvalConfig = field(default_factory=TokenEvalConfig)
-    peft: PEFTConfig = field(default_factory=PEFTConfig)
-
-    meaningless = staticmethod(model_dir_problems)
 
     def refuse_combinations(self) -> None:
         """Pipeline parallelism: the teacher's hidden states would have to reach the
         student's last stage. A precomputed teacher: whole sequences (no cp), and a loss
-        its top-k can give (forward KL at temperature 1)."""
+        its top-k can give (forward KL at temperature 1). And DecoderConfig's (QAT with tp)."""
+        super().refuse_combinations()
         if self.distributed.pp > 1:
             raise ConfigError(
                 f"distributed.pp={self.distributed.pp}: kd_fsdp2 runs no pipeline (the "
@@ -164,48 +142,28 @@ class Distill:
 class KDRecipeFSDP2:
     def __init__(self, cfg: KDConfig) -> None:
         self.cfg = cfg
-        self.runtime = init_distributed(cfg.device, cfg.distributed.collective_timeout_s)
-        self.device = self.runtime.device
         self.accumulation = cfg.gradient_accumulation_steps
-        seed_everything(cfg.seed, self.runtime.rank, cfg.deterministic)
 
     def setup(self) -> None:
         cfg = self.cfg
-        cfg.refuse_combinations()
-        self.groups = build_groups(self.runtime, cfg.distributed)
-        rank, world_size = self.groups.dp_rank, self.groups.dp_size
-        self.run = TrainingRun(cfg, self.groups, "kd_fsdp2")
-        self.final_tasks = FinalTasks(cfg.eval, self.groups)  # eval.after_training's, checked
-        micro_batch_size(cfg.batch_size, world_size, self.accumulation)
-        self.tokenizer = checked_tokenizer(instantiate(cfg.tokenizer))
+        self.decoder = setup = DecoderSetup(cfg, "kd_fsdp2")  # the run, ranks, tokenizer
+        self.run, self.groups, self.device = setup.run, setup.groups, setup.runtime.device
         teacher_tokenizer = (
-            self.tokenizer if cfg.teacher.tokenizer is None
+            setup.tokenizer if cfg.teacher.tokenizer is None
             else checked_tokenizer(instantiate(cfg.teacher.tokenizer))
         )  # fmt: skip
-        train_set = instantiate(cfg.dataset, tokenizer=self.tokenizer, split="train")
-        val_set = instantiate(cfg.dataset, tokenizer=self.tokenizer, split="validation")
-        self.run.report_cuts(train_set, val_set)
+        train_set, val_set = setup.datasets()
         self.seq_len = train_set.seq_len
-        names = source_names(train_set)
-
-        with torch.device("meta"):
-            model = instantiate(cfg.model)
-            teacher_shape = instantiate(cfg.teacher.model)
-        check_model_and_data(model.config, self.tokenizer, self.seq_len)
-        check_model_and_data(teacher_shape.config, teacher_tokenizer, self.seq_len)
+        # the student and the teacher's shape on the meta device, each checked against the
+        # data; their vocabularies must be one
+        packed = packs(train_set)
+        model = setup.meta_model(cfg.model, self.seq_len, packed)
+        shape = setup.meta_model(cfg.teacher.model, self.seq_len, packed, teacher_tokenizer)
         check_same_vocabulary(
-            self.tokenizer, teacher_tokenizer, model.config.vocab_size,
-            teacher_shape.config.vocab_size,
-        )  # fmt: skip
-        trains = apply_peft(model, cfg.peft, world_size)
-        self.plan = parallelize(
-            model, self.groups, cfg.distributed, seed=cfg.seed,
-            init_weights=not self.run.loads_weights,
-            frozen=self.run.decide_frozen_base(model),
-        )  # fmt: skip
-        self.model = self.plan.model
-        self.optimizer = self.plan.build_optimizer(cfg.optimizer)
-        self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.max_steps, cfg.lr_schedule)
+            setup.tokenizer, teacher_tokenizer, model.config.vocab_size, shape.config.vocab_size
+        )
+        self.plan = setup.build(model)  # PEFT, QAT, parallelize, optimizer, schedule
+        self.model, self.optimizer = self.plan.model, setup.optimizer
         distill = instantiate(cfg.loss)
         teacher = FrozenCopy.build(
             cfg.teacher.model, self.plan, cfg.seed, cfg.teacher.weights, distill.num_chunks
@@ -215,20 +173,15 @@ class KDRecipeFSDP2:
             teacher = None
         self.loss_fn = Distill(distill, teacher)
 
+        names = source_names(train_set)
         collate = functools.partial(DistillBatch.collate_teacher, source_names=names)
-        self.val_loader = build_eval_loader(val_set, cfg.eval.batch_size, rank, world_size, collate)
-        self.train_loader = build_train_loader(
-            train_set, cfg.batch_size, self.accumulation, rank, world_size, cfg.seed,
-            num_workers=cfg.num_workers, collate=collate,
-        )  # fmt: skip
+        self.train_loader, self.val_loader = setup.loaders(train_set, val_set, collate)
         teacher_inputs = {"teacher": cfg.teacher.weights} if cfg.teacher.weights else {}
-        self.run.start(
-            self.plan, self.optimizer, self.lr_scheduler, self.train_loader,
-            tokens_per_sample=self.seq_len, seq_len=self.seq_len,
-            inputs={**teacher_inputs, **files_read_by(tokenizer=self.tokenizer, dataset=train_set)},
+        setup.start(
+            self.train_loader, tokens_per_sample=self.seq_len, seq_len=self.seq_len,
+            inputs={**teacher_inputs, **files_read_by(tokenizer=setup.tokenizer, dataset=train_set)},
             train_sequences=len(train_set), padding=first_batches_padding(self.train_loader),
             teacher=cfg.teacher.weights or f"random (seed {cfg.seed})",
-            activation_checkpointing=cfg.distributed.activation_checkpointing, trains=trains,
         )  # fmt: skip
 
     def precomputed(self, teacher: FrozenCopy, *datasets):
@@ -263,10 +216,10 @@ class KDRecipeFSDP2:
             batches = [next(data) for _ in range(self.accumulation)]
             self.optimizer.zero_grad(set_to_none=True)
             sums, num_tokens = accumulate_gradients(
-                self.plan, batches, self.compute_loss, count=loss_tokens
+                self.plan, batches, self.compute_loss, count=DistillBatch.loss_tokens
             )
             grad_norm = optimizer_step(
-                self.plan, self.optimizer, self.lr_scheduler, cfg.max_grad_norm
+                self.plan, self.optimizer, self.decoder.lr_scheduler, cfg.max_grad_norm
             )
             run.advance(grad_norm, real_tokens(batches, self.groups), loss_tokens=num_tokens)
             if run.log_due():
@@ -275,8 +228,7 @@ class KDRecipeFSDP2:
                 run.evaluate(self.evaluate)
             if run.due(cfg.checkpoint.every_n_steps):
                 run.save()
-        run.finish(self.evaluate)
-        self.final_tasks.run(self.plan, self.tokenizer, cfg.output_dir)  # lm-eval: eval.json
+        self.decoder.finish(self.evaluate)  # the last step's; QAT's export; lm-eval tasks
 
     def compute_loss(self, batch: DistillBatch):
         """One micro-batch: the teacher's forward, then the student's with the KD loss."""

@@ -82,7 +82,7 @@ from freetx.checkpoint.run_folder import (
     read_latest,
 )
 from freetx.checkpoint.state import PerRankState, ScalerState
-from freetx.config.compare import fixed_on_resume
+from freetx.config.compare import fixed_on_resume, schema_defaults
 from freetx.config.run_config import write_resolved_config
 from freetx.config.schema import config_as_dict
 from freetx.distributed.groups import HostGroup
@@ -239,6 +239,7 @@ class Checkpointer:
             int(self.run_config.max_steps),
             config_as_dict(self.run_config),
             fixed_on_resume(self.run_config),
+            schema_defaults(self.run_config),  # keys added since a save, at their default
         )
         if self.recipe is not None:  # the folder is this recipe's run from now on
             self.recipe.write(self.output_dir)

@@ -380,6 +380,7 @@ def plan_resume(
     max_steps: int,
     run_config: dict[str, Any],
     fixed: tuple[str, ...],
+    defaults: dict[str, Any] | None = None,
 ) -> ResumePlan:
     """The checkpoint a run continues from, after every check that protects saved work.
 
@@ -409,7 +410,7 @@ def plan_resume(
             f"{plan.path} does not record the settings it was saved with; they were not compared"
         )
     else:
-        allowed, refused = resume_changes(saved_config, run_config, fixed)
+        allowed, refused = resume_changes(saved_config, run_config, fixed, defaults)
         if refused:
             problems.append(
                 f"{plan.path} was saved with other settings that a resume may not change (they "

@@ -32,20 +32,39 @@ def flatten(node: Any, prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def schema_of(cfg: Any) -> type:
+    """The schema class of a config (a schema instance or a structured OmegaConf node)."""
+    return OmegaConf.get_type(cfg) if isinstance(cfg, DictConfig) else type(cfg)
+
+
 def fixed_on_resume(cfg: Any) -> tuple[str, ...]:
     """The keys the config's schema says a resume may not change."""
-    schema = OmegaConf.get_type(cfg) if isinstance(cfg, DictConfig) else type(cfg)
-    return tuple(getattr(schema, "fixed_on_resume", ()))
+    return tuple(getattr(schema_of(cfg), "fixed_on_resume", ()))
 
 
 def _is_under(key: str, prefixes: Iterable[str]) -> bool:
     return any(key == p or key.startswith(p + ".") for p in prefixes)
 
 
+def schema_defaults(cfg: Any) -> dict[str, Any]:
+    """Each key's default in the config's schema (`cfg`: a config or its schema class; {}
+    for a config without one)."""
+    schema = cfg if isinstance(cfg, type) else schema_of(cfg)
+    try:
+        return flatten(OmegaConf.to_container(OmegaConf.structured(schema), resolve=False))
+    except Exception:  # not a structured config's schema
+        return {}
+
+
 def resume_changes(
-    saved: dict[str, Any], requested: dict[str, Any], fixed: Iterable[str]
+    saved: dict[str, Any],
+    requested: dict[str, Any],
+    fixed: Iterable[str],
+    defaults: dict[str, Any] | None = None,
 ) -> tuple[list[str], list[str]]:
-    """(changes that may be applied, changes that are refused), each `key: old -> new`."""
+    """(changes that may be applied, changes that are refused), each `key: old -> new`. A
+    key the saved config lacks that is at its schema default (`defaults`, flat) is no
+    change: the schema gained it since, and its default is what the run did before."""
     # a component freetx moved is the same under its old name (`MOVED_COMPONENTS`)
     old, new = flatten(with_current_names(saved)), flatten(with_current_names(requested))
     allowed, refused = [], []
@@ -53,6 +72,8 @@ def resume_changes(
         if _is_under(key, NOT_COMPARED):
             continue
         before, after = old.get(key, "(unset)"), new.get(key, "(unset)")
+        if key not in old and key in (defaults or {}) and after == defaults[key]:
+            continue
         if before == after:
             continue
         line = f"{key}: {before!r} -> {after!r}"

@@ -6,6 +6,7 @@ per objective.
     preference.py     DPO and its kin (IPO, robust, hinge, SimPO, ORPO) over pairs
     advantages.py     advantage estimates of a rollout's completions (group-relative, ...)
     grpo.py           GRPO and its kin (DAPO, Dr. GRPO, GSPO): the clipped policy-gradient loss
+    rollouts.py       prompts -> completions generated, scored, weighted: RL's micro-batches
     distillation.py   a student learning a teacher's distribution (KL, reverse KL, JSD)
     rewards.py        reward functions: what a completion scores
     reference.py      the model a loss compares with: adapters off, a frozen copy, precomputed
@@ -15,7 +16,7 @@ Configs name them as `freetx.objectives.<Name>` (`loss:`, `rewards:`). Nothing h
 imports a recipe; the shared loop mechanics they use are `freetx.training`'s.
 """
 
-from freetx.objectives.advantages import GroupAdvantages, group_advantages
+from freetx.objectives.advantages import GroupAdvantages, GroupMean, LeaveOneOut, group_advantages
 from freetx.objectives.cross_entropy import CrossEntropyLoss, loss_tokens, with_router_loss
 from freetx.objectives.distillation import DistillationLoss, TeacherTokens, TeacherTopK
 from freetx.objectives.grpo import GRPOLoss
@@ -29,7 +30,6 @@ from freetx.objectives.rewards import (
     RewardError,
     RewardFunction,
     build_rewards,
-    reward_sums,
     score_completions,
 )
 
@@ -39,6 +39,8 @@ __all__ = [
     "ExactMatch",
     "GRPOLoss",
     "GroupAdvantages",
+    "GroupMean",
+    "LeaveOneOut",
     "LengthPenalty",
     "PreferenceLoss",
     "RegexFormat",
@@ -51,7 +53,6 @@ __all__ = [
     "build_rewards",
     "group_advantages",
     "loss_tokens",
-    "reward_sums",
     "score_completions",
     "sequence_logps",
     "token_logps",

@@ -1,16 +1,42 @@
 """Advantage estimates: how much better than its alternatives each completion of a
 rollout did, the weight the policy-gradient loss gives its tokens.
 
-A prompt's `group_size` completions are adjacent rows (g * G ... g * G + G - 1).
+A completion's advantage is its reward minus a baseline (`advantage:` in a GRPO config
+names it: `GroupMean`, GRPO's; `LeaveOneOut`, RLOO's), divided by a std as
+`loss.scale_rewards` says (its group's, the batch's, or none). A prompt's `group_size`
+completions are adjacent rows (g * G ... g * G + G - 1). A new estimate is one class here
+with a `__call__(grouped) -> baseline`, named by the config.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
 
 from freetx.objectives.grpo import SCALES, STD_EPS, _name_problem
+
+
+class Baseline(Protocol):
+    """What each completion's reward is compared with: [groups, group_size] rewards ->
+    a baseline of the same shape (or [groups, 1])."""
+
+    def __call__(self, grouped: torch.Tensor) -> torch.Tensor: ...
+
+
+class GroupMean:
+    """GRPO's baseline (Shao et al. 2024): the mean reward of the completion's group."""
+
+    def __call__(self, grouped: torch.Tensor) -> torch.Tensor:
+        return grouped.mean(dim=1, keepdim=True)
+
+
+class LeaveOneOut:
+    """RLOO's baseline (Ahmadian et al. 2024): the mean reward of the group's other
+    completions, so that a completion is not compared with itself."""
+
+    def __call__(self, grouped: torch.Tensor) -> torch.Tensor:
+        return (grouped.sum(dim=1, keepdim=True) - grouped) / (grouped.shape[1] - 1)
 
 
 class GroupAdvantages(NamedTuple):
@@ -23,12 +49,16 @@ class GroupAdvantages(NamedTuple):
 
 
 def group_advantages(
-    rewards: torch.Tensor, group_size: int, scale: str = "group"
+    rewards: torch.Tensor,
+    group_size: int,
+    scale: str = "group",
+    baseline: Baseline | None = None,
+    batch_std: float | None = None,
 ) -> GroupAdvantages:
-    """Each completion's advantage, its reward minus its group's mean, A_i = r_i -
-    mean(group), divided by (std + 1e-4) as `scale` says: "group" the group's std
-    (GRPO), "batch" the std of all R rewards (pass the rewards gathered from every rank
-    for the global batch's), "none" not divided (Dr. GRPO). Stds are unbiased (TRL's
+    """Each completion's advantage, its reward minus its `baseline` (by default its group's
+    mean: A_i = r_i - mean(group)), divided by (std + 1e-4) as `scale` says: "group" the
+    group's std (GRPO), "batch" the std of every rank's rewards (`batch_std`; else the std
+    of these R rewards), "none" not divided (Dr. GRPO). Stds are unbiased (TRL's
     `torch.std`). `rewards` [R], R = groups * group_size, a group's completions adjacent.
     A group whose rewards are all equal gets advantages of exactly 0 (its float mean
     can differ from them by a rounding, which 1e-4 would not hide)."""
@@ -54,10 +84,10 @@ def group_advantages(
         )
     grouped = rewards.view(-1, group_size)
     zero_variance = (grouped == grouped[:, :1]).all(dim=1)
-    advantages = grouped - grouped.mean(dim=1, keepdim=True)
+    advantages = grouped - (baseline or GroupMean())(grouped)
     if scale == "group":
         advantages = advantages / (grouped.std(dim=1, keepdim=True) + STD_EPS)
     elif scale == "batch":
-        advantages = advantages / (rewards.std() + STD_EPS)
+        advantages = advantages / ((rewards.std() if batch_std is None else batch_std) + STD_EPS)
     advantages = torch.where(zero_variance[:, None], 0.0, advantages)
     return GroupAdvantages(advantages.reshape(-1), zero_variance)

@@ -147,6 +147,38 @@ class Precomputed:
         return SequenceLogProbs(logps[:, 0], logps[:, 1])
 
 
+class ComparesWithReference(Protocol):
+    """A loss that may compare the policy with a reference model (`PreferenceLoss` by its
+    type, `GRPOLoss` by its KL term's beta)."""
+
+    @property
+    def needs_reference(self) -> bool: ...
+
+
+def reference_kind(loss: ComparesWithReference, adapters: bool, precompute: bool = False) -> str:
+    """What a built loss compares with: none (SimPO, ORPO; GRPO at beta 0), adapters_off (a
+    run that trains adapters: the base itself), precomputed (`reference.precompute`: log-probs
+    computed once before training), or frozen_copy (full fine-tuning)."""
+    if not loss.needs_reference:
+        return "none"
+    if adapters:
+        return "adapters_off"
+    return "precomputed" if precompute else "frozen_copy"
+
+
+def reference_model(
+    kind: str, plan: ParallelPlan, model_node, seed: int, weights: str | None,
+    num_chunks: int | None,
+) -> AdaptersOff | FrozenCopy | None:  # fmt: skip
+    """The model a `reference_kind` runs: the policy with adapters off, a frozen copy from the
+    policy's initial `weights` (precomputed: the copy that computes them), or none."""
+    if kind == "adapters_off":
+        return AdaptersOff(plan, num_chunks)
+    if kind in ("frozen_copy", "precomputed"):
+        return FrozenCopy.build(model_node, plan, seed, weights, num_chunks)
+    return None
+
+
 class WithReferenceLogps(Dataset):
     """A preference dataset whose pairs carry their precomputed reference log-probs:
     `table` [pairs, 2 rows, (sum, tokens)], in the dataset's order."""

@@ -335,36 +335,3 @@ def score_completions(
                 )
             scores[i, j] = float(value)
     return scores
-
-
-def reward_sums(
-    model,
-    batch,
-    rewards: Sequence[Reward],
-    tokenizer,
-    end_ids: list[int],
-    max_new_tokens: int,
-    sampling,
-    keys: list[str],
-) -> dict[str, torch.Tensor]:
-    """One completion per prompt of a `PromptBatch` (`generate` with `sampling`, each row's
-    draws keyed by `keys`), scored by every reward: the sums over its real rows of the
-    weighted reward ("reward"), each reward's ("rewards/<name>/mean"), the completions'
-    lengths ("completions/mean_length"), and their count ("prompts"), to be summed over
-    batches and ranks and divided by the prompts (GRPO's validation, the eval recipe's
-    rewards)."""
-    from freetx.models.generation import Draws, generate
-
-    out = generate(model, batch.prompt_ids, max_new_tokens, sampling, end_ids,
-                   Draws.keyed(keys, max_new_tokens))  # fmt: skip
-    replies = out.replies()
-    texts = [tokenizer.decode(r[:-1] if e else r) for r, e in zip(replies, out.ended.tolist())]
-    fields = [{**f, "completion_tokens": len(r)} for f, r in zip(batch.fields, replies)]
-    raw = score_completions(rewards, batch.prompts, texts, fields, batch.ids)
-    keep = batch.real_rows()
-    weights = torch.tensor([r.weight for r in rewards], dtype=raw.dtype)
-    sums = {"reward": (raw @ weights)[keep].sum(), "prompts": keep.sum().float(),
-            "completions/mean_length": out.lengths.cpu().float()[keep].sum()}  # fmt: skip
-    for i, reward in enumerate(rewards):
-        sums[f"rewards/{reward.name}/mean"] = raw[keep, i].sum()
-    return sums

@@ -12,6 +12,7 @@ from freetx.training.checks import (
     dataset_seq_len,
 )
 from freetx.training.config import (
+    FinalTasksConfig,
     PlannedRun,
     TokenEvalConfig,
     TrainingConfig,
@@ -39,6 +40,7 @@ from freetx.training.step import (
 )
 
 __all__ = [
+    "FinalTasksConfig",
     "PlannedRun",
     "LRScheduleConfig",
     "ThroughputMeter",

@@ -51,14 +51,10 @@ class PlannedRun:
 
 
 @dataclass
-class TokenEvalConfig:
-    """The `eval:` section of a recipe that measures a validation loss over token batches."""
+class FinalTasksConfig:
+    """A training recipe's `eval:` keys for lm-eval tasks on its final model
+    (`eval.after_training`, `freetx.evaluation.FinalTasks`)."""
 
-    every_n_steps: int = at_least(0, default=0)  # 0: only at the end of training
-    # validation sequences per forward pass, over all ranks (like batch_size): the same
-    # samples at any world size
-    batch_size: int = at_least(1, default=16)
-    max_batches: Optional[int] = at_least(1, default=None)  # of those; None: the whole split
     # lm-eval tasks on the final model, after the final save: <output_dir>/eval.json, as
     # the eval recipe writes it (docs/recipes/eval.md); needs the `eval` extra
     after_training: bool = False
@@ -77,6 +73,17 @@ class TokenEvalConfig:
                 "for a folder of local task YAMLs), or eval.after_training=false."
             }
         return {}
+
+
+@dataclass
+class TokenEvalConfig(FinalTasksConfig):
+    """The `eval:` section of a recipe that measures a validation loss over token batches."""
+
+    every_n_steps: int = at_least(0, default=0)  # 0: only at the end of training
+    # validation sequences per forward pass, over all ranks (like batch_size): the same
+    # samples at any world size
+    batch_size: int = at_least(1, default=16)
+    max_batches: Optional[int] = at_least(1, default=None)  # of those; None: the whole split
 
 
 @dataclass

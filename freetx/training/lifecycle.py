@@ -49,10 +49,6 @@ from freetx.checkpoint.checkpointer import build_meta
 from freetx.checkpoint.run_folder import RecipeMark, nothing_left_to_train
 from freetx.checkpoint.state import LRSchedulerState
 from freetx.config.schema import config_as_dict
-from freetx.data.formats import SkipsBadRows
-from freetx.data.mixture import MadeOfParts, summary_lines
-from freetx.data.seq_len import CutsToSeqLen
-from freetx.data.token_cache import UsesTokenCache
 from freetx.distributed import (
     FrozenBase,
     HostGroup,
@@ -144,6 +140,7 @@ class TrainingRun:
         # its own gloo group: the agreement must not queue behind an asynchronous save on
         # the checkpointer's group, nor wait for the device's work
         self.stop_group = HostGroup.new()
+        self.step_hooks: list[Callable[[int], None]] = []
 
     @property
     def loads_weights(self) -> bool:
@@ -289,7 +286,15 @@ class TrainingRun:
         self.progress.epoch = getattr(sampler, "epoch", 0)
         self.progress.tokens_seen += self.tokens_per_step
         self.meter.update(self.tokens_per_step, real_tokens, loss_tokens)
+        for hook in self.step_hooks:
+            hook(self.progress.step)
         return self.progress.step
+
+    def each_step(self, hook: Callable[[int], None]) -> None:
+        """Call `hook(step)` now and after every step: what the next step does by its number
+        (QAT's fake quantization from `qat.start_step` on), a resumed run's included."""
+        self.step_hooks.append(hook)
+        hook(self.progress.step)
 
     def _after_nonfinite(self) -> str:
         """What a stop on non-finite values leaves on disk, and what to change."""
@@ -335,33 +340,6 @@ class TrainingRun:
     def write(self, text: str) -> None:
         """A line on the console (rank 0)."""
         self.loggers.write(text)
-
-    def report_cuts(self, *datasets) -> None:
-        """A line on the console (rank 0) for each dataset whose samples were cut at its
-        seq_len: how many, and how many were left with no loss tokens (dropped); what the
-        token cache did for each (reused, built, or why not cached); and one for each read
-        that skipped bad rows (`dataset.on_bad_row=skip`), once when two splits share it.
-        A mixture (`MadeOfParts`) says how it mixes, then gives each source's lines. First,
-        what the first dataset (the training split) is made of: samples -> sequences of
-        seq_len, padding, packed or not (`freetx.data.mixture.summary_lines`)."""
-        lines = summary_lines(datasets[0]) if datasets else []
-        lines += [d.line() for d in datasets if isinstance(d, MadeOfParts)]
-        datasets = tuple(
-            p for d in datasets for p in (d.parts if isinstance(d, MadeOfParts) else (d,))
-        )
-        lines += [
-            d.token_cache.line()
-            for d in datasets
-            if isinstance(d, UsesTokenCache) and not d.token_cache.builtin
-        ]
-        lines += [d.fit.line() for d in datasets if isinstance(d, CutsToSeqLen) and d.fit.cut]
-        lines += [
-            d.bad_rows.line()
-            for d in datasets
-            if isinstance(d, SkipsBadRows) and d.bad_rows.skipped
-        ]
-        for line in dict.fromkeys(lines):  # text's one cache entry for both splits: once
-            self.write(line)
 
     def evaluate(self, evaluate: Callable[[], dict[str, float]]) -> None:
         """Run the recipe's evaluation (every rank) and log what it returns."""

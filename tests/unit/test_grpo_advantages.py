@@ -66,3 +66,25 @@ def test_rewards_that_are_not_groups_of_numbers_are_refused(case):
     rewards, size, scale, words = REFUSED[case]
     with pytest.raises(ValueError, match=words.replace("[", r"\[").replace("]", r"\]")):
         group_advantages(rewards, size, scale)
+
+
+def test_leave_one_out_compares_each_completion_with_the_others_mean():
+    """RLOO's baseline: r_i - mean of the group's other rewards; divided as `scale` says."""
+    from freetx.objectives import LeaveOneOut
+
+    rewards = torch.tensor([1.0, 0.0, 0.0, 2.0, 5.0, 5.0, 5.0, 5.0])
+    found = group_advantages(rewards, 4, "none", LeaveOneOut())
+    expected = [1 - 2 / 3, 0 - 3 / 3, 0 - 3 / 3, 2 - 1 / 3, 0, 0, 0, 0]
+    assert found.advantages.tolist() == pytest.approx(expected)
+    assert found.zero_variance.tolist() == [False, True]
+    scaled = group_advantages(rewards, 4, "batch", LeaveOneOut(), batch_std=2.0)
+    assert scaled.advantages.tolist() == pytest.approx([a / (2.0 + 1e-4) for a in expected])
+
+
+def test_the_default_baseline_is_the_group_mean_bit_for_bit():
+    from freetx.objectives import GroupMean
+
+    rewards = torch.rand(12)
+    for scale in ("group", "batch", "none"):
+        default = group_advantages(rewards, 4, scale).advantages
+        assert torch.equal(default, group_advantages(rewards, 4, scale, GroupMean()).advantages)

@@ -63,11 +63,15 @@ def test_only_the_cli_imports_the_planning_tools():
     assert "freetx.planning" not in recipes
 
 
-def test_only_the_cli_imports_evaluation():
+def test_only_the_cli_and_the_decoder_setup_import_evaluation():
     """The harness adapter (lm-eval, an optional extra) lies apart from what training loops
-    share; the eval recipe and `freetx eval` reach it."""
+    share; the eval recipe and `freetx eval` reach it, and the decoder recipes' setup for
+    `eval.after_training`."""
     graph = package_graph()
-    assert {p for p, targets in graph.items() if "evaluation" in targets} <= {"cli"}
+    assert {p for p, targets in graph.items() if "evaluation" in targets} <= {"cli", "training"}
+    training = {p.name for p in (REPO / "freetx" / "training").glob("*.py")
+                if "evaluation" in freetx_imports(p)}  # fmt: skip
+    assert training <= {"decoder.py"}, training
     assert graph["evaluation"] <= {"models", "data", "checkpoint", "distributed", "config",
                                    *BELOW_EVERYTHING}, graph["evaluation"]  # fmt: skip
 
@@ -158,3 +162,17 @@ def test_collectives_run_only_in_distributed():
             ):
                 offenders.append(f"{path.relative_to(REPO)}:{node.lineno} dist.{node.attr}")
     assert not offenders, offenders
+
+
+def test_objectives_import_no_recipe_and_only_recipes_import_them():
+    """The losses, rollouts and references are a library over training/, models/, data/ and
+    distributed/: no freetx package below the recipes imports them."""
+    graph = package_graph()
+    assert not {p for p, targets in graph.items() if "objectives" in targets}
+    assert graph["objectives"] <= {"training", "distributed", "models", "data", "config",
+                                   "checkpoint", "user_files", *BELOW_EVERYTHING}  # fmt: skip
+    for path in (REPO / "freetx" / "objectives").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            names += [node.module] if isinstance(node, ast.ImportFrom) and node.module else []
+            assert not any(n.split(".")[0] == "recipes" for n in names), path

@@ -1,0 +1,335 @@
+"""The rollout of online RL: prompts -> the policy's completions, decoded, scored by the
+rewards, weighted by their advantages, with the log-probs the loss reads, as each optimizer
+step's micro-batches; and the metrics of all that. A policy-gradient recipe calls it and
+keeps only its loop:
+
+    scorer = CompletionScorer(tokenizer, rewards, end_ids, max_completion_length)
+    rollouts = Rollouts(plan, scorer, cfg.generation, advantage, scale, cfg.seed, micro_batches)
+    steps, groups, metrics = rollouts(prompts, step, reference, num_chunks)
+    for batches in steps: ...the loss on each micro-batch (a `RolloutBatch`), a step...
+
+    scorer.validation(model, batches, sampling, "seed 0 validation", groups)  # mean rewards
+
+`CompletionScorer` is generate -> decode -> score, once: GRPO's rollouts and validation and
+the eval recipe's rewards use it. Each completion's draws are keyed by the run's seed, the
+step, the prompt's id and its index (`Draws.keyed`), so the rollouts are the same at any
+world size and after a resume. What plugs in: the advantage estimate (`advantages.py`), the
+rewards (`rewards.py`), the generation (`freetx.models.generation.generate`).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NamedTuple, Optional
+
+import torch
+
+from freetx.data import PromptBatch, RolloutBatch
+from freetx.distributed import ParallelGroups, ParallelPlan
+from freetx.fields import at_least
+from freetx.models.generation import Draws, Sampling, generate, sampling_problems
+from freetx.objectives.advantages import Baseline, group_advantages
+from freetx.objectives.logprobs import token_logps
+from freetx.objectives.rewards import Reward, score_completions
+
+
+@dataclass
+class GenerationConfig:
+    """How the policy samples its completions (the rollouts): a config's `generation:`."""
+
+    num_generations: int = at_least(2, default=8)  # completions per prompt: a group
+    max_completion_length: int = at_least(1, default=64)  # tokens, the end token included
+    temperature: float = at_least(0, default=1.0)
+    top_k: Optional[int] = at_least(1, default=None)
+    top_p: Optional[float] = None  # (0, 1]; None: every token
+    # optimizer steps per generation: the generated completions are split among them
+    # (TRL's steps_per_generation); after the first, the policy has moved, and the ratio
+    # to the log-probs kept from generation time is clipped
+    steps_per_generation: int = at_least(1, default=1)
+    # DAPO's dynamic sampling: a group whose rewards are all equal is replaced by a new
+    # prompt's group, up to this many extra rounds of generation per step (0: kept as is)
+    dynamic_sampling: int = at_least(0, default=0)
+
+    meaningless = staticmethod(sampling_problems)  # a top_p outside (0, 1]
+
+
+class Completions(NamedTuple):
+    """Completions of a batch of prompts, each prompt's `n` adjacent, and their scores."""
+
+    tokens: list[list[int]]  # each one's tokens, its end token included
+    texts: list[str]  # as the rewards read them (the end token left out)
+    raw: torch.Tensor  # [R, rewards]: each reward function's value
+    ended: torch.Tensor  # [R] bool: reached an end token
+    lengths: torch.Tensor  # [R]: tokens generated
+    entropy: torch.Tensor  # [R]: the mean entropy of its tokens' distributions
+
+
+class CompletionScorer:
+    """generate -> decode -> score: `n` completions of each prompt of a `PromptBatch`, each
+    scored by every reward (`score_completions`; a reward reads the prompt, the completion
+    and the row's fields, with `completion_tokens`)."""
+
+    def __init__(
+        self, tokenizer, rewards: Sequence[Reward], end_ids: list[int], max_new_tokens: int
+    ) -> None:
+        self.tokenizer, self.rewards, self.end_ids = tokenizer, list(rewards), end_ids
+        self.max_new_tokens = max_new_tokens
+        self.weights = torch.tensor([r.weight for r in self.rewards])
+
+    def generate(self, model, prompts: PromptBatch, n: int, sampling: Sampling, keys: list[str]):
+        """The model's completions (`generate`'s output; None for no prompt), each row's
+        draws keyed by `keys` (one per completion)."""
+        rows = [ids for ids in prompts.prompt_ids for _ in range(n)]
+        if not rows:
+            return None
+        draws = Draws.keyed(keys, self.max_new_tokens)
+        return generate(model, rows, self.max_new_tokens, sampling, self.end_ids, draws)
+
+    def score(self, out, prompts: PromptBatch, n: int) -> Completions:
+        """`generate`'s completions decoded and scored."""
+        tokens, ended = out.replies(), out.ended.cpu()
+        texts = [self.tokenizer.decode(t[:-1] if e else t) for t, e in zip(tokens, ended.tolist())]
+        fields = [{**prompts.fields[i // n], "completion_tokens": len(t)}
+                  for i, t in enumerate(tokens)]  # fmt: skip
+        raw = score_completions(
+            self.rewards, [p for p in prompts.prompts for _ in range(n)], texts, fields,
+            [i for i in prompts.ids for _ in range(n)],
+        )  # fmt: skip
+        entropy = (out.entropy.sum(dim=1) / out.lengths.clamp(min=1)).cpu()
+        return Completions(tokens, texts, raw, ended, out.lengths.cpu().float(), entropy)
+
+    @torch.no_grad()
+    def validation(
+        self, model, batches, sampling: Sampling, key: str, groups: ParallelGroups
+    ) -> dict[str, float]:
+        """One completion per prompt of every batch (an evaluation loader's: its shard's
+        repeats left out), each row's draws keyed by `key` and its id: over every rank, the
+        mean weighted reward ("reward"), each reward's ("rewards/<name>/mean") and the mean
+        completion length ("completions/mean_length")."""
+        sums: dict[str, Any] = {}
+        for batch in batches:
+            out = self.generate(model, batch, 1, sampling, [f"{key} {i}" for i in batch.ids])
+            done = self.score(out, batch, 1)
+            keep = batch.real_rows()
+            parts = {"reward": (done.raw @ self.weights.to(done.raw.dtype))[keep].sum(),
+                     "prompts": keep.sum().float(),
+                     "completions/mean_length": done.lengths[keep].sum()}  # fmt: skip
+            for i, reward in enumerate(self.rewards):
+                parts[f"rewards/{reward.name}/mean"] = done.raw[keep, i].sum()
+            for name, value in parts.items():
+                sums[name] = sums.get(name, 0) + value
+        totals = groups.sum(sums, over="dp")
+        prompts = max(float(totals.pop("prompts")), 1.0)
+        return {name: float(value) / prompts for name, value in totals.items()}
+
+
+@dataclass
+class Group:
+    """One prompt's completions (num_generations of them), as generated and scored."""
+
+    prompt_ids: list[int]
+    prompt: str  # the prompt's text, as the rewards see it
+    id: str  # its row's id
+    completions: list[list[int]]  # each one's tokens, its end token included
+    texts: list[str]  # as the rewards read them
+    raw: torch.Tensor  # [n, rewards]: each reward function's value
+    total: torch.Tensor  # [n]: their weighted sum
+    ended: torch.Tensor  # [n]: reached an end token
+    entropy: torch.Tensor  # [n]: the mean entropy of its tokens' distributions
+    advantages: torch.Tensor | None = None  # [n], once every group is in
+
+    @property
+    def zero_variance(self) -> bool:
+        """Every completion got the same reward: the group carries no signal."""
+        return bool((self.total == self.total[0]).all())
+
+
+class Rollouts:
+    """One generation of a policy-gradient run (`__call__`): this rank's prompts of
+    `steps_per_generation` optimizer steps, `num_generations` completions of each (DAPO's
+    dynamic sampling replacing groups without signal), scored, their advantages (the
+    `advantage` baseline, `scale`d: group, batch or none), the log-probs the loss reads
+    beside the policy's own, each step's micro-batches, and the generation's metrics."""
+
+    def __init__(
+        self,
+        plan: ParallelPlan,
+        scorer: CompletionScorer,
+        generation: GenerationConfig,
+        advantage: Baseline,
+        scale: str,
+        seed: int,
+        micro_batches: int,
+    ) -> None:
+        self.plan, self.groups, self.scorer, self.gen = plan, plan.groups, scorer, generation
+        self.advantage, self.scale, self.seed = advantage, scale, seed
+        self.micro_batches = micro_batches
+        self.sampling = Sampling(generation.temperature, generation.top_k, generation.top_p)
+
+    def __call__(
+        self, prompts: Iterator[PromptBatch], step: int, reference=None, num_chunks=None
+    ) -> tuple[list[list[RolloutBatch]], list[Group], dict[str, float]]:
+        """Each optimizer step's micro-batches, the groups they were made of, the metrics.
+        `reference`: the KL term's reference model (`reference_model`), or None."""
+        gen, started = self.gen, time.perf_counter()
+        batch = PromptBatch.join([next(prompts) for _ in range(gen.steps_per_generation)])
+        groups, made = self.sample(batch, f"step {step}")
+        for round_ in range(1, gen.dynamic_sampling + 1):  # DAPO: replace groups of no signal
+            flat = [i for i, g in enumerate(groups) if g.zero_variance]
+            # every rank takes part in each round (its parameters are gathered together)
+            if not self.groups.sum({"flat": torch.tensor(len(flat))}, over="dp")["flat"]:
+                break
+            more, extra = self.sample(next(prompts).take(len(flat)), f"step {step} round {round_}")
+            for index, group in zip(flat, more):
+                groups[index] = group
+            made = {k: made[k] + extra[k] for k in made}
+        self.set_advantages(groups)
+        per_step = len(groups) // gen.steps_per_generation
+        steps = [self.batches(groups[k * per_step : (k + 1) * per_step])
+                 for k in range(gen.steps_per_generation)]  # fmt: skip
+        self.with_logps([b for batches in steps for b in batches], reference, num_chunks)
+        metrics = self.metrics(groups, made)
+        metrics["time/generation"], metrics["time/scoring"] = (
+            made["generation_s"],
+            made["scoring_s"],
+        )
+        metrics["time/rollout"] = time.perf_counter() - started
+        return steps, groups, metrics
+
+    def sample(self, prompts: PromptBatch, when: str) -> tuple[list[Group], dict]:
+        """num_generations completions of each prompt, scored: a Group per prompt; and the
+        time and tokens it took. Each completion's draws are keyed by the run's seed, `when`,
+        the prompt's id and its index in the group."""
+        n = self.gen.num_generations
+        keys = [f"seed {self.seed} {when} prompt {pid} sample {j}"
+                for pid in prompts.ids for j in range(n)]  # fmt: skip
+        started = time.perf_counter()
+        with self.plan.gathered() as model, self.plan.autocast():  # one all-gather
+            model.eval()
+            out = self.scorer.generate(model, prompts, n, self.sampling, keys)
+            model.train()
+        generated = time.perf_counter() - started
+        if out is None:
+            return [], {"generation_s": generated, "scoring_s": 0.0, "tokens": 0.0}
+        scoring = time.perf_counter()
+        done = self.scorer.score(out, prompts, n)
+        scored = time.perf_counter() - scoring
+        groups = []
+        for i, prompt_ids in enumerate(prompts.prompt_ids):
+            part = slice(i * n, (i + 1) * n)
+            groups.append(Group(
+                prompt_ids, prompts.prompts[i], prompts.ids[i], done.tokens[part],
+                done.texts[part], done.raw[part], done.raw[part] @ self.scorer.weights,
+                done.ended[part], done.entropy[part],
+            ))  # fmt: skip
+        tokens = float(out.lengths.sum())
+        return groups, {"generation_s": generated, "scoring_s": scored, "tokens": tokens}
+
+    def set_advantages(self, groups: list[Group]) -> None:
+        """Each completion's advantage (`group_advantages` with the `advantage` baseline);
+        `scale` batch divides by the std of every rank's rewards, as TRL's."""
+        n, scale = self.gen.num_generations, self.scale
+        total = torch.cat([g.total for g in groups])
+        batch_std = None
+        if scale == "batch":
+            sums = self.groups.sum({"n": torch.tensor(float(len(total))), "sum": total.sum(),
+                                    "sq": (total.double() ** 2).sum()}, over="dp")  # fmt: skip
+            mean = sums["sum"] / sums["n"]
+            variance = (sums["sq"] - sums["n"] * mean**2) / max(sums["n"] - 1, 1)
+            batch_std = max(variance, 0.0) ** 0.5
+        found = group_advantages(total, n, scale, self.advantage, batch_std)
+        for i, group in enumerate(groups):
+            group.advantages = found.advantages[i * n : (i + 1) * n]
+
+    def batches(self, groups: list[Group]) -> list[RolloutBatch]:
+        """One optimizer step's groups in `micro_batches` micro-batches, each its groups'
+        completions as rows (a group never split)."""
+        size = len(groups) // self.micro_batches
+        parts = (groups[i * size : (i + 1) * size] for i in range(self.micro_batches))
+        return [RolloutBatch.of_rollouts(
+            [g.prompt_ids for g in part for _ in g.completions],
+            [c for g in part for c in g.completions],
+            torch.cat([g.advantages for g in part]),
+        ) for part in parts]  # fmt: skip
+
+    @torch.no_grad()
+    def with_logps(self, batches: list[RolloutBatch], reference, num_chunks) -> None:
+        """The log-probs the loss reads besides the policy's own: the policy's at generation
+        time (more than one step per generation: the ratio's denominator) and the
+        reference's (a KL term), a micro-batch at a time (every rank runs as many)."""
+        several = self.gen.steps_per_generation > 1
+        if not several and reference is None:
+            return
+        for batch in batches:
+            placed = batch.to(self.plan.runtime.device)
+            if several:
+                with self.plan.autocast():
+                    batch.old_logps = token_logps(
+                        self.plan.model, placed.input_ids, placed.labels, num_chunks
+                    )[0]
+            if reference is not None:
+                batch.ref_logps = reference.tokens(placed)
+
+    def metrics(self, groups: list[Group], made: dict[str, float]) -> dict[str, float]:
+        """TRL's names, over every rank's completions: reward (mean, and the mean of the
+        groups' std), each reward's mean and std, the groups without signal, completion
+        lengths, how many hit max_completion_length, entropy, generation tokens/s."""
+        limit, rewards = self.gen.max_completion_length, self.scorer.rewards
+        raw = torch.cat([g.raw for g in groups])
+        total = torch.cat([g.total for g in groups])
+        lengths = torch.tensor([len(c) for g in groups for c in g.completions], dtype=torch.float)
+        ended = torch.cat([g.ended for g in groups])
+        sums = {
+            "completions": len(total), "groups": len(groups),
+            "reward": float(total.sum()), "reward_sq": float((total**2).sum()),
+            "reward_std": sum(float(g.total.std()) for g in groups),
+            "frac_reward_zero_std": sum(g.zero_variance for g in groups),
+            "completions/mean_length": float(lengths.sum()),
+            "completions/clipped_ratio": float(((lengths >= limit) & ~ended).sum()),
+            "entropy": float(torch.cat([g.entropy for g in groups]).sum()),
+            "generation_tokens": made["tokens"], "generation_s": made["generation_s"],
+        }  # fmt: skip
+        for i, reward in enumerate(rewards):
+            sums[f"rewards/{reward.name}/mean"] = float(raw[:, i].sum())
+            sums[f"rewards/{reward.name}/sq"] = float((raw[:, i] ** 2).sum())
+        totals, maxima = self.groups.sum_and_max(
+            sums, {"completions/max_length": float(lengths.max())}, over="dp"
+        )
+        n, g = totals.pop("completions"), totals.pop("groups")
+        out = dict(maxima)
+        for name in ("reward", *(f"rewards/{r.name}/mean" for r in rewards)):
+            out[name] = totals[name] / n
+            if name != "reward":  # a reward's std over every completion
+                square = totals[name.replace("/mean", "/sq")] / n
+                out[name.replace("/mean", "/std")] = max(square - out[name] ** 2, 0.0) ** 0.5
+        for name in ("reward_std", "frac_reward_zero_std"):  # per group
+            out[name] = totals[name] / g
+        for name in ("completions/mean_length", "completions/clipped_ratio", "entropy"):
+            out[name] = totals[name] / n
+        out["generation/tokens_per_s"] = totals["generation_tokens"] / max(
+            totals["generation_s"], 1e-9
+        )
+        return out
+
+
+def write_samples(
+    path: Path, step: int, groups: list[Group], rewards: Sequence[Reward], count: int
+) -> list[dict[str, Any]]:
+    """The first `count` completions appended to the JSONL file `path` (prompt,
+    completion, each reward, total); returns the records written."""
+    records = []
+    for group in groups:
+        for j, text in enumerate(group.texts):
+            values = {r.name: float(group.raw[j, i]) for i, r in enumerate(rewards)}
+            records.append({"step": step, "id": group.id, "prompt": group.prompt,
+                            "completion": text, "rewards": values,
+                            "reward": float(group.total[j])})  # fmt: skip
+    records = records[:count]
+    with open(path, "a") as f:
+        for record in records:
+            f.write(json.dumps(record) + "\n")
+    return records
