@@ -165,8 +165,8 @@ class DecoderSetup:
         cfg = self.cfg
         self.run.start(
             self.plan, self.optimizer, self.lr_scheduler, train_loader,
-            tokens_per_sample=tokens_per_sample, inputs=inputs, trains=self.trains,
-            activation_checkpointing=cfg.distributed.activation_checkpointing, **facts,
+            tokens_per_sample=tokens_per_sample, inputs=inputs, **facts,
+            activation_checkpointing=cfg.distributed.activation_checkpointing, trains=self.trains,
         )  # fmt: skip
         if cfg.qat.scheme != "none":
             self.run.each_step(lambda step: set_fake_quantization(
