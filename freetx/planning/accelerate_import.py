@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 
-from freetx.distributed.parallelize import DATA_PARALLEL_STRATEGY, FSDP_SHARDING_STRATEGIES
+from freetx.distributed.config import DATA_PARALLEL_STRATEGY, FSDP_SHARDING_STRATEGIES
 from freetx.planning.deepspeed_import import _deepspeed_key
 from freetx.planning.fsdp_import import _fsdp_key
 from freetx.planning.imported_config import (

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from freetx.distributed.parallelize import ZERO_STAGE_STRATEGIES
+from freetx.distributed.config import ZERO_STAGE_STRATEGIES
 from freetx.planning.imported_config import (
     AUTO,
     BLOCKS,

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from freetx.distributed.parallelize import (
+from freetx.distributed.config import (
     FSDP_SHARDING_STRATEGIES,
     RESHARD_AFTER_FORWARD_STRATEGIES,
 )

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from freetx.config.foreign_names import foreign_why, global_batch_note
-from freetx.distributed.parallelize import DTYPE_ABBREVIATIONS, DTYPES
+from freetx.distributed.config import DTYPE_ABBREVIATIONS, DTYPES
 from freetx.errors import FreetxError
 
 AUTO = (

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from freetx.config.foreign_names import foreign_key, foreign_why
-from freetx.distributed.parallelize import RESHARD_AFTER_FORWARD_STRATEGIES
+from freetx.distributed.config import RESHARD_AFTER_FORWARD_STRATEGIES
 from freetx.planning.imported_config import (
     COUNT,
     NORM,
