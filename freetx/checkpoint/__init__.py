@@ -1,8 +1,9 @@
-"""Checkpoints: DCP sharded saves and exact resume (checkpointer.py), the run folder's
-guard and which checkpoint a path means (run_folder.py), what they hold (state.py), a DCP
-folder read safely (dcp_folder.py), formats and conversion (formats.py, convert.py;
-written through freetx/user_files.py), reading weights into a model (loading.py: survey,
-check, load; HF layouts are the models' own, freetx.models.hf)."""
+"""Checkpoints: DCP sharded saves and exact resume (checkpointer.py; saver.py writes the
+saves), the run folder's guard and which checkpoint a path means (run_folder.py), what
+they hold (state.py), a DCP folder read safely (dcp_folder.py), formats and conversion
+(formats.py, convert.py; written through freetx/user_files.py), reading weights into a
+model (loading.py: survey, check, load; HF layouts are the models' own,
+freetx.models.hf)."""
 
 from freetx.checkpoint.checkpointer import CheckpointConfig, Checkpointer, build_meta
 from freetx.checkpoint.convert import convert, inspect_report, merge

@@ -47,7 +47,7 @@ from freetx.checkpoint.formats import (
     skipped_note,
 )
 from freetx.checkpoint.run_folder import resolve_checkpoint
-from freetx.distributed.parallelize import dtype_named
+from freetx.distributed.config import dtype_named
 from freetx.errors import CheckpointError
 from freetx.models.hf import TOKENIZER_FILES, HFLayout, layout_of, text_model_config
 from freetx.user_files import check_destination, staged_output

@@ -15,7 +15,7 @@ INTERMIXED_ARGS = False  # sub-actions (inspect, convert) need plain parsing
 
 def build_parser() -> argparse.ArgumentParser:
     from freetx.checkpoint.convert import FORMATS
-    from freetx.distributed.parallelize import DTYPE_ABBREVIATIONS
+    from freetx.distributed.config import DTYPE_ABBREVIATIONS
 
     p = argparse.ArgumentParser(
         prog="freetx checkpoint",

@@ -1,5 +1,7 @@
 """`freetx import deepspeed|accelerate|fsdp FILE [--world-size N]`: the freetx overrides
-an old config means (freetx/planning/config_import.py holds the mapping)."""
+an old config means (freetx/planning/config_import.py reads the file; a module per format
+holds its mapping: deepspeed_import.py, accelerate_import.py, fsdp_import.py,
+torchtune_import.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ import shlex
 
 from freetx.cli.common import at_least_one
 
-FORMATS = ("deepspeed", "accelerate", "fsdp-config", "torchtune")  # config_import reads these
+FORMATS = ("deepspeed", "accelerate", "fsdp-config", "torchtune")  # freetx.planning's importers
 DESCRIPTION = """Read an old config and print the freetx overrides it means, ready to paste
 after `freetx run RECIPE --config CFG`, then (as # comments) the launch options and
 environment it asks for, and every key with no freetx equivalent and why.

@@ -4,21 +4,24 @@
 `build_groups(runtime, cfg)` names the ranks by axis (`ParallelGroups`: dp, cp, tp, pp,
 dp_cp, world) and runs every collective; `parallelize(model, groups, cfg, seed)` returns a
 `ParallelPlan`, the one object that knows the strategy: nothing outside this
-package names one.
+package names one. The `distributed:` section (`DistributedConfig`) and every refusal of
+it (`check_distributed`) are config.py's.
 """
 
+from freetx.distributed.config import (
+    DistributedConfig,
+    MixedPrecisionConfig,
+    check_distributed,
+    dtype_named,
+)
 from freetx.distributed.context_parallel import ContextShard
 from freetx.distributed.frozen import FrozenBase, frozen_base
 from freetx.distributed.groups import HostGroup, ParallelGroups
 from freetx.distributed.mesh import MeshShape, Processes
 from freetx.distributed.parallelize import (
-    DistributedConfig,
-    MixedPrecisionConfig,
     ParallelPlan,
     StateSharding,
     build_groups,
-    check_distributed,
-    dtype_named,
     parallelize,
     parallelize_frozen,
     root_gathered,

@@ -12,6 +12,8 @@ hf_families.py        the HF families it reads and writes natively, one record e
                       Mistral, Qwen2, Qwen3, OLMo 2, Mixtral, Qwen3-MoE, Phi-3, Gemma 2 and
                       3, SmolLM3)
 transformer_hf.py     its HF layouts: tensor names, config.json (by a family's record)
+hf_export_checks.py   whether it can be written as the HF family it names (blocks,
+                      projections, RoPE, biases, fields), else the family that fits
 hf.py                 finding a model's HF layout (the checkpoint package asks here);
                       `hf_model(path)`: a folder's model, native or generic
 hf_generic.py         the generic transformers path: any other causal LM transformers knows

@@ -29,7 +29,9 @@ from a folder computes what transformers computes, or it is not built.
 `freetx.models.transformer.hf_decoder(path, **fields)` builds the decoder a
 folder's config.json describes (on the meta device, like any builder); its
 weights come with `checkpoint.initial_weights=PATH`. The checkpoint package asks a model class
-for its layout (`freetx.models.hf`); it knows no model itself.
+for its layout (`freetx.models.hf`); it knows no model itself. Whether a decoder can be
+written as the family it names (its blocks, projections, RoPE, biases, fields) is
+freetx.models.hf_export_checks.
 """
 
 from __future__ import annotations
@@ -40,14 +42,14 @@ from pathlib import Path
 from typing import Any
 
 from freetx.errors import CheckpointError, ConfigError
-from freetx.models.attention import sliding_layers
-from freetx.models.hf_families import (
-    FAMILIES,
-    HELD_BY_SOME,
-    Family,
-    rope_settings,
-    unsupported,
+from freetx.models.hf_export_checks import (
+    biases_to_hf,
+    check_blocks,
+    check_fields,
+    check_projections,
+    check_rope,
 )
+from freetx.models.hf_families import FAMILIES, Family, rope_settings, unsupported
 
 # freetx name pattern -> HF name pattern ({i} is the layer index)
 _NAMES = [
@@ -180,21 +182,6 @@ def partial_rotary_factor(hf: dict[str, Any]) -> float:
     return float(params.get("partial_rotary_factor") or hf.get("partial_rotary_factor") or 1.0)
 
 
-def _not_held(family: Family, c: dict[str, Any]) -> list[str]:
-    """The decoder's fields (as `name=value`) an HF model of `family` cannot have."""
-    found = [
-        f"{name}={json.dumps(c.get(name, False))}"
-        for name in ("norm_plus_one", "scale_embeddings")
-        if c.get(name, False) != family.gemma
-    ]
-    found += [f"{name}={json.dumps(c[name])}" for name in HELD_BY_SOME
-              if c.get(name) and name not in family.holds]  # fmt: skip
-    sliding = sliding_layers(c["num_layers"], c.get("sliding_window"), c.get("layer_types"))
-    if family.window_on_every_layer and any(sliding) and not all(sliding):
-        found.append(f"layer_types={json.dumps(c['layer_types'])}")
-    return found
-
-
 class LlamaFamilyLayout:
     """How `freetx.models.transformer.Transformer` maps to HF Llama, Mistral, Qwen2, Qwen3,
     OLMo 2, Gemma 2 and Gemma 3 text folders (the same tensors; Qwen2 adds q/k/v biases,
@@ -321,7 +308,7 @@ class LlamaFamilyLayout:
             "pad_token_id": c.get("pad_token_id"),  # the embedding's row without gradient
             "dtype": dtype,
         }
-        hf.update(_biases_to_hf(family, c.get("qkv_bias", False), c.get("wo_bias", False)))
+        hf.update(biases_to_hf(family, c.get("qkv_bias", False), c.get("wo_bias", False)))
         family.write(c, hf)
         if family.head_dim_derived:
             if hf["head_dim"] * c["num_heads"] != c["hidden_dim"]:
@@ -411,74 +398,6 @@ class LlamaFamilyLayout:
         return fields
 
 
-def _biases_to_hf(family: Family, qkv_bias: bool, wo_bias: bool) -> dict[str, Any]:
-    """config.json's `attention_bias` where the family has it, or an error where the
-    decoder's biases do not fit the family."""
-    model_type = family.model_type
-    if family.biases == "all_or_none":
-        if qkv_bias != wo_bias:
-            qkv_only = [t for t, f in FAMILIES.items() if f.biases == "qkv" and _blocks(f)
-                        == _blocks(family)]  # fmt: skip
-            raise CheckpointError(
-                f"an HF {model_type} model has biases on all of q, k, v, o or on none; this "
-                f"one has qkv_bias={qkv_bias}, wo_bias={wo_bias}. "
-                + (f"Export it as {qkv_only[0]}." if qkv_only
-                   else "Convert it to .safetensors or DCP instead.")
-            )  # fmt: skip
-        return {"attention_bias": qkv_bias}
-    if family.biases == "qkv_or_none":
-        if wo_bias:
-            raise CheckpointError(
-                f"an HF {model_type} model has biases on q, k and v or none, never on o; this "
-                "one has wo_bias=True. Convert it to .safetensors or DCP instead."
-            )
-        return {"attention_bias": qkv_bias}
-    qkv = family.biases == "qkv"
-    if (qkv_bias, wo_bias) != (qkv, False):
-        raise CheckpointError(
-            f"an HF {model_type} model has "
-            + ("biases on q, k and v and none on o" if qkv else "no biases on its projections")
-            + f"; this one has qkv_bias={qkv_bias}, wo_bias={wo_bias}. "
-            + ("Export it as llama (model.hf_model_type=llama) instead." if qkv
-               else "Convert it to .safetensors or DCP instead.")
-        )  # fmt: skip
-    return {}
-
-
-def _blocks(family: Family) -> tuple[str | None, str]:
-    return family.qk_norm, family.norm_position
-
-
-def check_rope(family: Family, scaling: dict | None, partial: float) -> None:
-    """A model exports as `family` only with a RoPE that family computes."""
-    kind = (scaling or {}).get("rope_type", "default")
-    phi = family.phi_rope
-    kinds = ("default", "longrope") if phi else ("default", "llama3", "linear")
-    kinds += ("yarn",) if family.yarn_rope else ()
-    if kind not in kinds or (partial != 1.0 and not (phi or family.partial_rotary)):
-        raise CheckpointError(
-            f"an HF {family.model_type} model has {', '.join(kinds)} RoPE"
-            f"{'' if phi else ' on every dim of each head'}; this one has rope_type={kind}, "
-            f"partial_rotary_factor={partial}. "
-            + ("Convert" if phi else "Export it as phi3 (model.hf_model_type=phi3) if its "
-               "projections are fused, or convert")
-            + " it to .safetensors or DCP."
-        )  # fmt: skip
-
-
-def check_projections(family: Family, fused: bool) -> None:
-    """A model exports as `family` only with its projections (fused or not)."""
-    if family.fused_projections != fused:
-        fits = [t for t, f in FAMILIES.items() if f.fused_projections == fused]
-        raise CheckpointError(
-            f"an HF {family.model_type} model has fused_projections={not fused} (q/k/v and "
-            f"gate/up {'in one Linear each' if not fused else 'apart'}); this one has "
-            f"fused_projections={fused}. Export it as {' or '.join(fits)} "
-            f"(model.hf_model_type={fits[0]}) if its other blocks fit, or convert it to "
-            ".safetensors or DCP."
-        )
-
-
 def _moe_from_hf(hf: dict[str, Any], family: Family) -> dict[str, Any]:
     """The decoder's MoE fields from the config.json of a family with experts ({} for
     the others)."""
@@ -526,53 +445,6 @@ def _moe_to_hf(c: dict[str, Any], family: Family) -> dict[str, Any]:
         "output_router_logits": False,
         **family.experts.write(c),
     }
-
-
-def check_fields(family: Family, c: dict[str, Any]) -> None:
-    """A model exports as `family` only if its config.json holds all it computes (Gemma's
-    norms and embedding scale, soft-caps, windows, layers without RoPE)."""
-    found = _not_held(family, c)
-    if found:
-        blocks = (c.get("qk_norm"), c.get("norm_position", "pre"))
-        fits = [t for t, f in FAMILIES.items() if _blocks(f) == blocks and not _not_held(f, c)]
-        fix = (
-            f"Export it as {' or '.join(fits)} (model.hf_model_type={fits[0]}) instead."
-            if fits
-            else "Convert it to .safetensors or DCP instead."
-        )
-        raise CheckpointError(
-            f"an HF {family.model_type} model cannot have {', '.join(found)}, which this one "
-            f"has; an export would compute something else. {fix}"
-        )
-
-
-def check_blocks(
-    model_type: str, qk_norm: str | None, norm_position: str, experts: bool = False
-) -> Family:
-    """The family a model exports as (`model_type`), if it has that family's blocks (q/k
-    norms, norm position); the families it is pointed to instead have experts when it has
-    (`experts`)."""
-    family = FAMILIES.get(model_type)
-    if family is None:
-        raise CheckpointError(
-            f"hf_model_type={model_type!r} is not an HF architecture freetx writes; it writes "
-            f"{', '.join(FAMILIES)}."
-        )
-    if _blocks(family) != (qk_norm, norm_position):
-        fits = [t for t, f in FAMILIES.items()
-                if _blocks(f) == (qk_norm, norm_position) and (f.experts is not None) == experts]  # fmt: skip
-        fix = (
-            f"Export it as {' or '.join(fits)} (model.hf_model_type={fits[0]}) instead."
-            if fits
-            else "No HF architecture freetx writes has these blocks: convert it to "
-            ".safetensors or DCP instead."
-        )
-        raise CheckpointError(
-            f"an HF {model_type} model has qk_norm={family.qk_norm}, norm_position="
-            f"{family.norm_position}; this one has qk_norm={qk_norm}, norm_position="
-            f"{norm_position}. {fix}"
-        )
-    return family
 
 
 LLAMA_LAYOUT = LlamaFamilyLayout("pre")

@@ -12,8 +12,9 @@ import torch
 from freetx.config import instantiate
 from freetx.data import micro_batch_size
 from freetx.distributed import Processes
+from freetx.distributed.config import strategy_shapes
 from freetx.distributed.optimizer import check_optimizer
-from freetx.distributed.parallelize import find_blocks, strategy_shapes
+from freetx.distributed.parallelize import find_blocks
 from freetx.distributed.pipeline import check_stages, num_stages, rank_stages, stage_blocks
 from freetx.errors import ConfigError
 from freetx.models.chunked_loss import CHUNKS_FOR_LARGE_VOCABULARY as CHUNKS

@@ -29,8 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from freetx.config.foreign_names import foreign_key, foreign_why
-from freetx.distributed.parallelize import RESHARD_AFTER_FORWARD_STRATEGIES
-from freetx.planning.config_import import (
+from freetx.distributed.config import RESHARD_AFTER_FORWARD_STRATEGIES
+from freetx.planning.imported_config import (
     COUNT,
     NORM,
     RATE,

@@ -165,7 +165,7 @@ def test_validate_refuses_a_data_file_that_does_not_exist(tmp_path, config, key)
 
 
 def test_tp_on_one_node_of_3_processes_says_3_is_not_divisible_by_tp():
-    from freetx.distributed.parallelize import DistributedConfig
+    from freetx.distributed.config import DistributedConfig
 
     with pytest.raises(ConfigError) as e:
         MeshShape.of(DistributedConfig(tp=2), Processes(3, 3, "cpu"))
@@ -175,7 +175,7 @@ def test_tp_on_one_node_of_3_processes_says_3_is_not_divisible_by_tp():
 
 
 def test_tp_that_does_not_divide_a_node_still_says_the_group_would_span_nodes():
-    from freetx.distributed.parallelize import DistributedConfig
+    from freetx.distributed.config import DistributedConfig
 
     with pytest.raises(ConfigError, match="a tp group would span nodes"):
         MeshShape.of(DistributedConfig(tp=2), Processes(6, 3, "cpu"))

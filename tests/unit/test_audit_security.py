@@ -18,10 +18,11 @@ import torch.distributed.checkpoint as dcp
 from omegaconf import OmegaConf
 
 from freetx.checkpoint import convert, inspect_report, open_tensors
-from freetx.checkpoint.checkpointer import _Writer, build_meta
+from freetx.checkpoint.checkpointer import build_meta
 from freetx.checkpoint.dcp_folder import CHECKSUMS, META_FILE, fold_checksums
 from freetx.checkpoint.loading import weight_source
 from freetx.checkpoint.run_folder import plan_resume
+from freetx.checkpoint.saver import _Writer
 from freetx.distributed import materialize
 from freetx.errors import CheckpointError, FreetxError
 from freetx.models.transformer import decoder

@@ -1,5 +1,6 @@
-"""`freetx import`'s mapping (freetx/planning/config_import.py): each foreign key, read from
-small files written here, to the freetx override it means or to the unmapped list."""
+"""`freetx import`'s mapping (freetx/planning/config_import.py and each format's importer):
+each foreign key, read from small files written here, to the freetx override it means or
+to the unmapped list."""
 
 from __future__ import annotations
 

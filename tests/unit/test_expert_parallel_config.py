@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from freetx.distributed import DistributedConfig, MeshShape, Processes, check_distributed
+from freetx.distributed.config import strategy_shapes
 from freetx.distributed.expert_parallel import expert_major
-from freetx.distributed.parallelize import strategy_shapes
 from freetx.errors import ConfigError
 from freetx.models.transformer import decoder
 from freetx.planning.estimate import GIB, estimate

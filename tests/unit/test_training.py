@@ -12,7 +12,7 @@ from freetx.training import LRScheduleConfig, lr_multiplier
 def shapes(world_size: int, strategy: str | None = None, **axes):
     """The shape of every strategy (or one) on `world_size` CPU processes, for `estimate`."""
     from freetx.distributed import DistributedConfig, Processes
-    from freetx.distributed.parallelize import strategy_shapes
+    from freetx.distributed.config import strategy_shapes
 
     found, _ = strategy_shapes(DistributedConfig(**axes), Processes(world_size, device_type="cuda"))
     return [s for s in found if strategy in (None, s.strategy)]
