@@ -1,19 +1,26 @@
-"""Cross-entropy over an output layer's logits made a chunk of tokens at a time.
+"""Losses over an output layer's logits made a chunk of tokens at a time.
 
 The output layer's logits [B, T, vocab] are the largest tensor of a step at Llama 3's
-128k or Gemma's 256k vocabulary. `ChunkedCrossEntropy` is an `OutputLoss`: a model
-that hands it its last hidden states and its output layer (`ProjectsInChunks`) never
-makes the logits whole. It computes the logits of one chunk of tokens at a time in the
-compute dtype, upcasts that chunk to float32, takes its cross-entropy, and computes
-that chunk's gradients (of the hidden states and of the output layer's parameters) at
-once, so that nothing of the chunk is kept for backward. Backward then only scales the
-gradients by the loss's own: the same matrix products as the unchunked loss, with one
-chunk's logits alive at a time (`benchmarks/memory.py`). The LM losses use it:
-`freetx.objectives.CrossEntropyLoss`, the Free Transformer's.
+128k or Gemma's 256k vocabulary. A model that hands its last hidden states and its output
+layer (`ProjectsInChunks`) to an `OutputLoss` of this module never makes them whole. One
+engine serves every such loss: `over_chunks` makes the logits of one chunk of tokens at a
+time in the compute dtype, upcasts that chunk to float32, and hands it to a `ChunkTerm`,
+which says what the chunk gives (its sums, its per-token values, and the gradient of its
+part of the loss in those logits): here the labels' cross-entropy, in
+`freetx.objectives.distillation` the divergence from a teacher's chunk.
+
+`_GradientInForward` takes each chunk's gradients (of the hidden states and of the
+output layer's parameters) at once, back through the output layer from the term's
+gradient in its logits, so that nothing of the chunk is kept for backward. Backward then
+only scales the gradients by the loss's own: the same matrix products as the unchunked
+loss, with one chunk's logits alive at a time (`benchmarks/memory.py`). The LM losses use
+it through `ChunkedCrossEntropy` (`freetx.objectives.CrossEntropyLoss`, the Free
+Transformer's), distillation through its own term.
 
 `ChunkedLogProbs` returns each token's log-probability instead, for the preference
 losses (`freetx.objectives.preference`): their gradient in each token is known only in
-backward, which makes each chunk's logits a second time (`benchmarks/dpo.py`).
+backward (`_GradientInBackward`), which makes each chunk's logits a second time
+(`benchmarks/dpo.py`).
 """
 
 from __future__ import annotations
@@ -61,72 +68,195 @@ def default_num_chunks(vocab_size: int) -> int:
     return CHUNKS_FOR_LARGE_VOCABULARY if vocab_size >= LARGE_VOCABULARY else 1
 
 
-class TokenLosses(NamedTuple):
-    """What the cross-entropy of a batch returns: the loss summed over its loss tokens
-    (differentiable) and each token's loss [B, T] (detached, 0 where ignored), or None
-    where it was not asked for."""
-
-    total: torch.Tensor
-    per_token: torch.Tensor | None
-
-
-class _OverChunksOfTokens:
-    """What the chunked output losses share: the labels [B, T] and how many chunks of
-    tokens at a time (None: `default_num_chunks`); a call makes the logits whole only for
-    one chunk of an unsliced head (`whole`), else runs `_chunk_losses`: through the
-    loss's own autograd function (`differentiate`) where anything trains, plainly where
-    nothing does (under no_grad, a frozen model); `finish` makes what forward returns of
-    (total, per-token losses)."""
-
-    def __init__(
-        self, labels: torch.Tensor, num_chunks: int | None = None, ignore_index: int = IGNORE_INDEX
-    ) -> None:
-        self.labels = labels
-        self.num_chunks = num_chunks
-        self.ignore_index = ignore_index
-
-    def __call__(self, hidden: torch.Tensor, layer: OutputLayer):
-        chunks = self.num_chunks or default_num_chunks(layer.vocab_size)
-        if chunks == 1 and layer.vocab is None:
-            return self.whole(layer.project(hidden))
-        trained = [p for p in layer.parameters if p.requires_grad]
-        args = (hidden, self.labels, (layer.project, layer.vocab), chunks, self.ignore_index)
-        if torch.is_grad_enabled() and (hidden.requires_grad or trained):
-            return self.finish(*self.differentiate(*args, *trained))
-        return self.finish(*_chunk_losses(*args, ())[:2])
+def chunk_bounds(n: int, chunks: int) -> list[tuple[int, int]]:
+    """The (start, end) rows of `chunks` near-equal chunks of `n` (torch's `tensor_split`
+    sizes: the first `n % chunks` one row longer), empty ones left out. From sizes alone,
+    never a tensor's values: the loss runs on fake tensors too (`freetx estimate --measure`)."""
+    size, longer = divmod(n, chunks)
+    bounds, start = [], 0
+    for i in range(chunks):
+        end = start + size + (i < longer)
+        if end > start:
+            bounds.append((start, end))
+        start = end
+    return bounds
 
 
-class ChunkedCrossEntropy(_OverChunksOfTokens):
-    """An `OutputLoss` (`freetx.models.OutputLoss`): next-token cross-entropy of `labels`
-    [B, T] over the logits the output layer makes of `hidden` [B, T, d], `num_chunks`
-    chunks of tokens at a time (None: `default_num_chunks`). `per_token`: also return
-    each token's loss."""
+class Chunk(NamedTuple):
+    """What a `ChunkTerm` makes of one chunk of tokens' logits."""
 
-    def __init__(
+    sums: tuple[torch.Tensor, ...]  # its values summed over the chunk (float32, detached)
+    per_token: tuple[torch.Tensor, ...]  # its values at each of the chunk's tokens [n, ...]
+    grad: torch.Tensor | None  # where asked: its part of the loss's gradient in the logits
+
+
+class ChunkTerm(Protocol):
+    """A loss over an output layer's logits, a chunk of tokens at a time (`over_chunks`).
+
+    `chunk` gets a chunk's logits [n, V] float32 (detached; this rank's slice [n, V/tp]
+    where `vocab` slices the head), its `rows` of the flat tokens, and whether to
+    `differentiate`: then `Chunk.grad` is the gradient in those logits of the chunk's part
+    of the loss, sum_i weights[i] x sums[i]; given `upstream` (each token's gradient [n],
+    where it is known only in backward: `_GradientInBackward`), that of its per-token
+    value weighted by it instead."""
+
+    # each of its sums' weight in the loss (`loss_in_chunks`); none for a term of per-token
+    # values only, which `over_chunks` runs alone (the teacher's top-k)
+    weights: tuple[float, ...]
+
+    def chunk(
         self,
-        labels: torch.Tensor,
-        num_chunks: int | None = None,
-        ignore_index: int = IGNORE_INDEX,
-        per_token: bool = False,
-    ) -> None:
-        super().__init__(labels, num_chunks, ignore_index)
-        self.per_token = per_token
+        logits: torch.Tensor,
+        rows: slice,
+        vocab: VocabSlice | None,
+        differentiate: bool,
+        upstream: torch.Tensor | None,
+    ) -> Chunk: ...
 
-    def differentiate(self, *args):
-        return _ChunkedCrossEntropy.apply(*args)
 
-    def finish(self, total: torch.Tensor, per_token: torch.Tensor) -> TokenLosses:
-        return TokenLosses(total, per_token.view_as(self.labels) if self.per_token else None)
+class OverChunks(NamedTuple):
+    """What `over_chunks` returns: a term's sums and per-token values over all the flat
+    tokens, and the gradients it took (float32 sums over the chunks for the parameters)."""
 
-    def whole(self, logits: torch.Tensor) -> TokenLosses:
-        """The loss of logits made whole (one chunk), upcast to float32 for the softmax."""
-        flat = logits.float().flatten(0, 1), self.labels.flatten()
-        if not self.per_token:
-            return TokenLosses(
-                F.cross_entropy(*flat, ignore_index=self.ignore_index, reduction="sum"), None
-            )
-        losses = F.cross_entropy(*flat, ignore_index=self.ignore_index, reduction="none")
-        return TokenLosses(losses.sum(), losses.detach().view_as(self.labels))
+    sums: tuple[torch.Tensor, ...]
+    per_token: tuple[torch.Tensor, ...]
+    grad_hidden: torch.Tensor | None  # [N, d], None where hidden was not differentiated
+    grad_params: list[torch.Tensor]
+
+
+def over_chunks(
+    hidden: torch.Tensor,
+    layer: OutputLayer,
+    chunks: int,
+    term: ChunkTerm,
+    wants: tuple[torch.Tensor, ...] = (),
+    upstream: torch.Tensor | None = None,
+) -> OverChunks:
+    """The chunk loop: each chunk of tokens of `hidden` [..., d] in turn, its logits
+    (`layer.project`), upcast to float32, and `term`'s `Chunk` of them; with `wants`
+    (hidden, then the parameters to differentiate), that chunk's gradients at once, from
+    the term's gradient in its logits back through `project`, so that nothing of the chunk
+    outlives it. `upstream` [N]: each flat token's gradient of the term's per-token value.
+    At least one chunk (an empty one without tokens) gives the sums their shapes."""
+    flat_hidden = hidden.flatten(0, -2)
+    tokens = flat_hidden.shape[0]
+    wants_hidden = bool(wants) and wants[0] is hidden
+    params = list(wants[1:] if wants_hidden else wants)
+    grad_hidden = torch.empty_like(flat_hidden) if wants_hidden else None
+    # float32 sums of the parameters' gradients over the chunks
+    # (zeros_like: a parameter sliced over tensor-parallel ranks is a DTensor, its sum too)
+    grad_params = [torch.zeros_like(p, dtype=torch.float32) for p in params]
+    sums: list[torch.Tensor] = []
+    per_token: list[torch.Tensor] = []
+    for start, end in chunk_bounds(tokens, chunks) or [(0, tokens)]:
+        chunk = flat_hidden[start:end].detach().requires_grad_(wants_hidden)
+        inputs = ([chunk] if wants_hidden else []) + params
+        with torch.enable_grad() if wants else torch.no_grad():
+            # a view, not the leaf itself: a hook on a module's input (torch's memory
+            # trackers') may not stand on a leaf that autograd.grad differentiates
+            logits = layer.project(chunk.view_as(chunk)).float()
+        rows = slice(start, end)
+        above = None if upstream is None else upstream[rows]
+        part = term.chunk(logits.detach(), rows, layer.vocab, bool(inputs), above)
+        if start == 0:  # the first chunk: the term's values' shapes
+            sums = [torch.zeros_like(value) for value in part.sums]
+            per_token = [value.new_empty((tokens, *value.shape[1:])) for value in part.per_token]
+        for summed, value in zip(sums, part.sums):
+            summed += value
+        for whole, value in zip(per_token, part.per_token):
+            whole[rows] = value
+        if inputs:
+            grads = torch.autograd.grad(logits, inputs, part.grad)
+            if wants_hidden:
+                grad_hidden[rows] = grads[0]
+                grads = grads[1:]
+            for summed, grad in zip(grad_params, grads):
+                summed += grad
+    return OverChunks(tuple(sums), tuple(per_token), grad_hidden, grad_params)
+
+
+def _outputs(term: ChunkTerm, found: OverChunks) -> tuple[torch.Tensor, ...]:
+    """(loss, *sums, *per-token values): the loss the term's sums weighed."""
+    weighted = [weight * summed for weight, summed in zip(term.weights, found.sums)]
+    return sum(weighted[1:], weighted[0]), *found.sums, *found.per_token
+
+
+class _GradientInForward(torch.autograd.Function):
+    """A term's loss over the chunks and, in the same pass, its gradients (the loss's
+    gradient taken as one); backward scales them by the loss's real gradient (a scalar).
+    Returns (loss, *sums, *per-token values), the loss alone differentiable."""
+
+    @staticmethod
+    def forward(ctx, hidden, layer, chunks, term, *params):
+        wants = ((hidden,) if ctx.needs_input_grad[0] else ()) + params
+        found = over_chunks(hidden, layer, chunks, term, wants)
+        ctx.mark_non_differentiable(*found.sums, *found.per_token)
+        ctx.hidden_shape = hidden.shape
+        ctx.param_dtypes = [p.dtype for p in params]
+        grad_hidden = found.grad_hidden
+        ctx.save_for_backward(
+            grad_hidden if grad_hidden is not None else torch.empty(0), *found.grad_params
+        )
+        ctx.has_hidden = grad_hidden is not None
+        return _outputs(term, found)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_total, *_not_differentiable):
+        grad_hidden, *grad_params = ctx.saved_tensors
+        scaled_hidden = None
+        if ctx.has_hidden:
+            scaled_hidden = (grad_hidden * grad_total.to(grad_hidden.dtype)).view(ctx.hidden_shape)
+        scaled = [(g * grad_total).to(dtype) for g, dtype in zip(grad_params, ctx.param_dtypes)]
+        return scaled_hidden, None, None, None, *scaled
+
+
+class _GradientInBackward(torch.autograd.Function):
+    """A term of one per-token value, differentiable in it for any gradient of each token's
+    (DPO's loss is not linear in them, so nothing can be computed ahead in forward):
+    forward keeps no chunk; backward makes the chunks' logits again and takes their
+    gradients weighted by each token's (`over_chunks` with `upstream`). Returns (loss,
+    *sums, per-token values), the last alone differentiable."""
+
+    @staticmethod
+    def forward(ctx, hidden, layer, chunks, term, *params):
+        outputs = _outputs(term, over_chunks(hidden, layer, chunks, term))
+        ctx.mark_non_differentiable(*outputs[:-1])
+        ctx.layer, ctx.chunks, ctx.term = layer, chunks, term
+        ctx.param_dtypes = [p.dtype for p in params]
+        ctx.save_for_backward(hidden, *params)
+        return outputs
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, *grad_outputs):
+        hidden, *params = ctx.saved_tensors
+        wants = ((hidden,) if ctx.needs_input_grad[0] else ()) + tuple(params)
+        upstream = grad_outputs[-1].float()
+        found = over_chunks(hidden, ctx.layer, ctx.chunks, ctx.term, wants, upstream)
+        grad_hidden = found.grad_hidden
+        if grad_hidden is not None:
+            grad_hidden = grad_hidden.view(hidden.shape)
+        grads = [g.to(dtype) for g, dtype in zip(found.grad_params, ctx.param_dtypes)]
+        return grad_hidden, None, None, None, *grads
+
+
+def loss_in_chunks(
+    hidden: torch.Tensor,
+    layer: OutputLayer,
+    chunks: int,
+    term: ChunkTerm,
+    gradient: type[torch.autograd.Function] = _GradientInForward,
+) -> tuple[torch.Tensor, ...]:
+    """`term`'s (loss, *sums, *per-token values) over the logits `layer` makes of
+    `hidden` [B, T, d], `chunks` chunks of tokens at a time: through `gradient`
+    (`_GradientInForward`, or `_GradientInBackward`) where anything trains, differentiable
+    in `hidden` and the layer's trained parameters; plainly where nothing does (under
+    no_grad, a frozen model)."""
+    trained = [p for p in layer.parameters if p.requires_grad]
+    if torch.is_grad_enabled() and (hidden.requires_grad or trained):
+        return gradient.apply(hidden, layer, chunks, term, *trained)
+    return _outputs(term, over_chunks(hidden, layer, chunks, term))
 
 
 def sliced_cross_entropy(
@@ -155,96 +285,116 @@ def sliced_cross_entropy(
     return losses, grad
 
 
-def chunk_bounds(n: int, chunks: int) -> list[tuple[int, int]]:
-    """The (start, end) rows of `chunks` near-equal chunks of `n` (torch's `tensor_split`
-    sizes: the first `n % chunks` one row longer), empty ones left out. From sizes alone,
-    never a tensor's values: the loss runs on fake tensors too (`freetx estimate --measure`)."""
-    size, longer = divmod(n, chunks)
-    bounds, start = [], 0
-    for i in range(chunks):
-        end = start + size + (i < longer)
-        if end > start:
-            bounds.append((start, end))
-        start = end
-    return bounds
+class _WholeVocabulary:
+    """The `VocabSlice` of an unsliced head: one slice, the whole vocabulary; nothing to
+    reduce (so that one code path serves both)."""
+
+    start = 0
+
+    def max(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def sum(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        return x
 
 
-def _chunk_losses(hidden, labels, head, chunks: int, ignore_index: int, wants, weights=None):
-    """Each chunk of tokens in turn: its logits, upcast, cross-entropy; with `wants`
-    (hidden, then the parameters to differentiate), that chunk's gradients at once: of the
-    losses' sum, or, given `weights` [N] (the flat tokens'), of their weighted sum.
-    `head`: (project, its `VocabSlice` or None). Returns (total, per-token losses,
-    gradient of hidden or None, of each parameter)."""
-    project, vocab = head
-    flat_hidden, flat_labels = hidden.flatten(0, -2), labels.flatten()
-    wants_hidden = bool(wants) and wants[0] is hidden
-    params = list(wants[1:] if wants_hidden else wants)
-    grad_hidden = torch.empty_like(flat_hidden) if wants_hidden else None
-    # float32 sums of the parameters' gradients over the chunks
-    # (zeros_like: a parameter sliced over tensor-parallel ranks is a DTensor, its sum too)
-    grad_params = [torch.zeros_like(p, dtype=torch.float32) for p in params]
-    per_token = torch.empty(flat_labels.shape, dtype=torch.float32, device=hidden.device)
-    total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-    for start, end in chunk_bounds(flat_labels.numel(), chunks):
-        chunk = flat_hidden[start:end].detach().requires_grad_(wants_hidden)
-        inputs = ([chunk] if wants_hidden else []) + params
-        with torch.enable_grad() if wants else torch.no_grad():
-            # a view, not the leaf itself: a hook on a module's input (torch's memory
-            # trackers') may not stand on a leaf that autograd.grad differentiates
-            logits = project(chunk.view_as(chunk)).float()
-            if vocab is None:
+WHOLE_VOCABULARY = _WholeVocabulary()
+
+
+def log_sum_exp(logits: torch.Tensor, vocab: VocabSlice) -> torch.Tensor:
+    """Each row's log-sum-exp over the whole vocabulary, from this rank's slice [N, V/tp]
+    (no gradient)."""
+    with torch.no_grad():
+        peak = vocab.max(logits.max(dim=-1).values)
+        return peak + vocab.sum((logits - peak[:, None]).exp().sum(dim=-1)).log()
+
+
+class TokenLosses(NamedTuple):
+    """What the cross-entropy of a batch returns: the loss summed over its loss tokens
+    (differentiable) and each token's loss [B, T] (detached, 0 where ignored), or None
+    where it was not asked for."""
+
+    total: torch.Tensor
+    per_token: torch.Tensor | None
+
+
+class _OverChunksOfTokens:
+    """What the chunked output losses share: the labels [B, T] and how many chunks of
+    tokens at a time (None: `default_num_chunks`); a call makes the logits whole only for
+    one chunk of an unsliced head (`whole`), else is the `ChunkTerm` of `loss_in_chunks`
+    (each token's cross-entropy of its label) through the loss's `gradient`; `finish`
+    makes what forward returns of (total, per-token losses)."""
+
+    weights = (1.0,)
+    gradient: type[torch.autograd.Function]  # the subclass's: where its gradient is taken
+
+    def __init__(
+        self, labels: torch.Tensor, num_chunks: int | None = None, ignore_index: int = IGNORE_INDEX
+    ) -> None:
+        self.labels = labels
+        self.num_chunks = num_chunks
+        self.ignore_index = ignore_index
+
+    def __call__(self, hidden: torch.Tensor, layer: OutputLayer):
+        chunks = self.num_chunks or default_num_chunks(layer.vocab_size)
+        if chunks == 1 and layer.vocab is None:
+            return self.whole(layer.project(hidden))
+        total, _, per_token = loss_in_chunks(hidden, layer, chunks, self, self.gradient)
+        return self.finish(total, per_token)
+
+    def chunk(self, logits, rows: slice, vocab: VocabSlice | None, differentiate, upstream):
+        """A chunk's cross-entropy of its labels (`ChunkTerm`): torch's over an unsliced
+        head, its gradient through torch's backward; else `sliced_cross_entropy`'s."""
+        labels = self.labels.flatten()[rows]
+        if vocab is not None:  # this rank's slice of the vocabulary; the gradient at hand
+            losses, grad = sliced_cross_entropy(logits, labels, self.ignore_index, vocab)
+            if upstream is not None:
+                grad *= upstream[:, None]
+        else:
+            logits.requires_grad_(differentiate)
+            with torch.enable_grad() if differentiate else torch.no_grad():
                 losses = F.cross_entropy(
-                    logits, flat_labels[start:end], ignore_index=ignore_index, reduction="none"
+                    logits, labels, ignore_index=self.ignore_index, reduction="none"
                 )
-                loss = losses.sum()
-                of, scale = (loss, None) if weights is None else (losses, weights[start:end])
-                grads = torch.autograd.grad(of, inputs, scale) if inputs else ()
-            else:  # this rank's slice of the vocabulary; the gradient in its logits at hand
-                losses, grad = sliced_cross_entropy(
-                    logits, flat_labels[start:end], ignore_index, vocab
-                )
-                loss = losses.sum()
-                if weights is not None:
-                    grad *= weights[start:end, None]
-                grads = torch.autograd.grad(logits, inputs, grad) if inputs else ()
-        if wants_hidden:
-            grad_hidden[start:end] = grads[0]
-            grads = grads[1:]
-        for summed, grad in zip(grad_params, grads):
-            summed += grad
-        per_token[start:end] = losses.detach()
-        total += loss.detach()
-    return total, per_token, grad_hidden, grad_params
+                of = losses.sum() if upstream is None else losses
+                grad = torch.autograd.grad(of, logits, upstream)[0] if differentiate else None
+            losses = losses.detach()
+        return Chunk((losses.sum(),), (losses,), grad if differentiate else None)
 
 
-class _ChunkedCrossEntropy(torch.autograd.Function):
-    """The chunked loss and, in the same pass, its gradients (the loss's gradient taken as
-    one); backward scales them by the loss's real gradient (a scalar)."""
+class ChunkedCrossEntropy(_OverChunksOfTokens):
+    """An `OutputLoss` (`freetx.models.OutputLoss`): next-token cross-entropy of `labels`
+    [B, T] over the logits the output layer makes of `hidden` [B, T, d], `num_chunks`
+    chunks of tokens at a time (None: `default_num_chunks`). `per_token`: also return
+    each token's loss."""
 
-    @staticmethod
-    def forward(ctx, hidden, labels, head, chunks, ignore_index, *params):
-        wants = ((hidden,) if ctx.needs_input_grad[0] else ()) + params
-        total, per_token, grad_hidden, grad_params = _chunk_losses(
-            hidden, labels, head, chunks, ignore_index, wants
-        )
-        ctx.mark_non_differentiable(per_token)
-        ctx.hidden_shape = hidden.shape
-        ctx.param_dtypes = [p.dtype for p in params]
-        ctx.save_for_backward(
-            grad_hidden if grad_hidden is not None else torch.empty(0), *grad_params
-        )
-        ctx.has_hidden = grad_hidden is not None
-        return total, per_token
+    gradient = _GradientInForward
 
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_total, _grad_per_token):
-        grad_hidden, *grad_params = ctx.saved_tensors
-        scaled_hidden = None
-        if ctx.has_hidden:
-            scaled_hidden = (grad_hidden * grad_total.to(grad_hidden.dtype)).view(ctx.hidden_shape)
-        scaled = [(g * grad_total).to(dtype) for g, dtype in zip(grad_params, ctx.param_dtypes)]
-        return scaled_hidden, None, None, None, None, *scaled
+    def __init__(
+        self,
+        labels: torch.Tensor,
+        num_chunks: int | None = None,
+        ignore_index: int = IGNORE_INDEX,
+        per_token: bool = False,
+    ) -> None:
+        super().__init__(labels, num_chunks, ignore_index)
+        self.per_token = per_token
+
+    def finish(self, total: torch.Tensor, per_token: torch.Tensor) -> TokenLosses:
+        return TokenLosses(total, per_token.view_as(self.labels) if self.per_token else None)
+
+    def whole(self, logits: torch.Tensor) -> TokenLosses:
+        """The loss of logits made whole (one chunk), upcast to float32 for the softmax."""
+        flat = logits.float().flatten(0, 1), self.labels.flatten()
+        if not self.per_token:
+            return TokenLosses(
+                F.cross_entropy(*flat, ignore_index=self.ignore_index, reduction="sum"), None
+            )
+        losses = F.cross_entropy(*flat, ignore_index=self.ignore_index, reduction="none")
+        return TokenLosses(losses.sum(), losses.detach().view_as(self.labels))
 
 
 class ChunkedLogProbs(_OverChunksOfTokens):
@@ -255,14 +405,13 @@ class ChunkedLogProbs(_OverChunksOfTokens):
     (`freetx.objectives.sequence_logps`).
 
     Differentiable in `hidden` and the layer's trained parameters, for any gradient of
-    each token's log-probability (DPO's loss is not linear in them, so, unlike
-    `ChunkedCrossEntropy`, nothing can be computed ahead in forward): forward keeps no
-    chunk; backward makes each chunk's logits again and takes their gradient, the
-    one-hot minus the softmax times the token's weight, back through `project`. Without
-    gradients (a reference model under no_grad) it is the chunked forward alone."""
+    each token's log-probability (`_GradientInBackward`: unlike `ChunkedCrossEntropy`'s,
+    nothing can be computed ahead in forward): forward keeps no chunk; backward makes each
+    chunk's logits again and takes their gradient, the one-hot minus the softmax times
+    the token's weight, back through `project`. Without gradients (a reference model
+    under no_grad) it is the chunked forward alone."""
 
-    def differentiate(self, *args):
-        return _ChunkedLogProbs.apply(*args)
+    gradient = _GradientInBackward
 
     def finish(self, _total: torch.Tensor, per_token: torch.Tensor) -> torch.Tensor:
         return -per_token.view_as(self.labels)
@@ -272,35 +421,6 @@ class ChunkedLogProbs(_OverChunksOfTokens):
         flat = logits.float().flatten(0, 1), self.labels.flatten()
         losses = F.cross_entropy(*flat, ignore_index=self.ignore_index, reduction="none")
         return -losses.view_as(self.labels)
-
-
-class _ChunkedLogProbs(torch.autograd.Function):
-    """The chunked losses (total, each token's: minus its log-probability); backward makes
-    the chunks' logits again and takes their gradients weighted by each token's
-    (`_chunk_losses` with `weights`)."""
-
-    @staticmethod
-    def forward(ctx, hidden, labels, head, chunks, ignore_index, *params):
-        total, per_token = _chunk_losses(hidden, labels, head, chunks, ignore_index, ())[:2]
-        ctx.mark_non_differentiable(total)
-        ctx.head, ctx.chunks, ctx.ignore_index = head, chunks, ignore_index
-        ctx.param_dtypes = [p.dtype for p in params]
-        ctx.save_for_backward(hidden, labels, *params)
-        return total, per_token
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, _grad_total, grad_per_token):
-        hidden, labels, *params = ctx.saved_tensors
-        wants = ((hidden,) if ctx.needs_input_grad[0] else ()) + tuple(params)
-        weights = grad_per_token.float()
-        _, _, grad_hidden, grad_params = _chunk_losses(
-            hidden, labels, ctx.head, ctx.chunks, ctx.ignore_index, wants, weights
-        )
-        if grad_hidden is not None:
-            grad_hidden = grad_hidden.view(hidden.shape)
-        grads = [g.to(dtype) for g, dtype in zip(grad_params, ctx.param_dtypes)]
-        return grad_hidden, None, None, None, None, *grads
 
 
 class SumsBySource(Protocol):

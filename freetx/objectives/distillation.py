@@ -7,11 +7,12 @@ teacher)` is an `OutputLoss` (`freetx.models.OutputLoss`) that the student's for
 calls with its last hidden states and output layer. The teacher comes either live, as
 its own last hidden states and output layer (`TeacherTokens`: what the teacher's forward
 returns given `output_loss=TeacherTokens`), or precomputed, as its top-k log-probs per
-position (`TeacherTopK`). Neither model's [B, T, vocab] logits are ever whole: each
-chunk of tokens makes both models' logits, upcasts them to float32, and takes that
-chunk's gradients (of the student's hidden states and trained head parameters) at once,
-as `ChunkedCrossEntropy` does, so that nothing of a chunk is kept for backward and the
-teacher's head runs once per step; backward only scales them by the loss's gradient.
+position (`TeacherTopK`). Neither model's [B, T, vocab] logits are ever whole: the loss
+is a `ChunkTerm` of the engine that `ChunkedCrossEntropy` runs on
+(`freetx.models.chunked_loss`), which makes the student's logits a chunk of tokens at a
+time, upcast to float32, and takes that chunk's gradients at once, so that nothing of a
+chunk is kept for backward; the term makes the teacher's logits of the same chunk (its
+head runs once per step).
 
 Over a head sliced by vocabulary (tensor parallelism, `OutputLayer.vocab`) each rank
 holds its slice of both models' logits (the same entries for both): the log-softmaxes'
@@ -38,9 +39,13 @@ from freetx.errors import ConfigError
 from freetx.fields import ReadsFiles, field_problems
 from freetx.models.chunked_loss import (
     IGNORE_INDEX,
-    chunk_bounds,
+    WHOLE_VOCABULARY,
+    Chunk,
     default_num_chunks,
+    log_sum_exp,
+    loss_in_chunks,
     num_chunks_problem,
+    over_chunks,
     sliced_cross_entropy,
 )
 from freetx.models.protocol import OutputLayer, VocabSlice
@@ -83,38 +88,25 @@ def teacher_top_k(teacher: TeacherTokens, k: int, num_chunks: int | None = None)
     vocabulary (a sliced head's slices joined, one chunk at a time), its k largest
     entries and their ids. The same position's `TeacherTopK` with k = vocabulary size
     makes the loss the live forward KL."""
-    layer = teacher.layer
-    hidden = teacher.hidden.flatten(0, -2)
-    chunks = num_chunks or default_num_chunks(layer.vocab_size)
-    ids, logps = [], []
-    for start, end in chunk_bounds(hidden.shape[0], chunks):
-        logits = layer.project(hidden[start:end]).float()
-        if layer.vocab is not None:
-            logits = layer.vocab.gather(logits)
-        top = logits.log_softmax(dim=-1).topk(min(k, logits.shape[-1]), dim=-1)
-        ids.append(top.indices)
-        logps.append(top.values)
+    chunks = num_chunks or default_num_chunks(teacher.layer.vocab_size)
+    ids, logps = over_chunks(teacher.hidden, teacher.layer, chunks, _TopK(k)).per_token
     shape = (*teacher.hidden.shape[:-1], -1)
-    return TeacherTopK(torch.cat(ids).view(shape), torch.cat(logps).view(shape))
+    return TeacherTopK(ids.view(shape), logps.view(shape))
 
 
-class _WholeVocabulary:
-    """The `VocabSlice` of an unsliced head: one slice, the whole vocabulary; nothing to
-    reduce (so that one code path serves both)."""
+class _TopK:
+    """`teacher_top_k`'s `ChunkTerm`: a chunk's k largest log-probs and their ids."""
 
-    start = 0
+    weights = ()
 
-    def max(self, x: torch.Tensor) -> torch.Tensor:
-        return x
+    def __init__(self, k: int) -> None:
+        self.k = k
 
-    def sum(self, x: torch.Tensor) -> torch.Tensor:
-        return x
-
-    def gather(self, x: torch.Tensor) -> torch.Tensor:
-        return x
-
-
-WHOLE_VOCABULARY = _WholeVocabulary()
+    def chunk(self, logits, _rows, vocab: VocabSlice | None, _differentiate, _upstream) -> Chunk:
+        if vocab is not None:
+            logits = vocab.gather(logits)
+        top = logits.log_softmax(dim=-1).topk(min(self.k, logits.shape[-1]), dim=-1)
+        return Chunk((), (top.indices, top.values), None)
 
 
 class DistillationLoss:
@@ -247,29 +239,20 @@ class DistillationLoss:
         return self.beta * teacher + (1 - self.beta) * student
 
 
-def _log_sum_exp(logits: torch.Tensor, vocab: VocabSlice) -> torch.Tensor:
-    """Each row's log-sum-exp over the whole vocabulary, from this rank's slice [N, V/tp]
-    (no gradient)."""
-    with torch.no_grad():
-        peak = vocab.max(logits.max(dim=-1).values)
-        return peak + vocab.sum((logits - peak[:, None]).exp().sum(dim=-1)).log()
-
-
 class _OverChunks:
-    """`DistillationLoss.output_loss`'s `OutputLoss` (its docstring)."""
+    """`DistillationLoss.output_loss`'s `OutputLoss` (its docstring) and the `ChunkTerm`
+    it runs `loss_in_chunks` with: a chunk's cross-entropy and divergence, weighed by
+    ce_weight and kd_weight."""
 
     def __init__(self, loss: DistillationLoss, labels, teacher: TeacherTokens | TeacherTopK):
         self.loss, self.labels, self.teacher = loss, labels, teacher
+        self.weights = (loss.ce_weight, loss.kd_weight)
 
     def __call__(self, hidden: torch.Tensor, layer: OutputLayer):
         if isinstance(self.teacher, TeacherTokens):
             self.check_heads(layer, self.teacher.layer)
         chunks = self.loss.num_chunks or default_num_chunks(layer.vocab_size)
-        trained = [p for p in layer.parameters if p.requires_grad]
-        if torch.is_grad_enabled() and (hidden.requires_grad or trained):
-            total, ce, kd = _Distillation.apply(hidden, self, layer, chunks, *trained)
-        else:
-            total, ce, kd = self.over_chunks(hidden, layer, chunks, ())[:3]
+        total, ce, kd = loss_in_chunks(hidden, layer, chunks, self)
         return total, {"ce": ce, "kd": kd}
 
     @staticmethod
@@ -288,44 +271,18 @@ class _OverChunks:
                 "holds the same entries of both models' logits."
             )
 
-    def over_chunks(self, hidden, layer: OutputLayer, chunks: int, wants):
-        """Each chunk of tokens in turn: both models' logits, upcast; its two terms and,
-        with `wants` (hidden, then the parameters to differentiate), its gradients at
-        once. Returns (total, ce sum, kd sum, gradient of hidden or None, of each
-        parameter)."""
-        loss, vocab = self.loss, layer.vocab or WHOLE_VOCABULARY
-        flat_hidden, flat_labels = hidden.flatten(0, -2), self.labels.flatten()
-        wants_hidden = bool(wants) and wants[0] is hidden
-        params = list(wants[1:] if wants_hidden else wants)
-        grad_hidden = torch.empty_like(flat_hidden) if wants_hidden else None
-        grad_params = [torch.zeros_like(p, dtype=torch.float32) for p in params]
-        ce_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        kd_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        for start, end in chunk_bounds(flat_labels.numel(), chunks):
-            chunk = flat_hidden[start:end].detach().requires_grad_(wants_hidden)
-            inputs = ([chunk] if wants_hidden else []) + params
-            with torch.enable_grad() if wants else torch.no_grad():
-                # a view, not the leaf itself (as in chunked_loss: torch's memory trackers)
-                logits = layer.project(chunk.view_as(chunk)).float()
-            labels = flat_labels[start:end]
-            ce, grad = sliced_cross_entropy(logits.detach(), labels, loss.ignore_index, vocab)
-            kd, grad_kd = self.chunk_divergence(
-                logits.detach(), labels, (start, end), vocab, inputs
-            )
-            ce_sum += ce.sum()
-            kd_sum += kd
-            if inputs:
-                grad = loss.ce_weight * grad + loss.kd_weight * grad_kd
-                grads = torch.autograd.grad(logits, inputs, grad)
-                if wants_hidden:
-                    grad_hidden[start:end] = grads[0]
-                    grads = grads[1:]
-                for summed, g in zip(grad_params, grads):
-                    summed += g
-        total = loss.ce_weight * ce_sum + loss.kd_weight * kd_sum
-        return total, ce_sum, kd_sum, grad_hidden, grad_params
+    def chunk(self, logits, rows: slice, vocab: VocabSlice | None, differentiate, _upstream):
+        """A chunk's two terms (`ChunkTerm`) and, where it will `differentiate`, the
+        gradient of their weighted sum in the student's logits (the labels'
+        cross-entropy through `sliced_cross_entropy`, one slice where the head is whole)."""
+        loss, vocab, labels = self.loss, vocab or WHOLE_VOCABULARY, self.labels.flatten()[rows]
+        ce, grad = sliced_cross_entropy(logits, labels, loss.ignore_index, vocab)
+        kd, grad_kd = self.chunk_divergence(logits, labels, rows, vocab, differentiate)
+        if differentiate:
+            grad = loss.ce_weight * grad + loss.kd_weight * grad_kd
+        return Chunk((ce.sum(), kd), (), grad if differentiate else None)
 
-    def chunk_divergence(self, logits, labels, rows, vocab: VocabSlice, differentiate):
+    def chunk_divergence(self, logits, labels, rows: slice, vocab: VocabSlice, differentiate):
         """A chunk's divergence summed over its loss tokens (flat rows `rows`), times T^2,
         and, where it will `differentiate`, its gradient in the student's logits (this
         rank's slice [N, V/tp] float32; else None). The student's normalizer (log-sum-exp)
@@ -334,10 +291,10 @@ class _OverChunks:
         temperature = self.loss.temperature
         valid = labels != self.loss.ignore_index
         scaled = (logits / temperature).requires_grad_(bool(differentiate))
-        normalizer = _log_sum_exp(scaled.detach(), vocab).requires_grad_(bool(differentiate))
+        normalizer = log_sum_exp(scaled.detach(), vocab).requires_grad_(bool(differentiate))
         with torch.enable_grad() if differentiate else torch.no_grad():
             log_q = scaled - normalizer[:, None]
-            terms = self.teacher_terms(log_q, *rows, vocab)
+            terms = self.teacher_terms(log_q, rows, vocab)
             per_token = terms.sum(dim=-1) * valid * temperature**2
             kd = vocab.sum(per_token.detach()).sum()
             if not differentiate:
@@ -350,49 +307,21 @@ class _OverChunks:
             grad = (grad_scaled + vocab.sum(grad_normalizer)[:, None] * softmax) / temperature
         return kd, grad
 
-    def teacher_terms(self, log_q, start: int, end: int, vocab: VocabSlice) -> torch.Tensor:
+    def teacher_terms(self, log_q, rows: slice, vocab: VocabSlice) -> torch.Tensor:
         """The divergence's terms of a chunk against the teacher, on this rank's slice:
         [N, V/tp] for a live teacher, [N, k] over the top-k ids (those on this slice)."""
         teacher = self.teacher
         if isinstance(teacher, TeacherTopK):
-            ids = teacher.ids.flatten(0, 1)[start:end].long() - vocab.start
+            ids = teacher.ids.flatten(0, 1)[rows].long() - vocab.start
             here = (ids >= 0) & (ids < log_q.shape[-1])
-            log_p = teacher.logps.flatten(0, 1)[start:end].float()
+            log_p = teacher.logps.flatten(0, 1)[rows].float()
             p, picked = log_p.exp(), log_q.gather(1, ids.clamp(0, log_q.shape[-1] - 1))
             return torch.where(here & (p > 0), p * (log_p - picked), 0.0)
         with torch.no_grad():
-            hidden = teacher.hidden.flatten(0, -2)[start:end]
+            hidden = teacher.hidden.flatten(0, -2)[rows]
             logits = teacher.layer.project(hidden).float() / self.loss.temperature
-            log_p = logits - _log_sum_exp(logits, teacher.layer.vocab or WHOLE_VOCABULARY)[:, None]
+            log_p = logits - log_sum_exp(logits, teacher.layer.vocab or WHOLE_VOCABULARY)[:, None]
         return self.loss.divergence_terms(log_p, log_q)
-
-
-class _Distillation(torch.autograd.Function):
-    """The chunked loss and, in the same pass, its gradients (the loss's gradient taken as
-    one); backward scales them by the loss's real gradient (a scalar)."""
-
-    @staticmethod
-    def forward(ctx, hidden, over: _OverChunks, layer, chunks, *params):
-        wants = ((hidden,) if ctx.needs_input_grad[0] else ()) + params
-        total, ce, kd, grad_hidden, grad_params = over.over_chunks(hidden, layer, chunks, wants)
-        ctx.mark_non_differentiable(ce, kd)
-        ctx.hidden_shape = hidden.shape
-        ctx.param_dtypes = [p.dtype for p in params]
-        ctx.save_for_backward(
-            grad_hidden if grad_hidden is not None else torch.empty(0), *grad_params
-        )
-        ctx.has_hidden = grad_hidden is not None
-        return total, ce, kd
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_total, _grad_ce, _grad_kd):
-        grad_hidden, *grad_params = ctx.saved_tensors
-        scaled_hidden = None
-        if ctx.has_hidden:
-            scaled_hidden = (grad_hidden * grad_total.to(grad_hidden.dtype)).view(ctx.hidden_shape)
-        scaled = [(g * grad_total).to(dtype) for g, dtype in zip(grad_params, ctx.param_dtypes)]
-        return scaled_hidden, None, None, None, *scaled
 
 
 @runtime_checkable
