@@ -50,6 +50,7 @@ from freetx.training import (
     evaluation_sums,
     first_batches_padding,
     optimizer_step,
+    per_source_means,
     real_tokens,
 )
 from freetx.training.decoder import DecoderConfig, DecoderSetup
@@ -124,14 +125,15 @@ class Distill:
     def __init__(self, loss: DistillationLoss, teacher: FrozenCopy | None) -> None:
         self.loss, self.teacher = loss, teacher
 
-    def __call__(self, model, input_ids, labels, teacher_top_k=None, **inputs):
+    def __call__(self, model, input_ids, labels, teacher_top_k=None, sources=None, **inputs):
+        # sources: a mixture's; the loss sums each source's (`loss/<name>`), the models never see them
         if teacher_top_k is not None:
-            output_loss = self.loss.output_loss(labels, TeacherTopK(*teacher_top_k))
+            output_loss = self.loss.output_loss(labels, TeacherTopK(*teacher_top_k), sources)
             output = model(input_ids, output_loss=output_loss, **inputs)
         else:
             teacher = self.teacher.run(lambda m: m(input_ids, output_loss=TeacherTokens, **inputs))
             with root_gathered(self.teacher.model):
-                output_loss = self.loss.output_loss(labels, teacher)
+                output_loss = self.loss.output_loss(labels, teacher, sources)
                 output = model(input_ids, output_loss=output_loss, **inputs)
         total, parts = output[0] if isinstance(output, LMOutput) else output
         return with_router_loss(output, total, dict(parts), (labels != -100).sum())
@@ -250,6 +252,7 @@ class KDRecipeFSDP2:
         self.model.train()
         num_tokens = max(totals.pop("tokens"), 1.0)
         metrics = {f"val/{name}": value / num_tokens for name, value in totals.items()}
+        metrics = per_source_means(metrics, prefix="val/")  # a mixture's: each source's
         metrics["val/perplexity"] = math.exp(min(metrics["val/ce"], 50.0))
         return metrics
 

@@ -41,6 +41,7 @@ from freetx.models.chunked_loss import (
     IGNORE_INDEX,
     WHOLE_VOCABULARY,
     Chunk,
+    SumsBySource,
     default_num_chunks,
     log_sum_exp,
     loss_in_chunks,
@@ -195,7 +196,7 @@ class DistillationLoss:
             )
         return found
 
-    def output_loss(self, labels: torch.Tensor, teacher: TeacherTokens | TeacherTopK):
+    def output_loss(self, labels: torch.Tensor, teacher: TeacherTokens | TeacherTopK, sources=None):
         """The `OutputLoss` of a batch: called with the student's last hidden states
         [B, T, d] and output layer, it returns (total, {"ce": ce_sum, "kd": kd_sum}):
         the loss summed over the loss tokens, differentiable in the hidden states and
@@ -222,7 +223,7 @@ class DistillationLoss:
                 f"the teacher's hidden states {tuple(teacher.hidden.shape)} are not [B, T, d] "
                 f"for labels {tuple(labels.shape)}: run the teacher on the student's input ids."
             )
-        return _OverChunks(self, labels, teacher)
+        return _OverChunks(self, labels, teacher, sources)
 
     def divergence_terms(self, log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
         """Each vocabulary entry's term of the divergence [N, V] (their sum over the
@@ -244,16 +245,20 @@ class _OverChunks:
     it runs `loss_in_chunks` with: a chunk's cross-entropy and divergence, weighed by
     ce_weight and kd_weight."""
 
-    def __init__(self, loss: DistillationLoss, labels, teacher: TeacherTokens | TeacherTopK):
-        self.loss, self.labels, self.teacher = loss, labels, teacher
+    def __init__(self, loss: DistillationLoss, labels, teacher, sources: SumsBySource | None):
+        self.loss, self.labels, self.teacher, self.sources = loss, labels, teacher, sources
         self.weights = (loss.ce_weight, loss.kd_weight)
 
     def __call__(self, hidden: torch.Tensor, layer: OutputLayer):
         if isinstance(self.teacher, TeacherTokens):
             self.check_heads(layer, self.teacher.layer)
         chunks = self.loss.num_chunks or default_num_chunks(layer.vocab_size)
-        total, ce, kd = loss_in_chunks(hidden, layer, chunks, self)
-        return total, {"ce": ce, "kd": kd}
+        total, ce, kd, *per_token = loss_in_chunks(hidden, layer, chunks, self)
+        parts = {"ce": ce, "kd": kd}
+        if self.sources is not None:  # a mixture's: each source's loss, `loss/<name>`
+            mask = self.labels != self.loss.ignore_index
+            parts.update(self.sources.sums(per_token[0].view(self.labels.shape), mask))
+        return total, parts
 
     @staticmethod
     def check_heads(student: OutputLayer, teacher: OutputLayer) -> None:
@@ -280,11 +285,13 @@ class _OverChunks:
         kd, grad_kd = self.chunk_divergence(logits, labels, rows, vocab, differentiate)
         if differentiate:
             grad = loss.ce_weight * grad + loss.kd_weight * grad_kd
-        return Chunk((ce.sum(), kd), (), grad if differentiate else None)
+        # each token's loss, where a mixture's sources sum it
+        per_token = () if self.sources is None else (loss.ce_weight * ce + loss.kd_weight * kd,)
+        return Chunk((ce.sum(), kd.sum()), per_token, grad if differentiate else None)
 
     def chunk_divergence(self, logits, labels, rows: slice, vocab: VocabSlice, differentiate):
-        """A chunk's divergence summed over its loss tokens (flat rows `rows`), times T^2,
-        and, where it will `differentiate`, its gradient in the student's logits (this
+        """A chunk's divergence at each of its tokens (flat rows `rows`; 0 where no loss),
+        times T^2, and, where it will `differentiate`, its gradient in the student's logits (this
         rank's slice [N, V/tp] float32; else None). The student's normalizer (log-sum-exp)
         enters as a leaf of its own: its gradient, summed over the slices, adds softmax
         times it to each slice's (the log-softmax's Jacobian)."""
@@ -296,7 +303,7 @@ class _OverChunks:
             log_q = scaled - normalizer[:, None]
             terms = self.teacher_terms(log_q, rows, vocab)
             per_token = terms.sum(dim=-1) * valid * temperature**2
-            kd = vocab.sum(per_token.detach()).sum()
+            kd = vocab.sum(per_token.detach())
             if not differentiate:
                 return kd, None
             grad_scaled, grad_normalizer = torch.autograd.grad(

@@ -112,3 +112,26 @@ def test_hf_tiny_kd_distills_between_two_hf_folders_and_exports(tmp_path):
     assert rows[1]["kd"] > 0 and all(r["loss"] == r["loss"] for r in rows.values())
     transformers = pytest.importorskip("transformers")
     transformers.AutoModelForCausalLM.from_pretrained(out / "export" / "hf")  # it loads
+
+
+MIXTURE = ("dataset={_component_: freetx.data.Mixture, names: [tasks, text], weights: [3, 1], "
+           "num_samples: 64, sources: [{_component_: freetx.data.InstructDataset, source: "
+           "builtin, seq_len: 64, num_builtin_examples: 200, val_fraction: 0.05}, "
+           "{_component_: freetx.data.PackedTextDataset, source: builtin, seq_len: 64, "
+           "val_fraction: 0.05}]}")  # fmt: skip
+
+
+@pytest.mark.slow  # 2 processes, 2 steps
+def test_a_mixture_distills_on_two_processes_and_logs_each_sources_loss(tmp_path):
+    """The mixture's sources reach the loss, not the models (they once ended in a raw
+    TypeError in the student's forward): `loss/<source>` and `val/loss/<source>`."""
+    out, result = kd(tmp_path, "mix", "max_steps=2", "~dataset", MIXTURE, "eval.every_n_steps=2",
+                     nproc=2)  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in rows if "loss" in r]
+    sources = {k: v for r in train for k, v in r.items() if k.startswith("loss/")}
+    assert len(train) == 2 and set(sources) == {"loss/tasks", "loss/text"}  # over the steps
+    assert all(v > 0 for v in sources.values())
+    val = [r for r in rows if "val/ce" in r]
+    assert val and val[-1]["val/loss/tasks"] > 0 and val[-1]["val/loss/text"] > 0
