@@ -155,7 +155,7 @@ class DPOConfig(TrainingConfig):
         reference = reference_kind(self)
         return PlannedRun(
             self.model, dataset_seq_len(self), self.peft, self.loss, rows_per_sample=2,
-            reference=reference,
+            reference=reference, tokenizer=self.tokenizer, dataset=self.dataset,
         )  # fmt: skip
 
 

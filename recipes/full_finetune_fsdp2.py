@@ -104,7 +104,10 @@ class FullFinetuneConfig(TrainingConfig):
             )
 
     def planned(self) -> PlannedRun:  # sequences of the dataset's seq_len, with adapters
-        return PlannedRun(self.model, dataset_seq_len(self), self.peft, self.loss)
+        return PlannedRun(
+            self.model, dataset_seq_len(self), self.peft, self.loss, tokenizer=self.tokenizer,
+            dataset=self.dataset,
+        )  # fmt: skip
 
 
 class FullFinetuneRecipeFSDP2:

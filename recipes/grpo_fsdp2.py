@@ -196,6 +196,7 @@ class GRPOConfig(TrainingConfig):
             self.model, seq_len, self.peft, self.loss, rows_per_sample=gen.num_generations,
             reference=reference_kind(self),
             generations_per_prompt=gen.num_generations * gen.steps_per_generation,
+            tokenizer=self.tokenizer, dataset=self.dataset,
         )  # fmt: skip
 
 

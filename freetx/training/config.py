@@ -33,7 +33,8 @@ def default_metric_loggers() -> list[Any]:
 
 @dataclass(frozen=True)
 class PlannedRun:
-    """What a training config trains, as `freetx estimate` reads it (`TrainingConfig.planned`)."""
+    """What a training config trains, as `freetx estimate` and `check_layout` read it
+    (`TrainingConfig.planned`)."""
 
     model: Any  # the model's node
     seq_len: int | None = None  # tokens per sample; None: the model's context (max_seq_len)
@@ -48,6 +49,8 @@ class PlannedRun:
     # (num_generations x steps_per_generation), each of up to seq_len tokens: the
     # generation phase holds every parameter gathered and their KV cache
     generations_per_prompt: int = 0
+    tokenizer: Any = None  # the tokenizer's node (None: the recipe has none)
+    dataset: Any = None  # the dataset's node (a mixture's, its sources in it; None: none)
 
 
 @dataclass
