@@ -25,7 +25,7 @@ from freetx.models.decoder.tensor_parallel import check_tensor_parallel
 from freetx.models.peft import PEFTConfig, check_nf4_experts_slices
 from freetx.models.peft.lora import check_dora_slices
 from freetx.models.protocol import DescribesItself, PacksDocuments
-from freetx.training.config import PlannedRun, TrainingConfig
+from freetx.training.config import PlannedRun, TrainingConfig, check_per_rank_forwards
 from freetx.training.export import built_class, check_final_export
 from freetx.user_files import check_writable_folder
 
@@ -45,6 +45,7 @@ def check_layout(cfg: object, processes: Processes) -> None:
         cfg.max_grad_norm,
     )  # fmt: skip
     cfg.refuse_combinations()  # the schema's own
+    check_per_rank_forwards(cfg, shape.ep)  # eval.after_training's lm-eval scoring
     planned = cfg.planned() or PlannedRun(None)  # None: the schema names no model or data
     model_class = built_class(planned.model)
     check_final_export(cfg, model_class)

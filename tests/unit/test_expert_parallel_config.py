@@ -86,6 +86,12 @@ def test_ep_with_generation_that_differs_between_ranks_is_refused():
     assert "Set distributed.ep=1 for this run" in message
 
 
+def test_ep_with_lm_eval_after_training_is_refused_before_the_run():
+    message = validate(*MOE, "distributed.ep=2", "eval.after_training=true", "eval.tasks=[t]")
+    assert "distributed.ep=2: eval.after_training's lm-eval scoring runs forwards that " \
+        "differ between ranks" in message  # fmt: skip
+
+
 @pytest.mark.parametrize(
     "layout",
     [["distributed.tp=2", "distributed.cp=2"], ["distributed.pp=2", "gradient_accumulation_steps=2"],
