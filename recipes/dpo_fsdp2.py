@@ -123,7 +123,7 @@ class DPOConfig(DecoderConfig):
     def planned(self) -> PlannedRun:  # pairs: two sequences per sample, with the reference
         return PlannedRun(
             self.model, dataset_seq_len(self), self.peft, self.loss, rows_per_sample=2,
-            reference=self.reference_kind(),
+            reference=self.reference_kind(), tokenizer=self.tokenizer, dataset=self.dataset,
         )  # fmt: skip
 
     def reference_kind(self) -> str:

@@ -57,7 +57,10 @@ class FullFinetuneConfig(DecoderConfig):
     loss: Any = field(default_factory=lambda: {"_component_": "freetx.objectives.CrossEntropyLoss"})
 
     def planned(self) -> PlannedRun:  # sequences of the dataset's seq_len, with adapters
-        return PlannedRun(self.model, dataset_seq_len(self), self.peft, self.loss)
+        return PlannedRun(
+            self.model, dataset_seq_len(self), self.peft, self.loss, tokenizer=self.tokenizer,
+            dataset=self.dataset,
+        )  # fmt: skip
 
 
 class FullFinetuneRecipeFSDP2:

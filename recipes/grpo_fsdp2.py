@@ -46,7 +46,6 @@ import torch
 from freetx.checkpoint import files_read_by
 from freetx.config import instantiate
 from freetx.data import PromptDataset, RolloutBatch, collate_prompts
-from freetx.distributed.expert_parallel import check_same_forwards
 from freetx.entry import parse
 from freetx.errors import ConfigError
 from freetx.fields import at_least, component_list
@@ -137,7 +136,6 @@ class GRPOConfig(DecoderConfig):
                     + ".",
                     fix=f"Use distributed.tp or a sharded strategy instead, with {axis}=1.",
                 )  # fmt: skip
-        check_same_forwards(self.distributed.ep, "grpo_fsdp2's generation")
         instantiate(self.advantage)  # an advantage estimate that builds
         build_rewards(self.rewards)  # each reward's signature, before any launch
 
@@ -149,6 +147,7 @@ class GRPOConfig(DecoderConfig):
             self.model, seq_len, self.peft, self.loss, rows_per_sample=gen.num_generations,
             reference=reference_kind(instantiate(self.loss), self.peft.method != "none"),
             generations_per_prompt=gen.num_generations * gen.steps_per_generation,
+            tokenizer=self.tokenizer, dataset=self.dataset,
         )  # fmt: skip
 
 

@@ -113,7 +113,10 @@ class KDConfig(DecoderConfig):
             )
 
     def planned(self) -> PlannedRun:  # the student; the teacher counted as a frozen copy
-        return PlannedRun(self.model, dataset_seq_len(self), self.peft, self.loss)
+        return PlannedRun(
+            self.model, dataset_seq_len(self), self.peft, self.loss, tokenizer=self.tokenizer,
+            dataset=self.dataset,
+        )  # fmt: skip
 
 
 class Distill:

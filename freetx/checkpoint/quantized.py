@@ -7,8 +7,10 @@ the same folder read back into a freetx model (`freetx.checkpoint.loading.load_q
 
 `export_quantized` loads the whole model a checkpoint holds (a run folder, a DCP step, an HF
 folder, a safetensors file; a LoRA run's adapters merged into the base its checkpoint names),
-quantizes it (`freetx.models.qat.quantize_ptq`: every Linear of the decoder blocks, the
-embedding and output head kept) and writes config.json, the weights as torchao flattens them
+quantizes it by a `freetx.models.qat.QuantScheme`, checked where it was made (`QuantScheme.named`:
+--quantize; `QATConfig.quant_scheme`: a QAT run's final export), with
+`freetx.models.qat.quantize_ptq` (every Linear of the decoder blocks, the embedding and
+output head kept) and writes config.json, the weights as torchao flattens them
 (one model.safetensors: `a.weight` stored as `a._weight_qdata`, `a._weight_scale` ... and
 described in the file's metadata) and the tokenizer files, as `convert --to hf` writes them.
 Applied to a QAT run it converts what QAT trained for; to any other run it is post-training
@@ -46,50 +48,37 @@ from freetx.models import build_model
 from freetx.models.qat import (
     INT4_WEIGHT,
     INT8_DYNAMIC_ACT_INT4_WEIGHT,
-    SCHEMES,
-    QATConfig,
+    QuantScheme,
     flat_quantized,
     hf_quantization_config,
     qat_targets,
     quantize_ptq,
-    scheme_named,
 )
 from freetx.user_files import check_destination, staged_output
 
 QUANTIZED_FILE = "model.safetensors"
 
 
-def quantize_settings(given: str, group_size: int) -> str:
-    """freetx's name of scheme `given` (its own, or torchtune's / torchao's for it), checked
-    with `group_size`; a scheme that is none of them, `none`, or a group size its kernels do
-    not take is refused with the fix."""
-    scheme = scheme_named(given) or given
-    if scheme == "none":
-        raise ConfigError(
-            f"--quantize none quantizes nothing; name a scheme: {', '.join(SCHEMES)}, or "
-            "convert without --quantize."
-        )
-    try:
-        QATConfig(scheme=scheme, group_size=group_size)
-    except ValueError as error:
-        raise ConfigError(f"--quantize {given} --group-size {group_size}: {error}") from None
-    return scheme
+class ExportNeedsCUDA(ConfigError):
+    """An int4_weight export on a machine without CUDA (`export_device`): the final export of
+    a QAT run says so and goes on (`freetx.training.export.export_quantized_final`)."""
 
 
-def export_device(scheme: str, src: str | Path, dst: str | Path, group_size: int) -> torch.device:
-    """Where `scheme`'s weights are quantized for an export: int4_weight on CUDA (torchao
+def export_device(quant: QuantScheme, src: str | Path, dst: str | Path) -> torch.device:
+    """Where `quant`'s weights are quantized for an export: int4_weight on CUDA (torchao
     serializes only its CUDA formats; without a CUDA device it is refused, saying where to
     run it), int8_dynamic_act_int4_weight on the CPU (its format is the same everywhere)."""
-    if scheme != INT4_WEIGHT:
+    if quant.scheme != INT4_WEIGHT:
         return torch.device("cpu")
     if torch.cuda.is_available():
         return torch.device("cuda")
-    raise ConfigError(
+    raise ExportNeedsCUDA(
         "an int4_weight export holds torchao's CUDA int4 format, which only a CUDA machine "
         "makes (torchao cannot write its CPU int4 format, Int4OpaqueTensor, to safetensors), "
         f"and this machine has no CUDA device. Export it on a CUDA machine: freetx "
-        f"checkpoint convert {src} {dst} --quantize {INT4_WEIGHT} --group-size {group_size}; "
-        f"or export --quantize {INT8_DYNAMIC_ACT_INT4_WEIGHT} here (any device)."
+        f"checkpoint convert {src} {dst} --quantize {INT4_WEIGHT} --group-size "
+        f"{quant.group_size}; or export --quantize {INT8_DYNAMIC_ACT_INT4_WEIGHT} here (any "
+        "device)."
     )
 
 
@@ -116,29 +105,28 @@ def whole_model_weights(src: str | Path, lora: LoRASettings | None) -> WeightSou
 def export_quantized(
     src: str | Path,
     dst: str | Path,
-    scheme: str,
-    group_size: int = 32,
+    quant: QuantScheme,
     overwrite: bool = False,
     hf_files_from: str | Path | None = None,
     run_folders: tuple[str | Path, ...] | list[str] = (),
     lora: LoRASettings | None = None,
     tokenizer: HFTokenizerFiles | None = None,
 ) -> dict[str, Any]:
-    """An HF folder of the model `src` holds, quantized by `scheme` in groups of
-    `group_size` (the module's docstring), that transformers loads; the other arguments as
-    `convert` takes them. Everything a user can get wrong (the scheme, the group size, an
-    int4_weight export without CUDA, the destination) is refused before a weight is read.
-    Returns what was written, as `convert` does."""
-    scheme = quantize_settings(scheme, group_size)
-    device = export_device(scheme, src, dst, group_size)
+    """An HF folder of the model `src` holds, quantized by `quant` (its scheme, in groups of
+    its group size: the module's docstring), that transformers loads; the other arguments as
+    `convert` takes them. Everything a user can get wrong (the scheme and the group size,
+    refused where `quant` was made; an int4_weight export without CUDA, a group size that
+    does not divide a width, the destination) is refused before a weight is read. Returns
+    what was written, as `convert` does."""
+    device = export_device(quant, src, dst)
     weights = whole_model_weights(src, lora)
     source: TensorSource = weights.tensors
     dst = Path(dst).expanduser()
     check_destination(source.path, dst, overwrite)
     layout = hf_layout(source)  # a source that records no model class: refused here
     with torch.device("meta"):  # a group size that does not divide a width: before reading
-        qat_targets(build_model(*recorded_model(source, src)), group_size, "--group-size")
-    model = quantize_ptq(model_from_weights(weights, device, alone=True), scheme, group_size)
+        qat_targets(build_model(*recorded_model(source, src)), quant.group_size, "--group-size")
+    model = quantize_ptq(model_from_weights(weights, device, alone=True), quant)
     state = model.state_dict()
     tensors: dict[str, torch.Tensor] = {}
     for name in source.model_names():
@@ -148,7 +136,7 @@ def export_quantized(
             tensors[hf_name] = tensor if piece is None else piece.of(tensor)
     flat, metadata = flat_quantized(tensors)
     companion = hf_companion_folder(source, hf_files_from, run_folders)
-    quantization = hf_quantization_config(scheme, group_size, device)
+    quantization = hf_quantization_config(quant, device)
     dtype = str(next(iter(state.values())).dtype)
     from safetensors.torch import save_file
 
@@ -157,5 +145,5 @@ def export_quantized(
         flat = {k: v.detach().contiguous().cpu() for k, v in flat.items()}
         save_file(flat, out / QUANTIZED_FILE, metadata={"format": "pt", **metadata})
     written = sum(v.numel() * v.element_size() for v in flat.values())
-    return {"format": "hf", "scheme": scheme, "group_size": group_size, "tensors": len(tensors),
-            "bytes": written, "path": str(dst), "notes": notes}  # fmt: skip
+    return {"format": "hf", "scheme": quant.scheme, "group_size": quant.group_size,
+            "tensors": len(tensors), "bytes": written, "path": str(dst), "notes": notes}  # fmt: skip

@@ -130,6 +130,7 @@ def quantize(args: argparse.Namespace) -> int:
     """`convert --quantize SCHEME`: an HF folder of torchao's quantized weights."""
     from freetx.checkpoint.quantized import export_quantized
     from freetx.errors import ConfigError
+    from freetx.models.qat import QuantScheme
     from freetx.training.export import recorded_qat, recorded_run
 
     if args.quantize is None:
@@ -140,8 +141,9 @@ def quantize(args: argparse.Namespace) -> int:
             "model's; only the model is written); leave out --to, --dtype and --model-only."
         )
     group_size = args.group_size or recorded_qat(args.src).group_size
+    quant = QuantScheme.named(args.quantize, group_size)  # checked once, here
     result = export_quantized(
-        args.src, args.dst, args.quantize, group_size, overwrite=args.overwrite,
+        args.src, args.dst, quant, overwrite=args.overwrite,
         hf_files_from=args.hf_files_from, **recorded_run(args.src),
     )  # fmt: skip
-    return said(result, f"hf, {result['scheme']} in groups of {group_size}")
+    return said(result, f"hf, {quant.scheme} in groups of {quant.group_size}")

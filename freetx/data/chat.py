@@ -29,46 +29,35 @@ template that renders no generation prompt leaves the header in the reply.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass, field
 
-from freetx.data.formats import BadRow, BadRows, Messages, check_not_empty, encode_rows, read_split
+from freetx.data.formats import BadRow, Messages, check_not_empty, encode_rows, read_split
 from freetx.data.instruct import dataset_records
-from freetx.data.sampling import check_split, split_of, split_problems
-from freetx.data.sources import RECORD_SUFFIXES, source_files
-from freetx.data.token_cache import cached_rows, settings_of
+from freetx.data.row_datasets import TokenRowsDataset
+from freetx.data.sampling import check_split, split_problems
 from freetx.data.token_rows import Encoded
 from freetx.data.token_samples import TokenSamples
 from freetx.errors import DataError
 
 
-class ChatDataset(TokenSamples):
+@dataclass(eq=False, repr=False)
+class ChatDataset(TokenRowsDataset, TokenSamples):
     """Chat conversations as fixed-length samples with loss on the assistant's tokens.
 
     A sample is {"input_ids", "labels"}, each [seq_len]: the conversation's tokens
     cut to `seq_len + 1` and padded with PAD, labels the next token where it is
-    the assistant's and IGNORE_INDEX elsewhere (padding included).
+    the assistant's and IGNORE_INDEX elsewhere (padding included). Its keys:
+    `TokenRowsDataset`'s, `source` and `seq_len` required (format: messages, the default,
+    sharegpt, alpaca, prompt_response).
     """
 
+    source: str = field()  # no default
+    seq_len: int = field()
     meaningless = staticmethod(split_problems)  # checked before it is built
 
-    def __init__(
-        self,
-        tokenizer,
-        source: str,
-        seq_len: int,
-        split: str = "train",
-        val_fraction: float = 0.05,
-        num_builtin_examples: int = 20000,
-        seed: int = 0,
-        format: str | None = None,  # messages, sharegpt, alpaca, prompt_response
-        columns: dict[str, str] | None = None,  # the format's column names -> the data's
-        on_bad_row: str = "error",  # or skip (counted and reported)
-        validation_source: str | None = None,  # the validation split, whole
-        packed: bool = False,  # several samples per sequence (freetx.data.packing), by seed
-        cache: bool = True,  # tokenized once into the token cache (freetx.data.token_cache)
-        cache_dir: str | None = None,
-    ) -> None:
-        settings = settings_of(locals())  # first: every argument, before other names
-        check_split(split, val_fraction, seq_len)
+    def __post_init__(self) -> None:
+        check_split(self.split, self.val_fraction, self.seq_len)
+        tokenizer = self.tokenizer
         if getattr(tokenizer, "chat_template", None) is None:
             raise DataError(
                 f"ChatDataset needs a tokenizer with a chat template, and {type(tokenizer).__name__}"
@@ -76,28 +65,24 @@ class ChatDataset(TokenSamples):
                 "(chat_template.jinja, or chat_template in tokenizer_config.json), or train on "
                 "prompt/response data with freetx.data.InstructDataset."
             )
-        source, rule = split_of(source, validation_source, split, val_fraction, seed)
-        self.bad_rows = BadRows(on_bad_row, source, split)
-        self.files_read = source_files(source, RECORD_SUFFIXES)
-        self.tokenizer = tokenizer
+        source, rule = self.split_rows()
 
         def encode() -> list[Encoded]:
             """Every conversation of the split rendered (on a cache miss): a template that
             does not fit the data fails at startup (or skips the row)."""
             records, fmt = dataset_records(
-                source, format, columns, "ChatDataset", "messages", num_builtin_examples, seed
-            )
+                source, self.format, self.columns, "ChatDataset", "messages",
+                self.num_builtin_examples, self.seed,
+            )  # fmt: skip
             conversations = read_split(records, fmt, fmt.conversation, rule, self.bad_rows)
             return encode_rows(conversations, self.encode, self.bad_rows)[0]
 
-        rows, self.token_cache = cached_rows(
-            "ChatDataset", f"{source} ({split})", settings, self.files_read, tokenizer,
-            encode, cache, cache_dir, notes=self.bad_rows.notes,
-        )  # fmt: skip
-        self.bad_rows = self.bad_rows.noted(self.token_cache.notes)  # a hit's, as built
+        rows = self.cached("ChatDataset", source, encode)
         check_not_empty(len(rows), rule, source, self.bad_rows)
         # conversations whose replies lie past seq_len are counted and dropped
-        super().__init__(rows, seq_len, tokenizer.pad_id, split, source, packed, seed)
+        TokenSamples.__init__(
+            self, rows, self.seq_len, tokenizer.pad_id, self.split, source, self.packed, self.seed
+        )
 
     def encode(self, messages: Messages) -> Encoded:
         """A conversation's token ids, and for each whether it is the assistant's; a

@@ -19,18 +19,14 @@ from __future__ import annotations
 import random
 import re
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from freetx.data.corpus import builtin_documents
-from freetx.data.formats import BadRows, Format, check_not_empty, read_split
-from freetx.data.sampling import check_split, split_of, split_problems
-from freetx.data.sources import (
-    RECORD_SUFFIXES,
-    Record,
-    read_records,
-    source_files,
-)
-from freetx.data.token_cache import cached_rows, settings_of
+from freetx.data.formats import Format, check_not_empty, read_split
+from freetx.data.row_datasets import TokenRowsDataset
+from freetx.data.sampling import check_split, split_problems
+from freetx.data.sources import Record, read_records
 from freetx.data.token_rows import Encoded
 from freetx.data.token_samples import TokenSamples
 from freetx.data.tokenizers import leading_bos
@@ -128,51 +124,31 @@ def dataset_records(
     return read_records(source, fmt.record_columns), fmt
 
 
-class InstructDataset(TokenSamples):
-    """Prompt/response pairs as fixed-length, response-only-loss samples."""
+@dataclass(eq=False, repr=False)
+class InstructDataset(TokenRowsDataset, TokenSamples):
+    """Prompt/response pairs as fixed-length, response-only-loss samples. Its keys:
+    `TokenRowsDataset`'s (format: prompt_response, the default, alpaca, messages, sharegpt)."""
 
     meaningless = staticmethod(split_problems)  # checked before it is built
 
-    def __init__(
-        self,
-        tokenizer,
-        source: str = "builtin",
-        seq_len: int = 64,
-        split: str = "train",
-        val_fraction: float = 0.05,
-        num_builtin_examples: int = 20000,
-        seed: int = 0,
-        format: str | None = None,  # prompt_response, alpaca, messages, sharegpt
-        columns: dict[str, str] | None = None,  # the format's column names -> the data's
-        on_bad_row: str = "error",  # or skip (counted and reported)
-        validation_source: str | None = None,  # the validation split, whole
-        packed: bool = False,  # several samples per sequence (freetx.data.packing), by seed
-        cache: bool = True,  # tokenized once into the token cache (freetx.data.token_cache)
-        cache_dir: str | None = None,
-    ) -> None:
-        settings = settings_of(locals())  # first: every argument, before other names
-        check_split(split, val_fraction, seq_len)
-        source, rule = split_of(source, validation_source, split, val_fraction, seed)
-        self.bad_rows = BadRows(on_bad_row, source, split)
-        self.files_read = source_files(source, RECORD_SUFFIXES)
-        self.tokenizer = tokenizer
+    def __post_init__(self) -> None:
+        check_split(self.split, self.val_fraction, self.seq_len)
+        source, rule = self.split_rows()
 
         def encode() -> Iterable[Encoded]:
             """Every pair of the split encoded (on a cache miss)."""
             records, fmt = dataset_records(
-                source, format, columns, "InstructDataset", "prompt_response",
-                num_builtin_examples, seed,
+                source, self.format, self.columns, "InstructDataset", "prompt_response",
+                self.num_builtin_examples, self.seed,
             )  # fmt: skip
             pairs = read_split(records, fmt, fmt.prompt_response, rule, self.bad_rows)
             return [self.encode({"prompt": p, "response": r}) for _, (p, r) in pairs]
 
-        rows, self.token_cache = cached_rows(
-            "InstructDataset", f"{source} ({split})", settings, self.files_read, tokenizer,
-            encode, cache, cache_dir, notes=self.bad_rows.notes,
-        )  # fmt: skip
-        self.bad_rows = self.bad_rows.noted(self.token_cache.notes)  # a hit's, as built
+        rows = self.cached("InstructDataset", source, encode)
         check_not_empty(len(rows), rule, source, self.bad_rows)
-        super().__init__(rows, seq_len, tokenizer.pad_id, split, source, packed, seed)
+        pad_id = self.tokenizer.pad_id
+        TokenSamples.__init__(self, rows, self.seq_len, pad_id, self.split, source, self.packed,
+                              self.seed)  # fmt: skip
 
     def encode(self, example: dict[str, str]) -> Encoded:
         """BOS + prompt + response + EOS, and for each token whether it is a target."""

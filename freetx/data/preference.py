@@ -45,17 +45,15 @@ from __future__ import annotations
 
 import random
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset
 
 from freetx.data.chat import in_spans, rendered_replies
 from freetx.data.formats import (
     BadRow,
-    BadRows,
     Format,
     Messages,
     Pair,
@@ -72,10 +70,10 @@ from freetx.data.instruct import (
     prompt_response_tokens,
 )
 from freetx.data.packing import DataSummary, pack_lengths, packed_sample, positions_taken
-from freetx.data.sampling import check_split, split_of, split_problems
+from freetx.data.row_datasets import TokenRowsDataset
+from freetx.data.sampling import check_split, split_problems
 from freetx.data.seq_len import SeqLenFit, fixed_length_sample
-from freetx.data.sources import RECORD_SUFFIXES, Record, read_records, source_files
-from freetx.data.token_cache import cached_rows, settings_of
+from freetx.data.sources import Record, read_records
 from freetx.data.token_rows import Encoded
 from freetx.errors import DataError
 
@@ -128,6 +126,22 @@ def preference_problems(values: dict[str, Any]) -> dict[str, str]:
     return found
 
 
+def prompts_format(
+    data: Any, dataset: str, reads: tuple[str, ...], default: str, what: str
+) -> Format:
+    """The format of a dataset's records (`dataset`: its class's name; `reads`: the formats it
+    reads, `default`'s by default, the format of `builtin`'s records: `what`), once the
+    keys a preference or prompt dataset adds (`data.max_prompt_len`, `data.tasks`) are
+    checked: a DataError naming the key."""
+    values = {"max_prompt_len": data.max_prompt_len, "tasks": data.tasks}
+    for key, why in preference_problems(values).items():
+        raise DataError(f"dataset.{key}={values[key]!r}: {why}")
+    check_builtin_tasks(data.source, data.tasks)
+    if data.source == "builtin":
+        check_builtin_format(data.format, data.columns, default, what)
+    return Format.of(data.format, data.columns, dataset, reads, default)
+
+
 @dataclass(frozen=True)
 class PairsFit(SeqLenFit):
     """What cutting a split's pairs to seq_len did (`samples`: pairs; `dropped` is 0)."""
@@ -144,51 +158,27 @@ class PairsFit(SeqLenFit):
         )
 
 
-class PreferenceDataset(Dataset):
-    """Preference pairs as (chosen, rejected) token samples sharing the prompt's tokens."""
+@dataclass(eq=False, repr=False)
+class PreferenceDataset(TokenRowsDataset):
+    """Preference pairs as (chosen, rejected) token samples sharing the prompt's tokens.
+    Its keys: `TokenRowsDataset`'s (format: preference, the default and only one; packed:
+    several pairs per two sequences, the module docstring), then these."""
 
+    _: KW_ONLY
+    max_prompt_len: int | None = None  # prompt tokens kept at most (its end)
+    tasks: list[str] | None = None  # builtin only: which of its tasks (None: all)
     meaningless = staticmethod(preference_problems)  # checked before it is built
 
-    def __init__(
-        self,
-        tokenizer,
-        source: str = "builtin",
-        seq_len: int = 64,
-        split: str = "train",
-        val_fraction: float = 0.05,
-        num_builtin_examples: int = 20000,
-        seed: int = 0,
-        format: str | None = None,  # preference (the default and only one)
-        columns: dict[str, str] | None = None,  # the format's column names -> the data's
-        on_bad_row: str = "error",  # or skip (counted and reported)
-        validation_source: str | None = None,  # the validation split, whole
-        max_prompt_len: int | None = None,  # prompt tokens kept at most (its end)
-        tasks: list[str] | None = None,  # builtin only: which of its tasks (None: all)
-        packed: bool = False,  # several pairs per two sequences (module docstring), by seed
-        cache: bool = True,  # tokenized once into the token cache (freetx.data.token_cache)
-        cache_dir: str | None = None,
-    ) -> None:
-        # first: every argument, before other names (max_prompt_len is applied when served)
-        settings = settings_of(locals(), served=("max_prompt_len",))
-        self.packed = packed
-        check_split(split, val_fraction, seq_len)
-        values = {"max_prompt_len": max_prompt_len, "tasks": tasks}
-        for key, why in preference_problems(values).items():
-            raise DataError(f"dataset.{key}={values[key]!r}: {why}")
-        check_builtin_tasks(source, tasks)
-        if source == "builtin":
-            check_builtin_format(format, columns, "preference", "preference pairs")
-        fmt = Format.of(format, columns, "PreferenceDataset", READS, "preference")
-        source, rule = split_of(source, validation_source, split, val_fraction, seed)
-        self.bad_rows = BadRows(on_bad_row, source, split)
-        self.files_read = source_files(source, RECORD_SUFFIXES)
-        self.tokenizer = tokenizer
-        self.chat = getattr(tokenizer, "chat_template", None) is not None
+    def __post_init__(self) -> None:
+        check_split(self.split, self.val_fraction, self.seq_len)
+        fmt = prompts_format(self, "PreferenceDataset", READS, "preference", "preference pairs")
+        source, rule = self.split_rows()
+        self.chat = getattr(self.tokenizer, "chat_template", None) is not None
 
         def encode() -> Iterable[Encoded]:
             """Every pair of the split encoded (on a cache miss): prompt, chosen, rejected."""
             records = (
-                builtin_pairs(num_builtin_examples, seed, tasks)
+                builtin_pairs(self.num_builtin_examples, self.seed, self.tasks)
                 if source == "builtin"
                 else read_records(source, fmt.record_columns)
             )
@@ -197,16 +187,17 @@ class PreferenceDataset(Dataset):
                 row for rows in encode_rows(pairs, self.encode, self.bad_rows)[0] for row in rows
             ]
 
-        rows, self.token_cache = cached_rows(
-            "PreferenceDataset", f"{source} ({split})", settings, self.files_read, tokenizer,
-            encode, cache, cache_dir, notes=self.bad_rows.notes,
-        )  # fmt: skip
-        self.bad_rows = self.bad_rows.noted(self.token_cache.notes)  # a hit's, as built
+        # max_prompt_len is applied when served
+        rows = self.cached("PreferenceDataset", source, encode, served=("max_prompt_len",))
         check_not_empty(len(rows) // ROWS, rule, source, self.bad_rows)
-        self.rows, self.seq_len, self.pad_id = rows, seq_len, tokenizer.pad_id
-        self.prompt_kept, self.fit = self._fit(max_prompt_len, split, source)
+        self.rows, self.pad_id = rows, self.tokenizer.pad_id
+        self.prompt_kept, self.fit = self._fit(self.max_prompt_len, self.split, source)
         # packed: the pairs of each pack, placed by the longer completion's positions
-        self.packs = pack_lengths(self._lengths().max(axis=1), seq_len, seed) if packed else None
+        self.packs = (
+            pack_lengths(self._lengths().max(axis=1), self.seq_len, self.seed)
+            if self.packed
+            else None
+        )
 
     def _fit(self, max_prompt_len: int | None, split: str, source: str):
         """The prompt tokens each pair keeps (module docstring), and what the cut did."""

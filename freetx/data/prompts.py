@@ -26,34 +26,27 @@ generation wants).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset
 
 from freetx.data.batch import PADDING
 from freetx.data.formats import (
     BadRow,
-    BadRows,
-    Format,
     Messages,
     check_not_empty,
     encode_rows,
     read_split,
 )
-from freetx.data.instruct import (
-    BUILTIN_TASKS,
-    builtin_draws,
-    check_builtin_format,
-    check_builtin_tasks,
-)
+from freetx.data.instruct import BUILTIN_TASKS, builtin_draws
 from freetx.data.packing import DataSummary
-from freetx.data.preference import preference_problems
-from freetx.data.sampling import check_split, split_of
+from freetx.data.preference import preference_problems, prompts_format
+from freetx.data.row_datasets import RowsDataset
+from freetx.data.sampling import check_split
 from freetx.data.seq_len import SeqLenFit
-from freetx.data.sources import RECORD_SUFFIXES, Record, read_records, source_files
+from freetx.data.sources import Record, read_records
 from freetx.data.tokenizers import leading_bos
 from freetx.errors import DataError
 
@@ -123,41 +116,23 @@ def collate_prompts(samples: list[dict[str, Any]]) -> PromptBatch:
     )  # fmt: skip
 
 
-class PromptDataset(Dataset):
-    """Prompts with their rows' fields, encoded for generation (module docstring)."""
+@dataclass(eq=False, repr=False)
+class PromptDataset(RowsDataset):
+    """Prompts with their rows' fields, encoded for generation (module docstring). Its
+    keys: `RowsDataset`'s (format: prompt, the default, messages, sharegpt), then these."""
 
+    _: KW_ONLY
+    max_prompt_len: int | None = None  # prompt tokens kept at most (its end)
+    tasks: list[str] | None = None  # builtin only: which of BUILTIN_TASKS (None: all)
     meaningless = staticmethod(prompt_problems)  # checked before it is built
 
-    def __init__(
-        self,
-        tokenizer,
-        source: str = "builtin",
-        split: str = "train",
-        val_fraction: float = 0.05,
-        num_builtin_examples: int = 20000,
-        seed: int = 0,
-        format: str | None = None,  # prompt (the default), messages, sharegpt
-        columns: dict[str, str] | None = None,  # the format's column names -> the data's
-        on_bad_row: str = "error",  # or skip (counted and reported)
-        validation_source: str | None = None,  # the validation split, whole
-        max_prompt_len: int | None = None,  # prompt tokens kept at most (its end)
-        tasks: list[str] | None = None,  # builtin only: which of BUILTIN_TASKS (None: all)
-    ) -> None:
-        check_split(split, val_fraction)
-        values = {"max_prompt_len": max_prompt_len, "tasks": tasks}
-        for key, why in prompt_problems(values).items():
-            raise DataError(f"dataset.{key}={values[key]!r}: {why}")
-        check_builtin_tasks(source, tasks)
-        if source == "builtin":
-            check_builtin_format(format, columns, "prompt", "prompts")
-        fmt = Format.of(format, columns, "PromptDataset", READS, "prompt")
-        source, rule = split_of(source, validation_source, split, val_fraction, seed)
-        self.bad_rows = BadRows(on_bad_row, source, split)
-        self.files_read = source_files(source, RECORD_SUFFIXES)
-        self.tokenizer = tokenizer
-        self.chat = getattr(tokenizer, "chat_template", None) is not None
+    def __post_init__(self) -> None:
+        check_split(self.split, self.val_fraction)
+        fmt = prompts_format(self, "PromptDataset", READS, "prompt", "prompts")
+        source, rule = self.split_rows()
+        self.chat = getattr(self.tokenizer, "chat_template", None) is not None
         records = (
-            builtin_prompts(num_builtin_examples, seed, tasks)
+            builtin_prompts(self.num_builtin_examples, self.seed, self.tasks)
             if source == "builtin"
             else read_records(source, None)  # every column: the rewards read them
         )
@@ -180,9 +155,10 @@ class PromptDataset(Dataset):
         self.prompts = [_text(examples[i][1][0]) for i in kept]
         self.fields = [examples[i][1][1] for i in kept]
         lengths = np.array([len(ids) for ids in encoded])
-        limit = max_prompt_len if max_prompt_len is not None else int(lengths.max())
+        limit = self.max_prompt_len if self.max_prompt_len is not None else int(lengths.max())
         self.prompt_ids = [ids[max(len(ids) - limit, 0) :] for ids in encoded]
-        self.fit = PromptsFit(split, source, limit, len(encoded), int((lengths > limit).sum()), 0)
+        cut = int((lengths > limit).sum())
+        self.fit = PromptsFit(self.split, source, limit, len(encoded), cut, 0)
 
     def encode(self, prompt: str | Messages) -> list[int]:
         """The prompt's tokens for generation (module docstring); a BadRow when the chat

@@ -160,7 +160,8 @@ def _in_memory(dataset, settings, tokenizer, encode, dtype, text: bool, files) -
 
 def settings_of(arguments: dict[str, Any], served: Sequence[str] = ()) -> dict[str, Any]:
     """The settings of a dataset that decide its tokens, for the key: its constructor's
-    arguments (`locals()` as the constructor starts) but the tokenizer (identified on its
+    arguments (a `freetx.data.row_datasets.TokenRowsDataset`'s fields, or `locals()` as
+    the constructor starts) but the tokenizer (identified on its
     own), seq_len and the arguments in `served` (applied when samples are served) and the
     cache's own, so that an argument a dataset gains is in the key without a change here
     (a setting that does not change the tokens costs a rebuild; one left out would reuse

@@ -148,8 +148,17 @@ class ParallelPlan:
     def inference_model(self) -> nn.Module:
         """The model for forward passes that differ between ranks (per-rank rollouts):
         the bare module when parameters are replicated (no collective in its forward);
-        the sharded model otherwise, where every rank must run as many forwards."""
+        the sharded model otherwise, where every rank must run as many forwards. Refused
+        with expert parallelism (`_check_same_forwards`)."""
+        self._check_same_forwards()
         return self.module if self.replicated else self.model
+
+    def _check_same_forwards(self) -> None:
+        """The refusal of the entry points to forwards that differ between ranks
+        (`inference_model`, `gathered`): expert parallelism, whose forwards send tokens to
+        the other ranks of their ep group (`check_same_forwards`; a run refuses what
+        would run them before it starts: `freetx.training.config.check_per_rank_forwards`)."""
+        check_same_forwards(self.groups.size("ep"), "generating or scoring per rank")
 
     @contextmanager
     def gathered(self):
@@ -161,7 +170,7 @@ class ParallelPlan:
         Tensor-parallel layers still reduce over `tp` in each forward; the tp ranks of
         one data shard generate the same rows, so they run the same forwards. Refused
         with expert parallelism, whose forwards send tokens to other ranks."""
-        check_same_forwards(self.groups.size("ep"), "generating or scoring per rank")
+        self._check_same_forwards()
         if self.replicated:
             yield self.module
             return

@@ -28,7 +28,6 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from freetx.distributed import ParallelGroups, ParallelPlan
-from freetx.distributed.expert_parallel import check_same_forwards
 from freetx.errors import ConfigError
 from freetx.evaluation.harness import check_tasks, evaluate_tasks, harness_model
 
@@ -140,7 +139,6 @@ class FinalTasks:
                 fix="Set eval.after_training=false and evaluate the final checkpoint with "
                 "`freetx eval OUTPUT_DIR --tasks ...` instead.",
             )
-        check_same_forwards(shape.ep, "eval.after_training's lm-eval scoring")
         check_tasks(list(spec.tasks), spec.include_path)
 
     def run(self, plan: ParallelPlan, tokenizer, output_dir: str | Path):

@@ -4,7 +4,7 @@ quantized weights after (the `qat:` section of the SFT recipes).
     apply_qat(model, QATConfig(scheme="int8_dynamic_act_int4_weight"))   # before FSDP2
     set_fake_quantization(model, step >= cfg.start_step)                 # qat.start_step
     convert_qat(model, cfg)                                              # after training
-    quantize_ptq(model, "int4_weight", 32)                               # PTQ, for comparison
+    quantize_ptq(model, QuantScheme("int4_weight", 32))                  # PTQ, for comparison
 
 The schemes are torchao's (0.18: `QATConfig(base_config, step="prepare")`, which infers the fake
 quantization from the post-training config it names):
@@ -129,6 +129,56 @@ class QATConfig:
             )
         return found
 
+    def quant_scheme(self) -> QuantScheme:
+        """The real quantization this QAT trains for (`convert_qat`, the final export)."""
+        return QuantScheme(self.scheme, self.group_size)
+
+
+def _refused(scheme: str, group_size: int) -> str | None:
+    """What QATConfig refuses of `scheme` in groups of `group_size` (a scheme that is none
+    of freetx's, a group size torchao's kernels do not take), or None."""
+    try:
+        QATConfig(scheme=scheme, group_size=group_size)
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+@dataclass(frozen=True)
+class QuantScheme:
+    """Real quantized weights: a scheme and its group size, checked once, when made (QATConfig's
+    checks; none quantizes nothing), so what takes one (`quantize_ptq`, `real_config`,
+    `hf_quantization_config`, an export) checks nothing. `QuantScheme.named` reads a user's
+    name for a scheme (`--quantize`); `QATConfig.quant_scheme` a QAT run's."""
+
+    scheme: str  # freetx's name: int4_weight | int8_dynamic_act_int4_weight
+    group_size: int = 32  # input columns sharing a weight scale
+
+    def __post_init__(self) -> None:
+        refused = _refused(self.scheme, self.group_size)
+        if refused:
+            raise ConfigError(f"quantize: {refused}")
+        if self.scheme not in SCHEMES:
+            raise ConfigError(
+                f"quantize: scheme {self.scheme} quantizes nothing; set one of {', '.join(SCHEMES)}."
+            )
+
+    @classmethod
+    def named(cls, given: str, group_size: int) -> QuantScheme:
+        """`--quantize given --group-size group_size`: freetx's scheme `given` names (its own,
+        or torchtune's / torchao's for it), checked; a scheme that is none of them, `none`, or a
+        group size its kernels do not take is refused with the fix."""
+        scheme = scheme_named(given) or given
+        if scheme == "none":
+            raise ConfigError(
+                f"--quantize none quantizes nothing; name a scheme: {', '.join(SCHEMES)}, or "
+                "convert without --quantize."
+            )
+        refused = _refused(scheme, group_size)
+        if refused:
+            raise ConfigError(f"--quantize {given} --group-size {group_size}: {refused}")
+        return cls(scheme, group_size)
+
 
 def _ptq_config(scheme: str, group_size: int) -> Any:
     """torchao's post-training config of a scheme, as QAT's prepare step infers from it."""
@@ -142,9 +192,10 @@ def _ptq_config(scheme: str, group_size: int) -> Any:
     )
 
 
-def real_config(scheme: str, group_size: int, device: torch.device) -> Any:
-    """torchao's config making real quantized weights of `scheme` that run on `device` (the
+def real_config(quant: QuantScheme, device: torch.device) -> Any:
+    """torchao's config making real quantized weights of `quant` that run on `device` (the
     table in the module's docstring)."""
+    scheme, group_size = quant.scheme, quant.group_size
     if scheme == INT4_WEIGHT and device.type == "cpu":
         from torchao.prototype.quantization.int4 import PrototypeInt4WeightOnlyConfig
 
@@ -267,30 +318,21 @@ def set_fake_quantization(model: nn.Module, enabled: bool) -> None:
             module.enabled = enabled
 
 
-def quantize_ptq(model: nn.Module, scheme: str, group_size: int) -> nn.Module:
-    """Real quantized weights of `scheme` in the target Linears of a full-precision model, in
+def quantize_ptq(model: nn.Module, quant: QuantScheme) -> nn.Module:
+    """Real quantized weights of `quant` in the target Linears of a full-precision model, in
     place, for the device its weights are on: post-training quantization (and `convert_qat`'s
     last step). LoRA adapters are merged first. On CUDA, int4_weight casts the model to bf16
-    (tinygemm's kernel computes in bf16). `scheme` is freetx's name (`scheme_named` turns
-    torchtune's or torchao's into it)."""
+    (tinygemm's kernel computes in bf16)."""
     from torchao.quantization import quantize_
 
-    try:  # QATConfig's checks: a scheme that is none of freetx's, a group size torchao refuses
-        QATConfig(scheme=scheme, group_size=group_size)
-    except ValueError as error:
-        raise ConfigError(f"quantize: {error}") from None
-    if scheme not in SCHEMES:
-        raise ConfigError(
-            f"quantize: scheme {scheme} quantizes nothing; set one of {', '.join(SCHEMES)}."
-        )
     merge_adapters(model)
-    chosen = set(qat_targets(model, group_size))
+    chosen = set(qat_targets(model, quant.group_size))
     device = next(model.parameters()).device
-    if scheme == INT4_WEIGHT and device.type == "cuda":
+    if quant.scheme == INT4_WEIGHT and device.type == "cuda":
         model.to(torch.bfloat16)
     quantize_(
         model,
-        real_config(scheme, group_size, device),
+        real_config(quant, device),
         filter_fn=lambda m, fqn: fqn in chosen and isinstance(m, nn.Linear),
     )
     return model
@@ -310,7 +352,7 @@ def convert_qat(model: nn.Module, cfg: QATConfig) -> nn.Module:
         TorchaoQATConfig(step="convert"),
         filter_fn=lambda m, fqn: isinstance(m, FakeQuantizedLinear),
     )
-    return quantize_ptq(model, cfg.scheme, cfg.group_size)
+    return quantize_ptq(model, cfg.quant_scheme())
 
 
 # -- export: what transformers loads (its TorchAoConfig) ------------------------------------
@@ -319,13 +361,13 @@ def convert_qat(model: nn.Module, cfg: QATConfig) -> nn.Module:
 SERIALIZED = ("IntxUnpackedToInt8Tensor", "Int4Tensor", "Int4TilePackedTo4dTensor")
 
 
-def hf_quantization_config(scheme: str, group_size: int, device: torch.device) -> dict[str, Any]:
+def hf_quantization_config(quant: QuantScheme, device: torch.device) -> dict[str, Any]:
     """The `quantization_config` of config.json that makes transformers load a quantized
     export (`TorchAoConfig` of the config `real_config` gives; the output head and embedding
     are not quantized, as its default `modules_to_not_convert` has them)."""
     from transformers import TorchAoConfig
 
-    return TorchAoConfig(real_config(scheme, group_size, device)).to_dict()
+    return TorchAoConfig(real_config(quant, device)).to_dict()
 
 
 def flat_quantized(

@@ -56,6 +56,11 @@ class GenerationConfig:
 
     meaningless = staticmethod(sampling_problems)  # a top_p outside (0, 1]
 
+    def per_rank_forwards(self) -> str | None:
+        """Each rank generates its own prompts' completions until they end, which expert
+        parallelism cannot run (`freetx.training.config.ForwardsPerRank`)."""
+        return "the rollouts' generation"
+
 
 class Completions(NamedTuple):
     """Completions of a batch of prompts, each prompt's `n` adjacent, and their scores."""

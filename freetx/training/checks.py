@@ -12,7 +12,7 @@ from torch import nn
 from freetx.config.instantiate import find_components, node_config, to_container
 from freetx.data import micro_batch_size, tokenizer_problem
 from freetx.data.sources import source_problems
-from freetx.distributed import MeshShape, Processes, check_distributed
+from freetx.distributed import DistributedConfig, MeshShape, Processes, check_distributed
 from freetx.distributed.context_parallel import check_shards_context
 from freetx.distributed.expert_parallel import check_expert_parallel
 from freetx.distributed.optimizer import check_optimizer
@@ -25,7 +25,7 @@ from freetx.models.decoder.tensor_parallel import check_tensor_parallel
 from freetx.models.peft import PEFTConfig, check_nf4_experts_slices
 from freetx.models.peft.lora import check_dora_slices
 from freetx.models.protocol import DescribesItself, PacksDocuments
-from freetx.training.config import TrainingConfig
+from freetx.training.config import PlannedRun, TrainingConfig, check_per_rank_forwards
 from freetx.training.export import built_class, check_final_export
 from freetx.user_files import check_writable_folder
 
@@ -45,37 +45,36 @@ def check_layout(cfg: object, processes: Processes) -> None:
         cfg.max_grad_norm,
     )  # fmt: skip
     cfg.refuse_combinations()  # the schema's own
-    model_class = built_class(getattr(cfg, "model", None))
+    check_per_rank_forwards(cfg, shape.ep)  # eval.after_training's lm-eval scoring
+    planned = cfg.planned() or PlannedRun(None)  # None: the schema names no model or data
+    model_class = built_class(planned.model)
     check_final_export(cfg, model_class)
-    tokenizer_class = built_class(getattr(cfg, "tokenizer", None), "tokenizer")
+    tokenizer_class = built_class(planned.tokenizer, "tokenizer")
     if tokenizer_class is not None and tokenizer_problem(tokenizer_class):
         raise ConfigError(tokenizer_problem(tokenizer_class))
-    dataset = getattr(cfg, "dataset", None)
-    if model_class is not None and isinstance(dataset, DictConfig):
+    dataset = planned.dataset if isinstance(planned.dataset, DictConfig) else None
+    if model_class is not None and dataset is not None:
         packed = any(node.get("packed", False) for node in dataset_nodes(dataset))
         check_packing(model_class, bool(packed))
     if cfg.distributed.tp > 1 and model_class is not None:
         check_slices(model_class)
-    check_model_shape(cfg, node_config(getattr(cfg, "model", None)))
+    check_model_shape(cfg.distributed, planned.adapters, node_config(planned.model))
     check_micro_batches(cfg.distributed, cfg.gradient_accumulation_steps)
     if cfg.distributed.pp > 1 and model_class is not None:
         check_stages(model_class)
-    if cfg.distributed.cp > 1 and model_class is not None:
-        seq_len = dataset_seq_len(cfg) if isinstance(dataset, DictConfig) else None
-        check_context(model_class, shape, seq_len)
+    if cfg.distributed.cp > 1 and model_class is not None:  # the dataset's seq_len, if any
+        check_context(model_class, shape, planned.seq_len if dataset is not None else None)
     if processes.world_size is not None:  # pipeline, context, tensor ranks read the same data
         micro_batch_size(cfg.batch_size, shape.dp, cfg.gradient_accumulation_steps)
 
 
-def check_model_shape(cfg: TrainingConfig, shape: object) -> None:
+def check_model_shape(dist: DistributedConfig, peft: object, shape: object) -> None:
     """The refusals a run makes of its model's shape when it parallelizes it, made from
     the model node's config (`shape`: a native decoder's; None: known only once built):
     tp slices its heads (`check_tensor_parallel`), pp splits its blocks into stages
     (`stage_blocks`), ep spreads its experts (`check_expert_parallel`); and a DoRA run, or
     QLoRA on experts, is refused with tp (`check_dora_slices`, `check_nf4_experts_slices`),
-    QLoRA on experts with ep too."""
-    dist = cfg.distributed
-    peft = getattr(cfg, "peft", None)
+    QLoRA on experts with ep too (`peft`: the adapters' section, None: none)."""
     if dist.tp > 1 and isinstance(peft, PEFTConfig) and peft.method == "lora":
         check_dora_slices(peft.use_dora)
         check_nf4_experts_slices(peft, "tp")

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal, Optional
+from typing import Any, ClassVar, Literal, Optional, Protocol, runtime_checkable
 
 from freetx.checkpoint import CheckpointConfig
 from freetx.distributed import DistributedConfig
+from freetx.distributed.expert_parallel import check_same_forwards
 from freetx.distributed.optimizer import OPTIMIZER_KEYS
 from freetx.fields import at_least, component_node, written_folder
 from freetx.loggers import LoggersConfig
@@ -33,7 +35,8 @@ def default_metric_loggers() -> list[Any]:
 
 @dataclass(frozen=True)
 class PlannedRun:
-    """What a training config trains, as `freetx estimate` reads it (`TrainingConfig.planned`)."""
+    """What a training config trains, as `freetx estimate` and `check_layout` read it
+    (`TrainingConfig.planned`)."""
 
     model: Any  # the model's node
     seq_len: int | None = None  # tokens per sample; None: the model's context (max_seq_len)
@@ -48,6 +51,34 @@ class PlannedRun:
     # (num_generations x steps_per_generation), each of up to seq_len tokens: the
     # generation phase holds every parameter gathered and their KV cache
     generations_per_prompt: int = 0
+    tokenizer: Any = None  # the tokenizer's node (None: the recipe has none)
+    dataset: Any = None  # the dataset's node (a mixture's, its sources in it; None: none)
+
+
+@runtime_checkable
+class ForwardsPerRank(Protocol):
+    """A config section that has the run run forwards that differ between ranks (each rank
+    its own rows, until they end: lm-eval scoring, generation), which expert parallelism
+    cannot run (`check_per_rank_forwards`)."""
+
+    def per_rank_forwards(self) -> str | None:
+        """What runs them, for the refusal; None when this run does not."""
+        ...
+
+
+def check_per_rank_forwards(cfg: Any, ep: int) -> None:
+    """Refuse, with ep > 1, the sections of a training config that run forwards that differ
+    between ranks (`ForwardsPerRank`; `check_same_forwards`): before anything is launched
+    (`check_layout`) and by the run (`TrainingRun`) alike, as `ParallelPlan.gathered`
+    refuses them when they run."""
+    if not dataclasses.is_dataclass(cfg):
+        return
+    for f in dataclasses.fields(cfg):
+        section = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(section) and isinstance(section, ForwardsPerRank):
+            what = section.per_rank_forwards()
+            if what:
+                check_same_forwards(ep, what)
 
 
 @dataclass
@@ -73,6 +104,10 @@ class FinalTasksConfig:
                 "for a folder of local task YAMLs), or eval.after_training=false."
             }
         return {}
+
+    def per_rank_forwards(self) -> str | None:
+        """after_training: lm-eval scores each rank's own requests (`ForwardsPerRank`)."""
+        return "eval.after_training's lm-eval scoring" if self.after_training else None
 
 
 @dataclass

@@ -29,7 +29,7 @@ from freetx.checkpoint import convert, open_tensors, resolve_checkpoint
 from freetx.checkpoint.adapters import LoRASettings
 from freetx.checkpoint.convert import HFTokenizerFiles
 from freetx.checkpoint.loading import quantization_method
-from freetx.checkpoint.quantized import export_device, export_quantized
+from freetx.checkpoint.quantized import ExportNeedsCUDA, export_quantized
 from freetx.config.instantiate import COMPONENT, import_component, instantiate, node_config_class
 from freetx.data import HasHFForm
 from freetx.errors import ConfigError, FreetxError
@@ -108,26 +108,25 @@ def export_quantized_final(output_dir: str | Path, qat: QATConfig) -> list[str]:
     (an int4_weight run on a machine without CUDA) and the command that writes it."""
     checkpoint = resolve_checkpoint(output_dir)
     dst = Path(output_dir) / EXPORT_DIR / "quantized"
+    quant = qat.quant_scheme()
     try:
-        export_device(qat.scheme, checkpoint, dst, qat.group_size)
-    except ConfigError as e:
+        written = export_quantized(checkpoint, dst, quant, overwrite=True,
+                                   **recorded_run(checkpoint))  # fmt: skip
+    except ExportNeedsCUDA as e:
         return [
             f"The quantized export was not written: {e} Nothing is lost: the "
             f"checkpoint {checkpoint} is saved, and the command exports it."
         ]
-    try:
-        written = export_quantized(checkpoint, dst, qat.scheme, qat.group_size, overwrite=True,
-                                   **recorded_run(checkpoint))  # fmt: skip
     except (WriteFailed, OSError) as e:
         cause = e.cause if isinstance(e, WriteFailed) else (e.strerror or str(e))
         raise FreetxError(
             f"training finished, and its last checkpoint {checkpoint} is complete; only the "
             f"quantized export to {dst} failed ({cause}). Once there is room (or elsewhere), "
-            f"export it: freetx checkpoint convert {checkpoint} {dst} --quantize {qat.scheme} "
-            f"--group-size {qat.group_size} --overwrite"
+            f"export it: freetx checkpoint convert {checkpoint} {dst} --quantize {quant.scheme} "
+            f"--group-size {quant.group_size} --overwrite"
         ) from None
     line = (
-        f"exported {checkpoint.name} quantized ({qat.scheme}, groups of {qat.group_size}) to "
+        f"exported {checkpoint.name} quantized ({quant.scheme}, groups of {quant.group_size}) to "
         f"{written['path']} ({written['bytes'] / 2**20:.1f} MiB): transformers loads it"
     )
     return [line, *written["notes"]]

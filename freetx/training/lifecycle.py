@@ -63,6 +63,7 @@ from freetx.errors import TrainingError
 from freetx.loggers import build_metric_loggers, training_banner
 from freetx.models import flops_per_token, num_active_parameters, num_parameters
 from freetx.models.protocol import DescribesItself
+from freetx.training.config import check_per_rank_forwards
 from freetx.training.export import check_final_export, export_final
 from freetx.training.meters import ThroughputMeter, peak_flops, train_step_metrics
 from freetx.training.profiling import StepProfiler
@@ -127,6 +128,7 @@ class TrainingRun:
             cfg.optimizer, cfg.distributed, Processes.of(runtime),
             cfg.gradient_accumulation_steps, cfg.max_grad_norm,
         )  # fmt: skip
+        check_per_rank_forwards(cfg, groups.size("ep"))  # and the forwards ep cannot run
         self.progress = TrainState()  # step, epoch, tokens seen: saved with every checkpoint
         self.loggers = build_metric_loggers(
             cfg.metric_loggers, cfg.output_dir, cfg.max_steps, runtime.rank,

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from freetx.checkpoint import load_model
-from freetx.models.qat import quantize_ptq
+from freetx.models.qat import QuantScheme, quantize_ptq
 from tests.conftest import run_freetx
 
 pytestmark = pytest.mark.slow
@@ -79,7 +79,7 @@ def test_a_qat_run_exports_at_its_end_and_converts_to_what_transformers_loads(ru
     converted = run_freetx("checkpoint", "convert", str(root / "qat"), str(tmp_path / "q"),
                            "--quantize", "8da4w")  # fmt: skip
     assert converted.returncode == 0, converted.stderr
-    expected = quantize_ptq(load_model(root / "qat", torch.device("cpu")), SCHEME, 64)
+    expected = quantize_ptq(load_model(root / "qat", torch.device("cpu")), QuantScheme(SCHEME, 64))
     theirs = AutoModelForCausalLM.from_pretrained(tmp_path / "q").eval()
     with torch.no_grad():
         want = expected(IDS)
@@ -95,7 +95,9 @@ def test_a_plain_run_converts_as_ptq_with_the_given_group_size(runs, tmp_path):
                         "--quantize", SCHEME, "--group-size", "64")  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert "in groups of 64" in result.stdout
-    expected = quantize_ptq(load_model(root / "plain", torch.device("cpu")), SCHEME, 64)
+    expected = quantize_ptq(
+        load_model(root / "plain", torch.device("cpu")), QuantScheme(SCHEME, 64)
+    )
     with torch.no_grad():
         got = load_model(tmp_path / "q", torch.device("cpu"))(IDS)
         assert torch.allclose(got, expected(IDS), atol=1e-5, rtol=0)

@@ -81,9 +81,15 @@ def test_ep_on_a_dense_model_is_refused():
 
 def test_ep_with_generation_that_differs_between_ranks_is_refused():
     message = validate_config("llm/grpo_tiny", *MOE, "distributed.ep=2")
-    assert "distributed.ep=2: grpo_fsdp2's generation runs forwards that differ between " \
+    assert "distributed.ep=2: the rollouts' generation runs forwards that differ between " \
         "ranks" in message  # fmt: skip
     assert "Set distributed.ep=1 for this run" in message
+
+
+def test_ep_with_lm_eval_after_training_is_refused_before_the_run():
+    message = validate(*MOE, "distributed.ep=2", "eval.after_training=true", "eval.tasks=[t]")
+    assert "distributed.ep=2: eval.after_training's lm-eval scoring runs forwards that " \
+        "differ between ranks" in message  # fmt: skip
 
 
 @pytest.mark.parametrize(

@@ -16,6 +16,7 @@ from freetx.models.peft import apply_lora
 from freetx.models.qat import (
     QATConfig,
     QATLoRALinear,
+    QuantScheme,
     apply_qat,
     convert_qat,
     flat_quantized,
@@ -100,7 +101,7 @@ def test_quantize_ptq_runs_on_a_plain_model(scheme):
     model = tiny()
     with torch.no_grad():
         plain = model(IDS)
-        quantize_ptq(model, scheme, 32)
+        quantize_ptq(model, QuantScheme(scheme, 32))
         quantized = model(IDS)
     weight = model.layers[0].feed_forward.w2.weight
     assert type(weight.data).__name__ in ("Int4OpaqueTensor", "IntxUnpackedToInt8Tensor")
@@ -232,18 +233,18 @@ def test_a_quantized_state_round_trips_through_safetensors(tmp_path):
     from safetensors.torch import load_file, save_file
     from torchao.prototype.safetensors.safetensors_support import unflatten_tensor_state_dict
 
-    model = quantize_ptq(tiny(), "int8_dynamic_act_int4_weight", 32)
+    model = quantize_ptq(tiny(), QuantScheme("int8_dynamic_act_int4_weight", 32))
     tensors, metadata = flat_quantized(model.state_dict())
     save_file(tensors, tmp_path / "model.safetensors", metadata=metadata)
     state, left = unflatten_tensor_state_dict(load_file(tmp_path / "model.safetensors"), metadata)
-    again = quantize_ptq(tiny(seed=6), "int8_dynamic_act_int4_weight", 32)
+    again = quantize_ptq(tiny(seed=6), QuantScheme("int8_dynamic_act_int4_weight", 32))
     again.load_state_dict(state, assign=True)
     with torch.no_grad():
         assert not left and torch.equal(again(IDS), model(IDS))
 
 
 def test_the_cpu_int4_format_is_refused_for_export_with_the_fix():
-    model = quantize_ptq(tiny(), "int4_weight", 32)
+    model = quantize_ptq(tiny(), QuantScheme("int4_weight", 32))
     with pytest.raises(ConfigError, match="Int4OpaqueTensor.*CUDA machine.*int8_dynamic_act"):
         flat_quantized(model.state_dict())
 
@@ -262,16 +263,18 @@ def test_transformers_loads_an_export_with_the_same_logits(tmp_path):
         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
     )  # fmt: skip
     torch.manual_seed(0)
-    model = quantize_ptq(LlamaForCausalLM(config).eval(), "int8_dynamic_act_int4_weight", 32)
+    model = quantize_ptq(
+        LlamaForCausalLM(config).eval(), QuantScheme("int8_dynamic_act_int4_weight", 32)
+    )
     tensors, metadata = flat_quantized(model.state_dict())
     save_file(tensors, tmp_path / "model.safetensors", metadata=metadata)
     written = config.to_dict() | {
         "quantization_config": hf_quantization_config(
-            "int8_dynamic_act_int4_weight", 32, torch.device("cpu")
+            QuantScheme("int8_dynamic_act_int4_weight", 32), torch.device("cpu")
         )
     }
     (tmp_path / "config.json").write_text(json.dumps(written))
-    on_cuda = hf_quantization_config("int4_weight", 64, torch.device("cuda"))
+    on_cuda = hf_quantization_config(QuantScheme("int4_weight", 64), torch.device("cuda"))
     assert on_cuda["quant_type"]["default"]["_type"] == "Int4WeightOnlyConfig"
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     assert type(loaded.model.layers[0].mlp.down_proj.weight.data).__name__ == (
@@ -286,15 +289,20 @@ def test_the_real_kernels_are_chosen_by_the_device():
     from torchao.quantization import Int4WeightOnlyConfig, Int8DynamicActivationIntxWeightConfig
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert isinstance(real_config("int4_weight", 64, cpu), PrototypeInt4WeightOnlyConfig)
-    on_cuda = real_config("int4_weight", 64, cuda)
+    assert isinstance(
+        real_config(QuantScheme("int4_weight", 64), cpu), PrototypeInt4WeightOnlyConfig
+    )
+    on_cuda = real_config(QuantScheme("int4_weight", 64), cuda)
     assert isinstance(on_cuda, Int4WeightOnlyConfig) and on_cuda.group_size == 64
     for device in (cpu, cuda):
-        config = real_config("int8_dynamic_act_int4_weight", 64, device)
+        config = real_config(QuantScheme("int8_dynamic_act_int4_weight", 64), device)
         assert isinstance(config, Int8DynamicActivationIntxWeightConfig)
         assert config.weight_dtype == torch.int4 and config.weight_granularity.group_size == 64
 
 
-def test_quantize_ptq_refuses_an_unknown_scheme_with_the_fix():
+def test_a_quant_scheme_refuses_an_unknown_scheme_with_the_fix():
     with pytest.raises(ConfigError, match="quantize: 'scheme' is '8da4w'.*did you mean"):
-        quantize_ptq(tiny(), "8da4w", 32)
+        QuantScheme("8da4w", 32)
+    with pytest.raises(ConfigError, match="quantize: scheme none quantizes nothing"):
+        QuantScheme("none", 32)
+    assert QuantScheme.named("8da4w", 64) == QuantScheme("int8_dynamic_act_int4_weight", 64)

@@ -14,7 +14,7 @@ from freetx.checkpoint import load_model
 from freetx.checkpoint.quantized import export_quantized
 from freetx.distributed import materialize
 from freetx.errors import CheckpointError
-from freetx.models.qat import quantize_ptq
+from freetx.models.qat import QuantScheme, quantize_ptq
 from freetx.models.transformer import decoder
 from tests.conftest import flat, one_paragraph, run_freetx_here
 
@@ -61,10 +61,10 @@ def test_an_8da4w_export_loads_in_transformers_and_freetx_with_the_quantized_log
     from transformers import AutoModelForCausalLM
 
     path, model = saved
-    written = export_quantized(path, tmp_path / "q", SCHEME, 32)
+    written = export_quantized(path, tmp_path / "q", QuantScheme(SCHEME, 32))
     config = json.loads((tmp_path / "q" / "config.json").read_text())
     assert config["quantization_config"]["quant_method"] == "torchao"
-    expected = quantize_ptq(copy.deepcopy(model), SCHEME, 32)
+    expected = quantize_ptq(copy.deepcopy(model), QuantScheme(SCHEME, 32))
     ours = load_model(tmp_path / "q", torch.device("cpu"))
     theirs = AutoModelForCausalLM.from_pretrained(tmp_path / "q").eval()
     assert type(ours.layers[0].attention.wq.weight).__name__ == "IntxUnpackedToInt8Tensor"
