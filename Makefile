@@ -22,11 +22,11 @@ $(STAMP): pyproject.toml setup.py
 	touch $(STAMP)
 
 test: setup
-	$(BIN)/pytest
+	$(BIN)/pytest --durations=30
 
 # the slow tier: every PEFT method end to end, long acceptance runs, real SLURM
 test-slow: setup
-	$(BIN)/pytest -m slow
+	$(BIN)/pytest -m slow --durations=30
 
 lint: setup
 	$(BIN)/ruff check freetx recipes tests benchmarks docs/examples

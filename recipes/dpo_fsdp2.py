@@ -8,17 +8,13 @@ QLoRA / DoRA adapters (`peft:`), on FSDP2 / ZeRO / DDP strategies with tp and cp
 
 A micro-batch holds whole pairs, row 2i the chosen completion and row 2i+1 the rejected
 one (`freetx.data.PreferenceDataset`), in one forward. The loss (`loss.type`) compares
-each row's summed log-probabilities under the policy with the reference's (DPO's π_ref):
-the model the policy starts from. The reference is
-- LoRA / QLoRA / DoRA: the policy with its adapters disabled (no second copy);
-- full fine-tuning: a frozen copy sharded like the policy, or with
-  `reference.precompute: true` its log-probs computed in one pass over the data before
-  training and kept in output_dir/reference_logps (reused by a resume), after which the
-  copy is freed;
-- SimPO and ORPO: none.
-The loop is `train()`, top to bottom, as full_finetune_fsdp2's: each micro-batch's loss
-summed over its pairs, normalized by the pairs of the global batch. Copy this file
-(`freetx cp dpo_fsdp2 ./my_dpo.py`) to change the loop itself.
+each row's summed log-probabilities under the policy with the reference's (DPO's π_ref),
+the model the policy starts from (`freetx.objectives.reference`): with adapters, the
+policy with them disabled; in full fine-tuning a frozen copy, or (`reference.precompute`)
+its log-probs computed once before training (kept in output_dir/reference_logps), the copy
+then freed; none for SimPO and ORPO. The loop is `train()`, top to bottom: each
+micro-batch's loss summed over its pairs, normalized by the pairs of the global batch.
+Copy this file (`freetx cp dpo_fsdp2 ./my_dpo.py`) to change the loop itself.
 """
 
 from __future__ import annotations
@@ -40,6 +36,7 @@ from freetx.objectives import PreferenceLoss
 from freetx.objectives.cross_entropy import with_router_loss
 from freetx.objectives.reference import (
     Precomputed,
+    ReferenceConfig,
     batch_logps,
     kept_pairs,
     reference_kind,
@@ -60,15 +57,6 @@ from freetx.training.step import placed
 
 
 @dataclass
-class ReferenceConfig:
-    """The reference model (none for simpo and orpo): the policy's initial weights."""
-
-    # full fine-tuning: the reference's log-probs in one pass before training, then the
-    # frozen copy is freed (LoRA's reference, the base with adapters off, costs no copy)
-    precompute: bool = False
-
-
-@dataclass
 class DPOConfig(DecoderConfig):
     """The schema of this recipe's configs: DecoderConfig's keys, then these. batch_size
     counts pairs (each two sequences); the dataset is a PreferenceDataset."""
@@ -81,9 +69,8 @@ class DPOConfig(DecoderConfig):
     reference: ReferenceConfig = field(default_factory=ReferenceConfig)
 
     def refuse_combinations(self) -> None:
-        """A dataset that gives no pairs; a reference to precompute that costs nothing (the
-        base with adapters off), does not exist (simpo, orpo) or cannot follow packs;
-        pipeline parallelism. And DecoderConfig's (QAT with tp)."""
+        """A dataset that gives no pairs; a reference that cannot be precomputed
+        (`ReferenceConfig`); pipeline parallelism. And DecoderConfig's (QAT with tp)."""
         super().refuse_combinations()
         loss_type = self.loss.get("type", "sigmoid")
         dataset = built_class(self.dataset, "dataset")
@@ -94,24 +81,8 @@ class DPOConfig(DecoderConfig):
                 fix="Use freetx.data.PreferenceDataset ({prompt, chosen, rejected} records, or "
                 "conversations), or train on this data with full_finetune_fsdp2.",
             )
-        if self.reference.precompute and self.peft.method != "none":
-            raise ConfigError(
-                "reference.precompute=true: with adapters (peft.method="
-                f"{self.peft.method}) the reference is the base with its adapters disabled, "
-                "which costs no copy of the weights.",
-                fix="Set reference.precompute=false.",
-            )
-        if self.reference.precompute and not PreferenceLoss.type_needs_reference(loss_type):
-            raise ConfigError(
-                f"reference.precompute=true: loss.type={loss_type} is reference-free.",
-                fix="Set reference.precompute=false.",
-            )
-        if self.reference.precompute and self.dataset.get("packed", False):
-            raise ConfigError(
-                "reference.precompute=true with dataset.packed=true: the precomputed "
-                "log-probs are kept per pair, and packs place pairs by the seed.",
-                fix="Set one of them to false (a frozen copy serves packed pairs).",
-            )
+        packed = bool(self.dataset.get("packed", False))
+        self.reference.refuse_combinations(self.peft.method, loss_type, packed)
         if self.distributed.pp > 1:
             raise ConfigError(
                 f"distributed.pp={self.distributed.pp}: dpo_fsdp2 runs no pipeline (the "
@@ -175,18 +146,20 @@ class DPORecipeFSDP2:
         if kind != "precomputed":
             return train_set, val_set
         weights_id = input_identity(weights)["fingerprint"] if weights else f"seed {cfg.seed}"
+        identity, batch = {"reference": weights_id}, cfg.eval.batch_size
+        splits = ((train_set, "train"), (val_set, "validation"))
         datasets = [
             with_reference_logps(
                 self.reference,
                 data,
                 split,
-                {"reference": weights_id},
+                identity,
                 cfg.output_dir,
                 self.plan,
-                cfg.eval.batch_size,
+                batch,
                 self.run.write,
-            )  # fmt: skip
-            for data, split in ((train_set, "train"), (val_set, "validation"))
+            )
+            for data, split in splits
         ]
         self.reference = Precomputed()  # the copy is freed
         return datasets

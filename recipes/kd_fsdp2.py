@@ -34,14 +34,10 @@ from freetx.checkpoint import files_read_by, input_identity
 from freetx.config import instantiate
 from freetx.data import DistillBatch, checked_tokenizer, source_names
 from freetx.data.packing import packs
-from freetx.distributed import root_gathered
 from freetx.entry import parse
 from freetx.errors import ConfigError
 from freetx.fields import at_least, read_path
-from freetx.models.protocol import LMOutput
-from freetx.objectives import DistillationLoss, TeacherTokens, TeacherTopK
-from freetx.objectives.cross_entropy import with_router_loss
-from freetx.objectives.distillation import check_same_vocabulary, with_teacher_top_k
+from freetx.objectives.distillation import Distill, check_same_vocabulary, with_teacher_top_k
 from freetx.objectives.reference import FrozenCopy
 from freetx.training import (
     PlannedRun,
@@ -119,31 +115,6 @@ class KDConfig(DecoderConfig):
         )  # fmt: skip
 
 
-class Distill:
-    """The loss as the SFT recipes call theirs: `loss(model, input_ids, labels, **inputs)`
-    -> (the loss summed over the loss tokens, its parts' sums: ce, kd). A live teacher
-    runs first, under no_grad; its head stays gathered while the student's loss projects
-    its hidden states. A precomputed one's top-k comes with the batch (`teacher_top_k`)."""
-
-    def __init__(self, loss: DistillationLoss, teacher: FrozenCopy | None) -> None:
-        self.loss, self.teacher = loss, teacher
-
-    def __call__(self, model, input_ids, labels, teacher_top_k=None, sources=None, **inputs):
-        # sources: a mixture's; the loss sums each source's (`loss/<name>`), the models never see them
-        if teacher_top_k is not None:
-            output_loss = self.loss.output_loss(labels, TeacherTopK(*teacher_top_k), sources)
-            output = model(input_ids, output_loss=output_loss, **inputs)
-        else:
-            teacher = self.teacher.run(lambda m: m(input_ids, output_loss=TeacherTokens, **inputs))
-            with root_gathered(self.teacher.model):
-                output_loss = self.loss.output_loss(labels, teacher, sources)
-                output = model(input_ids, output_loss=output_loss, **inputs)
-        total, parts = output[0] if isinstance(output, LMOutput) else output
-        return with_router_loss(output, total, dict(parts), (labels != -100).sum())
-
-    evaluate = __call__
-
-
 class KDRecipeFSDP2:
     def __init__(self, cfg: KDConfig) -> None:
         self.cfg = cfg
@@ -199,18 +170,13 @@ class KDRecipeFSDP2:
             "teacher": input_identity(weights)["fingerprint"] if weights else f"seed {cfg.seed}",
             "teacher_model": OmegaConf.to_container(cfg.teacher.model, resolve=True),
         }
+        batch, k = cfg.eval.batch_size, cfg.teacher.top_k
+        splits = zip(datasets, ("train", "validation"))
         return [
             with_teacher_top_k(
-                teacher,
-                data,
-                split,
-                identity,
-                cfg.output_dir,
-                cfg.eval.batch_size,
-                cfg.teacher.top_k,
-                self.run.write,
-            )  # fmt: skip
-            for data, split in zip(datasets, ("train", "validation"))
+                teacher, data, split, identity, cfg.output_dir, batch, k, self.run.write
+            )
+            for data, split in splits
         ]
 
     def train(self) -> None:

@@ -49,7 +49,8 @@ from freetx.models.chunked_loss import (
     over_chunks,
     sliced_cross_entropy,
 )
-from freetx.models.protocol import OutputLayer, VocabSlice
+from freetx.models.protocol import LMOutput, OutputLayer, VocabSlice
+from freetx.objectives.cross_entropy import with_router_loss
 from freetx.objectives.precompute import per_sample_table, samples_digest, stored_or_computed
 from freetx.objectives.reference import FrozenCopy
 
@@ -238,6 +239,34 @@ class DistillationLoss:
         teacher = torch.where(p > 0, p * (log_p - log_m), 0.0)
         student = torch.where(q > 0, q * (log_q - log_m), 0.0)
         return self.beta * teacher + (1 - self.beta) * student
+
+
+class Distill:
+    """kd_fsdp2's objective, called as the SFT recipes call their loss: `loss(model,
+    input_ids, labels, **inputs)` -> (the `DistillationLoss` summed over the loss tokens,
+    its parts' sums: ce, kd; a mixture's `loss/<source>`). A live `teacher` (a `FrozenCopy`)
+    runs first, under no_grad; its head stays gathered while the student's loss projects
+    its hidden states. A precomputed one's top-k comes with the batch (`teacher_top_k`)."""
+
+    def __init__(self, loss: DistillationLoss, teacher: FrozenCopy | None) -> None:
+        self.loss, self.teacher = loss, teacher
+
+    def __call__(self, model, input_ids, labels, teacher_top_k=None, sources=None, **inputs):
+        # sources: a mixture's, which the loss sums by (the models never see them)
+        if teacher_top_k is not None:
+            output_loss = self.loss.output_loss(labels, TeacherTopK(*teacher_top_k), sources)
+            output = model(input_ids, output_loss=output_loss, **inputs)
+        else:
+            teacher = self.teacher.run(lambda m: m(input_ids, output_loss=TeacherTokens, **inputs))
+            with root_gathered(self.teacher.model):
+                output_loss = self.loss.output_loss(labels, teacher, sources)
+                output = model(input_ids, output_loss=output_loss, **inputs)
+        total, parts = output[0] if isinstance(output, LMOutput) else output
+        return with_router_loss(
+            output, total, dict(parts), (labels != self.loss.ignore_index).sum()
+        )
+
+    evaluate = __call__
 
 
 class _OverChunks:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import abc
 import json
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -37,9 +38,11 @@ from freetx.config import instantiate
 from freetx.data import PreferenceBatch, TokenBatch, collate_pairs
 from freetx.data.batch import REFERENCE_LOGPS, Pair
 from freetx.distributed import ParallelGroups, ParallelPlan, parallelize_frozen
+from freetx.errors import ConfigError
 from freetx.models.peft import adapters_disabled
 from freetx.objectives.logprobs import SequenceLogProbs, sequence_logps, token_logps
 from freetx.objectives.precompute import per_sample_table, samples_digest, stored_or_computed
+from freetx.objectives.preference import PreferenceLoss
 
 REFERENCE_FOLDER = "reference_logps"  # in output_dir: one file per split
 
@@ -145,6 +148,38 @@ class Precomputed:
             raise ValueError("Precomputed: the batch carries no reference_logps")
         logps = batch.reference_logps.to(batch.input_ids.device)
         return SequenceLogProbs(logps[:, 0], logps[:, 1])
+
+
+@dataclass
+class ReferenceConfig:
+    """A preference recipe's `reference:` section (none for simpo and orpo): the policy's
+    initial weights, as the base with adapters off, a frozen copy, or precomputed."""
+
+    # full fine-tuning: the reference's log-probs in one pass before training, then the
+    # frozen copy is freed (LoRA's reference, the base with adapters off, costs no copy)
+    precompute: bool = False
+
+    def refuse_combinations(self, peft_method: str, loss_type: str, packed: bool) -> None:
+        """A reference to precompute that costs nothing (the base with adapters off), does
+        not exist (`loss_type` reference-free: simpo, orpo) or cannot follow packs."""
+        if self.precompute and peft_method != "none":
+            raise ConfigError(
+                f"reference.precompute=true: with adapters (peft.method={peft_method}) the "
+                "reference is the base with its adapters disabled, which costs no copy of the "
+                "weights.",
+                fix="Set reference.precompute=false.",
+            )
+        if self.precompute and not PreferenceLoss.type_needs_reference(loss_type):
+            raise ConfigError(
+                f"reference.precompute=true: loss.type={loss_type} is reference-free.",
+                fix="Set reference.precompute=false.",
+            )
+        if self.precompute and packed:
+            raise ConfigError(
+                "reference.precompute=true with dataset.packed=true: the precomputed "
+                "log-probs are kept per pair, and packs place pairs by the seed.",
+                fix="Set one of them to false (a frozen copy serves packed pairs).",
+            )
 
 
 class ComparesWithReference(Protocol):
