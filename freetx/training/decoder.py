@@ -197,10 +197,9 @@ def data_report(*datasets) -> list[str]:
     lines = summary_lines(datasets[0]) if datasets else []
     lines += [d.line() for d in datasets if isinstance(d, MadeOfParts)]
     parts = [p for d in datasets for p in (d.parts if isinstance(d, MadeOfParts) else (d,))]
-    for kind, line in (
-        (UsesTokenCache, lambda d: None if d.token_cache.builtin else d.token_cache.line()),
-        (CutsToSeqLen, lambda d: d.fit.line() if d.fit.cut else None),
-        (SkipsBadRows, lambda d: d.bad_rows.line() if d.bad_rows.skipped else None),
-    ):
-        lines += [line(d) for d in parts if isinstance(d, kind) and line(d)]
+    cached = [d.token_cache for d in parts if isinstance(d, UsesTokenCache)]
+    lines += [cache.line() for cache in cached if not cache.builtin]
+    lines += [d.fit.line() for d in parts if isinstance(d, CutsToSeqLen) and d.fit.cut]
+    skipped = [d.bad_rows for d in parts if isinstance(d, SkipsBadRows)]
+    lines += [rows.line() for rows in skipped if rows.skipped]
     return list(dict.fromkeys(lines))  # text's one cache entry for both splits: once

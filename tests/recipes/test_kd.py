@@ -47,17 +47,35 @@ def test_validate_refuses_a_pipeline():
     assert "kd_fsdp2 runs no pipeline" in flat(result.stdout + result.stderr)
 
 
+MIXTURE = ("dataset={_component_: freetx.data.Mixture, names: [tasks, text], weights: [3, 1], "
+           "num_samples: 64, sources: [{_component_: freetx.data.InstructDataset, source: "
+           "builtin, seq_len: 64, num_builtin_examples: 200, val_fraction: 0.05}, "
+           "{_component_: freetx.data.PackedTextDataset, source: builtin, seq_len: 64, "
+           "val_fraction: 0.05}]}")  # fmt: skip
+
+
 @pytest.mark.slow  # 2 runs of 3 steps on 1 and 2 processes
-def test_two_processes_give_one_process_losses(tmp_path):
-    one_out, one_result = kd(tmp_path, "one", "max_steps=3")
+def test_two_processes_give_one_process_losses_on_a_mixture_with_each_sources(tmp_path):
+    """On a `freetx.data.Mixture`, whose sources reach the loss and not the models (they
+    once ended in a raw TypeError in the student's forward): `loss/<source>` and
+    `val/loss/<source>` logged, the same on 1 process and on 2."""
+    mixture = ["~dataset", MIXTURE, "max_steps=3", "eval.every_n_steps=3"]
+    one_out, one_result = kd(tmp_path, "one", *mixture)
     assert one_result.returncode == 0, one_result.stdout[-3000:] + one_result.stderr[-3000:]
-    two_out, two_result = kd(tmp_path, "two", "max_steps=3", nproc=2)
+    two_out, two_result = kd(tmp_path, "two", *mixture, nproc=2)
     assert two_result.returncode == 0, two_result.stdout[-3000:] + two_result.stderr[-3000:]
     one, two = logged(one_out), logged(two_out)
     for step in (1, 2, 3):
-        for key in ("loss", "ce", "kd"):
+        for key in one[step].keys() & {"loss", "ce", "kd", "loss/tasks", "loss/text"}:
             assert abs(one[step][key] - two[step][key]) <= 1e-5, (step, key, one, two)
+        assert one[step].keys() & {"loss/tasks", "loss/text"} == two[step].keys() & {
+            "loss/tasks", "loss/text"}  # fmt: skip
+    sources = {k for r in one.values() for k in r if k.startswith("loss/")}
+    assert sources == {"loss/tasks", "loss/text"}  # over the steps
     assert one[1]["kd"] > 0 and one[3]["loss"] < one[1]["loss"]
+    rows = [json.loads(line) for line in (two_out / "metrics.jsonl").read_text().splitlines()]
+    val = [r for r in rows if "val/ce" in r][-1]
+    assert val["val/loss/tasks"] > 0 and val["val/loss/text"] > 0
 
 
 def test_validate_refuses_a_precomputed_teacher_with_reverse_kl():
@@ -93,8 +111,9 @@ def test_a_precomputed_teacher_of_the_whole_vocabulary_gives_the_live_teachers_l
 
 
 @pytest.mark.slow  # 2 processes, 3 steps of two tiny HF folders
-def test_hf_tiny_kd_distills_between_two_hf_folders_and_exports(tmp_path):
+def test_hf_tiny_kd_distills_a_lora_student_with_qat_between_two_hf_folders_and_exports(tmp_path):
     from tests.recipes.test_hf_finetune import tiny_folder
+    from tests.slow.test_decoder_setup_runs import SCHEME, assert_loads_as_freetx
 
     student = tiny_folder(tmp_path / "student", "llama3_2")
     teacher = make_folder(tmp_path / "teacher", "llama3_2", seed=1)  # other weights, one tokenizer
@@ -106,32 +125,12 @@ def test_hf_tiny_kd_distills_between_two_hf_folders_and_exports(tmp_path):
         f"model_dir={student}", f"teacher_dir={teacher}", f"output_dir={out}", "max_steps=3",
         "eval.every_n_steps=0", "eval.max_batches=1", "log_every_n_steps=1",
         "dataset.num_builtin_examples=200", "dataset.seq_len=64", JSONL,
+        "peft.method=lora", f"qat.scheme={SCHEME}",  # a LoRA student, fake-quantized
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     rows = logged(out)
     assert rows[1]["kd"] > 0 and all(r["loss"] == r["loss"] for r in rows.values())
     transformers = pytest.importorskip("transformers")
     transformers.AutoModelForCausalLM.from_pretrained(out / "export" / "hf")  # it loads
-
-
-MIXTURE = ("dataset={_component_: freetx.data.Mixture, names: [tasks, text], weights: [3, 1], "
-           "num_samples: 64, sources: [{_component_: freetx.data.InstructDataset, source: "
-           "builtin, seq_len: 64, num_builtin_examples: 200, val_fraction: 0.05}, "
-           "{_component_: freetx.data.PackedTextDataset, source: builtin, seq_len: 64, "
-           "val_fraction: 0.05}]}")  # fmt: skip
-
-
-@pytest.mark.slow  # 2 processes, 2 steps
-def test_a_mixture_distills_on_two_processes_and_logs_each_sources_loss(tmp_path):
-    """The mixture's sources reach the loss, not the models (they once ended in a raw
-    TypeError in the student's forward): `loss/<source>` and `val/loss/<source>`."""
-    out, result = kd(tmp_path, "mix", "max_steps=2", "~dataset", MIXTURE, "eval.every_n_steps=2",
-                     nproc=2)  # fmt: skip
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    train = [r for r in rows if "loss" in r]
-    sources = {k: v for r in train for k, v in r.items() if k.startswith("loss/")}
-    assert len(train) == 2 and set(sources) == {"loss/tasks", "loss/text"}  # over the steps
-    assert all(v > 0 for v in sources.values())
-    val = [r for r in rows if "val/ce" in r]
-    assert val and val[-1]["val/loss/tasks"] > 0 and val[-1]["val/loss/text"] > 0
+    assert f"quantized ({SCHEME}" in result.stdout  # QAT's export, as every decoder recipe's
+    assert_loads_as_freetx(out / "export" / "quantized")

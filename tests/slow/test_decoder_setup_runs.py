@@ -1,14 +1,13 @@
 """What the decoder recipes' one setup (`freetx.training.decoder`) gives every recipe, from
-the CLI on 2 processes: `qat.scheme` trains dpo_fsdp2 (full), kd_fsdp2 (LoRA) and grpo_fsdp2
-(LoRA) with fake quantization and exports a quantized folder that transformers loads (its
-logits = freetx's of the same folder); grpo_fsdp2 with `eval.after_training` writes eval.json
-as the eval recipe scores the run."""
+the CLI on 2 processes: `qat.scheme` trains dpo_fsdp2 (full) and grpo_fsdp2 (LoRA) with fake
+quantization and exports a quantized folder that transformers loads (its logits = freetx's of
+the same folder; kd_fsdp2's LoRA student: tests/recipes/test_kd.py); grpo_fsdp2 with
+`eval.after_training` writes eval.json."""
 
 from __future__ import annotations
 
 import json
 import math
-import shutil
 
 import pytest
 import torch
@@ -58,19 +57,6 @@ def test_dpo_trains_with_qat_and_exports_quantized(tmp_path, hf_pairs):  # noqa:
     run(tmp_path / "dpo", "dpo_fsdp2", "llm/hf_tiny_dpo", f"model_dir={folder}",
         f"dataset.source={pairs}", "~peft", "checkpoint.final_export=null",
         "batch_size=4", "eval.batch_size=4")  # fmt: skip
-
-
-def test_kd_trains_a_lora_student_with_qat_and_exports_quantized(tmp_path):
-    from tests.hf_folders import make_folder
-    from tests.recipes.test_hf_finetune import tiny_folder
-
-    student = tiny_folder(tmp_path / "student", "llama3_2")
-    teacher = make_folder(tmp_path / "teacher", "llama3_2", seed=1)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(student / name, teacher / name)
-    run(tmp_path / "kd", "kd_fsdp2", "llm/hf_tiny_kd", f"model_dir={student}",
-        f"teacher_dir={teacher}", "peft.method=lora", "checkpoint.final_export=null",
-        "dataset.num_builtin_examples=200", "dataset.seq_len=64")  # fmt: skip
 
 
 def test_grpo_trains_with_qat_exports_quantized_and_scores_tasks_after_training(
