@@ -130,9 +130,19 @@ def report_error(error: FreetxError, prefix: str = "freetx") -> int:
 
 # OS errors of a file or folder (not of a socket: a peer's failure is told apart elsewhere)
 FILE_ERRNOS = {
-    errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOTDIR,
-    errno.EISDIR, errno.EEXIST, errno.ENAMETOOLONG, errno.EIO, errno.EFBIG, errno.ENOENT,
-}  # fmt: skip
+    errno.ENOSPC,
+    errno.EDQUOT,
+    errno.EROFS,
+    errno.EACCES,
+    errno.EPERM,
+    errno.ENOTDIR,
+    errno.EISDIR,
+    errno.EEXIST,
+    errno.ENAMETOOLONG,
+    errno.EIO,
+    errno.EFBIG,
+    errno.ENOENT,
+}
 
 
 def os_error_in(error: BaseException | None) -> OSError | None:

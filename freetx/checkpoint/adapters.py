@@ -357,8 +357,9 @@ class MergedSource(TensorSource):
         experts = self.experts.get(adapted_by(name[len(MODEL_PREFIX) :]))
         if experts is not None:
             a = self.adapters.get(experts["lora_a"]).float()
-            delta = expert_delta(a, self.adapters.get(experts["lora_b"]).float(),
-                                 self.alpha / a.shape[1])  # fmt: skip
+            delta = expert_delta(
+                a, self.adapters.get(experts["lora_b"]).float(), self.alpha / a.shape[1]
+            )
             return merge_weight(tensor, updated_part(name, delta)).to(tensor.dtype)
         module = name[len(MODEL_PREFIX) :].removesuffix(".weight")
         parts = self.modules.get(module) if name.endswith(".weight") else None

@@ -161,8 +161,13 @@ def convert(
             written = sum(v.numel() * v.element_size() for v in data.values() if torch.is_tensor(v))
         else:
             written = _write_dcp(source, out, names, cast, model_only)
-    return {"format": fmt, "tensors": len(names), "bytes": written, "path": str(dst),
-            "notes": notes}  # fmt: skip
+    return {
+        "format": fmt,
+        "tensors": len(names),
+        "bytes": written,
+        "path": str(dst),
+        "notes": notes,
+    }
 
 
 def _write_dcp(source: TensorSource, out: Path, names: list[str], cast, model_only: bool) -> int:
@@ -189,10 +194,11 @@ def _extras(source: TensorSource) -> dict[str, Any]:
 
 def _write_safetensors(source: TensorSource, dst: Path, rename, cast, out_dtype) -> int:
     infos = {
-        rename(MODEL_PREFIX + n): TensorInfo(source.infos[MODEL_PREFIX + n].shape,
-                                             out_dtype(source.infos[MODEL_PREFIX + n]))
+        rename(MODEL_PREFIX + n): TensorInfo(
+            source.infos[MODEL_PREFIX + n].shape, out_dtype(source.infos[MODEL_PREFIX + n])
+        )
         for n in source.model_names()
-    }  # fmt: skip
+    }
     metadata = {"format": "pt"}
     if source.model_config is not None:
         metadata[MODEL_CONFIG_KEY] = json.dumps(source.model_config)
@@ -210,8 +216,15 @@ def parse_size(size: str | int) -> int:
     if isinstance(size, int):
         return size
     text = str(size).strip().upper()
-    for unit, factor in (("GIB", 2**30), ("MIB", 2**20), ("KIB", 2**10), ("GB", 10**9),
-                         ("MB", 10**6), ("KB", 10**3), ("B", 1)):  # fmt: skip
+    for unit, factor in (
+        ("GIB", 2**30),
+        ("MIB", 2**20),
+        ("KIB", 2**10),
+        ("GB", 10**9),
+        ("MB", 10**6),
+        ("KB", 10**3),
+        ("B", 1),
+    ):
         if text.endswith(unit):
             text, scale = text[: -len(unit)], factor
             break
@@ -464,10 +477,14 @@ def _copy_own_file(folder: Path, name: str, dst: Path) -> list[str]:
 # other entry a user put into such a folder is kept when it is written again
 _SHARD = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
 EXPORT_FILES = (
-    "config.json", "generation_config.json", "model.safetensors",
-    "model.safetensors.index.json", "adapter_model.safetensors", "adapter_config.json",
+    "config.json",
+    "generation_config.json",
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "adapter_model.safetensors",
+    "adapter_config.json",
     *TOKENIZER_FILES,
-)  # fmt: skip
+)
 
 
 def user_entry(name: str) -> bool:
@@ -498,8 +515,13 @@ def merge(
         written, written_as = _write_hf(
             source, out, lambda t: t, lambda info: info.dtype, max_shard_size, companion
         )
-    return {"format": "hf", "tensors": len(source.infos), "bytes": written, "path": str(dst),
-            "notes": skipped_note(base_source) + written_as}  # fmt: skip
+    return {
+        "format": "hf",
+        "tensors": len(source.infos),
+        "bytes": written,
+        "path": str(dst),
+        "notes": skipped_note(base_source) + written_as,
+    }
 
 
 def inspect_report(path: str | Path) -> str:

@@ -241,9 +241,10 @@ def earlier_checkpoint(path: Path) -> Path | None:
     earlier = [
         (step_of(p.name), p)
         for p in Path(path).parent.iterdir()
-        if (step_of(p.name) or step) < step and (p / ".metadata").is_file()
+        if (step_of(p.name) or step) < step
+        and (p / ".metadata").is_file()
         and (p / META_FILE).is_file()
-    ]  # fmt: skip
+    ]
     return max(earlier)[1] if earlier else None
 
 

@@ -41,10 +41,17 @@ from freetx.errors import CheckpointError
 from freetx.models.hf import layout_for_hf_config
 
 SAFETENSORS_DTYPES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
-    torch.uint8: "U8", torch.bool: "BOOL",
-}  # fmt: skip
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
 MODEL_CONFIG_KEY = "freetx_model_config"
 READ_CHUNK = 64 * 2**20  # the largest read buffer when a tensor is cast while read
 MODEL_CLASS_KEY = "freetx_model_class"
@@ -280,11 +287,11 @@ class SafetensorsSource(TensorSource):
                 self.meta["model_class"] = file.metadata[MODEL_CLASS_KEY]
         for name, rows in slices.items():
             count = max(len(row) for row in rows.values())  # the parts of each slice
-            self._stacks[name] = [
-                [rows[i][p] for p in _complete_stack(f"{name} (slice {i}'s parts)", rows[i],
-                                                     self.path, count)]
-                for i in _complete_stack(name, rows, self.path)
-            ]  # fmt: skip
+            stack = []
+            for i in _complete_stack(name, rows, self.path):
+                order = _complete_stack(f"{name} (slice {i}'s parts)", rows[i], self.path, count)
+                stack.append([rows[i][p] for p in order])
+            self._stacks[name] = stack
             self.infos[name] = _stacked_info(name, self._stacks[name], self.path)
 
     def get(self, name: str) -> torch.Tensor:
@@ -333,8 +340,9 @@ def _stacked_info(
     their first dim), which must all agree."""
     infos = {tuple(file.entries[stored][0] for file, stored in parts) for parts in rows}
     parts = next(iter(infos))
-    if len(infos) > 1 or any((p.shape[1:], p.dtype) != (parts[0].shape[1:], parts[0].dtype)
-                             for p in parts):  # fmt: skip
+    if len(infos) > 1 or any(
+        (p.shape[1:], p.dtype) != (parts[0].shape[1:], parts[0].dtype) for p in parts
+    ):
         shapes = {str((list(p.shape), p.dtype)) for row in infos for p in row}
         raise CheckpointError(
             f"{path}: the slices of {name.removeprefix(MODEL_PREFIX)} differ in shape or dtype "

@@ -58,9 +58,10 @@ def input_identity(path: str | Path | list[Path], resolved: Path | None = None) 
         files = [resolved]
     else:
         files = sorted(
-            p for p in resolved.rglob("*")
+            p
+            for p in resolved.rglob("*")
             if p.is_file() and (p.suffix in WEIGHT_SUFFIXES or p.name in WEIGHT_NAMES)
-        )  # fmt: skip
+        )
     return {
         "given": str(path),
         "path": str(resolved.resolve()),

@@ -87,8 +87,12 @@ class WeightSource:
         return f"{self.given} ({words}{at})"
 
 
-_KIND_WORDS = {"hf": "HF safetensors", "dcp": "DCP checkpoint", "safetensors": "safetensors file",
-               "torch": "torch file"}  # fmt: skip
+_KIND_WORDS = {
+    "hf": "HF safetensors",
+    "dcp": "DCP checkpoint",
+    "safetensors": "safetensors file",
+    "torch": "torch file",
+}
 
 
 def weight_source(path: str | Path) -> WeightSource:

@@ -145,5 +145,12 @@ def export_quantized(
         flat = {k: v.detach().contiguous().cpu() for k, v in flat.items()}
         save_file(flat, out / QUANTIZED_FILE, metadata={"format": "pt", **metadata})
     written = sum(v.numel() * v.element_size() for v in flat.values())
-    return {"format": "hf", "scheme": quant.scheme, "group_size": quant.group_size,
-            "tensors": len(tensors), "bytes": written, "path": str(dst), "notes": notes}  # fmt: skip
+    return {
+        "format": "hf",
+        "scheme": quant.scheme,
+        "group_size": quant.group_size,
+        "tensors": len(tensors),
+        "bytes": written,
+        "path": str(dst),
+        "notes": notes,
+    }

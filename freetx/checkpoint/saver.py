@@ -65,11 +65,16 @@ class _Writer(FileSystemWriter):
         def work() -> None:
             try:
                 _write_files_from_queue(
-                    create_stream=self.fs.create_stream, file_queue=file_queue,
-                    result_queue=results, planner=planner, transforms=self.transforms,
-                    inflight_threshhold=self.per_thread_copy_ahead, use_fsync=self.sync_files,
-                    thread_count=self.thread_count, serialization_format=self.serialization_format,
-                )  # fmt: skip
+                    create_stream=self.fs.create_stream,
+                    file_queue=file_queue,
+                    result_queue=results,
+                    planner=planner,
+                    transforms=self.transforms,
+                    inflight_threshhold=self.per_thread_copy_ahead,
+                    use_fsync=self.sync_files,
+                    thread_count=self.thread_count,
+                    serialization_format=self.serialization_format,
+                )
             except BaseException as e:  # raised below, in the rank's own thread
                 failures.append(e)
 
@@ -139,9 +144,11 @@ class CheckpointSaver:
         try:
             if self._async_writer is not None:
                 future = dcp.async_save(
-                    state, checkpoint_id=str(tmp), storage_writer=self._async_writer,
+                    state,
+                    checkpoint_id=str(tmp),
+                    storage_writer=self._async_writer,
                     process_group=self.host.group,
-                )  # fmt: skip
+                )
                 self._pending = (future, tmp, final, meta)
                 return
             writer = _Writer(str(tmp))

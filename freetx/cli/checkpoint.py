@@ -103,24 +103,38 @@ def main(args: argparse.Namespace) -> int:
         return 0
     if args.action == "merge":
         lora = recorded_run(args.checkpoint)["lora"]
-        result = merge(args.checkpoint, args.base, args.dst, overwrite=args.overwrite,
-                       max_shard_size=args.max_shard_size, lora=lora)  # fmt: skip
+        result = merge(
+            args.checkpoint,
+            args.base,
+            args.dst,
+            overwrite=args.overwrite,
+            max_shard_size=args.max_shard_size,
+            lora=lora,
+        )
         return said(result, "hf, adapters merged")
     if args.quantize is not None or args.group_size is not None:
         return quantize(args)
     result = convert(
-        args.src, args.dst, to=args.to, dtype=args.dtype, model_only=args.model_only,
-        overwrite=args.overwrite, max_shard_size=args.max_shard_size,
-        hf_files_from=args.hf_files_from, **recorded_run(args.src),
-    )  # fmt: skip
+        args.src,
+        args.dst,
+        to=args.to,
+        dtype=args.dtype,
+        model_only=args.model_only,
+        overwrite=args.overwrite,
+        max_shard_size=args.max_shard_size,
+        hf_files_from=args.hf_files_from,
+        **recorded_run(args.src),
+    )
     return said(result, result["format"])
 
 
 def said(result: dict, kind: str) -> int:
     """What a conversion wrote (its path, `kind`, tensors, size) and its notes (what the
     folder is, what was not read); the exit code 0."""
-    print(f"Wrote {result['path']} ({kind}): {result['tensors']} tensors, "
-          f"{result['bytes'] / 2**20:.1f} MiB")  # fmt: skip
+    print(
+        f"Wrote {result['path']} ({kind}): {result['tensors']} tensors, "
+        f"{result['bytes'] / 2**20:.1f} MiB"
+    )
     for note in result["notes"]:
         print(note)
     return 0
@@ -143,7 +157,11 @@ def quantize(args: argparse.Namespace) -> int:
     group_size = args.group_size or recorded_qat(args.src).group_size
     quant = QuantScheme.named(args.quantize, group_size)  # checked once, here
     result = export_quantized(
-        args.src, args.dst, quant, overwrite=args.overwrite,
-        hf_files_from=args.hf_files_from, **recorded_run(args.src),
-    )  # fmt: skip
+        args.src,
+        args.dst,
+        quant,
+        overwrite=args.overwrite,
+        hf_files_from=args.hf_files_from,
+        **recorded_run(args.src),
+    )
     return said(result, f"hf, {quant.scheme} in groups of {quant.group_size}")

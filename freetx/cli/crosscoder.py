@@ -28,9 +28,13 @@ def build_parser() -> argparse.ArgumentParser:
     analyze.add_argument("checkpoint", help="a crosscoder run's output_dir or a checkpoint")
     analyze.add_argument("-o", "--output", help="folder (default: RUN/analysis)")
     analyze.add_argument(
-        "--sources", nargs=2, type=at_least_zero, default=None, metavar=("A", "B"),
+        "--sources",
+        nargs=2,
+        type=at_least_zero,
+        default=None,
+        metavar=("A", "B"),
         help="one pair of sources to compare (default: each source against source 0)",
-    )  # fmt: skip
+    )
     analyze.add_argument(
         "--overwrite", action="store_true", help="replace an earlier analysis in the folder"
     )
@@ -64,9 +68,12 @@ def analyze(args: argparse.Namespace) -> int:
     from freetx.user_files import refuse_existing, write_user_file
 
     run = Path(args.checkpoint).expanduser()
-    out = Path(args.output) if args.output else (
-        run / "analysis" if (run / "checkpoints").is_dir() else run.parent / f"{run.name}_analysis"
-    )  # fmt: skip
+    if args.output:
+        out = Path(args.output)
+    elif (run / "checkpoints").is_dir():
+        out = run / "analysis"
+    else:
+        out = run.parent / f"{run.name}_analysis"
     files = [out / "analysis.json", out / "relative_decoder_norm.png"]
     for file in files:  # before reading the checkpoint
         refuse_existing(file, args.overwrite, "another -o FOLDER")
@@ -110,9 +117,11 @@ def analyze(args: argparse.Namespace) -> int:
     print(f"{result['features']} features, {n} sources: {compared}")
     for (a, b), each in zip(pairs, results):
         cosine = each["shared_decoder_cosine_mean"]
-        print(f"  source {b} vs {a}: {each['a_only']} only in source {a}, {each['b_only']} only "
-              f"in source {b}, {each['shared']} shared (decoder cosine "
-              f"{'n/a' if cosine is None else f'{cosine:.4g}'})")  # fmt: skip
+        cosine_text = "n/a" if cosine is None else f"{cosine:.4g}"
+        print(
+            f"  source {b} vs {a}: {each['a_only']} only in source {a}, {each['b_only']} only "
+            f"in source {b}, {each['shared']} shared (decoder cosine {cosine_text})"
+        )
     print(f"-> {out}/analysis.json, {', '.join(p.name for p in pngs)}, tb/")
     return 0
 

@@ -35,9 +35,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     # a positional with choices keeps options and overrides intermixed
     p.add_argument(
-        "action", choices=("prepare", "show"),
+        "action",
+        choices=("prepare", "show"),
         help="prepare: tokenize into the cache; show: render training sequences",
-    )  # fmt: skip
+    )
     p.add_argument("config", help="a config name (llm/tiny) or a path to a .yaml file")
     p.add_argument("overrides", nargs="*", help="show: N first, then key=value or ~key")
     p.add_argument("--recipe", help="for a config file outside the built-in ones")
@@ -58,8 +59,10 @@ def _dataset_config(args: argparse.Namespace, overrides: list[str]):
     node = getattr(cfg, "dataset", None)
     if not hasattr(cfg, "tokenizer") or "_component_" not in (node or {}):
         what = "cache" if args.action == "prepare" else "show"
-        print(f"{args.config}: nothing to {what} (no tokenized dataset: no `dataset` "
-              "with a `_component_` and a `tokenizer`).")  # fmt: skip
+        print(
+            f"{args.config}: nothing to {what} (no tokenized dataset: no `dataset` "
+            "with a `_component_` and a `tokenizer`)."
+        )
         return None
     return cfg
 
@@ -86,8 +89,10 @@ def main(args: argparse.Namespace) -> int:
         parts = data.parts if isinstance(data, MadeOfParts) else [data]  # a Mixture's sources
         cached = [(i, p) for i, p in enumerate(parts) if isinstance(p, UsesTokenCache)]
         if not cached:
-            print(f"{args.config}: nothing to cache ({type(data).__name__} keeps no token "
-                  "cache; its data is made in memory).")  # fmt: skip
+            print(
+                f"{args.config}: nothing to cache ({type(data).__name__} keeps no token "
+                "cache; its data is made in memory)."
+            )
             return 0
         for i, part in cached:
             lines.setdefault((i, part.token_cache.label), part.token_cache.line())

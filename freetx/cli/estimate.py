@@ -32,12 +32,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--world-size", type=at_least_one, default=8)
     p.add_argument("--replicas", type=at_least_one, default=1, help="hsdp: replica groups")
     p.add_argument("--device", choices=DEVICE_NAMES, default="h100")
-    p.add_argument("--mfu", type=number(float, above=0, at_most=1), default=0.4,
-                   help="the share of peak FLOP/s reached, in (0, 1]")  # fmt: skip
+    p.add_argument(
+        "--mfu",
+        type=number(float, above=0, at_most=1),
+        default=0.4,
+        help="the share of peak FLOP/s reached, in (0, 1]",
+    )
     p.add_argument("--recipe", help="for a config file outside the built-in ones")
-    p.add_argument("--source-dim", type=at_least_one, metavar="D",
-                   help="a crosscoder's hooked width, where its source models cannot be read "
-                   "yet (a run not made) or the hooks are not on the residual stream")  # fmt: skip
+    p.add_argument(
+        "--source-dim",
+        type=at_least_one,
+        metavar="D",
+        help="a crosscoder's hooked width, where its source models cannot be read "
+        "yet (a run not made) or the hooks are not on the residual stream",
+    )
     kind = p.add_mutually_exclusive_group()
     kind.add_argument(
         "--measure",
@@ -124,13 +132,18 @@ def _estimate(args: argparse.Namespace) -> int:
     else:
         trainable_text = f"{trainable / 1e9:.3f}B trained"
     shape = found.shapes[0] if found.shapes else None  # the axes are the same in each
-    axes = "".join(f" x {name} {getattr(shape, name)}" for name in ("pp", "cp", "tp", "ep")
-                   if shape is not None and getattr(shape, name) > 1)  # fmt: skip
+    axes = "".join(
+        f" x {name} {getattr(shape, name)}"
+        for name in ("pp", "cp", "tp", "ep")
+        if shape is not None and getattr(shape, name) > 1
+    )
     grid = f" as {shape.dp} data-parallel{axes}" if axes else ""
-    print(f"{args.config}: {params / 1e9:.3f}B parameters ({trainable_text}), "
-          f"{args.world_size} x {args.device}{grid}, micro-batch {batch}, "
-          f"{dist.mixed_precision.param_dtype}, activation checkpointing "
-          f"{dist.activation_checkpointing}, MFU {args.mfu:g}")  # fmt: skip
+    print(
+        f"{args.config}: {params / 1e9:.3f}B parameters ({trainable_text}), "
+        f"{args.world_size} x {args.device}{grid}, micro-batch {batch}, "
+        f"{dist.mixed_precision.param_dtype}, activation checkpointing "
+        f"{dist.activation_checkpointing}, MFU {args.mfu:g}"
+    )
     if args.ladder:
         return _print_ladder(cfg, args, hbm)
     measured = {}
@@ -156,8 +169,8 @@ def _estimate(args: argparse.Namespace) -> int:
             if key not in steps:
                 steps[key] = measure(cfg, each)
             measured[each.strategy] = steps[key]
-    header = ["strategy", "params", "grads", "optim", "gathered", "activations", "loss",
-              "peak GiB", "fits", "step s", "tokens/s/rank"]  # fmt: skip
+    header = ["strategy", "params", "grads", "optim", "gathered", "activations", "loss"]
+    header += ["peak GiB", "fits", "step s", "tokens/s/rank"]
     if measured:
         header[-3:-3] = ["measured peak", "measured activations"]
     harvested = sources is not None and bool(sources.bytes or sources.unread)  # from models
@@ -172,11 +185,14 @@ def _estimate(args: argparse.Namespace) -> int:
     if hosted:
         header[header.index("peak GiB") + 1 : header.index("peak GiB") + 1] = ["host GiB"]
     table = [header]
+    micro_tokens = micro * found.planned.rows_per_sample * seq_len
     for r in rows:
         g = lambda v: f"{v / GIB:.2f}"  # noqa: E731
-        row = [r.strategy, g(r.parameters), g(r.gradients), g(r.optimizer), g(r.gathered),
-               g(r.activations), g(r.loss), g(r.peak), "yes" if r.peak / GIB < hbm else "no",
-               f"{r.step_s:.2f}", f"{micro * found.planned.rows_per_sample * seq_len / shape.per_data_rank / r.step_s:,.0f}"]  # fmt: skip
+        fits = "yes" if r.peak / GIB < hbm else "no"
+        tokens_per_s = micro_tokens / shape.per_data_rank / r.step_s
+        row = [r.strategy, g(r.parameters), g(r.gradients), g(r.optimizer), g(r.gathered)]
+        row += [g(r.activations), g(r.loss), g(r.peak), fits, f"{r.step_s:.2f}"]
+        row += [f"{tokens_per_s:,.0f}"]
         if measured:
             m = measured[r.strategy]
             row[-3:-3] = [g(m["peak"]), g(m["activations"])]
@@ -190,30 +206,42 @@ def _estimate(args: argparse.Namespace) -> int:
             row[header.index("host GiB") : header.index("host GiB")] = [g(r.host)]
         table.append(row)
     _print_table(table)
-    print("(GiB per rank; `gathered`: unsharded blocks and gradient buckets in flight; the "
-          "allocator's caching and fragmentation come on top, 5-10% on CUDA)")  # fmt: skip
+    print(
+        "(GiB per rank; `gathered`: unsharded blocks and gradient buckets in flight; the "
+        "allocator's caching and fragmentation come on top, 5-10% on CUDA)"
+    )
     if shape is not None and shape.ep > 1:
-        print(f"(ep {shape.ep}: each rank computes 1/{shape.ep} of every MoE block's "
-              "experts, which FSDP2 shards over the dp / ep x cp ranks of a replica: "
-              + ", ".join(f"{r.strategy} {r.expert_states / GIB:.2f} GiB" for r in rows)
-              + " of their parameters, gradients and optimizer states per rank, within the "
-              f"states above; the tokens' all-to-all {rows[0].all_to_all / GIB:.3f} GiB per "
-              "rank and micro-batch, in step s)")  # fmt: skip
+        print(
+            f"(ep {shape.ep}: each rank computes 1/{shape.ep} of every MoE block's "
+            "experts, which FSDP2 shards over the dp / ep x cp ranks of a replica: "
+            + ", ".join(f"{r.strategy} {r.expert_states / GIB:.2f} GiB" for r in rows)
+            + " of their parameters, gradients and optimizer states per rank, within the "
+            f"states above; the tokens' all-to-all {rows[0].all_to_all / GIB:.3f} GiB per "
+            "rank and micro-batch, in step s)"
+        )
     if hosted:
-        print("(host: CPU memory per rank, not in the peak: an offloaded optimizer's states, "
-              "fp32 copy and gradients; offloaded activations)")  # fmt: skip
+        print(
+            "(host: CPU memory per rank, not in the peak: an offloaded optimizer's states, "
+            "fp32 copy and gradients; offloaded activations)"
+        )
     if harvested:
-        print(f"(crosscoder: {sources.num_sources} sources x d {sources.source_dim}; `sources`: "
-              f"the source models' weights {sources.weights / GIB:.2f} GiB and one harvesting "
-              f"forward {sources.harvest / GIB:.2f} GiB, on every rank)")  # fmt: skip
+        print(
+            f"(crosscoder: {sources.num_sources} sources x d {sources.source_dim}; `sources`: "
+            f"the source models' weights {sources.weights / GIB:.2f} GiB and one harvesting "
+            f"forward {sources.harvest / GIB:.2f} GiB, on every rank)"
+        )
         if sources.unread:
-            print(f"(not counted: the source models {', '.join(sources.unread)}, which cannot "
-                  "be read yet: their weights come on top)")  # fmt: skip
+            print(
+                f"(not counted: the source models {', '.join(sources.unread)}, which cannot "
+                "be read yet: their weights come on top)"
+            )
     if generations:
-        print("(generation: the generation phase, instead of gathered + activations + loss: "
-              "every parameter gathered in the compute dtype (sharded strategies), the KV "
-              f"cache of {cfg.batch_size // shape.dp * generations} completions per rank and a "
-              "step's logits; peak counts the larger phase)")  # fmt: skip
+        print(
+            "(generation: the generation phase, instead of gathered + activations + loss: "
+            "every parameter gathered in the compute dtype (sharded strategies), the KV "
+            f"cache of {cfg.batch_size // shape.dp * generations} completions per rank and a "
+            "step's logits; peak counts the larger phase)"
+        )
     reference = REFERENCE_NOTES.get(found.planned.reference)
     if reference and copied and not generations:  # dpo_fsdp2's other choice
         reference += "; reference.precompute=true frees it after one pass over the data"
@@ -228,13 +256,20 @@ def _estimate(args: argparse.Namespace) -> int:
             f"tensors with {kernels} kernels; activations include temporaries and the loss)"
         )
         if dist.compile:
-            print("(measured with the blocks uncompiled: distributed.compile's savings, a few "
-                  "percent, are not counted)")  # fmt: skip
+            print(
+                "(measured with the blocks uncompiled: distributed.compile's savings, a few "
+                "percent, are not counted)"
+            )
     if args.json:
-        analytic = {r.strategy: {**dataclasses.asdict(r), "peak": r.peak} for r in rows}
+        analytic = {r.strategy: _figures(r) for r in rows}
         figures = json.dumps({"analytic": analytic, "measured": measured})
         write_user_file(Path(args.json), figures, args.overwrite, "another --json PATH")
     return 0
+
+
+def _figures(row) -> dict:
+    """An estimate's row for --json: its figures (bytes), and its peak."""
+    return {**dataclasses.asdict(row), "peak": row.peak}
 
 
 def _print_table(table: list[list[str]]) -> None:
@@ -257,25 +292,35 @@ def _print_ladder(cfg, args: argparse.Namespace, hbm: float) -> int:
         if r is None:
             table.append([rung.name, "refused"] + [""] * 5)
             continue
-        table.append([
-            rung.name, f"{r.peak / GIB:.2f}", f"{r.peak / base.peak:.2f}" if base else "",
-            f"{r.host / GIB:.2f}", "yes" if r.peak / GIB < hbm else "no", f"{r.step_s:.2f}",
-            f"{r.step_s / base.step_s:.2f}" if base else "",
-        ])  # fmt: skip
-    print(f"memory ladder, {cfg.distributed.strategy} on {args.world_size} x {args.device}, "
-          "each row adding its rung to those above:")  # fmt: skip
+        table.append(
+            [
+                rung.name,
+                f"{r.peak / GIB:.2f}",
+                f"{r.peak / base.peak:.2f}" if base else "",
+                f"{r.host / GIB:.2f}",
+                "yes" if r.peak / GIB < hbm else "no",
+                f"{r.step_s:.2f}",
+                f"{r.step_s / base.step_s:.2f}" if base else "",
+            ]
+        )
+    print(
+        f"memory ladder, {cfg.distributed.strategy} on {args.world_size} x {args.device}, "
+        "each row adding its rung to those above:"
+    )
     _print_table(table)
-    print("(GiB per rank: peak on the device, host in CPU memory; baseline: no activation "
-          "checkpointing, num_chunks 1, fp32 AdamW; optimizer in backward without "
-          "max_grad_norm; float8: tensorwise, devices with float8 matmuls only)")  # fmt: skip
+    print(
+        "(GiB per rank: peak on the device, host in CPU memory; baseline: no activation "
+        "checkpointing, num_chunks 1, fp32 AdamW; optimizer in backward without "
+        "max_grad_norm; float8: tensorwise, devices with float8 matmuls only)"
+    )
     for rung in rungs:
         if rung.row is None:
             print(f"{rung.name}: not estimated, a run would refuse it: {rung.refused}")
     if DEVICES[args.device].float8_peak is None:
         print(f"(no float8 row: the {args.device} has no float8 matmuls)")
     if args.json:
-        figures = {rung.name: None if rung.row is None else
-                   {**dataclasses.asdict(rung.row), "peak": rung.row.peak} for rung in rungs}  # fmt: skip
-        write_user_file(Path(args.json), json.dumps({"ladder": figures}), args.overwrite,
-                        "another --json PATH")  # fmt: skip
+        figures = {rung.name: None if rung.row is None else _figures(rung.row) for rung in rungs}
+        write_user_file(
+            Path(args.json), json.dumps({"ladder": figures}), args.overwrite, "another --json PATH"
+        )
     return 0

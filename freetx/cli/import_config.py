@@ -67,8 +67,8 @@ def main(args: argparse.Namespace) -> int:
     else:
         found = import_config(args.format, data, args.world_size, args.file)
     print(" ".join(shlex.quote(a) for a in found.override_args()))
-    print(comment(f"the overrides {args.file} means: freetx run {found.recipe} --config "
-                  f"{found.config} <the line above>"))  # fmt: skip
+    meaning = f"the overrides {args.file} means: freetx run {found.recipe} --config {found.config}"
+    print(comment(f"{meaning} <the line above>"))
     if found.launch:
         launch = " ".join(shlex.quote(a) for a in found.launch)
         print(comment(f"launch options (before RECIPE): {launch}"))

@@ -35,18 +35,29 @@ def host_name(value: str) -> str:
 
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nodes", type=at_least_one, default=1)
-    p.add_argument("--gpus-per-node", type=int, default=None,
-                   help="GPUs (= processes) per node")  # fmt: skip
+    p.add_argument("--gpus-per-node", type=int, default=None, help="GPUs (= processes) per node")
     p.add_argument("--nproc-per-node", type=at_least_one, default=1, help="processes per CPU node")
-    p.add_argument("--port", "--master-port", type=port, default=None,
-                   help="the rendezvous port (torchrun's --master-port; default: slurm's "
-                   "script finds a free one on the head node at run time, torchrun 29500)")  # fmt: skip
-    p.add_argument("--max-restarts", type=at_least_zero, default=0,
-                   help="torchrun restarts the group this often after a rank dies")  # fmt: skip
-    p.add_argument("--python", default=None,
-                   help="the interpreter that has freetx (default: slurm's script uses "
-                   "FREETX_PYTHON, else the python on PATH after --setup, else this one; "
-                   "torchrun's commands this one)")  # fmt: skip
+    p.add_argument(
+        "--port",
+        "--master-port",
+        type=port,
+        default=None,
+        help="the rendezvous port (torchrun's --master-port; default: slurm's "
+        "script finds a free one on the head node at run time, torchrun 29500)",
+    )
+    p.add_argument(
+        "--max-restarts",
+        type=at_least_zero,
+        default=0,
+        help="torchrun restarts the group this often after a rank dies",
+    )
+    p.add_argument(
+        "--python",
+        default=None,
+        help="the interpreter that has freetx (default: slurm's script uses "
+        "FREETX_PYTHON, else the python on PATH after --setup, else this one; "
+        "torchrun's commands this one)",
+    )
     p.add_argument("recipe", help="a built-in recipe name or a recipe .py file")
     p.add_argument("recipe_args", nargs=argparse.REMAINDER, help="--config CONFIG [key=value ...]")
 
@@ -60,12 +71,19 @@ def build_parser() -> argparse.ArgumentParser:
         slurm.add_argument(f"--{flag}")
     slurm.add_argument("--mem", help="memory per node, e.g. 64G (default 0: all of the node's)")
     slurm.add_argument("--mem-per-gpu", help="memory per GPU instead of --mem, e.g. 80G")
-    slurm.add_argument("--cpus-per-task", type=at_least_one,
-                       help="CPUs per node (default: processes x (1 + the config's num_workers))")  # fmt: skip
+    slurm.add_argument(
+        "--cpus-per-task",
+        type=at_least_one,
+        help="CPUs per node (default: processes x (1 + the config's num_workers))",
+    )
     slurm.add_argument("--job-name", default="freetx")
     slurm.add_argument("--env", action="append", default=[], metavar="NAME=VALUE")
-    slurm.add_argument("--signal-seconds", type=at_least_one, default=90,
-                       help="SIGUSR1 this long before the time limit: save, then requeue")  # fmt: skip
+    slurm.add_argument(
+        "--signal-seconds",
+        type=at_least_one,
+        default=90,
+        help="SIGUSR1 this long before the time limit: save, then requeue",
+    )
     slurm.add_argument("--log", default="slurm-%j.out", help="the job's log file")
     slurm.add_argument("-o", "--output", help="write the script here (default: print it)")
     slurm.add_argument("--submit", action="store_true", help="and submit it with sbatch")
@@ -74,13 +92,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     torchrun = sub.add_parser("torchrun", help="print the torchrun command of every node")
     _common(torchrun)
-    torchrun.add_argument("--master-addr", required=True, type=host_name,
-                          help="the host of node 0: a host name or an IP address")  # fmt: skip
+    torchrun.add_argument(
+        "--master-addr",
+        required=True,
+        type=host_name,
+        help="the host of node 0: a host name or an IP address",
+    )
     torchrun.add_argument("--node-rank", type=at_least_zero, help="only this node's command")
-    torchrun.add_argument("-o", "--output",
-                          help="write a script here (bash FILE NODE_RANK on each node)")  # fmt: skip
-    torchrun.add_argument("--overwrite", action="store_true",
-                          help="replace the script file if it exists")  # fmt: skip
+    torchrun.add_argument(
+        "-o", "--output", help="write a script here (bash FILE NODE_RANK on each node)"
+    )
+    torchrun.add_argument(
+        "--overwrite", action="store_true", help="replace the script file if it exists"
+    )
     for parser in (slurm, torchrun):  # what refuse_options_after_recipe names
         options = {o for a in parser._actions for o in a.option_strings} - {"-h", "--help"}
         parser.set_defaults(launch_options=frozenset(options))
@@ -103,12 +127,18 @@ def _spec(args: argparse.Namespace):
     target = load_recipe(args.recipe)
     cfg = load_recipe_config(config, overrides, target.schema)  # fails before writing
     spec = LaunchSpec(
-        recipe=args.recipe, recipe_args=args.recipe_args, nodes=args.nodes,
-        gpus_per_node=args.gpus_per_node or 0, nproc_per_node=args.nproc_per_node,
-        port=args.port, max_restarts=args.max_restarts, python=args.python,
-        fallback_python=sys.executable, workdir=os.getcwd(),
+        recipe=args.recipe,
+        recipe_args=args.recipe_args,
+        nodes=args.nodes,
+        gpus_per_node=args.gpus_per_node or 0,
+        nproc_per_node=args.nproc_per_node,
+        port=args.port,
+        max_restarts=args.max_restarts,
+        python=args.python,
+        fallback_python=sys.executable,
+        workdir=os.getcwd(),
         loader_workers=getattr(cfg, "num_workers", 0) or 0,
-    )  # fmt: skip
+    )
     if args.where == "torchrun" and spec.python is None:
         spec.python = sys.executable
     from freetx.cli.common import config_device
@@ -174,8 +204,18 @@ def main(args: argparse.Namespace) -> int:
             f"--time {args.time}: SLURM reads minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM or "
             "D-HH:MM:SS (e.g. 2-00:00:00 for two days)."
         )
-    for field in ("partition", "account", "mem_per_gpu", "mem", "setup", "cpus_per_task",
-                  "job_name", "env", "signal_seconds", "log"):  # fmt: skip
+    for field in (
+        "partition",
+        "account",
+        "mem_per_gpu",
+        "mem",
+        "setup",
+        "cpus_per_task",
+        "job_name",
+        "env",
+        "signal_seconds",
+        "log",
+    ):
         setattr(spec, field, getattr(args, field))
     spec.time = args.time
     script = slurm_script(spec, written_by)

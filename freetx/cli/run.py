@@ -52,9 +52,14 @@ def _torchrun_parser():
     from freetx.cli.common import at_least_zero, number, port
 
     # torchrun's numbers, checked here instead of by assertions (or not at all) in torchrun
-    types = {"nnodes": _nodes, "max_restarts": at_least_zero, "node_rank": at_least_zero,
-             "monitor_interval": number(float, above=0), "master_port": port,
-             "shutdown_timeout": at_least_zero}  # fmt: skip
+    types = {
+        "nnodes": _nodes,
+        "max_restarts": at_least_zero,
+        "node_rank": at_least_zero,
+        "monitor_interval": number(float, above=0),
+        "master_port": port,
+        "shutdown_timeout": at_least_zero,
+    }
 
     parser = get_args_parser()
     parser.prog = "freetx run"
@@ -318,9 +323,10 @@ def _report_failure(error) -> None:
     signalled = {
         rank: _killed_by(f)
         for rank, f in failures
-        if rank not in stuck and _killed_by(f) not in (None, "SIGTERM")
+        if rank not in stuck
+        and _killed_by(f) not in (None, "SIGTERM")
         and not os.path.isfile(str(f.error_file))
-    }  # fmt: skip
+    }
     if signalled:
         hints = {"SIGKILL": ": kill -9, or the out-of-memory killer"}
         died = "; ".join(

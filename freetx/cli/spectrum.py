@@ -35,8 +35,12 @@ def build_parser() -> argparse.ArgumentParser:
     scan.add_argument(
         "model", help="an HF folder, a run's output_dir, a DCP checkpoint, .safetensors"
     )
-    scan.add_argument("--top-percent", type=number(float, above=0, at_most=100), default=25.0,
-                      help="of each kind, in (0, 100] (default 25)")  # fmt: skip
+    scan.add_argument(
+        "--top-percent",
+        type=number(float, above=0, at_most=100),
+        default=25.0,
+        help="of each kind, in (0, 100] (default 25)",
+    )
     scan.add_argument(
         "-o", "--output", help="the selection file (default: MODEL/spectrum_top<P>.yaml)"
     )
@@ -107,11 +111,15 @@ def _cached_scores(cache: Path, weights: dict, given: str) -> dict | None:
     if not isinstance(before, dict) or not same_input(before, weights):
         was = before.get("path") if isinstance(before, dict) else "weights it did not record"
         now = weights["path"] if weights["path"] != was else f"{was}, rewritten since"
-        print(f"the scores in {cache} were computed from {was}; {given} now means {now}: "
-              "scanning again")  # fmt: skip
+        print(
+            f"the scores in {cache} were computed from {was}; {given} now means {now}: "
+            "scanning again"
+        )
         return None
-    print(f"reusing the scores in {cache}, computed from {weights['path']} (--rescan to "
-          "compute them again)")  # fmt: skip
+    print(
+        f"reusing the scores in {cache}, computed from {weights['path']} (--rescan to "
+        "compute them again)"
+    )
     return cached["scores"]
 
 
@@ -124,8 +132,8 @@ def _scan(model: Path, nproc: int) -> dict:
 
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "scores.json"
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                   f"--nproc-per-node={nproc}", __file__, str(model), str(out)]  # fmt: skip
+        torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+        command = [*torchrun, f"--nproc-per-node={nproc}", __file__, str(model), str(out)]
         env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // nproc))}
         result = subprocess.run(command, env=env, capture_output=True, text=True)
         if result.returncode != 0 or not out.is_file():
@@ -142,8 +150,9 @@ def scan_scores(
     from freetx.models.peft.spectrum import kind_of, score_matrix
 
     source = open_tensors(resolve_checkpoint(model))
-    names = sorted(n for n in source.model_names()
-                   if len(source.infos["model." + n].shape) == 2 and kind_of(n))  # fmt: skip
+    names = sorted(
+        n for n in source.model_names() if len(source.infos["model." + n].shape) == 2 and kind_of(n)
+    )
     mine = {}
     for name in names[rank::world_size]:
         mine[name.removesuffix(".weight")] = score_matrix(source.get("model." + name))

@@ -32,79 +32,75 @@ FOREIGN_KEYS: dict[str, tuple[str | None, str]] = {
     # torchtune's recipe configs
     "epochs": (
         "max_steps",
-        "freetx counts optimizer steps, not epochs: max_steps = epochs x "
-        "ceil(training samples / batch_size) (`freetx import torchtune CONFIG "
-        "--dataset-size N` computes it)",
-    ),  # fmt: skip
+        "freetx counts optimizer steps, not epochs: max_steps = epochs x ceil(training samples / "
+        "batch_size) (`freetx import torchtune CONFIG --dataset-size N` computes it)",
+    ),
     "max_steps_per_epoch": ("max_steps", "freetx has no epochs; max_steps caps the run"),
     "dtype": (
         "distributed.mixed_precision.param_dtype",
-        "torchtune's dtype is the compute "
-        "dtype: bf16 -> distributed.mixed_precision.param_dtype=bfloat16 (gradients are "
-        "reduced in distributed.mixed_precision.reduce_dtype, float32 by default)",
-    ),  # fmt: skip
+        "torchtune's dtype is the compute dtype: bf16 -> "
+        "distributed.mixed_precision.param_dtype=bfloat16 (gradients are reduced in "
+        "distributed.mixed_precision.reduce_dtype, float32 by default)",
+    ),
     "resume_from_checkpoint": (
         "resume",
-        "resume=auto (the default) continues from the newest "
-        "checkpoint in output_dir; resume=never starts afresh; "
-        "resume=PATH from that checkpoint",
-    ),  # fmt: skip
+        "resume=auto (the default) continues from the newest checkpoint in output_dir; "
+        "resume=never starts afresh; resume=PATH from that checkpoint",
+    ),
     "checkpointer": (
         "model_dir",
-        "torchtune's checkpointer.checkpoint_dir is freetx's model_dir "
-        "(an HF folder; checkpoint.initial_weights=${model_dir} loads it), its "
-        "output_dir is output_dir; freetx saves DCP checkpoints and `freetx "
-        "checkpoint convert` writes HF folders",
-    ),  # fmt: skip
+        "torchtune's checkpointer.checkpoint_dir is freetx's model_dir (an HF folder; "
+        "checkpoint.initial_weights=${model_dir} loads it), its output_dir is output_dir; freetx "
+        "saves DCP checkpoints and `freetx checkpoint convert` writes HF folders",
+    ),
     "lr_scheduler": (
         "lr_schedule",
-        "freetx's schedule is lr_schedule.warmup_steps, then "
-        "lr_schedule.decay (cosine, linear or constant) to "
-        "lr_schedule.min_lr_ratio x the peak",
-    ),  # fmt: skip
+        "freetx's schedule is lr_schedule.warmup_steps, then lr_schedule.decay (cosine, linear or "
+        "constant) to lr_schedule.min_lr_ratio x the peak",
+    ),
     "enable_activation_checkpointing": (
         "distributed.activation_checkpointing",
         "true -> full (or selective: every distributed.ac_every_n_blocks-th block)",
-    ),  # fmt: skip
+    ),
     "enable_activation_offloading": (
         "distributed.activation_offloading",
         "true moves saved activations to pinned host memory (with activation "
         "checkpointing: the blocks' inputs)",
-    ),  # fmt: skip
+    ),
     "compile": ("distributed.compile", "distributed.compile=true compiles each block"),
     "clip_grad_norm": ("max_grad_norm", "null turns clipping off"),
     "shuffle": (None, "freetx always shuffles the training samples (each epoch by the seed)"),
     "metric_logger": (
         "metric_loggers",
         "a list of logger nodes (progress bar, JSONL, TensorBoard, WandB)",
-    ),  # fmt: skip
+    ),
     "log_peak_memory_stats": (
         None,
-        "freetx logs memory/peak_* every log_every_n_steps "
-        "(CUDA); list them in the progress bar's keys",
-    ),  # fmt: skip
+        "freetx logs memory/peak_* every log_every_n_steps (CUDA); list them in the "
+        "progress bar's keys",
+    ),
     "fsdp_cpu_offload": (
         "distributed.cpu_offload",
         "true offloads parameters, gradients and the optimizer step (FSDP2's CPUOffloadPolicy)",
-    ),  # fmt: skip
+    ),
     "fsdp_reshard_after_forward": (
         "distributed.strategy",
         "true -> fsdp, false -> zero2 (blocks stay gathered from forward to backward)",
-    ),  # fmt: skip
+    ),
     "optimizer_in_bwd": (
         "optimizer.in_backward",
         "true steps each parameter in backward as its gradient is ready (no gradient "
         "accumulation, max_grad_norm=null)",
-    ),  # fmt: skip
+    ),
     "custom_sharded_layers": (
         None,
         "freetx shards every block, the embeddings and the output layer; no list to give",
-    ),  # fmt: skip
+    ),
     "save_adapter_weights_only": (
         None,
-        "with peft.method=lora, checkpoints hold the adapters "
-        "only; `freetx checkpoint convert --to peft` writes them",
-    ),  # fmt: skip
+        "with peft.method=lora, checkpoints hold the adapters only; `freetx checkpoint convert "
+        "--to peft` writes them",
+    ),
     "low_cpu_ram": (None, "freetx builds on the meta device and each rank reads its shard"),
     "log_level": (None, "set FREETX_DEBUG=1 for tracebacks; freetx has no log level key"),
     "batch_size_val": ("eval.batch_size", "eval.batch_size is global, like batch_size"),
@@ -113,13 +109,13 @@ FOREIGN_KEYS: dict[str, tuple[str | None, str]] = {
     "data_parallel_replicate_dim": (
         "distributed.replicate_degree",
         "with distributed.strategy=hsdp",
-    ),  # fmt: skip
+    ),
     "tensor_parallel_dim": ("distributed.tp", ""),
     # the seeds' and the HF Trainer's names
     "num_epochs": (
         "max_steps",
         "freetx counts optimizer steps: max_steps = epochs x ceil(training samples / batch_size)",
-    ),  # fmt: skip
+    ),
     "learning_rate": ("optimizer.lr", ""),
     "lr": ("optimizer.lr", ""),
     "weight_decay": ("optimizer.weight_decay", ""),
@@ -136,10 +132,9 @@ FOREIGN_KEYS: dict[str, tuple[str | None, str]] = {
     "use_amp": ("distributed.mixed_precision.param_dtype", "bfloat16 or float16"),
     "use_deepspeed": (
         "distributed.strategy",
-        "freetx has no DeepSpeed engine: ZeRO-1/2/3 "
-        "are distributed.strategy=zero1|zero2|fsdp on FSDP2 (`freetx import "
-        "deepspeed ds_config.json` maps the JSON)",
-    ),  # fmt: skip
+        "freetx has no DeepSpeed engine: ZeRO-1/2/3 are distributed.strategy=zero1|zero2|fsdp on "
+        "FSDP2 (`freetx import deepspeed ds_config.json` maps the JSON)",
+    ),
     **{name: ("batch_size", GLOBAL_BATCH) for name in PER_DEVICE_BATCH_NAMES},
     "batch_size": ("batch_size", GLOBAL_BATCH),  # per device in torchtune and the seeds
 }

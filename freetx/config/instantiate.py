@@ -433,8 +433,11 @@ def _meaningless_values(target: Any, where: str, kwargs: dict) -> list[str]:
     calls meaningless (`freetx.fields.field_problems`); building it would refuse them too."""
     config_class, _ = builder_config(target, kwargs)
     if config_class is None:  # a target that checks its own keywords (a dataset, a loss)
-        plain = {k: OmegaConf.to_container(v) if isinstance(v, ListConfig) else v
-                 for k, v in kwargs.items() if not isinstance(v, DictConfig)}  # fmt: skip
+        plain = {
+            k: OmegaConf.to_container(v) if isinstance(v, ListConfig) else v
+            for k, v in kwargs.items()
+            if not isinstance(v, DictConfig)
+        }
         return field_problems(target, plain, f"{where}.")
     return field_problems(config_class, _field_values(target, config_class, kwargs), f"{where}.")
 
@@ -443,9 +446,11 @@ def _field_values(target: Any, config_class: type, kwargs: dict) -> dict[str, An
     """A builder's config fields a node sets, over its preset's, as plain values."""
     names = {f.name for f in dataclasses.fields(config_class)}
     preset = target.presets.get(kwargs.get("preset"), {})  # the node's keys over its preset's
-    return {k: OmegaConf.to_container(v) if isinstance(v, ListConfig) else v
-            for k, v in {**preset, **kwargs}.items()
-            if k in names and not isinstance(v, DictConfig)}  # fmt: skip
+    return {
+        k: OmegaConf.to_container(v) if isinstance(v, ListConfig) else v
+        for k, v in {**preset, **kwargs}.items()
+        if k in names and not isinstance(v, DictConfig)
+    }
 
 
 def node_config_class(node: DictConfig, target: Any) -> type | None:

@@ -67,8 +67,13 @@ class ActivationsConfig:
     synthetic: Any = field(default_factory=lambda: {"_component_": "freetx.data.PlantedFeatures"})
     sources: list[SourceConfig] = field(default_factory=list)  # models: in order
     tokenizer: Any = field(default_factory=lambda: {"_component_": "freetx.data.ByteTokenizer"})
-    text: Any = field(default_factory=lambda: {
-        "_component_": "freetx.data.PackedTextDataset", "source": "builtin", "seq_len": 64})  # fmt: skip
+    text: Any = field(
+        default_factory=lambda: {
+            "_component_": "freetx.data.PackedTextDataset",
+            "source": "builtin",
+            "seq_len": 64,
+        }
+    )
     mode: Literal["buffer", "cache"] = "buffer"
     sequences_per_refill: int = at_least(1, default=32)  # buffer: per rank, per refill
     cache: Optional[str] = written_folder(None, own=True)  # cache: the folder (written once)
@@ -272,8 +277,11 @@ def build_activation_cache(
     if cache.complete():
         made_with = cache.metadata().get("settings")
         if made_with != settings:
-            changed = sorted(k for k in set(made_with or {}) | set(settings)
-                             if (made_with or {}).get(k) != settings.get(k))  # fmt: skip
+            changed = sorted(
+                k
+                for k in set(made_with or {}) | set(settings)
+                if (made_with or {}).get(k) != settings.get(k)
+            )
             raise ConfigError(
                 f"the activation cache {cache.folder} was made with other settings "
                 f"({', '.join(changed)} differ); its rows are not this run's. Point "
@@ -444,12 +452,17 @@ def harvested_activations(
             raise ConfigError("activations.mode=cache needs activations.cache: a folder.")
         settings = {
             "sources": [
-                {"model": s.model, "hooks": list(s.hooks), "checkpoint": identity["path"],
-                 "fingerprint": identity["fingerprint"]}
+                {
+                    "model": s.model,
+                    "hooks": list(s.hooks),
+                    "checkpoint": identity["path"],
+                    "fingerprint": identity["fingerprint"],
+                }
                 for s, identity in zip(cfg.sources, identities)
             ],
-            "text": repr(cfg.text), "tokenizer": repr(cfg.tokenizer),
-        }  # fmt: skip
+            "text": repr(cfg.text),
+            "tokenizer": repr(cfg.tokenizer),
+        }
         if files:  # rewritten text or tokenizer files make another cache
             settings["files"] = {name: [i["path"], i["fingerprint"]] for name, i in files.items()}
         rows = build_activation_cache(
@@ -461,9 +474,14 @@ def harvested_activations(
     else:
         rows_per_batch = micro_batch_size(loading.batch_size, world_size, loading.accumulation)
         loader = ActivationBuffer(
-            harvest, text, rows_per_batch, cfg.sequences_per_refill, rank, world_size,
+            harvest,
+            text,
+            rows_per_batch,
+            cfg.sequences_per_refill,
+            rank,
+            world_size,
             loading.seed,
-        )  # fmt: skip
+        )
         first = loader.mine[: cfg.sequences_per_refill]
         normalize_from = harvest(torch.stack([text[i][INPUT_IDS] for i in first]))
         description = f"buffer ({cfg.sequences_per_refill} sequences a refill)"

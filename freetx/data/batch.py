@@ -125,11 +125,15 @@ class TokenBatch:
             return torch.stack([s[key] for s in samples]) if key in samples[0] else None
 
         source = stacked(SOURCE)
+        sources = None if source is None else SourcesOf(source, tuple(source_names))
         return cls(
-            stacked(INPUT_IDS), stacked(LABELS), stacked(DOCUMENTS),
-            None if source is None else SourcesOf(source, tuple(source_names)),
-            stacked(REAL_TOKENS), stacked(PADDING),
-        )  # fmt: skip
+            stacked(INPUT_IDS),
+            stacked(LABELS),
+            stacked(DOCUMENTS),
+            sources,
+            stacked(REAL_TOKENS),
+            stacked(PADDING),
+        )
 
     def tensors(self) -> dict[str, Any]:
         """The fields, by name (the context shard left out)."""
@@ -139,8 +143,9 @@ class TokenBatch:
 
     def to(self, device: torch.device) -> TokenBatch:
         """The batch on `device` (a mixture's sources stay where they are: logging)."""
-        moved = {k: v.to(device) if isinstance(v, torch.Tensor) else v
-                 for k, v in self.tensors().items()}  # fmt: skip
+        moved = {
+            k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in self.tensors().items()
+        }
         return dataclasses.replace(self, **moved)
 
     def split(self, context: SplitsSequences | None) -> TokenBatch:
@@ -152,9 +157,12 @@ class TokenBatch:
         context.check_length(self.input_ids.shape[1])
         real = None if self.real_tokens is None else self.real_tokens / context.size
         return dataclasses.replace(
-            self, input_ids=context.split(self.input_ids), labels=context.split(self.labels),
-            real_tokens=real, context=context,
-        )  # fmt: skip
+            self,
+            input_ids=context.split(self.input_ids),
+            labels=context.split(self.labels),
+            real_tokens=real,
+            context=context,
+        )
 
     @classmethod
     def join(cls, batches: list[TokenBatch]) -> TokenBatch:
@@ -290,9 +298,11 @@ class RolloutBatch(TokenBatch):
 
     @classmethod
     def of_rollouts(
-        cls, prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]],
+        cls,
+        prompts: Sequence[Sequence[int]],
+        completions: Sequence[Sequence[int]],
         advantages: torch.Tensor,
-    ) -> RolloutBatch:  # fmt: skip
+    ) -> RolloutBatch:
         """Rows of prompt + completion ids (input ids: all but the last; labels: the next
         token where it is the completion's), padded on the right to the longest."""
         rows = [[*p, *c] for p, c in zip(prompts, completions)]
@@ -308,8 +318,11 @@ class RolloutBatch(TokenBatch):
 
     def rows(self, index: slice) -> RolloutBatch:
         """The rows `index` selects (a micro-batch of them), every per-row field with them."""
-        sliced = {name: value[index] for name, value in self.tensors().items()
-                  if isinstance(value, torch.Tensor)}  # fmt: skip
+        sliced = {
+            name: value[index]
+            for name, value in self.tensors().items()
+            if isinstance(value, torch.Tensor)
+        }
         return dataclasses.replace(self, **sliced)
 
     def completion_mask(self) -> torch.Tensor:

@@ -71,9 +71,14 @@ class ChatDataset(TokenRowsDataset, TokenSamples):
             """Every conversation of the split rendered (on a cache miss): a template that
             does not fit the data fails at startup (or skips the row)."""
             records, fmt = dataset_records(
-                source, self.format, self.columns, "ChatDataset", "messages",
-                self.num_builtin_examples, self.seed,
-            )  # fmt: skip
+                source,
+                self.format,
+                self.columns,
+                "ChatDataset",
+                "messages",
+                self.num_builtin_examples,
+                self.seed,
+            )
             conversations = read_split(records, fmt, fmt.conversation, rule, self.bad_rows)
             return encode_rows(conversations, self.encode, self.bad_rows)[0]
 

@@ -62,7 +62,7 @@ DEFAULT_COLUMNS: dict[str, dict[str, str]] = {
         "rejected": "rejected",
         "role": "role",
         "content": "content",
-    },  # fmt: skip
+    },
     "prompt": {"prompt": "prompt", "messages": "messages", "role": "role", "content": "content"},
 }
 MESSAGE_KEYS = ("role", "content")  # the keys inside a message, not columns of a row

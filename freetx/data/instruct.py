@@ -138,17 +138,23 @@ class InstructDataset(TokenRowsDataset, TokenSamples):
         def encode() -> Iterable[Encoded]:
             """Every pair of the split encoded (on a cache miss)."""
             records, fmt = dataset_records(
-                source, self.format, self.columns, "InstructDataset", "prompt_response",
-                self.num_builtin_examples, self.seed,
-            )  # fmt: skip
+                source,
+                self.format,
+                self.columns,
+                "InstructDataset",
+                "prompt_response",
+                self.num_builtin_examples,
+                self.seed,
+            )
             pairs = read_split(records, fmt, fmt.prompt_response, rule, self.bad_rows)
             return [self.encode({"prompt": p, "response": r}) for _, (p, r) in pairs]
 
         rows = self.cached("InstructDataset", source, encode)
         check_not_empty(len(rows), rule, source, self.bad_rows)
         pad_id = self.tokenizer.pad_id
-        TokenSamples.__init__(self, rows, self.seq_len, pad_id, self.split, source, self.packed,
-                              self.seed)  # fmt: skip
+        TokenSamples.__init__(
+            self, rows, self.seq_len, pad_id, self.split, source, self.packed, self.seed
+        )
 
     def encode(self, example: dict[str, str]) -> Encoded:
         """BOS + prompt + response + EOS, and for each token whether it is a target."""

@@ -128,9 +128,9 @@ class Mixture(Dataset):
         self.seq_len = _agreed(names, [part.seq_len for part in self.parts], "seq_len")
         self.packed = _agreed(names, [packs(part) for part in self.parts], "packed")
         _check_keys(self.parts, self.source_names)
-        self.files_read = list(dict.fromkeys(
-            Path(f) for part in self.parts for f in _files_read(part)
-        ))  # fmt: skip
+        self.files_read = list(
+            dict.fromkeys(Path(f) for part in self.parts for f in _files_read(part))
+        )
         self.lengths = [len(part) for part in self.parts]
         if split == "validation":  # every source's split whole: its loss over all of it
             self.weights = [float(n) for n in self.lengths]
@@ -149,10 +149,11 @@ class Mixture(Dataset):
                         "below one sample.",
                         fix="Raise its weight or dataset.num_samples, or leave it out.",
                     )
-            self._draws = np.concatenate([
+            draws = [
                 _draws(length, count, seed, i)
                 for i, (length, count) in enumerate(zip(self.lengths, self.counts))
-            ])  # fmt: skip
+            ]
+            self._draws = np.concatenate(draws)
         self._starts = np.cumsum([0, *self.counts])
 
     def __len__(self) -> int:

@@ -103,8 +103,11 @@ def builtin_pairs(count: int, seed: int, tasks: list[str] | None = None) -> list
     records = []
     for i, (word, task) in enumerate(builtin_draws(count, seed, tasks)):
         prompt, answer = BUILTIN_TASKS[task]
-        fields = {"prompt": prompt.format(w=word), "chosen": answer(word),
-                  "rejected": plausible_wrong(task, word, rng)}  # fmt: skip
+        fields = {
+            "prompt": prompt.format(w=word),
+            "chosen": answer(word),
+            "rejected": plausible_wrong(task, word, rng),
+        }
         records.append(Record(f"builtin pair {i}", fields))
     return records
 
@@ -208,9 +211,15 @@ class PreferenceDataset(TokenRowsDataset):
         kept = np.minimum(kept, np.maximum(room - longest, np.minimum(kept, self.seq_len // 2)))
         prompts_cut, completions_cut = kept < prompt, kept + longest > room
         fit = PairsFit(
-            split, source, self.seq_len, len(lengths), int((prompts_cut | completions_cut).sum()),
-            0, int(prompts_cut.sum()), int(completions_cut.sum()),
-        )  # fmt: skip
+            split,
+            source,
+            self.seq_len,
+            len(lengths),
+            int((prompts_cut | completions_cut).sum()),
+            0,
+            int(prompts_cut.sum()),
+            int(completions_cut.sum()),
+        )
         return kept, fit
 
     def __len__(self) -> int:
@@ -249,20 +258,26 @@ class PreferenceDataset(TokenRowsDataset):
         two = tuple(int(n) for n in taken[:2]) if len(taken) > 1 else None
         pairs = len(self.rows) // ROWS
         return DataSummary(
-            pairs, 2 * len(self), self.seq_len, real, self.packed, unit="pairs",
-            two_shortest=two, sequences_per_sample=2,
-        )  # fmt: skip
+            pairs,
+            2 * len(self),
+            self.seq_len,
+            real,
+            self.packed,
+            unit="pairs",
+            two_shortest=two,
+            sequences_per_sample=2,
+        )
 
     def encode(self, pair: Pair) -> tuple[Encoded, Encoded, Encoded]:
         """The prompt's tokens (no targets) and each completion's with their target flags
         (module docstring); a BadRow when the pair cannot be rendered."""
         if self.chat:
-            prompt, chosen, rejected = (
-                (pair.prompt, pair.chosen, pair.rejected)
-                if pair.conversational
-                else ([_turn("user", pair.prompt)], [_turn("assistant", pair.chosen)],
-                      [_turn("assistant", pair.rejected)])
-            )  # fmt: skip
+            if pair.conversational:
+                prompt, chosen, rejected = pair.prompt, pair.chosen, pair.rejected
+            else:
+                prompt = [_turn("user", pair.prompt)]
+                chosen = [_turn("assistant", pair.chosen)]
+                rejected = [_turn("assistant", pair.rejected)]
             # the same prompt tokens for both: the text before each reply is the prompt
             # rendered with its generation prompt (`rendered_replies` checks it is)
             (prompt_ids, chosen), (_, rejected) = (

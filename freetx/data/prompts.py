@@ -94,13 +94,18 @@ class PromptBatch:
     @classmethod
     def join(cls, batches: list[PromptBatch]) -> PromptBatch:
         """Batches one after another, as one."""
-        return cls(*([x for b in batches for x in getattr(b, name)]
-                     for name in ("prompt_ids", "prompts", "fields", "ids", "padding")))  # fmt: skip
+        names = ("prompt_ids", "prompts", "fields", "ids", "padding")
+        return cls(*([x for b in batches for x in getattr(b, name)] for name in names))
 
     def take(self, count: int) -> PromptBatch:
         """The first `count` prompts."""
-        return PromptBatch(self.prompt_ids[:count], self.prompts[:count], self.fields[:count],
-                           self.ids[:count], self.padding[:count])  # fmt: skip
+        return PromptBatch(
+            self.prompt_ids[:count],
+            self.prompts[:count],
+            self.fields[:count],
+            self.ids[:count],
+            self.padding[:count],
+        )
 
     def real_rows(self) -> torch.Tensor:
         """[prompts] bools: those that are no evaluation shard's repeat."""
@@ -110,10 +115,12 @@ class PromptBatch:
 def collate_prompts(samples: list[dict[str, Any]]) -> PromptBatch:
     """A PromptBatch of PromptDataset samples (an EvalShard's with `padding`)."""
     return PromptBatch(
-        [s["prompt_ids"].tolist() for s in samples], [s["prompt"] for s in samples],
-        [s["fields"] for s in samples], [s["id"] for s in samples],
+        [s["prompt_ids"].tolist() for s in samples],
+        [s["prompt"] for s in samples],
+        [s["fields"] for s in samples],
+        [s["id"] for s in samples],
         [bool(s.get(PADDING, False)) for s in samples],
-    )  # fmt: skip
+    )
 
 
 @dataclass(eq=False, repr=False)

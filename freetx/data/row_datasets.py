@@ -75,9 +75,15 @@ class TokenRowsDataset(RowsDataset):
         `encode` on a miss; `bad_rows` then holds what the build noted, on a hit too."""
         arguments = {f.name: getattr(self, f.name) for f in fields(self)}
         rows, self.token_cache = cached_rows(
-            dataset, f"{source} ({self.split})", settings_of(arguments, served),
-            self.files_read, self.tokenizer, encode, self.cache, self.cache_dir,
+            dataset,
+            f"{source} ({self.split})",
+            settings_of(arguments, served),
+            self.files_read,
+            self.tokenizer,
+            encode,
+            self.cache,
+            self.cache_dir,
             notes=self.bad_rows.notes,
-        )  # fmt: skip
+        )
         self.bad_rows = self.bad_rows.noted(self.token_cache.notes)  # a hit's, as built
         return rows

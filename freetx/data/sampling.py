@@ -180,15 +180,21 @@ def build_train_loader(
     # or a resumed run's dropout masks would shift by one draw
     generator = torch.Generator().manual_seed(seed)
     return StatefulDataLoader(
-        dataset, batch_sampler=sampler, num_workers=num_workers, generator=generator,
+        dataset,
+        batch_sampler=sampler,
+        num_workers=num_workers,
+        generator=generator,
         collate_fn=collate,
-    )  # fmt: skip
+    )
 
 
 def build_eval_loader(
-    dataset: Dataset, global_batch_size: int, rank: int, world_size: int,
+    dataset: Dataset,
+    global_batch_size: int,
+    rank: int,
+    world_size: int,
     collate: Callable | None = None,
-) -> StatefulDataLoader:  # fmt: skip
+) -> StatefulDataLoader:
     """Batches of `global_batch_size` samples over all ranks (each rank its strided share):
     global batch i is samples [i B, (i + 1) B) at any world size, so a validation figure
     over the first n batches means the same samples on 1 rank or 8. Every rank gets the

@@ -92,6 +92,7 @@ def fixed_length_sample(encoded: Encoded, seq_len: int, pad_id: int) -> dict[str
     ids = ids + [pad_id] * pad
     targets += [IGNORE_INDEX] * pad
     return token_sample(
-        torch.tensor(ids[:-1], dtype=torch.long), torch.tensor(targets[1:], dtype=torch.long),
+        torch.tensor(ids[:-1], dtype=torch.long),
+        torch.tensor(targets[1:], dtype=torch.long),
         real_tokens=real,
-    )  # fmt: skip
+    )

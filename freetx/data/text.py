@@ -136,10 +136,17 @@ class PackedTextDataset(Dataset):
         bad_rows = BadRows(on_bad_row, str(source), split if rule.whole else "train and validation")
         self.files_read = source_files(source, TEXT_SUFFIXES)
         rows, self.token_cache = cached_rows(
-            "PackedTextDataset", f"{source} (all splits)", settings, self.files_read, tokenizer,
-            lambda: _encode_documents(source, fmt, bad_rows, tokenizer), cache, cache_dir,
-            text=True, notes=bad_rows.notes,
-        )  # fmt: skip
+            "PackedTextDataset",
+            f"{source} (all splits)",
+            settings,
+            self.files_read,
+            tokenizer,
+            lambda: _encode_documents(source, fmt, bad_rows, tokenizer),
+            cache,
+            cache_dir,
+            text=True,
+            notes=bad_rows.notes,
+        )
         self.bad_rows = bad_rows.noted(self.token_cache.notes)  # a hit's, as built
         self.tokens = rows.ids  # the documents back to back, one row each
         self.documents = len(rows)
@@ -179,9 +186,13 @@ class PackedTextDataset(Dataset):
         """The documents of both splits -> this split's windows, no padding
         (`freetx.data.SummarizesData`)."""
         return DataSummary(
-            self.documents, len(self), self.seq_len, self.num_tokens, self.packed,
+            self.documents,
+            len(self),
+            self.seq_len,
+            self.num_tokens,
+            self.packed,
             unit="documents (both splits, as one token stream)",
-        )  # fmt: skip
+        )
 
     @property
     def num_tokens(self) -> int:

@@ -78,8 +78,12 @@ class CacheReport:
     def line(self) -> str:
         if self.state == "off":
             return f"token cache: {self.label} not cached ({self.reason})"
-        what = {"hit": "reused", "built": "built", "rebuilt": "rebuilt (it was damaged)",
-                "waited": "built by another process"}  # fmt: skip
+        what = {
+            "hit": "reused",
+            "built": "built",
+            "rebuilt": "rebuilt (it was damaged)",
+            "waited": "built by another process",
+        }
         took = "" if self.state == "hit" else f" in {self.seconds:.1f} s"
         return (
             f"token cache: {self.label} {what[self.state]}{took}: {self.rows:,} rows, "
@@ -122,12 +126,14 @@ def cached_rows(
     the entry, so that a hit reports it too (`CacheReport.notes`).
     """
     notes = notes or dict
-    reason = (
-        "dataset.cache is false" if not cache
-        else BUILTIN if not files
-        else "a source file is missing" if not all(Path(f).is_file() for f in files)
-        else ""
-    )  # fmt: skip
+    if not cache:
+        reason = "dataset.cache is false"
+    elif not files:
+        reason = BUILTIN
+    elif not all(Path(f).is_file() for f in files):
+        reason = "a source file is missing"
+    else:
+        reason = ""
     root = cache_root(cache_dir)
     tokenizer_key = None if reason else tokenizer_identity(tokenizer, root)
     if not reason and tokenizer_key is None:
@@ -215,8 +221,13 @@ def content_hash(path: Path, root: Path) -> str:
 
 
 def _digest(dataset: str, settings: dict, tokenizer: dict, hashes: list[str]) -> str:
-    key = {"format": FORMAT, "dataset": dataset, "settings": settings,
-           "tokenizer": tokenizer, "files": hashes}  # fmt: skip
+    key = {
+        "format": FORMAT,
+        "dataset": dataset,
+        "settings": settings,
+        "tokenizer": tokenizer,
+        "files": hashes,
+    }
     if "builtin" in json.dumps(settings):  # the built-in corpus is this Python's text
         key["python"] = sys.version
     return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:20]
@@ -234,8 +245,11 @@ def _open_or_build(
             state = "waited" if waited else "hit"
             if rows is None:
                 if problem:
-                    print(f"token cache: {folder} is damaged ({problem}); building it again",
-                          file=sys.stderr, flush=True)  # fmt: skip
+                    print(
+                        f"token cache: {folder} is damaged ({problem}); building it again",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                 state = "rebuilt" if problem else "built"
                 _write_entry(folder, key, encode, dtype, text, notes)
                 rows, problem = open_entry(folder)
@@ -312,8 +326,11 @@ def _locked(folder: Path):
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
             waited = False
         except BlockingIOError:
-            print(f"token cache: waiting for another process to build {folder}",
-                  file=sys.stderr, flush=True)  # fmt: skip
+            print(
+                f"token cache: waiting for another process to build {folder}",
+                file=sys.stderr,
+                flush=True,
+            )
             fcntl.flock(handle, fcntl.LOCK_EX)
             waited = True
         yield waited
@@ -359,8 +376,14 @@ def _write_entry(folder: Path, key: dict, encode, dtype: np.dtype, text: bool, n
                 os.fsync(f.fileno())
         dtypes = {"ids": dtype.str, "targets": "|b1", **{k: a.dtype.str for k, a in arrays.items()}}
         dtypes = {name: dtypes[name] for name in counts}
-        meta = {"format": FORMAT, "rows": len(offsets) - 1, "counts": counts, "dtypes": dtypes,
-                "key": key, "notes": notes()}  # fmt: skip
+        meta = {
+            "format": FORMAT,
+            "rows": len(offsets) - 1,
+            "counts": counts,
+            "dtypes": dtypes,
+            "key": key,
+            "notes": notes(),
+        }
         (tmp / META).write_text(json.dumps(meta, indent=2, default=str))
         tmp.rename(folder)
     except OSError as error:

@@ -104,9 +104,11 @@ class TokenRows:
         within = np.arange(int(offsets[-1]), dtype=np.int64) - np.repeat(offsets[:-1], lengths)
         positions = np.repeat(self.offsets[:-1][indices], lengths) + within
         return TokenRows(
-            self.ids[positions], np.asarray(self.targets[positions]), offsets,
+            self.ids[positions],
+            np.asarray(self.targets[positions]),
+            offsets,
             self.first_targets[indices],
-        )  # fmt: skip
+        )
 
 
 class RowsBuilder:

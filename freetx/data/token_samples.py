@@ -50,9 +50,13 @@ class TokenSamples(Dataset):
         taken = positions_taken(self.rows.lengths, self.seq_len)
         two = tuple(int(n) for n in np.sort(taken)[:2]) if len(taken) > 1 else None
         return DataSummary(
-            len(self.rows), len(self), self.seq_len, int(taken.sum()), self.packed,
+            len(self.rows),
+            len(self),
+            self.seq_len,
+            int(taken.sum()),
+            self.packed,
             two_shortest=two,
-        )  # fmt: skip
+        )
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         if self.packs is None:

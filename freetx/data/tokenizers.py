@@ -116,8 +116,11 @@ class ByteTokenizer:
         return bytes(int(i) for i in ids if int(i) < 256).decode("utf-8", errors="replace")
 
     def special_ids(self) -> dict[str, int]:
-        return {"bos_token_id": self.bos_id, "eos_token_id": self.eos_id,
-                "pad_token_id": self.pad_id}  # fmt: skip
+        return {
+            "bos_token_id": self.bos_id,
+            "eos_token_id": self.eos_id,
+            "pad_token_id": self.pad_id,
+        }
 
     def hf_files(self) -> dict[str, str]:
         """This tokenizer in the `tokenizers` library's format: a byte-level BPE without
@@ -129,10 +132,19 @@ class ByteTokenizer:
         bos = [{"SpecialToken": {"id": "<|bos|>", "type_id": 0}}]
         byte_level = {"add_prefix_space": False, "trim_offsets": True, "use_regex": False}
         tokenizer = {
-            "version": "1.0", "truncation": None, "padding": None,
+            "version": "1.0",
+            "truncation": None,
+            "padding": None,
             "added_tokens": [
-                {"id": i, "content": token, "single_word": False, "lstrip": False,
-                 "rstrip": False, "normalized": False, "special": True}
+                {
+                    "id": i,
+                    "content": token,
+                    "single_word": False,
+                    "lstrip": False,
+                    "rstrip": False,
+                    "normalized": False,
+                    "special": True,
+                }
                 for token, i in ids.items()
             ],
             "normalizer": None,
@@ -140,20 +152,30 @@ class ByteTokenizer:
             "post_processor": {
                 "type": "TemplateProcessing",
                 "single": [*bos, {"Sequence": {"id": "A", "type_id": 0}}],
-                "pair": [*bos, {"Sequence": {"id": "A", "type_id": 0}},
-                         *bos, {"Sequence": {"id": "B", "type_id": 0}}],
+                "pair": [
+                    *bos,
+                    {"Sequence": {"id": "A", "type_id": 0}},
+                    *bos,
+                    {"Sequence": {"id": "B", "type_id": 0}},
+                ],
                 "special_tokens": {
                     "<|bos|>": {"id": "<|bos|>", "ids": [self.bos_id], "tokens": ["<|bos|>"]}
                 },
             },
             "decoder": {"type": "ByteLevel", **byte_level},
             "model": {
-                "type": "BPE", "dropout": None, "unk_token": None,
-                "continuing_subword_prefix": None, "end_of_word_suffix": None,
-                "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
-                "vocab": {char: b for b, char in _bytes_to_unicode().items()}, "merges": [],
+                "type": "BPE",
+                "dropout": None,
+                "unk_token": None,
+                "continuing_subword_prefix": None,
+                "end_of_word_suffix": None,
+                "fuse_unk": False,
+                "byte_fallback": False,
+                "ignore_merges": False,
+                "vocab": {char: b for b, char in _bytes_to_unicode().items()},
+                "merges": [],
             },
-        }  # fmt: skip
+        }
         config = {
             "tokenizer_class": "PreTrainedTokenizerFast",
             **self.SPECIAL,

@@ -28,9 +28,16 @@ DTYPE_ABBREVIATIONS = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 # FSDP1's ShardingStrategy (by name, or the number accelerate writes), accelerate's
 # distributed_type, and FSDP2's reshard_after_forward (False keeps blocks gathered)
 ZERO_STAGE_STRATEGIES = {0: "ddp", 1: "zero1", 2: "zero2", 3: "fsdp"}
-FSDP_SHARDING_STRATEGIES = {"FULL_SHARD": "fsdp", "SHARD_GRAD_OP": "zero2", "NO_SHARD": "ddp",
-                            "HYBRID_SHARD": "hsdp", "1": "fsdp", "2": "zero2", "3": "ddp",
-                            "4": "hsdp"}  # fmt: skip
+FSDP_SHARDING_STRATEGIES = {
+    "FULL_SHARD": "fsdp",
+    "SHARD_GRAD_OP": "zero2",
+    "NO_SHARD": "ddp",
+    "HYBRID_SHARD": "hsdp",
+    "1": "fsdp",
+    "2": "zero2",
+    "3": "ddp",
+    "4": "hsdp",
+}
 RESHARD_AFTER_FORWARD_STRATEGIES = {True: "fsdp", False: "zero2"}
 DATA_PARALLEL_STRATEGY = "ddp"  # accelerate's MULTI_GPU / MULTI_CPU
 
@@ -198,14 +205,21 @@ def check_async_tp(cfg: DistributedConfig, processes: Processes) -> None:
         return
     why = None
     if cfg.tp == 1:
-        why = ("overlaps tensor parallelism's collectives with its matmuls, and "
-               "distributed.tp=1 has none", "Set distributed.tp to 2 or more")  # fmt: skip
+        why = (
+            "overlaps tensor parallelism's collectives with its matmuls, and "
+            "distributed.tp=1 has none",
+            "Set distributed.tp to 2 or more",
+        )
     elif not cfg.compile:
-        why = ("is a pass of Inductor over the compiled blocks, and distributed.compile is "
-               "false", "Set distributed.compile=true")  # fmt: skip
+        why = (
+            "is a pass of Inductor over the compiled blocks, and distributed.compile is false",
+            "Set distributed.compile=true",
+        )
     elif processes.device_type == "cpu":
-        why = ("splits collectives through CUDA's symmetric memory, and this run is on the "
-               "CPU", "Run on CUDA")  # fmt: skip
+        why = (
+            "splits collectives through CUDA's symmetric memory, and this run is on the CPU",
+            "Run on CUDA",
+        )
     if why is not None:
         raise ConfigError(
             f"distributed.async_tp {why[0]}.", fix=f"{why[1]}, or set async_tp=false."

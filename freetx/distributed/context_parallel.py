@@ -40,13 +40,15 @@ def check_shards_context(model) -> None:
     sequence would (`ShardsContext`): the model built (`parallelize`, for every recipe) or
     the class a config builds (`check_layout`, before launching)."""
     require_hook(
-        model, ShardsContext, "cannot compute a part of a sequence: its forward takes the "
-        "whole sequence (the Free Transformer's encoder reads all of it; a crosscoder or the "
-        "AD model has no sequence to split; the generic transformers path has no "
-        "context-parallel attention), so distributed.cp > 1 cannot run it.",
+        model,
+        ShardsContext,
+        "cannot compute a part of a sequence: its forward takes the whole sequence (the Free "
+        "Transformer's encoder reads all of it; a crosscoder or the AD model has no sequence to "
+        "split; the generic transformers path has no context-parallel attention), so "
+        "distributed.cp > 1 cannot run it.",
         fix="Set distributed.cp=1, or train a native freetx decoder (freetx.models.decoder, "
         "or freetx.models.hf_model on a family freetx reads natively).",
-    )  # fmt: skip
+    )
 
 
 class _GatherRanks(torch.autograd.Function):

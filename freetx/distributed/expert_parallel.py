@@ -126,8 +126,14 @@ class _Routes:
     gets from each (`received`), and the order that puts the received rows by local
     expert (`order`)."""
 
-    def __init__(self, group, sent: list[int], received: list[int], order: torch.Tensor,
-                 local_counts: list[int]) -> None:  # fmt: skip
+    def __init__(
+        self,
+        group,
+        sent: list[int],
+        received: list[int],
+        order: torch.Tensor,
+        local_counts: list[int],
+    ) -> None:
         self.group, self.sent, self.received = group, sent, received
         self.order, self.local_counts = order, local_counts
 
@@ -156,8 +162,9 @@ class _Routes:
         """The experts' output rows -> this rank's rows, in the order it dispatched them."""
         back = torch.empty_like(self.order)
         back[self.order] = torch.arange(len(self.order), device=self.order.device)
-        return all_to_all_single_autograd(out[back].contiguous(), self.sent, self.received,
-                                          self.group)  # fmt: skip
+        return all_to_all_single_autograd(
+            out[back].contiguous(), self.sent, self.received, self.group
+        )
 
 
 def expert_major(incoming: torch.Tensor) -> torch.Tensor:

@@ -71,13 +71,17 @@ def float8_filter(model: nn.Module) -> Callable[[nn.Module, str], bool]:
     docstring's rule)."""
     types = tuple(model.block_types or ()) if isinstance(model, HasBlocks) else ()
     in_blocks = {
-        id(m) for block in model.modules() if types and isinstance(block, types)
+        id(m)
+        for block in model.modules()
+        if types and isinstance(block, types)
         for m in block.modules()
-    }  # fmt: skip
+    }
     inside_adapters = {
-        id(m) for outer in model.modules() if type(outer) is not nn.Linear
-        and isinstance(outer, nn.Linear) for m in outer.modules()
-    }  # fmt: skip
+        id(m)
+        for outer in model.modules()
+        if type(outer) is not nn.Linear and isinstance(outer, nn.Linear)
+        for m in outer.modules()
+    }
     always = model.always_trained if isinstance(model, AlwaysTrained) else ()
 
     def converts(module: nn.Module, name: str) -> bool:

@@ -35,8 +35,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from freetx.distributed.mesh import MeshShape
 from freetx.distributed.runtime import DistributedRuntime
 
-Axis = Literal["dp", "cp", "tp", "pp", "dp_cp", "dp_replicate", "dp_shard", "ep", "expert_fsdp",
-               "world"]  # fmt: skip
+Axis = Literal[
+    "dp", "cp", "tp", "pp", "dp_cp", "dp_replicate", "dp_shard", "ep", "expert_fsdp", "world"
+]
 AXES = ("dp", "cp", "tp", "pp", "dp_cp", "dp_replicate", "dp_shard", "ep", "expert_fsdp", "world")
 ReduceOp = Literal["sum", "max", "min"]
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}

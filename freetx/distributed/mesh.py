@@ -39,8 +39,13 @@ REPLICATED = ("ddp", "zero1")  # every data-parallel rank holds whole parameters
 SHARDED = ("fsdp", "zero2", "hsdp")
 # the mesh axes a collective may name (`ParallelGroups`), beside `world`
 AXIS_NAMES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
-_WORDS = {"pp": "pipeline", "dp_replicate": "replicas", "cp": "context parallel",
-          "tp": "tensor parallel", "ep": "expert parallel"}  # fmt: skip
+_WORDS = {
+    "pp": "pipeline",
+    "dp_replicate": "replicas",
+    "cp": "context parallel",
+    "tp": "tensor parallel",
+    "ep": "expert parallel",
+}
 # the strategies expert parallelism composes with: FSDP2 (hsdp: within each replica)
 EXPERT_PARALLEL_STRATEGIES = SHARDED
 
@@ -143,9 +148,14 @@ class MeshShape:
 
     def degree(self, axis: str) -> int:
         """The ranks of a named axis: a mesh axis, `dp`, `dp_cp`, `fsdp` or `world`."""
-        combined = {"dp": self.dp, "dp_cp": self.dp_cp, "fsdp": self.fsdp,
-                    "dp_mod_ep": self.dp_mod_ep, "expert_fsdp": self.expert_fsdp,
-                    "world": self.world_size}  # fmt: skip
+        combined = {
+            "dp": self.dp,
+            "dp_cp": self.dp_cp,
+            "fsdp": self.fsdp,
+            "dp_mod_ep": self.dp_mod_ep,
+            "expert_fsdp": self.expert_fsdp,
+            "world": self.world_size,
+        }
         return combined[axis] if axis in combined else getattr(self, axis)
 
     @property
@@ -157,10 +167,8 @@ class MeshShape:
     def grid(self) -> str:
         """The axes besides the data-parallel ranks, for the banner: ` x pipeline 2 x
         tensor parallel 2` ('' when there are none)."""
-        shown = (
-            ("pp", "dp_replicate", "cp", "tp", "ep") if self.strategy == "hsdp"
-            else ("pp", "cp", "tp", "ep")
-        )  # fmt: skip
+        replicas = ("dp_replicate",) if self.strategy == "hsdp" else ()
+        shown = ("pp", *replicas, "cp", "tp", "ep")
         return "".join(f" x {_WORDS[a]} {n}" for a in shown if (n := getattr(self, a)) > 1)
 
     def describe(self) -> str:
@@ -189,15 +197,14 @@ class MeshShape:
                 mesh = init_device_mesh(device_type, (self.dp,), mesh_dim_names=("dp_shard",))
                 return {"fsdp": mesh}
             names = ("dp_replicate", "dp_shard")
-            mesh = init_device_mesh(device_type, (self.dp_replicate, self.dp_shard),
-                                    mesh_dim_names=names)  # fmt: skip
-            return {"fsdp": mesh, "dp_replicate": mesh["dp_replicate"],
-                    "dp_shard": mesh["dp_shard"]}  # fmt: skip
+            shape = (self.dp_replicate, self.dp_shard)
+            mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
+            return {"fsdp": mesh, **{name: mesh[name] for name in names}}
         if not replicas:  # (pp, dp, cp, tp): dp is one axis
-            dims = {"pp": self.pp, "dp": self.dp, "cp": self.cp, "tp": self.tp}
+            data_dims = {"dp": self.dp}
         else:
-            dims = {"pp": self.pp, "dp_replicate": self.dp_replicate,
-                    "dp_shard": self.dp_shard, "cp": self.cp, "tp": self.tp}  # fmt: skip
+            data_dims = {"dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard}
+        dims = {"pp": self.pp, **data_dims, "cp": self.cp, "tp": self.tp}
         mesh = init_device_mesh(device_type, tuple(dims.values()), mesh_dim_names=tuple(dims))
         meshes = {name: mesh[name] for name in dims}
         data = ("dp_replicate", "dp_shard") if replicas else ("dp",)
@@ -220,8 +227,8 @@ class MeshShape:
         one mesh of dimensions in this mesh's order (DTensor's collectives need that)."""
         hsdp = self.strategy == "hsdp" and self.dp_replicate > 1
         replicas = {"dp_replicate": self.dp_replicate} if hsdp else {}
-        dims = {"pp": self.pp, **replicas, "dp_mod_ep": self.dp_mod_ep, "cp": self.cp,
-                "ep": self.ep, "tp": self.tp}  # fmt: skip
+        inner = {"dp_mod_ep": self.dp_mod_ep, "cp": self.cp, "ep": self.ep, "tp": self.tp}
+        dims = {"pp": self.pp, **replicas, **inner}
         mesh = init_device_mesh(device_type, tuple(dims.values()), mesh_dim_names=tuple(dims))
         meshes = {name: mesh[name] for name in dims}
         outer = tuple(replicas)  # ("dp_replicate",) or ()

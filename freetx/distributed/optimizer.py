@@ -113,8 +113,8 @@ def check_optimizer(
             "its states are 8-bit, 4-bit or float8 already.",
             fix=f"Leave {where}.state_dtype out (null), or use torch.optim.AdamW.",
         )
-    rungs = [f"{where}.{k}" for k, on in (("offload", options.offload != "none"),
-                                          ("in_backward", options.in_backward)) if on]  # fmt: skip
+    used = (("offload", options.offload != "none"), ("in_backward", options.in_backward))
+    rungs = [f"{where}.{k}" for k, on in used if on]
     if not rungs:
         return options
     if distributed.pp > 1:
@@ -265,9 +265,13 @@ def _like(value: torch.Tensor, template: torch.Tensor) -> torch.Tensor:
     if not isinstance(template, DTensor):
         return value
     return DTensor.from_local(
-        value, template.device_mesh, template.placements, run_check=False,
-        shape=template.shape, stride=template.stride(),
-    )  # fmt: skip
+        value,
+        template.device_mesh,
+        template.placements,
+        run_check=False,
+        shape=template.shape,
+        stride=template.stride(),
+    )
 
 
 class ParameterSteps:
@@ -325,8 +329,11 @@ class ParameterSteps:
         """The states kept in state_dtype; none when it is the parameter's own dtype."""
         if self.state_dtype is None or self.state_dtype == param.dtype:
             return []
-        return [k for k, v in state.items()
-                if torch.is_tensor(v) and v.is_floating_point() and v.shape == param.shape]  # fmt: skip
+        return [
+            k
+            for k, v in state.items()
+            if torch.is_tensor(v) and v.is_floating_point() and v.shape == param.shape
+        ]
 
 
 def _stored(value: torch.Tensor, dtype: torch.dtype, stochastic: bool) -> torch.Tensor:
@@ -366,8 +373,14 @@ class StepsEachParameter(torch.optim.Optimizer):
 
     norm: GradientNorm | None = None  # the gradients' norm, when measured in backward
 
-    def __init__(self, params, make, names: dict[int, str], options: OptimizerOptions,
-                 targets: list[torch.Tensor] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        params,
+        make,
+        names: dict[int, str],
+        options: OptimizerOptions,
+        targets: list[torch.Tensor] | None = None,
+    ) -> None:
         groups = _groups(params)
         flat = [p for g in groups for p in g["params"]]
         self.steps = ParameterSteps(targets or flat, make, options.state_dtype)
@@ -385,8 +398,10 @@ class StepsEachParameter(torch.optim.Optimizer):
             if not self.steps.state(i):
                 self.steps.initialize(i)
             state[name] = dict(self.steps.state(i))
-        groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": list(names)}
-                  for g, names in zip(self.param_groups, self.group_names)]  # fmt: skip
+        groups = [
+            {**{k: v for k, v in g.items() if k != "params"}, "params": list(names)}
+            for g, names in zip(self.param_groups, self.group_names)
+        ]
         return {"state": state, "param_groups": groups}
 
     def load_named_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -485,8 +500,9 @@ class OffloadedOptimizer(StepsEachParameter):
     def _take_gradient(self, i: int, grad: torch.Tensor) -> None:
         host = self.hosts[i]
         if host.grad is None:
-            local = torch.empty(_local(host).shape, dtype=torch.float32,
-                                pin_memory=self.stream is not None)  # fmt: skip
+            local = torch.empty(
+                _local(host).shape, dtype=torch.float32, pin_memory=self.stream is not None
+            )
             host.grad = _like(local, host)
         device_grad = _local(grad)
         if self.stream is None:

@@ -205,9 +205,13 @@ class ParallelPlan:
             from torch.distributed.optim import ZeroRedundancyOptimizer as zero
         names = {id(p): canonical_name(n) for n, p in self.model.named_parameters()}
         self.optimizer = build_optimizer(
-            node, self.model, names, replicated=self.replicated and self.runtime.world_size > 1,
-            zero=zero, fused=fused,
-        )  # fmt: skip
+            node,
+            self.model,
+            names,
+            replicated=self.replicated and self.runtime.world_size > 1,
+            zero=zero,
+            fused=fused,
+        )
         return self.optimizer
 
     @contextmanager
@@ -385,16 +389,25 @@ def parallelize(
     made = plan(model)
     if stages is not None:
         made.pipeline = Pipeline(
-            model, stages, groups, cfg, micro_batches, made.context,
-            made.scaler if made.scaler.is_enabled() else None, num_blocks,
-        )  # fmt: skip
+            model,
+            stages,
+            groups,
+            cfg,
+            micro_batches,
+            made.context,
+            made.scaler if made.scaler.is_enabled() else None,
+            num_blocks,
+        )
     return made
 
 
 def shard_blocks(
-    model: nn.Module, blocks: list[nn.Module], groups: ParallelGroups, cfg,
+    model: nn.Module,
+    blocks: list[nn.Module],
+    groups: ParallelGroups,
+    cfg,
     reshard_after_forward: bool,
-) -> None:  # fmt: skip
+) -> None:
     """FSDP2 over `groups.mesh`: each block a unit, then the root, with the `distributed:`
     section's mixed precision and CPU offload. With expert parallelism each block's
     experts (spread over ep: `apply_expert_parallel`) are a unit of their own first,

@@ -106,10 +106,12 @@ def check_stages(model: nn.Module | type) -> None:
     """distributed.pp > 1 needs a model that splits into stages (`SplitsIntoStages`): the
     model, or the class a config builds (`check_layout`, before launching)."""
     require_hook(
-        model, SplitsIntoStages, "cannot be split into pipeline stages (freetx splits the "
-        "native decoder's blocks), so distributed.pp > 1 cannot run it.",
+        model,
+        SplitsIntoStages,
+        "cannot be split into pipeline stages (freetx splits the native decoder's blocks), so "
+        "distributed.pp > 1 cannot run it.",
         fix="Set distributed.pp=1 (fsdp alone shards it).",
-    )  # fmt: skip
+    )
 
 
 def rank_stages(pp_rank: int, pp: int, per_rank: int) -> list[int]:
@@ -147,9 +149,13 @@ class StageModule(nn.Module):
         sources = None if source is None else SourcesOf(source, pipeline.source_names)
         head = pipeline.loss.output_loss(labels, sources) if self.last else None
         out = self.model.forward_stage(
-            x, *carry, blocks=self.blocks, documents=documents, output_loss=head,
+            x,
+            *carry,
+            blocks=self.blocks,
+            documents=documents,
+            output_loss=head,
             context=pipeline.context,
-        )  # fmt: skip
+        )
         if not self.last:
             return out
         total, extras = pipeline.loss.sums(out, labels, sources)
@@ -157,17 +163,27 @@ class StageModule(nn.Module):
         return total
 
 
-SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B",
-             "interleaved_1f1b": "ScheduleInterleaved1F1B"}  # fmt: skip
+SCHEDULES = {
+    "gpipe": "ScheduleGPipe",
+    "1f1b": "Schedule1F1B",
+    "interleaved_1f1b": "ScheduleInterleaved1F1B",
+}
 
 
 class Pipeline:
     """This rank's stages and the schedule that runs them (`ParallelPlan.pipeline`)."""
 
     def __init__(
-        self, model: nn.Module, blocks: list[range], groups: ParallelGroups, cfg, micro_batches: int,
-        context=None, scaler=None, num_blocks: int = 0,
-    ) -> None:  # fmt: skip
+        self,
+        model: nn.Module,
+        blocks: list[range],
+        groups: ParallelGroups,
+        cfg,
+        micro_batches: int,
+        context=None,
+        scaler=None,
+        num_blocks: int = 0,
+    ) -> None:
         from torch.distributed import pipelining
 
         self.groups, self.context, self.scaler = groups, context, scaler
@@ -181,11 +197,14 @@ class Pipeline:
         indices = rank_stages(groups.rank("pp"), pp, per_rank)
         self.stages = [
             pipelining.PipelineStage(
-                StageModule(model, stage, stage.stop == num_blocks, self), index, num_stages(cfg),
-                groups.runtime.device, group=groups.meshes["pp"].get_group(),
+                StageModule(model, stage, stage.stop == num_blocks, self),
+                index,
+                num_stages(cfg),
+                groups.runtime.device,
+                group=groups.meshes["pp"].get_group(),
             )
             for index, stage in zip(indices, blocks)
-        ]  # fmt: skip
+        ]
         schedule = getattr(pipelining, SCHEDULES[cfg.pp_schedule])
         stages = self.stages if cfg.pp_schedule == "interleaved_1f1b" else self.stages[0]
         # the loss is already divided by the global batch's units: no scaling by micro-batches
@@ -214,10 +233,13 @@ class Pipeline:
         `rows` (the training's rows per optimizer step: the stages' shapes), the last
         group padded with rows that have no loss tokens."""
         source = None if batch.sources is None else batch.sources.source
+        tensors = (batch.input_ids, batch.labels, batch.documents, source)
+        fills = (0, loss.ignore_index, -1, 0)  # each tensor's padding
         for start in range(0, len(batch.input_ids), rows):
-            part = [None if t is None else padded(t[start : start + rows], rows, fill)
-                    for t, fill in zip((batch.input_ids, batch.labels, batch.documents, source),
-                                       (0, loss.ignore_index, -1, 0))]  # fmt: skip
+            part = [
+                None if t is None else padded(t[start : start + rows], rows, fill)
+                for t, fill in zip(tensors, fills)
+            ]
             sources = None if source is None else SourcesOf(part[3], batch.sources.names)
             self._run(self.schedule.eval, TokenBatch(*part[:3], sources), loss, torch.ones(()))
         return self._shared()

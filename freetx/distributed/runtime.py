@@ -114,9 +114,12 @@ def attempt_store(world_size: int, timeout: timedelta) -> dist.Store:
     rank published and fail to connect ("Connection refused" in gloo's connectFullMesh).
     """
     store = dist.TCPStore(
-        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
-        is_master=False, timeout=timeout,
-    )  # fmt: skip
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world_size,
+        is_master=False,
+        timeout=timeout,
+    )
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     return dist.PrefixStore(f"freetx/attempt_{attempt}/", store)
 

@@ -60,10 +60,13 @@ def parallel_style(role: str):
         return FirstInputGathered()
     if role == "gather_experts":  # (hidden, valid) in, (hidden, routing) out
         return PrepareModuleInputOutput(
-            input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None),
-            use_local_input=True, output_layouts=(Replicate(), None),
-            desired_output_layouts=(Shard(1), None), use_local_output=False,
-        )  # fmt: skip
+            input_layouts=(Shard(1), None),
+            desired_input_layouts=(Replicate(), None),
+            use_local_input=True,
+            output_layouts=(Replicate(), None),
+            desired_output_layouts=(Shard(1), None),
+            use_local_output=False,
+        )
     if role == "rowwise_sequence":
         return RowwiseParallel(output_layouts=Shard(1), use_local_output=False)
     if role == "embedding_sequence":
@@ -108,10 +111,12 @@ def check_slices(model: nn.Module | type) -> None:
     """distributed.tp > 1 needs a model with a tensor-parallel plan (`SlicesLayers`):
     the model, or the class a config builds (`check_layout`, before launching)."""
     require_hook(
-        model, SlicesLayers, "has no tensor-parallel plan (freetx slices the native decoder's "
-        "attention and MLP), so distributed.tp > 1 cannot run it.",
+        model,
+        SlicesLayers,
+        "has no tensor-parallel plan (freetx slices the native decoder's attention and MLP), so "
+        "distributed.tp > 1 cannot run it.",
         fix="Set distributed.tp=1 (fsdp alone shards it).",
-    )  # fmt: skip
+    )
 
 
 def apply_tensor_parallel(
@@ -179,8 +184,13 @@ class VocabularySlice:
 
 
 # roles that take a module's inputs or outputs (or a norm's weight whole), whatever it is
-WHOLE_MODULE_ROLES = ("heads_norm", "sequence_norm", "gather_sequence", "gather_experts",
-                      "split_sequence")  # fmt: skip
+WHOLE_MODULE_ROLES = (
+    "heads_norm",
+    "sequence_norm",
+    "gather_sequence",
+    "gather_experts",
+    "split_sequence",
+)
 
 
 def adapter_style(role: str, dims: dict[str, int | None]):
@@ -200,10 +210,12 @@ def adapter_style(role: str, dims: dict[str, int | None]):
                     )
 
             return distribute_module(
-                module, device_mesh, partition,
+                module,
+                device_mesh,
+                partition,
                 partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
                 partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
-            )  # fmt: skip
+            )
 
     style = AdapterStyle()
     style.__dict__.update(base.__dict__)  # the role's layouts (AdapterStyle() has defaults)

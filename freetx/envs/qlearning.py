@@ -110,10 +110,12 @@ def learning_histories(
                 episode_steps = slice(t - horizon, t)
                 for k in reversed(range(horizon)):
                     learn(
-                        visited[:, k], out["actions"][:, episode_steps][:, k],
-                        out["rewards"][:, episode_steps][:, k], visited[:, k + 1],
+                        visited[:, k],
+                        out["actions"][:, episode_steps][:, k],
+                        out["rewards"][:, episode_steps][:, k],
+                        visited[:, k + 1],
                         last=k == horizon - 1,
-                    )  # fmt: skip
+                    )
     out["goal_ids"] = np.repeat(goal_ids, streams)
     return out
 

@@ -159,9 +159,9 @@ def _freetx_lm_class() -> type:
             self.batch_size, self.max_length = batch_size, max_length
             self.shard_rank, self.shard_world = rank, world_size
             self.end_ids, self.gather = end_ids, gather
-            self.prefix_token_id = tokenizer.bos_id if tokenizer.bos_id is not None else (
-                tokenizer.eos_id
-            )  # fmt: skip
+            self.prefix_token_id = (
+                tokenizer.bos_id if tokenizer.bos_id is not None else tokenizer.eos_id
+            )
             special = tokenizer.special_tokens if isinstance(tokenizer, HFTokenizer) else {}
             self.bos_text = special.get("bos_token") if tokenizer.bos_id is not None else None
 
@@ -347,9 +347,13 @@ def evaluate_tasks(
 
     manager = check_tasks(tasks, include_path)
     results = simple_evaluate(
-        model=lm, tasks=list(tasks), num_fewshot=num_fewshot, limit=limit,
-        task_manager=manager, log_samples=False,
-    )  # fmt: skip
+        model=lm,
+        tasks=list(tasks),
+        num_fewshot=num_fewshot,
+        limit=limit,
+        task_manager=manager,
+        log_samples=False,
+    )
     if results is None:
         return {}
     raw = json.loads(json.dumps(results, default=handle_non_serializable))

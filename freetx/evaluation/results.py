@@ -53,8 +53,12 @@ class TasksAfterTraining(NamesTasks, Protocol):
 
 def task_settings(spec: NamesTasks) -> dict[str, Any]:
     """The task keys as eval.json's `evaluated` records them."""
-    return {"tasks": list(spec.tasks), "include_path": spec.include_path,
-            "num_fewshot": spec.num_fewshot, "limit": spec.limit}  # fmt: skip
+    return {
+        "tasks": list(spec.tasks),
+        "include_path": spec.include_path,
+        "num_fewshot": spec.num_fewshot,
+        "limit": spec.limit,
+    }
 
 
 def eval_results(
@@ -150,15 +154,21 @@ class FinalTasks:
         with plan.gathered() as model, plan.autocast():  # one all-gather, no collective after
             model.eval()
             lm = harness_model(
-                model, tokenizer, plan.runtime.device,
+                model,
+                tokenizer,
+                plan.runtime.device,
                 batch_size=max(1, self.spec.batch_size // groups.dp_size),
-                rank=groups.dp_rank, world_size=groups.dp_size,
+                rank=groups.dp_rank,
+                world_size=groups.dp_size,
                 gather=groups.host().all_gather_object,
-            )  # fmt: skip
+            )
             scores = evaluate_tasks(
-                lm, list(self.spec.tasks), self.spec.include_path, self.spec.num_fewshot,
+                lm,
+                list(self.spec.tasks),
+                self.spec.include_path,
+                self.spec.num_fewshot,
                 self.spec.limit,
-            )  # fmt: skip
+            )
             model.train()
         results = eval_results(str(output_dir), task_settings(self.spec), tasks=scores)
         if plan.runtime.rank == 0:

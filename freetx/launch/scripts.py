@@ -102,8 +102,11 @@ def refuse_unsafe(spec: LaunchSpec) -> None:
     """Refuse a value a script cannot hold as it is: control characters (a newline would
     end a comment or a command), #SBATCH values with spaces or quotes, a job name that is
     a path, a memory size SLURM does not read."""
-    values = [("the recipe", spec.recipe), *(("--env", item) for item in spec.env),
-              *(("an argument after the recipe", a) for a in spec.recipe_args)]  # fmt: skip
+    values = [
+        ("the recipe", spec.recipe),
+        *(("--env", item) for item in spec.env),
+        *(("an argument after the recipe", a) for a in spec.recipe_args),
+    ]
     for what, value in values:
         if CONTROL.search(value):
             raise UsageError(
@@ -116,8 +119,12 @@ def refuse_unsafe(spec: LaunchSpec) -> None:
             "(no '/', no spaces), since it also names the script file JOB_NAME.sbatch; "
             "nothing was written. Pick e.g. --job-name llama_ft (and -o PATH for the file)."
         )
-    for flag, value in (("--partition", spec.partition), ("--account", spec.account),
-                        ("--log", spec.log), ("--time", spec.time)):  # fmt: skip
+    for flag, value in (
+        ("--partition", spec.partition),
+        ("--account", spec.account),
+        ("--log", spec.log),
+        ("--time", spec.time),
+    ):
         if value is not None and not SBATCH_VALUE.match(value):
             raise UsageError(
                 f"{flag} {value!r}: an #SBATCH value cannot hold spaces, quotes or other "
@@ -167,8 +174,12 @@ def slurm_script(spec: LaunchSpec, command_line: str) -> str:
         sbatch.append(f"--gpus-per-node={spec.gpus_per_node}")
     if spec.mem_per_gpu is None:
         sbatch.append(f"--mem={spec.mem if spec.mem is not None else '0'}")
-    for flag, value in (("partition", spec.partition), ("time", spec.time),
-                        ("account", spec.account), ("mem-per-gpu", spec.mem_per_gpu)):  # fmt: skip
+    for flag, value in (
+        ("partition", spec.partition),
+        ("time", spec.time),
+        ("account", spec.account),
+        ("mem-per-gpu", spec.mem_per_gpu),
+    ):
         if value is not None:
             sbatch.append(f"--{flag}={value}")
     lines += [f"#SBATCH {s}" for s in sbatch]

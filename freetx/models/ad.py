@@ -46,8 +46,12 @@ class ADConfig(TransformerConfig):
         """The decoder's checks, and its fields of a token model that AD's embeddings of
         transitions and action head do not have (freetx.fields), by key: why, and the fix."""
         found = TransformerConfig.meaningless(values)
-        for name, default in (("scale_embeddings", False), ("final_logit_softcap", None),
-                              ("rope_local_theta", None), ("pad_token_id", None)):  # fmt: skip
+        for name, default in (
+            ("scale_embeddings", False),
+            ("final_logit_softcap", None),
+            ("rope_local_theta", None),
+            ("pad_token_id", None),
+        ):
             if values.get(name, default) != default:
                 unset = "false" if default is False else "null"
                 found[name] = f"AD's transformer does not compute it; set {name}={unset}."
@@ -134,8 +138,16 @@ class ADTransformer(DecoderActivations, nn.Module):
 
 
 # The defaults of the AD transformer (the decoder's fields where the seed had none)
-DEFAULTS = dict(vocab_size=5, hidden_dim=64, num_layers=4, num_heads=4, ffn_hidden_dim=256,
-                max_seq_len=80, rope_theta=10000.0, dropout=0.1)  # fmt: skip
+DEFAULTS = dict(
+    vocab_size=5,
+    hidden_dim=64,
+    num_layers=4,
+    num_heads=4,
+    ffn_hidden_dim=256,
+    max_seq_len=80,
+    rope_theta=10000.0,
+    dropout=0.1,
+)
 
 
 @builds(ADConfig)

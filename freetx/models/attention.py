@@ -247,9 +247,14 @@ def flex(q, k, v, spec: AttentionSpec, causal: bool, block_mask=None) -> torch.T
     compiled = q.is_cuda and not torch.compiler.is_compiling()
     call = _compiled_flex() if compiled else flex_attention
     return call(
-        q, k, v, score_mod=None if softcap is None else capped, block_mask=block_mask,
-        scale=spec.scale, enable_gqa=k.shape[1] != q.shape[1],
-    )  # fmt: skip
+        q,
+        k,
+        v,
+        score_mod=None if softcap is None else capped,
+        block_mask=block_mask,
+        scale=spec.scale,
+        enable_gqa=k.shape[1] != q.shape[1],
+    )
 
 
 def explicit(q, k, v, spec: AttentionSpec, dropout: float, mask=None) -> torch.Tensor:
@@ -311,9 +316,15 @@ def attend(
     if kernel == "explicit":
         return explicit(q, k, v, spec, dropout, boolean)
     return F.scaled_dot_product_attention(
-        q, k, v, attn_mask=boolean, is_causal=causal and boolean is None, dropout_p=dropout,
-        scale=spec.scale, enable_gqa=k.shape[1] != q.shape[1],
-    )  # fmt: skip
+        q,
+        k,
+        v,
+        attn_mask=boolean,
+        is_causal=causal and boolean is None,
+        dropout_p=dropout,
+        scale=spec.scale,
+        enable_gqa=k.shape[1] != q.shape[1],
+    )
 
 
 def sliding_layers(num_layers: int, window: int | None, layer_types: list[str] | None):

@@ -386,14 +386,19 @@ class CrosscoderLoss:
         with torch.no_grad():
             penalties = {"sparsity_loss": (sparsity_weight * sparsity).detach(), **penalties}
             stats = ReconstructionStats(
-                sq_error=error.detach().pow(2).sum((0, 2)), x_sum=x.detach().sum(0),
-                x_sq=x.detach().pow(2).sum((0, 2)), fired=(f > 0).any(0),
+                sq_error=error.detach().pow(2).sum((0, 2)),
+                x_sum=x.detach().sum(0),
+                x_sq=x.detach().pow(2).sum((0, 2)),
+                fired=(f > 0).any(0),
                 rows=torch.tensor(x.shape[0]),
-            )  # fmt: skip
+            )
             return CrosscoderOutput(
-                loss, recon.detach(), {k: v.detach() for k, v in penalties.items()},
-                (f > 0).sum(), stats,
-            )  # fmt: skip
+                loss,
+                recon.detach(),
+                {k: v.detach() for k, v in penalties.items()},
+                (f > 0).sum(),
+                stats,
+            )
 
     def batch_topk_threshold(self, values: torch.Tensor, keep: int) -> torch.Tensor:
         """The `keep`-th largest entry of `values` over all ranks' batches: the same

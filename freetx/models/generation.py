@@ -75,8 +75,10 @@ def sampling_problems(values: dict[str, Any]) -> dict[str, str]:
     weight is read."""
     top_p = values.get("top_p")
     if top_p is not None and not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
-        return {"top_p": "it is the probability mass of the likeliest tokens kept; set a "
-                "value in (0, 1], or null for every token."}  # fmt: skip
+        return {
+            "top_p": "it is the probability mass of the likeliest tokens kept; set a "
+            "value in (0, 1], or null for every token."
+        }
     problem = _folder_cache_problem(values.get("checkpoint")) if values.get("kv_cache") else None
     return {"kv_cache": problem} if problem else {}
 
@@ -168,8 +170,10 @@ def generate(
     tokens = torch.tensor([[0] * (longest - len(p)) + list(p) for p in prompts], device=device)
     cached = use_cache and isinstance(model, DecodesIncrementally)
     if not cached and bool((padding > 0).any()):
-        raise ValueError("generate: a full forward has no padding mask; without a KV cache "
-                         "sample prompts of one length together")  # fmt: skip
+        raise ValueError(
+            "generate: a full forward has no padding mask; without a KV cache "
+            "sample prompts of one length together"
+        )
     cache = model.new_cache(padding, longest + max_new_tokens) if cached else None
     full = forward or model
     ends = torch.tensor(list(end_ids), dtype=torch.long, device=device)

@@ -114,9 +114,16 @@ NATIVE_LAYOUTS: tuple[HFLayout, ...] = DECODER_LAYOUTS
 LAYOUTS: tuple[HFLayout, ...] = (*NATIVE_LAYOUTS, GENERIC_LAYOUT)
 # the files of a tokenizer in an HF folder (an export copies them from its source folder)
 TOKENIZER_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-    "chat_template.json", "tokenizer.model", "added_tokens.json", "vocab.json", "merges.txt",
-)  # fmt: skip
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "tokenizer.model",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+)
 
 
 def layout_of(dotted_class: str, model_config: dict[str, Any] | None = None) -> HFLayout:

@@ -24,8 +24,11 @@ def _not_held(family: Family, c: dict[str, Any]) -> list[str]:
         for name in ("norm_plus_one", "scale_embeddings")
         if c.get(name, False) != family.gemma
     ]
-    found += [f"{name}={json.dumps(c[name])}" for name in HELD_BY_SOME
-              if c.get(name) and name not in family.holds]  # fmt: skip
+    found += [
+        f"{name}={json.dumps(c[name])}"
+        for name in HELD_BY_SOME
+        if c.get(name) and name not in family.holds
+    ]
     sliding = sliding_layers(c["num_layers"], c.get("sliding_window"), c.get("layer_types"))
     if family.window_on_every_layer and any(sliding) and not all(sliding):
         found.append(f"layer_types={json.dumps(c['layer_types'])}")
@@ -38,14 +41,19 @@ def biases_to_hf(family: Family, qkv_bias: bool, wo_bias: bool) -> dict[str, Any
     model_type = family.model_type
     if family.biases == "all_or_none":
         if qkv_bias != wo_bias:
-            qkv_only = [t for t, f in FAMILIES.items() if f.biases == "qkv" and _blocks(f)
-                        == _blocks(family)]  # fmt: skip
+            blocks = _blocks(family)
+            qkv_only = [
+                t for t, f in FAMILIES.items() if f.biases == "qkv" and _blocks(f) == blocks
+            ]
+            fix = (
+                f"Export it as {qkv_only[0]}."
+                if qkv_only
+                else "Convert it to .safetensors or DCP instead."
+            )
             raise CheckpointError(
                 f"an HF {model_type} model has biases on all of q, k, v, o or on none; this "
-                f"one has qkv_bias={qkv_bias}, wo_bias={wo_bias}. "
-                + (f"Export it as {qkv_only[0]}." if qkv_only
-                   else "Convert it to .safetensors or DCP instead.")
-            )  # fmt: skip
+                f"one has qkv_bias={qkv_bias}, wo_bias={wo_bias}. {fix}"
+            )
         return {"attention_bias": qkv_bias}
     if family.biases == "qkv_or_none":
         if wo_bias:
@@ -56,13 +64,16 @@ def biases_to_hf(family: Family, qkv_bias: bool, wo_bias: bool) -> dict[str, Any
         return {"attention_bias": qkv_bias}
     qkv = family.biases == "qkv"
     if (qkv_bias, wo_bias) != (qkv, False):
+        has = "biases on q, k and v and none on o" if qkv else "no biases on its projections"
+        fix = (
+            "Export it as llama (model.hf_model_type=llama) instead."
+            if qkv
+            else "Convert it to .safetensors or DCP instead."
+        )
         raise CheckpointError(
-            f"an HF {model_type} model has "
-            + ("biases on q, k and v and none on o" if qkv else "no biases on its projections")
-            + f"; this one has qkv_bias={qkv_bias}, wo_bias={wo_bias}. "
-            + ("Export it as llama (model.hf_model_type=llama) instead." if qkv
-               else "Convert it to .safetensors or DCP instead.")
-        )  # fmt: skip
+            f"an HF {model_type} model has {has}; this one has qkv_bias={qkv_bias}, "
+            f"wo_bias={wo_bias}. {fix}"
+        )
     return {}
 
 
@@ -77,14 +88,17 @@ def check_rope(family: Family, scaling: dict | None, partial: float) -> None:
     kinds = ("default", "longrope") if phi else ("default", "llama3", "linear")
     kinds += ("yarn",) if family.yarn_rope else ()
     if kind not in kinds or (partial != 1.0 and not (phi or family.partial_rotary)):
+        fix = (
+            "Convert"
+            if phi
+            else "Export it as phi3 (model.hf_model_type=phi3) if its projections are fused, "
+            "or convert"
+        )
         raise CheckpointError(
             f"an HF {family.model_type} model has {', '.join(kinds)} RoPE"
             f"{'' if phi else ' on every dim of each head'}; this one has rope_type={kind}, "
-            f"partial_rotary_factor={partial}. "
-            + ("Convert" if phi else "Export it as phi3 (model.hf_model_type=phi3) if its "
-               "projections are fused, or convert")
-            + " it to .safetensors or DCP."
-        )  # fmt: skip
+            f"partial_rotary_factor={partial}. {fix} it to .safetensors or DCP."
+        )
 
 
 def check_projections(family: Family, fused: bool) -> None:
@@ -131,8 +145,11 @@ def check_blocks(
             f"{', '.join(FAMILIES)}."
         )
     if _blocks(family) != (qk_norm, norm_position):
-        fits = [t for t, f in FAMILIES.items()
-                if _blocks(f) == (qk_norm, norm_position) and (f.experts is not None) == experts]  # fmt: skip
+        fits = [
+            t
+            for t, f in FAMILIES.items()
+            if _blocks(f) == (qk_norm, norm_position) and (f.experts is not None) == experts
+        ]
         fix = (
             f"Export it as {' or '.join(fits)} (model.hf_model_type={fits[0]}) instead."
             if fits

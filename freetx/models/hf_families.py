@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from freetx.errors import CheckpointError
@@ -40,11 +40,13 @@ def no_window(hf: HF, fields: Fields) -> Fields:
     window = hf.get("sliding_window")
     if window is not None and window < fields["max_seq_len"]:
         raise unsupported(
-            "sliding_window", window, "full attention",
+            "sliding_window",
+            window,
+            "full attention",
             f"It makes no difference on sequences of up to {window} tokens: build the "
             f"model with max_seq_len={window} (a key of the model section) to train on "
             "those.",
-        )  # fmt: skip
+        )
     return {}
 
 
@@ -78,10 +80,11 @@ def qwen_window_config(c: Fields, hf: HF) -> None:
         hf.update(use_sliding_window=False, sliding_window=None)
         return
     hf.update(
-        use_sliding_window=True, sliding_window=c["sliding_window"],
+        use_sliding_window=True,
+        sliding_window=c["sliding_window"],
         max_window_layers=sliding.index(True),
         layer_types=["sliding_attention" if s else "full_attention" for s in sliding],
-    )  # fmt: skip
+    )
 
 
 # -- Phi-3 --------------------------------------------------------------------------
@@ -161,9 +164,10 @@ def gemma3_settings(hf: HF, fields: Fields) -> Fields:
         local, scaling = rope_settings(hf, "sliding_attention")
         if scaling is not None:
             raise unsupported(
-                "rope_parameters.sliding_attention", params["sliding_attention"],
+                "rope_parameters.sliding_attention",
+                params["sliding_attention"],
                 "unscaled RoPE on sliding layers",
-            )  # fmt: skip
+            )
     else:
         local = float(hf.get("rope_local_base_freq", 10000.0))
     return {**gemma_settings(hf, GEMMA3_DEFAULTS), "rope_local_theta": local}
@@ -180,7 +184,7 @@ def gemma_config(c: Fields, hf: HF) -> None:
         final_logit_softcapping=c.get("final_logit_softcap"),
         sliding_window=c.get("sliding_window"),
         layer_types=["sliding_attention" if s else "full_attention" for s in sliding],
-    )  # fmt: skip
+    )
 
 
 def gemma3_config(c: Fields, hf: HF) -> None:
@@ -216,10 +220,11 @@ def smollm3_config(c: Fields, hf: HF) -> None:
     sliding = sliding_layers(c["num_layers"], c.get("sliding_window"), c.get("layer_types"))
     hf.update(
         no_rope_layers=[0 if i in nope else 1 for i in range(c["num_layers"])],
-        use_sliding_window=any(sliding), sliding_window=c.get("sliding_window"),
+        use_sliding_window=any(sliding),
+        sliding_window=c.get("sliding_window"),
         layer_types=["sliding_attention" if s else "full_attention" for s in sliding],
         mlp_bias=False,
-    )  # fmt: skip
+    )
 
 
 # -- mixtures of experts ------------------------------------------------------------
@@ -228,8 +233,11 @@ def mixtral_experts(hf: HF) -> Fields:
 
 
 def mixtral_experts_config(c: Fields) -> HF:
-    return {"num_local_experts": c["num_experts"], "router_jitter_noise": 0.0,
-            "intermediate_size": c["moe_ffn_hidden_dim"]}  # fmt: skip
+    return {
+        "num_local_experts": c["num_experts"],
+        "router_jitter_noise": 0.0,
+        "intermediate_size": c["moe_ffn_hidden_dim"],
+    }
 
 
 def qwen3_moe_experts(hf: HF) -> Fields:
@@ -244,11 +252,14 @@ def qwen3_moe_experts(hf: HF) -> Fields:
 def qwen3_moe_experts_config(c: Fields) -> HF:
     # the Hub's Qwen3-MoE folders (transformers 4.x) say num_experts; 5.x writes and reads
     # num_local_experts (num_experts an alias): both, so either version reads the export
-    return {"num_experts": c["num_experts"], "num_local_experts": c["num_experts"],
-            "moe_intermediate_size": c["moe_ffn_hidden_dim"],
-            "norm_topk_prob": c["norm_topk_prob"],
-            "decoder_sparse_step": c["decoder_sparse_step"],
-            "mlp_only_layers": list(c["mlp_only_layers"])}  # fmt: skip
+    return {
+        "num_experts": c["num_experts"],
+        "num_local_experts": c["num_experts"],
+        "moe_intermediate_size": c["moe_ffn_hidden_dim"],
+        "norm_topk_prob": c["norm_topk_prob"],
+        "decoder_sparse_step": c["decoder_sparse_step"],
+        "mlp_only_layers": list(c["mlp_only_layers"]),
+    }
 
 
 # -- DeepSeek-V3 (and GLM-4.5's router) -----------------------------------------------
@@ -299,11 +310,16 @@ def deepseek_v3_experts_config(c: Fields) -> HF:
             f"(experts of {width}), mlp_only_layers={dense}, decoder_sparse_step="
             f"{c['decoder_sparse_step']}. Convert it to .safetensors or DCP instead."
         )
-    return {"n_routed_experts": c["num_experts"], "moe_intermediate_size": width,
-            "n_shared_experts": shared // width, "first_k_dense_replace": len(dense),
-            "n_group": c["expert_groups"], "topk_group": c["groups_per_token"],
-            "routed_scaling_factor": c["routed_scaling_factor"],
-            "norm_topk_prob": c["norm_topk_prob"]}  # fmt: skip
+    return {
+        "n_routed_experts": c["num_experts"],
+        "moe_intermediate_size": width,
+        "n_shared_experts": shared // width,
+        "first_k_dense_replace": len(dense),
+        "n_group": c["expert_groups"],
+        "topk_group": c["groups_per_token"],
+        "routed_scaling_factor": c["routed_scaling_factor"],
+        "norm_topk_prob": c["norm_topk_prob"],
+    }
 
 
 def deepseek_v3_settings(hf: HF, fields: Fields) -> Fields:
@@ -335,11 +351,14 @@ def deepseek_v3_config(c: Fields, hf: HF) -> None:
             "if its other blocks fit, or convert it to .safetensors or DCP."
         )
     hf.update(
-        kv_lora_rank=c["kv_lora_rank"], q_lora_rank=c.get("q_lora_rank"),
-        qk_rope_head_dim=hf["head_dim"], qk_nope_head_dim=c.get("qk_nope_head_dim", 0),
-        v_head_dim=c.get("v_head_dim") or hf["head_dim"], num_key_value_heads=c["num_heads"],
+        kv_lora_rank=c["kv_lora_rank"],
+        q_lora_rank=c.get("q_lora_rank"),
+        qk_rope_head_dim=hf["head_dim"],
+        qk_nope_head_dim=c.get("qk_nope_head_dim", 0),
+        v_head_dim=c.get("v_head_dim") or hf["head_dim"],
+        num_key_value_heads=c["num_heads"],
         rope_interleave=c.get("rope_interleave", False),
-    )  # fmt: skip
+    )
 
 
 # DeepseekV2Config's defaults (transformers 5.24)
@@ -469,10 +488,12 @@ MIXTRAL_EXPERTS = Experts(
     read=mixtral_experts, write=mixtral_experts_config,
 )  # fmt: skip
 QWEN3_MOE_EXPERTS = Experts(
-    "mlp", {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"},
-    fixed={"expert_weights_fp32": False, **SOFTMAX_ROUTER}, read=qwen3_moe_experts,
+    "mlp",
+    {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"},
+    fixed={"expert_weights_fp32": False, **SOFTMAX_ROUTER},
+    read=qwen3_moe_experts,
     write=qwen3_moe_experts_config,
-)  # fmt: skip
+)
 # DeepSeek-V3: sigmoid scores, the stored bias, the router in float32, the weights applied
 # in float32 (transformers' DeepseekV3Experts multiplies by its float32 weights)
 DEEPSEEK_V3_EXPERTS = Experts(
@@ -489,10 +510,9 @@ DEEPSEEK_V2_EXPERTS = Experts(
            "expert_weights_fp32": True, "decoder_sparse_step": 1, "norm_topk_prob": False},
     read=deepseek_v2_experts, write=deepseek_v2_experts_config,
 )  # fmt: skip
-GLM4_MOE_EXPERTS = Experts(
-    "mlp", DEEPSEEK_V3_EXPERTS.names, fixed=DEEPSEEK_V3_EXPERTS.fixed,
-    read=lambda hf: deepseek_v3_experts(hf, GLM4_MOE_DEFAULTS), write=deepseek_v3_experts_config,
-)  # fmt: skip
+GLM4_MOE_EXPERTS = replace(
+    DEEPSEEK_V3_EXPERTS, read=lambda hf: deepseek_v3_experts(hf, GLM4_MOE_DEFAULTS)
+)
 
 # -- the families, in the order an error lists them ---------------------------------
 FAMILIES: dict[str, Family] = {family.model_type: family for family in (

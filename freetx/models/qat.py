@@ -266,9 +266,14 @@ class QATLoRALinear(LoRALinear):
         dropout = layer.lora_dropout.p if isinstance(layer.lora_dropout, nn.Dropout) else 0.0
         with torch.device("meta"):
             prepared = cls(
-                layer.in_features, layer.out_features, layer.bias is not None, layer.rank,
-                layer.alpha, dropout, layer.use_dora,
-            )  # fmt: skip
+                layer.in_features,
+                layer.out_features,
+                layer.bias is not None,
+                layer.rank,
+                layer.alpha,
+                dropout,
+                layer.use_dora,
+            )
             probe = nn.Sequential(nn.Linear(layer.in_features, layer.out_features, bias=False))
         prepared.load_state_dict(layer.state_dict(keep_vars=True), assign=True)
         quantize_(probe, TorchaoQATConfig(base_config, step="prepare"))

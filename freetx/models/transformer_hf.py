@@ -65,8 +65,12 @@ _NAMES = [
 ]
 _ATTENTION = (("wq", "q_proj"), ("wk", "k_proj"), ("wv", "v_proj"), ("wo", "o_proj"))
 # multi-head latent attention's projections (DeepSeek; biases on wq_a and wkv_a)
-_LATENT = (("wq_a", "q_a_proj"), ("wq_b", "q_b_proj"), ("wkv_a", "kv_a_proj_with_mqa"),
-           ("wkv_b", "kv_b_proj"))  # fmt: skip
+_LATENT = (
+    ("wq_a", "q_a_proj"),
+    ("wq_b", "q_b_proj"),
+    ("wkv_a", "kv_a_proj_with_mqa"),
+    ("wkv_b", "kv_b_proj"),
+)
 _NAMES += [
     ("layers.{i}.attention.q_a_norm.weight", "model.layers.{i}.self_attn.q_a_layernorm.weight"),
     ("layers.{i}.attention.kv_a_norm.weight", "model.layers.{i}.self_attn.kv_a_layernorm.weight"),
@@ -135,11 +139,23 @@ _ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 # what transformers 5.24 (and 4.50) assumes where a gemma3 folder's text_config leaves a
 # field out (Gemma3TextConfig's defaults: the Hub's 4B-27B configs list only a few fields)
 _GEMMA3_TEXT_DEFAULTS = dict(
-    model_type="gemma3_text", vocab_size=262208, hidden_size=2304, intermediate_size=9216,
-    num_hidden_layers=26, num_attention_heads=8, num_key_value_heads=4, head_dim=256,
-    hidden_activation="gelu_pytorch_tanh", max_position_embeddings=131072, rms_norm_eps=1e-6,
-    rope_theta=1e6, rope_local_base_freq=1e4, pad_token_id=0, eos_token_id=1, bos_token_id=2,
-)  # fmt: skip
+    model_type="gemma3_text",
+    vocab_size=262208,
+    hidden_size=2304,
+    intermediate_size=9216,
+    num_hidden_layers=26,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=256,
+    hidden_activation="gelu_pytorch_tanh",
+    max_position_embeddings=131072,
+    rms_norm_eps=1e-6,
+    rope_theta=1e6,
+    rope_local_base_freq=1e4,
+    pad_token_id=0,
+    eos_token_id=1,
+    bos_token_id=2,
+)
 
 
 def text_model_config(hf: dict[str, Any]) -> dict[str, Any]:
@@ -276,9 +292,11 @@ class LlamaFamilyLayout:
         decoder's shape."""
         c = model_config
         family = check_blocks(
-            c.get("hf_model_type", "llama"), c.get("qk_norm"), c.get("norm_position", "pre"),
+            c.get("hf_model_type", "llama"),
+            c.get("qk_norm"),
+            c.get("norm_position", "pre"),
             bool(c.get("num_experts")),
-        )  # fmt: skip
+        )
         check_projections(family, c.get("fused_projections", False))
         partial = c.get("partial_rotary_factor", 1.0)
         check_rope(family, c.get("rope_scaling"), partial)
@@ -372,10 +390,11 @@ class LlamaFamilyLayout:
         partial = family.phi_rope or family.partial_rotary
         if fields["partial_rotary_factor"] != 1.0 and not partial:
             raise unsupported(
-                "partial_rotary_factor", fields["partial_rotary_factor"],
+                "partial_rotary_factor",
+                fields["partial_rotary_factor"],
                 f"RoPE on every dim of a {family.model_type} model's heads, as transformers "
                 "computes it",
-            )  # fmt: skip
+            )
         bias = bool(hf.get("attention_bias", False))
         qkv_bias = bias and family.biases in ("all_or_none", "qkv_or_none")
         fields.update(
@@ -405,9 +424,11 @@ def _moe_from_hf(hf: dict[str, Any], family: Family) -> dict[str, Any]:
         return {}
     if hf.get("router_jitter_noise"):
         raise unsupported(
-            "router_jitter_noise", hf["router_jitter_noise"], "routers without noise",
+            "router_jitter_noise",
+            hf["router_jitter_noise"],
+            "routers without noise",
             "Set it to 0.0 to train without the noise.",
-        )  # fmt: skip
+        )
     return {
         "num_experts": int(
             hf.get("num_local_experts") or hf.get("num_experts") or hf["n_routed_experts"]
@@ -477,9 +498,14 @@ def read_hf_config(path: str | Path) -> dict[str, Any]:
 # The largest size of each kind freetx reads from a config.json: far above any model's
 # (vocabularies reach ~256k, widths ~16k, MLPs ~100k), far below what would make the
 # parameters alone more than a machine's memory, so a typo is refused before allocating
-HF_SIZE_LIMITS = {"vocab_size": 10**8, "hidden_size": 10**6, "intermediate_size": 10**7,
-                  "num_hidden_layers": 10**5, "num_attention_heads": 10**5,
-                  "num_key_value_heads": 10**5}  # fmt: skip
+HF_SIZE_LIMITS = {
+    "vocab_size": 10**8,
+    "hidden_size": 10**6,
+    "intermediate_size": 10**7,
+    "num_hidden_layers": 10**5,
+    "num_attention_heads": 10**5,
+    "num_key_value_heads": 10**5,
+}
 
 
 def check_hf_sizes(hf: dict[str, Any], file: Path) -> None:
@@ -493,9 +519,13 @@ def check_hf_sizes(hf: dict[str, Any], file: Path) -> None:
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 continue
             if not 0 < value <= limit:
-                why = ("a size of 0 or less" if value <= 0 else
-                       f"past any model's (freetx reads at most {limit:,}: the parameters "
-                       "alone would not fit in a machine's memory)")  # fmt: skip
+                if value <= 0:
+                    why = "a size of 0 or less"
+                else:
+                    why = (
+                        f"past any model's (freetx reads at most {limit:,}: the parameters "
+                        "alone would not fit in a machine's memory)"
+                    )
                 raise ConfigError(
                     f"{file} gives {key}={value}, {why}.",
                     fix=f"Fix {key} in config.json (the model's original folder has the "

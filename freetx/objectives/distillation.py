@@ -462,8 +462,9 @@ def with_teacher_top_k(
     ranks (`samples_per_pass` samples per forward over all ranks), gathered, and written
     there by rank 0. It holds samples x seq_len x k x 8 bytes."""
     path = Path(output_dir) / TEACHER_FOLDER / f"{split}.safetensors"
-    key = json.dumps({"split": split, "data": samples_digest(dataset), "top_k": k, **identity},
-                     sort_keys=True)  # fmt: skip
+    key = json.dumps(
+        {"split": split, "data": samples_digest(dataset), "top_k": k, **identity}, sort_keys=True
+    )
 
     def top_k(batch: TokenBatch) -> dict[str, torch.Tensor]:
         inputs = batch.model_inputs()
@@ -473,8 +474,13 @@ def with_teacher_top_k(
         return {"ids": top.ids.int(), "logps": top.logps}
 
     table = stored_or_computed(
-        path, key,
-        lambda: per_sample_table(dataset, top_k, TokenBatch.collate, teacher.plan, samples_per_pass),
-        teacher.plan, say, f"teacher: top-{k} log-probs of {len(dataset)} {split} samples",
-    )  # fmt: skip
+        path,
+        key,
+        lambda: per_sample_table(
+            dataset, top_k, TokenBatch.collate, teacher.plan, samples_per_pass
+        ),
+        teacher.plan,
+        say,
+        f"teacher: top-{k} log-probs of {len(dataset)} {split} samples",
+    )
     return WithTeacherTopK(dataset, table)

@@ -106,10 +106,14 @@ class GRPOLoss:
         num_chunks: int | None = None,
     ) -> None:
         values = dict(
-            epsilon_low=epsilon_low, epsilon_high=epsilon_high, beta=beta,
-            aggregation=aggregation, importance_sampling=importance_sampling,
-            scale_rewards=scale_rewards, num_chunks=num_chunks,
-        )  # fmt: skip
+            epsilon_low=epsilon_low,
+            epsilon_high=epsilon_high,
+            beta=beta,
+            aggregation=aggregation,
+            importance_sampling=importance_sampling,
+            scale_rewards=scale_rewards,
+            num_chunks=num_chunks,
+        )
         problems = field_problems(GRPOLoss, values)
         if problems:
             raise ValueError(" ".join(problems))

@@ -81,9 +81,12 @@ def per_sample_table(
     [len(dataset), ...] on the CPU, in the dataset's order."""
     groups = plan.groups
     loader = build_eval_loader(
-        Indexed(dataset), samples_per_pass, groups.dp_rank, groups.dp_size,
+        Indexed(dataset),
+        samples_per_pass,
+        groups.dp_rank,
+        groups.dp_size,
         collate=lambda items: ([_index_of(item) for item in items], collate(items)),
-    )  # fmt: skip
+    )
     indices, values = [], {}
     for batch_indices, batch in loader:
         indices.append(torch.tensor(batch_indices))

@@ -97,9 +97,13 @@ class PreferenceLoss:
         num_chunks: int | None = None,
     ) -> None:
         values = dict(
-            type=type, beta=beta, label_smoothing=label_smoothing, gamma=gamma,
-            rpo_alpha=rpo_alpha, num_chunks=num_chunks,
-        )  # fmt: skip
+            type=type,
+            beta=beta,
+            label_smoothing=label_smoothing,
+            gamma=gamma,
+            rpo_alpha=rpo_alpha,
+            num_chunks=num_chunks,
+        )
         problems = field_problems(PreferenceLoss, values)
         if problems:
             raise ValueError(" ".join(problems))

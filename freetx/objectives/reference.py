@@ -96,7 +96,7 @@ class _ReferenceModel(abc.ABC):
             lambda model: token_logps(
                 model, batch.input_ids, batch.labels, self.num_chunks, **inputs
             )[0]
-        )  # fmt: skip
+        )
 
     @abc.abstractmethod
     def run(self, forward): ...
@@ -122,8 +122,9 @@ class FrozenCopy(_ReferenceModel):
         self.model, self.plan, self.num_chunks = model, plan, num_chunks
 
     @classmethod
-    def build(cls, model_node, plan: ParallelPlan, seed: int, weights: str | None,
-              num_chunks: int | None) -> FrozenCopy:  # fmt: skip
+    def build(
+        cls, model_node, plan: ParallelPlan, seed: int, weights: str | None, num_chunks: int | None
+    ) -> FrozenCopy:
         """The copy of the model `model_node` builds, parallelized like `plan`'s policy,
         from `weights` (the policy's initial weights) or, without any, the seed's random
         init, as the policy's."""
@@ -202,9 +203,13 @@ def reference_kind(loss: ComparesWithReference, adapters: bool, precompute: bool
 
 
 def reference_model(
-    kind: str, plan: ParallelPlan, model_node, seed: int, weights: str | None,
+    kind: str,
+    plan: ParallelPlan,
+    model_node,
+    seed: int,
+    weights: str | None,
     num_chunks: int | None,
-) -> AdaptersOff | FrozenCopy | None:  # fmt: skip
+) -> AdaptersOff | FrozenCopy | None:
     """The model a `reference_kind` runs: the policy with adapters off, a frozen copy from the
     policy's initial `weights` (precomputed: the copy that computes them), or none."""
     if kind == "adapters_off":
@@ -253,8 +258,11 @@ def with_reference_logps(
         return {"logps": torch.stack([logps.sum, logps.tokens], dim=-1).double().view(-1, 2, 2)}
 
     table = stored_or_computed(
-        path, key,
+        path,
+        key,
         lambda: per_sample_table(dataset, pair_logps, collate_pairs, plan, pairs_per_pass),
-        plan, say, f"reference: {split} log-probs of {len(dataset)} pairs",
-    )  # fmt: skip
+        plan,
+        say,
+        f"reference: {split} log-probs of {len(dataset)} pairs",
+    )
     return WithReferenceLogps(dataset, table["logps"].float())

@@ -98,12 +98,16 @@ class CompletionScorer:
         """`generate`'s completions decoded and scored."""
         tokens, ended = out.replies(), out.ended.cpu()
         texts = [self.tokenizer.decode(t[:-1] if e else t) for t, e in zip(tokens, ended.tolist())]
-        fields = [{**prompts.fields[i // n], "completion_tokens": len(t)}
-                  for i, t in enumerate(tokens)]  # fmt: skip
+        fields = [
+            {**prompts.fields[i // n], "completion_tokens": len(t)} for i, t in enumerate(tokens)
+        ]
         raw = score_completions(
-            self.rewards, [p for p in prompts.prompts for _ in range(n)], texts, fields,
+            self.rewards,
+            [p for p in prompts.prompts for _ in range(n)],
+            texts,
+            fields,
             [i for i in prompts.ids for _ in range(n)],
-        )  # fmt: skip
+        )
         entropy = (out.entropy.sum(dim=1) / out.lengths.clamp(min=1)).cpu()
         return Completions(tokens, texts, raw, ended, out.lengths.cpu().float(), entropy)
 
@@ -120,9 +124,11 @@ class CompletionScorer:
             out = self.generate(model, batch, 1, sampling, [f"{key} {i}" for i in batch.ids])
             done = self.score(out, batch, 1)
             keep = batch.real_rows()
-            parts = {"reward": (done.raw @ self.weights.to(done.raw.dtype))[keep].sum(),
-                     "prompts": keep.sum().float(),
-                     "completions/mean_length": done.lengths[keep].sum()}  # fmt: skip
+            parts = {
+                "reward": (done.raw @ self.weights.to(done.raw.dtype))[keep].sum(),
+                "prompts": keep.sum().float(),
+                "completions/mean_length": done.lengths[keep].sum(),
+            }
             for i, reward in enumerate(self.rewards):
                 parts[f"rewards/{reward.name}/mean"] = done.raw[keep, i].sum()
             for name, value in parts.items():
@@ -194,8 +200,10 @@ class Rollouts:
             made = {k: made[k] + extra[k] for k in made}
         self.set_advantages(groups)
         per_step = len(groups) // gen.steps_per_generation
-        steps = [self.batches(groups[k * per_step : (k + 1) * per_step])
-                 for k in range(gen.steps_per_generation)]  # fmt: skip
+        steps = [
+            self.batches(groups[k * per_step : (k + 1) * per_step])
+            for k in range(gen.steps_per_generation)
+        ]
         self.with_logps([b for batches in steps for b in batches], reference, num_chunks)
         metrics = self.metrics(groups, made)
         metrics["time/generation"], metrics["time/scoring"] = (
@@ -210,8 +218,11 @@ class Rollouts:
         time and tokens it took. Each completion's draws are keyed by the run's seed, `when`,
         the prompt's id and its index in the group."""
         n = self.gen.num_generations
-        keys = [f"seed {self.seed} {when} prompt {pid} sample {j}"
-                for pid in prompts.ids for j in range(n)]  # fmt: skip
+        keys = [
+            f"seed {self.seed} {when} prompt {pid} sample {j}"
+            for pid in prompts.ids
+            for j in range(n)
+        ]
         started = time.perf_counter()
         with self.plan.gathered() as model, self.plan.autocast():  # one all-gather
             model.eval()
@@ -226,11 +237,18 @@ class Rollouts:
         groups = []
         for i, prompt_ids in enumerate(prompts.prompt_ids):
             part = slice(i * n, (i + 1) * n)
-            groups.append(Group(
-                prompt_ids, prompts.prompts[i], prompts.ids[i], done.tokens[part],
-                done.texts[part], done.raw[part], done.raw[part] @ self.scorer.weights,
-                done.ended[part], done.entropy[part],
-            ))  # fmt: skip
+            group = Group(
+                prompt_ids,
+                prompts.prompts[i],
+                prompts.ids[i],
+                done.tokens[part],
+                done.texts[part],
+                done.raw[part],
+                done.raw[part] @ self.scorer.weights,
+                done.ended[part],
+                done.entropy[part],
+            )
+            groups.append(group)
         tokens = float(out.lengths.sum())
         return groups, {"generation_s": generated, "scoring_s": scored, "tokens": tokens}
 
@@ -241,8 +259,12 @@ class Rollouts:
         total = torch.cat([g.total for g in groups])
         batch_std = None
         if scale == "batch":
-            sums = self.groups.sum({"n": torch.tensor(float(len(total))), "sum": total.sum(),
-                                    "sq": (total.double() ** 2).sum()}, over="dp")  # fmt: skip
+            moments = {
+                "n": torch.tensor(float(len(total))),
+                "sum": total.sum(),
+                "sq": (total.double() ** 2).sum(),
+            }
+            sums = self.groups.sum(moments, over="dp")
             mean = sums["sum"] / sums["n"]
             variance = (sums["sq"] - sums["n"] * mean**2) / max(sums["n"] - 1, 1)
             batch_std = max(variance, 0.0) ** 0.5
@@ -255,11 +277,14 @@ class Rollouts:
         completions as rows (a group never split)."""
         size = len(groups) // self.micro_batches
         parts = (groups[i * size : (i + 1) * size] for i in range(self.micro_batches))
-        return [RolloutBatch.of_rollouts(
-            [g.prompt_ids for g in part for _ in g.completions],
-            [c for g in part for c in g.completions],
-            torch.cat([g.advantages for g in part]),
-        ) for part in parts]  # fmt: skip
+        return [
+            RolloutBatch.of_rollouts(
+                [g.prompt_ids for g in part for _ in g.completions],
+                [c for g in part for c in g.completions],
+                torch.cat([g.advantages for g in part]),
+            )
+            for part in parts
+        ]
 
     @torch.no_grad()
     def with_logps(self, batches: list[RolloutBatch], reference, num_chunks) -> None:
@@ -289,15 +314,18 @@ class Rollouts:
         lengths = torch.tensor([len(c) for g in groups for c in g.completions], dtype=torch.float)
         ended = torch.cat([g.ended for g in groups])
         sums = {
-            "completions": len(total), "groups": len(groups),
-            "reward": float(total.sum()), "reward_sq": float((total**2).sum()),
+            "completions": len(total),
+            "groups": len(groups),
+            "reward": float(total.sum()),
+            "reward_sq": float((total**2).sum()),
             "reward_std": sum(float(g.total.std()) for g in groups),
             "frac_reward_zero_std": sum(g.zero_variance for g in groups),
             "completions/mean_length": float(lengths.sum()),
             "completions/clipped_ratio": float(((lengths >= limit) & ~ended).sum()),
             "entropy": float(torch.cat([g.entropy for g in groups]).sum()),
-            "generation_tokens": made["tokens"], "generation_s": made["generation_s"],
-        }  # fmt: skip
+            "generation_tokens": made["tokens"],
+            "generation_s": made["generation_s"],
+        }
         for i, reward in enumerate(rewards):
             sums[f"rewards/{reward.name}/mean"] = float(raw[:, i].sum())
             sums[f"rewards/{reward.name}/sq"] = float((raw[:, i] ** 2).sum())
@@ -330,9 +358,16 @@ def write_samples(
     for group in groups:
         for j, text in enumerate(group.texts):
             values = {r.name: float(group.raw[j, i]) for i, r in enumerate(rewards)}
-            records.append({"step": step, "id": group.id, "prompt": group.prompt,
-                            "completion": text, "rewards": values,
-                            "reward": float(group.total[j])})  # fmt: skip
+            records.append(
+                {
+                    "step": step,
+                    "id": group.id,
+                    "prompt": group.prompt,
+                    "completion": text,
+                    "rewards": values,
+                    "reward": float(group.total[j]),
+                }
+            )
     records = records[:count]
     with open(path, "a") as f:
         for record in records:

@@ -61,12 +61,18 @@ def import_accelerate(found: ImportedConfig, data: dict, world_size: int | None)
                 str(max(1, processes // machines)),
             ]
         if processes % machines:
-            found.skip("num_processes", f"{processes} processes do not split over {machines} "
-                       "machines; freetx launches the same count on every node")  # fmt: skip
+            found.skip(
+                "num_processes",
+                f"{processes} processes do not split over {machines} machines; freetx launches the "
+                "same count on every node",
+            )
     if machines != 1:
-        for key, flag in (("machine_rank", "--node-rank"), ("main_process_ip", "--master-addr"),
-                          ("main_process_port", "--master-port"),
-                          ("rdzv_backend", "--rdzv-backend")):  # fmt: skip
+        for key, flag in (
+            ("machine_rank", "--node-rank"),
+            ("main_process_ip", "--master-addr"),
+            ("main_process_port", "--master-port"),
+            ("rdzv_backend", "--rdzv-backend"),
+        ):
             value = data.get(key)
             if value is None:
                 continue
@@ -78,8 +84,9 @@ def import_accelerate(found: ImportedConfig, data: dict, world_size: int | None)
     if kind in ("MULTI_GPU", "MULTI_CPU"):
         found.set("distributed.strategy", DATA_PARALLEL_STRATEGY)
     elif kind not in ("NO", "FSDP", "DEEPSPEED"):
-        found.skip("distributed_type", f"{kind}: freetx runs DDP, ZeRO, FSDP2 and HSDP on "
-                   "CUDA and CPU")  # fmt: skip
+        found.skip(
+            "distributed_type", f"{kind}: freetx runs DDP, ZeRO, FSDP2 and HSDP on CUDA and CPU"
+        )
     if kind == "MULTI_CPU" or data.get("use_cpu") is True:
         found.set("device", "cpu")
     if data.get("mixed_precision") is not None:
@@ -96,8 +103,10 @@ def import_accelerate(found: ImportedConfig, data: dict, world_size: int | None)
     if backend == "INDUCTOR":
         found.set("distributed.compile", True)
     elif backend != "NO":
-        found.skip("dynamo_config.dynamo_backend", f"{backend}: freetx compiles blocks with "
-                   "inductor (distributed.compile=true)")  # fmt: skip
+        found.skip(
+            "dynamo_config.dynamo_backend",
+            f"{backend}: freetx compiles blocks with inductor (distributed.compile=true)",
+        )
     world = world_size or processes
     found.notes.append(
         "accelerate's file holds no batch size: set batch_size to your script's per-GPU "
@@ -110,10 +119,22 @@ def import_accelerate(found: ImportedConfig, data: dict, world_size: int | None)
                 found.skip(f"fsdp_config.{name}", "not an FSDP key freetx maps")
     if kind == "DEEPSPEED":
         _accelerate_deepspeed(found, deepspeed, world)
-    handled = {"distributed_type", "num_processes", "num_machines", "machine_rank",
-               "main_process_ip", "main_process_port", "rdzv_backend", "use_cpu",
-               "mixed_precision", "gpu_ids", "debug", "dynamo_config", "fsdp_config",
-               "deepspeed_config"}  # fmt: skip
+    handled = {
+        "distributed_type",
+        "num_processes",
+        "num_machines",
+        "machine_rank",
+        "main_process_ip",
+        "main_process_port",
+        "rdzv_backend",
+        "use_cpu",
+        "mixed_precision",
+        "gpu_ids",
+        "debug",
+        "dynamo_config",
+        "fsdp_config",
+        "deepspeed_config",
+    }
     for key in data:
         if key in ACCELERATE_UNMAPPED:
             found.skip(key, ACCELERATE_UNMAPPED[key])

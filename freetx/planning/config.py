@@ -87,22 +87,32 @@ def estimate_config(
 
     def rows_of(part, stage=None):
         return estimate(
-            part, shapes, micro * planned.rows_per_sample * seq_len, seq_len,
+            part,
+            shapes,
+            micro * planned.rows_per_sample * seq_len,
+            seq_len,
             dist.mixed_precision.param_dtype,
-            dist.activation_checkpointing, dist.ac_every_n_blocks, device, mfu,
+            dist.activation_checkpointing,
+            dist.ac_every_n_blocks,
+            device,
+            mfu,
             sources=sources.bytes if sources else 0.0,
             rungs=rungs,
-            loss_chunks=int(chunks) if chunks else None, stage=stage,
+            loss_chunks=int(chunks) if chunks else None,
+            stage=stage,
             sequence_parallel=dist.sequence_parallel and dist.pp == 1,
-            reference=planned.reference, generation=generation,
-        )  # fmt: skip
+            reference=planned.reference,
+            generation=generation,
+        )
 
     if dist.pp == 1:
         rows = rows_of(model)
     else:  # the first stage (most micro-batches in flight) or the last (the loss): the fuller
         stages = pipeline_stage_shapes(dist, cfg.gradient_accumulation_steps)
-        staged = [rows_of(stage_model(planned, dist, end), shape)
-                  for end, shape in zip(("first", "last"), stages)]  # fmt: skip
+        staged = [
+            rows_of(stage_model(planned, dist, end), shape)
+            for end, shape in zip(("first", "last"), stages)
+        ]
         rows = [max(pair, key=lambda r: r.peak) for pair in zip(*staged)]
     return ConfigEstimate(model, micro, seq_len, rows, refused, sources, shapes, planned)
 
@@ -114,9 +124,12 @@ def optimizer_shapes(cfg: Any, shapes: list, refused: dict[str, str], processes:
     for shape in shapes:
         try:
             check_optimizer(
-                cfg.optimizer, dataclasses.replace(cfg.distributed, strategy=shape.strategy),
-                processes, cfg.gradient_accumulation_steps, cfg.max_grad_norm,
-            )  # fmt: skip
+                cfg.optimizer,
+                dataclasses.replace(cfg.distributed, strategy=shape.strategy),
+                processes,
+                cfg.gradient_accumulation_steps,
+                cfg.max_grad_norm,
+            )
             kept.append(shape)
         except ConfigError as e:
             first = first or e
@@ -134,8 +147,11 @@ def stage_model(planned: PlannedRun, dist: Any, end: str):
     blocks = stage_blocks(num_blocks, num_stages(dist), dist.pp_blocks_per_stage)
     rank = 0 if end == "first" else dist.pp - 1
     mine = [blocks[s] for s in rank_stages(rank, dist.pp, dist.pp_stages_per_rank)]
-    model.keep_blocks(sorted(i for stage in mine for i in stage), first=rank == 0,
-                      last=mine[-1].stop == num_blocks)  # fmt: skip
+    model.keep_blocks(
+        sorted(i for stage in mine for i in stage),
+        first=rank == 0,
+        last=mine[-1].stop == num_blocks,
+    )
     return model
 
 

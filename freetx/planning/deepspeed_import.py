@@ -102,13 +102,19 @@ def import_deepspeed(found: ImportedConfig, data: dict, world_size: int | None) 
     if optimizer_type is not None:
         component = OPTIMIZERS.get(str(optimizer_type).lower())
         if component is None:
-            found.skip("optimizer.type", f"{optimizer_type!r}: name a torch optimizer in "
-                       "optimizer._component_ (torch.optim.AdamW, torchao's 8-bit AdamW)")  # fmt: skip
+            found.skip(
+                "optimizer.type",
+                f"{optimizer_type!r}: name a torch optimizer in optimizer._component_ "
+                "(torch.optim.AdamW, torchao's 8-bit AdamW)",
+            )
         else:
             found.set("optimizer._component_", component)
     if scheduler_type is not None and scheduler_type not in SCHEDULE_DECAYS:
-        found.skip("scheduler.type", f"{scheduler_type!r}: freetx's lr_schedule is warmup, then "
-                   "cosine, linear or constant decay")  # fmt: skip
+        found.skip(
+            "scheduler.type",
+            f"{scheduler_type!r}: freetx's lr_schedule is warmup, then cosine, linear or "
+            "constant decay",
+        )
     elif scheduler_type is not None:
         found.set("lr_schedule.decay", SCHEDULE_DECAYS[scheduler_type])
         if scheduler_type in SCHEDULE_MIN_LR_RATIOS:

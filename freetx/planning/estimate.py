@@ -234,8 +234,17 @@ class ExpertShape:
     exchanged: float = 0.0
 
     @classmethod
-    def of(cls, model: nn.Module, unit: nn.Module, ep: int, compute: int, frozen: FrozenBase,
-           tokens: int, passes: float, stage: bool = False) -> ExpertShape:  # fmt: skip
+    def of(
+        cls,
+        model: nn.Module,
+        unit: nn.Module,
+        ep: int,
+        compute: int,
+        frozen: FrozenBase,
+        tokens: int,
+        passes: float,
+        stage: bool = False,
+    ) -> ExpertShape:
         """`model`'s experts spread over `ep` ranks (`check_expert_parallel`'s refusals;
         a pipeline `stage` may hold none): `tokens` per rank and micro-batch, each sent out
         and back `passes` times (2: forward and backward; more with recomputed forwards)."""
@@ -247,9 +256,10 @@ class ExpertShape:
         names = frozenset(expert_modules(model))
         stored, trainable = parameter_bytes(model, compute, frozen, within=names)
         sizes = tuple(
-            p.numel() for n, p in model.named_parameters()
+            p.numel()
+            for n, p in model.named_parameters()
             if p.requires_grad and n.rpartition(".")[0] in names
-        )  # fmt: skip
+        )
         in_unit = sum(p.numel() for m in expert_modules(unit).values() for p in m.parameters())
         # per block: k copies of each token, hidden wide, out and back, (ep - 1) / ep leaving
         rows = sum(b.top_k * b.experts.w1.shape[2] for b in blocks)
@@ -325,9 +335,15 @@ def estimate(
     block_trained = sum(p.numel() * share for p, share in unit_shares if p.requires_grad)
     recomputed = {"none": 0, "full": 1}.get(activation_checkpointing, 1 / ac_every_n_blocks)
     experts = ExpertShape.of(
-        model, unit, axes.ep, compute, frozen, tokens_per_rank // cp, 2 + recomputed,
+        model,
+        unit,
+        axes.ep,
+        compute,
+        frozen,
+        tokens_per_rank // cp,
+        2 + recomputed,
         stage=stage is not None,
-    )  # fmt: skip
+    )
     block_params -= experts.in_unit * (1 - 1 / experts.ep)  # its E / ep experts gathered
     device_figures = DEVICES[device]
     float8 = rungs.float8 != "none"
@@ -349,10 +365,18 @@ def estimate(
         "Give its class activation_bytes(run) (freetx.models.protocol.EstimatesActivations).",
     )
     run = TrainingShape(
-        tokens_per_rank, seq_len, compute, len(blocks), activation_checkpointing,
-        ac_every_n_blocks, loss_chunks, tp, cp, sequence_parallel,
+        tokens_per_rank,
+        seq_len,
+        compute,
+        len(blocks),
+        activation_checkpointing,
+        ac_every_n_blocks,
+        loss_chunks,
+        tp,
+        cp,
+        sequence_parallel,
         "cpu" if device == "cpu" else "cuda",
-    )  # fmt: skip
+    )
     counted = model.activation_bytes(run)
     activations, loss = counted.kept, counted.loss
     offloaded = 0.0
@@ -377,10 +401,11 @@ def estimate(
     compute_s = seconds * tokens_per_rank / (mfu * axes.per_data_rank) * (1 + stage.bubble)
     copy = 0.0
     if reference == "frozen_copy":  # every parameter again, in the compute dtype
-        copy = sum(
+        elements = sum(
             p.numel() / (tp if name.rpartition(".")[0] in sliced else 1)
             for name, p in model.named_parameters()
-        ) * compute  # fmt: skip
+        )
+        copy = elements * compute
     # tp's sums and cp's gathers, ep's all-to-alls: not overlapped
     tp_s = (counted.exchanged + experts.exchanged) / bandwidth
     elsewhere = experts.stored * (1 - 1 / experts.ep)  # the experts other ep ranks hold
@@ -411,13 +436,25 @@ def estimate(
         gradients, optimizer, host = model_state_rungs(
             rungs, layout, world_size, sizes, block_trained
         )
-        out.append(Estimate(
-            layout.strategy, stored / shards, gradients, optimizer,
-            gathered if world_size > 1 else 0.0, activations, loss,
-            max(compute_s, comm_s) + tp_s, compute_s, comm_s + tp_s, sources, copy / shards,
-            cache + (stored / 4 * compute if shards > 1 else 0.0) if generation else 0.0,
-            host + offloaded, expert_state_bytes(experts, rungs, layout), experts.exchanged,
-        ))  # fmt: skip
+        row = Estimate(
+            strategy=layout.strategy,
+            parameters=stored / shards,
+            gradients=gradients,
+            optimizer=optimizer,
+            gathered=gathered if world_size > 1 else 0.0,
+            activations=activations,
+            loss=loss,
+            step_s=max(compute_s, comm_s) + tp_s,
+            compute_s=compute_s,
+            comm_s=comm_s + tp_s,
+            sources=sources,
+            reference=copy / shards,
+            generation=cache + (stored / 4 * compute if shards > 1 else 0.0) if generation else 0.0,
+            host=host + offloaded,
+            expert_states=expert_state_bytes(experts, rungs, layout),
+            all_to_all=experts.exchanged,
+        )
+        out.append(row)
     return out
 
 

@@ -52,8 +52,11 @@ def _fsdp_key(found: ImportedConfig, key: str, name: str, value: Any) -> bool:
     elif name == "fsdp_sharding_strategy":
         strategy = FSDP_SHARDING_STRATEGIES.get(str(value).upper())
         if strategy is None:
-            found.skip(key, f"{value!r}: freetx has FULL_SHARD, SHARD_GRAD_OP, NO_SHARD and "
-                       "HYBRID_SHARD (its replica count: distributed.replicate_degree)")  # fmt: skip
+            found.skip(
+                key,
+                f"{value!r}: freetx has FULL_SHARD, SHARD_GRAD_OP, NO_SHARD and "
+                "HYBRID_SHARD (its replica count: distributed.replicate_degree)",
+            )
         else:
             found.set("distributed.strategy", strategy)
     elif name == "fsdp_reshard_after_forward":
@@ -88,8 +91,8 @@ def import_fsdp_config(found: ImportedConfig, data: dict, world_size: int | None
     flat = _flatten(data)
     per_gpu = ("batch_size", "micro_batch_size", "train_batch_size")  # the seeds' names
     micro = _pop(flat, *per_gpu, *(f"training.{name}" for name in per_gpu))
-    steps = _pop(flat, *(f"{section}gradient_accumulation_steps"
-                         for section in ("", "training.", "distributed.")))  # fmt: skip
+    sections = ("", "training.", "distributed.")
+    steps = _pop(flat, *(f"{section}gradient_accumulation_steps" for section in sections))
     set_batch(found, micro, steps, world_size)
     for key, value in flat.items():
         name = key.rsplit(".", 1)[-1]

@@ -203,8 +203,11 @@ def set_offload(found: ImportedConfig, key: str, device: Any) -> None:
     optimizer = "offload_optimizer" in key
     if text != "cpu":
         what = "optimizer's states" if optimizer else "parameters"
-        found.skip(key, f"{device!r}: freetx offloads the {what} to the CPU only; "
-                   "DeepSpeed's NVMe offload (ZeRO-Infinity) has no freetx equivalent")  # fmt: skip
+        found.skip(
+            key,
+            f"{device!r}: freetx offloads the {what} to the CPU only; "
+            "DeepSpeed's NVMe offload (ZeRO-Infinity) has no freetx equivalent",
+        )
         return
     if optimizer and found.overrides.get("distributed.cpu_offload"):
         notes = [BOTH_OFFLOADS_NOTE]
@@ -281,8 +284,13 @@ def _seed_key(found: ImportedConfig, key: str, name: str, value: Any) -> bool:
     """A training key of the seeds' YAML or the HF Trainer's (`training.gradient_clip_norm`,
     `distributed.gradient_accumulation_steps`, `num_workers`, `use_deepspeed`), met in any
     importer's file; False when `name` is none of them."""
-    if name in ("gradient_clip_norm", "gradient_clipping", "max_grad_norm", "grad_clip",
-                "clip_grad_norm"):  # fmt: skip
+    if name in (
+        "gradient_clip_norm",
+        "gradient_clipping",
+        "max_grad_norm",
+        "grad_clip",
+        "clip_grad_norm",
+    ):
         set_clipping(found, key, value)
     elif name == "gradient_accumulation_steps":
         set_number(found, key, value, "gradient_accumulation_steps", COUNT)

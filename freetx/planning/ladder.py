@@ -40,9 +40,11 @@ class Settings:
         if self.offload:
             node["offload"] = "cpu"
         dist = dataclasses.replace(
-            cfg.distributed, activation_checkpointing=self.checkpointing,
-            activation_offloading=self.activation_offloading, float8=self.float8,
-        )  # fmt: skip
+            cfg.distributed,
+            activation_checkpointing=self.checkpointing,
+            activation_offloading=self.activation_offloading,
+            float8=self.float8,
+        )
         clip = None if self.in_backward else cfg.max_grad_norm
         return dataclasses.replace(cfg, distributed=dist, optimizer=node, max_grad_norm=clip)
 
@@ -79,12 +81,13 @@ def ladder(
         if "float8" in change:
             if DEVICES[device].float8_peak is None:
                 continue
-            change = {"float8": cfg.distributed.float8 if cfg.distributed.float8 != "none"
-                      else change["float8"]}  # fmt: skip
+            float8 = cfg.distributed.float8
+            change = {"float8": float8 if float8 != "none" else change["float8"]}
         tried = dataclasses.replace(settings, **change)
         try:
-            found = estimate_config(tried.config(cfg), world_size, device, mfu, replicas,
-                                    chunked=tried.chunked)  # fmt: skip
+            found = estimate_config(
+                tried.config(cfg), world_size, device, mfu, replicas, chunked=tried.chunked
+            )
         except ConfigError as e:
             rungs.append(Rung(name, None, e.problems[0]))
             continue

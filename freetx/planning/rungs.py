@@ -57,7 +57,7 @@ ADAMW = StateFormat(2)
 STATE_FORMATS = {
     **{
         ("torch", name): ADAMW for name in ("Adam", "AdamW", "NAdam", "RAdam", "Adamax", "Adadelta")
-    },  # fmt: skip
+    },
     ("torch", "Adagrad"): StateFormat(1),
     ("torch", "RMSprop"): StateFormat(1),  # its square average; + momentum, + centered
     ("torch", "SGD"): StateFormat(0),  # + momentum

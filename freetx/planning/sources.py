@@ -44,8 +44,9 @@ def activation_sources(acfg, device: str, source_dim: int | None = None) -> Acti
             )
         rows = instantiate(acfg.synthetic, split="train", rows=1)
         return ActivationSources(rows.num_sources, rows.source_dim, 0.0, 0.0, [])
-    dtype = acfg.source_dtype if acfg.source_dtype != "auto" else (
-        "float32" if device == "cpu" else "bfloat16")  # fmt: skip
+    dtype = acfg.source_dtype
+    if dtype == "auto":
+        dtype = "float32" if device == "cpu" else "bfloat16"
     element = 4 if dtype == "float32" else 2
     num_sources = sum(len(s.hooks) for s in acfg.sources)
     widths, weights, vocab, unread = set(), 0.0, 0, []

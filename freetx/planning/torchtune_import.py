@@ -124,8 +124,8 @@ def import_torchtune(
     _scheduler(found, _mapping(found, "lr_scheduler", data.pop("lr_scheduler", None)))
     micro = ("batch_size", data.pop("batch_size")) if "batch_size" in data else None
     steps = data.pop("gradient_accumulation_steps", None)
-    set_batch(found, micro, None if steps is None else ("gradient_accumulation_steps", steps),
-              world_size)  # fmt: skip
+    accumulation = None if steps is None else ("gradient_accumulation_steps", steps)
+    set_batch(found, micro, accumulation, world_size)
     _epochs(found, data.pop("epochs", None), data.pop("max_steps_per_epoch", None), dataset_size)
     for key, value in data.items():
         _top_level(found, key, value)
@@ -136,14 +136,13 @@ def _resolve(data: dict) -> dict:
     """torchtune's `${output_dir}` interpolations of top-level keys, resolved (PyYAML
     leaves them as text)."""
 
+    def interpolated(m: re.Match) -> str:
+        key = m.group(1)
+        return str(data[key]) if isinstance(data.get(key), str) else m.group(0)
+
     def resolve(value: Any) -> Any:
         if isinstance(value, str):
-            return re.sub(
-                r"\$\{(\w+)\}",
-                lambda m: str(data[m.group(1)]) if isinstance(data.get(m.group(1)), str)
-                else m.group(0),
-                value,
-            )  # fmt: skip
+            return re.sub(r"\$\{(\w+)\}", interpolated, value)
         if isinstance(value, dict):
             return {k: resolve(v) for k, v in value.items()}
         if isinstance(value, list):
@@ -170,17 +169,23 @@ def _lora(found: ImportedConfig, model: dict, builder: str) -> str | None:
     modules = model.pop("lora_attn_modules", None)
     if modules is not None:
         if not isinstance(modules, list) or not all(isinstance(m, str) for m in modules):
-            raise bad_value(found, "model.lora_attn_modules", modules,
-                            "a list of module names (q_proj, k_proj, v_proj, output_proj)")  # fmt: skip
+            raise bad_value(
+                found,
+                "model.lora_attn_modules",
+                modules,
+                "a list of module names (q_proj, k_proj, v_proj, output_proj)",
+            )
         targets = [LORA_MODULES.get(m, m) for m in modules]
         if _flag(found, "model.apply_lora_to_mlp", model.pop("apply_lora_to_mlp", False)):
             targets += MLP_MODULES
         if _flag(found, "model.apply_lora_to_output", model.pop("apply_lora_to_output", False)):
             targets.append("output")
         found.set("peft.target_modules", targets)
-    for name, target, kind_ in (("lora_rank", "peft.rank", COUNT),
-                                ("lora_alpha", "peft.alpha", (False, 0.0, 1e6)),
-                                ("lora_dropout", "peft.dropout", (False, 0.0, 1.0))):  # fmt: skip
+    for name, target, kind_ in (
+        ("lora_rank", "peft.rank", COUNT),
+        ("lora_alpha", "peft.alpha", (False, 0.0, 1e6)),
+        ("lora_dropout", "peft.dropout", (False, 0.0, 1.0)),
+    ):
         if name in model:
             set_number(found, f"model.{name}", model.pop(name), target, kind_)
     if "use_dora" in model:
@@ -191,8 +196,9 @@ def _lora(found: ImportedConfig, model: dict, builder: str) -> str | None:
 
 def _base_config(found: ImportedConfig, builder: str, lora: str | None, output_dir: Any) -> None:
     name = _model_name(builder)
-    family = next((k for k in sorted(FAMILY_CONFIGS, key=len, reverse=True)
-                   if name.startswith(k)), None)  # fmt: skip
+    family = next(
+        (k for k in sorted(FAMILY_CONFIGS, key=len, reverse=True) if name.startswith(k)), None
+    )
     full, lora_config = FAMILY_CONFIGS.get(family, DEFAULT_CONFIGS)
     config = QLORA_CONFIG if lora == "qlora" else lora_config if lora else full
     found.recipe = "lora_finetune_fsdp2" if lora else "full_finetune_fsdp2"
@@ -206,7 +212,7 @@ def _base_config(found: ImportedConfig, builder: str, lora: str | None, output_d
                 if family
                 else " (no freetx config for this family; the model comes from "
                 "model_dir whatever its size)"
-            )  # fmt: skip
+            )
         )
     else:
         found.skip("model", "no model._component_: the model comes from model_dir")
@@ -247,16 +253,21 @@ def _tokenizer(found: ImportedConfig, tokenizer: dict) -> None:
 
 def _dataset(found: ImportedConfig, node: Any) -> None:
     if isinstance(node, list):
-        found.skip("dataset", "a list of datasets: freetx's mixture is freetx.data.Mixture "
-                   "(docs/data.md); import one entry at a time")  # fmt: skip
+        found.skip(
+            "dataset",
+            "a list of datasets: freetx's mixture is freetx.data.Mixture "
+            "(docs/data.md); import one entry at a time",
+        )
         return
     dataset = dict(_mapping(found, "dataset", node))
     builder = str(dataset.pop("_component_", "") or "")
     known = DATASETS.get(builder.rsplit(".", 1)[-1])
     if builder and known is None:
-        found.skip("dataset._component_", f"{builder}: no freetx equivalent; freetx reads "
-                   "instruct, chat and text files (freetx.data.InstructDataset, ChatDataset, "
-                   "PackedTextDataset)")  # fmt: skip
+        found.skip(
+            "dataset._component_",
+            f"{builder}: no freetx equivalent; freetx reads instruct, chat and text files "
+            "(freetx.data.InstructDataset, ChatDataset, PackedTextDataset)",
+        )
     elif known is not None:
         found.set("dataset", known[0])  # the component shorthand: the keys stay
         if known[1]:
@@ -268,16 +279,20 @@ def _dataset(found: ImportedConfig, node: Any) -> None:
     if files is not None:
         found.set("dataset.source", str(files) if not isinstance(files, list) else files)
     elif isinstance(source, str) and source not in LOCAL_FORMATS and HUB_DATASET.match(source):
-        found.skip("dataset.source", f"{source} is a Hugging Face Hub dataset; freetx reads "
-                   "local files: download it (huggingface-cli download --repo-type dataset "
-                   f"{source}) and set dataset.source=PATH")  # fmt: skip
+        found.skip(
+            "dataset.source",
+            f"{source} is a Hugging Face Hub dataset; freetx reads local files: download it "
+            f"(huggingface-cli download --repo-type dataset {source}) and set dataset.source=PATH",
+        )
     elif isinstance(source, str) and source not in LOCAL_FORMATS:
         found.set("dataset.source", source)
     style = dataset.pop("conversation_style", None)
     if style is not None:
         if str(style) not in CONVERSATION_STYLES:
-            found.skip("dataset.conversation_style", f"{style!r}: freetx reads sharegpt and "
-                       "openai (messages) conversations")  # fmt: skip
+            found.skip(
+                "dataset.conversation_style",
+                f"{style!r}: freetx reads sharegpt and openai (messages) conversations",
+            )
         else:
             found.set("dataset.format", CONVERSATION_STYLES[str(style)])
     column_map = dataset.pop("column_map", None)
@@ -294,9 +309,11 @@ def _optimizer(found: ImportedConfig, optimizer: dict) -> None:
         if str(component).startswith("torch.optim."):
             found.set("optimizer._component_", str(component))
         else:
-            found.skip("optimizer._component_", f"{component}: freetx builds torch optimizers "
-                       "and torchao's (optimizer._component_=torchao.optim.AdamW8bit for an "
-                       "8-bit AdamW)")  # fmt: skip
+            found.skip(
+                "optimizer._component_",
+                f"{component}: freetx builds torch optimizers and torchao's "
+                "(optimizer._component_=torchao.optim.AdamW8bit for an 8-bit AdamW)",
+            )
     for name in ("lr", "weight_decay", "eps"):
         if name in optimizer:
             set_number(found, f"optimizer.{name}", optimizer.pop(name), f"optimizer.{name}", RATE)
@@ -313,11 +330,18 @@ def _scheduler(found: ImportedConfig, scheduler: dict) -> None:
         found.set("lr_schedule.decay", "cosine")
         found.set("lr_schedule.min_lr_ratio", 0.0)  # torchtune's cosine ends at 0
     elif component:
-        found.skip("lr_scheduler._component_", f"{component}: freetx's lr_schedule is warmup, "
-                   "then cosine, linear or constant decay")  # fmt: skip
+        found.skip(
+            "lr_scheduler._component_",
+            f"{component}: freetx's lr_schedule is warmup, then cosine, linear or constant decay",
+        )
     if "num_warmup_steps" in scheduler:
-        set_number(found, "lr_scheduler.num_warmup_steps", scheduler.pop("num_warmup_steps"),
-                   "lr_schedule.warmup_steps", STEPS)  # fmt: skip
+        set_number(
+            found,
+            "lr_scheduler.num_warmup_steps",
+            scheduler.pop("num_warmup_steps"),
+            "lr_schedule.warmup_steps",
+            STEPS,
+        )
     for key in scheduler:
         found.skip(f"lr_scheduler.{key}", "not a schedule argument freetx maps")
 
@@ -343,15 +367,23 @@ def _epochs(
                 ("--dataset-size N (the training samples)", dataset_size),
                 ("--world-size N", batch),
             )
-            if known is None  # fmt: skip
+            if known is None
         )
-        found.skip("epochs", f"{count} epoch(s): freetx counts optimizer steps; give {missing} "
-                   "and max_steps is computed (epochs x samples / the global batch_size)")  # fmt: skip
+        found.skip(
+            "epochs",
+            f"{count} epoch(s): freetx counts optimizer steps; give {missing} "
+            "and max_steps is computed (epochs x samples / the global batch_size)",
+        )
         return
     per_epoch = dataset_size // batch
     if per_epoch < 1:
-        raise bad_value(found, "epochs", epochs, f"run on a dataset of at least one batch "
-                        f"({batch} samples; --dataset-size is {dataset_size})")  # fmt: skip
+        raise bad_value(
+            found,
+            "epochs",
+            epochs,
+            f"run on a dataset of at least one batch ({batch} samples; --dataset-size is "
+            f"{dataset_size})",
+        )
     if cap is not None:
         per_epoch = min(per_epoch, cap)
     found.set("max_steps", count * per_epoch)
@@ -393,9 +425,14 @@ def _top_level(found: ImportedConfig, key: str, value: Any) -> None:
                 "resume_from_checkpoint: false: freetx's resume=auto continues from "
                 "output_dir's newest checkpoint when there is one; resume=never starts afresh"
             )
-    elif key in ("enable_activation_checkpointing", "compile", "fsdp_cpu_offload",
-                 "fsdp_reshard_after_forward", "enable_activation_offloading",
-                 "optimizer_in_bwd"):  # fmt: skip
+    elif key in (
+        "enable_activation_checkpointing",
+        "compile",
+        "fsdp_cpu_offload",
+        "fsdp_reshard_after_forward",
+        "enable_activation_offloading",
+        "optimizer_in_bwd",
+    ):
         on = _flag(found, key, value)
         if key == "enable_activation_checkpointing":
             found.set("distributed.activation_checkpointing", "full" if on else "none")

@@ -41,9 +41,12 @@ def check_layout(cfg: object, processes: Processes) -> None:
         return
     shape = check_distributed(cfg.distributed, processes)
     check_optimizer(
-        cfg.optimizer, cfg.distributed, processes, cfg.gradient_accumulation_steps,
+        cfg.optimizer,
+        cfg.distributed,
+        processes,
+        cfg.gradient_accumulation_steps,
         cfg.max_grad_norm,
-    )  # fmt: skip
+    )
     cfg.refuse_combinations()  # the schema's own
     check_per_rank_forwards(cfg, shape.ep)  # eval.after_training's lm-eval scoring
     planned = cfg.planned() or PlannedRun(None)  # None: the schema names no model or data

@@ -59,8 +59,13 @@ class DecoderConfig(TrainingConfig):
     training (`qat:`). A recipe's schema subclasses it, giving `loss` its default."""
 
     fixed_on_resume: ClassVar[tuple[str, ...]] = (
-        *TrainingConfig.fixed_on_resume, "model", "tokenizer", "dataset", "peft", "qat",
-    )  # fmt: skip
+        *TrainingConfig.fixed_on_resume,
+        "model",
+        "tokenizer",
+        "dataset",
+        "peft",
+        "qat",
+    )
 
     model_dir: Optional[str] = read_path(None)  # an HF model folder, for ${model_dir} below
     model: Any = MISSING
@@ -136,11 +141,14 @@ class DecoderSetup:
         self.trains = apply_peft(model, cfg.peft, self.groups.dp_size)
         apply_qat(model, cfg.qat)  # before FSDP2: fake-quantized linears (qat.scheme)
         self.plan = parallelize(
-            model, self.groups, cfg.distributed, seed=cfg.seed,
+            model,
+            self.groups,
+            cfg.distributed,
+            seed=cfg.seed,
             init_weights=not self.run.loads_weights,  # random init unless weights are loaded
             frozen=self.run.decide_frozen_base(model),  # what is frozen, where it is read from
             micro_batches=micro_batches,
-        )  # fmt: skip
+        )
         self.model = self.plan.model
         self.optimizer = self.plan.build_optimizer(cfg.optimizer)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.max_steps, cfg.lr_schedule)
@@ -153,9 +161,15 @@ class DecoderSetup:
         cfg, rank, size = self.cfg, self.groups.dp_rank, self.groups.dp_size
         micro_batches = cfg.gradient_accumulation_steps if micro_batches is None else micro_batches
         train = build_train_loader(
-            train_set, cfg.batch_size, micro_batches, rank, size, cfg.seed,
-            num_workers=cfg.num_workers, collate=collate,
-        )  # fmt: skip
+            train_set,
+            cfg.batch_size,
+            micro_batches,
+            rank,
+            size,
+            cfg.seed,
+            num_workers=cfg.num_workers,
+            collate=collate,
+        )
         return train, build_eval_loader(val_set, cfg.eval.batch_size, rank, size, collate)
 
     def start(self, train_loader, tokens_per_sample: int, inputs=None, **facts: Any) -> None:
@@ -164,14 +178,20 @@ class DecoderSetup:
         here on (off before `qat.start_step`)."""
         cfg = self.cfg
         self.run.start(
-            self.plan, self.optimizer, self.lr_scheduler, train_loader,
-            tokens_per_sample=tokens_per_sample, inputs=inputs, **facts,
-            activation_checkpointing=cfg.distributed.activation_checkpointing, trains=self.trains,
-        )  # fmt: skip
+            self.plan,
+            self.optimizer,
+            self.lr_scheduler,
+            train_loader,
+            tokens_per_sample=tokens_per_sample,
+            inputs=inputs,
+            **facts,
+            activation_checkpointing=cfg.distributed.activation_checkpointing,
+            trains=self.trains,
+        )
         if cfg.qat.scheme != "none":
-            self.run.each_step(lambda step: set_fake_quantization(
-                self.model, step >= cfg.qat.start_step
-            ))  # fmt: skip
+            self.run.each_step(
+                lambda step: set_fake_quantization(self.model, step >= cfg.qat.start_step)
+            )
 
     def finish(self, evaluate: Callable[[], dict[str, float]]) -> None:
         """After the loop: the last evaluation and save, `checkpoint.final_export`

@@ -110,8 +110,9 @@ def export_quantized_final(output_dir: str | Path, qat: QATConfig) -> list[str]:
     dst = Path(output_dir) / EXPORT_DIR / "quantized"
     quant = qat.quant_scheme()
     try:
-        written = export_quantized(checkpoint, dst, quant, overwrite=True,
-                                   **recorded_run(checkpoint))  # fmt: skip
+        written = export_quantized(
+            checkpoint, dst, quant, overwrite=True, **recorded_run(checkpoint)
+        )
     except ExportNeedsCUDA as e:
         return [
             f"The quantized export was not written: {e} Nothing is lost: the "

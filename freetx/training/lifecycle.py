@@ -125,15 +125,22 @@ class TrainingRun:
         )
         # the optimizer's memory rungs a run cannot take (validate and run refuse alike)
         check_optimizer(
-            cfg.optimizer, cfg.distributed, Processes.of(runtime),
-            cfg.gradient_accumulation_steps, cfg.max_grad_norm,
-        )  # fmt: skip
+            cfg.optimizer,
+            cfg.distributed,
+            Processes.of(runtime),
+            cfg.gradient_accumulation_steps,
+            cfg.max_grad_norm,
+        )
         check_per_rank_forwards(cfg, groups.size("ep"))  # and the forwards ep cannot run
         self.progress = TrainState()  # step, epoch, tokens seen: saved with every checkpoint
         self.loggers = build_metric_loggers(
-            cfg.metric_loggers, cfg.output_dir, cfg.max_steps, runtime.rank,
-            named=cfg.loggers, hyperparameters=config_as_dict(cfg),
-        )  # fmt: skip
+            cfg.metric_loggers,
+            cfg.output_dir,
+            cfg.max_steps,
+            runtime.rank,
+            named=cfg.loggers,
+            hyperparameters=config_as_dict(cfg),
+        )
         self.saved_step: int | None = None
         self.evaluated_step: int | None = None
         self.nonfinite_in_a_row = 0
@@ -199,12 +206,16 @@ class TrainingRun:
             facts = {"active parameters per token": num_active_parameters(module), **facts}
         self.loggers.write(
             training_banner(
-                self.recipe, self.runtime, plan.groups.shape, cfg,
+                self.recipe,
+                self.runtime,
+                plan.groups.shape,
+                cfg,
                 model=module.describe() if isinstance(module, DescribesItself) else None,
                 weights=self.checkpointer.weights_origin(cfg.seed),
-                parameters=num_parameters(module), **facts,
+                parameters=num_parameters(module),
+                **facts,
             )
-        )  # fmt: skip
+        )
         planned = cfg.planned()
         notice = random_weights_notice(
             planned.model if planned is not None else None,
@@ -216,9 +227,14 @@ class TrainingRun:
         check_final_export(cfg, type(module))  # the model class is known now
         frozen = self.frozen or self.decide_frozen_base(module)
         self.state = training_state(
-            plan, optimizer, lr_scheduler, self.progress, train_loader, self.runtime.rank,
+            plan,
+            optimizer,
+            lr_scheduler,
+            self.progress,
+            train_loader,
+            self.runtime.rank,
             frozen,
-        )  # fmt: skip
+        )
         meta = build_meta(module, self.runtime.world_size, plan.groups.shape.describe())
         message = self.checkpointer.restore(
             self.state, plan.model, meta, frozen.read_from, inputs=inputs

@@ -113,9 +113,10 @@ class ThroughputMeter:
         self._steps += 1
         self._real = None if real_tokens is None or self._real is None else self._real + real_tokens
         self._loss_tokens = (
-            None if loss_tokens is None or self._loss_tokens is None
+            None
+            if loss_tokens is None or self._loss_tokens is None
             else self._loss_tokens + float(loss_tokens)
-        )  # fmt: skip
+        )
 
     def local_sums(self) -> dict[str, torch.Tensor]:
         """What a logged step sums over the data-parallel ranks for `read`."""

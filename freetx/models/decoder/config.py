@@ -122,8 +122,12 @@ class TransformerConfig:
                 "that gives an even number of at least 2"
             )
         check_rope_scaling(self.rope_scaling, self.rotary_dim)
-        for name in ("sliding_window", "query_pre_attn_scalar", "attn_logit_softcap",
-                     "final_logit_softcap"):  # fmt: skip
+        for name in (
+            "sliding_window",
+            "query_pre_attn_scalar",
+            "attn_logit_softcap",
+            "final_logit_softcap",
+        ):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be positive (or null)")
         if self.moe_ffn_hidden_dim is None:
@@ -202,8 +206,15 @@ class TransformerConfig:
         return {**found, **_moe_meaningless(values), **_latent_meaningless(values)}
 
 
-SIZES = ("vocab_size", "hidden_dim", "num_layers", "num_heads", "num_kv_heads",
-         "ffn_hidden_dim", "max_seq_len")  # fmt: skip
+SIZES = (
+    "vocab_size",
+    "hidden_dim",
+    "num_layers",
+    "num_heads",
+    "num_kv_heads",
+    "ffn_hidden_dim",
+    "max_seq_len",
+)
 
 
 def _size_problems(values: dict[str, Any]) -> dict[str, str]:
@@ -233,8 +244,12 @@ def _size_problems(values: dict[str, Any]) -> dict[str, str]:
 def _latent_meaningless(values: dict[str, Any]) -> dict[str, str]:
     """Multi-head latent attention's sizes that no attention has, by key (none set: {})."""
     found = {}
-    for name, least in (("kv_lora_rank", 1), ("q_lora_rank", 1), ("qk_nope_head_dim", 0),
-                        ("v_head_dim", 1)):  # fmt: skip
+    for name, least in (
+        ("kv_lora_rank", 1),
+        ("q_lora_rank", 1),
+        ("qk_nope_head_dim", 0),
+        ("v_head_dim", 1),
+    ):
         value = values.get(name)
         if value is not None and (not isinstance(value, int) or value < least):
             found[name] = f"{name} is a size: set it to {least} or more (or null)."

@@ -42,8 +42,16 @@ class DecoderActivations:
         kv = c.num_kv_heads * c.head_dim
         if c.kv_lora_rank is not None:  # latent attention: every head's keys and values
             kv = c.num_heads * (c.qk_nope_head_dim + c.head_dim + c.v_head_dim) // 2
-        return decoder_activations(run, c.hidden_dim, c.ffn_hidden_dim, kv, c.vocab_size,
-                                   c.tie_embeddings, mlp, attention_score_bytes(c, run))  # fmt: skip
+        return decoder_activations(
+            run,
+            c.hidden_dim,
+            c.ffn_hidden_dim,
+            kv,
+            c.vocab_size,
+            c.tie_embeddings,
+            mlp,
+            attention_score_bytes(c, run),
+        )
 
 
 def attention_score_bytes(cfg: TransformerConfig, run: TrainingShape) -> float:
@@ -55,12 +63,12 @@ def attention_score_bytes(cfg: TransformerConfig, run: TrainingShape) -> float:
     softcap = cfg.attn_logit_softcap
     if softcap is None:
         return 0.0
-    explicit = sum(
-        choose_kernel(run.device_type, AttentionSpec(
-            window=cfg.sliding_window if sliding else None, softcap=softcap),
-            cfg.attention_dropout) == "explicit"
-        for sliding in cfg.sliding_layers()
-    )  # fmt: skip
+
+    def kernel(sliding: bool) -> str:
+        spec = AttentionSpec(window=cfg.sliding_window if sliding else None, softcap=softcap)
+        return choose_kernel(run.device_type, spec, cfg.attention_dropout)
+
+    explicit = sum(kernel(sliding) == "explicit" for sliding in cfg.sliding_layers())
     return explicit / cfg.num_layers * cfg.num_heads * run.seq_len * (2 * run.compute_bytes + 4)
 
 
@@ -87,7 +95,7 @@ def decoder_activations(
     `tied` to the embedding is sliced by vocabulary. Under cp a rank holds 1/cp of the
     tokens, and its blocks keep the whole sequence's keys and values (cp times its own)
     for attention's backward. With sequence parallelism the norms' inputs and outputs,
-    and the blocks' inputs that activation checkpointing keeps, are 1/tp too."""  # fmt: skip
+    and the blocks' inputs that activation checkpointing keeps, are 1/tp too."""
     tp, cp, compute, blocks = run.tp, run.cp, run.compute_bytes, run.blocks
     tokens = run.tokens // cp
     h, kv = hidden, kv_width * cp  # keys and values gathered from the cp ranks
@@ -115,8 +123,9 @@ def decoder_activations(
     chunks = run.loss_chunks or default_num_chunks(vocab)
     logits = vocab / tp if tp > 1 and not tied else vocab  # a vocabulary-parallel loss
     if chunks == 1:
-        return ActivationBytes(tokens * kept, tokens * logits * (compute + 4 + 4),
-                               tp_bytes + cp_bytes)  # fmt: skip
+        return ActivationBytes(
+            tokens * kept, tokens * logits * (compute + 4 + 4), tp_bytes + cp_bytes
+        )
     held = logits * h * 4 + tokens * h * compute  # the head's (slice's) gradient, the hidden's
     loss = math.ceil(tokens / chunks) * logits * (compute + 4 + 4) + held
     return ActivationBytes(tokens * kept, loss, tp_bytes + cp_bytes)

@@ -130,6 +130,7 @@ class LatentAttention(nn.Module):
             k, v, key_valid = cache.extend(k, v)
         if context is not None:  # the whole sequence's keys and values
             k, v = context.gather(k, dim=2), context.gather(v, dim=2)
-        out = attend(q, k, v, self.spec, causal=True, dropout=dropout, key_valid=key_valid,
-                     mask=mask)  # fmt: skip
+        out = attend(
+            q, k, v, self.spec, causal=True, dropout=dropout, key_valid=key_valid, mask=mask
+        )
         return self.wo(out.transpose(1, 2).reshape(batch, seq_len, -1))

@@ -84,9 +84,10 @@ class Attention(nn.Module):
         # a window as long as the longest sequence changes nothing (Phi-4-mini's 262144)
         binds = sliding and cfg.sliding_window < cfg.max_seq_len
         self.spec = AttentionSpec(
-            window=cfg.sliding_window if binds else None, softcap=cfg.attn_logit_softcap,
+            window=cfg.sliding_window if binds else None,
+            softcap=cfg.attn_logit_softcap,
             scale=None if scalar is None else scalar**-0.5,
-        )  # fmt: skip
+        )
 
     def forward(
         self,
@@ -177,14 +178,24 @@ def feed_forward(cfg: TransformerConfig, layer: int) -> nn.Module:
     if not cfg.is_moe_layer(layer):
         return FeedForward(cfg)
     kind = RouterKind(
-        cfg.router_scores, cfg.router_bias, cfg.expert_groups, cfg.groups_per_token,
-        scaling=cfg.routed_scaling_factor, fp32=cfg.router_fp32,
-    )  # fmt: skip
+        cfg.router_scores,
+        cfg.router_bias,
+        cfg.expert_groups,
+        cfg.groups_per_token,
+        scaling=cfg.routed_scaling_factor,
+        fp32=cfg.router_fp32,
+    )
     shared = FeedForward(cfg, cfg.shared_expert_ffn_dim) if cfg.shared_expert_ffn_dim else None
     return MoEFeedForward(
-        cfg.hidden_dim, cfg.moe_ffn_hidden_dim, cfg.num_experts, cfg.experts_per_token,
-        cfg.norm_topk_prob, cfg.expert_weights_fp32, kind, shared,
-    )  # fmt: skip
+        cfg.hidden_dim,
+        cfg.moe_ffn_hidden_dim,
+        cfg.num_experts,
+        cfg.experts_per_token,
+        cfg.norm_topk_prob,
+        cfg.expert_weights_fp32,
+        kind,
+        shared,
+    )
 
 
 def _norm(cfg: TransformerConfig, *positions: str) -> nn.Module:
@@ -236,9 +247,15 @@ class DecoderBlock(nn.Module):
         h = self.attention_norm(x)
         kv_input = None if kv is None else self.attention_norm(kv)
         attended = self.attention(
-            h, cos, sin, causal=causal, kv_input=kv_input, cache=cache, mask=mask,
+            h,
+            cos,
+            sin,
+            causal=causal,
+            kv_input=kv_input,
+            cache=cache,
+            mask=mask,
             context=context,
-        )  # fmt: skip
+        )
         x = x + self.dropout(self.post_attention_norm(attended))
         h = self.pre_ffn_norm(self.ffn_norm(x))  # at most one of the two is a norm
         routing = None

@@ -86,6 +86,9 @@ class PipelineStages(DecoderCore):
         combined = combine_routings([r for r in (so_far, routing_here) if r is not None])
         if not last:
             moe = self.config.num_experts > 0
-            return (h, empty_routing(self.config.num_experts, h) if combined is None
-                    else combined.packed()) if moe else h  # fmt: skip
+            if not moe:
+                return h
+            if combined is None:
+                return h, empty_routing(self.config.num_experts, h)
+            return h, combined.packed()
         return self.with_router_loss(self.finish(h, output_loss), combined, context)

@@ -20,19 +20,32 @@ def check_tensor_parallel(c: TransformerConfig, tp: int) -> None:
     anything is launched)."""
     why = None
     if c.num_heads % tp or c.num_kv_heads % tp:
-        why = (f"tp={tp} does not divide the model's {c.num_heads} attention heads and "
-               f"{c.num_kv_heads} key/value heads", "Pick a tp that divides both")  # fmt: skip
+        why = (
+            f"tp={tp} does not divide the model's {c.num_heads} attention heads and "
+            f"{c.num_kv_heads} key/value heads",
+            "Pick a tp that divides both",
+        )
     elif c.ffn_hidden_dim % tp:
-        why = (f"tp={tp} does not divide the MLP's {c.ffn_hidden_dim} hidden units",
-               "Pick a tp that divides it")  # fmt: skip
+        why = (
+            f"tp={tp} does not divide the MLP's {c.ffn_hidden_dim} hidden units",
+            "Pick a tp that divides it",
+        )
     elif c.kv_lora_rank is not None:
-        why = ("freetx does not slice multi-head latent attention (DeepSeek's kv_lora_rank) "
-               "over tensor-parallel ranks yet", "Set distributed.tp=1 (fsdp alone shards it)")  # fmt: skip
+        why = (
+            "freetx does not slice multi-head latent attention (DeepSeek's kv_lora_rank) "
+            "over tensor-parallel ranks yet",
+            "Set distributed.tp=1 (fsdp alone shards it)",
+        )
     elif c.fused_projections or c.qk_norm == "projection":
-        kind = ("fused q/k/v and gate/up projections (Phi-3)" if c.fused_projections
-                else "q/k norms over whole projections (OLMo 2)")  # fmt: skip
-        why = (f"freetx does not slice {kind} over tensor-parallel ranks yet",
-               "Set distributed.tp=1 (fsdp alone shards it)")  # fmt: skip
+        kind = (
+            "fused q/k/v and gate/up projections (Phi-3)"
+            if c.fused_projections
+            else "q/k norms over whole projections (OLMo 2)"
+        )
+        why = (
+            f"freetx does not slice {kind} over tensor-parallel ranks yet",
+            "Set distributed.tp=1 (fsdp alone shards it)",
+        )
     if why is not None:
         raise ConfigError(f"distributed.tp: {why[0]}.", fix=f"{why[1]}, or set tp=1.")
 

@@ -224,9 +224,14 @@ def apply_lora(
             )
         with torch.device(linear.weight.device):
             adapted = LoRALinear(
-                linear.in_features, linear.out_features, linear.bias is not None,
-                rank, alpha, dropout, use_dora,
-            )  # fmt: skip
+                linear.in_features,
+                linear.out_features,
+                linear.bias is not None,
+                rank,
+                alpha,
+                dropout,
+                use_dora,
+            )
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, adapted)
     adapt_experts(model, experts, rank, alpha)
@@ -329,8 +334,9 @@ def apply_peft(model: nn.Module, cfg: PEFTConfig, world_size: int = 1) -> str:
     if cfg.method == "none":  # PEFTConfig refused LoRA's knobs without LoRA
         return "full"
     if cfg.method == "lora":
-        names = apply_lora(model, list(cfg.target_modules), cfg.rank, cfg.alpha, cfg.dropout,
-                           cfg.use_dora)  # fmt: skip
+        names = apply_lora(
+            model, list(cfg.target_modules), cfg.rank, cfg.alpha, cfg.dropout, cfg.use_dora
+        )
         if cfg.quantize_base == "nf4":
             from freetx.models.peft.nf4 import quantize_bases
 

@@ -121,9 +121,15 @@ class NF4LoRALinear(LoRALinear):
         dropout = layer.lora_dropout.p if isinstance(layer.lora_dropout, nn.Dropout) else 0.0
         with torch.device("meta"):
             layer_nf4 = cls(
-                layer.in_features, layer.out_features, layer.bias is not None, layer.rank,
-                layer.alpha, dropout, layer.use_dora, nf4_blocks=nf4_blocks,
-            )  # fmt: skip
+                layer.in_features,
+                layer.out_features,
+                layer.bias is not None,
+                layer.rank,
+                layer.alpha,
+                dropout,
+                layer.use_dora,
+                nf4_blocks=nf4_blocks,
+            )
         layer_nf4.weight = empty_nf4(tuple(layer.weight.shape), nf4_blocks)
         return layer_nf4
 
@@ -239,10 +245,13 @@ def quantize_experts(module: nn.Module, name: str, world_size: int) -> None:
         cls = adapted_class(original_class(type(module)), NF4HFExperts, prefix="NF4LoRA")
     shapes = {param: tuple(module.get_parameter(param).shape) for param in params}
     blocks = {
-        param: block_sizes((experts * rows, cols), world_size, f"{name}.{param} (its {experts} "
-                           f"experts' rows one after the other)")
+        param: block_sizes(
+            (experts * rows, cols),
+            world_size,
+            f"{name}.{param} (its {experts} experts' rows one after the other)",
+        )
         for param, (experts, rows, cols) in shapes.items()
-    }  # fmt: skip
+    }
     module.__class__ = cls
     module.nf4_shapes, module.nf4_blocks = shapes, blocks
     for param, (experts, rows, cols) in shapes.items():
@@ -264,5 +273,5 @@ def quantize_bases(model: nn.Module, world_size: int = 1) -> None:
             continue
         blocks = block_sizes(tuple(layer.weight.shape), world_size, name)
         parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, child,
-                NF4LoRALinear.from_lora(layer, blocks))  # fmt: skip
+        owner = model.get_submodule(parent) if parent else model
+        setattr(owner, child, NF4LoRALinear.from_lora(layer, blocks))

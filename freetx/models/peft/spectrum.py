@@ -78,8 +78,9 @@ def selected_share(modules: list[str], scores: dict[str, float], top_percent: fl
     return f"{text}: the top {top_percent:g}% of each kind)"
 
 
-def selection_text(modules: list[str], top_percent: float, source: str,
-                   scores: dict[str, float]) -> str:  # fmt: skip
+def selection_text(
+    modules: list[str], top_percent: float, source: str, scores: dict[str, float]
+) -> str:
     """The YAML of a selection file (`read_selection` reads it), commented with each score."""
     lines = [
         "# Spectrum selection (Hartford et al. 2024): the modules that train fully; the rest",
