@@ -26,7 +26,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from freetx.checkpoint import files_read_by, input_identity
+from freetx.checkpoint import input_identity
 from freetx.config import instantiate
 from freetx.data import PreferenceBatch, PreferenceDataset, collate_pairs
 from freetx.data.packing import packs
@@ -124,11 +124,9 @@ class DPORecipeFSDP2:
         kind = reference_kind(self.loss_fn, cfg.peft.method != "none", cfg.reference.precompute)
         train_pairs, val_pairs = self.build_reference(kind, train_set, val_set)  # what is read
         self.train_loader, self.val_loader = setup.loaders(train_pairs, val_pairs, collate_pairs)
-        weights = cfg.checkpoint.initial_weights  # the reference's, recorded as an input
-        reference_inputs = {"reference": weights} if kind != "none" and weights else {}
         setup.start(
-            self.train_loader, tokens_per_sample=2 * self.seq_len, seq_len=self.seq_len,
-            inputs={**reference_inputs, **files_read_by(tokenizer=setup.tokenizer, dataset=train_set)},
+            self.train_loader, train_set, tokens_per_sample=2 * self.seq_len, seq_len=self.seq_len,
+            models={"reference": None if kind == "none" else cfg.checkpoint.initial_weights},
             train_pairs=train_set.summary().samples,  # packed: its packs hold more
             padding=first_batches_padding(self.train_loader), reference=kind.replace("_", " "),
         )  # fmt: skip

@@ -30,7 +30,6 @@ from typing import Any
 
 import torch
 
-from freetx.checkpoint import files_read_by
 from freetx.config import instantiate
 from freetx.data import TokenBatch, source_names
 from freetx.data.packing import packs
@@ -86,8 +85,7 @@ class FullFinetuneRecipeFSDP2:
         collate = functools.partial(TokenBatch.collate, source_names=source_names(train_set))
         self.train_loader, self.val_loader = setup.loaders(train_set, val_set, collate)
         setup.start(
-            self.train_loader, tokens_per_sample=self.seq_len, seq_len=self.seq_len,
-            inputs=files_read_by(tokenizer=setup.tokenizer, dataset=train_set),
+            self.train_loader, train_set, tokens_per_sample=self.seq_len, seq_len=self.seq_len,
             train_sequences=len(train_set), padding=first_batches_padding(self.train_loader),
         )  # fmt: skip
 

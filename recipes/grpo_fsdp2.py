@@ -43,7 +43,6 @@ from typing import Any, ClassVar, Optional
 
 import torch
 
-from freetx.checkpoint import files_read_by
 from freetx.config import instantiate
 from freetx.data import PromptDataset, RolloutBatch, collate_prompts
 from freetx.entry import parse
@@ -197,11 +196,9 @@ class GRPORecipeFSDP2:
         self.prompt_loader, self.val_loader = setup.loaders(
             train_set, val_set, collate_prompts, micro_batches=1
         )
-        weights = cfg.checkpoint.initial_weights
-        reference_inputs = {"reference": weights} if kind != "none" and weights else {}
         setup.start(
-            self.prompt_loader, tokens_per_sample=gen.num_generations * self.seq_len,
-            inputs={**reference_inputs, **files_read_by(tokenizer=setup.tokenizer, dataset=train_set)},
+            self.prompt_loader, train_set, tokens_per_sample=gen.num_generations * self.seq_len,
+            models={"reference": None if kind == "none" else cfg.checkpoint.initial_weights},
             prompts=len(train_set), completions_per_prompt=gen.num_generations,
             rewards=", ".join(f"{r.name} x {r.weight:g}" for r in self.rewards),
             reference=kind.replace("_", " "),

@@ -30,7 +30,7 @@ from typing import Any, ClassVar, Literal, Optional
 import torch
 from omegaconf import MISSING, OmegaConf
 
-from freetx.checkpoint import files_read_by, input_identity
+from freetx.checkpoint import input_identity
 from freetx.config import instantiate
 from freetx.data import DistillBatch, checked_tokenizer, source_names
 from freetx.data.packing import packs
@@ -152,10 +152,9 @@ class KDRecipeFSDP2:
         names = source_names(train_set)
         collate = functools.partial(DistillBatch.collate_teacher, source_names=names)
         self.train_loader, self.val_loader = setup.loaders(train_set, val_set, collate)
-        teacher_inputs = {"teacher": cfg.teacher.weights} if cfg.teacher.weights else {}
         setup.start(
-            self.train_loader, tokens_per_sample=self.seq_len, seq_len=self.seq_len,
-            inputs={**teacher_inputs, **files_read_by(tokenizer=setup.tokenizer, dataset=train_set)},
+            self.train_loader, train_set, tokens_per_sample=self.seq_len, seq_len=self.seq_len,
+            models={"teacher": cfg.teacher.weights},
             train_sequences=len(train_set), padding=first_batches_padding(self.train_loader),
             teacher=cfg.teacher.weights or f"random (seed {cfg.seed})",
         )  # fmt: skip

@@ -263,17 +263,8 @@ class QATLoRALinear(LoRALinear):
         from torchao.quantization import quantize_
         from torchao.quantization.qat import QATConfig as TorchaoQATConfig
 
-        dropout = layer.lora_dropout.p if isinstance(layer.lora_dropout, nn.Dropout) else 0.0
+        prepared = cls.on_meta_like(layer)
         with torch.device("meta"):
-            prepared = cls(
-                layer.in_features,
-                layer.out_features,
-                layer.bias is not None,
-                layer.rank,
-                layer.alpha,
-                dropout,
-                layer.use_dora,
-            )
             probe = nn.Sequential(nn.Linear(layer.in_features, layer.out_features, bias=False))
         prepared.load_state_dict(layer.state_dict(keep_vars=True), assign=True)
         quantize_(probe, TorchaoQATConfig(base_config, step="prepare"))

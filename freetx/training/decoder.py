@@ -25,6 +25,7 @@ import torch
 from omegaconf import MISSING
 from torch import nn
 
+from freetx.checkpoint import files_read_by
 from freetx.config import instantiate
 from freetx.data import (
     build_eval_loader,
@@ -172,11 +173,17 @@ class DecoderSetup:
         )
         return train, build_eval_loader(val_set, cfg.eval.batch_size, rank, size, collate)
 
-    def start(self, train_loader, tokens_per_sample: int, inputs=None, **facts: Any) -> None:
+    def start(
+        self, train_loader, train_set, tokens_per_sample: int, models=None, **facts: Any
+    ) -> None:
         """Everything is built: the banner (`facts`), the resume or the initial weights,
-        config.yaml (`TrainingRun.start`). QAT's fake quantization follows the step from
-        here on (off before `qat.start_step`)."""
+        config.yaml (`TrainingRun.start`); what the run reads is recorded by identity and
+        checked on resume: the files of the tokenizer and of `train_set`, and `models` (name
+        -> path: a teacher, a reference; None: not read). QAT's fake quantization follows the
+        step from here on (off before `qat.start_step`)."""
         cfg = self.cfg
+        read = {name: path for name, path in (models or {}).items() if path}
+        inputs = {**read, **files_read_by(tokenizer=self.tokenizer, dataset=train_set)}
         self.run.start(
             self.plan,
             self.optimizer,

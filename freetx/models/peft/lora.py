@@ -81,6 +81,18 @@ class LoRALinear(nn.Linear):
     # `freetx.models.peft.adapters_disabled`)
     adapter_enabled = True
 
+    @classmethod
+    def on_meta_like(cls, layer: LoRALinear, **more: object):
+        """An empty layer of this class on the meta device with `layer`'s shape and adapter
+        settings (rank, alpha, dropout, DoRA), `more` its own: a LoRA layer swapped for a
+        kind that stores or computes its base its own way (NF4, QAT)."""
+        dropout = layer.lora_dropout.p if isinstance(layer.lora_dropout, nn.Dropout) else 0.0
+        with torch.device("meta"):
+            return cls(
+                layer.in_features, layer.out_features, layer.bias is not None, layer.rank,
+                layer.alpha, dropout, layer.use_dora, **more,
+            )  # fmt: skip
+
     def __init__(
         self,
         in_features: int,

@@ -118,18 +118,7 @@ class NF4LoRALinear(LoRALinear):
     @classmethod
     def from_lora(cls, layer: LoRALinear, nf4_blocks: tuple[int, int]) -> NF4LoRALinear:
         """The same (meta) layer with an empty NF4 base; values come from `stored_value`."""
-        dropout = layer.lora_dropout.p if isinstance(layer.lora_dropout, nn.Dropout) else 0.0
-        with torch.device("meta"):
-            layer_nf4 = cls(
-                layer.in_features,
-                layer.out_features,
-                layer.bias is not None,
-                layer.rank,
-                layer.alpha,
-                dropout,
-                layer.use_dora,
-                nf4_blocks=nf4_blocks,
-            )
+        layer_nf4 = cls.on_meta_like(layer, nf4_blocks=nf4_blocks)
         layer_nf4.weight = empty_nf4(tuple(layer.weight.shape), nf4_blocks)
         return layer_nf4
 
