@@ -1,5 +1,5 @@
-"""2-process checks of an exact resume for tiny HF folders of MoE and hybrid architectures
-(run by test_folder_resume.py through torchrun, one launch for every family). Each
+"""2-process checks of an exact resume for tiny HF folders of every architecture family
+freetx reads (run by test_folder_resume.py through torchrun, one launch for every family). Each
 family's model is built as full_finetune_fsdp2 builds it: `hf_model` on the meta device,
 `parallelize` under fsdp without random init, the folder's weights read by each rank for
 its shard (`load_initial_weights`), AdamW with the recipe's schedule; each step runs
@@ -37,15 +37,15 @@ from freetx.training import (
 )
 from tests.distributed.launcher import write_results
 
-STEPS, SAVED_AT, SEED, VOCAB = 4, 2, 0, 384
+STEPS, SAVED_AT, SEED, VOCAB, TOKENS = 4, 2, 0, 384, 64
 ADAMW = {"_component_": "torch.optim.AdamW", "lr": 1e-3, "betas": [0.9, 0.95]}
 
 
 def batch(step: int, rank: int) -> TokenBatch:
-    """Step `step`'s micro-batch of this rank: 2 rows of 16 tokens, the labels the next
-    token (the last position ignored)."""
+    """Step `step`'s micro-batch of this rank: 2 rows of TOKENS tokens (longer than the tiny
+    folders' sliding windows), the labels the next token (the last position ignored)."""
     ids = torch.randint(
-        3, VOCAB, (2, 17), generator=torch.Generator().manual_seed(step * 10 + rank)
+        3, VOCAB, (2, TOKENS + 1), generator=torch.Generator().manual_seed(step * 10 + rank)
     )
     labels = ids[:, 1:].clone()
     labels[:, -1] = -100
@@ -57,7 +57,7 @@ class Run:
 
     def __init__(self, folder: Path, groups, cfg, read_folder: bool) -> None:
         with torch.device("meta"):
-            model = hf_model(str(folder), max_seq_len=32)
+            model = hf_model(str(folder), max_seq_len=TOKENS)
         self.plan = parallelize(model, groups, cfg, seed=SEED, init_weights=False)
         if read_folder:  # a resume reads the checkpoint instead
             load_initial_weights(self.plan.model, folder)

@@ -1,9 +1,13 @@
-"""A 2-process fsdp fine-tune of a tiny sharded folder transformers wrote resumes exactly,
-for each MoE and hybrid architecture of issue 41 (native DeepSeek-V3 and GLM-4.5; the
-generic path's Qwen2-MoE, OLMoE, GPT-OSS, Qwen3.5 and Qwen3.5-MoE): the model built as
-full_finetune_fsdp2 builds it, saved after step 2 of 4 and resumed into a fresh model,
-whose steps 3 and 4 have the straight run's losses bit for bit. One torchrun launch for
-all of them (folder_resume_checks.py)."""
+"""A 2-process fsdp fine-tune of a tiny folder transformers wrote resumes exactly, for one
+folder of each block kind freetx computes natively (Llama 3.2, Qwen3, OLMo 2, Mistral's
+window, Qwen3-MoE's experts sharded by FSDP, Gemma 2's soft-capped windowed attention
+through the explicit kernel on CPU, Gemma 3, SmolLM3's window and NoPE layers) and each MoE
+and hybrid architecture of issue 41 (native DeepSeek-V3 and GLM-4.5; the generic path's
+Qwen2-MoE, OLMoE, GPT-OSS, Qwen3.5 and Qwen3.5-MoE): the model built as full_finetune_fsdp2
+builds it, on 64-token rows (longer than the folders' windows), saved after step 2 of 4 and
+resumed into a fresh model, whose steps 3 and 4 have the straight run's losses bit for bit.
+One torchrun launch for all of them (folder_resume_checks.py); each family's run through
+the CLI and its export: tests/recipes/test_hf_finetune.py."""
 
 from __future__ import annotations
 
@@ -12,9 +16,11 @@ from pathlib import Path
 import pytest
 
 from tests.distributed.launcher import run_checks
+from tests.recipes.test_hf_finetune import EXPORTED_KEYS
 
-FAMILIES = ["deepseek_v3", "qwen2_moe", "qwen3_5_text", "qwen3_5_moe_text", "glm4_moe", "olmoe",
-            "gpt_oss"]  # fmt: skip
+NATIVE = list(EXPORTED_KEYS)  # one folder of each block kind freetx computes natively
+FAMILIES = [*NATIVE, "deepseek_v3", "qwen2_moe", "qwen3_5_text", "qwen3_5_moe_text", "glm4_moe",
+            "olmoe", "gpt_oss"]  # fmt: skip
 SCRIPT = Path(__file__).with_name("folder_resume_checks.py")
 
 
@@ -28,7 +34,7 @@ def results(tmp_path_factory):
     return run_checks(SCRIPT, root / "results", 2, *folders, str(root / "saved"))
 
 
-@pytest.mark.slow  # one launch of 2 processes, 7 models: ~40 s on 2 cores
+@pytest.mark.slow  # one launch of 2 processes, 15 models
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_2_process_fsdp_finetune_of_each_folder_resumes_with_the_straight_runs_losses(
     results, family
