@@ -1,7 +1,7 @@
 """What the decoder recipes' one setup (`freetx.training.decoder`) gives every recipe, from
 the CLI on 2 processes: `qat.scheme` trains dpo_fsdp2 (full) and grpo_fsdp2 (LoRA) with fake
 quantization and exports a quantized folder that transformers loads (its logits = freetx's of
-the same folder; kd_fsdp2's LoRA student: tests/recipes/test_kd.py); grpo_fsdp2 with
+the same folder; kd_fsdp2's: tests/recipes/test_kd.py); grpo_fsdp2 with
 `eval.after_training` writes eval.json."""
 
 from __future__ import annotations

@@ -16,12 +16,15 @@ because an earlier one filled its `output_dir`).
 - A fence without a language after a command quotes what that command printed. Each
   quoted line of the form `first | key value | ...` is compared with the printed line
   that has the same first field and keys: every field must be printed as quoted,
-  except the throughputs in TIMINGS (their keys only) and from a `...` field on.
+  except the throughputs in TIMINGS (their keys only), from a `...` field on, and the
+  losses in LOSSES, within LOSS_RTOL of the quoted value: two CPUs' float kernels give the
+  same first steps and part ways by ~1% over a 120-step run (llm/tiny's step-120 val/loss:
+  2.1531 on one machine kind, 2.1830 on another, from the same code).
 - Lines that cannot run here are skipped by SKIPS: a line is skipped only where it
   matches a pattern, each with its reason, and every pattern must still match a line of
   the pages (so that neither a new runnable line nor a stale reason goes unnoticed).
 - Shrinking, the one override the test adds: each `freetx run` line gets `max_steps=N`
-  appended (N from the environment variable FREETX_DOCS_MAX_STEPS, default 20; 0 runs
+  appended (N from the environment variable FREETX_DOCS_MAX_STEPS, default 5; 0 runs
   every line as written), except the lines whose output a page quotes and those in
   FULL_RUNS (later lines read their checkpoints at the step the page names).
 
@@ -67,6 +70,7 @@ FULL_RUNS = [
     (r"^freetx run full_finetune_fsdp2 --config llm/tiny$", "README: its step_000120 is read"),
 ]
 TIMINGS = {"tokens_per_s", "loss_tokens_per_s"}
+LOSSES, LOSS_RTOL = {"loss", "val/loss"}, 0.03
 NOTHING_TRAINED = "nothing left to train"
 LINE_TIMEOUT_S = 600
 
@@ -156,6 +160,21 @@ def fields(line: str) -> list[str]:
     return [field.strip() for field in line.split(" | ")]
 
 
+def same_field(quoted: str, printed: str) -> bool:
+    """A printed `key value` field says what the quoted one says: the same text, any
+    throughput (TIMINGS), or a loss (LOSSES) within LOSS_RTOL."""
+    key, _, value = quoted.partition(" ")
+    if quoted == printed or key in TIMINGS:
+        return True
+    have_key, _, have = printed.partition(" ")
+    if key not in LOSSES or have_key != key:
+        return False
+    try:
+        return abs(float(have) - float(value)) <= LOSS_RTOL * abs(float(value))
+    except ValueError:
+        return False
+
+
 def figures_differ(quoted: str, printed_lines: list[str]) -> str | None:
     """None where a printed line says what the quoted line says (TIMINGS' values and
     what follows a `...` field aside); else why not."""
@@ -167,11 +186,7 @@ def figures_differ(quoted: str, printed_lines: list[str]) -> str | None:
         have = fields(printed)
         if have[0] != want[0] or [f.split(" ")[0] for f in have[: len(want)]] != keys:
             continue
-        wrong = [
-            f"{w!r} printed as {h!r}"
-            for w, h in zip(want, have)
-            if w != h and w.split(" ")[0] not in TIMINGS
-        ]
+        wrong = [f"{w!r} printed as {h!r}" for w, h in zip(want, have) if not same_field(w, h)]
         return "; ".join(wrong) or None
     return "no printed line has these fields"
 
@@ -238,7 +253,7 @@ def fail(command: Command, run: str, result: subprocess.CompletedProcess, why: s
 def test_every_command_of_the_page_runs_in_order(page, tmp_path):
     if sys.prefix == sys.base_prefix:
         pytest.skip("runs in a virtual environment (make setup) that the copy uses as .venv")
-    max_steps = int(os.environ.get("FREETX_DOCS_MAX_STEPS", "20"))
+    max_steps = int(os.environ.get("FREETX_DOCS_MAX_STEPS", "5"))
     copy = working_tree_copy(tmp_path / "freetx")
     found = page_steps(page)
     quoted = {id(found[i - 1]) for i, s in enumerate(found) if isinstance(s, Quote) and i}
@@ -289,6 +304,10 @@ def test_a_quoted_figure_that_differs_is_named():
     assert (
         figures_differ("step 120/120 | val/loss 2.5263", printed)
         == "'val/loss 2.5263' printed as 'val/loss 2.1531'"
+    )
+    assert figures_differ("step 120/120 | val/loss 2.1830", printed) is None  # another CPU's
+    assert figures_differ("step 120/120 | loss 2.1036 | lr 3.10e-04", printed) == (
+        "'lr 3.10e-04' printed as 'lr 3.00e-04'"  # not a loss: exact
     )
     assert figures_differ("step 60/120 | val/loss 2.1531", printed) is not None
 
