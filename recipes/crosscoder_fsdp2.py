@@ -79,8 +79,10 @@ class CrosscoderConfig(TrainingConfig):
     GPUs x accumulation)."""
 
     fixed_on_resume: ClassVar[tuple[str, ...]] = (
-        *TrainingConfig.fixed_on_resume, "model", "activations",
-    )  # fmt: skip
+        *TrainingConfig.fixed_on_resume,
+        "model",
+        "activations",
+    )
 
     model: Any = MISSING  # freetx.models.crosscoder.crosscoder (sources and d from the data)
     activations: ActivationsConfig = field(default_factory=ActivationsConfig)
@@ -110,9 +112,12 @@ class CrosscoderRecipeFSDP2:
         with torch.device("meta"):
             model = instantiate(cfg.model, num_sources=num_sources, source_dim=source_dim)
         self.plan = parallelize(
-            model, self.groups, cfg.distributed, seed=cfg.seed,
+            model,
+            self.groups,
+            cfg.distributed,
+            seed=cfg.seed,
             init_weights=not self.run.loads_weights,
-        )  # fmt: skip
+        )
         self.model = self.plan.model
         if not self.run.loads_weights:  # a resume restores both from the checkpoint
             self.plan.module.tie_encoder(local_parameters(self.plan.module))
@@ -123,20 +128,31 @@ class CrosscoderRecipeFSDP2:
         c = self.plan.module.config
         self.stats = CrosscoderStats(c.num_sources, c.source_dim, c.dict_size)
         self.run.start(
-            self.plan, self.optimizer, self.lr_scheduler, self.data.train_loader,
-            tokens_per_sample=1, inputs={**self.source_models(), **self.files_read},
+            self.plan,
+            self.optimizer,
+            self.lr_scheduler,
+            self.data.train_loader,
+            tokens_per_sample=1,
+            inputs={**self.source_models(), **self.files_read},
             sources=num_sources,
             source_dim=source_dim,
-            dict_size=c.dict_size, activation=c.activation, data=self.data.description,
-        )  # fmt: skip
+            dict_size=c.dict_size,
+            activation=c.activation,
+            data=self.data.description,
+        )
 
     def build_data(self) -> Activations:
         """Planted synthetic rows, or the hooked outputs of the source models on text."""
         cfg, acfg = self.cfg, self.cfg.activations
         loading = RowLoading(
-            cfg.batch_size, self.accumulation, self.groups.dp_rank, self.groups.dp_size,
-            cfg.seed, eval_rows=cfg.eval.rows, normalize_rows=acfg.normalize_rows,
-        )  # fmt: skip
+            cfg.batch_size,
+            self.accumulation,
+            self.groups.dp_rank,
+            self.groups.dp_size,
+            cfg.seed,
+            eval_rows=cfg.eval.rows,
+            normalize_rows=acfg.normalize_rows,
+        )
         if acfg.kind == "synthetic":
             train = instantiate(acfg.synthetic, split="train")
             return planted_activations(
@@ -155,9 +171,17 @@ class CrosscoderRecipeFSDP2:
         )
         files = {name: input_identity(paths) for name, paths in self.files_read.items()}
         return harvested_activations(
-            acfg, models, hooks, identities, files, tokenizer, text, val_text, loading,
+            acfg,
+            models,
+            hooks,
+            identities,
+            files,
+            tokenizer,
+            text,
+            val_text,
+            loading,
             self.groups.barrier,
-        )  # fmt: skip
+        )
 
     def source_models(self) -> dict[str, str]:
         """The models the activations come from (none for planted rows), by config key:
@@ -194,9 +218,13 @@ class CrosscoderRecipeFSDP2:
             run.advance(grad_norm)  # the NaN guard: a non-finite norm skipped the update
             if run.log_due():
                 run.log_train(sums, rows, grad_norm)
-                run.log({**self.stats.read(self.groups.sum_tensors),
-                         "l1_coeff": self.sparsity_weight(run.step),  # as the seed logs them
-                         "W_dec_norm": full_norm(self.plan.module.W_dec)})  # fmt: skip
+                run.log(
+                    {
+                        **self.stats.read(self.groups.sum_tensors),
+                        "l1_coeff": self.sparsity_weight(run.step),  # as the seed logs them
+                        "W_dec_norm": full_norm(self.plan.module.W_dec),
+                    }
+                )
             if run.due(cfg.eval.every_n_steps):
                 run.evaluate(self.evaluate)
             if run.due(cfg.checkpoint.every_n_steps):

@@ -62,8 +62,10 @@ class DPOConfig(DecoderConfig):
     counts pairs (each two sequences); the dataset is a PreferenceDataset."""
 
     fixed_on_resume: ClassVar[tuple[str, ...]] = (
-        *DecoderConfig.fixed_on_resume, "loss", "reference",
-    )  # fmt: skip
+        *DecoderConfig.fixed_on_resume,
+        "loss",
+        "reference",
+    )
 
     loss: Any = field(default_factory=lambda: {"_component_": "freetx.objectives.PreferenceLoss"})
     reference: ReferenceConfig = field(default_factory=ReferenceConfig)
@@ -93,9 +95,15 @@ class DPOConfig(DecoderConfig):
 
     def planned(self) -> PlannedRun:  # pairs: two sequences per sample, with the reference
         return PlannedRun(
-            self.model, dataset_seq_len(self), self.peft, self.loss, rows_per_sample=2,
-            reference=self.reference_kind(), tokenizer=self.tokenizer, dataset=self.dataset,
-        )  # fmt: skip
+            self.model,
+            dataset_seq_len(self),
+            self.peft,
+            self.loss,
+            rows_per_sample=2,
+            reference=self.reference_kind(),
+            tokenizer=self.tokenizer,
+            dataset=self.dataset,
+        )
 
     def reference_kind(self) -> str:
         """none (simpo, orpo), adapters_off (LoRA), precomputed, or frozen_copy."""
@@ -125,11 +133,15 @@ class DPORecipeFSDP2:
         train_pairs, val_pairs = self.build_reference(kind, train_set, val_set)  # what is read
         self.train_loader, self.val_loader = setup.loaders(train_pairs, val_pairs, collate_pairs)
         setup.start(
-            self.train_loader, train_set, tokens_per_sample=2 * self.seq_len, seq_len=self.seq_len,
+            self.train_loader,
+            train_set,
+            tokens_per_sample=2 * self.seq_len,
+            seq_len=self.seq_len,
             models={"reference": None if kind == "none" else cfg.checkpoint.initial_weights},
             train_pairs=train_set.summary().samples,  # packed: its packs hold more
-            padding=first_batches_padding(self.train_loader), reference=kind.replace("_", " "),
-        )  # fmt: skip
+            padding=first_batches_padding(self.train_loader),
+            reference=kind.replace("_", " "),
+        )
 
     def build_reference(self, kind: str, train_set, val_set):
         """The reference (`reference_kind`): where the policy starts, its weights loaded

@@ -102,11 +102,13 @@ class EvalConfig:
     def meaningless(values: dict[str, Any]) -> dict[str, str]:
         """Rewards without prompts, or prompts without rewards, by key: why, and the fix."""
         if bool(values.get("rewards")) != (_source(values.get("prompts")) is not None):
-            return {"rewards": (
-                "rewards score one completion per prompt, so they need each other: set both "
-                "rewards=[...] and prompts.source=FILE (a freetx.data.PromptDataset), or "
-                "neither."
-            )}  # fmt: skip
+            return {
+                "rewards": (
+                    "rewards score one completion per prompt, so they need each other: set both "
+                    "rewards=[...] and prompts.source=FILE (a freetx.data.PromptDataset), or "
+                    "neither."
+                )
+            }
         return {}
 
 
@@ -166,8 +168,11 @@ class EvalRecipe:
         self.end_ids = self.ends()
         if self.rank == 0:
             kind = f" with its {adapters.method} adapters (unmerged)" if adapters else ""
-            print(f"eval | {type(self.model).__name__} from {cfg.checkpoint}{kind} | "
-                  f"device {self.device} | {self.world} process(es)", flush=True)  # fmt: skip
+            print(
+                f"eval | {type(self.model).__name__} from {cfg.checkpoint}{kind} | "
+                f"device {self.device} | {self.world} process(es)",
+                flush=True,
+            )
 
     def build_tokenizer(self):
         """The config's tokenizer, else the checkpoint's: an HF folder's own, or the
@@ -204,11 +209,19 @@ class EvalRecipe:
         if cfg.tasks:
             evaluated.update(task_settings(cfg))
             lm = harness_model(
-                self.model, self.tokenizer, self.device, cfg.batch_size, cfg.max_length,
-                self.rank, self.world, self.end_ids, self.groups.host().all_gather_object,
-            )  # fmt: skip
-            scores = evaluate_tasks(lm, list(cfg.tasks), cfg.include_path, cfg.num_fewshot,
-                                    cfg.limit)  # fmt: skip
+                self.model,
+                self.tokenizer,
+                self.device,
+                cfg.batch_size,
+                cfg.max_length,
+                self.rank,
+                self.world,
+                self.end_ids,
+                self.groups.host().all_gather_object,
+            )
+            scores = evaluate_tasks(
+                lm, list(cfg.tasks), cfg.include_path, cfg.num_fewshot, cfg.limit
+            )
         if self.val_loader is not None:
             evaluated["dataset"] = {
                 **OmegaConf.to_container(cfg.dataset, resolve=True),

@@ -57,9 +57,13 @@ class FullFinetuneConfig(DecoderConfig):
 
     def planned(self) -> PlannedRun:  # sequences of the dataset's seq_len, with adapters
         return PlannedRun(
-            self.model, dataset_seq_len(self), self.peft, self.loss, tokenizer=self.tokenizer,
+            self.model,
+            dataset_seq_len(self),
+            self.peft,
+            self.loss,
+            tokenizer=self.tokenizer,
             dataset=self.dataset,
-        )  # fmt: skip
+        )
 
 
 class FullFinetuneRecipeFSDP2:
@@ -85,9 +89,13 @@ class FullFinetuneRecipeFSDP2:
         collate = functools.partial(TokenBatch.collate, source_names=source_names(train_set))
         self.train_loader, self.val_loader = setup.loaders(train_set, val_set, collate)
         setup.start(
-            self.train_loader, train_set, tokens_per_sample=self.seq_len, seq_len=self.seq_len,
-            train_sequences=len(train_set), padding=first_batches_padding(self.train_loader),
-        )  # fmt: skip
+            self.train_loader,
+            train_set,
+            tokens_per_sample=self.seq_len,
+            seq_len=self.seq_len,
+            train_sequences=len(train_set),
+            padding=first_batches_padding(self.train_loader),
+        )
 
     def train(self) -> None:
         cfg, run = self.cfg, self.run
@@ -97,9 +105,12 @@ class FullFinetuneRecipeFSDP2:
             batches = [next(data) for _ in range(self.accumulation)]
             self.optimizer.zero_grad(set_to_none=True)
             sums, num_tokens = accumulate_gradients(
-                self.plan, batches, self.compute_loss, count=TokenBatch.loss_tokens,
+                self.plan,
+                batches,
+                self.compute_loss,
+                count=TokenBatch.loss_tokens,
                 loss=self.loss_fn,
-            )  # fmt: skip
+            )
             grad_norm = optimizer_step(
                 self.plan, self.optimizer, self.decoder.lr_scheduler, cfg.max_grad_norm
             )

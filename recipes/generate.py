@@ -172,17 +172,26 @@ class GenerateRecipe:
             codes = self.latent_codes(prompts, max(map(len, prompts)) + cfg.max_new_tokens)
             forward = lambda tokens: self.model(tokens, codes=codes[:, : tokens.shape[1]])[0]  # noqa: E731
         out = generate(
-            self.model, rows, cfg.max_new_tokens, self.sampling, self.end_ids, draws,
-            use_cache=self.cached, forward=forward,
-        )  # fmt: skip
+            self.model,
+            rows,
+            cfg.max_new_tokens,
+            self.sampling,
+            self.end_ids,
+            draws,
+            use_cache=self.cached,
+            forward=forward,
+        )
         replies = [self.reply(row, bool(end)) for row, end in zip(out.replies(), out.ended)]
         return [replies[i * n : (i + 1) * n] for i in range(len(prompts))]
 
     def reply(self, ids: list[int], ended: bool) -> dict[str, Any]:
         """A reply's record: its text and tokens up to its end token (not counted)."""
         reply = ids[:-1] if ended else ids
-        return {"reply": self.tokenizer.decode(reply), "reply_tokens": len(reply),
-                "stopped_at_eos": ended}  # fmt: skip
+        return {
+            "reply": self.tokenizer.decode(reply),
+            "reply_tokens": len(reply),
+            "stopped_at_eos": ended,
+        }
 
     def generate(self) -> None:
         cfg = self.cfg

@@ -89,8 +89,12 @@ class GRPOConfig(DecoderConfig):
     PromptDataset."""
 
     fixed_on_resume: ClassVar[tuple[str, ...]] = (
-        *DecoderConfig.fixed_on_resume, "loss", "generation", "rewards", "advantage",
-    )  # fmt: skip
+        *DecoderConfig.fixed_on_resume,
+        "loss",
+        "generation",
+        "rewards",
+        "advantage",
+    )
 
     # [{_component_: ..., weight: 1.0, name: ...}]: freetx.objectives.rewards, docs/rewards.md
     rewards: list[Any] = component_list("weight", "name")
@@ -115,8 +119,10 @@ class GRPOConfig(DecoderConfig):
                 "columns the rewards read).",
             )
         spg = self.generation.steps_per_generation
-        for key, value in (("max_steps", self.max_steps),
-                           ("checkpoint.every_n_steps", self.checkpoint.every_n_steps)):  # fmt: skip
+        for key, value in (
+            ("max_steps", self.max_steps),
+            ("checkpoint.every_n_steps", self.checkpoint.every_n_steps),
+        ):
             if value and value % spg:
                 raise ConfigError(
                     f"{key}={value} is not a multiple of generation.steps_per_generation="
@@ -129,12 +135,15 @@ class GRPOConfig(DecoderConfig):
                 raise ConfigError(
                     f"distributed.{axis}={getattr(self.distributed, axis)}: grpo_fsdp2 "
                     "generates whole sequences on each rank; "
-                    + ("the KV cache holds no context shard (generation would need the "
-                       "keys and values of every cp rank at each token)" if axis == "cp" else
-                       "a pipeline would generate one token per pass through every stage")
+                    + (
+                        "the KV cache holds no context shard (generation would need the "
+                        "keys and values of every cp rank at each token)"
+                        if axis == "cp"
+                        else "a pipeline would generate one token per pass through every stage"
+                    )
                     + ".",
                     fix=f"Use distributed.tp or a sharded strategy instead, with {axis}=1.",
-                )  # fmt: skip
+                )
         instantiate(self.advantage)  # an advantage estimate that builds
         build_rewards(self.rewards)  # each reward's signature, before any launch
 
@@ -143,11 +152,16 @@ class GRPOConfig(DecoderConfig):
         prompt = self.dataset.get("max_prompt_len")  # None: the model's whole context
         seq_len = prompt + gen.max_completion_length if prompt else None
         return PlannedRun(
-            self.model, seq_len, self.peft, self.loss, rows_per_sample=gen.num_generations,
+            self.model,
+            seq_len,
+            self.peft,
+            self.loss,
+            rows_per_sample=gen.num_generations,
             reference=reference_kind(instantiate(self.loss), self.peft.method != "none"),
             generations_per_prompt=gen.num_generations * gen.steps_per_generation,
-            tokenizer=self.tokenizer, dataset=self.dataset,
-        )  # fmt: skip
+            tokenizer=self.tokenizer,
+            dataset=self.dataset,
+        )
 
 
 class GRPORecipeFSDP2:
@@ -179,30 +193,43 @@ class GRPORecipeFSDP2:
         # the KL term's reference: the base with adapters off, or a frozen copy (beta > 0)
         kind = reference_kind(self.loss_fn, cfg.peft.method != "none")
         self.reference = reference_model(
-            kind, self.plan, cfg.model, cfg.seed, cfg.checkpoint.initial_weights,
+            kind,
+            self.plan,
+            cfg.model,
+            cfg.seed,
+            cfg.checkpoint.initial_weights,
             self.loss_fn.num_chunks,
-        )  # fmt: skip
+        )
         folder = [] if cfg.model_dir is None else end_token_ids(cfg.model_dir)
         eos = setup.tokenizer.eos_id
         end_ids = [eos, *(i for i in folder if i != eos)]
-        self.scorer = CompletionScorer(setup.tokenizer, self.rewards, end_ids,
-                                       gen.max_completion_length)  # fmt: skip
+        self.scorer = CompletionScorer(
+            setup.tokenizer, self.rewards, end_ids, gen.max_completion_length
+        )
         self.rollouts = Rollouts(
-            self.plan, self.scorer, gen, instantiate(cfg.advantage), self.loss_fn.scale_rewards,
-            cfg.seed, micro_batches=self.accumulation,
-        )  # fmt: skip
+            self.plan,
+            self.scorer,
+            gen,
+            instantiate(cfg.advantage),
+            self.loss_fn.scale_rewards,
+            cfg.seed,
+            micro_batches=self.accumulation,
+        )
         # this rank's share of each optimizer step's prompts (a generation takes
         # steps_per_generation of them: the same prompts per step at any world size)
         self.prompt_loader, self.val_loader = setup.loaders(
             train_set, val_set, collate_prompts, micro_batches=1
         )
         setup.start(
-            self.prompt_loader, train_set, tokens_per_sample=gen.num_generations * self.seq_len,
+            self.prompt_loader,
+            train_set,
+            tokens_per_sample=gen.num_generations * self.seq_len,
             models={"reference": None if kind == "none" else cfg.checkpoint.initial_weights},
-            prompts=len(train_set), completions_per_prompt=gen.num_generations,
+            prompts=len(train_set),
+            completions_per_prompt=gen.num_generations,
             rewards=", ".join(f"{r.name} x {r.weight:g}" for r in self.rewards),
             reference=kind.replace("_", " "),
-        )  # fmt: skip
+        )
         self.prompts = iter(self.prompt_loader)
 
     def train(self) -> None:
@@ -212,17 +239,19 @@ class GRPORecipeFSDP2:
         self.model.train()
         while run.step < cfg.max_steps and not run.stopping:  # stopping: SIGTERM, ^C
             # one generation: completions, rewards, advantages, log-probs; its steps' batches
-            steps, groups, metrics = self.rollouts(
+            steps, prompt_groups, metrics = self.rollouts(
                 self.prompts, run.step, self.reference, self.loss_fn.num_chunks
             )
-            self.write_samples(run.step, groups)
+            self.write_samples(run.step, prompt_groups)
             for batches in steps:  # each optimizer step's micro-batches
                 started = time.perf_counter()
                 self.optimizer.zero_grad(set_to_none=True)
                 sums, units = accumulate_gradients(
-                    self.plan, batches, self.compute_loss,
+                    self.plan,
+                    batches,
+                    self.compute_loss,
                     count=lambda b: self.loss_fn.units(b.completion_mask()),
-                )  # fmt: skip
+                )
                 grad_norm = optimizer_step(
                     self.plan, self.optimizer, self.decoder.lr_scheduler, cfg.max_grad_norm
                 )
@@ -244,19 +273,23 @@ class GRPORecipeFSDP2:
         )
         mask = batch.completion_mask()
         loss, metrics = self.loss_fn(
-            logps, batch.old_logps, batch.ref_logps, batch.advantages.to(logps.device), mask,
+            logps,
+            batch.old_logps,
+            batch.ref_logps,
+            batch.advantages.to(logps.device),
+            mask,
             max_completion_length=self.cfg.generation.max_completion_length,
-        )  # fmt: skip
+        )
         return with_router_loss(output, loss, metrics, self.loss_fn.units(mask))
 
-    def write_samples(self, step: int, groups) -> None:
+    def write_samples(self, step: int, prompt_groups) -> None:
         """samples.every_n_steps: rank 0's first `count` completions to samples.jsonl
         (prompt, completion, each reward, total), `show` of them on the console."""
         cfg = self.cfg.samples
         if not (cfg.every_n_steps and step % cfg.every_n_steps == 0) or self.decoder.runtime.rank:
             return
         path = Path(self.cfg.output_dir) / "samples.jsonl"
-        for record in write_samples(path, step, groups, self.rewards, cfg.count)[: cfg.show]:
+        for record in write_samples(path, step, prompt_groups, self.rewards, cfg.count)[: cfg.show]:
             self.run.write(
                 f"sample at step {step}: {record['prompt']!r} -> {record['completion']!r} "
                 f"(reward {record['reward']:g})"

@@ -71,8 +71,10 @@ class KDConfig(DecoderConfig):
     """The schema of this recipe's configs: DecoderConfig's keys, then these."""
 
     fixed_on_resume: ClassVar[tuple[str, ...]] = (
-        *DecoderConfig.fixed_on_resume, "teacher", "loss",
-    )  # fmt: skip
+        *DecoderConfig.fixed_on_resume,
+        "teacher",
+        "loss",
+    )
 
     teacher_dir: Optional[str] = read_path(None)  # the teacher's HF folder, for ${teacher_dir}
     teacher: TeacherConfig = field(default_factory=TeacherConfig)
@@ -110,9 +112,13 @@ class KDConfig(DecoderConfig):
 
     def planned(self) -> PlannedRun:  # the student; the teacher counted as a frozen copy
         return PlannedRun(
-            self.model, dataset_seq_len(self), self.peft, self.loss, tokenizer=self.tokenizer,
+            self.model,
+            dataset_seq_len(self),
+            self.peft,
+            self.loss,
+            tokenizer=self.tokenizer,
             dataset=self.dataset,
-        )  # fmt: skip
+        )
 
 
 class KDRecipeFSDP2:
@@ -125,9 +131,10 @@ class KDRecipeFSDP2:
         self.decoder = setup = DecoderSetup(cfg, "kd_fsdp2")  # the run, ranks, tokenizer
         self.run, self.groups, self.device = setup.run, setup.groups, setup.runtime.device
         teacher_tokenizer = (
-            setup.tokenizer if cfg.teacher.tokenizer is None
+            setup.tokenizer
+            if cfg.teacher.tokenizer is None
             else checked_tokenizer(instantiate(cfg.teacher.tokenizer))
-        )  # fmt: skip
+        )
         train_set, val_set = setup.datasets()
         self.seq_len = train_set.seq_len
         # the student and the teacher's shape on the meta device, each checked against the
@@ -153,29 +160,30 @@ class KDRecipeFSDP2:
         collate = functools.partial(DistillBatch.collate_teacher, source_names=names)
         self.train_loader, self.val_loader = setup.loaders(train_set, val_set, collate)
         setup.start(
-            self.train_loader, train_set, tokens_per_sample=self.seq_len, seq_len=self.seq_len,
+            self.train_loader,
+            train_set,
+            tokens_per_sample=self.seq_len,
+            seq_len=self.seq_len,
             models={"teacher": cfg.teacher.weights},
-            train_sequences=len(train_set), padding=first_batches_padding(self.train_loader),
+            train_sequences=len(train_set),
+            padding=first_batches_padding(self.train_loader),
             teacher=cfg.teacher.weights or f"random (seed {cfg.seed})",
-        )  # fmt: skip
+        )
 
     def precomputed(self, teacher: FrozenCopy, *datasets):
         """The datasets with the teacher's top-k per position (`with_teacher_top_k`):
         computed once by the ranks together, or read from output_dir/teacher_topk when
         made for the same data, k and teacher."""
-        cfg = self.cfg
-        weights = cfg.teacher.weights
+        cfg, weights = self.cfg, self.cfg.teacher.weights
         identity = {
             "teacher": input_identity(weights)["fingerprint"] if weights else f"seed {cfg.seed}",
             "teacher_model": OmegaConf.to_container(cfg.teacher.model, resolve=True),
         }
-        batch, k = cfg.eval.batch_size, cfg.teacher.top_k
+        batch, k, out = cfg.eval.batch_size, cfg.teacher.top_k, cfg.output_dir
         splits = zip(datasets, ("train", "validation"))
         return [
-            with_teacher_top_k(
-                teacher, data, split, identity, cfg.output_dir, batch, k, self.run.write
-            )
-            for data, split in splits
+            with_teacher_top_k(teacher, d, split, identity, out, batch, k, self.run.write)
+            for d, split in splits
         ]
 
     def train(self) -> None:

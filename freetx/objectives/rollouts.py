@@ -5,7 +5,7 @@ keeps only its loop:
 
     scorer = CompletionScorer(tokenizer, rewards, end_ids, max_completion_length)
     rollouts = Rollouts(plan, scorer, cfg.generation, advantage, scale, cfg.seed, micro_batches)
-    steps, groups, metrics = rollouts(prompts, step, reference, num_chunks)
+    steps, prompt_groups, metrics = rollouts(prompts, step, reference, num_chunks)
     for batches in steps: ...the loss on each micro-batch (a `RolloutBatch`), a step...
 
     scorer.validation(model, batches, sampling, "seed 0 validation", groups)  # mean rewards
@@ -139,7 +139,7 @@ class CompletionScorer:
 
 
 @dataclass
-class Group:
+class PromptGroup:
     """One prompt's completions (num_generations of them), as generated and scored."""
 
     prompt_ids: list[int]
@@ -176,45 +176,45 @@ class Rollouts:
         seed: int,
         micro_batches: int,
     ) -> None:
-        self.plan, self.groups, self.scorer, self.gen = plan, plan.groups, scorer, generation
+        self.plan, self.ranks, self.scorer, self.gen = plan, plan.groups, scorer, generation
         self.advantage, self.scale, self.seed = advantage, scale, seed
         self.micro_batches = micro_batches
         self.sampling = Sampling(generation.temperature, generation.top_k, generation.top_p)
 
     def __call__(
         self, prompts: Iterator[PromptBatch], step: int, reference=None, num_chunks=None
-    ) -> tuple[list[list[RolloutBatch]], list[Group], dict[str, float]]:
-        """Each optimizer step's micro-batches, the groups they were made of, the metrics.
+    ) -> tuple[list[list[RolloutBatch]], list[PromptGroup], dict[str, float]]:
+        """Each optimizer step's micro-batches, the prompt groups they were made of, the metrics.
         `reference`: the KL term's reference model (`reference_model`), or None."""
         gen, started = self.gen, time.perf_counter()
         batch = PromptBatch.join([next(prompts) for _ in range(gen.steps_per_generation)])
-        groups, made = self.sample(batch, f"step {step}")
+        prompt_groups, made = self.sample(batch, f"step {step}")
         for round_ in range(1, gen.dynamic_sampling + 1):  # DAPO: replace groups of no signal
-            flat = [i for i, g in enumerate(groups) if g.zero_variance]
+            flat = [i for i, g in enumerate(prompt_groups) if g.zero_variance]
             # every rank takes part in each round (its parameters are gathered together)
-            if not self.groups.sum({"flat": torch.tensor(len(flat))}, over="dp")["flat"]:
+            if not self.ranks.sum({"flat": torch.tensor(len(flat))}, over="dp")["flat"]:
                 break
             more, extra = self.sample(next(prompts).take(len(flat)), f"step {step} round {round_}")
             for index, group in zip(flat, more):
-                groups[index] = group
+                prompt_groups[index] = group
             made = {k: made[k] + extra[k] for k in made}
-        self.set_advantages(groups)
-        per_step = len(groups) // gen.steps_per_generation
+        self.set_advantages(prompt_groups)
+        per_step = len(prompt_groups) // gen.steps_per_generation
         steps = [
-            self.batches(groups[k * per_step : (k + 1) * per_step])
+            self.batches(prompt_groups[k * per_step : (k + 1) * per_step])
             for k in range(gen.steps_per_generation)
         ]
         self.with_logps([b for batches in steps for b in batches], reference, num_chunks)
-        metrics = self.metrics(groups, made)
+        metrics = self.metrics(prompt_groups, made)
         metrics["time/generation"], metrics["time/scoring"] = (
             made["generation_s"],
             made["scoring_s"],
         )
         metrics["time/rollout"] = time.perf_counter() - started
-        return steps, groups, metrics
+        return steps, prompt_groups, metrics
 
-    def sample(self, prompts: PromptBatch, when: str) -> tuple[list[Group], dict]:
-        """num_generations completions of each prompt, scored: a Group per prompt; and the
+    def sample(self, prompts: PromptBatch, when: str) -> tuple[list[PromptGroup], dict]:
+        """num_generations completions of each prompt, scored: a PromptGroup per prompt; and the
         time and tokens it took. Each completion's draws are keyed by the run's seed, `when`,
         the prompt's id and its index in the group."""
         n = self.gen.num_generations
@@ -234,10 +234,10 @@ class Rollouts:
         scoring = time.perf_counter()
         done = self.scorer.score(out, prompts, n)
         scored = time.perf_counter() - scoring
-        groups = []
+        prompt_groups = []
         for i, prompt_ids in enumerate(prompts.prompt_ids):
             part = slice(i * n, (i + 1) * n)
-            group = Group(
+            group = PromptGroup(
                 prompt_ids,
                 prompts.prompts[i],
                 prompts.ids[i],
@@ -248,15 +248,15 @@ class Rollouts:
                 done.ended[part],
                 done.entropy[part],
             )
-            groups.append(group)
+            prompt_groups.append(group)
         tokens = float(out.lengths.sum())
-        return groups, {"generation_s": generated, "scoring_s": scored, "tokens": tokens}
+        return prompt_groups, {"generation_s": generated, "scoring_s": scored, "tokens": tokens}
 
-    def set_advantages(self, groups: list[Group]) -> None:
+    def set_advantages(self, prompt_groups: list[PromptGroup]) -> None:
         """Each completion's advantage (`group_advantages` with the `advantage` baseline);
         `scale` batch divides by the std of every rank's rewards, as TRL's."""
         n, scale = self.gen.num_generations, self.scale
-        total = torch.cat([g.total for g in groups])
+        total = torch.cat([g.total for g in prompt_groups])
         batch_std = None
         if scale == "batch":
             moments = {
@@ -264,19 +264,19 @@ class Rollouts:
                 "sum": total.sum(),
                 "sq": (total.double() ** 2).sum(),
             }
-            sums = self.groups.sum(moments, over="dp")
+            sums = self.ranks.sum(moments, over="dp")
             mean = sums["sum"] / sums["n"]
             variance = (sums["sq"] - sums["n"] * mean**2) / max(sums["n"] - 1, 1)
             batch_std = max(variance, 0.0) ** 0.5
         found = group_advantages(total, n, scale, self.advantage, batch_std)
-        for i, group in enumerate(groups):
+        for i, group in enumerate(prompt_groups):
             group.advantages = found.advantages[i * n : (i + 1) * n]
 
-    def batches(self, groups: list[Group]) -> list[RolloutBatch]:
-        """One optimizer step's groups in `micro_batches` micro-batches, each its groups'
+    def batches(self, prompt_groups: list[PromptGroup]) -> list[RolloutBatch]:
+        """One optimizer step's prompt groups in `micro_batches` micro-batches, each its groups'
         completions as rows (a group never split)."""
-        size = len(groups) // self.micro_batches
-        parts = (groups[i * size : (i + 1) * size] for i in range(self.micro_batches))
+        size = len(prompt_groups) // self.micro_batches
+        parts = (prompt_groups[i * size : (i + 1) * size] for i in range(self.micro_batches))
         return [
             RolloutBatch.of_rollouts(
                 [g.prompt_ids for g in part for _ in g.completions],
@@ -304,32 +304,34 @@ class Rollouts:
             if reference is not None:
                 batch.ref_logps = reference.tokens(placed)
 
-    def metrics(self, groups: list[Group], made: dict[str, float]) -> dict[str, float]:
+    def metrics(self, prompt_groups: list[PromptGroup], made: dict[str, float]) -> dict[str, float]:
         """TRL's names, over every rank's completions: reward (mean, and the mean of the
         groups' std), each reward's mean and std, the groups without signal, completion
         lengths, how many hit max_completion_length, entropy, generation tokens/s."""
         limit, rewards = self.gen.max_completion_length, self.scorer.rewards
-        raw = torch.cat([g.raw for g in groups])
-        total = torch.cat([g.total for g in groups])
-        lengths = torch.tensor([len(c) for g in groups for c in g.completions], dtype=torch.float)
-        ended = torch.cat([g.ended for g in groups])
+        raw = torch.cat([g.raw for g in prompt_groups])
+        total = torch.cat([g.total for g in prompt_groups])
+        lengths = torch.tensor(
+            [len(c) for g in prompt_groups for c in g.completions], dtype=torch.float
+        )
+        ended = torch.cat([g.ended for g in prompt_groups])
         sums = {
             "completions": len(total),
-            "groups": len(groups),
+            "groups": len(prompt_groups),
             "reward": float(total.sum()),
             "reward_sq": float((total**2).sum()),
-            "reward_std": sum(float(g.total.std()) for g in groups),
-            "frac_reward_zero_std": sum(g.zero_variance for g in groups),
+            "reward_std": sum(float(g.total.std()) for g in prompt_groups),
+            "frac_reward_zero_std": sum(g.zero_variance for g in prompt_groups),
             "completions/mean_length": float(lengths.sum()),
             "completions/clipped_ratio": float(((lengths >= limit) & ~ended).sum()),
-            "entropy": float(torch.cat([g.entropy for g in groups]).sum()),
+            "entropy": float(torch.cat([g.entropy for g in prompt_groups]).sum()),
             "generation_tokens": made["tokens"],
             "generation_s": made["generation_s"],
         }
         for i, reward in enumerate(rewards):
             sums[f"rewards/{reward.name}/mean"] = float(raw[:, i].sum())
             sums[f"rewards/{reward.name}/sq"] = float((raw[:, i] ** 2).sum())
-        totals, maxima = self.groups.sum_and_max(
+        totals, maxima = self.ranks.sum_and_max(
             sums, {"completions/max_length": float(lengths.max())}, over="dp"
         )
         n, g = totals.pop("completions"), totals.pop("groups")
@@ -350,12 +352,12 @@ class Rollouts:
 
 
 def write_samples(
-    path: Path, step: int, groups: list[Group], rewards: Sequence[Reward], count: int
+    path: Path, step: int, prompt_groups: list[PromptGroup], rewards: Sequence[Reward], count: int
 ) -> list[dict[str, Any]]:
     """The first `count` completions appended to the JSONL file `path` (prompt,
     completion, each reward, total); returns the records written."""
     records = []
-    for group in groups:
+    for group in prompt_groups:
         for j, text in enumerate(group.texts):
             values = {r.name: float(group.raw[j, i]) for i, r in enumerate(rewards)}
             records.append(

@@ -273,7 +273,8 @@ class TrainingRun:
                 raise TrainingError(
                     f"the gradients are not finite at step {self.progress.step + 1}, and "
                     "optimizer.in_backward=true updated each parameter as its gradient was "
-                    "ready, so the update could not be skipped. " + self._after_nonfinite()
+                    "ready, so the update could not be skipped. "
+                    + after_nonfinite(self.cfg.max_grad_norm, self.saved_step)
                 )
             # float16: an overflow of the scaled gradients is the loss scaler at work (it
             # lowers the scale); only max_nonfinite_skips in a row end the run
@@ -291,7 +292,7 @@ class TrainingRun:
                     f"the loss or the gradients are not finite at step {self.progress.step + 1} "
                     f"({self.nonfinite_in_a_row} step(s) in a row; on_nonfinite="
                     f"{self.cfg.on_nonfinite}, max_nonfinite_skips={limit}). "
-                    + self._after_nonfinite()
+                    + after_nonfinite(self.cfg.max_grad_norm, self.saved_step)
                 )
         else:
             self.nonfinite_in_a_row = 0
@@ -313,24 +314,6 @@ class TrainingRun:
         (QAT's fake quantization from `qat.start_step` on), a resumed run's included."""
         self.step_hooks.append(hook)
         hook(self.progress.step)
-
-    def _after_nonfinite(self) -> str:
-        """What a stop on non-finite values leaves on disk, and what to change."""
-        fix = (
-            "lower optimizer.lr (or lengthen lr_schedule.warmup_steps), clip gradients "
-            f"(max_grad_norm=1.0; it is {self.cfg.max_grad_norm}), compute in a wider dtype "
-            "(distributed.mixed_precision.param_dtype=bfloat16 or float32, not float16) or "
-            "check the data"
-        )
-        if not self.saved_step:
-            return (
-                "No checkpoint of this run exists yet (none was saved before the stop), so "
-                f"there is nothing to resume from: {fix}, then start the run again."
-            )
-        return (
-            f"No checkpoint holds them: the last one is step {self.saved_step}. To go on, "
-            f"{fix}; the same command then resumes from step {self.saved_step}."
-        )
 
     def due(self, every_n_steps: int | None) -> bool:
         """Whether something done every n steps (0: never) is due at this step."""
@@ -414,6 +397,26 @@ class TrainingRun:
         self.checkpointer.close()  # waits for an asynchronous save to finish
         self.stop_group.destroy()
         self.loggers.close()
+
+
+def after_nonfinite(max_grad_norm: float | None, saved_step: int | None) -> str:
+    """What a stop on non-finite values leaves on disk (`saved_step`: the last checkpoint),
+    and what to change."""
+    fix = (
+        "lower optimizer.lr (or lengthen lr_schedule.warmup_steps), clip gradients "
+        f"(max_grad_norm=1.0; it is {max_grad_norm}), compute in a wider dtype "
+        "(distributed.mixed_precision.param_dtype=bfloat16 or float32, not float16) or "
+        "check the data"
+    )
+    if not saved_step:
+        return (
+            "No checkpoint of this run exists yet (none was saved before the stop), so "
+            f"there is nothing to resume from: {fix}, then start the run again."
+        )
+    return (
+        f"No checkpoint holds them: the last one is step {saved_step}. To go on, "
+        f"{fix}; the same command then resumes from step {saved_step}."
+    )
 
 
 def random_weights_notice(model_node: Any, loads_weights: bool, seed: int) -> str | None:
