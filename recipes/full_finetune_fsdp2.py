@@ -23,26 +23,20 @@ from __future__ import annotations
 
 import functools
 import itertools
-import math
 import sys
 from dataclasses import dataclass, field
 from typing import Any
-
-import torch
 
 from freetx.config import instantiate
 from freetx.data import TokenBatch, source_names
 from freetx.data.packing import packs
 from freetx.entry import parse
 from freetx.training import (
-    PlannedRun,
     accumulate_gradients,
-    dataset_seq_len,
-    evaluation_sums,
     first_batches_padding,
     optimizer_step,
-    per_source_means,
     real_tokens,
+    validation_means,
 )
 from freetx.training.decoder import DecoderConfig, DecoderSetup
 
@@ -54,16 +48,6 @@ class FullFinetuneConfig(DecoderConfig):
     `peft:` and `qat:`); a key not listed is an error."""
 
     loss: Any = field(default_factory=lambda: {"_component_": "freetx.objectives.CrossEntropyLoss"})
-
-    def planned(self) -> PlannedRun:  # sequences of the dataset's seq_len, with adapters
-        return PlannedRun(
-            self.model,
-            dataset_seq_len(self),
-            self.peft,
-            self.loss,
-            tokenizer=self.tokenizer,
-            dataset=self.dataset,
-        )
 
 
 class FullFinetuneRecipeFSDP2:
@@ -131,19 +115,10 @@ class FullFinetuneRecipeFSDP2:
     def evaluate(self) -> dict[str, float]:
         """Validation loss and perplexity over the whole split; every rank takes part."""
         self.model.eval()
-        sums, tokens = {}, torch.zeros((), device=self.device)
+        batches = itertools.islice(self.val_loader, self.cfg.eval.max_batches)  # None: all
         rows = self.cfg.batch_size // self.groups.dp_size  # pp: the stages' shapes
-        for batch in itertools.islice(self.val_loader, self.cfg.eval.max_batches):  # None: all
-            parts, loss_tokens = evaluation_sums(self.plan, batch, self.loss_fn, rows)
-            for name, value in parts.items():
-                sums[name] = sums.get(name, 0) + value
-            tokens += loss_tokens
-        totals = self.groups.sum({**sums, "tokens": tokens}, over="dp_cp")
+        metrics = validation_means(self.plan, batches, self.loss_fn, rows)
         self.model.train()
-        num_tokens = max(totals.pop("tokens"), 1.0)
-        metrics = {f"val/{name}": value / num_tokens for name, value in totals.items()}
-        metrics = per_source_means(metrics, prefix="val/")  # a mixture's: each source's
-        metrics["val/perplexity"] = math.exp(min(metrics["val/loss"], 50.0))
         return metrics
 
     def cleanup(self) -> None:

@@ -22,12 +22,10 @@ from __future__ import annotations
 
 import functools
 import itertools
-import math
 import sys
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, Optional
 
-import torch
 from omegaconf import MISSING, OmegaConf
 
 from freetx.checkpoint import input_identity
@@ -40,14 +38,11 @@ from freetx.fields import at_least, read_path
 from freetx.objectives.distillation import Distill, check_same_vocabulary, with_teacher_top_k
 from freetx.objectives.reference import FrozenCopy
 from freetx.training import (
-    PlannedRun,
     accumulate_gradients,
-    dataset_seq_len,
-    evaluation_sums,
     first_batches_padding,
     optimizer_step,
-    per_source_means,
     real_tokens,
+    validation_means,
 )
 from freetx.training.decoder import DecoderConfig, DecoderSetup
 
@@ -109,16 +104,6 @@ class KDConfig(DecoderConfig):
                 fix="Set loss.divergence=forward_kl loss.temperature=1.0, or use the live "
                 "teacher (teacher.precompute=none).",
             )
-
-    def planned(self) -> PlannedRun:  # the student; the teacher counted as a frozen copy
-        return PlannedRun(
-            self.model,
-            dataset_seq_len(self),
-            self.peft,
-            self.loss,
-            tokenizer=self.tokenizer,
-            dataset=self.dataset,
-        )
 
 
 class KDRecipeFSDP2:
@@ -216,20 +201,10 @@ class KDRecipeFSDP2:
         """The validation loss and its parts per loss token (`val/ce`: the student's
         cross-entropy of the labels, and its perplexity); every rank takes part."""
         self.model.eval()
-        sums, tokens = {}, torch.zeros((), device=self.device)
+        batches = itertools.islice(self.val_loader, self.cfg.eval.max_batches)  # None: all
         rows = self.cfg.batch_size // self.groups.dp_size
-        with torch.no_grad():
-            for batch in itertools.islice(self.val_loader, self.cfg.eval.max_batches):
-                parts, loss_tokens = evaluation_sums(self.plan, batch, self.loss_fn, rows)
-                for name, value in parts.items():
-                    sums[name] = sums.get(name, 0) + value
-                tokens += loss_tokens
-        totals = self.groups.sum({**sums, "tokens": tokens}, over="dp_cp")
+        metrics = validation_means(self.plan, batches, self.loss_fn, rows, perplexity_of="ce")
         self.model.train()
-        num_tokens = max(totals.pop("tokens"), 1.0)
-        metrics = {f"val/{name}": value / num_tokens for name, value in totals.items()}
-        metrics = per_source_means(metrics, prefix="val/")  # a mixture's: each source's
-        metrics["val/perplexity"] = math.exp(min(metrics["val/ce"], 50.0))
         return metrics
 
     def cleanup(self) -> None:

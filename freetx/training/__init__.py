@@ -37,6 +37,7 @@ from freetx.training.step import (
     count_over_ranks,
     evaluation_sums,
     optimizer_step,
+    validation_means,
 )
 
 __all__ = [
@@ -73,4 +74,5 @@ __all__ = [
     "first_batches_padding",
     "real_tokens",
     "training_state",
+    "validation_means",
 ]

@@ -44,8 +44,13 @@ from freetx.fields import read_path
 from freetx.models.hf import model_dir_problems
 from freetx.models.peft import PEFTConfig, apply_peft
 from freetx.models.qat import QATConfig, apply_qat, set_fake_quantization
-from freetx.training.checks import check_context, check_model_and_data, check_packing
-from freetx.training.config import TokenEvalConfig, TrainingConfig
+from freetx.training.checks import (
+    check_context,
+    check_model_and_data,
+    check_packing,
+    dataset_seq_len,
+)
+from freetx.training.config import PlannedRun, TokenEvalConfig, TrainingConfig
 from freetx.training.export import export_quantized_final
 from freetx.training.lifecycle import TrainingRun
 from freetx.training.lr_schedule import build_lr_scheduler
@@ -80,6 +85,14 @@ class DecoderConfig(TrainingConfig):
     # a model_dir that cannot be a model (a text file, ...): said first, not as its
     # tokenizer's problem (one that does not exist: `check_read_paths`)
     meaningless = staticmethod(model_dir_problems)
+
+    def planned(self) -> PlannedRun:
+        """Sequences of the dataset's seq_len, with the adapters (`freetx estimate`,
+        `check_layout`); a recipe whose samples are otherwise (pairs, prompts) says so."""
+        return PlannedRun(
+            self.model, dataset_seq_len(self), self.peft, self.loss, tokenizer=self.tokenizer,
+            dataset=self.dataset,
+        )  # fmt: skip
 
     def refuse_combinations(self) -> None:
         """QAT under tensor parallelism: torchao's fake-quantized linears are not sliced."""

@@ -18,6 +18,7 @@ from freetx.data.batch import TokenBatch
 from freetx.distributed import ParallelGroups, ParallelPlan
 from freetx.distributed.pipeline import PipelinedLoss
 from freetx.training.grad import clip_grad_norm
+from freetx.training.meters import per_source_means
 
 Batch = Any  # whatever the recipe's data loader yields
 LossFn = Callable[[Batch], tuple[torch.Tensor, dict[str, torch.Tensor]]]
@@ -97,6 +98,27 @@ def evaluation_sums(
             )
             parts = {"loss": total, **parts}
     return parts, batch.loss_tokens()
+
+
+def validation_means(
+    plan: ParallelPlan, batches, loss, rows: int, perplexity_of: str = "loss"
+) -> dict[str, float]:
+    """A token validation's metrics: every sum `evaluation_sums` gives, over `batches` and
+    the dp and cp ranks (a collective: every rank takes part), per loss token, as
+    `val/<name>` (a mixture's `val/loss/<source>` per source's token: `per_source_means`),
+    and `val/perplexity`, exp of `val/<perplexity_of>`."""
+    sums, tokens = {}, torch.zeros((), device=plan.runtime.device)
+    for batch in batches:
+        parts, loss_tokens = evaluation_sums(plan, batch, loss, rows)
+        for name, value in parts.items():
+            sums[name] = sums.get(name, 0) + value
+        tokens += loss_tokens
+    totals = plan.groups.sum({**sums, "tokens": tokens}, over="dp_cp")
+    num_tokens = max(totals.pop("tokens"), 1.0)
+    metrics = {f"val/{name}": value / num_tokens for name, value in totals.items()}
+    metrics = per_source_means(metrics, prefix="val/")  # a mixture's: each source's
+    metrics["val/perplexity"] = math.exp(min(metrics[f"val/{perplexity_of}"], 50.0))
+    return metrics
 
 
 def optimizer_step(
