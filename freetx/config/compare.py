@@ -9,6 +9,7 @@ would mean something else.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 from typing import Any
 
@@ -50,10 +51,9 @@ def schema_defaults(cfg: Any) -> dict[str, Any]:
     """Each key's default in the config's schema (`cfg`: a config or its schema class; {}
     for a config without one)."""
     schema = cfg if isinstance(cfg, type) else schema_of(cfg)
-    try:
-        return flatten(OmegaConf.to_container(OmegaConf.structured(schema), resolve=False))
-    except Exception:  # not a structured config's schema
+    if not dataclasses.is_dataclass(schema):  # a plain config: no schema, no defaults
         return {}
+    return flatten(OmegaConf.to_container(OmegaConf.structured(schema), resolve=False))
 
 
 def resume_changes(
