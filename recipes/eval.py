@@ -65,7 +65,7 @@ from freetx.models.generation import Sampling
 from freetx.models.hf import end_token_ids
 from freetx.objectives import build_rewards
 from freetx.objectives.rollouts import CompletionScorer
-from freetx.training import per_source_means
+from freetx.training import claim_folder, per_source_means
 from freetx.training.export import recorded_config, recorded_peft, recorded_run
 
 
@@ -143,6 +143,7 @@ class EvalRecipe:
         """Everything a mistake can stop before a weight is read, then the model."""
         cfg = self.cfg
         refuse_nothing_to_evaluate(cfg)
+        claim_folder(cfg.output_dir, "eval", mark=self.rank == 0)  # no folder taken over
         if cfg.tasks:  # lm-eval installed, every task name known
             check_tasks(list(cfg.tasks), cfg.include_path)
         self.rewards = build_rewards(cfg.rewards) if cfg.rewards else []

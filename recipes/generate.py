@@ -48,6 +48,7 @@ from freetx.loggers import build_metric_loggers
 from freetx.models import DecodesIncrementally, LatentModel
 from freetx.models.generation import Draws, Sampling, generate, sampling_problems
 from freetx.models.hf import end_token_ids
+from freetx.training import claim_folder
 from freetx.training.export import recorded_run
 
 
@@ -103,6 +104,7 @@ class GenerateRecipe:
                 "template, or set chat=false."
             )
         self.measures = [instantiate(node) for node in cfg.sample_metrics]
+        claim_folder(cfg.output_dir, "generate")  # no folder taken over; marked as generate's
         self.loggers = build_metric_loggers(cfg.metric_loggers, cfg.output_dir, None, 0)
         self.end_ids = self.ends() if cfg.stop_at_eos else []
         self.sampling = Sampling(cfg.temperature, cfg.top_k, cfg.top_p)

@@ -47,11 +47,15 @@ def run_freetx_here(*args: str) -> subprocess.CompletedProcess:
 
     assert args and args[0] != "run" and "--debug" not in args, "use run_freetx"
     out, err = io.StringIO(), io.StringIO()
+    trust = os.environ.get("FREETX_TRUST")  # `--trust` sets it for the command only
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
             code = main(list(args))
         except SystemExit as e:  # argparse usage errors
             code = e.code
+        finally:
+            os.environ.pop("FREETX_TRUST", None)
+            os.environ.update({"FREETX_TRUST": trust} if trust is not None else {})
     return subprocess.CompletedProcess(list(args), code, out.getvalue(), err.getvalue())
 
 

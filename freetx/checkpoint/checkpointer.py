@@ -61,13 +61,14 @@ from freetx.checkpoint.run_folder import (
     RecipeMark,
     ResumePlan,
     RunLock,
+    check_output_dir,
     check_recipe,
     plan_resume,
 )
 from freetx.checkpoint.saver import CheckpointSaver
 from freetx.checkpoint.state import PerRankState, ScalerState
 from freetx.config.compare import fixed_on_resume, schema_defaults
-from freetx.config.run_config import write_resolved_config
+from freetx.config.run_config import loaded_config_file, write_resolved_config
 from freetx.config.schema import config_as_dict
 from freetx.distributed.groups import HostGroup
 from freetx.errors import CheckpointError, FreetxError
@@ -132,6 +133,7 @@ class Checkpointer:
     # -- claiming output_dir and planning the resume (rank 0 decides) -----------
     def _plan(self) -> ResumePlan:
         notices = []
+        check_output_dir(self.output_dir, loaded_config_file())  # no folder taken over
         try:
             lock_notice = self._lock.acquire()  # creates output_dir
             self.dir.mkdir(exist_ok=True)  # a file in its place fails now, not at the save

@@ -18,6 +18,10 @@ may do with the folder it was given:
 - `RecipeMark`, `check_recipe`: which recipe a folder's run belongs to
   (`<output_dir>/recipe.json`, written when a run claims it); another recipe's run
   on it is refused with the fix.
+- `check_output_dir`: a run writes only into a folder that is missing, empty or a freetx
+  run folder (its recipe.json), never a parent of the current folder or of its config,
+  never over the config it was given (`claim_output_dir`: that check, the recipe's, the
+  mark: for a command that writes a folder without a checkpointer: generate, eval).
 - `newest_checkpoint`, `resolve_checkpoint`: the checkpoint a path means (a
   run's output_dir: its newest complete one, found as a resume finds it).
 """
@@ -141,6 +145,72 @@ class RecipeMark:
         tmp = path.with_name(f"{TMP_PREFIX}{RECIPE_FILE}")
         tmp.write_text(json.dumps(self.as_dict(), indent=2) + "\n", encoding="utf-8")
         os.replace(tmp, path)
+
+
+# what a run leaves in its folder before its mark (recipe.json): a claim that stopped there
+CLAIM_LEFTOVERS = frozenset({LOCK_FILE, "checkpoints", f"{TMP_PREFIX}{RECIPE_FILE}"})
+
+
+def is_run_folder(folder: Path) -> bool:
+    """Whether `folder` is a freetx run's: its mark (recipe.json); a claim that stopped
+    before the mark; or, from a freetx older than the mark, a run's checkpoints."""
+    if (folder / RECIPE_FILE).is_file():
+        return True
+    names = {p.name for p in folder.iterdir()}
+    checkpoints = folder / "checkpoints"
+    return names <= CLAIM_LEFTOVERS or any(checkpoints.glob("step_*/meta.json"))
+
+
+def check_output_dir(output_dir: str | Path, config_file: Path | None = None) -> None:
+    """Refuse, before anything is written, an output_dir a run would take over: a folder
+    holding files that are not a freetx run's; the filesystem root, the home folder or a
+    parent of the current folder or of the config (`output_dir=..`); the folder of the
+    config the run was given (its config.yaml would be written over)."""
+    given = f"output_dir={output_dir}"
+    path = Path(output_dir).expanduser().resolve()
+    own_folder = (
+        f"Give the run its own folder: output_dir={Path(output_dir) / 'run'} or a new path."
+    )
+    parents = [("the filesystem root", Path(path.anchor)), ("your home folder", Path.home())]
+    parents += [("a parent of the current folder", p) for p in Path.cwd().resolve().parents]
+    if config_file is not None:
+        config = Path(config_file).resolve()
+        parents += [(f"a parent of the config {config_file}", p) for p in config.parent.parents]
+        if path / "config.yaml" == config:
+            raise CheckpointError(
+                f"{given} holds the config this run was given ({config_file}), and a run "
+                "writes its resolved config there as config.yaml; freetx never writes over the "
+                f"config it reads. Copy the config elsewhere and pass the copy (cp {config_file} "
+                "my.yaml), or give the run another output_dir."
+            )
+    for what, parent in parents:
+        if path == parent.resolve():
+            raise CheckpointError(
+                f"{given} is {path}, {what}: a run would make it a run folder (config.yaml, "
+                f"recipe.json, metrics.jsonl, checkpoints/ beside what is there). {own_folder}"
+            )
+    if not path.is_dir() or not any(path.iterdir()) or is_run_folder(path):
+        return
+    names = sorted(p.name for p in path.iterdir())
+    shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+    raise CheckpointError(
+        f"{given} is a folder holding files that are not a freetx run's ({shown}) and no "
+        f"{RECIPE_FILE}, the mark of a run folder: a run there would replace its config.yaml "
+        f"and {RECIPE_FILE} and append to its metrics.jsonl; nothing was written. {own_folder}"
+    )
+
+
+def claim_output_dir(
+    output_dir: str | Path, recipe: RecipeMark, config_file: Path | None, mark: bool = True
+) -> None:
+    """Take `output_dir` for a command that writes a folder without a checkpointer
+    (generate, eval): `check_output_dir`, no other recipe's run there, then (`mark`: the
+    rank that writes) the folder and its mark."""
+    check_output_dir(output_dir, config_file)
+    check_recipe(Path(output_dir), recipe, "never", False)
+    if mark and RecipeMark.read(Path(output_dir)) is None:
+        Path(output_dir).mkdir(parents=True, exist_ok=True)
+        recipe.write(Path(output_dir))
 
 
 def check_recipe(output_dir: Path, recipe: RecipeMark, resume: str, overwrite: bool) -> None:

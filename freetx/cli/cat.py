@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from freetx.cli.common import add_trust_option
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
@@ -12,6 +14,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("config", help="a config name (llm/tiny) or a path to a .yaml file")
     p.add_argument("overrides", nargs="*", help="key=value or ~key")
+    add_trust_option(p)
     return p
 
 

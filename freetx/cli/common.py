@@ -77,6 +77,20 @@ def load_recipe(name_or_path: str) -> RecipeTarget:
     )
 
 
+def add_trust_option(parser: argparse.ArgumentParser) -> None:
+    """`--trust NAME`: code a config may name for this command beyond the allowlist
+    (`freetx.config.trust`; the ranks inherit it as FREETX_TRUST)."""
+    parser.add_argument(
+        "--trust",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="let the config run this code for this command: your module (my_rewards) or a "
+        "dotted name, remote_code (trust_remote_code), env:NAME (${oc.env:NAME}), or an "
+        "lm-eval task folder with !function; comma-separated or repeated (docs/trust.md)",
+    )
+
+
 def number(
     kind: type = int,
     at_least: float | None = None,

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import argparse
 
+from freetx.cli.common import add_trust_option
+
 LEGEND = (
     "legend: [bracketed] text has no loss (masked: prompts, padding, a sequence's first "
     "token); plain text is trained on; ‖ separates the documents packed into one sequence; "
@@ -42,6 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("config", help="a config name (llm/tiny) or a path to a .yaml file")
     p.add_argument("overrides", nargs="*", help="show: N first, then key=value or ~key")
     p.add_argument("--recipe", help="for a config file outside the built-in ones")
+    add_trust_option(p)
     return p
 
 

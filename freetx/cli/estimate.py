@@ -11,6 +11,8 @@ import dataclasses
 import json
 from pathlib import Path
 
+from freetx.cli.common import add_trust_option
+
 DEVICE_NAMES = ("h100", "a100", "rtx4090", "cpu")  # freetx.planning.estimate.DEVICES' keys
 # what a preference loss's reference (`PlannedRun.reference`) costs, as the table counts it
 REFERENCE_NOTES = {
@@ -61,17 +63,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--json", metavar="PATH", help="write the figures (bytes) to this file")
     p.add_argument("--overwrite", action="store_true", help="replace the --json file if it exists")
+    add_trust_option(p)
     return p
 
 
 def main(args: argparse.Namespace) -> int:
-    from freetx.config.instantiate import known_components_only
-
-    with known_components_only("estimate"):  # builds nothing of other packages
-        return _estimate(args)
-
-
-def _estimate(args: argparse.Namespace) -> int:
     import torch
 
     from freetx.cli.common import load_recipe

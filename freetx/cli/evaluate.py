@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import argparse
 
+from freetx.cli.common import add_trust_option
+
 CONFIG = "llm/hf_eval"
 
 DESCRIPTION = f"""Evaluate CHECKPOINT (an HF folder, a run's output_dir, a DCP step, a
@@ -33,12 +35,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tasks", help="lm-eval task names, comma-separated")
     p.add_argument("--include-path", metavar="DIR", help="a folder of local task YAMLs")
     p.add_argument("--nproc-per-node", metavar="N", help="local processes (torchrun's option)")
+    add_trust_option(p)
     return p
 
 
 def run_arguments(args: argparse.Namespace) -> list[str]:
     """The arguments of the `freetx run` this command is short for."""
     launch = ["--nproc-per-node", str(args.nproc_per_node)] if args.nproc_per_node else []
+    launch += [f"--trust={name}" for name in args.trust]
     overrides = [f"checkpoint={args.checkpoint}"]
     if args.tasks:
         overrides.append(f"tasks=[{','.join(t.strip() for t in args.tasks.split(','))}]")

@@ -13,7 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from freetx.cli.common import at_least_one, at_least_zero, port
+from freetx.cli.common import add_trust_option, at_least_one, at_least_zero, port
 
 INTERMIXED_ARGS = False
 SLURM_TIME = re.compile(
@@ -58,6 +58,7 @@ def _common(p: argparse.ArgumentParser) -> None:
         "FREETX_PYTHON, else the python on PATH after --setup, else this one; "
         "torchrun's commands this one)",
     )
+    add_trust_option(p)
     p.add_argument("recipe", help="a built-in recipe name or a recipe .py file")
     p.add_argument("recipe_args", nargs=argparse.REMAINDER, help="--config CONFIG [key=value ...]")
 
@@ -138,6 +139,7 @@ def _spec(args: argparse.Namespace):
         fallback_python=sys.executable,
         workdir=os.getcwd(),
         loader_workers=getattr(cfg, "num_workers", 0) or 0,
+        trust=list(args.trust),
     )
     if args.where == "torchrun" and spec.python is None:
         spec.python = sys.executable

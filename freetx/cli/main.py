@@ -110,6 +110,10 @@ def _dispatch(argv: list[str], command: str | None, rest: list[str]) -> int:
         # sub-actions (checkpoint inspect/convert) cannot use it
         intermixed = getattr(module, "INTERMIXED_ARGS", True)
         args = parser.parse_intermixed_args(rest) if intermixed else parser.parse_args(rest)
+        if getattr(args, "trust", None):
+            from freetx.config.trust import add_trusted
+
+            add_trusted(args.trust)  # this command's, and its ranks' (the environment)
         return module.main(args)
     parser = build_parser()
     parser.parse_args(argv)  # --help, --version, or an unknown command (exit 2)

@@ -49,7 +49,7 @@ def _torchrun_parser():
 
     from torch.distributed.run import get_args_parser
 
-    from freetx.cli.common import at_least_zero, number, port
+    from freetx.cli.common import add_trust_option, at_least_zero, number, port
 
     # torchrun's numbers, checked here instead of by assertions (or not at all) in torchrun
     types = {
@@ -74,6 +74,7 @@ def _torchrun_parser():
         elif action.dest == "training_script_args":
             action.metavar = "--config CONFIG [key=value ...]"
             action.help = "the config (name or .yaml path) and overrides"
+    add_trust_option(parser)
     parser.add_argument(
         "--rendezvous-timeout",
         type=float,
@@ -85,18 +86,30 @@ def _torchrun_parser():
     return parser
 
 
+def _launch_options(tokens: list[str]) -> list[str]:
+    """The options before the recipe that launch processes: all but `--trust`'s."""
+    kept, previous = [], None
+    for token in tokens:
+        if "--trust" not in (token, previous) and not token.startswith("--trust="):
+            kept.append(token)
+        previous = token
+    return kept
+
+
 def main(argv: list[str]) -> int:
     from freetx.cli.common import check_recipe_fits, config_owner_hint, load_recipe
     from freetx.config.loading import resolve_config_path
     from freetx.config.run_config import load_recipe_config, split_recipe_args
     from freetx.config.schema import config_as_dict
+    from freetx.config.trust import add_trusted
     from freetx.errors import ConfigError
     from freetx.training import check_read_paths, check_written_folders
     from freetx.training.seed import deterministic_env
 
     parser = _torchrun_parser()
     args = parser.parse_args(argv)
-    launch_tokens = argv[: len(argv) - len(args.training_script_args) - 1]
+    add_trusted(args.trust)  # this command's, and its ranks' (the environment)
+    launch_tokens = _launch_options(argv[: len(argv) - len(args.training_script_args) - 1])
 
     config, overrides = split_recipe_args(args.training_script_args)
     target = load_recipe(args.training_script)

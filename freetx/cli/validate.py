@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from freetx import registry
-from freetx.cli.common import at_least_one
+from freetx.cli.common import add_trust_option, at_least_one
 from freetx.errors import FreetxError
 
 
@@ -32,17 +32,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="check the layout for this many processes too (nodes x processes per node)",
     )
     p.add_argument("overrides", nargs="*", help="key=value or ~key")
+    add_trust_option(p)
     return p
 
 
 def main(args: argparse.Namespace) -> int:
-    from freetx.config.instantiate import known_components_only
-
-    with known_components_only("validate"):  # it builds nothing; if a check ever does
-        return _validate(args)
-
-
-def _validate(args: argparse.Namespace) -> int:
     from freetx.cli.common import (
         check_recipe_fits,
         config_device,

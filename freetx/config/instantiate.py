@@ -17,36 +17,26 @@ mixture's sources need the tokenizer and split the recipe passes to the mixture)
 given, for each argument it names in `built_later`, a factory per nested node instead:
 `functools.partial(instantiate, node)`, which it calls with those arguments.
 
-Trust (docs/configs.md#trust): a config is as trusted as a script, since it names what
-is called. Still, no component is built from a module that runs programs or code,
-touches files or opens connections (`os`, `subprocess`, `shutil`, `builtins.eval`,
-`pickle`, `torch.load`, ...: `UNSAFE`) unless $FREETX_ALLOW_COMPONENTS names it
-(`check_trusted`); and the planning commands (`validate`, `estimate`:
-`known_components_only`) build nothing but components of freetx, torch, torchao,
-transformers, peft and the user's own modules (files outside the Python installation).
+Trust (docs/trust.md): a config is data, and names code only from an allowlist
+(`freetx.config.trust.check_component`); anything else runs when the user trusts it for
+the command (`--trust NAME`).
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
 import difflib
 import functools
 import importlib
 import inspect
-import os
 import re
-import sys
-import sysconfig
-import types
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from freetx.config.trust import check_component, place
 from freetx.errors import ConfigError
 from freetx.fields import BuildsConfig, BuildsParts, ChoosesConfig, field_problems
 
@@ -105,118 +95,22 @@ def with_current_names(node: Any) -> Any:
     return node
 
 
-# what a component may not be built from unless $FREETX_ALLOW_COMPONENTS names it: modules
-# (and their every attribute) and callables that run programs or code, read or write files
-# as the config says, or open connections
-UNSAFE = (
-    "os", "posix", "nt", "subprocess", "_posixsubprocess", "shutil", "sys", "pickle", "_pickle",
-    "marshal", "shelve", "dill", "cloudpickle", "joblib", "importlib", "pkgutil", "zipimport",
-    "runpy", "code", "codeop", "pdb", "ctypes", "_ctypes", "socket", "_socket", "ssl", "http",
-    "urllib", "ftplib", "smtplib", "webbrowser", "pty", "signal", "multiprocessing",
-    "concurrent", "threading", "_thread", "asyncio", "io", "_io", "pathlib", "tempfile",
-    "builtins.eval", "builtins.exec", "builtins.compile", "builtins.__import__",
-    "builtins.open", "builtins.breakpoint", "builtins.input", "builtins.getattr",
-    "builtins.setattr", "builtins.delattr", "builtins.globals", "builtins.locals",
-    "builtins.vars", "builtins.exit", "builtins.quit", "builtins.help", "torch.load",
-    "torch.serialization", "torch.hub", "torch.jit.load", "torch.jit._serialization",
-    "torch.package", "torch.utils.cpp_extension", "torch._ops", "torch.ops",
-    "torch.classes", "numpy.load", "pandas.read_pickle",
-)  # fmt: skip
-ALLOW_ENV = "FREETX_ALLOW_COMPONENTS"  # comma-separated modules or dotted names
-# what `validate` and `estimate` build (besides the user's own modules)
-KNOWN_PACKAGES = ("freetx", "torch", "torchao", "transformers", "peft")
-_known_only: contextvars.ContextVar[str | None] = contextvars.ContextVar("known_only", default=None)
-
-
-def _within(name: str, prefixes: tuple[str, ...] | list[str]) -> str | None:
-    """The first of `prefixes` that `name` is or lies under (`os` for `os.path.join`)."""
-    return next((p for p in prefixes if name == p or name.startswith(p + ".")), None)
-
-
-def _allowed() -> list[str]:
-    return [n.strip() for n in os.environ.get(ALLOW_ENV, "").split(",") if n.strip()]
-
-
-def _place(obj: Any) -> str | None:
-    """Where an object lives: a module's name, else `module.qualname`."""
-    if isinstance(obj, types.ModuleType):
-        return obj.__name__
-    module, name = getattr(obj, "__module__", None), getattr(obj, "__qualname__", None)
-    return f"{module}.{name}" if isinstance(module, str) and isinstance(name, str) else None
-
-
-def check_trusted(dotted: str, where: str, places: list[str]) -> None:
-    """Refuse a component that runs programs or code (`UNSAFE`: by the dotted path as
-    written and by where each object on the way lives, so `torch.os.system` is `os`'s),
-    unless $FREETX_ALLOW_COMPONENTS names it."""
-    for place in [dotted, *places]:
-        unsafe = _within(place, UNSAFE)
-        if unsafe is None or _within(dotted, _allowed()) or _within(place, _allowed()):
-            continue
-        which = f" (which is {place})" if place != dotted else ""
-        raise ConfigError(
-            f"{where}: '{dotted}'{which} is refused: {unsafe} runs programs or code, reads or "
-            "writes files or opens connections, and freetx builds none of it from a config. A "
-            "config is as trusted as a script, and one from someone else could run anything on "
-            "this machine this way: remove the node; or, if you wrote it and mean it, allow it "
-            f"for this command: {ALLOW_ENV}={dotted} freetx ... (docs/configs.md#trust)."
-        )
-
-
-def _user_module(obj: Any) -> bool:
-    """Whether `obj` comes from the user's own code: a module file outside the Python
-    installation (its standard library and installed packages)."""
-    module = sys.modules.get(getattr(obj, "__module__", None) or "")
-    file = getattr(module, "__file__", None)
-    if not file:
-        return False
-    paths = sysconfig.get_paths()
-    installed = {Path(paths[k]).resolve() for k in ("stdlib", "platstdlib", "purelib", "platlib")}
-    here = Path(file).resolve()
-    return not any(root == here or root in here.parents for root in installed)
-
-
-@contextlib.contextmanager
-def known_components_only(command: str) -> Iterator[None]:
-    """Within: `instantiate` builds only components of `KNOWN_PACKAGES` and the user's own
-    modules (what `validate` and `estimate` may build; `command` names them in errors)."""
-    token = _known_only.set(command)
-    try:
-        yield
-    finally:
-        _known_only.reset(token)
-
-
-def _check_known(target: Any, dotted: str, where: str) -> None:
-    command = _known_only.get()
-    if command is None or _user_module(target) or _within(dotted, _allowed()):
-        return
-    module = getattr(target, "__module__", None) or ""
-    if _within(module or dotted, KNOWN_PACKAGES):
-        return
-    raise ConfigError(
-        f"{where}: `freetx {command}` builds only components of "
-        f"{', '.join(KNOWN_PACKAGES)} and your own modules, and '{dotted}' comes from "
-        f"{module or 'elsewhere'}. Run it without this node; or, if you trust it, allow it: "
-        f"{ALLOW_ENV}={dotted} freetx {command} ... (docs/configs.md#trust)."
-    )
-
-
 def import_component(dotted: Any, where: str) -> Any:
     """Import the object `pkg.module.attr`; errors name `where` and what failed. A
-    component that runs programs or code is refused (`check_trusted`)."""
+    component outside the allowlist that the user does not trust is refused, before its
+    module is imported (`check_component`)."""
     if not isinstance(dotted, str) or not dotted.strip():
         raise ConfigError(
             f"{where}: expected a dotted import path such as torch.optim.AdamW, got {dotted!r}."
         )
     dotted = current_name(dotted.strip())
-    check_trusted(dotted, where, [])
     for old, new in RENAMED_MODULES.items():
         if dotted.strip().startswith(old + "."):
             raise ConfigError(
                 f"{where}: '{dotted}' names the module {old}, which freetx renamed {new}.",
                 fix=f"Write '{new}{dotted.strip()[len(old) :]}' in the config.",
             )
+    check_component(dotted, where, [])  # the path as written, before any import
     parts = dotted.strip().split(".")
     module = None
     consumed = 0
@@ -243,7 +137,7 @@ def import_component(dotted: Any, where: str) -> Any:
             "Check the spelling of the dotted path."
         )
     obj: Any = module
-    places = [_place(module)]
+    places = [place(module)]
     for j in range(consumed, len(parts)):
         if not hasattr(obj, parts[j]):
             owner = ".".join(parts[:j])
@@ -256,8 +150,8 @@ def import_component(dotted: Any, where: str) -> Any:
                 f"'{parts[j]}'{suggestion}."
             )
         obj = getattr(obj, parts[j])
-        places.append(_place(obj))
-    check_trusted(dotted.strip(), where, [p for p in places if p])
+        places.append(place(obj))
+    check_component(dotted.strip(), where, [p for p in places if p], obj)
     if not callable(obj):
         raise ConfigError(f"{where}: '{dotted}' is not callable, so it cannot be built.")
     return obj
@@ -358,7 +252,6 @@ def instantiate_except(node: Any, held: tuple[str, ...], *args: Any, **kwargs: A
             f"{where}: expected a node with a `_component_` key naming what to build."
         )
     target = import_component(node[COMPONENT], f"{where}._component_")
-    _check_known(target, node[COMPONENT], f"{where}._component_")
     later = target.built_later if isinstance(target, BuildsParts) else ()
     file_kwargs = {
         k: _factories(v) if k in later else _build_value(v)

@@ -23,6 +23,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from freetx import registry
 from freetx.config.foreign_names import foreign_key, foreign_why
+from freetx.config.trust import check_config_doors
 from freetx.errors import ConfigError, UsageError, first_line
 
 _DOTTED_NAME = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)+$")
@@ -178,6 +179,8 @@ def resolve(cfg: DictConfig) -> DictConfig:
     try:
         OmegaConf.resolve(cfg)
     except OmegaConfBaseException as e:
+        if isinstance(e.__cause__, ConfigError):  # a resolver's refusal (`oc.env`)
+            raise e.__cause__ from None
         where = f" in '{e.full_key}'" if getattr(e, "full_key", None) else ""
         missing = re.search(r"Missing mandatory value: ([\w.]+)", str(e))
         if missing:
@@ -194,7 +197,9 @@ def resolve(cfg: DictConfig) -> DictConfig:
 
 
 def compose(name_or_path: str, overrides: list[str] | None = None) -> DictConfig:
-    """Load a config by name or path, apply overrides, resolve interpolations."""
+    """Load a config by name or path, apply overrides, refuse what it may not do without
+    the user's `--trust` (`check_config_doors`), resolve interpolations."""
     cfg = load_config(resolve_config_path(name_or_path))
     apply_overrides(cfg, list(overrides or []))
+    check_config_doors(cfg)
     return resolve(cfg)

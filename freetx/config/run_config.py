@@ -9,16 +9,24 @@ so a run refused at set-up never replaces the config of the checkpoints beside i
 
 from __future__ import annotations
 
+import contextvars
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from freetx.config.loading import check_override_syntax, compose
+from freetx.config.loading import check_override_syntax, compose, resolve_config_path
 from freetx.config.schema import apply_schema, as_schema_instance, check_config, config_as_dict
 from freetx.errors import ConfigError, UsageError
 
 CONFIG_FILE_NAME = "config.yaml"
+# the config file this process read (`load_and_check`): a run never writes over it
+_config_file: contextvars.ContextVar[Path | None] = contextvars.ContextVar("config", default=None)
+
+
+def loaded_config_file() -> Path | None:
+    """The config file this process's run was given (None: none read yet)."""
+    return _config_file.get()
 
 
 def split_recipe_args(argv: list[str]) -> tuple[str, list[str]]:
@@ -51,6 +59,7 @@ def load_and_check(
     config: str, overrides: list[str], schema: type | None
 ) -> tuple[DictConfig, list[str]]:
     """The composed config and every problem found in it (empty when clean)."""
+    _config_file.set(resolve_config_path(config))
     cfg = compose(config, overrides)
     return cfg, check_config(cfg, schema)
 

@@ -42,6 +42,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from freetx.config.trust import check_task_folder
 from freetx.data.tokenizers import HFTokenizer, leading_bos
 from freetx.distributed.groups import HostGroup
 from freetx.errors import ConfigError
@@ -379,6 +380,8 @@ def check_tasks(tasks: list[str], include_path: str | None):
             "lm-eval task YAMLs (each with a `task:` name), or leave it out for the harness's "
             "own tasks."
         )
+    if include_path is not None:
+        check_task_folder(include_path)  # a folder whose YAMLs run Python is code: trusted?
     manager = _task_manager(include_path, tuple(tasks))
     unknown = [task for task in tasks if not manager.match_tasks([task])]
     if unknown:

@@ -66,6 +66,7 @@ class LaunchSpec:
     log: str = "slurm-%j.out"
     workdir: str | None = None
     loader_workers: int = 0  # each process's data-loader workers (num_workers)
+    trust: list[str] = field(default_factory=list)  # `freetx run --trust` (docs/trust.md)
 
     @property
     def processes_per_node(self) -> int:
@@ -95,7 +96,8 @@ class LaunchSpec:
         refuse_unsafe(self)
 
     def freetx_run(self, python: str, *launch: str) -> list[str]:
-        return [python, "-m", "freetx", "run", *launch, self.recipe, *self.recipe_args]
+        trust = [f"--trust={name}" for name in self.trust]
+        return [python, "-m", "freetx", "run", *launch, *trust, self.recipe, *self.recipe_args]
 
 
 def refuse_unsafe(spec: LaunchSpec) -> None:
@@ -105,6 +107,7 @@ def refuse_unsafe(spec: LaunchSpec) -> None:
     values = [
         ("the recipe", spec.recipe),
         *(("--env", item) for item in spec.env),
+        *(("--trust", item) for item in spec.trust),
         *(("an argument after the recipe", a) for a in spec.recipe_args),
     ]
     for what, value in values:

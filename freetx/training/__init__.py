@@ -19,7 +19,7 @@ from freetx.training.config import (
     default_metric_loggers,
 )
 from freetx.training.grad import clip_grad_norm
-from freetx.training.lifecycle import TrainingRun, training_state
+from freetx.training.lifecycle import TrainingRun, claim_folder, training_state
 from freetx.training.lr_schedule import LRScheduleConfig, build_lr_scheduler, lr_multiplier
 from freetx.training.meters import (
     ThroughputMeter,
@@ -48,6 +48,7 @@ __all__ = [
     "TokenEvalConfig",
     "TrainingConfig",
     "TrainingRun",
+    "claim_folder",
     "accumulate_gradients",
     "evaluation_sums",
     "build_lr_scheduler",

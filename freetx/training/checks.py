@@ -9,7 +9,9 @@ from pathlib import Path
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from torch import nn
 
+from freetx.checkpoint.run_folder import check_output_dir
 from freetx.config.instantiate import find_components, node_config, to_container
+from freetx.config.run_config import loaded_config_file
 from freetx.data import micro_batch_size, tokenizer_problem
 from freetx.data.sources import source_problems
 from freetx.distributed import DistributedConfig, MeshShape, Processes, check_distributed
@@ -203,3 +205,5 @@ def check_written_folders(cfg: object) -> None:
     if dataclasses.is_dataclass(cfg):
         for key, folder, own in written_folders(cfg):
             check_writable_folder(folder, key, own)
+            if key == "output_dir":  # a run's folder: never one taken over
+                check_output_dir(folder, loaded_config_file())

@@ -46,8 +46,9 @@ from freetx.checkpoint import (
     step_name,
 )
 from freetx.checkpoint.checkpointer import build_meta
-from freetx.checkpoint.run_folder import RecipeMark, nothing_left_to_train
+from freetx.checkpoint.run_folder import RecipeMark, claim_output_dir, nothing_left_to_train
 from freetx.checkpoint.state import LRSchedulerState
+from freetx.config.run_config import loaded_config_file
 from freetx.config.schema import config_as_dict
 from freetx.distributed import (
     FrozenBase,
@@ -109,6 +110,15 @@ def recipe_mark(name: str, file: Path | None) -> RecipeMark:
     if file is None or Path(file).resolve().parent == recipes_dir().resolve():
         return RecipeMark(name)
     return RecipeMark(name, str(Path(file).resolve()))
+
+
+def claim_folder(output_dir: str | Path, recipe: str, mark: bool = True) -> None:
+    """For a recipe that writes its output_dir without a checkpointer (generate, eval):
+    refuse a folder it would take over, then mark it as this recipe's (`claim_output_dir`;
+    `mark`: the rank that writes)."""
+    claim_output_dir(
+        output_dir, recipe_mark(recipe, running_recipe_file()), loaded_config_file(), mark
+    )
 
 
 class TrainingRun:

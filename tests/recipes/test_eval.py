@@ -82,7 +82,8 @@ def test_tasks_perplexity_of_a_dataset_and_rewards_over_greedy_completions(folde
     text = tasks / "ppl.jsonl"
     result, results = evaluate(
         str(folder), "--tasks", "freetx_tiny_mc", "--include-path", str(tasks),
-        f"output_dir={tmp_path}", "batch_size=2", "max_new_tokens=6",
+        "--trust", "tests.recipes.test_eval", f"output_dir={tmp_path / 'eval'}",
+        "batch_size=2", "max_new_tokens=6",
         "dataset._component_=freetx.data.PackedTextDataset", f"dataset.source={text}",
         f"dataset.validation_source={text}", "dataset.seq_len=16", "~dataset.val_fraction",
         f"prompts.source={prompts}", f"prompts.validation_source={prompts}",

@@ -61,48 +61,27 @@ def test_component_os_system_in_dataset_cache_dir_is_refused(tmp_path, command):
     text = flat(result.stdout + result.stderr)
     assert result.returncode == 1, text
     assert "dataset.cache_dir._component_: 'os.system' is refused" in text
-    assert "FREETX_ALLOW_COMPONENTS=os.system" in text and "docs/configs.md#trust" in text
+    assert "--trust os" in text and "docs/trust.md" in text
     assert not marker.exists()
 
 
-@pytest.mark.parametrize(
-    "target",
-    ["subprocess.run", "torch.os.system", "builtins.eval", "shutil.rmtree", "torch.load"],
-)
-def test_component_that_runs_code_in_model_max_seq_len_is_refused(tmp_path, target):
-    config, marker = hostile_config(
-        tmp_path, "model.max_seq_len", {"_component_": target, "args": "touch MARKER"}
-    )
-    result = run_freetx_here("estimate", str(config), *RECIPE, "--world-size", "1")
-    text = flat(result.stderr)
-    assert result.returncode == 1 and f"model.max_seq_len._component_: '{target}'" in text, text
-    assert "is refused" in text and not marker.exists()
-
-
-def test_component_allowed_by_the_environment_passes_validate(tmp_path, monkeypatch):
+def test_component_trusted_for_the_command_passes_validate(tmp_path):
     config, marker = hostile_config(tmp_path, "dataset.cache_dir", OS_SYSTEM)
-    monkeypatch.setenv("FREETX_ALLOW_COMPONENTS", "os.system")
-    result = run_freetx_here("validate", str(config), *RECIPE)
-    assert result.returncode == 0 and "OK" in result.stdout, result.stdout
+    result = run_freetx_here("validate", str(config), *RECIPE, "--trust", "os.system")
+    assert result.returncode == 0 and "OK" in result.stdout, result.stdout + result.stderr
     assert not marker.exists()  # validate builds nothing
 
 
-def test_estimate_builds_no_component_of_another_package(tmp_path):
-    config, _ = hostile_config(tmp_path, "model.max_seq_len", {"_component_": "statistics.mean",
-                                                                "data": [128]})  # fmt: skip
-    result = run_freetx_here("estimate", str(config), *RECIPE, "--world-size", "1")
-    text = flat(result.stderr)
-    assert result.returncode == 1, text
-    assert "`freetx estimate` builds only components of freetx, torch" in text
-    assert "'statistics.mean' comes from statistics" in text
-
-
-def test_estimate_builds_a_component_of_the_users_own_module(tmp_path, monkeypatch):
+def test_a_component_of_the_users_own_module_needs_trust(tmp_path, monkeypatch):
     (tmp_path / "my_lengths.py").write_text("def seq_len():\n    return 128\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     config, _ = hostile_config(tmp_path, "model.max_seq_len",
                                {"_component_": "my_lengths.seq_len"})  # fmt: skip
-    result = run_freetx_here("estimate", str(config), *RECIPE, "--world-size", "1")
+    refused = run_freetx_here("estimate", str(config), *RECIPE, "--world-size", "1")
+    assert refused.returncode == 1 and "--trust my_lengths" in flat(refused.stderr)
+    result = run_freetx_here(
+        "estimate", str(config), *RECIPE, "--world-size", "1", "--trust", "my_lengths"
+    )
     assert result.returncode == 0, result.stderr
 
 

@@ -67,6 +67,7 @@ def test_nested_path_in_errors():
 def test_missing_dependency_inside_a_module_is_reported(tmp_path, monkeypatch):
     (tmp_path / "needs_missing.py").write_text("import not_installed_pkg_xyz\ndef f(): pass\n")
     monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("FREETX_TRUST", "needs_missing")
     cfg = make(thing={"_component_": "needs_missing.f"})
     with pytest.raises(ConfigError, match="not_installed_pkg_xyz"):
         instantiate(cfg.thing)

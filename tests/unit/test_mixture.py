@@ -191,7 +191,8 @@ class Holder:
         self.one, self.other = one, other
 
 
-def test_built_later_arguments_get_factories_and_others_are_built():
+def test_built_later_arguments_get_factories_and_others_are_built(monkeypatch):
+    monkeypatch.setenv("FREETX_TRUST", __name__)  # a test's own class: trusted here
     linear = {"_component_": "torch.nn.Linear", "in_features": 2}
     cfg = OmegaConf.create({"h": {"_component_": f"{__name__}.Holder", "parts": [linear, linear],
                                   "one": linear, "other": {**linear, "out_features": 5}}})  # fmt: skip

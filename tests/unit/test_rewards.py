@@ -142,6 +142,7 @@ def test_a_bad_reward_node_is_a_config_error_naming_it(nodes, problem):
 def write_module(folder: Path, monkeypatch, name: str, source: str) -> None:
     (folder / f"{name}.py").write_text(source)
     monkeypatch.syspath_prepend(str(folder))
+    monkeypatch.setenv("FREETX_TRUST", name)  # the user's own code: trusted for the command
 
 
 def test_a_function_with_the_wrong_signature_is_refused_with_the_expected_one(
