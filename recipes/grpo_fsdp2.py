@@ -52,7 +52,9 @@ from freetx.models import DecodesIncrementally
 from freetx.models.generation import Sampling
 from freetx.models.hf import end_token_ids
 from freetx.objectives import GRPOLoss, build_rewards, token_logps, with_router_loss
+from freetx.objectives.deadline import Interrupted
 from freetx.objectives.reference import reference_kind, reference_model
+from freetx.objectives.rewards import REWARD_TIMEOUT_S
 from freetx.objectives.rollouts import CompletionScorer, GenerationConfig, Rollouts, write_samples
 from freetx.training import FinalTasksConfig, PlannedRun, accumulate_gradients, optimizer_step
 from freetx.training.decoder import DecoderConfig, DecoderSetup
@@ -98,6 +100,9 @@ class GRPOConfig(DecoderConfig):
 
     # [{_component_: ..., weight: 1.0, name: ...}]: freetx.objectives.rewards, docs/rewards.md
     rewards: list[Any] = component_list("weight", "name")
+    # seconds a reward's call may take (a TRL-style reward's: its call on a rank's batch);
+    # past it the run stops naming the reward and the row (freetx.objectives.deadline)
+    reward_timeout_s: float = at_least(1, default=REWARD_TIMEOUT_S)
     loss: Any = field(default_factory=lambda: {"_component_": "freetx.objectives.GRPOLoss"})
     # a completion's reward minus this baseline: GroupMean (GRPO) or LeaveOneOut (RLOO)
     advantage: Any = field(default_factory=lambda: {"_component_": "freetx.objectives.GroupMean"})
@@ -146,6 +151,21 @@ class GRPOConfig(DecoderConfig):
                 )
         instantiate(self.advantage)  # an advantage estimate that builds
         build_rewards(self.rewards)  # each reward's signature, before any launch
+
+    def cautions(self) -> list[str]:
+        """Greedy sampling (temperature 0, or top_k 1): a group's completions are all the
+        same, so GRPO cannot learn; legal, so said and not refused."""
+        gen = self.generation
+        greedy = "temperature=0" if gen.temperature == 0 else "top_k=1" if gen.top_k == 1 else ""
+        if not greedy:
+            return super().cautions()
+        return [
+            *super().cautions(),
+            f"generation.{greedy} samples greedily: the {gen.num_generations} completions of "
+            "each prompt are the same, so each group's rewards are equal, every advantage is "
+            "0 and the run learns nothing (frac_reward_zero_std stays 1). Sample instead, e.g. "
+            "generation.temperature=1.0 (eval.temperature=0 keeps validation greedy).",
+        ]
 
     def planned(self) -> PlannedRun:  # a prompt's completions, the generation phase
         gen = self.generation
@@ -204,7 +224,7 @@ class GRPORecipeFSDP2:
         eos = setup.tokenizer.eos_id
         end_ids = [eos, *(i for i in folder if i != eos)]
         self.scorer = CompletionScorer(
-            setup.tokenizer, self.rewards, end_ids, gen.max_completion_length
+            setup.tokenizer, self.rewards, end_ids, gen.max_completion_length, cfg.reward_timeout_s
         )
         self.rollouts = Rollouts(
             self.plan,
@@ -214,6 +234,7 @@ class GRPORecipeFSDP2:
             self.loss_fn.scale_rewards,
             cfg.seed,
             micro_batches=self.accumulation,
+            stop=self.run,  # a stop signal while a reward runs: Interrupted
         )
         # this rank's share of each optimizer step's prompts (a generation takes
         # steps_per_generation of them: the same prompts per step at any world size)
@@ -239,9 +260,15 @@ class GRPORecipeFSDP2:
         self.model.train()
         while run.step < cfg.max_steps and not run.stopping:  # stopping: SIGTERM, ^C
             # one generation: completions, rewards, advantages, log-probs; its steps' batches
-            steps, prompt_groups, metrics = self.rollouts(
-                self.prompts, run.step, self.reference, self.loss_fn.num_chunks
-            )
+            where = self.prompt_loader.state_dict()  # its prompts' place in the data
+            try:
+                steps, prompt_groups, metrics = self.rollouts(
+                    self.prompts, run.step, self.reference, self.loss_fn.num_chunks
+                )
+            except Interrupted:  # a stop signal while a reward ran: every rank stops here,
+                self.prompt_loader.load_state_dict(where)  # saving this step, which resumes
+                break  # with this generation's prompts
+
             self.write_samples(run.step, prompt_groups)
             for batches in steps:  # each optimizer step's micro-batches
                 started = time.perf_counter()

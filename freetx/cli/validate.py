@@ -47,7 +47,12 @@ def main(args: argparse.Namespace) -> int:
     from freetx.config.schema import apply_schema, as_schema_instance
     from freetx.distributed import Processes
     from freetx.errors import ConfigError
-    from freetx.training import check_layout, check_read_paths, check_written_folders
+    from freetx.training import (
+        TrainingConfig,
+        check_layout,
+        check_read_paths,
+        check_written_folders,
+    )
 
     recipe_name = args.recipe
     if recipe_name is None:
@@ -60,9 +65,11 @@ def main(args: argparse.Namespace) -> int:
         recipe_name = builtin.name
     target = load_recipe(recipe_name)
     cfg, problems = load_and_check(args.config, args.overrides, target.schema)
+    cautions: list[str] = []
     if not problems and target.schema is not None:
         try:  # the run's own checks, with what is known before it starts
             instance = as_schema_instance(apply_schema(cfg, target.schema), target.schema)
+            cautions = instance.cautions() if isinstance(instance, TrainingConfig) else []
             device = config_device(cfg.get("device", "auto"))
             check_layout(instance, Processes(args.world_size, device_type=device))
             check_written_folders(instance)
@@ -84,4 +91,6 @@ def main(args: argparse.Namespace) -> int:
             print(f"  - {p}")
         return 1
     print(f"{args.config}: OK (recipe {recipe_name})")
+    for caution in cautions:  # legal, and pointless: the run prints them too
+        print(f"  warning: {caution}")
     return 0

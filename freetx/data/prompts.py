@@ -19,7 +19,8 @@ printed at start-up).
 
 A sample is {"prompt_ids": [n] int64, "prompt": the prompt's text as the rewards see it
 (the string, or the last user message's content), "fields": the row's other fields,
-"id": where the row is ("FILE:LINE", "builtin prompt 17")}; `collate_prompts` makes a
+"id": where the row is ("FILE:LINE", "builtin prompt 17"), "conversation": the prompt's
+messages, or None for a string prompt (a TRL-style reward reads them)}; `collate_prompts` makes a
 `PromptBatch` of them (lists: prompts differ in length; the recipe pads them as its
 generation wants).
 """
@@ -90,11 +91,12 @@ class PromptBatch:
     fields: list[dict[str, Any]]
     ids: list[str]
     padding: list[bool] = field(default_factory=list)
+    conversations: list[Messages | None] = field(default_factory=list)  # None: a string
 
     @classmethod
     def join(cls, batches: list[PromptBatch]) -> PromptBatch:
         """Batches one after another, as one."""
-        names = ("prompt_ids", "prompts", "fields", "ids", "padding")
+        names = ("prompt_ids", "prompts", "fields", "ids", "padding", "conversations")
         return cls(*([x for b in batches for x in getattr(b, name)] for name in names))
 
     def take(self, count: int) -> PromptBatch:
@@ -105,6 +107,7 @@ class PromptBatch:
             self.fields[:count],
             self.ids[:count],
             self.padding[:count],
+            self.conversations[:count],
         )
 
     def real_rows(self) -> torch.Tensor:
@@ -120,6 +123,7 @@ def collate_prompts(samples: list[dict[str, Any]]) -> PromptBatch:
         [s["fields"] for s in samples],
         [s["id"] for s in samples],
         [bool(s.get(PADDING, False)) for s in samples],
+        [s.get("conversation") for s in samples],
     )
 
 
@@ -160,6 +164,7 @@ class PromptDataset(RowsDataset):
         check_not_empty(len(encoded), rule, source, self.bad_rows)
         self.ids = [examples[i][0] for i in kept]
         self.prompts = [_text(examples[i][1][0]) for i in kept]
+        self.conversations = [_messages(examples[i][1][0]) for i in kept]
         self.fields = [examples[i][1][1] for i in kept]
         lengths = np.array([len(ids) for ids in encoded])
         limit = self.max_prompt_len if self.max_prompt_len is not None else int(lengths.max())
@@ -196,6 +201,7 @@ class PromptDataset(RowsDataset):
             "prompt": self.prompts[index],
             "fields": dict(self.fields[index]),
             "id": self.ids[index],
+            "conversation": self.conversations[index],
         }
 
     def summary(self) -> DataSummary:
@@ -204,6 +210,11 @@ class PromptDataset(RowsDataset):
         longest = max(len(ids) for ids in self.prompt_ids)
         real = sum(len(ids) for ids in self.prompt_ids)
         return DataSummary(len(self), len(self), longest, real, False, unit="prompts")
+
+
+def _messages(prompt: str | Messages) -> Messages | None:
+    """A conversation's messages (a copy), or None for a string prompt."""
+    return None if isinstance(prompt, str) else [dict(m) for m in prompt]
 
 
 def _text(prompt: str | Messages) -> str:

@@ -11,11 +11,14 @@ tokens, put there by the recipe. The config lists them, each with a weight:
       - {_component_: my_rewards.count_words, weight: 0.1, name: words}
 
 A class is built with the node's keys (`freetx.config.instantiate`); a plain function,
-a user's own found on PYTHONPATH as every `_component_` is, is the reward itself.
-`build_rewards` checks each can be called as f(prompt, completion, row) before anything
-runs; `score_completions` calls them, and a reward that raises or returns no finite
-number stops the run with a `RewardError` naming the reward and the row: never a silent 0
-(docs/rewards.md).
+a user's own found on PYTHONPATH as every `_component_` is, is the reward itself. A reward
+may also be TRL's batched form, taken unchanged (`BatchedReward`: a signature naming
+`completions`): f(prompts, completions, completion_ids, **columns) -> a list of floats,
+None where it does not apply. `build_rewards` checks each can be called in its form
+before anything runs; `score_completions` calls them, each call with a deadline
+(`reward_timeout_s`, `freetx.objectives.deadline`), and a reward that raises, returns no
+finite number or passes its deadline stops the run with a `RewardError` naming the reward
+and the row: never a silent 0 (docs/rewards.md).
 
 Built in: `ExactMatch` (the answer extracted from the completion equals the row's; GSM8K's
 `#### 72`, `\\boxed{72}`), `RegexFormat` (the completion fits a pattern) and `LengthPenalty`
@@ -28,7 +31,7 @@ import inspect
 import math
 import numbers
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from decimal import Decimal, InvalidOperation
 from typing import Any, NamedTuple, Protocol
 
@@ -43,9 +46,13 @@ from freetx.config.instantiate import (
     node_path,
 )
 from freetx.errors import ConfigError, TrainingError
+from freetx.objectives.deadline import DeadlinePassed, Interrupted, call_with_deadline
 
 HELD = ("weight", "name")  # a reward node's keys the recipe reads (the rest are the target's)
 SIGNATURE = "def reward(prompt: str, completion: str, row: dict) -> float"
+TRL_SIGNATURE = "def reward(prompts, completions, completion_ids, **kwargs) -> list[float]"
+TRL_ARGUMENTS = ("prompts", "completions", "completion_ids")  # passed by keyword, as TRL does
+REWARD_TIMEOUT_S = 60.0  # a reward call's deadline unless the config sets reward_timeout_s
 EXTRACTORS = ("none", "hash", "boxed")
 _NUMBER = re.compile(r"[+-]?(\d{1,3}(,\d{3})+|\d+)(\.\d*)?|[+-]?\.\d+")
 
@@ -56,17 +63,43 @@ class RewardError(TrainingError):
 
 
 class RewardFunction(Protocol):
-    """What every reward is: a completion's score (a finite number)."""
+    """freetx's form of a reward: one completion's score (a finite number)."""
 
     def __call__(self, prompt: str, completion: str, row: Mapping[str, Any]) -> float: ...
 
 
+class BatchedReward(Protocol):
+    """TRL's form, taken unchanged: every completion of a batch scored in one call, each
+    argument by keyword, the rows' columns as lists in `kwargs`; a conversation's prompt
+    is its messages and its completion [{"role": "assistant", "content": text}]. None for
+    a completion: the reward does not apply to it (TRL's meaning)."""
+
+    def __call__(
+        self,
+        prompts: list[Any],
+        completions: list[Any],
+        completion_ids: list[list[int]],
+        **kwargs: Any,
+    ) -> list[float | None]: ...
+
+
 class Reward(NamedTuple):
-    """A built reward: its name (metrics `rewards/<name>/mean`), function and weight."""
+    """A built reward: its name (metrics `rewards/<name>/mean`), function and weight;
+    `batched`: TRL's form (`BatchedReward`)."""
 
     name: str
-    function: RewardFunction
+    function: RewardFunction | BatchedReward
     weight: float
+    batched: bool = False
+
+
+def is_batched(function: Any) -> bool:
+    """Whether a reward is TRL's batched form: its signature names `completions` (freetx's
+    form takes one `completion`)."""
+    try:
+        return "completions" in inspect.signature(function).parameters
+    except (TypeError, ValueError):  # no signature: freetx's form, the first call says
+        return False
 
 
 def _field(row: Mapping[str, Any], field: str, reward: str) -> Any:
@@ -232,7 +265,7 @@ def build_rewards(nodes: Any) -> list[Reward]:
             n += 1
             unique = f"{name}_{n}"
         names.add(unique)
-        built.append(Reward(unique, function, weight))
+        built.append(Reward(unique, function, weight, is_batched(function)))
     return built
 
 
@@ -276,7 +309,8 @@ def _built(node: Any, where: str) -> tuple[str, RewardFunction, float]:
 
 
 def _check_callable(function: Any, dotted: str, where: str) -> None:
-    """Refuse a reward that cannot be called as function(prompt, completion, row)."""
+    """Refuse a reward that cannot be called in its form: function(prompt, completion,
+    row), or TRL's function(prompts=, completions=, completion_ids=, **columns)."""
     if not callable(function):
         raise ConfigError(
             f"{where}: {dotted} builds a {type(function).__name__}, which cannot be called; "
@@ -286,13 +320,30 @@ def _check_callable(function: Any, dotted: str, where: str) -> None:
         signature = inspect.signature(function)
     except (TypeError, ValueError):  # some builtins have none: the first call says
         return
+    if is_batched(function):
+        keywords = any(p.kind is p.VAR_KEYWORD for p in signature.parameters.values())
+        try:
+            signature.bind_partial(**dict.fromkeys(TRL_ARGUMENTS, []))  # columns: at run
+        except TypeError as e:
+            keywords, why = False, f" ({e})"
+        else:
+            why = "" if keywords else " (it has no **kwargs)"
+        if not keywords:
+            raise ConfigError(
+                f"{where}: {dotted}{signature} names `completions`, so it is read as TRL's "
+                f"batched form, and it cannot be called as one{why}; write it as "
+                f"{TRL_SIGNATURE}: the rows' columns come as keyword lists in kwargs "
+                "(docs/rewards.md)."
+            )
+        return
     try:
         signature.bind("prompt", "completion", {})
     except TypeError as e:
         raise ConfigError(
             f"{where}: {dotted}{signature} cannot be called with a reward's three arguments "
             f"({e}); write it as {SIGNATURE}: the prompt's text, the completion's text and "
-            "the row's other fields with completion_tokens (docs/rewards.md)."
+            f"the row's other fields with completion_tokens; or as TRL's {TRL_SIGNATURE} "
+            "(docs/rewards.md)."
         ) from None
 
 
@@ -307,31 +358,128 @@ def score_completions(
     completions: Sequence[str],
     rows: Sequence[Mapping[str, Any]],
     row_ids: Sequence[str],
+    *,
+    completion_ids: Sequence[list[int]] | None = None,
+    conversations: Sequence[list[dict[str, str]] | None] | None = None,
+    timeout_s: float = REWARD_TIMEOUT_S,
+    stop: Callable[[], bool] | None = None,
 ) -> torch.Tensor:
     """[R, len(rewards)] float32: each reward's own value for each completion (unweighted;
-    the recipe weights them). A reward that raises or returns no finite number raises
-    RewardError naming the reward, the row and a shortened prompt and completion."""
+    the recipe weights them: `weighted`); NaN where a TRL-style reward returned None (it
+    does not apply). Each call has `timeout_s` seconds, and `stop` (a stop signal came)
+    abandons the wait (`call_with_deadline`: Interrupted). A reward that raises, returns
+    no finite number or passes its deadline, or a completion no reward applies to, raises
+    RewardError naming the reward, the row and a shortened prompt and completion.
+    `completion_ids` (each completion's tokens) and `conversations` (each prompt's
+    messages, None for a string) are what TRL's form reads besides the texts."""
+    scenes = [
+        f"on {row_id} (prompt {_short(prompt)}, completion {_short(completion)})"
+        for prompt, completion, row_id in zip(prompts, completions, row_ids, strict=True)
+    ]
     scores = torch.empty(len(completions), len(rewards), dtype=torch.float32)
-    for i, (prompt, completion, row, row_id) in enumerate(
-        zip(prompts, completions, rows, row_ids, strict=True)
-    ):
-        for j, reward in enumerate(rewards):
-            scene = (
-                f"reward {reward.name} on {row_id} (prompt {_short(prompt)}, completion "
-                f"{_short(completion)})"
+    for j, reward in enumerate(rewards):
+        if reward.batched:
+            where = (
+                f"reward {reward.name} on the {len(rows)} completions of {row_ids[0]} .. "
+                f"{row_ids[-1]} (first prompt {_short(prompts[0])})"
             )
-            try:
-                value = reward.function(prompt, completion, row)
-            except Exception as e:
-                raise RewardError(
-                    f"{scene} failed: {type(e).__name__}: {str(e).rstrip('.')}. Fix the "
-                    "reward (or the data it "
-                    "reads); a failing reward is never counted as 0."
-                ) from e
-            if not isinstance(value, numbers.Real) or not math.isfinite(value):
-                raise RewardError(
-                    f"{scene} returned {value!r}, not a finite number; a reward returns a "
-                    "float (e.g. 1.0 right, 0.0 wrong) for every completion."
-                )
-            scores[i, j] = float(value)
+            arguments = _trl_arguments(prompts, completions, rows, completion_ids, conversations)
+            values = _called(reward.function, where, timeout_s, stop, **arguments)
+            scores[:, j] = _trl_values(values, reward.name, scenes, where)
+            continue
+        for i, arguments in enumerate(zip(prompts, completions, rows, strict=True)):
+            scene = f"reward {reward.name} {scenes[i]}"
+            scores[i, j] = _finite(
+                _called(reward.function, scene, timeout_s, stop, *arguments), scene
+            )
+    for i in scores.isnan().all(dim=1).nonzero().flatten().tolist():
+        raise RewardError(
+            f"no reward applies to the completion {scenes[i]}: each of "
+            f"{', '.join(r.name for r in rewards)} returned None. Score every completion "
+            "with at least one reward (a reward of its task, or one that applies to all)."
+        )
     return scores
+
+
+def _called(
+    function: Callable[..., Any],
+    scene: str,
+    timeout_s: float,
+    stop: Callable[[], bool] | None,
+    *args: Any,
+    **kwargs: Any,
+) -> Any:
+    """A reward's call, with its deadline (`call_with_deadline`; Interrupted passes
+    through); a RewardError naming `scene` when it raises or passes the deadline."""
+    try:
+        return call_with_deadline(function, *args, timeout_s=timeout_s, stop=stop, **kwargs)
+    except Interrupted:  # a stop signal: the caller stops the run
+        raise
+    except DeadlinePassed:
+        raise RewardError(
+            f"{scene} did not return within reward_timeout_s={timeout_s:g} s, and the run "
+            "stopped (the call was abandoned). Make the reward return sooner (a timeout on "
+            "whatever it waits for), or raise reward_timeout_s if it is slow by nature."
+        ) from None
+    except Exception as e:
+        raise RewardError(
+            f"{scene} failed: {type(e).__name__}: {str(e).rstrip('.')}. Fix the reward (or "
+            "the data it reads); a failing reward is never counted as 0."
+        ) from e
+
+
+def _finite(value: Any, scene: str) -> float:
+    """`value` as a float, or a RewardError: it is no finite number."""
+    if not isinstance(value, numbers.Real) or not math.isfinite(value):
+        raise RewardError(
+            f"{scene} returned {value!r}, not a finite number; a reward returns a "
+            "float (e.g. 1.0 right, 0.0 wrong) for every completion."
+        )
+    return float(value)
+
+
+def _trl_arguments(
+    prompts: Sequence[str],
+    completions: Sequence[str],
+    rows: Sequence[Mapping[str, Any]],
+    completion_ids: Sequence[list[int]] | None,
+    conversations: Sequence[list[dict[str, str]] | None] | None,
+) -> dict[str, Any]:
+    """TRL's arguments for a batch (`BatchedReward`): every one by keyword, a conversation's
+    prompt as its messages and its completion as one assistant message, each column of
+    the rows as a list (None where a row lacks it)."""
+    talks = list(conversations) if conversations else [None] * len(prompts)
+    columns = dict.fromkeys(k for row in rows for k in row if k not in TRL_ARGUMENTS)
+    return {
+        "prompts": [p if talk is None else talk for p, talk in zip(prompts, talks)],
+        "completions": [
+            c if talk is None else [{"role": "assistant", "content": c}]
+            for c, talk in zip(completions, talks)
+        ],
+        "completion_ids": [list(ids) for ids in completion_ids or [[] for _ in prompts]],
+        **{key: [row.get(key) for row in rows] for key in columns},
+    }
+
+
+def _trl_values(values: Any, name: str, scenes: Sequence[str], where: str) -> torch.Tensor:
+    """A TRL-style reward's list: one finite number or None (NaN: not applicable) per
+    completion; else a RewardError naming the completion."""
+    listed = isinstance(values, (list, tuple))
+    if not listed or len(values) != len(scenes):
+        got = f"a list of {len(values)}" if listed else repr(values)[:40]
+        raise RewardError(
+            f"{where} returned {got}, not a list of {len(scenes)} values; a TRL-style "
+            "reward returns one float per completion (None where it does not apply)."
+        )
+    return torch.tensor(
+        [
+            math.nan if v is None else _finite(v, f"reward {name} {scene}")
+            for v, scene in zip(values, scenes)
+        ]
+    )
+
+
+def weighted(raw: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Each completion's reward: the weighted sum of its rewards' values, those that do
+    not apply to it (NaN: a TRL-style reward's None) left out, as TRL's."""
+    return raw.nan_to_num(0.0) @ weights.to(raw.dtype)

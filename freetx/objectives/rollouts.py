@@ -3,8 +3,9 @@ rewards, weighted by their advantages, with the log-probs the loss reads, as eac
 step's micro-batches; and the metrics of all that. A policy-gradient recipe calls it and
 keeps only its loop:
 
-    scorer = CompletionScorer(tokenizer, rewards, end_ids, max_completion_length)
-    rollouts = Rollouts(plan, scorer, cfg.generation, advantage, scale, cfg.seed, micro_batches)
+    scorer = CompletionScorer(tokenizer, rewards, end_ids, max_completion_length, timeout_s)
+    rollouts = Rollouts(plan, scorer, cfg.generation, advantage, scale, cfg.seed, micro_batches,
+                        stop=run)  # a stop signal while a reward runs: Interrupted
     steps, prompt_groups, metrics = rollouts(prompts, step, reference, num_chunks)
     for batches in steps: ...the loss on each micro-batch (a `RolloutBatch`), a step...
 
@@ -33,8 +34,10 @@ from freetx.distributed import ParallelGroups, ParallelPlan
 from freetx.fields import at_least
 from freetx.models.generation import Draws, Sampling, generate, sampling_problems
 from freetx.objectives.advantages import Baseline, group_advantages
+from freetx.objectives.deadline import Interrupted
 from freetx.objectives.logprobs import token_logps
-from freetx.objectives.rewards import Reward, score_completions
+from freetx.objectives.rewards import REWARD_TIMEOUT_S, Reward, score_completions, weighted
+from freetx.training.signals import StopAgreement
 
 
 @dataclass
@@ -76,13 +79,18 @@ class Completions(NamedTuple):
 class CompletionScorer:
     """generate -> decode -> score: `n` completions of each prompt of a `PromptBatch`, each
     scored by every reward (`score_completions`; a reward reads the prompt, the completion
-    and the row's fields, with `completion_tokens`)."""
+    and the row's fields, with `completion_tokens`), each call within `timeout_s`."""
 
     def __init__(
-        self, tokenizer, rewards: Sequence[Reward], end_ids: list[int], max_new_tokens: int
+        self,
+        tokenizer,
+        rewards: Sequence[Reward],
+        end_ids: list[int],
+        max_new_tokens: int,
+        timeout_s: float = REWARD_TIMEOUT_S,
     ) -> None:
         self.tokenizer, self.rewards, self.end_ids = tokenizer, list(rewards), end_ids
-        self.max_new_tokens = max_new_tokens
+        self.max_new_tokens, self.timeout_s = max_new_tokens, timeout_s
         self.weights = torch.tensor([r.weight for r in self.rewards])
 
     def generate(self, model, prompts: PromptBatch, n: int, sampling: Sampling, keys: list[str]):
@@ -94,8 +102,9 @@ class CompletionScorer:
         draws = Draws.keyed(keys, self.max_new_tokens)
         return generate(model, rows, self.max_new_tokens, sampling, self.end_ids, draws)
 
-    def score(self, out, prompts: PromptBatch, n: int) -> Completions:
-        """`generate`'s completions decoded and scored."""
+    def score(self, out, prompts: PromptBatch, n: int, stop=None) -> Completions:
+        """`generate`'s completions decoded and scored; `stop()` true (a stop signal) while
+        a reward runs: Interrupted."""
         tokens, ended = out.replies(), out.ended.cpu()
         texts = [self.tokenizer.decode(t[:-1] if e else t) for t, e in zip(tokens, ended.tolist())]
         fields = [
@@ -107,6 +116,10 @@ class CompletionScorer:
             texts,
             fields,
             [i for i in prompts.ids for _ in range(n)],
+            completion_ids=tokens,
+            conversations=[c for c in prompts.conversations for _ in range(n)],
+            timeout_s=self.timeout_s,
+            stop=stop,
         )
         entropy = (out.entropy.sum(dim=1) / out.lengths.clamp(min=1)).cpu()
         return Completions(tokens, texts, raw, ended, out.lengths.cpu().float(), entropy)
@@ -125,17 +138,43 @@ class CompletionScorer:
             done = self.score(out, batch, 1)
             keep = batch.real_rows()
             parts = {
-                "reward": (done.raw @ self.weights.to(done.raw.dtype))[keep].sum(),
+                "reward": weighted(done.raw, self.weights)[keep].sum(),
                 "prompts": keep.sum().float(),
                 "completions/mean_length": done.lengths[keep].sum(),
+                **reward_sums(done.raw[keep], self.rewards),
             }
-            for i, reward in enumerate(self.rewards):
-                parts[f"rewards/{reward.name}/mean"] = done.raw[keep, i].sum()
             for name, value in parts.items():
                 sums[name] = sums.get(name, 0) + value
         totals = groups.sum(sums, over="dp")
         prompts = max(float(totals.pop("prompts")), 1.0)
-        return {name: float(value) / prompts for name, value in totals.items()}
+        means = reward_means(totals, self.rewards)
+        return {**{name: float(value) / prompts for name, value in totals.items()}, **means}
+
+
+def reward_sums(raw: torch.Tensor, rewards: Sequence[Reward]) -> dict[str, torch.Tensor]:
+    """Each reward's sum, sum of squares and count over the completions it applies to
+    (`raw` [R, rewards], NaN: not applicable), for `reward_means` once summed over ranks."""
+    sums = {}
+    for i, reward in enumerate(rewards):
+        applies = ~raw[:, i].isnan()
+        values = raw[applies, i].double()
+        sums[f"rewards/{reward.name}/mean"] = values.sum()
+        sums[f"rewards/{reward.name}/sq"] = (values**2).sum()
+        sums[f"rewards/{reward.name}/count"] = applies.sum().double()
+    return sums
+
+
+def reward_means(totals: dict[str, Any], rewards: Sequence[Reward]) -> dict[str, float]:
+    """Each reward's mean and std over the completions it applies to, from `reward_sums`
+    summed over ranks (popped from `totals`)."""
+    out = {}
+    for reward in rewards:
+        name = f"rewards/{reward.name}"
+        count = max(float(totals.pop(f"{name}/count")), 1.0)
+        mean = float(totals.pop(f"{name}/mean")) / count
+        square = float(totals.pop(f"{name}/sq")) / count
+        out[f"{name}/mean"], out[f"{name}/std"] = mean, max(square - mean**2, 0.0) ** 0.5
+    return out
 
 
 @dataclass
@@ -164,7 +203,9 @@ class Rollouts:
     `steps_per_generation` optimizer steps, `num_generations` completions of each (DAPO's
     dynamic sampling replacing groups without signal), scored, their advantages (the
     `advantage` baseline, `scale`d: group, batch or none), the log-probs the loss reads
-    beside the policy's own, each step's micro-batches, and the generation's metrics."""
+    beside the policy's own, each step's micro-batches, and the generation's metrics.
+    `stop` (the run): a stop signal while a reward runs abandons the rollout on every rank
+    (Interrupted, after the ranks agree), so that the run saves the step it is at."""
 
     def __init__(
         self,
@@ -175,17 +216,19 @@ class Rollouts:
         scale: str,
         seed: int,
         micro_batches: int,
+        stop: StopAgreement | None = None,
     ) -> None:
         self.plan, self.ranks, self.scorer, self.gen = plan, plan.groups, scorer, generation
         self.advantage, self.scale, self.seed = advantage, scale, seed
-        self.micro_batches = micro_batches
+        self.micro_batches, self.stop = micro_batches, stop
         self.sampling = Sampling(generation.temperature, generation.top_k, generation.top_p)
 
     def __call__(
         self, prompts: Iterator[PromptBatch], step: int, reference=None, num_chunks=None
     ) -> tuple[list[list[RolloutBatch]], list[PromptGroup], dict[str, float]]:
         """Each optimizer step's micro-batches, the prompt groups they were made of, the metrics.
-        `reference`: the KL term's reference model (`reference_model`), or None."""
+        `reference`: the KL term's reference model (`reference_model`), or None. Interrupted
+        on every rank when a rank got a stop signal while its rewards scored."""
         gen, started = self.gen, time.perf_counter()
         batch = PromptBatch.join([next(prompts) for _ in range(gen.steps_per_generation)])
         prompt_groups, made = self.sample(batch, f"step {step}")
@@ -229,11 +272,11 @@ class Rollouts:
             out = self.scorer.generate(model, prompts, n, self.sampling, keys)
             model.train()
         generated = time.perf_counter() - started
-        if out is None:
-            return [], {"generation_s": generated, "scoring_s": 0.0, "tokens": 0.0}
         scoring = time.perf_counter()
-        done = self.scorer.score(out, prompts, n)
+        done = self.scored(out, prompts)  # on every rank, with completions or none
         scored = time.perf_counter() - scoring
+        if done is None:
+            return [], {"generation_s": generated, "scoring_s": 0.0, "tokens": 0.0}
         prompt_groups = []
         for i, prompt_ids in enumerate(prompts.prompt_ids):
             part = slice(i * n, (i + 1) * n)
@@ -244,13 +287,29 @@ class Rollouts:
                 done.tokens[part],
                 done.texts[part],
                 done.raw[part],
-                done.raw[part] @ self.scorer.weights,
+                weighted(done.raw[part], self.scorer.weights),
                 done.ended[part],
                 done.entropy[part],
             )
             prompt_groups.append(group)
         tokens = float(out.lengths.sum())
         return prompt_groups, {"generation_s": generated, "scoring_s": scored, "tokens": tokens}
+
+    def scored(self, out, prompts: PromptBatch) -> Completions | None:
+        """`generate`'s completions (None: none) scored (`CompletionScorer.score`), each
+        reward's wait woken by a stop signal; then every rank agrees whether one got a
+        signal (a rank can wait on a reward while the others do not) and, if so, all raise
+        Interrupted."""
+        stop, done = self.stop, None
+        try:
+            if out is not None:
+                watch = None if stop is None else stop.stop_requested
+                done = self.scorer.score(out, prompts, self.gen.num_generations, watch)
+        except Interrupted:  # this rank's signal: the agreement says it to every rank
+            pass
+        if stop is not None and stop.agree_to_stop():
+            raise Interrupted
+        return done
 
     def set_advantages(self, prompt_groups: list[PromptGroup]) -> None:
         """Each completion's advantage (`group_advantages` with the `advantage` baseline);
@@ -328,19 +387,12 @@ class Rollouts:
             "generation_tokens": made["tokens"],
             "generation_s": made["generation_s"],
         }
-        for i, reward in enumerate(rewards):
-            sums[f"rewards/{reward.name}/mean"] = float(raw[:, i].sum())
-            sums[f"rewards/{reward.name}/sq"] = float((raw[:, i] ** 2).sum())
+        sums.update({name: float(value) for name, value in reward_sums(raw, rewards).items()})
         totals, maxima = self.ranks.sum_and_max(
             sums, {"completions/max_length": float(lengths.max())}, over="dp"
         )
         n, g = totals.pop("completions"), totals.pop("groups")
-        out = dict(maxima)
-        for name in ("reward", *(f"rewards/{r.name}/mean" for r in rewards)):
-            out[name] = totals[name] / n
-            if name != "reward":  # a reward's std over every completion
-                square = totals[name.replace("/mean", "/sq")] / n
-                out[name.replace("/mean", "/std")] = max(square - out[name] ** 2, 0.0) ** 0.5
+        out = {**maxima, **reward_means(totals, rewards), "reward": totals["reward"] / n}
         for name in ("reward_std", "frac_reward_zero_std"):  # per group
             out[name] = totals[name] / g
         for name in ("completions/mean_length", "completions/clipped_ratio", "entropy"):

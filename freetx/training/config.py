@@ -190,6 +190,11 @@ class TrainingConfig:
         nothing the estimate counts)."""
         return None
 
+    def cautions(self) -> list[str]:
+        """Settings that are legal and pointless (a run that cannot learn), one paragraph
+        each: printed by `freetx validate` and once at the run's start, never refused."""
+        return []
+
     def refuse_combinations(self) -> None:
         """Raise a ConfigError for settings of several sections that the recipe cannot
         run together (a schema's own: a precomputed reference with adapters); checked by

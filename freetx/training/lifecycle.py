@@ -234,6 +234,8 @@ class TrainingRun:
         )
         if notice:
             self.loggers.write(notice)
+        for caution in cfg.cautions():  # legal, and pointless
+            self.loggers.write(f"warning: {caution}")
         check_final_export(cfg, type(module))  # the model class is known now
         frozen = self.frozen or self.decide_frozen_base(module)
         self.state = training_state(
@@ -266,6 +268,17 @@ class TrainingRun:
     def stopping(self) -> bool:
         """A rank was asked to stop (SIGTERM, SIGUSR1, Ctrl-C): every rank stops now."""
         return self.stop.agreed
+
+    def stop_requested(self) -> bool:
+        """This process got a stop signal (no collective: `StopAgreement`)."""
+        return self.stop.requested is not None
+
+    def agree_to_stop(self) -> bool:
+        """Whether any rank got a stop signal: one collective over the world, which every
+        rank calls at the same point (each step, in `advance`; inside a step where a
+        recipe waits long: `StopAgreement`); `stopping` from then on."""
+        self.stop.agree(self.stop_group.any(self.stop_requested()))
+        return self.stopping
 
     def advance(self, grad_norm: float, real_tokens: float | None = None, loss_tokens=None) -> int:
         """Count one optimizer step: step, data epoch, tokens seen, throughput (of
@@ -308,7 +321,7 @@ class TrainingRun:
             self.nonfinite_in_a_row = 0
         self.progress.step += 1
         at_step(self.progress.step + 1)  # the next one starts (named if a collective hangs)
-        self.stop.agree(self.stop_group.any(self.stop.requested is not None))
+        self.agree_to_stop()
         if self.profiler is not None:
             self.profiler.step()
         sampler = getattr(self.train_loader, "batch_sampler", self.train_loader)

@@ -15,11 +15,22 @@ from that checkpoint. A second Ctrl-C ends the process at once.
 from __future__ import annotations
 
 import signal
+from typing import Protocol
 
 from freetx.errors import PREEMPTED_EXIT_CODE  # noqa: F401 - where the launchers read it
 
 PREEMPTED_FILE = "PREEMPTED"
 SIGNALS = {"SIGTERM": signal.SIGTERM, "SIGUSR1": signal.SIGUSR1, "SIGINT": signal.SIGINT}
+
+
+class StopAgreement(Protocol):
+    """What a long phase inside a step asks of the run (`TrainingRun`: the rollouts wait
+    on user rewards): whether this process got a stop signal (no collective), and whether
+    any rank did (a collective: every rank calls it at the same point; then `stopping`)."""
+
+    def stop_requested(self) -> bool: ...
+
+    def agree_to_stop(self) -> bool: ...
 
 
 class StopRequest:

@@ -1,8 +1,10 @@
 """grpo_fsdp2 through the CLI: LoRA GRPO of an HF folder with a reward from the user's own
-module, exported for PEFT; a reward that raises is named with its row; validate refuses
-what the run refuses; estimate counts the generation phase; 2 processes (fsdp, and tp 2)
-give 1 process's rollouts, rewards and losses; a resume, at another world size too,
-repeats the uninterrupted run."""
+module (and its TRL-style twin, scoring the same), exported for PEFT; a reward that
+raises or blocks past reward_timeout_s is named with its row; a SIGTERM while a reward
+blocks saves the step and stops; validate refuses what the run refuses, and warns that
+greedy rollouts cannot learn; estimate counts the generation phase; 2 processes (fsdp,
+and tp 2) give 1 process's rollouts, rewards and losses; a resume, at another world size
+too, repeats the uninterrupted run."""
 
 from __future__ import annotations
 
@@ -44,6 +46,36 @@ def ran(pair):
     return out
 
 
+USER_REWARDS = """
+import os, signal, time
+
+def count_words(prompt, completion, row):
+    return -abs(len(completion.split()) - int(row['words']))
+
+def count_words_trl(prompts, completions, completion_ids, words, **kwargs):  # TRL's form
+    return [-abs(len(c.split()) - int(w)) for c, w in zip(completions, words)]
+
+def boom(prompt, completion, row):
+    raise KeyError('score')
+
+def stuck(prompt, completion, row):
+    time.sleep(3600)
+
+calls = []
+
+def sigterm_in_step_2(prompt, completion, row):  # 16 completions a step
+    calls.append(1)
+    if len(calls) == 17:
+        os.kill(os.getpid(), signal.SIGTERM)  # a pre-emption while the reward blocks
+        time.sleep(3600)
+    return float(len(calls) % 2)
+"""
+
+
+def user_env(user) -> dict:
+    return {"PYTHONPATH": str(user), "FREETX_TRUST": "my_rewards"}
+
+
 @pytest.fixture(scope="module")
 def hf_prompts(tmp_path_factory):
     """A tiny Llama-shaped HF folder with a chat template, a prompts file asking for a
@@ -59,12 +91,7 @@ def hf_prompts(tmp_path_factory):
             f.write(json.dumps({"prompt": f"Say {i % 4 + 1} words.", "words": i % 4 + 1}) + "\n")
     module = root / "user" / "my_rewards.py"
     module.parent.mkdir()
-    module.write_text(
-        "def count_words(prompt, completion, row):\n"
-        "    return -abs(len(completion.split()) - int(row['words']))\n"
-        "def boom(prompt, completion, row):\n"
-        "    raise KeyError('score')\n"
-    )
+    module.write_text(USER_REWARDS)
     return folder, prompts, module.parent
 
 
@@ -73,12 +100,13 @@ def test_lora_grpo_of_an_hf_folder_with_the_users_reward_exports_for_peft(tmp_pa
     out = tmp_path / "hf_grpo"
     result = run_freetx(
         "run", "grpo_fsdp2", "--config", "llm/hf_tiny_grpo", f"model_dir={folder}",
-        f"dataset.source={prompts}", "rewards=[{_component_: my_rewards.count_words}]",
+        f"dataset.source={prompts}",
+        "rewards=[{_component_: my_rewards.count_words}, {_component_: my_rewards.count_words_trl, name: trl}]",
         "dataset.val_fraction=0.2", f"output_dir={out}", "max_steps=2", "log_every_n_steps=1", "batch_size=2",
         "generation.num_generations=4", "generation.max_completion_length=12",
         "eval.every_n_steps=0", "eval.max_batches=1", "eval.batch_size=2",
         "samples.every_n_steps=1", "checkpoint.every_n_steps=0", JSONL,
-        env={"PYTHONPATH": str(user)},
+        env=user_env(user),
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "reference adapters off" in flat(result.stdout)  # beta 0.04: the base
@@ -89,18 +117,33 @@ def test_lora_grpo_of_an_hf_folder_with_the_users_reward_exports_for_peft(tmp_pa
                  "time/generation", "time/scoring", "time/training", "frac_reward_zero_std"):  # fmt: skip
         assert name in logged[2], name
     assert logged[1]["kl"] == pytest.approx(0.0, abs=1e-6)  # the policy is its reference
+    for step in (1, 2):  # TRL's batched form, taken unchanged, scores as its twin
+        assert logged[step]["rewards/trl/mean"] == logged[step]["rewards/count_words/mean"]
     samples = [json.loads(x) for x in (out / "samples.jsonl").read_text().splitlines()]
     assert {s["step"] for s in samples} == {0, 1} and "count_words" in samples[0]["rewards"]
     adapter = json.loads((out / "export" / "peft" / "adapter_config.json").read_text())
     assert adapter["r"] == 16
 
 
-def test_a_reward_that_raises_is_named_with_its_row(tmp_path, hf_prompts):
+@pytest.mark.parametrize("reward, says", [("boom", "failed: KeyError: 'score'"),
+                                          ("stuck", "did not return within reward_timeout_s=1 s")])  # fmt: skip
+def test_a_reward_that_raises_or_blocks_is_named_with_its_row(tmp_path, hf_prompts, reward, says):
     _, _, user = hf_prompts
-    out, result = grpo(tmp_path, "boom", "max_steps=1",
-                       "rewards=[{_component_: my_rewards.boom}]", env={"PYTHONPATH": str(user)})  # fmt: skip
+    out, result = grpo(tmp_path, reward, "max_steps=1", "reward_timeout_s=1",
+                       f"rewards=[{{_component_: my_rewards.{reward}}}]", env=user_env(user))  # fmt: skip
     text = one_paragraph(result)
-    assert "boom" in text and "builtin prompt" in text and "KeyError" in text
+    assert f"reward {reward} on builtin prompt" in text and "(prompt '" in text and says in text
+
+
+def test_a_sigterm_while_a_reward_blocks_saves_the_step_and_stops(tmp_path, hf_prompts):
+    _, _, user = hf_prompts
+    out, result = grpo(tmp_path, "term", "max_steps=3",
+                       "rewards=[{_component_: my_rewards.sigterm_in_step_2}]", env=user_env(user))  # fmt: skip
+    assert result.returncode == 75, result.stdout[-3000:] + result.stderr[-3000:]
+    assert (
+        "stopped by SIGTERM at step 1" in flat(result.stderr) and "Traceback" not in result.stderr
+    )
+    assert (out / "checkpoints" / "LATEST").read_text().strip() == "step_000001"
 
 
 @pytest.mark.parametrize(
@@ -125,6 +168,15 @@ def test_validate_refuses_what_the_run_refuses(overrides, says):
     result = run_freetx_here("validate", "llm/grpo_tiny", "model_dir=null", *overrides)
     assert result.returncode != 0
     assert says in flat(result.stdout + result.stderr)
+
+
+def test_validate_warns_that_greedy_rollouts_cannot_learn():
+    result = run_freetx_here(
+        "validate", "llm/grpo_tiny", "model_dir=null", "generation.temperature=0"
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "warning: generation.temperature=0 samples greedily" in flat(result.stdout)
+    assert "every advantage is 0" in flat(result.stdout)
 
 
 def test_estimate_counts_the_generation_phase():

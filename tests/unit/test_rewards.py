@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+import time
 from pathlib import Path
 from typing import Any
 
@@ -260,3 +261,81 @@ def test_validate_checks_reward_nodes_without_their_weight_and_name():
     assert len(problems) == 2, problems
     assert "rewards[1].soft_tokens" in problems[0]
     assert "takes no argument 'patern' (did you mean 'pattern'?)" in problems[1]
+
+
+TWINS = """
+def count_words(prompt, completion, row):
+    return 1.0 if len(completion.split()) == int(row["words"]) else 0.0
+
+def count_words_trl(prompts, completions, completion_ids, words, **kwargs):
+    seen.append({"prompts": prompts, "completions": completions, "ids": completion_ids, **kwargs})
+    return [1.0 if len(c.split()) == int(w) else 0.0 for c, w in zip(completions, words)]
+
+def first_word_trl(prompts, completions, **kwargs):  # conversational: messages in and out
+    return [None if p[-1]["content"] == "skip" else float(c[0]["content"] == "yes")
+            for p, c in zip(prompts, completions)]
+
+def no_kwargs(prompts, completions, completion_ids):
+    return [0.0 for _ in completions]
+
+seen = []
+"""
+
+
+@pytest.fixture
+def twins(tmp_path, monkeypatch):
+    """A reward in freetx's form and its TRL-style batched twin, in the user's module."""
+    write_module(tmp_path, monkeypatch, "twin_rewards", TWINS)
+    monkeypatch.setenv("FREETX_TRUST", "twin_rewards")
+    import twin_rewards
+
+    return twin_rewards
+
+
+def test_a_trl_batched_reward_is_taken_unchanged_and_scores_as_its_twin(twins):
+    plain, trl = build_rewards(
+        [node("twin_rewards.count_words"), node("twin_rewards.count_words_trl")]
+    )
+    assert (plain.batched, trl.batched) == (False, True)
+    completions = ["one two three", "one two", "a"]
+    rows = [{"words": 3, "task": "t", "completion_tokens": n} for n in (3, 2, 1)]
+    scores = score_completions([plain, trl], ["p0", "p1", "p2"], completions, rows,
+                               ["row 0", "row 1", "row 2"], completion_ids=[[1, 2], [3], [4]])  # fmt: skip
+    assert scores[:, 0].tolist() == scores[:, 1].tolist() == [1.0, 0.0, 0.0]
+    (call,) = twins.seen  # one call for the batch, every argument by keyword, columns as lists
+    assert call == {"prompts": ["p0", "p1", "p2"], "completions": completions,
+                    "ids": [[1, 2], [3], [4]], "task": ["t"] * 3, "completion_tokens": [3, 2, 1]}  # fmt: skip
+
+
+def test_a_trl_reward_reads_conversations_and_none_is_not_applicable(twins):
+    rewards = build_rewards([node("twin_rewards.first_word_trl"),
+                             node("freetx.objectives.RegexFormat", pattern="y.*", weight=0.5)])  # fmt: skip
+    talks = [[{"role": "user", "content": q}] for q in ("ask", "skip")]
+    scores = score_completions(rewards, ["ask", "skip"], ["yes", "yes"], [{}, {}], ["r0", "r1"],
+                               conversations=talks)  # fmt: skip
+    assert scores[0].tolist() == [1.0, 1.0] and math.isnan(scores[1, 0])
+    from freetx.objectives.rewards import weighted
+
+    assert weighted(scores, torch.tensor([1.0, 0.5])).tolist() == [1.5, 0.5]  # None left out
+    with pytest.raises(RewardError, match="no reward applies to the completion on r1"):
+        score_completions(rewards[:1], ["ask", "skip"], ["yes", "yes"], [{}, {}], ["r0", "r1"],
+                          conversations=talks)  # fmt: skip
+
+
+def test_a_trl_reward_without_kwargs_is_refused_before_it_runs(twins):
+    with pytest.raises(ConfigError, match=r"no_kwargs\(prompts, completions, completion_ids\) "
+                       r"names `completions`.*has no \*\*kwargs"):  # fmt: skip
+        build_rewards([node("twin_rewards.no_kwargs")])
+
+
+def test_a_reward_past_its_deadline_stops_the_run_naming_it_and_the_row():
+    def stuck(prompt: str, completion: str, row: dict) -> float:
+        time.sleep(60)
+        return 0.0
+
+    with pytest.raises(RewardError) as error:
+        score_completions([Reward("stuck", stuck, 1.0)], ["Reverse abc"], ["cba"], [{}],
+                          ["data.jsonl:3"], timeout_s=0.2)  # fmt: skip
+    message = str(error.value)
+    assert "reward stuck on data.jsonl:3 (prompt 'Reverse abc', completion 'cba')" in message
+    assert "did not return within reward_timeout_s=0.2 s" in message and "\n" not in message
