@@ -39,7 +39,7 @@ from omegaconf import MISSING
 
 from freetx.checkpoint import load_model, resolve_checkpoint
 from freetx.config import at_least, instantiate, write_resolved_config
-from freetx.data import checked_tokenizer, leading_bos
+from freetx.data import checked_tokenizer, encoded_text
 from freetx.distributed import init_distributed
 from freetx.entry import parse
 from freetx.errors import ConfigError
@@ -134,7 +134,7 @@ class GenerateRecipe:
         tok = self.tokenizer
         if self.cfg.chat:  # the template writes BOS and the assistant's header itself
             return tok.encode(tok.apply_chat_template([{"role": "user", "content": prompt}], True))
-        return [*leading_bos(tok), *tok.encode(prompt)]
+        return encoded_text(tok, prompt)  # as transformers' tok(prompt).input_ids
 
     def batches(self, prompts: list[list[int]]) -> list[list[int]]:
         """The prompts (indices) sampled in one batch: all of them with a KV cache

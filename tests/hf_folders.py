@@ -316,7 +316,9 @@ def make_folder(folder: Path, family: str, dtype: torch.dtype = torch.float32, s
 
 def make_tokenizer(folder: Path, texts: list[str]) -> None:
     """A byte-level BPE tokenizer trained on `texts` with Llama 3 special tokens and chat
-    template, saved beside the model (`save_pretrained`), vocabulary below VOCAB."""
+    template, saved beside the model (`save_pretrained`), vocabulary below VOCAB. It names
+    a BOS and adds none to a text (transformers' post-processor for a tokenizer object
+    without one), as SmolLM2's."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 

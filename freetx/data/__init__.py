@@ -48,6 +48,7 @@ from freetx.data.tokenizers import (
     HFTokenizer,
     Tokenizer,
     checked_tokenizer,
+    encoded_text,
     leading_bos,
     tokenizer_problem,
 )
@@ -88,6 +89,7 @@ __all__ = [
     "build_train_loader",
     "harvested_activations",
     "checked_tokenizer",
+    "encoded_text",
     "leading_bos",
     "tokenizer_problem",
     "micro_batch_size",

@@ -3,8 +3,11 @@
 Every tokenizer has `vocab_size`, `bos_id`, `eos_id`, `pad_id`, `add_bos_token`,
 `encode(text) -> list[int]` and `decode(ids) -> str`. `encode` adds no special
 tokens: a caller that starts a text with BOS prepends `bos_id` itself, and only
-when `add_bos_token` is true (a model without a BOS, like Qwen2.5, has
-`bos_id=None` and `add_bos_token=False`).
+when `add_bos_token` is true (`leading_bos`; a model without a BOS, like Qwen2.5, has
+`bos_id=None` and `add_bos_token=False`). `add_eos_token` (false when absent) says
+whether the tokenizer also ends a text with EOS; `encoded_text` is a text as
+transformers' `tokenizer(text).input_ids` gives it. An HF folder's tokenizer adds
+what its `tokenizer.json` post-processor adds, as transformers 5 does (`HFTokenizer`).
 """
 
 from __future__ import annotations
@@ -71,6 +74,14 @@ def leading_bos(tokenizer) -> list[int]:
     return [tokenizer.bos_id] if getattr(tokenizer, "add_bos_token", True) else []
 
 
+def encoded_text(tokenizer, text: str) -> list[int]:
+    """`text` as one whole input, as transformers' `tokenizer(text).input_ids` gives it:
+    BOS before it and EOS after it where the tokenizer adds them (a prompt to continue,
+    a text lm-eval scores)."""
+    closing = [tokenizer.eos_id] if getattr(tokenizer, "add_eos_token", False) else []
+    return [*leading_bos(tokenizer), *tokenizer.encode(text), *closing]
+
+
 @runtime_checkable
 class HasHFForm(Protocol):
     """A tokenizer that can write itself as transformers' tokenizer files (an HF export of
@@ -106,7 +117,7 @@ class ByteTokenizer:
     def __init__(self) -> None:
         self.bos_id, self.eos_id, self.pad_id = 256, 257, 258
         self.vocab_size = 259
-        self.add_bos_token = True
+        self.add_bos_token, self.add_eos_token = True, False
         self.chat_template: str | None = None
 
     def encode(self, text: str) -> list[int]:
@@ -192,12 +203,20 @@ class HFTokenizer:
     """A Hugging Face tokenizer read locally: a model folder or a bare `tokenizer.json`.
 
     A folder is what transformers' `save_pretrained` writes: `tokenizer.json`
-    (required), `tokenizer_config.json` (special tokens, `add_bos_token`, and the
-    chat template in older folders) and `chat_template.jinja` (where transformers
-    5 keeps the template; it wins over the config's). A bare `tokenizer.json`
-    carries none of that, so its BOS/EOS default to Llama 3's tokens.
-    `bos_token`/`eos_token`/`pad_token` given here override the folder; a
-    missing pad token falls back to EOS (padding is masked out of the loss).
+    (required), `tokenizer_config.json` (special tokens, and the chat template in
+    older folders) and `chat_template.jinja` (where transformers 5 keeps the template;
+    it wins over the config's). A bare `tokenizer.json` carries none of that, so its
+    BOS/EOS default to Llama 3's tokens. `bos_token`/`eos_token`/`pad_token` given
+    here override the folder; a missing pad token falls back to EOS (padding is
+    masked out of the loss).
+
+    Whether a text starts with BOS (`add_bos_token`) and ends with EOS
+    (`add_eos_token`) is what `tokenizer.json`'s post-processor adds, as in
+    transformers 5, which drops `add_bos_token`/`add_eos_token` of
+    tokenizer_config.json when a folder has a tokenizer.json (SmolLM2's ByteLevel
+    post-processor adds nothing, Llama 3's template adds BOS). Giving either argument
+    here decides both instead, the other false, as
+    `AutoTokenizer.from_pretrained(path, add_bos_token=...)` does.
     Needs the optional `tokenizers` package (`pip install freetx[tokenizers]`).
     """
 
@@ -207,10 +226,11 @@ class HFTokenizer:
         bos_token: str | None = None,
         eos_token: str | None = None,
         pad_token: str | None = None,
+        add_bos_token: bool | None = None,
+        add_eos_token: bool | None = None,
     ) -> None:
         tokenizer_class = _tokenizer_class()
         location = Path(path).expanduser()
-        add_bos_token = None
         self.chat_template: str | None = None
         if location.is_dir():
             file = _tokenizer_file(location, path)
@@ -218,7 +238,6 @@ class HFTokenizer:
             read_config = location / "tokenizer_config.json" in read
             config = _read_config(location / "tokenizer_config.json")
             tokens = _config_tokens(config, path)
-            add_bos_token = config.get("add_bos_token")
             self.chat_template = _read_chat_template(location, config)
         elif location.is_file():
             file, tokens = location, dict(_FILE_DEFAULTS)
@@ -254,7 +273,15 @@ class HFTokenizer:
         self.eos_id = self._special("eos_token")
         self.bos_id = self._special("bos_token") if "bos_token" in tokens else None
         self.pad_id = self._special("pad_token") if "pad_token" in tokens else self.eos_id
-        self.add_bos_token = self.bos_id is not None and add_bos_token is not False
+        if add_bos_token is None and add_eos_token is None:
+            self.add_bos_token, self.add_eos_token = self._post_processor_adds()
+        else:
+            self.add_bos_token, self.add_eos_token = bool(add_bos_token), bool(add_eos_token)
+        if self.add_bos_token and self.bos_id is None:
+            raise DataError(
+                f"tokenizer {path} names no BOS token, so it cannot start a text with one "
+                "(add_bos_token); set tokenizer.bos_token, or leave add_bos_token unset."
+            )
 
     def _special(self, name: str) -> int:
         token = self.special_tokens[name]
@@ -265,6 +292,26 @@ class HFTokenizer:
                 f"tokenizer.{name} to a token it has."
             )
         return token_id
+
+    def _post_processor_adds(self) -> tuple[bool, bool]:
+        """Whether tokenizer.json's post-processor puts BOS before a text and EOS after
+        it (what transformers' `tokenizer(text)` adds); refused when it adds other
+        tokens, which freetx's datasets would not put there."""
+        encoding = self._tok.encode(self.special_tokens["eos_token"])  # one token
+        inside = [i for i, sequence in enumerate(encoding.sequence_ids) if sequence is not None]
+        before, after = encoding.ids[: inside[0]], encoding.ids[inside[-1] + 1 :]
+        if before not in ([], [self.bos_id]) or after not in ([], [self.eos_id]):
+            tokens = self.special_tokens
+            raise DataError(
+                f"tokenizer {self.path}: the post-processor of its tokenizer.json puts "
+                f"{[self._tok.id_to_token(i) for i in before]} before a text and "
+                f"{[self._tok.id_to_token(i) for i in after]} after it, but its BOS is "
+                f"{tokens.get('bos_token')!r} and its EOS {tokens['eos_token']!r} (freetx "
+                "adds only BOS before a text and EOS after it). Set tokenizer.bos_token / "
+                "tokenizer.eos_token to the tokens it adds, or tokenizer.add_bos_token / "
+                "tokenizer.add_eos_token to choose."
+            )
+        return before == [self.bos_id], after == [self.eos_id]
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids

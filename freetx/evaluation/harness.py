@@ -9,8 +9,9 @@ freetx checkpoint and its HF export score alike:
 
 - loglikelihood: a context's trailing spaces move to the continuation and the pair is
   encoded whole, the context's own ids split off (HFLM's `_encode_pair`); an empty
-  context is the prefix token (BOS, else EOS). BOS leads a text where the tokenizer adds
-  one (`leading_bos`) and the text does not start with it already. Rows longest first,
+  context is the prefix token (BOS, else EOS). A text is encoded as HFLM's `tok_encode`
+  does, `tokenizer(text)`: BOS and EOS where the tokenizer adds them (`encoded_text`),
+  none when the text starts with the prefix token's text already. Rows longest first,
   `batch_size` at a time, right-padded: a causal row's log-probs do not read the padding
   after it. The sum of the continuation's log-probs, and whether each of its tokens is
   the argmax.
@@ -43,7 +44,7 @@ import torch
 from torch import nn
 
 from freetx.config.trust import check_task_folder
-from freetx.data.tokenizers import HFTokenizer, leading_bos
+from freetx.data.tokenizers import HFTokenizer, encoded_text
 from freetx.distributed.groups import HostGroup
 from freetx.errors import ConfigError
 from freetx.models.generation import Draws, Sampling, generate
@@ -164,7 +165,9 @@ def _freetx_lm_class() -> type:
                 tokenizer.bos_id if tokenizer.bos_id is not None else tokenizer.eos_id
             )
             special = tokenizer.special_tokens if isinstance(tokenizer, HFTokenizer) else {}
-            self.bos_text = special.get("bos_token") if tokenizer.bos_id is not None else None
+            self.prefix_text = special.get(
+                "bos_token" if tokenizer.bos_id is not None else "eos_token"
+            )
 
         # -- the three requests lm-eval makes ----------------------------------------
         def loglikelihood(self, requests) -> list[tuple[float, bool]]:
@@ -191,12 +194,11 @@ def _freetx_lm_class() -> type:
 
         # -- tokens ---------------------------------------------------------------------
         def encode(self, text: str) -> list[int]:
-            """`text`'s ids, BOS first where the tokenizer adds one and the text does not
-            spell it already (HFLM's `tok_encode`)."""
-            ids = self.tokenizer.encode(text)
-            if self.bos_text and text.startswith(self.bos_text):
-                return ids
-            return leading_bos(self.tokenizer) + ids
+            """`text`'s ids as `tokenizer(text)` gives them, with no special tokens added
+            when the text spells the prefix token already (HFLM's `tok_encode`)."""
+            if self.prefix_text and text.startswith(self.prefix_text):
+                return self.tokenizer.encode(text)
+            return encoded_text(self.tokenizer, text)
 
         def _pair(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
             """(context ids, continuation ids) as lm-eval's `loglikelihood` and HFLM's

@@ -11,7 +11,7 @@ import shutil
 import pytest
 import torch
 
-from freetx.data import HFTokenizer, checked_tokenizer
+from freetx.data import HFTokenizer, checked_tokenizer, encoded_text
 from freetx.errors import ConfigError, DataError
 from tests.conftest import flat, run_freetx, run_freetx_here
 
@@ -100,7 +100,7 @@ def test_tokenizer_end_token_differing_from_config_json_warns_and_generation_sto
         shutil.copy(tokenizer_folder / name, folder / name)
     tok = HFTokenizer(str(folder))
     prompt = "the cat"
-    ids = torch.tensor([[tok.bos_id, *tok.encode(prompt)]])
+    ids = torch.tensor([encoded_text(tok, prompt)])  # as generate encodes it
     first = int(hf_logits(folder, ids)[0, -1].argmax())  # the first token greedy picks
     assert first != tok.eos_id
     config = json.loads((folder / "config.json").read_text())

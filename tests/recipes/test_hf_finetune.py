@@ -122,8 +122,9 @@ def test_finetune_export_and_generate(tmp_path, model_dir):
 
 
 def test_greedy_generate_equals_transformers_and_stops_at_eos(tmp_path, model_dir):
-    """temperature=0 gives transformers' greedy tokens; the reply holds the generated text
-    alone, cut at EOS, and sampling stops once every reply has ended."""
+    """temperature=0 gives transformers' greedy tokens on the prompt as transformers encodes
+    it (a tokenizer that adds no BOS); the reply holds the generated text alone, cut at
+    EOS, and sampling stops once every reply has ended."""
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     torch.manual_seed(1)
@@ -134,9 +135,8 @@ def test_greedy_generate_equals_transformers_and_stops_at_eos(tmp_path, model_di
     folder = tmp_path / "model"
     model.save_pretrained(folder)
     prompt = "the cat"
-    ids = torch.tensor(
-        [[tokenizer.bos_token_id, *tokenizer.encode(prompt, add_special_tokens=False)]]
-    )
+    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    assert tokenizer.bos_token_id not in ids[0].tolist()  # named, but the folder adds none
     theirs = model.generate(ids, do_sample=False, max_new_tokens=12, eos_token_id=None,
                             pad_token_id=tokenizer.pad_token_id)[0, ids.shape[1]:].tolist()  # fmt: skip
     # a greedy token that first appears after two others becomes EOS: the reply stops there

@@ -1,6 +1,6 @@
 """The eval recipe against what it must equal, on a tiny HF folder transformers wrote and
 local lm-eval tasks (tests/recipes/test_eval.py's): lm-eval's own HF backend (HFLM) on the
-same folder; a freetx run folder (perplexity = the run's own val/loss); a LoRA run's
+same folder, and on a folder whose tokenizer adds no BOS; a freetx run folder (perplexity = the run's own val/loss); a LoRA run's
 adapters unmerged (= its merged folder); 2 processes (= 1); `eval.after_training` at the
 end of an SFT run on 1 process and on 2 FSDP2 processes (= the recipe on its checkpoint);
 an unknown task refused before any weight is read; a quantized export (PTQ) as HFLM
@@ -77,6 +77,18 @@ def test_the_eval_recipe_scores_as_lm_evals_hf_backend(folder, tasks, tmp_path):
     assert results["checkpoint"] == str(folder) and results["evaluated"]["tasks"] == TASKS
     assert any("freetx_tiny_ppl" in line and "bits_per_byte" in line
                for line in result.stdout.splitlines())  # the table  # fmt: skip
+
+
+def test_a_tokenizer_that_adds_no_bos_scores_as_lm_evals_hf_backend(tasks, tmp_path):
+    """SmolLM2's kind of folder: its tokenizer names a BOS and adds none (no add_bos_token in
+    its config, a post-processor without BOS). The eval recipe scores every kind of request
+    as `lm_eval --model hf` does: choices, greedy generations, rolling perplexity (5 s)."""
+    folder = tiny_folder(tmp_path / "llama", "llama3_2", bos=False)
+    _, results = evaluate(
+        str(folder), "--tasks", ",".join(TASKS), "--include-path", str(tasks),
+        f"output_dir={tmp_path / 'out'}", "batch_size=3", f"max_length={MAX_LENGTH}",
+    )  # fmt: skip
+    assert_scores_equal(results["tasks"], hflm_scores(folder, tasks))
 
 
 def test_a_run_folders_perplexity_equals_its_own_val_loss(folder, tmp_path):

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from freetx.data import IGNORE_INDEX, ByteTokenizer, ChatDataset, HFTokenizer
+from freetx.data import IGNORE_INDEX, ByteTokenizer, ChatDataset, HFTokenizer, encoded_text
 from freetx.errors import DataError
 
 LLAMA3_SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>"]
@@ -290,7 +290,8 @@ def test_folder_special_tokens_match_transformers(folders, style):
     )
     assert tok.vocab_size == len(fast) == fast.vocab_size + 2  # counts <think> and </think>
     assert tok.chat_template == fast.chat_template
-    assert tok.add_bos_token == (style in ("llama3", "gemma"))
+    # the folders' post-processor adds no BOS, even where one is named (llama3, gemma)
+    assert not tok.add_bos_token and encoded_text(tok, "the cat") == fast("the cat").input_ids
     if style in ("chatml", "qwen3"):
         assert tok.bos_id is None and "bos_token" not in tok.special_tokens
 
@@ -415,12 +416,12 @@ def test_explicit_tokens_override_the_folder_and_a_bare_file_keeps_the_old_defau
     folder, fast = folders["chatml"]
     tok = HFTokenizer(str(folder), bos_token="<|im_start|>", pad_token="<|im_end|>")
     assert tok.bos_id == fast.convert_tokens_to_ids("<|im_start|>") == tok.encode("<|im_start|>")[0]
-    assert tok.pad_id == tok.eos_id and tok.add_bos_token
+    assert tok.pad_id == tok.eos_id and not tok.add_bos_token  # named, added by no one
 
     bare = HFTokenizer(path=str(folder / "tokenizer.json"))  # Llama 3's BOS/EOS by default
     assert bare.bos_id == fast.convert_tokens_to_ids("<|begin_of_text|>")
     assert bare.eos_id == bare.pad_id == fast.convert_tokens_to_ids("<|end_of_text|>")
-    assert bare.chat_template is None and bare.add_bos_token
+    assert bare.chat_template is None and not bare.add_bos_token  # its post-processor's
     named = HFTokenizer(
         str(folder / "tokenizer.json"), bos_token="<|im_start|>", eos_token="<|im_end|>"
     )

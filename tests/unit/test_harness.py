@@ -65,11 +65,14 @@ metric_list:
 """
 
 
-def tiny_folder(root, family: str):
+def tiny_folder(root, family: str, bos: bool = True):
     """A tiny folder of `family` with spread weights (greedy text that changes token) and a
-    tokenizer that starts a text with BOS, as Llama 3's does."""
+    tokenizer that starts a text with BOS, as Llama 3's does; with `bos=False` one that
+    names a BOS and adds none, as SmolLM2's."""
     folder = spread_weights(make_folder(root / "base", family), root / "model", std=0.2)
     make_tokenizer(folder, TEXTS * 8)
+    if not bos:
+        return folder
     file = folder / "tokenizer.json"
     tokenizer = json.loads(file.read_text())
     bos = "<|begin_of_text|>"
@@ -154,6 +157,20 @@ def test_rolling_loglikelihoods_over_several_windows_equal_lm_evals(models):
     mine = ours.loglikelihood_rolling(requests("loglikelihood_rolling", texts))
     hf = theirs.loglikelihood_rolling(requests("loglikelihood_rolling", texts))
     assert mine == pytest.approx(hf, abs=1e-4)
+
+
+def test_a_tokenizer_that_adds_no_bos_scores_as_lm_evals_hf_backend(tmp_path):
+    """SmolLM2's kind of folder (a BOS named, none added): no BOS before a text, as HFLM."""
+    ours, theirs = adapter_and_hflm(tiny_folder(tmp_path, "llama3_2", bos=False))
+    assert not ours.tokenizer.add_bos_token
+    mine = ours.loglikelihood(requests("loglikelihood", PAIRS))
+    hf = theirs.loglikelihood(requests("loglikelihood", PAIRS))
+    assert [logp for logp, _ in mine] == pytest.approx([logp for logp, _ in hf], abs=1e-4)
+    texts = [(" ".join(TEXTS),)]
+    rolling = ours.loglikelihood_rolling(requests("loglikelihood_rolling", texts))
+    assert rolling == pytest.approx(
+        theirs.loglikelihood_rolling(requests("loglikelihood_rolling", texts)), abs=1e-4
+    )
 
 
 GENERATIONS = [
