@@ -129,9 +129,9 @@ def import_axolotl(
 ) -> ImportedConfig:
     """What an axolotl config means in freetx (the module docstring)."""
     found = ImportedConfig(source=source)
-    data = {key: value for key, value in data.items() if value is not None}  # null: unset
+    data = {str(key): value for key, value in data.items() if value is not None}  # null: unset
     rl = data.pop("rl", None)
-    if rl is not None and rl not in RL:
+    if rl is not None and (not isinstance(rl, str) or rl not in RL):
         raise bad_value(found, "rl", rl, f"one of {', '.join(RL)} (or no rl: SFT)")
     kind, loss_type = RL[rl] if rl is not None else ("sft", None)
     keys: Keys = {}

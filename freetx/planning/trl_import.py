@@ -255,7 +255,7 @@ def import_trl(
             f"trainer {kind}: {how} (to name it: freetx import trl sft|dpo|grpo --config FILE)"
         )
     check_kind(kind, source)
-    keys = {name: (name, value) for name, value in data.items()}
+    keys = {str(name): (str(name), value) for name, value in data.items()}
     unknown = f"not a key of TRL's {TRAINERS[kind]} freetx maps"
     map_trainer_keys(found, kind, keys, world_size, dataset_size, unknown)
     return found
@@ -571,12 +571,12 @@ def _grpo_key(found: ImportedConfig, key: str, name: str, value: Any) -> bool:
         target = "loss.epsilon_low" if name == "epsilon" else "loss.epsilon_high"
         set_number(found, key, value, target, (False, 0.0, 10.0))
     elif name == "loss_type":
-        if value not in GRPO_LOSSES:
+        if not isinstance(value, str) or value not in GRPO_LOSSES:
             found.skip(key, f"{value!r}: freetx's GRPO losses are {', '.join(GRPO_LOSSES)}")
         else:
             found.set("loss.aggregation", GRPO_LOSSES[value])
     elif name == "scale_rewards":
-        if value not in SCALE_REWARDS:
+        if not isinstance(value, (str, bool)) or value not in SCALE_REWARDS:
             raise bad_value(found, key, value, "true, false, group, batch or none")
         found.set("loss.scale_rewards", SCALE_REWARDS[value])
     elif name == "importance_sampling_level":

@@ -489,6 +489,9 @@ BAD = {
     "not_yaml": ("axolotl", "base_model: [unclosed\n", "not valid YAML"),
     "a_list": ("trl", "- learning_rate: 1\n", "not a mapping"),
     "axolotl_unknown_rl": ("axolotl", "rl: ppo\n", "one of dpo, ipo"),
+    "axolotl_rl_list": ("axolotl", "rl: [dpo]\n", "one of dpo, ipo"),
+    "trl_grpo_scale_rewards_list": ("trl", "num_generations: 2\nscale_rewards: [1]\n",
+                                    "true, false, group"),
     "axolotl_lr_text": ("axolotl", "learning_rate: fast\n", "learning_rate is 'fast'"),
     "axolotl_datasets_text": ("axolotl", "datasets: data.jsonl\n", "a list of datasets"),
     "axolotl_lora_r_list": ("axolotl", "adapter: lora\nlora_r: [8]\n", "whole number"),
@@ -508,6 +511,13 @@ def test_junk_is_one_paragraph(tmp_path, case):
     result = run_freetx_here("import", fmt, str(path), "--world-size", "1")
     assert message in one_paragraph(result), result.stderr
     assert result.stdout == ""
+
+
+def test_a_number_for_a_key_is_listed_not_a_traceback(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("1: 2\nrl: dpo\nbase_model: m\n")
+    result = run_freetx_here("import", "axolotl", str(path))
+    assert result.returncode == 0 and "#   1: not an axolotl key" in result.stdout, result.stderr
 
 
 def test_unknown_trl_trainer_on_the_command_line_is_one_paragraph():
