@@ -30,7 +30,7 @@ SUBCOMMANDS = {
     "crosscoder": "analyze (model diffing) or export a crosscoder checkpoint",
     "launch": "write a SLURM batch script, or the torchrun command of every node",
     "estimate": "memory per rank and step time of a config for every strategy",
-    "import": "print the freetx overrides a DeepSpeed, accelerate or FSDP config means",
+    "import": "print the freetx overrides an old config means (DeepSpeed, torchtune, axolotl, TRL, ...)",
     "doctor": "check this machine before a run: torch, GPUs, NCCL, collective bandwidth, disk",
     "data": "prepare a config's data: tokenize its dataset into the token cache",
 }
@@ -105,6 +105,8 @@ def _dispatch(argv: list[str], command: str | None, rest: list[str]) -> int:
         return run.main(rest)
     if command in SUBCOMMANDS:
         module = importlib.import_module(f"freetx.cli.{MODULES.get(command, command)}")
+        if hasattr(module, "parse_args"):  # a module that passes arguments on (import trl)
+            return module.main(module.parse_args(rest))
         parser = module.build_parser()
         # intermixed parsing lets options follow overrides; parsers with
         # sub-actions (checkpoint inspect/convert) cannot use it

@@ -16,9 +16,9 @@ does not hold: listed as unmapped.
 
 This module reads the file (`read_config_file`: refusing what is no config) and hands it
 to its format's importer, a module each: deepspeed_import.py, accelerate_import.py,
-fsdp_import.py (torchtune_import.py, with its own entry point); what they share, the
-`ImportedConfig` they fill and the setters of the keys every format has, is
-imported_config.py.
+fsdp_import.py (torchtune_import.py, trl_import.py and axolotl_import.py, with their own
+entry points); what they share, the `ImportedConfig` they fill and the setters of the keys
+every format has, is imported_config.py.
 """
 
 from __future__ import annotations

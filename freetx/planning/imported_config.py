@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from freetx.config.foreign_names import foreign_why, global_batch_note
@@ -72,6 +73,12 @@ def format_value(value: Any) -> str:
         return "null"
     if isinstance(value, (list, tuple)):
         return "[" + ",".join(format_value(v) for v in value) + "]"
+    if isinstance(value, dict):  # YAML's flow style, quoted where needed
+        import yaml
+
+        return yaml.safe_dump(
+            value, default_flow_style=True, width=math.inf, sort_keys=False
+        ).strip()
     return str(value)
 
 
@@ -129,8 +136,11 @@ def set_batch(
     micro: tuple[str, Any] | None,
     accumulation: tuple[str, Any] | None,
     world_size: int | None,
+    group: tuple[str, Any] | None = None,
 ) -> None:
-    """batch_size (global) = per-GPU micro-batch x accumulation steps x GPUs."""
+    """batch_size (global) = per-GPU micro-batch x accumulation steps x GPUs; with `group`
+    (TRL's GRPO: a batch of completions, `group` of them per prompt), over it: freetx's
+    GRPO batch_size counts prompts."""
     steps = _number(found, *accumulation) if accumulation else 1
     if accumulation and steps is not None:
         found.set("gradient_accumulation_steps", int(steps))
@@ -147,12 +157,29 @@ def set_batch(
         )
         return
     total = int(per_gpu) * int(steps) * world_size
-    found.set("batch_size", total)
-    found.notes.append(
-        f"batch_size={total} is global: {micro[0]}={int(per_gpu)} per device x "
-        f"{world_size} ranks (--world-size) x gradient_accumulation_steps={int(steps)}; "
-        "freetx splits it back into per-rank micro-batches"
+    made = (
+        f"{micro[0]}={int(per_gpu)} per device x {world_size} ranks (--world-size) x "
+        f"gradient_accumulation_steps={int(steps)}"
     )
+    unit, size = ("", 1) if group is None else (group[0], int(_number(found, *group) or 1))
+    if total % size:
+        raise bad_value(
+            found,
+            micro[0],
+            micro[1],
+            f"a batch of completions ({made} = {total}) that {unit}={size} divides",
+        )
+    found.set("batch_size", total // size)
+    if group is None:
+        found.notes.append(
+            f"batch_size={total} is global: {made}; freetx splits it back into per-rank "
+            "micro-batches"
+        )
+    else:
+        found.notes.append(
+            f"batch_size={total // size} prompts is global: {made} = {total} completions, "
+            f"{size} per prompt ({unit}); freetx's GRPO batch_size counts prompts"
+        )
 
 
 def set_precision(found: ImportedConfig, key: str, name: Any) -> None:
@@ -315,3 +342,149 @@ def _seed_key(found: ImportedConfig, key: str, name: str, value: Any) -> bool:
     else:
         return False
     return True
+
+
+# -- what the recipe-config importers share (torchtune, axolotl, TRL) ----------------------
+# a model's name (torchtune's builder, an HF folder or Hub name), letters and digits only ->
+# freetx's configs for that family: (full fine-tuning, LoRA); a name holding none of these
+# starts from the 8B configs (any HF folder)
+FAMILY_CONFIGS = {
+    "llama321b": ("llm/llama3_2_1b_full", "llm/llama3_1_8b_lora"),
+    "llama323b": ("llm/llama3_2_1b_full", "llm/llama3_1_8b_lora"),
+    "llama318b": ("llm/llama3_1_8b_full", "llm/llama3_1_8b_lora"),
+    "llama38b": ("llm/llama3_1_8b_full", "llm/llama3_1_8b_lora"),
+    "llama3170b": ("llm/llama3_70b_full", "llm/llama3_70b_lora"),
+    "llama3370b": ("llm/llama3_70b_full", "llm/llama3_70b_lora"),
+    "llama370b": ("llm/llama3_70b_full", "llm/llama3_70b_lora"),
+    "qwen257b": ("llm/qwen2_5_7b_full", "llm/llama3_1_8b_lora"),
+    "qwen38b": ("llm/qwen3_8b_full", "llm/llama3_1_8b_lora"),
+    "gemma22b": ("llm/gemma2_2b_full", "llm/llama3_1_8b_lora"),
+    "phi4mini": ("llm/llama3_1_8b_full", "llm/phi4_mini_lora"),
+}
+DEFAULT_CONFIGS = ("llm/llama3_1_8b_full", "llm/llama3_1_8b_lora")
+QLORA_CONFIG = "llm/llama3_1_8b_qlora"
+HUB_NAME = re.compile(r"^[\w.-]+/[\w.-]+$")  # a Hugging Face Hub repository: owner/name
+DATA_SUFFIXES = (".json", ".jsonl", ".csv", ".parquet", ".arrow", ".txt")
+EPOCHS = (False, 0.0, 1e6)
+# LoRA's numbers: the peft key -> its range (every importer's names map onto these)
+LORA_NUMBERS = {
+    "peft.rank": COUNT,
+    "peft.alpha": (False, 0.0, 1e6),
+    "peft.dropout": (False, 0.0, 1.0),
+}  # the HF Trainer's epochs may be a fraction
+
+
+def family_configs(model: str) -> tuple[tuple[str, str], bool]:
+    """(full, LoRA) configs for the family a model's name holds (Llama-3.2-1B-Instruct,
+    llama3_2_1b), and whether a family was found (else the 8B configs: any HF folder)."""
+    name = re.sub(r"[^a-z0-9]", "", model.lower())
+    family = next((k for k in sorted(FAMILY_CONFIGS, key=len, reverse=True) if k in name), None)
+    return FAMILY_CONFIGS.get(family, DEFAULT_CONFIGS), family is not None
+
+
+def set_model_dir(found: ImportedConfig, key: str, model: Any) -> None:
+    """The base model -> model_dir: a local HF folder as it is; a Hub name is printed as
+    model_dir too, with a note that freetx reads local folders only."""
+    if not isinstance(model, str) or not model:
+        raise bad_value(found, key, model, "the base model's HF folder or Hub name")
+    found.set("model_dir", model)
+    if not Path(model).expanduser().is_dir():
+        hub = HUB_NAME.match(model)
+        found.notes.append(
+            f"{key} {model} is "
+            + ("a Hugging Face Hub name" if hub else "not a folder on this machine")
+            + ": freetx reads the model, its tokenizer and its weights from a local HF folder"
+            + (f" (huggingface-cli download {model} --local-dir DIR)" if hub else "")
+            + "; set model_dir=DIR"
+        )
+
+
+def set_dataset_source(found: ImportedConfig, key: str, source: Any) -> None:
+    """A dataset's files -> dataset.source; a Hub dataset name is listed (freetx reads
+    local files: download it)."""
+    if isinstance(source, list) and len(source) == 1:
+        source = source[0]
+    if isinstance(source, list) and all(isinstance(s, str) for s in source):
+        found.set("dataset.source", source)
+    elif not isinstance(source, str) or not source:
+        raise bad_value(found, key, source, "a data file, a folder or a Hub dataset name")
+    elif is_hub_dataset(source):
+        found.skip(
+            key,
+            f"{source} is a Hugging Face Hub dataset; freetx reads local files: download it "
+            f"(huggingface-cli download --repo-type dataset {source}) and set dataset.source=PATH",
+        )
+    else:
+        found.set("dataset.source", source)
+
+
+def is_hub_dataset(source: str) -> bool:
+    """owner/name, no such path here, and no data file's suffix (data/train.jsonl is a file
+    not copied here yet)."""
+    path = Path(source).expanduser()
+    return (
+        HUB_NAME.match(source) is not None
+        and not path.exists()
+        and path.suffix.lower() not in DATA_SUFFIXES
+    )
+
+
+def set_epochs(
+    found: ImportedConfig,
+    epochs: tuple[str, Any] | None,
+    per_epoch_cap: tuple[str, Any] | None,
+    dataset_size: int | None,
+    kind: tuple[bool, float, float] = COUNT,
+) -> None:
+    """epochs x steps per epoch -> max_steps: steps per epoch are the training samples
+    over the global batch (the last partial batch dropped), capped by `per_epoch_cap`."""
+    cap = (
+        None
+        if per_epoch_cap is None or per_epoch_cap[1] is None
+        else _number(found, *per_epoch_cap)
+    )
+    if epochs is None or epochs[1] is None:
+        return
+    key = epochs[0]
+    count = _number(found, key, epochs[1], kind)
+    if count is None:
+        return
+    shown = f"{count:g}"
+    batch = found.overrides.get("batch_size")
+    if cap is not None and (dataset_size is None or batch is None):
+        found.set("max_steps", max(1, round(count * cap)))
+        return
+    if dataset_size is None or batch is None:
+        missing = " and ".join(
+            what
+            for what, known in (
+                ("--dataset-size N (the training samples)", dataset_size),
+                ("--world-size N", batch),
+            )
+            if known is None
+        )
+        found.skip(
+            key,
+            f"{shown} epoch(s): freetx counts optimizer steps; give {missing} "
+            "and max_steps is computed (epochs x samples / the global batch_size)",
+        )
+        return
+    per_epoch = dataset_size // batch
+    if per_epoch < 1:
+        raise bad_value(
+            found,
+            key,
+            epochs[1],
+            f"run on a dataset of at least one batch ({batch} samples; --dataset-size is "
+            f"{dataset_size})",
+        )
+    if cap is not None:
+        per_epoch = min(per_epoch, int(cap))
+    steps = max(1, round(count * per_epoch))
+    found.set("max_steps", steps)
+    found.notes.append(
+        f"max_steps={steps}: {shown} epoch(s) x {per_epoch} steps ({dataset_size} "
+        f"samples // batch_size {batch}"
+        + (f", capped at {per_epoch_cap[0]}={int(cap)}" if cap is not None else "")
+        + ")"
+    )

@@ -32,37 +32,25 @@ from freetx.config.foreign_names import foreign_key, foreign_why
 from freetx.distributed.config import RESHARD_AFTER_FORWARD_STRATEGIES
 from freetx.planning.imported_config import (
     COUNT,
+    LORA_NUMBERS,
     NORM,
+    QLORA_CONFIG,
     RATE,
     STEPS,
     ImportedConfig,
     _flag,
     _mapping,
-    _number,
+    _pop,
     bad_value,
+    family_configs,
     set_batch,
     set_betas,
+    set_dataset_source,
+    set_epochs,
     set_number,
     set_precision,
 )
 
-# a builder's model name (lora_ / qlora_ taken off) -> freetx's config for that family:
-# (full fine-tuning, LoRA); a name not here starts from the 8B configs (any HF folder)
-FAMILY_CONFIGS = {
-    "llama3_2_1b": ("llm/llama3_2_1b_full", "llm/llama3_1_8b_lora"),
-    "llama3_2_3b": ("llm/llama3_2_1b_full", "llm/llama3_1_8b_lora"),
-    "llama3_1_8b": ("llm/llama3_1_8b_full", "llm/llama3_1_8b_lora"),
-    "llama3_8b": ("llm/llama3_1_8b_full", "llm/llama3_1_8b_lora"),
-    "llama3_1_70b": ("llm/llama3_70b_full", "llm/llama3_70b_lora"),
-    "llama3_3_70b": ("llm/llama3_70b_full", "llm/llama3_70b_lora"),
-    "llama3_70b": ("llm/llama3_70b_full", "llm/llama3_70b_lora"),
-    "qwen2_5_7b": ("llm/qwen2_5_7b_full", "llm/llama3_1_8b_lora"),
-    "qwen3_8b": ("llm/qwen3_8b_full", "llm/llama3_1_8b_lora"),
-    "gemma2_2b": ("llm/gemma2_2b_full", "llm/llama3_1_8b_lora"),
-    "phi4_mini": ("llm/llama3_1_8b_full", "llm/phi4_mini_lora"),
-}
-DEFAULT_CONFIGS = ("llm/llama3_1_8b_full", "llm/llama3_1_8b_lora")
-QLORA_CONFIG = "llm/llama3_1_8b_qlora"
 # torchtune's LoRA module names -> freetx's (peft.target_modules)
 LORA_MODULES = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "output_proj": "o"}
 MLP_MODULES = ["gate", "up", "down"]  # apply_lora_to_mlp: torchtune's w1, w3, w2
@@ -76,7 +64,6 @@ DATASETS = {
     "text_completion_dataset": ("freetx.data.PackedTextDataset", None),
 }
 CONVERSATION_STYLES = {"sharegpt": "sharegpt", "openai": "messages"}
-HUB_DATASET = re.compile(r"^[\w.-]+/[\w.-]+$")
 LOCAL_FORMATS = ("json", "csv", "parquet", "text", "arrow")
 
 UNMAPPED = {
@@ -126,7 +113,8 @@ def import_torchtune(
     steps = data.pop("gradient_accumulation_steps", None)
     accumulation = None if steps is None else ("gradient_accumulation_steps", steps)
     set_batch(found, micro, accumulation, world_size)
-    _epochs(found, data.pop("epochs", None), data.pop("max_steps_per_epoch", None), dataset_size)
+    epochs, cap = _pop(data, "epochs"), _pop(data, "max_steps_per_epoch")
+    set_epochs(found, epochs, cap, dataset_size)
     for key, value in data.items():
         _top_level(found, key, value)
     return found
@@ -181,13 +169,9 @@ def _lora(found: ImportedConfig, model: dict, builder: str) -> str | None:
         if _flag(found, "model.apply_lora_to_output", model.pop("apply_lora_to_output", False)):
             targets.append("output")
         found.set("peft.target_modules", targets)
-    for name, target, kind_ in (
-        ("lora_rank", "peft.rank", COUNT),
-        ("lora_alpha", "peft.alpha", (False, 0.0, 1e6)),
-        ("lora_dropout", "peft.dropout", (False, 0.0, 1.0)),
-    ):
+    for name, target in zip(("lora_rank", "lora_alpha", "lora_dropout"), LORA_NUMBERS):
         if name in model:
-            set_number(found, f"model.{name}", model.pop(name), target, kind_)
+            set_number(found, f"model.{name}", model.pop(name), target, LORA_NUMBERS[target])
     if "use_dora" in model:
         found.set("peft.use_dora", _flag(found, "model.use_dora", model.pop("use_dora")))
     model.pop("quantize_base", None)  # qlora_ builders say it already
@@ -195,11 +179,7 @@ def _lora(found: ImportedConfig, model: dict, builder: str) -> str | None:
 
 
 def _base_config(found: ImportedConfig, builder: str, lora: str | None, output_dir: Any) -> None:
-    name = _model_name(builder)
-    family = next(
-        (k for k in sorted(FAMILY_CONFIGS, key=len, reverse=True) if name.startswith(k)), None
-    )
-    full, lora_config = FAMILY_CONFIGS.get(family, DEFAULT_CONFIGS)
+    (full, lora_config), family = family_configs(_model_name(builder))
     config = QLORA_CONFIG if lora == "qlora" else lora_config if lora else full
     found.recipe = "lora_finetune_fsdp2" if lora else "full_finetune_fsdp2"
     found.config = config
@@ -277,15 +257,9 @@ def _dataset(found: ImportedConfig, node: Any) -> None:
     if isinstance(files, list) and len(files) == 1:
         files = files[0]
     if files is not None:
-        found.set("dataset.source", str(files) if not isinstance(files, list) else files)
-    elif isinstance(source, str) and source not in LOCAL_FORMATS and HUB_DATASET.match(source):
-        found.skip(
-            "dataset.source",
-            f"{source} is a Hugging Face Hub dataset; freetx reads local files: download it "
-            f"(huggingface-cli download --repo-type dataset {source}) and set dataset.source=PATH",
-        )
+        set_dataset_source(found, "dataset.data_files", files)
     elif isinstance(source, str) and source not in LOCAL_FORMATS:
-        found.set("dataset.source", source)
+        set_dataset_source(found, "dataset.source", source)
     style = dataset.pop("conversation_style", None)
     if style is not None:
         if str(style) not in CONVERSATION_STYLES:
@@ -344,55 +318,6 @@ def _scheduler(found: ImportedConfig, scheduler: dict) -> None:
         )
     for key in scheduler:
         found.skip(f"lr_scheduler.{key}", "not a schedule argument freetx maps")
-
-
-def _epochs(
-    found: ImportedConfig, epochs: Any, per_epoch_cap: Any, dataset_size: int | None
-) -> None:
-    """epochs x steps per epoch -> max_steps: steps per epoch are the training samples
-    over the global batch (torchtune drops the last partial batch), capped by
-    max_steps_per_epoch."""
-    cap = None if per_epoch_cap is None else _number(found, "max_steps_per_epoch", per_epoch_cap)
-    if epochs is None:
-        return
-    count = _number(found, "epochs", epochs, COUNT)
-    batch = found.overrides.get("batch_size")
-    if cap is not None and (dataset_size is None or batch is None):
-        found.set("max_steps", count * cap)
-        return
-    if dataset_size is None or batch is None:
-        missing = " and ".join(
-            what
-            for what, known in (
-                ("--dataset-size N (the training samples)", dataset_size),
-                ("--world-size N", batch),
-            )
-            if known is None
-        )
-        found.skip(
-            "epochs",
-            f"{count} epoch(s): freetx counts optimizer steps; give {missing} "
-            "and max_steps is computed (epochs x samples / the global batch_size)",
-        )
-        return
-    per_epoch = dataset_size // batch
-    if per_epoch < 1:
-        raise bad_value(
-            found,
-            "epochs",
-            epochs,
-            f"run on a dataset of at least one batch ({batch} samples; --dataset-size is "
-            f"{dataset_size})",
-        )
-    if cap is not None:
-        per_epoch = min(per_epoch, cap)
-    found.set("max_steps", count * per_epoch)
-    found.notes.append(
-        f"max_steps={count * per_epoch}: {count} epoch(s) x {per_epoch} steps ({dataset_size} "
-        f"samples // batch_size {batch}"
-        + (f", capped at max_steps_per_epoch={cap}" if cap is not None else "")
-        + ")"
-    )
 
 
 def _top_level(found: ImportedConfig, key: str, value: Any) -> None:
