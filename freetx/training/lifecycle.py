@@ -250,6 +250,7 @@ class TrainingRun:
             )
         if self.runtime.is_rank_zero:
             (Path(cfg.output_dir) / PREEMPTED_FILE).unlink(missing_ok=True)
+        self.meter.reset()  # the first step's time starts now, after the restore
 
     # -- the loop's bookkeeping ----------------------------------------------
     @property
@@ -343,13 +344,20 @@ class TrainingRun:
         self.loggers.write(text)
 
     def evaluate(self, evaluate: Callable[[], dict[str, float]]) -> None:
-        """Run the recipe's evaluation (every rank) and log what it returns."""
-        self.log(evaluate())
+        """Run the recipe's evaluation (every rank) and log what it returns; its time is
+        not the steps' (logged as `time/eval` with the next step's throughput)."""
+        with self.meter.apart("eval"):
+            metrics = evaluate()
+        self.log(metrics)
         self.evaluated_step = self.step
 
     def save(self) -> None:
-        """A sharded DCP save of everything needed to resume (every rank takes part)."""
-        self.checkpointer.save(self.step, self.state, {"tokens_seen": self.progress.tokens_seen})
+        """A sharded DCP save of everything needed to resume (every rank takes part); its
+        time is not the steps' (logged as `time/checkpoint` with the next step's)."""
+        with self.meter.apart("checkpoint"):
+            self.checkpointer.save(
+                self.step, self.state, {"tokens_seen": self.progress.tokens_seen}
+            )
         self.saved_step = self.step
 
     def finish(self, evaluate: Callable[[], dict[str, float]]) -> None:
