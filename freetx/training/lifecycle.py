@@ -224,7 +224,7 @@ class TrainingRun:
         )
         if notice:
             self.loggers.write(notice)
-        check_final_export(cfg, type(module))  # the model class is known now
+        self.final_export = check_final_export(cfg, type(module))  # the class is known now
         frozen = self.frozen or self.decide_frozen_base(module)
         self.state = training_state(
             plan,
@@ -384,7 +384,7 @@ class TrainingRun:
             self.evaluate(evaluate)
         if self.cfg.checkpoint.save_final and self.saved_step != self.step:
             self.save()
-        fmt = self.cfg.checkpoint.final_export
+        fmt = self.final_export
         if fmt is not None:
             self.checkpointer.wait()  # an asynchronous final save is complete
             if self.runtime.is_rank_zero:  # streamed from the files: no rank gathers
