@@ -44,7 +44,13 @@ from dataclasses import dataclass, replace
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from freetx.data.sampling import Split
-from freetx.data.sources import Record, format_of_shape, format_overrides
+from freetx.data.sources import (
+    RECORD_SUFFIXES,
+    Record,
+    first_rows,
+    format_of_shape,
+    format_overrides,
+)
 from freetx.errors import DataError
 
 Messages = list[dict[str, str]]
@@ -64,6 +70,30 @@ DEFAULT_COLUMNS: dict[str, dict[str, str]] = {
         "content": "content",
     },
     "prompt": {"prompt": "prompt", "messages": "messages", "role": "role", "content": "content"},
+}
+# the roles whose columns a row of each format has (a prompt's: its prompt, or its messages;
+# a preference pair's prompt may be the start its chosen and rejected messages share)
+NEEDED: dict[str, tuple[str, ...]] = {
+    "messages": ("messages",),
+    "sharegpt": ("messages",),
+    "alpaca": ("instruction", "output"),
+    "prompt_response": ("prompt", "response"),
+    "text": ("text",),
+    "preference": ("chosen", "rejected"),
+    "prompt": ("prompt",),
+}
+# the datasets that read each kind of data, for a format the dataset at hand does not read
+CONVERSATIONS_READER = (
+    "conversations and prompt/response pairs are freetx.data.ChatDataset's and "
+    "freetx.data.InstructDataset's"
+)
+READERS = {
+    "text": "plain text is freetx.data.PackedTextDataset's",
+    "preference": "preference pairs are freetx.data.PreferenceDataset's",
+    "prompt": "prompts alone are freetx.data.PromptDataset's",
+    **{
+        name: CONVERSATIONS_READER for name in ("messages", "sharegpt", "alpaca", "prompt_response")
+    },
 }
 MESSAGE_KEYS = ("role", "content")  # the keys inside a message, not columns of a row
 CONVERSATIONS = ("messages", "sharegpt")
@@ -137,17 +167,7 @@ class Format:
             )
         if name not in reads:
             raise DataError(
-                f"{dataset} reads the formats {', '.join(reads)}, not {name}; "
-                + (
-                    "plain text is freetx.data.PackedTextDataset's."
-                    if name == "text"
-                    else "preference pairs are freetx.data.PreferenceDataset's."
-                    if name == "preference"
-                    else "prompts alone are freetx.data.PromptDataset's."
-                    if name == "prompt"
-                    else "conversations and prompt/response pairs are freetx.data.ChatDataset's "
-                    "and freetx.data.InstructDataset's."
-                )
+                f"{dataset} reads the formats {', '.join(reads)}, not {name}; {READERS[name]}."
             )
         given = dict(columns or {})
         unknown = sorted(set(given) - set(DEFAULT_COLUMNS[name]))
@@ -169,6 +189,21 @@ class Format:
         if self.name in CONVERSATIONS:
             return [self.columns["messages"]]
         return [column for role, column in self.columns.items() if role not in MESSAGE_KEYS]
+
+    def needs(self) -> str:
+        """The columns a row of this format has, said."""
+        columns = ", ".join(self.columns[role] for role in NEEDED[self.name])
+        if self.name == "prompt":
+            return f"{columns} (or {self.columns['messages']})"
+        if self.name == "preference":
+            return f"{columns} (and {self.columns['prompt']}, unless they hold messages)"
+        return columns
+
+    def fits(self, fields: dict[str, Any]) -> bool:
+        """Whether a row has the columns this format reads (`needs`)."""
+        if self.name == "prompt" and self.columns["messages"] in fields:
+            return True
+        return all(self.columns[role] in fields for role in NEEDED[self.name])
 
     def key(self, record: Record) -> bytes:
         """What the train/validation split hashes: the columns the format reads."""
@@ -338,6 +373,63 @@ class Format:
     def text(self, fields: dict[str, Any]) -> str:
         """A record's document (PackedTextDataset)."""
         return self._string(fields, "text")
+
+
+def source_format(
+    source: str | Sequence[str],
+    name: str | None,
+    columns: dict[str, str] | None,
+    dataset: str,
+    reads: Sequence[str],
+    default: str,
+    suffixes: Sequence[str] = RECORD_SUFFIXES,
+) -> Format:
+    """The format of a source's records, by its first rows (`first_rows`: of its files of
+    `suffixes` that hold records; not `builtin`'s): `dataset.format`'s (its columns mapped
+    by `dataset.columns`) when given, else `default`'s. Checked before any split (rows without the
+    format's columns would all hash one way): rows it cannot read are refused
+    (`wrong_format`)."""
+    fmt = Format.of(name, columns, dataset, reads, default)
+    items = [source] if isinstance(source, str) else list(source)
+    first = first_rows([item for item in items if item != "builtin"], suffixes)
+    if not first or any(fmt.fits(row) for row in first):
+        return fmt
+    raise wrong_format(first, fmt, name is not None, dataset, reads, source)
+
+
+def wrong_format(
+    first: Sequence[dict[str, Any]],
+    fmt: Format,
+    given: bool,
+    dataset: str,
+    reads: Sequence[str],
+    source: str | Sequence[str],
+) -> DataError:
+    """One paragraph: the columns of a source's first rows, the format `dataset` reads them
+    as (`given`: by dataset.format) and its columns, and the keys that would read them."""
+    shape = format_of_shape(first[0])
+    missing = [role for role in NEEDED[fmt.name] if fmt.columns[role] not in first[0]]
+    if shape is not None and shape[0] in reads:
+        fix = (
+            f"The data looks like format {shape[0]}: set {format_overrides(*shape)}, or leave "
+            "dataset.format and dataset.columns out (the format is then found from the columns)."
+        )
+    elif shape is not None:
+        fix = f"The data looks like format {shape[0]}: {READERS[shape[0]]}, in a recipe that "
+        fix += "trains on it."
+    elif len(missing) < len(NEEDED[fmt.name]):  # some of its columns: the others named apart
+        fix = "Name yours with " + ", ".join(f"dataset.columns.{r}=COLUMN" for r in missing) + "."
+    else:
+        fix = (
+            "Map those columns onto yours with dataset.columns (dataset.columns.ROLE=COLUMN), "
+            f"or give rows of a format {dataset} reads ({', '.join(reads)}; docs/data.md)."
+        )
+    how = "dataset.format" if given else "its default: dataset.format is not set"
+    found = ", ".join(dict.fromkeys(column for row in first for column in row))
+    return DataError(
+        f"The first rows of {source} have the columns {found}, and {dataset} reads them as "
+        f"format {fmt.name} ({how}), whose rows have the columns {fmt.needs()}. {fix}"
+    )
 
 
 @dataclass

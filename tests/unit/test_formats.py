@@ -39,7 +39,7 @@ def rows_of(format: str) -> list[dict]:
 
 
 def expected_pairs(format: str) -> list[dict]:
-    if format != "alpaca":
+    if format != "alpaca":  # every other format holds PAIRS as they are
         return [{"prompt": p, "response": r} for p, r in PAIRS]
     return [
         {"prompt": ALPACA_PROMPT.format(instruction=p, input=ALPACA_INPUT[i])
@@ -150,6 +150,38 @@ def test_chat_reads_every_format_as_the_same_conversations(chatml, tmp_path):
     assert "### Instruction:\nReverse the word: word0\n\n### Response:\n" in alpaca_text
 
 
+def test_rows_of_another_format_are_refused_before_the_split_naming_the_columns(tmp_path):
+    """Each kind of dataset checks its first rows' columns against its format before the
+    hashed split (which sends rows without those columns all one way): one paragraph with
+    the columns found, those expected and the keys that read them."""
+    from freetx.data import PreferenceDataset, PromptDataset
+
+    chat = write("jsonl", rows_of("messages"), tmp_path / "chat")
+    cases = [
+        (InstructDataset, {"format": "prompt_response", "seq_len": 64}, chat,
+         "the columns messages, and InstructDataset reads them as format prompt_response "
+         "(dataset.format), whose rows have the columns prompt, response. The data looks like "
+         "format messages: set dataset.format=messages"),
+        (InstructDataset, {}, write("jsonl", [{"question": p, "answer": r} for p, r in PAIRS],
+                                    tmp_path / "qa"),
+         "the columns question, answer, and InstructDataset reads them as format prompt_response "
+         "(its default: dataset.format is not set), whose rows have the columns prompt, "
+         "response. Map those columns onto yours with dataset.columns"),
+        (PackedTextDataset, {}, chat, "looks like format messages: conversations and "
+         "prompt/response pairs are freetx.data.ChatDataset's"),
+        (PreferenceDataset, {}, chat, "whose rows have the columns chosen, rejected (and prompt, "
+         "unless they hold messages). The data looks like format messages"),
+        (PromptDataset, {}, write("jsonl", rows_of("text"), tmp_path / "text"),
+         "the columns text, and PromptDataset reads them as format prompt (its default: "
+         "dataset.format is not set), whose rows have the columns prompt (or messages). The "
+         "data looks like format text: plain text is freetx.data.PackedTextDataset's"),
+    ]  # fmt: skip
+    for dataset, keys, source, fragment in cases:
+        with pytest.raises(DataError) as error:
+            dataset(ByteTokenizer(), **keys, **whole(source))
+        assert fragment in str(error.value) and "\n" not in str(error.value), str(error.value)
+
+
 def test_builtin_examples_are_prompt_response_rows(chatml):
     chat = ChatDataset(chatml, source="builtin", seq_len=512, num_builtin_examples=40)
     pairs = InstructDataset(ByteTokenizer(), source="builtin", num_builtin_examples=40)
@@ -171,7 +203,7 @@ def test_column_mapping(tmp_path):
     mapped = PackedTextDataset(ByteTokenizer(), seq_len=32, columns={"text": "body"}, **whole(body))
     older = PackedTextDataset(ByteTokenizer(), seq_len=32, text_field="body", **whole(body))
     assert mapped.tokens.tolist() == older.tokens.tolist()
-    assert read_documents(body, text_format(None, {"text": "body"}, "text")) == DOCS
+    assert read_documents(body, text_format(None, {"text": "body"}, "text", body)) == DOCS
     with pytest.raises(DataError, match="names speaker, which format alpaca does not read"):
         InstructDataset(ByteTokenizer(), format="alpaca", columns={"speaker": "x"}, **whole(source))
 
@@ -249,7 +281,7 @@ def test_sources_that_cannot_be_read(tmp_path, monkeypatch):
     with pytest.raises(DataError, match="needs the datasets library: pip install datasets"):
         InstructDataset(ByteTokenizer(), **whole(folder))
     parquet = write("parquet", rows_of("text"), tmp_path / "texts")
-    with pytest.raises(DataError, match=r"has none of the columns .*\(prompt, response\)"):
+    with pytest.raises(DataError, match=r"columns text, .*prompt, response\. .*PackedTextDataset"):
         InstructDataset(ByteTokenizer(), **whole(parquet))
     damaged = tmp_path / "damaged.parquet"
     damaged.write_bytes(Path(parquet).read_bytes()[:-100])
