@@ -386,7 +386,10 @@ def source_format(
 ) -> Format:
     """The format of a source's records, by its first rows (`first_rows`: of its files of
     `suffixes` that hold records; not `builtin`'s): `dataset.format`'s (its columns mapped
-    by `dataset.columns`) when given, else `default`'s. Checked before any split (rows without the
+    by `dataset.columns`) when given, else `default`'s when the rows have its columns, else
+    the format their columns are in (`format_of_shape`: TRL's standard datasets, `text`,
+    `prompt`/`completion`, `messages`, `prompt`/`chosen`/`rejected`, and sharegpt's and
+    alpaca's) among those `dataset` reads. Checked before any split (rows without the
     format's columns would all hash one way): rows it cannot read are refused
     (`wrong_format`)."""
     fmt = Format.of(name, columns, dataset, reads, default)
@@ -394,6 +397,11 @@ def source_format(
     first = first_rows([item for item in items if item != "builtin"], suffixes)
     if not first or any(fmt.fits(row) for row in first):
         return fmt
+    shape = format_of_shape(first[0])
+    if name is None and not columns and shape is not None and shape[0] in reads:
+        found = Format(shape[0], {**DEFAULT_COLUMNS[shape[0]], **shape[1]})
+        if any(found.fits(row) for row in first):
+            return found
     raise wrong_format(first, fmt, name is not None, dataset, reads, source)
 
 

@@ -150,6 +150,22 @@ def test_chat_reads_every_format_as_the_same_conversations(chatml, tmp_path):
     assert "### Instruction:\nReverse the word: word0\n\n### Response:\n" in alpaca_text
 
 
+def test_the_format_is_found_from_the_columns_as_trl_names_them(chatml, tmp_path):
+    """No dataset.format: InstructDataset and ChatDataset (llm/hf_tiny_kd's and hf_tiny_full's)
+    read a chat file, a prompt/completion file (TRL's conversational and prompt-completion
+    formats), sharegpt and alpaca alike, by the columns of their first rows."""
+    completion = [{"prompt": p, "completion": r} for p, r in PAIRS]
+    chat = {}
+    for name, rows in [*((f, rows_of(f)) for f in ("messages", "sharegpt", "alpaca")),
+                       ("completion", completion)]:  # fmt: skip
+        source = write("parquet" if name == "sharegpt" else "jsonl", rows, tmp_path / name)
+        pairs = examples_of(InstructDataset(ByteTokenizer(), seq_len=256, **whole(source)))
+        assert pairs == expected_pairs(name), name
+        data = ChatDataset(chatml, seq_len=512, **whole(source))
+        chat[name] = [data.rows[i] for i in range(len(data))]
+    assert chat["messages"] == chat["completion"] == chat["sharegpt"]
+
+
 def test_rows_of_another_format_are_refused_before_the_split_naming_the_columns(tmp_path):
     """Each kind of dataset checks its first rows' columns against its format before the
     hashed split (which sends rows without those columns all one way): one paragraph with
