@@ -360,9 +360,10 @@ class TrainingRun:
             )
         self.saved_step = self.step
 
-    def finish(self, evaluate: Callable[[], dict[str, float]]) -> None:
-        """After the loop: evaluate and save the last step, unless already done (a resume
-        at max_steps trains, evaluates and logs nothing, and says so last), then write
+    def finish(self, evaluate: Callable[[], dict[str, float]] | None) -> None:
+        """After the loop: evaluate (None: a run without validation) and save the last step,
+        unless already done (a resume at max_steps trains, evaluates and logs nothing, and
+        says so last), then write
         `checkpoint.final_export`. When stopping on a signal: save this step
         and leave PREEMPTED in output_dir (`freetx run` then exits for a requeue)."""
         if self.stopping:
@@ -380,7 +381,7 @@ class TrainingRun:
             return
         # a resume at max_steps trains nothing: its step was evaluated and logged already
         nothing_trained = self.checkpointer.plan.finished and self.step == self.saved_step
-        if self.evaluated_step != self.step and not nothing_trained:
+        if evaluate is not None and self.evaluated_step != self.step and not nothing_trained:
             self.evaluate(evaluate)
         if self.cfg.checkpoint.save_final and self.saved_step != self.step:
             self.save()
