@@ -1,14 +1,16 @@
 """Formats: what a source's records hold, turned into what a dataset trains on.
 
 `dataset.format` names the layout of the records, `dataset.columns` maps its column
-names onto the data's (only those that differ):
+names onto the data's (only those that differ); without them the format is found from the
+columns of the source's first rows, and every dataset checks them against its format
+before the split (`source_format`):
 
 | format          | columns (defaults)                                  | becomes                 |
 |-----------------|-----------------------------------------------------|-------------------------|
 | messages        | messages, role, content                             | a conversation          |
 | sharegpt        | messages: conversations, role: from, content: value | a conversation (roles human, gpt, system -> user, assistant, system) |
 | alpaca          | instruction, input (optional), output               | a prompt (ALPACA_PROMPT) and a response |
-| prompt_response | prompt, response                                    | a prompt and a response |
+| prompt_response | prompt, response (role, content in messages)       | a prompt and a response (lists of messages: TRL's conversational prompt-completion) |
 | text            | text                                                | a document              |
 | preference      | prompt, chosen, rejected (and role, content in messages) | a preference pair (`Pair`) |
 | prompt          | prompt (a string or messages), else messages; role, content | a prompt (`Format.prompt`) |
@@ -60,7 +62,12 @@ DEFAULT_COLUMNS: dict[str, dict[str, str]] = {
     "messages": {"messages": "messages", "role": "role", "content": "content"},
     "sharegpt": {"messages": "conversations", "role": "from", "content": "value"},
     "alpaca": {"instruction": "instruction", "input": "input", "output": "output"},
-    "prompt_response": {"prompt": "prompt", "response": "response"},
+    "prompt_response": {
+        "prompt": "prompt",
+        "response": "response",
+        "role": "role",
+        "content": "content",
+    },
     "text": {"text": "text"},
     "preference": {
         "prompt": "prompt",
@@ -275,9 +282,22 @@ class Format:
             )
         return out
 
+    def _turns(self, fields: dict[str, Any]) -> Messages | None:
+        """A prompt_response row of messages (TRL's conversational prompt-completion:
+        `{"prompt": [messages], "completion": [messages]}`) as one conversation; None for a
+        row of strings."""
+        if self.name != "prompt_response" or not isinstance(
+            fields.get(self.columns["prompt"]), list
+        ):
+            return None
+        return self._messages(fields, "prompt", needs_reply=False) + self._messages(
+            fields, "response"
+        )
+
     def prompt_response(self, fields: dict[str, Any]) -> tuple[str, str]:
         """A record's prompt and response (InstructDataset)."""
-        if self.name == "prompt_response":
+        turns = self._turns(fields)
+        if self.name == "prompt_response" and turns is None:
             return self._string(fields, "prompt"), self._string(fields, "response")
         if self.name == "alpaca":
             instruction = self._string(fields, "instruction")
@@ -286,7 +306,7 @@ class Format:
             if given.strip():
                 return ALPACA_PROMPT.format(instruction=instruction, input=given), output
             return ALPACA_PROMPT_NO_INPUT.format(instruction=instruction), output
-        messages = self._messages(fields)
+        messages = self._messages(fields) if turns is None else turns
         if [m["role"] for m in messages] != ["user", "assistant"]:
             raise BadRow(
                 f"is a conversation of {[m['role'] for m in messages]}, and InstructDataset "
@@ -299,6 +319,9 @@ class Format:
         """A record's conversation (ChatDataset)."""
         if self.name in CONVERSATIONS:
             return self._messages(fields)
+        turns = self._turns(fields)
+        if turns is not None:
+            return turns
         prompt, response = self.prompt_response(fields)
         return [{"role": "user", "content": prompt}, {"role": "assistant", "content": response}]
 

@@ -152,18 +152,21 @@ def test_chat_reads_every_format_as_the_same_conversations(chatml, tmp_path):
 
 def test_the_format_is_found_from_the_columns_as_trl_names_them(chatml, tmp_path):
     """No dataset.format: InstructDataset and ChatDataset (llm/hf_tiny_kd's and hf_tiny_full's)
-    read a chat file, a prompt/completion file (TRL's conversational and prompt-completion
-    formats), sharegpt and alpaca alike, by the columns of their first rows."""
+    read a chat file, a prompt/completion file of strings or of messages (TRL's
+    conversational, prompt-completion and conversational prompt-completion formats),
+    sharegpt and alpaca alike, by the columns of their first rows."""
     completion = [{"prompt": p, "completion": r} for p, r in PAIRS]
+    turns = [{"prompt": [{"role": "user", "content": p}],
+              "completion": [{"role": "assistant", "content": r}]} for p, r in PAIRS]  # fmt: skip
     chat = {}
     for name, rows in [*((f, rows_of(f)) for f in ("messages", "sharegpt", "alpaca")),
-                       ("completion", completion)]:  # fmt: skip
+                       ("completion", completion), ("turns", turns)]:  # fmt: skip
         source = write("parquet" if name == "sharegpt" else "jsonl", rows, tmp_path / name)
         pairs = examples_of(InstructDataset(ByteTokenizer(), seq_len=256, **whole(source)))
         assert pairs == expected_pairs(name), name
         data = ChatDataset(chatml, seq_len=512, **whole(source))
         chat[name] = [data.rows[i] for i in range(len(data))]
-    assert chat["messages"] == chat["completion"] == chat["sharegpt"]
+    assert chat["messages"] == chat["completion"] == chat["turns"] == chat["sharegpt"]
 
 
 def test_rows_of_another_format_are_refused_before_the_split_naming_the_columns(tmp_path):
