@@ -363,9 +363,9 @@ class TrainingRun:
     def finish(self, evaluate: Callable[[], dict[str, float]] | None) -> None:
         """After the loop: evaluate (None: a run without validation) and save the last step,
         unless already done (a resume at max_steps trains, evaluates and logs nothing, and
-        says so last), then write
-        `checkpoint.final_export`. When stopping on a signal: save this step
-        and leave PREEMPTED in output_dir (`freetx run` then exits for a requeue)."""
+        says so last), then write `checkpoint.final_export`. When stopping on a signal:
+        save this step and leave PREEMPTED in output_dir (`freetx run` then exits for a
+        requeue)."""
         if self.stopping:
             if self.saved_step != self.step:
                 self.save()
