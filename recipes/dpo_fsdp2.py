@@ -72,7 +72,7 @@ class DPOConfig(DecoderConfig):
 
     def refuse_combinations(self) -> None:
         """A dataset that gives no pairs; a reference that cannot be precomputed
-        (`ReferenceConfig`); pipeline parallelism. And DecoderConfig's (QAT with tp)."""
+        (`ReferenceConfig`); pipeline parallelism. And DecoderConfig's (QAT with tp, an evaluation without validation rows)."""
         super().refuse_combinations()
         loss_type = self.loss.get("type", "sigmoid")
         dataset = built_class(self.dataset, "dataset")
@@ -169,6 +169,8 @@ class DPORecipeFSDP2:
                 batch,
                 self.run.write,
             )
+            if data is not None  # None: no validation split
+            else None
             for data, split in splits
         ]
         self.reference = Precomputed()  # the copy is freed

@@ -113,7 +113,7 @@ class GRPOConfig(DecoderConfig):
     def refuse_combinations(self) -> None:
         """A dataset that gives no prompts; steps a generation cannot split; context and
         pipeline parallelism; the rewards (built, their signatures checked). And
-        DecoderConfig's (QAT with tp)."""
+        DecoderConfig's (QAT with tp, an evaluation without validation rows)."""
         super().refuse_combinations()
         dataset = built_class(self.dataset, "dataset")
         if dataset is not None and not issubclass(dataset, PromptDataset):
@@ -196,7 +196,8 @@ class GRPORecipeFSDP2:
         self.loss_fn: GRPOLoss = instantiate(cfg.loss)
         self.rewards = build_rewards(cfg.rewards)
         train_set, val_set = setup.datasets()
-        longest = max(train_set.fit.seq_len, val_set.fit.seq_len)  # prompt tokens at most
+        # prompt tokens at most
+        longest = max(d.fit.seq_len for d in (train_set, val_set) if d is not None)
         self.seq_len = longest + gen.max_completion_length
         model = setup.meta_model(cfg.model, self.seq_len)
         if not isinstance(model, DecodesIncrementally):  # rollouts of many prompt lengths

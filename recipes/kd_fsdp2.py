@@ -78,7 +78,7 @@ class KDConfig(DecoderConfig):
     def refuse_combinations(self) -> None:
         """Pipeline parallelism: the teacher's hidden states would have to reach the
         student's last stage. A precomputed teacher: whole sequences (no cp), and a loss
-        its top-k can give (forward KL at temperature 1). And DecoderConfig's (QAT with tp)."""
+        its top-k can give (forward KL at temperature 1). And DecoderConfig's (QAT with tp, an evaluation without validation rows)."""
         super().refuse_combinations()
         if self.distributed.pp > 1:
             raise ConfigError(
@@ -168,6 +168,8 @@ class KDRecipeFSDP2:
         splits = zip(datasets, ("train", "validation"))
         return [
             with_teacher_top_k(teacher, d, split, identity, out, batch, k, self.run.write)
+            if d is not None  # None: no validation split
+            else None
             for d, split in splits
         ]
 

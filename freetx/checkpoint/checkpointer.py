@@ -87,8 +87,9 @@ class CheckpointConfig:
     async_save: bool = False
     save_final: bool = True
     # at the end of training, the final checkpoint converted for deployment into
-    # <output_dir>/export/<format>/ (freetx.training.export): hf | peft | safetensors
-    final_export: Optional[Literal["hf", "peft", "safetensors"]] = None
+    # <output_dir>/export/<format>/ (freetx.training.export): hf | peft | safetensors, or
+    # auto: what the run trains (LoRA adapters: peft; the whole model: hf)
+    final_export: Optional[Literal["hf", "peft", "safetensors", "auto"]] = None
     initial_weights: Optional[str] = None  # safetensors file, DCP folder or HF folder
     # true: this run may replace checkpoints in output_dir that it did not write
     # (resume=never over an old run, or later checkpoints of an abandoned branch)

@@ -1,14 +1,16 @@
 """Formats: what a source's records hold, turned into what a dataset trains on.
 
 `dataset.format` names the layout of the records, `dataset.columns` maps its column
-names onto the data's (only those that differ):
+names onto the data's (only those that differ); without them the format is found from the
+columns of the source's first rows, and every dataset checks them against its format
+before the split (`source_format`):
 
 | format          | columns (defaults)                                  | becomes                 |
 |-----------------|-----------------------------------------------------|-------------------------|
 | messages        | messages, role, content                             | a conversation          |
 | sharegpt        | messages: conversations, role: from, content: value | a conversation (roles human, gpt, system -> user, assistant, system) |
 | alpaca          | instruction, input (optional), output               | a prompt (ALPACA_PROMPT) and a response |
-| prompt_response | prompt, response                                    | a prompt and a response |
+| prompt_response | prompt, response (role, content in messages)       | a prompt and a response (lists of messages: TRL's conversational prompt-completion) |
 | text            | text                                                | a document              |
 | preference      | prompt, chosen, rejected (and role, content in messages) | a preference pair (`Pair`) |
 | prompt          | prompt (a string or messages), else messages; role, content | a prompt (`Format.prompt`) |
@@ -44,7 +46,13 @@ from dataclasses import dataclass, replace
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from freetx.data.sampling import Split
-from freetx.data.sources import Record, format_of_shape, format_overrides
+from freetx.data.sources import (
+    RECORD_SUFFIXES,
+    Record,
+    first_rows,
+    format_of_shape,
+    format_overrides,
+)
 from freetx.errors import DataError
 
 Messages = list[dict[str, str]]
@@ -54,7 +62,12 @@ DEFAULT_COLUMNS: dict[str, dict[str, str]] = {
     "messages": {"messages": "messages", "role": "role", "content": "content"},
     "sharegpt": {"messages": "conversations", "role": "from", "content": "value"},
     "alpaca": {"instruction": "instruction", "input": "input", "output": "output"},
-    "prompt_response": {"prompt": "prompt", "response": "response"},
+    "prompt_response": {
+        "prompt": "prompt",
+        "response": "response",
+        "role": "role",
+        "content": "content",
+    },
     "text": {"text": "text"},
     "preference": {
         "prompt": "prompt",
@@ -64,6 +77,30 @@ DEFAULT_COLUMNS: dict[str, dict[str, str]] = {
         "content": "content",
     },
     "prompt": {"prompt": "prompt", "messages": "messages", "role": "role", "content": "content"},
+}
+# the roles whose columns a row of each format has (a prompt's: its prompt, or its messages;
+# a preference pair's prompt may be the start its chosen and rejected messages share)
+NEEDED: dict[str, tuple[str, ...]] = {
+    "messages": ("messages",),
+    "sharegpt": ("messages",),
+    "alpaca": ("instruction", "output"),
+    "prompt_response": ("prompt", "response"),
+    "text": ("text",),
+    "preference": ("chosen", "rejected"),
+    "prompt": ("prompt",),
+}
+# the datasets that read each kind of data, for a format the dataset at hand does not read
+CONVERSATIONS_READER = (
+    "conversations and prompt/response pairs are freetx.data.ChatDataset's and "
+    "freetx.data.InstructDataset's"
+)
+READERS = {
+    "text": "plain text is freetx.data.PackedTextDataset's",
+    "preference": "preference pairs are freetx.data.PreferenceDataset's",
+    "prompt": "prompts alone are freetx.data.PromptDataset's",
+    **{
+        name: CONVERSATIONS_READER for name in ("messages", "sharegpt", "alpaca", "prompt_response")
+    },
 }
 MESSAGE_KEYS = ("role", "content")  # the keys inside a message, not columns of a row
 CONVERSATIONS = ("messages", "sharegpt")
@@ -137,17 +174,7 @@ class Format:
             )
         if name not in reads:
             raise DataError(
-                f"{dataset} reads the formats {', '.join(reads)}, not {name}; "
-                + (
-                    "plain text is freetx.data.PackedTextDataset's."
-                    if name == "text"
-                    else "preference pairs are freetx.data.PreferenceDataset's."
-                    if name == "preference"
-                    else "prompts alone are freetx.data.PromptDataset's."
-                    if name == "prompt"
-                    else "conversations and prompt/response pairs are freetx.data.ChatDataset's "
-                    "and freetx.data.InstructDataset's."
-                )
+                f"{dataset} reads the formats {', '.join(reads)}, not {name}; {READERS[name]}."
             )
         given = dict(columns or {})
         unknown = sorted(set(given) - set(DEFAULT_COLUMNS[name]))
@@ -169,6 +196,21 @@ class Format:
         if self.name in CONVERSATIONS:
             return [self.columns["messages"]]
         return [column for role, column in self.columns.items() if role not in MESSAGE_KEYS]
+
+    def needs(self) -> str:
+        """The columns a row of this format has, said."""
+        columns = ", ".join(self.columns[role] for role in NEEDED[self.name])
+        if self.name == "prompt":
+            return f"{columns} (or {self.columns['messages']})"
+        if self.name == "preference":
+            return f"{columns} (and {self.columns['prompt']}, unless they hold messages)"
+        return columns
+
+    def fits(self, fields: dict[str, Any]) -> bool:
+        """Whether a row has the columns this format reads (`needs`)."""
+        if self.name == "prompt" and self.columns["messages"] in fields:
+            return True
+        return all(self.columns[role] in fields for role in NEEDED[self.name])
 
     def key(self, record: Record) -> bytes:
         """What the train/validation split hashes: the columns the format reads."""
@@ -240,9 +282,22 @@ class Format:
             )
         return out
 
+    def _turns(self, fields: dict[str, Any]) -> Messages | None:
+        """A prompt_response row of messages (TRL's conversational prompt-completion:
+        `{"prompt": [messages], "completion": [messages]}`) as one conversation; None for a
+        row of strings."""
+        if self.name != "prompt_response" or not isinstance(
+            fields.get(self.columns["prompt"]), list
+        ):
+            return None
+        return self._messages(fields, "prompt", needs_reply=False) + self._messages(
+            fields, "response"
+        )
+
     def prompt_response(self, fields: dict[str, Any]) -> tuple[str, str]:
         """A record's prompt and response (InstructDataset)."""
-        if self.name == "prompt_response":
+        turns = self._turns(fields)
+        if self.name == "prompt_response" and turns is None:
             return self._string(fields, "prompt"), self._string(fields, "response")
         if self.name == "alpaca":
             instruction = self._string(fields, "instruction")
@@ -251,7 +306,7 @@ class Format:
             if given.strip():
                 return ALPACA_PROMPT.format(instruction=instruction, input=given), output
             return ALPACA_PROMPT_NO_INPUT.format(instruction=instruction), output
-        messages = self._messages(fields)
+        messages = self._messages(fields) if turns is None else turns
         if [m["role"] for m in messages] != ["user", "assistant"]:
             raise BadRow(
                 f"is a conversation of {[m['role'] for m in messages]}, and InstructDataset "
@@ -264,6 +319,9 @@ class Format:
         """A record's conversation (ChatDataset)."""
         if self.name in CONVERSATIONS:
             return self._messages(fields)
+        turns = self._turns(fields)
+        if turns is not None:
+            return turns
         prompt, response = self.prompt_response(fields)
         return [{"role": "user", "content": prompt}, {"role": "assistant", "content": response}]
 
@@ -338,6 +396,71 @@ class Format:
     def text(self, fields: dict[str, Any]) -> str:
         """A record's document (PackedTextDataset)."""
         return self._string(fields, "text")
+
+
+def source_format(
+    source: str | Sequence[str],
+    name: str | None,
+    columns: dict[str, str] | None,
+    dataset: str,
+    reads: Sequence[str],
+    default: str,
+    suffixes: Sequence[str] = RECORD_SUFFIXES,
+) -> Format:
+    """The format of a source's records, by its first rows (`first_rows`: of its files of
+    `suffixes` that hold records; not `builtin`'s): `dataset.format`'s (its columns mapped
+    by `dataset.columns`) when given, else `default`'s when the rows have its columns, else
+    the format their columns are in (`format_of_shape`: TRL's standard datasets, `text`,
+    `prompt`/`completion`, `messages`, `prompt`/`chosen`/`rejected`, and sharegpt's and
+    alpaca's) among those `dataset` reads. Checked before any split (rows without the
+    format's columns would all hash one way): rows it cannot read are refused
+    (`wrong_format`)."""
+    fmt = Format.of(name, columns, dataset, reads, default)
+    items = [source] if isinstance(source, str) else list(source)
+    first = first_rows([item for item in items if item != "builtin"], suffixes)
+    if not first or any(fmt.fits(row) for row in first):
+        return fmt
+    shape = format_of_shape(first[0])
+    if name is None and not columns and shape is not None and shape[0] in reads:
+        found = Format(shape[0], {**DEFAULT_COLUMNS[shape[0]], **shape[1]})
+        if any(found.fits(row) for row in first):
+            return found
+    raise wrong_format(first, fmt, name is not None, dataset, reads, source)
+
+
+def wrong_format(
+    first: Sequence[dict[str, Any]],
+    fmt: Format,
+    given: bool,
+    dataset: str,
+    reads: Sequence[str],
+    source: str | Sequence[str],
+) -> DataError:
+    """One paragraph: the columns of a source's first rows, the format `dataset` reads them
+    as (`given`: by dataset.format) and its columns, and the keys that would read them."""
+    shape = format_of_shape(first[0])
+    missing = [role for role in NEEDED[fmt.name] if fmt.columns[role] not in first[0]]
+    if shape is not None and shape[0] in reads:
+        fix = (
+            f"The data looks like format {shape[0]}: set {format_overrides(*shape)}, or leave "
+            "dataset.format and dataset.columns out (the format is then found from the columns)."
+        )
+    elif shape is not None:
+        fix = f"The data looks like format {shape[0]}: {READERS[shape[0]]}, in a recipe that "
+        fix += "trains on it."
+    elif len(missing) < len(NEEDED[fmt.name]):  # some of its columns: the others named apart
+        fix = "Name yours with " + ", ".join(f"dataset.columns.{r}=COLUMN" for r in missing) + "."
+    else:
+        fix = (
+            "Map those columns onto yours with dataset.columns (dataset.columns.ROLE=COLUMN), "
+            f"or give rows of a format {dataset} reads ({', '.join(reads)}; docs/data.md)."
+        )
+    how = "dataset.format" if given else "its default: dataset.format is not set"
+    found = ", ".join(dict.fromkeys(column for row in first for column in row))
+    return DataError(
+        f"The first rows of {source} have the columns {found}, and {dataset} reads them as "
+        f"format {fmt.name} ({how}), whose rows have the columns {fmt.needs()}. {fix}"
+    )
 
 
 @dataclass

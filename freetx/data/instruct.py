@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from freetx.data.corpus import builtin_documents
-from freetx.data.formats import Format, check_not_empty, read_split
+from freetx.data.formats import Format, check_not_empty, read_split, source_format
 from freetx.data.row_datasets import TokenRowsDataset
 from freetx.data.sampling import check_split, split_problems
 from freetx.data.sources import Record, read_records
@@ -114,13 +114,15 @@ def prompt_response_tokens(tok, prompt: str, response: str) -> Encoded:
 def dataset_records(
     source: str, format: str | None, columns, dataset: str, default: str, count: int, seed: int
 ) -> tuple[Iterable[Record], Format]:
-    """A chat or instruction dataset's records and their format: `builtin`'s examples are
-    prompt/response pairs (a format or column mapping given with them is an error)."""
+    """A chat or instruction dataset's records and their format (`source_format`: the
+    config's, else found from the first rows' columns, checked against them before the
+    split); `builtin`'s examples are prompt/response pairs (a format or column mapping
+    given with them is an error)."""
     if source == "builtin":
         check_builtin_format(format, columns, "prompt_response", "prompt/response examples")
         fmt = Format.of("prompt_response", None, dataset, READS, "prompt_response")
         return builtin_records(count, seed), fmt
-    fmt = Format.of(format, columns, dataset, READS, default)
+    fmt = source_format(source, format, columns, dataset, READS, default)
     return read_records(source, fmt.record_columns), fmt
 
 

@@ -60,6 +60,7 @@ from freetx.data.formats import (
     check_not_empty,
     encode_rows,
     read_split,
+    source_format,
 )
 from freetx.data.instruct import (
     BUILTIN_TASKS,
@@ -130,19 +131,20 @@ def preference_problems(values: dict[str, Any]) -> dict[str, str]:
 
 
 def prompts_format(
-    data: Any, dataset: str, reads: tuple[str, ...], default: str, what: str
+    data: Any, source: str, dataset: str, reads: tuple[str, ...], default: str, what: str
 ) -> Format:
-    """The format of a dataset's records (`dataset`: its class's name; `reads`: the formats it
-    reads, `default`'s by default, the format of `builtin`'s records: `what`), once the
-    keys a preference or prompt dataset adds (`data.max_prompt_len`, `data.tasks`) are
-    checked: a DataError naming the key."""
+    """The format of the records of `source` (this split's) for a dataset (`dataset`: its
+    class's name; `reads`: the formats it reads, `default`'s by default, or the one its
+    first rows' columns are in: `source_format`; the format of `builtin`'s records: `what`),
+    once the keys a preference or prompt dataset adds (`data.max_prompt_len`, `data.tasks`)
+    are checked: a DataError naming the key."""
     values = {"max_prompt_len": data.max_prompt_len, "tasks": data.tasks}
     for key, why in preference_problems(values).items():
         raise DataError(f"dataset.{key}={values[key]!r}: {why}")
     check_builtin_tasks(data.source, data.tasks)
     if data.source == "builtin":
         check_builtin_format(data.format, data.columns, default, what)
-    return Format.of(data.format, data.columns, dataset, reads, default)
+    return source_format(source, data.format, data.columns, dataset, reads, default)
 
 
 @dataclass(frozen=True)
@@ -174,7 +176,9 @@ class PreferenceDataset(TokenRowsDataset):
 
     def __post_init__(self) -> None:
         check_split(self.split, self.val_fraction, self.seq_len)
-        fmt = prompts_format(self, "PreferenceDataset", READS, "preference", "preference pairs")
+        fmt = prompts_format(
+            self, self.split_source, "PreferenceDataset", READS, "preference", "preference pairs"
+        )
         source, rule = self.split_rows()
         self.chat = getattr(self.tokenizer, "chat_template", None) is not None
 

@@ -139,7 +139,7 @@ class PromptDataset(RowsDataset):
 
     def __post_init__(self) -> None:
         check_split(self.split, self.val_fraction)
-        fmt = prompts_format(self, "PromptDataset", READS, "prompt", "prompts")
+        fmt = prompts_format(self, self.split_source, "PromptDataset", READS, "prompt", "prompts")
         source, rule = self.split_rows()
         self.chat = getattr(self.tokenizer, "chat_template", None) is not None
         records = (

@@ -41,12 +41,20 @@ class RowsDataset(Dataset):
     on_bad_row: str = "error"  # or skip (counted and reported)
     validation_source: str | None = None  # the validation split, whole
 
+    @property
+    def split_source(self) -> str:
+        """The source this split reads (`split_of`)."""
+        return self._split()[0]
+
+    def _split(self) -> tuple[str, Split]:
+        return split_of(
+            self.source, self.validation_source, self.split, self.val_fraction, self.seed
+        )
+
     def split_rows(self) -> tuple[str, Split]:
         """The source this split reads and the rows it takes (`split_of`); sets `bad_rows`
         (what reading it skips or refuses) and `files_read` (its files)."""
-        source, rule = split_of(
-            self.source, self.validation_source, self.split, self.val_fraction, self.seed
-        )
+        source, rule = self._split()
         self.bad_rows = BadRows(self.on_bad_row, source, self.split)
         self.files_read = source_files(source, RECORD_SUFFIXES)
         return source, rule

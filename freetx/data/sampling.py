@@ -231,9 +231,10 @@ def split_problems(values: dict[str, Any]) -> dict[str, str]:
     when one is)."""
     found = {}
     fraction, seq_len = values.get("val_fraction"), values.get("seq_len")
-    if isinstance(fraction, (int, float)) and not 0 < fraction < 0.5:
+    if isinstance(fraction, (int, float)) and not 0 <= fraction < 0.5:
         found["val_fraction"] = (
-            "it is the share of rows held out for validation; set it in (0, 0.5) (e.g. 0.05)."
+            "it is the share of rows held out for validation; set it in [0, 0.5) (e.g. 0.05; "
+            "0: every row trains, and validation is dataset.validation_source or none)."
         )
     if isinstance(seq_len, int) and seq_len < 1:
         found["seq_len"] = "it is the tokens of a training sequence; set 1 or more (e.g. 128)."

@@ -19,6 +19,7 @@ problem, so that `dataset.on_bad_row` decides what becomes of it.
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ from freetx.errors import DataError
 RECORD_SUFFIXES = (".jsonl", ".json", ".parquet")
 TEXT_SUFFIX = ".txt"
 _ROWS_AT_ONCE = 1024  # parquet and `datasets` rows turned into Python objects at a time
+FIRST_ROWS = 5  # the rows of a source whose columns say its format, checked before its split
 
 
 @dataclass(frozen=True)
@@ -169,6 +171,17 @@ def read_records(source: str | Sequence[str], columns: Sequence[str] | None) -> 
     columns, for a dataset that hands a row's other fields on: prompts to rewards)."""
     for part in source_parts(source, RECORD_SUFFIXES):
         yield from read_part(part, columns)
+
+
+def first_rows(
+    source: str | Sequence[str], suffixes: Sequence[str] = RECORD_SUFFIXES
+) -> list[dict]:
+    """The fields of a source's first FIRST_ROWS rows (those that can be read), whose columns
+    say its format (`freetx.data.formats.source_format`): its record files' (a text source's
+    `.txt` files are documents, not rows)."""
+    parts = (p for p in source_parts(source, suffixes) if p.suffix in RECORD_SUFFIXES or p.is_dir())
+    records = (record for part in parts for record in read_part(part, None))
+    return [r.fields for r in itertools.islice(records, FIRST_ROWS) if r.fields is not None]
 
 
 def read_part(path: Path, columns: Sequence[str] | None) -> Iterator[Record]:

@@ -32,7 +32,7 @@ from torch.utils.data import Dataset
 
 from freetx.data.batch import token_sample
 from freetx.data.corpus import builtin_documents
-from freetx.data.formats import DEFAULT_COLUMNS, BadRows, Format, read_split
+from freetx.data.formats import DEFAULT_COLUMNS, BadRows, Format, read_split, source_format
 from freetx.data.packing import DataSummary, stream_documents
 from freetx.data.sampling import Split, check_split, split_of, split_problems
 from freetx.data.sources import (
@@ -52,16 +52,21 @@ TEXT_SUFFIXES = (*RECORD_SUFFIXES, TEXT_SUFFIX)
 TEXT_FORMAT = Format("text", DEFAULT_COLUMNS["text"])
 
 
-def text_format(format: str | None, columns, text_field: str) -> Format:
+def text_format(
+    format: str | None, columns, text_field: str, source: str | Sequence[str]
+) -> Format:
     """The format of a text dataset's records: `text`, its column from `columns` or
-    `text_field` (the older key, still read)."""
+    `text_field` (the older key, still read); checked against the first rows of the record
+    files of `source` (`source_format`)."""
     if text_field != "text" and columns:
         raise DataError(
             "dataset.text_field and dataset.columns both name the text column; keep "
             "dataset.columns ({text: COLUMN}) alone."
         )
     columns = columns or ({"text": text_field} if text_field != "text" else None)
-    return Format.of(format, columns, "PackedTextDataset", ("text",), "text")
+    return source_format(
+        source, format, columns, "PackedTextDataset", ("text",), "text", TEXT_SUFFIXES
+    )
 
 
 def document_records(source: str | Sequence[str], fmt: Format) -> Iterator[Record]:
@@ -129,8 +134,8 @@ class PackedTextDataset(Dataset):
         # first: every argument, before other names; the split is made of windows, later
         settings = settings_of(locals(), served=("split", "val_fraction", "seed"))
         check_split(split, val_fraction, seq_len)
-        fmt = text_format(format, columns, text_field)
         source, rule = split_of(source, validation_source, split, val_fraction, seed)
+        fmt = text_format(format, columns, text_field, source)
         self.packed = packed
         # the splits of one source share its read: one line at start-up for both
         bad_rows = BadRows(on_bad_row, str(source), split if rule.whole else "train and validation")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from torch import nn
@@ -101,6 +102,17 @@ def dataset_nodes(dataset: DictConfig) -> list[DictConfig]:
     if isinstance(sources, ListConfig) and all(isinstance(s, DictConfig) for s in sources):
         return list(sources) or [dataset]
     return [dataset]
+
+
+def holds_validation(dataset: Any) -> bool:
+    """Whether a `dataset:` section has validation rows: a source (a mixture's, any) with a
+    `validation_source`, or a `val_fraction` that is not 0 (unset: the dataset's default)."""
+    if not isinstance(dataset, DictConfig):
+        return True
+    return any(
+        node.get("validation_source") is not None or node.get("val_fraction") != 0
+        for node in dataset_nodes(dataset)
+    )
 
 
 def dataset_seq_len(cfg) -> int:

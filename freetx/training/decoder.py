@@ -49,6 +49,7 @@ from freetx.training.checks import (
     check_model_and_data,
     check_packing,
     dataset_seq_len,
+    holds_validation,
 )
 from freetx.training.config import PlannedRun, TokenEvalConfig, TrainingConfig
 from freetx.training.export import export_quantized_final
@@ -95,7 +96,17 @@ class DecoderConfig(TrainingConfig):
         )  # fmt: skip
 
     def refuse_combinations(self) -> None:
-        """QAT under tensor parallelism: torchao's fake-quantized linears are not sliced."""
+        """QAT under tensor parallelism: torchao's fake-quantized linears are not sliced; an
+        evaluation every n steps of a dataset that holds no validation rows."""
+        if self.eval.every_n_steps and not holds_validation(self.dataset):
+            raise ConfigError(
+                "dataset.val_fraction=0 holds no rows out for validation and no "
+                f"dataset.validation_source is set, so eval.every_n_steps={self.eval.every_n_steps} "
+                "has nothing to evaluate.",
+                fix="Set eval.every_n_steps=0 (no validation: every row trains), give the "
+                "validation rows as dataset.validation_source=FILE, or hold some out with "
+                "dataset.val_fraction=0.05.",
+            )
         if self.qat.scheme != "none" and self.distributed.tp > 1:
             raise ConfigError(
                 f"qat.scheme={self.qat.scheme} fake-quantizes whole Linear layers, and "
@@ -123,15 +134,25 @@ class DecoderSetup:
         micro_batch_size(cfg.batch_size, self.groups.dp_size, cfg.gradient_accumulation_steps)
         self.tokenizer = checked_tokenizer(instantiate(cfg.tokenizer))
         self.trains = "all"
+        self.validates = True  # `datasets` says: False when the data holds no validation rows
 
     def datasets(self):
-        """The dataset's train and validation splits; the console says what they are made of
-        and what was cut at seq_len, cached, or skipped."""
+        """The dataset's train and validation splits (None when it holds no validation rows:
+        `holds_validation`; the run then evaluates nothing); the console says what they are
+        made of and what was cut at seq_len, cached, or skipped."""
         cfg = self.cfg
         train_set = instantiate(cfg.dataset, tokenizer=self.tokenizer, split="train")
-        val_set = instantiate(cfg.dataset, tokenizer=self.tokenizer, split="validation")
-        for line in data_report(train_set, val_set):
+        self.validates = holds_validation(cfg.dataset)
+        val_set = None
+        if self.validates:
+            val_set = instantiate(cfg.dataset, tokenizer=self.tokenizer, split="validation")
+        for line in data_report(*(d for d in (train_set, val_set) if d is not None)):
             self.run.write(line)
+        if not self.validates:
+            self.run.write(
+                "no validation: dataset.val_fraction=0 and no dataset.validation_source; "
+                "every row trains and nothing is evaluated"
+            )
         return train_set, val_set
 
     def meta_model(self, node: Any, seq_len: int, packed: bool = False, tokenizer=None):
@@ -171,7 +192,7 @@ class DecoderSetup:
     def loaders(self, train_set, val_set, collate: Callable, micro_batches: int | None = None):
         """This rank's training batches (`micro_batches` per optimizer step: by default
         gradient_accumulation_steps) in the order of the seed, and its share of the
-        validation split (eval.batch_size over all ranks)."""
+        validation split (eval.batch_size over all ranks; None without one)."""
         cfg, rank, size = self.cfg, self.groups.dp_rank, self.groups.dp_size
         micro_batches = cfg.gradient_accumulation_steps if micro_batches is None else micro_batches
         train = build_train_loader(
@@ -184,6 +205,8 @@ class DecoderSetup:
             num_workers=cfg.num_workers,
             collate=collate,
         )
+        if val_set is None:  # no validation rows
+            return train, None
         return train, build_eval_loader(val_set, cfg.eval.batch_size, rank, size, collate)
 
     def start(
@@ -218,7 +241,7 @@ class DecoderSetup:
         (`TrainingRun.finish`); a QAT run's final checkpoint quantized into
         output_dir/export/quantized; `eval.after_training`'s lm-eval tasks (eval.json)."""
         cfg, run = self.cfg, self.run
-        run.finish(evaluate)
+        run.finish(evaluate if self.validates else None)
         if cfg.qat.scheme != "none" and cfg.checkpoint.save_final and not run.stopping:
             run.checkpointer.wait()  # the final save is complete
             if self.runtime.is_rank_zero:  # from the saved checkpoint, as final_export

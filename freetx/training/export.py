@@ -1,14 +1,16 @@
 """`checkpoint.final_export`: the model users deploy, written when training ends.
 
     checkpoint:
-      final_export: hf        # hf | peft | safetensors | null (default: none)
+      final_export: auto      # auto | hf | peft | safetensors | null (default: none)
 
 After the final DCP save, rank 0 converts that checkpoint the way `freetx
 checkpoint convert --to FORMAT` does (the same function, `convert`), into
 `<output_dir>/export/<format>/`: hf (an HF transformers folder: config.json, weights
 in shards of 5GB, the tokenizer files of the folder the run started from), peft (a
 LoRA / DoRA run's adapter_model.safetensors + adapter_config.json) or safetensors
-(`model.safetensors`, freetx's names). The conversion reads the saved checkpoint
+(`model.safetensors`, freetx's names); auto follows what the run trains (LoRA adapters:
+peft; the whole model: hf, or safetensors for a model with no HF layout; Spectrum's
+trained part alone: none), resolved once by `final_export_format`. The conversion reads the saved checkpoint
 one tensor at a time and writes it straight to the file: no rank gathers the model
 and nothing holds more than one tensor. Every recipe goes through `TrainingRun.finish`,
 so every recipe exports.
@@ -190,15 +192,33 @@ def built_class(model_node: Any, name: str = "model") -> type | None:
     return chosen[0] if config_class is not None and len(chosen) == 1 else None
 
 
-def check_final_export(cfg: Any, model_class: type | None) -> None:
-    """Refuse a `checkpoint.final_export` this run could not write, naming the fix.
-    `cfg`: a training config; `model_class`: what its model is (None: not known yet).
-    peft needs a LoRA run; hf and safetensors a run whose checkpoints hold the whole
-    model (not LoRA's or Spectrum's trained part only) and, for hf, a model class with
-    an HF layout."""
+def has_hf_layout(model_class: type) -> bool:
+    return isinstance(model_class, HFLayoutModel) and model_class.hf_layout is not None
+
+
+def final_export_format(cfg: Any, model_class: type | None) -> str | None:
+    """The format `checkpoint.final_export` writes (None: no export): `auto` resolved by
+    what the run trains: LoRA adapters -> peft; the whole model -> hf (safetensors for a
+    model class without an HF layout; `model_class` None: not known yet); Spectrum's
+    trained modules alone, which no format holds -> none."""
     fmt = cfg.checkpoint.final_export
+    if fmt != "auto":
+        return fmt
+    method = getattr(getattr(cfg, "peft", None), "method", "none")
+    if method != "none":
+        return "peft" if method == "lora" else None
+    return "safetensors" if model_class is not None and not has_hf_layout(model_class) else "hf"
+
+
+def check_final_export(cfg: Any, model_class: type | None) -> str | None:
+    """The format `checkpoint.final_export` writes (`final_export_format`), refused, naming
+    the fix, when this run could not write it. `cfg`: a training config; `model_class`:
+    what its model is (None: not known yet). peft needs a LoRA run; hf and safetensors a
+    run whose checkpoints hold the whole model (not LoRA's or Spectrum's trained part
+    only) and, for hf, a model class with an HF layout."""
+    fmt = final_export_format(cfg, model_class)
     if fmt is None:
-        return
+        return None
     if not cfg.checkpoint.save_final:
         raise ConfigError(
             f"checkpoint.final_export={fmt} converts the final checkpoint, and "
@@ -221,11 +241,10 @@ def check_final_export(cfg: Any, model_class: type | None) -> None:
             fix="Use checkpoint.final_export=peft (LoRA), or after the run `freetx checkpoint "
             "merge CKPT --base MODEL DST` for a merged HF folder.",
         )
-    if fmt == "hf" and model_class is not None:
-        layout = model_class.hf_layout if isinstance(model_class, HFLayoutModel) else None
-        if layout is None:
-            raise ConfigError(
-                f"checkpoint.final_export=hf needs a model with an HF transformers layout, and "
-                f"{model_class.__qualname__} has none.",
-                fix="Use checkpoint.final_export=safetensors.",
-            )
+    if fmt == "hf" and model_class is not None and not has_hf_layout(model_class):
+        raise ConfigError(
+            f"checkpoint.final_export=hf needs a model with an HF transformers layout, and "
+            f"{model_class.__qualname__} has none.",
+            fix="Use checkpoint.final_export=safetensors (or auto).",
+        )
+    return fmt

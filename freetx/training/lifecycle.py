@@ -236,7 +236,7 @@ class TrainingRun:
             self.loggers.write(notice)
         for caution in cfg.cautions():  # legal, and pointless
             self.loggers.write(f"warning: {caution}")
-        check_final_export(cfg, type(module))  # the model class is known now
+        self.final_export = check_final_export(cfg, type(module))  # the class is known now
         frozen = self.frozen or self.decide_frozen_base(module)
         self.state = training_state(
             plan,
@@ -262,6 +262,7 @@ class TrainingRun:
             )
         if self.runtime.is_rank_zero:
             (Path(cfg.output_dir) / PREEMPTED_FILE).unlink(missing_ok=True)
+        self.meter.reset()  # the first step's time starts now, after the restore
 
     # -- the loop's bookkeeping ----------------------------------------------
     @property
@@ -366,20 +367,28 @@ class TrainingRun:
         self.loggers.write(text)
 
     def evaluate(self, evaluate: Callable[[], dict[str, float]]) -> None:
-        """Run the recipe's evaluation (every rank) and log what it returns."""
-        self.log(evaluate())
+        """Run the recipe's evaluation (every rank) and log what it returns; its time is
+        not the steps' (logged as `time/eval` with the next step's throughput)."""
+        with self.meter.apart("eval"):
+            metrics = evaluate()
+        self.log(metrics)
         self.evaluated_step = self.step
 
     def save(self) -> None:
-        """A sharded DCP save of everything needed to resume (every rank takes part)."""
-        self.checkpointer.save(self.step, self.state, {"tokens_seen": self.progress.tokens_seen})
+        """A sharded DCP save of everything needed to resume (every rank takes part); its
+        time is not the steps' (logged as `time/checkpoint` with the next step's)."""
+        with self.meter.apart("checkpoint"):
+            self.checkpointer.save(
+                self.step, self.state, {"tokens_seen": self.progress.tokens_seen}
+            )
         self.saved_step = self.step
 
-    def finish(self, evaluate: Callable[[], dict[str, float]]) -> None:
-        """After the loop: evaluate and save the last step, unless already done (a resume
-        at max_steps trains, evaluates and logs nothing, and says so last), then write
-        `checkpoint.final_export`. When stopping on a signal: save this step
-        and leave PREEMPTED in output_dir (`freetx run` then exits for a requeue)."""
+    def finish(self, evaluate: Callable[[], dict[str, float]] | None) -> None:
+        """After the loop: evaluate (None: a run without validation) and save the last step,
+        unless already done (a resume at max_steps trains, evaluates and logs nothing, and
+        says so last), then write `checkpoint.final_export`. When stopping on a signal:
+        save this step and leave PREEMPTED in output_dir (`freetx run` then exits for a
+        requeue)."""
         if self.stopping:
             if self.saved_step != self.step:
                 self.save()
@@ -395,11 +404,11 @@ class TrainingRun:
             return
         # a resume at max_steps trains nothing: its step was evaluated and logged already
         nothing_trained = self.checkpointer.plan.finished and self.step == self.saved_step
-        if self.evaluated_step != self.step and not nothing_trained:
+        if evaluate is not None and self.evaluated_step != self.step and not nothing_trained:
             self.evaluate(evaluate)
         if self.cfg.checkpoint.save_final and self.saved_step != self.step:
             self.save()
-        fmt = self.cfg.checkpoint.final_export
+        fmt = self.final_export
         if fmt is not None:
             self.checkpointer.wait()  # an asynchronous final save is complete
             if self.runtime.is_rank_zero:  # streamed from the files: no rank gathers

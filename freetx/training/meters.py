@@ -12,6 +12,8 @@ from __future__ import annotations
 import resource
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -79,7 +81,8 @@ def memory_stats(device: torch.device) -> dict[str, float]:
 
 
 class ThroughputMeter:
-    """Throughput, step time and MFU over the steps since the last logged one.
+    """Throughput, step time and MFU over the steps since the last logged one, of the
+    training steps only: time spent `apart` (an evaluation, a save) is left out of them.
 
     A step counts its positions (batch_size x seq_len: what the model computes), and,
     where the recipe says, its real tokens (positions that are not padding; this rank's,
@@ -103,6 +106,17 @@ class ThroughputMeter:
         self._loss_tokens: float | None = 0.0
         self._steps = 0
         self._start = time.perf_counter()
+        self._apart: dict[str, float] = {}  # seconds spent outside the steps, by name
+
+    @contextmanager
+    def apart(self, name: str) -> Iterator[None]:
+        """Time spent inside is not the steps' (an evaluation, a save): left out of step
+        time, tokens/s and MFU, and logged as `time/<name>` with the next read."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._apart[name] = self._apart.get(name, 0.0) + time.perf_counter() - start
 
     def update(
         self, positions: int, real_tokens: float | None = None, loss_tokens: float | None = None
@@ -124,8 +138,10 @@ class ThroughputMeter:
 
     def read(self, totals: dict[str, float] | None = None) -> dict[str, float]:
         """Metrics since the last read (`totals`: `local_sums` summed over the
-        data-parallel ranks); then start a new window."""
-        elapsed = max(time.perf_counter() - self._start, 1e-9)
+        data-parallel ranks); then start a new window. The time spent apart since the
+        last read is logged as `time/<name>` beside them."""
+        apart = sum(self._apart.values())
+        elapsed = max(time.perf_counter() - self._start - apart, 1e-9)
         real = (totals or {}).get(self.REAL, self._positions)
         tokens_per_s = real / elapsed
         per_device = tokens_per_s / self.world_size
@@ -134,6 +150,7 @@ class ThroughputMeter:
             "tokens_per_s_per_device": per_device,
             "padding_fraction": 1.0 - real / max(self._positions, 1),
             "step_time_s": elapsed / max(self._steps, 1),
+            **{f"time/{name}": seconds for name, seconds in self._apart.items()},
         }
         if self._loss_tokens is not None:
             metrics["loss_tokens_per_s"] = self._loss_tokens / elapsed

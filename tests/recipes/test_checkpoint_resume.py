@@ -159,10 +159,15 @@ def test_rank_killed_during_a_save_leaves_the_previous_checkpoint(tmp_path, stra
         assert a[step] == b[step]
 
 
-def test_keep_last_prunes_older_checkpoints(tmp_path):
-    train(tmp_path, "max_steps=4", "checkpoint.every_n_steps=1", "checkpoint.keep_last=2", nproc=1)
+def test_keep_last_prunes_older_checkpoints_and_the_log_times_saves_apart(tmp_path):
+    train(tmp_path, "max_steps=4", "checkpoint.every_n_steps=1", "checkpoint.keep_last=2",
+          "eval.every_n_steps=2", nproc=1)  # fmt: skip
     names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
     assert names == ["LATEST", "step_000003", "step_000004"]
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    steps = {r["step"]: r for r in records if "loss" in r}  # a step's time is the step's alone
+    assert "time/checkpoint" not in steps[1] and steps[2]["time/checkpoint"] > 0
+    assert "time/eval" not in steps[2] and steps[3]["time/eval"] > 0  # the eval after step 2
 
 
 def test_failed_save_keeps_earlier_checkpoints_and_says_why(tmp_path):

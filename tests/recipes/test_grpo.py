@@ -96,13 +96,14 @@ def hf_prompts(tmp_path_factory):
 
 
 def test_lora_grpo_of_an_hf_folder_with_the_users_reward_exports_for_peft(tmp_path, hf_prompts):
+    """Trained on every prompt (dataset.val_fraction=0): no validation, none at the end."""
     folder, prompts, user = hf_prompts
     out = tmp_path / "hf_grpo"
     result = run_freetx(
         "run", "grpo_fsdp2", "--config", "llm/hf_tiny_grpo", f"model_dir={folder}",
         f"dataset.source={prompts}",
         "rewards=[{_component_: my_rewards.count_words}, {_component_: my_rewards.count_words_trl, name: trl}]",
-        "dataset.val_fraction=0.2", f"output_dir={out}", "max_steps=2", "log_every_n_steps=1", "batch_size=2",
+        "dataset.val_fraction=0", f"output_dir={out}", "max_steps=2", "log_every_n_steps=1", "batch_size=2",
         "generation.num_generations=4", "generation.max_completion_length=12",
         "eval.every_n_steps=0", "eval.max_batches=1", "eval.batch_size=2",
         "samples.every_n_steps=1", "checkpoint.every_n_steps=0", JSONL,
@@ -110,6 +111,8 @@ def test_lora_grpo_of_an_hf_folder_with_the_users_reward_exports_for_peft(tmp_pa
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "reference adapters off" in flat(result.stdout)  # beta 0.04: the base
+    assert "no validation: dataset.val_fraction=0" in flat(result.stdout)
+    assert not any("val/" in line for line in (out / "metrics.jsonl").read_text().splitlines())
     logged = metrics(out)
     assert set(logged) == {1, 2}
     for name in ("reward", "rewards/count_words/mean", "kl", "clip_ratio/region_mean",
@@ -161,6 +164,7 @@ def test_a_sigterm_while_a_reward_blocks_saves_the_step_and_stops(tmp_path, hf_p
         ),
         (["loss.aggregation=dapo"], "did you mean 'token'"),
         (["generation.top_p=1.5"], "top_p"),
+        (["dataset.val_fraction=0", "eval.every_n_steps=5"], "Set eval.every_n_steps=0"),
         (["rewards=[{_component_: freetx.objectives.ExactMatch, weight: 1, wieght: 2}]"], "wieght"),
     ],
 )

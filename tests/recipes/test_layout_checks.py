@@ -70,7 +70,7 @@ def test_estimate_refuses_a_count_below_one(flag):
         ("llm/lora_tiny", ["checkpoint.final_export=hf"], "checkpoints hold only what it trains"),
         ("free_transformer/tiny", ["checkpoint.final_export=hf"], "FreeTransformer has none"),
         ("llm/tiny", ["checkpoint.final_export=hf", "checkpoint.save_final=false"], "saves none"),
-        ("llm/tiny", ["checkpoint.final_export=onnx"], "must be one of 'hf', 'peft', 'safetensors'"),
+        ("llm/tiny", ["checkpoint.final_export=onnx"], "must be one of 'hf', 'peft', 'safetensors', 'auto'"),
     ],
 )  # fmt: skip
 def test_a_final_export_the_run_cannot_write_is_refused_by_validate(config, overrides, fragment):
@@ -85,3 +85,27 @@ def test_run_refuses_a_final_export_before_it_trains(tmp_path):
     assert result.returncode == 1 and "Set peft.method=lora" in flat(result.stderr), result.stderr
     assert "Traceback" not in result.stderr
     assert not (tmp_path / "config.yaml").exists() and not (tmp_path / "checkpoints").exists()
+
+
+def test_final_export_auto_follows_what_the_run_trains():
+    """auto: LoRA adapters -> peft, the whole model -> hf (safetensors for a model without an
+    HF layout), Spectrum's trained part alone -> none: hf_tiny_grpo's `~peft` exports hf."""
+    from types import SimpleNamespace
+
+    from freetx.models.free_transformer import FreeTransformer
+    from freetx.models.transformer import Transformer
+    from freetx.training.export import check_final_export
+
+    def export(method: str, model_class) -> str | None:
+        checkpoint = SimpleNamespace(final_export="auto", save_final=True)
+        return check_final_export(
+            SimpleNamespace(checkpoint=checkpoint, peft=SimpleNamespace(method=method)),
+            model_class,
+        )
+
+    assert export("lora", Transformer) == "peft" and export("none", Transformer) == "hf"
+    assert export("none", FreeTransformer) == "safetensors" and export("none", None) == "hf"
+    assert export("spectrum", Transformer) is None
+    for peft in ("peft.method=none", "peft.method=lora"):
+        checked = run_freetx_here("validate", "llm/tiny", "checkpoint.final_export=auto", peft)
+        assert checked.returncode == 0, checked.stdout

@@ -39,7 +39,7 @@ def rows_of(format: str) -> list[dict]:
 
 
 def expected_pairs(format: str) -> list[dict]:
-    if format != "alpaca":
+    if format != "alpaca":  # every other format holds PAIRS as they are
         return [{"prompt": p, "response": r} for p, r in PAIRS]
     return [
         {"prompt": ALPACA_PROMPT.format(instruction=p, input=ALPACA_INPUT[i])
@@ -150,6 +150,57 @@ def test_chat_reads_every_format_as_the_same_conversations(chatml, tmp_path):
     assert "### Instruction:\nReverse the word: word0\n\n### Response:\n" in alpaca_text
 
 
+def test_the_format_is_found_from_the_columns_as_trl_names_them(chatml, tmp_path):
+    """No dataset.format: InstructDataset and ChatDataset (llm/hf_tiny_kd's and hf_tiny_full's)
+    read a chat file, a prompt/completion file of strings or of messages (TRL's
+    conversational, prompt-completion and conversational prompt-completion formats),
+    sharegpt and alpaca alike, by the columns of their first rows."""
+    completion = [{"prompt": p, "completion": r} for p, r in PAIRS]
+    turns = [{"prompt": [{"role": "user", "content": p}],
+              "completion": [{"role": "assistant", "content": r}]} for p, r in PAIRS]  # fmt: skip
+    chat = {}
+    for name, rows in [*((f, rows_of(f)) for f in ("messages", "sharegpt", "alpaca")),
+                       ("completion", completion), ("turns", turns)]:  # fmt: skip
+        source = write("parquet" if name == "sharegpt" else "jsonl", rows, tmp_path / name)
+        pairs = examples_of(InstructDataset(ByteTokenizer(), seq_len=256, **whole(source)))
+        assert pairs == expected_pairs(name), name
+        data = ChatDataset(chatml, seq_len=512, **whole(source))
+        chat[name] = [data.rows[i] for i in range(len(data))]
+    assert chat["messages"] == chat["completion"] == chat["turns"] == chat["sharegpt"]
+
+
+def test_rows_of_another_format_are_refused_before_the_split_naming_the_columns(tmp_path):
+    """Each kind of dataset checks its first rows' columns against its format before the
+    hashed split (which sends rows without those columns all one way): one paragraph with
+    the columns found, those expected and the keys that read them."""
+    from freetx.data import PreferenceDataset, PromptDataset
+
+    chat = write("jsonl", rows_of("messages"), tmp_path / "chat")
+    cases = [
+        (InstructDataset, {"format": "prompt_response", "seq_len": 64}, chat,
+         "the columns messages, and InstructDataset reads them as format prompt_response "
+         "(dataset.format), whose rows have the columns prompt, response. The data looks like "
+         "format messages: set dataset.format=messages"),
+        (InstructDataset, {}, write("jsonl", [{"question": p, "answer": r} for p, r in PAIRS],
+                                    tmp_path / "qa"),
+         "the columns question, answer, and InstructDataset reads them as format prompt_response "
+         "(its default: dataset.format is not set), whose rows have the columns prompt, "
+         "response. Map those columns onto yours with dataset.columns"),
+        (PackedTextDataset, {}, chat, "looks like format messages: conversations and "
+         "prompt/response pairs are freetx.data.ChatDataset's"),
+        (PreferenceDataset, {}, chat, "whose rows have the columns chosen, rejected (and prompt, "
+         "unless they hold messages). The data looks like format messages"),
+        (PromptDataset, {}, write("jsonl", rows_of("text"), tmp_path / "text"),
+         "the columns text, and PromptDataset reads them as format prompt (its default: "
+         "dataset.format is not set), whose rows have the columns prompt (or messages). The "
+         "data looks like format text: plain text is freetx.data.PackedTextDataset's"),
+    ]  # fmt: skip
+    for dataset, keys, source, fragment in cases:
+        with pytest.raises(DataError) as error:
+            dataset(ByteTokenizer(), **keys, **whole(source))
+        assert fragment in str(error.value) and "\n" not in str(error.value), str(error.value)
+
+
 def test_builtin_examples_are_prompt_response_rows(chatml):
     chat = ChatDataset(chatml, source="builtin", seq_len=512, num_builtin_examples=40)
     pairs = InstructDataset(ByteTokenizer(), source="builtin", num_builtin_examples=40)
@@ -171,7 +222,7 @@ def test_column_mapping(tmp_path):
     mapped = PackedTextDataset(ByteTokenizer(), seq_len=32, columns={"text": "body"}, **whole(body))
     older = PackedTextDataset(ByteTokenizer(), seq_len=32, text_field="body", **whole(body))
     assert mapped.tokens.tolist() == older.tokens.tolist()
-    assert read_documents(body, text_format(None, {"text": "body"}, "text")) == DOCS
+    assert read_documents(body, text_format(None, {"text": "body"}, "text", body)) == DOCS
     with pytest.raises(DataError, match="names speaker, which format alpaca does not read"):
         InstructDataset(ByteTokenizer(), format="alpaca", columns={"speaker": "x"}, **whole(source))
 
@@ -249,7 +300,7 @@ def test_sources_that_cannot_be_read(tmp_path, monkeypatch):
     with pytest.raises(DataError, match="needs the datasets library: pip install datasets"):
         InstructDataset(ByteTokenizer(), **whole(folder))
     parquet = write("parquet", rows_of("text"), tmp_path / "texts")
-    with pytest.raises(DataError, match=r"has none of the columns .*\(prompt, response\)"):
+    with pytest.raises(DataError, match=r"columns text, .*prompt, response\. .*PackedTextDataset"):
         InstructDataset(ByteTokenizer(), **whole(parquet))
     damaged = tmp_path / "damaged.parquet"
     damaged.write_bytes(Path(parquet).read_bytes()[:-100])

@@ -135,3 +135,23 @@ def test_spectrum_keeps_the_top_share_of_each_kind():
     scores = {f"layers.{i}.{kind}": float(i) for i in range(8) for kind in ("a.w", "b.w")}
     chosen = select(scores, 25)
     assert chosen == ["layers.6.a.w", "layers.6.b.w", "layers.7.a.w", "layers.7.b.w"]
+
+
+def test_target_modules_takes_one_name_as_peft_does():
+    """`target_modules: all-linear` (PEFT's, TRL's and axolotl's string) and one module name
+    are lists of one once the config is built; anything else is refused by validate."""
+    from freetx.config.run_config import load_recipe_config
+    from freetx.models.peft import PEFTConfig, apply_peft
+    from recipes.full_finetune_fsdp2 import FullFinetuneConfig
+
+    cfg = load_recipe_config(
+        "llm/tiny", ["peft.method=lora", "peft.target_modules=all-linear"], FullFinetuneConfig
+    )
+    assert cfg.peft.target_modules == ["all-linear"]
+    with torch.device("meta"):
+        model = tiny()
+        apply_peft(model, cfg.peft, 1)
+    assert len(adapter_layers(model)) == 2 * 7  # every Linear of both blocks, not the head
+    assert PEFTConfig(method="lora", target_modules="q_proj").target_modules == ["q_proj"]
+    with pytest.raises(ValueError, match="a list of names"):
+        PEFTConfig(method="lora", target_modules=3)

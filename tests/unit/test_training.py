@@ -204,6 +204,30 @@ def test_a_logged_window_without_loss_tokens_logs_zero_not_a_division_by_zero():
     assert metrics["loss"] == 0.0
 
 
+def test_time_spent_apart_is_left_out_of_step_time_and_throughput(monkeypatch):
+    """An evaluation and a save between two logged steps: step time, tokens/s and MFU are
+    the steps' alone; the time apart is logged as time/eval and time/checkpoint."""
+    from freetx.training import meters
+
+    now = [0.0]
+    monkeypatch.setattr(meters.time, "perf_counter", lambda: now[0])
+    meter = meters.ThroughputMeter(flops_per_token=2.0, world_size=1, peak=100.0)
+    for _ in range(2):  # two steps of 1 s, 10 tokens each
+        now[0] += 1.0
+        meter.update(10)
+    with meter.apart("eval"):
+        now[0] += 90.0
+    with meter.apart("checkpoint"):
+        now[0] += 5.0
+    metrics = meter.read()
+    assert metrics["step_time_s"] == 1.0 and metrics["tokens_per_s"] == 10.0
+    assert metrics["mfu_pct"] == 20.0
+    assert metrics["time/eval"] == 90.0 and metrics["time/checkpoint"] == 5.0
+    now[0] += 2.0
+    meter.update(10)
+    assert "time/eval" not in (later := meter.read()) and later["step_time_s"] == 2.0
+
+
 def test_estimate_divides_the_sliced_layers_and_their_activations_by_tp():
     """At the same world size, fsdp x tp 2 holds what fsdp holds (each slice sharded over
     half the ranks), keeps less of each token's activations, and adds tp's sums to the

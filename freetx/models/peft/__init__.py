@@ -16,7 +16,7 @@ the model's output unchanged. `experts` names the grouped expert tensors of MoE 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
@@ -49,10 +49,9 @@ class PEFTConfig:
     method: Literal["none", "lora", "spectrum"] = "none"  # none: full fine-tuning
     # lora: adapters on these Linear modules (q, k, v, o, gate, up, down, output, or HF names;
     # experts: the grouped expert tensors of MoE blocks; all-linear: every Linear but the
-    # output head, and the experts)
-    target_modules: list[str] = field(
-        default_factory=lambda: ["q", "k", "v", "o", "gate", "up", "down"]
-    )
+    # output head, and the experts). A list, or one name as PEFT takes it: all-linear, q_proj
+    # (typed Any so that the config may hold either; a list once built)
+    target_modules: Any = field(default_factory=lambda: ["q", "k", "v", "o", "gate", "up", "down"])
     rank: int = at_least(1, default=16)  # PEFT's r
     alpha: float = 32.0  # PEFT's lora_alpha: the update is scaled by alpha / rank
     dropout: float = 0.0  # PEFT's lora_dropout, on the adapter's input
@@ -63,6 +62,7 @@ class PEFTConfig:
 
     def __post_init__(self) -> None:
         refuse_meaningless(self)
+        self.target_modules = module_names(self.target_modules)
 
     @staticmethod
     def meaningless(values: dict[str, Any]) -> dict[str, str]:
@@ -70,6 +70,14 @@ class PEFTConfig:
         before a run, and here), by key: why, and the fix."""
         found = {}
         method = values["method"]
+        targets = module_names(values["target_modules"])
+        if targets is None:
+            return {
+                "target_modules": (
+                    "it names the modules LoRA adapts: a list of names ([q, k, v]), or one "
+                    "name as PEFT takes it (all-linear, q_proj)."
+                )
+            }
         if method == "lora":
             if values["alpha"] <= 0:
                 found["alpha"] = (
@@ -77,9 +85,9 @@ class PEFTConfig:
                     "change the output; set it above 0 (commonly twice the rank, e.g. 32 for "
                     "rank 16)."
                 )
-            if EXPERTS in values["target_modules"]:  # LoRA on experts does not do these
+            if EXPERTS in targets:  # LoRA on experts does not do these
                 found.update(expert_option_problems(values["dropout"], values["use_dora"]))
-            if not values["target_modules"]:
+            if not targets:
                 found["target_modules"] = (
                     "LoRA adapts these modules and freezes the rest, so nothing would train; "
                     "name some (q, k, v, o, gate, up, down)."
@@ -103,6 +111,17 @@ class PEFTConfig:
                 "peft.spectrum_selection=FILE."
             )
         return found
+
+
+def module_names(targets: Any) -> list[str] | None:
+    """`peft.target_modules` as a list of names: a list (or a config's list node) as it is,
+    one name (PEFT's `target_modules="all-linear"`) as a list of it; None when it is
+    neither."""
+    if isinstance(targets, str):
+        return [targets]
+    if isinstance(targets, Sequence) and all(isinstance(t, str) for t in targets):
+        return list(targets)  # a config's ListConfig is a Sequence too
+    return None
 
 
 __all__ = [
