@@ -83,6 +83,14 @@ def hashes(folder: Path) -> dict[str, str]:
     }
 
 
+def flip_byte(file: Path, at: int | None = None) -> None:
+    """Invert one byte of `file` (its middle one by default), as a disk's error would."""
+    data = bytearray(file.read_bytes())
+    at = len(data) // 2 if at is None else at
+    data[at] ^= 0xFF
+    file.write_bytes(bytes(data))
+
+
 @pytest.fixture
 def freetx():
     return run_freetx

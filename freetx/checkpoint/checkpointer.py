@@ -94,6 +94,9 @@ class CheckpointConfig:
     # true: this run may replace checkpoints in output_dir that it did not write
     # (resume=never over an old run, or later checkpoints of an abandoned branch)
     overwrite: bool = False
+    # true: a resume may continue from a checkpoint whose meta.json records no checksums
+    # (saved before freetx recorded them, or edited); false: refused, naming it
+    resume_unverified: bool = False
 
 
 def config_hash(model_config: dict[str, Any]) -> str:
@@ -160,6 +163,7 @@ class Checkpointer:
             config_as_dict(self.run_config),
             fixed_on_resume(self.run_config),
             schema_defaults(self.run_config),  # keys added since a save, at their default
+            unverified=bool(self.cfg.resume_unverified),
         )
         if self.recipe is not None:  # the folder is this recipe's run from now on
             self.recipe.write(self.output_dir)

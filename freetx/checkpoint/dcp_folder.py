@@ -14,14 +14,12 @@ cause (`describe_save_error`, `describe_dcp_error`).
 from __future__ import annotations
 
 import errno
-import hashlib
 import io
 import json
 import pickle
 import re
 import shutil
 import warnings
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -34,6 +32,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
+from freetx.checksums import check_files, fold_rank_checksums, recorded
 from freetx.errors import CheckpointError, first_line, os_error_in
 
 STEP_PREFIX = "step_"
@@ -41,11 +40,9 @@ _STEP_NAME = re.compile(rf"^{STEP_PREFIX}(\d+)$")
 META_FILE = "meta.json"
 FROZEN_FROM = "frozen_from"  # meta.json: the base of a checkpoint without its frozen weights
 MODEL_PREFIX = "model."
-# meta.json: {"sha256": {file: digest}}, every data file and .metadata as saved (sha256:
-# twice blake2b's speed on CPUs with SHA instructions)
+# meta.json: {"sha256": {file: digest}}, every data file and .metadata as saved
+# (freetx.checksums; each rank records its own files' with `record_rank_checksums`)
 CHECKSUMS = "checksums"
-_CHECKSUM = "sha256"
-_RANK_CHECKSUMS = ".checksums_"  # + a rank's first data file + .json, until folded in
 # DCP raises CheckpointException, a BaseException (not an Exception), for errors on any rank
 DCP_ERRORS = (Exception, CheckpointException)
 
@@ -205,31 +202,17 @@ def read_dcp_metadata(path: Path) -> Metadata:
         ) from None
 
 
-def file_digest(path: Path) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, _CHECKSUM).hexdigest()
-
-
-def record_checksums(folder: Path, names: list[str]) -> None:
-    """A rank's digests of the data files it wrote into `folder`, in a file of its own
-    beside them (each rank hashes its own files, right after writing them)."""
-    names = sorted(set(names))
-    if names:
-        with ThreadPoolExecutor(min(len(names), 4)) as pool:  # hashlib releases the GIL
-            digests = dict(zip(names, pool.map(file_digest, [folder / n for n in names])))
-        (folder / f"{_RANK_CHECKSUMS}{names[0]}.json").write_text(json.dumps(digests))
-
-
 def fold_checksums(folder: Path) -> dict[str, dict[str, str]]:
-    """Every rank's digests (`record_checksums`) and .metadata's, for meta.json; the rank
-    files are removed. Call it once every rank's write has finished (DCP's index is
+    """Every rank's digests (`record_rank_checksums`) and .metadata's, for meta.json; the
+    rank files are removed. Call it once every rank's write has finished (DCP's index is
     written after all of them)."""
-    digests: dict[str, str] = {}
-    for rank_file in sorted(folder.glob(f"{_RANK_CHECKSUMS}*.json")):
-        digests.update(json.loads(rank_file.read_text()))
-        rank_file.unlink()
-    digests[".metadata"] = file_digest(folder / ".metadata")
-    return {_CHECKSUM: digests}
+    return fold_rank_checksums(folder, [".metadata"])
+
+
+def has_checksums(meta: dict[str, Any]) -> bool:
+    """Whether a checkpoint's meta.json records its files' checksums (freetx has since
+    November 2026; a meta.json may have lost them to an edit)."""
+    return recorded(meta.get(CHECKSUMS)) is not None
 
 
 def earlier_checkpoint(path: Path) -> Path | None:
@@ -251,26 +234,33 @@ def earlier_checkpoint(path: Path) -> Path | None:
 def check_checksums(path: Path, metadata: Metadata, meta: dict[str, Any]) -> None:
     """Refuse a checkpoint a file of which is not what was saved (its digest in meta.json
     differs), naming the file and an earlier checkpoint. One saved without digests (before
-    freetx recorded them) is taken as it is."""
-    recorded = (meta.get(CHECKSUMS) or {}).get(_CHECKSUM)
-    if not isinstance(recorded, dict):
+    freetx recorded them) is read as it is, but a resume refuses it unless told
+    (`unverifiable`)."""
+    if not has_checksums(meta):
         return
     names = {".metadata", *(i.relative_path for i in (metadata.storage_data or {}).values())}
-    for name in sorted(names):
-        if recorded.get(name) == file_digest(Path(path) / name):
-            continue
-        earlier = earlier_checkpoint(path)
-        fix = (
-            f"Use the earlier checkpoint {earlier} (to resume from it, move {Path(path).name} "
-            f"out of {Path(path).parent}, or resume={earlier} checkpoint.overwrite=true)"
-            if earlier
-            else "Use another checkpoint, or restore this one from a copy"
-        )
-        raise CheckpointError(
-            f"checkpoint {path}: {name} is damaged: its bytes differ from what was saved (its "
-            f"checksum in {META_FILE} does not match), and reading it would give corrupted "
-            f"weights or optimizer state. {fix}."
-        )
+    earlier = earlier_checkpoint(path)
+    fix = (
+        f"Use the earlier checkpoint {earlier} (to resume from it, move {Path(path).name} "
+        f"out of {Path(path).parent}, or resume={earlier} checkpoint.overwrite=true)."
+        if earlier
+        else "Use another checkpoint, or restore this one from a copy."
+    )
+    check_files(
+        path, meta[CHECKSUMS], names, "checkpoint", META_FILE,
+        "corrupted weights or optimizer state", fix, CheckpointError,
+    )  # fmt: skip
+
+
+def unverifiable(path: Path) -> CheckpointError:
+    """A resume of a checkpoint whose meta.json records no checksums (`has_checksums`)."""
+    return CheckpointError(
+        f"checkpoint {path} cannot be verified: its {META_FILE} records no checksums of its "
+        "files (freetx saved none before November 2026, or the file was edited), so a "
+        "damaged byte in it would be resumed from without a word. If you trust it, resume "
+        "with checkpoint.resume_unverified=true (the checkpoints this run saves have "
+        "checksums); else resume from another checkpoint (resume=PATH)."
+    )
 
 
 def missing_data(path: Path, metadata: Metadata) -> str | None:

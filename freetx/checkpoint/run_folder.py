@@ -40,10 +40,12 @@ from freetx.checkpoint.dcp_folder import (
     FROZEN_FROM,
     META_FILE,
     NotDCPMetadata,
+    has_checksums,
     missing_data,
     read_dcp_metadata,
     read_meta,
     step_of,
+    unverifiable,
 )
 from freetx.checkpoint.formats import DCPSource
 from freetx.config.compare import resume_changes
@@ -451,17 +453,27 @@ def plan_resume(
     run_config: dict[str, Any],
     fixed: tuple[str, ...],
     defaults: dict[str, Any] | None = None,
+    unverified: bool = False,
 ) -> ResumePlan:
     """The checkpoint a run continues from, after every check that protects saved work.
 
-    Refused, all reasons at once: later checkpoints the run's saves would
-    replace (unless overwrite), settings a resume may not change, a max_steps
-    below the checkpoint's step. Changed settings that may change are listed.
+    Refused first: a file that is not what was saved, and a checkpoint without checksums
+    (unless `unverified`: checkpoint.resume_unverified). Then, all reasons at once: later
+    checkpoints the run's saves would replace (unless overwrite), settings a resume may
+    not change, a max_steps below the checkpoint's step. Changed settings that may change
+    are listed.
     """
     folders = survey(checkpoints)
     plan = choose_checkpoint(checkpoints, resume, overwrite, folders)
     if plan.source is None:
         return plan
+    if not has_checksums(plan.saved_meta):
+        if not unverified:
+            raise unverifiable(plan.path)
+        plan.notices.append(
+            f"checkpoint.resume_unverified=true: resuming from {plan.path}, whose files have "
+            "no checksums to verify"
+        )
     plan.source.verify()  # its files are what was saved
     problems = []
     here = plan.path.resolve()

@@ -35,11 +35,11 @@ from freetx.checkpoint.dcp_folder import (
     describe_dcp_error,
     describe_save_error,
     fold_checksums,
-    record_checksums,
     step_name,
     step_of,
 )
 from freetx.checkpoint.run_folder import LATEST_FILE, TMP_PREFIX, is_complete_fast, read_latest
+from freetx.checksums import record_rank_checksums
 from freetx.distributed.groups import HostGroup
 from freetx.errors import CheckpointError, lost_a_peer
 
@@ -90,7 +90,7 @@ class _Writer(FileSystemWriter):
         while not results.empty():
             written += results.get_nowait()
         # this rank's digests of its files (in the background thread of an async save)
-        record_checksums(Path(self.path), [r.storage_data.relative_path for r in written])
+        record_rank_checksums(Path(self.path), [r.storage_data.relative_path for r in written])
         future: Future = Future()
         future.set_result(written)
         return future

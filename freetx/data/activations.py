@@ -274,8 +274,9 @@ def build_activation_cache(
     """Activations of every sequence (rank r reads r, r + W, ...), written once as one
     shard per rank and read back by every rank; a cache made with other settings is
     refused with the differences."""
-    if cache.complete():
-        made_with = cache.metadata().get("settings")
+    made = cache.made()  # by an earlier freetx too: other settings are refused all the same
+    if made is not None:
+        made_with = made.get("settings")
         if made_with != settings:
             changed = sorted(
                 k
@@ -287,7 +288,7 @@ def build_activation_cache(
                 f"({', '.join(changed)} differ); its rows are not this run's. Point "
                 "activations.cache at another folder, or delete it to make it again."
             )
-    else:
+    if not cache.complete():
 
         def make() -> dict[str, torch.Tensor]:
             parts = []

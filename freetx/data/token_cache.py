@@ -20,6 +20,13 @@ temporary folder renamed into place when complete, the others wait and then map 
 process that dies mid-build leaves nothing that is used. An entry that is damaged (a
 missing or truncated array, a meta.json that does not parse, offsets that do not match
 the arrays) is named on the console and built again, never used.
+
+meta.json records the sha256 of every array (`freetx.checksums`), and every process that
+maps an entry hashes its arrays once first: an array whose bytes changed since it was
+written (a flipped bit, a hand edit) is refused naming the file, as a checkpoint's is,
+never trained on. An entry an earlier freetx wrote without checksums is built again (said
+on the console): the cache is freetx's to remake, so a rebuild costs the user nothing a
+refusal would not, while trusting it unverified is what the checksums are there to end.
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from freetx.checksums import check_files, checksums, file_digest, recorded
 from freetx.data.token_rows import Encoded, RowsBuilder, TokenRows, all_targets, ids_dtype
 from freetx.data.tokenizers import ByteTokenizer, HFTokenizer
 from freetx.errors import DataError
@@ -211,13 +219,10 @@ def content_hash(path: Path, root: Path) -> str:
         known = json.loads(memo.read_text())
         if {k: known.get(k) for k in stamp} == stamp:
             return known["sha256"]
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while piece := f.read(1 << 24):
-            digest.update(piece)
+    digest = file_digest(path)
     with contextlib.suppress(OSError):  # a read-only cache folder: hashed again next time
-        _write_atomically(memo, json.dumps({**stamp, "sha256": digest.hexdigest()}))
-    return digest.hexdigest()
+        _write_atomically(memo, json.dumps({**stamp, "sha256": digest}))
+    return digest
 
 
 def _digest(dataset: str, settings: dict, tokenizer: dict, hashes: list[str]) -> str:
@@ -246,7 +251,7 @@ def _open_or_build(
             if rows is None:
                 if problem:
                     print(
-                        f"token cache: {folder} is damaged ({problem}); building it again",
+                        f"token cache: {folder} cannot be used ({problem}); building it again",
                         file=sys.stderr,
                         flush=True,
                     )
@@ -267,7 +272,8 @@ def _open_or_build(
 
 def open_entry(folder: Path) -> tuple[TokenRows | None, str]:
     """(the entry's rows, memory-mapped; "") or (None, "" when there is no entry, else
-    what is wrong with it)."""
+    what is wrong with it: it is built again). An array whose checksum does not match is
+    refused (DataError), after every array was found to have its size."""
     if not folder.exists():
         return None, ""
     try:
@@ -280,6 +286,8 @@ def open_entry(folder: Path) -> tuple[TokenRows | None, str]:
         return None, f"{META} is missing"
     except (OSError, ValueError, KeyError, TypeError) as error:
         return None, f"{META} does not parse: {error}"
+    if recorded(meta.get("checksums")) is None:
+        return None, f"{META} records no checksums: an earlier freetx wrote it"
     arrays = {}
     for name, count in counts.items():
         path = folder / f"{name}.bin"
@@ -289,6 +297,13 @@ def open_entry(folder: Path) -> tuple[TokenRows | None, str]:
         if path.stat().st_size != expected:
             return None, f"{path.name} holds {path.stat().st_size:,} bytes, not {expected:,}"
         arrays[name] = _map(path, dtypes[name], count)
+    check_files(
+        folder, meta["checksums"], [f"{name}.bin" for name in counts], "token cache", META,
+        "other tokens than the dataset's",
+        "Delete that folder and run again (or `freetx data prepare` with the run's config): "
+        "it is built again. If it happens again, check the disk.",
+        DataError,
+    )  # fmt: skip
     offsets, ids = arrays["offsets"], arrays["ids"]
     if len(offsets) < 1 or offsets[0] != 0 or offsets[-1] != len(ids):
         return None, f"offsets.bin does not span ids.bin's {len(ids):,} tokens"
@@ -383,6 +398,7 @@ def _write_entry(folder: Path, key: dict, encode, dtype: np.dtype, text: bool, n
             "dtypes": dtypes,
             "key": key,
             "notes": notes(),
+            "checksums": checksums(tmp, [f"{name}.bin" for name in counts]),
         }
         (tmp / META).write_text(json.dumps(meta, indent=2, default=str))
         tmp.rename(folder)

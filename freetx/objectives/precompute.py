@@ -11,11 +11,19 @@ gathers the results over the ranks into one table per value, in the dataset's or
 `stored_or_computed` reads the table from its file when the file was made for the same
 key (a digest of every sample's tokens, `samples_digest`, and the model's identity),
 else has it computed and written by rank 0, whole or not at all.
+
+Beside the table, `<split>.checksums.json` records its sha256 (`freetx.checksums`); every
+rank hashes the file before reading it and refuses one whose bytes changed since it was
+written, as a checkpoint's are refused. A table without that record (written by an
+earlier freetx, or a write cut off before it) is computed again, said on the console: it
+is the run's own to remake, one pass of the frozen model, and trusting it unverified is
+what the checksums end.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -26,8 +34,10 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch.utils.data import Dataset
 
+from freetx.checksums import check_files, checksums
 from freetx.data import build_eval_loader
 from freetx.distributed import ParallelPlan
+from freetx.errors import DataError
 from freetx.training.step import placed
 from freetx.user_files import staged_output
 
@@ -111,10 +121,24 @@ def stored_or_computed(
     say: Callable[[str], None],
     what: str,
 ) -> dict[str, torch.Tensor]:
-    """The table kept in `path` when it was made for `key` (read by every rank), else
-    `compute()` (every rank), written there by rank 0 under `key`. `say`: a line for the
-    console; `what`: the table's description in it."""
-    if path.is_file():
+    """The table kept in `path` when it was made for `key` (read by every rank, its
+    checksum verified first), else `compute()` (every rank), written there by rank 0 under
+    `key`, its checksum beside it. `say`: a line for the console; `what`: the table's
+    description in it."""
+    record = path.with_name(f"{path.stem}.checksums.json")
+    if path.is_file() and not record.is_file():
+        say(f"{path} has no checksums (an earlier freetx wrote it); computing {what} again")
+    elif path.is_file():
+        try:
+            recorded = json.loads(record.read_text())
+        except ValueError:  # a damaged record: refused as a damaged table
+            recorded = None
+        check_files(
+            path.parent, recorded, [path.name], "cache", record.name, "wrong values to train on",
+            f"Delete {path} and run again: it is computed again. If it happens again, check "
+            "the disk.",
+            DataError,
+        )  # fmt: skip
         with safe_open(path, "pt") as f:
             stored_key = (f.metadata() or {}).get("identity")
         if stored_key == key:
@@ -126,8 +150,11 @@ def stored_or_computed(
     seconds = time.perf_counter() - started
     size = sum(v.numel() * v.element_size() for v in table.values()) / 2**20
     if plan.runtime.is_rank_zero:
+        record.unlink(missing_ok=True)  # a table without its record is computed again
         with staged_output(path) as staged:  # whole or not at all
             save_file({k: v.contiguous() for k, v in table.items()}, staged, {"identity": key})
+        with staged_output(record) as staged:
+            staged.write_text(json.dumps(checksums(path.parent, [path.name])))
     plan.groups.barrier()
     say(f"{what} computed in {seconds:.1f} s, kept in {path} ({size:.1f} MiB)")
     return table

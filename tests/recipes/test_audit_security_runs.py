@@ -1,7 +1,8 @@
 """The audit's security and silently-wrong cases through `freetx run` (issue 36): a
 component that runs a program is refused before anything trains; a real run records the
 checksums of its files (asynchronous saves too), and a resume refuses a damaged `.distcp`
-file and a planted `.metadata`, naming the earlier checkpoint."""
+file and a planted `.metadata`, naming the earlier checkpoint, and a checkpoint without
+checksums unless checkpoint.resume_unverified=true."""
 
 from __future__ import annotations
 
@@ -64,6 +65,21 @@ def test_resume_on_flipped_distcp_bytes_is_refused_naming_the_earlier_checkpoint
     resumed = train(run, "max_steps=6", f"resume={earlier}", "checkpoint.overwrite=true")
     assert resumed.returncode == 0, resumed.stderr
     assert f"resumed from {earlier}" in flat(resumed.stdout)
+
+
+def test_resume_of_a_checkpoint_without_checksums_is_refused_unless_told(run):
+    step = run / "checkpoints" / "step_000004"
+    meta = json.loads((step / "meta.json").read_text())
+    del meta["checksums"]  # as freetx saved before it recorded them, or an edit
+    (step / "meta.json").write_text(json.dumps(meta))
+    text = one_paragraph(train(run, "max_steps=6"))
+    assert f"checkpoint {step} cannot be verified: its meta.json records no checksums" in text
+    assert "resume with checkpoint.resume_unverified=true" in text
+    resumed = train(run, "max_steps=6", "checkpoint.resume_unverified=true")
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"resumed from {step}" in flat(resumed.stdout)
+    saved = json.loads((run / "checkpoints" / "step_000006" / "meta.json").read_text())
+    assert saved["checksums"]["sha256"]  # what the run saves is checksummed again
 
 
 def test_resume_on_a_planted_metadata_runs_no_code(run, tmp_path):

@@ -1,7 +1,8 @@
 """dpo_fsdp2 through the CLI: LoRA's first step is ln 2 (the policy is its reference),
 validate refuses what the run refuses, the losses are the same on 1 process, 2 (fsdp,
 cp 2) and 4 (dp 2 x tp 2), a precomputed reference gives the live reference's losses, and a
-resume at another world size repeats the uninterrupted run's losses."""
+resume at another world size repeats the uninterrupted run's losses (and refuses the
+precomputed reference once a byte of it flipped)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import math
 
 import pytest
 
-from tests.conftest import flat, run_freetx, run_freetx_here
+from tests.conftest import flat, flip_byte, one_paragraph, run_freetx, run_freetx_here
 from tests.hf_folders import make_folder, make_tokenizer
 
 JSONL = "metric_loggers=[{_component_: freetx.loggers.JSONLLogger}]"
@@ -141,6 +142,14 @@ def test_resume_at_another_world_size_repeats_the_uninterrupted_runs_losses(tmp_
     resumed = losses(out)
     for step in (3, 4):
         assert abs(resumed[step] - straight[step]) <= 1e-5, (straight, resumed)
+    # a flipped byte in it is refused, as a checkpoint's, before any training
+    table = out / "reference_logps" / "train.safetensors"
+    flip_byte(table, at=table.stat().st_size - 5)
+    result = run_freetx("run", "dpo_fsdp2", "--config", "llm/dpo_tiny", f"output_dir={out}",
+                        *RANDOM, "max_steps=5", *half)  # fmt: skip
+    text = one_paragraph(result)
+    assert f"cache {table.parent}: train.safetensors is damaged: its bytes differ" in text
+    assert f"Delete {table} and run again" in text
 
 
 @pytest.mark.slow  # 2 runs of 3 steps

@@ -1,8 +1,8 @@
 """kd_fsdp2 through the CLI: 2 processes (fsdp) give 1 process's losses; a teacher of
 another vocabulary is refused before any work, naming both; validate refuses a pipeline
 and a precomputed teacher with a divergence its top-k cannot give; a precomputed teacher
-of the whole vocabulary gives the live teacher's losses, and is read back by a second
-run; llm/hf_tiny_kd between two HF folders, exported."""
+of the whole vocabulary gives the live teacher's losses, is read back by a second run and
+refused by a third once a byte of it flipped; llm/hf_tiny_kd between two HF folders, exported."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import shutil
 
 import pytest
 
-from tests.conftest import flat, one_paragraph, run_freetx, run_freetx_here
+from tests.conftest import flat, flip_byte, one_paragraph, run_freetx, run_freetx_here
 from tests.hf_folders import make_folder
 
 JSONL = "metric_loggers=[{_component_: freetx.loggers.JSONLLogger}]"
@@ -108,6 +108,14 @@ def test_a_precomputed_teacher_of_the_whole_vocabulary_gives_the_live_teachers_l
     again_out, again = kd(tmp_path, "pre", "max_steps=4", "teacher.precompute=top_k",
                           "teacher.top_k=259", "resume=auto")  # fmt: skip
     assert again.returncode == 0 and "read from" in again.stdout, again.stdout[-3000:]
+    # a flipped byte in the table is refused, as a checkpoint's, before any training
+    table = pre_out / "teacher_topk" / "train.safetensors"
+    flip_byte(table, at=table.stat().st_size - 5)
+    _, flipped = kd(tmp_path, "pre", "max_steps=5", "teacher.precompute=top_k",
+                    "teacher.top_k=259", "resume=auto")  # fmt: skip
+    assert "train.safetensors is damaged: its bytes differ from what was saved" in one_paragraph(
+        flipped
+    )
 
 
 @pytest.mark.slow  # 2 processes, 3 steps of two tiny HF folders

@@ -191,7 +191,7 @@ def test_flipped_distcp_bytes_are_refused_by_inspect_convert_and_resume(checkpoi
     open_tensors(checkpoints / "step_000002")  # the earlier one is intact
 
 
-def test_checkpoint_saved_without_checksums_still_loads(checkpoints):
+def test_checkpoint_without_checksums_is_read_but_resumed_only_when_told(checkpoints):
     step = checkpoints / "step_000004"
     assert not list(step.glob(".checksums_*"))  # the rank files were folded into meta.json
     meta = json.loads((step / META_FILE).read_text())
@@ -199,7 +199,14 @@ def test_checkpoint_saved_without_checksums_still_loads(checkpoints):
     (step / META_FILE).write_text(json.dumps(meta))
     flip(step / "__0_0.distcp")  # unnoticed without checksums, as before
     assert "step_000004" in inspect_report(step)
-    assert plan_resume(checkpoints, "auto", False, 10, {}, ()).step == 4
+    for resume in ("auto", str(step)):
+        with pytest.raises(CheckpointError) as e:
+            plan_resume(checkpoints, resume, False, 10, {}, ())
+        text = flat(str(e.value))
+        assert f"checkpoint {step} cannot be verified: its meta.json records no checksums" in text
+        assert "resume with checkpoint.resume_unverified=true" in text
+    plan = plan_resume(checkpoints, "auto", False, 10, {}, (), unverified=True)
+    assert plan.step == 4 and "checkpoint.resume_unverified=true: resuming from" in plan.notices[0]
 
 
 # -- the HF export --------------------------------------------------------------------------

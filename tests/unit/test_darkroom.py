@@ -17,6 +17,7 @@ from freetx.envs import (
     state_index,
 )
 from freetx.errors import ConfigError
+from tests.conftest import flip_byte
 
 ENV = DarkRoomConfig()
 
@@ -138,18 +139,26 @@ def test_subsampling_makes_every_kth_episode_a_history():
     assert subsample_episodes(h, every=1, horizon=2) is h
 
 
-def test_stored_histories_round_trip_and_a_damaged_shard_is_named(tmp_path):
-    from freetx.data.darkroom import histories_cache, load_histories
+def stored_histories(folder, cfg):
+    """Histories of `cfg` stored as two ranks store them: each its shard (and checksum),
+    then rank 0 the metadata, once every shard is written (the barrier)."""
+    from freetx.data.darkroom import histories_cache
     from freetx.envs import history_shard
+
+    cache = histories_cache(folder, ENV, cfg)
+    for rank in (1, 0):
+        cache.build(rank, 2, lambda r=rank: history_shard(r, 2, ENV, cfg), {"kind": "test"},
+                    barrier=lambda: None)  # fmt: skip
+        assert cache.complete() == (rank == 0)
+    return cache
+
+
+def test_stored_histories_round_trip_and_a_damaged_shard_is_named(tmp_path):
+    from freetx.data.darkroom import load_histories
     from freetx.errors import DataError
 
     cfg = HistoryConfig(streams_per_goal=1, episodes=2)
-    cache = histories_cache(tmp_path, ENV, cfg)
-    barriers = []
-    for rank in range(2):  # as two ranks would (rank 1's metadata write is rank 0's job)
-        cache.build(rank, 2, lambda r=rank: history_shard(r, 2, ENV, cfg), {"kind": "test"},
-                    barrier=lambda: barriers.append(1))  # fmt: skip
-        assert cache.complete() == (rank >= 0)
+    cache = stored_histories(tmp_path, cfg)
     loaded = load_histories(cache)
     assert loaded["goal_ids"].tolist() == list(range(65))
     expected = learning_histories(np.arange(65), goal_split(ENV).train, ENV, cfg)
@@ -157,10 +166,39 @@ def test_stored_histories_round_trip_and_a_damaged_shard_is_named(tmp_path):
     assert cache.folder.name.startswith("darkroom_ad_")  # named by a hash of the settings
 
     shard = cache.folder / "shard_00001.safetensors"
-    shard.write_bytes(shard.read_bytes()[:100])
-    with pytest.raises(DataError, match="cannot be read") as error:
+    for damage in (lambda: flip_byte(shard), lambda: shard.write_bytes(shard.read_bytes()[:100])):
+        damage()
+        with pytest.raises(DataError) as error:
+            load_histories(cache)
+        assert " ".join(str(error.value).split()) == (
+            f"data cache {cache.folder}: shard_00001.safetensors is damaged: its bytes differ "
+            "from what was saved (its checksum in metadata.json does not match), and reading it "
+            "would give corrupted data to train and evaluate on. Delete that folder and run "
+            "again: it is made again. If it happens again, check the disk."
+        )
+    shard.unlink()
+    with pytest.raises(DataError, match="cannot be read"):
         load_histories(cache)
-    assert "Delete that folder" in str(error.value)
+
+
+def test_histories_stored_without_checksums_are_made_again(tmp_path, capsys):
+    import json
+
+    from freetx.data.darkroom import load_histories
+
+    cfg = HistoryConfig(streams_per_goal=1, episodes=2)
+    cache = stored_histories(tmp_path, cfg)
+    metadata = cache.folder / "metadata.json"
+    made = json.loads(metadata.read_text())
+    del made["checksums"]  # as an earlier freetx wrote it
+    metadata.write_text(json.dumps(made))
+    assert not cache.complete()
+    capsys.readouterr()
+    cache = stored_histories(tmp_path, cfg)
+    assert "was made by an earlier freetx, without checksums; making it again" in " ".join(
+        capsys.readouterr().err.split()
+    )
+    assert load_histories(cache)["goal_ids"].tolist() == list(range(65))
 
 
 def test_an_interrupted_cache_is_not_complete(tmp_path):

@@ -9,7 +9,7 @@ from pathlib import Path
 from tests.conftest import REPO
 
 LEAVES = {"models", "data", "envs"}  # import nothing of freetx above them
-BELOW_EVERYTHING = {"errors", "fields"}
+BELOW_EVERYTHING = {"errors", "fields", "checksums"}
 STRATEGIES = {"ddp", "zero1", "zero2", "zero3", "fsdp", "hsdp"}
 
 

@@ -1,12 +1,14 @@
 """The token cache: a second build is a hit with the same samples, a change of source or
-tokenizer misses, a damaged entry is named and rebuilt, concurrent builders meet at the
-lock, and `freetx data prepare` makes what `freetx run` then reuses."""
+tokenizer misses, a damaged entry (or one without checksums) is named and rebuilt, a
+flipped byte is refused, concurrent builders meet at the lock, and `freetx data prepare`
+makes what `freetx run` then reuses."""
 
 from __future__ import annotations
 
 import fcntl
 import hashlib
 import json
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -26,7 +28,7 @@ from freetx.data import (
 )
 from freetx.data.token_cache import open_entry
 from freetx.errors import DataError
-from tests.conftest import REPO, flat, one_paragraph, run_freetx, run_freetx_here
+from tests.conftest import REPO, flat, flip_byte, one_paragraph, run_freetx, run_freetx_here
 
 
 def write_examples(path: Path, count: int, salt: str = "") -> str:
@@ -127,7 +129,7 @@ def test_a_changed_source_or_tokenizer_misses(tmp_path):
     assert len(entries(cache)) == 3
 
 
-@pytest.mark.parametrize("damage", ["truncated", "deleted", "garbled", "offsets"])
+@pytest.mark.parametrize("damage", ["truncated", "deleted", "garbled", "unchecked"])
 def test_a_damaged_entry_is_named_and_rebuilt(tmp_path, capsys, damage):
     cache, tok = tmp_path / "cache", ByteTokenizer()
     source = write_examples(tmp_path / "pairs.jsonl", 40)
@@ -144,17 +146,48 @@ def test_a_damaged_entry_is_named_and_rebuilt(tmp_path, capsys, damage):
     elif damage == "garbled":
         (entry / "meta.json").write_text('{"format": 1, "counts": ')
         named = "meta.json does not parse"
-    else:  # sizes right, contents wrong: offsets that do not match the arrays
-        offsets = entry / "offsets.bin"
-        offsets.write_bytes(offsets.read_bytes()[:-8] + (10**9).to_bytes(8, "little"))
-        named = "offsets.bin does not span"
+    else:  # as an earlier freetx wrote it: not trusted unverified
+        meta = json.loads((entry / "meta.json").read_text())
+        del meta["checksums"]
+        (entry / "meta.json").write_text(json.dumps(meta))
+        named = "meta.json records no checksums: an earlier freetx wrote it"
     assert open_entry(entry)[0] is None
     capsys.readouterr()
     rebuilt = build()
     err = flat(capsys.readouterr().err)
-    assert f"token cache: {entry} is damaged ({named}" in err and "building it again" in err
+    assert f"token cache: {entry} cannot be used ({named}" in err and "building it again" in err
     assert rebuilt.token_cache.state == "rebuilt" and same(samples(rebuilt), good)
     assert build().token_cache.state == "hit" and entries(cache) == [entry]
+
+
+@pytest.mark.parametrize("array", ["ids", "targets", "offsets", "first_targets"])
+def test_a_flipped_byte_is_refused_naming_the_file(tmp_path, array):
+    cache, tok = tmp_path / "cache", ByteTokenizer()
+    source = write_examples(tmp_path / "pairs.jsonl", 40)
+    build = lambda: InstructDataset(tok, source, seq_len=24, cache_dir=str(cache))  # noqa: E731
+    build()
+    (entry,) = entries(cache)
+    flip_byte(entry / f"{array}.bin")  # sizes right, a byte wrong: only the checksum tells
+    with pytest.raises(DataError) as error:
+        build()
+    assert flat(str(error.value)) == (
+        f"token cache {entry}: {array}.bin is damaged: its bytes differ from what was saved (its "
+        "checksum in meta.json does not match), and reading it would give other tokens than the "
+        "dataset's. Delete that folder and run again (or `freetx data prepare` with the run's "
+        "config): it is built again. If it happens again, check the disk."
+    )
+
+
+def test_prepare_refuses_a_flipped_entry_in_one_paragraph(tmp_path, monkeypatch):
+    monkeypatch.setenv("FREETX_CACHE", str(tmp_path / "cache"))
+    source = write_documents(tmp_path / "docs.jsonl", 100)
+    args = ("data", "prepare", "llm/tiny", f"dataset.source={source}")
+    assert run_freetx_here(*args).returncode == 0
+    (entry,) = entries(tmp_path / "cache")
+    flip_byte(entry / "ids.bin")
+    assert f"token cache {entry}: ids.bin is damaged" in one_paragraph(run_freetx_here(*args))
+    shutil.rmtree(entry)  # the fix the message gives
+    assert "(all splits) built in" in run_freetx_here(*args).stdout
 
 
 BUILDER = textwrap.dedent("""
