@@ -95,12 +95,25 @@ class DecoderConfig(TrainingConfig):
         )  # fmt: skip
 
     def refuse_combinations(self) -> None:
-        """QAT under tensor parallelism: torchao's fake-quantized linears are not sliced."""
-        if self.qat.scheme != "none" and self.distributed.tp > 1:
+        """QAT under tensor parallelism: torchao's fake-quantized linears are not sliced;
+        QAT whose fake quantization starts after the last step: it would never train."""
+        if self.qat.scheme == "none":
+            return
+        if self.distributed.tp > 1:
             raise ConfigError(
                 f"qat.scheme={self.qat.scheme} fake-quantizes whole Linear layers, and "
                 f"distributed.tp={self.distributed.tp} slices them over ranks.",
                 fix="Set distributed.tp=1 (fsdp, zero or ddp train a QAT model), or qat.scheme=none.",
+            )
+        if self.qat.start_step >= self.max_steps:
+            raise ConfigError(
+                f"qat.start_step={self.qat.start_step} turns fake quantization on after "
+                f"{self.qat.start_step} steps, and the run stops after max_steps="
+                f"{self.max_steps}: no step would train through it, and the quantized export "
+                "would be plain post-training quantization labelled QAT.",
+                fix=f"Set qat.start_step below {self.max_steps} (0: from the first step), raise "
+                "max_steps, or set qat.scheme=none (and quantize after training with `freetx "
+                "checkpoint convert --quantize`).",
             )
 
 
