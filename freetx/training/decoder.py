@@ -48,6 +48,7 @@ from freetx.training.checks import (
     check_context,
     check_model_and_data,
     check_packing,
+    check_read_paths,
     dataset_seq_len,
 )
 from freetx.training.config import PlannedRun, TokenEvalConfig, TrainingConfig
@@ -125,8 +126,10 @@ class DecoderSetup:
     def __init__(self, cfg: DecoderConfig, recipe: str) -> None:
         """The process and its seed, the ranks by axis, the run (which refuses a resume that
         would lose saved work before anything is built), `eval.after_training`'s tasks,
-        the split of the global batch, and the tokenizer: every cheap check first."""
+        the split of the global batch, and the tokenizer: every cheap check first (a file
+        the run reads that is not there, named by its key: a teacher's weights)."""
         cfg.refuse_combinations()
+        check_read_paths(cfg)
         self.cfg = cfg
         self.runtime = init_distributed(cfg.device, cfg.distributed.collective_timeout_s)
         seed_everything(cfg.seed, self.runtime.rank, cfg.deterministic)
