@@ -32,6 +32,15 @@ def at_least(minimum: int, default: Any = _REQUIRED) -> Any:
     return dataclasses.field(default=default, metadata={MIN_KEY: minimum})
 
 
+ACCEPTS_KEY = "accepts"
+
+
+def accepting(default: Any, accepts: str) -> Any:
+    """A schema field whose values its type does not say (words, or a path): `accepts`
+    says them, and the schema checks name them when a value is of another type."""
+    return dataclasses.field(default=default, metadata={ACCEPTS_KEY: accepts})
+
+
 WRITES_KEY = "writes"
 
 
@@ -43,16 +52,23 @@ def written_folder(default: Any = _REQUIRED, *, own: bool = False) -> Any:
     return dataclasses.field(default=default, metadata={WRITES_KEY: "own" if own else "any"})
 
 
-def written_folders(config: Any, path: str = "") -> list[tuple[str, str, bool]]:
+def written_folders(config: Any) -> list[tuple[str, str, bool]]:
     """(key, folder, own) of every `written_folder` field set in a config dataclass
     instance and its dataclass sections, keys named from the top ("activations.cache")."""
+    return [(key, value, mark == "own") for key, value, mark in _marked(config, WRITES_KEY)]
+
+
+def _marked(config: Any, mark: str, path: str = "") -> list[tuple[str, str, Any]]:
+    """(key, path, the mark's value) of every field of a config dataclass instance and its
+    dataclass sections whose metadata holds `mark` and whose value is a path, keys named
+    from the top."""
     found = []
     for f in dataclasses.fields(config):
         value = getattr(config, f.name, None)
-        if f.metadata.get(WRITES_KEY) and isinstance(value, str) and value:
-            found.append((path + f.name, value, f.metadata[WRITES_KEY] == "own"))
+        if f.metadata.get(mark) and isinstance(value, str) and value:
+            found.append((path + f.name, value, f.metadata[mark]))
         elif dataclasses.is_dataclass(value) and not isinstance(value, type):
-            found.extend(written_folders(value, f"{path}{f.name}."))
+            found.extend(_marked(value, mark, f"{path}{f.name}."))
     return found
 
 
@@ -67,12 +83,9 @@ def read_path(default: Any = _REQUIRED) -> Any:
 
 
 def read_paths(config: Any) -> list[tuple[str, str]]:
-    """(key, path) of every `read_path` field set in a config dataclass instance."""
-    return [
-        (f.name, getattr(config, f.name))
-        for f in dataclasses.fields(config)
-        if f.metadata.get(READS_KEY) and isinstance(getattr(config, f.name, None), str)
-    ]
+    """(key, path) of every `read_path` field set in a config dataclass instance and its
+    dataclass sections, keys named from the top ("teacher.weights")."""
+    return [(key, value) for key, value, _ in _marked(config, READS_KEY)]
 
 
 HOLDS_KEY = "holds"

@@ -78,6 +78,15 @@ def write_user_file(
             staged.write_bytes(content)
 
 
+def as_plain_file(path: Path) -> None:
+    """Give a file the permissions a plain open() gives (0666 less the umask: 0644 by
+    default), for one a library wrote through a private temporary file (safetensors'
+    save_file: 0600), so that every file of an export is readable alike."""
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(path, 0o666 & ~mask)
+
+
 def _remove(path: Path) -> None:
     if path.is_dir() and not path.is_symlink():
         shutil.rmtree(path, ignore_errors=True)

@@ -75,6 +75,8 @@ class EvalConfig:
 
     # an HF folder, a run's output_dir, a DCP step, a .safetensors file
     checkpoint: str = read_path(MISSING)
+    # a LoRA run's base where it is now, when it moved (None: the one the run recorded)
+    base: Optional[str] = read_path(None)
     output_dir: str = written_folder("runs/eval")  # eval.json
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: Literal["float32", "bfloat16"] = "float32"  # the weights, as evaluated
@@ -163,7 +165,7 @@ class EvalRecipe:
                 prompts, cfg.batch_size * self.world, self.rank, self.world, collate_prompts
             )
         adapters = recorded_peft(self.checkpoint)  # a LoRA run: its adapters, unmerged
-        self.model = load_model(self.checkpoint, self.device, cfg.seed, adapters)
+        self.model = load_model(self.checkpoint, self.device, cfg.seed, adapters, cfg.base, "base")
         if cfg.dtype != "float32":  # load_model builds in float32 (QLoRA: NF4 bases)
             self.model.to(dtype_named(cfg.dtype))
         self.end_ids = self.ends()

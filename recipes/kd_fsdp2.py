@@ -35,11 +35,17 @@ from freetx.data.packing import packs
 from freetx.entry import parse
 from freetx.errors import ConfigError
 from freetx.fields import at_least, read_path
-from freetx.objectives.distillation import Distill, check_same_vocabulary, with_teacher_top_k
+from freetx.objectives.distillation import (
+    Distill,
+    check_same_vocabulary,
+    check_top_k,
+    with_teacher_top_k,
+)
 from freetx.objectives.reference import FrozenCopy
 from freetx.training import (
     accumulate_gradients,
     first_batches_padding,
+    model_vocab_size,
     optimizer_step,
     real_tokens,
     validation_means,
@@ -78,7 +84,9 @@ class KDConfig(DecoderConfig):
     def refuse_combinations(self) -> None:
         """Pipeline parallelism: the teacher's hidden states would have to reach the
         student's last stage. A precomputed teacher: whole sequences (no cp), and a loss
-        its top-k can give (forward KL at temperature 1). And DecoderConfig's (QAT with tp, an evaluation without validation rows)."""
+        its top-k can give (forward KL at temperature 1), and a top_k its vocabulary has.
+        And DecoderConfig's (QAT with tp or past max_steps, an evaluation without validation
+        rows)."""
         super().refuse_combinations()
         if self.distributed.pp > 1:
             raise ConfigError(
@@ -95,6 +103,7 @@ class KDConfig(DecoderConfig):
                 f"sequences, and distributed.cp={self.distributed.cp} splits each sequence.",
                 fix="Set distributed.cp=1, or teacher.precompute=none (the live teacher).",
             )
+        check_top_k(self.teacher.top_k, model_vocab_size(self.teacher.model))
         loss = dict(self.loss)
         if loss.get("divergence", "forward_kl") != "forward_kl" or loss.get("temperature", 1) != 1:
             raise ConfigError(

@@ -39,6 +39,7 @@ from freetx.checkpoint.dcp_folder import (
 )
 from freetx.errors import CheckpointError
 from freetx.models.hf import layout_for_hf_config
+from freetx.user_files import as_plain_file
 
 SAFETENSORS_DTYPES = {
     torch.float64: "F64",
@@ -504,6 +505,17 @@ def _dtype_from_safetensors(name: str) -> torch.dtype:
         if code == name:
             return dtype
     raise CheckpointError(f"safetensors dtype {name} is not supported.")
+
+
+def save_tensors(
+    tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None
+) -> None:
+    """safetensors' save_file, the file then given the permissions of the files beside it
+    (`as_plain_file`: save_file leaves it 0600)."""
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(path), metadata=metadata)
+    as_plain_file(path)
 
 
 class SafetensorsStreamWriter:

@@ -104,6 +104,30 @@ def weight_source(path: str | Path) -> WeightSource:
     return WeightSource(str(path), Path(path).expanduser())
 
 
+def adapters_base(
+    source: TensorSource, given: str | None = None, key: str | None = None
+) -> str | None:
+    """The base an adapter-only checkpoint (a LoRA run's: the trained part only) is read
+    over: `given` (a config's `key`, for a base that moved), else the one the run recorded
+    (`frozen_from` in its meta.json); None for a checkpoint that records none. A base that
+    is not there is refused saying which it is and how to point at where it is now."""
+    recorded = source.meta.get(FROZEN_FROM)
+    if given or recorded is None or Path(recorded).expanduser().exists():
+        return given or recorded
+    elsewhere = (
+        f"set {key}=PATH to read it from there"
+        if key
+        else "merge the adapters over it "
+        f"(freetx checkpoint merge {source.path} --base PATH MERGED) and use MERGED"
+    )
+    raise CheckpointError(
+        f"{source.path} holds a LoRA run's adapters only, and the base they were trained "
+        f"over, as the run recorded it ({source.path / 'meta.json'}: {FROZEN_FROM}), is "
+        f"{recorded}, which does not exist now. If the base moved, {elsewhere}; else put "
+        f"it back at {recorded}."
+    )
+
+
 def model_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
     """Model tensor name -> global shape, as DCP would save them."""
     return {k: tuple(v.shape) for k, v in get_model_state_dict(model).items() if torch.is_tensor(v)}
@@ -270,7 +294,12 @@ def recorded_model(source: TensorSource, path: str | Path):
 
 
 def load_model(
-    path: str | Path, device, seed: int = 0, adapters: PEFTConfig | None = None
+    path: str | Path,
+    device,
+    seed: int = 0,
+    adapters: PEFTConfig | None = None,
+    base: str | None = None,
+    base_key: str | None = None,
 ) -> nn.Module:
     """The model a checkpoint holds (a run's output_dir, a DCP folder, a .safetensors file
     freetx wrote, or an HF folder of the decoder family), rebuilt from what it recorded,
@@ -282,7 +311,8 @@ def load_model(
     adapters, unmerged, and the checkpoint's tensors set over its base: the base's own
     weights where the checkpoint holds the trained part only (it records the base it was
     read from, `frozen_from`), else the checkpoint's. Without it a LoRA checkpoint is
-    refused, naming the merge. An HF folder of torchao-quantized weights (`freetx
+    refused, naming the merge. `base`: the base to read such a checkpoint over where it
+    moved (the config's `base_key`; None: the recorded one, `adapters_base`). An HF folder of torchao-quantized weights (`freetx
     checkpoint convert --quantize`, transformers' TorchAoConfig) gives the model with
     torchao's quantized tensors in its Linears (`freetx.checkpoint.quantized`); a folder
     quantized otherwise (bitsandbytes, GPTQ ...) is refused before a weight is read."""
@@ -300,7 +330,7 @@ def load_model(
         model = build_model(*recorded_model(weights.tensors, weights.path))
         apply_peft(model, adapters)
     materialize(model, device, seed=seed, init_weights=False)
-    base = weights.tensors.meta.get(FROZEN_FROM)
+    base = adapters_base(weights.tensors, base, base_key)
     if base is None:  # the whole model saved (with its adapters, which this leaves)
         check_weights(model, weights)
         load_weights(model, weights)

@@ -34,10 +34,10 @@ from freetx.checkpoint.convert import (
     user_entry,
     write_hf_files,
 )
-from freetx.checkpoint.dcp_folder import FROZEN_FROM
-from freetx.checkpoint.formats import TensorSource, open_tensors
+from freetx.checkpoint.formats import TensorSource, open_tensors, save_tensors
 from freetx.checkpoint.loading import (
     WeightSource,
+    adapters_base,
     model_from_weights,
     recorded_model,
     weight_source,
@@ -91,7 +91,7 @@ def whole_model_weights(src: str | Path, lora: LoRASettings | None) -> WeightSou
         adapter_tensors(source)
     except CheckpointError:  # no adapters: the model itself
         return WeightSource(str(src), source.path, source)
-    base = source.meta.get(FROZEN_FROM)
+    base = adapters_base(source)
     if base is None:
         raise CheckpointError(
             f"{source.path} holds LoRA adapters and does not record the base they were "
@@ -138,12 +138,10 @@ def export_quantized(
     companion = hf_companion_folder(source, hf_files_from, run_folders)
     quantization = hf_quantization_config(quant, device)
     dtype = str(next(iter(state.values())).dtype)
-    from safetensors.torch import save_file
-
     with staged_output(dst, user_entry) as out:
         notes = write_hf_files(source, out, dtype, companion, tokenizer, quantization)
         flat = {k: v.detach().contiguous().cpu() for k, v in flat.items()}
-        save_file(flat, out / QUANTIZED_FILE, metadata={"format": "pt", **metadata})
+        save_tensors(flat, out / QUANTIZED_FILE, metadata={"format": "pt", **metadata})
     written = sum(v.numel() * v.element_size() for v in flat.values())
     return {
         "format": "hf",

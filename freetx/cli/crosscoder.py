@@ -162,11 +162,11 @@ def export(args: argparse.Namespace) -> int:
         "(jumprelu, batchtopk) or ReLU; x_hat = f @ W_dec + b_dec (per source), on raw activations",
         "checkpoint": str(source.path),
     }
-    from safetensors.torch import save_file
+    from freetx.checkpoint.formats import save_tensors
 
     with staged_output(dst) as folder:
         folder.mkdir(parents=True, exist_ok=True)
-        save_file(tensors, str(folder / "crosscoder.safetensors"))
+        save_tensors(tensors, folder / "crosscoder.safetensors")
         (folder / "config.json").write_text(json.dumps(description, indent=2))
     print(f"Wrote {dst}: crosscoder.safetensors ({', '.join(tensors)}) and config.json")
     return 0

@@ -6,11 +6,13 @@ cache on this machine (no torchrun), so that runs start by mapping it
 as the model sees them (decoded, the tokens without loss in [brackets], document
 boundaries of packed sequences marked; a preference dataset's first N pairs, chosen
 and rejected), and what the split is made of (samples ->
-sequences, padding), as a run prints it at start-up."""
+sequences, padding), as a run prints it at start-up. `freetx data show FILE [N]`: a data
+file's rows, columns, the format they look like and its first N rows (`show_data_file`)."""
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from freetx.cli.common import add_trust_option
 
@@ -31,7 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
             "wrote (rows, tokens, size, time) or that it was already there. The cache folder "
             "is dataset.cache_dir, else $FREETX_CACHE, else ~/.cache/freetx/tokens. "
             "show: the first N (default 3) training sequences as the model sees them, the "
-            "tokens without loss in [brackets], and the samples -> sequences summary. No "
+            "tokens without loss in [brackets], and the samples -> sequences summary; for a "
+            "data file (show FILE [N]): its rows, columns, format and first N rows. No "
             "process group needed."
         ),
     )
@@ -41,11 +44,62 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("prepare", "show"),
         help="prepare: tokenize into the cache; show: render training sequences",
     )
-    p.add_argument("config", help="a config name (llm/tiny) or a path to a .yaml file")
+    p.add_argument(
+        "config", help="a config name (llm/tiny) or a path to a .yaml file (show: or a data file)"
+    )
     p.add_argument("overrides", nargs="*", help="show: N first, then key=value or ~key")
     p.add_argument("--recipe", help="for a config file outside the built-in ones")
     add_trust_option(p)
     return p
+
+
+# the built-in config whose dataset reads rows of each format (`format_of_shape`'s names)
+CONFIG_FOR_FORMAT = {"preference": "llm/dpo_tiny", "text": "llm/tiny"}
+ROW_CHARS = 200  # of a row shown by `show FILE`
+
+
+def data_file(config: str) -> Path | None:
+    """`config` when it names a data file or folder (not a config: no .yaml), else None."""
+    path = Path(config).expanduser()
+    return path if path.exists() and path.suffix not in (".yaml", ".yml") else None
+
+
+def show_data_file(path: Path, count: int) -> int:
+    """`freetx data show FILE`: what a data file (or folder of them) holds: its rows, their
+    columns, the format they look like, the first `count` rows; and the command that shows
+    them as a model sees them."""
+    import json
+
+    from freetx.data.sources import TEXT_SUFFIX, format_of_shape, format_overrides, read_records
+
+    if path.suffix == TEXT_SUFFIX:  # one document, whole (PackedTextDataset's reading)
+        text = path.read_text(encoding="utf-8")
+        print(f"{path}: plain text, one document of {len(text):,} characters")
+        print("\n".join(text.splitlines()[:count]))
+        print(f"\nAs a model sees it: freetx data show llm/tiny dataset.source={path}")
+        return 0
+    records = list(read_records(str(path), None))
+    rows = [r.fields for r in records if r.fields is not None]
+    columns = list(dict.fromkeys(key for row in rows for key in row))
+    print(f"{path}: rows: {len(rows):,}; columns: {', '.join(columns) or 'none'}")
+    bad = [r for r in records if r.fields is None]
+    if bad:
+        print(
+            f"unreadable rows: {len(bad):,}, e.g. {bad[0].where} {bad[0].problem} (a run "
+            "refuses them; dataset.on_bad_row=skip leaves them out)"
+        )
+    found = format_of_shape(rows[0]) if rows else None
+    overrides = f" {format_overrides(*found)}" if found and found[1] else ""
+    if found:
+        print(f"format: {found[0]}{overrides and f' (with{overrides})'}")
+    else:
+        print("format: none of freetx's (set dataset.format and dataset.columns: docs/data.md)")
+    for index, row in enumerate(rows[:count]):
+        text = json.dumps(row, ensure_ascii=False)
+        print(f"{index + 1}: {text[:ROW_CHARS]}{'...' if len(text) > ROW_CHARS else ''}")
+    config = CONFIG_FOR_FORMAT.get(found[0] if found else "", "llm/instruct_tiny")
+    print(f"\nAs a model sees them: freetx data show {config} dataset.source={path}{overrides}")
+    return 0
 
 
 def _dataset_config(args: argparse.Namespace, overrides: list[str]):
@@ -55,9 +109,20 @@ def _dataset_config(args: argparse.Namespace, overrides: list[str]):
     from freetx.errors import ConfigError
     from freetx.registry import recipe_for_config
 
+    if data_file(args.config) is not None:  # show's is shown before: prepare's
+        raise ConfigError(
+            f"{args.config} is a data file, and freetx data prepare tokenizes a config's dataset.",
+            fix=f"Give a config whose dataset reads it: freetx data prepare llm/instruct_tiny "
+            f"dataset.source={args.config} (`freetx data show {args.config}` says its format).",
+        )
     recipe = args.recipe or getattr(recipe_for_config(args.config), "name", None)
     if recipe is None:
-        raise ConfigError(f"{args.config} is not a built-in config: give --recipe too.")
+        raise ConfigError(
+            f"{args.config} is not a built-in config, so freetx cannot tell which recipe's "
+            "schema it follows.",
+            fix="Add --recipe NAME (the recipe you run it with, e.g. --recipe "
+            "full_finetune_fsdp2, or --recipe ./my_recipe.py).",
+        )
     cfg = load_recipe_config(args.config, overrides, load_recipe(recipe).schema)
     node = getattr(cfg, "dataset", None)
     if not hasattr(cfg, "tokenizer") or "_component_" not in (node or {}):
@@ -126,6 +191,9 @@ def show(args: argparse.Namespace) -> int:
     from freetx.data.mixture import summary_lines
 
     count, overrides = _count(list(args.overrides))
+    path = data_file(args.config)
+    if path is not None:
+        return show_data_file(path, count)
     cfg = _dataset_config(args, overrides)
     if cfg is None:
         return 0

@@ -14,7 +14,9 @@ CONFIG = "llm/hf_eval"
 DESCRIPTION = f"""Evaluate CHECKPOINT (an HF folder, a run's output_dir, a DCP step, a
 .safetensors file, a LoRA run) on lm-evaluation-harness tasks, perplexity over a dataset
 (dataset.source=FILE) or rewards over generations: the eval recipe with its config
-{CONFIG}, the key=value overrides applied. Writes <output_dir>/eval.json.
+{CONFIG}, the key=value overrides applied. Writes <output_dir>/eval.json. A LoRA run
+that saved its adapters only is read over the base it recorded; base=PATH reads that
+base from where it is now, if it moved.
 
 examples:
   freetx eval runs/sft --tasks my_task --include-path tasks/

@@ -32,7 +32,7 @@ from omegaconf.errors import OmegaConfBaseException
 from freetx.config.foreign_names import foreign_hint
 from freetx.config.instantiate import COMPONENT, check_components
 from freetx.errors import ConfigError
-from freetx.fields import MIN_KEY, at_least, field_problems, held_keys  # noqa: F401 - at_least re-exported
+from freetx.fields import ACCEPTS_KEY, MIN_KEY, at_least, field_problems, held_keys  # noqa: F401 - at_least re-exported
 
 _NONE = type(None)
 
@@ -150,7 +150,8 @@ def _check_level(
                 if isinstance(value, (DictConfig, ListConfig))
                 else value
             )
-            problems.append(f"'{path}{key}' must be {_describe(tp)}, got {shown!r}.")
+            said = fields[key].metadata.get(ACCEPTS_KEY) or _describe(tp)
+            problems.append(f"'{path}{key}' must be {said}, got {shown!r}.")
         elif MIN_KEY in fields[key].metadata and value is not None:
             if value < fields[key].metadata[MIN_KEY]:
                 problems.append(

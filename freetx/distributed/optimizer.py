@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import functools
 import sys
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Optional
@@ -195,6 +196,7 @@ def build_optimizer(
     params = [p for p in model.parameters() if p.requires_grad]
     if str(node.get(COMPONENT, "")).startswith(_LOW_BIT):
         avoid_shared_compile_cache(params)
+        quiet_low_bit_cache_warning()
     make = functools.partial(instantiate_except, node, OPTIMIZER_KEYS, **extra)
     if zero is not None:
         kwargs = {k: v for k, v in node.items() if k not in (COMPONENT, *OPTIMIZER_KEYS)}
@@ -218,6 +220,20 @@ def avoid_shared_compile_cache(params: list[torch.Tensor]) -> None:
         import torch._functorch.config as functorch_config
 
         functorch_config.enable_autograd_cache = False
+
+
+def quiet_low_bit_cache_warning() -> None:
+    """torchao's low-bit optimizers compile their step over their state tensors
+    (`OptimState8bit`, `OptimState4bit`, `OptimStateFp8`), which do not implement torch's
+    `_stable_hash_for_caching`, so AOTAutograd warns on every run ("OptimState8bit does not
+    implement _stable_hash_for_caching ...") that it keeps that compiled step out of its
+    cache on disk (a next run compiles it again). torchao's to fix (freetx builds the optimizer as torchao documents
+    it), nothing a user can change: that one warning is silenced."""
+    warnings.filterwarnings(
+        "ignore",
+        message=r"OptimState\w* does not implement _stable_hash_for_caching",
+        category=UserWarning,
+    )
 
 
 def zero_target(node, options: OptimizerOptions, names, make) -> Callable:

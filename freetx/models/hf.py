@@ -52,12 +52,38 @@ def model_folder_problem(path: str) -> str | None:
 
 
 def model_dir_problems(values: dict) -> dict[str, str]:
-    """A config's `model_dir` that cannot be a model (`model_folder_problem`), by key: a
+    """A config's `model_dir` that cannot be a model (`model_folder_problem`), or not the HF
+    folder its `model` or `tokenizer` node reads it as (`hf_folder_problem`), by key: a
     fine-tuning schema's `meaningless`, so that it is said first, not as its tokenizer's
     problem."""
     folder = values.get("model_dir")
-    problem = model_folder_problem(folder) if folder else None
+    if not isinstance(folder, str) or not folder:
+        return {}
+    problem = model_folder_problem(folder) or hf_folder_problem(folder, values)
     return {"model_dir": problem} if problem else {}
+
+
+def hf_folder_problem(folder: str, values: dict) -> str | None:
+    """What keeps `folder` from being the HF folder a config's `model` or `tokenizer` node
+    reads as its `path` (`path: ${model_dir}`): a file (a .safetensors file, which only
+    checkpoint.initial_weights reads), or, for the model, a folder without config.json;
+    with the fix. None when no node reads it so, or it may be one."""
+    location = Path(folder).expanduser()
+    readers = [
+        f"{key}.path"
+        for key in ("model", "tokenizer")
+        if isinstance(values.get(key), dict) and values[key].get("path") == folder
+    ]
+    if location.is_file() and readers:
+        what = f"{' and '.join(readers)} read it as an HF model folder, and it is a file"
+    elif location.is_dir() and "model.path" in readers and not (location / "config.json").is_file():
+        what = "model.path reads it as an HF model folder, and it holds no config.json"
+    else:
+        return None
+    return (
+        f"{what}; point model_dir at an HF model folder (config.json, *.safetensors, "
+        "tokenizer files), as transformers' save_pretrained writes it."
+    )
 
 
 def end_token_ids(folder: str | Path) -> list[int]:

@@ -430,6 +430,19 @@ def check_same_vocabulary(
 TEACHER_FOLDER = "teacher_topk"  # in output_dir: one file per split
 
 
+def check_top_k(top_k: int, vocab_size: int | None) -> None:
+    """A precomputed teacher keeps its `top_k` most likely tokens per position, so there
+    must be as many in its vocabulary (`vocab_size`; None: not known before it is built).
+    Refused before any data is prepared."""
+    if vocab_size is not None and top_k > vocab_size:
+        raise ConfigError(
+            f"teacher.top_k={top_k} keeps the teacher's {top_k} most likely tokens per "
+            f"position, and its vocabulary has {vocab_size} tokens.",
+            fix=f"Set teacher.top_k to {vocab_size} or fewer (64 is the default), or use the "
+            "live teacher (teacher.precompute=none), which compares whole distributions.",
+        )
+
+
 class WithTeacherTopK(Dataset):
     """A token dataset whose samples carry their teacher's top-k: `table` holds "ids"
     [samples, T, k] (int32) and "logps" [samples, T, k] (float32), in the dataset's order."""

@@ -123,8 +123,18 @@ class PreferenceLoss:
             known = ", ".join(f"{name} ({paper})" for name, (paper, _) in PREFERENCE_TYPES.items())
             found["type"] = f"there is no such preference loss{hint}; set one of: {known}."
         beta = values.get("beta", 0.1)
-        if not beta > 0:
-            found["beta"] = "beta scales the log-probability margins; set a positive one (0.1)."
+        if not 0 < beta < math.inf:
+            found["beta"] = (
+                "beta scales the log-probability margins; set a finite positive one (0.1)."
+            )
+        gamma = values.get("gamma", 0.5)
+        if not 0 <= gamma < math.inf:
+            found["gamma"] = (
+                "it is SimPO's target reward margin, by which the chosen completion's reward "
+                "should exceed the rejected one's; a negative margin lets the rejected one "
+                "win by that much at little loss. Set a finite 0 or more (the paper's 0.5 to "
+                "1.5)."
+            )
         smoothing = values.get("label_smoothing", 0.0)
         if not 0 <= smoothing < 0.5:
             found["label_smoothing"] = (

@@ -44,6 +44,23 @@ AUTO_PRECISION = (
     "(distributed.mixed_precision.param_dtype; set it to bfloat16 for the Trainer's --bf16)"
 )
 
+# what a key must be when its value is of another type: DeepSpeed's sections, and its names
+MAPPING = (dict, "a mapping of keys to values (a JSON object)")
+EXPECTED: dict[str, tuple[type, str]] = {
+    "optimizer": MAPPING,
+    "optimizer.params": MAPPING,
+    "scheduler": MAPPING,
+    "scheduler.params": MAPPING,
+    "zero_optimization": MAPPING,
+    "zero_optimization.offload_optimizer": MAPPING,
+    "zero_optimization.offload_param": MAPPING,
+    "bf16": MAPPING,
+    "fp16": MAPPING,
+    "compile": MAPPING,
+    "optimizer.type": (str, "an optimizer's name (Adam, AdamW or SGD)"),
+    "scheduler.type": (str, f"a scheduler's name ({', '.join(SCHEDULE_DECAYS)})"),
+}
+
 # keys with no freetx equivalent, and why
 DEEPSPEED_UNMAPPED = {
     "zero_optimization.contiguous_gradients": "FSDP2 keeps each block's gradients in one flat "
@@ -86,6 +103,10 @@ DEEPSPEED_UNMAPPED = {
 def import_deepspeed(found: ImportedConfig, data: dict, world_size: int | None) -> None:
     """A DeepSpeed JSON's keys into `found` (`world_size`: the GPUs, for per-GPU batches)."""
     flat = _flatten(data)
+    for key, (kind, expected) in EXPECTED.items():
+        value = flat.get(key)
+        if value is not None and not isinstance(value, kind):
+            raise bad_value(found, key, value, expected)
     total = _pop(flat, "train_batch_size")
     micro = _pop(flat, "train_micro_batch_size_per_gpu")
     accumulation = _pop(flat, "gradient_accumulation_steps")
@@ -100,7 +121,7 @@ def import_deepspeed(found: ImportedConfig, data: dict, world_size: int | None) 
     optimizer_type = flat.pop("optimizer.type", None)
     scheduler_type = flat.pop("scheduler.type", None)
     if optimizer_type is not None:
-        component = OPTIMIZERS.get(str(optimizer_type).lower())
+        component = OPTIMIZERS.get(optimizer_type.lower())
         if component is None:
             found.skip(
                 "optimizer.type",

@@ -10,6 +10,7 @@ from freetx.training.checks import (
     check_read_paths,
     check_written_folders,
     dataset_seq_len,
+    model_vocab_size,
 )
 from freetx.training.config import (
     FinalTasksConfig,
@@ -59,6 +60,7 @@ __all__ = [
     "check_context",
     "check_packing",
     "dataset_seq_len",
+    "model_vocab_size",
     "clip_grad_norm",
     "count_over_ranks",
     "default_metric_loggers",

@@ -7,11 +7,13 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
+import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 from torch import nn
 
 from freetx.checkpoint.run_folder import check_output_dir
-from freetx.config.instantiate import find_components, node_config, to_container
+from freetx.config.instantiate import find_components, instantiate, node_config, to_container
 from freetx.config.run_config import loaded_config_file
 from freetx.data import micro_batch_size, tokenizer_problem
 from freetx.data.sources import source_problems
@@ -21,11 +23,17 @@ from freetx.distributed.expert_parallel import check_expert_parallel
 from freetx.distributed.optimizer import check_optimizer
 from freetx.distributed.pipeline import check_micro_batches, check_stages, num_stages, stage_blocks
 from freetx.distributed.tensor_parallel import check_slices
-from freetx.errors import ConfigError
+from freetx.errors import CheckpointError, ConfigError, FreetxError
 from freetx.fields import read_paths, written_folders
 from freetx.models.decoder.config import TransformerConfig
 from freetx.models.decoder.tensor_parallel import check_tensor_parallel
-from freetx.models.peft import PEFTConfig, check_nf4_experts_slices
+from freetx.models.hf import read_hf_config, text_model_config
+from freetx.models.peft import ALL_LINEAR, PEFTConfig, check_nf4_experts_slices
+from freetx.models.peft.experts import (
+    expert_modules,
+    expert_option_problems,
+    refuse_expert_options,
+)
 from freetx.models.peft.lora import check_dora_slices
 from freetx.models.protocol import DescribesItself, PacksDocuments
 from freetx.training.config import PlannedRun, TrainingConfig, check_per_rank_forwards
@@ -65,6 +73,7 @@ def check_layout(cfg: object, processes: Processes) -> None:
     if cfg.distributed.tp > 1 and model_class is not None:
         check_slices(model_class)
     check_model_shape(cfg.distributed, planned.adapters, node_config(planned.model))
+    check_adapted_experts(planned.adapters, planned.model)
     check_micro_batches(cfg.distributed, cfg.gradient_accumulation_steps)
     if cfg.distributed.pp > 1 and model_class is not None:
         check_stages(model_class)
@@ -94,6 +103,47 @@ def check_model_shape(dist: DistributedConfig, peft: object, shape: object) -> N
         stage_blocks(shape.num_layers, num_stages(dist), dist.pp_blocks_per_stage)
     if dist.ep > 1:
         check_expert_parallel(shape.num_experts, dist.ep, "the model")
+
+
+def check_adapted_experts(peft: object, node: Any) -> None:
+    """LoRA on all-linear adapts an MoE model's experts too, which take no dropout and no
+    DoRA: the refusal the ranks make when they apply the adapters
+    (`refuse_expert_options`), made before launch from the model node built on the meta
+    device, where it can matter (`peft`: the adapters' section, None: none). A node that
+    does not build is left to the run, which says why."""
+    if not isinstance(peft, PEFTConfig) or peft.method != "lora":
+        return
+    if ALL_LINEAR not in peft.target_modules or not isinstance(node, DictConfig):
+        return
+    if not expert_option_problems(peft.dropout, peft.use_dora):
+        return
+    try:
+        with torch.device("meta"):
+            model = instantiate(node)
+    except FreetxError:
+        return
+    if expert_modules(model):
+        refuse_expert_options(peft.dropout, peft.use_dora)
+
+
+def model_vocab_size(node: Any) -> int | None:
+    """The vocabulary of the model a node builds, known before anything is built (from
+    its keys over its preset's, or an HF folder's config.json: `path`); None when the node
+    does not say (or its folder cannot be read: building it says why)."""
+    if not isinstance(node, DictConfig):
+        return None
+    try:
+        path, size = node.get("path"), node.get("vocab_size")
+    except OmegaConfBaseException:  # an interpolation of a key still ???
+        return None
+    if isinstance(size, int):  # over its preset's and its folder's
+        return size
+    if isinstance(path, str):
+        try:
+            return text_model_config(read_hf_config(path)).get("vocab_size")
+        except CheckpointError:
+            return None
+    return getattr(node_config(node), "vocab_size", None)
 
 
 def dataset_nodes(dataset: DictConfig) -> list[DictConfig]:

@@ -11,7 +11,7 @@ from freetx.checkpoint import CheckpointConfig
 from freetx.distributed import DistributedConfig
 from freetx.distributed.expert_parallel import check_same_forwards
 from freetx.distributed.optimizer import OPTIMIZER_KEYS
-from freetx.fields import at_least, component_node, written_folder
+from freetx.fields import accepting, at_least, component_node, written_folder
 from freetx.loggers import LoggersConfig
 from freetx.training.lr_schedule import LRScheduleConfig
 from freetx.training.profiling import ProfilerConfig
@@ -149,7 +149,11 @@ class TrainingConfig:
     log_every_n_steps: int = at_least(1, default=10)
     peak_flops: Optional[float] = None  # per device, for MFU where the GPU table has none
     num_workers: int = at_least(0, default=0)
-    resume: str = "auto"  # auto (newest checkpoint in output_dir, if any) | never | a path
+    resume: str = accepting(
+        "auto",
+        "auto (the newest checkpoint in output_dir, if any), never (start afresh) or the "
+        "path of a checkpoint to continue from (for resume=false, write resume=never)",
+    )
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     # a _component_ node: torch.optim.AdamW, torchao's, ...; and freetx's memory rungs
     # (offload: cpu, in_backward: true, state_dtype: bfloat16: freetx.distributed.optimizer)

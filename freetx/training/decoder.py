@@ -48,6 +48,7 @@ from freetx.training.checks import (
     check_context,
     check_model_and_data,
     check_packing,
+    check_read_paths,
     dataset_seq_len,
     holds_validation,
 )
@@ -96,7 +97,8 @@ class DecoderConfig(TrainingConfig):
         )  # fmt: skip
 
     def refuse_combinations(self) -> None:
-        """QAT under tensor parallelism: torchao's fake-quantized linears are not sliced; an
+        """QAT under tensor parallelism: torchao's fake-quantized linears are not sliced;
+        QAT whose fake quantization starts after the last step: it would never train; an
         evaluation every n steps of a dataset that holds no validation rows."""
         if self.eval.every_n_steps and not holds_validation(self.dataset):
             raise ConfigError(
@@ -107,11 +109,23 @@ class DecoderConfig(TrainingConfig):
                 "validation rows as dataset.validation_source=FILE, or hold some out with "
                 "dataset.val_fraction=0.05.",
             )
-        if self.qat.scheme != "none" and self.distributed.tp > 1:
+        if self.qat.scheme == "none":
+            return
+        if self.distributed.tp > 1:
             raise ConfigError(
                 f"qat.scheme={self.qat.scheme} fake-quantizes whole Linear layers, and "
                 f"distributed.tp={self.distributed.tp} slices them over ranks.",
                 fix="Set distributed.tp=1 (fsdp, zero or ddp train a QAT model), or qat.scheme=none.",
+            )
+        if self.qat.start_step >= self.max_steps:
+            raise ConfigError(
+                f"qat.start_step={self.qat.start_step} turns fake quantization on after "
+                f"{self.qat.start_step} steps, and the run stops after max_steps="
+                f"{self.max_steps}: no step would train through it, and the quantized export "
+                "would be plain post-training quantization labelled QAT.",
+                fix=f"Set qat.start_step below {self.max_steps} (0: from the first step), raise "
+                "max_steps, or set qat.scheme=none (and quantize after training with `freetx "
+                "checkpoint convert --quantize`).",
             )
 
 
@@ -123,8 +137,10 @@ class DecoderSetup:
     def __init__(self, cfg: DecoderConfig, recipe: str) -> None:
         """The process and its seed, the ranks by axis, the run (which refuses a resume that
         would lose saved work before anything is built), `eval.after_training`'s tasks,
-        the split of the global batch, and the tokenizer: every cheap check first."""
+        the split of the global batch, and the tokenizer: every cheap check first (a file
+        the run reads that is not there, named by its key: a teacher's weights)."""
         cfg.refuse_combinations()
+        check_read_paths(cfg)
         self.cfg = cfg
         self.runtime = init_distributed(cfg.device, cfg.distributed.collective_timeout_s)
         seed_everything(cfg.seed, self.runtime.rank, cfg.deterministic)

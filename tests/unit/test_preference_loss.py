@@ -148,6 +148,9 @@ def test_only_simpo_and_orpo_need_no_reference():
 MEANINGLESS = {
     "an unknown type, with the closest": (dict(type="sigmod"), "type", "did you mean 'sigmoid'"),
     "beta of 0": (dict(beta=0.0), "beta", "positive"),
+    "infinite beta": (dict(beta=float("inf")), "beta", "finite positive"),
+    "negative simpo gamma": (dict(type="simpo", gamma=-1.0), "gamma", "target reward margin"),
+    "nan gamma": (dict(type="simpo", gamma=float("nan")), "gamma", "0 or more"),
     "label smoothing of one half": (dict(label_smoothing=0.5), "label_smoothing", "below 0.5"),
     "negative label smoothing": (dict(label_smoothing=-0.1), "label_smoothing", "below 0.5"),
     "label smoothing of hinge": (

@@ -74,6 +74,8 @@ def test_an_8da4w_export_loads_in_transformers_and_freetx_with_the_quantized_log
         assert torch.allclose(ours(IDS), want, atol=1e-5, rtol=0)
         assert torch.allclose(theirs(IDS).logits, want, atol=1e-5, rtol=0)
     assert written["scheme"] == SCHEME and written["tensors"] == len(model.state_dict())
+    modes = {f.name: oct(f.stat().st_mode & 0o777) for f in (tmp_path / "q").iterdir()}
+    assert modes["model.safetensors"] == modes["config.json"], modes  # not safetensors' 0600
 
 
 @pytest.mark.parametrize(
