@@ -188,7 +188,8 @@ def test_a_user_file_under_a_file_is_refused_before_any_work(tmp_path, a_file, a
 
 
 def test_a_file_where_the_run_writes_a_file_is_one_paragraph_naming_it(tmp_path):
-    (tmp_path / "metrics.jsonl").mkdir()  # the JSONL logger's file is a folder
+    (tmp_path / "metrics.jsonl").mkdir()  # a run folder whose JSONL log is a folder
+    (tmp_path / "recipe.json").write_text('{"recipe": "full_finetune_fsdp2"}')
     result = run_freetx("run", "full_finetune_fsdp2", "--config", "llm/tiny",
                         f"output_dir={tmp_path}", *TINY, env=THREADS)  # fmt: skip
     assert f"{tmp_path / 'metrics.jsonl'}: Is a directory" in one_paragraph(result)

@@ -85,7 +85,7 @@ def test_empty_data_file_is_an_error(tmp_path):
     empty = tmp_path / "empty.txt"
     empty.write_text("\n\n")
     result = run_freetx(
-        "run", "full_finetune_fsdp2", "--config", "llm/tiny", f"output_dir={tmp_path}",
+        "run", "full_finetune_fsdp2", "--config", "llm/tiny", f"output_dir={tmp_path / 'run'}",
         f"dataset.source={empty}",
     )  # fmt: skip
     assert result.returncode == 1 and "holds no text" in flat(result.stderr)

@@ -41,11 +41,11 @@ READS = [
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
-    """A folder with a tokenizer and a chat template (all the data needs of a model folder)."""
+    """A tiny Llama-shaped HF folder with a tokenizer and a chat template."""
     from freetx.data.corpus import builtin_documents
-    from tests.hf_folders import make_tokenizer
+    from tests.hf_folders import make_folder, make_tokenizer
 
-    path = tmp_path_factory.mktemp("tokenizer")
+    path = make_folder(tmp_path_factory.mktemp("hf") / "llama", "llama3_2")
     make_tokenizer(path, builtin_documents()[:20])
     return path
 

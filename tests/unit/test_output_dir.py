@@ -81,8 +81,15 @@ def test_validate_refuses_output_dir_dot_beside_the_users_config(tmp_path, monke
 def test_run_writes_nothing_into_a_folder_it_would_take_over(tmp_path):
     (tmp_path / "config.yaml").write_text(USERS_CONFIG)
     text = one_paragraph(
-        run_freetx("run", "full_finetune_fsdp2", "--config", "llm/tiny", "output_dir=.",
-                   "max_steps=1", cwd=tmp_path)  # fmt: skip
+        run_freetx(
+            "run",
+            "full_finetune_fsdp2",
+            "--config",
+            "llm/tiny",
+            "output_dir=.",
+            "max_steps=1",
+            cwd=tmp_path,
+        )  # fmt: skip
     )
     assert "output_dir=. is a folder holding files that are not a freetx run's" in text
     assert sorted(p.name for p in tmp_path.iterdir()) == ["config.yaml"]
