@@ -1,5 +1,6 @@
 """grpo_fsdp2 through the CLI: LoRA GRPO of an HF folder with a reward from the user's own
-module (and its TRL-style twin, scoring the same), exported for PEFT; a reward that
+module, trusted for the run (docs/recipes/grpo_fsdp2.md's command as written; refused
+without --trust), its TRL-style twin scoring the same, exported for PEFT; a reward that
 raises or blocks past reward_timeout_s is named with its row; a SIGTERM while a reward
 blocks saves the step and stops; validate refuses what the run refuses, and warns that
 greedy rollouts cannot learn; estimate counts the generation phase; 2 processes (fsdp,
@@ -9,10 +10,12 @@ too, repeats the uninterrupted run."""
 from __future__ import annotations
 
 import json
+import re
+import shlex
 
 import pytest
 
-from tests.conftest import flat, one_paragraph, run_freetx, run_freetx_here
+from tests.conftest import REPO, flat, one_paragraph, run_freetx, run_freetx_here
 from tests.hf_folders import make_folder, make_tokenizer
 
 JSONL = "metric_loggers=[{_component_: freetx.loggers.JSONLLogger}]"
@@ -72,6 +75,17 @@ def sigterm_in_step_2(prompt, completion, row):  # 16 completions a step
 """
 
 
+def docs_command(folder, prompts, trust: bool = True) -> list[str]:
+    """docs/recipes/grpo_fsdp2.md's command for an HF folder and the user's own reward, as
+    written (`PYTHONPATH=. freetx run ...`, run in the reward module's folder), DIR and
+    prompts.jsonl replaced by the test's; without `--trust my_rewards` when not `trust`."""
+    text = (REPO / "docs" / "recipes" / "grpo_fsdp2.md").read_text()
+    line = re.search(r"^PYTHONPATH=\. freetx (run .*llm/hf_tiny_grpo \\\n.*)$", text, re.M)[1]
+    line = line.replace("\\\n", " ").replace("DIR", str(folder))
+    words = shlex.split(line.replace("prompts.jsonl", str(prompts)))
+    return words if trust else [w for w in words if w not in ("--trust", "my_rewards")]
+
+
 def user_env(user) -> dict:
     return {"PYTHONPATH": str(user), "FREETX_TRUST": "my_rewards"}
 
@@ -100,14 +114,13 @@ def test_lora_grpo_of_an_hf_folder_with_the_users_reward_exports_for_peft(tmp_pa
     folder, prompts, user = hf_prompts
     out = tmp_path / "hf_grpo"
     result = run_freetx(
-        "run", "grpo_fsdp2", "--config", "llm/hf_tiny_grpo", f"model_dir={folder}",
-        f"dataset.source={prompts}",
+        *docs_command(folder, prompts),
         "rewards=[{_component_: my_rewards.count_words}, {_component_: my_rewards.count_words_trl, name: trl}]",
         "dataset.val_fraction=0", f"output_dir={out}", "max_steps=2", "log_every_n_steps=1", "batch_size=2",
         "generation.num_generations=4", "generation.max_completion_length=12",
         "eval.every_n_steps=0", "eval.max_batches=1", "eval.batch_size=2",
         "samples.every_n_steps=1", "checkpoint.every_n_steps=0", JSONL,
-        env=user_env(user),
+        cwd=user, env={"PYTHONPATH": "."},  # PYTHONPATH=. as the docs write it; no FREETX_TRUST
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "reference adapters off" in flat(result.stdout)  # beta 0.04: the base
@@ -126,6 +139,16 @@ def test_lora_grpo_of_an_hf_folder_with_the_users_reward_exports_for_peft(tmp_pa
     assert {s["step"] for s in samples} == {0, 1} and "count_words" in samples[0]["rewards"]
     adapter = json.loads((out / "export" / "peft" / "adapter_config.json").read_text())
     assert adapter["r"] == 16
+
+
+def test_the_users_reward_without_trust_is_refused_before_launch(tmp_path, hf_prompts):
+    folder, prompts, user = hf_prompts
+    command = docs_command(folder, prompts, trust=False)
+    text = one_paragraph(
+        run_freetx(*command, f"output_dir={tmp_path / 'out'}", cwd=user, env={"PYTHONPATH": "."})
+    )
+    assert "rewards[0]._component_: 'my_rewards.count_words' is refused" in text
+    assert "freetx run --trust my_rewards" in text and not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("reward, says", [("boom", "failed: KeyError: 'score'"),
