@@ -16,7 +16,7 @@ from freetx.checkpoint import load_model
 from tests.conftest import run_freetx
 from tests.recipes.test_dpo import hf_pairs  # noqa: F401  (fixtures)
 from tests.recipes.test_eval import write_tasks
-from tests.recipes.test_grpo import hf_prompts  # noqa: F401
+from tests.recipes.test_grpo import hf_prompts, user_env  # noqa: F401
 from tests.slow.test_qat_runs import SCHEME
 
 pytestmark = pytest.mark.slow
@@ -72,7 +72,7 @@ def test_grpo_trains_with_qat_exports_quantized_and_scores_tasks_after_training(
                  "dataset.val_fraction=0.2", "batch_size=2", "generation.num_generations=4",
                  "generation.max_completion_length=8", "eval.batch_size=2",
                  "eval.after_training=true", "eval.tasks=[freetx_tiny_mc]",
-                 f"eval.include_path={tasks}", env={"PYTHONPATH": str(user)})  # fmt: skip
+                 f"eval.include_path={tasks}", env=user_env(user))  # fmt: skip
     after = json.loads((out / "eval.json").read_text())
     assert "freetx_tiny_mc" in after["tasks"] and "freetx_tiny_mc" in result.stdout
     assert after["evaluated"]["tasks"] == ["freetx_tiny_mc"]
