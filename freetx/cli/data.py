@@ -208,10 +208,15 @@ def show(args: argparse.Namespace) -> int:
             for name, part in zip(("chosen", "rejected"), sample):
                 print(f"{name}: {render_sample(part, tokenizer)}")
             continue
+        if PROMPT_IDS in sample:  # a prompt (GRPO's): generated from, trained on no token
+            print(f"\n--- prompt {index + 1} of {len(data):,} (training split) ---")
+            print(render_prompt(sample, tokenizer))
+            continue
         print(f"\n--- sequence {index + 1} of {len(data):,} (training split) ---")
         print(render_sample(sample, tokenizer))
     if shown < count:
         unit = "pairs" if shown and isinstance(data[0], tuple) else "sequences"
+        unit = "prompts" if shown and PROMPT_IDS in data[0] else unit
         print(f"\n(the training split holds {len(data):,} {unit})")
     print()
     for line in summary_lines(data):
@@ -227,6 +232,16 @@ def _token_names(tokenizer) -> dict[int, str]:
         if token is not None:
             names[int(token)] = tokenizer.decode([token]) or f"<{role}>"
     return names
+
+
+PROMPT_IDS = "prompt_ids"  # freetx.data.PromptDataset's samples
+
+
+def render_prompt(sample: dict, tokenizer) -> str:
+    """A prompt sample as text: its tokens (all [bracketed]: no loss on a prompt), then the
+    row's other fields, which the rewards read."""
+    tokens = [(token, False) for token in sample[PROMPT_IDS].tolist()]
+    return f"{_spans(tokens, tokenizer, _token_names(tokenizer))}\nfields: {sample['fields']}"
 
 
 def render_sample(sample: dict, tokenizer) -> str:

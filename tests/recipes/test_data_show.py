@@ -81,3 +81,10 @@ def test_data_show_with_a_count_that_is_not_a_number_is_refused():
 def test_data_show_on_a_config_without_a_tokenized_dataset_says_so():
     result = run_freetx_here("data", "show", "ad/darkroom_tiny")
     assert result.returncode == 0 and "nothing to show" in result.stdout
+
+
+def test_grpo_prompts_show_their_tokens_without_loss_and_their_fields():
+    result = run_freetx_here("data", "show", "llm/grpo_tiny", "1", SMALL)
+    assert result.returncode == 0, result.stderr
+    assert "--- prompt 1 of" in result.stdout and "[<bos>How many letters" in result.stdout
+    assert "fields: {'answer': " in result.stdout and "prompts ->" in result.stdout
