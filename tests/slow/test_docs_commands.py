@@ -63,7 +63,7 @@ SKIPS = [
     (r"--nproc-per-node 8\b", "8 GPUs"),
     (r"--submit\b", "a SLURM cluster (tests/slow/test_slurm.py submits to a real one)"),
     (r"runs/llama3_1_8b/", "the checkpoint of an 8-GPU run above"),
-    (r"\bds_config\.json\b", "a DeepSpeed config of the user's own, not in the repository"),
+    (r"\b(ds_config\.json|qlora\.yml)\b", "a DeepSpeed or axolotl config of the user's own"),
 ]
 # `freetx run` lines run to the page's max_steps although nothing quotes their output
 FULL_RUNS = [
