@@ -114,6 +114,16 @@ class EvalConfig:
         return {}
 
 
+def check_sequence_fits(seq_len: int, max_seq_len: int) -> None:
+    """The dataset's sequences fit the model's positions (its RoPE table, its config)."""
+    if seq_len > max_seq_len:
+        raise ConfigError(
+            f"dataset.seq_len={seq_len} is longer than the model's max_seq_len={max_seq_len}: "
+            "its positions stop there, so the longer sequences cannot be scored.",
+            fix=f"Set dataset.seq_len={max_seq_len} (or less).",
+        )
+
+
 def refuse_nothing_to_evaluate(cfg: EvalConfig) -> None:
     """A config that names no task, no dataset and no reward, refused with the fix (the
     shipped config names none: the command line does)."""
@@ -168,6 +178,8 @@ class EvalRecipe:
         self.model = load_model(self.checkpoint, self.device, cfg.seed, adapters, cfg.base, "base")
         if cfg.dtype != "float32":  # load_model builds in float32 (QLoRA: NF4 bases)
             self.model.to(dtype_named(cfg.dtype))
+        if self.val_loader is not None:  # the model's positions hold the dataset's sequences
+            check_sequence_fits(int(cfg.dataset.seq_len), self.model.config.max_seq_len)
         self.end_ids = self.ends()
         if self.rank == 0:
             kind = f" with its {adapters.method} adapters (unmerged)" if adapters else ""

@@ -141,6 +141,15 @@ def test_a_checkpoint_without_a_tokenizer_is_refused(folder, tasks, tmp_path):
     assert "tokenizer.path=MODEL_FOLDER" in one_paragraph(result)
 
 
+def test_sequences_longer_than_the_models_positions_are_refused(folder, tmp_path):
+    chat = tmp_path / "chat.jsonl"
+    turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "the cat sat"}]
+    chat.write_text(json.dumps({"messages": turns}) + "\n")
+    result = run_freetx_here("eval", str(folder), f"output_dir={tmp_path / 'out'}",
+                             f"dataset.source={chat}", "dataset.seq_len=100000")  # fmt: skip
+    assert "dataset.seq_len=100000 is longer than the model's max_seq_len=" in one_paragraph(result)
+
+
 def test_rewards_without_prompts_are_refused(folder, tmp_path):
     result = run_freetx_here("eval", str(folder), f"output_dir={tmp_path}",
                              "rewards=[{_component_: freetx.objectives.ExactMatch}]")  # fmt: skip
