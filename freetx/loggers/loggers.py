@@ -53,6 +53,20 @@ class MetricLogger(abc.ABC):
         self.output_dir = Path(output_dir)
         self.total_steps = total_steps
 
+    def inside(self, name: str, key: str) -> Path:
+        """The path `name` names under output_dir; a logger writes in the run folder only,
+        so an absolute path or one that climbs out (`..`) is refused (docs/trust.md)."""
+        path = Path(name)
+        if path.is_absolute() or ".." in path.parts or not path.parts:
+            from freetx.errors import ConfigError
+
+            raise ConfigError(
+                f"metric_loggers: {type(self).__name__}'s {key}={name!r} would write outside the "
+                "run's output_dir; a logger writes in the run folder only.",
+                fix=f"Give {key} a name (or a relative path) under output_dir.",
+            )
+        return self.output_dir / path
+
     @abc.abstractmethod
     def log(self, step: int, metrics: dict[str, float]) -> None:
         """Record the metrics of one step."""
@@ -130,7 +144,7 @@ class JSONLLogger(MetricLogger):
         self, output_dir: str, total_steps: int | None = None, filename: str = "metrics.jsonl"
     ):
         super().__init__(output_dir, total_steps)
-        self.path = self.output_dir / filename
+        self.path = self.inside(filename, "filename")
         self._file = None
 
     def resume_at(self, step: int) -> None:
@@ -170,7 +184,7 @@ class TensorBoardLogger(MetricLogger):
         super().__init__(output_dir, total_steps)
         from torch.utils.tensorboard import SummaryWriter  # imported only when configured
 
-        self.log_dir = self.output_dir / subdir
+        self.log_dir = self.inside(subdir, "subdir")
         self._writer_class = SummaryWriter
         self.writer = None
         self.purge_step: int | None = None

@@ -203,3 +203,14 @@ def test_a_task_function_outside_the_folder_is_one_paragraph(tmp_path):
     text = flat(result.stderr)
     assert result.returncode == 1 and "Traceback" not in result.stderr, text
     assert "`!function os.system`, and lm-eval would import os.py beside it" in text
+
+
+@pytest.mark.parametrize("name", ["/tmp/elsewhere.jsonl", "../../metrics.jsonl", ""])
+def test_a_logger_writes_in_the_run_folder_only(tmp_path, name):
+    from freetx.loggers import JSONLLogger, TensorBoardLogger
+
+    with pytest.raises(ConfigError, match="would write outside the run's output_dir"):
+        JSONLLogger(str(tmp_path), filename=name)
+    with pytest.raises(ConfigError, match="TensorBoardLogger's subdir="):
+        TensorBoardLogger(str(tmp_path), subdir=name)
+    assert JSONLLogger(str(tmp_path), filename="logs/m.jsonl").path == tmp_path / "logs/m.jsonl"
