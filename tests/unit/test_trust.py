@@ -214,3 +214,14 @@ def test_a_logger_writes_in_the_run_folder_only(tmp_path, name):
     with pytest.raises(ConfigError, match="TensorBoardLogger's subdir="):
         TensorBoardLogger(str(tmp_path), subdir=name)
     assert JSONLLogger(str(tmp_path), filename="logs/m.jsonl").path == tmp_path / "logs/m.jsonl"
+
+
+def test_launch_checks_with_the_trust_and_writes_it_into_the_run_line(tmp_path, monkeypatch):
+    config = own_module(tmp_path, monkeypatch)
+    launch = ("launch", "slurm", "--nodes", "1", "--nproc-per-node", "2")
+    refused = run_freetx_here(*launch, "full_finetune_fsdp2", "--config", str(config))
+    assert refused.returncode == 1 and "--trust my_lengths" in flat(refused.stderr)
+    script = run_freetx_here(*launch, "--trust", "my_lengths", "full_finetune_fsdp2", "--config",
+                             str(config))  # fmt: skip
+    assert script.returncode == 0, script.stderr
+    assert "--trust=my_lengths full_finetune_fsdp2 --config" in script.stdout
