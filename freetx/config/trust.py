@@ -104,8 +104,9 @@ def _refusal(dotted: str, name: str, where: str) -> str:
     which = f" (which is {name})" if not dotted.startswith(name) else ""
     module = name.split(".")[0] if not name.startswith(FREETX) else name
     return (
-        f"{where}: '{dotted}'{which} is refused: a config is data, and freetx builds from it only freetx's datasets, models, objectives and loggers, "
-        "torch.optim, torch.nn and torchao's optimizers and quantization configs; other "
+        f"{where}: '{dotted}'{which} is refused: a config is data, and freetx builds from it "
+        "only freetx's datasets, models, objectives and loggers, torch.optim, torch.nn and "
+        "torchao's optimizers and quantization configs; other "
         "code (your reward module, another package) runs only when you say so for the "
         f"command. If it is your own code and you mean it: freetx run --trust {module} ... "
         f"(or {TRUST_ENV}={module}); never trust what a config you were sent names without "
