@@ -146,7 +146,8 @@ def test_sequences_longer_than_the_models_positions_are_refused(folder, tmp_path
     turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "the cat sat"}]
     chat.write_text(json.dumps({"messages": turns}) + "\n")
     result = run_freetx_here("eval", str(folder), f"output_dir={tmp_path / 'out'}",
-                             f"dataset.source={chat}", "dataset.seq_len=100000")  # fmt: skip
+                             f"dataset.source={chat}", f"dataset.validation_source={chat}",
+                             "~dataset.val_fraction", "dataset.seq_len=100000")  # fmt: skip
     assert "dataset.seq_len=100000 is longer than the model's max_seq_len=" in one_paragraph(result)
 
 
