@@ -61,6 +61,7 @@ from freetx.evaluation import (
 )
 from freetx.evaluation.results import task_settings
 from freetx.fields import component_list, read_path, written_folder
+from freetx.models.engine import EngineConfig
 from freetx.models.generation import Sampling
 from freetx.models.hf import end_token_ids
 from freetx.objectives import build_rewards
@@ -99,6 +100,8 @@ class EvalConfig:
     prompts: Any = None  # a freetx.data.PromptDataset node (source: null: none)
     max_new_tokens: int = at_least(1, default=64)
     temperature: float = at_least(0, default=0.0)  # 0: greedy
+    # the generation engine: slots, the paged KV cache's blocks, compile (docs/generation.md)
+    engine: EngineConfig = field(default_factory=EngineConfig)
 
     @staticmethod
     def meaningless(values: dict[str, Any]) -> dict[str, str]:
@@ -278,7 +281,9 @@ class EvalRecipe:
         """One completion per prompt (greedy unless temperature), scored by every reward:
         the weighted reward's mean, each reward's and the completions' mean length."""
         cfg = self.cfg
-        scorer = CompletionScorer(self.tokenizer, self.rewards, self.end_ids, cfg.max_new_tokens)
+        scorer = CompletionScorer(
+            self.tokenizer, self.rewards, self.end_ids, cfg.max_new_tokens, engine=cfg.engine
+        )
         key = f"seed {cfg.seed} eval"  # each prompt's draws: the seed, its id
         return scorer.validation(
             self.model, self.prompt_loader, Sampling(cfg.temperature), key, self.groups

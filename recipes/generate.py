@@ -46,6 +46,7 @@ from freetx.errors import ConfigError
 from freetx.fields import written_folder
 from freetx.loggers import build_metric_loggers
 from freetx.models import DecodesIncrementally, LatentModel
+from freetx.models.engine import EngineConfig
 from freetx.models.generation import Draws, Sampling, generate, sampling_problems
 from freetx.models.hf import end_token_ids
 from freetx.training import claim_folder
@@ -70,6 +71,8 @@ class GenerateConfig:
     # keep keys and values between tokens where the model can (DecodesIncrementally);
     # false: a full forward over the whole sequence per token
     kv_cache: bool = True
+    # the generation engine: slots, the paged KV cache's blocks, compile (docs/generation.md)
+    engine: EngineConfig = field(default_factory=EngineConfig)
     chat: bool = False  # each prompt is a user turn, rendered with the tokenizer's chat template
     stop_at_eos: bool = True  # a sample's text ends at its first EOS
     temperature: float = at_least(0, default=1.0)  # 0: greedy (the most likely token each step)
@@ -109,7 +112,10 @@ class GenerateRecipe:
         self.end_ids = self.ends() if cfg.stop_at_eos else []
         self.sampling = Sampling(cfg.temperature, cfg.top_k, cfg.top_p)
         kind = f"{type(model).__name__}{' (latent per position)' if self.latent else ''}"
-        decoding = "KV cache" if self.cached else "a full forward per token"
+        decoding = "a full forward per token"
+        if self.cached:
+            paged = cfg.engine.serves(model)
+            decoding = "generation engine (paged KV cache)" if paged else "KV cache, static batch"
         self.loggers.write(
             f"generate | {kind} from {self.checkpoint} | device {self.device} | {decoding}"
         )
@@ -162,9 +168,9 @@ class GenerateRecipe:
         return torch.cat(per_prompt)
 
     def sample(self, prompts: list[list[int]]) -> list[list[dict[str, Any]]]:
-        """samples_per_group replies to each prompt, all in one batch (rows left-padded
-        to the longest prompt: `freetx.models.generation.generate`), each ended at its
-        first EOS (`stop_at_eos`); stops once every reply has ended. Returns each
+        """samples_per_group replies to each prompt (`freetx.models.generation.generate`:
+        the generation engine, one prefill per prompt, or the static batch for a model it
+        does not serve), each ended at its first EOS (`stop_at_eos`). Returns each
         prompt's replies."""
         cfg, n = self.cfg, self.cfg.samples_per_group
         rows = [ids for ids in prompts for _ in range(n)]
@@ -182,6 +188,7 @@ class GenerateRecipe:
             draws,
             use_cache=self.cached,
             forward=forward,
+            engine=cfg.engine,
         )
         replies = [self.reply(row, bool(end)) for row, end in zip(out.replies(), out.ended)]
         return [replies[i * n : (i + 1) * n] for i in range(len(prompts))]

@@ -111,7 +111,8 @@ class GRPOConfig(DecoderConfig):
     samples: SamplesConfig = field(default_factory=SamplesConfig)
 
     def refuse_combinations(self) -> None:
-        """A dataset that gives no prompts; steps a generation cannot split; context and
+        """A dataset that gives no prompts; a KV cache pool too small for a completion;
+        steps a generation cannot split; context and
         pipeline parallelism; the rewards (built, their signatures checked). And
         DecoderConfig's (QAT with tp, an evaluation without validation rows)."""
         super().refuse_combinations()
@@ -123,6 +124,9 @@ class GRPOConfig(DecoderConfig):
                 fix="Use freetx.data.PromptDataset (a prompt or messages column, and the "
                 "columns the rewards read).",
             )
+        pool = self.generation.pool_problem()
+        if pool is not None:
+            raise ConfigError(pool)
         spg = self.generation.steps_per_generation
         for key, value in (
             ("max_steps", self.max_steps),
@@ -179,6 +183,7 @@ class GRPOConfig(DecoderConfig):
             rows_per_sample=gen.num_generations,
             reference=reference_kind(instantiate(self.loss), self.peft.method != "none"),
             generations_per_prompt=gen.num_generations * gen.steps_per_generation,
+            engine=gen.engine,
             tokenizer=self.tokenizer,
             dataset=self.dataset,
         )
@@ -225,7 +230,12 @@ class GRPORecipeFSDP2:
         eos = setup.tokenizer.eos_id
         end_ids = [eos, *(i for i in folder if i != eos)]
         self.scorer = CompletionScorer(
-            setup.tokenizer, self.rewards, end_ids, gen.max_completion_length, cfg.reward_timeout_s
+            setup.tokenizer,
+            self.rewards,
+            end_ids,
+            gen.max_completion_length,
+            cfg.reward_timeout_s,
+            gen.engine,
         )
         self.rollouts = Rollouts(
             self.plan,

@@ -76,7 +76,7 @@ def main(args: argparse.Namespace) -> int:
     from freetx.errors import ConfigError
     from freetx.models import num_active_parameters
     from freetx.planning.config import estimate_config, planned_run
-    from freetx.planning.estimate import DEVICES, GIB
+    from freetx.planning.estimate import DEVICES, GIB, GenerationPhase
     from freetx.planning.measure import measure
     from freetx.registry import recipe_for_config
     from freetx.user_files import refuse_existing, write_user_file
@@ -232,11 +232,14 @@ def main(args: argparse.Namespace) -> int:
                 "be read yet: their weights come on top)"
             )
     if generations:
+        rows = cfg.batch_size // shape.dp * generations
+        blocks, size, slots = GenerationPhase(rows, seq_len, found.planned.engine).pool_blocks()
         print(
             "(generation: the generation phase, instead of gathered + activations + loss: "
             "every parameter gathered in the compute dtype (sharded strategies), the KV "
-            f"cache of {cfg.batch_size // shape.dp * generations} completions per rank and a "
-            "step's logits; peak counts the larger phase)"
+            f"cache's pool of {blocks} blocks of {size} tokens for {rows} completions per "
+            f"rank in {slots} slots (generation.engine.kv_blocks, .slots) and a step's "
+            "logits per slot; peak counts the larger phase)"
         )
     reference = REFERENCE_NOTES.get(found.planned.reference)
     if reference and copied and not generations:  # dpo_fsdp2's other choice

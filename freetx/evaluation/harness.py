@@ -18,7 +18,8 @@ freetx checkpoint and its HF export score alike:
 - loglikelihood_rolling: HFLM's disjoint windows of `max_length` tokens
   (`lm_eval.utils.get_rolling_token_windows`; the text encoded as above, the prefix
   token before it), scored as loglikelihood rows, summed per text.
-- generate_until: `freetx.models.generation.generate` with the KV cache, rows of equal
+- generate_until: `freetx.models.generation.generate` (the generation engine, or the
+  static batch for a model it does not serve), rows of equal
   generation settings longest first; greedy unless the request samples (`do_sample`,
   `temperature`, `top_k`, `top_p`); a row ends at an end id, at `max_gen_toks`, or at
   the first `until` string, where its text is cut. Generation runs in rounds of 16, 32,

@@ -327,6 +327,17 @@ def attend(
     )
 
 
+def attend_masked(q, k, v, spec: AttentionSpec, mask: torch.Tensor) -> torch.Tensor:
+    """Attention of q [B, heads, T, D] over k, v [B, kv_heads, S, D] where `mask` [B, 1, T,
+    S] says which keys each query sees (a paged KV cache's rows, `freetx.models.paged_cache`):
+    SDPA with the boolean mask, or the explicit kernel for soft-capping."""
+    if spec.softcap is not None:
+        return explicit(q, k, v, spec, 0.0, mask)
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, scale=spec.scale, enable_gqa=k.shape[1] != q.shape[1]
+    )
+
+
 def sliding_layers(num_layers: int, window: int | None, layer_types: list[str] | None):
     """Per layer, whether it attends within `window`: the layers `layer_types` marks
     sliding_attention (None: every layer), none without a window."""

@@ -6,11 +6,15 @@ recipe's and GRPO's rollouts.
     out = generate(model, prompts, max_new_tokens, sampling, end_ids, draws)
     out.tokens[r, : out.lengths[r]]                              # row r's reply, its end token kept
 
-Prompts of different lengths are left-padded to the longest. A model with a KV cache
-(`DecodesIncrementally`) reads the prompts once and then one token per row at a time
-(padding keys masked, positions from each row's first real token); any other model runs
-a full forward over the whole sequence per token (`forward`, e.g. a latent model's with
-its codes). Generation stops once every row has reached an end token.
+A model that decodes in blocks (`DecodesInBlocks`: the native decoder) runs on the
+generation engine (`freetx.models.engine`): a fixed number of slots, a finished row's slot
+taken by the next at once, keys and values in a paged cache, one prefill per group of rows
+with one prompt. Any other model with a KV cache (`DecodesIncrementally`: the generic
+transformers path, hybrids with their own cache) is the static batch: prompts left-padded
+to the longest, read once, then one token per row at a time (padding keys masked,
+positions from each row's first real token) until every row has reached an end token; any
+other model runs a full forward over the whole sequence per token (`forward`, e.g. a
+latent model's with its codes).
 
 Each row draws its tokens from its own uniforms (`Draws`): the token whose cumulative
 probability first passes the row's draw (inverse-CDF sampling over the filtered
@@ -20,52 +24,17 @@ share its batch: GRPO's rollouts are the same on 1 or N processes.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
+from freetx.models.engine import EngineConfig, run_engine
 from freetx.models.protocol import DecodesIncrementally
+from freetx.models.sampling import Draws, Generated, Sampling, entropy_of
 
-
-@dataclass(frozen=True)
-class Sampling:
-    """How each next token is chosen: `temperature` 0 is greedy (the most likely token);
-    else from softmax(logits / temperature), kept to the `top_k` most likely tokens and
-    to the smallest set whose probability reaches `top_p` (None: no limit)."""
-
-    temperature: float = 1.0
-    top_k: int | None = None
-    top_p: float | None = None
-
-    def probabilities(self, logits: torch.Tensor) -> torch.Tensor:
-        """[rows, vocab] float32: the distribution tokens are drawn from (temperature > 0)."""
-        logits = logits.float() / self.temperature
-        if self.top_k:
-            kth = torch.topk(logits, min(self.top_k, logits.shape[-1])).values[:, -1:]
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-        probs = torch.softmax(logits, dim=-1)
-        if self.top_p is not None and self.top_p < 1:
-            ordered, order = probs.sort(dim=-1, descending=True)
-            before = ordered.cumsum(dim=-1) - ordered  # the mass of the likelier tokens
-            ordered = ordered.masked_fill(before >= self.top_p, 0.0)  # the first always stays
-            probs = torch.zeros_like(probs).scatter(-1, order, ordered)
-            probs = probs / probs.sum(dim=-1, keepdim=True)
-        return probs
-
-    def next_tokens(self, logits: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-        """[rows] the chosen tokens of `logits` [rows, vocab], each row's by its uniform in
-        [0, 1) (unread when greedy)."""
-        if self.temperature == 0:
-            return logits.argmax(dim=-1)
-        probs = self.probabilities(logits)
-        cumulative = probs.cumsum(dim=-1)
-        target = uniforms.to(cumulative)[:, None] * cumulative[:, -1:]
-        chosen = torch.searchsorted(cumulative, target, right=True).squeeze(1)
-        return chosen.clamp(max=logits.shape[-1] - 1)
+__all__ = ["Draws", "Generated", "Sampling", "entropy_of", "generate", "sampling_problems"]
 
 
 def sampling_problems(values: dict[str, Any]) -> dict[str, str]:
@@ -105,48 +74,6 @@ def _folder_cache_problem(checkpoint: Any) -> str | None:
         return None  # the folder's own problem: building it says so
 
 
-class Draws:
-    """Each row's uniforms in [0, 1), one per generated token: `uniforms` [rows, steps]."""
-
-    def __init__(self, uniforms: torch.Tensor) -> None:
-        self.uniforms = uniforms
-
-    @classmethod
-    def seeded(cls, seeds: Sequence[int], steps: int) -> Draws:
-        """Row r's from a generator seeded with seeds[r] (the same on any device)."""
-        rows = [torch.rand(steps, generator=torch.Generator().manual_seed(s)) for s in seeds]
-        return cls(torch.stack(rows) if rows else torch.zeros(0, steps))
-
-    @classmethod
-    def keyed(cls, keys: Sequence[str], steps: int) -> Draws:
-        """Row r's from a generator seeded by keys[r] (any text naming the row: a run's
-        seed, step, prompt and sample), whatever batch or process it is sampled in."""
-        digest = [hashlib.sha256(key.encode()).digest()[:8] for key in keys]
-        return cls.seeded([int.from_bytes(d, "little") & (2**63 - 1) for d in digest], steps)
-
-    @classmethod
-    def from_generator(cls, generator: torch.Generator, rows: int, steps: int) -> Draws:
-        """[rows, steps] uniforms drawn from one generator, row after row."""
-        return cls(torch.rand(rows, steps, generator=generator, device=generator.device))
-
-
-class Generated(NamedTuple):
-    """What `generate` made of R prompts: `tokens` [R, steps] each row's generated ids
-    (after its end token: whatever followed, not a reply), `lengths` [R] its reply's
-    tokens (its first end token included), `ended` [R] whether it reached one,
-    `entropy` [R, steps] the entropy of the distribution each token was drawn from
-    (nats; 0 past a row's end)."""
-
-    tokens: torch.Tensor
-    lengths: torch.Tensor
-    ended: torch.Tensor
-    entropy: torch.Tensor
-
-    def replies(self) -> list[list[int]]:
-        """Each row's reply ids, its end token included."""
-        return [row[:n] for row, n in zip(self.tokens.tolist(), self.lengths.tolist())]
-
-
 @torch.no_grad()
 def generate(
     model: torch.nn.Module,
@@ -157,13 +84,21 @@ def generate(
     draws: Draws,
     use_cache: bool = True,
     forward: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    engine: EngineConfig | None = None,
 ) -> Generated:
     """Up to `max_new_tokens` tokens after each prompt (token ids, BOS included where the
-    model wants one), all rows in one batch; a row ends at its first id of `end_ids`. With
-    `use_cache` and a `DecodesIncrementally` model, a KV cache; else `forward(tokens)`
-    (default: the model's) over the whole sequence per token, for prompts of one length
-    (a full forward has no padding mask). The model is called as it is (eval mode is the
-    caller's)."""
+    model wants one); a row ends at its first id of `end_ids`. With `use_cache` and a model
+    the engine serves (`EngineConfig.serves`: `DecodesInBlocks`), the generation engine
+    (`freetx.models.engine`: continuous batching over a paged cache; `engine` its
+    settings, None: the defaults); with another `DecodesIncrementally` model (or
+    engine.paged false), the static batch: all rows at once, a dense KV cache; else
+    `forward(tokens)` (default: the model's) over the whole sequence per token, for
+    prompts of one length (a full forward has no padding mask). The model is called as it
+    is (eval mode is the caller's)."""
+    engine = engine or EngineConfig()
+    if use_cache and forward is None and engine.serves(model):
+        out, stats = run_engine(model, prompts, max_new_tokens, sampling, end_ids, draws, engine)
+        return out._replace(stats=stats)
     device = _device_of(model)
     longest = max(map(len, prompts))
     padding = torch.tensor([longest - len(p) for p in prompts], device=device)
@@ -188,7 +123,7 @@ def generate(
         logits = logits[:, -1]
         new = sampling.next_tokens(logits, uniforms[:, step])
         running = ~ended
-        entropies.append(torch.where(running, _entropy(logits, sampling), 0.0))
+        entropies.append(torch.where(running, entropy_of(logits, sampling), 0.0))
         lengths += running.long()
         tokens, fresh = torch.cat([tokens, new[:, None]], dim=1), new[:, None]
         ended |= torch.isin(new, ends)
@@ -196,16 +131,6 @@ def generate(
             break
     generated = tokens[:, longest:]
     return Generated(generated, lengths, ended, torch.stack(entropies, dim=1))
-
-
-def _entropy(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
-    """[rows]: the entropy of the distribution a token is drawn from (the model's own,
-    temperature-scaled and filtered; greedy: the untempered softmax's)."""
-    if sampling.temperature == 0:
-        probs = torch.softmax(logits.float(), dim=-1)
-    else:
-        probs = sampling.probabilities(logits)
-    return -(probs * probs.clamp(min=1e-30).log()).sum(dim=-1)
 
 
 def _device_of(model: torch.nn.Module) -> torch.device:

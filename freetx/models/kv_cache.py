@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from freetx.models.attention import AttentionSpec, attend
+
 
 class LayerCache:
     """One layer's keys and values [B, kv_heads, max_len, head_dim], written in place;
@@ -37,6 +39,12 @@ class LayerCache:
         self.keys[:, :, start:end] = k
         self.values[:, :, start:end] = v
         return self.keys[:, :, :end], self.values[:, :, :end], self.owner.key_valid(end)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec):
+        """The new keys and values [B, kv_heads, T, D] cached (`extend`); the queries [B,
+        heads, T, D] attend over every real key of their row."""
+        k, v, key_valid = self.extend(k, v)
+        return attend(q, k, v, spec, causal=True, key_valid=key_valid)
 
 
 class CachedRows:

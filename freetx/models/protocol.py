@@ -210,6 +210,23 @@ class DecodesIncrementally(Protocol):
 
 
 @runtime_checkable
+class DecodesInBlocks(Protocol):
+    """A language model the generation engine (`freetx.models.engine`) decodes over a
+    paged KV cache: `block_cache_layers()` the number of layers whose entries the pool
+    holds, or None where this model cannot be decoded so (a LongRoPE model, whose every
+    key is computed again when a row grows past its short tables: the static batch serves
+    it); `context_length()` the most tokens a row may hold (prompt and reply).
+    `forward(input_ids, cache=rows)` with `rows` a `freetx.models.paged_cache.PagedRows`:
+    each row's new tokens after its cached ones, their logits [B, T, vocab] in eval mode,
+    their entries stored in the rows' blocks. The decoder's capability
+    `IncrementalDecoding`."""
+
+    def block_cache_layers(self) -> int | None: ...
+
+    def context_length(self) -> int: ...
+
+
+@runtime_checkable
 class PacksDocuments(Protocol):
     """A language model that trains on packed batches: `forward(input_ids,
     documents=documents)`, `documents` [B, T] int64 the sample each position belongs to

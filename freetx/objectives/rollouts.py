@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple, Optional
 
@@ -32,6 +32,7 @@ import torch
 from freetx.data import PromptBatch, RolloutBatch
 from freetx.distributed import ParallelGroups, ParallelPlan
 from freetx.fields import at_least
+from freetx.models.engine import EngineConfig, pool_problems
 from freetx.models.generation import Draws, Sampling, generate, sampling_problems
 from freetx.objectives.advantages import Baseline, group_advantages
 from freetx.objectives.deadline import Interrupted
@@ -56,8 +57,17 @@ class GenerationConfig:
     # DAPO's dynamic sampling: a group whose rewards are all equal is replaced by a new
     # prompt's group, up to this many extra rounds of generation per step (0: kept as is)
     dynamic_sampling: int = at_least(0, default=0)
+    # the generation engine: slots, the paged KV cache's blocks, compile (docs/generation.md)
+    engine: EngineConfig = field(default_factory=EngineConfig)
 
     meaningless = staticmethod(sampling_problems)  # a top_p outside (0, 1]
+
+    def pool_problem(self) -> str | None:
+        """A KV cache pool too small for one completion (a prompt's token and
+        max_completion_length), said before a run (`check_request` says it again with the
+        prompts' lengths)."""
+        found = pool_problems(self.engine, self.max_completion_length + 1, "generation.engine.")
+        return next(iter(found.values()), None)
 
     def per_rank_forwards(self) -> str | None:
         """Each rank generates its own prompts' completions until they end, which expert
@@ -79,7 +89,8 @@ class Completions(NamedTuple):
 class CompletionScorer:
     """generate -> decode -> score: `n` completions of each prompt of a `PromptBatch`, each
     scored by every reward (`score_completions`; a reward reads the prompt, the completion
-    and the row's fields, with `completion_tokens`), each call within `timeout_s`."""
+    and the row's fields, with `completion_tokens`), each call within `timeout_s`; the
+    generation by `engine` (None: the engine's defaults)."""
 
     def __init__(
         self,
@@ -88,9 +99,10 @@ class CompletionScorer:
         end_ids: list[int],
         max_new_tokens: int,
         timeout_s: float = REWARD_TIMEOUT_S,
+        engine: EngineConfig | None = None,
     ) -> None:
         self.tokenizer, self.rewards, self.end_ids = tokenizer, list(rewards), end_ids
-        self.max_new_tokens, self.timeout_s = max_new_tokens, timeout_s
+        self.max_new_tokens, self.timeout_s, self.engine = max_new_tokens, timeout_s, engine
         self.weights = torch.tensor([r.weight for r in self.rewards])
 
     def generate(self, model, prompts: PromptBatch, n: int, sampling: Sampling, keys: list[str]):
@@ -100,7 +112,9 @@ class CompletionScorer:
         if not rows:
             return None
         draws = Draws.keyed(keys, self.max_new_tokens)
-        return generate(model, rows, self.max_new_tokens, sampling, self.end_ids, draws)
+        return generate(
+            model, rows, self.max_new_tokens, sampling, self.end_ids, draws, engine=self.engine
+        )
 
     def score(self, out, prompts: PromptBatch, n: int, stop=None) -> Completions:
         """`generate`'s completions decoded and scored; `stop()` true (a stop signal) while

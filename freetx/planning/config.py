@@ -83,7 +83,7 @@ def estimate_config(
     generation = None
     if planned.generations_per_prompt:  # online RL: this rank's completions of one generation
         rows = cfg.batch_size // data_ranks * planned.generations_per_prompt
-        generation = GenerationPhase(rows, seq_len)
+        generation = GenerationPhase(rows, seq_len, planned.engine)
 
     def rows_of(part, stage=None):
         return estimate(

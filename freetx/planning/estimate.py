@@ -59,8 +59,9 @@ memory's rounding.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from torch import nn
 
@@ -132,17 +133,36 @@ class Estimate:
 
 @dataclass(frozen=True)
 class GenerationPhase:
-    """Online RL's generation on one rank: `rows` sequences of up to `length` tokens."""
+    """Online RL's generation on one rank: `rows` sequences of up to `length` tokens, by
+    the generation engine (`freetx.models.engine.EngineConfig`: its slots and pool)."""
 
     rows: int
     length: int
+    engine: Any = None  # an EngineConfig (None: its defaults)
+
+    def pool_blocks(self) -> tuple[int, int, int]:
+        """(blocks in the pool, tokens per block, slots): `kv_blocks`, or enough for every
+        slot's longest row (the static batch: every row at the longest)."""
+        from freetx.models.engine import EngineConfig
+
+        engine = self.engine or EngineConfig()
+        slots = min(engine.slots or self.rows, self.rows)
+        if not engine.paged:
+            return self.rows, self.length, self.rows
+        size = engine.block_size
+        return engine.kv_blocks or slots * math.ceil(self.length / size), size, slots
 
     def cache_bytes(self, model: nn.Module, compute: int, tp: int) -> float:
-        """The KV cache of every layer (this tp rank's heads) and one step's logits (fp32),
-        by the decoder's shape (`model.config`: num_layers, num_kv_heads, head_dim)."""
+        """The KV cache's pool (every layer's entries per token: this tp rank's keys and
+        values, or multi-head latent attention's compressed latent and rope key) and one
+        step's logits (fp32) per slot, by the decoder's shape (`model.config`)."""
         c = model.config
-        kv = c.num_layers * 2 * (c.num_kv_heads // tp) * c.head_dim * compute
-        return self.rows * (self.length * kv + 2 * c.vocab_size * 4)
+        if getattr(c, "kv_lora_rank", None):
+            per_token = c.num_layers * (c.kv_lora_rank + c.head_dim) * compute
+        else:
+            per_token = c.num_layers * 2 * (c.num_kv_heads // tp) * c.head_dim * compute
+        blocks, size, slots = self.pool_blocks()
+        return blocks * size * per_token + slots * 2 * c.vocab_size * 4
 
 
 def parameter_bytes(

@@ -46,7 +46,7 @@ def test_batched_prompts_with_the_cache_reply_as_each_prompt_alone_without_it(
     prompts = "prompts=[" + ",".join(repr(p) for p in PROMPTS) + "]"
     cached = generate(lively_llama, tmp_path / "cached", prompts)
     assert cached.returncode == 0, cached.stderr
-    assert "| KV cache" in cached.stdout
+    assert "| generation engine (paged KV cache)" in cached.stdout
     # without a cache a batch holds prompts of one token length: here, one prompt each
     full = generate(lively_llama, tmp_path / "full", prompts, "kv_cache=false")
     assert full.returncode == 0, full.stderr

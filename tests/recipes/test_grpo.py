@@ -3,9 +3,10 @@ module, trusted for the run (docs/recipes/grpo_fsdp2.md's command as written; re
 without --trust), its TRL-style twin scoring the same, exported for PEFT; a reward that
 raises or blocks past reward_timeout_s is named with its row; a SIGTERM while a reward
 blocks saves the step and stops; validate refuses what the run refuses, and warns that
-greedy rollouts cannot learn; estimate counts the generation phase; 2 processes (fsdp,
-and tp 2) give 1 process's rollouts, rewards and losses; a resume, at another world size
-too, repeats the uninterrupted run."""
+greedy rollouts cannot learn; estimate counts the generation phase; 2 processes (fsdp
+with another slot count and pool, and tp 2 with the static batch) give 1 process's
+rollouts, rewards and losses; a resume, at another world size too, repeats the
+uninterrupted run."""
 
 from __future__ import annotations
 
@@ -208,21 +209,29 @@ def test_validate_warns_that_greedy_rollouts_cannot_learn():
 
 def test_estimate_counts_the_generation_phase():
     result = run_freetx_here("estimate", "llm/grpo_tiny", "model_dir=null", "dataset.max_prompt_len=48",
+                             "generation.engine.slots=16", "generation.engine.kv_blocks=40",
                              "--world-size", "2", "--device", "cpu")  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert "generation" in result.stdout.splitlines()[1]
     assert "8 prompts x 8 completions x 52 tokens" in result.stdout
-    assert "the KV cache of 64 completions per rank" in flat(result.stdout)
+    pool = "the KV cache's pool of 40 blocks of 16 tokens for 64 completions per rank in 16 slots"
+    assert pool in flat(result.stdout)
 
 
 @pytest.mark.slow  # 3 runs of 3 steps on 1, 2 and 2 processes
 def test_two_processes_fsdp_and_tp2_give_one_process_rollouts_and_losses(tmp_path):
+    """And the generation engine's slot count and blocks change nothing (fsdp: 3 slots,
+    blocks of 4 tokens, a pool that makes rows wait), nor does the static batch of today's
+    generator (tp 2: generation.engine.paged=false)."""
     one = metrics(ran(grpo(tmp_path, "one", "max_steps=3")))
-    fsdp = metrics(ran(grpo(tmp_path, "fsdp", "max_steps=3", nproc=2)))
-    tp = metrics(ran(grpo(tmp_path, "tp", "max_steps=3", "distributed.tp=2", nproc=2)))
+    slots = ["generation.engine.slots=3", "generation.engine.block_size=4",
+             "generation.engine.kv_blocks=20"]  # fmt: skip
+    fsdp = metrics(ran(grpo(tmp_path, "fsdp", "max_steps=3", *slots, nproc=2)))
+    tp = metrics(ran(grpo(tmp_path, "tp", "max_steps=3", "distributed.tp=2",
+                          "generation.engine.paged=false", nproc=2)))  # fmt: skip
     assert 0 < one[1]["frac_reward_zero_std"] < 1 or 0 < one[2]["frac_reward_zero_std"] < 1
     for step in (1, 2, 3):
-        for name, other in (("fsdp", fsdp), ("tp 2", tp)):
+        for name, other in (("fsdp, 3 slots", fsdp), ("tp 2, static batch", tp)):
             for key in ("reward", "completions/mean_length", "loss"):
                 assert abs(other[step][key] - one[step][key]) <= 1e-5, (name, step, key)
 

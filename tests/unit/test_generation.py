@@ -15,14 +15,20 @@ from freetx.models.transformer import decoder
 PROMPTS = [[1, 5, 9, 12], [1, 7], [1, 3, 3, 3, 3, 8, 2]]
 
 
-@pytest.fixture(scope="module")
-def model():
+def lively_decoder() -> torch.nn.Module:
+    """The tiny decoder (vocabulary 40, 64 positions), its weights x 3: lively logits,
+    tokens that change from step to step."""
     torch.manual_seed(0)
     m = decoder(preset="tiny", vocab_size=40, max_seq_len=64)
-    with torch.no_grad():  # lively logits: tokens change from step to step
+    with torch.no_grad():
         for p in m.parameters():
             p.mul_(3.0)
     return m.eval()
+
+
+@pytest.fixture(scope="module")
+def model():
+    return lively_decoder()
 
 
 def draws(rows: int, steps: int = 12) -> Draws:

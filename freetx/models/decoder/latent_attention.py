@@ -23,10 +23,12 @@ have transformers' fixed eps 1e-6.
 
 Training forwards take SDPA (causal), or a packed batch's document mask and a context
 shard's mask as the decoder's attention does (the keys and values are expanded per head
-first, so `attend` sees ordinary heads of qk and v dims). The KV cache of generation
-holds those expanded keys and values (heads x (qk_nope_head_dim + head_dim + v_head_dim)
-per token), not transformers' compressed latent (kv_lora_rank + head_dim per token):
-the same outputs, more memory per cached token. Tensor parallelism is refused before a
+first, so `attend` sees ordinary heads of qk and v dims). The paged KV cache of the
+generation engine (`freetx.models.paged_cache`) holds transformers' compressed latent
+(kv_lora_rank + head_dim per token: the normed latent and the rotated rope key), each
+read expanded to every head's keys and values in attention (`keys_values`); the dense
+cache of the static batch (`freetx.models.kv_cache`) holds the expanded keys and values
+(heads x (qk_nope_head_dim + head_dim + v_head_dim) per token). Tensor parallelism is refused before a
 run (`freetx.models.decoder.tensor_parallel.check_tensor_parallel`); keys and values from
 another stream (`kv_input`, the Free Transformer's) and bidirectional attention are
 refused when called.
@@ -37,10 +39,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from freetx.models.attention import AttentionMask, AttentionSpec, attend
+from freetx.models.attention import AttentionMask, AttentionSpec, attend, attend_masked
 from freetx.models.decoder.config import TransformerConfig
 from freetx.models.decoder.rope import apply_rope, yarn_mscale
 from freetx.models.kv_cache import LayerCache
+from freetx.models.paged_cache import PagedLayer
 from freetx.models.protocol import SequenceShard
 
 LATENT_NORM_EPS = 1e-6  # transformers' DeepseekV3RMSNorm default, which q_a/kv_a norms keep
@@ -94,6 +97,16 @@ class LatentAttention(nn.Module):
     def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         return apply_rope(deinterleaved(x) if self.interleave else x, cos, sin)
 
+    def keys_values(self, latent: torch.Tensor, k_rot: torch.Tensor):
+        """Every head's keys [B, heads, S, nope + rope dims] and values [B, heads, S, v dims]
+        from the normed latent [B, S, kv_lora_rank] and the shared rotated rope key [B, 1,
+        S, rope dims]."""
+        batch, keys, _ = latent.shape
+        kv = self.wkv_b(latent).view(batch, keys, -1, self.nope_dim + self.v_dim).transpose(1, 2)
+        k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
+        k = torch.cat([k_nope, k_rot.expand(-1, k_nope.shape[1], -1, -1)], dim=-1)
+        return k, v
+
     def forward(
         self,
         x: torch.Tensor,
@@ -101,7 +114,7 @@ class LatentAttention(nn.Module):
         sin: torch.Tensor,
         causal: bool = True,
         kv_input: torch.Tensor | None = None,
-        cache: LayerCache | None = None,
+        cache: LayerCache | PagedLayer | None = None,
         mask: AttentionMask | None = None,
         context: SequenceShard | None = None,
     ) -> torch.Tensor:
@@ -117,13 +130,17 @@ class LatentAttention(nn.Module):
         q = self.wq(x) if self.q_lora_rank is None else self.wq_b(self.q_a_norm(self.wq_a(x)))
         q = q.view(batch, seq_len, -1, self.nope_dim + self.rope_dim).transpose(1, 2)
         q_nope, q_rot = q.split([self.nope_dim, self.rope_dim], dim=-1)
-        latent, k_rot = self.wkv_a(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
-        kv = self.wkv_b(self.kv_a_norm(latent))
-        kv = kv.view(batch, seq_len, -1, self.nope_dim + self.v_dim).transpose(1, 2)
-        k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
-        k_rot = self.rotate(k_rot.view(batch, 1, seq_len, self.rope_dim), cos, sin)
         q = torch.cat([q_nope, self.rotate(q_rot, cos, sin)], dim=-1)
-        k = torch.cat([k_nope, k_rot.expand(-1, k_nope.shape[1], -1, -1)], dim=-1)
+        latent, k_rot = self.wkv_a(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        latent = self.kv_a_norm(latent)
+        k_rot = self.rotate(k_rot.view(batch, 1, seq_len, self.rope_dim), cos, sin)
+        if isinstance(cache, PagedLayer):  # the compressed latent and rope key, as transformers
+            cache.store(latent, k_rot[:, 0])
+            latent, k_rot = cache.read()
+            k, v = self.keys_values(latent, k_rot[:, None])
+            out = attend_masked(q, k, v, self.spec, cache.mask(self.spec))
+            return self.wo(out.transpose(1, 2).reshape(batch, seq_len, -1))
+        k, v = self.keys_values(latent, k_rot)
         dropout = self.attention_dropout if self.training else 0.0
         key_valid = None
         if cache is not None:

@@ -20,6 +20,7 @@ from freetx.models.decoder.latent_attention import LatentAttention
 from freetx.models.decoder.rope import apply_rope
 from freetx.models.kv_cache import LayerCache
 from freetx.models.moe import MoEFeedForward, RouterKind
+from freetx.models.paged_cache import PagedLayer
 from freetx.models.protocol import SequenceShard
 
 
@@ -96,11 +97,11 @@ class Attention(nn.Module):
         sin: torch.Tensor,
         causal: bool = True,
         kv_input: torch.Tensor | None = None,
-        cache: LayerCache | None = None,
+        cache: LayerCache | PagedLayer | None = None,
         mask: AttentionMask | None = None,
         context: SequenceShard | None = None,
     ) -> torch.Tensor:
-        """`cache`: this layer's KV cache; the new keys and values join it, and the
+        """`cache`: this layer's KV cache (dense or paged); the new keys and values join it, and the
         queries attend to every key cached (the real ones). `mask`: a training forward's
         mask for this layer (`document_mask`: queries attend within their document;
         `context_mask`: this rank's queries over the whole sequence). `context`: this
@@ -119,15 +120,15 @@ class Attention(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if self.rotary:  # a NoPE layer (`nope_layers`) has no positions
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        dropout = self.attention_dropout if self.training else 0.0
-        key_valid = None
-        if cache is not None:
-            k, v, key_valid = cache.extend(k, v)
+        if cache is not None:  # this row's keys so far: a dense or a paged cache's
+            if not causal:
+                raise ValueError("a KV cache's keys are causal; bidirectional attention has none")
+            out = cache.attend(q, k, v, self.spec)
+            return self.wo(out.transpose(1, 2).reshape(batch, seq_len, -1))
         if context is not None:  # the whole sequence's keys and values (Llama 3's scheme)
             k, v = context.gather(k, dim=2), context.gather(v, dim=2)
-        out = attend(
-            q, k, v, self.spec, causal=causal, dropout=dropout, key_valid=key_valid, mask=mask
-        )
+        dropout = self.attention_dropout if self.training else 0.0
+        out = attend(q, k, v, self.spec, causal=causal, dropout=dropout, mask=mask)
         return self.wo(out.transpose(1, 2).reshape(batch, seq_len, -1))
 
     def project(self, x: torch.Tensor, kv_source: torch.Tensor):
