@@ -27,6 +27,13 @@ measured side by side in one run.
 
     OMP_NUM_THREADS=2 python benchmarks/generation.py                  # ~20 minutes on 2 cores
     OMP_NUM_THREADS=2 python benchmarks/generation.py --shapes tiny --section engine
+    python benchmarks/generation.py --device cuda           # a GPU: 0.6B and 1.7B shapes, bf16
+
+On a GPU (`--device cuda`): Qwen3-0.6B's and -1.7B's decoder shapes (random weights), bf16,
+256 slots, the engine's step compiled with CUDA graphs, against transformers' `generate`
+with its static cache and `torch.compile(mode="reduce-overhead")`; and the fraction of
+the HBM-bandwidth limit: the bytes of the weights and of the keys and values each decode
+step reads, summed over the run, over its time, against the device's published peak.
 """
 
 from __future__ import annotations
@@ -53,6 +60,14 @@ SHAPES = {
     "100m": dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
                  num_attention_heads=12, num_key_value_heads=4),
 }  # fmt: skip
+# on a GPU (--device cuda): Qwen3-0.6B's and Qwen3-1.7B's decoder shapes, random weights
+GPU_SHAPES = {
+    "0.6b": dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, head_dim=128,
+                 num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8),
+    "1.7b": dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, head_dim=128,
+                 num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8),
+}  # fmt: skip
+HBM_BYTES_PER_S = {"H200": 4.8e12, "H100": 3.35e12, "A100": 2.0e12}  # published peaks
 PROMPTS, GROUP, NEW_TOKENS, END_SHARE = 32, 8, 256, 0.015
 
 
@@ -62,7 +77,7 @@ def hf_folder(root: Path, shape: str) -> Path:
     import transformers
 
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(**SHAPES[shape], max_position_embeddings=512,
+    config = transformers.LlamaConfig(**{**SHAPES, **GPU_SHAPES}[shape], max_position_embeddings=512,
                                       tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)  # fmt: skip
     model = transformers.AutoModelForCausalLM.from_config(config)
     with torch.no_grad():
@@ -142,20 +157,76 @@ def engine_section(shapes: list[str], repeats: int) -> None:
     print(table(prefill, ["model", "static: tokens", "static: ms", "engine: tokens", "engine: ms"]))
 
 
+def gpu_section(shapes: list[str], repeats: int) -> None:
+    """Section (--device cuda): the engine in bf16 at 256 slots, compiled with CUDA graphs,
+    vs transformers' generate with its static cache and torch.compile; and the fraction
+    of the HBM-bandwidth limit the engine's decode steps reach (the bytes of the weights
+    and of the keys and values each step reads, over its time)."""
+    import transformers
+
+    from freetx.checkpoint import load_model
+    from freetx.models.engine import EngineConfig
+    from freetx.models.generation import Draws, Sampling, generate
+
+    name = torch.cuda.get_device_name()
+    bandwidth = next((b for key, b in HBM_BYTES_PER_S.items() if key in name), None)
+    rows_out = []
+    for shape in shapes:
+        with tempfile.TemporaryDirectory() as tmp:
+            folder = hf_folder(Path(tmp), shape)
+            model = load_model(folder, "cuda").to(torch.bfloat16).eval()
+            hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
+        hf = hf.cuda().eval()
+        hf.forward = torch.compile(hf.forward, mode="reduce-overhead", fullgraph=True)
+        prompts, ends = workload(GPU_SHAPES[shape]["vocab_size"])
+        rows = [p for p in prompts for _ in range(GROUP)]
+        draws = Draws.keyed([f"row {i}" for i in range(len(rows))], NEW_TOKENS)
+        engine = EngineConfig(slots=len(rows))  # 256 slots; compile None: CUDA graphs
+        best = None
+        for _ in range(repeats + 1):  # the first compiles
+            torch.cuda.synchronize()
+            started = time.perf_counter()
+            out = generate(model, rows, NEW_TOKENS, Sampling(1.0), ends, draws, engine=engine)
+            torch.cuda.synchronize()
+            seconds = time.perf_counter() - started
+            best = seconds if best is None or seconds < best else best
+        tokens = int(out.lengths.sum())
+        hf_best = None
+        for _ in range(repeats + 1):
+            hf_tokens, hf_s = hf_generate(hf, rows, ends)
+            hf_best = hf_s if hf_best is None or hf_s < hf_best else hf_best
+        weights = sum(p.numel() * p.element_size() for p in model.parameters())
+        # each decode step reads the weights and every running row's keys and values
+        kv_tokens = sum(len(r) * n + n * (n - 1) / 2 for r, n in zip(rows, out.lengths.tolist()))
+        per_token = out.stats.block_bytes / EngineConfig.block_size
+        moved = out.stats.decode_steps * weights + kv_tokens * per_token
+        limit = f"{moved / best / bandwidth:.0%}" if bandwidth else "-"
+        rows_out.append([shape, f"{tokens:,}", f"{tokens / best:,.0f}",
+                         f"{hf_tokens / hf_best:,.0f}", f"{(tokens / best) / (hf_tokens / hf_best):.2f}x",
+                         f"{moved / best / 1e12:.2f}", limit])  # fmt: skip
+    print(f"generation on {name}: {PROMPTS} prompts x {GROUP}, up to {NEW_TOKENS} new tokens, "
+          f"bf16, {len(rows)} slots, the best of {repeats} runs after one that compiles")  # fmt: skip
+    print(table(rows_out, ["model", "tokens", "engine tok/s", "transformers (static cache, "
+                           "compiled) tok/s", "ratio", "TB/s read", "of the HBM limit"]))  # fmt: skip
+
+
 def hf_generate(hf, rows: list[list[int]], ends: list[int]) -> tuple[int, float]:
     """transformers' generate with its static cache: the rows left-padded in one batch."""
     longest = max(map(len, rows))
-    ids = torch.tensor([[0] * (longest - len(r)) + r for r in rows])
-    mask = torch.tensor([[0] * (longest - len(r)) + [1] * len(r) for r in rows])
+    device = next(hf.parameters()).device
+    ids = torch.tensor([[0] * (longest - len(r)) + r for r in rows], device=device)
+    mask = torch.tensor([[0] * (longest - len(r)) + [1] * len(r) for r in rows], device=device)
     torch.manual_seed(0)
     started = time.perf_counter()
     with torch.no_grad():
         out = hf.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0,
                           top_k=0, max_new_tokens=NEW_TOKENS, eos_token_id=ends, pad_token_id=0,
                           cache_implementation="static")  # fmt: skip
+    if device.type == "cuda":
+        torch.cuda.synchronize()
     seconds = time.perf_counter() - started
     new = out[:, longest:]
-    ended = torch.isin(new, torch.tensor(ends))
+    ended = torch.isin(new, torch.tensor(ends, device=device))
     first_end = torch.where(ended.any(1), ended.float().argmax(1) + 1, new.shape[1])
     return int(first_end.sum()), seconds
 
@@ -253,7 +324,13 @@ def main() -> None:
     p.add_argument("--section", choices=("engine", "grpo"), default=None)
     p.add_argument("--shapes", default="tiny,100m")
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     args = p.parse_args()
+    if args.device == "cuda":  # the GPU figures: 0.6B and 1.7B shapes in bf16
+        gpu_section(
+            ["0.6b", "1.7b"] if args.shapes == "tiny,100m" else args.shapes.split(","), args.repeats
+        )
+        return
     os.environ.setdefault("OMP_NUM_THREADS", "2")
     if args.section in (None, "engine"):
         engine_section(args.shapes.split(","), args.repeats)

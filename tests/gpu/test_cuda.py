@@ -1,7 +1,7 @@
 """The CUDA paths, through the CLI on one GPU: bf16 training with CUDA memory stats, the
 FSDP2 path on NCCL (a world of one with CPU offload), float16 and its loss scaler, QLoRA's
-NF4 base, per-block compile, the profiler's memory timeline, and `freetx estimate --measure` against the
-allocator's peak. Skipped where there is no GPU (CI, the 2-core dev machine); run them
+NF4 base, per-block compile, the profiler's memory timeline, `freetx estimate --measure` against the
+allocator's peak, and the generation engine's compiled step with CUDA graphs. Skipped where there is no GPU (CI, the 2-core dev machine); run them
 on a GPU machine with `pytest tests/gpu`."""
 
 from __future__ import annotations
@@ -369,3 +369,26 @@ def test_an_optimizer_rung_on_cuda_trains_as_the_ordinary_optimizer_and_holds_le
         assert abs(a["loss"] - b["loss"]) <= 1e-4, (a["step"], a["loss"], b["loss"])
     peak = "memory/peak_allocated_gib"
     assert rung_run[-1][peak] < plain[-1][peak]
+
+
+def test_the_generation_engine_on_cuda_compiled_with_cuda_graphs_gives_the_eager_tokens():
+    """The engine's CUDA path: static shapes and CUDA graphs (`compile` None on CUDA) give
+    the eager step's tokens, and the static batch's, in fp32; in bf16 under autocast the
+    pool holds bf16 entries and every row ends."""
+    from freetx.models.engine import EngineConfig
+    from freetx.models.generation import Draws, Sampling, generate
+    from freetx.models.transformer import decoder
+
+    torch.manual_seed(0)
+    model = decoder(preset="tiny", vocab_size=64, max_seq_len=128).cuda().eval()
+    prompts = [[1, *range(5, 5 + n)] for n in (3, 9, 17, 30)]
+    rows = [p for p in prompts for _ in range(4)]
+    draws = Draws.keyed([f"row {i}" for i in range(len(rows))], 40)
+    sampling, ends = Sampling(1.0), [3, 4]
+    eager = generate(model, rows, 40, sampling, ends, draws, engine=EngineConfig(compile=False))
+    graphs = generate(model, rows, 40, sampling, ends, draws, engine=EngineConfig(slots=8))
+    static = generate(model, rows, 40, sampling, ends, draws, engine=EngineConfig(paged=False))
+    assert graphs.replies() == eager.replies() == static.replies()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        out = generate(model, rows, 40, sampling, ends, draws)
+    assert out.stats.block_bytes == 16 * 4 * 2 * 2 * 32 * 2  # bf16 keys and values
