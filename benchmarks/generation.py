@@ -295,7 +295,9 @@ def grpo_section() -> None:
                 command = [sys.executable, "-m", "freetx", "run", "--nproc-per-node", "2",
                            "grpo_fsdp2", "--config", config, f"output_dir={out}", *COMMON,
                            *overrides, f"generation.engine.paged={paged}"]  # fmt: skip
-                result = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
+                env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+                # the launcher's threads: 1 per process of 2 (2 each would oversubscribe)
+                result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
                 if result.returncode != 0:
                     raise RuntimeError(result.stdout[-2000:] + result.stderr[-3000:])
                 lines = (out / "metrics.jsonl").read_text().splitlines()

@@ -209,26 +209,30 @@ class Engine:
 
     # -- admission ------------------------------------------------------------------
     def admit(self) -> None:
-        """Free slots take the next requests, while the pool has their blocks."""
+        """Free slots take the next requests, while the pool has their blocks; their first
+        tokens are drawn together, and the slots of rows that end with it taken again."""
         while self.queue and None in self.slots:
-            request = self.queue[0]
-            group = self.group_of[request]
-            if group.blocks is None and not self.prefill(group):
-                break
-            logits = group.logits
-            blocks = self.member_blocks(group)
-            if blocks is None:
-                break
-            self.queue.popleft()
-            row = _Row(request, self.admitted, blocks, len(group.prompt))
-            self.admitted += 1
-            token = self.first_token(row, logits)
-            group.waiting -= 1
-            if group.waiting == 0 and group.blocks is not None:  # the group's hold ends
-                self.pool.release(group.blocks)
-                group.blocks, group.logits = None, None
-            if not self.record(row, token):
+            admitted = []
+            while self.queue and None in self.slots:
+                request = self.queue[0]
+                group = self.group_of[request]
+                if group.blocks is None and not self.prefill(group):
+                    break
+                logits = group.logits
+                blocks = self.member_blocks(group)
+                if blocks is None:
+                    break
+                self.queue.popleft()
+                row = _Row(request, self.admitted, blocks, len(group.prompt))
+                self.admitted += 1
                 self.slots[self.slots.index(None)] = row
+                admitted.append((row, logits))
+                group.waiting -= 1
+                if group.waiting == 0 and group.blocks is not None:  # the group's hold ends
+                    self.pool.release(group.blocks)
+                    group.blocks, group.logits = None, None
+            if not admitted or not self.first_tokens(admitted):
+                return
 
     def member_blocks(self, group: _Group) -> list[int] | None:
         """A new member's blocks: the group's full prompt blocks (shared) and its own copy
@@ -282,13 +286,12 @@ class Engine:
                 self.pool.release(group.blocks)
                 group.blocks, group.logits = None, None
 
-    def first_token(self, row: _Row, logits: torch.Tensor) -> int:
-        """The row's first token, drawn from its group's prefill `logits` [1, vocab] with
-        its own draw."""
-        token = self.sampling.next_tokens(logits, self.uniforms[row.request, :1])
-        self.tokens[row.request, 0] = token[0]
-        self.entropy[row.request, 0] = entropy_of(logits, self.sampling)[0]
-        return int(token[0])
+    def first_tokens(self, admitted: list[tuple[_Row, torch.Tensor]]) -> bool:
+        """The admitted rows' first tokens, each drawn from its group's prefill logits [1,
+        vocab] with its own draw; True when one ended with it (its slot is free again)."""
+        rows = [row for row, _ in admitted]
+        logits = torch.cat([logits for _, logits in admitted])
+        return self.take_tokens(rows, logits)
 
     # -- decoding -------------------------------------------------------------------
     def step(self) -> None:
@@ -309,16 +312,25 @@ class Engine:
         last = torch.tensor([[row.last] for row in live] + [[0]] * idle, device=self.device)
         rows = PagedRows(self.pool, tables, cached)
         logits = self.step_forward(last, cache=rows)[: len(live), -1]
-        requests = torch.tensor([row.request for row in live], device=self.device)
-        steps = torch.tensor([row.step for row in live], device=self.device)
+        self.stats.decode_steps += 1
+        for row in live:
+            row.length += 1  # the token it read is cached
+        self.take_tokens(live, logits)
+
+    def take_tokens(self, rows: list[_Row], logits: torch.Tensor) -> bool:
+        """Each row's next token from its logits [rows, vocab] and its own draw at its
+        step; True when some row ended with it (its blocks and slot freed)."""
+        requests = torch.tensor([row.request for row in rows], device=self.device)
+        steps = torch.tensor([row.step for row in rows], device=self.device)
         new = self.sampling.next_tokens(logits, self.uniforms[requests, steps])
         self.tokens[requests, steps] = new
         self.entropy[requests, steps] = entropy_of(logits, self.sampling)
-        self.stats.decode_steps += 1
-        for row, token in zip(live, new.tolist()):
-            row.length += 1
+        ended = False
+        for row, token in zip(rows, new.tolist()):
             if self.record(row, token):
                 self.slots[self.slots.index(row)] = None
+                ended = True
+        return ended
 
     def record(self, row: _Row, token: int) -> bool:
         """The row's next token taken (already in `tokens`); True when the row ends with it

@@ -105,6 +105,8 @@ class PagedRows:
         self.layers = [PagedLayer(self, i) for i in range(len(pool.entries))]
         self.new = 0
         self._masks: dict[int | None, torch.Tensor] = {}
+        self._slots: torch.Tensor | None = None
+        self._keys: torch.Tensor | None = None
 
     def positions(self, new: int) -> torch.Tensor:
         """[B, new]: the positions of the next `new` tokens of each row (the forward asks
@@ -119,17 +121,23 @@ class PagedRows:
         """The engine counts what each row holds; nothing to keep here."""
 
     def slots(self) -> torch.Tensor:
-        """[B * T]: where in a layer's pool each new token's entries go, row after row."""
-        bs = self.pool.block_size
-        at = self.positions(self.new)
-        block = self.tables.gather(1, at // bs)
-        return (block * bs + at % bs).reshape(-1)
+        """[B * T]: where in a layer's pool each new token's entries go, row after row
+        (the same for every layer: computed once)."""
+        if self._slots is None:
+            bs = self.pool.block_size
+            at = self.positions(self.new)
+            block = self.tables.gather(1, at // bs)
+            self._slots = (block * bs + at % bs).reshape(-1)
+        return self._slots
 
     def keys(self) -> torch.Tensor:
-        """[B, width x block_size]: the pool index of each row's every key, in order."""
-        bs = self.pool.block_size
-        offsets = torch.arange(bs, device=self.tables.device)
-        return (self.tables[:, :, None] * bs + offsets).flatten(1)
+        """[B, width x block_size]: the pool index of each row's every key, in order
+        (computed once)."""
+        if self._keys is None:
+            bs = self.pool.block_size
+            offsets = torch.arange(bs, device=self.tables.device)
+            self._keys = (self.tables[:, :, None] * bs + offsets).flatten(1)
+        return self._keys
 
     def mask(self, window: int | None) -> torch.Tensor:
         """[B, 1, T, keys]: True where a new token (query) sees a key: one at or before its
