@@ -233,7 +233,8 @@ def main(args: argparse.Namespace) -> int:
             )
     if generations:
         rows = cfg.batch_size // shape.dp * generations
-        blocks, size, slots = GenerationPhase(rows, seq_len, found.planned.engine).pool_blocks()
+        phase = GenerationPhase(rows, seq_len, found.planned.engine)
+        blocks, size, slots = phase.pool_blocks(model)
         print(
             "(generation: the generation phase, instead of gathered + activations + loss: "
             "every parameter gathered in the compute dtype (sharded strategies), the KV "

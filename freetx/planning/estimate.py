@@ -61,7 +61,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 from torch import nn
 
@@ -71,6 +71,8 @@ from freetx.distributed.float8 import float8_filter
 from freetx.distributed.parallelize import find_blocks
 from freetx.distributed.tensor_parallel import check_slices
 from freetx.errors import ConfigError
+from freetx.models.decoder.config import TransformerConfig
+from freetx.models.engine import EngineConfig
 from freetx.models.memory import TrainingShape
 from freetx.models.moe import MoEFeedForward
 from freetx.models.protocol import CountsFlops, EstimatesActivations, StoredInOwnForm, require_hook
@@ -134,22 +136,20 @@ class Estimate:
 @dataclass(frozen=True)
 class GenerationPhase:
     """Online RL's generation on one rank: `rows` sequences of up to `length` tokens, by
-    the generation engine (`freetx.models.engine.EngineConfig`: its slots and pool)."""
+    the generation engine (`EngineConfig`: its slots and pool)."""
 
     rows: int
     length: int
-    engine: Any = None  # an EngineConfig (None: its defaults)
+    engine: EngineConfig | None = None  # None: its defaults
 
-    def pool_blocks(self) -> tuple[int, int, int]:
+    def pool_blocks(self, model: nn.Module) -> tuple[int, int, int]:
         """(blocks in the pool, tokens per block, slots): `kv_blocks`, or enough for every
-        slot's longest row (the static batch: every row at the longest)."""
-        from freetx.models.engine import EngineConfig
-
+        slot's longest row; for a model the engine does not serve, the static batch's
+        dense cache (every row at the longest: one block of `length` per row)."""
         engine = self.engine or EngineConfig()
-        slots = min(engine.slots or self.rows, self.rows)
-        if not engine.paged:
+        if not engine.serves(model):
             return self.rows, self.length, self.rows
-        size = engine.block_size
+        slots, size = min(engine.slots or self.rows, self.rows), engine.block_size
         return engine.kv_blocks or slots * math.ceil(self.length / size), size, slots
 
     def cache_bytes(self, model: nn.Module, compute: int, tp: int) -> float:
@@ -157,11 +157,15 @@ class GenerationPhase:
         values, or multi-head latent attention's compressed latent and rope key) and one
         step's logits (fp32) per slot, by the decoder's shape (`model.config`)."""
         c = model.config
-        if getattr(c, "kv_lora_rank", None):
+        latent = isinstance(c, TransformerConfig) and c.kv_lora_rank is not None
+        if latent and (self.engine or EngineConfig()).serves(model):  # the engine's latent
             per_token = c.num_layers * (c.kv_lora_rank + c.head_dim) * compute
+        elif latent:  # the static batch's keys (nope + rope dims) and values per head
+            per_head = c.qk_nope_head_dim + c.head_dim + c.v_head_dim
+            per_token = c.num_layers * c.num_heads * per_head * compute
         else:
             per_token = c.num_layers * 2 * (c.num_kv_heads // tp) * c.head_dim * compute
-        blocks, size, slots = self.pool_blocks()
+        blocks, size, slots = self.pool_blocks(model)
         return blocks * size * per_token + slots * 2 * c.vocab_size * 4
 
 

@@ -51,7 +51,7 @@ class PlannedRun:
     # (num_generations x steps_per_generation), each of up to seq_len tokens: the
     # generation phase holds every parameter gathered and their KV cache
     generations_per_prompt: int = 0
-    engine: Any = None  # online RL: the generation engine's config (its slots and pool)
+    engine: Any = None  # online RL: the generation engine's `EngineConfig` (slots, pool)
     tokenizer: Any = None  # the tokenizer's node (None: the recipe has none)
     dataset: Any = None  # the dataset's node (a mixture's, its sources in it; None: none)
 
