@@ -4,7 +4,7 @@ without --trust), its TRL-style twin scoring the same, exported for PEFT; a rewa
 raises or blocks past reward_timeout_s is named with its row; a SIGTERM while a reward
 blocks saves the step and stops; validate refuses what the run refuses, and warns that
 greedy rollouts cannot learn; estimate counts the generation phase; 2 processes (fsdp
-with another slot count and pool, and tp 2 with the static batch) give 1 process's
+with the static batch, and tp 2 with another slot count and pool) give 1 process's
 rollouts, rewards and losses; a resume, at another world size too, repeats the
 uninterrupted run."""
 
@@ -220,18 +220,18 @@ def test_estimate_counts_the_generation_phase():
 
 @pytest.mark.slow  # 3 runs of 3 steps on 1, 2 and 2 processes
 def test_two_processes_fsdp_and_tp2_give_one_process_rollouts_and_losses(tmp_path):
-    """And the generation engine's slot count and blocks change nothing (fsdp: 3 slots,
-    blocks of 4 tokens, a pool that makes rows wait), nor does the static batch of today's
-    generator (tp 2: generation.engine.paged=false)."""
+    """And the generation engine's slot count and blocks change nothing (tp 2: 3 slots,
+    blocks of 4 tokens, a pool that makes rows give their blocks back), nor does the
+    static batch of today's generator (fsdp: generation.engine.paged=false)."""
     one = metrics(ran(grpo(tmp_path, "one", "max_steps=3")))
+    fsdp = metrics(ran(grpo(tmp_path, "fsdp", "max_steps=3", "generation.engine.paged=false",
+                            nproc=2)))  # fmt: skip
     slots = ["generation.engine.slots=3", "generation.engine.block_size=4",
              "generation.engine.kv_blocks=20"]  # fmt: skip
-    fsdp = metrics(ran(grpo(tmp_path, "fsdp", "max_steps=3", *slots, nproc=2)))
-    tp = metrics(ran(grpo(tmp_path, "tp", "max_steps=3", "distributed.tp=2",
-                          "generation.engine.paged=false", nproc=2)))  # fmt: skip
+    tp = metrics(ran(grpo(tmp_path, "tp", "max_steps=3", "distributed.tp=2", *slots, nproc=2)))
     assert 0 < one[1]["frac_reward_zero_std"] < 1 or 0 < one[2]["frac_reward_zero_std"] < 1
     for step in (1, 2, 3):
-        for name, other in (("fsdp, 3 slots", fsdp), ("tp 2, static batch", tp)):
+        for name, other in (("fsdp, static batch", fsdp), ("tp 2, 3 slots", tp)):
             for key in ("reward", "completions/mean_length", "loss"):
                 assert abs(other[step][key] - one[step][key]) <= 1e-5, (name, step, key)
 
