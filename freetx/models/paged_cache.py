@@ -172,7 +172,11 @@ class PagedLayer:
         """Each entry of every key of the rows, [B, keys, *entry shape] (keys past a row's
         length: whatever its blocks hold; `mask` hides them)."""
         keys = self.rows.keys()
-        return [pool[keys] for pool in self.rows.pool.entries[self.layer] or ()]
+        flat = keys.reshape(-1)  # index_select: 4x faster than indexing by a 2-D tensor
+        return [
+            pool.index_select(0, flat).view(*keys.shape, *pool.shape[1:])
+            for pool in self.rows.pool.entries[self.layer] or ()
+        ]
 
     def mask(self, spec: AttentionSpec) -> torch.Tensor:
         return self.rows.mask(spec.window)
