@@ -61,7 +61,7 @@ from freetx.evaluation import (
 )
 from freetx.evaluation.results import task_settings
 from freetx.fields import component_list, read_path, written_folder
-from freetx.models.engine import EngineConfig
+from freetx.models.engine import EngineConfig, check_pool
 from freetx.models.generation import Sampling
 from freetx.models.hf import end_token_ids
 from freetx.objectives import build_rewards
@@ -158,6 +158,7 @@ class EvalRecipe:
         """Everything a mistake can stop before a weight is read, then the model."""
         cfg = self.cfg
         refuse_nothing_to_evaluate(cfg)
+        check_pool(cfg.engine, cfg.max_new_tokens)
         claim_folder(cfg.output_dir, "eval", mark=self.rank == 0)  # no folder taken over
         if cfg.tasks:  # lm-eval installed, every task name known
             check_tasks(list(cfg.tasks), cfg.include_path)

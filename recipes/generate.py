@@ -46,7 +46,7 @@ from freetx.errors import ConfigError
 from freetx.fields import written_folder
 from freetx.loggers import build_metric_loggers
 from freetx.models import DecodesIncrementally, LatentModel
-from freetx.models.engine import EngineConfig
+from freetx.models.engine import EngineConfig, check_pool
 from freetx.models.generation import Draws, Sampling, generate, sampling_problems
 from freetx.models.hf import end_token_ids
 from freetx.training import claim_folder
@@ -95,6 +95,7 @@ class GenerateRecipe:
 
     def setup(self) -> None:
         cfg = self.cfg
+        check_pool(cfg.engine, cfg.max_new_tokens)  # before a weight is read
         self.checkpoint = resolve_checkpoint(cfg.checkpoint)
         self.model = model = load_model(self.checkpoint, self.device, seed=cfg.seed)
         self.latent = isinstance(model, LatentModel)

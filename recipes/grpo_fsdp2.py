@@ -49,6 +49,7 @@ from freetx.entry import parse
 from freetx.errors import ConfigError
 from freetx.fields import at_least, component_list
 from freetx.models import DecodesIncrementally
+from freetx.models.engine import check_pool
 from freetx.models.generation import Sampling
 from freetx.models.hf import end_token_ids
 from freetx.objectives import GRPOLoss, build_rewards, token_logps, with_router_loss
@@ -124,9 +125,9 @@ class GRPOConfig(DecoderConfig):
                 fix="Use freetx.data.PromptDataset (a prompt or messages column, and the "
                 "columns the rewards read).",
             )
-        pool = self.generation.pool_problem()
-        if pool is not None:
-            raise ConfigError(pool)
+        check_pool(
+            self.generation.engine, self.generation.max_completion_length, "generation.engine."
+        )
         spg = self.generation.steps_per_generation
         for key, value in (
             ("max_steps", self.max_steps),

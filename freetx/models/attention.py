@@ -113,7 +113,8 @@ def _block_mask(length: int, window: int | None, device: str):
 class AttentionMask:
     """A training forward's mask for one kind of layer (its `AttentionSpec`), within the
     documents of a packed batch (`document_mask`) or over the whole sequence's keys
-    under context parallelism (`context_mask`): the kernel that computes it, and that
+    under context parallelism (`context_mask`), or the rows of a paged KV cache
+    (`freetx.models.paged_cache.PagedLayer.mask`): the kernel that computes it, and that
     kernel's mask (booleans [B or 1, 1, queries, keys] for SDPA and the explicit kernel,
     a FlexAttention BlockMask for flex); `valid` [B, queries]: False on padding
     positions (None: no padding, the batch is not packed)."""
@@ -324,17 +325,6 @@ def attend(
         dropout_p=dropout,
         scale=spec.scale,
         enable_gqa=k.shape[1] != q.shape[1],
-    )
-
-
-def attend_masked(q, k, v, spec: AttentionSpec, mask: torch.Tensor) -> torch.Tensor:
-    """Attention of q [B, heads, T, D] over k, v [B, kv_heads, S, D] where `mask` [B, 1, T,
-    S] says which keys each query sees (a paged KV cache's rows, `freetx.models.paged_cache`):
-    SDPA with the boolean mask, or the explicit kernel for soft-capping."""
-    if spec.softcap is not None:
-        return explicit(q, k, v, spec, 0.0, mask)
-    return F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, scale=spec.scale, enable_gqa=k.shape[1] != q.shape[1]
     )
 
 

@@ -118,20 +118,23 @@ def check_context(tokens: int, context: int) -> None:
         )
 
 
-def pool_problems(engine: EngineConfig, row_tokens: int, path: str = "") -> dict[str, str]:
-    """An engine config's pool too small for one row of `row_tokens` tokens, by key: said
-    before a run, where the prompts' lengths are not known yet (`check_request` says it
-    again with them)."""
-    blocks, size = engine.kv_blocks, engine.block_size
-    if blocks is None or blocks * size >= row_tokens:
-        return {}
-    return {
-        f"{path}kv_blocks": f"{path}kv_blocks={blocks} blocks of {size} tokens hold "
-        f"{blocks * size} tokens, "
-        f"and one row holds its prompt and up to {row_tokens - 1} new tokens. Raise "
-        f"{path}kv_blocks to {math.ceil(row_tokens / size)} or more (more than the "
-        "prompts' length too), or null: enough for every slot."
-    }
+def check_pool(engine: EngineConfig, max_new_tokens: int, path: str = "engine.") -> None:
+    """Refuse a pool too small for one row of a prompt's token and `max_new_tokens`
+    (`path`: where the config keeps the engine's keys), before any work: what the prompts'
+    lengths are is not known yet (`check_request` says it again with them)."""
+    blocks, size, row = engine.kv_blocks, engine.block_size, max_new_tokens + 1
+    if blocks is not None and blocks * size < row:
+        raise ConfigError(
+            f"{path}kv_blocks={blocks} blocks of {size} tokens hold {blocks * size} tokens, "
+            f"and one row holds its prompt and up to {max_new_tokens} new tokens. Raise "
+            f"{path}kv_blocks to {math.ceil(row / size)} or more (more than the prompts' "
+            "length too), or null: enough for every slot."
+        )
+
+
+def device_of(model: torch.nn.Module) -> torch.device:
+    """Where a model's parameters are (the CPU for a model without any)."""
+    return next(iter(model.parameters()), torch.zeros(0)).device
 
 
 def check_request(longest: int, max_new_tokens: int, context: int, config: EngineConfig):
@@ -163,7 +166,7 @@ class Engine:
     ) -> None:
         self.model, self.config, self.sampling = model, config, sampling
         self.ends, self.max_new = set(end_ids), max_new_tokens
-        self.device = next(iter(model.parameters()), torch.zeros(0)).device
+        self.device = device_of(model)
         self.stats = EngineStats()
         use = config.compile if config.compile is not None else _compiles_by_default(model)
         # CUDA: static shapes (every slot, widths bucketed) for CUDA graphs; the CPU: shapes
@@ -377,8 +380,7 @@ def _compiles_by_default(model) -> bool:
     decodes eagerly: its hooks stay out of a compiled graph)."""
     from torch.distributed.fsdp import FSDPModule
 
-    device = next(iter(model.parameters()), torch.zeros(0)).device
-    return device.type == "cuda" and not isinstance(model, FSDPModule)
+    return device_of(model).type == "cuda" and not isinstance(model, FSDPModule)
 
 
 def _compiled_forward(model, static: bool):

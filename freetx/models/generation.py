@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from freetx.models.engine import EngineConfig, run_engine
+from freetx.models.engine import EngineConfig, device_of, run_engine
 from freetx.models.protocol import DecodesIncrementally
 from freetx.models.sampling import Draws, Generated, Sampling, entropy_of
 
@@ -99,7 +99,7 @@ def generate(
     if use_cache and forward is None and engine.serves(model):
         out, stats = run_engine(model, prompts, max_new_tokens, sampling, end_ids, draws, engine)
         return out._replace(stats=stats)
-    device = _device_of(model)
+    device = device_of(model)
     longest = max(map(len, prompts))
     padding = torch.tensor([longest - len(p) for p in prompts], device=device)
     tokens = torch.tensor([[0] * (longest - len(p)) + list(p) for p in prompts], device=device)
@@ -131,9 +131,3 @@ def generate(
             break
     generated = tokens[:, longest:]
     return Generated(generated, lengths, ended, torch.stack(entropies, dim=1))
-
-
-def _device_of(model: torch.nn.Module) -> torch.device:
-    for p in model.parameters():
-        return p.device
-    return torch.device("cpu")

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from freetx.models.attention import AttentionSpec, attend_masked
+from freetx.models.attention import AttentionMask, AttentionSpec, attend
 
 SCRATCH = 0  # the block no row reads
 
@@ -178,12 +178,15 @@ class PagedLayer:
             for pool in self.rows.pool.entries[self.layer] or ()
         ]
 
-    def mask(self, spec: AttentionSpec) -> torch.Tensor:
-        return self.rows.mask(spec.window)
+    def mask(self, spec: AttentionSpec) -> AttentionMask:
+        """The rows' mask for a layer of `spec` (`attend`'s `mask=`): SDPA with the boolean
+        mask, or the explicit kernel for soft-capping."""
+        kernel = "explicit" if spec.softcap is not None else "sdpa_mask"
+        return AttentionMask(kernel, self.rows.mask(spec.window), None)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec):
         """The new tokens' keys and values [B, kv_heads, T, D] stored; the queries [B, heads,
-        T, D] attend over every key of their row (`attend_masked`)."""
+        T, D] attend over every key of their row (`mask`)."""
         self.store(k.transpose(1, 2), v.transpose(1, 2))
         keys, values = self.read()
-        return attend_masked(q, keys.transpose(1, 2), values.transpose(1, 2), spec, self.mask(spec))
+        return attend(q, keys.transpose(1, 2), values.transpose(1, 2), spec, mask=self.mask(spec))

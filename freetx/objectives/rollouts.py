@@ -32,7 +32,7 @@ import torch
 from freetx.data import PromptBatch, RolloutBatch
 from freetx.distributed import ParallelGroups, ParallelPlan
 from freetx.fields import at_least
-from freetx.models.engine import EngineConfig, pool_problems
+from freetx.models.engine import EngineConfig
 from freetx.models.generation import Draws, Sampling, generate, sampling_problems
 from freetx.objectives.advantages import Baseline, group_advantages
 from freetx.objectives.deadline import Interrupted
@@ -61,13 +61,6 @@ class GenerationConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
 
     meaningless = staticmethod(sampling_problems)  # a top_p outside (0, 1]
-
-    def pool_problem(self) -> str | None:
-        """A KV cache pool too small for one completion (a prompt's token and
-        max_completion_length), said before a run (`check_request` says it again with the
-        prompts' lengths)."""
-        found = pool_problems(self.engine, self.max_completion_length + 1, "generation.engine.")
-        return next(iter(found.values()), None)
 
     def per_rank_forwards(self) -> str | None:
         """Each rank generates its own prompts' completions until they end, which expert

@@ -188,6 +188,11 @@ def test_a_sigterm_while_a_reward_blocks_saves_the_step_and_stops(tmp_path, hf_p
         ),
         (["loss.aggregation=dapo"], "did you mean 'token'"),
         (["generation.top_p=1.5"], "top_p"),
+        (
+            ["generation.engine.kv_blocks=1", "generation.engine.block_size=2"],
+            "generation.engine.kv_blocks=1 blocks of 2 tokens hold 2 tokens",
+        ),
+        (["generation.engine.slots=0"], "'generation.engine.slots' must be at least 1"),
         (["dataset.val_fraction=0", "eval.every_n_steps=5"], "Set eval.every_n_steps=0"),
         (["rewards=[{_component_: freetx.objectives.ExactMatch, weight: 1, wieght: 2}]"], "wieght"),
     ],

@@ -39,7 +39,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from freetx.models.attention import AttentionMask, AttentionSpec, attend, attend_masked
+from freetx.models.attention import AttentionMask, AttentionSpec, attend
 from freetx.models.decoder.config import TransformerConfig
 from freetx.models.decoder.rope import apply_rope, yarn_mscale
 from freetx.models.kv_cache import LayerCache
@@ -138,7 +138,7 @@ class LatentAttention(nn.Module):
             cache.store(latent, k_rot[:, 0])
             latent, k_rot = cache.read()
             k, v = self.keys_values(latent, k_rot[:, None])
-            out = attend_masked(q, k, v, self.spec, cache.mask(self.spec))
+            out = attend(q, k, v, self.spec, mask=cache.mask(self.spec))
             return self.wo(out.transpose(1, 2).reshape(batch, seq_len, -1))
         k, v = self.keys_values(latent, k_rot)
         dropout = self.attention_dropout if self.training else 0.0
