@@ -102,11 +102,12 @@ def component_list(*keys: str, default_factory: Any = None) -> Any:
     return dataclasses.field(default_factory=default_factory, metadata={HOLDS_KEY: keys})
 
 
-def component_node(*keys: str) -> Any:
-    """A required schema field holding one `_component_` node that may also set `keys`, which
-    the recipe (or freetx) reads itself: the optimizer's memory rungs (`offload`, ...), no
-    arguments of its class. Checked and built as `component_list`'s nodes are."""
-    return dataclasses.field(default=_REQUIRED, metadata={HOLDS_KEY: keys})
+def component_node(*keys: str, optional: bool = False) -> Any:
+    """A schema field holding one `_component_` node that may also set `keys`, which the
+    recipe (or freetx) reads itself: the optimizer's memory rungs (`offload`, ...), an
+    environment's `max_turns`; no arguments of its class. Checked and built as
+    `component_list`'s nodes are. Required, or None by default (`optional`)."""
+    return dataclasses.field(default=None if optional else _REQUIRED, metadata={HOLDS_KEY: keys})
 
 
 def held_keys(schema: type) -> dict[str, tuple[str, ...]]:

@@ -41,6 +41,7 @@ RECIPES: tuple[Recipe, ...] = (
             "llm/llama3_1b",
             "llm/llama3_8b",
             "llm/hf_tiny_full",
+            "llm/agents_sft_tiny",
             "llm/tiny_llama_bench",
             "llm/llama3_2_1b_full",
             "llm/llama3_1_8b_full",
@@ -105,6 +106,9 @@ RECIPES: tuple[Recipe, ...] = (
         configs=(
             "llm/grpo_tiny",
             "llm/grpo_lora_tiny",
+            "llm/calculator_grpo_tiny",
+            "llm/guess_grpo_tiny",
+            "llm/darkroom_text_grpo_tiny",
             "llm/hf_tiny_grpo",
             "llm/llama3_1_8b_grpo_lora",
             "llm/qwen3_8b_grpo",

@@ -65,6 +65,7 @@ from freetx.models.engine import EngineConfig, check_pool
 from freetx.models.generation import Sampling
 from freetx.models.hf import end_token_ids
 from freetx.objectives import build_rewards
+from freetx.objectives.rewards import place_rewards
 from freetx.objectives.rollouts import CompletionScorer
 from freetx.training import claim_folder, per_source_means
 from freetx.training.export import recorded_config, recorded_peft, recorded_run
@@ -180,6 +181,7 @@ class EvalRecipe:
             )
         adapters = recorded_peft(self.checkpoint)  # a LoRA run: its adapters, unmerged
         self.model = load_model(self.checkpoint, self.device, cfg.seed, adapters, cfg.base, "base")
+        place_rewards(self.rewards, self.device)  # a judge's weights
         if cfg.dtype != "float32":  # load_model builds in float32 (QLoRA: NF4 bases)
             self.model.to(dtype_named(cfg.dtype))
         if self.val_loader is not None:  # the model's positions hold the dataset's sequences

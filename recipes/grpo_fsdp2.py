@@ -6,6 +6,7 @@ LoRA / QLoRA / DoRA adapters (`peft:`), on FSDP2 / ZeRO / DDP strategies with tp
     freetx run --nproc-per-node 2 grpo_fsdp2 --config llm/grpo_tiny
     freetx run --nproc-per-node 2 grpo_fsdp2 --config llm/hf_tiny_grpo model_dir=DIR \\
         dataset.source=prompts.jsonl
+    freetx run --nproc-per-node 2 grpo_fsdp2 --config llm/calculator_grpo_tiny  # a tool
 
 One generation, then `generation.steps_per_generation` optimizer steps, top to bottom
 in `train()`:
@@ -16,8 +17,13 @@ in `train()`:
    whole phase (`ParallelPlan.gathered`); each completion's draws come from its own
    seed (the run's seed, the step, the prompt's id, its index), so the rollouts are the
    same at any world size and after a resume;
+   with `env:` or `tools:`, each completion is a multi-turn episode instead: the model
+   replies, a tool or the environment answers, a turn at a time until the episode ends
+   (`freetx.objectives.episodes.EpisodeRunner`, docs/environments.md), trained on the
+   sampled tokens exactly (token in, token out);
 2. the reward functions score each completion (`rewards:`, weighted and summed;
-   `freetx.objectives.rewards`);
+   `freetx.objectives.rewards`; an episode's: its last reply and whole conversation,
+   plus the environment's rewards);
 3. each group's advantages (`freetx.objectives.group_advantages`): its rewards minus
    their mean, divided by their std or not (`loss.scale_rewards`); a group whose rewards
    are all equal carries no signal (counted; `generation.dynamic_sampling` replaces it);
@@ -47,15 +53,16 @@ from freetx.config import instantiate
 from freetx.data import PromptDataset, RolloutBatch, collate_prompts
 from freetx.entry import parse
 from freetx.errors import ConfigError
-from freetx.fields import at_least, component_list
+from freetx.fields import at_least, component_list, component_node
 from freetx.models import DecodesIncrementally
 from freetx.models.engine import check_pool
 from freetx.models.generation import Sampling
 from freetx.models.hf import end_token_ids
 from freetx.objectives import GRPOLoss, build_rewards, token_logps, with_router_loss
 from freetx.objectives.deadline import Interrupted
+from freetx.objectives.episodes import ENV_KEYS, EpisodeRunner, build_environment
 from freetx.objectives.reference import reference_kind, reference_model
-from freetx.objectives.rewards import REWARD_TIMEOUT_S
+from freetx.objectives.rewards import REWARD_TIMEOUT_S, HoldsModel, place_rewards
 from freetx.objectives.rollouts import CompletionScorer, GenerationConfig, Rollouts, write_samples
 from freetx.training import FinalTasksConfig, PlannedRun, accumulate_gradients, optimizer_step
 from freetx.training.decoder import DecoderConfig, DecoderSetup
@@ -97,10 +104,18 @@ class GRPOConfig(DecoderConfig):
         "generation",
         "rewards",
         "advantage",
+        "env",
+        "tools",
     )
 
     # [{_component_: ..., weight: 1.0, name: ...}]: freetx.objectives.rewards, docs/rewards.md
+    # ([] with an env: its own rewards)
     rewards: list[Any] = component_list("weight", "name")
+    # multi-turn episodes (docs/environments.md): {_component_: an environment, max_turns,
+    # max_tokens, tool_format, timeout_s}; None: one completion per prompt
+    env: Any = component_node(*ENV_KEYS, optional=True)
+    # functions the model may call ([{_component_: my_tools.search}]), besides the env's
+    tools: list[Any] = component_list(default_factory=list)
     # seconds a reward's call may take (a TRL-style reward's: its call on a rank's batch);
     # past it the run stops naming the reward and the row (freetx.objectives.deadline)
     reward_timeout_s: float = at_least(1, default=REWARD_TIMEOUT_S)
@@ -155,7 +170,14 @@ class GRPOConfig(DecoderConfig):
                     fix=f"Use distributed.tp or a sharded strategy instead, with {axis}=1.",
                 )
         instantiate(self.advantage)  # an advantage estimate that builds
-        build_rewards(self.rewards)  # each reward's signature, before any launch
+        build_rewards(self.rewards, required=not self.episodes)  # each one's signature
+        if self.episodes:
+            build_environment(self.env, self.tools)  # the env, its tools' schemas
+
+    @property
+    def episodes(self) -> bool:
+        """Whether the rollouts are multi-turn episodes (an env, or tools)."""
+        return self.env is not None or bool(self.tools)
 
     def cautions(self) -> list[str]:
         """Greedy sampling (temperature 0, or top_k 1): a group's completions are all the
@@ -176,6 +198,8 @@ class GRPOConfig(DecoderConfig):
         gen = self.generation
         prompt = self.dataset.get("max_prompt_len")  # None: the model's whole context
         seq_len = prompt + gen.max_completion_length if prompt else None
+        if self.episodes:  # an episode's tokens
+            seq_len = build_environment(self.env, self.tools)[2].max_tokens
         return PlannedRun(
             self.model,
             seq_len,
@@ -185,6 +209,11 @@ class GRPOConfig(DecoderConfig):
             reference=reference_kind(instantiate(self.loss), self.peft.method != "none"),
             generations_per_prompt=gen.num_generations * gen.steps_per_generation,
             engine=gen.engine,
+            judges=tuple(
+                str(node["model"])
+                for node in self.rewards
+                if (target := built_class(node, "rewards")) and issubclass(target, HoldsModel)
+            ),
             tokenizer=self.tokenizer,
             dataset=self.dataset,
         )
@@ -200,11 +229,25 @@ class GRPORecipeFSDP2:
         self.decoder = setup = DecoderSetup(cfg, "grpo_fsdp2")  # the run, ranks, tokenizer
         self.run, self.groups = setup.run, setup.groups
         self.loss_fn: GRPOLoss = instantiate(cfg.loss)
-        self.rewards = build_rewards(cfg.rewards)
+        self.rewards = build_rewards(cfg.rewards, required=not cfg.episodes)
         train_set, val_set = setup.datasets()
         # prompt tokens at most
         longest = max(d.fit.seq_len for d in (train_set, val_set) if d is not None)
         self.seq_len = longest + gen.max_completion_length
+        # the loss's constant normalizer (Dr. GRPO): a completion's sampled tokens at most
+        self.completion_budget = gen.max_completion_length
+        folder = [] if cfg.model_dir is None else end_token_ids(cfg.model_dir)
+        eos = setup.tokenizer.eos_id
+        end_ids = [eos, *(i for i in folder if i != eos)]
+        scoring = (self.rewards, end_ids, gen.max_completion_length, cfg.reward_timeout_s)
+        if cfg.episodes:  # multi-turn: an episode's tokens, every reply's
+            env, tools, limits = build_environment(cfg.env, cfg.tools)
+            self.seq_len = limits.max_tokens
+            self.completion_budget = gen.max_completion_length * limits.max_turns
+            # its chat template and tool format checked here, before the model
+            self.scorer = EpisodeRunner(setup.tokenizer, env, tools, limits, *scoring, gen.engine)
+        else:
+            self.scorer = CompletionScorer(setup.tokenizer, *scoring, gen.engine)
         model = setup.meta_model(cfg.model, self.seq_len)
         if not isinstance(model, DecodesIncrementally):  # rollouts of many prompt lengths
             raise ConfigError(
@@ -216,6 +259,7 @@ class GRPORecipeFSDP2:
             )
         self.plan = setup.build(model)  # PEFT, QAT, parallelize, optimizer, schedule
         self.model, self.optimizer = self.plan.model, setup.optimizer
+        place_rewards(self.rewards, setup.runtime.device)  # a judge's weights
 
         # the KL term's reference: the base with adapters off, or a frozen copy (beta > 0)
         kind = reference_kind(self.loss_fn, cfg.peft.method != "none")
@@ -226,17 +270,6 @@ class GRPORecipeFSDP2:
             cfg.seed,
             cfg.checkpoint.initial_weights,
             self.loss_fn.num_chunks,
-        )
-        folder = [] if cfg.model_dir is None else end_token_ids(cfg.model_dir)
-        eos = setup.tokenizer.eos_id
-        end_ids = [eos, *(i for i in folder if i != eos)]
-        self.scorer = CompletionScorer(
-            setup.tokenizer,
-            self.rewards,
-            end_ids,
-            gen.max_completion_length,
-            cfg.reward_timeout_s,
-            gen.engine,
         )
         self.rollouts = Rollouts(
             self.plan,
@@ -260,7 +293,7 @@ class GRPORecipeFSDP2:
             models={"reference": None if kind == "none" else cfg.checkpoint.initial_weights},
             prompts=len(train_set),
             completions_per_prompt=gen.num_generations,
-            rewards=", ".join(f"{r.name} x {r.weight:g}" for r in self.rewards),
+            rewards=", ".join(f"{r.name} x {r.weight:g}" for r in self.scorer.rewards),
             reference=kind.replace("_", " "),
         )
         self.prompts = iter(self.prompt_loader)
@@ -317,7 +350,7 @@ class GRPORecipeFSDP2:
             batch.ref_logps,
             batch.advantages.to(logps.device),
             mask,
-            max_completion_length=self.cfg.generation.max_completion_length,
+            max_completion_length=self.completion_budget,
         )
         return with_router_loss(output, loss, metrics, self.loss_fn.units(mask))
 
@@ -328,7 +361,8 @@ class GRPORecipeFSDP2:
         if not (cfg.every_n_steps and step % cfg.every_n_steps == 0) or self.decoder.runtime.rank:
             return
         path = Path(self.cfg.output_dir) / "samples.jsonl"
-        for record in write_samples(path, step, prompt_groups, self.rewards, cfg.count)[: cfg.show]:
+        records = write_samples(path, step, prompt_groups, self.scorer.rewards, cfg.count)
+        for record in records[: cfg.show]:
             self.run.write(
                 f"sample at step {step}: {record['prompt']!r} -> {record['completion']!r} "
                 f"(reward {record['reward']:g})"

@@ -314,11 +314,28 @@ def make_folder(folder: Path, family: str, dtype: torch.dtype = torch.float32, s
     return Path(folder)
 
 
-def make_tokenizer(folder: Path, texts: list[str]) -> None:
+# a chat template that renders tools and tool calls as Qwen 2.5's does (Hermes's format),
+# with Llama 3's headers
+TOOLS_TEMPLATE = (
+    "{{ bos_token }}{% if tools %}<|start_header_id|>system<|end_header_id|>\n\n"
+    "You may call these tools:\n<tools>{% for t in tools %}\n{{ t | tojson }}{% endfor %}"
+    '\n</tools>\nCall one as <tool_call>{"name": ..., "arguments": ...}</tool_call>'
+    "<|eot_id|>{% endif %}"
+    "{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
+    "{% if m['role'] == 'tool' %}<tool_response>\n{{ m['content'] }}\n</tool_response>"
+    "{% else %}{{ m['content'] | trim }}{% endif %}"
+    "{% for c in m['tool_calls'] or [] %}\n<tool_call>\n{{ c['function'] | tojson }}"
+    "\n</tool_call>{% endfor %}<|eot_id|>{% endfor %}"
+    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n"
+    "{% endif %}"
+)
+
+
+def make_tokenizer(folder: Path, texts: list[str], template: str | None = None) -> None:
     """A byte-level BPE tokenizer trained on `texts` with Llama 3 special tokens and chat
-    template, saved beside the model (`save_pretrained`), vocabulary below VOCAB. It names
-    a BOS and adds none to a text (transformers' post-processor for a tokenizer object
-    without one), as SmolLM2's."""
+    template (or `template`: TOOLS_TEMPLATE), saved beside the model (`save_pretrained`),
+    vocabulary below VOCAB. It names a BOS and adds none to a text (transformers'
+    post-processor for a tokenizer object without one), as SmolLM2's."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -336,7 +353,7 @@ def make_tokenizer(folder: Path, texts: list[str]) -> None:
         tokenizer_object=tok, bos_token="<|begin_of_text|>", eos_token="<|eot_id|>",
         pad_token="<|end_of_text|>",
     )  # fmt: skip
-    fast.chat_template = (
+    fast.chat_template = template or (
         "{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}"
         "<|end_header_id|>\n\n{{ m['content'] | trim }}<|eot_id|>{% endfor %}"
         "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n"

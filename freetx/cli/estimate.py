@@ -231,6 +231,11 @@ def main(args: argparse.Namespace) -> int:
                 f"(not counted: the source models {', '.join(sources.unread)}, which cannot "
                 "be read yet: their weights come on top)"
             )
+    if found.judges:
+        print(
+            f"(judge rewards: their models' weights {found.judges / GIB:.2f} GiB, whole on "
+            f"every rank, within the peak: {', '.join(found.planned.judges)})"
+        )
     if generations:
         rows = cfg.batch_size // shape.dp * generations
         phase = GenerationPhase(rows, seq_len, found.planned.engine)

@@ -302,9 +302,11 @@ class RolloutBatch(TokenBatch):
         prompts: Sequence[Sequence[int]],
         completions: Sequence[Sequence[int]],
         advantages: torch.Tensor,
+        trained: Sequence[Sequence[bool]] | None = None,
     ) -> RolloutBatch:
         """Rows of prompt + completion ids (input ids: all but the last; labels: the next
-        token where it is the completion's), padded on the right to the longest."""
+        token where it is the completion's and, for a multi-turn episode, one it sampled:
+        `trained` per completion token; None: all), padded on the right to the longest."""
         rows = [[*p, *c] for p, c in zip(prompts, completions)]
         width = max(len(r) for r in rows) - 1
         input_ids = torch.zeros(len(rows), width, dtype=torch.long)
@@ -312,7 +314,10 @@ class RolloutBatch(TokenBatch):
         for i, (row, prompt) in enumerate(zip(rows, prompts)):
             input_ids[i, : len(row) - 1] = torch.tensor(row[:-1])
             start = len(prompt) - 1  # the position whose next token is the completion's first
-            labels[i, start : len(row) - 1] = torch.tensor(row[len(prompt) :])
+            targets = torch.tensor(row[len(prompt) :])
+            if trained is not None:
+                targets[~torch.tensor(trained[i], dtype=torch.bool)] = IGNORE_INDEX
+            labels[i, start : len(row) - 1] = targets
         real = torch.tensor([len(r) - 1 for r in rows])
         return cls(input_ids, labels, real_tokens=real, advantages=advantages.float())
 

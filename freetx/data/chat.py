@@ -32,12 +32,22 @@ import os
 from dataclasses import dataclass, field
 
 from freetx.data.formats import BadRow, Messages, check_not_empty, encode_rows, read_split
-from freetx.data.instruct import dataset_records
+from freetx.data.instruct import builtin_tasks_problem, check_builtin_tasks, dataset_records
 from freetx.data.row_datasets import TokenRowsDataset
 from freetx.data.sampling import check_split, split_problems
 from freetx.data.token_rows import Encoded
 from freetx.data.token_samples import TokenSamples
 from freetx.errors import DataError
+
+
+def chat_problems(values: dict) -> dict[str, str]:
+    """A chat dataset node's settings no run can have: the split's, and `tasks` that are no
+    built-in string tasks or environments."""
+    found = split_problems(values)
+    problem = builtin_tasks_problem(values.get("tasks"), environments=True)
+    if problem:
+        found["tasks"] = problem
+    return found
 
 
 @dataclass(eq=False, repr=False)
@@ -53,10 +63,16 @@ class ChatDataset(TokenRowsDataset, TokenSamples):
 
     source: str = field()  # no default
     seq_len: int = field()
-    meaningless = staticmethod(split_problems)  # checked before it is built
+    # builtin only: which string tasks, or which built-in environments' demonstrations
+    # (freetx.data.env_tasks); None: every string task
+    tasks: list[str] | None = None
+    meaningless = staticmethod(chat_problems)  # checked before it is built
 
     def __post_init__(self) -> None:
         check_split(self.split, self.val_fraction, self.seq_len)
+        for key, why in chat_problems({"tasks": self.tasks}).items():
+            raise DataError(f"dataset.{key}={self.tasks!r}: {why}")
+        check_builtin_tasks(self.source, self.tasks)
         tokenizer = self.tokenizer
         if getattr(tokenizer, "chat_template", None) is None:
             raise DataError(
@@ -78,9 +94,10 @@ class ChatDataset(TokenRowsDataset, TokenSamples):
                 "messages",
                 self.num_builtin_examples,
                 self.seed,
+                self.tasks,
             )
-            conversations = read_split(records, fmt, fmt.conversation, rule, self.bad_rows)
-            return encode_rows(conversations, self.encode, self.bad_rows)[0]
+            talks = read_split(records, fmt, fmt.conversation_and_tools, rule, self.bad_rows)
+            return encode_rows(talks, self.encode, self.bad_rows)[0]
 
         rows = self.cached("ChatDataset", source, encode)
         check_not_empty(len(rows), rule, source, self.bad_rows)
@@ -89,22 +106,31 @@ class ChatDataset(TokenRowsDataset, TokenSamples):
             self, rows, self.seq_len, tokenizer.pad_id, self.split, source, self.packed, self.seed
         )
 
-    def encode(self, messages: Messages) -> Encoded:
-        """A conversation's token ids, and for each whether it is the assistant's; a
-        BadRow when the chat template cannot render it or its replies cannot be found."""
-        text, spans = rendered_replies(self.tokenizer, messages)
+    def encode(self, talk: tuple[Messages, list[dict] | None]) -> Encoded:
+        """A conversation's token ids (rendered with the schemas of the tools it may call),
+        and for each whether it is the assistant's; a BadRow when the chat template cannot
+        render it or its replies cannot be found."""
+        messages, tools = talk
+        text, spans = rendered_replies(self.tokenizer, messages, tools=tools)
         ids, offsets = self.tokenizer.encode_with_offsets(text)
         return ids, in_spans(offsets, spans)
 
 
-def rendered_replies(tok, messages: Messages, first: int = 0) -> tuple[str, list[tuple[int, int]]]:
-    """A conversation rendered with the chat template, and the characters of each
-    assistant reply from message `first` on (see the module docstring); a BadRow when the
-    template cannot render it or its replies cannot be found."""
+def rendered_replies(
+    tok, messages: Messages, first: int = 0, tools: list[dict] | None = None
+) -> tuple[str, list[tuple[int, int]]]:
+    """A conversation rendered with the chat template (and the schemas of the `tools` it
+    may call), and the characters of each assistant reply from message `first` on (see the
+    module docstring); a BadRow when the template cannot render it or its replies cannot
+    be found."""
+
+    def render(talk: Messages, add_generation_prompt: bool = False) -> str:
+        return tok.apply_chat_template(talk, add_generation_prompt, tools=tools)
+
     try:
-        text = tok.apply_chat_template(messages)
+        text = render(messages)
         spans = [
-            _reply_span(tok, messages, i, text)
+            _reply_span(render, tok, messages, i, text)
             for i, message in enumerate(messages)
             if i >= first and message["role"] == "assistant"
         ]
@@ -122,13 +148,14 @@ def in_spans(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> li
 _MARK = "\x00"
 
 
-def _reply_span(tok, messages: Messages, i: int, text: str) -> tuple[int, int]:
-    """The characters of `text` (the whole rendered conversation) that are message i's."""
-    prompt = tok.apply_chat_template(messages[:i], add_generation_prompt=True)
+def _reply_span(render, tok, messages: Messages, i: int, text: str) -> tuple[int, int]:
+    """The characters of `text` (the whole rendered conversation) that are message i's;
+    `render(messages, add_generation_prompt)`: the chat template's text."""
+    prompt = render(messages[:i], True)
     marked = [*messages[:i], {**messages[i], "content": messages[i]["content"] + _MARK}]
-    end = _content_end(text, tok.apply_chat_template(marked + messages[i + 1 :]))
-    turn = tok.apply_chat_template(messages[: i + 1])
-    turn_end = _content_end(turn, tok.apply_chat_template(marked))
+    end = _content_end(text, render(marked + messages[i + 1 :]))
+    turn = render(messages[: i + 1])
+    turn_end = _content_end(turn, render(marked))
     if not text.startswith(prompt) or end is None or turn_end is None or end < len(prompt):
         raise DataError(
             f"the chat template renders the conversation up to message {i} (an "
@@ -137,7 +164,7 @@ def _reply_span(tok, messages: Messages, i: int, text: str) -> tuple[int, int]:
             "earlier turns the same whatever follows them, or put each assistant turn of such "
             "conversations in a record of its own."
         )
-    opened = tok.apply_chat_template(messages[: i + 1], add_generation_prompt=True)
+    opened = render(messages[: i + 1], True)
     tails = [turn[turn_end:], opened[turn_end:], text[end : end + len(turn) - turn_end]]
     encoded = [tok.encode_with_offsets(tail) for tail in tails]
     shared = len(os.path.commonprefix([ids for ids, _ in encoded]))
@@ -151,3 +178,54 @@ def _content_end(text: str, marked: str) -> int | None:
     if marked.count(_MARK) != 1:
         return None
     return len(text) - len(os.path.commonprefix([text[::-1], marked[::-1]]))
+
+
+# -- multi-turn episodes: the tokens around a generated reply -----------------------------
+
+# the stand-in conversation a continuation is rendered after (it holds nothing a template
+# rewrites: no reasoning, one user turn)
+_STAND_IN = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
+
+
+def episode_prompt_ids(tok, messages: Messages, tools: list[dict] | None) -> list[int]:
+    """An episode's first tokens: `messages` rendered with the chat template, the tools'
+    schemas and the generation prompt, tokenized as rendered (PromptDataset's way)."""
+    return tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True, tools=tools))
+
+
+def continuation_ids(
+    tok,
+    reply: dict,
+    new: Messages,
+    reply_ids: list[int],
+    ended: bool,
+    tools: list[dict] | None,
+) -> list[int]:
+    """The tokens that follow a generated reply in an episode's trained sequence, without
+    re-rendering the conversation (whose template may rewrite history: Qwen3 drops the
+    reasoning of earlier replies), so the generated tokens stay exactly as sampled:
+
+    1. the rest of the template's close of an assistant turn after the end token the
+       model generated (ChatML's newline after <|im_end|>); all of it for a reply cut
+       before its end token (or ended by another one);
+    2. the `new` messages as the template renders them after an assistant turn, then its
+       generation prompt: the text a stand-in conversation ending in `reply` (the reply's
+       message, its tool calls with it) gains when `new` follow it.
+
+    A DataError when the template renders the stand-in differently once messages follow
+    it (no suffix to append)."""
+    marked = [_STAND_IN[0], {"role": "assistant", "content": _MARK}]
+    close = tok.apply_chat_template(marked).split(_MARK, 1)[1]
+    close_ids = tok.encode(close)
+    if ended and close_ids and reply_ids and reply_ids[-1] == close_ids[0]:
+        close_ids = close_ids[1:]
+    before = [_STAND_IN[0], {**reply, "content": _STAND_IN[1]["content"]}]
+    base = tok.apply_chat_template(before, tools=tools)
+    full = tok.apply_chat_template([*before, *new], add_generation_prompt=True, tools=tools)
+    if not full.startswith(base):
+        raise DataError(
+            "the chat template renders a conversation differently once more messages follow "
+            "it, so the environment's messages cannot be appended to the generated tokens as "
+            "a suffix; use a template that renders earlier turns the same whatever follows."
+        )
+    return close_ids + tok.encode(full[len(base) :])

@@ -59,8 +59,8 @@ Messages = list[dict[str, str]]
 T = TypeVar("T")
 
 DEFAULT_COLUMNS: dict[str, dict[str, str]] = {
-    "messages": {"messages": "messages", "role": "role", "content": "content"},
-    "sharegpt": {"messages": "conversations", "role": "from", "content": "value"},
+    "messages": {"messages": "messages", "role": "role", "content": "content", "tools": "tools"},
+    "sharegpt": {"messages": "conversations", "role": "from", "content": "value", "tools": "tools"},
     "alpaca": {"instruction": "instruction", "input": "input", "output": "output"},
     "prompt_response": {
         "prompt": "prompt",
@@ -103,6 +103,8 @@ READERS = {
     },
 }
 MESSAGE_KEYS = ("role", "content")  # the keys inside a message, not columns of a row
+# a message's keys of tool use, kept as they are (the chat template renders them)
+TOOL_KEYS = ("tool_calls", "name", "tool_call_id")
 CONVERSATIONS = ("messages", "sharegpt")
 SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "system": "system"}
 SHAREGPT_ROLES |= {role: role for role in ("user", "assistant")}
@@ -262,6 +264,8 @@ class Format:
         for n, message in enumerate(messages):
             role = message.get(role_key) if isinstance(message, dict) else None
             content = message.get(content_key) if isinstance(message, dict) else None
+            if content is None and isinstance(message, dict) and message.get("tool_calls"):
+                content = ""  # OpenAI's form of a reply that only calls tools
             if not isinstance(role, str) or not isinstance(content, str):
                 raise BadRow(
                     f"has a message {n} ({str(message)[:60]}) without a '{role_key}' string "
@@ -274,7 +278,8 @@ class Format:
                         f"{', '.join(SHAREGPT_ROLES)}: fix the row."
                     )
                 role = SHAREGPT_ROLES[role]
-            out.append({"role": role, "content": content})
+            tool_use = {k: message[k] for k in TOOL_KEYS if message.get(k) is not None}
+            out.append({"role": role, "content": content, **tool_use})
         if needs_reply and not any(message["role"] == "assistant" for message in out):
             raise BadRow(
                 "has no assistant message, so it has nothing to learn from; add the "
@@ -324,6 +329,19 @@ class Format:
             return turns
         prompt, response = self.prompt_response(fields)
         return [{"role": "user", "content": prompt}, {"role": "assistant", "content": response}]
+
+    def conversation_and_tools(self, fields: dict[str, Any]) -> tuple[Messages, list | None]:
+        """A record's conversation and the JSON schemas of the tools it may call (its
+        `tools` column, TRL's: rendered into the prompt by the chat template; None: none)."""
+        tools = fields.get(self.columns.get("tools", "tools"))
+        if tools is not None and not (
+            isinstance(tools, list) and all(isinstance(t, dict) for t in tools)
+        ):
+            raise BadRow(
+                f"has a '{self.columns.get('tools', 'tools')}' column that is no list of tool "
+                'schemas ({"type": "function", "function": {...}}); fix the row.'
+            )
+        return self.conversation(fields), tools
 
     def preference(self, fields: dict[str, Any]) -> Pair:
         """A record's preference pair (PreferenceDataset): strings, or conversations when

@@ -23,6 +23,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from freetx.data.corpus import builtin_documents
+from freetx.data.env_tasks import (
+    environment_demonstrations,
+    environment_problem,
+    environment_tasks,
+)
 from freetx.data.formats import Format, check_not_empty, read_split, source_format
 from freetx.data.row_datasets import TokenRowsDataset
 from freetx.data.sampling import check_split, split_problems
@@ -30,6 +35,7 @@ from freetx.data.sources import Record, read_records
 from freetx.data.token_rows import Encoded
 from freetx.data.token_samples import TokenSamples
 from freetx.data.tokenizers import leading_bos
+from freetx.envs import BUILTIN_ENVS
 from freetx.errors import DataError
 
 # the formats a prompt/response or chat dataset reads
@@ -55,30 +61,38 @@ def builtin_draws(
     return [(rng.choice(words), rng.choice(names)) for _ in range(count)]
 
 
-def builtin_examples(count: int, seed: int) -> list[dict[str, str]]:
-    """`count` string-task examples over words from the built-in corpus."""
+def builtin_examples(
+    count: int, seed: int, tasks: Sequence[str] | None = None
+) -> list[dict[str, str]]:
+    """`count` string-task examples over words from the built-in corpus (`tasks`: which;
+    None: all)."""
     examples = []
-    for word, task in builtin_draws(count, seed):
+    for word, task in builtin_draws(count, seed, tasks):
         prompt, answer = BUILTIN_TASKS[task]
         examples.append({"prompt": prompt.format(w=word), "response": answer(word)})
     return examples
 
 
-def builtin_records(count: int, seed: int) -> list[Record]:
+def builtin_records(count: int, seed: int, tasks: Sequence[str] | None = None) -> list[Record]:
     """The built-in examples as prompt/response records."""
-    examples = builtin_examples(count, seed)
+    examples = builtin_examples(count, seed, tasks)
     return [Record(f"builtin example {i}", example) for i, example in enumerate(examples)]
 
 
-def builtin_tasks_problem(tasks: Any) -> str | None:
-    """Why a dataset's `tasks` (which built-in tasks it draws) cannot be, and the fix."""
+def builtin_tasks_problem(tasks: Any, environments: bool = False) -> str | None:
+    """Why a dataset's `tasks` (which built-in tasks it draws) cannot be, and the fix;
+    `environments`: it may instead name built-in environments (`freetx.data.env_tasks`),
+    all of them or none."""
     if tasks is None:
         return None
+    if environments and environment_tasks(tasks):
+        return environment_problem(tasks)
     unknown = [t for t in tasks if t not in BUILTIN_TASKS] if isinstance(tasks, list) else []
     if isinstance(tasks, list) and tasks and not unknown:
         return None
     return (
         f"it picks among the built-in tasks {', '.join(BUILTIN_TASKS)}"
+        + (f" or the built-in environments {', '.join(BUILTIN_ENVS)}" if environments else "")
         + (f" ({', '.join(map(str, unknown))} is none of them)" if unknown else "")
         + "; list some of them, or leave it out for all."
     )
@@ -112,16 +126,28 @@ def prompt_response_tokens(tok, prompt: str, response: str) -> Encoded:
 
 
 def dataset_records(
-    source: str, format: str | None, columns, dataset: str, default: str, count: int, seed: int
+    source: str,
+    format: str | None,
+    columns,
+    dataset: str,
+    default: str,
+    count: int,
+    seed: int,
+    tasks: Sequence[str] | None = None,
 ) -> tuple[Iterable[Record], Format]:
     """A chat or instruction dataset's records and their format (`source_format`: the
     config's, else found from the first rows' columns, checked against them before the
-    split); `builtin`'s examples are prompt/response pairs (a format or column mapping
+    split); `builtin`'s examples are prompt/response pairs of the string `tasks`, or the
+    conversations of the built-in environments `tasks` names (a format or column mapping
     given with them is an error)."""
+    if source == "builtin" and environment_tasks(tasks):
+        check_builtin_format(format, columns, "messages", "conversations")
+        fmt = Format.of("messages", None, dataset, READS, "messages")
+        return environment_demonstrations(list(tasks), count, seed), fmt
     if source == "builtin":
         check_builtin_format(format, columns, "prompt_response", "prompt/response examples")
         fmt = Format.of("prompt_response", None, dataset, READS, "prompt_response")
-        return builtin_records(count, seed), fmt
+        return builtin_records(count, seed, tasks), fmt
     fmt = source_format(source, format, columns, dataset, READS, default)
     return read_records(source, fmt.record_columns), fmt
 

@@ -113,12 +113,12 @@ def builtin_pairs(count: int, seed: int, tasks: list[str] | None = None) -> list
     return records
 
 
-def preference_problems(values: dict[str, Any]) -> dict[str, str]:
+def preference_problems(values: dict[str, Any], environments: bool = False) -> dict[str, str]:
     """A preference (or prompt) dataset node's settings that no run can have, by key: the
     split's (`split_problems`), a max_prompt_len below 1, tasks that are no built-in
-    task."""
+    task (`environments`: or built-in environment)."""
     found = split_problems(values)
-    tasks_problem = builtin_tasks_problem(values.get("tasks"))
+    tasks_problem = builtin_tasks_problem(values.get("tasks"), environments)
     if tasks_problem:
         found["tasks"] = tasks_problem
     limit = values.get("max_prompt_len")
@@ -131,15 +131,21 @@ def preference_problems(values: dict[str, Any]) -> dict[str, str]:
 
 
 def prompts_format(
-    data: Any, source: str, dataset: str, reads: tuple[str, ...], default: str, what: str
+    data: Any,
+    source: str,
+    dataset: str,
+    reads: tuple[str, ...],
+    default: str,
+    what: str,
+    problems=preference_problems,
 ) -> Format:
     """The format of the records of `source` (this split's) for a dataset (`dataset`: its
     class's name; `reads`: the formats it reads, `default`'s by default, or the one its
     first rows' columns are in: `source_format`; the format of `builtin`'s records: `what`),
     once the keys a preference or prompt dataset adds (`data.max_prompt_len`, `data.tasks`)
-    are checked: a DataError naming the key."""
+    are checked (`problems`): a DataError naming the key."""
     values = {"max_prompt_len": data.max_prompt_len, "tasks": data.tasks}
-    for key, why in preference_problems(values).items():
+    for key, why in problems(values).items():
         raise DataError(f"dataset.{key}={values[key]!r}: {why}")
     check_builtin_tasks(data.source, data.tasks)
     if data.source == "builtin":

@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from freetx.data.batch import PADDING
+from freetx.data.env_tasks import environment_rows, environment_tasks
 from freetx.data.formats import (
     BadRow,
     Messages,
@@ -56,7 +57,10 @@ READS = ("prompt", "messages", "sharegpt")
 
 def builtin_prompts(count: int, seed: int, tasks: list[str] | None = None) -> list[Record]:
     """`count` prompt records of the built-in tasks (`tasks`: which; None: all), each
-    with its right `answer` and its `task`."""
+    with its right `answer` and its `task`; or of the built-in environments `tasks` names,
+    with the fields each reads (`freetx.data.env_tasks`)."""
+    if environment_tasks(tasks):
+        return environment_rows(list(tasks), count, seed)
     records = []
     for i, (word, task) in enumerate(builtin_draws(count, seed, tasks)):
         prompt, answer = BUILTIN_TASKS[task]
@@ -65,7 +69,10 @@ def builtin_prompts(count: int, seed: int, tasks: list[str] | None = None) -> li
     return records
 
 
-prompt_problems = preference_problems  # the split's, max_prompt_len, tasks
+def prompt_problems(values: dict[str, Any]) -> dict[str, str]:
+    """`preference_problems` (the split's, max_prompt_len, tasks), where `tasks` may also
+    name built-in environments (all of them, or none)."""
+    return preference_problems(values, environments=True)
 
 
 @dataclass(frozen=True)
@@ -139,7 +146,9 @@ class PromptDataset(RowsDataset):
 
     def __post_init__(self) -> None:
         check_split(self.split, self.val_fraction)
-        fmt = prompts_format(self, self.split_source, "PromptDataset", READS, "prompt", "prompts")
+        fmt = prompts_format(
+            self, self.split_source, "PromptDataset", READS, "prompt", "prompts", prompt_problems
+        )
         source, rule = self.split_rows()
         self.chat = getattr(self.tokenizer, "chat_template", None) is not None
         records = (

@@ -193,10 +193,11 @@ def source_key(source: str | Sequence[str]) -> list[str]:
 
 
 def tokenizer_identity(tokenizer: Any, root: Path) -> dict[str, Any] | None:
-    """What makes a tokenizer's ids: ByteTokenizer's are fixed; an HFTokenizer's come from
-    its files and the special tokens it was given. Another class: None (not cached)."""
+    """What makes a tokenizer's ids: ByteTokenizer's are fixed (its special tokens' spellings
+    read as the tokens) but for its chat template; an HFTokenizer's come from its files
+    and the special tokens it was given. Another class: None (not cached)."""
     if type(tokenizer) is ByteTokenizer:
-        return {"class": "ByteTokenizer"}
+        return {"class": "ByteTokenizer", "specials": "spelled", "chat": tokenizer.chat_template}
     if type(tokenizer) is HFTokenizer:
         return {
             "class": "HFTokenizer",

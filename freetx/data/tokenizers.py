@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -109,22 +110,83 @@ def _bytes_to_unicode() -> dict[int, str]:
     return chars
 
 
+# freetx's chat template for byte models (`ByteTokenizer(chat_template="turns")`): a
+# line per message, `Q:` the user, `A:` the assistant (its turn closed by EOS), `R:` a
+# tool's result; tools listed on the first line, calls as Hermes's <tool_call> JSON
+TURNS_TEMPLATE = (
+    "{% if tools %}Tools: {% for t in tools %}{{ t.function.name }}("
+    "{{ t.function.parameters.properties | join(', ') }}){% if not loop.last %}; {% endif %}"
+    "{% endfor %}{{ '\\n' }}{% endif %}"
+    "{% for m in messages %}"
+    "{% if m.role == 'system' %}{{ m.content + '\\n' }}"
+    "{% elif m.role == 'user' %}{{ 'Q: ' + m.content + '\\n' }}"
+    "{% elif m.role == 'tool' %}{{ 'R: ' + m.content + '\\n' }}"
+    "{% elif m.role == 'assistant' %}{{ 'A: ' + (m.content or '') }}"
+    "{% for c in m.tool_calls or [] %}<tool_call>{{ c.function | tojson }}</tool_call>"
+    "{% endfor %}{{ eos_token + '\\n' }}"
+    "{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}A: {% endif %}"
+)
+BUILTIN_TEMPLATES = {"turns": TURNS_TEMPLATE}
+
+
 class ByteTokenizer:
-    """UTF-8 bytes 0..255, then BOS=256, EOS=257, PAD=258 (vocabulary 259)."""
+    """UTF-8 bytes 0..255, then BOS=256, EOS=257, PAD=258 (vocabulary 259). A text holding
+    a special token's spelling (`<|eos|>`) encodes it as that token, as transformers does.
+    `chat_template`: a Jinja template, or `turns` (freetx's, for byte models: a line per
+    message; tools and Hermes-style calls), for chat data and multi-turn episodes."""
 
     SPECIAL = {"bos_token": "<|bos|>", "eos_token": "<|eos|>", "pad_token": "<|pad|>"}
 
-    def __init__(self) -> None:
+    def __init__(self, chat_template: str | None = None) -> None:
         self.bos_id, self.eos_id, self.pad_id = 256, 257, 258
         self.vocab_size = 259
         self.add_bos_token, self.add_eos_token = True, False
-        self.chat_template: str | None = None
+        self.chat_template = BUILTIN_TEMPLATES.get(chat_template or "", chat_template)
+        self.special_tokens = dict(self.SPECIAL)
+        self._ids = {token: 256 + i for i, token in enumerate(self.SPECIAL.values())}
+        self._split = re.compile("(" + "|".join(map(re.escape, self._ids)) + ")")
 
     def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
+        if "<|" not in text:
+            return list(text.encode("utf-8"))
+        ids: list[int] = []
+        for part in self._split.split(text):
+            ids.extend([self._ids[part]] if part in self._ids else part.encode("utf-8"))
+        return ids
 
-    def decode(self, ids) -> str:
-        return bytes(int(i) for i in ids if int(i) < 256).decode("utf-8", errors="replace")
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """The ids of `text` and each token's (start, end) character offsets in it (a
+        character's bytes share its offsets)."""
+        ids, offsets, at = [], [], 0
+        for part in self._split.split(text):
+            if part in self._ids:
+                ids.append(self._ids[part])
+                offsets.append((at, at + len(part)))
+            else:
+                for i, char in enumerate(part):
+                    encoded = char.encode("utf-8")
+                    ids.extend(encoded)
+                    offsets.extend([(at + i, at + i + 1)] * len(encoded))
+            at += len(part)
+        return ids, offsets
+
+    def decode(self, ids, keep_special: bool = False) -> str:
+        """The text of `ids`; the special tokens left out, or spelled (`keep_special`)."""
+        spelled = {i: token.encode() for token, i in self._ids.items()} if keep_special else {}
+        parts = (bytes([int(i)]) if int(i) < 256 else spelled.get(int(i), b"") for i in ids)
+        return b"".join(parts).decode("utf-8", errors="replace")
+
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> str:
+        """`messages` rendered with `chat_template` (`HFTokenizer.apply_chat_template`)."""
+        return render_chat(
+            self.chat_template, messages, add_generation_prompt, tools, self.special_tokens, "bytes"
+        )
 
     def special_ids(self) -> dict[str, int]:
         return {
@@ -192,6 +254,7 @@ class ByteTokenizer:
             **self.SPECIAL,
             "add_bos_token": True,
             "clean_up_tokenization_spaces": False,
+            **({"chat_template": self.chat_template} if self.chat_template else {}),
         }
         return {
             "tokenizer.json": json.dumps(tokenizer, ensure_ascii=False, indent=1),
@@ -321,41 +384,67 @@ class HFTokenizer:
         encoding = self._tok.encode(text, add_special_tokens=False)
         return encoding.ids, encoding.offsets
 
-    def decode(self, ids) -> str:
-        return self._tok.decode([int(i) for i in ids])
+    def decode(self, ids, keep_special: bool = False) -> str:
+        """The text of `ids`; the special tokens left out, or spelled (`keep_special`)."""
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=not keep_special)
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = False
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = False,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
         """`messages` rendered with the folder's chat template, as transformers renders it.
 
         With `add_generation_prompt` the text ends with the header that opens
-        an assistant turn (what a model is given before it replies).
+        an assistant turn (what a model is given before it replies); `tools`: the JSON
+        schemas of the tools the model may call (`freetx.envs.tools.tool_schema`).
         """
-        if self.chat_template is None:
-            raise DataError(
-                f"tokenizer {self.path} has no chat template, so it cannot render chat "
-                "messages; give the folder one (a chat_template.jinja file, or chat_template "
-                "in tokenizer_config.json, e.g. from the instruct model's folder), or train on "
-                "prompt/response data with freetx.data.InstructDataset."
-            )
-        # like transformers: keys set to None count as absent (OpenAI-style content=None)
-        chat = [{k: v for k, v in message.items() if v is not None} for message in messages]
-        try:
-            template = _compile_chat_template(self.chat_template)
-            return template.render(
-                messages=chat,
-                add_generation_prompt=add_generation_prompt,
-                tools=None,
-                documents=None,
-                **self.special_tokens,
-            )
-        except Exception as e:
-            raise DataError(
-                f"the chat template of tokenizer {self.path} failed on a conversation: "
-                f"{type(e).__name__}: {e}. Check that the messages fit the model's chat format "
-                "(roles, their order), or fix the template."
-            ) from None
+        return render_chat(
+            self.chat_template,
+            messages,
+            add_generation_prompt,
+            tools,
+            self.special_tokens,
+            self.path,
+        )
+
+
+def render_chat(
+    template: str | None,
+    messages: list[dict[str, Any]],
+    add_generation_prompt: bool,
+    tools: list[dict[str, Any]] | None,
+    special_tokens: dict[str, str],
+    path: str,
+) -> str:
+    """`messages` rendered with `template` as transformers renders them (keys set to None
+    count as absent); a DataError naming tokenizer `path` when there is no template or it
+    fails on them."""
+    if template is None:
+        raise DataError(
+            f"tokenizer {path} has no chat template, so it cannot render chat "
+            "messages; give the folder one (a chat_template.jinja file, or chat_template "
+            "in tokenizer_config.json, e.g. from the instruct model's folder), use "
+            "freetx.data.ByteTokenizer with chat_template: turns for a byte model, or train on "
+            "prompt/response data with freetx.data.InstructDataset."
+        )
+    # like transformers: keys set to None count as absent (OpenAI-style content=None)
+    chat = [{k: v for k, v in message.items() if v is not None} for message in messages]
+    try:
+        return _compile_chat_template(template).render(
+            messages=chat,
+            add_generation_prompt=add_generation_prompt,
+            tools=tools,
+            documents=None,
+            **special_tokens,
+        )
+    except Exception as e:
+        raise DataError(
+            f"the chat template of tokenizer {path} failed on a conversation: "
+            f"{type(e).__name__}: {e}. Check that the messages fit the model's chat format "
+            "(roles, their order), or fix the template."
+        ) from None
 
 
 def _tokenizer_class():

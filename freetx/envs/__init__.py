@@ -1,7 +1,9 @@
-"""Environments and the learners that act in them (for recipes that distill or evaluate
-agents): Dark Room and tabular Q-learning. Plain numpy; they import nothing of freetx
-above them."""
+"""Environments and the learners that act in them: Dark Room and tabular Q-learning (for
+the AD recipe, plain numpy); language environments for multi-turn RL (language.py: the
+protocol; tools.py: tool schemas and calls) and the built-in ones (the calculator, the
+guessing game, Dark Room as text). They import nothing of freetx above them."""
 
+from freetx.envs.calculator import Calculator
 from freetx.envs.darkroom import (
     NUM_ACTIONS,
     DarkRoom,
@@ -12,10 +14,33 @@ from freetx.envs.darkroom import (
     random_return,
     state_index,
 )
+from freetx.envs.guessing import GuessingGame
+from freetx.envs.language import (
+    BuiltinTask,
+    LanguageEnvironment,
+    Message,
+    ProvidesTools,
+    SingleReply,
+    Turn,
+)
 from freetx.envs.qlearning import HistoryConfig, history_shard, learning_histories
+from freetx.envs.text_darkroom import TextDarkRoom
+
+# the built-in language environments by task name (`dataset.tasks: [calculator]`)
+BUILTIN_ENVS: dict[str, type] = {c.name: c for c in (Calculator, GuessingGame, TextDarkRoom)}
 
 __all__ = [
+    "BUILTIN_ENVS",
     "NUM_ACTIONS",
+    "BuiltinTask",
+    "Calculator",
+    "GuessingGame",
+    "LanguageEnvironment",
+    "Message",
+    "ProvidesTools",
+    "SingleReply",
+    "TextDarkRoom",
+    "Turn",
     "DarkRoom",
     "DarkRoomConfig",
     "GoalSplit",

@@ -9,6 +9,8 @@ per objective.
     rollouts.py       prompts -> completions generated, scored, weighted: RL's micro-batches
     distillation.py   a student learning a teacher's distribution (KL, reverse KL, JSD)
     rewards.py        reward functions: what a completion scores
+    judge.py          a frozen model's verdict as a reward (LLM-as-judge)
+    episodes.py       multi-turn episodes with environments and tools (an RL rollout)
     reference.py      the model a loss compares with: adapters off, a frozen copy, precomputed
     precompute.py     per-sample tables a frozen model computes once (reference, teacher)
 
@@ -20,10 +22,12 @@ from freetx.objectives.advantages import GroupAdvantages, GroupMean, LeaveOneOut
 from freetx.objectives.cross_entropy import CrossEntropyLoss, loss_tokens, with_router_loss
 from freetx.objectives.distillation import DistillationLoss, TeacherTokens, TeacherTopK
 from freetx.objectives.grpo import GRPOLoss
+from freetx.objectives.judge import Judge
 from freetx.objectives.logprobs import SequenceLogProbs, sequence_logps, token_logps
 from freetx.objectives.preference import PreferenceLoss
 from freetx.objectives.rewards import (
     ExactMatch,
+    HoldsModel,
     LengthPenalty,
     RegexFormat,
     Reward,
@@ -38,8 +42,10 @@ __all__ = [
     "DistillationLoss",
     "ExactMatch",
     "GRPOLoss",
+    "HoldsModel",
     "GroupAdvantages",
     "GroupMean",
+    "Judge",
     "LeaveOneOut",
     "LengthPenalty",
     "PreferenceLoss",

@@ -33,7 +33,7 @@ import numbers
 import re
 from collections.abc import Callable, Mapping, Sequence
 from decimal import Decimal, InvalidOperation
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import torch
 from omegaconf import ListConfig, OmegaConf
@@ -81,6 +81,21 @@ class BatchedReward(Protocol):
         completion_ids: list[list[int]],
         **kwargs: Any,
     ) -> list[float | None]: ...
+
+
+@runtime_checkable
+class HoldsModel(Protocol):
+    """A reward that runs a model of its own (`freetx.objectives.Judge`): the recipe places
+    it on the run's device once, at setup, before any reward is called."""
+
+    def place(self, device: torch.device) -> None: ...
+
+
+def place_rewards(rewards: Sequence[Reward], device: torch.device) -> None:
+    """Each reward that holds a model (`HoldsModel`) placed on `device`."""
+    for reward in rewards:
+        if isinstance(reward.function, HoldsModel):
+            reward.function.place(device)
 
 
 class Reward(NamedTuple):
@@ -243,13 +258,16 @@ def snake_case(name: str) -> str:
     return re.sub(r"(?<=[a-z0-9])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])", "_", name).lower()
 
 
-def build_rewards(nodes: Any) -> list[Reward]:
+def build_rewards(nodes: Any, required: bool = True) -> list[Reward]:
     """The config's `rewards:` list built (module docstring): each node's weight (default
     1.0) and name (default: its class's or function's, in snake_case; a repeat gets _2,
     _3, ...), each function checked to take (prompt, completion, row). ConfigError, naming
-    the node's path, for anything wrong, before any reward runs."""
+    the node's path, for anything wrong, before any reward runs; for an empty list when
+    the rewards are `required` (an environment's own rewards may do without)."""
     if isinstance(nodes, (list, tuple)):
         nodes = OmegaConf.create({"rewards": list(nodes)}).rewards  # paths: rewards[i]
+    if isinstance(nodes, ListConfig) and not len(nodes) and not required:
+        return []
     if not isinstance(nodes, ListConfig) or not len(nodes):
         raise ConfigError(
             f"rewards is {nodes!r}, and a run scores its completions with at least one "
@@ -290,22 +308,28 @@ def _built(node: Any, where: str) -> tuple[str, RewardFunction, float]:
     if name is not None and (not isinstance(name, str) or not name.strip()):
         raise ConfigError(f"{where}.name is {name!r}; name it with a word, e.g. name: format.")
     dotted = node[COMPONENT]
-    target = import_component(dotted, f"{where}.{COMPONENT}")
-    if inspect.isclass(target):
-        function = instantiate_except(node, HELD)
-        default = target.__name__
-    else:
-        extra = [k for k in node if k not in (COMPONENT, *HELD)]
-        if extra:
-            raise ConfigError(
-                f"{where}: {dotted} is a function, so it is the reward itself and takes no "
-                f"settings from the config, but the node sets {', '.join(map(str, extra))}; "
-                "remove them, or write a class whose __init__ takes them and whose __call__ "
-                "is the reward (docs/rewards.md)."
-            )
-        function, default = target, getattr(target, "__name__", "reward")
+    default, function = function_of(node, where, HELD, "reward")
     _check_callable(function, dotted, where)
     return name or snake_case(default), function, float(weight)
+
+
+def function_of(node: Any, where: str, held: tuple[str, ...], what: str) -> tuple[str, Any]:
+    """A node naming user code (a reward, a tool): a class is built with the node's keys
+    but `held` (its instance is the function), a function is the function itself and
+    takes no keys; and its default name (the class's or function's)."""
+    dotted = node[COMPONENT]
+    target = import_component(dotted, f"{where}.{COMPONENT}")
+    if inspect.isclass(target):
+        return target.__name__, instantiate_except(node, held)
+    extra = [k for k in node if k not in (COMPONENT, *held)]
+    if extra:
+        raise ConfigError(
+            f"{where}: {dotted} is a function, so it is the {what} itself and takes no "
+            f"settings from the config, but the node sets {', '.join(map(str, extra))}; "
+            "remove them, or write a class whose __init__ takes them and whose __call__ "
+            f"is the {what}."
+        )
+    return getattr(target, "__name__", what), target
 
 
 def _check_callable(function: Any, dotted: str, where: str) -> None:
@@ -363,6 +387,7 @@ def score_completions(
     conversations: Sequence[list[dict[str, str]] | None] | None = None,
     timeout_s: float = REWARD_TIMEOUT_S,
     stop: Callable[[], bool] | None = None,
+    completion_messages: Sequence[list[dict[str, Any]]] | None = None,
 ) -> torch.Tensor:
     """[R, len(rewards)] float32: each reward's own value for each completion (unweighted;
     the recipe weights them: `weighted`); NaN where a TRL-style reward returned None (it
@@ -371,7 +396,9 @@ def score_completions(
     no finite number or passes its deadline, or a completion no reward applies to, raises
     RewardError naming the reward, the row and a shortened prompt and completion.
     `completion_ids` (each completion's tokens) and `conversations` (each prompt's
-    messages, None for a string) are what TRL's form reads besides the texts."""
+    messages, None for a string) are what TRL's form reads besides the texts;
+    `completion_messages`: each completion as messages (a multi-turn episode's, after its
+    prompt), TRL's completions of a conversation."""
     scenes = [
         f"on {row_id} (prompt {_short(prompt)}, completion {_short(completion)})"
         for prompt, completion, row_id in zip(prompts, completions, row_ids, strict=True)
@@ -383,7 +410,9 @@ def score_completions(
                 f"reward {reward.name} on the {len(rows)} completions of {row_ids[0]} .. "
                 f"{row_ids[-1]} (first prompt {_short(prompts[0])})"
             )
-            arguments = _trl_arguments(prompts, completions, rows, completion_ids, conversations)
+            arguments = _trl_arguments(
+                prompts, completions, rows, completion_ids, conversations, completion_messages
+            )
             values = _called(reward.function, where, timeout_s, stop, **arguments)
             scores[:, j] = _trl_values(values, reward.name, scenes, where)
             continue
@@ -444,18 +473,23 @@ def _trl_arguments(
     rows: Sequence[Mapping[str, Any]],
     completion_ids: Sequence[list[int]] | None,
     conversations: Sequence[list[dict[str, str]] | None] | None,
+    completion_messages: Sequence[list[dict[str, Any]]] | None = None,
 ) -> dict[str, Any]:
     """TRL's arguments for a batch (`BatchedReward`): every one by keyword, a conversation's
-    prompt as its messages and its completion as one assistant message, each column of
-    the rows as a list (None where a row lacks it)."""
+    prompt as its messages and its completion as one assistant message (an episode's: its
+    messages), each column of the rows as a list (None where a row lacks it)."""
     talks = list(conversations) if conversations else [None] * len(prompts)
     columns = dict.fromkeys(k for row in rows for k in row if k not in TRL_ARGUMENTS)
-    return {
-        "prompts": [p if talk is None else talk for p, talk in zip(prompts, talks)],
-        "completions": [
+    if completion_messages is not None:
+        said = list(completion_messages)
+    else:
+        said = [
             c if talk is None else [{"role": "assistant", "content": c}]
             for c, talk in zip(completions, talks)
-        ],
+        ]
+    return {
+        "prompts": [p if talk is None else talk for p, talk in zip(prompts, talks)],
+        "completions": said,
         "completion_ids": [list(ids) for ids in completion_ids or [[] for _ in prompts]],
         **{key: [row.get(key) for row in rows] for key in columns},
     }

@@ -69,7 +69,9 @@ class GenerationConfig:
 
 
 class Completions(NamedTuple):
-    """Completions of a batch of prompts, each prompt's `n` adjacent, and their scores."""
+    """Completions of a batch of prompts, each prompt's `n` adjacent, and their scores; a
+    multi-turn episode's (`freetx.objectives.episodes`) with its own prompt tokens, which
+    of its tokens were sampled, and its record."""
 
     tokens: list[list[int]]  # each one's tokens, its end token included
     texts: list[str]  # as the rewards read them (the end token left out)
@@ -77,6 +79,11 @@ class Completions(NamedTuple):
     ended: torch.Tensor  # [R] bool: reached an end token
     lengths: torch.Tensor  # [R]: tokens generated
     entropy: torch.Tensor  # [R]: the mean entropy of its tokens' distributions
+    clipped: torch.Tensor  # [R] bool: cut by a limit (max_completion_length, max_turns)
+    prompt_ids: list[list[int]] | None = None  # each one's prompt (None: the batch's)
+    trained: list[list[bool]] | None = None  # per token: sampled (None: all of them)
+    episodes: list[Any] | None = None  # each one's `Episode`
+    environment_s: float = 0.0  # time in the environment's and the tools' calls
 
 
 class CompletionScorer:
@@ -129,7 +136,9 @@ class CompletionScorer:
             stop=stop,
         )
         entropy = (out.entropy.sum(dim=1) / out.lengths.clamp(min=1)).cpu()
-        return Completions(tokens, texts, raw, ended, out.lengths.cpu().float(), entropy)
+        lengths = out.lengths.cpu().float()
+        clipped = (lengths >= self.max_new_tokens) & ~ended
+        return Completions(tokens, texts, raw, ended, lengths, entropy, clipped)
 
     @torch.no_grad()
     def validation(
@@ -197,6 +206,10 @@ class PromptGroup:
     total: torch.Tensor  # [n]: their weighted sum
     ended: torch.Tensor  # [n]: reached an end token
     entropy: torch.Tensor  # [n]: the mean entropy of its tokens' distributions
+    lengths: torch.Tensor  # [n]: tokens generated
+    clipped: torch.Tensor  # [n]: cut by a limit
+    trained: list[list[bool]] | None = None  # an episode's: which tokens were sampled
+    episodes: list[Any] | None = None  # each completion's `Episode` (multi-turn)
     advantages: torch.Tensor | None = None  # [n], once every group is in
 
     @property
@@ -260,6 +273,8 @@ class Rollouts:
             made["generation_s"],
             made["scoring_s"],
         )
+        if prompt_groups and prompt_groups[0].episodes is not None:
+            metrics["time/environment"] = made["environment_s"]
         metrics["time/rollout"] = time.perf_counter() - started
         return steps, prompt_groups, metrics
 
@@ -283,12 +298,13 @@ class Rollouts:
         done = self.scored(out, prompts)  # on every rank, with completions or none
         scored = time.perf_counter() - scoring
         if done is None:
-            return [], {"generation_s": generated, "scoring_s": 0.0, "tokens": 0.0}
+            empty = {"generation_s": generated, "scoring_s": 0.0, "tokens": 0.0}
+            return [], {**empty, "environment_s": 0.0}
         prompt_groups = []
         for i, prompt_ids in enumerate(prompts.prompt_ids):
             part = slice(i * n, (i + 1) * n)
             group = PromptGroup(
-                prompt_ids,
+                prompt_ids if done.prompt_ids is None else done.prompt_ids[i * n],
                 prompts.prompts[i],
                 prompts.ids[i],
                 done.tokens[part],
@@ -297,10 +313,15 @@ class Rollouts:
                 weighted(done.raw[part], self.scorer.weights),
                 done.ended[part],
                 done.entropy[part],
+                done.lengths[part],
+                done.clipped[part],
+                None if done.trained is None else done.trained[part],
+                None if done.episodes is None else done.episodes[part],
             )
             prompt_groups.append(group)
-        tokens = float(out.lengths.sum())
-        return prompt_groups, {"generation_s": generated, "scoring_s": scored, "tokens": tokens}
+        made = {"generation_s": generated - done.environment_s, "scoring_s": scored}
+        made.update({"tokens": float(done.lengths.sum()), "environment_s": done.environment_s})
+        return prompt_groups, made
 
     def scored(self, out, prompts: PromptBatch) -> Completions | None:
         """`generate`'s completions (None: none) scored (`CompletionScorer.score`), each
@@ -348,6 +369,7 @@ class Rollouts:
                 [g.prompt_ids for g in part for _ in g.completions],
                 [c for g in part for c in g.completions],
                 torch.cat([g.advantages for g in part]),
+                trained=_trained_of(part),
             )
             for part in parts
         ]
@@ -374,13 +396,10 @@ class Rollouts:
         """TRL's names, over every rank's completions: reward (mean, and the mean of the
         groups' std), each reward's mean and std, the groups without signal, completion
         lengths, how many hit max_completion_length, entropy, generation tokens/s."""
-        limit, rewards = self.gen.max_completion_length, self.scorer.rewards
+        rewards = self.scorer.rewards
         raw = torch.cat([g.raw for g in prompt_groups])
         total = torch.cat([g.total for g in prompt_groups])
-        lengths = torch.tensor(
-            [len(c) for g in prompt_groups for c in g.completions], dtype=torch.float
-        )
-        ended = torch.cat([g.ended for g in prompt_groups])
+        lengths = torch.cat([g.lengths for g in prompt_groups])
         sums = {
             "completions": len(total),
             "groups": len(prompt_groups),
@@ -389,12 +408,15 @@ class Rollouts:
             "reward_std": sum(float(g.total.std()) for g in prompt_groups),
             "frac_reward_zero_std": sum(g.zero_variance for g in prompt_groups),
             "completions/mean_length": float(lengths.sum()),
-            "completions/clipped_ratio": float(((lengths >= limit) & ~ended).sum()),
+            "completions/clipped_ratio": float(torch.cat([g.clipped for g in prompt_groups]).sum()),
             "entropy": float(torch.cat([g.entropy for g in prompt_groups]).sum()),
             "generation_tokens": made["tokens"],
             "generation_s": made["generation_s"],
         }
         sums.update({name: float(value) for name, value in reward_sums(raw, rewards).items()})
+        episodes = [e for g in prompt_groups for e in g.episodes or []]
+        if episodes:
+            sums.update(episode_sums(episodes))
         totals, maxima = self.ranks.sum_and_max(
             sums, {"completions/max_length": float(lengths.max())}, over="dp"
         )
@@ -407,14 +429,53 @@ class Rollouts:
         out["generation/tokens_per_s"] = totals["generation_tokens"] / max(
             totals["generation_s"], 1e-9
         )
+        if episodes:
+            out.update(episode_means(totals, n))
         return out
+
+
+def episode_sums(episodes: list[Any]) -> dict[str, float]:
+    """A rank's sums of the multi-turn metrics over its episodes, for `episode_means`."""
+    return {
+        "episodes/turns": float(sum(e.turns for e in episodes)),
+        "tools/calls": float(sum(e.tool_calls for e in episodes)),
+        "tools/errors": float(sum(e.tool_errors for e in episodes)),
+        "episodes/cut_max_turns": float(sum(e.cut == "max_turns" for e in episodes)),
+        "episodes/cut_max_tokens": float(sum(e.cut == "max_tokens" for e in episodes)),
+    }
+
+
+def episode_means(totals: dict[str, float], episodes: float) -> dict[str, float]:
+    """TRL's tool metrics (`tools/call_frequency`: calls per episode,
+    `tools/failure_frequency`: the share of calls that failed), the mean turns per episode
+    and the share of episodes cut at max_turns and at max_tokens, from the sums over ranks."""
+    calls = totals["tools/calls"]
+    return {
+        "episodes/mean_turns": totals["episodes/turns"] / episodes,
+        "tools/call_frequency": calls / episodes,
+        "tools/failure_frequency": totals["tools/errors"] / max(calls, 1.0),
+        "episodes/cut_max_turns": totals["episodes/cut_max_turns"] / episodes,
+        "episodes/cut_max_tokens": totals["episodes/cut_max_tokens"] / episodes,
+    }
+
+
+def _trained_of(groups: list[PromptGroup]) -> list[list[bool]] | None:
+    """Which completion tokens of these groups were sampled (None: all of them)."""
+    if all(g.trained is None for g in groups):
+        return None
+    return [
+        t if g.trained is not None else [True] * len(c)
+        for g in groups
+        for c, t in zip(g.completions, g.trained or [None] * len(g.completions))
+    ]
 
 
 def write_samples(
     path: Path, step: int, prompt_groups: list[PromptGroup], rewards: Sequence[Reward], count: int
 ) -> list[dict[str, Any]]:
     """The first `count` completions appended to the JSONL file `path` (prompt,
-    completion, each reward, total); returns the records written."""
+    completion, each reward, total; an episode's messages and turns); returns the records
+    written."""
     records = []
     for group in prompt_groups:
         for j, text in enumerate(group.texts):
@@ -429,6 +490,10 @@ def write_samples(
                     "reward": float(group.total[j]),
                 }
             )
+            if group.episodes is not None:  # the episode after its prompt, and its turns
+                episode = group.episodes[j]
+                records[-1]["messages"] = episode.messages[episode.start :]
+                records[-1]["turns"] = episode.turns
     records = records[:count]
     with open(path, "a") as f:
         for record in records:

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from freetx.checkpoint import source_model_on_meta
 from freetx.config import instantiate
 from freetx.data import micro_batch_size
 from freetx.distributed import Processes
@@ -39,6 +40,9 @@ class ConfigEstimate:
     sources: ActivationSources | None = None
     shapes: list = dataclasses.field(default_factory=list)  # MeshShape, per strategy estimated
     planned: PlannedRun = dataclasses.field(default_factory=lambda: PlannedRun(None))
+    judges: float = (
+        0.0  # bytes per rank: the weights of judge rewards' models (`PlannedRun.judges`)
+    )
 
 
 def estimate_config(
@@ -80,6 +84,10 @@ def estimate_config(
         chunks = (chunks if chunks and int(chunks) > 1 else CHUNKS) if chunked else 1
     rungs = Rungs.of(cfg)
 
+    # a judge reward's model: whole on every rank, bfloat16 on a GPU, float32 on the CPU
+    judges = sum(
+        sum(p.numel() for p in source_model_on_meta(path).parameters()) for path in planned.judges
+    ) * (4 if device == "cpu" else 2)
     generation = None
     if planned.generations_per_prompt:  # online RL: this rank's completions of one generation
         rows = cfg.batch_size // data_ranks * planned.generations_per_prompt
@@ -96,7 +104,7 @@ def estimate_config(
             dist.ac_every_n_blocks,
             device,
             mfu,
-            sources=sources.bytes if sources else 0.0,
+            sources=(sources.bytes if sources else 0.0) + judges,
             rungs=rungs,
             loss_chunks=int(chunks) if chunks else None,
             stage=stage,
@@ -114,7 +122,7 @@ def estimate_config(
             for end, shape in zip(("first", "last"), stages)
         ]
         rows = [max(pair, key=lambda r: r.peak) for pair in zip(*staged)]
-    return ConfigEstimate(model, micro, seq_len, rows, refused, sources, shapes, planned)
+    return ConfigEstimate(model, micro, seq_len, rows, refused, sources, shapes, planned, judges)
 
 
 def optimizer_shapes(cfg: Any, shapes: list, refused: dict[str, str], processes: Processes):

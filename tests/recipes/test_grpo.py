@@ -20,6 +20,7 @@ from tests.conftest import REPO, flat, one_paragraph, run_freetx, run_freetx_her
 from tests.hf_folders import make_folder, make_tokenizer
 
 JSONL = "metric_loggers=[{_component_: freetx.loggers.JSONLLogger}]"
+GUESS = "llm/guess_grpo_tiny"  # multi-turn: the guessing game
 # a randomly initialized tiny decoder (seed 0) samples bytes; a completion is rewarded when
 # it holds a vowel, which some of a group's do and some do not: advantages that are not 0
 VOWEL = "rewards=[{_component_: freetx.objectives.RegexFormat, pattern: '(?s).*[aeiou].*'}]"
@@ -142,6 +143,57 @@ def test_lora_grpo_of_an_hf_folder_with_the_users_reward_exports_for_peft(tmp_pa
     assert adapter["r"] == 16
 
 
+def docs_environment(folder) -> tuple[str, list[str]]:
+    """docs/environments.md's example: the user's module as written, and its command for
+    an HF folder (DIR replaced by the test's)."""
+    text = (REPO / "docs" / "environments.md").read_text()
+    part = text[text.index("## Your own environment and tools") :]
+    module = re.search(r"```python\n(.*?)```", part, re.S)[1]
+    line = re.search(r"^(PYTHONPATH=\. freetx run .*my_env.*\\\n.*)$", part, re.M)[1]
+    words = shlex.split(line.replace("\\\n", " ").replace("DIR", str(folder)))
+    return module, words[words.index("run") :]
+
+
+@pytest.mark.slow  # 2 processes, LoRA, 2 steps of multi-turn episodes
+def test_the_users_environment_and_tool_train_an_hf_folder_with_lora_and_export(tmp_path):
+    """docs/environments.md's example as written: the user's environment and tool in their
+    module, an HF folder whose chat template renders tools (Hermes calls), LoRA on 2
+    processes; episodes of up to 3 turns; exported for PEFT."""
+    from freetx.data.corpus import builtin_documents
+    from tests.hf_folders import TOOLS_TEMPLATE
+
+    folder = make_folder(tmp_path / "llama", "llama3_2")
+    make_tokenizer(folder, builtin_documents()[:20], TOOLS_TEMPLATE)
+    module, command = docs_environment(folder)
+    (tmp_path / "my_env.py").write_text(module)
+    words = {"cat": "feline", "dog": "canine"}
+    with (tmp_path / "quiz.jsonl").open("w") as f:
+        for i in range(24):
+            word = list(words)[i % 2]
+            f.write(
+                json.dumps({"prompt": f"What is a {word}? ({i})", "answer": words[word]}) + "\n"
+            )
+    out = tmp_path / "run"
+    result = run_freetx(
+        *command, "dataset.val_fraction=0", f"output_dir={out}", "max_steps=2",
+        "log_every_n_steps=1", "batch_size=2", "generation.num_generations=4",
+        "generation.max_completion_length=12", "eval.every_n_steps=0", "samples.every_n_steps=1",
+        "checkpoint.every_n_steps=0", JSONL, cwd=tmp_path, env={"PYTHONPATH": "."},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "rewards env x 1" in flat(result.stdout)
+    logged = metrics(out)
+    assert set(logged) == {1, 2}
+    for name in ("episodes/mean_turns", "tools/call_frequency", "tools/failure_frequency",
+                 "episodes/cut_max_turns", "time/environment", "rewards/env/mean", "kl"):  # fmt: skip
+        assert name in logged[2], name
+    assert logged[1]["episodes/mean_turns"] > 1  # a random model is told to try again
+    samples = [json.loads(x) for x in (out / "samples.jsonl").read_text().splitlines()]
+    assert samples[0]["messages"][0]["role"] == "assistant" and samples[0]["turns"] >= 1
+    adapter = json.loads((out / "export" / "peft" / "adapter_config.json").read_text())
+    assert adapter["r"] == 16
+
+
 def test_the_users_reward_without_trust_is_refused_before_launch(tmp_path, hf_prompts):
     folder, prompts, user = hf_prompts
     command = docs_command(folder, prompts, trust=False)
@@ -195,6 +247,10 @@ def test_a_sigterm_while_a_reward_blocks_saves_the_step_and_stops(tmp_path, hf_p
         (["generation.engine.slots=0"], "'generation.engine.slots' must be at least 1"),
         (["dataset.val_fraction=0", "eval.every_n_steps=5"], "Set eval.every_n_steps=0"),
         (["rewards=[{_component_: freetx.objectives.ExactMatch, weight: 1, wieght: 2}]"], "wieght"),
+        (["rewards=[]"], "at least one reward"),
+        (["env={_component_: freetx.envs.GuessingGame, max_turns: 0}"], "env.max_turns=0"),
+        (["env={_component_: freetx.envs.GuessingGame, max_turn: 3}"], "max_turn"),
+        (["env={_component_: freetx.data.ByteTokenizer}"], "no language environment"),
     ],
 )
 def test_validate_refuses_what_the_run_refuses(overrides, says):
@@ -212,6 +268,18 @@ def test_validate_warns_that_greedy_rollouts_cannot_learn():
     assert "every advantage is 0" in flat(result.stdout)
 
 
+def test_estimate_counts_a_judges_weights_on_every_rank(hf_prompts):
+    folder = hf_prompts[0]
+    judge = f"rewards=[{{_component_: freetx.objectives.Judge, model: {folder}, template: '{{completion}}'}}]"
+    result = run_freetx_here("estimate", "llm/grpo_tiny", "model_dir=null", judge,
+                             "--world-size", "2", "--device", "cpu")  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert (
+        f"judge rewards: their models' weights 0.00 GiB, whole on every rank, within the peak: {folder}"
+        in flat(result.stdout)
+    )
+
+
 def test_estimate_counts_the_generation_phase():
     result = run_freetx_here("estimate", "llm/grpo_tiny", "model_dir=null", "dataset.max_prompt_len=48",
                              "generation.engine.slots=16", "generation.engine.kv_blocks=40",
@@ -223,11 +291,12 @@ def test_estimate_counts_the_generation_phase():
     assert pool in flat(result.stdout)
 
 
-@pytest.mark.slow  # 3 runs of 3 steps on 1, 2 and 2 processes
+@pytest.mark.slow  # 5 runs of 3 steps on 1, 2, 2 processes; multi-turn on 1 and 2
 def test_two_processes_fsdp_and_tp2_give_one_process_rollouts_and_losses(tmp_path):
     """And the generation engine's slot count and blocks change nothing (tp 2: 3 slots,
     blocks of 4 tokens, a pool that makes rows give their blocks back), nor does the
-    static batch of today's generator (fsdp: generation.engine.paged=false)."""
+    static batch of today's generator (fsdp: generation.engine.paged=false); multi-turn
+    episodes (the guessing game) too: rewards, turns and losses."""
     one = metrics(ran(grpo(tmp_path, "one", "max_steps=3")))
     fsdp = metrics(ran(grpo(tmp_path, "fsdp", "max_steps=3", "generation.engine.paged=false",
                             nproc=2)))  # fmt: skip
@@ -239,21 +308,32 @@ def test_two_processes_fsdp_and_tp2_give_one_process_rollouts_and_losses(tmp_pat
         for name, other in (("fsdp, static batch", fsdp), ("tp 2, 3 slots", tp)):
             for key in ("reward", "completions/mean_length", "loss"):
                 assert abs(other[step][key] - one[step][key]) <= 1e-5, (name, step, key)
+    game = ["max_steps=3", "env.max_turns=3"]
+    turns = metrics(ran(grpo(tmp_path, "turns", *game, config=GUESS)))
+    turns2 = metrics(ran(grpo(tmp_path, "turns2", *game, nproc=2, config=GUESS)))
+    assert turns[1]["episodes/mean_turns"] > 1
+    for step in (1, 2, 3):
+        for key in ("reward", "episodes/mean_turns", "completions/mean_length", "loss"):
+            assert abs(turns2[step][key] - turns[step][key]) <= 1e-5, (step, key)
 
 
 @pytest.mark.slow  # 3 runs: 4 steps straight, 2 + a resume to 4 on 1 process
 def test_a_resume_at_another_world_size_repeats_the_uninterrupted_run(tmp_path):
-    # two optimizer steps per generation (the ratio to the generation's log-probs) and a KL
-    # term to a frozen copy of the initial weights: everything a resume must restore
-    more = ["generation.steps_per_generation=2", "loss.beta=0.1", "checkpoint.every_n_steps=2"]
-    straight = metrics(ran(grpo(tmp_path, "straight", "max_steps=4", *more, nproc=2)))
-    ran(grpo(tmp_path, "resumed", "max_steps=2", *more, nproc=2))
-    resumed = metrics(ran(grpo(tmp_path, "resumed", "max_steps=4", *more)))
+    """Of multi-turn episodes (the guessing game: turns keyed by the step, the prompt, the
+    completion and the turn), with everything else a resume must restore: two optimizer
+    steps per generation (the ratio to the generation's log-probs) and a KL term to a
+    frozen copy of the initial weights."""
+    more = ["generation.steps_per_generation=2", "loss.beta=0.1", "checkpoint.every_n_steps=2",
+            "env.max_turns=3"]  # fmt: skip
+    straight = metrics(ran(grpo(tmp_path, "straight", "max_steps=4", *more, nproc=2, config=GUESS)))
+    ran(grpo(tmp_path, "resumed", "max_steps=2", *more, nproc=2, config=GUESS))
+    resumed = metrics(ran(grpo(tmp_path, "resumed", "max_steps=4", *more, config=GUESS)))
     assert set(resumed) >= {3, 4}
     for step in (3, 4):
-        for key in ("reward", "loss", "kl", "clip_ratio/region_mean"):
+        for key in ("reward", "loss", "kl", "clip_ratio/region_mean", "episodes/mean_turns"):
             assert abs(resumed[step][key] - straight[step][key]) <= 1e-5, (step, key)
     assert straight[2]["kl"] > 0  # the policy moved from its reference
+    assert straight[3]["episodes/mean_turns"] > 1
 
 
 def test_a_model_without_a_kv_cache_is_refused_before_any_work(tmp_path):

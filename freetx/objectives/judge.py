@@ -1,0 +1,150 @@
+"""A judge as a reward (GenRM, "LLM-as-judge"): a frozen local model reads each completion
+under a prompt template and gives its verdict (docs/rewards.md#a-judge-as-a-reward).
+
+    rewards:
+      - _component_: freetx.objectives.Judge
+        model: /models/Qwen2.5-0.5B-Instruct     # an HF folder, or a run / DCP checkpoint
+        template: "Question: {prompt}\\nAnswer: {completion}\\nIs the answer right? Say yes or no."
+        verdicts: [" yes", " no"]                # verdict: P(yes) / (P(yes) + P(no))
+        weight: 1.0
+
+`verdict` (the default): the score is the probability of the first verdict's first token
+against the second's, at the position where the judge starts its reply: the template
+filled in (`{prompt}`, `{completion}` and the row's fields by name) as one user turn of
+the judge's chat template with its generation prompt (or the text itself, with BOS, for
+a tokenizer without one). `score`: the judge replies greedily (up to `max_new_tokens`,
+through the generation engine) and the first number in its reply is the score; a reply
+without one does not apply (None, TRL's meaning).
+
+The judge's weights are read once, when the run places it (`place`: the run's device,
+bfloat16 on CUDA, float32 on the CPU), frozen, whole on every rank (not sharded: its
+bytes count per rank, `freetx estimate` says how many); its completions are scored in
+batches of `batch_size`. It is TRL's batched form of a reward, so its call sees the
+rank's completions of a step at once.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from freetx.checkpoint.loading import load_source_model, source_model_on_meta
+from freetx.data import ByteTokenizer, HFTokenizer
+from freetx.data.tokenizers import leading_bos
+from freetx.errors import ConfigError
+from freetx.models import DecodesIncrementally
+from freetx.models.generation import Draws, Sampling, generate
+
+MODES = ("verdict", "score")
+_NUMBER = re.compile(r"[+-]?\d+(?:\.\d+)?")
+
+
+class Judge:
+    """A frozen model's verdict on each completion (module docstring)."""
+
+    def __init__(
+        self,
+        model: str,
+        template: str,
+        verdicts: Sequence[str] = (" yes", " no"),
+        mode: str = "verdict",
+        max_new_tokens: int = 8,
+        batch_size: int = 16,
+        tokenizer: str | None = None,
+    ) -> None:
+        if mode not in MODES:
+            raise ValueError(f"mode={mode!r} is none of {', '.join(MODES)}")
+        if "{completion}" not in template:
+            raise ValueError("the template has no {completion}: the judge would not read it")
+        self.path, self.template, self.mode = model, template, mode
+        self.max_new_tokens, self.batch_size = max_new_tokens, batch_size
+        folder = Path(tokenizer or model).expanduser()
+        if tokenizer != "bytes" and not (folder / "tokenizer.json").is_file():
+            raise ValueError(
+                f"{folder} has no tokenizer.json; point tokenizer at the judge's tokenizer "
+                "folder (a run of a byte model: tokenizer: bytes)"
+            )
+        self.tokenizer = ByteTokenizer() if tokenizer == "bytes" else HFTokenizer(str(folder))
+        self.verdict_ids = [self._first_token(v) for v in verdicts]
+        if mode == "verdict" and (len(self.verdict_ids) != 2 or len(set(self.verdict_ids)) != 2):
+            raise ValueError(
+                f"verdicts={list(verdicts)!r}: give two verdicts whose first tokens differ "
+                "(yes first), e.g. [' yes', ' no']"
+            )
+        self.model: torch.nn.Module | None = None
+
+    def _first_token(self, text: str) -> int:
+        ids = self.tokenizer.encode(text)
+        if not ids:
+            raise ValueError(f"the verdict {text!r} encodes to no token")
+        return ids[0]
+
+    def parameter_bytes(self) -> int:
+        """The judge's weights in bytes as placed on a GPU (bfloat16), from its shapes alone."""
+        meta = source_model_on_meta(self.path)
+        return sum(p.numel() for p in meta.parameters()) * 2
+
+    def place(self, device: torch.device) -> None:
+        """Read the judge's weights onto `device`, frozen (the run calls it once, at setup)."""
+        if device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+            need = self.parameter_bytes()
+            if need > free:
+                raise ConfigError(
+                    f"the judge {self.path} needs {need / 2**30:.1f} GiB for its weights on "
+                    f"every rank, and {device} has {free / 2**30:.1f} GiB free; use a smaller "
+                    "judge, or more GPUs with a sharded policy (freetx estimate counts it)."
+                )
+        model = load_source_model(self.path, device).eval().requires_grad_(False)
+        if not isinstance(model, DecodesIncrementally):
+            raise ConfigError(
+                f"the judge {self.path} is a {type(model).__name__}, which has no KV cache "
+                "(DecodesIncrementally); a judge is a decoder LM."
+            )
+        self.model = model
+
+    def prompt_ids(self, prompt: str, completion: str, row: dict[str, Any]) -> list[int]:
+        """The judge's input for one completion (module docstring)."""
+        text = self.template.format(**{**row, "prompt": prompt, "completion": completion})
+        tok = self.tokenizer
+        if getattr(tok, "chat_template", None) is not None:
+            chat = [{"role": "user", "content": text}]
+            return tok.encode(tok.apply_chat_template(chat, add_generation_prompt=True))
+        return [*leading_bos(tok), *tok.encode(text)]
+
+    @torch.no_grad()
+    def __call__(self, prompts, completions, completion_ids, **columns) -> list[float | None]:
+        if self.model is None:
+            raise RuntimeError(f"the judge {self.path} was not placed on a device (place())")
+        rows = [{k: v[i] for k, v in columns.items()} for i in range(len(completions))]
+        texts = [p if isinstance(p, str) else p[-1]["content"] for p in prompts]
+        said = [c if isinstance(c, str) else c[-1]["content"] for c in completions]
+        inputs = [self.prompt_ids(p, c, r) for p, c, r in zip(texts, said, rows)]
+        scores: list[float | None] = []
+        for start in range(0, len(inputs), self.batch_size):
+            part = inputs[start : start + self.batch_size]
+            scores += self._verdicts(part) if self.mode == "verdict" else self._scores(part)
+        return scores
+
+    def _verdicts(self, inputs: list[list[int]]) -> list[float]:
+        """P(yes) / (P(yes) + P(no)) at each input's last position: one forward of the
+        left-padded batch into a KV cache that masks the padding (`DecodesIncrementally`)."""
+        device = next(self.model.parameters()).device
+        width = max(len(ids) for ids in inputs)
+        padding = torch.tensor([width - len(x) for x in inputs], device=device)
+        ids = torch.tensor([[0] * (width - len(x)) + x for x in inputs], device=device)
+        logits = self.model(ids, cache=self.model.new_cache(padding, width))[:, -1]
+        pair = logits[:, self.verdict_ids].float().log_softmax(-1)
+        return pair[:, 0].exp().tolist()
+
+    def _scores(self, inputs: list[list[int]]) -> list[float | None]:
+        """The first number of the judge's greedy reply, None where there is none."""
+        draws = Draws.seeded([0] * len(inputs), self.max_new_tokens)  # unread: greedy
+        end = [self.tokenizer.eos_id]
+        out = generate(self.model, inputs, self.max_new_tokens, Sampling(0.0), end, draws)
+        found = [_NUMBER.search(self.tokenizer.decode(r)) for r in out.replies()]
+        return [None if f is None else float(f[0]) for f in found]

@@ -1,0 +1,64 @@
+"""A judge as a reward (freetx.objectives.Judge): its verdict is the frozen model's own
+probability of " yes" against " no", as transformers computes it from the same folder and
+prompt; batched and left-padded or not; its `score` mode parses the judge's greedy reply."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from freetx.objectives import HoldsModel, Judge
+from tests.hf_folders import make_folder, make_tokenizer
+
+TEMPLATE = "Question: {prompt}\nAnswer: {completion}\nRight? ({answer})"
+
+
+@pytest.fixture(scope="module")
+def judge_folder(tmp_path_factory):
+    from freetx.data.corpus import builtin_documents
+
+    folder = make_folder(tmp_path_factory.mktemp("judge") / "llama", "llama3_2")
+    make_tokenizer(folder, builtin_documents()[:20])
+    return folder
+
+
+def test_the_verdict_is_the_judges_own_yes_probability(judge_folder):
+    import transformers
+
+    judge = Judge(str(judge_folder), TEMPLATE)
+    assert isinstance(judge, HoldsModel)
+    judge.place(torch.device("cpu"))
+    prompts = ["What is 2+2?", "Name a colour of the sky on a clear day, please."]
+    completions = ["4", "blue, mostly"]
+    scores = judge(prompts, completions, [[], []], answer=["4", "blue"])
+
+    tok = transformers.AutoTokenizer.from_pretrained(judge_folder)
+    model = transformers.AutoModelForCausalLM.from_pretrained(judge_folder).eval()
+    yes, no = (tok.encode(v, add_special_tokens=False)[0] for v in (" yes", " no"))
+    for prompt, completion, answer, score in zip(prompts, completions, ["4", "blue"], scores):
+        text = TEMPLATE.format(prompt=prompt, completion=completion, answer=answer)
+        ids = tok.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True
+        )
+        ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+        with torch.no_grad():
+            logits = model(torch.tensor([ids])).logits[0, -1]
+        direct = torch.softmax(logits[[yes, no]].float(), dim=-1)[0].item()
+        assert abs(score - direct) < 1e-4, (score, direct)
+    one_by_one = [
+        judge([p], [c], [[]], answer=[a])[0] for p, c, a in zip(prompts, completions, ["4", "blue"])
+    ]
+    assert one_by_one == pytest.approx(scores, abs=1e-5)  # the left padding changes nothing
+
+
+def test_a_judge_that_replies_a_number_and_one_that_is_misconfigured(judge_folder):
+    judge = Judge(str(judge_folder), "Rate: {completion}", mode="score", max_new_tokens=4)
+    judge.place(torch.device("cpu"))
+    scores = judge(["q", "q"], ["a", "b"], [[], []])
+    assert all(s is None or isinstance(s, float) for s in scores)
+    with pytest.raises(ValueError, match="no \\{completion\\}"):
+        Judge(str(judge_folder), "Rate: {prompt}")
+    with pytest.raises(ValueError, match="first tokens differ"):
+        Judge(str(judge_folder), TEMPLATE, verdicts=[" yes", " yes"])
+    with pytest.raises(RuntimeError, match="was not placed"):
+        Judge(str(judge_folder), TEMPLATE)(["q"], ["a"], [[]], answer=["a"])
