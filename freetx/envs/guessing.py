@@ -1,7 +1,8 @@
 """The guessing game: the model guesses a secret number from `low` to `high` and is told
 "higher" or "lower" after each wrong guess; a right guess ends the episode with reward 1
-(docs/environments.md). Its demonstrations guess at random among the numbers the answers
-so far allow: a legal, slow player; RL makes it halve the range."""
+(docs/environments.md). Its demonstrations halve the range the answers so far allow in
+`bisect_share` of the games and guess at random within it in the rest: a legal player,
+fast or slow; RL makes it halve the range."""
 
 from __future__ import annotations
 
@@ -18,8 +19,11 @@ class GuessingGame:
 
     name = "guess"
 
-    def __init__(self, low: int = 1, high: int = 16, max_guesses: int = 6) -> None:
+    def __init__(
+        self, low: int = 1, high: int = 16, max_guesses: int = 6, bisect_share: float = 0.5
+    ) -> None:
         self.low, self.high, self.max_guesses = low, high, max_guesses
+        self.bisect_share = bisect_share
 
     def question(self, game: int) -> str:
         """The prompt of game `game` (numbered, so that the hashed train/validation split
@@ -55,8 +59,9 @@ class GuessingGame:
         for row in self.rows(count, seed):
             low, high, secret = self.low, self.high, row["secret"]
             talk: list[Message] = [{"role": "user", "content": row["prompt"]}]
+            bisect = rng.random() < self.bisect_share
             for _ in range(self.max_guesses):
-                guess = rng.randint(low, high)
+                guess = (low + high) // 2 if bisect else rng.randint(low, high)
                 talk.append({"role": "assistant", "content": str(guess)})
                 if guess == secret:
                     break

@@ -1,6 +1,7 @@
 """Dark Room as text: the AD recipe's grid world (`freetx.envs.darkroom`) as a
-conversation (docs/environments.md). Each turn the model reads its position (`x,y`) and
-replies with a move (right, left, up, down, stay: +x, -x, +y, -y, none; clipped at the
+conversation (docs/environments.md). Each turn the model reads its position (`x,y`, and
+`+1` when it is on the goal: the reward, which AD's histories show too) and replies
+with a move (right, left, up, down, stay: +x, -x, +y, -y, none; clipped at the
 walls); a move that ends on the row's hidden goal earns 1, and the episode lasts
 `horizon` moves (5x5 and 10 by default, the seed's 9x9 and 20 as arguments: an episode
 of 10 moves is ~250 byte tokens). The bridge between the AD recipe (a transformer that learns to explore
@@ -26,11 +27,13 @@ class TextDarkRoom:
 
     name = "darkroom"
 
-    def __init__(self, grid_size: int = 5, horizon: int = 10) -> None:
+    def __init__(self, grid_size: int = 5, horizon: int = 10, search_share: float = 0.5) -> None:
         self.cfg = DarkRoomConfig(grid_size=grid_size, horizon=horizon)
+        self.search_share = search_share
 
-    def _observation(self, position: np.ndarray) -> Message:
-        return {"role": "user", "content": f"{position[0]},{position[1]}"}
+    def _observation(self, position: np.ndarray, reward: float = 0.0) -> Message:
+        found = " +1" if reward else ""
+        return {"role": "user", "content": f"{position[0]},{position[1]}{found}"}
 
     def question(self, room: int) -> str:
         """The prompt of room `room` (numbered, so that the hashed train/validation split
@@ -60,7 +63,7 @@ class TextDarkRoom:
         moves = sum(m["role"] == "assistant" for m in messages)
         if moves >= self.cfg.horizon:
             return Turn(reward=reward, done=True)
-        return Turn([self._observation(position)], reward=reward)
+        return Turn([self._observation(position, reward)], reward=reward)
 
     def rows(self, count: int, seed: int) -> list[dict[str, Any]]:
         rng = random.Random(seed)
@@ -82,12 +85,21 @@ class TextDarkRoom:
 
     def demonstrations(self, count: int, seed: int) -> list[list[Message]]:
         rng = random.Random(seed + 1)
+        # a spiral out from the centre: right, up, left 2, down 2, right 3, up 3, ...
+        spiral = [w for n in range(1, self.cfg.grid_size + 1) for w in
+                  [("right", "left")[n % 2 == 0]] * n + [("up", "down")[n % 2 == 0]] * n]  # fmt: skip
         talks = []
         for row in self.rows(count, seed):
             talk = self.reset([{"role": "user", "content": row["prompt"]}], row)
-            for _ in range(self.cfg.horizon):
-                talk.append({"role": "assistant", "content": rng.choice(WORDS)})
+            search, found = rng.random() < self.search_share, False
+            for t in range(self.cfg.horizon):
+                if search:
+                    move = "stay" if found else spiral[t]
+                else:
+                    move = rng.choice(WORDS)
+                talk.append({"role": "assistant", "content": move})
                 turn = self.step(talk, row)
+                found = found or turn.reward > 0
                 talk.extend(turn.messages)
             talks.append(talk)
         return talks

@@ -188,9 +188,17 @@ class EpisodeRunner(CompletionScorer):
 
     # -- the user's code, with its deadline ---------------------------------------------
 
-    def call(self, function: Callable[..., Any], *args: Any, scene: str, **kwargs: Any) -> Any:
+    def call(
+        self,
+        function: Callable[..., Any],
+        *args: Any,
+        scene: str,
+        tool: bool = False,
+        **kwargs: Any,
+    ) -> Any:
         """`function(*args, **kwargs)` (awaited when it is async) within timeout_s; an
-        EpisodeError naming `scene` when it raises or passes the deadline."""
+        EpisodeError naming `scene` when it passes the deadline, or when it raises and is
+        the environment (a `tool`'s exception is raised as it is: the model reads it)."""
 
         def invoke() -> Any:
             result = function(*args, **kwargs)
@@ -208,6 +216,8 @@ class EpisodeRunner(CompletionScorer):
                 "waits for), or raise env.timeout_s if it is slow by nature."
             ) from None
         except Exception as e:
+            if tool:
+                raise
             raise EpisodeError(
                 f"{scene} failed: {type(e).__name__}: {str(e).rstrip('.')}. Fix the "
                 "environment; a failing environment is never a silent end of the episode."
@@ -315,7 +325,7 @@ class EpisodeRunner(CompletionScorer):
                 result, failed = tool_result(
                     call,
                     self.tools,
-                    functools.partial(self.call, scene=where),
+                    functools.partial(self.call, scene=where, tool=True),
                     passing=(EpisodeError,),
                 )
                 new.append({"role": "tool", "name": call.name or "", "content": result})

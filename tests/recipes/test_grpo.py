@@ -3,10 +3,12 @@ module, trusted for the run (docs/recipes/grpo_fsdp2.md's command as written; re
 without --trust), its TRL-style twin scoring the same, exported for PEFT; a reward that
 raises or blocks past reward_timeout_s is named with its row; a SIGTERM while a reward
 blocks saves the step and stops; validate refuses what the run refuses, and warns that
-greedy rollouts cannot learn; estimate counts the generation phase; 2 processes (fsdp
-with the static batch, and tp 2 with another slot count and pool) give 1 process's
-rollouts, rewards and losses; a resume, at another world size too, repeats the
-uninterrupted run."""
+greedy rollouts cannot learn; estimate counts the generation phase and a judge's
+weights; 2 processes (fsdp with the static batch, and tp 2 with another slot count and
+pool) give 1 process's rollouts, rewards and losses, and so do multi-turn episodes; a
+resume of multi-turn episodes, at another world size too, repeats the uninterrupted run;
+docs/environments.md's user environment and tool train an HF folder with LoRA on 2
+processes and export for PEFT."""
 
 from __future__ import annotations
 

@@ -162,7 +162,7 @@ def test_dark_room_as_text_replays_the_moves_and_pays_on_the_goal():
     assert talk[0]["content"].endswith(" 2,2")
     talk.append({"role": "assistant", "content": "right"})
     turn = room.step(talk, row)
-    assert turn.reward == 1.0 and turn.messages == [{"role": "user", "content": "3,2"}]
+    assert turn.reward == 1.0 and turn.messages == [{"role": "user", "content": "3,2 +1"}]
     talk += [*turn.messages, {"role": "assistant", "content": "stay"}]
     assert room.step(talk, row).reward == 1.0
     talk += [{"role": "user", "content": "3,2"}, {"role": "assistant", "content": "jump"}]
@@ -423,3 +423,47 @@ def test_an_hf_templates_tool_turn_follows_the_reply_as_its_suffix(tmp_path):
     assert tok.decode(ended, keep_special=True) == turn + header
     cut = continuation_ids(tok, reply, new, [5, 6], False, schemas)
     assert tok.decode(cut, keep_special=True) == "<|eot_id|>" + turn + header
+
+
+class Broken:
+    """An environment whose tool raises or hangs."""
+
+    def reset(self, messages, row):
+        return messages
+
+    def step(self, messages, row):
+        return Turn(done=True)
+
+    def tools(self):
+        return [self.divide, self.wait]
+
+    def divide(self, a: int) -> str:
+        """Divide by zero.
+
+        Args:
+            a: a number
+        """
+        return str(a / 0)
+
+    def wait(self) -> str:
+        """Never return."""
+        threading.Event().wait(30)
+        return ""
+
+
+def test_a_tool_that_raises_is_the_models_to_read_and_one_that_hangs_stops_the_run(monkeypatch):
+    monkeypatch.setenv("FREETX_TRUST", "tests.unit.test_episodes")
+    tok = ByteTokenizer(chat_template="turns")
+    divide = '<tool_call>{"name": "divide", "arguments": {"a": 1}}</tool_call><|eos|>'
+    script = Scripted(tok, [("Q: Go.\nA: ", divide), ("A: ", "done<|eos|>")])
+    monkeypatch.setattr(episodes_module, "generate", script)
+    run = runner(tok, {"_component_": "tests.unit.test_episodes.Broken"}, max_new=96, timeout_s=0.3)
+    out = run.generate(None, prompts(("Go.", {})), 1, Sampling(1.0), ["a"])
+    assert out[0].tool_errors == 1 and out[0].turns == 2
+    assert (
+        out[0].messages[2]["content"] == "Error: divide raised ZeroDivisionError: division by zero"
+    )
+    wait = '<tool_call>{"name": "wait", "arguments": {}}</tool_call><|eos|>'
+    monkeypatch.setattr(episodes_module, "generate", Scripted(tok, [("A: ", wait)]))
+    with pytest.raises(EpisodeError, match=r"tool wait on row 0 \(turn 0\) did not return"):
+        run.generate(None, prompts(("Go.", {})), 1, Sampling(1.0), ["a"])
