@@ -471,6 +471,12 @@ def load_source_model(path: str, device: torch.device, dtype: str = "auto") -> n
     return load_model(path, device).to(dtype_named(dtype))
 
 
+def source_parameters(path: str) -> int:
+    """How many parameters the model `load_source_model` reads from `path` has (its shapes
+    alone: `source_model_on_meta`)."""
+    return sum(p.numel() for p in source_model_on_meta(path).parameters())
+
+
 def source_model_on_meta(path: str) -> nn.Module:
     """The model `load_source_model` reads from `path`, on the meta device: its shapes and
     parameter count from what the checkpoint recorded or the HF folder's config.json,

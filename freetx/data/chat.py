@@ -182,14 +182,14 @@ def _content_end(text: str, marked: str) -> int | None:
 
 # -- multi-turn episodes: the tokens around a generated reply -----------------------------
 
-# the stand-in conversation a continuation is rendered after (it holds nothing a template
-# rewrites: no reasoning, one user turn)
-_STAND_IN = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
+# the stand-in user turn a continuation is rendered after (nothing a template rewrites)
+_STAND_IN = {"role": "user", "content": "x"}
 
 
-def episode_prompt_ids(tok, messages: Messages, tools: list[dict] | None) -> list[int]:
-    """An episode's first tokens: `messages` rendered with the chat template, the tools'
-    schemas and the generation prompt, tokenized as rendered (PromptDataset's way)."""
+def chat_prompt_ids(tok, messages: Messages, tools: list[dict] | None = None) -> list[int]:
+    """A prompt's tokens: `messages` rendered with the chat template (with the schemas of
+    `tools`) and its generation prompt, tokenized as rendered (PromptDataset's prompts, an
+    episode's first tokens, a judge's input)."""
     return tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True, tools=tools))
 
 
@@ -209,23 +209,29 @@ def continuation_ids(
        model generated (ChatML's newline after <|im_end|>); all of it for a reply cut
        before its end token (or ended by another one);
     2. the `new` messages as the template renders them after an assistant turn, then its
-       generation prompt: the text a stand-in conversation ending in `reply` (the reply's
-       message, its tool calls with it) gains when `new` follow it.
+       generation prompt: what a stand-in conversation ending in `reply` (the reply's
+       message, its tool calls with it) gains after the reply's content when `new` follow
+       it.
 
-    A DataError when the template renders the stand-in differently once messages follow
-    it (no suffix to append)."""
-    marked = [_STAND_IN[0], {"role": "assistant", "content": _MARK}]
+    A DataError when the template ends the turn differently once messages follow it (no
+    suffix to append)."""
+    marked = [_STAND_IN, {"role": "assistant", "content": _MARK}]
     close = tok.apply_chat_template(marked).split(_MARK, 1)[1]
     close_ids = tok.encode(close)
     if ended and close_ids and reply_ids and reply_ids[-1] == close_ids[0]:
         close_ids = close_ids[1:]
-    before = [_STAND_IN[0], {**reply, "content": _STAND_IN[1]["content"]}]
-    base = tok.apply_chat_template(before, tools=tools)
+    # after the reply's (marked) content: what the turn alone ends with, and what the
+    # conversation goes on with (a template may write the reply itself differently when
+    # it is the last message, as Qwen3 writes an empty <think> block before it)
+    before = [_STAND_IN, {**reply, "content": _MARK}]
+    base = tok.apply_chat_template(before, tools=tools).split(_MARK, 1)[1]
     full = tok.apply_chat_template([*before, *new], add_generation_prompt=True, tools=tools)
+    full = full.split(_MARK, 1)[1]
     if not full.startswith(base):
         raise DataError(
-            "the chat template renders a conversation differently once more messages follow "
-            "it, so the environment's messages cannot be appended to the generated tokens as "
-            "a suffix; use a template that renders earlier turns the same whatever follows."
+            "the chat template renders an assistant turn differently once more messages "
+            "follow it, so the environment's messages cannot be appended to the generated "
+            "tokens as a suffix; use a template that renders a turn's end the same whatever "
+            "follows."
         )
     return close_ids + tok.encode(full[len(base) :])

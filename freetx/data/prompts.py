@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from freetx.data.batch import PADDING
+from freetx.data.chat import chat_prompt_ids
 from freetx.data.env_tasks import environment_rows, environment_tasks
 from freetx.data.formats import (
     BadRow,
@@ -188,7 +189,7 @@ class PromptDataset(RowsDataset):
         if self.chat:
             messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
             try:
-                return tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True))
+                return chat_prompt_ids(tok, messages)
             except DataError as e:
                 raise BadRow(f"cannot be rendered: {e}") from None
         if isinstance(prompt, list) and [m["role"] for m in prompt] != ["user"]:

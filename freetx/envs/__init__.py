@@ -22,6 +22,7 @@ from freetx.envs.language import (
     ProvidesTools,
     SingleReply,
     Turn,
+    last_reply,
 )
 from freetx.envs.qlearning import HistoryConfig, history_shard, learning_histories
 from freetx.envs.text_darkroom import TextDarkRoom
@@ -41,6 +42,7 @@ __all__ = [
     "SingleReply",
     "TextDarkRoom",
     "Turn",
+    "last_reply",
     "DarkRoom",
     "DarkRoomConfig",
     "GoalSplit",

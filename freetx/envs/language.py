@@ -76,6 +76,11 @@ class BuiltinTask(Protocol):
     def demonstrations(self, count: int, seed: int) -> list[list[Message]]: ...
 
 
+def last_reply(messages: list[Message]) -> str:
+    """The content of a conversation's last assistant message ("" when there is none)."""
+    return next((m["content"] for m in reversed(messages) if m["role"] == "assistant"), "")
+
+
 class SingleReply:
     """The environment of a run with tools and no `env:`: a reply that calls no tool ends
     the episode (TRL's tool loop); the rewards score the conversation."""

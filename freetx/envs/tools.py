@@ -61,9 +61,11 @@ class ToolCall(NamedTuple):
     arguments: dict[str, Any] | None
     error: str | None = None
 
-    def as_message_call(self) -> dict[str, Any]:
-        """The call as an assistant message's `tool_calls` entry (transformers' form)."""
-        return {"type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+    def as_message_call(self, call_id: str) -> dict[str, Any]:
+        """The call as an assistant message's `tool_calls` entry (transformers' form), with
+        its `id` (its tool message's `tool_call_id`: Mistral's templates need one)."""
+        function = {"name": self.name, "arguments": self.arguments}
+        return {"id": call_id, "type": "function", "function": function}
 
 
 def tool_name(function: Callable[..., Any]) -> str:

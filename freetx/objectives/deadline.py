@@ -19,6 +19,8 @@ backtracking for ever) stops the main thread too; only a process could end that.
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import threading
 import time
 from collections.abc import Callable
@@ -69,3 +71,45 @@ def call_with_deadline(
     if "error" in outcome:
         raise outcome["error"]
     return outcome["value"]
+
+
+def call_named(
+    function: Callable[..., Any],
+    *args: Any,
+    scene: str,
+    key: str,
+    timeout_s: float,
+    error: type[Exception],
+    fix: str,
+    stop: Callable[[], bool] | None = None,
+    raw: bool = False,
+    **kwargs: Any,
+) -> Any:
+    """The user's `function(*args, **kwargs)` (a reward, an environment's step, a tool),
+    awaited in its thread when it is `async`, within `timeout_s` (the config's `key`):
+    its result; `error` naming `scene` when it passes the deadline, or when it raises
+    (`fix`: what to do), unless `raw` (its own exception raised as it is: a tool's, which
+    the model reads). Interrupted (`stop()`: a stop signal) passes through."""
+
+    def invoke() -> Any:
+        result = function(*args, **kwargs)
+        return asyncio.run(_awaited(result)) if inspect.isawaitable(result) else result
+
+    try:
+        return call_with_deadline(invoke, timeout_s=timeout_s, stop=stop)
+    except Interrupted:  # a stop signal: the caller stops the run
+        raise
+    except DeadlinePassed:
+        raise error(
+            f"{scene} did not return within {key}={timeout_s:g} s, and the run stopped (the "
+            "call was abandoned). Make it return sooner (a timeout on whatever it waits "
+            f"for), or raise {key} if it is slow by nature."
+        ) from None
+    except Exception as e:
+        if raw:
+            raise
+        raise error(f"{scene} failed: {type(e).__name__}: {str(e).rstrip('.')}. {fix}") from e
+
+
+async def _awaited(result: Any) -> Any:
+    return await result

@@ -18,8 +18,10 @@ never a re-render of the history, which a template may rewrite). Only the sample
 carry the loss; the environment's and the template's are masked (`trained`).
 
 An episode ends when the environment says so, when a reply calls no tool in a run
-without `env:`, at `max_turns` replies, or when the next reply could pass `max_tokens`
-(the sequence's length, prompt included); those cut are counted. Its reward: the
+without `env:`, at `max_turns` replies (the last reply's calls are not run), or when the
+environment's messages and another reply could pass `max_tokens` (no sequence is longer,
+prompt included); those cut are counted. Each tool call has an id of 9 letters and
+digits from the episode's key, the turn and its place (Mistral's templates ask one). Its reward: the
 environment's turn rewards summed (column `env` of the rewards), plus the weighted
 rewards, which read the last reply as the completion and the whole conversation as the
 row's `messages` (TRL's batched form: the episode's messages as the completion).
@@ -27,9 +29,9 @@ row's `messages` (TRL's batched form: the episode's messages as the completion).
 
 from __future__ import annotations
 
-import asyncio
 import functools
-import inspect
+import hashlib
+import math
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -40,13 +42,13 @@ import torch
 
 from freetx.config.instantiate import instantiate_except, is_component, node_path
 from freetx.data import PromptBatch
-from freetx.data.chat import continuation_ids, episode_prompt_ids
-from freetx.envs import LanguageEnvironment, Message, ProvidesTools, SingleReply, Turn
+from freetx.data.chat import chat_prompt_ids, continuation_ids
+from freetx.envs import LanguageEnvironment, Message, ProvidesTools, SingleReply, Turn, last_reply
 from freetx.envs.tools import parse_tool_calls, tool_format, tool_name, tool_result, tool_schema
 from freetx.errors import ConfigError, TrainingError
 from freetx.models.engine import EngineConfig
 from freetx.models.generation import Draws, Sampling, generate
-from freetx.objectives.deadline import DeadlinePassed, call_with_deadline
+from freetx.objectives.deadline import call_named
 from freetx.objectives.rewards import REWARD_TIMEOUT_S, Reward, function_of, score_completions
 from freetx.objectives.rollouts import Completions, CompletionScorer
 
@@ -138,6 +140,7 @@ class Episode:
     done: bool = False
     cut: str | None = None  # max_turns or max_tokens: ended by a limit
     ended: bool = True  # its last reply reached an end token
+    clipped: bool = False  # a reply cut at max_completion_length, or the episode by a limit
 
     @property
     def length(self) -> int:
@@ -196,32 +199,22 @@ class EpisodeRunner(CompletionScorer):
         tool: bool = False,
         **kwargs: Any,
     ) -> Any:
-        """`function(*args, **kwargs)` (awaited when it is async) within timeout_s; an
-        EpisodeError naming `scene` when it passes the deadline, or when it raises and is
-        the environment (a `tool`'s exception is raised as it is: the model reads it)."""
-
-        def invoke() -> Any:
-            result = function(*args, **kwargs)
-            if inspect.isawaitable(result):
-                return asyncio.run(_awaited(result))
-            return result
-
-        timeout = self.limits.timeout_s
-        try:
-            return call_with_deadline(invoke, timeout_s=timeout)
-        except DeadlinePassed:
-            raise EpisodeError(
-                f"{scene} did not return within env.timeout_s={timeout:g} s, and the run "
-                "stopped (the call was abandoned). Make it return sooner (a timeout on what it "
-                "waits for), or raise env.timeout_s if it is slow by nature."
-            ) from None
-        except Exception as e:
-            if tool:
-                raise
-            raise EpisodeError(
-                f"{scene} failed: {type(e).__name__}: {str(e).rstrip('.')}. Fix the "
-                "environment; a failing environment is never a silent end of the episode."
-            ) from e
+        """`function(*args, **kwargs)` (awaited when it is async) within env.timeout_s
+        (`call_named`); an EpisodeError naming `scene` when it passes the deadline, or when
+        it raises and is the environment (a `tool`'s exception is raised as it is: the
+        model reads it)."""
+        fix = "Fix the environment; a failing environment is never a silent end of the episode."
+        return call_named(
+            function,
+            *args,
+            scene=scene,
+            key="env.timeout_s",
+            timeout_s=self.limits.timeout_s,
+            error=EpisodeError,
+            fix=fix,
+            raw=tool,
+            **kwargs,
+        )
 
     # -- generate: the turns ------------------------------------------------------------
 
@@ -230,14 +223,14 @@ class EpisodeRunner(CompletionScorer):
         their ends; None for no prompt."""
         if not prompts.ids:
             return None
-        episodes = EpisodeBatch()
+        episodes, started = EpisodeBatch(), time.perf_counter()
         for i, row_id in enumerate(prompts.ids):
             said = prompts.conversations[i] if prompts.conversations else None
             messages = said or [{"role": "user", "content": prompts.prompts[i]}]
             row = dict(prompts.fields[i])
             scene = f"env.reset on {row_id}"
             first = self.call(self.env.reset, [dict(m) for m in messages], row, scene=scene)
-            ids = episode_prompt_ids(self.tokenizer, first, self.schemas)
+            ids = chat_prompt_ids(self.tokenizer, first, self.schemas)
             if len(ids) + self.max_new_tokens > self.limits.max_tokens:
                 raise EpisodeError(
                     f"the episode prompt of {row_id} is {len(ids)} tokens, and with a reply of "
@@ -248,7 +241,7 @@ class EpisodeRunner(CompletionScorer):
             for j in range(n):
                 episodes.append(
                     Episode(
-                        row,
+                        dict(row),  # each its own: the steps of a group run side by side
                         row_id,
                         keys[i * n + j],
                         [dict(m) for m in first],
@@ -256,12 +249,12 @@ class EpisodeRunner(CompletionScorer):
                         start=len(first),
                     )
                 )
-        environment_s = 0.0
+        environment_s = time.perf_counter() - started  # the resets
         for turn in range(self.limits.max_turns):
             going = [e for e in episodes if not e.done]
             for e in going:
                 if e.length + self.max_new_tokens > self.limits.max_tokens:
-                    e.done, e.cut = True, "max_tokens"
+                    e.done, e.cut, e.clipped = True, "max_tokens", True
             going = [e for e in going if not e.done]
             if not going:
                 break
@@ -287,7 +280,7 @@ class EpisodeRunner(CompletionScorer):
             environment_s += time.perf_counter() - started
         for e in episodes:
             if not e.done:  # the last turn's replies
-                e.done, e.cut = True, e.cut or "max_turns"
+                e.done, e.cut, e.clipped = True, e.cut or "max_turns", True
         episodes.lengths = torch.tensor([float(e.generated) for e in episodes])
         episodes.environment_s = environment_s
         return episodes
@@ -303,24 +296,29 @@ class EpisodeRunner(CompletionScorer):
         e.generated += len(reply)
         e.entropy += entropy
         e.turns, e.ended = e.turns + 1, ended
+        e.clipped = e.clipped or not ended
         said = reply[:-1] if ended else reply
-        text = self.tokenizer.decode(said)
-        message: Message = {"role": "assistant", "content": text}
-        calls = (
-            parse_tool_calls(self.tokenizer.decode(said, keep_special=True), self.format)
-            if self.format
-            else []
-        )
-        if calls:
-            message["tool_calls"] = [c.as_message_call() for c in calls if c.error is None]
+        message: Message = {"role": "assistant", "content": self.tokenizer.decode(said)}
+        calls = []
+        if self.format:
+            calls = parse_tool_calls(self.tokenizer.decode(said, keep_special=True), self.format)
+        # each call's id: deterministic (the episode's key, the turn, its place)
+        ids = [_call_id(f"{e.key} turn {turn} call {i}") for i in range(len(calls))]
+        parsed = [c.as_message_call(i) for c, i in zip(calls, ids) if c.error is None]
+        if parsed:
+            message["tool_calls"] = parsed
         e.messages.append(message)
+        e.tool_calls += len(calls)
 
         def scene(what: str) -> str:
             return f"{what} on {e.row_id} (turn {turn})"
 
+        if calls and last:  # its results would not be read: the episode ends here
+            e.done, e.cut, e.clipped = True, "max_turns", True
+            return
         if calls:
             new = []
-            for call in calls:
+            for call, call_id in zip(calls, ids):
                 where = scene(f"tool {call.name}")
                 result, failed = tool_result(
                     call,
@@ -328,16 +326,22 @@ class EpisodeRunner(CompletionScorer):
                     functools.partial(self.call, scene=where, tool=True),
                     passing=(EpisodeError,),
                 )
-                new.append({"role": "tool", "name": call.name or "", "content": result})
-                e.tool_calls += 1
+                new.append(
+                    {
+                        "role": "tool",
+                        "name": call.name or "",
+                        "tool_call_id": call_id,
+                        "content": result,
+                    }
+                )
                 e.tool_errors += failed
             step = Turn(new)
         else:
             step = self.call(self.env.step, list(e.messages), e.row, scene=scene("env.step"))
-            if not isinstance(step, Turn):
+            if not isinstance(step, Turn) or not math.isfinite(float(step.reward)):
                 raise EpisodeError(
-                    f"{scene('env.step')} returned {type(step).__name__}, not a "
-                    "freetx.envs.Turn(messages, reward, done)."
+                    f"{scene('env.step')} returned {step!r:.120}, not a freetx.envs.Turn("
+                    "messages, reward, done) with a finite reward."
                 )
             e.reward += float(step.reward)
         if step.done:
@@ -345,9 +349,12 @@ class EpisodeRunner(CompletionScorer):
             e.done = True
             return
         if last:
-            e.done, e.cut = True, "max_turns"
+            e.done, e.cut, e.clipped = True, "max_turns", True
             return
         more = continuation_ids(self.tokenizer, message, step.messages, reply, ended, self.schemas)
+        if e.length + len(more) + self.max_new_tokens > self.limits.max_tokens:
+            e.done, e.cut, e.clipped = True, "max_tokens", True  # no room for another reply
+            return
         e.messages.extend(step.messages)
         e.tokens += more
         e.trained += [False] * len(more)
@@ -359,7 +366,7 @@ class EpisodeRunner(CompletionScorer):
         and the whole conversation (the row's `messages`, its `turns` and `env_reward`),
         and the environment's summed rewards (column `env`), as `Completions` with each
         episode's prompt tokens, mask and record."""
-        texts = [_last_reply(e.messages) for e in out]
+        texts = [last_reply(e.messages) for e in out]
         fields = [
             {
                 **e.row,
@@ -397,7 +404,7 @@ class EpisodeRunner(CompletionScorer):
             ended,
             lengths,
             entropy,
-            clipped=torch.tensor([e.cut is not None for e in out]),
+            clipped=torch.tensor([e.clipped for e in out]),
             prompt_ids=[e.prompt_ids for e in out],
             trained=[list(e.trained) for e in out],
             episodes=list(out),
@@ -405,10 +412,6 @@ class EpisodeRunner(CompletionScorer):
         )
 
 
-async def _awaited(result: Any) -> Any:
-    return await result
-
-
-def _last_reply(messages: list[Message]) -> str:
-    """The content of a conversation's last assistant message."""
-    return next((m["content"] for m in reversed(messages) if m["role"] == "assistant"), "")
+def _call_id(key: str) -> str:
+    """A tool call's id: 9 letters and digits (what Mistral's templates ask), from `key`."""
+    return hashlib.sha256(key.encode()).hexdigest()[:9]

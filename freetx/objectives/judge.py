@@ -5,19 +5,20 @@ under a prompt template and gives its verdict (docs/rewards.md#a-judge-as-a-rewa
       - _component_: freetx.objectives.Judge
         model: /models/Qwen2.5-0.5B-Instruct     # an HF folder, or a run / DCP checkpoint
         template: "Question: {prompt}\\nAnswer: {completion}\\nIs the answer right? Say yes or no."
-        verdicts: [" yes", " no"]                # verdict: P(yes) / (P(yes) + P(no))
+        verdicts: ["Yes", "No"]                  # verdict: P(Yes) / (P(Yes) + P(No))
         weight: 1.0
 
 `verdict` (the default): the score is the probability of the first verdict's first token
-against the second's, at the position where the judge starts its reply: the template
-filled in (`{prompt}`, `{completion}` and the row's fields by name) as one user turn of
+against the second's, at the position where the judge starts its reply (each verdict's
+token as it is tokenized there, after the prompt: `Yes` right after a chat template's
+assistant header, ` yes` after a question's text): the template filled in (`{prompt}`, `{completion}` and the row's fields by name) as one user turn of
 the judge's chat template with its generation prompt (or the text itself, with BOS, for
 a tokenizer without one). `score`: the judge replies greedily (up to `max_new_tokens`,
 through the generation engine) and the first number in its reply is the score; a reply
 without one does not apply (None, TRL's meaning).
 
-The judge's weights are read once, when the run places it (`place`: the run's device,
-bfloat16 on CUDA, float32 on the CPU), frozen, whole on every rank (not sharded: its
+The judge's weights are read once, when the run places it (`place`: read on the CPU in
+the dtype it keeps, bfloat16 for CUDA and float32 for the CPU, then moved), frozen, whole on every rank (not sharded: its
 bytes count per rank, `freetx estimate` says how many); its completions are scored in
 batches of `batch_size`. It is TRL's batched form of a reward, so its call sees the
 rank's completions of a step at once.
@@ -32,9 +33,11 @@ from typing import Any
 
 import torch
 
-from freetx.checkpoint.loading import load_source_model, source_model_on_meta
+from freetx.checkpoint.loading import load_source_model, source_parameters
 from freetx.data import ByteTokenizer, HFTokenizer
+from freetx.data.chat import chat_prompt_ids
 from freetx.data.tokenizers import leading_bos
+from freetx.envs import last_reply
 from freetx.errors import ConfigError
 from freetx.models import DecodesIncrementally
 from freetx.models.generation import Draws, Sampling, generate
@@ -50,7 +53,7 @@ class Judge:
         self,
         model: str,
         template: str,
-        verdicts: Sequence[str] = (" yes", " no"),
+        verdicts: Sequence[str] = ("Yes", "No"),
         mode: str = "verdict",
         max_new_tokens: int = 8,
         batch_size: int = 16,
@@ -69,24 +72,30 @@ class Judge:
                 "folder (a run of a byte model: tokenizer: bytes)"
             )
         self.tokenizer = ByteTokenizer() if tokenizer == "bytes" else HFTokenizer(str(folder))
-        self.verdict_ids = [self._first_token(v) for v in verdicts]
-        if mode == "verdict" and (len(self.verdict_ids) != 2 or len(set(self.verdict_ids)) != 2):
-            raise ValueError(
-                f"verdicts={list(verdicts)!r}: give two verdicts whose first tokens differ "
-                "(yes first), e.g. [' yes', ' no']"
-            )
+        self.verdicts = list(verdicts)
+        if mode == "verdict" and (len(self.verdicts) != 2 or len(set(self.verdicts)) != 2):
+            raise ValueError(f"verdicts={self.verdicts!r}: give two verdicts, yes first")
         self.model: torch.nn.Module | None = None
 
-    def _first_token(self, text: str) -> int:
-        ids = self.tokenizer.encode(text)
-        if not ids:
-            raise ValueError(f"the verdict {text!r} encodes to no token")
-        return ids[0]
+    def verdict_ids(self, text: str) -> list[int]:
+        """Each verdict's first token where the judge's reply starts, after `text` (a
+        rendered judge prompt): the token the verdict begins with when tokenized after it
+        (a word's first token differs at the start of a reply and after a space)."""
+        prefix, found = self.tokenizer.encode(text), []
+        for verdict in self.verdicts:
+            ids = self.tokenizer.encode(text + verdict)
+            after = ids[: len(prefix)] == prefix and len(ids) > len(prefix)
+            found.append(ids[len(prefix)] if after else self.tokenizer.encode(verdict)[0])
+        if len(set(found)) != 2:
+            raise ValueError(
+                f"the verdicts {self.verdicts!r} begin with the same token after the judge's "
+                "prompt; give verdicts whose first tokens differ (e.g. Yes / No)"
+            )
+        return found
 
     def parameter_bytes(self) -> int:
         """The judge's weights in bytes as placed on a GPU (bfloat16), from its shapes alone."""
-        meta = source_model_on_meta(self.path)
-        return sum(p.numel() for p in meta.parameters()) * 2
+        return source_parameters(self.path) * 2
 
     def place(self, device: torch.device) -> None:
         """Read the judge's weights onto `device`, frozen (the run calls it once, at setup)."""
@@ -99,7 +108,9 @@ class Judge:
                     f"every rank, and {device} has {free / 2**30:.1f} GiB free; use a smaller "
                     "judge, or more GPUs with a sharded policy (freetx estimate counts it)."
                 )
-        model = load_source_model(self.path, device).eval().requires_grad_(False)
+        dtype = "bfloat16" if device.type == "cuda" else "float32"  # read on the CPU, then moved
+        model = load_source_model(self.path, torch.device("cpu"), dtype).to(device)
+        model = model.eval().requires_grad_(False)
         if not isinstance(model, DecodesIncrementally):
             raise ConfigError(
                 f"the judge {self.path} is a {type(model).__name__}, which has no KV cache "
@@ -107,14 +118,17 @@ class Judge:
             )
         self.model = model
 
-    def prompt_ids(self, prompt: str, completion: str, row: dict[str, Any]) -> list[int]:
-        """The judge's input for one completion (module docstring)."""
+    def rendered(self, prompt: str, completion: str, row: dict[str, Any]) -> tuple[str, list[int]]:
+        """The judge's input for one completion (module docstring): its text as rendered
+        (the chat template's, with its generation prompt) and its tokens."""
         text = self.template.format(**{**row, "prompt": prompt, "completion": completion})
         tok = self.tokenizer
         if getattr(tok, "chat_template", None) is not None:
             chat = [{"role": "user", "content": text}]
-            return tok.encode(tok.apply_chat_template(chat, add_generation_prompt=True))
-        return [*leading_bos(tok), *tok.encode(text)]
+            return tok.apply_chat_template(chat, add_generation_prompt=True), chat_prompt_ids(
+                tok, chat
+            )
+        return text, [*leading_bos(tok), *tok.encode(text)]
 
     @torch.no_grad()
     def __call__(self, prompts, completions, completion_ids, **columns) -> list[float | None]:
@@ -122,15 +136,17 @@ class Judge:
             raise RuntimeError(f"the judge {self.path} was not placed on a device (place())")
         rows = [{k: v[i] for k, v in columns.items()} for i in range(len(completions))]
         texts = [p if isinstance(p, str) else p[-1]["content"] for p in prompts]
-        said = [c if isinstance(c, str) else c[-1]["content"] for c in completions]
-        inputs = [self.prompt_ids(p, c, r) for p, c, r in zip(texts, said, rows)]
+        said = [c if isinstance(c, str) else last_reply(c) for c in completions]
+        rendered = [self.rendered(p, c, r) for p, c, r in zip(texts, said, rows)]
+        inputs = [ids for _, ids in rendered]
+        verdicts = self.verdict_ids(rendered[0][0]) if self.mode == "verdict" else []
         scores: list[float | None] = []
         for start in range(0, len(inputs), self.batch_size):
             part = inputs[start : start + self.batch_size]
-            scores += self._verdicts(part) if self.mode == "verdict" else self._scores(part)
+            scores += self._verdicts(part, verdicts) if verdicts else self._scores(part)
         return scores
 
-    def _verdicts(self, inputs: list[list[int]]) -> list[float]:
+    def _verdicts(self, inputs: list[list[int]], verdicts: list[int]) -> list[float]:
         """P(yes) / (P(yes) + P(no)) at each input's last position: one forward of the
         left-padded batch into a KV cache that masks the padding (`DecodesIncrementally`)."""
         device = next(self.model.parameters()).device
@@ -138,7 +154,7 @@ class Judge:
         padding = torch.tensor([width - len(x) for x in inputs], device=device)
         ids = torch.tensor([[0] * (width - len(x)) + x for x in inputs], device=device)
         logits = self.model(ids, cache=self.model.new_cache(padding, width))[:, -1]
-        pair = logits[:, self.verdict_ids].float().log_softmax(-1)
+        pair = logits[:, verdicts].float().log_softmax(-1)
         return pair[:, 0].exp().tolist()
 
     def _scores(self, inputs: list[list[int]]) -> list[float | None]:

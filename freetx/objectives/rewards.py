@@ -46,7 +46,7 @@ from freetx.config.instantiate import (
     node_path,
 )
 from freetx.errors import ConfigError, TrainingError
-from freetx.objectives.deadline import DeadlinePassed, Interrupted, call_with_deadline
+from freetx.objectives.deadline import call_named
 
 HELD = ("weight", "name")  # a reward node's keys the recipe reads (the rest are the target's)
 SIGNATURE = "def reward(prompt: str, completion: str, row: dict) -> float"
@@ -438,23 +438,20 @@ def _called(
     *args: Any,
     **kwargs: Any,
 ) -> Any:
-    """A reward's call, with its deadline (`call_with_deadline`; Interrupted passes
-    through); a RewardError naming `scene` when it raises or passes the deadline."""
-    try:
-        return call_with_deadline(function, *args, timeout_s=timeout_s, stop=stop, **kwargs)
-    except Interrupted:  # a stop signal: the caller stops the run
-        raise
-    except DeadlinePassed:
-        raise RewardError(
-            f"{scene} did not return within reward_timeout_s={timeout_s:g} s, and the run "
-            "stopped (the call was abandoned). Make the reward return sooner (a timeout on "
-            "whatever it waits for), or raise reward_timeout_s if it is slow by nature."
-        ) from None
-    except Exception as e:
-        raise RewardError(
-            f"{scene} failed: {type(e).__name__}: {str(e).rstrip('.')}. Fix the reward (or "
-            "the data it reads); a failing reward is never counted as 0."
-        ) from e
+    """A reward's call, with its deadline (`call_named`; Interrupted passes through); a
+    RewardError naming `scene` when it raises or passes the deadline."""
+    fix = "Fix the reward (or the data it reads); a failing reward is never counted as 0."
+    return call_named(
+        function,
+        *args,
+        scene=scene,
+        key="reward_timeout_s",
+        timeout_s=timeout_s,
+        error=RewardError,
+        fix=fix,
+        stop=stop,
+        **kwargs,
+    )
 
 
 def _finite(value: Any, scene: str) -> float:

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from freetx.checkpoint import source_model_on_meta
+from freetx.checkpoint.loading import source_parameters
 from freetx.config import instantiate
 from freetx.data import micro_batch_size
 from freetx.distributed import Processes
@@ -85,9 +85,7 @@ def estimate_config(
     rungs = Rungs.of(cfg)
 
     # a judge reward's model: whole on every rank, bfloat16 on a GPU, float32 on the CPU
-    judges = sum(
-        sum(p.numel() for p in source_model_on_meta(path).parameters()) for path in planned.judges
-    ) * (4 if device == "cpu" else 2)
+    judges = sum(map(source_parameters, planned.judges)) * (4 if device == "cpu" else 2)
     generation = None
     if planned.generations_per_prompt:  # online RL: this rank's completions of one generation
         rows = cfg.batch_size // data_ranks * planned.generations_per_prompt

@@ -1,6 +1,7 @@
 """A judge as a reward (freetx.objectives.Judge): its verdict is the frozen model's own
-probability of " yes" against " no", as transformers computes it from the same folder and
-prompt; batched and left-padded or not; its `score` mode parses the judge's greedy reply."""
+probability of "Yes" against "No" (their first tokens after the judge's prompt), as
+transformers computes it from the same folder and prompt; batched and left-padded or not;
+its `score` mode parses the judge's greedy reply."""
 
 from __future__ import annotations
 
@@ -34,13 +35,14 @@ def test_the_verdict_is_the_judges_own_yes_probability(judge_folder):
 
     tok = transformers.AutoTokenizer.from_pretrained(judge_folder)
     model = transformers.AutoModelForCausalLM.from_pretrained(judge_folder).eval()
-    yes, no = (tok.encode(v, add_special_tokens=False)[0] for v in (" yes", " no"))
     for prompt, completion, answer, score in zip(prompts, completions, ["4", "blue"], scores):
         text = TEMPLATE.format(prompt=prompt, completion=completion, answer=answer)
-        ids = tok.apply_chat_template(
-            [{"role": "user", "content": text}], add_generation_prompt=True
-        )
-        ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+        chat = [{"role": "user", "content": text}]
+        rendered = tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+        ids = tok.encode(rendered, add_special_tokens=False)
+        # each verdict's token where the reply starts: tokenized after the prompt
+        after = [tok.encode(rendered + v, add_special_tokens=False) for v in ("Yes", "No")]
+        yes, no = (a[len(ids)] for a in after)
         with torch.no_grad():
             logits = model(torch.tensor([ids])).logits[0, -1]
         direct = torch.softmax(logits[[yes, no]].float(), dim=-1)[0].item()
@@ -58,7 +60,7 @@ def test_a_judge_that_replies_a_number_and_one_that_is_misconfigured(judge_folde
     assert all(s is None or isinstance(s, float) for s in scores)
     with pytest.raises(ValueError, match="no \\{completion\\}"):
         Judge(str(judge_folder), "Rate: {prompt}")
-    with pytest.raises(ValueError, match="first tokens differ"):
-        Judge(str(judge_folder), TEMPLATE, verdicts=[" yes", " yes"])
+    with pytest.raises(ValueError, match="give two verdicts"):
+        Judge(str(judge_folder), TEMPLATE, verdicts=["Yes", "Yes"])
     with pytest.raises(RuntimeError, match="was not placed"):
         Judge(str(judge_folder), TEMPLATE)(["q"], ["a"], [[]], answer=["a"])
