@@ -50,7 +50,7 @@ from typing import Any, ClassVar, Optional
 import torch
 
 from freetx.config import instantiate
-from freetx.data import PromptDataset, RolloutBatch, collate_prompts
+from freetx.data import ByteTokenizer, PromptDataset, RolloutBatch, collate_prompts
 from freetx.entry import parse
 from freetx.errors import ConfigError
 from freetx.fields import at_least, component_list, component_node
@@ -60,7 +60,12 @@ from freetx.models.generation import Sampling
 from freetx.models.hf import end_token_ids
 from freetx.objectives import GRPOLoss, build_rewards, token_logps, with_router_loss
 from freetx.objectives.deadline import Interrupted
-from freetx.objectives.episodes import ENV_KEYS, EpisodeRunner, build_environment
+from freetx.objectives.episodes import (
+    ENV_KEYS,
+    EpisodeRunner,
+    build_environment,
+    no_chat_template,
+)
 from freetx.objectives.reference import reference_kind, reference_model
 from freetx.objectives.rewards import REWARD_TIMEOUT_S, HoldsModel, place_rewards
 from freetx.objectives.rollouts import CompletionScorer, GenerationConfig, Rollouts, write_samples
@@ -173,6 +178,9 @@ class GRPOConfig(DecoderConfig):
         build_rewards(self.rewards, required=not self.episodes)  # each one's signature
         if self.episodes:
             build_environment(self.env, self.tools)  # the env, its tools' schemas
+            tokenizer = built_class(self.tokenizer, "tokenizer")
+            if tokenizer is ByteTokenizer and not self.tokenizer.get("chat_template"):
+                raise no_chat_template("ByteTokenizer")  # an HF folder's: when it is read
 
     @property
     def episodes(self) -> bool:

@@ -62,6 +62,16 @@ ENV_REWARD = "env"  # the environment's rewards, a column beside the reward func
 WORKERS = 16  # environment steps run at once
 
 
+def no_chat_template(tokenizer: str) -> ConfigError:
+    """The refusal of episodes with a tokenizer that has no chat template (the run's, and
+    `freetx validate`'s for a ByteTokenizer node without one)."""
+    return ConfigError(
+        f"env/tools: {tokenizer} has no chat template, and an episode's messages are "
+        "rendered by one; use freetx.data.ByteTokenizer with chat_template: turns (a byte "
+        "model), or an HF folder whose tokenizer has one."
+    )
+
+
 class EpisodeError(TrainingError):
     """An environment or a tool that failed or hung (named with the row and the turn)."""
 
@@ -182,11 +192,7 @@ class EpisodeRunner(CompletionScorer):
         self.schemas = [tool_schema(f) for f in tools.values()] or None
         template = getattr(tokenizer, "chat_template", None)
         if template is None:
-            raise ConfigError(
-                f"env/tools: {type(tokenizer).__name__} has no chat template, and an episode's "
-                "messages are rendered by one; use freetx.data.ByteTokenizer with "
-                "chat_template: turns (a byte model), or an HF folder whose tokenizer has one."
-            )
+            raise no_chat_template(type(tokenizer).__name__)
         self.format = tool_format(template, limits.tool_format) if tools else None
 
     # -- the user's code, with its deadline ---------------------------------------------
@@ -230,6 +236,11 @@ class EpisodeRunner(CompletionScorer):
             row = dict(prompts.fields[i])
             scene = f"env.reset on {row_id}"
             first = self.call(self.env.reset, [dict(m) for m in messages], row, scene=scene)
+            if not isinstance(first, list) or not all(isinstance(m, dict) for m in first):
+                raise EpisodeError(
+                    f"{scene} returned {first!r:.120}, not a list of messages "
+                    '([{"role": ..., "content": ...}, ...]): the episode\'s first messages.'
+                )
             ids = chat_prompt_ids(self.tokenizer, first, self.schemas)
             if len(ids) + self.max_new_tokens > self.limits.max_tokens:
                 raise EpisodeError(

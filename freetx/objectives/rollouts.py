@@ -464,9 +464,9 @@ def _trained_of(groups: list[PromptGroup]) -> list[list[bool]] | None:
     if all(g.trained is None for g in groups):
         return None
     return [
-        t if g.trained is not None else [True] * len(c)
+        g.trained[j] if g.trained is not None else [True] * len(c)
         for g in groups
-        for c, t in zip(g.completions, g.trained or [None] * len(g.completions))
+        for j, c in enumerate(g.completions)
     ]
 
 

@@ -253,6 +253,7 @@ def test_a_sigterm_while_a_reward_blocks_saves_the_step_and_stops(tmp_path, hf_p
         (["env={_component_: freetx.envs.GuessingGame, max_turns: 0}"], "env.max_turns=0"),
         (["env={_component_: freetx.envs.GuessingGame, max_turn: 3}"], "max_turn"),
         (["env={_component_: freetx.data.ByteTokenizer}"], "no language environment"),
+        (["env={_component_: freetx.envs.GuessingGame}"], "ByteTokenizer has no chat template"),
     ],
 )
 def test_validate_refuses_what_the_run_refuses(overrides, says):

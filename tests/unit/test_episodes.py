@@ -345,6 +345,11 @@ class Hangs:
         return Turn(done=True)
 
 
+class Forgets(Hangs):
+    def reset(self, messages, row):
+        messages.append({"role": "user", "content": "go"})  # returns nothing
+
+
 class Breaks(Hangs):
     def step(self, messages, row):
         raise KeyError("goal")
@@ -370,6 +375,9 @@ def test_a_hung_or_broken_environment_is_named_with_its_row_and_turn(monkeypatch
     ):
         hung.generate(None, batch, 1, Sampling(1.0), ["a"])
     assert time.monotonic() - started < 10
+    forgets = runner(tok, {"_component_": "tests.unit.test_episodes.Forgets"})
+    with pytest.raises(EpisodeError, match=r"env.reset on row 0 returned None, not a list"):
+        forgets.generate(None, batch, 1, Sampling(1.0), ["a"])
     broken = runner(tok, {"_component_": "tests.unit.test_episodes.Breaks"})
     with pytest.raises(EpisodeError, match=r"env.step on row 0 \(turn 0\) failed: KeyError"):
         broken.generate(None, batch, 1, Sampling(1.0), ["a"])
