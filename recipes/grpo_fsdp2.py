@@ -256,7 +256,12 @@ class GRPORecipeFSDP2:
             self.scorer = EpisodeRunner(setup.tokenizer, env, tools, limits, *scoring, gen.engine)
         else:
             self.scorer = CompletionScorer(setup.tokenizer, *scoring, gen.engine)
-        model = setup.meta_model(cfg.model, self.seq_len)
+        seq_key = (
+            "env.max_tokens"
+            if cfg.episodes
+            else "dataset.max_prompt_len + generation.max_completion_length"
+        )
+        model = setup.meta_model(cfg.model, self.seq_len, seq_key=seq_key)
         if not isinstance(model, DecodesIncrementally):  # rollouts of many prompt lengths
             raise ConfigError(
                 f"model: {type(model).__name__} has no KV cache (DecodesIncrementally), and "
@@ -267,7 +272,7 @@ class GRPORecipeFSDP2:
             )
         self.plan = setup.build(model)  # PEFT, QAT, parallelize, optimizer, schedule
         self.model, self.optimizer = self.plan.model, setup.optimizer
-        place_rewards(self.rewards, setup.runtime.device)  # a judge's weights
+        place_rewards(self.rewards, setup.runtime.device, self.plan)  # a judge, sharded like it
 
         # the KL term's reference: the base with adapters off, or a frozen copy (beta > 0)
         kind = reference_kind(self.loss_fn, cfg.peft.method != "none")

@@ -233,8 +233,9 @@ def main(args: argparse.Namespace) -> int:
             )
     if found.judges:
         print(
-            f"(judge rewards: their models' weights {found.judges / GIB:.2f} GiB, whole on "
-            f"every rank, within the peak: {', '.join(found.planned.judges)})"
+            f"(judge rewards: their models' weights {found.judges / GIB:.2f} GiB, gathered "
+            "whole while they score (sharded like the policy between scorings under FSDP2), "
+            f"within the peak: {', '.join(found.planned.judges)})"
         )
     if generations:
         rows = cfg.batch_size // shape.dp * generations

@@ -174,17 +174,8 @@ class ParallelPlan:
         if self.replicated:
             yield self.module
             return
-        sharded = [m for m in self.model.modules() if isinstance(m, FSDPModule)]
-        for module in sharded:
-            module.unshard()  # the root's first: FSDP2's lazy init, then every block's
-            module.set_reshard_after_forward(False, recurse=False)
-        try:
+        with gathered_whole(self.model, reshard_after_forward=self.strategy != "zero2"):
             yield self.model
-        finally:
-            for module in sharded:
-                module.reshard()
-                if module is not self.model:  # the root stays gathered after forward
-                    module.set_reshard_after_forward(self.strategy != "zero2", recurse=False)
 
     def build_optimizer(self, node) -> torch.optim.Optimizer:
         """The optimizer a `_component_` node names, over the trainable parameters, with
@@ -471,6 +462,26 @@ def parallelize_frozen(
     param_device = torch.device("cpu") if cfg.cpu_offload else runtime.device
     materialize(model, param_device, seed, buffer_device=runtime.device, init_weights=init_weights)
     return model.eval()
+
+
+@contextmanager
+def gathered_whole(model: nn.Module, reshard_after_forward: bool = True):
+    """Every FSDP2-sharded module of `model` gathered once on entry (one all-gather each:
+    every rank enters together) and kept whole until exit, where each is sharded again
+    and its blocks go back to `reshard_after_forward`; the forwards inside run no
+    collective over the sharding axes, so they may differ between ranks. Nothing to do
+    for a model that is not sharded."""
+    sharded = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    for module in sharded:
+        module.unshard()  # the root's first: FSDP2's lazy init, then every block's
+        module.set_reshard_after_forward(False, recurse=False)
+    try:
+        yield model
+    finally:
+        for module in sharded:
+            module.reshard()
+            if module is not model:  # the root stays gathered after forward
+                module.set_reshard_after_forward(reshard_after_forward, recurse=False)
 
 
 @contextmanager

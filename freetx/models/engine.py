@@ -21,6 +21,10 @@ The story of one call:
 4. A row that needs a new block when none is free takes one from the row admitted last,
    which starts again later (its tokens are the same: its draws are its own).
 
+Requests may also come while others decode (`open`, then `add` and `step` in turn: a
+multi-turn rollout's next turns, admitted as their environments answer): each `step`
+admits what waits and decodes one token, and says which requests ended.
+
 A row's tokens depend on its prompt and its draws alone (`Draws`: row r's uniform at
 step t), not on its slot, its neighbours or the slot count: its attention reads its own
 blocks only.
@@ -174,41 +178,95 @@ class Engine:
         self.static = use and self.device.type == "cuda"
         self.step_forward = _compiled_forward(model, self.static) if use else model
 
-    def run(self, prompts: Sequence[Sequence[int]], uniforms: torch.Tensor):
+    def run(self, prompts: Sequence[Sequence[int]], uniforms: torch.Tensor) -> Generated:
         """Every row's tokens [R, steps], lengths, ended and entropies (`Generated`'s)."""
-        cfg, rows = self.config, len(prompts)
-        longest = max(map(len, prompts))
-        width = check_request(longest, self.max_new, self.model.context_length(), cfg)
-        slots = min(cfg.slots or rows, rows)
-        blocks = cfg.kv_blocks or slots * width
-        self.pool = BlockPool(self.model.block_cache_layers(), blocks + 1, cfg.block_size)
-        self.uniforms = uniforms.to(self.device)
-        self.tokens = torch.zeros(rows, self.max_new, dtype=torch.long, device=self.device)
-        self.entropy = torch.zeros(rows, self.max_new, device=self.device)
-        self.lengths, self.ended = [0] * rows, [False] * rows
-        self.groups, self.group_of = [], []
-        for r, prompt in enumerate(prompts):
-            if r == 0 or list(prompt) != self.groups[-1].prompt:
-                self.groups.append(_Group(list(prompt)))
-            self.groups[-1].waiting += 1
-            self.group_of.append(self.groups[-1])
-        self.queue = deque(range(rows))
-        self.slots: list[_Row | None] = [None] * slots
-        self.admitted = 0
-        self.admit()
-        while any(self.slots):
+        rows = len(prompts)
+        self.open(min(self.config.slots or rows, rows), max(map(len, prompts)))
+        for prompt, row in zip(prompts, uniforms):
+            self.add(prompt, row)
+        while self.busy:
             self.step()
-            self.admit()
-        assert not self.queue, "the engine stopped with rows waiting"  # admit() always can
-        self.stats.most_blocks = self.pool.most_held
-        self.stats.block_bytes = self.pool.bytes_per_token() * cfg.block_size
         steps = max(self.lengths)
         return Generated(
-            self.tokens[:, :steps],
+            self.tokens[:rows, :steps],
             torch.tensor(self.lengths, device=self.device),
             torch.tensor(self.ended, device=self.device),
-            self.entropy[:, :steps],
+            self.entropy[:rows, :steps],
         )
+
+    # -- requests as they come (`Decoder`: a multi-turn rollout's) ---------------------
+    joins_running = True  # a request added between steps is admitted at the next
+
+    def open(self, slots: int, longest: int) -> None:
+        """Ready for requests: `slots` rows at once, prompts of up to `longest` tokens (the
+        pool, unless `kv_blocks` says, enough for every slot's longest row)."""
+        cfg = self.config
+        width = check_request(longest, self.max_new, self.model.context_length(), cfg)
+        self.longest = longest
+        blocks = cfg.kv_blocks or slots * width
+        self.pool = BlockPool(self.model.block_cache_layers(), blocks + 1, cfg.block_size)
+        self.uniforms = torch.zeros(0, self.max_new, device=self.device)
+        self.tokens = torch.zeros(0, self.max_new, dtype=torch.long, device=self.device)
+        self.entropy = torch.zeros(0, self.max_new, device=self.device)
+        self.lengths: list[int] = []
+        self.ended: list[bool] = []
+        self.groups: list[_Group] = []
+        self.group_of: list[_Group] = []
+        self.queue: deque[int] = deque()
+        self.slots: list[_Row | None] = [None] * slots
+        self.admitted = 0
+        self.finished: list[int] = []
+
+    def add(self, prompt: Sequence[int], uniforms: torch.Tensor) -> int:
+        """Request a reply to `prompt` drawn with `uniforms` [max_new_tokens]; its number.
+        A request with the prompt of the one added before it, while that one's group
+        waits, joins its group (one prefill)."""
+        if len(prompt) > self.longest:
+            raise ValueError(
+                f"a prompt of {len(prompt)} tokens; the engine opened for {self.longest}"
+            )
+        request = len(self.lengths)
+        if request == len(self.tokens):  # room for twice as many requests
+            more = max(request, 8)
+            self.uniforms, self.tokens, self.entropy = (
+                torch.cat([t, t.new_zeros(more, self.max_new)])
+                for t in (self.uniforms, self.tokens, self.entropy)
+            )
+        self.uniforms[request] = uniforms.to(self.device)
+        self.lengths.append(0)
+        self.ended.append(False)
+        last = self.groups[-1] if self.groups else None
+        if last is None or last.waiting == 0 or last.prompt != list(prompt):
+            last = _Group(list(prompt))
+            self.groups.append(last)
+        last.waiting += 1
+        self.group_of.append(last)
+        self.queue.append(request)
+        return request
+
+    @property
+    def busy(self) -> bool:
+        """Whether a request waits or decodes."""
+        return bool(self.queue) or any(self.slots)
+
+    @torch.no_grad()
+    def step(self) -> list[int]:
+        """Free slots take waiting requests, then one token for every occupied slot; the
+        requests that ended, in the order they did."""
+        self.finished = []
+        self.admit()
+        assert any(self.slots) or not self.queue, "the engine stopped with rows waiting"
+        self.decode()
+        self.stats.most_blocks = self.pool.most_held
+        self.stats.block_bytes = self.pool.bytes_per_token() * self.pool.block_size
+        return self.finished
+
+    def reply(self, request: int) -> tuple[list[int], bool, float]:
+        """An ended request's reply ids (its end token included), whether it reached an end
+        token, and its tokens' summed entropy."""
+        n = self.lengths[request]
+        entropy = float(self.entropy[request, :n].sum())
+        return self.tokens[request, :n].tolist(), self.ended[request], entropy
 
     # -- admission ------------------------------------------------------------------
     def admit(self) -> None:
@@ -297,7 +355,7 @@ class Engine:
         return self.take_tokens(rows, logits)
 
     # -- decoding -------------------------------------------------------------------
-    def step(self) -> None:
+    def decode(self) -> None:
         """One token for every occupied slot (a forward over them), then the rows ended."""
         self.grow()
         live = [row for row in self.slots if row is not None]
@@ -344,6 +402,7 @@ class Engine:
             return False
         self.lengths[row.request], self.ended[row.request] = row.step, ended
         self.pool.release(row.blocks)
+        self.finished.append(row.request)
         return True
 
     def grow(self) -> None:

@@ -26,15 +26,25 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
-from freetx.models.engine import EngineConfig, device_of, run_engine
+from freetx.models.engine import Engine, EngineConfig, device_of, run_engine
 from freetx.models.protocol import DecodesIncrementally
 from freetx.models.sampling import Draws, Generated, Sampling, entropy_of
 
-__all__ = ["Draws", "Generated", "Sampling", "entropy_of", "generate", "sampling_problems"]
+__all__ = [
+    "BatchDecoder",
+    "Decoder",
+    "Draws",
+    "Generated",
+    "Sampling",
+    "decoder",
+    "entropy_of",
+    "generate",
+    "sampling_problems",
+]
 
 
 def sampling_problems(values: dict[str, Any]) -> dict[str, str]:
@@ -131,3 +141,85 @@ def generate(
             break
     generated = tokens[:, longest:]
     return Generated(generated, lengths, ended, torch.stack(entropies, dim=1))
+
+
+class Decoder(Protocol):
+    """Replies to requests as they come (a multi-turn rollout's turns, each added when its
+    environment answers): `add` a prompt and its draws, `step` while `busy`, and read each
+    request `step` says ended with `reply`. `joins_running`: whether a request added
+    between steps joins those decoding (the engine) or waits for the next batch."""
+
+    joins_running: bool
+
+    def add(self, prompt: Sequence[int], uniforms: torch.Tensor) -> int: ...
+
+    @property
+    def busy(self) -> bool: ...
+
+    def step(self) -> list[int]: ...
+
+    def reply(self, request: int) -> tuple[list[int], bool, float]: ...
+
+
+class BatchDecoder:
+    """`generate` as a `Decoder`: each `step` replies to every request added since the
+    last, all together (the static batch, for the models the engine does not serve)."""
+
+    joins_running = False
+
+    def __init__(self, model, max_new_tokens: int, sampling: Sampling, end_ids, engine) -> None:
+        self.model, self.max_new, self.sampling = model, max_new_tokens, sampling
+        self.end_ids, self.engine = list(end_ids), engine
+        self.waiting: list[tuple[int, list[int], torch.Tensor]] = []
+        self.replies: dict[int, tuple[list[int], bool, float]] = {}
+        self.requests = 0
+
+    def add(self, prompt: Sequence[int], uniforms: torch.Tensor) -> int:
+        self.waiting.append((self.requests, list(prompt), uniforms))
+        self.requests += 1
+        return self.requests - 1
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.waiting)
+
+    def step(self) -> list[int]:
+        requests, prompts, uniforms = zip(*self.waiting)
+        self.waiting = []
+        draws = Draws(torch.stack(list(uniforms)))
+        out = generate(
+            self.model,
+            prompts,
+            self.max_new,
+            self.sampling,
+            self.end_ids,
+            draws,
+            engine=self.engine,
+        )
+        entropy = out.entropy.sum(dim=1).tolist()
+        for r, reply, ended, h in zip(requests, out.replies(), out.ended.tolist(), entropy):
+            self.replies[r] = (reply, bool(ended), h)
+        return list(requests)
+
+    def reply(self, request: int) -> tuple[list[int], bool, float]:
+        return self.replies.pop(request)
+
+
+def decoder(
+    model,
+    max_new_tokens: int,
+    sampling: Sampling,
+    end_ids: Sequence[int],
+    engine: EngineConfig | None,
+    rows: int,
+    longest: int,
+) -> Decoder:
+    """A `Decoder` for up to `rows` requests at once, of prompts of up to `longest` tokens:
+    the generation engine for a model it serves (`engine.slots` of them decoding, None:
+    `rows`), else a `BatchDecoder`."""
+    engine = engine or EngineConfig()
+    if not engine.serves(model):
+        return BatchDecoder(model, max_new_tokens, sampling, end_ids, engine)
+    served = Engine(model, engine, sampling, end_ids, max_new_tokens)
+    served.open(min(engine.slots or rows, rows), longest)
+    return served

@@ -1,12 +1,14 @@
 """Multi-turn episodes: the rollout of a GRPO run with `env:` or `tools:` (docs/environments.md).
 
 Each prompt's `num_generations` episodes run side by side in the generation engine's
-slots, a turn at a time. A turn: every episode still going generates its reply (its draws
-keyed by the run's seed, the step, the prompt, the completion and the turn, so episodes
-replay at any world size and after a resume); then, all at once in a thread pool, each
-reply that calls tools gets their results, and each that calls none goes to the
-environment (`freetx.envs.LanguageEnvironment.step`), which answers with messages, a
-reward and whether the episode is over. Every call of the user's code (the environment,
+slots. An episode's turn: it generates its reply (its draws keyed by the run's seed, the
+step, the prompt, the completion and the turn, so episodes replay at any world size and
+after a resume); as soon as the reply ends, in a thread pool, its tool calls get their
+results, or, calling none, it goes to the environment
+(`freetx.envs.LanguageEnvironment.step`), which answers with messages, a reward and
+whether the episode is over; as soon as that answer comes, the episode's next turn joins
+the engine's slots, while the other episodes decode (a model the engine does not serve:
+the static batch, a turn of every episode at a time). Every call of the user's code (the environment,
 a tool) has `timeout_s`; one that raises or passes it stops the run naming the row, the
 turn and the call; a tool's own failure (bad arguments, an exception) is the model's to
 read, as an error message.
@@ -34,7 +36,7 @@ import hashlib
 import math
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ALL_COMPLETED, FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,7 +49,7 @@ from freetx.envs import LanguageEnvironment, Message, ProvidesTools, SingleReply
 from freetx.envs.tools import parse_tool_calls, tool_format, tool_name, tool_result, tool_schema
 from freetx.errors import ConfigError, TrainingError
 from freetx.models.engine import EngineConfig
-from freetx.models.generation import Draws, Sampling, generate
+from freetx.models.generation import Draws, Sampling, decoder
 from freetx.objectives.deadline import call_named
 from freetx.objectives.rewards import REWARD_TIMEOUT_S, Reward, function_of, score_completions
 from freetx.objectives.rollouts import Completions, CompletionScorer
@@ -226,10 +228,64 @@ class EpisodeRunner(CompletionScorer):
 
     def generate(self, model, prompts: PromptBatch, n: int, sampling: Sampling, keys: list[str]):
         """The episodes of each prompt (`n` each, their draws keyed by `keys`), run to
-        their ends; None for no prompt."""
+        their ends; None for no prompt. A reply goes to the thread pool as soon as it
+        ends; the episode's next turn joins the engine's slots as soon as its environment
+        answers, while the others decode (the static batch, for a model the engine does
+        not serve: a turn of every episode at a time)."""
         if not prompts.ids:
             return None
-        episodes, started = EpisodeBatch(), time.perf_counter()
+        started = time.perf_counter()
+        episodes = self.start_episodes(prompts, n, keys)
+        environment_s = time.perf_counter() - started  # the resets
+        longest = self.limits.max_tokens - self.max_new_tokens
+        decoding = decoder(
+            model, self.max_new_tokens, sampling, self.end_ids, self.engine, len(episodes), longest
+        )
+        asked: dict[int, Episode] = {}  # by request
+
+        def ask(e: Episode) -> None:
+            """The episode's next reply requested, unless it has no room for one."""
+            if e.length + self.max_new_tokens > self.limits.max_tokens:
+                e.done, e.cut, e.clipped = True, "max_tokens", True
+                return
+            key = e.key if e.turns == 0 else f"{e.key} turn {e.turns}"
+            uniforms = Draws.keyed([key], self.max_new_tokens).uniforms[0]
+            asked[decoding.add(e.prompt_ids + e.tokens, uniforms)] = e
+
+        for e in episodes:
+            ask(e)
+        order = {id(e): i for i, e in enumerate(episodes)}
+        pool = ThreadPoolExecutor(max_workers=min(WORKERS, len(episodes)))
+        stepping: dict[Future, Episode] = {}  # replies with the environment
+        try:
+            while decoding.busy or stepping:
+                if decoding.busy and (decoding.joins_running or not stepping):
+                    for request in decoding.step():
+                        e = asked.pop(request)
+                        last = e.turns + 1 == self.limits.max_turns
+                        reply = decoding.reply(request)
+                        stepping[pool.submit(self.advance, e, *reply, e.turns, last)] = e
+                    answered = [f for f in stepping if f.done()]
+                else:  # nothing to decode until the environment answers
+                    waited = time.perf_counter()
+                    how = FIRST_COMPLETED if decoding.joins_running else ALL_COMPLETED
+                    answered = list(wait(stepping, return_when=how).done)
+                    environment_s += time.perf_counter() - waited
+                for future in sorted(answered, key=lambda f: order[id(stepping[f])]):
+                    e = stepping.pop(future)
+                    future.result()  # the environment's or a tool's failure, raised
+                    if not e.done:
+                        ask(e)
+        finally:  # after a failure, the calls not yet started are not made
+            pool.shutdown(wait=True, cancel_futures=True)
+        assert all(e.done for e in episodes), "an episode was left unfinished"
+        episodes.lengths = torch.tensor([float(e.generated) for e in episodes])
+        episodes.environment_s = environment_s
+        return episodes
+
+    def start_episodes(self, prompts: PromptBatch, n: int, keys: list[str]) -> EpisodeBatch:
+        """Each prompt's `n` episodes from the environment's first messages (`reset`)."""
+        episodes = EpisodeBatch()
         for i, row_id in enumerate(prompts.ids):
             said = prompts.conversations[i] if prompts.conversations else None
             messages = said or [{"role": "user", "content": prompts.prompts[i]}]
@@ -260,40 +316,6 @@ class EpisodeRunner(CompletionScorer):
                         start=len(first),
                     )
                 )
-        environment_s = time.perf_counter() - started  # the resets
-        for turn in range(self.limits.max_turns):
-            going = [e for e in episodes if not e.done]
-            for e in going:
-                if e.length + self.max_new_tokens > self.limits.max_tokens:
-                    e.done, e.cut, e.clipped = True, "max_tokens", True
-            going = [e for e in going if not e.done]
-            if not going:
-                break
-            draws = Draws.keyed(
-                [e.key if turn == 0 else f"{e.key} turn {turn}" for e in going],
-                self.max_new_tokens,
-            )
-            rows = [e.prompt_ids + e.tokens for e in going]
-            out = generate(
-                model, rows, self.max_new_tokens, sampling, self.end_ids, draws, engine=self.engine
-            )
-            replies, ended = out.replies(), out.ended.cpu().tolist()
-            entropy = out.entropy.sum(dim=1).cpu().tolist()
-            started = time.perf_counter()
-            last = turn + 1 == self.limits.max_turns
-            with ThreadPoolExecutor(max_workers=min(WORKERS, len(going))) as pool:
-                futures = [
-                    pool.submit(self.advance, e, r, d, h, turn, last)
-                    for e, r, d, h in zip(going, replies, ended, entropy)
-                ]
-            for future in futures:  # the first failure, in episode order
-                future.result()
-            environment_s += time.perf_counter() - started
-        for e in episodes:
-            if not e.done:  # the last turn's replies
-                e.done, e.cut, e.clipped = True, e.cut or "max_turns", True
-        episodes.lengths = torch.tensor([float(e.generated) for e in episodes])
-        episodes.environment_s = environment_s
         return episodes
 
     def advance(

@@ -17,10 +17,12 @@ a tokenizer without one). `score`: the judge replies greedily (up to `max_new_to
 through the generation engine) and the first number in its reply is the score; a reply
 without one does not apply (None, TRL's meaning).
 
-The judge's weights are read once, when the run places it (`place`: read on the CPU in
-the dtype it keeps, bfloat16 for CUDA and float32 for the CPU, then moved), frozen, whole on every rank (not sharded: its
-bytes count per rank, `freetx estimate` says how many); its completions are scored in
-batches of `batch_size`. It is TRL's batched form of a reward, so its call sees the
+The judge's weights are read once, when the run places it (`place`), frozen: under a
+sharded policy (FSDP2), sharded like a reference model (per block, in the compute dtype,
+each rank reading its rows) and gathered whole only while it scores (`gathered`: the
+rollout enters it on every rank at once); else whole on every rank (bfloat16 on CUDA,
+float32 on the CPU). `freetx estimate` counts it whole within the peak. Its completions
+are scored in batches of `batch_size`. It is TRL's batched form of a reward, so its call sees the
 rank's completions of a step at once.
 """
 
@@ -28,15 +30,18 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from freetx.checkpoint.loading import load_source_model, source_parameters
+from freetx.checkpoint import load_initial_weights
+from freetx.checkpoint.loading import load_source_model, source_model_on_meta, source_parameters
 from freetx.data import ByteTokenizer, HFTokenizer
 from freetx.data.chat import chat_prompt_ids
 from freetx.data.tokenizers import leading_bos
+from freetx.distributed import ParallelPlan, gathered_whole, parallelize_frozen
 from freetx.envs import last_reply
 from freetx.errors import ConfigError
 from freetx.models import DecodesIncrementally
@@ -97,26 +102,43 @@ class Judge:
         """The judge's weights in bytes as placed on a GPU (bfloat16), from its shapes alone."""
         return source_parameters(self.path) * 2
 
-    def place(self, device: torch.device) -> None:
-        """Read the judge's weights onto `device`, frozen (the run calls it once, at setup)."""
-        if device.type == "cuda":
+    def place(self, device: torch.device, plan: ParallelPlan | None = None) -> None:
+        """Read the judge's weights onto `device`, frozen (the run calls it once, at setup):
+        with the policy's `plan`, sharded like a reference model (`parallelize_frozen`:
+        FSDP2 per block under the sharded strategies, each rank reading its rows), else
+        whole. Every rank calls it."""
+        if not isinstance(source_model_on_meta(self.path), DecodesIncrementally):
+            raise ConfigError(
+                f"the judge {self.path} is a {type(source_model_on_meta(self.path)).__name__}, "
+                "which has no KV cache (DecodesIncrementally); a judge is a decoder LM."
+            )
+        if device.type == "cuda":  # whole while it scores
             free, _ = torch.cuda.mem_get_info(device)
             need = self.parameter_bytes()
             if need > free:
                 raise ConfigError(
-                    f"the judge {self.path} needs {need / 2**30:.1f} GiB for its weights on "
-                    f"every rank, and {device} has {free / 2**30:.1f} GiB free; use a smaller "
-                    "judge, or more GPUs with a sharded policy (freetx estimate counts it)."
+                    f"the judge {self.path} needs {need / 2**30:.1f} GiB for its weights, "
+                    f"gathered whole while it scores, and {device} has {free / 2**30:.1f} GiB "
+                    "free; use a smaller judge (freetx estimate counts it)."
                 )
-        dtype = "bfloat16" if device.type == "cuda" else "float32"  # read on the CPU, then moved
-        model = load_source_model(self.path, torch.device("cpu"), dtype).to(device)
-        model = model.eval().requires_grad_(False)
-        if not isinstance(model, DecodesIncrementally):
-            raise ConfigError(
-                f"the judge {self.path} is a {type(model).__name__}, which has no KV cache "
-                "(DecodesIncrementally); a judge is a decoder LM."
+        if plan is not None and not plan.replicated:
+            model = parallelize_frozen(
+                source_model_on_meta(self.path), plan.groups, plan.cfg, seed=0
             )
-        self.model = model
+            load_initial_weights(model, self.path)
+        else:
+            dtype = "bfloat16" if device.type == "cuda" else "float32"  # read on the CPU
+            model = load_source_model(self.path, torch.device("cpu"), dtype).to(device)
+        self.model = model.eval().requires_grad_(False)
+
+    @contextmanager
+    def gathered(self):
+        """The judge whole for the scoring inside (`gathered_whole`: one all-gather per
+        sharded block on entry, every rank entering together; nothing for a whole judge)."""
+        if self.model is None:
+            raise RuntimeError(f"the judge {self.path} was not placed on a device (place())")
+        with gathered_whole(self.model):
+            yield
 
     def rendered(self, prompt: str, completion: str, row: dict[str, Any]) -> tuple[str, list[int]]:
         """The judge's input for one completion (module docstring): its text as rendered

@@ -32,8 +32,9 @@ import math
 import numbers
 import re
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from decimal import Decimal, InvalidOperation
-from typing import Any, NamedTuple, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, runtime_checkable
 
 import torch
 from omegaconf import ListConfig, OmegaConf
@@ -47,6 +48,9 @@ from freetx.config.instantiate import (
 )
 from freetx.errors import ConfigError, TrainingError
 from freetx.objectives.deadline import call_named
+
+if TYPE_CHECKING:
+    from freetx.distributed import ParallelPlan
 
 HELD = ("weight", "name")  # a reward node's keys the recipe reads (the rest are the target's)
 SIGNATURE = "def reward(prompt: str, completion: str, row: dict) -> float"
@@ -86,16 +90,34 @@ class BatchedReward(Protocol):
 @runtime_checkable
 class HoldsModel(Protocol):
     """A reward that runs a model of its own (`freetx.objectives.Judge`): the recipe places
-    it on the run's device once, at setup, before any reward is called."""
+    it on the run's device once, at setup, before any reward is called (with the
+    policy's `plan`: sharded like it), and the rollout gathers it whole around each
+    scoring, on every rank at once (`gathered`)."""
 
-    def place(self, device: torch.device) -> None: ...
+    def place(self, device: torch.device, plan: ParallelPlan | None = None) -> None: ...
+
+    def gathered(self) -> AbstractContextManager[None]: ...
 
 
-def place_rewards(rewards: Sequence[Reward], device: torch.device) -> None:
-    """Each reward that holds a model (`HoldsModel`) placed on `device`."""
+def place_rewards(
+    rewards: Sequence[Reward], device: torch.device, plan: ParallelPlan | None = None
+) -> None:
+    """Each reward that holds a model (`HoldsModel`) placed on `device` (sharded like the
+    policy of `plan`, when given)."""
     for reward in rewards:
         if isinstance(reward.function, HoldsModel):
-            reward.function.place(device)
+            reward.function.place(device, plan)
+
+
+@contextmanager
+def models_gathered(rewards: Sequence[Reward]):
+    """The models of the rewards that hold one gathered whole inside (every rank enters
+    together, whether it has completions to score or not)."""
+    with ExitStack() as stack:
+        for reward in rewards:
+            if isinstance(reward.function, HoldsModel):
+                stack.enter_context(reward.function.gathered())
+        yield
 
 
 class Reward(NamedTuple):

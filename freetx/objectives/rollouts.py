@@ -37,7 +37,13 @@ from freetx.models.generation import Draws, Sampling, generate, sampling_problem
 from freetx.objectives.advantages import Baseline, group_advantages
 from freetx.objectives.deadline import Interrupted
 from freetx.objectives.logprobs import token_logps
-from freetx.objectives.rewards import REWARD_TIMEOUT_S, Reward, score_completions, weighted
+from freetx.objectives.rewards import (
+    REWARD_TIMEOUT_S,
+    Reward,
+    models_gathered,
+    score_completions,
+    weighted,
+)
 from freetx.training.signals import StopAgreement
 
 
@@ -151,7 +157,8 @@ class CompletionScorer:
         sums: dict[str, Any] = {}
         for batch in batches:
             out = self.generate(model, batch, 1, sampling, [f"{key} {i}" for i in batch.ids])
-            done = self.score(out, batch, 1)
+            with models_gathered(self.rewards):  # every rank has as many batches
+                done = self.score(out, batch, 1)
             keep = batch.real_rows()
             parts = {
                 "reward": weighted(done.raw, self.weights)[keep].sum(),
@@ -330,9 +337,10 @@ class Rollouts:
         Interrupted."""
         stop, done = self.stop, None
         try:
-            if out is not None:
-                watch = None if stop is None else stop.stop_requested
-                done = self.scorer.score(out, prompts, self.gen.num_generations, watch)
+            with models_gathered(self.scorer.rewards):  # a judge, whole: every rank at once
+                if out is not None:
+                    watch = None if stop is None else stop.stop_requested
+                    done = self.scorer.score(out, prompts, self.gen.num_generations, watch)
         except Interrupted:  # this rank's signal: the agreement says it to every rank
             pass
         if stop is not None and stop.agree_to_stop():

@@ -84,7 +84,7 @@ def estimate_config(
         chunks = (chunks if chunks and int(chunks) > 1 else CHUNKS) if chunked else 1
     rungs = Rungs.of(cfg)
 
-    # a judge reward's model: whole on every rank, bfloat16 on a GPU, float32 on the CPU
+    # a judge reward's model: whole while it scores, bfloat16 on a GPU, float32 on the CPU
     judges = sum(map(source_parameters, planned.judges)) * (4 if device == "cpu" else 2)
     generation = None
     if planned.generations_per_prompt:  # online RL: this rank's completions of one generation

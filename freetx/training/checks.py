@@ -172,8 +172,11 @@ def dataset_seq_len(cfg) -> int:
     return int(node.get("seq_len", cfg.model.get("max_seq_len", 2048)))
 
 
-def check_model_and_data(model_config, tokenizer, seq_len: int) -> None:
-    """The tokenizer's ids fit the embedding; sequences fit the positional tables."""
+def check_model_and_data(
+    model_config, tokenizer, seq_len: int, seq_key: str = "dataset.seq_len"
+) -> None:
+    """The tokenizer's ids fit the embedding; sequences fit the positional tables
+    (`seq_key`: what the config calls their length)."""
     if tokenizer.vocab_size > model_config.vocab_size:
         raise ConfigError(
             f"the tokenizer has {tokenizer.vocab_size} tokens but the model's embedding has "
@@ -183,9 +186,9 @@ def check_model_and_data(model_config, tokenizer, seq_len: int) -> None:
         )
     if seq_len > model_config.max_seq_len:
         raise ConfigError(
-            f"dataset.seq_len={seq_len} is longer than the model's max_seq_len="
+            f"{seq_key}={seq_len} is longer than the model's max_seq_len="
             f"{model_config.max_seq_len}.",
-            fix=f"Lower dataset.seq_len, or set model.max_seq_len={seq_len}.",
+            fix=f"Lower {seq_key}, or set model.max_seq_len={seq_len}.",
         )
 
 

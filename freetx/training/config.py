@@ -52,7 +52,7 @@ class PlannedRun:
     # generation phase holds every parameter gathered and their KV cache
     generations_per_prompt: int = 0
     engine: Any = None  # online RL: the generation engine's `EngineConfig` (slots, pool)
-    judges: tuple[str, ...] = ()  # online RL: the models of judge rewards, whole on every rank
+    judges: tuple[str, ...] = ()  # online RL: the models of judge rewards (whole as they score)
     tokenizer: Any = None  # the tokenizer's node (None: the recipe has none)
     dataset: Any = None  # the dataset's node (a mixture's, its sources in it; None: none)
 

@@ -171,14 +171,21 @@ class DecoderSetup:
             )
         return train_set, val_set
 
-    def meta_model(self, node: Any, seq_len: int, packed: bool = False, tokenizer=None):
+    def meta_model(
+        self,
+        node: Any,
+        seq_len: int,
+        packed: bool = False,
+        tokenizer=None,
+        seq_key: str = "dataset.seq_len",
+    ):
         """The model a node builds, on the meta device, checked against its data before any
         weight exists: the tokenizer's ids (`tokenizer`, else the run's) fit its embedding,
-        `seq_len` its positions; a packed dataset needs a model that packs; context
-        parallelism, a model that computes a part of each sequence."""
+        `seq_len` (the config's `seq_key`) its positions; a packed dataset needs a model
+        that packs; context parallelism, a model that computes a part of each sequence."""
         with torch.device("meta"):
             model = instantiate(node)
-        check_model_and_data(model.config, tokenizer or self.tokenizer, seq_len)
+        check_model_and_data(model.config, tokenizer or self.tokenizer, seq_len, seq_key)
         check_packing(model, packed)
         check_context(model, self.groups.shape, seq_len)
         return model

@@ -40,3 +40,24 @@ def test_hf_folder_loads_under_every_strategy(tmp_path, family):
             assert all(0.45 * file_bytes < r < 0.55 * file_bytes for r in read), (read, file_bytes)
         else:  # replicated: every rank reads the whole model
             assert all(0.95 * file_bytes < r <= file_bytes for r in read), (read, file_bytes)
+
+
+def test_a_judge_sharded_like_the_policy_scores_as_the_whole_judge(tmp_path):
+    """Held in shares between scorings, whole while it scores (each rank its own number of
+    completions), its verdicts those of the whole judge on one process."""
+    from freetx.data.corpus import builtin_documents
+    from freetx.objectives import Judge
+    from tests.distributed.judge_checks import COMPLETIONS, TEMPLATE
+    from tests.hf_folders import make_tokenizer
+
+    folder = make_folder(tmp_path / "judge", "llama3_2")
+    make_tokenizer(folder, builtin_documents()[:20])
+    ranks = run_checks(SCRIPT.with_name("judge_checks.py"), tmp_path / "out", 2, str(folder))
+    whole = Judge(str(folder), TEMPLATE)
+    whole.place(torch.device("cpu"))
+    expected = whole(["What is 2+2?"] * len(COMPLETIONS), COMPLETIONS, [[]] * len(COMPLETIONS))
+    total = sum(p.numel() for p in whole.model.parameters())
+    for rank, found in enumerate(ranks):
+        assert found["scores"] == pytest.approx(expected[: rank + 1], abs=1e-5)
+        before, during, after = found["held"]
+        assert before == after < 0.6 * total and during == total, found["held"]

@@ -114,12 +114,15 @@ def hf_prompts(tmp_path_factory):
 
 
 def test_lora_grpo_of_an_hf_folder_with_the_users_reward_exports_for_peft(tmp_path, hf_prompts):
-    """Trained on every prompt (dataset.val_fraction=0): no validation, none at the end."""
+    """Trained on every prompt (dataset.val_fraction=0): no validation, none at the end. A
+    judge (the folder itself) as a third reward, sharded like the policy."""
     folder, prompts, user = hf_prompts
     out = tmp_path / "hf_grpo"
+    judge = f"{{_component_: freetx.objectives.Judge, model: {folder}, template: '{{completion}}'}}"
     result = run_freetx(
         *docs_command(folder, prompts),
-        "rewards=[{_component_: my_rewards.count_words}, {_component_: my_rewards.count_words_trl, name: trl}]",
+        "rewards=[{_component_: my_rewards.count_words}, "
+        f"{{_component_: my_rewards.count_words_trl, name: trl}}, {judge}]",
         "dataset.val_fraction=0", f"output_dir={out}", "max_steps=2", "log_every_n_steps=1", "batch_size=2",
         "generation.num_generations=4", "generation.max_completion_length=12",
         "eval.every_n_steps=0", "eval.max_batches=1", "eval.batch_size=2",
@@ -139,6 +142,7 @@ def test_lora_grpo_of_an_hf_folder_with_the_users_reward_exports_for_peft(tmp_pa
     assert logged[1]["kl"] == pytest.approx(0.0, abs=1e-6)  # the policy is its reference
     for step in (1, 2):  # TRL's batched form, taken unchanged, scores as its twin
         assert logged[step]["rewards/trl/mean"] == logged[step]["rewards/count_words/mean"]
+        assert 0 < logged[step]["rewards/judge/mean"] < 1  # a probability of "Yes"
     samples = [json.loads(x) for x in (out / "samples.jsonl").read_text().splitlines()]
     assert {s["step"] for s in samples} == {0, 1} and "count_words" in samples[0]["rewards"]
     adapter = json.loads((out / "export" / "peft" / "adapter_config.json").read_text())
@@ -271,14 +275,15 @@ def test_validate_warns_that_greedy_rollouts_cannot_learn():
     assert "every advantage is 0" in flat(result.stdout)
 
 
-def test_estimate_counts_a_judges_weights_on_every_rank(hf_prompts):
+def test_estimate_counts_a_judges_weights_whole(hf_prompts):
     folder = hf_prompts[0]
     judge = f"rewards=[{{_component_: freetx.objectives.Judge, model: {folder}, template: '{{completion}}'}}]"
     result = run_freetx_here("estimate", "llm/grpo_tiny", "model_dir=null", judge,
                              "--world-size", "2", "--device", "cpu")  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert (
-        f"judge rewards: their models' weights 0.00 GiB, whole on every rank, within the peak: {folder}"
+        "judge rewards: their models' weights 0.00 GiB, gathered whole while they score "
+        f"(sharded like the policy between scorings under FSDP2), within the peak: {folder}"
         in flat(result.stdout)
     )
 

@@ -17,7 +17,10 @@ from freetx.data.batch import IGNORE_INDEX
 from freetx.envs import Calculator, GuessingGame, TextDarkRoom, Turn
 from freetx.envs.tools import ToolCall, parse_tool_calls, tool_format, tool_result, tool_schema
 from freetx.errors import ConfigError
+from freetx.models import generation as generation_module
+from freetx.models.engine import EngineConfig
 from freetx.models.generation import Generated, Sampling
+from freetx.models.transformer import decoder
 from freetx.objectives import episodes as episodes_module
 from freetx.objectives.episodes import EpisodeError, EpisodeRunner, build_environment
 from freetx.objectives.rewards import build_rewards
@@ -276,7 +279,7 @@ def test_the_trained_tokens_are_the_sampled_ones_through_a_history_rewriting_tem
             ("T: 36\nA: ", "36<|eos|>"),
         ],
     )
-    monkeypatch.setattr(episodes_module, "generate", script)
+    monkeypatch.setattr(generation_module, "generate", script)
     run = runner(
         tok,
         {"_component_": "freetx.envs.Calculator"},
@@ -314,7 +317,7 @@ def test_the_trained_tokens_are_the_sampled_ones_through_a_history_rewriting_tem
 def test_an_episode_stops_at_max_turns_and_at_max_tokens(monkeypatch):
     tok = ByteTokenizer(chat_template="turns")
     script = Scripted(tok, [("A: ", "8<|eos|>")])  # always 8: never right for secret 3
-    monkeypatch.setattr(episodes_module, "generate", script)
+    monkeypatch.setattr(generation_module, "generate", script)
     run = runner(
         tok, {"_component_": "freetx.envs.GuessingGame"}, max_turns=3, max_new=4, max_tokens=512
     )
@@ -366,7 +369,7 @@ class Slow(Hangs):
 def test_a_hung_or_broken_environment_is_named_with_its_row_and_turn(monkeypatch):
     monkeypatch.setenv("FREETX_TRUST", "tests.unit.test_episodes")  # the user's own code
     tok = ByteTokenizer(chat_template="turns")
-    monkeypatch.setattr(episodes_module, "generate", Scripted(tok, [("A: ", "5<|eos|>")]))
+    monkeypatch.setattr(generation_module, "generate", Scripted(tok, [("A: ", "5<|eos|>")]))
     batch = prompts(("Guess.", {"secret": 1}))
     hung = runner(tok, {"_component_": "tests.unit.test_episodes.Hangs"}, timeout_s=0.3)
     started = time.monotonic()
@@ -386,7 +389,7 @@ def test_a_hung_or_broken_environment_is_named_with_its_row_and_turn(monkeypatch
 def test_async_environment_steps_run_side_by_side(monkeypatch):
     monkeypatch.setenv("FREETX_TRUST", "tests.unit.test_episodes")
     tok = ByteTokenizer(chat_template="turns")
-    monkeypatch.setattr(episodes_module, "generate", Scripted(tok, [("A: ", "5<|eos|>")]))
+    monkeypatch.setattr(generation_module, "generate", Scripted(tok, [("A: ", "5<|eos|>")]))
     run = runner(tok, {"_component_": "tests.unit.test_episodes.Slow"})
     batch = prompts(*[("Guess.", {"secret": i}) for i in range(8)])
     started = time.monotonic()
@@ -394,6 +397,84 @@ def test_async_environment_steps_run_side_by_side(monkeypatch):
     assert time.monotonic() - started < 8 * 0.3  # not one after another
     assert [e.reward for e in out] == [float(i) for i in range(8)]
     assert out.environment_s > 0
+
+
+class Staggered:
+    """A `Decoder` that joins requests as they come and ends one request a step, the one
+    added first, after waiting (up to 10 s) for the environment to have answered every
+    reply it ended before: what it records is the order of its events."""
+
+    joins_running = True
+
+    def __init__(self, tok, env):
+        self.tok, self.env, self.waiting, self.replies, self.events = tok, env, [], {}, []
+        self.requests = self.ended = 0
+
+    def add(self, prompt, uniforms):
+        self.events.append(("add", self.requests, len(self.waiting)))  # how many decode
+        self.waiting.append(self.requests)
+        self.requests += 1
+        return self.requests - 1
+
+    @property
+    def busy(self):
+        return bool(self.waiting)
+
+    def step(self):
+        deadline = time.monotonic() + 10
+        while self.env.steps < self.ended and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.05)  # the answered call's future is done too
+        request = self.waiting.pop(0)
+        self.replies[request] = (self.tok.encode("4<|eos|>"), True, 0.0)
+        self.ended += 1
+        return [request]
+
+    def reply(self, request):
+        return self.replies.pop(request)
+
+
+class Counted(GuessingGame):
+    steps = 0
+
+    def step(self, messages, row):
+        Counted.steps += 1
+        return super().step(messages, row)
+
+
+def test_a_next_turn_joins_the_engine_while_other_episodes_decode(monkeypatch):
+    monkeypatch.setenv("FREETX_TRUST", "tests.unit.test_episodes")
+    tok = ByteTokenizer(chat_template="turns")
+    run = runner(tok, {"_component_": "tests.unit.test_episodes.Counted"}, max_turns=2)
+    Counted.steps = 0
+    staggered = Staggered(tok, Counted)
+    monkeypatch.setattr(episodes_module, "decoder", lambda *args: staggered)
+    batch = prompts(*[("Guess.", {"secret": 9}) for _ in range(4)])
+    out = run.generate(None, batch, 1, Sampling(1.0), [str(i) for i in range(4)])
+    assert [e.turns for e in out] == [2, 2, 2, 2] and Counted.steps == 8
+    # episode 0's second turn was asked for while two others still decoded their first (a
+    # turn of every episode at a time would ask for it when none did)
+    assert staggered.events[4] == ("add", 4, 2)
+
+
+def test_episodes_on_the_engine_are_the_same_at_any_slot_count_and_on_the_static_batch():
+    torch.manual_seed(0)
+    model = decoder(preset="tiny", vocab_size=259, max_seq_len=256).eval()
+    tok = ByteTokenizer(chat_template="turns")
+    batch = prompts(*[(f"Game {i}: guess.", {"secret": 3 + i}) for i in range(3)])
+    made = []
+    for engine in (EngineConfig(), EngineConfig(slots=2, block_size=4), EngineConfig(paged=False)):
+        env, found, limits = build_environment(
+            OmegaConf.create(
+                {"_component_": "freetx.envs.GuessingGame", "max_turns": 3, "max_tokens": 256}
+            ),
+            [],
+        )
+        run = EpisodeRunner(tok, env, found, limits, [], [tok.eos_id], 12, engine=engine)
+        out = run.generate(model, batch, 2, Sampling(1.0), [f"k{i}" for i in range(6)])
+        made.append([(e.tokens, e.trained, e.messages, e.turns) for e in out])
+    assert made[0] == made[1] == made[2]
+    assert max(turns for *_, turns in made[0]) > 1  # the environment answered, turns went on
 
 
 def test_environments_and_tools_are_checked_before_a_run():
@@ -469,7 +550,7 @@ def test_a_tool_that_raises_is_the_models_to_read_and_one_that_hangs_stops_the_r
     tok = ByteTokenizer(chat_template="turns")
     divide = '<tool_call>{"name": "divide", "arguments": {"a": 1}}</tool_call><|eos|>'
     script = Scripted(tok, [("Q: Go.\nA: ", divide), ("A: ", "done<|eos|>")])
-    monkeypatch.setattr(episodes_module, "generate", script)
+    monkeypatch.setattr(generation_module, "generate", script)
     run = runner(tok, {"_component_": "tests.unit.test_episodes.Broken"}, max_new=96, timeout_s=0.3)
     out = run.generate(None, prompts(("Go.", {})), 1, Sampling(1.0), ["a"])
     assert out[0].tool_errors == 1 and out[0].turns == 2
@@ -477,6 +558,6 @@ def test_a_tool_that_raises_is_the_models_to_read_and_one_that_hangs_stops_the_r
         out[0].messages[2]["content"] == "Error: divide raised ZeroDivisionError: division by zero"
     )
     wait = '<tool_call>{"name": "wait", "arguments": {}}</tool_call><|eos|>'
-    monkeypatch.setattr(episodes_module, "generate", Scripted(tok, [("A: ", wait)]))
+    monkeypatch.setattr(generation_module, "generate", Scripted(tok, [("A: ", wait)]))
     with pytest.raises(EpisodeError, match=r"tool wait on row 0 \(turn 0\) did not return"):
         run.generate(None, prompts(("Go.", {})), 1, Sampling(1.0), ["a"])
