@@ -14,7 +14,7 @@ HERE = Path(__file__).resolve().parent
 BENCHMARKS = [
     "overhead.py", "memory.py", "activation_checkpointing.py", "checkpoint.py", "hf_io.py",
     "peft.py", "crosscoder.py", "estimate.py", "compile.py", "tune_workload.py",
-    "attention_kernels.py", "hf_paths.py", "kv_cache.py", "dpo.py",
+    "attention_kernels.py", "hf_paths.py", "kv_cache.py", "dpo.py", "episodes.py",
 ]  # fmt: skip
 
 
