@@ -452,9 +452,10 @@ def test_a_next_turn_joins_the_engine_while_other_episodes_decode(monkeypatch):
     batch = prompts(*[("Guess.", {"secret": 9}) for _ in range(4)])
     out = run.generate(None, batch, 1, Sampling(1.0), [str(i) for i in range(4)])
     assert [e.turns for e in out] == [2, 2, 2, 2] and Counted.steps == 8
-    # episode 0's second turn was asked for while two others still decoded their first (a
-    # turn of every episode at a time would ask for it when none did)
-    assert staggered.events[4] == ("add", 4, 2)
+    # episode 0's second turn was asked for while others still decoded their first (3 or 2
+    # of them, as the thread pool is quick; a turn of every episode at a time: none)
+    event, request, decoding = staggered.events[4]
+    assert (event, request) == ("add", 4) and decoding >= 1, staggered.events
 
 
 def test_episodes_on_the_engine_are_the_same_at_any_slot_count_and_on_the_static_batch():
