@@ -64,6 +64,7 @@ from freetx.objectives.episodes import (
     ENV_KEYS,
     EpisodeRunner,
     build_environment,
+    check_episode_pool,
     no_chat_template,
 )
 from freetx.objectives.reference import reference_kind, reference_model
@@ -177,7 +178,8 @@ class GRPOConfig(DecoderConfig):
         instantiate(self.advantage)  # an advantage estimate that builds
         build_rewards(self.rewards, required=not self.episodes)  # each one's signature
         if self.episodes:
-            build_environment(self.env, self.tools)  # the env, its tools' schemas
+            limits = build_environment(self.env, self.tools)[2]  # the env, its tools' schemas
+            check_episode_pool(self.generation.engine, limits.max_tokens)
             tokenizer = built_class(self.tokenizer, "tokenizer")
             if tokenizer is ByteTokenizer and not self.tokenizer.get("chat_template"):
                 raise no_chat_template("ByteTokenizer")  # an HF folder's: when it is read

@@ -472,12 +472,12 @@ def gathered_whole(model: nn.Module, reshard_after_forward: bool = True):
     collective over the sharding axes, so they may differ between ranks. Nothing to do
     for a model that is not sharded."""
     sharded = [m for m in model.modules() if isinstance(m, FSDPModule)]
-    for module in sharded:
-        module.unshard()  # the root's first: FSDP2's lazy init, then every block's
-        module.set_reshard_after_forward(False, recurse=False)
     try:
+        for module in sharded:
+            module.unshard()  # the root's first: FSDP2's lazy init, then every block's
+            module.set_reshard_after_forward(False, recurse=False)
         yield model
-    finally:
+    finally:  # those gathered before a failure too
         for module in sharded:
             module.reshard()
             if module is not model:  # the root stays gathered after forward

@@ -74,6 +74,19 @@ def no_chat_template(tokenizer: str) -> ConfigError:
     )
 
 
+def check_episode_pool(engine: EngineConfig, max_tokens: int) -> None:
+    """Refuse a KV pool (`generation.engine.kv_blocks`) smaller than one episode of
+    `max_tokens` (the engine holds an episode's turns at that length at most)."""
+    blocks, size = engine.kv_blocks, engine.block_size
+    if blocks is not None and blocks * size < max_tokens:
+        raise ConfigError(
+            f"generation.engine.kv_blocks={blocks} blocks of {size} tokens hold "
+            f"{blocks * size} tokens, and one episode may hold env.max_tokens={max_tokens}. "
+            f"Raise generation.engine.kv_blocks to {math.ceil(max_tokens / size)} or more, "
+            "or null: enough for every slot."
+        )
+
+
 class EpisodeError(TrainingError):
     """An environment or a tool that failed or hung (named with the row and the turn)."""
 
@@ -162,7 +175,8 @@ class Episode:
 class EpisodeBatch(list):
     """The episodes of a batch of prompts (each prompt's `n` adjacent): what the runner's
     `generate` returns, for its `score`; `lengths` [R]: sampled tokens, `environment_s`:
-    the time in the environment's and the tools' calls."""
+    the time the rollout waited on the environment's and the tools' calls (the resets,
+    and the calls with nothing to decode meanwhile)."""
 
     lengths: torch.Tensor
     environment_s: float = 0.0
@@ -195,6 +209,8 @@ class EpisodeRunner(CompletionScorer):
         template = getattr(tokenizer, "chat_template", None)
         if template is None:
             raise no_chat_template(type(tokenizer).__name__)
+        if engine is not None:
+            check_episode_pool(engine, limits.max_tokens)
         self.format = tool_format(template, limits.tool_format) if tools else None
 
     # -- the user's code, with its deadline ---------------------------------------------

@@ -17,18 +17,20 @@ a tokenizer without one). `score`: the judge replies greedily (up to `max_new_to
 through the generation engine) and the first number in its reply is the score; a reply
 without one does not apply (None, TRL's meaning).
 
-The judge's weights are read once, when the run places it (`place`), frozen: under a
-sharded policy (FSDP2), sharded like a reference model (per block, in the compute dtype,
-each rank reading its rows) and gathered whole only while it scores (`gathered`: the
-rollout enters it on every rank at once); else whole on every rank (bfloat16 on CUDA,
-float32 on the CPU). `freetx estimate` counts it whole within the peak. Its completions
+The judge's weights are read once, when the run places it (`place`), frozen, bfloat16 on
+CUDA and float32 on the CPU: under a policy sharded by FSDP2 without tensor parallelism,
+sharded like a reference model (per block, each rank reading its rows) and gathered
+whole only while it scores (`gathered`: the rollout enters it on every rank at once);
+else whole on every rank. `freetx estimate` counts it whole within the peak. Its completions
 are scored in batches of `batch_size`. It is TRL's batched form of a reward, so its call sees the
 rank's completions of a step at once.
 """
 
 from __future__ import annotations
 
+import copy
 import re
+import threading
 from collections.abc import Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -37,7 +39,12 @@ from typing import Any
 import torch
 
 from freetx.checkpoint import load_initial_weights
-from freetx.checkpoint.loading import load_source_model, source_model_on_meta, source_parameters
+from freetx.checkpoint.loading import (
+    load_source_model,
+    quantization_method,
+    source_model_on_meta,
+    source_parameters,
+)
 from freetx.data import ByteTokenizer, HFTokenizer
 from freetx.data.chat import chat_prompt_ids
 from freetx.data.tokenizers import leading_bos
@@ -81,6 +88,8 @@ class Judge:
         if mode == "verdict" and (len(self.verdicts) != 2 or len(set(self.verdicts)) != 2):
             raise ValueError(f"verdicts={self.verdicts!r}: give two verdicts, yes first")
         self.model: torch.nn.Module | None = None
+        self.sharded = self.whole = False  # sharded by FSDP2; gathered whole now
+        self.scoring = threading.Lock()  # a batch being scored
 
     def verdict_ids(self, text: str) -> list[int]:
         """Each verdict's first token where the judge's reply starts, after `text` (a
@@ -103,15 +112,11 @@ class Judge:
         return source_parameters(self.path) * 2
 
     def place(self, device: torch.device, plan: ParallelPlan | None = None) -> None:
-        """Read the judge's weights onto `device`, frozen (the run calls it once, at setup):
-        with the policy's `plan`, sharded like a reference model (`parallelize_frozen`:
-        FSDP2 per block under the sharded strategies, each rank reading its rows), else
-        whole. Every rank calls it."""
-        if not isinstance(source_model_on_meta(self.path), DecodesIncrementally):
-            raise ConfigError(
-                f"the judge {self.path} is a {type(source_model_on_meta(self.path)).__name__}, "
-                "which has no KV cache (DecodesIncrementally); a judge is a decoder LM."
-            )
+        """Read the judge's weights onto `device`, frozen, bfloat16 on CUDA and float32 on
+        the CPU (the run calls it once, at setup, on every rank): with the `plan` of a
+        policy sharded by FSDP2 without tensor parallelism, sharded like a reference model
+        (`parallelize_frozen`: per block, each rank reading its rows of the weights), else
+        whole (a torchao-quantized folder too)."""
         if device.type == "cuda":  # whole while it scores
             free, _ = torch.cuda.mem_get_info(device)
             need = self.parameter_bytes()
@@ -121,24 +126,41 @@ class Judge:
                     f"gathered whole while it scores, and {device} has {free / 2**30:.1f} GiB "
                     "free; use a smaller judge (freetx estimate counts it)."
                 )
-        if plan is not None and not plan.replicated:
-            model = parallelize_frozen(
-                source_model_on_meta(self.path), plan.groups, plan.cfg, seed=0
-            )
+        dtype = "bfloat16" if device.type == "cuda" else "float32"
+        self.sharded = (
+            plan is not None
+            and not plan.replicated
+            and plan.groups.size("tp") == 1
+            and quantization_method(self.path) is None
+        )
+        if self.sharded:
+            model = source_model_on_meta(self.path)
+            _check_decoder(model, self.path)
+            cfg = copy.deepcopy(plan.cfg)
+            cfg.mixed_precision.param_dtype = dtype  # what a whole judge keeps
+            model = parallelize_frozen(model, plan.groups, cfg, seed=0)
             load_initial_weights(model, self.path)
-        else:
-            dtype = "bfloat16" if device.type == "cuda" else "float32"  # read on the CPU
+        else:  # read on the CPU, then moved
             model = load_source_model(self.path, torch.device("cpu"), dtype).to(device)
+            _check_decoder(model, self.path)
         self.model = model.eval().requires_grad_(False)
 
     @contextmanager
     def gathered(self):
         """The judge whole for the scoring inside (`gathered_whole`: one all-gather per
-        sharded block on entry, every rank entering together; nothing for a whole judge)."""
+        sharded block on entry, every rank entering together; nothing for a whole judge).
+        On exit it waits for a batch still being scored (a call its deadline or a stop
+        signal abandoned runs on in its thread), and a sharded judge refuses to score
+        outside: its forwards would gather its blocks on this rank alone."""
         if self.model is None:
             raise RuntimeError(f"the judge {self.path} was not placed on a device (place())")
         with gathered_whole(self.model):
-            yield
+            self.whole = True
+            try:
+                yield
+            finally:
+                with self.scoring:
+                    self.whole = False
 
     def rendered(self, prompt: str, completion: str, row: dict[str, Any]) -> tuple[str, list[int]]:
         """The judge's input for one completion (module docstring): its text as rendered
@@ -165,7 +187,13 @@ class Judge:
         scores: list[float | None] = []
         for start in range(0, len(inputs), self.batch_size):
             part = inputs[start : start + self.batch_size]
-            scores += self._verdicts(part, verdicts) if verdicts else self._scores(part)
+            with self.scoring:  # one batch at a time, while the judge is whole
+                if self.sharded and not self.whole:
+                    raise RuntimeError(
+                        f"the judge {self.path} scored outside its gathered() (a call left "
+                        "running after the rollout moved on): stopped before any collective"
+                    )
+                scores += self._verdicts(part, verdicts) if verdicts else self._scores(part)
         return scores
 
     def _verdicts(self, inputs: list[list[int]], verdicts: list[int]) -> list[float]:
@@ -186,3 +214,12 @@ class Judge:
         out = generate(self.model, inputs, self.max_new_tokens, Sampling(0.0), end, draws)
         found = [_NUMBER.search(self.tokenizer.decode(r)) for r in out.replies()]
         return [None if f is None else float(f[0]) for f in found]
+
+
+def _check_decoder(model: torch.nn.Module, path: str) -> None:
+    """Refuse a judge that is no decoder LM with a KV cache."""
+    if not isinstance(model, DecodesIncrementally):
+        raise ConfigError(
+            f"the judge {path} is a {type(model).__name__}, which has no KV cache "
+            "(DecodesIncrementally); a judge is a decoder LM."
+        )

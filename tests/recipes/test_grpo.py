@@ -258,6 +258,14 @@ def test_a_sigterm_while_a_reward_blocks_saves_the_step_and_stops(tmp_path, hf_p
         (["env={_component_: freetx.envs.GuessingGame, max_turn: 3}"], "max_turn"),
         (["env={_component_: freetx.data.ByteTokenizer}"], "no language environment"),
         (["env={_component_: freetx.envs.GuessingGame}"], "ByteTokenizer has no chat template"),
+        (
+            [
+                "env={_component_: freetx.envs.GuessingGame, max_tokens: 512}",
+                "generation.engine.kv_blocks=8",
+                "tokenizer.chat_template=turns",
+            ],
+            "one episode may hold env.max_tokens=512",
+        ),  # fmt: skip
     ],
 )
 def test_validate_refuses_what_the_run_refuses(overrides, says):

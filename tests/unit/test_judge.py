@@ -64,3 +64,16 @@ def test_a_judge_that_replies_a_number_and_one_that_is_misconfigured(judge_folde
         Judge(str(judge_folder), TEMPLATE, verdicts=["Yes", "Yes"])
     with pytest.raises(RuntimeError, match="was not placed"):
         Judge(str(judge_folder), TEMPLATE)(["q"], ["a"], [[]], answer=["a"])
+
+
+def test_a_sharded_judge_scores_only_while_gathered(judge_folder):
+    """A call a deadline or a stop signal abandoned, running on after the rollout left
+    `gathered()`, stops before its forward (which would gather a sharded judge's blocks on
+    its rank alone)."""
+    judge = Judge(str(judge_folder), TEMPLATE)
+    judge.place(torch.device("cpu"))
+    judge.sharded = True  # as placed with a sharded policy's plan (tests/distributed)
+    with judge.gathered():
+        assert len(judge(["Q?"], ["4"], [[]], answer=["4"])) == 1
+    with pytest.raises(RuntimeError, match="scored outside its gathered"):
+        judge(["Q?"], ["4"], [[]], answer=["4"])
