@@ -12,13 +12,11 @@ from __future__ import annotations
 import sys
 
 import torch
-from omegaconf import OmegaConf
 
 from freetx.checkpoint import load_initial_weights
 from freetx.checkpoint.formats import SafetensorsFile
-from freetx.distributed import DistributedConfig, build_groups, init_distributed, parallelize
-from freetx.models import hf_model
-from tests.distributed.launcher import write_results
+from freetx.distributed import init_distributed
+from tests.distributed.launcher import folder_plan, write_results
 
 bytes_read = 0
 _read_into = SafetensorsFile.read_into
@@ -40,10 +38,7 @@ def main() -> None:
     ids = torch.randint(0, 384, (2, 48), generator=torch.Generator().manual_seed(5))
     results = {}
     for strategy in strategies:
-        with torch.device("meta"):
-            model = hf_model(folder)
-        cfg = OmegaConf.structured(DistributedConfig(strategy=strategy))
-        plan = parallelize(model, build_groups(runtime, cfg), cfg, seed=0)
+        plan = folder_plan(folder, runtime, strategy)
         bytes_read = 0
         load_initial_weights(plan.model, folder)
         with torch.no_grad():

@@ -13,12 +13,10 @@ from __future__ import annotations
 import sys
 
 import torch
-from omegaconf import OmegaConf
 
-from freetx.distributed import DistributedConfig, build_groups, init_distributed, parallelize
-from freetx.models import hf_model
+from freetx.distributed import init_distributed
 from freetx.objectives import Judge
-from tests.distributed.launcher import write_results
+from tests.distributed.launcher import folder_plan, write_results
 
 TEMPLATE = "Question: {prompt}\nAnswer: {completion}\nRight?"
 COMPLETIONS = ["4", "blue, mostly", "five", "no idea at all"]
@@ -32,10 +30,7 @@ def held(model: torch.nn.Module) -> int:
 def main() -> None:
     folder = sys.argv[1]
     runtime = init_distributed("cpu")
-    with torch.device("meta"):
-        policy = hf_model(folder)
-    cfg = OmegaConf.structured(DistributedConfig(strategy="fsdp"))
-    plan = parallelize(policy, build_groups(runtime, cfg), cfg, seed=0)
+    plan = folder_plan(folder, runtime)
     judge = Judge(folder, TEMPLATE)
     judge.place(runtime.device, plan)
     mine = COMPLETIONS[: runtime.rank + 1]

@@ -49,3 +49,18 @@ def write_results(results: dict) -> None:
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+
+
+def folder_plan(folder: str, runtime, strategy: str = "fsdp"):
+    """The parallel plan of an HF folder's model (`hf_model`, built on the meta device) under
+    `strategy`, its weights not read yet."""
+    import torch
+    from omegaconf import OmegaConf
+
+    from freetx.distributed import DistributedConfig, build_groups, parallelize
+    from freetx.models import hf_model
+
+    with torch.device("meta"):
+        model = hf_model(folder)
+    cfg = OmegaConf.structured(DistributedConfig(strategy=strategy))
+    return parallelize(model, build_groups(runtime, cfg), cfg, seed=0)

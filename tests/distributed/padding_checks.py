@@ -9,23 +9,16 @@ from __future__ import annotations
 
 import sys
 
-import torch
-from omegaconf import OmegaConf
-
 from freetx.checkpoint import load_initial_weights
-from freetx.distributed import DistributedConfig, build_groups, init_distributed, parallelize
-from freetx.models import hf_model
-from tests.distributed.launcher import write_results
+from freetx.distributed import init_distributed
+from tests.distributed.launcher import folder_plan, write_results
 from tests.unit.test_padding_row import batch_with_pads, loss
 
 
 def main() -> None:
     folder = sys.argv[1]
     runtime = init_distributed("cpu")
-    with torch.device("meta"):
-        model = hf_model(folder)
-    cfg = OmegaConf.structured(DistributedConfig(strategy="fsdp"))
-    plan = parallelize(model, build_groups(runtime, cfg), cfg, seed=0)
+    plan = folder_plan(folder, runtime)
     load_initial_weights(plan.model, folder)
     ids = batch_with_pads()
     loss(plan.model.eval()(ids), ids).backward()
