@@ -18,8 +18,9 @@ in `train()`:
    seed (the run's seed, the step, the prompt's id, its index), so the rollouts are the
    same at any world size and after a resume;
    with `env:` or `tools:`, each completion is a multi-turn episode instead: the model
-   replies, a tool or the environment answers, a turn at a time until the episode ends
-   (`freetx.objectives.episodes.EpisodeRunner`, docs/environments.md), trained on the
+   replies, a tool or the environment answers (while the other episodes decode), and so
+   on until the episode ends (`freetx.objectives.episodes.EpisodeRunner`,
+   docs/environments.md), trained on the
    sampled tokens exactly (token in, token out);
 2. the reward functions score each completion (`rewards:`, weighted and summed;
    `freetx.objectives.rewards`; an episode's: its last reply and whole conversation,

@@ -181,7 +181,7 @@ class Engine:
     def run(self, prompts: Sequence[Sequence[int]], uniforms: torch.Tensor) -> Generated:
         """Every row's tokens [R, steps], lengths, ended and entropies (`Generated`'s)."""
         rows = len(prompts)
-        self.open(min(self.config.slots or rows, rows), max(map(len, prompts)))
+        self.open(rows, max(map(len, prompts)))
         for prompt, row in zip(prompts, uniforms):
             self.add(prompt, row)
         while self.busy:
@@ -197,10 +197,12 @@ class Engine:
     # -- requests as they come (`Decoder`: a multi-turn rollout's) ---------------------
     joins_running = True  # a request added between steps is admitted at the next
 
-    def open(self, slots: int, longest: int) -> None:
-        """Ready for requests: `slots` rows at once, prompts of up to `longest` tokens (the
-        pool, unless `kv_blocks` says, enough for every slot's longest row)."""
+    def open(self, rows: int, longest: int) -> None:
+        """Ready for requests: up to `rows` of them at once (`slots` of them decoding; None:
+        all), prompts of up to `longest` tokens (the pool, unless `kv_blocks` says, enough
+        for every slot's longest row)."""
         cfg = self.config
+        slots = min(cfg.slots or rows, rows)
         width = check_request(longest, self.max_new, self.model.context_length(), cfg)
         self.longest = longest
         blocks = cfg.kv_blocks or slots * width

@@ -221,5 +221,5 @@ def decoder(
     if not engine.serves(model):
         return BatchDecoder(model, max_new_tokens, sampling, end_ids, engine)
     served = Engine(model, engine, sampling, end_ids, max_new_tokens)
-    served.open(min(engine.slots or rows, rows), longest)
+    served.open(rows, longest)
     return served
