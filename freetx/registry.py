@@ -107,12 +107,15 @@ RECIPES: tuple[Recipe, ...] = (
         configs=(
             "llm/grpo_tiny",
             "llm/grpo_lora_tiny",
+            "llm/rloo_tiny",
+            "llm/reinforce_pp_tiny",
             "llm/calculator_grpo_tiny",
             "llm/guess_grpo_tiny",
             "llm/darkroom_text_grpo_tiny",
             "llm/hf_tiny_grpo",
             "llm/llama3_1_8b_grpo_lora",
             "llm/qwen3_8b_grpo",
+            "llm/qwen3_8b_reinforce_pp",
         ),
         description="online RL with verifiable rewards: GRPO, Dr. GRPO, DAPO, GSPO, the "
         "policy generating its rollouts; full or LoRA / QLoRA / DoRA",

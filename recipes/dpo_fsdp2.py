@@ -108,7 +108,7 @@ class DPOConfig(DecoderConfig):
     def reference_kind(self) -> str:
         """none (simpo, orpo), adapters_off (LoRA), precomputed, or frozen_copy."""
         loss = instantiate(self.loss)
-        return reference_kind(loss, self.peft.method != "none", self.reference.precompute)
+        return reference_kind([loss], self.peft.method != "none", self.reference.precompute)
 
 
 class DPORecipeFSDP2:
@@ -129,7 +129,7 @@ class DPORecipeFSDP2:
 
         # the reference: the base with adapters off, a frozen copy, or its log-probs
         # precomputed into the data (then the copy is freed); none for simpo and orpo
-        kind = reference_kind(self.loss_fn, cfg.peft.method != "none", cfg.reference.precompute)
+        kind = reference_kind([self.loss_fn], cfg.peft.method != "none", cfg.reference.precompute)
         train_pairs, val_pairs = self.build_reference(kind, train_set, val_set)  # what is read
         self.train_loader, self.val_loader = setup.loaders(train_pairs, val_pairs, collate_pairs)
         setup.start(

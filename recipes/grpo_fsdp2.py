@@ -26,11 +26,13 @@ in `train()`:
    `freetx.objectives.rewards`; an episode's: its last reply and whole conversation,
    plus the environment's rewards);
 3. each group's advantages (`freetx.objectives.group_advantages`): its rewards minus
-   their mean, divided by their std or not (`loss.scale_rewards`); a group whose rewards
-   are all equal carries no signal (counted; `generation.dynamic_sampling` replaces it);
+   their mean (`advantage:`; RLOO's: the others' mean), divided by their std or not
+   (`loss.scale_rewards`); a group whose rewards are all equal carries no signal
+   (counted; `generation.dynamic_sampling` replaces it);
 4. the policy's log-probs at generation time (the ratio's denominator, when more than
-   one optimizer step uses the generation) and the reference's (`loss.beta` > 0: the
-   base with adapters off for LoRA, a frozen copy for full fine-tuning);
+   one optimizer step uses the generation) and the reference's (`loss.beta` > 0, or a
+   KL folded into the reward: the base with adapters off for LoRA, a frozen copy for
+   full fine-tuning); a per-token estimate (REINFORCE++) makes its advantages here;
 5. each optimizer step on its share of the completions: the clipped ratio objective
    (`freetx.objectives.GRPOLoss`), summed over the micro-batches and divided by the
    global batch's units (tokens, or completions).
@@ -60,6 +62,7 @@ from freetx.models.engine import check_pool
 from freetx.models.generation import Sampling
 from freetx.models.hf import end_token_ids
 from freetx.objectives import GRPOLoss, build_rewards, token_logps, with_router_loss
+from freetx.objectives.advantages import TokenAdvantages
 from freetx.objectives.deadline import Interrupted
 from freetx.objectives.episodes import (
     ENV_KEYS,
@@ -127,7 +130,8 @@ class GRPOConfig(DecoderConfig):
     # past it the run stops naming the reward and the row (freetx.objectives.deadline)
     reward_timeout_s: float = at_least(1, default=REWARD_TIMEOUT_S)
     loss: Any = field(default_factory=lambda: {"_component_": "freetx.objectives.GRPOLoss"})
-    # a completion's reward minus this baseline: GroupMean (GRPO) or LeaveOneOut (RLOO)
+    # a completion's reward minus this baseline: GroupMean (GRPO) or LeaveOneOut (RLOO); or
+    # advantages per token: ReinforcePlusPlus (a KL folded into the reward, batch-normalized)
     advantage: Any = field(default_factory=lambda: {"_component_": "freetx.objectives.GroupMean"})
     generation: GenerationConfig = field(default_factory=GenerationConfig)
     eval: RolloutEvalConfig = field(default_factory=RolloutEvalConfig)
@@ -192,13 +196,22 @@ class GRPOConfig(DecoderConfig):
 
     def cautions(self) -> list[str]:
         """Greedy sampling (temperature 0, or top_k 1): a group's completions are all the
-        same, so GRPO cannot learn; legal, so said and not refused."""
-        gen = self.generation
+        same, so GRPO cannot learn; a `loss.scale_rewards` that a per-token estimate does
+        not read. Legal, so said and not refused."""
+        gen, found = self.generation, super().cautions()
+        scale = self.loss.get("scale_rewards", "group")
+        if scale != "group" and isinstance(instantiate(self.advantage), TokenAdvantages):
+            found.append(
+                f"loss.scale_rewards={scale} is not read: advantage "
+                f"{self.advantage['_component_']} normalizes every token's return over the "
+                "whole rollout itself. Leave loss.scale_rewards at group (or use a Baseline: "
+                "freetx.objectives.GroupMean, LeaveOneOut)."
+            )
         greedy = "temperature=0" if gen.temperature == 0 else "top_k=1" if gen.top_k == 1 else ""
         if not greedy:
-            return super().cautions()
+            return found
         return [
-            *super().cautions(),
+            *found,
             f"generation.{greedy} samples greedily: the {gen.num_generations} completions of "
             "each prompt are the same, so each group's rewards are equal, every advantage is "
             "0 and the run learns nothing (frac_reward_zero_std stays 1). Sample instead, e.g. "
@@ -217,7 +230,9 @@ class GRPOConfig(DecoderConfig):
             self.peft,
             self.loss,
             rows_per_sample=gen.num_generations,
-            reference=reference_kind(instantiate(self.loss), self.peft.method != "none"),
+            reference=reference_kind(
+                [instantiate(self.loss), instantiate(self.advantage)], self.peft.method != "none"
+            ),
             generations_per_prompt=gen.num_generations * gen.steps_per_generation,
             engine=gen.engine,
             judges=tuple(
@@ -277,8 +292,10 @@ class GRPORecipeFSDP2:
         self.model, self.optimizer = self.plan.model, setup.optimizer
         place_rewards(self.rewards, setup.runtime.device, self.plan)  # a judge, sharded like it
 
-        # the KL term's reference: the base with adapters off, or a frozen copy (beta > 0)
-        kind = reference_kind(self.loss_fn, cfg.peft.method != "none")
+        # the KL's reference (loss.beta > 0, or a KL folded into the reward): the base with
+        # adapters off, or a frozen copy
+        self.advantage = instantiate(cfg.advantage)
+        kind = reference_kind([self.loss_fn, self.advantage], cfg.peft.method != "none")
         self.reference = reference_model(
             kind,
             self.plan,
@@ -291,7 +308,7 @@ class GRPORecipeFSDP2:
             self.plan,
             self.scorer,
             gen,
-            instantiate(cfg.advantage),
+            self.advantage,
             self.loss_fn.scale_rewards,
             cfg.seed,
             micro_batches=self.accumulation,

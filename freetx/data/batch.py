@@ -292,7 +292,7 @@ class RolloutBatch(TokenBatch):
     log-probs when it generated (`old_logps`: when more than one optimizer step uses one
     generation) and the reference's (`ref_logps`: a KL term), both [B, T] or None."""
 
-    advantages: torch.Tensor | None = None  # [B]
+    advantages: torch.Tensor | None = None  # [B], or [B, T]: one per label (REINFORCE++)
     old_logps: torch.Tensor | None = None
     ref_logps: torch.Tensor | None = None
 

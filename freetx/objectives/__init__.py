@@ -4,7 +4,7 @@ per objective.
     cross_entropy.py  next-token cross-entropy (SFT, pretraining), the router loss of MoE
     logprobs.py       a model's log-probabilities of its labels: per token, sequence, document
     preference.py     DPO and its kin (IPO, robust, hinge, SimPO, ORPO) over pairs
-    advantages.py     advantage estimates of a rollout's completions (group-relative, ...)
+    advantages.py     advantage estimates of a rollout's completions (group, RLOO, REINFORCE++)
     grpo.py           GRPO and its kin (DAPO, Dr. GRPO, GSPO): the clipped policy-gradient loss
     rollouts.py       prompts -> completions generated, scored, weighted: RL's micro-batches
     distillation.py   a student learning a teacher's distribution (KL, reverse KL, JSD)
@@ -18,7 +18,14 @@ Configs name them as `freetx.objectives.<Name>` (`loss:`, `rewards:`). Nothing h
 imports a recipe; the shared loop mechanics they use are `freetx.training`'s.
 """
 
-from freetx.objectives.advantages import GroupAdvantages, GroupMean, LeaveOneOut, group_advantages
+from freetx.objectives.advantages import (
+    GroupAdvantages,
+    GroupMean,
+    LeaveOneOut,
+    ReinforcePlusPlus,
+    TokenAdvantages,
+    group_advantages,
+)
 from freetx.objectives.cross_entropy import CrossEntropyLoss, loss_tokens, with_router_loss
 from freetx.objectives.distillation import DistillationLoss, TeacherTokens, TeacherTopK
 from freetx.objectives.grpo import GRPOLoss
@@ -50,12 +57,14 @@ __all__ = [
     "LengthPenalty",
     "PreferenceLoss",
     "RegexFormat",
+    "ReinforcePlusPlus",
     "Reward",
     "RewardError",
     "RewardFunction",
     "SequenceLogProbs",
     "TeacherTokens",
     "TeacherTopK",
+    "TokenAdvantages",
     "build_rewards",
     "group_advantages",
     "loss_tokens",

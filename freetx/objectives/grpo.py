@@ -184,7 +184,9 @@ class GRPOLoss:
         when it is this one (one optimizer step per generation: rho = 1, the plain policy
         gradient); `ref_logps` [R, T] under the reference model (read when beta > 0);
         `advantages` [R]; `mask` [R, T], the completion tokens: what the tensors hold
-        elsewhere reaches neither the loss nor the gradients. `max_completion_length`:
+        elsewhere reaches neither the loss nor the gradients; `advantages` [R, T] (a
+        per-token estimate: `ReinforcePlusPlus`) weighs each token by its own.
+        `max_completion_length`:
         the constant of aggregation "fixed"."""
         if self.needs_reference and ref_logps is None:
             raise ValueError(
@@ -196,10 +198,11 @@ class GRPOLoss:
                 "aggregation 'fixed' divides each completion's token sum by the completion "
                 "length limit: pass max_completion_length."
             )
-        if advantages.shape != logps.shape[:1] or mask.shape != logps.shape:
+        if advantages.shape not in (logps.shape[:1], logps.shape) or mask.shape != logps.shape:
             raise ValueError(
                 f"logps {tuple(logps.shape)}, mask {tuple(mask.shape)} and advantages "
-                f"{tuple(advantages.shape)} do not match: pass [R, T], [R, T] and [R]."
+                f"{tuple(advantages.shape)} do not match: pass [R, T], [R, T] and [R] (or "
+                "[R, T]: one per token)."
             )
         mask = mask.bool()
         old = logps.detach() if old_logps is None else old_logps
@@ -209,7 +212,8 @@ class GRPOLoss:
             log_ratio = (log_ratio.sum(dim=-1) / tokens.clamp(min=1))[:, None]
         ratio = torch.exp(log_ratio)
         clipped = ratio.clamp(1 - self.epsilon_low, 1 + self.epsilon_high)
-        adv = advantages.to(ratio.dtype)[:, None]
+        adv = advantages.to(ratio.dtype)
+        adv = adv[:, None] if adv.ndim == 1 else torch.where(mask, adv, 0.0)
         per_token = -torch.minimum(ratio * adv, clipped * adv).expand(mask.shape)
         metrics: dict[str, torch.Tensor] = {}
         if self.needs_reference:

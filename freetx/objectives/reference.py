@@ -24,10 +24,10 @@ from __future__ import annotations
 
 import abc
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -183,19 +183,22 @@ class ReferenceConfig:
             )
 
 
+@runtime_checkable
 class ComparesWithReference(Protocol):
-    """A loss that may compare the policy with a reference model (`PreferenceLoss` by its
-    type, `GRPOLoss` by its KL term's beta)."""
+    """A loss or an estimate that may compare the policy with a reference model
+    (`PreferenceLoss` by its type, `GRPOLoss` by its KL term's beta, `ReinforcePlusPlus`
+    by the KL it folds into the reward)."""
 
     @property
     def needs_reference(self) -> bool: ...
 
 
-def reference_kind(loss: ComparesWithReference, adapters: bool, precompute: bool = False) -> str:
-    """What a built loss compares with: none (SimPO, ORPO; GRPO at beta 0), adapters_off (a
-    run that trains adapters: the base itself), precomputed (`reference.precompute`: log-probs
-    computed once before training), or frozen_copy (full fine-tuning)."""
-    if not loss.needs_reference:
+def reference_kind(objectives: Sequence[Any], adapters: bool, precompute: bool = False) -> str:
+    """What built objectives (a loss; an advantage estimate) compare with: none when none of
+    them does (SimPO, ORPO; GRPO at beta 0), adapters_off (a run that trains adapters: the
+    base itself), precomputed (`reference.precompute`: log-probs computed once before
+    training), or frozen_copy (full fine-tuning)."""
+    if not any(isinstance(o, ComparesWithReference) and o.needs_reference for o in objectives):
         return "none"
     if adapters:
         return "adapters_off"

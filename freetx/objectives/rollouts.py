@@ -34,7 +34,12 @@ from freetx.distributed import ParallelGroups, ParallelPlan
 from freetx.fields import at_least
 from freetx.models.engine import EngineConfig
 from freetx.models.generation import Draws, Sampling, generate, sampling_problems
-from freetx.objectives.advantages import Baseline, group_advantages
+from freetx.objectives.advantages import (
+    Baseline,
+    TokenAdvantages,
+    group_advantages,
+    token_advantages,
+)
 from freetx.objectives.deadline import Interrupted
 from freetx.objectives.logprobs import token_logps
 from freetx.objectives.rewards import (
@@ -274,7 +279,10 @@ class Rollouts:
             self.batches(prompt_groups[k * per_step : (k + 1) * per_step])
             for k in range(gen.steps_per_generation)
         ]
-        self.with_logps([b for batches in steps for b in batches], reference, num_chunks)
+        every = [b for batches in steps for b in batches]
+        policy_logps = self.with_logps(every, reference, num_chunks)
+        if isinstance(self.advantage, TokenAdvantages):  # per token, over every rank's
+            token_advantages(self.advantage, every, policy_logps, self.ranks)
         metrics = self.metrics(prompt_groups, made)
         metrics["time/generation"], metrics["time/scoring"] = (
             made["generation_s"],
@@ -349,9 +357,15 @@ class Rollouts:
 
     def set_advantages(self, prompt_groups: list[PromptGroup]) -> None:
         """Each completion's advantage (`group_advantages` with the `advantage` baseline);
-        `scale` batch divides by the std of every rank's rewards, as TRL's."""
+        `scale` batch divides by the std of every rank's rewards, as TRL's. A per-token
+        estimate's: its centered reward, made per token by `set_token_advantages`."""
         n, scale = self.gen.num_generations, self.scale
         total = torch.cat([g.total for g in prompt_groups])
+        if isinstance(self.advantage, TokenAdvantages):
+            centered = self.advantage.centered(total, n)
+            for i, group in enumerate(prompt_groups):
+                group.advantages = centered[i * n : (i + 1) * n]
+            return
         batch_std = None
         if scale == "batch":
             moments = {
@@ -383,22 +397,30 @@ class Rollouts:
         ]
 
     @torch.no_grad()
-    def with_logps(self, batches: list[RolloutBatch], reference, num_chunks) -> None:
+    def with_logps(self, batches: list[RolloutBatch], reference, num_chunks) -> list | None:
         """The log-probs the loss reads besides the policy's own: the policy's at generation
         time (more than one step per generation: the ratio's denominator) and the
-        reference's (a KL term), a micro-batch at a time (every rank runs as many)."""
+        reference's (a KL term), a micro-batch at a time (every rank runs as many). Returns
+        the policy's at generation time per batch when a per-token estimate folds a KL into
+        the reward (else None)."""
         several = self.gen.steps_per_generation > 1
-        if not several and reference is None:
-            return
+        kl = isinstance(self.advantage, TokenAdvantages) and self.advantage.needs_reference
+        if not (several or kl) and reference is None:
+            return None
+        policy = []
         for batch in batches:
             placed = batch.to(self.plan.runtime.device)
-            if several:
+            if several or kl:
                 with self.plan.autocast():
-                    batch.old_logps = token_logps(
+                    logps = token_logps(
                         self.plan.model, placed.input_ids, placed.labels, num_chunks
                     )[0]
+                policy.append(logps)
+                if several:
+                    batch.old_logps = logps
             if reference is not None:
                 batch.ref_logps = reference.tokens(placed)
+        return policy if kl else None
 
     def metrics(self, prompt_groups: list[PromptGroup], made: dict[str, float]) -> dict[str, float]:
         """TRL's names, over every rank's completions: reward (mean, and the mean of the

@@ -352,6 +352,31 @@ def test_a_resume_at_another_world_size_repeats_the_uninterrupted_run(tmp_path):
     assert straight[3]["episodes/mean_turns"] > 1
 
 
+ESTIMATES = {
+    "rloo": ["advantage={_component_: freetx.objectives.LeaveOneOut}", "loss.scale_rewards=none"],
+    "reinforce++": ["advantage={_component_: freetx.objectives.ReinforcePlusPlus, baseline: group,"
+                    " kl_coef: 0.05, kl_estimator: k3}"],
+}  # fmt: skip
+
+
+@pytest.mark.slow  # 3 runs each: 4 steps on 1 process; 2 steps on 2, resumed to 4 on 2
+@pytest.mark.parametrize("estimate", sorted(ESTIMATES))
+def test_rloo_and_reinforce_plus_plus_on_two_processes_and_resumed_repeat_one_process(
+    tmp_path, estimate
+):
+    """REINFORCE++ with its KL folded into the reward (a frozen copy of the initial weights
+    as reference, the returns normalized over both ranks' tokens) and RLOO: 2 processes
+    give 1 process's rewards, losses and gradient norms, and so does a resume."""
+    more = [*ESTIMATES[estimate], "checkpoint.every_n_steps=2"]
+    one = metrics(ran(grpo(tmp_path, "one", "max_steps=4", *more)))
+    ran(grpo(tmp_path, "two", "max_steps=2", *more, nproc=2))
+    two = metrics(ran(grpo(tmp_path, "two", "max_steps=4", *more, nproc=2)))
+    assert 0 < one[3]["reward"] and set(two) >= {1, 2, 3, 4}
+    for step in (1, 2, 3, 4):
+        for key in ("reward", "loss", "grad_norm"):
+            assert abs(two[step][key] - one[step][key]) <= 1e-5, (step, key)
+
+
 def test_a_model_without_a_kv_cache_is_refused_before_any_work(tmp_path):
     out, result = grpo(tmp_path, "latent", "max_steps=1",
                        "model={_component_: freetx.models.free_transformer.free_transformer, "

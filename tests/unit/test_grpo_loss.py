@@ -41,15 +41,17 @@ def batch():
     return logps.requires_grad_(), old, ref, torch.tensor(ADVANTAGES), mask
 
 
-def direct(logps, old, ref, aggregation, level, beta):
-    """The batch mean of the loss in a python loop over each completion's tokens."""
+def direct(logps, old, ref, aggregation, level, beta, per_token=None):
+    """The batch mean of the loss in a python loop over each completion's tokens (each
+    token's advantage `per_token[i][t]` where given, else its row's)."""
     total, units = torch.zeros(()), 0
     for i, ratios in enumerate(LOG_RATIOS):
-        tokens, a = range(len(ratios)), ADVANTAGES[i]
+        tokens = range(len(ratios))
         if level == "sequence":  # GSPO: (pi(y|x) / pi_old(y|x)) ** (1 / |y|)
             seq = torch.exp(sum(logps[i, t] - old[i, t] for t in tokens) / len(tokens))
         row = torch.zeros(())
         for t in tokens:
+            a = ADVANTAGES[i] if per_token is None else per_token[i][t]
             rho = seq if level == "sequence" else torch.exp(logps[i, t] - old[i, t])
             term = -torch.minimum(rho * a, torch.clamp(rho, 1 - LOW, 1 + HIGH) * a)
             if beta:
@@ -94,6 +96,27 @@ def test_each_variant_equals_its_direct_per_token_loop_in_values_and_gradients(
     assert value.dtype == torch.float32 and abs(value.item() - want.item()) <= 1e-5
     assert (grad - want_grad).abs().max().item() <= 1e-5
     assert (grad[mask] != 0).sum() > 0 and (grad[~mask] == 0).all()
+
+
+@pytest.mark.parametrize("aggregation,level", [("token", "token"), ("sequence", "sequence")])
+def test_advantages_per_token_weigh_each_token_by_its_own(aggregation, level):
+    """REINFORCE++'s [R, T] advantages: each token's own, of both signs within a row (so
+    a row clips on one side at some tokens and the other at others); garbage off the mask
+    reaches nothing."""
+    logps, old, ref, _, mask = batch()
+    per_token = [[ADVANTAGES[i] * (1 - 0.6 * t) for t in range(len(r))]
+                 for i, r in enumerate(LOG_RATIOS)]  # fmt: skip
+    table = torch.full((R, T), 1e4)
+    for i, row in enumerate(per_token):
+        table[i, : len(row)] = torch.tensor(row)
+    loss = GRPOLoss(LOW, HIGH, BETA, aggregation, level)
+    value, _ = mean_loss(loss, logps, old, ref, table, mask)
+    (grad,) = torch.autograd.grad(value, logps)
+    want_logps = batch()[0]
+    want = direct(want_logps, old, ref, aggregation, level, BETA, per_token)
+    (want_grad,) = torch.autograd.grad(want, want_logps)
+    assert abs(value.item() - want.item()) <= 1e-5
+    assert (grad - want_grad).abs().max().item() <= 1e-5 and (grad[~mask] == 0).all()
 
 
 def test_padding_garbage_reaches_neither_the_loss_nor_the_gradients():
