@@ -93,12 +93,15 @@ RECIPES: tuple[Recipe, ...] = (
         configs=(
             "llm/dpo_tiny",
             "llm/dpo_lora_tiny",
+            "llm/kto_tiny",
             "llm/hf_tiny_dpo",
+            "llm/hf_tiny_kto",
             "llm/llama3_1_8b_dpo_lora",
             "llm/qwen3_8b_dpo",
             "llm/gemma3_4b_dpo_lora",
+            "llm/qwen3_8b_kto",
         ),
-        description="preference optimization: DPO, IPO, robust DPO, hinge, SimPO, ORPO; "
+        description="preference optimization: DPO, IPO, robust DPO, hinge, SimPO, ORPO, KTO; "
         "full or LoRA / QLoRA / DoRA",
     ),
     Recipe(

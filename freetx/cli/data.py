@@ -54,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # the built-in config whose dataset reads rows of each format (`format_of_shape`'s names)
-CONFIG_FOR_FORMAT = {"preference": "llm/dpo_tiny", "text": "llm/tiny"}
+CONFIG_FOR_FORMAT = {"preference": "llm/dpo_tiny", "unpaired": "llm/kto_tiny", "text": "llm/tiny"}
 ROW_CHARS = 200  # of a row shown by `show FILE`
 
 

@@ -30,7 +30,7 @@ from freetx.data.chat import ChatDataset
 from freetx.data.instruct import InstructDataset
 from freetx.data.letter_block import LetterBlockDataset
 from freetx.data.mixture import MadeOfParts, Mixture
-from freetx.data.preference import PreferenceDataset
+from freetx.data.preference import PreferenceDataset, UnpairedPreferenceDataset
 from freetx.data.prompts import PromptBatch, PromptDataset, collate_prompts
 from freetx.data.sampling import (
     IGNORE_INDEX,
@@ -75,6 +75,7 @@ __all__ = [
     "Mixture",
     "PackedTextDataset",
     "PreferenceDataset",
+    "UnpairedPreferenceDataset",
     "PromptBatch",
     "PromptDataset",
     "collate_prompts",

@@ -29,6 +29,7 @@ INPUT_IDS, LABELS, DOCUMENTS = "input_ids", "labels", "documents"
 REAL_TOKENS = "real_tokens"  # the positions that are not padding (packed, padded samples)
 SOURCE = "source"  # a mixture's: which of its sources the sample is from
 PADDING = "padding"  # an evaluation shard's: a repeat that fills the last rank's share
+DESIRABLE = "desirable"  # an unpaired preference example's label (KTO): its completion is good
 
 
 def token_sample(
@@ -46,6 +47,11 @@ def token_sample(
     if real_tokens is not None:
         sample[REAL_TOKENS] = torch.as_tensor(real_tokens, dtype=torch.long)
     return sample
+
+
+def with_label(sample: dict[str, torch.Tensor], desirable: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A token sample of an unpaired preference example, with its label (KTO)."""
+    return {**sample, DESIRABLE: desirable}
 
 
 def sample_positions(sample) -> tuple[int, int | None]:
@@ -141,6 +147,18 @@ class TokenBatch:
             f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "context"
         }
 
+    def rows(self, index: slice) -> TokenBatch:
+        """The rows `index` selects (a micro-batch of them; a preference batch's chosen
+        rows), every per-row field with them (a mixture's sources too)."""
+        sliced = {
+            name: value[index]
+            for name, value in self.tensors().items()
+            if isinstance(value, torch.Tensor)
+        }
+        if self.sources is not None:
+            sliced["sources"] = self.sources._replace(source=self.sources.source[index])
+        return dataclasses.replace(self, **sliced)
+
     def to(self, device: torch.device) -> TokenBatch:
         """The batch on `device` (a mixture's sources stay where they are: logging)."""
         moved = {
@@ -215,6 +233,9 @@ class PreferenceBatch(TokenBatch):
     precomputed reference, each row's reference log-probs ride along."""
 
     reference_logps: torch.Tensor | None = None  # [B, 2]: each row's (sum, loss tokens)
+    # unpaired examples (KTO): row 2i example i, row 2i + 1 its mismatched KL row; [B] bools,
+    # each row its example's label (desirable)
+    desirable: torch.Tensor | None = None
 
     @classmethod
     def collate_pairs(cls, pairs: list[Pair], source_names=()) -> PreferenceBatch:
@@ -224,7 +245,17 @@ class PreferenceBatch(TokenBatch):
         batch = cls.collate(rows, source_names)
         if REFERENCE_LOGPS in rows[0]:
             batch.reference_logps = torch.stack([row[REFERENCE_LOGPS] for row in rows])
+        if DESIRABLE in rows[0]:
+            batch.desirable = torch.stack([row[DESIRABLE] for row in rows])
         return batch
+
+    def chosen_rows(self) -> PreferenceBatch:
+        """Rows 0, 2, 4, ...: each pair's chosen completion (an unpaired batch's examples)."""
+        return self.rows(slice(0, None, 2))
+
+    def rejected_rows(self) -> PreferenceBatch:
+        """Rows 1, 3, 5, ...: each pair's rejected completion (an unpaired batch's KL rows)."""
+        return self.rows(slice(1, None, 2))
 
     def num_pairs(self) -> torch.Tensor:
         """The pairs the batch holds, an evaluation shard's repeats left out: the unit a
@@ -320,15 +351,6 @@ class RolloutBatch(TokenBatch):
             labels[i, start : len(row) - 1] = targets
         real = torch.tensor([len(r) - 1 for r in rows])
         return cls(input_ids, labels, real_tokens=real, advantages=advantages.float())
-
-    def rows(self, index: slice) -> RolloutBatch:
-        """The rows `index` selects (a micro-batch of them), every per-row field with them."""
-        sliced = {
-            name: value[index]
-            for name, value in self.tensors().items()
-            if isinstance(value, torch.Tensor)
-        }
-        return dataclasses.replace(self, **sliced)
 
     def completion_mask(self) -> torch.Tensor:
         """[B, T] bools: the labels that are completion tokens."""

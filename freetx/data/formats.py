@@ -77,6 +77,13 @@ DEFAULT_COLUMNS: dict[str, dict[str, str]] = {
         "content": "content",
     },
     "prompt": {"prompt": "prompt", "messages": "messages", "role": "role", "content": "content"},
+    "unpaired": {
+        "prompt": "prompt",
+        "completion": "completion",
+        "label": "label",
+        "role": "role",
+        "content": "content",
+    },
 }
 # the roles whose columns a row of each format has (a prompt's: its prompt, or its messages;
 # a preference pair's prompt may be the start its chosen and rejected messages share)
@@ -88,6 +95,7 @@ NEEDED: dict[str, tuple[str, ...]] = {
     "text": ("text",),
     "preference": ("chosen", "rejected"),
     "prompt": ("prompt",),
+    "unpaired": ("prompt", "completion", "label"),
 }
 # the datasets that read each kind of data, for a format the dataset at hand does not read
 CONVERSATIONS_READER = (
@@ -98,6 +106,7 @@ READERS = {
     "text": "plain text is freetx.data.PackedTextDataset's",
     "preference": "preference pairs are freetx.data.PreferenceDataset's",
     "prompt": "prompts alone are freetx.data.PromptDataset's",
+    "unpaired": "unpaired completions with a label are freetx.data.UnpairedPreferenceDataset's",
     **{
         name: CONVERSATIONS_READER for name in ("messages", "sharegpt", "alpaca", "prompt_response")
     },
@@ -139,6 +148,16 @@ class Pair:
     @property
     def conversational(self) -> bool:
         return isinstance(self.prompt, list)
+
+
+@dataclass(frozen=True)
+class Unpaired:
+    """An unpaired preference example (KTO's): a prompt, a completion of it, and whether
+    the completion is desirable. Strings, or conversations as a `Pair`'s."""
+
+    prompt: str | Messages
+    completion: str | Messages
+    desirable: bool
 
 
 def canonical(value: Any) -> bytes:
@@ -372,6 +391,38 @@ class Format:
                     "different completions of it; fix or remove the row."
                 )
         return pair
+
+    def unpaired(self, fields: dict[str, Any]) -> Unpaired:
+        """A record's unpaired example (UnpairedPreferenceDataset, TRL's unpaired
+        preference format): a prompt, a completion and a label (true: desirable), strings
+        or conversations (`completion` holding messages, starting with the assistant's
+        reply). An empty prompt or completion, or a label that is no boolean, is a bad row."""
+        label = fields.get(self.columns["label"])
+        if label not in (True, False) or isinstance(label, float):  # True, False, 1, 0
+            raise BadRow(
+                f"has {label!r} in '{self.columns['label']}' where format unpaired reads a "
+                "boolean (true: a desirable completion, false: an undesirable one); fix the row."
+            )
+        if isinstance(fields.get(self.columns["completion"]), list):
+            prompt = self._messages(fields, "prompt", needs_reply=False)
+            completion = self._messages(fields, "completion")
+            if completion[0]["role"] != "assistant":
+                raise BadRow(
+                    f"has a completion conversation that starts with a {completion[0]['role']} "
+                    "message, not the assistant's reply; fix the row."
+                )
+            said = ["".join(m["content"] for m in prompt),
+                    "".join(m["content"] for m in completion if m["role"] == "assistant")]  # fmt: skip
+        else:
+            prompt, completion = (self._string(fields, role) for role in ("prompt", "completion"))
+            said = [prompt, completion]
+        for role, text in zip(("prompt", "completion"), said):
+            if not text.strip():
+                raise BadRow(
+                    f"has an empty {role} ('{self.columns[role]}'): an unpaired example is a "
+                    "prompt, a completion of it and its label; fix or remove the row."
+                )
+        return Unpaired(prompt, completion, bool(label))
 
     def prompt(self, fields: dict[str, Any]) -> tuple[str | Messages, str | None]:
         """A record's prompt (PromptDataset): its prompt string, or a conversation ending in

@@ -46,17 +46,19 @@ from __future__ import annotations
 import random
 from collections.abc import Iterable
 from dataclasses import KW_ONLY, dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
 
+from freetx.data.batch import with_label
 from freetx.data.chat import in_spans, rendered_replies
 from freetx.data.formats import (
     BadRow,
     Format,
     Messages,
     Pair,
+    Unpaired,
     check_not_empty,
     encode_rows,
     read_split,
@@ -80,6 +82,7 @@ from freetx.errors import DataError
 
 READS = ("preference",)
 ROWS = 3  # token rows a pair is kept as: the prompt, the chosen, the rejected
+COMPLETIONS = slice(1, 3)  # of those, the two completions
 
 
 def plausible_wrong(task: str, word: str, rng: random.Random) -> str:
@@ -159,10 +162,11 @@ class PairsFit(SeqLenFit):
 
     prompts_cut: int = 0  # pairs whose prompt lost its start
     completions_cut: int = 0  # pairs whose longer completion lost its end
+    unit: str = "pairs"  # an unpaired dataset's: examples (with their KL rows)
 
     def line(self) -> str:
         return (
-            f"dataset {self.source} ({self.split}): {self.cut} of {self.samples} pairs cut at "
+            f"dataset {self.source} ({self.split}): {self.cut} of {self.samples} {self.unit} cut at "
             f"seq_len={self.seq_len} (prompts cut at their start, their end kept: "
             f"{self.prompts_cut}; completions cut at their end: {self.completions_cut}); "
             "none dropped"
@@ -175,6 +179,8 @@ class PreferenceDataset(TokenRowsDataset):
     Its keys: `TokenRowsDataset`'s (format: preference, the default and only one; packed:
     several pairs per two sequences, the module docstring), then these."""
 
+    ROWS: ClassVar[int] = ROWS
+    UNIT: ClassVar[str] = "pairs"  # what a sample is, said at start-up
     _: KW_ONLY
     max_prompt_len: int | None = None  # prompt tokens kept at most (its end)
     tasks: list[str] | None = None  # builtin only: which of its tasks (None: all)
@@ -202,7 +208,7 @@ class PreferenceDataset(TokenRowsDataset):
 
         # max_prompt_len is applied when served
         rows = self.cached("PreferenceDataset", source, encode, served=("max_prompt_len",))
-        check_not_empty(len(rows) // ROWS, rule, source, self.bad_rows)
+        check_not_empty(len(rows) // self.ROWS, rule, source, self.bad_rows)
         self.rows, self.pad_id = rows, self.tokenizer.pad_id
         self.prompt_kept, self.fit = self._fit(self.max_prompt_len, self.split, source)
         # packed: the pairs of each pack, placed by the longer completion's positions
@@ -214,8 +220,8 @@ class PreferenceDataset(TokenRowsDataset):
 
     def _fit(self, max_prompt_len: int | None, split: str, source: str):
         """The prompt tokens each pair keeps (module docstring), and what the cut did."""
-        lengths = self.rows.lengths.reshape(-1, ROWS)
-        prompt, longest = lengths[:, 0], lengths[:, 1:].max(axis=1)
+        lengths = self.rows.lengths.reshape(-1, self.ROWS)
+        prompt, longest = lengths[:, 0], lengths[:, COMPLETIONS].max(axis=1)
         kept = prompt if max_prompt_len is None else np.minimum(prompt, max_prompt_len)
         room = self.seq_len + 1
         kept = np.minimum(kept, np.maximum(room - longest, np.minimum(kept, self.seq_len // 2)))
@@ -229,11 +235,12 @@ class PreferenceDataset(TokenRowsDataset):
             0,
             int(prompts_cut.sum()),
             int(completions_cut.sum()),
+            self.UNIT,
         )
         return kept, fit
 
     def __len__(self) -> int:
-        return len(self.rows) // ROWS if self.packs is None else len(self.packs)
+        return len(self.rows) // self.ROWS if self.packs is None else len(self.packs)
 
     def __getitem__(self, index: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """(the chosen sample, the rejected sample) of pair `index`; packed: of pack
@@ -251,14 +258,15 @@ class PreferenceDataset(TokenRowsDataset):
 
     def _encoded(self, index: int) -> tuple[Encoded, Encoded]:
         """Pair `index` as two token rows: the prompt's kept tokens, then each completion."""
-        prompt = self.rows[ROWS * index][0]
+        prompt = self.rows[self.ROWS * index][0]
         prompt = prompt[len(prompt) - int(self.prompt_kept[index]) :]
-        rows = (self.rows[ROWS * index + k] for k in (1, 2))
+        rows = (self.rows[self.ROWS * index + k] for k in (1, 2))
         return tuple((prompt + ids, [False] * len(prompt) + targets) for ids, targets in rows)
 
     def _lengths(self) -> np.ndarray:
         """[pairs, 2]: the tokens of each pair's chosen and rejected rows, as served."""
-        return self.rows.lengths.reshape(-1, ROWS)[:, 1:] + self.prompt_kept[:, None]
+        lengths = self.rows.lengths.reshape(-1, self.ROWS)[:, COMPLETIONS]
+        return lengths + self.prompt_kept[:, None]
 
     def summary(self) -> DataSummary:
         """Pairs -> sequences, two a pair or a pack (`freetx.data.SummarizesData`)."""
@@ -266,14 +274,14 @@ class PreferenceDataset(TokenRowsDataset):
         real = int(positions_taken(lengths.reshape(-1), self.seq_len).sum())
         taken = np.sort(positions_taken(lengths.max(axis=1), self.seq_len))  # a pair's room
         two = tuple(int(n) for n in taken[:2]) if len(taken) > 1 else None
-        pairs = len(self.rows) // ROWS
+        pairs = len(self.rows) // self.ROWS
         return DataSummary(
             pairs,
             2 * len(self),
             self.seq_len,
             real,
             self.packed,
-            unit="pairs",
+            unit=self.UNIT,
             two_shortest=two,
             sequences_per_sample=2,
         )
@@ -330,3 +338,111 @@ def _as_strings(pair: Pair, tokenizer: str) -> tuple[str, str, str]:
             "a model folder that has one, or give the pair as prompt/chosen/rejected strings."
         )
     return pair.prompt[0]["content"], pair.chosen[0]["content"], pair.rejected[0]["content"]
+
+
+def builtin_unpaired(count: int, seed: int, tasks: list[str] | None = None) -> list[Record]:
+    """`count` unpaired records of the built-in tasks: `builtin_pairs`' prompts, the even
+    ones with their right answer (desirable), the odd ones with the plausible wrong one."""
+    return [
+        Record(
+            record.where.replace("pair", "example"),
+            {
+                "prompt": record.fields["prompt"],
+                "completion": record.fields["chosen" if i % 2 == 0 else "rejected"],
+                "label": i % 2 == 0,
+            },
+        )
+        for i, record in enumerate(builtin_pairs(count, seed, tasks))
+    ]
+
+
+def with_kl_completions(
+    examples: list[tuple[str, Unpaired]],
+) -> list[tuple[str, tuple[Pair, bool]]]:
+    """Each example as a pair for the KTO loss: its prompt, its completion, and the
+    completion of the nearest example before it (cyclically, in the split's order) whose
+    prompt differs, which makes the mismatched (prompt, completion) row that estimates
+    KTO's KL baseline; and its label. A DataError when every prompt is the same."""
+    pairs = []
+    for i, (where, example) in enumerate(examples):
+        other = next(
+            (
+                examples[(i - k) % len(examples)][1]
+                for k in range(1, len(examples))
+                if examples[(i - k) % len(examples)][1].prompt != example.prompt
+                and isinstance(examples[(i - k) % len(examples)][1].completion, list)
+                == isinstance(example.completion, list)
+            ),
+            None,
+        )
+        if other is None:
+            raise DataError(
+                f"{where}: no other example of the split has another prompt (and a completion "
+                "of the same kind), so KTO has no mismatched (prompt, completion) to estimate "
+                "its KL baseline from; give examples of 2 or more prompts."
+            )
+        pairs.append(
+            (where, (Pair(example.prompt, example.completion, other.completion), example.desirable))
+        )
+    return pairs
+
+
+@dataclass(eq=False, repr=False)
+class UnpairedPreferenceDataset(PreferenceDataset):
+    """Unpaired preference examples (KTO's: TRL's `{prompt, completion, label}`, strings or
+    conversations; format unpaired), each served as two samples like a preference pair:
+    its prompt and completion, labelled desirable or not (`desirable`, on both samples),
+    and its prompt with another example's completion (`with_kl_completions`), from which
+    the KTO loss estimates its KL baseline. `builtin`: the built-in tasks' prompts, half
+    with their right answer (desirable), half with a plausible wrong one. No packing."""
+
+    ROWS: ClassVar[int] = 4  # the prompt, the completion, the KL row's completion, the label
+    UNIT: ClassVar[str] = "examples"
+
+    def __post_init__(self) -> None:
+        check_split(self.split, self.val_fraction, self.seq_len)
+        if self.packed:
+            raise DataError(
+                "dataset.packed=true: UnpairedPreferenceDataset serves each example with its "
+                "mismatched KL row, one sequence each; set dataset.packed=false."
+            )
+        fmt = prompts_format(
+            self, self.split_source, "UnpairedPreferenceDataset", ("unpaired",), "unpaired",
+            "unpaired examples",
+        )  # fmt: skip
+        source, rule = self.split_rows()
+        self.chat = getattr(self.tokenizer, "chat_template", None) is not None
+
+        def encode() -> Iterable[Encoded]:
+            """Every example of the split encoded (on a cache miss): its prompt, its
+            completion, the KL row's completion, its label (one id: 1 desirable, 0 not)."""
+            records = (
+                builtin_unpaired(self.num_builtin_examples, self.seed, self.tasks)
+                if source == "builtin"
+                else read_records(source, fmt.record_columns)
+            )
+            examples = read_split(records, fmt, fmt.unpaired, rule, self.bad_rows)
+            encoded = encode_rows(with_kl_completions(examples), self.encode_example, self.bad_rows)
+            return [row for rows in encoded[0] for row in rows]
+
+        rows = self.cached("UnpairedPreferenceDataset", source, encode, served=("max_prompt_len",))
+        check_not_empty(len(rows) // self.ROWS, rule, source, self.bad_rows)
+        self.rows, self.pad_id = rows, self.tokenizer.pad_id
+        self.prompt_kept, self.fit = self._fit(self.max_prompt_len, self.split, source)
+        self.packs = None
+
+    def encode_example(self, example: tuple[Pair, bool]) -> tuple[Encoded, ...]:
+        """An example's token rows: `encode`'s three (the prompt, its completion, the KL
+        row's), then its label as a row of one id."""
+        pair, desirable = example
+        return (*self.encode(pair), ([int(desirable)], [False]))
+
+    def desirable(self, index: int) -> bool:
+        """Whether example `index`'s completion is desirable."""
+        return bool(self.rows[self.ROWS * index + 3][0][0])
+
+    def __getitem__(self, index: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """(the example's sample, its KL row's sample), both with its label."""
+        samples = super().__getitem__(index)
+        label = torch.tensor(self.desirable(index))
+        return tuple(with_label(sample, label) for sample in samples)

@@ -60,6 +60,8 @@ def format_of_shape(
     names = set(fields)
     if {"chosen", "rejected"} <= names:
         return "preference", {}
+    if {"prompt", "completion", "label"} <= names:
+        return "unpaired", {}
     for column in ("conversations", "messages"):
         if column in names:
             inner = _message_keys(fields[column]) if isinstance(fields, dict) else set()

@@ -4,6 +4,7 @@ per objective.
     cross_entropy.py  next-token cross-entropy (SFT, pretraining), the router loss of MoE
     logprobs.py       a model's log-probabilities of its labels: per token, sequence, document
     preference.py     DPO and its kin (IPO, robust, hinge, SimPO, ORPO) over pairs
+    kto.py            KTO over unpaired examples (desirable or not), with its KL baseline
     advantages.py     advantage estimates of a rollout's completions (group, RLOO, REINFORCE++)
     grpo.py           GRPO and its kin (DAPO, Dr. GRPO, GSPO): the clipped policy-gradient loss
     rollouts.py       prompts -> completions generated, scored, weighted: RL's micro-batches
@@ -30,6 +31,7 @@ from freetx.objectives.cross_entropy import CrossEntropyLoss, loss_tokens, with_
 from freetx.objectives.distillation import DistillationLoss, TeacherTokens, TeacherTopK
 from freetx.objectives.grpo import GRPOLoss
 from freetx.objectives.judge import Judge
+from freetx.objectives.kto import KTOBaseline, KTOLoss
 from freetx.objectives.logprobs import SequenceLogProbs, sequence_logps, token_logps
 from freetx.objectives.preference import PreferenceLoss
 from freetx.objectives.rewards import (
@@ -53,6 +55,8 @@ __all__ = [
     "GroupAdvantages",
     "GroupMean",
     "Judge",
+    "KTOBaseline",
+    "KTOLoss",
     "LeaveOneOut",
     "LengthPenalty",
     "PreferenceLoss",

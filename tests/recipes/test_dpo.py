@@ -2,7 +2,9 @@
 validate refuses what the run refuses, the losses are the same on 1 process, 2 (fsdp,
 cp 2) and 4 (dp 2 x tp 2), a precomputed reference gives the live reference's losses, and a
 resume at another world size repeats the uninterrupted run's losses (and refuses the
-precomputed reference once a byte of it flipped)."""
+precomputed reference once a byte of it flipped). KTO: its first loss is half of each
+example's weight (the policy is its reference), and 2 processes (with a precomputed
+reference, resumed) give 1 process's losses, KL baselines and rewards."""
 
 from __future__ import annotations
 
@@ -25,6 +27,9 @@ RANDOM = ["model_dir=null", "dataset.num_builtin_examples=400", "eval.every_n_st
           JSONL]  # fmt: skip
 
 
+KTO = [x for x in RANDOM if "rpo_alpha" not in x]  # llm/kto_tiny's loss has no rpo_alpha
+
+
 def losses(output_dir) -> dict[int, float]:
     """step -> the logged training loss."""
     rows = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
@@ -34,8 +39,9 @@ def losses(output_dir) -> dict[int, float]:
 def dpo(tmp_path, name, *overrides, nproc=1, config="llm/dpo_tiny"):
     out = tmp_path / name
     args = ["run"] + (["--nproc-per-node", str(nproc)] if nproc > 1 else [])
+    common = KTO if config == "llm/kto_tiny" else RANDOM
     result = run_freetx(*args, "dpo_fsdp2", "--config", config, f"output_dir={out}",
-                        *RANDOM, *overrides)  # fmt: skip
+                        *common, *overrides)  # fmt: skip
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return out, result
 
@@ -73,6 +79,35 @@ def test_lora_dpo_first_step_is_ln2_on_an_hf_folder_and_exports_for_peft(tmp_pat
     assert adapter["r"] == 16 and (out / "export" / "peft" / "adapter_model.safetensors").is_file()
 
 
+def test_lora_kto_of_an_hf_folder_on_unpaired_conversations_exports_for_peft(tmp_path, hf_pairs):
+    """llm/hf_tiny_kto's command: the user's {prompt, completion, label} conversations,
+    rendered with the folder's chat template; the first loss is half of each example's
+    weight (the base with adapters off is the policy)."""
+    folder, _ = hf_pairs
+    rows = tmp_path / "unpaired.jsonl"
+    words = ["garden", "river", "window", "planet"]
+    with rows.open("w") as f:
+        for i in range(32):
+            word = words[i % 4]
+            reply = word[::-1] if i % 2 == 0 else word
+            f.write(json.dumps({"prompt": [{"role": "user", "content": f"Reverse {word} ({i})."}],
+                                "completion": [{"role": "assistant", "content": reply}],
+                                "label": i % 2 == 0}) + "\n")  # fmt: skip
+    out = tmp_path / "hf_kto"
+    result = run_freetx(
+        "run", "dpo_fsdp2", "--config", "llm/hf_tiny_kto", f"model_dir={folder}",
+        f"dataset.source={rows}", f"output_dir={out}", "max_steps=1", "log_every_n_steps=1",
+        "eval.every_n_steps=0", "eval.max_batches=1", "loss.undesirable_weight=2.0", JSONL,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    first = metrics(out)[1]
+    # each example of the 8 loses half its weight (1 or 2): (n_desirable + 2 n_undesirable) / 16
+    assert 0.5 < first["loss"] < 1.0 and first["kl"] == 0.0
+    assert abs(first["loss"] * 16 - round(first["loss"] * 16)) < 1e-5
+    adapter = json.loads((out / "export" / "peft" / "adapter_config.json").read_text())
+    assert adapter["r"] == 16 and (out / "export" / "peft" / "adapter_model.safetensors").is_file()
+
+
 @pytest.mark.parametrize(
     "overrides, says",
     [
@@ -81,6 +116,11 @@ def test_lora_dpo_first_step_is_ln2_on_an_hf_folder_and_exports_for_peft(tmp_pat
         (["distributed.pp=2"], "dpo_fsdp2 runs no pipeline"),
         (["loss.type=simpo", "loss.label_smoothing=0.1"], "has no label smoothing"),
         (["dataset._component_=freetx.data.InstructDataset"], "whose samples are single sequences"),
+        (["loss={_component_: freetx.objectives.KTOLoss}"], "KTO learns from unpaired examples"),
+        (
+            ["dataset._component_=freetx.data.UnpairedPreferenceDataset"],
+            "DPO and its kin compare a chosen with a rejected completion",
+        ),
         (
             ["dataset.packed=true", "peft.method=none", "reference.precompute=true"],
             "the precomputed log-probs are kept per pair",
@@ -150,6 +190,37 @@ def test_resume_at_another_world_size_repeats_the_uninterrupted_runs_losses(tmp_
     text = one_paragraph(result)
     assert f"cache {table.parent}: train.safetensors is damaged: its bytes differ" in text
     assert f"Delete {table} and run again" in text
+
+
+def metrics(output_dir) -> dict[int, dict]:
+    rows = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r for r in rows if "loss" in r}
+
+
+def test_kto_first_loss_is_half_of_each_examples_weight(tmp_path):
+    """At step 1 the policy is its reference: each log-ratio and the KL baseline are 0,
+    and each example loses 1 - sigmoid(0) of its weight (TRL's formula)."""
+    out, result = dpo(tmp_path, "kto", "max_steps=1", config="llm/kto_tiny")
+    assert "train examples" in flat(result.stdout) and "examples ->" in result.stdout
+    first = metrics(out)[1]
+    assert first["loss"] == pytest.approx(0.5, abs=1e-7) and first["kl"] == 0.0
+    assert first["rewards/chosen"] == 0.0 == first["rewards/rejected"]
+
+
+@pytest.mark.slow  # 3 runs: 4 steps on 1 process; 2 on 2 processes, resumed to 4
+def test_kto_on_two_processes_precomputed_and_resumed_repeats_one_process(tmp_path):
+    """1 process with 2 micro-batches a step and a live frozen copy; 2 processes with one
+    each and the reference precomputed, stopped at step 2 and resumed: the same losses, KL
+    baselines and rewards (the baseline is the global batch's however it is split)."""
+    one = metrics(dpo(tmp_path, "one", "max_steps=4", "gradient_accumulation_steps=2",
+                      "optimizer.lr=1e-3", config="llm/kto_tiny")[0])  # fmt: skip
+    two = ["optimizer.lr=1e-3", "reference.precompute=true", "checkpoint.every_n_steps=2"]
+    dpo(tmp_path, "two", "max_steps=2", *two, nproc=2, config="llm/kto_tiny")
+    resumed = metrics(dpo(tmp_path, "two", "max_steps=4", *two, nproc=2, config="llm/kto_tiny")[0])
+    assert one[3]["kl"] > 0 and set(resumed) >= {1, 2, 3, 4}
+    for step in (1, 2, 3, 4):
+        for key in ("loss", "kl", "rewards/chosen", "rewards/rejected", "grad_norm"):
+            assert abs(resumed[step][key] - one[step][key]) <= 1e-5, (step, key)
 
 
 @pytest.mark.slow  # 2 runs of 3 steps

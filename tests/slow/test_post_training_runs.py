@@ -1,0 +1,42 @@
+"""The post-training ladder's tiny configs from one short SFT of llm/instruct_tiny (80 steps
+on 2 processes, shared by the module), through the CLI on 2 processes, as a user runs
+them: KTO (llm/kto_tiny) raises the desirable completions' reward above the undesirable
+ones' on held-out examples."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.conftest import run_freetx
+
+pytestmark = pytest.mark.slow
+
+JSONL = "metric_loggers=[{_component_: freetx.loggers.JSONLLogger}]"
+
+
+def run(recipe: str, config: str, out, *overrides: str) -> list[dict]:
+    """`freetx run --nproc-per-node 2 RECIPE --config CONFIG`, its logged rows."""
+    result = run_freetx("run", "--nproc-per-node", "2", recipe, "--config", config,
+                        f"output_dir={out}", JSONL, *overrides)  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def sft(tmp_path_factory):
+    """llm/instruct_tiny's first 80 steps: the policy the tiny post-training configs start
+    from (their commands' first line)."""
+    out = tmp_path_factory.mktemp("post_training") / "sft"
+    run("full_finetune_fsdp2", "llm/instruct_tiny", out, "max_steps=80",
+        "checkpoint.every_n_steps=0", "eval.every_n_steps=0")  # fmt: skip
+    return out
+
+
+def test_kto_raises_the_desirable_reward_above_the_undesirable_one(sft, tmp_path):
+    rows = run("dpo_fsdp2", "llm/kto_tiny", tmp_path / "kto", f"model_dir={sft}",
+               "max_steps=30", "eval.every_n_steps=30", "checkpoint.every_n_steps=0")  # fmt: skip
+    val = [r for r in rows if "val/loss" in r][-1]
+    assert val["step"] == 30
+    assert val["val/rewards/chosen"] > val["val/rewards/rejected"] + 0.02, val
