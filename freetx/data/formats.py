@@ -489,7 +489,7 @@ def source_format(
     first = first_rows([item for item in items if item != "builtin"], suffixes)
     if not first or any(fmt.fits(row) for row in first):
         return fmt
-    shape = format_of_shape(first[0])
+    shape = format_of_shape(first[0], reads)
     if name is None and not columns and shape is not None and shape[0] in reads:
         found = Format(shape[0], {**DEFAULT_COLUMNS[shape[0]], **shape[1]})
         if any(found.fits(row) for row in first):

@@ -181,6 +181,7 @@ class PreferenceDataset(TokenRowsDataset):
 
     ROWS: ClassVar[int] = ROWS
     UNIT: ClassVar[str] = "pairs"  # what a sample is, said at start-up
+    FITTED: ClassVar[slice] = COMPLETIONS  # the completions the prompt's cut makes room for
     _: KW_ONLY
     max_prompt_len: int | None = None  # prompt tokens kept at most (its end)
     tasks: list[str] | None = None  # builtin only: which of its tasks (None: all)
@@ -221,7 +222,7 @@ class PreferenceDataset(TokenRowsDataset):
     def _fit(self, max_prompt_len: int | None, split: str, source: str):
         """The prompt tokens each pair keeps (module docstring), and what the cut did."""
         lengths = self.rows.lengths.reshape(-1, self.ROWS)
-        prompt, longest = lengths[:, 0], lengths[:, COMPLETIONS].max(axis=1)
+        prompt, longest = lengths[:, 0], lengths[:, self.FITTED].max(axis=1)
         kept = prompt if max_prompt_len is None else np.minimum(prompt, max_prompt_len)
         room = self.seq_len + 1
         kept = np.minimum(kept, np.maximum(room - longest, np.minimum(kept, self.seq_len // 2)))
@@ -398,6 +399,9 @@ class UnpairedPreferenceDataset(PreferenceDataset):
 
     ROWS: ClassVar[int] = 4  # the prompt, the completion, the KL row's completion, the label
     UNIT: ClassVar[str] = "examples"
+    # the prompt is cut for the example's own completion; the KL row's borrowed one is cut
+    # at its end where the two do not fit (as TRL truncates it)
+    FITTED: ClassVar[slice] = slice(1, 2)
 
     def __post_init__(self) -> None:
         check_split(self.split, self.val_fraction, self.seq_len)

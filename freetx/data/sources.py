@@ -52,15 +52,17 @@ def _message_keys(value: Any) -> set[str]:
 
 
 def format_of_shape(
-    fields: dict[str, Any] | Sequence[str],
+    fields: dict[str, Any] | Sequence[str], reads: Sequence[str] | None = None
 ) -> tuple[str, dict[str, str]] | None:
     """The format a row of this shape is in (its fields, or only its column names) and the
     columns to map for it: (`sharegpt`, {}) for `conversations` of from/value messages,
-    (`prompt_response`, {response: completion}), ...; None when it is none of the formats'."""
+    (`prompt_response`, {response: completion}), ...; None when it is none of the formats'.
+    `reads`: the formats the dataset at hand reads; a prompt, completion and label are
+    unpaired examples where it reads them, else a prompt and its response (SFT)."""
     names = set(fields)
     if {"chosen", "rejected"} <= names:
         return "preference", {}
-    if {"prompt", "completion", "label"} <= names:
+    if {"prompt", "completion", "label"} <= names and (reads is None or "unpaired" in reads):
         return "unpaired", {}
     for column in ("conversations", "messages"):
         if column in names:

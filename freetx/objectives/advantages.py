@@ -116,7 +116,7 @@ class TokenAdvantages(Protocol):
     """An estimate whose advantages differ from token to token: each completion's centered
     reward (`centered`) becomes a return per token (`returns`, which may read the policy's
     and the reference's log-probs at generation time), and the returns of every token of
-    the rollout, over every rank, are normalized together (`normalized`)."""
+    the rollout, over every rank, are normalized together (`token_advantages`)."""
 
     @property
     def needs_reference(self) -> bool: ...
@@ -214,12 +214,13 @@ class ReinforcePlusPlus:
 
 def kl_per_token(logps: torch.Tensor, ref_logps: torch.Tensor, estimator: str) -> torch.Tensor:
     """An estimate per token of KL(pi || pi_ref) from the sampled token's log-probs:
-    `KL_ESTIMATORS`' k1, k2 or k3."""
+    `KL_ESTIMATORS`' k1, k2 or k3 (k3's log-ratio clamped to [-10, 10], as OpenRLHF's)."""
     log_ratio = logps.float() - ref_logps.float()
     if estimator == "k1":
         return log_ratio
     if estimator == "k2":
         return log_ratio**2 / 2
+    log_ratio = log_ratio.clamp(-10, 10)  # OpenRLHF's: exp stays finite where the two disagree
     return torch.exp(-log_ratio) + log_ratio - 1
 
 
@@ -232,8 +233,8 @@ def token_advantages(
     """Each batch's `advantages` [R, T], per token, from its centered rewards [R]: the
     estimate's returns (with a KL: from `policy_logps`, the policy's log-probs at generation
     per batch, and the batch's `ref_logps`), normalized by the mean and the std of every
-    completion token of every batch on every dp rank (two sums over dp; every rank calls
-    it, with batches or none). The std is the tokens' (not unbiased), clamped as OpenRLHF's."""
+    completion token of every batch on every dp rank (two sums over dp, which every rank
+    calls). The std is the tokens' (not unbiased), clamped as OpenRLHF's."""
     returns, masks = [], []
     for i, batch in enumerate(batches):
         mask = batch.completion_mask()

@@ -358,7 +358,7 @@ class Rollouts:
     def set_advantages(self, prompt_groups: list[PromptGroup]) -> None:
         """Each completion's advantage (`group_advantages` with the `advantage` baseline);
         `scale` batch divides by the std of every rank's rewards, as TRL's. A per-token
-        estimate's: its centered reward, made per token by `set_token_advantages`."""
+        estimate's: its centered reward, made per token by `token_advantages`."""
         n, scale = self.gen.num_generations, self.scale
         total = torch.cat([g.total for g in prompt_groups])
         if isinstance(self.advantage, TokenAdvantages):

@@ -175,3 +175,26 @@ def test_meaningless_values_are_refused(values, key):
     assert key in KTOLoss.meaningless(values)
     with pytest.raises(ValueError, match=key):
         KTOLoss(**values)
+
+
+def test_sft_datasets_still_read_a_prompt_completion_and_label_as_prompt_response():
+    row = {"prompt": "2+2?", "completion": "4", "label": True}
+    assert format_of_shape(row, reads=("prompt_response", "messages")) == (
+        "prompt_response",
+        {"response": "completion"},
+    )
+
+
+def test_an_examples_prompt_is_cut_for_its_own_completion_not_its_kl_rows(tmp_path):
+    """A long borrowed completion is cut at its end in the KL row; the example keeps the
+    prompt its own completion leaves room for."""
+    from freetx.data import ByteTokenizer, UnpairedPreferenceDataset
+
+    rows = tmp_path / "unpaired.jsonl"
+    rows.write_text(json.dumps({"prompt": "P" * 20, "completion": "a", "label": True}) + "\n"
+                    + json.dumps({"prompt": "Q?", "completion": "b" * 60, "label": False}) + "\n")  # fmt: skip
+    data = UnpairedPreferenceDataset(source=str(rows), tokenizer=ByteTokenizer(), seq_len=32,
+                                     split="train", val_fraction=0.0, cache=False)  # fmt: skip
+    example, kl_row = data[0]
+    assert (example["input_ids"] == ord("P")).sum() == 20 and data.fit.prompts_cut == 0
+    assert (kl_row["input_ids"] == ord("P")).sum() == 20 and (kl_row["input_ids"] == ord("b")).any()
