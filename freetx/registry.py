@@ -88,6 +88,13 @@ RECIPES: tuple[Recipe, ...] = (
         description="LoRA / QLoRA / DoRA / Spectrum fine-tuning (full_finetune_fsdp2's loop)",
     ),
     Recipe(
+        name="rm_fsdp2",
+        file="rm_fsdp2.py",
+        configs=("llm/rm_tiny",),
+        description="reward models: a decoder with a scalar head trained on preference "
+        "pairs (Bradley-Terry), exported as transformers' sequence classifier",
+    ),
+    Recipe(
         name="dpo_fsdp2",
         file="dpo_fsdp2.py",
         configs=(

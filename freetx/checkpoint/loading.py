@@ -11,7 +11,7 @@ safetensors files and HF folders (each rank reads only the rows of its own shard
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -51,7 +51,7 @@ from freetx.distributed.parameters import (
     set_full_parameter,
 )
 from freetx.errors import CheckpointError
-from freetx.models.protocol import SplitsIntoStages
+from freetx.models.protocol import ReplacesLanguageHead, SplitsIntoStages
 
 if TYPE_CHECKING:
     from freetx.models.peft import PEFTConfig
@@ -161,13 +161,26 @@ def mismatch_report(
     return lines
 
 
+def head_not_read(model: nn.Module, found: Iterable[str]) -> tuple[set[str], set[str]]:
+    """For a model whose head replaces a language model's (`ReplacesLanguageHead`: a
+    sequence scorer), given the names the weights hold: its head's names they lack (drawn
+    from the seed, not read) and the language model's head's they hold (not read)."""
+    inner, found = unwrap(model), set(found)
+    if not isinstance(inner, ReplacesLanguageHead):
+        return set(), set()
+    return set(inner.NEW_HEAD) - found, set(inner.LANGUAGE_HEAD) & found
+
+
 def _differences(model: nn.Module, source: TensorSource, expected: Callable[[str], bool]):
     """The lines of `mismatch_report` between the model's tensors that `expected` accepts
     and the ones `source` holds for this pipeline stage. A parameter its module keeps in
     its own form may have another shape of the same size (an NF4 expert base [E * rows,
-    cols] of a grouped tensor [E, rows, cols]: its module reshapes what it is given)."""
-    wanted = {n: s for n, s in model_shapes(model).items() if expected(n)}
+    cols] of a grouped tensor [E, rows, cols]: its module reshapes what it is given). A
+    scorer's head and a language model's are not compared (`head_not_read`)."""
     found = held_here(model, source.model_shapes())
+    new, language = head_not_read(model, found)
+    wanted = {n: s for n, s in model_shapes(model).items() if expected(n) and n not in new}
+    found = {n: s for n, s in found.items() if n not in language}
     for name in self_stored(unwrap(model)) & wanted.keys() & found.keys():
         if math.prod(wanted[name]) == math.prod(found[name]):
             wanted[name] = found[name]
@@ -233,7 +246,8 @@ def load_weights(model: nn.Module, weights: WeightSource, alone: bool = False) -
     (an export at the end of a run), so a DCP checkpoint is read without collectives.
     """
     source, inner = weights.tensors, unwrap(model)
-    skipped = set(self_initialized(inner)) | self_stored(inner)
+    new_head = head_not_read(model, source.model_shapes())[0]  # drawn from the seed
+    skipped = set(self_initialized(inner)) | self_stored(inner) | new_head
     if isinstance(source, DCPSource):
         state = ModelState(model, include=lambda name: name not in skipped)
         with quiet_single_process():  # a run always has a process group; tests may not

@@ -236,6 +236,11 @@ class PreferenceBatch(TokenBatch):
     # unpaired examples (KTO): row 2i example i, row 2i + 1 its mismatched KL row; [B] bools,
     # each row its example's label (desirable)
     desirable: torch.Tensor | None = None
+    margin: torch.Tensor | None = None  # [B]: each row's pair's margin (a reward model's)
+
+    def pair_margins(self) -> torch.Tensor | None:
+        """[pairs] each pair's margin (the data's `margin` column), or None."""
+        return None if self.margin is None else self.margin[0::2]
 
     @classmethod
     def collate_pairs(cls, pairs: list[Pair], source_names=()) -> PreferenceBatch:
@@ -248,6 +253,28 @@ class PreferenceBatch(TokenBatch):
         if DESIRABLE in rows[0]:
             batch.desirable = torch.stack([row[DESIRABLE] for row in rows])
         return batch
+
+    def sequences(self, pad_id: int) -> torch.Tensor:
+        """[B, T + 1] each row's whole token sequence, right-padded with `pad_id`: its input
+        ids and after them its last label (the token the next-token shift leaves out of
+        the inputs: a completion's end token), which a reward model's score reads."""
+        rows, width = self.input_ids.shape
+        real = (
+            torch.full((rows,), width, device=self.input_ids.device)
+            if self.real_tokens is None
+            else self.real_tokens.to(self.input_ids.device)
+        )
+        positions = torch.arange(width + 1, device=self.input_ids.device)
+        whole = torch.full((rows, width + 1), pad_id, dtype=self.input_ids.dtype,
+                           device=self.input_ids.device)  # fmt: skip
+        whole[:, :width] = torch.where(
+            positions[None, :width] < real[:, None], self.input_ids, pad_id
+        )
+        last = self.labels.gather(1, (real - 1).clamp(min=0)[:, None])[:, 0]
+        if (last == IGNORE_INDEX).any():
+            raise ValueError("a row's last position has no label: its last token is unknown")
+        whole[torch.arange(rows), real] = last
+        return whole
 
     def chosen_rows(self) -> PreferenceBatch:
         """Rows 0, 2, 4, ...: each pair's chosen completion (an unpaired batch's examples)."""

@@ -29,7 +29,13 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from freetx.errors import ConfigError
-from freetx.models.protocol import DerivedFromWeights, InitBuffers, SelfInitialized, StoredInOwnForm
+from freetx.models.protocol import (
+    DerivedFromWeights,
+    InitBuffers,
+    ReplacesLanguageHead,
+    SelfInitialized,
+    StoredInOwnForm,
+)
 
 # Wrappers that insert a prefix into parameter names (none of freetx's own do).
 _WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "module.")
@@ -83,8 +89,14 @@ def materialize(
             model.init_parameter(name, full, generator)
         return full
 
-    # adapters are initialized even when the weights are loaded: a base file never has them
-    fill_parameters(model, initial_value, only=None if init_weights else own.__contains__)
+    # adapters are initialized even when the weights are loaded: a base file never has them;
+    # so is a head that replaces a language model's (read over it when the weights have one)
+    new_head = set(model.NEW_HEAD) if isinstance(model, ReplacesLanguageHead) else set()
+
+    def drawn(name: str) -> bool:
+        return name in own or name in new_head
+
+    fill_parameters(model, initial_value, only=None if init_weights else drawn)
     if isinstance(model, InitBuffers):  # optional: models with no buffers
         model.init_buffers()
     if init_weights:

@@ -33,7 +33,13 @@ from freetx.models.hf_generic import (
 )
 from freetx.models.protocol import HFLayoutModel, build_config, builds, model_class
 from freetx.models.transformer import Transformer
-from freetx.models.transformer_hf import DECODER_LAYOUTS, read_hf_config, text_model_config
+from freetx.models.transformer_hf import (
+    DECODER_LAYOUTS,
+    SCORER_LAYOUTS,
+    read_hf_config,
+    scores_sequences,
+    text_model_config,
+)
 
 
 def model_folder_problem(path: str) -> str | None:
@@ -184,6 +190,8 @@ def layout_for_hf_config(hf: dict[str, Any]) -> HFLayout:
         )
     for layout in LAYOUTS:
         if hf.get("model_type") in layout.model_types:
+            if scores_sequences(hf) and layout in NATIVE_LAYOUTS:  # a reward model's folder
+                layout = SCORER_LAYOUTS[layout.norm_position]
             return layout.for_config(hf)
     native = ", ".join(t for layout in NATIVE_LAYOUTS for t in layout.model_types)
     if not transformers_causal_lm_types():

@@ -39,6 +39,8 @@ class (who calls it, when):
                            refused before any work without it
     ProjectsInChunks       output_layer(), forward(output_loss=): the LM losses make the
                            logits a chunk of tokens at a time; every LM forward
+    ReplacesLanguageHead   NEW_HEAD, LANGUAGE_HEAD: a head of its own (a scorer's) over a
+                           language model's weights; `materialize` and the loaders
 
 and one per hook of a submodule (an adapter layer, say), which receives local
 shards only: `freetx.distributed` unwraps DTensors before calling and wraps again
@@ -291,6 +293,17 @@ class SplitsIntoStages(Protocol):
     def held_elsewhere(self, name: str) -> bool: ...
 
     def forward_stage(self, x: torch.Tensor, *carry: torch.Tensor, blocks: range, **inputs): ...
+
+
+@runtime_checkable
+class ReplacesLanguageHead(Protocol):
+    """A model whose head replaces a language model's (a sequence scorer's `score`), so
+    that its weights may come from a language model: the loaders do not read that model's
+    head (`LANGUAGE_HEAD`: names in the weights this model has not), and `materialize`
+    draws this one's (`NEW_HEAD`) from the seed, read instead where the weights have it."""
+
+    NEW_HEAD: ClassVar[tuple[str, ...]]
+    LANGUAGE_HEAD: ClassVar[tuple[str, ...]]
 
 
 # -- optional hooks of a module (local shards only) -----------------------------------

@@ -468,10 +468,51 @@ def _moe_to_hf(c: dict[str, Any], family: Family) -> dict[str, Any]:
     }
 
 
+class ScorerLayout(LlamaFamilyLayout):
+    """How `freetx.models.scorer.SequenceScorer` maps to HF `XForSequenceClassification`
+    folders with num_labels 1 (the decoder's tensors, and the head `score.weight`); it
+    reads the same model types, chosen for a folder whose `architectures` name a sequence
+    classifier (`scores_sequences`)."""
+
+    model_class = "freetx.models.scorer.SequenceScorer"
+    HEAD = "score.weight"
+
+    def for_config(self, hf: dict[str, Any]) -> ScorerLayout:
+        hf = text_model_config(hf)
+        if not hf.get("num_nextn_predict_layers"):
+            return self
+        return ScorerLayout(self.norm_position, int(hf["num_hidden_layers"]))
+
+    def to_hf_name(self, name: str) -> str:
+        return self.HEAD if name == self.HEAD else super().to_hf_name(name)
+
+    def from_hf_name(self, name: str) -> str | None:
+        return self.HEAD if name == self.HEAD else super().from_hf_name(name)
+
+    def to_hf_config(self, model_config: dict[str, Any], dtype: str) -> dict[str, Any]:
+        """The decoder's config.json as its family's sequence classifier, one label: what
+        transformers' AutoModelForSequenceClassification builds (its `pad_token_id` says
+        where each sequence's score is read)."""
+        hf = super().to_hf_config(model_config, dtype)
+        architecture = hf["architectures"][0].replace("ForCausalLM", "ForSequenceClassification")
+        hf.update(architectures=[architecture], num_labels=1, tie_word_embeddings=False)
+        return hf
+
+
+def scores_sequences(hf: dict[str, Any]) -> bool:
+    """Whether a folder's config.json is a sequence classifier's (a reward model's)."""
+    return any(str(a).endswith("ForSequenceClassification") for a in hf.get("architectures") or ())
+
+
 LLAMA_LAYOUT = LlamaFamilyLayout("pre")
 OLMO2_LAYOUT = LlamaFamilyLayout("post")
 GEMMA_LAYOUT = LlamaFamilyLayout("sandwich")
 DECODER_LAYOUTS = (LLAMA_LAYOUT, OLMO2_LAYOUT, GEMMA_LAYOUT)
+# the scorer's, by norm position (the pre-norm one writes every model type)
+SCORER_LAYOUTS = {
+    layout.norm_position: ScorerLayout(layout.norm_position) for layout in DECODER_LAYOUTS
+}
+SCORER_LAYOUT = SCORER_LAYOUTS["pre"]
 
 
 def read_hf_config(path: str | Path) -> dict[str, Any]:

@@ -37,6 +37,7 @@ ESTIMATED = {
     "crosscoder_fsdp2",
     "dpo_fsdp2",
     "grpo_fsdp2",
+    "rm_fsdp2",
     "kd_fsdp2",  # the student (the teacher is not counted: docs/recipes/kd_fsdp2.md)
 }
 NOT_ESTIMATED = {"generate", "eval"}  # no training

@@ -1,0 +1,131 @@
+"""rm_fsdp2 through the CLI: a reward model's end-of-run HF export loads in transformers'
+AutoModelForSequenceClassification with freetx's scores, and freetx reads it back as a
+scorer; a scorer starts from an HF causal LM folder (its body read, its language head
+not, the score head new); validate refuses what the run refuses; 2 processes resumed give
+1 process's losses."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tests.conftest import flat, run_freetx, run_freetx_here
+from tests.hf_folders import make_folder
+
+JSONL = "metric_loggers=[{_component_: freetx.loggers.JSONLLogger}]"
+# a randomly initialized tiny scorer (seed 0) on the built-in pairs; a constant lr
+RANDOM = ["model_dir=null", "dataset.num_builtin_examples=400", "eval.every_n_steps=0",
+          "eval.max_batches=1", "log_every_n_steps=1", "checkpoint.every_n_steps=0",
+          "batch_size=8", "eval.batch_size=8", "lr_schedule.warmup_steps=0",
+          "lr_schedule.decay=constant", JSONL]  # fmt: skip
+
+
+def metrics(output_dir) -> dict[int, dict]:
+    rows = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r for r in rows if "loss" in r}
+
+
+def rm(tmp_path, name, *overrides, nproc=1):
+    out = tmp_path / name
+    args = ["run"] + (["--nproc-per-node", str(nproc)] if nproc > 1 else [])
+    result = run_freetx(*args, "rm_fsdp2", "--config", "llm/rm_tiny", f"output_dir={out}",
+                        *RANDOM, *overrides)  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return out, result
+
+
+def test_the_hf_export_scores_as_freetx_in_transformers_and_reads_back(tmp_path):
+    from transformers import AutoModelForSequenceClassification
+
+    from freetx.checkpoint import load_model
+    from freetx.data import ByteTokenizer, PreferenceDataset, collate_pairs
+    from freetx.models.scorer import pooled_scores
+
+    out, result = rm(tmp_path, "rm", "max_steps=2", "optimizer.lr=1e-2")
+    assert (
+        "scoring sequences" in flat(result.stdout) and "exported step_000002 as hf" in result.stdout
+    )
+    export = out / "export" / "hf"
+    config = json.loads((export / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForSequenceClassification"]
+    assert config["num_labels"] == 1 and config["pad_token_id"] == 258
+    pairs = PreferenceDataset(source="builtin", tokenizer=ByteTokenizer(), seq_len=64,
+                              split="validation", num_builtin_examples=400, cache=False)  # fmt: skip
+    sequences = collate_pairs([pairs[i] for i in range(4)]).sequences(258)  # padded rows
+    assert (sequences == 258).any()
+    theirs = AutoModelForSequenceClassification.from_pretrained(str(export)).eval()
+    ours, read_back = (load_model(str(p), torch.device("cpu")).eval() for p in (out, export))
+    with torch.no_grad():
+        want = pooled_scores(ours(sequences), sequences, 258)
+        got = theirs(input_ids=sequences).logits[:, 0]
+        again = pooled_scores(read_back(sequences), sequences, 258)
+    assert (got - want).abs().max().item() <= 1e-5 and want.std() > 0
+    assert type(read_back).__name__ == "SequenceScorer" and torch.equal(again, want)
+
+
+def test_a_scorer_starts_from_an_hf_causal_lm_folder_with_a_new_head(tmp_path):
+    """The folder's body is read (transformers' classifier over the same body, given the
+    scorer's head, scores alike), its lm_head is not, the head is drawn from the seed."""
+    from transformers import AutoModelForSequenceClassification
+
+    from freetx.checkpoint.loading import load_initial_weights
+    from freetx.distributed.parameters import materialize
+    from freetx.models.scorer import hf_scorer, pooled_scores
+
+    folder = make_folder(tmp_path / "llama", "llama_head_dim")  # an untied lm_head
+    with torch.device("meta"):
+        model = hf_scorer(str(folder), pad_token_id=0)
+    materialize(model, torch.device("cpu"), seed=0, init_weights=False)
+    load_initial_weights(model, folder)
+    head = model.score.weight.detach().clone()
+    assert head.abs().sum() > 0  # drawn, not left as allocated
+    theirs = AutoModelForSequenceClassification.from_pretrained(str(folder), num_labels=1,
+                                                                pad_token_id=0).eval()  # fmt: skip
+    theirs.score.weight.data.copy_(head)
+    ids = torch.randint(1, 100, (3, 12))
+    ids[1, 8:] = 0
+    with torch.no_grad():
+        want = theirs(input_ids=ids).logits[:, 0]
+        got = pooled_scores(model.eval()(ids), ids, 0)
+    assert (got - want).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize(
+    "overrides, says",
+    [
+        (["model._component_=freetx.models.transformer.decoder"], "trains a sequence scorer"),
+        (["dataset.packed=true"], "one pair per two rows"),
+        (["distributed.tp=2"], "whole on one rank"),
+        (["peft.method=lora"], "trains every weight of the scorer"),
+        (["loss.center_rewards_coefficient=-1"], "keeps the rewards near 0"),
+    ],
+)
+def test_validate_refuses_what_the_run_refuses(overrides, says):
+    result = run_freetx_here("validate", "llm/rm_tiny", "model_dir=null", *overrides)
+    assert result.returncode != 0
+    assert says in flat(result.stdout + result.stderr)
+
+
+def test_a_pad_id_other_than_the_tokenizers_is_refused_before_training(tmp_path):
+    out = tmp_path / "pad"
+    result = run_freetx("run", "rm_fsdp2", "--config", "llm/rm_tiny", f"output_dir={out}",
+                        *RANDOM, "max_steps=1", "model.pad_token_id=0")  # fmt: skip
+    assert result.returncode != 0
+    assert "model.pad_token_id=0, and the tokenizer pads with 258" in flat(
+        result.stdout + result.stderr
+    )
+    assert not list(out.glob("checkpoints/step_*"))
+
+
+@pytest.mark.slow  # 3 runs: 4 steps on 1 process; 2 on 2 processes, resumed to 4
+def test_two_processes_resumed_repeat_one_process(tmp_path):
+    one = metrics(rm(tmp_path, "one", "max_steps=4", "gradient_accumulation_steps=2")[0])
+    two = ["checkpoint.every_n_steps=2"]
+    rm(tmp_path, "two", "max_steps=2", *two, nproc=2)
+    resumed = metrics(rm(tmp_path, "two", "max_steps=4", *two, nproc=2)[0])
+    assert set(resumed) >= {1, 2, 3, 4} and one[4]["loss"] < one[1]["loss"] + 0.5
+    for step in (1, 2, 3, 4):
+        for key in ("loss", "accuracy", "margin", "grad_norm"):
+            assert abs(resumed[step][key] - one[step][key]) <= 1e-5, (step, key)

@@ -1,0 +1,90 @@
+"""Reward models: the Bradley-Terry loss and its metrics equal TRL's RewardTrainer formula
+(with a margin and the centering term); each row's whole sequence is its inputs and its
+last label; the score is read where transformers reads it (the last token that is not
+padding); a scorer starts from a language model's weights with a new head (the language
+head not read) and from a scorer's with its head; the HF layout is transformers'
+sequence classifier."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from freetx.data.batch import IGNORE_INDEX, PreferenceBatch
+from freetx.models.scorer import SequenceScorer, last_positions, pooled_scores, scorer
+from freetx.objectives.reward_model import BradleyTerryLoss
+
+
+def trl(chosen, rejected, margin=None, center=None):
+    """TRL's RewardTrainer.compute_loss and its accuracy and margin, as a loop."""
+    losses = []
+    for i, (c, r) in enumerate(zip(chosen, rejected)):
+        m = 0.0 if margin is None else float(margin[i])
+        loss = -math.log(1 / (1 + math.exp(-(c - r - m))))
+        if center is not None:
+            loss += center * (c + r) ** 2
+        losses.append(loss)
+    n = len(losses)
+    accuracy = sum(c > r for c, r in zip(chosen, rejected)) / n
+    return sum(losses) / n, accuracy, sum(c - r for c, r in zip(chosen, rejected)) / n
+
+
+@pytest.mark.parametrize("margin, center", [(None, None), ([0.5, 0.0, 1.0, 0.2], 0.01)])
+def test_the_loss_and_metrics_are_trls(margin, center):
+    chosen, rejected = [0.3, -1.2, 2.0, 0.1], [0.5, -2.0, 0.5, 0.1]
+    scores = torch.tensor([v for pair in zip(chosen, rejected) for v in pair])
+    loss_fn = BradleyTerryLoss(center)
+    loss, metrics = loss_fn(scores, None if margin is None else torch.tensor(margin))
+    want, accuracy, mean_margin = trl(chosen, rejected, margin, center)
+    assert loss.item() / 4 == pytest.approx(want, abs=1e-6)
+    assert metrics["accuracy"].item() / 4 == pytest.approx(accuracy)
+    assert metrics["margin"].item() / 4 == pytest.approx(mean_margin, abs=1e-6)
+    assert metrics["rewards/chosen"].item() / 4 == pytest.approx(sum(chosen) / 4, abs=1e-6)
+
+
+def test_a_negative_centering_coefficient_is_refused():
+    assert "center_rewards_coefficient" in BradleyTerryLoss.meaningless(
+        {"center_rewards_coefficient": -0.1}
+    )
+    with pytest.raises(ValueError, match="center_rewards_coefficient"):
+        BradleyTerryLoss(-0.1)
+
+
+def test_a_rows_whole_sequence_is_its_inputs_and_last_label():
+    # rows of 3 and 5 tokens (ids 1.. then the end token 9), as the data serves them
+    input_ids = torch.tensor([[1, 2, 0, 0], [1, 2, 3, 4]])
+    labels = torch.tensor([[IGNORE_INDEX, 9, IGNORE_INDEX, IGNORE_INDEX], [IGNORE_INDEX, 3, 4, 9]])
+    batch = PreferenceBatch(input_ids, labels, real_tokens=torch.tensor([2, 4]))
+    assert batch.sequences(pad_id=0).tolist() == [[1, 2, 9, 0, 0], [1, 2, 3, 4, 9]]
+
+
+def test_the_score_is_read_at_the_last_token_that_is_not_padding():
+    ids = torch.tensor([[5, 6, 7, 0, 0], [5, 0, 6, 7, 8], [0, 0, 5, 6, 7]])
+    assert last_positions(ids, 0).tolist() == [2, 4, 4]  # right, none, left padding
+    assert last_positions(ids, None).tolist() == [4, 4, 4]
+    scores = torch.arange(15.0).view(3, 5, 1)
+    assert pooled_scores(scores, ids, 0).tolist() == [2.0, 9.0, 14.0]
+
+
+def test_the_scorer_has_a_score_head_and_no_language_head():
+    with torch.device("meta"):
+        model = scorer("tiny", vocab_size=259, pad_token_id=258)
+    names = {n for n, _ in model.named_parameters()}
+    assert "score.weight" in names and "output.weight" not in names
+    assert tuple(model.score.weight.shape) == (1, 192)
+    assert isinstance(model, SequenceScorer)
+
+
+def test_the_hf_layout_is_transformers_sequence_classifier():
+    from freetx.models.transformer_hf import SCORER_LAYOUT
+
+    model = scorer("tiny", vocab_size=259, pad_token_id=258, hf_model_type="qwen3", qk_norm="head")
+    hf = SCORER_LAYOUT.to_hf_config(dataclasses.asdict(model.config), "float32")
+    assert hf["architectures"] == ["Qwen3ForSequenceClassification"]
+    assert hf["num_labels"] == 1 and hf["pad_token_id"] == 258
+    assert SCORER_LAYOUT.to_hf_name("score.weight") == "score.weight"
+    assert SCORER_LAYOUT.from_hf_name("score.weight") == "score.weight"
+    assert SCORER_LAYOUT.from_hf_name("model.norm.weight") == "norm.weight"
