@@ -49,6 +49,7 @@ from freetx.models import DecodesIncrementally, LatentModel
 from freetx.models.engine import EngineConfig, check_pool
 from freetx.models.generation import Draws, Sampling, generate, sampling_problems
 from freetx.models.hf import end_token_ids
+from freetx.models.protocol import refuse_scorer
 from freetx.training import claim_folder
 from freetx.training.export import recorded_run
 
@@ -98,6 +99,7 @@ class GenerateRecipe:
         check_pool(cfg.engine, cfg.max_new_tokens)  # before a weight is read
         self.checkpoint = resolve_checkpoint(cfg.checkpoint)
         self.model = model = load_model(self.checkpoint, self.device, seed=cfg.seed)
+        refuse_scorer(model, "generate")  # a reward model gives a score, not a next token
         self.latent = isinstance(model, LatentModel)
         self.cached = cfg.kv_cache and isinstance(model, DecodesIncrementally)
         self.tokenizer = checked_tokenizer(instantiate(cfg.tokenizer))

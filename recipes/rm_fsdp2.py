@@ -19,6 +19,7 @@ global batch. Copy this file (`freetx cp rm_fsdp2 ./my_rm.py`) to change the loo
 from __future__ import annotations
 
 import itertools
+import math
 import sys
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,7 +27,12 @@ from typing import Any
 import torch
 
 from freetx.config import instantiate
-from freetx.data import PreferenceBatch, PreferenceDataset, collate_pairs
+from freetx.data import (
+    PreferenceBatch,
+    PreferenceDataset,
+    UnpairedPreferenceDataset,
+    collate_pairs,
+)
 from freetx.entry import parse
 from freetx.errors import ConfigError
 from freetx.models.scorer import SequenceScorer, pooled_scores
@@ -56,9 +62,10 @@ class RewardModelConfig(DecoderConfig):
     )
 
     def refuse_combinations(self) -> None:
-        """A model that is no sequence scorer; a dataset that gives no pairs, or packs
-        them; the parallel axes a score at each row's last token does not take (tp, cp,
-        pp); adapters (full fine-tuning here). And DecoderConfig's."""
+        """A model that is no sequence scorer; a dataset that gives no pairs (or KTO's
+        examples), or packs them; the parallel axes a score at each row's last token does
+        not take (tp, cp, pp); adapters (full fine-tuning here); QAT (its head would be
+        quantized) and lm-eval tasks (they read logits). And DecoderConfig's."""
         super().refuse_combinations()
         model = built_class(self.model)
         if model is not None and not issubclass(model, SequenceScorer):
@@ -69,7 +76,10 @@ class RewardModelConfig(DecoderConfig):
                 "freetx.models.scorer.hf_scorer (path: an HF folder), with the same weights.",
             )
         dataset = built_class(self.dataset, "dataset")
-        if dataset is not None and not issubclass(dataset, PreferenceDataset):
+        if dataset is not None and (
+            not issubclass(dataset, PreferenceDataset)
+            or issubclass(dataset, UnpairedPreferenceDataset)  # its odd rows: KL rows
+        ):
             raise ConfigError(
                 f"dataset._component_ builds {dataset.__name__}; rm_fsdp2 trains on pairs of "
                 "a chosen and a rejected completion.",
@@ -94,6 +104,19 @@ class RewardModelConfig(DecoderConfig):
                 "in this version.",
                 fix="Set peft.method=none.",
             )
+        for key, on in (("qat.scheme", self.qat.scheme != "none"),
+                        ("eval.after_training", self.eval.after_training)):  # fmt: skip
+            if on:
+                raise ConfigError(
+                    f"{key}: rm_fsdp2's model scores sequences; "
+                    + (
+                        "quantization-aware training would quantize its score head"
+                        if key == "qat.scheme"
+                        else "lm-eval's tasks read a language model's logits"
+                    )
+                    + ".",
+                    fix=f"Leave {key} at its default ({'none' if key == 'qat.scheme' else 'false'}).",
+                )
 
     def planned(self) -> PlannedRun:  # pairs: two sequences per sample, one token longer
         seq_len = dataset_seq_len(self)
@@ -118,11 +141,12 @@ class RewardModelRecipeFSDP2:
         self.decoder = setup = DecoderSetup(cfg, "rm_fsdp2")  # the run, ranks, tokenizer
         self.run, self.groups = setup.run, setup.groups
         self.loss_fn: BradleyTerryLoss = instantiate(cfg.loss)
+        with torch.device("meta"):  # the pad id it reads scores by: the tokenizer's
+            self.pad_id = check_pad_id(instantiate(cfg.model), setup.tokenizer)
         train_set, val_set = setup.datasets()  # pairs cut at seq_len: said
         self.seq_len = train_set.seq_len
         # the whole sequence: the prompt, the completion and its end token (one more)
         model = setup.meta_model(cfg.model, self.seq_len + 1)
-        self.pad_id = check_pad_id(model, setup.tokenizer)
         self.plan = setup.build(model)  # parallelize, optimizer, schedule
         self.model, self.optimizer = self.plan.model, setup.optimizer
         self.train_loader, self.val_loader = setup.loaders(train_set, val_set, collate_pairs)
@@ -172,11 +196,11 @@ class RewardModelRecipeFSDP2:
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
-        """The loss, accuracy, margin and the rewards' mean and std over the validation
+        """The loss, accuracy, margin and the rewards' mean, std, min and max over the validation
         pairs (all of them, or eval.max_batches), every rank taking part; an evaluation
         shard's repeats left out."""
         self.model.eval()
-        sums = {}
+        sums, extremes = {}, {"max_reward": -math.inf, "min_reward": -math.inf}
         for batch in itertools.islice(self.val_loader, self.cfg.eval.max_batches):
             batch = placed(self.plan, batch)
             with self.plan.autocast():
@@ -189,12 +213,16 @@ class RewardModelRecipeFSDP2:
             parts |= {"loss": loss, "pairs": batch.num_pairs(), "reward_sq": (kept**2).sum()}
             for name, value in parts.items():
                 sums[name] = sums.get(name, 0) + value
-        totals = self.groups.sum(sums, over="dp")
+            if kept.numel():  # the min as the max of the negated scores
+                extremes["max_reward"] = max(extremes["max_reward"], float(kept.max()))
+                extremes["min_reward"] = max(extremes["min_reward"], float(-kept.min()))
+        totals, extremes = self.groups.sum_and_max(sums, extremes, over="dp")
         self.model.train()
         pairs = max(float(totals.pop("pairs")), 1.0)
         means = {name: float(value) / pairs for name, value in totals.items()}
         square = means.pop("reward_sq") / 2  # over both rows of every pair
         means["std_reward"] = max(square - means["mean_reward"] ** 2, 0.0) ** 0.5
+        means |= {"max_reward": extremes["max_reward"], "min_reward": -extremes["min_reward"]}
         return {f"val/{name}": value for name, value in means.items()}
 
     def cleanup(self) -> None:

@@ -410,8 +410,10 @@ def write_hf_files(
                 f"{companion}, without its vision tower and projector."
             )
             companion_config = text_model_config(companion_config)
+        # a sequence classifier's pad_token_id is where its score is read: its own
+        kept = ("pad_token_id",) if hf_config.get("num_labels") == 1 else ()
         for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
-            if key in companion_config:
+            if key in companion_config and key not in kept:
                 hf_config[key] = companion_config[key]
         same = ("model_type", "hidden_size", "num_hidden_layers", "vocab_size")
         if all(companion_config.get(k) == hf_config.get(k) for k in same) and (

@@ -49,7 +49,7 @@ from freetx.data.tokenizers import HFTokenizer, encoded_text
 from freetx.distributed.groups import HostGroup
 from freetx.errors import ConfigError
 from freetx.models.generation import Draws, Sampling, generate
-from freetx.models.protocol import DecodesIncrementally
+from freetx.models.protocol import DecodesIncrementally, refuse_scorer
 
 # the optional extra that installs lm-eval
 EXTRA = "eval"
@@ -114,6 +114,7 @@ def harness_model(
     gloo group of every process, which every process must reach together) collects each
     process's share."""
     _lm_eval()
+    refuse_scorer(model, "lm-evaluation-harness")
     if world_size > 1 and gather is None:
         group = HostGroup.new()
         if group.group is None:

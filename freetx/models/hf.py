@@ -190,7 +190,14 @@ def layout_for_hf_config(hf: dict[str, Any]) -> HFLayout:
         )
     for layout in LAYOUTS:
         if hf.get("model_type") in layout.model_types:
-            if scores_sequences(hf) and layout in NATIVE_LAYOUTS:  # a reward model's folder
+            if scores_sequences(hf) and layout not in NATIVE_LAYOUTS:
+                native = ", ".join(t for n in NATIVE_LAYOUTS for t in n.model_types)
+                raise CheckpointError(
+                    f"config.json describes a {hf['architectures'][0]}: a sequence classifier "
+                    f"of model type '{hf.get('model_type')}', which freetx scores with its "
+                    f"native decoders only ({native}). Use a reward model of one of those types."
+                )
+            if scores_sequences(hf):  # a reward model's folder
                 layout = SCORER_LAYOUTS[layout.norm_position]
             return layout.for_config(hf)
     native = ", ".join(t for layout in NATIVE_LAYOUTS for t in layout.model_types)

@@ -306,6 +306,18 @@ class ReplacesLanguageHead(Protocol):
     LANGUAGE_HEAD: ClassVar[tuple[str, ...]]
 
 
+def refuse_scorer(model: nn.Module, what: str) -> None:
+    """Refuse a model whose head replaces a language model's (a reward model's score) where
+    `what` reads a language model's logits (a judge, generation, lm-eval tasks)."""
+    if isinstance(model, ReplacesLanguageHead):
+        raise ConfigError(
+            f"{what} reads a language model's logits, and this {type(model).__name__} gives "
+            "one score per sequence (a reward model).",
+            fix="Point it at a language model (a causal LM's folder or run), not at a reward "
+            "model's (rm_fsdp2's, or an XForSequenceClassification folder).",
+        )
+
+
 # -- optional hooks of a module (local shards only) -----------------------------------
 @runtime_checkable
 class SelfInitialized(Protocol):

@@ -33,6 +33,7 @@ class SequenceScorer(Transformer):
 
     hf_layout = SCORER_LAYOUT
     always_trained = ("tok_embeddings", "score")
+    head_width = 1  # a score per position, not logits (`freetx estimate`)
     NEW_HEAD = ("score.weight",)  # drawn from the seed when the weights have none
     LANGUAGE_HEAD = ("output.weight",)  # a language model's head, not read
 

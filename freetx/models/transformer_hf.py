@@ -492,11 +492,36 @@ class ScorerLayout(LlamaFamilyLayout):
     def to_hf_config(self, model_config: dict[str, Any], dtype: str) -> dict[str, Any]:
         """The decoder's config.json as its family's sequence classifier, one label: what
         transformers' AutoModelForSequenceClassification builds (its `pad_token_id` says
-        where each sequence's score is read)."""
+        where each sequence's score is read). A family transformers has no sequence
+        classifier of is refused."""
         hf = super().to_hf_config(model_config, dtype)
-        architecture = hf["architectures"][0].replace("ForCausalLM", "ForSequenceClassification")
+        architecture = SEQUENCE_CLASSIFIERS.get(hf["model_type"]) or hf["architectures"][0].replace(
+            "ForCausalLM", "ForSequenceClassification"
+        )
+        if hf["model_type"] in NO_SEQUENCE_CLASSIFIER:
+            raise CheckpointError(
+                f"transformers has no sequence classifier of model type {hf['model_type']}, so "
+                "this reward model cannot become an HF folder it loads. Convert it to "
+                ".safetensors or DCP instead."
+            )
         hf.update(architectures=[architecture], num_labels=1, tie_word_embeddings=False)
         return hf
+
+    def from_hf_config(self, hf: dict[str, Any], max_seq_len: int | None = None) -> dict[str, Any]:
+        """The decoder's fields of a sequence classifier's config.json: one with more than
+        one label is refused by name (a scorer has one)."""
+        labels = len(hf.get("id2label") or {}) or int(hf.get("num_labels", 1))
+        if labels != 1:
+            raise CheckpointError(
+                f"config.json describes a sequence classifier of {labels} labels; a reward "
+                "model (freetx.models.scorer) scores with one. Use a folder with num_labels 1."
+            )
+        return super().from_hf_config(hf, max_seq_len)
+
+
+# sequence classifiers whose name is not the causal LM's with ForSequenceClassification
+SEQUENCE_CLASSIFIERS = {"gemma3_text": "Gemma3TextForSequenceClassification"}
+NO_SEQUENCE_CLASSIFIER = ("glm4_moe",)  # transformers 5.24 has none
 
 
 def scores_sequences(hf: dict[str, Any]) -> bool:

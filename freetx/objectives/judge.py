@@ -53,6 +53,7 @@ from freetx.envs import last_reply
 from freetx.errors import ConfigError
 from freetx.models import DecodesIncrementally
 from freetx.models.generation import Draws, Sampling, generate
+from freetx.models.protocol import refuse_scorer
 
 MODES = ("verdict", "score")
 _NUMBER = re.compile(r"[+-]?\d+(?:\.\d+)?")
@@ -218,6 +219,7 @@ class Judge:
 
 def _check_decoder(model: torch.nn.Module, path: str) -> None:
     """Refuse a judge that is no decoder LM with a KV cache."""
+    refuse_scorer(model, f"the judge {path}")
     if not isinstance(model, DecodesIncrementally):
         raise ConfigError(
             f"the judge {path} is a {type(model).__name__}, which has no KV cache "

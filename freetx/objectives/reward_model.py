@@ -9,8 +9,9 @@ the data gives none), each pair's loss is
 
 the second term (TRL's name; None: none) keeping the rewards near 0. Returned summed over
 the pairs, with the metrics' sums (TRL's names: `accuracy`, the share of pairs whose
-chosen score is above the rejected's; `margin`, r_c - r_r; `mean_reward`; and
-`rewards/chosen`, `rewards/rejected`): the recipe divides both by the global pair count.
+chosen score is above the rejected's; `margin`, r_c - r_r; `mean_reward`; and, as DPO's
+are named, `rewards/chosen`, `rewards/rejected`): the recipe divides both by the global
+pair count.
 """
 
 from __future__ import annotations

@@ -100,6 +100,9 @@ def test_a_scorer_starts_from_an_hf_causal_lm_folder_with_a_new_head(tmp_path):
         (["distributed.tp=2"], "whole on one rank"),
         (["peft.method=lora"], "trains every weight of the scorer"),
         (["loss.center_rewards_coefficient=-1"], "keeps the rewards near 0"),
+        (["dataset._component_=freetx.data.UnpairedPreferenceDataset"], "trains on pairs"),
+        (["qat.scheme=int4_weight"], "would quantize its score head"),
+        (["eval.after_training=true", "eval.tasks=[x]"], "read a language model's logits"),
     ],
 )
 def test_validate_refuses_what_the_run_refuses(overrides, says):

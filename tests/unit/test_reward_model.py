@@ -14,7 +14,13 @@ import pytest
 import torch
 
 from freetx.data.batch import IGNORE_INDEX, PreferenceBatch
-from freetx.models.scorer import SequenceScorer, last_positions, pooled_scores, scorer
+from freetx.models.scorer import (
+    SequenceScorer,
+    hf_scorer,
+    last_positions,
+    pooled_scores,
+    scorer,
+)
 from freetx.objectives.reward_model import BradleyTerryLoss
 
 
@@ -88,3 +94,53 @@ def test_the_hf_layout_is_transformers_sequence_classifier():
     assert SCORER_LAYOUT.to_hf_name("score.weight") == "score.weight"
     assert SCORER_LAYOUT.from_hf_name("score.weight") == "score.weight"
     assert SCORER_LAYOUT.from_hf_name("model.norm.weight") == "norm.weight"
+
+
+def test_folders_a_scorer_cannot_read_are_refused_by_name():
+    from freetx.errors import CheckpointError
+    from freetx.models.hf import layout_for_hf_config
+    from freetx.models.transformer_hf import SCORER_LAYOUT
+
+    generic = {"model_type": "gpt2", "architectures": ["GPT2ForSequenceClassification"]}
+    with pytest.raises(CheckpointError, match="native decoders only"):
+        layout_for_hf_config(generic)
+    llama = {"model_type": "llama", "architectures": ["LlamaForSequenceClassification"]}
+    assert layout_for_hf_config(llama) is SCORER_LAYOUT
+    with pytest.raises(CheckpointError, match="2 labels"):
+        SCORER_LAYOUT.from_hf_config({**llama, "id2label": {"0": "a", "1": "b"}})
+
+
+def test_gemma3_text_exports_as_its_text_classifier(tmp_path):
+    from freetx.models.transformer_hf import SCORER_LAYOUT
+    from tests.hf_folders import make_folder
+
+    folder = make_folder(tmp_path / "gemma", "gemma3_text")
+    with torch.device("meta"):  # a gemma3_text folder's decoder, as a scorer
+        model = hf_scorer(str(folder))
+    hf = SCORER_LAYOUT.to_hf_config(dataclasses.asdict(model.config), "float32")
+    assert hf["architectures"] == ["Gemma3TextForSequenceClassification"]
+
+
+def test_a_scorer_is_refused_where_a_language_models_logits_are_read():
+    from freetx.errors import ConfigError
+    from freetx.models.protocol import refuse_scorer
+    from freetx.models.transformer import decoder
+
+    with torch.device("meta"):
+        model, language_model = scorer("tiny", vocab_size=259), decoder("tiny", vocab_size=259)
+    refuse_scorer(language_model, "the judge")  # a language model passes
+    with pytest.raises(ConfigError, match="one score per sequence"):
+        refuse_scorer(model, "the judge")
+
+
+def test_the_estimate_counts_a_score_per_position_not_a_vocabulary():
+    from freetx.models.memory import TrainingShape
+    from freetx.models.transformer import decoder
+
+    with torch.device("meta"):
+        big = dict(vocab_size=128256, pad_token_id=0)
+        lm, rm = decoder("tiny", **big), scorer("tiny", **big)
+    shape = TrainingShape(tokens=4096, seq_len=512, compute_bytes=2, blocks=4)
+    assert rm.head_width == 1 and lm.head_width == 128256
+    # the language model's loss holds a chunk of 128k logits per token; the scorer's one
+    assert rm.activation_bytes(shape).loss < lm.activation_bytes(shape).loss / 1000

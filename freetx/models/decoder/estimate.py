@@ -29,6 +29,11 @@ class DecoderActivations:
 
     config: TransformerConfig
 
+    @property
+    def head_width(self) -> int:
+        """The logits per token its loss makes: the vocabulary (a sequence scorer's: 1)."""
+        return self.config.vocab_size
+
     def activation_bytes(self, run: TrainingShape) -> ActivationBytes:
         c = self.config
         mlp = None
@@ -47,7 +52,7 @@ class DecoderActivations:
             c.hidden_dim,
             c.ffn_hidden_dim,
             kv,
-            c.vocab_size,
+            self.head_width,
             c.tie_embeddings,
             mlp,
             attention_score_bytes(c, run),
