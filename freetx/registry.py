@@ -119,6 +119,7 @@ RECIPES: tuple[Recipe, ...] = (
             "llm/grpo_lora_tiny",
             "llm/rloo_tiny",
             "llm/reinforce_pp_tiny",
+            "llm/grpo_rm_tiny",
             "llm/calculator_grpo_tiny",
             "llm/guess_grpo_tiny",
             "llm/darkroom_text_grpo_tiny",

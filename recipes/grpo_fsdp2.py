@@ -235,8 +235,8 @@ class GRPOConfig(DecoderConfig):
             ),
             generations_per_prompt=gen.num_generations * gen.steps_per_generation,
             engine=gen.engine,
-            judges=tuple(
-                str(node["model"])
+            judges=tuple(  # a judge's model, a reward model's path
+                str(node.get("model") or node.get("path"))
                 for node in self.rewards
                 if (target := built_class(node, "rewards")) and issubclass(target, HoldsModel)
             ),

@@ -57,9 +57,7 @@ class RewardModelConfig(DecoderConfig):
     counts pairs (each two sequences); the model is a sequence scorer
     (`freetx.models.scorer.scorer`, `hf_scorer`); the dataset a PreferenceDataset."""
 
-    loss: Any = field(
-        default_factory=lambda: {"_component_": "freetx.objectives.reward_model.BradleyTerryLoss"}
-    )
+    loss: Any = field(default_factory=lambda: {"_component_": "freetx.objectives.BradleyTerryLoss"})
 
     def refuse_combinations(self) -> None:
         """A model that is no sequence scorer; a dataset that gives no pairs (or KTO's

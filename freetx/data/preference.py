@@ -193,7 +193,6 @@ class PreferenceDataset(TokenRowsDataset):
             self, self.split_source, "PreferenceDataset", READS, "preference", "preference pairs"
         )
         source, rule = self.split_rows()
-        self.chat = getattr(self.tokenizer, "chat_template", None) is not None
 
         def encode() -> Iterable[Encoded]:
             """Every pair of the split encoded (on a cache miss): prompt, chosen, rejected."""
@@ -289,37 +288,45 @@ class PreferenceDataset(TokenRowsDataset):
 
     def encode(self, pair: Pair) -> tuple[Encoded, Encoded, Encoded]:
         """The prompt's tokens (no targets) and each completion's with their target flags
-        (module docstring); a BadRow when the pair cannot be rendered."""
-        if self.chat:
-            if pair.conversational:
-                prompt, chosen, rejected = pair.prompt, pair.chosen, pair.rejected
-            else:
-                prompt = [_turn("user", pair.prompt)]
-                chosen = [_turn("assistant", pair.chosen)]
-                rejected = [_turn("assistant", pair.rejected)]
-            # the same prompt tokens for both: the text before each reply is the prompt
-            # rendered with its generation prompt (`rendered_replies` checks it is)
-            (prompt_ids, chosen), (_, rejected) = (
-                self._reply(prompt, completion) for completion in (chosen, rejected)
-            )
-            return (prompt_ids, [False] * len(prompt_ids)), chosen, rejected
-        prompt, chosen, rejected = _as_strings(pair, type(self.tokenizer).__name__)
-        encoded = [prompt_response_tokens(self.tokenizer, prompt, c) for c in (chosen, rejected)]
-        start = encoded[0][1].index(True)  # the prompt's tokens are those before it
-        prompt_ids = encoded[0][0][:start]
-        return (prompt_ids, [False] * start), *((ids[start:], t[start:]) for ids, t in encoded)
+        (`encoded_pair`); a BadRow when the pair cannot be rendered."""
+        return encoded_pair(self.tokenizer, pair)
 
-    def _reply(self, prompt: Messages, completion: Messages) -> tuple[list[int], Encoded]:
-        """The prompt rendered with its generation prompt, tokenized; and the completion's
-        tokens up to the end of its last reply, with target flags (its replies)."""
-        tok = self.tokenizer
-        text, spans = rendered_replies(tok, [*prompt, *completion], first=len(prompt))
-        start, end = spans[0][0], spans[-1][1]
-        ids, offsets = tok.encode_with_offsets(text[start:end])
-        return tok.encode(text[:start]), (
-            ids,
-            in_spans(offsets, [(s - start, e - start) for s, e in spans]),
+
+def encoded_pair(tokenizer, pair: Pair) -> tuple[Encoded, Encoded, Encoded]:
+    """A pair's prompt tokens (no targets) and each completion's with their target flags
+    (module docstring: rendered with the tokenizer's chat template where it has one); a
+    BadRow when the pair cannot be rendered. A reward model reads a prompt and a
+    completion as the prompt's tokens then the completion's (`freetx.objectives.RewardModel`)."""
+    if getattr(tokenizer, "chat_template", None) is not None:
+        if pair.conversational:
+            prompt, chosen, rejected = pair.prompt, pair.chosen, pair.rejected
+        else:
+            prompt = [_turn("user", pair.prompt)]
+            chosen = [_turn("assistant", pair.chosen)]
+            rejected = [_turn("assistant", pair.rejected)]
+        # the same prompt tokens for both: the text before each reply is the prompt
+        # rendered with its generation prompt (`rendered_replies` checks it is)
+        (prompt_ids, chosen), (_, rejected) = (
+            _reply(tokenizer, prompt, completion) for completion in (chosen, rejected)
         )
+        return (prompt_ids, [False] * len(prompt_ids)), chosen, rejected
+    prompt, chosen, rejected = _as_strings(pair, type(tokenizer).__name__)
+    encoded = [prompt_response_tokens(tokenizer, prompt, c) for c in (chosen, rejected)]
+    start = encoded[0][1].index(True)  # the prompt's tokens are those before it
+    prompt_ids = encoded[0][0][:start]
+    return (prompt_ids, [False] * start), *((ids[start:], t[start:]) for ids, t in encoded)
+
+
+def _reply(tok, prompt: Messages, completion: Messages) -> tuple[list[int], Encoded]:
+    """The prompt rendered with its generation prompt, tokenized; and the completion's
+    tokens up to the end of its last reply, with target flags (its replies)."""
+    text, spans = rendered_replies(tok, [*prompt, *completion], first=len(prompt))
+    start, end = spans[0][0], spans[-1][1]
+    ids, offsets = tok.encode_with_offsets(text[start:end])
+    return tok.encode(text[:start]), (
+        ids,
+        in_spans(offsets, [(s - start, e - start) for s, e in spans]),
+    )
 
 
 def _turn(role: str, content: str) -> dict[str, str]:
@@ -415,7 +422,6 @@ class UnpairedPreferenceDataset(PreferenceDataset):
             "unpaired examples",
         )  # fmt: skip
         source, rule = self.split_rows()
-        self.chat = getattr(self.tokenizer, "chat_template", None) is not None
 
         def encode() -> Iterable[Encoded]:
             """Every example of the split encoded (on a cache miss): its prompt, its

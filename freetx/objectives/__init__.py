@@ -11,6 +11,8 @@ per objective.
     distillation.py   a student learning a teacher's distribution (KL, reverse KL, JSD)
     rewards.py        reward functions: what a completion scores
     judge.py          a frozen model's verdict as a reward (LLM-as-judge)
+    reward_model.py   reward models: the Bradley-Terry loss, a trained one's score as a reward
+    held_model.py     the frozen model a reward runs (a judge's, a reward model's): placed, gathered
     episodes.py       multi-turn episodes with environments and tools (an RL rollout)
     reference.py      the model a loss compares with: adapters off, a frozen copy, precomputed
     precompute.py     per-sample tables a frozen model computes once (reference, teacher)
@@ -34,6 +36,7 @@ from freetx.objectives.judge import Judge
 from freetx.objectives.kto import KTOBaseline, KTOLoss
 from freetx.objectives.logprobs import SequenceLogProbs, sequence_logps, token_logps
 from freetx.objectives.preference import PreferenceLoss
+from freetx.objectives.reward_model import BradleyTerryLoss, RewardModel
 from freetx.objectives.rewards import (
     ExactMatch,
     HoldsModel,
@@ -47,6 +50,7 @@ from freetx.objectives.rewards import (
 )
 
 __all__ = [
+    "BradleyTerryLoss",
     "CrossEntropyLoss",
     "DistillationLoss",
     "ExactMatch",
@@ -63,6 +67,7 @@ __all__ = [
     "RegexFormat",
     "ReinforcePlusPlus",
     "Reward",
+    "RewardModel",
     "RewardError",
     "RewardFunction",
     "SequenceLogProbs",

@@ -1,5 +1,6 @@
 """Reward modeling: a sequence scorer (`freetx.models.scorer`) trained on preference pairs
-with the Bradley-Terry loss, as TRL's `RewardTrainer` and OpenRLHF's `train_rm`.
+with the Bradley-Terry loss, as TRL's `RewardTrainer` and OpenRLHF's `train_rm`; and the
+trained model's score as a reward (`RewardModel`, for GRPO's rollouts).
 
 With r_c and r_r the scores of a pair's chosen and rejected sequences (the prompt and each
 completion, read at the last token that is not padding) and m the pair's margin (0 when
@@ -22,7 +23,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from freetx.data.formats import Pair
+from freetx.data.preference import encoded_pair
+from freetx.errors import ConfigError
 from freetx.fields import field_problems
+from freetx.models.protocol import ReplacesLanguageHead
+from freetx.models.scorer import pooled_scores
+from freetx.objectives.held_model import HeldModel
 
 
 class BradleyTerryLoss:
@@ -68,3 +75,65 @@ class BradleyTerryLoss:
             "rewards/rejected": rejected,
         }
         return losses.sum(), {name: value.detach().sum() for name, value in metrics.items()}
+
+
+class RewardModel(HeldModel):
+    """A trained reward model's score as a reward (TRL's `reward_funcs` given a reward
+    model):
+
+        rewards:
+          - _component_: freetx.objectives.RewardModel
+            path: runs/llm_rm_tiny     # rm_fsdp2's run, or an HF XForSequenceClassification folder
+            tokenizer: bytes           # the reward model's tokenizer folder (default: path)
+
+    Each completion is read with its prompt as rm_fsdp2 trained the model to read a pair's
+    row (`freetx.data.preference.encoded_pair`: the prompt's tokens, then the completion's
+    with its end token, rendered with the tokenizer's chat template where it has one; a
+    conversation's prompt and a string completion become its messages and the assistant's
+    reply) and scored at its last token that is not padding, in batches of `batch_size`.
+    Placed and gathered like a judge (`HeldModel`: sharded like a reference under a sharded
+    policy). TRL's batched form: its call sees the rank's completions of a step at once."""
+
+    what = "the reward model"
+
+    def __init__(self, path: str, tokenizer: str | None = None, batch_size: int = 16) -> None:
+        super().__init__(path, tokenizer)
+        self.batch_size = batch_size
+
+    def check(self, model: torch.nn.Module) -> None:
+        """Refuse a model that is no reward model (a sequence scorer)."""
+        if not isinstance(model, ReplacesLanguageHead):
+            raise ConfigError(
+                f"{self.path} holds a {type(model).__name__}, which gives no score per "
+                "sequence: a reward model is a sequence scorer.",
+                fix="Point path at rm_fsdp2's run or an HF XForSequenceClassification folder "
+                "(num_labels 1); a language model's verdict is freetx.objectives.Judge's.",
+            )
+
+    def tokens(self, prompt, completion) -> list[int]:
+        """The token ids a completion is scored on, with its prompt (class docstring)."""
+        chat = getattr(self.tokenizer, "chat_template", None) is not None
+        if isinstance(prompt, list) and not chat:  # the user's last words, as a string
+            prompt = next(m["content"] for m in reversed(prompt) if m["role"] == "user")
+        if isinstance(prompt, list) and isinstance(completion, str):
+            completion = [{"role": "assistant", "content": completion}]
+        elif isinstance(completion, list) and not isinstance(prompt, list):
+            prompt = [{"role": "user", "content": prompt}]
+        encoded = encoded_pair(self.tokenizer, Pair(prompt, completion, completion))
+        return [*encoded[0][0], *encoded[1][0]]
+
+    @torch.no_grad()
+    def __call__(self, prompts, completions, completion_ids, **columns) -> list[float]:
+        inputs = [self.tokens(p, c) for p, c in zip(prompts, completions)]
+        return self.scored(inputs, self.batch_size, self._scores)
+
+    def _scores(self, inputs: list[list[int]]) -> list[float]:
+        """Each input's score: the batch right-padded with the model's pad id (one input at
+        a time for a model without one, as transformers reads it)."""
+        pad = self.model.config.pad_token_id
+        if pad is None and len(inputs) > 1:
+            return [score for ids in inputs for score in self._scores([ids])]
+        device = next(self.model.parameters()).device
+        width = max(len(ids) for ids in inputs)
+        ids = torch.tensor([x + [pad or 0] * (width - len(x)) for x in inputs], device=device)
+        return pooled_scores(self.model(ids), ids, pad).float().tolist()

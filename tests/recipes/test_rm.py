@@ -65,6 +65,38 @@ def test_the_hf_export_scores_as_freetx_in_transformers_and_reads_back(tmp_path)
     assert type(read_back).__name__ == "SequenceScorer" and torch.equal(again, want)
 
 
+def test_the_reward_model_reward_scores_a_completion_as_training_scored_its_row(tmp_path):
+    """freetx.objectives.RewardModel on rm_fsdp2's run: a prompt and a completion read as
+    the pair's row was, the same score; a language model's run is refused by name."""
+    from freetx.checkpoint import load_model
+    from freetx.data import ByteTokenizer, PreferenceDataset, collate_pairs
+    from freetx.data.preference import builtin_pairs
+    from freetx.errors import ConfigError
+    from freetx.models.scorer import pooled_scores
+    from freetx.objectives import RewardModel
+
+    out, _ = rm(tmp_path, "rm", "max_steps=1", "optimizer.lr=1e-2")
+    records = [r.fields for r in builtin_pairs(4, seed=3)]
+    rows = tmp_path / "pairs.jsonl"
+    rows.write_text("".join(json.dumps(r) + "\n" for r in records))
+    pairs = PreferenceDataset(source=str(rows), tokenizer=ByteTokenizer(), seq_len=64,
+                              split="train", val_fraction=0.0, cache=False)  # fmt: skip
+    sequences = collate_pairs([pairs[i] for i in range(4)]).sequences(258)
+    with torch.no_grad():
+        want = pooled_scores(load_model(str(out), torch.device("cpu"))(sequences), sequences, 258)
+    reward = RewardModel(str(out), tokenizer="bytes", batch_size=3)
+    reward.place(torch.device("cpu"))
+    with reward.gathered():
+        got = reward([r["prompt"] for r in records for _ in (0, 1)],
+                     [r[k] for r in records for k in ("chosen", "rejected")], None)  # fmt: skip
+    assert torch.tensor(got).sub(want).abs().max().item() <= 1e-5
+    lm = tmp_path / "lm"
+    run_freetx("run", "full_finetune_fsdp2", "--config", "llm/tiny", f"output_dir={lm}",
+               "max_steps=1", "eval.every_n_steps=0", "checkpoint.every_n_steps=0")  # fmt: skip
+    with pytest.raises(ConfigError, match="a reward model is a sequence scorer"):
+        RewardModel(str(lm), tokenizer="bytes").place(torch.device("cpu"))
+
+
 def test_a_scorer_starts_from_an_hf_causal_lm_folder_with_a_new_head(tmp_path):
     """The folder's body is read (transformers' classifier over the same body, given the
     scorer's head, scores alike), its lm_head is not, the head is drawn from the seed."""

@@ -2,7 +2,8 @@
 on 2 processes, shared by the module), through the CLI on 2 processes, as a user runs
 them: KTO (llm/kto_tiny) raises the desirable completions' reward above the undesirable
 ones' on held-out examples; a reward model (llm/rm_tiny) scores held-out chosen answers
-above their rejected ones 9 times in 10 or more."""
+above their rejected ones 9 times in 10 or more, and a GRPO run with it as its reward
+(llm/grpo_rm_tiny) raises it."""
 
 from __future__ import annotations
 
@@ -43,9 +44,27 @@ def test_kto_raises_the_desirable_reward_above_the_undesirable_one(sft, tmp_path
     assert val["val/rewards/chosen"] > val["val/rewards/rejected"] + 0.02, val
 
 
-def test_a_reward_model_ranks_held_out_pairs(sft, tmp_path):
-    rows = run("rm_fsdp2", "llm/rm_tiny", tmp_path / "rm", f"model_dir={sft}", "max_steps=50",
+@pytest.fixture(scope="module")
+def reward_model(sft, tmp_path_factory):
+    """llm/rm_tiny's first 50 steps from the SFT: its folder and logged rows."""
+    out = tmp_path_factory.mktemp("post_training") / "rm"
+    rows = run("rm_fsdp2", "llm/rm_tiny", out, f"model_dir={sft}", "max_steps=50",
                "eval.every_n_steps=50", "checkpoint.every_n_steps=0")  # fmt: skip
+    return out, rows
+
+
+def test_a_reward_model_ranks_held_out_pairs(reward_model):
+    out, rows = reward_model
     val = [r for r in rows if "val/accuracy" in r][-1]
     assert val["step"] == 50 and val["val/accuracy"] >= 0.9, val
-    assert (tmp_path / "rm" / "export" / "hf" / "config.json").is_file()
+    assert (out / "export" / "hf" / "config.json").is_file()
+
+
+def test_grpo_with_the_reward_model_as_its_reward_raises_it(sft, reward_model, tmp_path):
+    """llm/grpo_rm_tiny: the reward model's mean score of the policy's greedy completions
+    to held-out prompts rises (it rewards words in capitals: docs/recipes/rm_fsdp2.md)."""
+    rows = run("grpo_fsdp2", "llm/grpo_rm_tiny", tmp_path / "grpo", f"model_dir={sft}",
+               f"rewards.0.path={reward_model[0]}", "max_steps=10", "eval.every_n_steps=10",
+               "eval.max_batches=1", "checkpoint.every_n_steps=0", "samples.every_n_steps=0")  # fmt: skip
+    val = {r["step"]: r["val/rewards/reward_model/mean"] for r in rows if "val/reward" in r}
+    assert set(val) == {0, 10} and val[10] > val[0] + 0.2, val

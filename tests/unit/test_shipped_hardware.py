@@ -49,6 +49,7 @@ MADE_FIRST = {"llm/hf_tiny_full": "a tiny HF folder (tests write one)",
               "llm/hf_tiny_kto": "a tiny HF folder (tests write one)",
               "llm/hf_tiny_grpo": "a tiny HF folder (tests write one)",
               "llm/hf_tiny_kd": "two tiny HF folders (tests write them)",
+              "llm/grpo_rm_tiny": "llm/rm_tiny's run (its reward model's weights)",
               "llm/spectrum_tiny": "`freetx spectrum scan`'s selection of runs/llm_tiny"}  # fmt: skip
 # the shapes of the HF models the fine-tuning configs name (their config.json's, public),
 # for the configs that read the shape from `model_dir`
