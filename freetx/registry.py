@@ -90,7 +90,7 @@ RECIPES: tuple[Recipe, ...] = (
     Recipe(
         name="rm_fsdp2",
         file="rm_fsdp2.py",
-        configs=("llm/rm_tiny",),
+        configs=("llm/rm_tiny", "llm/hf_tiny_rm", "llm/qwen3_8b_rm"),
         description="reward models: a decoder with a scalar head trained on preference "
         "pairs (Bradley-Terry), exported as transformers' sequence classifier",
     ),

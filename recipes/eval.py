@@ -15,7 +15,11 @@ beside it, unmerged (`load_model(..., adapters=)`). What is evaluated, any of:
   `split` (the loss and perplexity over every loss token; `dataset.validation_source=FILE`
   makes a whole file the validation split);
 - `rewards` over `prompts` (the GRPO recipe's reward components and prompt dataset):
-  one completion per prompt (greedy unless `temperature`), the mean of each reward.
+  one completion per prompt (greedy unless `temperature`), the mean of each reward;
+- `pairs` (a reward model's checkpoint: rm_fsdp2's run or an HF sequence classifier):
+  a `freetx.data.PreferenceDataset` node (`pairs.source=` enables it), each pair's chosen
+  and rejected sequences scored: the accuracy (chosen above rejected), the margin, the
+  rewards' mean, std, min and max, the Bradley-Terry loss.
 
 Every process loads the whole model and scores its share: the harness's requests
 strided over the ranks, the dataset's and the prompts' samples as a training run's
@@ -45,6 +49,7 @@ from freetx.data import (
     TokenBatch,
     build_eval_loader,
     checked_tokenizer,
+    collate_pairs,
     collate_prompts,
     source_names,
 )
@@ -64,7 +69,10 @@ from freetx.fields import component_list, read_path, written_folder
 from freetx.models.engine import EngineConfig, check_pool
 from freetx.models.generation import Sampling
 from freetx.models.hf import end_token_ids
-from freetx.objectives import build_rewards
+from freetx.models.protocol import ReplacesLanguageHead
+from freetx.models.scorer import check_pad_id, pooled_scores
+from freetx.objectives import BradleyTerryLoss, build_rewards
+from freetx.objectives.reward_model import PairMetrics
 from freetx.objectives.rewards import place_rewards
 from freetx.objectives.rollouts import CompletionScorer
 from freetx.training import claim_folder, per_source_means
@@ -99,6 +107,8 @@ class EvalConfig:
     # rewards over one completion per prompt (the GRPO recipe's components)
     rewards: list[Any] = component_list("weight", "name", default_factory=list)
     prompts: Any = None  # a freetx.data.PromptDataset node (source: null: none)
+    # a reward model's accuracy over preference pairs (a PreferenceDataset node; source: null: none)
+    pairs: Any = None
     max_new_tokens: int = at_least(1, default=64)
     temperature: float = at_least(0, default=0.0)  # 0: greedy
     # the generation engine: slots, the paged KV cache's blocks, compile (docs/generation.md)
@@ -131,14 +141,19 @@ def check_sequence_fits(seq_len: int, max_seq_len: int) -> None:
 def refuse_nothing_to_evaluate(cfg: EvalConfig) -> None:
     """A config that names no task, no dataset and no reward, refused with the fix (the
     shipped config names none: the command line does)."""
-    if not cfg.tasks and _source(cfg.dataset) is None and not cfg.rewards:
+    if (
+        not cfg.tasks
+        and _source(cfg.dataset) is None
+        and not cfg.rewards
+        and _source(cfg.pairs) is None
+    ):
         raise ConfigError(
             f"there is nothing to evaluate in {cfg.checkpoint}: no lm-eval task, no "
-            "dataset.source and no rewards.",
+            "dataset.source, no rewards and no pairs.source.",
             fix="Name tasks (tasks=[TASK, ...], with include_path=DIR for local task YAMLs; "
             "`freetx eval CHECKPOINT --tasks a,b`), a dataset for perplexity "
-            "(dataset.source=FILE), or rewards with prompts (rewards=[...] "
-            "prompts.source=FILE).",
+            "(dataset.source=FILE), rewards with prompts (rewards=[...] "
+            "prompts.source=FILE), or a reward model's pairs (pairs.source=FILE).",
         )
 
 
@@ -166,7 +181,7 @@ class EvalRecipe:
         self.rewards = build_rewards(cfg.rewards) if cfg.rewards else []
         self.checkpoint = str(resolve_checkpoint(cfg.checkpoint))
         self.tokenizer = checked_tokenizer(self.build_tokenizer())
-        self.val_loader = self.prompt_loader = None
+        self.val_loader = self.prompt_loader = self.pair_loader = None
         if _source(cfg.dataset) is not None:
             data = instantiate(cfg.dataset, tokenizer=self.tokenizer, split=cfg.split)
             collate = functools.partial(TokenBatch.collate, source_names=source_names(data))
@@ -179,8 +194,22 @@ class EvalRecipe:
             self.prompt_loader = build_eval_loader(
                 prompts, cfg.batch_size * self.world, self.rank, self.world, collate_prompts
             )
+        if _source(cfg.pairs) is not None:
+            pairs = instantiate(cfg.pairs, tokenizer=self.tokenizer, split=cfg.split)
+            self.pair_loader = build_eval_loader(
+                pairs, cfg.batch_size * self.world, self.rank, self.world, collate_pairs
+            )
         adapters = recorded_peft(self.checkpoint)  # a LoRA run: its adapters, unmerged
         self.model = load_model(self.checkpoint, self.device, cfg.seed, adapters, cfg.base, "base")
+        if self.pair_loader is not None:  # a reward model, reading scores at the tokenizer's pad
+            if not isinstance(self.model, ReplacesLanguageHead):
+                raise ConfigError(
+                    f"pairs.source: {cfg.checkpoint} holds a {type(self.model).__name__}, which "
+                    "gives no score per sequence; pairs are scored by a reward model.",
+                    fix="Evaluate rm_fsdp2's run or an HF XForSequenceClassification folder "
+                    "(num_labels 1) on pairs; a language model's are DPO's (dpo_fsdp2 logs them).",
+                )
+            self.pad_id = check_pad_id(self.model, self.tokenizer)
         place_rewards(self.rewards, self.device)  # a judge's weights
         if cfg.dtype != "float32":  # load_model builds in float32 (QLoRA: NF4 bases)
             self.model.to(dtype_named(cfg.dtype))
@@ -256,7 +285,14 @@ class EvalRecipe:
                 "split": cfg.split,
             }
             rewards = self.reward_means()
-        results = eval_results(cfg.checkpoint, evaluated, scores, dataset, rewards)
+        pairs = None
+        if self.pair_loader is not None:
+            evaluated["pairs"] = {
+                **OmegaConf.to_container(cfg.pairs, resolve=True),
+                "split": cfg.split,
+            }
+            pairs = self.pair_means()
+        results = eval_results(cfg.checkpoint, evaluated, scores, dataset, rewards, pairs)
         if self.rank == 0:
             write_resolved_config(cfg)
             write_results(cfg.output_dir, results)
@@ -279,6 +315,20 @@ class EvalRecipe:
         count = totals.pop("tokens")
         metrics = per_source_means({k: v / max(count, 1.0) for k, v in totals.items()})
         return {**metrics, "perplexity": math.exp(min(metrics["loss"], 50.0)), "tokens": count}
+
+    @torch.no_grad()
+    def pair_means(self) -> dict[str, float]:
+        """A reward model over the pairs (every process its share): `PairMetrics`'."""
+        metrics = PairMetrics(BradleyTerryLoss())
+        for batch in itertools.islice(self.pair_loader, self.cfg.max_batches):
+            batch = batch.to(self.device)
+            sequences = batch.sequences(self.pad_id)
+            scores = pooled_scores(self.model(sequences), sequences, self.pad_id)
+            keep = batch.real_pairs()
+            margins = batch.pair_margins()
+            rows = keep.to(scores.device).repeat_interleave(2)
+            metrics.add(scores[rows], None if margins is None else margins[keep])
+        return metrics.means(self.groups, over="dp")
 
     def reward_means(self) -> dict[str, float]:
         """One completion per prompt (greedy unless temperature), scored by every reward:

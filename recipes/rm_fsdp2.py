@@ -19,7 +19,6 @@ global batch. Copy this file (`freetx cp rm_fsdp2 ./my_rm.py`) to change the loo
 from __future__ import annotations
 
 import itertools
-import math
 import sys
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,9 +34,9 @@ from freetx.data import (
 )
 from freetx.entry import parse
 from freetx.errors import ConfigError
-from freetx.models.scorer import SequenceScorer, pooled_scores
+from freetx.models.scorer import SequenceScorer, check_pad_id, pooled_scores
 from freetx.objectives.cross_entropy import with_router_loss
-from freetx.objectives.reward_model import BradleyTerryLoss
+from freetx.objectives.reward_model import BradleyTerryLoss, PairMetrics
 from freetx.training import (
     PlannedRun,
     accumulate_gradients,
@@ -198,47 +197,21 @@ class RewardModelRecipeFSDP2:
         pairs (all of them, or eval.max_batches), every rank taking part; an evaluation
         shard's repeats left out."""
         self.model.eval()
-        sums, extremes = {}, {"max_reward": -math.inf, "min_reward": -math.inf}
+        metrics = PairMetrics(self.loss_fn)
         for batch in itertools.islice(self.val_loader, self.cfg.eval.max_batches):
             batch = placed(self.plan, batch)
             with self.plan.autocast():
                 scores, _ = self.scores(batch)
-            keep = batch.real_pairs().to(scores.device).repeat_interleave(2)
+            keep = batch.real_pairs()
             margins = batch.pair_margins()
-            margin = None if margins is None else margins[batch.real_pairs()]
-            loss, parts = self.loss_fn(scores[keep], margin)
-            kept = scores[keep].double()
-            parts |= {"loss": loss, "pairs": batch.num_pairs(), "reward_sq": (kept**2).sum()}
-            for name, value in parts.items():
-                sums[name] = sums.get(name, 0) + value
-            if kept.numel():  # the min as the max of the negated scores
-                extremes["max_reward"] = max(extremes["max_reward"], float(kept.max()))
-                extremes["min_reward"] = max(extremes["min_reward"], float(-kept.min()))
-        totals, extremes = self.groups.sum_and_max(sums, extremes, over="dp")
+            rows = keep.to(scores.device).repeat_interleave(2)
+            metrics.add(scores[rows], None if margins is None else margins[keep])
+        means = metrics.means(self.groups, over="dp")
         self.model.train()
-        pairs = max(float(totals.pop("pairs")), 1.0)
-        means = {name: float(value) / pairs for name, value in totals.items()}
-        square = means.pop("reward_sq") / 2  # over both rows of every pair
-        means["std_reward"] = max(square - means["mean_reward"] ** 2, 0.0) ** 0.5
-        means |= {"max_reward": extremes["max_reward"], "min_reward": -extremes["min_reward"]}
         return {f"val/{name}": value for name, value in means.items()}
 
     def cleanup(self) -> None:
         self.run.close()
-
-
-def check_pad_id(model: SequenceScorer, tokenizer) -> int:
-    """The pad id at which the scorer stops reading a sequence: the model's (config.json's
-    pad_token_id), which must be the tokenizer's, with which the data is padded."""
-    pad = model.config.pad_token_id
-    if pad != tokenizer.pad_id:
-        raise ConfigError(
-            f"model.pad_token_id={pad}, and the tokenizer pads with {tokenizer.pad_id}: a "
-            "reward model reads each sequence's score at its last token that is not the "
-            "model's pad token (as transformers does), so the two must be the same.",
-            fix=f"Set model.pad_token_id={tokenizer.pad_id}.",
-        )
-    return pad
 
 
 @parse(RewardModelConfig)

@@ -67,9 +67,11 @@ def eval_results(
     tasks: dict[str, Any] | None = None,
     dataset: dict[str, float] | None = None,
     rewards: dict[str, float] | None = None,
+    pairs: dict[str, float] | None = None,
 ) -> dict[str, Any]:
     """eval.json's content: `tasks` as `evaluate_tasks` returns them (lm-eval's whole
-    result moved to "lm_eval"); sections that were not evaluated left out."""
+    result moved to "lm_eval"); a reward model's `pairs` metrics; sections that were not
+    evaluated left out."""
     out: dict[str, Any] = {"checkpoint": checkpoint, "evaluated": evaluated}
     if tasks is not None:
         scores = dict(tasks)
@@ -79,6 +81,8 @@ def eval_results(
         out["dataset"] = dataset
     if rewards is not None:
         out["rewards"] = rewards
+    if pairs is not None:
+        out["pairs"] = pairs
     if tasks is not None:
         out["lm_eval"] = raw
     return out
@@ -95,8 +99,8 @@ def write_results(output_dir: str | Path, results: dict[str, Any]) -> Path:
 
 
 def results_table(results: dict[str, Any]) -> str:
-    """The console table of eval.json's scores: one row per task metric, dataset figure
-    and reward."""
+    """The console table of eval.json's scores: one row per task metric, dataset figure,
+    reward and pairs figure."""
     rows = [("SECTION", "NAME", "METRIC", "VALUE")]
     for task, metrics in results.get("tasks", {}).items():
         for metric, value in metrics.items():
@@ -108,6 +112,8 @@ def results_table(results: dict[str, Any]) -> str:
         rows.append(("dataset", "", name, _number(value)))
     for name, value in results.get("rewards", {}).items():
         rows.append(("rewards", "", name, _number(value)))
+    for name, value in results.get("pairs", {}).items():
+        rows.append(("pairs", "", name, _number(value)))
     widths = [max(len(row[i]) for row in rows) for i in range(4)]
     lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
     return "\n".join([f"evaluated {results['checkpoint']}", *lines])

@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from freetx.errors import ConfigError
 from freetx.models.decoder.config import TransformerConfig
 from freetx.models.protocol import LMOutput, OutputLayer, build_config, builds
 from freetx.models.transformer import PRESETS, Transformer
@@ -86,3 +87,17 @@ def hf_scorer(path: str, **fields) -> SequenceScorer:
     """The sequence scorer of an HF folder's decoder (a causal LM's, whose head is then
     new, or a sequence classifier's with num_labels 1), any field changed."""
     return SequenceScorer(build_config(TransformerConfig, hf_config_fields(path, fields)))
+
+
+def check_pad_id(model: SequenceScorer, tokenizer) -> int:
+    """The pad id at which the scorer stops reading a sequence: the model's (config.json's
+    pad_token_id), which must be the tokenizer's, with which the data is padded."""
+    pad = model.config.pad_token_id
+    if pad != tokenizer.pad_id:
+        raise ConfigError(
+            f"model.pad_token_id={pad}, and the tokenizer pads with {tokenizer.pad_id}: a "
+            "reward model reads each sequence's score at its last token that is not the "
+            "model's pad token (as transformers does), so the two must be the same.",
+            fix=f"Set model.pad_token_id={tokenizer.pad_id}.",
+        )
+    return pad

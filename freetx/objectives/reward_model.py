@@ -77,6 +77,42 @@ class BradleyTerryLoss:
         return losses.sum(), {name: value.detach().sum() for name, value in metrics.items()}
 
 
+class PairMetrics:
+    """A reward model's metrics over scored pairs (a validation split, an evaluation):
+    `add` each batch's scores, then `means` over every rank: the loss, `accuracy`,
+    `margin`, `mean_reward`, `rewards/chosen`, `rewards/rejected` per pair, and
+    `std_reward`, `min_reward`, `max_reward` over every scored sequence."""
+
+    def __init__(self, loss_fn: BradleyTerryLoss) -> None:
+        self.loss_fn, self.sums = loss_fn, {}
+        self.extremes = {"max_reward": -math.inf, "min_reward": -math.inf}  # min: of -scores
+
+    def add(self, scores: torch.Tensor, margin: torch.Tensor | None = None) -> None:
+        """One batch's scores [2P] of P pairs (chosen, rejected, ...), an evaluation
+        shard's repeats left out, and their margins [P] (None: none)."""
+        loss, parts = self.loss_fn(scores, margin)
+        kept = scores.double()
+        parts |= {
+            "loss": loss,
+            "pairs": torch.tensor(scores.numel() / 2),
+            "reward_sq": (kept**2).sum(),
+        }
+        for name, value in parts.items():
+            self.sums[name] = self.sums.get(name, 0) + value
+        if kept.numel():
+            self.extremes["max_reward"] = max(self.extremes["max_reward"], float(kept.max()))
+            self.extremes["min_reward"] = max(self.extremes["min_reward"], float(-kept.min()))
+
+    def means(self, groups, over: str = "dp") -> dict[str, float]:
+        """The metrics over every rank's pairs (one collective; every rank calls it)."""
+        totals, extremes = groups.sum_and_max(self.sums, self.extremes, over=over)
+        pairs = max(float(totals.pop("pairs")), 1.0)
+        means = {name: float(value) / pairs for name, value in totals.items()}
+        square = means.pop("reward_sq") / 2  # over both rows of every pair
+        means["std_reward"] = max(square - means["mean_reward"] ** 2, 0.0) ** 0.5
+        return means | {"max_reward": extremes["max_reward"], "min_reward": -extremes["min_reward"]}
+
+
 class RewardModel(HeldModel):
     """A trained reward model's score as a reward (TRL's `reward_funcs` given a reward
     model):

@@ -1,8 +1,9 @@
 """rm_fsdp2 through the CLI: a reward model's end-of-run HF export loads in transformers'
 AutoModelForSequenceClassification with freetx's scores, and freetx reads it back as a
-scorer; a scorer starts from an HF causal LM folder (its body read, its language head
-not, the score head new); validate refuses what the run refuses; 2 processes resumed give
-1 process's losses."""
+scorer (of an HF folder with a chat template too); a scorer starts from an HF causal LM
+folder (its body read, its language head not, the score head new); the RewardModel reward
+and `freetx eval` on a pairs file score as training did; validate refuses what the run
+refuses; 2 processes resumed give 1 process's losses."""
 
 from __future__ import annotations
 
@@ -95,6 +96,17 @@ def test_the_reward_model_reward_scores_a_completion_as_training_scored_its_row(
                "max_steps=1", "eval.every_n_steps=0", "checkpoint.every_n_steps=0")  # fmt: skip
     with pytest.raises(ConfigError, match="a reward model is a sequence scorer"):
         RewardModel(str(lm), tokenizer="bytes").place(torch.device("cpu"))
+    # freetx eval on the pairs file: the accuracy and margin of the same scores
+    pair_args = [f"pairs.source={rows}", f"pairs.validation_source={rows}", "pairs.seq_len=64"]
+    evaluated = run_freetx("eval", str(out), *pair_args, f"output_dir={tmp_path / 'eval'}")
+    assert evaluated.returncode == 0, evaluated.stdout[-2000:] + evaluated.stderr[-2000:]
+    found = json.loads((tmp_path / "eval" / "eval.json").read_text())["pairs"]
+    chosen, rejected = want[0::2], want[1::2]
+    assert found["accuracy"] == pytest.approx((chosen > rejected).float().mean().item())
+    assert found["margin"] == pytest.approx((chosen - rejected).mean().item(), abs=1e-5)
+    assert found["max_reward"] == pytest.approx(want.max().item(), abs=1e-5)
+    refused = run_freetx("eval", str(lm), *pair_args, f"output_dir={tmp_path / 'eval_lm'}")
+    assert "pairs are scored by a reward model" in flat(refused.stdout + refused.stderr)
 
 
 def test_a_scorer_starts_from_an_hf_causal_lm_folder_with_a_new_head(tmp_path):
@@ -121,6 +133,45 @@ def test_a_scorer_starts_from_an_hf_causal_lm_folder_with_a_new_head(tmp_path):
     with torch.no_grad():
         want = theirs(input_ids=ids).logits[:, 0]
         got = pooled_scores(model.eval()(ids), ids, 0)
+    assert (got - want).abs().max().item() <= 1e-5
+
+
+def test_a_reward_model_of_an_hf_folder_with_a_chat_template_exports_its_scores(tmp_path):
+    """llm/hf_tiny_rm's command: the folder's pad id set (its config.json has none: the
+    run says so first), the pairs rendered with its chat template; the export scores
+    their rows as freetx does, in transformers."""
+    from transformers import AutoModelForSequenceClassification
+
+    from freetx.checkpoint import load_model
+    from freetx.data import HFTokenizer, PreferenceDataset, collate_pairs
+    from freetx.data.corpus import builtin_documents
+    from freetx.models.scorer import pooled_scores
+    from tests.hf_folders import make_tokenizer
+
+    folder = make_folder(tmp_path / "llama", "llama3_2")
+    make_tokenizer(folder, builtin_documents()[:20])
+    pairs = tmp_path / "pairs.jsonl"
+    words = ["garden", "river", "window", "planet", "silver", "forest", "candle", "marble"]
+    pairs.write_text("".join(json.dumps({"prompt": f"Reverse {w} ({i}).", "chosen": w[::-1],
+                                         "rejected": w}) + "\n"
+                             for i, w in enumerate(words * 4)))  # fmt: skip
+    common = ["run", "rm_fsdp2", "--config", "llm/hf_tiny_rm", f"model_dir={folder}",
+              f"dataset.source={pairs}", "max_steps=2", "eval.every_n_steps=0",
+              "eval.max_batches=1", "log_every_n_steps=1", JSONL]  # fmt: skip
+    refused = run_freetx(*common, f"output_dir={tmp_path / 'no_pad'}")
+    assert "model.pad_token_id=None, and the tokenizer pads with 1" in flat(
+        refused.stdout + refused.stderr
+    )
+    out = tmp_path / "rm"
+    result = run_freetx(*common, f"output_dir={out}", "model.pad_token_id=1")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    data = PreferenceDataset(source=str(pairs), tokenizer=HFTokenizer(str(folder)), seq_len=64,
+                             split="train", val_fraction=0.0, cache=False)  # fmt: skip
+    sequences = collate_pairs([data[i] for i in range(3)]).sequences(1)
+    theirs = AutoModelForSequenceClassification.from_pretrained(str(out / "export" / "hf"))
+    with torch.no_grad():
+        want = pooled_scores(load_model(str(out), torch.device("cpu"))(sequences), sequences, 1)
+        got = theirs.eval()(input_ids=sequences).logits[:, 0]
     assert (got - want).abs().max().item() <= 1e-5
 
 

@@ -47,6 +47,7 @@ MADE_FIRST = {"llm/hf_tiny_full": "a tiny HF folder (tests write one)",
               "llm/hf_tiny_lora": "a tiny HF folder (tests write one)",
               "llm/hf_tiny_dpo": "a tiny HF folder (tests write one)",
               "llm/hf_tiny_kto": "a tiny HF folder (tests write one)",
+              "llm/hf_tiny_rm": "a tiny HF folder (tests write one)",
               "llm/hf_tiny_grpo": "a tiny HF folder (tests write one)",
               "llm/hf_tiny_kd": "two tiny HF folders (tests write them)",
               "llm/grpo_rm_tiny": "llm/rm_tiny's run (its reward model's weights)",
@@ -161,6 +162,7 @@ MODEL_OF = {"llm/llama3_1_8b_full": "Llama-3.1-8B", "llm/llama3_1_8b_lora": "Lla
             "llm/qwen3_8b_dpo": "Qwen3-8B", "llm/gemma3_4b_dpo_lora": "gemma-3-4b",
             "llm/qwen3_8b_grpo": "Qwen3-8B", "llm/llama3_1_8b_grpo_lora": "Llama-3.1-8B",
             "llm/qwen3_8b_reinforce_pp": "Qwen3-8B", "llm/qwen3_8b_kto": "Qwen3-8B",
+            "llm/qwen3_8b_rm": "Qwen3-8B",
             "llm/gpt_oss_20b_lora": "gpt-oss-20b", "llm/deepseek_v2_lite_lora": "DeepSeek-V2-Lite",
             "llm/qwen3_5_lora": "Qwen3.5-27B"}  # fmt: skip
 # crosscoder configs -> the HF source model of each of their sources (local folders a user has)
