@@ -1,7 +1,8 @@
 """Reward modeling: a decoder with a scalar head (`freetx.models.scorer`: transformers'
 `XForSequenceClassification` layout, one label) trained on preference pairs with the
 Bradley-Terry loss, so that a chosen completion scores above its rejected one; all of the
-model's weights, on FSDP2 / ZeRO / DDP strategies. The reward a GRPO run can then read
+model's weights, or LoRA / QLoRA / DoRA adapters with the score head trained whole
+(`peft:`; exported for PEFT as a SEQ_CLS adapter), on FSDP2 / ZeRO / DDP strategies. The reward a GRPO run can then read
 (docs/recipes/rm_fsdp2.md).
 
     freetx run --nproc-per-node 2 full_finetune_fsdp2 --config llm/instruct_tiny  # the SFT
@@ -61,8 +62,8 @@ class RewardModelConfig(DecoderConfig):
     def refuse_combinations(self) -> None:
         """A model that is no sequence scorer; a dataset that gives no pairs (or KTO's
         examples), or packs them; the parallel axes a score at each row's last token does
-        not take (tp, cp, pp); adapters (full fine-tuning here); QAT (its head would be
-        quantized) and lm-eval tasks (they read logits). And DecoderConfig's."""
+        not take (tp, cp, pp); QAT (its head would be quantized) and lm-eval tasks (they
+        read logits). And DecoderConfig's."""
         super().refuse_combinations()
         model = built_class(self.model)
         if model is not None and not issubclass(model, SequenceScorer):
@@ -95,12 +96,6 @@ class RewardModelConfig(DecoderConfig):
                     "each row's score at its last real token whole on one rank.",
                     fix=f"Use a sharded strategy (fsdp, hsdp) instead, with {axis}=1.",
                 )
-        if self.peft.method != "none":
-            raise ConfigError(
-                f"peft.method={self.peft.method}: rm_fsdp2 trains every weight of the scorer "
-                "in this version.",
-                fix="Set peft.method=none.",
-            )
         for key, on in (("qat.scheme", self.qat.scheme != "none"),
                         ("eval.after_training", self.eval.after_training)):  # fmt: skip
             if on:

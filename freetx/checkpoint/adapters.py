@@ -137,7 +137,8 @@ def write_peft(
         hf_modules.append(hf_module.rsplit(".", 1)[-1])
         for suffix, key in parts.items():
             names[key] = f"base_model.model.{hf_module}.{PEFT_NAMES[suffix]}"
-    hf_type = layout.to_hf_config(source.model_config, "float32").get("model_type", "")
+    hf_config = layout.to_hf_config(source.model_config, "float32")
+    hf_type = hf_config.get("model_type", "")
     moved = peft_moves_onto_experts(hf_type, sorted(set(hf_modules)))
     if moved:
         raise CheckpointError(
@@ -150,6 +151,13 @@ def write_peft(
             "(peft.target_modules=[q_proj, k_proj, v_proj, o_proj, experts])."
         )
     ranks = {source.infos[k].shape[0] for k in names if k.endswith("lora_a.weight")}
+    # a sequence classifier (a reward model): its head trained whole beside the adapters,
+    # PEFT's modules_to_save, stored under the module's own name
+    head = hf_config.get("num_labels") == 1 and MODEL_PREFIX + "score.weight" in source.infos
+    if head:
+        names[MODEL_PREFIX + "score.weight"] = "base_model.model." + layout.to_hf_name(
+            "score.weight"
+        )
     experts = expert_peft_tensors(source, layout)
     ranks |= experts.ranks
     out.mkdir(parents=True, exist_ok=True)
@@ -164,7 +172,7 @@ def write_peft(
     writer.close()
     config = {
         "peft_type": "LORA",
-        "task_type": "CAUSAL_LM",
+        "task_type": "SEQ_CLS" if head else "CAUSAL_LM",
         "base_model_name_or_path": base_path,
         "r": ranks.pop() if len(ranks) == 1 else lora.rank,
         "lora_alpha": lora.alpha,
@@ -176,7 +184,7 @@ def write_peft(
         "fan_in_fan_out": False,
         "inference_mode": True,
         "init_lora_weights": True,
-        "modules_to_save": None,
+        "modules_to_save": ["score"] if head else None,
         "use_rslora": False,
         "layers_to_transform": None,
         "rank_pattern": {},

@@ -173,6 +173,26 @@ def test_a_reward_model_of_an_hf_folder_with_a_chat_template_exports_its_scores(
         want = pooled_scores(load_model(str(out), torch.device("cpu"))(sequences), sequences, 1)
         got = theirs.eval()(input_ids=sequences).logits[:, 0]
     assert (got - want).abs().max().item() <= 1e-5
+    # LoRA: the adapters and the score head exported for PEFT (SEQ_CLS, modules_to_save),
+    # which scores over the folder's classifier as freetx over its base
+    from peft import PeftModel
+
+    from freetx.training.export import recorded_peft
+
+    lora = tmp_path / "lora"
+    result = run_freetx(*common, f"output_dir={lora}", "model.pad_token_id=1", "peft.method=lora",
+                        "peft.rank=4", "optimizer.lr=1e-2", "checkpoint.final_export=auto")  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    adapter = json.loads((lora / "export" / "peft" / "adapter_config.json").read_text())
+    assert adapter["task_type"] == "SEQ_CLS" and adapter["modules_to_save"] == ["score"]
+    base = AutoModelForSequenceClassification.from_pretrained(str(folder), num_labels=1,
+                                                              pad_token_id=1)  # fmt: skip
+    peft_model = PeftModel.from_pretrained(base, str(lora / "export" / "peft")).eval()
+    ours = load_model(str(lora), torch.device("cpu"), 0, recorded_peft(str(lora))).eval()
+    with torch.no_grad():
+        want = pooled_scores(ours(sequences), sequences, 1)
+        got = peft_model(input_ids=sequences).logits[:, 0]
+    assert (got - want).abs().max().item() <= 1e-5 and ours.score.weight.abs().sum() > 0
 
 
 @pytest.mark.parametrize(
@@ -181,7 +201,6 @@ def test_a_reward_model_of_an_hf_folder_with_a_chat_template_exports_its_scores(
         (["model._component_=freetx.models.transformer.decoder"], "trains a sequence scorer"),
         (["dataset.packed=true"], "one pair per two rows"),
         (["distributed.tp=2"], "whole on one rank"),
-        (["peft.method=lora"], "trains every weight of the scorer"),
         (["loss.center_rewards_coefficient=-1"], "keeps the rewards near 0"),
         (["dataset._component_=freetx.data.UnpairedPreferenceDataset"], "trains on pairs"),
         (["qat.scheme=int4_weight"], "would quantize its score head"),
@@ -205,10 +224,14 @@ def test_a_pad_id_other_than_the_tokenizers_is_refused_before_training(tmp_path)
     assert not list(out.glob("checkpoints/step_*"))
 
 
-@pytest.mark.slow  # 3 runs: 4 steps on 1 process; 2 on 2 processes, resumed to 4
-def test_two_processes_resumed_repeat_one_process(tmp_path):
-    one = metrics(rm(tmp_path, "one", "max_steps=4", "gradient_accumulation_steps=2")[0])
-    two = ["checkpoint.every_n_steps=2"]
+@pytest.mark.slow  # 3 runs each: 4 steps on 1 process; 2 on 2 processes, resumed to 4
+@pytest.mark.parametrize("peft", ["none", "lora"])
+def test_two_processes_resumed_repeat_one_process(tmp_path, peft):
+    """LoRA's checkpoints hold the adapters and the score head; its resume reads the base
+    from the initial weights (here the seed's) and them from the checkpoint."""
+    adapters = [f"peft.method={peft}", "peft.rank=4"] if peft == "lora" else []
+    one = metrics(rm(tmp_path, "one", "max_steps=4", "gradient_accumulation_steps=2", *adapters)[0])
+    two = ["checkpoint.every_n_steps=2", *adapters]
     rm(tmp_path, "two", "max_steps=2", *two, nproc=2)
     resumed = metrics(rm(tmp_path, "two", "max_steps=4", *two, nproc=2)[0])
     assert set(resumed) >= {1, 2, 3, 4} and one[4]["loss"] < one[1]["loss"] + 0.5

@@ -39,7 +39,7 @@ from freetx.models.peft.experts import (
     refuse_expert_options,
 )
 from freetx.models.peft.lora import ADAPTER_PARAMETERS, LoRALinear
-from freetx.models.protocol import AdapterTargets, AlwaysTrained
+from freetx.models.protocol import AdapterTargets, AlwaysTrained, ReplacesLanguageHead
 
 
 @dataclass
@@ -222,7 +222,7 @@ def apply_lora(
 ) -> list[str]:
     """Replace the targeted Linear modules by `LoRALinear`, give the targeted experts
     modules per-expert adapters (`experts` or all-linear: `adapt_experts`), and freeze
-    everything else. Returns the adapted module names. Works on a meta model (nothing is
+    everything else (but a new head: `ReplacesLanguageHead`). Returns the adapted module names. Works on a meta model (nothing is
     allocated)."""
     found = resolve_targets(model, targets)
     experts = expert_modules(model) if ALL_LINEAR in found else found.pop(EXPERTS, [])
@@ -254,8 +254,11 @@ def apply_lora(
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, adapted)
     adapt_experts(model, experts, rank, alpha)
+    # a head that replaces a language model's (a reward model's score) is new: it trains
+    # whole beside the adapters (PEFT's modules_to_save)
+    head = set(model.NEW_HEAD) if isinstance(model, ReplacesLanguageHead) else set()
     for pname, param in model.named_parameters():
-        param.requires_grad_(is_adapter_parameter(model, pname))
+        param.requires_grad_(is_adapter_parameter(model, pname) or pname in head)
     return sorted(names + experts)
 
 
