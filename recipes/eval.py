@@ -128,13 +128,17 @@ class EvalConfig:
         return {}
 
 
-def check_sequence_fits(seq_len: int, max_seq_len: int) -> None:
-    """The dataset's sequences fit the model's positions (its RoPE table, its config)."""
-    if seq_len > max_seq_len:
+def check_sequence_fits(
+    seq_len: int, max_seq_len: int, key: str = "dataset", extra: int = 0
+) -> None:
+    """The dataset's sequences (`key`.seq_len tokens, and `extra` more: a pair's row and
+    its end token) fit the model's positions (its RoPE table, its config)."""
+    if seq_len + extra > max_seq_len:
         raise ConfigError(
-            f"dataset.seq_len={seq_len} is longer than the model's max_seq_len={max_seq_len}: "
-            "its positions stop there, so the longer sequences cannot be scored.",
-            fix=f"Set dataset.seq_len={max_seq_len} (or less).",
+            f"{key}.seq_len={seq_len} is longer than the model's max_seq_len={max_seq_len}"
+            + (f" (with its {extra} end token)" if extra else "")
+            + ": its positions stop there, so the longer sequences cannot be scored.",
+            fix=f"Set {key}.seq_len={max_seq_len - extra} (or less).",
         )
 
 
@@ -210,6 +214,7 @@ class EvalRecipe:
                     "(num_labels 1) on pairs; a language model's are DPO's (dpo_fsdp2 logs them).",
                 )
             self.pad_id = check_pad_id(self.model, self.tokenizer)
+            check_sequence_fits(int(cfg.pairs.seq_len), self.model.config.max_seq_len, "pairs", 1)
         place_rewards(self.rewards, self.device)  # a judge's weights
         if cfg.dtype != "float32":  # load_model builds in float32 (QLoRA: NF4 bases)
             self.model.to(dtype_named(cfg.dtype))

@@ -312,6 +312,13 @@ class MergedSource(TensorSource):
     ) -> None:
         super().__init__(base.path)
         self.base, self.adapters = base, adapters
+        if MODEL_PREFIX + "score.weight" in adapters.infos:  # a reward model's trained head
+            raise CheckpointError(
+                f"{adapters.path} is a LoRA reward model's: its trained score head is not in "
+                "the base, and a merge onto it would drop it. Export it for PEFT instead "
+                "(freetx checkpoint convert RUN DST --to peft: a SEQ_CLS adapter with the head), "
+                "or train the reward model's every weight for an HF folder."
+            )
         self.modules = adapter_tensors(adapters)
         self.experts = expert_adapter_tensors(adapters)
         self.alpha = float(require_settings(adapters, lora).alpha)

@@ -126,7 +126,9 @@ class RewardModel(HeldModel):
     row (`freetx.data.preference.encoded_pair`: the prompt's tokens, then the completion's
     with its end token, rendered with the tokenizer's chat template where it has one; a
     conversation's prompt and a string completion become its messages and the assistant's
-    reply) and scored at its last token that is not padding, in batches of `batch_size`.
+    reply), cut to the model's positions as a training row is cut (the prompt's start, then
+    the completion's end), and scored at its last token that is not padding, in batches of
+    `batch_size`.
     Placed and gathered like a judge (`HeldModel`: sharded like a reference under a sharded
     policy). TRL's batched form: its call sees the rank's completions of a step at once."""
 
@@ -156,7 +158,15 @@ class RewardModel(HeldModel):
         elif isinstance(completion, list) and not isinstance(prompt, list):
             prompt = [{"role": "user", "content": prompt}]
         encoded = encoded_pair(self.tokenizer, Pair(prompt, completion, completion))
-        return [*encoded[0][0], *encoded[1][0]]
+        prompt_ids, completion_ids = encoded[0][0], encoded[1][0]
+        # cut to the model's positions as a pair's row is cut: the prompt's start first,
+        # down to half of them, then the completion's end
+        limit = self.model.config.max_seq_len if self.model is not None else None
+        if limit is not None and len(prompt_ids) + len(completion_ids) > limit:
+            kept = max(limit - len(completion_ids), min(len(prompt_ids), limit // 2))
+            prompt_ids = prompt_ids[len(prompt_ids) - min(kept, len(prompt_ids)) :]
+            completion_ids = completion_ids[: limit - len(prompt_ids)]
+        return [*prompt_ids, *completion_ids]
 
     @torch.no_grad()
     def __call__(self, prompts, completions, completion_ids, **columns) -> list[float]:

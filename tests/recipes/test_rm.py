@@ -8,6 +8,7 @@ refuses; 2 processes resumed give 1 process's losses."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -107,6 +108,14 @@ def test_the_reward_model_reward_scores_a_completion_as_training_scored_its_row(
     assert found["max_reward"] == pytest.approx(want.max().item(), abs=1e-5)
     refused = run_freetx("eval", str(lm), *pair_args, f"output_dir={tmp_path / 'eval_lm'}")
     assert "pairs are scored by a reward model" in flat(refused.stdout + refused.stderr)
+    too_long = run_freetx("eval", str(out), *pair_args[:2], f"output_dir={tmp_path / 'eval_long'}")
+    assert "pairs.seq_len=512 is longer than the model's max_seq_len=128" in flat(
+        too_long.stdout + too_long.stderr
+    )
+    # a completion past the model's positions is cut as a training row is, and scored
+    with reward.gathered():
+        (long_score,) = reward([records[0]["prompt"]], ["A" * 400], None)
+    assert math.isfinite(long_score)
 
 
 def test_a_scorer_starts_from_an_hf_causal_lm_folder_with_a_new_head(tmp_path):
@@ -193,6 +202,9 @@ def test_a_reward_model_of_an_hf_folder_with_a_chat_template_exports_its_scores(
         want = pooled_scores(ours(sequences), sequences, 1)
         got = peft_model(input_ids=sequences).logits[:, 0]
     assert (got - want).abs().max().item() <= 1e-5 and ours.score.weight.abs().sum() > 0
+    merged = run_freetx("checkpoint", "merge", str(lora), str(tmp_path / "merged"),
+                        "--base", str(folder))  # fmt: skip
+    assert "a merge onto it would drop it" in flat(merged.stdout + merged.stderr)
 
 
 @pytest.mark.parametrize(

@@ -144,3 +144,19 @@ def test_the_estimate_counts_a_score_per_position_not_a_vocabulary():
     assert rm.head_width == 1 and lm.head_width == 128256
     # the language model's loss holds a chunk of 128k logits per token; the scorer's one
     assert rm.activation_bytes(shape).loss < lm.activation_bytes(shape).loss / 1000
+
+
+def test_lora_leaves_the_score_head_to_train_whole():
+    """all-linear adapts every Linear but the head, which trains whole beside the
+    adapters; naming the head as a target is refused."""
+    from freetx.errors import ConfigError
+    from freetx.models.peft import apply_lora, resolve_targets
+
+    with torch.device("meta"):
+        model = scorer("tiny", vocab_size=259, pad_token_id=258)
+    assert "score" not in resolve_targets(model, ["all-linear"])["all-linear"]
+    with pytest.raises(ConfigError, match="trains whole beside the adapters"):
+        resolve_targets(model, ["q", "score"])
+    apply_lora(model, ["q", "v"], rank=4, alpha=8)
+    trained = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert "score.weight" in trained and "tok_embeddings.weight" not in trained

@@ -162,9 +162,23 @@ def resolve_targets(model: nn.Module, targets: list[str]) -> dict[str, list[str]
     routers = {name for name, module in model.named_modules() if isinstance(module, Router)}
     found: dict[str, list[str]] = {}
     head = aliases.get("lm_head", "lm_head")  # the output head, as the model names it
+    # a head that replaces a language model's (a reward model's score) trains whole
+    new_heads = (
+        {n.rpartition(".")[0] for n in model.NEW_HEAD}
+        if isinstance(model, ReplacesLanguageHead)
+        else set()
+    )
     for target in targets:
+        if aliases.get(target, target) in new_heads:
+            raise ConfigError(
+                f"peft.target_modules names {target}: {type(model).__name__}'s head, which "
+                "trains whole beside the adapters (PEFT's modules_to_save), not through one.",
+                fix=f"Leave {target} out of peft.target_modules.",
+            )
         if target == ALL_LINEAR:  # PEFT's meaning: every Linear module but the output head
-            found[target] = [n for n in linears if n != head and n not in routers]
+            found[target] = [
+                n for n in linears if n != head and n not in routers and n not in new_heads
+            ]
         elif target == EXPERTS:
             found[target] = expert_modules(model)
         else:
