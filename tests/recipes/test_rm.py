@@ -92,9 +92,7 @@ def test_the_reward_model_reward_scores_a_completion_as_training_scored_its_row(
         got = reward([r["prompt"] for r in records for _ in (0, 1)],
                      [r[k] for r in records for k in ("chosen", "rejected")], None)  # fmt: skip
     assert torch.tensor(got).sub(want).abs().max().item() <= 1e-5
-    lm = tmp_path / "lm"
-    run_freetx("run", "full_finetune_fsdp2", "--config", "llm/tiny", f"output_dir={lm}",
-               "max_steps=1", "eval.every_n_steps=0", "checkpoint.every_n_steps=0")  # fmt: skip
+    lm = make_folder(tmp_path / "lm", "llama_head_dim")  # a language model's HF folder
     with pytest.raises(ConfigError, match="a reward model is a sequence scorer"):
         RewardModel(str(lm), tokenizer="bytes").place(torch.device("cpu"))
     # freetx eval on the pairs file: the accuracy and margin of the same scores
@@ -106,7 +104,8 @@ def test_the_reward_model_reward_scores_a_completion_as_training_scored_its_row(
     assert found["accuracy"] == pytest.approx((chosen > rejected).float().mean().item())
     assert found["margin"] == pytest.approx((chosen - rejected).mean().item(), abs=1e-5)
     assert found["max_reward"] == pytest.approx(want.max().item(), abs=1e-5)
-    refused = run_freetx("eval", str(lm), *pair_args, f"output_dir={tmp_path / 'eval_lm'}")
+    refused = run_freetx("eval", str(lm), *pair_args, f"output_dir={tmp_path / 'eval_lm'}",
+                         "tokenizer={_component_: freetx.data.ByteTokenizer}")  # fmt: skip
     assert "pairs are scored by a reward model" in flat(refused.stdout + refused.stderr)
     too_long = run_freetx("eval", str(out), *pair_args[:2], f"output_dir={tmp_path / 'eval_long'}")
     assert "pairs.seq_len=512 is longer than the model's max_seq_len=128" in flat(
