@@ -329,10 +329,7 @@ class EvalRecipe:
             batch = batch.to(self.device)
             sequences = batch.sequences(self.pad_id)
             scores = pooled_scores(self.model(sequences), sequences, self.pad_id)
-            keep = batch.real_pairs()
-            margins = batch.pair_margins()
-            rows = keep.to(scores.device).repeat_interleave(2)
-            metrics.add(scores[rows], None if margins is None else margins[keep])
+            metrics.add(scores, batch)
         return metrics.means(self.groups, over="dp")
 
     def reward_means(self) -> dict[str, float]:

@@ -183,7 +183,7 @@ class RewardModelRecipeFSDP2:
         """One micro-batch of pairs: each row's score and the loss summed over the pairs
         (+ the metrics' sums)."""
         scores, output = self.scores(batch)
-        loss, metrics = self.loss_fn(scores, batch.pair_margins())
+        loss, metrics = self.loss_fn(scores)
         return with_router_loss(output, loss, metrics, batch.num_pairs())
 
     @torch.no_grad()
@@ -197,10 +197,7 @@ class RewardModelRecipeFSDP2:
             batch = placed(self.plan, batch)
             with self.plan.autocast():
                 scores, _ = self.scores(batch)
-            keep = batch.real_pairs()
-            margins = batch.pair_margins()
-            rows = keep.to(scores.device).repeat_interleave(2)
-            metrics.add(scores[rows], None if margins is None else margins[keep])
+            metrics.add(scores, batch)
         means = metrics.means(self.groups, over="dp")
         self.model.train()
         return {f"val/{name}": value for name, value in means.items()}

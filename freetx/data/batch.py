@@ -236,11 +236,6 @@ class PreferenceBatch(TokenBatch):
     # unpaired examples (KTO): row 2i example i, row 2i + 1 its mismatched KL row; [B] bools,
     # each row its example's label (desirable)
     desirable: torch.Tensor | None = None
-    margin: torch.Tensor | None = None  # [B]: each row's pair's margin (a reward model's)
-
-    def pair_margins(self) -> torch.Tensor | None:
-        """[pairs] each pair's margin (the data's `margin` column), or None."""
-        return None if self.margin is None else self.margin[0::2]
 
     @classmethod
     def collate_pairs(cls, pairs: list[Pair], source_names=()) -> PreferenceBatch:

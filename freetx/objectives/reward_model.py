@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from freetx.data import PreferenceBatch
 from freetx.data.formats import Pair
 from freetx.data.preference import encoded_pair
 from freetx.errors import ConfigError
@@ -87,10 +88,11 @@ class PairMetrics:
         self.loss_fn, self.sums = loss_fn, {}
         self.extremes = {"max_reward": -math.inf, "min_reward": -math.inf}  # min: of -scores
 
-    def add(self, scores: torch.Tensor, margin: torch.Tensor | None = None) -> None:
-        """One batch's scores [2P] of P pairs (chosen, rejected, ...), an evaluation
-        shard's repeats left out, and their margins [P] (None: none)."""
-        loss, parts = self.loss_fn(scores, margin)
+    def add(self, scores: torch.Tensor, batch: PreferenceBatch) -> None:
+        """One batch's scores [2P] of its P pairs (chosen, rejected, ...); an evaluation
+        shard's repeats left out."""
+        scores = scores[batch.real_pairs().to(scores.device).repeat_interleave(2)]
+        loss, parts = self.loss_fn(scores)
         kept = scores.double()
         parts |= {
             "loss": loss,
