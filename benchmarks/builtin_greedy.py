@@ -25,26 +25,33 @@ from freetx.data.preference import builtin_pairs  # noqa: E402
 from freetx.models.generation import Draws, Sampling, generate  # noqa: E402
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("runs", nargs="+", help="run folders, DCP checkpoints or HF folders")
-    args = p.parse_args()
+def greedy_counts(run: str) -> dict[str, tuple[int, int, int]]:
+    """One model's greedy replies to the held-out prompts, by task: (right, the rejected
+    answer, prompts)."""
     tok = ByteTokenizer()
     records = [r.fields for r in builtin_pairs(4000, 0)[-300:]]
     prompts = [[tok.bos_id, *tok.encode(r["prompt"])] for r in records]
     tasks = [r["prompt"].split(":")[0].split("?")[0].split(" in ")[0] for r in records]
+    model = load_model(run, torch.device("cpu"))
+    right, rejected, count = collections.Counter(), collections.Counter(), collections.Counter()
+    for prompt, record, task in zip(prompts, records, tasks):  # alone: no padding
+        out = generate(model, [prompt], 16, Sampling(0.0), [tok.eos_id], Draws.keyed([""], 16))
+        ids = out.replies()[0]
+        reply = tok.decode(ids[:-1] if bool(out.ended[0]) else ids).strip()
+        count[task] += 1
+        right[task] += reply == record["chosen"]
+        rejected[task] += reply == record["rejected"]
+    return {task: (right[task], rejected[task], count[task]) for task in count}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("runs", nargs="+", help="run folders, DCP checkpoints or HF folders")
+    args = p.parse_args()
     rows = []
     for run in args.runs:
-        model = load_model(run, torch.device("cpu"))
-        right, rejected, count = collections.Counter(), collections.Counter(), collections.Counter()
-        for prompt, record, task in zip(prompts, records, tasks):  # alone: no padding
-            out = generate(model, [prompt], 16, Sampling(0.0), [tok.eos_id], Draws.keyed([""], 16))
-            ids = out.replies()[0]
-            reply = tok.decode(ids[:-1] if bool(out.ended[0]) else ids).strip()
-            count[task] += 1
-            right[task] += reply == record["chosen"]
-            rejected[task] += reply == record["rejected"]
-        rows += [[run, task, f"{right[task]}/{count[task]}", rejected[task]] for task in count]
+        counts = greedy_counts(run)
+        rows += [[run, task, f"{r}/{n}", rejected] for task, (r, rejected, n) in counts.items()]
     print(table(rows, ["model", "task", "right", "the rejected answer"]))
 
 

@@ -134,9 +134,16 @@ RECIPES: tuple[Recipe, ...] = (
     Recipe(
         name="kd_fsdp2",
         file="kd_fsdp2.py",
-        configs=("llm/kd_tiny", "llm/hf_tiny_kd"),
+        configs=(
+            "llm/kd_tiny",
+            "llm/hf_tiny_kd",
+            "llm/on_policy_kd_tiny",
+            "llm/hf_tiny_on_policy_kd",
+            "llm/qwen3_1_7b_on_policy_kd",
+        ),
         description="knowledge distillation: a student learns a frozen teacher's "
-        "distribution (forward / reverse KL, JSD) and the labels; full or LoRA",
+        "distribution (forward / reverse KL, JSD) on the data or on its own samples "
+        "(on-policy, GKD) and the labels; full or LoRA",
     ),
     Recipe(
         name="ad_ddp",

@@ -68,7 +68,7 @@ from freetx.evaluation.results import task_settings
 from freetx.fields import component_list, read_path, written_folder
 from freetx.models.engine import EngineConfig, check_pool
 from freetx.models.generation import Sampling
-from freetx.models.hf import end_token_ids
+from freetx.models.hf import ending_ids
 from freetx.models.protocol import ReplacesLanguageHead
 from freetx.models.scorer import check_pad_id, pooled_scores
 from freetx.objectives import BradleyTerryLoss, build_rewards
@@ -253,9 +253,7 @@ class EvalRecipe:
         """The ids a generation ends at: the tokenizer's EOS and the model's own (its HF
         folder's generation config, or that of the folder its run started from)."""
         folders = [self.checkpoint, *recorded_run(self.checkpoint)["run_folders"]]
-        model_ids = next((ids for f in folders if (ids := end_token_ids(f))), [])
-        eos = self.tokenizer.eos_id
-        return [eos, *(i for i in model_ids if i != eos)]
+        return ending_ids(self.tokenizer.eos_id, folders)
 
     def evaluate(self) -> dict[str, Any]:
         cfg = self.cfg

@@ -57,10 +57,9 @@ from freetx.data import ByteTokenizer, PromptDataset, RolloutBatch, collate_prom
 from freetx.entry import parse
 from freetx.errors import ConfigError
 from freetx.fields import at_least, component_list, component_node
-from freetx.models import DecodesIncrementally
 from freetx.models.engine import check_pool
-from freetx.models.generation import Sampling
-from freetx.models.hf import end_token_ids
+from freetx.models.generation import Sampling, check_generates
+from freetx.models.hf import ending_ids
 from freetx.objectives import GRPOLoss, build_rewards, token_logps, with_router_loss
 from freetx.objectives.advantages import TokenAdvantages
 from freetx.objectives.deadline import Interrupted
@@ -262,9 +261,7 @@ class GRPORecipeFSDP2:
         self.seq_len = longest + gen.max_completion_length
         # the loss's constant normalizer (Dr. GRPO): a completion's sampled tokens at most
         self.completion_budget = gen.max_completion_length
-        folder = [] if cfg.model_dir is None else end_token_ids(cfg.model_dir)
-        eos = setup.tokenizer.eos_id
-        end_ids = [eos, *(i for i in folder if i != eos)]
+        end_ids = ending_ids(setup.tokenizer.eos_id, [cfg.model_dir])
         scoring = (self.rewards, end_ids, gen.max_completion_length, cfg.reward_timeout_s)
         if cfg.episodes:  # multi-turn: an episode's tokens, every reply's
             env, tools, limits = build_environment(cfg.env, cfg.tools)
@@ -280,14 +277,7 @@ class GRPORecipeFSDP2:
             else "dataset.max_prompt_len + generation.max_completion_length"
         )
         model = setup.meta_model(cfg.model, self.seq_len, seq_key=seq_key)
-        if not isinstance(model, DecodesIncrementally):  # rollouts of many prompt lengths
-            raise ConfigError(
-                f"model: {type(model).__name__} has no KV cache (DecodesIncrementally), and "
-                "grpo_fsdp2 generates each rank's prompts of different lengths in one "
-                "left-padded batch, which only a KV cache masks.",
-                fix="Train a decoder LM (freetx.models.transformer.decoder or an HF folder "
-                "through freetx.models.hf_model).",
-            )
+        check_generates(model, "grpo_fsdp2")  # rollouts of many prompt lengths
         self.plan = setup.build(model)  # PEFT, QAT, parallelize, optimizer, schedule
         self.model, self.optimizer = self.plan.model, setup.optimizer
         place_rewards(self.rewards, setup.runtime.device, self.plan)  # a judge, sharded like it

@@ -180,10 +180,10 @@ class RewardModelRecipeFSDP2:
         return pooled_scores(output, sequences, self.pad_id), output
 
     def compute_loss(self, batch: PreferenceBatch):
-        """One micro-batch of pairs: each row's score and the loss summed over the pairs
-        (+ the metrics' sums)."""
+        """One micro-batch of pairs: each row's score and the loss summed over the pairs,
+        each pair's margin from its row (+ the metrics' sums)."""
         scores, output = self.scores(batch)
-        loss, metrics = self.loss_fn(scores)
+        loss, metrics = self.loss_fn(scores, batch.pair_margins())
         return with_router_loss(output, loss, metrics, batch.num_pairs())
 
     @torch.no_grad()

@@ -187,11 +187,13 @@ def _differences(model: nn.Module, source: TensorSource, expected: Callable[[str
     return mismatch_report(wanted, found)
 
 
-def check_weights(model: nn.Module, weights: WeightSource) -> None:
+def check_weights(model: nn.Module, weights: WeightSource, with_adapters: bool = False) -> None:
     """Refuse weights that do not fit `model`, listing every difference. Adapters
-    (parameters a module initializes itself) are not expected in the files."""
+    (parameters a module initializes itself) are not expected in the files, unless
+    `with_adapters` (a LoRA run's checkpoint of the whole model, its adapters in it)."""
     adapters = set(self_initialized(unwrap(model)))
-    problems = _differences(model, weights.tensors, lambda name: name not in adapters)
+    expected = (lambda name: True) if with_adapters else (lambda name: name not in adapters)
+    problems = _differences(model, weights.tensors, expected)
     if problems:
         raise CheckpointError(
             f"initial weights {weights.given} do not fit this model ({len(problems)} "
@@ -345,8 +347,8 @@ def load_model(
         apply_peft(model, adapters)
     materialize(model, device, seed=seed, init_weights=False)
     base = adapters_base(weights.tensors, base, base_key)
-    if base is None:  # the whole model saved (with its adapters, which this leaves)
-        check_weights(model, weights)
+    if base is None:  # the whole model saved, its adapters with it (a random base's run)
+        check_weights(model, weights, with_adapters=True)
         load_weights(model, weights)
         saved = set(self_initialized(model))
     else:  # the trained part only: over the base it was trained on
@@ -358,16 +360,8 @@ def load_model(
 
 
 def load_only(model: nn.Module, source: TensorSource, names: set[str]) -> None:
-    """Set the (unsharded) model's parameters `names` from `source`, checked first."""
-    if isinstance(source, DCPSource):
-        check_checkpoint(model, source, include=lambda name: name in names)
-        with quiet_single_process():
-            dcp.load(
-                {"model": ModelState(model, include=lambda name: name in names)},
-                storage_reader=DCPReader(str(source.path)),
-                planner=SafeLoadPlanner(),
-            )
-        return
+    """Set the (unsharded) model's parameters `names` from `source` (which may hold more:
+    a whole model's checkpoint), checked first."""
     problems = mismatch_report(
         {n: s for n, s in model_shapes(model).items() if n in names},
         {n: s for n, s in source.model_shapes().items() if n in names},
@@ -378,6 +372,14 @@ def load_only(model: nn.Module, source: TensorSource, names: set[str]) -> None:
             + "\n".join(f"  - {p}" for p in problems)
             + "\nUse the peft: settings of the run that saved it."
         )
+    if isinstance(source, DCPSource):
+        with quiet_single_process():
+            dcp.load(
+                {"model": ModelState(model, include=lambda name: name in names)},
+                storage_reader=DCPReader(str(source.path)),
+                planner=SafeLoadPlanner(),
+            )
+        return
     load_parameters(
         model,
         lambda name, rows, out: source.read_into(MODEL_PREFIX + name, rows, out),

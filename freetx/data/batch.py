@@ -30,6 +30,7 @@ REAL_TOKENS = "real_tokens"  # the positions that are not padding (packed, padde
 SOURCE = "source"  # a mixture's: which of its sources the sample is from
 PADDING = "padding"  # an evaluation shard's: a repeat that fills the last rank's share
 DESIRABLE = "desirable"  # an unpaired preference example's label (KTO): its completion is good
+MARGIN = "margin"  # a preference pair's margin (reward modeling: r_chosen - r_rejected's due)
 
 
 def token_sample(
@@ -52,6 +53,11 @@ def token_sample(
 def with_label(sample: dict[str, torch.Tensor], desirable: torch.Tensor) -> dict[str, torch.Tensor]:
     """A token sample of an unpaired preference example, with its label (KTO)."""
     return {**sample, DESIRABLE: desirable}
+
+
+def with_margin(sample: dict[str, torch.Tensor], margin: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A token sample of a preference pair, with the pair's margin."""
+    return {**sample, MARGIN: margin}
 
 
 def sample_positions(sample) -> tuple[int, int | None]:
@@ -140,6 +146,44 @@ class TokenBatch:
             stacked(REAL_TOKENS),
             stacked(PADDING),
         )
+
+    @classmethod
+    def of_completions(
+        cls,
+        prompts: Sequence[Sequence[int]],
+        completions: Sequence[Sequence[int]],
+        trained: Sequence[Sequence[bool]] | None = None,
+    ):
+        """Rows of prompt + completion ids (input ids: all but the last; labels: the next
+        token where it is the completion's and, for a multi-turn episode, one it sampled:
+        `trained` per completion token; None: all), padded on the right to the longest."""
+        rows = [[*p, *c] for p, c in zip(prompts, completions)]
+        width = max(len(r) for r in rows) - 1
+        input_ids = torch.zeros(len(rows), width, dtype=torch.long)
+        labels = torch.full((len(rows), width), IGNORE_INDEX, dtype=torch.long)
+        for i, (row, prompt) in enumerate(zip(rows, prompts)):
+            input_ids[i, : len(row) - 1] = torch.tensor(row[:-1])
+            start = len(prompt) - 1  # the position whose next token is the completion's first
+            targets = torch.tensor(row[len(prompt) :], dtype=torch.long)
+            if trained is not None:
+                targets[~torch.tensor(trained[i], dtype=torch.bool)] = IGNORE_INDEX
+            labels[i, start : len(row) - 1] = targets
+        real = torch.tensor([len(r) - 1 for r in rows])
+        return cls(input_ids, labels, real_tokens=real)
+
+    def prompts(self) -> list[list[int]]:
+        """Each row's prompt: its tokens up to the first one with a label (the position
+        whose next token is the first target), that one included; a row without labels:
+        its tokens that are not padding."""
+        labelled = self.labels != IGNORE_INDEX
+        first = torch.where(labelled.any(dim=1), labelled.int().argmax(dim=1) + 1, -1)
+        real = (
+            torch.full_like(first, self.input_ids.shape[1])
+            if self.real_tokens is None
+            else self.real_tokens.to(first.device)
+        )
+        ends = torch.where(first > 0, first, real).tolist()
+        return [row[:end] for row, end in zip(self.input_ids.tolist(), ends)]
 
     def tensors(self) -> dict[str, Any]:
         """The fields, by name (the context shard left out)."""
@@ -236,6 +280,7 @@ class PreferenceBatch(TokenBatch):
     # unpaired examples (KTO): row 2i example i, row 2i + 1 its mismatched KL row; [B] bools,
     # each row its example's label (desirable)
     desirable: torch.Tensor | None = None
+    margins: torch.Tensor | None = None  # [B]: each row its pair's margin (0: none given)
 
     @classmethod
     def collate_pairs(cls, pairs: list[Pair], source_names=()) -> PreferenceBatch:
@@ -247,7 +292,14 @@ class PreferenceBatch(TokenBatch):
             batch.reference_logps = torch.stack([row[REFERENCE_LOGPS] for row in rows])
         if DESIRABLE in rows[0]:
             batch.desirable = torch.stack([row[DESIRABLE] for row in rows])
+        if MARGIN in rows[0]:
+            batch.margins = torch.stack([row[MARGIN] for row in rows]).float()
         return batch
+
+    def pair_margins(self) -> torch.Tensor | None:
+        """[pairs]: each pair's margin, in the order the loss reads them (None: a packed
+        batch's, which carries none)."""
+        return None if self.margins is None else self.margins[0::2]
 
     def sequences(self, pad_id: int) -> torch.Tensor:
         """[B, T + 1] each row's whole token sequence, right-padded with `pad_id`: its input
@@ -357,22 +409,10 @@ class RolloutBatch(TokenBatch):
         advantages: torch.Tensor,
         trained: Sequence[Sequence[bool]] | None = None,
     ) -> RolloutBatch:
-        """Rows of prompt + completion ids (input ids: all but the last; labels: the next
-        token where it is the completion's and, for a multi-turn episode, one it sampled:
-        `trained` per completion token; None: all), padded on the right to the longest."""
-        rows = [[*p, *c] for p, c in zip(prompts, completions)]
-        width = max(len(r) for r in rows) - 1
-        input_ids = torch.zeros(len(rows), width, dtype=torch.long)
-        labels = torch.full((len(rows), width), IGNORE_INDEX, dtype=torch.long)
-        for i, (row, prompt) in enumerate(zip(rows, prompts)):
-            input_ids[i, : len(row) - 1] = torch.tensor(row[:-1])
-            start = len(prompt) - 1  # the position whose next token is the completion's first
-            targets = torch.tensor(row[len(prompt) :])
-            if trained is not None:
-                targets[~torch.tensor(trained[i], dtype=torch.bool)] = IGNORE_INDEX
-            labels[i, start : len(row) - 1] = targets
-        real = torch.tensor([len(r) - 1 for r in rows])
-        return cls(input_ids, labels, real_tokens=real, advantages=advantages.float())
+        """`TokenBatch.of_completions`'s rows, with each row's advantage."""
+        batch = cls.of_completions(prompts, completions, trained)
+        batch.advantages = advantages.float()
+        return batch
 
     def completion_mask(self) -> torch.Tensor:
         """[B, T] bools: the labels that are completion tokens."""

@@ -41,6 +41,7 @@ With `dataset.validation_source` the validation split is that source, whole, and
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Protocol, TypeVar, runtime_checkable
@@ -73,6 +74,7 @@ DEFAULT_COLUMNS: dict[str, dict[str, str]] = {
         "prompt": "prompt",
         "chosen": "chosen",
         "rejected": "rejected",
+        "margin": "margin",  # optional: how much better the chosen is (a reward model's)
         "role": "role",
         "content": "content",
     },
@@ -144,6 +146,7 @@ class Pair:
     prompt: str | Messages
     chosen: str | Messages
     rejected: str | Messages
+    margin: float = 0.0  # the row's `margin` (TRL's reward modeling), 0 where it has none
 
     @property
     def conversational(self) -> bool:
@@ -237,7 +240,8 @@ class Format:
         """What the train/validation split hashes: the columns the format reads."""
         if record.fields is None:
             return record.raw.encode()
-        return canonical({c: record.fields.get(c) for c in self.record_columns})
+        margin = self.columns.get("margin")  # a pair's margin moves it to no other split
+        return canonical({c: record.fields.get(c) for c in self.record_columns if c != margin})
 
     def _fix(self, fields: dict[str, Any]) -> str:
         """What to do about a row this format cannot read: the format and columns that read
@@ -370,6 +374,7 @@ class Format:
             pair = self._conversation_pair(fields)
         else:
             pair = Pair(*(self._string(fields, role) for role in ("prompt", "chosen", "rejected")))
+        pair = replace(pair, margin=self._margin(fields))
         if pair.chosen == pair.rejected:
             raise BadRow(
                 f"has the same chosen and rejected completion ({str(pair.chosen)[:60]!r}), so "
@@ -391,6 +396,23 @@ class Format:
                     "different completions of it; fix or remove the row."
                 )
         return pair
+
+    def _margin(self, fields: dict[str, Any]) -> float:
+        """A pair's `margin` column (0 where the row has none): a finite number."""
+        value = fields.get(self.columns["margin"])
+        if value is None:
+            return 0.0
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or not math.isfinite(value)
+        ):
+            raise BadRow(
+                f"has {value!r} in '{self.columns['margin']}', where a pair's margin (how much "
+                "the chosen completion's reward should exceed the rejected's) is a finite "
+                "number; fix the row, or leave the column out."
+            )
+        return float(value)
 
     def unpaired(self, fields: dict[str, Any]) -> Unpaired:
         """A record's unpaired example (UnpairedPreferenceDataset, TRL's unpaired

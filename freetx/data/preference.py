@@ -51,7 +51,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from freetx.data.batch import with_label
+from freetx.data.batch import with_label, with_margin
 from freetx.data.chat import in_spans, rendered_replies
 from freetx.data.formats import (
     BadRow,
@@ -81,8 +81,22 @@ from freetx.data.token_rows import Encoded
 from freetx.errors import DataError
 
 READS = ("preference",)
-ROWS = 3  # token rows a pair is kept as: the prompt, the chosen, the rejected
+# token rows a pair is kept as: the prompt, the chosen, the rejected, its margin (`margin_row`)
+ROWS = 4
 COMPLETIONS = slice(1, 3)  # of those, the two completions
+
+
+def margin_row(margin: float) -> Encoded:
+    """A pair's margin kept as a token row beside its tokens (in the token cache): its
+    float32 bits as two 16-bit ids (a cache of a small vocabulary keeps ids in uint16)."""
+    bits = int(np.array(margin, dtype=np.float32).view(np.uint32))
+    return [bits >> 16, bits & 0xFFFF], [False, False]
+
+
+def row_margin(row: Encoded) -> float:
+    """The margin `margin_row` kept."""
+    high, low = row[0]
+    return float(np.array((high << 16) | low, dtype=np.uint32).view(np.float32))
 
 
 def plausible_wrong(task: str, word: str, rng: random.Random) -> str:
@@ -202,12 +216,11 @@ class PreferenceDataset(TokenRowsDataset):
                 else read_records(source, fmt.record_columns)
             )
             pairs = read_split(records, fmt, fmt.preference, rule, self.bad_rows)
-            return [
-                row for rows in encode_rows(pairs, self.encode, self.bad_rows)[0] for row in rows
-            ]
+            encoded = encode_rows(pairs, self.encode_with_margin, self.bad_rows)[0]
+            return [row for rows in encoded for row in rows]
 
-        # max_prompt_len is applied when served
-        rows = self.cached("PreferenceDataset", source, encode, served=("max_prompt_len",))
+        # max_prompt_len is applied when served; "-margins": the rows' layout since it has one
+        rows = self.cached("PreferenceDataset-margins", source, encode, served=("max_prompt_len",))
         check_not_empty(len(rows) // self.ROWS, rule, source, self.bad_rows)
         self.rows, self.pad_id = rows, self.tokenizer.pad_id
         self.prompt_kept, self.fit = self._fit(self.max_prompt_len, self.split, source)
@@ -243,9 +256,17 @@ class PreferenceDataset(TokenRowsDataset):
         return len(self.rows) // self.ROWS if self.packs is None else len(self.packs)
 
     def __getitem__(self, index: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        """(the chosen sample, the rejected sample) of pair `index`; packed: of pack
-        `index`, its pairs' chosen completions in one sample and their rejected ones in
-        the other, document d of each being pair d's."""
+        """(the chosen sample, the rejected sample) of pair `index`, both with the pair's
+        margin; packed: of pack `index`, its pairs' chosen completions in one sample and
+        their rejected ones in the other, document d of each being pair d's (no margin)."""
+        samples = self.pair_samples(index)
+        if self.packs is not None:
+            return samples
+        margin = torch.tensor(row_margin(self.rows[self.ROWS * index + 3]))
+        return tuple(with_margin(sample, margin) for sample in samples)
+
+    def pair_samples(self, index: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """Sample `index`'s two token samples (`__getitem__`'s, without the margin)."""
         if self.packs is None:
             chosen, rejected = self._encoded(index)
             return tuple(
@@ -285,6 +306,10 @@ class PreferenceDataset(TokenRowsDataset):
             two_shortest=two,
             sequences_per_sample=2,
         )
+
+    def encode_with_margin(self, pair: Pair) -> tuple[Encoded, ...]:
+        """A pair's token rows as kept: `encode`'s three, then its margin (`margin_row`)."""
+        return (*self.encode(pair), margin_row(pair.margin))
 
     def encode(self, pair: Pair) -> tuple[Encoded, Encoded, Encoded]:
         """The prompt's tokens (no targets) and each completion's with their target flags
@@ -453,6 +478,6 @@ class UnpairedPreferenceDataset(PreferenceDataset):
 
     def __getitem__(self, index: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """(the example's sample, its KL row's sample), both with its label."""
-        samples = super().__getitem__(index)
+        samples = self.pair_samples(index)
         label = torch.tensor(self.desirable(index))
         return tuple(with_label(sample, label) for sample in samples)

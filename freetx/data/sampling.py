@@ -150,9 +150,14 @@ class EvalShard(Dataset):
     def __len__(self) -> int:
         return self.length
 
+    def source(self, index: int) -> int:
+        """The dataset's index of this shard's sample `index` (the same sample at any
+        world size: what keys its draws); len(dataset) or more for a padding repeat."""
+        return index * self.world_size + self.rank
+
     def __getitem__(self, index: int):
         """A sample with `padding`; a preference pair (a tuple of samples): each of them."""
-        source = index * self.world_size + self.rank
+        source = self.source(index)
         repeat = source >= len(self.dataset)
         item, padding = self.dataset[0 if repeat else source], torch.tensor(repeat)
         if isinstance(item, tuple):

@@ -84,6 +84,21 @@ def _folder_cache_problem(checkpoint: Any) -> str | None:
         return None  # the folder's own problem: building it says so
 
 
+def check_generates(model: torch.nn.Module, what: str) -> None:
+    """Refuse a model with no KV cache where `what` (a recipe's generation) samples rows of
+    prompts of many lengths in one left-padded batch, which only a KV cache masks."""
+    from freetx.errors import ConfigError
+
+    if not isinstance(model, DecodesIncrementally):
+        raise ConfigError(
+            f"model: {type(model).__name__} has no KV cache (DecodesIncrementally), and "
+            f"{what} generates each rank's prompts of different lengths in one left-padded "
+            "batch, which only a KV cache masks.",
+            fix="Train a decoder LM (freetx.models.transformer.decoder or an HF folder "
+            "through freetx.models.hf_model).",
+        )
+
+
 @torch.no_grad()
 def generate(
     model: torch.nn.Module,

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -90,6 +91,13 @@ def hf_folder_problem(folder: str, values: dict) -> str | None:
         f"{what}; point model_dir at an HF model folder (config.json, *.safetensors, "
         "tokenizer files), as transformers' save_pretrained writes it."
     )
+
+
+def ending_ids(eos_id: int, folders: Sequence[str | Path | None]) -> list[int]:
+    """The ids a generation ends at: the tokenizer's EOS, then the end tokens of the first
+    of `folders` that is an HF folder (`end_token_ids`; None: no folder)."""
+    found = next((ids for f in folders if f is not None and (ids := end_token_ids(f))), [])
+    return [eos_id, *(i for i in found if i != eos_id)]
 
 
 def end_token_ids(folder: str | Path) -> list[int]:

@@ -6,9 +6,10 @@ The weights are frozen, bfloat16 on CUDA and float32 on the CPU: under a policy 
 FSDP2 without tensor parallelism, per block like a reference (`parallelize_frozen`: each
 rank reading its rows) and gathered whole around each scoring, on every rank at once
 (the rollout enters `gathered` on every rank); else whole on every rank (a
-torchao-quantized folder too). A call its deadline or a stop signal abandoned may run on
-in its thread: a sharded model refuses to score outside `gathered` (its forwards would
-gather blocks on this rank alone), and `gathered` waits for a batch still being scored.
+torchao-quantized folder too, and a LoRA run: its adapters unmerged over its base). A
+call its deadline or a stop signal abandoned may run on in its thread: a sharded model
+refuses to score outside `gathered` (its forwards would gather blocks on this rank
+alone), and `gathered` waits for a batch still being scored.
 """
 
 from __future__ import annotations
@@ -24,14 +25,15 @@ import torch
 
 from freetx.checkpoint import load_initial_weights
 from freetx.checkpoint.loading import (
-    load_source_model,
+    load_model,
     quantization_method,
     source_model_on_meta,
     source_parameters,
 )
 from freetx.data import ByteTokenizer, HFTokenizer
-from freetx.distributed import ParallelPlan, gathered_whole, parallelize_frozen
+from freetx.distributed import ParallelPlan, dtype_named, gathered_whole, parallelize_frozen
 from freetx.errors import ConfigError
+from freetx.training.export import recorded_peft
 
 
 class HeldModel:
@@ -76,8 +78,10 @@ class HeldModel:
                     "free; use a smaller model (freetx estimate counts it)."
                 )
         dtype = "bfloat16" if device.type == "cuda" else "float32"
+        adapters = recorded_peft(self.path)  # a LoRA run's: its adapters over the base
         self.sharded = (
-            plan is not None
+            adapters is None
+            and plan is not None
             and not plan.replicated
             and plan.groups.size("tp") == 1
             and quantization_method(self.path) is None
@@ -89,8 +93,10 @@ class HeldModel:
             cfg.mixed_precision.param_dtype = dtype  # what a whole one keeps
             model = parallelize_frozen(model, plan.groups, cfg, seed=0)
             load_initial_weights(model, self.path)
-        else:  # read on the CPU, then moved
-            model = load_source_model(self.path, torch.device("cpu"), dtype).to(device)
+        else:  # read on the CPU (a LoRA run's adapters unmerged over its base), then moved
+            cpu = torch.device("cpu")
+            model = load_model(self.path, cpu, adapters=adapters).to(dtype_named(dtype))
+            model = model.to(device)
             self.check(model)
         self.model = model.eval().requires_grad_(False)
 

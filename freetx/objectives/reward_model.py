@@ -91,8 +91,11 @@ class PairMetrics:
     def add(self, scores: torch.Tensor, batch: PreferenceBatch) -> None:
         """One batch's scores [2P] of its P pairs (chosen, rejected, ...); an evaluation
         shard's repeats left out."""
-        scores = scores[batch.real_pairs().to(scores.device).repeat_interleave(2)]
-        loss, parts = self.loss_fn(scores)
+        real = batch.real_pairs().to(scores.device)
+        scores, margins = scores[real.repeat_interleave(2)], batch.pair_margins()
+        loss, parts = self.loss_fn(
+            scores, None if margins is None else margins[real.to(margins.device)]
+        )
         kept = scores.double()
         parts |= {
             "loss": loss,

@@ -249,3 +249,23 @@ def test_two_processes_resumed_repeat_one_process(tmp_path, peft):
     for step in (1, 2, 3, 4):
         for key in ("loss", "accuracy", "margin", "grad_norm"):
             assert abs(resumed[step][key] - one[step][key]) <= 1e-5, (step, key)
+    if peft == "lora":  # the LoRA run as GRPO's reward: its adapters over its base, unmerged
+        from freetx.checkpoint import load_model
+        from freetx.data.preference import builtin_pairs
+        from freetx.models.scorer import pooled_scores
+        from freetx.objectives import RewardModel
+        from freetx.training.export import recorded_peft
+
+        reward = RewardModel(str(tmp_path / "two"), tokenizer="bytes")
+        reward.place(torch.device("cpu"))
+        records = [r.fields for r in builtin_pairs(3, seed=5)]
+        with reward.gathered():
+            got = reward([r["prompt"] for r in records], [r["chosen"] for r in records], None)
+        rows = [reward.tokens(r["prompt"], r["chosen"]) for r in records]
+        width = max(map(len, rows))
+        ids = torch.tensor([row + [258] * (width - len(row)) for row in rows])
+        model = load_model(str(tmp_path / "two"), torch.device("cpu"),
+                           adapters=recorded_peft(tmp_path / "two"))  # fmt: skip
+        with torch.no_grad():
+            want = pooled_scores(model(ids), ids, 258)
+        assert torch.tensor(got).sub(want).abs().max().item() <= 1e-5 and want.std() > 0

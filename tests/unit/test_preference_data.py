@@ -354,3 +354,40 @@ def test_an_evaluation_shard_of_pairs_marks_both_samples_of_a_repeated_pair(tmp_
     batch = collate_pairs([shard[i] for i in range(len(shard))])
     assert batch.padding.tolist() == [False, False, False, False, True, True]
     assert torch.equal(batch.input_ids[2], data[7][0]["input_ids"])
+
+
+def test_a_pairs_margin_column_reaches_its_batch_and_a_pair_without_one_has_margin_0(tmp_path):
+    """TRL's reward modeling reads `margin` from the row: kept beside the pair's tokens (in
+    the token cache too), served on both samples, 0 where the row has none; the split does
+    not depend on it."""
+    from freetx.data.preference import margin_row, row_margin
+
+    for value in (0.0, -2.5, 1e-3, 37.25):
+        assert row_margin(margin_row(value)) == pytest.approx(value, rel=1e-7)
+    rows = [{**row, "margin": float(i) / 4} for i, row in enumerate(string_rows())]
+    del rows[3]["margin"]  # a row without one
+    source = write("jsonl", rows, tmp_path / "d")
+    for cache in (False, True, True):  # in memory, a cache miss, a cache hit
+        data = PreferenceDataset(ByteTokenizer(), seq_len=64, source=source,
+                                 validation_source=source, cache=cache,
+                                 cache_dir=str(tmp_path / "cache"))  # fmt: skip
+        batch = collate_pairs([data[i] for i in range(len(data))])
+        want = [0.0 if i == 3 else i / 4 for i in range(len(PAIRS))]
+        assert batch.pair_margins().tolist() == want
+        assert batch.margins[1::2].tolist() == want  # the rejected sample carries it too
+    # the margin moves no row to the other split
+    split = dict(source=source, val_fraction=0.3, cache=False)
+    plain = write("jsonl", string_rows(), tmp_path / "plain")
+    for name in ("train", "validation"):
+        with_margins = PreferenceDataset(ByteTokenizer(), seq_len=64, split=name, **split)
+        without = PreferenceDataset(ByteTokenizer(), seq_len=64, split=name,
+                                    **{**split, "source": plain})  # fmt: skip
+        assert [tokens(s[0]) for s in with_margins] == [tokens(s[0]) for s in without]
+
+
+@pytest.mark.parametrize("margin", ["big", True, float("nan")])
+def test_a_margin_that_is_no_finite_number_is_a_bad_row(tmp_path, margin):
+    source = write("jsonl", [*string_rows(), {**string_rows()[0], "margin": margin}],
+                   tmp_path / "d")  # fmt: skip
+    with pytest.raises(DataError, match=r"d.jsonl:13 has .* in 'margin'.* finite number"):
+        PreferenceDataset(ByteTokenizer(), seq_len=64, **whole(source))

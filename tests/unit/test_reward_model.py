@@ -51,6 +51,26 @@ def test_the_loss_and_metrics_are_trls(margin, center):
     assert metrics["rewards/chosen"].item() / 4 == pytest.approx(sum(chosen) / 4, abs=1e-6)
 
 
+def test_pair_metrics_read_each_pairs_margin_from_the_batch_and_leave_repeats_out():
+    """What rm_fsdp2's validation and `freetx eval` add up: the batch's margins (the data's
+    `margin` column) in the loss, an evaluation shard's repeated pair left out."""
+    from freetx.objectives.reward_model import PairMetrics
+
+    class Ranks:  # one process: the sums are the totals
+        def sum_and_max(self, sums, extremes, over):
+            return sums, extremes
+
+    chosen, rejected, margin = [0.3, -1.2, 2.0], [0.5, -2.0, 0.5], [0.5, 0.0, 1.0]
+    rows = torch.zeros(6, 4, dtype=torch.long)
+    batch = PreferenceBatch(rows, rows, margins=torch.tensor([m for m in margin for _ in "cr"]),
+                            padding=torch.tensor([False, False, False, False, True, True]))  # fmt: skip
+    metrics = PairMetrics(BradleyTerryLoss())
+    metrics.add(torch.tensor([v for pair in zip(chosen, rejected) for v in pair]), batch)
+    found = metrics.means(Ranks())
+    want, accuracy, _ = trl(chosen[:2], rejected[:2], margin[:2])
+    assert found["loss"] == pytest.approx(want, abs=1e-6) and found["accuracy"] == accuracy
+
+
 def test_a_negative_centering_coefficient_is_refused():
     assert "center_rewards_coefficient" in BradleyTerryLoss.meaningless(
         {"center_rewards_coefficient": -0.1}

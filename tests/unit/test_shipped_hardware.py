@@ -50,6 +50,7 @@ MADE_FIRST = {"llm/hf_tiny_full": "a tiny HF folder (tests write one)",
               "llm/hf_tiny_rm": "a tiny HF folder (tests write one)",
               "llm/hf_tiny_grpo": "a tiny HF folder (tests write one)",
               "llm/hf_tiny_kd": "two tiny HF folders (tests write them)",
+              "llm/hf_tiny_on_policy_kd": "two tiny HF folders (tests write them)",
               "llm/grpo_rm_tiny": "llm/rm_tiny's run (its reward model's weights)",
               "llm/spectrum_tiny": "`freetx spectrum scan`'s selection of runs/llm_tiny"}  # fmt: skip
 # the shapes of the HF models the fine-tuning configs name (their config.json's, public),
@@ -66,6 +67,10 @@ HF_SHAPES = {
     "Qwen2.5-7B": dict(model_type="qwen2", vocab_size=152064, hidden_size=3584,
                        intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
                        num_key_value_heads=4, rope_theta=1000000.0, max_position_embeddings=32768),
+    "Qwen3-1.7B": dict(model_type="qwen3", vocab_size=151936, hidden_size=2048,
+                       intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
+                       num_key_value_heads=8, head_dim=128, rope_theta=1000000.0,
+                       max_position_embeddings=40960, tie_word_embeddings=True),
     "Qwen3-8B": dict(model_type="qwen3", vocab_size=151936, hidden_size=4096,
                      intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
                      num_key_value_heads=8, head_dim=128, rope_theta=1000000.0,
@@ -162,9 +167,11 @@ MODEL_OF = {"llm/llama3_1_8b_full": "Llama-3.1-8B", "llm/llama3_1_8b_lora": "Lla
             "llm/qwen3_8b_dpo": "Qwen3-8B", "llm/gemma3_4b_dpo_lora": "gemma-3-4b",
             "llm/qwen3_8b_grpo": "Qwen3-8B", "llm/llama3_1_8b_grpo_lora": "Llama-3.1-8B",
             "llm/qwen3_8b_reinforce_pp": "Qwen3-8B", "llm/qwen3_8b_kto": "Qwen3-8B",
-            "llm/qwen3_8b_rm": "Qwen3-8B",
+            "llm/qwen3_8b_rm": "Qwen3-8B", "llm/qwen3_1_7b_on_policy_kd": "Qwen3-1.7B",
             "llm/gpt_oss_20b_lora": "gpt-oss-20b", "llm/deepseek_v2_lite_lora": "DeepSeek-V2-Lite",
             "llm/qwen3_5_lora": "Qwen3.5-27B"}  # fmt: skip
+# distillation configs -> their teacher's HF model (`teacher_dir`; not counted, but read)
+TEACHER_OF = {"llm/qwen3_1_7b_on_policy_kd": "Qwen3-8B"}
 # crosscoder configs -> the HF source model of each of their sources (local folders a user has)
 SOURCES_OF = {"crosscoder/gemma2_2b_diff": ["gemma-2-2b", "gemma-2-2b"],
               "crosscoder/gpt2_layers": ["gpt2"]}  # fmt: skip
@@ -213,6 +220,10 @@ def test_each_training_config_fits_its_hardware(config, tmp_path):
     if config in MODEL_OF:
         (tmp_path / "config.json").write_text(json.dumps(HF_SHAPES[MODEL_OF[config]]))
         overrides.append(f"model_dir={tmp_path}")
+    if config in TEACHER_OF:
+        (tmp_path / "teacher").mkdir()
+        (tmp_path / "teacher" / "config.json").write_text(json.dumps(HF_SHAPES[TEACHER_OF[config]]))
+        overrides.append(f"teacher_dir={tmp_path / 'teacher'}")
     for i, name in enumerate(SOURCES_OF.get(config, [])):
         (tmp_path / f"source{i}").mkdir()
         (tmp_path / f"source{i}" / "config.json").write_text(json.dumps(HF_SHAPES[name]))
