@@ -113,6 +113,7 @@ READERS = {
         name: CONVERSATIONS_READER for name in ("messages", "sharegpt", "alpaca", "prompt_response")
     },
 }
+FLOAT32_MAX = 3.4028234663852886e38  # the largest margin a pair keeps (as a float32)
 MESSAGE_KEYS = ("role", "content")  # the keys inside a message, not columns of a row
 # a message's keys of tool use, kept as they are (the chat template renders them)
 TOOL_KEYS = ("tool_calls", "name", "tool_call_id")
@@ -398,19 +399,22 @@ class Format:
         return pair
 
     def _margin(self, fields: dict[str, Any]) -> float:
-        """A pair's `margin` column (0 where the row has none): a finite number."""
+        """A pair's `margin` column: a number a float32 holds (0 where the row has none, or
+        NaN: a missing value of a table)."""
         value = fields.get(self.columns["margin"])
-        if value is None:
+        if value is None or (isinstance(value, float) and math.isnan(value)):
             return 0.0
-        if (
-            isinstance(value, bool)
-            or not isinstance(value, (int, float))
-            or not math.isfinite(value)
-        ):
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        try:
+            held = number and math.isfinite(value) and abs(float(value)) <= FLOAT32_MAX
+        except OverflowError:  # an integer past any float
+            held = False
+        if not held:
             raise BadRow(
-                f"has {value!r} in '{self.columns['margin']}', where a pair's margin (how much "
-                "the chosen completion's reward should exceed the rejected's) is a finite "
-                "number; fix the row, or leave the column out."
+                f"has {str(value)[:40]} in '{self.columns['margin']}', where a pair's margin "
+                "(how much the chosen completion's reward should exceed the rejected's, read "
+                "by reward models) is a finite number; fix the row, or map the column away "
+                "(dataset.columns.margin=UNUSED)."
             )
         return float(value)
 

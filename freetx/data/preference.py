@@ -10,8 +10,9 @@ or two neighbouring letters swapped; capitals: the word in lower case, or one le
 capitalised; length: one off; a word of one letter repeated: a letter short),
 deterministic from the seed.
 
-A pair is encoded as three token rows: the prompt, the chosen completion and the
-rejected one, each completion with its target flags. With a chat template (an
+A pair is encoded as four token rows: the prompt, the chosen completion and the
+rejected one, each completion with its target flags, and its margin (`margin_row`: the
+`margin` column a reward model reads, 0 where the row has none). With a chat template (an
 `HFTokenizer` of a folder that has one) the prompt is rendered up to the assistant's
 reply (its generation prompt: a string prompt is one user turn) and a completion is
 its reply (a string: one assistant turn) located as ChatDataset locates replies
@@ -209,7 +210,8 @@ class PreferenceDataset(TokenRowsDataset):
         source, rule = self.split_rows()
 
         def encode() -> Iterable[Encoded]:
-            """Every pair of the split encoded (on a cache miss): prompt, chosen, rejected."""
+            """Every pair of the split encoded (on a cache miss): prompt, chosen, rejected,
+            margin."""
             records = (
                 builtin_pairs(self.num_builtin_examples, self.seed, self.tasks)
                 if source == "builtin"

@@ -269,3 +269,6 @@ def test_two_processes_resumed_repeat_one_process(tmp_path, peft):
         with torch.no_grad():
             want = pooled_scores(model(ids), ids, 258)
         assert torch.tensor(got).sub(want).abs().max().item() <= 1e-5 and want.std() > 0
+        # the trained adapters were read (LoRA's B starts at 0)
+        trained = [p for n, p in reward.model.named_parameters() if n.endswith("lora_b.weight")]
+        assert trained and all(p.abs().sum() > 0 for p in trained)

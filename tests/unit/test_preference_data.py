@@ -385,9 +385,13 @@ def test_a_pairs_margin_column_reaches_its_batch_and_a_pair_without_one_has_marg
         assert [tokens(s[0]) for s in with_margins] == [tokens(s[0]) for s in without]
 
 
-@pytest.mark.parametrize("margin", ["big", True, float("nan")])
-def test_a_margin_that_is_no_finite_number_is_a_bad_row(tmp_path, margin):
+@pytest.mark.parametrize("margin", ["big", True, float("inf"), 1e39, 10**400])
+def test_a_margin_that_is_no_finite_float32_is_a_bad_row_and_nan_is_none(tmp_path, margin):
     source = write("jsonl", [*string_rows(), {**string_rows()[0], "margin": margin}],
                    tmp_path / "d")  # fmt: skip
     with pytest.raises(DataError, match=r"d.jsonl:13 has .* in 'margin'.* finite number"):
         PreferenceDataset(ByteTokenizer(), seq_len=64, **whole(source))
+    missing = write("jsonl", [{**row, "margin": float("nan")} for row in string_rows()],
+                    tmp_path / "nan")  # fmt: skip
+    data = PreferenceDataset(ByteTokenizer(), seq_len=64, **whole(missing))
+    assert collate_pairs([data[0], data[1]]).pair_margins().tolist() == [0.0, 0.0]
