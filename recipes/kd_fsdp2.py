@@ -225,7 +225,7 @@ class KDRecipeFSDP2:
             else checked_tokenizer(instantiate(cfg.teacher.tokenizer))
         )
         train_set, val_set = setup.datasets()
-        self.seq_len = train_set.seq_len
+        self.seq_len = data_seq_len = train_set.seq_len
         seq_key, on_policy = "dataset.seq_len", cfg.on_policy
         if on_policy.samples:  # a prompt, then a sampled completion
             self.seq_len += on_policy.max_completion_length
@@ -265,7 +265,7 @@ class KDRecipeFSDP2:
             self.train_loader,
             train_set,
             # a row's positions: a prompt and a sample with lmbda > 0, else the data's
-            tokens_per_sample=self.seq_len if on_policy.lmbda > 0 else train_set.seq_len,
+            tokens_per_sample=self.seq_len if on_policy.lmbda > 0 else data_seq_len,
             seq_len=self.seq_len,
             models={"teacher": cfg.teacher.weights},
             train_sequences=len(train_set),
