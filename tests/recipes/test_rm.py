@@ -38,14 +38,20 @@ def rm(tmp_path, name, *overrides, nproc=1):
     return out, result
 
 
-def test_the_hf_export_scores_as_freetx_in_transformers_and_reads_back(tmp_path):
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """One 2-step rm_tiny run (lr 1e-2), exported at its end: (its output_dir, its result)."""
+    return rm(tmp_path_factory.mktemp("trained"), "rm", "max_steps=2", "optimizer.lr=1e-2")
+
+
+def test_the_hf_export_scores_as_freetx_in_transformers_and_reads_back(trained):
     from transformers import AutoModelForSequenceClassification
 
     from freetx.checkpoint import load_model
     from freetx.data import ByteTokenizer, PreferenceDataset, collate_pairs
     from freetx.models.scorer import pooled_scores
 
-    out, result = rm(tmp_path, "rm", "max_steps=2", "optimizer.lr=1e-2")
+    out, result = trained
     assert (
         "scoring sequences" in flat(result.stdout) and "exported step_000002 as hf" in result.stdout
     )
@@ -67,7 +73,7 @@ def test_the_hf_export_scores_as_freetx_in_transformers_and_reads_back(tmp_path)
     assert type(read_back).__name__ == "SequenceScorer" and torch.equal(again, want)
 
 
-def test_the_reward_model_reward_scores_a_completion_as_training_scored_its_row(tmp_path):
+def test_the_reward_model_reward_scores_a_completion_as_training_scored_its_row(tmp_path, trained):
     """freetx.objectives.RewardModel on rm_fsdp2's run: a prompt and a completion read as
     the pair's row was, the same score; a language model's run is refused by name."""
     from freetx.checkpoint import load_model
@@ -77,7 +83,7 @@ def test_the_reward_model_reward_scores_a_completion_as_training_scored_its_row(
     from freetx.models.scorer import pooled_scores
     from freetx.objectives import RewardModel
 
-    out, _ = rm(tmp_path, "rm", "max_steps=1", "optimizer.lr=1e-2")
+    out = trained[0]
     records = [r.fields for r in builtin_pairs(4, seed=3)]
     rows = tmp_path / "pairs.jsonl"
     rows.write_text("".join(json.dumps(r) + "\n" for r in records))
