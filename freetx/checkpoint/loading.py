@@ -477,14 +477,17 @@ def load_quantized(path: str | Path, device, seed: int = 0) -> nn.Module:
     return model.to(device).eval()
 
 
-def load_source_model(path: str, device: torch.device, dtype: str = "auto") -> nn.Module:
+def load_source_model(
+    path: str, device: torch.device, dtype: str = "auto", adapters: PEFTConfig | None = None
+) -> nn.Module:
     """A frozen model to read activations from: the model of a run, a checkpoint or an HF
     folder (`load_model`: freetx's own where it reads the folder's model_type natively,
-    else transformers' through the generic path, as `freetx.models.hf_model` chooses).
-    `dtype`: float32, bfloat16, or auto (bf16 on CUDA)."""
+    else transformers' through the generic path, as `freetx.models.hf_model` chooses;
+    `adapters`: a LoRA run's, unmerged over its base). `dtype`: float32, bfloat16, or auto
+    (bf16 on CUDA)."""
     if dtype == "auto":
         dtype = "bfloat16" if device.type == "cuda" else "float32"
-    return load_model(path, device).to(dtype_named(dtype))
+    return load_model(path, device, adapters=adapters).to(dtype_named(dtype))
 
 
 def source_parameters(path: str) -> int:

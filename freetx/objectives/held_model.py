@@ -25,13 +25,13 @@ import torch
 
 from freetx.checkpoint import load_initial_weights
 from freetx.checkpoint.loading import (
-    load_model,
+    load_source_model,
     quantization_method,
     source_model_on_meta,
     source_parameters,
 )
 from freetx.data import ByteTokenizer, HFTokenizer
-from freetx.distributed import ParallelPlan, dtype_named, gathered_whole, parallelize_frozen
+from freetx.distributed import ParallelPlan, gathered_whole, parallelize_frozen
 from freetx.errors import ConfigError
 from freetx.training.export import recorded_peft
 
@@ -95,8 +95,7 @@ class HeldModel:
             load_initial_weights(model, self.path)
         else:  # read on the CPU (a LoRA run's adapters unmerged over its base), then moved
             cpu = torch.device("cpu")
-            model = load_model(self.path, cpu, adapters=adapters).to(dtype_named(dtype))
-            model = model.to(device)
+            model = load_source_model(self.path, cpu, dtype, adapters).to(device)
             self.check(model)
         self.model = model.eval().requires_grad_(False)
 
