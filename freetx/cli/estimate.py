@@ -1,4 +1,4 @@
-"""`freetx estimate CONFIG [key=value ...] --world-size N [--device h100|a100|rtx4090|cpu]
+"""`freetx estimate CONFIG [key=value ...] --world-size N [--device h100|h200|a100|rtx4090|cpu]
 [--ladder]`: memory per rank and step time of a training config (a decoder's, AD's, a
 crosscoder's) for every strategy, before renting GPUs (freetx/planning/estimate.py says
 what is counted and what is not); `--ladder`: for the config's strategy, rung by rung of
@@ -13,7 +13,7 @@ from pathlib import Path
 
 from freetx.cli.common import add_trust_option
 
-DEVICE_NAMES = ("h100", "a100", "rtx4090", "cpu")  # freetx.planning.estimate.DEVICES' keys
+DEVICE_NAMES = ("h100", "h200", "a100", "rtx4090", "cpu")  # freetx.planning.estimate.DEVICES' keys
 # what a preference loss's reference (`PlannedRun.reference`) costs, as the table counts it
 REFERENCE_NOTES = {
     "frozen_copy": "a frozen copy of the model in the compute dtype, sharded like the "

@@ -90,6 +90,7 @@ class Device(NamedTuple):
 
 DEVICES = {
     "h100": Device(989e12, 450e9, 80, 1979e12),
+    "h200": Device(989e12, 450e9, 140, 1979e12),  # H100 SXM's compute and NVLink; 143,771 MiB
     "a100": Device(312e12, 240e9, 80),
     # Ada's whitepaper, fp32 accumulate, dense; PCIe 4.0 x16 between GPUs
     "rtx4090": Device(165.2e12, 32e9, 24, 330.3e12),
@@ -375,7 +376,7 @@ def estimate(
         raise ConfigError(
             f"distributed.float8={rungs.float8}: the {device} has no float8 matmuls (they "
             "need CUDA capability 8.9+).",
-            fix="Set distributed.float8=none, or estimate for --device h100 or rtx4090.",
+            fix="Set distributed.float8=none, or estimate for --device h100, h200 or rtx4090.",
         )
     # float8's Linears (tp is 1 with float8): all blocks' and the gathered unit's weights
     fast = sum(float8_elements(model, b) for b in blocks) if float8 else 0

@@ -9,6 +9,7 @@ import json
 
 import pytest
 
+from benchmarks.shapes import HF_SHAPES
 from freetx import registry
 from freetx.cli.common import load_recipe
 from freetx.cli.estimate import DEVICE_NAMES, build_parser
@@ -21,7 +22,6 @@ from freetx.planning.config import estimate_config
 from freetx.planning.estimate import DEVICES, GIB, float8_elements
 from freetx.planning.ladder import ladder
 from freetx.registry import recipe_for_config
-from tests.unit.test_shipped_hardware import HF_SHAPES
 
 BF16 = "distributed.mixed_precision.param_dtype=bfloat16"
 
