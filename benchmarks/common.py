@@ -78,18 +78,34 @@ def measured_run(config: str, overrides: list[str], steps: int, nproc: int, out:
     """One `freetx run` of `config` on nproc processes (one thread each unless
     OMP_NUM_THREADS says): the fullest rank's max RSS (bytes), the median step time and
     tokens per second over steps 3..N, from its metrics.jsonl."""
-    import statistics
-
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     freetx("run", "--nproc-per-node", str(nproc), "full_finetune_fsdp2", "--config", config,
            f"output_dir={out}", f"max_steps={steps}", *overrides, env=env)  # fmt: skip
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    train = [r for r in records if "step_time_s" in r]
-    later = [r for r in train if r["step"] >= 3] or train
+    train = step_records(out / "metrics.jsonl")
+    median = medians(train, ["step_time_s", "tokens_per_s"], after=2)
     return {
         "rss": max(r["memory/max_rss_gib"] for r in train) * 2**30,
-        "step_s": statistics.median(r["step_time_s"] for r in later),
-        "tokens_per_s": statistics.median(r["tokens_per_s"] for r in later),
+        "step_s": median["step_time_s"],
+        "tokens_per_s": median["tokens_per_s"],
+    }
+
+
+def step_records(metrics: Path) -> list[dict]:
+    """The training steps' records of a run's metrics.jsonl (those with a step time)."""
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    return [r for r in records if "step_time_s" in r]
+
+
+def medians(records: list[dict], keys: list[str], after: int) -> dict:
+    """Each key's median over the records of the steps after `after` (over the last record
+    where there are none), the keys no record has left out."""
+    import statistics
+
+    later = [r for r in records if r["step"] > after] or records[-1:]
+    return {
+        key: statistics.median(r[key] for r in later if key in r)
+        for key in keys
+        if any(key in r for r in later)
     }
 
 

@@ -3,22 +3,25 @@ measured workloads, each a `freetx run` of a shipped config on random weights of
 model's shape (its config.json: benchmarks/shapes.py) and the built-in data (no downloads),
 written as a table beside `freetx estimate`'s figure for the same config.
 
-    python benchmarks/gpu_suite.py --out gpu_results            # all, ~8 min on one H200
-    python benchmarks/gpu_suite.py --out gpu_results --quick    # one per recipe, ~3 min
+    python benchmarks/gpu_suite.py --out gpu_results            # all (--budget-s 480)
+    python benchmarks/gpu_suite.py --out gpu_results --quick    # one per recipe
     python benchmarks/gpu_suite.py --out gpu_results --only lora_llama8b
     python benchmarks/gpu_suite.py --out /tmp/s --device cpu --tiny   # the plumbing, on a CPU
 
-Each workload runs `steps` optimizer steps on one process; its figures are the medians of
-the steps after the first `warmup` (compilation, the allocator's first growth):
-`tokens_per_s_per_device` (real tokens: packing leaves no padding), MFU as the run logs it
-(training FLOPs per token 6 N + 12 L H d T: N the non-embedding parameters, active ones for
-an MoE, L layers, H heads of width d, T the sequence length; over the device's dense bf16
-peak, `freetx.training.meters.PEAK_BF16_FLOPS`; a LoRA step is counted as a full one's
-FLOPs, as the field's tables do), and the peak memory the CUDA allocator reserved. The
-estimate is `freetx estimate CONFIG ... --world-size 1 --device h200` (cpu with --device
-cpu). DPO's row says its step time against the SFT workload of the same model and
-positions (`vs`); GRPO's, the share of its step spent generating and the generation
-engine's tokens per second.
+(How long each takes on a GPU is not measured yet: the workloads are sized for 30-60 s each
+on one H200, the quick ones first, so that a suite cut by --budget-s has one per recipe.)
+
+Each workload runs `steps` optimizer steps on one process (one GPU: no sharding, bf16
+autocast over float32 weights); its figures are the medians of the steps after the first
+`warmup` (compilation, the allocator's first growth): `tokens_per_s_per_device` (real
+tokens: packing leaves no padding), MFU as the run logs it (training FLOPs per token
+6 N + 12 L H d T: N the non-embedding parameters, active ones for an MoE, L layers, H heads
+of width d, T one sequence's length; a frozen weight, a LoRA run's base, at 4 N instead
+of 6 N; over the device's dense bf16 peak, `freetx.training.meters.PEAK_BF16_FLOPS`), and
+the peak memory the CUDA allocator reserved. The estimate is `freetx estimate CONFIG ...
+--world-size 1 --device h200` (cpu with --device cpu). DPO's row says its step time
+against the SFT workload of the same model and positions per step (`vs`); GRPO's, the
+share of its step spent generating and the generation engine's tokens per second.
 
 `--tiny`: the same workloads at a tiny size of each shape's family (2 layers, width 64,
 sequences of 128), 2 steps each, compile and float8 left out: what `pytest` runs on a CPU so
@@ -33,7 +36,7 @@ import argparse
 import dataclasses
 import json
 import platform
-import statistics
+import shlex
 import subprocess
 import sys
 import time
@@ -41,6 +44,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.common import medians, step_records  # noqa: E402
 from benchmarks.shapes import HF_SHAPES, tiny_shape, write_shape  # noqa: E402
 
 GIB = 2**30
@@ -59,10 +63,11 @@ FLOAT8 = "distributed.float8=tensorwise"
 
 
 def packed_text(seq_len: int) -> str:
-    """The built-in corpus as one token stream cut into sequences of seq_len: no padding."""
+    """The built-in corpus as one token stream cut into sequences of seq_len, each document
+    attending to itself only (as packed samples do): no padding."""
     return (
         "dataset={_component_: freetx.data.PackedTextDataset, source: builtin, "
-        f"seq_len: {seq_len}, val_fraction: 0.05}}"
+        f"seq_len: {seq_len}, packed: true, val_fraction: 0.05}}"
     )
 
 
@@ -80,75 +85,41 @@ class Workload:
     recipe: str
     config: str  # the shipped config it starts from
     shape: str  # a key of HF_SHAPES
-    layout: str  # in words, for the table
+    about: str  # what the config's keys do not say, for the table
     overrides: tuple[str, ...]
     tiny: tuple[str, ...]  # what --tiny sets on top (sizes), after `overrides`
-    seq_len: int
     steps: int = 6
     warmup: int = 2  # the first steps left out of the medians
-    quick: bool = False  # in --quick: the first of its recipe
+    quick: bool = False  # in --quick: one per recipe
     shape_fields: tuple[tuple[str, object], ...] = ()  # changed in the shape (fewer layers)
     vs: str | None = None  # the SFT workload of the same model and positions per step
 
-    @property
-    def precision(self) -> str:
-        text = " ".join(self.overrides)
-        parts = ["bf16"]
-        if FLOAT8 in text:
-            parts.append("float8")
-        if "quantize_base=nf4" in text:
-            parts.append("NF4 base")
-        return " + ".join(parts)
-
 
 SFT_TINY = ("dataset.seq_len=128", "model.max_seq_len=128", "batch_size=4")
+DPO_TINY = ("dataset.seq_len=128", "model.max_seq_len=128", "batch_size=2")
 LORA = "lora_finetune_fsdp2"
 FULL = "full_finetune_fsdp2"
-# ordered by what a reader looks for first: SFT of a small model, LoRA of an 8B, then the
-# post-training recipes, an MoE, the memory ladder
+# the quick ones first (one per recipe, by what a reader looks for first: SFT of a small
+# model, LoRA of an 8B, preference, RL, an MoE, the memory ladder), then the others. The
+# final evaluation's batch is the training micro-batch's, so compile does not recompile.
 WORKLOADS = [
-    Workload("sft_llama1b", FULL, "llm/llama3_2_1b_full", "Llama-3.2-1B",
-             "fsdp, compile, packed, no AC",
-             (packed_text(4096), "batch_size=8", NO_AC, COMPILE), SFT_TINY, 4096, quick=True),
-    Workload("sft_llama1b_float8", FULL, "llm/llama3_2_1b_full", "Llama-3.2-1B",
-             "fsdp, compile, packed, no AC",
-             (packed_text(4096), "batch_size=8", NO_AC, COMPILE, FLOAT8), SFT_TINY, 4096),
-    Workload("sft_qwen3_0_6b", FULL, "llm/llama3_2_1b_full", "Qwen3-0.6B",
-             "fsdp, compile, packed, no AC",
-             (packed_text(4096), "batch_size=8", NO_AC, COMPILE), SFT_TINY, 4096),
-    Workload("sft_qwen3_0_6b_float8", FULL, "llm/llama3_2_1b_full", "Qwen3-0.6B",
-             "fsdp, compile, packed, no AC",
-             (packed_text(4096), "batch_size=8", NO_AC, COMPILE, FLOAT8), SFT_TINY, 4096),
-    Workload("lora_llama8b", LORA, "llm/llama3_1_8b_lora", "Llama-3.1-8B",
-             "LoRA r16 all linears, no AC, packed",
+    Workload("sft_llama1b", FULL, "llm/llama3_2_1b_full", "Llama-3.2-1B", "8 x 4096",
+             (packed_text(4096), "batch_size=8", "eval.batch_size=8", NO_AC, COMPILE),
+             SFT_TINY, quick=True),
+    Workload("lora_llama8b", LORA, "llm/llama3_1_8b_lora", "Llama-3.1-8B", "2 x 4096",
              (packed_text(4096), "batch_size=2", "gradient_accumulation_steps=1",
-              NO_AC, "peft.dropout=0.0"),
-             SFT_TINY, 4096, quick=True),
-    Workload("lora_llama8b_ac", LORA, "llm/llama3_1_8b_lora", "Llama-3.1-8B",
-             "LoRA r16 all linears, full AC, packed",
-             (packed_text(4096), "batch_size=2", "gradient_accumulation_steps=1",
-              "peft.dropout=0.0"), SFT_TINY, 4096),
-    Workload("qlora_llama8b", LORA, "llm/llama3_1_8b_qlora", "Llama-3.1-8B",
-             "QLoRA r16 all linears, full AC, packed",
-             (packed_text(4096), "batch_size=2", "gradient_accumulation_steps=1",
-              "peft.dropout=0.0"), SFT_TINY, 4096),
+              "eval.batch_size=2", NO_AC, "peft.dropout=0.0"), SFT_TINY, quick=True),
     # DPO: packs of pairs, a chosen row and a rejected row of 4096 each: one pack's
     # positions are the SFT workload's two sequences
     Workload("dpo_lora_llama8b", "dpo_fsdp2", "llm/llama3_1_8b_dpo_lora", "Llama-3.1-8B",
-             "LoRA r16, no AC, reference = adapters off, packed pairs",
+             "1 pack of pairs (2 x 4096), reference = adapters off",
              (packed_pairs(4096), "model.max_seq_len=4096", "batch_size=1",
-              "gradient_accumulation_steps=1", NO_AC),
-             ("dataset.seq_len=128", "model.max_seq_len=128", "batch_size=2"), 4096,
+              "gradient_accumulation_steps=1", "eval.batch_size=1", NO_AC), DPO_TINY,
              quick=True, vs="lora_llama8b"),
-    Workload("dpo_full_llama1b", "dpo_fsdp2", "llm/qwen3_8b_dpo", "Llama-3.2-1B",
-             "fsdp, compile, frozen reference copy, no AC, packed pairs",
-             (packed_pairs(4096), "model.max_seq_len=4096", "batch_size=4",
-              "gradient_accumulation_steps=1", NO_AC, COMPILE), ("dataset.seq_len=128", "model.max_seq_len=128", "batch_size=2"),
-             4096, vs="sft_llama1b"),
     # GRPO end to end: 64 prompts x 8 completions of up to 512 tokens (random weights stop
     # at the length, so every completion is 512), the policy generating with its own weights
     Workload("grpo_llama1b", "grpo_fsdp2", "llm/qwen3_8b_grpo", "Llama-3.2-1B",
-             "fsdp, full AC, KL to a frozen reference, 64 prompts x 8",
+             "64 prompts x 8 completions of 512, KL to a frozen reference",
              ("dataset={_component_: freetx.data.PromptDataset, source: builtin, "
               "max_prompt_len: 128, val_fraction: 0.05, num_builtin_examples: 4000}",
               "rewards=[{_component_: freetx.objectives.ExactMatch, answer_field: answer}]",
@@ -158,35 +129,55 @@ WORKLOADS = [
              ("batch_size=4", "gradient_accumulation_steps=2", "model.max_seq_len=40",
               "dataset.max_prompt_len=32", "generation.num_generations=2",
               "generation.max_completion_length=8", "eval.batch_size=2"),
-             640, steps=3, warmup=1, quick=True),
+             steps=3, warmup=1, quick=True),
     # a Qwen3-30B-A3B-shaped stack of 4 blocks (128 experts, 8 active): one GPU holds it
     Workload("moe_qwen3_30b_a3b_4l", FULL, "llm/qwen3_30b_a3b_full", "Qwen3-30B-A3B",
-             "fsdp, grouped matmul, full AC, packed, 4 of 48 blocks",
+             "4 x 4096, 4 of 48 blocks, experts as one grouped matmul",
              (packed_text(4096), "batch_size=4", "gradient_accumulation_steps=1",
-              "distributed.ep=1"), SFT_TINY, 4096, quick=True,
+              "eval.batch_size=4", "distributed.ep=1"), SFT_TINY, quick=True,
              shape_fields=(("num_hidden_layers", 4),)),
     # the memory ladder on the 8B shape, rung by rung of llm/llama3_1_8b_full_1gpu (full
     # AC, 8 chunks of logits, 8-bit AdamW), each against the estimate
-    Workload("ladder_8b_adamw8bit", FULL, "llm/llama3_1_8b_full_1gpu", "Llama-3.1-8B",
-             "full AC, chunked loss, 8-bit AdamW, packed",
-             (packed_text(4096), "batch_size=2", "optimizer.in_backward=false",
-              "max_grad_norm=1.0"), SFT_TINY, 4096, steps=4, warmup=1),
     Workload("ladder_8b_in_backward", FULL, "llm/llama3_1_8b_full_1gpu", "Llama-3.1-8B",
-             "+ optimizer step in backward",
-             (packed_text(4096), "batch_size=2"), SFT_TINY, 4096, steps=4, warmup=1,
-             quick=True),
+             "2 x 4096, 8-bit AdamW stepped in backward, logits in 8 chunks",
+             (packed_text(4096), "batch_size=2", "eval.batch_size=2"), SFT_TINY, steps=4,
+             warmup=1, quick=True),
+    Workload("sft_llama1b_float8", FULL, "llm/llama3_2_1b_full", "Llama-3.2-1B", "8 x 4096",
+             (packed_text(4096), "batch_size=8", "eval.batch_size=8", NO_AC, COMPILE, FLOAT8),
+             SFT_TINY),
+    Workload("sft_qwen3_0_6b", FULL, "llm/llama3_2_1b_full", "Qwen3-0.6B", "8 x 4096",
+             (packed_text(4096), "batch_size=8", "eval.batch_size=8", NO_AC, COMPILE),
+             SFT_TINY),
+    Workload("sft_qwen3_0_6b_float8", FULL, "llm/llama3_2_1b_full", "Qwen3-0.6B", "8 x 4096",
+             (packed_text(4096), "batch_size=8", "eval.batch_size=8", NO_AC, COMPILE, FLOAT8),
+             SFT_TINY),
+    Workload("lora_llama8b_ac", LORA, "llm/llama3_1_8b_lora", "Llama-3.1-8B", "2 x 4096",
+             (packed_text(4096), "batch_size=2", "gradient_accumulation_steps=1",
+              "eval.batch_size=2", "peft.dropout=0.0"), SFT_TINY),
+    Workload("qlora_llama8b", LORA, "llm/llama3_1_8b_qlora", "Llama-3.1-8B", "2 x 4096",
+             (packed_text(4096), "batch_size=2", "gradient_accumulation_steps=1",
+              "eval.batch_size=2", "peft.dropout=0.0"), SFT_TINY),
+    Workload("dpo_full_llama1b", "dpo_fsdp2", "llm/qwen3_8b_dpo", "Llama-3.2-1B",
+             "4 packs of pairs (8 x 4096), frozen reference copy",
+             (packed_pairs(4096), "model.max_seq_len=4096", "batch_size=4",
+              "gradient_accumulation_steps=1", "eval.batch_size=4", NO_AC, COMPILE),
+             DPO_TINY, vs="sft_llama1b"),
+    Workload("ladder_8b_adamw8bit", FULL, "llm/llama3_1_8b_full_1gpu", "Llama-3.1-8B",
+             "2 x 4096, 8-bit AdamW, logits in 8 chunks",
+             (packed_text(4096), "batch_size=2", "eval.batch_size=2",
+              "optimizer.in_backward=false", "max_grad_norm=1.0"), SFT_TINY, steps=4, warmup=1),
     Workload("ladder_8b_offload", FULL, "llm/llama3_1_8b_full_1gpu", "Llama-3.1-8B",
-             "8-bit AdamW offloaded to the CPU (instead of in backward)",
-             (packed_text(4096), "batch_size=2", "optimizer.in_backward=false",
-              "optimizer.offload=cpu", "max_grad_norm=1.0"), SFT_TINY, 4096, steps=3,
-             warmup=1),
+             "2 x 4096, 8-bit AdamW offloaded to the CPU, logits in 8 chunks",
+             (packed_text(4096), "batch_size=2", "eval.batch_size=2",
+              "optimizer.in_backward=false", "optimizer.offload=cpu", "max_grad_norm=1.0"),
+             SFT_TINY, steps=3, warmup=1),
 ]  # fmt: skip
 BY_NAME = {w.name: w for w in WORKLOADS}
 
 
-def quick_list() -> list[Workload]:
-    """One workload per recipe and rung kind: those marked quick."""
-    return [w for w in WORKLOADS if w.quick]
+def quick_list(workloads: list[Workload]) -> list[Workload]:
+    """Those of `workloads` marked quick: one per recipe."""
+    return [w for w in workloads if w.quick]
 
 
 def model_folder(workload: Workload, out: Path, small: bool) -> Path:
@@ -209,13 +200,41 @@ def arguments(workload: Workload, folder: Path, output_dir: Path, device: str, s
     return [workload.recipe, "--config", workload.config, *last.values()]
 
 
-def estimated_peak_gib(workload: Workload, run_args: list[str], device: str) -> float:
-    """`freetx estimate`'s peak of the config as run, on one rank of `device`, in GiB."""
+def run_config(workload: Workload, run_args: list[str]):
+    """The run's config as `freetx run` reads it (a schema instance)."""
     from freetx.cli.common import load_recipe
     from freetx.config.run_config import load_recipe_config
+
+    return load_recipe_config(workload.config, run_args[3:], load_recipe(workload.recipe).schema)
+
+
+def setup_of(cfg, device: str) -> tuple[str, str]:
+    """(layout, precision) of a run's config, in words."""
+    dist = cfg.distributed
+    layout = [
+        "1 GPU" if device == "cuda" else "1 CPU process",
+        f"AC {dist.activation_checkpointing}",
+    ]
+    if dist.compile:
+        layout.append("compile")
+    if cfg.dataset.get("packed"):
+        layout.append("packed")
+    peft = cfg.peft  # every decoder recipe's schema has it (method none: all trains)
+    if peft.method == "lora":
+        layout.append(f"LoRA r{peft.rank} on {len(peft.target_modules)} kinds of linear")
+    precision = [{"bfloat16": "bf16", "float32": "fp32"}.get(str(dist.mixed_precision.param_dtype),
+                                                             str(dist.mixed_precision.param_dtype))]  # fmt: skip
+    if dist.float8 != "none":
+        precision.append(f"float8 {dist.float8}")
+    if peft.quantize_base == "nf4":
+        precision.append("NF4 base")
+    return ", ".join(layout), " + ".join(precision)
+
+
+def estimated_peak_gib(cfg, device: str) -> float:
+    """`freetx estimate`'s peak of the config as run, on one rank of `device`, in GiB."""
     from freetx.planning.config import estimate_config
 
-    cfg = load_recipe_config(workload.config, run_args[3:], load_recipe(workload.recipe).schema)
     found = estimate_config(cfg, 1, device)
     rows = [r for r in found.rows if r.strategy == cfg.distributed.strategy]
     if not rows:
@@ -223,77 +242,66 @@ def estimated_peak_gib(workload: Workload, run_args: list[str], device: str) -> 
     return (rows[0].peak + found.judges) / GIB
 
 
-def read_metrics(path: Path, warmup: int) -> dict:
+def read_metrics(path: Path, warmup: int, device: str) -> dict:
     """The medians of a run's training steps after `warmup`, and its memory peak."""
-    records = [json.loads(line) for line in path.read_text().splitlines()]
-    steps = [r for r in records if "step_time_s" in r]
+    steps = step_records(path)
     if not steps:
         raise RuntimeError("the run logged no training step")
-    later = [r for r in steps if r["step"] > warmup] or steps[-1:]
-
-    def median(key: str) -> float | None:
-        values = [r[key] for r in later if key in r]
-        return statistics.median(values) if values else None
-
-    peak = max(
-        (r.get("memory/peak_reserved_gib", r.get("memory/max_rss_gib", 0.0)) for r in steps),
-        default=None,
-    )
-    found = {
-        "steps_measured": len(later),
-        "step_time_s": median("step_time_s"),
-        "tokens_per_s_per_device": median("tokens_per_s_per_device"),
-        "mfu_pct": median("mfu_pct"),
-        "peak_gib": peak,
-        "loss_first": steps[0].get("loss"),
-        "loss_last": steps[-1].get("loss"),
-    }
-    generation, step = median("time/generation"), median("step_time_s")
-    if generation is not None and step:
-        found["generation_share"] = generation / step
-        found["generation_tokens_per_s"] = median("generation/tokens_per_s")
+    keys = ["step_time_s", "tokens_per_s_per_device", "mfu_pct", "time/generation",
+            "generation/tokens_per_s"]  # fmt: skip
+    found = medians(steps, keys, after=warmup)
+    memory = "memory/peak_reserved_gib" if device == "cuda" else "memory/max_rss_gib"
+    found["peak_gib"] = max(r[memory] for r in steps)
+    found["loss_first"], found["loss_last"] = steps[0].get("loss"), steps[-1].get("loss")
+    if "time/generation" in found:
+        found["generation_share"] = found.pop("time/generation") / found["step_time_s"]
+        found["generation_tokens_per_s"] = found.pop("generation/tokens_per_s")
     return found
+
+
+def first_row(workload: Workload, small: bool) -> dict:
+    """A workload's row before it runs: what it is."""
+    return {
+        "name": workload.name,
+        "recipe": workload.recipe,
+        "config": workload.config,
+        "shape": workload.shape
+        + "".join(f" ({k}={v})" for k, v in workload.shape_fields)
+        + (" (tiny)" if small else ""),
+        "about": workload.about,
+    }
 
 
 def measure(workload: Workload, out: Path, device: str, small: bool, timeout: float) -> dict:
     """Run one workload; its row (an `error` instead of figures where it failed)."""
-    folder = model_folder(workload, out, small)
+    row = first_row(workload, small)
     output_dir = out / "runs" / workload.name
-    args = arguments(workload, folder, output_dir, device, small)
-    row = {
-        "name": workload.name,
-        "recipe": workload.recipe,
-        "shape": workload.shape + "".join(f" ({k}={v})" for k, v in workload.shape_fields),
-        "layout": workload.layout + ("" if small else ", 1 GPU"),
-        "precision": workload.precision if device == "cuda" else "bf16 (CPU)",
-        "seq_len": workload.seq_len if not small else 128,
-        "command": "freetx run " + " ".join(quote(a) for a in args),
-    }
-    try:
-        row["estimate_gib"] = estimated_peak_gib(workload, args, "cpu" if small else "h200")
-    except Exception as e:  # the estimate is a column; the run still tells
-        row["estimate_error"] = f"{type(e).__name__}: {e}"
+    args = arguments(workload, model_folder(workload, out, small), output_dir, device, small)
+    row["command"] = shlex.join(["freetx", "run", *args])
     started = time.perf_counter()
-    log = out / "logs" / f"{workload.name}.log"
-    log.parent.mkdir(parents=True, exist_ok=True)
     try:
+        cfg = run_config(workload, args)
+        row["layout"], row["precision"] = setup_of(cfg, device)
+        row["seq_len"] = cfg.model.max_seq_len
+        try:
+            row["estimate_gib"] = estimated_peak_gib(cfg, "cpu" if small else "h200")
+        except Exception as e:  # the estimate is a column; the run still tells
+            row["estimate_error"] = f"{type(e).__name__}: {e}"
+        log = out / "logs" / f"{workload.name}.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
         with log.open("w") as sink:
             done = subprocess.run([sys.executable, "-m", "freetx", "run", *args], stdout=sink,
                                   stderr=subprocess.STDOUT, timeout=timeout, check=False)  # fmt: skip
         if done.returncode != 0:
             tail = log.read_text().strip().splitlines()[-15:]
-            raise RuntimeError(f"exit {done.returncode}: " + "\n".join(tail))
-        row.update(read_metrics(output_dir / "metrics.jsonl", 1 if small else workload.warmup))
+            raise RuntimeError("\n".join(tail) + f"\n(exit {done.returncode}; the log: {log})")
+        row.update(read_metrics(output_dir / "metrics.jsonl", workload.warmup, device))
     except subprocess.TimeoutExpired:
         row["error"] = f"stopped after {timeout:.0f} s (the suite's time left)"
     except Exception as e:
         row["error"] = f"{type(e).__name__}: {e}"
     row["wall_s"] = round(time.perf_counter() - started, 1)
     return row
-
-
-def quote(arg: str) -> str:
-    return f"'{arg}'" if any(c in arg for c in " {}[]") else arg
 
 
 def compare(rows: list[dict]) -> None:
@@ -311,28 +319,32 @@ def fmt(value, digits: int = 0) -> str:
     return f"{value:,.{digits}f}"
 
 
+def notes(row: dict) -> str:
+    found = [row["about"]]
+    if "generation_share" in row:
+        found.append(f"generation {100 * row['generation_share']:.0f}% of the step, engine "
+                     f"{fmt(row.get('generation_tokens_per_s'))} tokens/s")  # fmt: skip
+    if "vs" in row:
+        found.append(row["vs"])
+    if "estimate_error" in row:
+        found.append("no estimate: " + row["estimate_error"].splitlines()[-1][:160])
+    if "error" in row:
+        found.append("FAILED: " + row["error"].strip().splitlines()[-1][:200])
+    return "; ".join(found)
+
+
 def markdown(rows: list[dict], machine: dict) -> str:
     header = ["workload", "recipe", "shape", "layout", "precision", "seq", "tokens/s/GPU",
               "MFU %", "peak GiB", "estimate GiB", "notes"]  # fmt: skip
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for r in rows:
-        notes = []
-        if "generation_share" in r:
-            notes.append(
-                f"generation {100 * r['generation_share']:.0f}% of the step, engine "
-                f"{fmt(r.get('generation_tokens_per_s'))} tokens/s"
-            )
-        if "vs" in r:
-            notes.append(r["vs"])
-        if "error" in r:
-            notes.append("FAILED: " + r["error"].splitlines()[0][:200])
-        cells = [r["name"], r["recipe"], r["shape"], r["layout"], r["precision"],
-                 str(r["seq_len"]), fmt(r.get("tokens_per_s_per_device")), fmt(r.get("mfu_pct"), 1),
-                 fmt(r.get("peak_gib"), 2), fmt(r.get("estimate_gib"), 2),
-                 "; ".join(notes)]  # fmt: skip
+        cells = [r["name"], r["recipe"], r["shape"], r.get("layout", "-"), r.get("precision", "-"),
+                 str(r.get("seq_len", "-")), fmt(r.get("tokens_per_s_per_device")),
+                 fmt(r.get("mfu_pct"), 1), fmt(r.get("peak_gib"), 2), fmt(r.get("estimate_gib"), 2),
+                 notes(r)]  # fmt: skip
         lines.append("| " + " | ".join(c.replace("|", "/") for c in cells) + " |")
     about = ", ".join(f"{k} {v}" for k, v in machine.items())
-    commands = "\n".join(f"- `{r['name']}`: `{r['command']}`" for r in rows)
+    commands = "\n".join(f"- `{r['name']}`: `{r['command']}`" for r in rows if "command" in r)
     return f"{about}\n\n" + "\n".join(lines) + f"\n\nCommands:\n\n{commands}\n"
 
 
@@ -371,8 +383,7 @@ def main(argv: list[str] | None = None) -> int:
             p.error("--device cuda: this machine has no CUDA device (--device cpu --tiny runs "
                     "the plumbing on the CPU)")  # fmt: skip
     chosen = [BY_NAME[n] for n in args.only] if args.only else WORKLOADS
-    if args.quick:
-        chosen = [w for w in chosen if w.quick]
+    chosen = quick_list(chosen) if args.quick else chosen
     args.out.mkdir(parents=True, exist_ok=True)
     about = machine(args.device, args.tiny)
     rows: list[dict] = []
@@ -380,14 +391,11 @@ def main(argv: list[str] | None = None) -> int:
     for workload in chosen:
         left = args.budget_s - (time.perf_counter() - start)
         if left <= 0:
-            rows.append(dict(name=workload.name, recipe=workload.recipe, shape=workload.shape,
-                             layout=workload.layout, precision=workload.precision,
-                             seq_len=workload.seq_len, command="-",
-                             error=f"not run: the suite's --budget-s {args.budget_s:.0f} was spent"))  # fmt: skip
+            rows.append(first_row(workload, args.tiny) | {
+                "error": f"not run: the suite's --budget-s {args.budget_s:.0f} was spent"})  # fmt: skip
         else:
             print(f"[{time.perf_counter() - start:6.0f} s] {workload.name} ...", flush=True)
-            rows.append(measure(workload, args.out, args.device, args.tiny, left))
-            r = rows[-1]
+            rows.append(r := measure(workload, args.out, args.device, args.tiny, left))
             print(f"    {fmt(r.get('tokens_per_s_per_device'))} tokens/s/device, MFU "
                   f"{fmt(r.get('mfu_pct'), 1)}%, peak {fmt(r.get('peak_gib'), 2)} GiB (estimate "
                   f"{fmt(r.get('estimate_gib'), 2)}){'  FAILED' if 'error' in r else ''}",

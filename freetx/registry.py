@@ -180,11 +180,20 @@ RECIPES: tuple[Recipe, ...] = (
 )
 
 
+# where the wheel's packages come from in a source checkout (pyproject.toml's package-dir)
+CHECKOUT_DIRS = {"freetx.recipes": "recipes", "freetx.recipe_configs": "recipe_configs"}
+
+
 def _package_dir(package: str) -> Path:
+    """An installed package's folder; in a source checkout on PYTHONPATH (not installed,
+    as on a machine that cannot install), the folder the wheel maps it from."""
     spec = importlib.util.find_spec(package)
-    if spec is None or not spec.submodule_search_locations:
-        raise RuntimeError(f"freetx is installed without {package}; reinstall it")
-    return Path(list(spec.submodule_search_locations)[0])
+    if spec is not None and spec.submodule_search_locations:
+        return Path(list(spec.submodule_search_locations)[0])
+    beside = Path(__file__).resolve().parents[1] / CHECKOUT_DIRS[package]
+    if beside.is_dir():
+        return beside
+    raise RuntimeError(f"freetx is installed without {package}; reinstall it")
 
 
 def recipes_dir() -> Path:

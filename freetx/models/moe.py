@@ -112,7 +112,11 @@ class _ContiguousGradient(torch.autograd.Function):
 
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: list[int]) -> torch.Tensor:
     """Rows of `x` [N, in] sorted by expert (`counts[e]` rows for expert e) times their
-    expert's `weight[e]`ᵀ ([E, out, in]): [N, out]."""
+    expert's `weight[e]`ᵀ ([E, out, in]): [N, out]. Under autocast (one process: the
+    weights stay float32) the rows are cast first, as a Linear's would be, so that the
+    grouped kernel's dtype rule sees the compute dtype."""
+    if torch.is_autocast_enabled(x.device.type):
+        x = x.to(torch.get_autocast_dtype(x.device.type))
     if _uses_grouped_mm(x, weight):
         offsets = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
         grouped_mm = getattr(F, "grouped_mm", None) or torch._grouped_mm

@@ -18,8 +18,11 @@ def test_every_workload_at_its_real_size_fits_one_h200_by_the_estimate(tmp_path)
     for workload in gpu_suite.WORKLOADS:
         folder = gpu_suite.model_folder(workload, tmp_path, small=False)
         args = gpu_suite.arguments(workload, folder, tmp_path / workload.name, "cuda", False)
-        assert ("compile" in workload.layout) == (gpu_suite.COMPILE in args)
-        peak = gpu_suite.estimated_peak_gib(workload, args, "h200")
+        cfg = gpu_suite.run_config(workload, args)
+        layout, precision = gpu_suite.setup_of(cfg, "cuda")
+        assert ("compile" in layout) == (gpu_suite.COMPILE in args) and "bf16" in precision
+        assert ("NF4" in precision) == (workload.name == "qlora_llama8b")
+        peak = gpu_suite.estimated_peak_gib(cfg, "h200")
         assert 1 < peak < room, (workload.name, peak)
 
 
@@ -42,7 +45,7 @@ def test_the_tiny_suite_reports_its_workloads_and_goes_on_past_a_failing_one(tmp
         assert "distributed.compile" not in row["command"]  # compile: a GPU's only
     assert 0 < rows["grpo_llama1b"]["generation_share"] < 1
     table = (tmp_path / "results.md").read_text()
-    assert "| sft_llama1b | full_finetune_fsdp2 | Llama-3.2-1B |" in table
+    assert "| sft_llama1b | full_finetune_fsdp2 | Llama-3.2-1B (tiny) | 1 CPU process" in table
     assert "FAILED: " in table and "generation " in table
 
 
@@ -50,7 +53,9 @@ def test_a_spent_budget_starts_nothing_more(tmp_path):
     code = gpu_suite.main(["--out", str(tmp_path), "--device", "cpu", "--tiny", "--quick",
                            "--budget-s", "0"])  # fmt: skip
     rows = json.loads((tmp_path / "results.json").read_text())["rows"]
-    assert code == 1 and [r["name"] for r in rows] == [w.name for w in gpu_suite.quick_list()]
+    assert code == 1 and [r["name"] for r in rows] == [
+        w.name for w in gpu_suite.quick_list(gpu_suite.WORKLOADS)
+    ]
     assert all(r["error"].startswith("not run: the suite's --budget-s 0") for r in rows)
     assert not (tmp_path / "runs").exists()
 

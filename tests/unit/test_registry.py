@@ -7,6 +7,7 @@ from freetx import registry
 from freetx.cli.common import load_recipe
 from freetx.config import apply_schema, compose
 from freetx.config.schema import check_config
+from tests.conftest import REPO
 
 
 def test_every_config_file_is_registered_once():
@@ -54,3 +55,17 @@ def test_every_shipped_training_config_writes_tensorboard(config):
         return
     loggers = OmegaConf.load(registry.config_file(config)).metric_loggers
     assert "freetx.loggers.TensorBoardLogger" in [node["_component_"] for node in loggers]
+
+
+def test_a_checkout_that_is_not_installed_reads_the_recipes_beside_its_package(monkeypatch):
+    """On a machine that cannot install (PYTHONPATH=checkout), freetx.recipes and
+    freetx.recipe_configs are not packages; the folders the wheel maps them from are read."""
+    real = registry.importlib.util.find_spec
+    monkeypatch.setattr(
+        registry.importlib.util,
+        "find_spec",
+        lambda name: None if name in registry.CHECKOUT_DIRS else real(name),
+    )
+    assert registry.recipes_dir() == REPO / "recipes"
+    assert registry.configs_dir() == REPO / "recipe_configs"
+    assert registry.config_file("llm/tiny").is_file()

@@ -228,6 +228,27 @@ def test_time_spent_apart_is_left_out_of_step_time_and_throughput(monkeypatch):
     assert "time/eval" not in (later := meter.read()) and later["step_time_s"] == 2.0
 
 
+def test_a_frozen_weight_counts_4_flops_per_token_and_a_trained_one_6():
+    """MFU's FLOPs: a model that trains everything counts its own figure; with its weights
+    frozen but an adapter's (LoRA), each frozen weight counts 4 (no weight gradient) in
+    the share of the parameters frozen, attention's FLOPs unchanged."""
+    from freetx.models.peft import PEFTConfig, apply_peft
+    from freetx.models.transformer import decoder
+    from freetx.training.meters import training_flops_per_token
+
+    model = decoder("tiny", max_seq_len=64)
+    full, dense = model.flops_per_token(64), model.flops_per_token(0)
+    assert training_flops_per_token(model, 64) == full
+    apply_peft(model, PEFTConfig(method="lora", rank=2, target_modules=["wq", "wv"]))
+    sizes = [(p.numel(), p.requires_grad) for p in model.parameters()]
+    share = sum(n for n, trained in sizes if not trained) / sum(n for n, _ in sizes)
+    assert 0.9 < share < 1
+    dense = model.flops_per_token(0)  # the adapters' weights counted too
+    assert training_flops_per_token(model, 64) == pytest.approx(
+        model.flops_per_token(64) - share * dense / 3
+    )
+
+
 def test_estimate_divides_the_sliced_layers_and_their_activations_by_tp():
     """At the same world size, fsdp x tp 2 holds what fsdp holds (each slice sharded over
     half the ranks), keeps less of each token's activations, and adds tp's sums to the
