@@ -94,6 +94,55 @@ class ADRecipeConfig(TrainingConfig):
     def planned(self) -> PlannedRun:  # windows of the model's context (n_transit)
         return PlannedRun(self.model)
 
+    def refuse_combinations(self) -> None:
+        """The model against the environment (`check_model_fits`): `freetx validate`,
+        `run` and `launch` refuse alike, before any history is generated."""
+        super().refuse_combinations()
+        with torch.device("meta"):
+            model = instantiate(self.model)
+        check_model_fits(self, model.config)
+
+
+def check_model_fits(cfg: ADRecipeConfig, model_config) -> None:
+    """The model against the environment: a context across episodes, every cell a state,
+    Dark Room's actions; the evaluation's temperatures and the goals that choose one."""
+    env, horizon = cfg.env, cfg.env.horizon
+    if model_config.max_seq_len < MIN_EPISODES_IN_CONTEXT * horizon:
+        raise ConfigError(
+            f"model.n_transit={model_config.max_seq_len} spans fewer than "
+            f"{MIN_EPISODES_IN_CONTEXT} episodes of {horizon} steps; in-context learning needs "
+            f"a context across episodes. Use n_transit >= {MIN_EPISODES_IN_CONTEXT * horizon}."
+        )
+    if model_config.num_states < env.grid_size**2:
+        raise ConfigError(
+            f"model.num_states={model_config.num_states} is fewer than the "
+            f"{env.grid_size**2} cells of a {env.grid_size}x{env.grid_size} Dark Room "
+            f"(env.grid_size={env.grid_size}). Set model.num_states={env.grid_size**2}."
+        )
+    temps = cfg.eval.temperatures
+    if not temps or min(temps) < 0:
+        raise ConfigError(
+            f"eval.temperatures={list(temps)}: list one or more sampling temperatures, "
+            "each 0 (greedy) or more, e.g. eval.temperatures=[0.5,1.0]."
+        )
+    if len(temps) > 1 and not len(goal_split(env).val):
+        raise ConfigError(
+            f"eval.temperatures lists {len(temps)} temperatures but env.val_goals=0: there "
+            "are no validation goals to choose one on (the test goals never choose). Set "
+            "env.val_goals > 0, or list one temperature."
+        )
+    if model_config.state_encoding == "xy" and model_config.grid_size != env.grid_size:
+        raise ConfigError(
+            f"model.grid_size={model_config.grid_size} but env.grid_size={env.grid_size}; "
+            f"the xy state encoding reads cells of the environment's grid. Set "
+            f"model.grid_size={env.grid_size}."
+        )
+    if model_config.num_actions != NUM_ACTIONS:
+        raise ConfigError(
+            f"model.num_actions={model_config.num_actions}, but Dark Room has "
+            f"{NUM_ACTIONS} actions (4 moves and stay). Set model.num_actions={NUM_ACTIONS}."
+        )
+
 
 class ADRecipeDDP:
     def __init__(self, cfg: ADRecipeConfig) -> None:
@@ -114,7 +163,7 @@ class ADRecipeDDP:
         with torch.device("meta"):
             model = instantiate(cfg.model)
         self.n_transit = model.config.max_seq_len
-        self.check_settings(model.config)
+        check_model_fits(cfg, model.config)  # as `freetx run` did before launching
         histories = self.make_histories()
         windows = ADWindows(
             histories, self.n_transit, cfg.env.horizon, model.no_action, model.no_reward
@@ -135,45 +184,6 @@ class ADRecipeDDP:
             tokens_per_sample=self.n_transit, n_transit=self.n_transit, windows=len(windows),
             histories="expert (ED)" if cfg.histories.expert else "Q-learning (AD)",
         )  # fmt: skip
-
-    def check_settings(self, model_config) -> None:
-        """The model against the environment: a context across episodes, every cell a state."""
-        env, horizon = self.cfg.env, self.cfg.env.horizon
-        if self.n_transit < MIN_EPISODES_IN_CONTEXT * horizon:
-            raise ConfigError(
-                f"model.n_transit={self.n_transit} spans fewer than {MIN_EPISODES_IN_CONTEXT} "
-                f"episodes of {horizon} steps; in-context learning needs a context across "
-                f"episodes. Use n_transit >= {MIN_EPISODES_IN_CONTEXT * horizon}."
-            )
-        if model_config.num_states < env.grid_size**2:
-            raise ConfigError(
-                f"model.num_states={model_config.num_states} is fewer than the "
-                f"{env.grid_size**2} cells of a {env.grid_size}x{env.grid_size} Dark Room "
-                f"(env.grid_size={env.grid_size}). Set model.num_states={env.grid_size**2}."
-            )
-        temps = self.cfg.eval.temperatures
-        if not temps or min(temps) < 0:
-            raise ConfigError(
-                f"eval.temperatures={list(temps)}: list one or more sampling temperatures, "
-                "each 0 (greedy) or more, e.g. eval.temperatures=[0.5,1.0]."
-            )
-        if len(temps) > 1 and not len(goal_split(env).val):
-            raise ConfigError(
-                f"eval.temperatures lists {len(temps)} temperatures but env.val_goals=0: there "
-                "are no validation goals to choose one on (the test goals never choose). Set "
-                "env.val_goals > 0, or list one temperature."
-            )
-        if model_config.state_encoding == "xy" and model_config.grid_size != env.grid_size:
-            raise ConfigError(
-                f"model.grid_size={model_config.grid_size} but env.grid_size={env.grid_size}; "
-                f"the xy state encoding reads cells of the environment's grid. Set "
-                f"model.grid_size={env.grid_size}."
-            )
-        if model_config.num_actions != NUM_ACTIONS:
-            raise ConfigError(
-                f"model.num_actions={model_config.num_actions}, but Dark Room has "
-                f"{NUM_ACTIONS} actions (4 moves and stay). Set model.num_actions={NUM_ACTIONS}."
-            )
 
     def make_histories(self) -> dict[str, np.ndarray]:
         """Generate the learning histories once (split across ranks), or reuse them."""

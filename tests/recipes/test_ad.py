@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from tests.conftest import flat, run_freetx
+from tests.conftest import flat, run_freetx, run_freetx_here
 
 SMALL = [
     "max_steps=6", "log_every_n_steps=3", "batch_size=16", "histories.episodes=8",
@@ -63,14 +63,18 @@ def test_short_run_writes_histories_metrics_and_the_evaluation_file(tmp_path):
      ("eval.temperatures=[]", "list one or more sampling temperatures"),
      ("env.val_goals=80", "env.val_goals < 73")],
 )  # fmt: skip
-def test_a_model_that_does_not_fit_the_environment_is_refused_before_any_history(
-    tmp_path, override, message
-):
+def test_a_model_that_does_not_fit_the_environment_is_refused_by_validate(override, message):
+    result = run_freetx_here("validate", "ad/darkroom_tiny", *SMALL, override)
+    assert result.returncode == 1 and message in flat(result.stdout + result.stderr), result
+
+
+def test_a_run_whose_model_does_not_fit_is_refused_before_any_history(tmp_path):
+    """`freetx run` makes validate's checks before it launches (the recipe again in setup)."""
     result = run_freetx(
         "run", "ad_ddp", "--config", "ad/darkroom_tiny", f"output_dir={tmp_path}", *SMALL,
-        override,
+        "model.n_transit=60",
     )  # fmt: skip
-    assert result.returncode == 1 and message in flat(result.stderr), result.stderr
+    assert result.returncode == 1 and "fewer than 4 episodes" in flat(result.stderr), result.stderr
     assert "Traceback" not in result.stderr and not (tmp_path / "data").exists()
 
 

@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from tests.conftest import flat, run_freetx
+from tests.conftest import flat, run_freetx, run_freetx_here
 
 
 def read_metrics(output_dir):
@@ -58,15 +58,12 @@ def test_float16_with_fsdp_on_two_processes_rides_out_an_overflow(tmp_path):
 
 
 BAD_INPUTS = [
-    (["distributed.strategy=fsdq"], "'distributed.strategy' must be one of"),
     (["distributed.strategy=hsdp", "distributed.replicate_degree=3"], "does not divide"),
     (["distributed.cpu_offload=true"], "needs an accelerator"),
     (["batch_size=10", "gradient_accumulation_steps=3"], "cannot be split"),
     (["dataset.seq_len=512"], "longer than the model's max_seq_len"),
     (["model.vocab_size=100"], "the tokenizer has 259 tokens"),
-    (["dataset.source=/no/such/file.txt"], "does not exist"),
     (["max_stpes=10"], "did you mean 'max_steps'"),
-    (["optimizer.lrr=0.1"], "did you mean 'lr'"),
 ]
 
 
@@ -79,6 +76,19 @@ def test_bad_input_is_one_paragraph_before_training(tmp_path, overrides, fragmen
     assert fragment in flat(result.stderr)
     assert "Traceback" not in result.stderr
     assert not (tmp_path / "metrics.jsonl").exists()  # no training step happened
+
+
+@pytest.mark.parametrize(
+    "overrides,fragment",
+    [(["distributed.strategy=fsdq"], "'distributed.strategy' must be one of"),
+     (["dataset.source=/no/such/file.txt"], "does not exist"),
+     (["optimizer.lrr=0.1"], "did you mean 'lr'")],
+)  # fmt: skip
+def test_bad_input_that_the_config_alone_shows_is_refused_by_validate(overrides, fragment):
+    """What `freetx run` reads with the same checks (load_and_check) before it launches:
+    validate names it too, in this process (the run's path: BAD_INPUTS above)."""
+    result = run_freetx_here("validate", "llm/tiny", *overrides)
+    assert result.returncode == 1 and fragment in flat(result.stdout + result.stderr)
 
 
 def test_empty_data_file_is_an_error(tmp_path):

@@ -30,4 +30,5 @@ def test_every_workload_runs_at_a_tiny_size_on_the_cpu(tmp_path):
     for workload in gpu_suite.WORKLOADS:
         if workload.vs:
             assert by_name[workload.name]["vs"].endswith(f"{workload.vs}'s step")
+    assert 0 < by_name["grpo_llama1b"]["generation_share"] < 1
     assert "| moe_qwen3_30b_a3b_4l |" in (tmp_path / "results.md").read_text()
