@@ -190,9 +190,10 @@ def _package_dir(package: str) -> Path:
     spec = importlib.util.find_spec(package)
     if spec is not None and spec.submodule_search_locations:
         return Path(list(spec.submodule_search_locations)[0])
-    beside = Path(__file__).resolve().parents[1] / CHECKOUT_DIRS[package]
-    if beside.is_dir():
-        return beside
+    checkout = Path(__file__).resolve().parents[1]
+    project = checkout / "pyproject.toml"
+    if project.is_file() and 'name = "freetx"' in project.read_text():  # freetx's own checkout
+        return checkout / CHECKOUT_DIRS[package]
     raise RuntimeError(f"freetx is installed without {package}; reinstall it")
 
 

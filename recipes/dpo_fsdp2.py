@@ -165,6 +165,7 @@ class DPORecipeFSDP2:
             self.train_loader,
             train_set,
             tokens_per_sample=2 * self.seq_len,
+            flops_seq_len=self.seq_len,
             seq_len=self.seq_len,
             models={"reference": None if kind == "none" else cfg.checkpoint.initial_weights},
             # packed: its packs hold more; KTO's: examples, each with its KL row

@@ -313,7 +313,7 @@ class GRPORecipeFSDP2:
             self.prompt_loader,
             train_set,
             tokens_per_sample=gen.num_generations * self.seq_len,
-            seq_len=self.seq_len,
+            flops_seq_len=self.seq_len,
             models={"reference": None if kind == "none" else cfg.checkpoint.initial_weights},
             prompts=len(train_set),
             completions_per_prompt=gen.num_generations,

@@ -146,6 +146,7 @@ class RewardModelRecipeFSDP2:
             self.train_loader,
             train_set,
             tokens_per_sample=2 * (self.seq_len + 1),
+            flops_seq_len=self.seq_len + 1,
             seq_len=self.seq_len + 1,
             train_pairs=train_set.summary().samples,
             padding=first_batches_padding(self.train_loader),

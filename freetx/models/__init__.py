@@ -37,6 +37,7 @@ from freetx.models.protocol import (
     model_class,
     num_active_parameters,
     num_parameters,
+    training_flops_per_token,
 )
 
 __all__ = [
@@ -51,6 +52,7 @@ __all__ = [
     "build_model",
     "builds",
     "flops_per_token",
+    "training_flops_per_token",
     "hf_model",
     "model_class",
     "num_active_parameters",

@@ -465,6 +465,20 @@ def flops_per_token(model: nn.Module, seq_len: int) -> float:
     return 6.0 * num_parameters(model)
 
 
+def training_flops_per_token(model: nn.Module, seq_len: int) -> float:
+    """The model's training FLOPs per token (`flops_per_token`: 6 per weight, forward and
+    both gradients, plus attention's at `seq_len`) less the gradient a frozen weight does
+    not get: 4 FLOPs per frozen weight instead of 6 (a LoRA run's base), in the share of
+    the parameters that are frozen (counted over every parameter: exact for LoRA and QLoRA,
+    whose base is all but the adapters; a few percent off where the embeddings train and
+    blocks do not, Spectrum, or where the frozen share of an MoE's experts differs from
+    the rest). For MFU and `freetx estimate`'s step time."""
+    full = flops_per_token(model, seq_len)
+    sizes = [(p.numel(), p.requires_grad) for p in model.parameters()]
+    frozen = sum(n for n, trained in sizes if not trained) / max(sum(n for n, _ in sizes), 1)
+    return full - frozen * flops_per_token(model, 0) / 3
+
+
 class LMOutput(NamedTuple):
     """What a language model's forward returns when training adds a term of its own to the
     loss (the MoE decoder's router loss); plain logits otherwise."""

@@ -75,7 +75,13 @@ from freetx.models.decoder.config import TransformerConfig
 from freetx.models.engine import EngineConfig
 from freetx.models.memory import TrainingShape
 from freetx.models.moe import MoEFeedForward
-from freetx.models.protocol import CountsFlops, EstimatesActivations, StoredInOwnForm, require_hook
+from freetx.models.protocol import (
+    CountsFlops,
+    EstimatesActivations,
+    StoredInOwnForm,
+    require_hook,
+    training_flops_per_token,
+)
 from freetx.planning.rungs import Rungs
 
 
@@ -414,7 +420,9 @@ def estimate(
     loss = loss if stage.holds_loss else 0.0
     peak, bandwidth = device_figures.peak, device_figures.bandwidth
     flops = (
-        model.flops_per_token(seq_len) if isinstance(model, CountsFlops) else 6 * total_trainable
+        training_flops_per_token(model, seq_len)
+        if isinstance(model, CountsFlops)
+        else 6 * total_trainable
     )
     fast_flops = min(6 * fast, flops)  # float8's Linears, forward and backward
     seconds = (flops - fast_flops) / peak + fast_flops / (device_figures.float8_peak or peak)

@@ -62,16 +62,11 @@ from freetx.distributed.optimizer import check_optimizer, steps_in_backward
 from freetx.entry import at_step, running_recipe_file
 from freetx.errors import TrainingError
 from freetx.loggers import build_metric_loggers, training_banner
-from freetx.models import num_active_parameters, num_parameters
+from freetx.models import num_active_parameters, num_parameters, training_flops_per_token
 from freetx.models.protocol import DescribesItself
 from freetx.training.config import check_per_rank_forwards
 from freetx.training.export import check_final_export, export_final
-from freetx.training.meters import (
-    ThroughputMeter,
-    peak_flops,
-    train_step_metrics,
-    training_flops_per_token,
-)
+from freetx.training.meters import ThroughputMeter, peak_flops, train_step_metrics
 from freetx.training.profiling import StepProfiler
 from freetx.training.seed import rng_state, set_rng_state
 from freetx.training.signals import PREEMPTED_FILE, StopRequest
@@ -194,13 +189,14 @@ class TrainingRun:
         train_loader,
         tokens_per_sample: int,
         inputs: dict[str, str | list[Path]] | None = None,
+        flops_seq_len: int | None = None,
         **facts: Any,
     ) -> None:
         """Everything is built: print the banner, then resume from a checkpoint (or load
         the initial weights) and write config.yaml. `tokens_per_sample` is what a sample
         counts for in throughput and FLOPs (its sequence length; a pair's two, a group's
-        several: then the `seq_len` fact says one sequence's, which attention's FLOPs
-        count); `inputs`: models the
+        several); `flops_seq_len`, where a sample holds several sequences, one sequence's
+        length, which attention's FLOPs count (None: tokens_per_sample); `inputs`: models the
         run reads besides its initial weights (name -> path) and the files its data and
         tokenizer read (name -> files, `freetx.checkpoint.files_read_by`), recorded by
         identity and checked on resume; `facts` go into the banner."""
@@ -208,7 +204,7 @@ class TrainingRun:
         self.train_loader = train_loader
         self.tokens_per_step = cfg.batch_size * tokens_per_sample
         self.meter = ThroughputMeter(
-            training_flops_per_token(module, facts.get("seq_len", tokens_per_sample)),
+            training_flops_per_token(module, flops_seq_len or tokens_per_sample),
             self.runtime.world_size,
             peak_flops(self.runtime.device, cfg.peak_flops),
         )

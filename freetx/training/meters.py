@@ -1,8 +1,8 @@
 """Meters: throughput, MFU and memory, the numbers logged beside the loss.
 
 MFU = (training FLOPs per token x tokens per second per device) / peak FLOPs.
-FLOPs per token come from the model's shape (`model.flops_per_token`), a frozen
-weight's at 4 instead of 6 (`training_flops_per_token`); peak
+FLOPs per token come from the model's shape (`freetx.models.training_flops_per_token`:
+`model.flops_per_token`, a frozen weight's at 4 instead of 6); peak
 FLOPs from the table of known GPUs below (dense bf16 tensor-core numbers from
 the vendors' data sheets), or from `peak_flops` in the config for CPUs and
 anything else; `measure_matmul_flops` measures a CPU's matmul peak.
@@ -21,7 +21,6 @@ import torch
 from freetx.data import GlobalBatchSampler, TokenBatch
 from freetx.data.batch import sample_positions
 from freetx.distributed import ParallelGroups
-from freetx.models.protocol import flops_per_token
 
 # Dense (no sparsity) bf16 peak, FLOP/s, matched by substring of the device name.
 PEAK_BF16_FLOPS = {
@@ -68,17 +67,6 @@ def measure_matmul_flops(size: int = 1024, seconds: float = 1.0, dtype=torch.flo
         a @ b
         count += 1
     return 2 * size**3 * count / (time.perf_counter() - start)
-
-
-def training_flops_per_token(model: torch.nn.Module, seq_len: int) -> float:
-    """The model's training FLOPs per token (`flops_per_token`: 6 per weight, forward and
-    both gradients, plus attention's at `seq_len`) less the gradient a frozen weight does
-    not get: 4 FLOPs per frozen weight instead of 6 (a LoRA run's base), in the share of
-    the parameters that are frozen."""
-    full = flops_per_token(model, seq_len)
-    sizes = [(p.numel(), p.requires_grad) for p in model.parameters()]
-    frozen = sum(n for n, trained in sizes if not trained) / max(sum(n for n, _ in sizes), 1)
-    return full - frozen * flops_per_token(model, 0) / 3
 
 
 def memory_stats(device: torch.device) -> dict[str, float]:

@@ -42,7 +42,8 @@ def test_the_tiny_suite_reports_its_workloads_and_goes_on_past_a_failing_one(tmp
     assert row["tokens_per_s_per_device"] > 0 and row["peak_gib"] > 0
     assert 0 < row["estimate_gib"] < row["peak_gib"]  # the CPU's RSS holds Python too
     assert "distributed.compile" not in row["command"]  # compile: a GPU's only
-    assert not (tmp_path / "logs" / "broken.log").exists()  # refused before a launch
+    logs = tmp_path / "logs"
+    assert (logs / "sft_llama1b.log").is_file() and not (logs / "broken.log").exists()
     table = (tmp_path / "results.md").read_text()
     assert "| sft_llama1b | full_finetune_fsdp2 | Llama-3.2-1B (tiny) | 1 CPU process" in table
     assert "FAILED: " in table
