@@ -6,7 +6,8 @@
 Setup reads the activations (synthetic rows, a cache written once, or a buffer
 refilled by running the frozen source models on this rank's own text), scales
 each source to mean norm sqrt(d) with constants estimated on every rank and
-all-reduced, and builds the crosscoder: its dictionary is the big tensor and
+all-reduced (and, with `model.apply_b_dec_to_input`, starts the decoder bias at the
+scaled rows' mean), and builds the crosscoder: its dictionary is the big tensor and
 FSDP2 shards it by feature. The loop is the LM recipe's: micro-batches of rows,
 the loss (`CrosscoderLoss`, its collectives over the recipe's groups) computed
 inside the model's forward (summed over rows; gradients normalized by the rows
@@ -40,6 +41,7 @@ from freetx.data import (
 from freetx.data.activations import norm_sums, scales_from_norm_sums
 from freetx.distributed import (
     build_groups,
+    fill_parameters,
     full_norm,
     full_tensor,
     init_distributed,
@@ -120,8 +122,12 @@ class CrosscoderRecipeFSDP2:
         )
         self.model = self.plan.model
         if not self.run.loads_weights:  # a resume restores both from the checkpoint
-            self.plan.module.tie_encoder(local_parameters(self.plan.module))
-            self.plan.module.input_scale.copy_(self.estimate_scales())
+            module = self.plan.module
+            module.tie_encoder(local_parameters(module))
+            scales, mean = self.estimate_scales()
+            module.input_scale.copy_(scales)
+            if module.config.apply_b_dec_to_input:  # centered from the first step
+                fill_parameters(module, lambda name, p: mean, only=lambda name: name == "b_dec")
         self.optimizer = self.plan.build_optimizer(cfg.optimizer)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.max_steps, cfg.lr_schedule)
         self.loss_fn = CrosscoderLoss(self.groups)  # its state advances in training only
@@ -191,15 +197,20 @@ class CrosscoderRecipeFSDP2:
         sources = self.cfg.activations.sources
         return {f"activations.sources[{i}].model": s.model for i, s in enumerate(sources)}
 
-    def estimate_scales(self) -> torch.Tensor:
-        """Per source, sqrt(d) / mean ||x||, from rows of every rank (all-reduced): the
-        same constants on every rank; stored with the model (and its checkpoints)."""
-        norms, count = norm_sums(self.data.normalize_from)
-        count = torch.tensor(float(count), device=self.device)
-        totals = self.groups.sum_tensors({"norms": norms.to(self.device), "count": count})
-        source_dim = self.data.shape[1]
-        scales = scales_from_norm_sums(totals["norms"], float(totals["count"]), source_dim)
-        return scales.to(self.device)
+    def estimate_scales(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per source, sqrt(d) / mean ||x|| [n], and the mean of the rows so scaled [n, d],
+        from rows of every rank (all-reduced): the same constants on every rank; the scales
+        are stored with the model (and its checkpoints)."""
+        rows = self.data.normalize_from
+        norms, count = norm_sums(rows)
+        totals = self.groups.sum_tensors({
+            "norms": norms.to(self.device),
+            "count": torch.tensor(float(count), device=self.device),
+            "sums": rows.float().sum(0).to(self.device),
+        })  # fmt: skip
+        count, source_dim = float(totals["count"]), self.data.shape[1]
+        scales = scales_from_norm_sums(totals["norms"], count, source_dim).to(self.device)
+        return scales, totals["sums"] * scales[:, None] / max(count, 1.0)
 
     # -- the loop -------------------------------------------------------------------
     def train(self) -> None:

@@ -127,29 +127,21 @@ def analyze(args: argparse.Namespace) -> int:
 
 
 def export(args: argparse.Namespace) -> int:
-    import torch
-
+    from freetx.models.crosscoder import exported_tensors
     from freetx.user_files import check_destination, staged_output
 
     source = _tensors(args.checkpoint)
     dst = Path(args.output).expanduser()
     check_destination(source.path, dst, args.overwrite)  # before reading the tensors
-    get = lambda name: source.get(f"model.{name}")  # noqa: E731
-    scale = get("input_scale").float() if "model.input_scale" in source.infos else None
-    w_dec, w_enc = get("W_dec").float(), get("W_enc").float()
-    n = w_dec.shape[1]
-    scale = torch.ones(n) if scale is None else scale
-    tensors = {  # raw activations in: the normalization folded into the weights
-        "W_enc": (w_enc * scale[None, :, None]).permute(1, 2, 0).contiguous(),  # [n, d, m]
-        "W_dec": (w_dec / scale[None, :, None]).contiguous(),  # [m, n, d]
-        "b_enc": get("b_enc").float(),
-        "b_dec": (get("b_dec").float() / scale[:, None]).contiguous(),
-    }
+    names = ("W_enc", "W_dec", "b_enc", "b_dec", "input_scale", "log_threshold",
+             "inference_threshold")  # fmt: skip
     config = dict(source.model_config or {})
-    if "model.log_threshold" in source.infos:
-        tensors["threshold"] = get("log_threshold").float().exp()
-    if "model.inference_threshold" in source.infos:
-        tensors["threshold"] = get("inference_threshold").float().expand(w_dec.shape[0]).clone()
+    tensors = exported_tensors(
+        {name: source.get(f"model.{name}") for name in names if f"model.{name}" in source.infos},
+        bool(config.get("apply_b_dec_to_input", False)),
+    )
+    folded = "model.input_scale" in source.infos
+    scale = source.get("model.input_scale").float().tolist() if folded else None
     run_config = source.meta.get("config") or {}
     activations = run_config.get("activations") or {}
     description = {
@@ -157,9 +149,10 @@ def export(args: argparse.Namespace) -> int:
         "sources": activations.get("sources")
         if activations.get("kind") == "models"
         else "synthetic",
-        "input_scale_folded": scale.tolist(),
+        "input_scale_folded": scale or [1.0] * tensors["W_enc"].shape[0],
         "computes": "f = act(sum_s x_s @ W_enc[s] + b_enc), act thresholded at `threshold` "
-        "(jumprelu, batchtopk) or ReLU; x_hat = f @ W_dec + b_dec (per source), on raw activations",
+        "(jumprelu, batchtopk) or ReLU; x_hat = f @ W_dec + b_dec (per source), on raw "
+        "activations (the input scale and any centering folded in)",
         "checkpoint": str(source.path),
     }
     from freetx.checkpoint.formats import save_tensors

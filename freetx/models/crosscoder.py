@@ -3,6 +3,7 @@ from, and written back to, several activation sources at once: layers of one mod
 (cross-layer, acausal) or the same site of two models (model diffing).
 
     pre   = sum_s x_s W_enc[s] + b_enc                      x: [B, n_src, d] -> [B, m]
+            (x_s - b_dec,s in place of x_s with `apply_b_dec_to_input`)
     f     = act(pre)                                        the feature activations
     x_hat = f W_dec + b_dec                                 W_dec: [m, n_src, d]
     loss  = sum_{s,d} (x - x_hat)^2  +  sparsity(f)  (+ pre-activation / AuxK terms)
@@ -63,6 +64,9 @@ class CrosscoderConfig:
     dict_size: int  # m, the seed's ae_dim
     activation: Literal["relu", "jumprelu", "batchtopk"] = "relu"
     dec_init_norm: float = 0.08  # each feature's decoder norm per source at init
+    # the encoder reads x - b_dec, b_dec starting at the data's mean (SAELens' name; the
+    # SAE papers' b_pre): features start on centered data (the seed: false)
+    apply_b_dec_to_input: bool = False
     # jumprelu
     tanh_c: float = 4.0
     pre_act_coeff: float = 3e-6  # lambda_P
@@ -238,6 +242,8 @@ class Crosscoder(nn.Module):
         return self.W_dec.norm(dim=-1).sum(-1)
 
     def pre_activations(self, x: torch.Tensor) -> torch.Tensor:
+        if self.config.apply_b_dec_to_input:
+            x = x - self.b_dec
         return torch.einsum("bsd,msd->bm", x, self.W_enc) + self.b_enc
 
     def decode(self, f: torch.Tensor) -> torch.Tensor:
@@ -292,7 +298,6 @@ class Crosscoder(nn.Module):
         else:
             tensor.zero_()
 
-    @torch.no_grad()
     @torch.no_grad()
     def tie_encoder(self, local: dict[str, torch.Tensor]) -> None:
         """W_enc = W_dec (the encoder reads each feature along its decoder direction), the
@@ -459,6 +464,33 @@ class CrosscoderStats:
         metrics.update({f"explained_variance/source_{i}": float(v) for i, v in enumerate(ev)})
         self.window = ReconstructionStats.zeros(*self.shape)
         return metrics
+
+
+@torch.no_grad()
+def exported_tensors(
+    tensors: dict[str, torch.Tensor], apply_b_dec_to_input: bool = False
+) -> dict[str, torch.Tensor]:
+    """A crosscoder's tensors (`W_enc`, `W_dec`, `b_enc`, `b_dec`, and `input_scale`,
+    `log_threshold` or `inference_threshold` where it has them) as one computation on raw
+    activations: f = act(sum_s x_s @ W_enc[s] + b_enc), thresholded at `threshold` where
+    there is one, x_hat = f @ W_dec + b_dec. The input scale and, with
+    `apply_b_dec_to_input`, the centering are folded into the weights."""
+    w_dec, w_enc, b_enc = (tensors[k].float() for k in ("W_dec", "W_enc", "b_enc"))
+    b_dec = tensors["b_dec"].float()
+    scale = tensors.get("input_scale", torch.ones(w_dec.shape[1])).float()
+    if apply_b_dec_to_input:  # (x - b_dec) W_enc = x W_enc - b_dec W_enc
+        b_enc = b_enc - torch.einsum("sd,msd->m", b_dec, w_enc)
+    out = {
+        "W_enc": (w_enc * scale[None, :, None]).permute(1, 2, 0).contiguous(),  # [n, d, m]
+        "W_dec": (w_dec / scale[None, :, None]).contiguous(),  # [m, n, d]
+        "b_enc": b_enc,
+        "b_dec": (b_dec / scale[:, None]).contiguous(),
+    }
+    if "log_threshold" in tensors:
+        out["threshold"] = tensors["log_threshold"].float().exp()
+    if "inference_threshold" in tensors:
+        out["threshold"] = tensors["inference_threshold"].float().expand(w_dec.shape[0]).clone()
+    return out
 
 
 @torch.no_grad()
