@@ -1,19 +1,27 @@
-"""Algorithm Distillation over several goal splits: AD and its ED control, each split
-with its own history and training seed, on 2 processes through the CLI; then the
-held-out returns per split, and their mean and spread across splits and seeds.
+"""Algorithm Distillation over goal splits drawn at run time: each split with its own
+histories and training seed, on 2 processes through the CLI; then the held-out returns
+per split and per goal against the optimum, and the learning curve in context.
 
-    python benchmarks/ad_splits.py [--splits 0 1 2] [--root runs/ad_splits] [--no-ed]
+    python benchmarks/ad_splits.py --splits 5             # 5 split seeds drawn now
+    python benchmarks/ad_splits.py --seed-list 0 1 2      # these splits
+    python benchmarks/ad_splits.py --splits 3 --ed        # and the ED control on each
+    python benchmarks/ad_splits.py --splits 3 --compressed  # and compressed AD on each
 
 Each run is `freetx run --nproc-per-node 2 ad_ddp --config ad/darkroom_tiny
-env.split_seed=S histories.seed=S seed=S output_dir=ROOT/ad_sS` (ad/darkroom_ed for
-the control); a finished run is read again, not retrained. The temperature is the
-one chosen on the split's validation goals; the test goals were evaluated once.
+env.split_seed=S histories.seed=S seed=S output_dir=ROOT/ad_sS` (ad/darkroom_ed for the
+control, ad/darkroom_compressed for compressed AD); a finished run is read again, not
+retrained. The temperature is the one chosen on the split's validation goals; the test
+goals were evaluated once. Beside the returns, each run's cost: its context (tokens at
+most), median step time and the fullest rank's peak RSS, from its metrics.jsonl. The goal
+(docs/recipes/ad_ddp.md): every split's last-5 return >= 80% of its optimum, every test
+goal's mean >= 8.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 import subprocess
 import sys
@@ -22,10 +30,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import table  # noqa: E402
+from benchmarks.common import medians, step_records, table  # noqa: E402
+
+SHARE_OF_OPTIMUM, GOAL_FLOOR = 0.8, 8.0
+CURVE_EPISODES = (1, 2, 5, 10, 15, 20, 25, 30)
 
 
 def run(config: str, split: int, output_dir: Path, nproc: int, extra: list[str]) -> dict:
+    """One split's run (trained unless finished); its eval/in_context_returns.json."""
     result = output_dir / "eval" / "in_context_returns.json"
     if not (result.is_file() and "test" in json.loads(result.read_text())):
         start = time.perf_counter()
@@ -38,39 +50,108 @@ def run(config: str, split: int, output_dir: Path, nproc: int, extra: list[str])
     return json.loads(result.read_text())
 
 
-def summary(name: str, results: dict[int, dict]) -> list[list[str]]:
+def last5(curve: list[float]) -> float:
+    return sum(curve[-5:]) / 5
+
+
+def cost(output_dir: Path) -> list[str]:
+    """A run's context (tokens at most, from its config.yaml), median step time and the
+    fullest rank's peak memory (RSS on a CPU, allocated on CUDA; from its metrics.jsonl)."""
+    from omegaconf import OmegaConf
+
+    from freetx.data.darkroom import compressed_length
+
+    cfg = OmegaConf.load(output_dir / "config.yaml")
+    c = cfg.get("compress")
+    context = (compressed_length(c.region_episodes, c.regions, cfg.env.horizon) if c
+               else cfg.model.n_transit)  # fmt: skip
+    records = step_records(output_dir / "metrics.jsonl")
+    step = medians(records, ["step_time_s"], after=2)["step_time_s"]
+    logged = {key for r in records for key in r}
+    key = next(k for k in ("memory/peak_allocated_gib", "memory/max_rss_gib") if k in logged)
+    peak = max(r[key] for r in records if key in r)
+    return [str(context), f"{step * 1000:.0f} ms", f"{peak:.2f} GiB"]
+
+
+def split_rows(name: str, results: dict[int, dict], dirs: dict[int, Path]) -> list[list[str]]:
     rows = []
     for split, r in results.items():
-        curve = r["test"]["returns_per_episode"]
-        first2, last5 = sum(curve[:2]) / 2, sum(curve[-5:]) / 5
-        rows.append([name, str(split), f"{r['temperature']:g}", f"{first2:.2f}", f"{last5:.2f}",
-                     f"{last5 / max(first2, 1e-9):.1f}x", f"{r['test']['optimal_return']:.2f}"])  # fmt: skip
+        test = r["test"]
+        curve, optimal = test["returns_per_episode"], test["optimal_return"]
+        rows.append([name, str(split), f"{r['temperature']:g}", f"{sum(curve[:2]) / 2:.2f}",
+                     f"{last5(curve):.2f}", f"{optimal:.2f}", f"{last5(curve) / optimal:.0%}",
+                     f"{min(test['last5_per_goal']):.2f}", *cost(dirs[split])])  # fmt: skip
     return rows
+
+
+def goal_rows(name: str, results: dict[int, dict], dirs: dict[int, Path]) -> list[list[str]]:
+    """Per test goal: its cell, optimum (walk straight there, then stay: the run's room)
+    and last-5 return."""
+    import numpy as np
+    from omegaconf import OmegaConf
+
+    from freetx.envs import DarkRoomConfig, optimal_return
+
+    rows = []
+    for split, r in results.items():
+        env = OmegaConf.load(dirs[split] / "config.yaml").env
+        goals = np.array(r["test"]["goals"])
+        optima = optimal_return(goals, DarkRoomConfig(grid_size=env.grid_size, horizon=env.horizon))
+        for (x, y), optimal, value in zip(goals, optima, r["test"]["last5_per_goal"]):
+            rows.append([name, str(split), f"({x}, {y})", f"{optimal:g}", f"{value:.2f}",
+                         f"{value / optimal:.0%}"])  # fmt: skip
+    return rows
+
+
+def verdict(name: str, results: dict[int, dict]) -> str:
+    shares = [last5(r["test"]["returns_per_episode"]) / r["test"]["optimal_return"]
+              for r in results.values()]  # fmt: skip
+    goals = [v for r in results.values() for v in r["test"]["last5_per_goal"]]
+    below = sum(v < GOAL_FLOOR for v in goals)
+    ok = min(shares) >= SHARE_OF_OPTIMUM and below == 0
+    return (f"{name}: last 5 episodes {statistics.mean(shares):.0%} of the optimum on average "
+            f"(min {min(shares):.0%} over {len(shares)} splits); {below} of {len(goals)} test "
+            f"goals below {GOAL_FLOOR:g} (min {min(goals):.2f}) -> "
+            f"{'meets' if ok else 'misses'} the goal (every split >= "
+            f"{SHARE_OF_OPTIMUM:.0%}, every goal >= {GOAL_FLOOR:g})")  # fmt: skip
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--splits", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--splits", type=int, default=5, help="split seeds drawn at run time")
+    parser.add_argument("--seed-list", type=int, nargs="+", help="these split seeds instead")
     parser.add_argument("--root", default="runs/ad_splits")
     parser.add_argument("--nproc", type=int, default=2)
-    parser.add_argument("--no-ed", action="store_true", help="AD only")
-    parser.add_argument("overrides", nargs="*", help="key=value for both configs")
+    parser.add_argument("--ed", action="store_true", help="the ED control on each split too")
+    parser.add_argument("--compressed", action="store_true", help="compressed AD on each too")
+    parser.add_argument("overrides", nargs="*", help="key=value for every run")
     args = parser.parse_args()
+    splits = args.seed_list or random.SystemRandom().sample(range(1000), args.splits)
+    print(f"split seeds: {' '.join(map(str, splits))}", flush=True)
     root = Path(args.root)
-    kinds = [("AD", "ad/darkroom_tiny", "ad")] + (
-        [] if args.no_ed else [("ED", "ad/darkroom_ed", "ed")]
-    )
-    results = {name: {s: run(cfg, s, root / f"{short}_s{s}", args.nproc, args.overrides)
-                      for s in args.splits} for name, cfg, short in kinds}  # fmt: skip
-    rows = [row for name in results for row in summary(name, results[name])]
-    print(table(rows, ["run", "split", "T (val)", "first 2", "last 5", "ratio", "optimal"]))
+    kinds = [("AD", "ad/darkroom_tiny", "ad")]
+    kinds += [("compressed AD", "ad/darkroom_compressed", "cad")] if args.compressed else []
+    kinds += [("ED", "ad/darkroom_ed", "ed")] if args.ed else []
+    dirs = {name: {s: root / f"{short}_s{s}" for s in splits} for name, _, short in kinds}
+    results = {name: {s: run(cfg, s, dirs[name][s], args.nproc, args.overrides) for s in splits}
+               for name, cfg, _ in kinds}  # fmt: skip
+    print(table([row for name in results for row in split_rows(name, results[name], dirs[name])],
+                ["run", "split", "T (val)", "first 2", "last 5", "optimal", "last 5 / optimal",
+                 "worst goal", "context", "step", "peak memory"]))  # fmt: skip
+    print()
+    print(table([row for name in results for row in goal_rows(name, results[name], dirs[name])],
+                ["run", "split", "test goal", "optimal", "last 5", "/ optimal"]))  # fmt: skip
+    print()
+    curves = []
     for name, per_split in results.items():
-        last5 = [sum(r["test"]["returns_per_episode"][-5:]) / 5 for r in per_split.values()]
-        seeds = [v for r in per_split.values() for v in r["test"]["last5_per_seed"]]
-        spread = statistics.stdev(last5) if len(last5) > 1 else 0.0
-        print(f"{name}: last 5 episodes, mean over splits {statistics.mean(last5):.2f} "
-              f"(std {spread:.2f}, min {min(last5):.2f}); over {len(seeds)} split x seed runs "
-              f"mean {statistics.mean(seeds):.2f}, std {statistics.stdev(seeds):.2f}")  # fmt: skip
+        mean = [statistics.mean(r["test"]["returns_per_episode"][e - 1] for r in per_split.values())
+                for e in CURVE_EPISODES]  # fmt: skip
+        curves.append([name] + [f"{v:.2f}" for v in mean])
+    print("return per in-context episode, mean over the splits' test goals x seeds:")
+    print(table(curves, ["run"] + [f"ep {e}" for e in CURVE_EPISODES]))
+    print()
+    for name, per_split in results.items():
+        print(verdict(name, per_split))
 
 
 if __name__ == "__main__":

@@ -148,7 +148,7 @@ RECIPES: tuple[Recipe, ...] = (
     Recipe(
         name="ad_ddp",
         file="ad_ddp.py",
-        configs=("ad/darkroom_tiny", "ad/darkroom", "ad/darkroom_ed"),
+        configs=("ad/darkroom_tiny", "ad/darkroom", "ad/darkroom_ed", "ad/darkroom_compressed"),
         description="Algorithm Distillation on Dark Room, DDP, in-context evaluation",
     ),
     Recipe(

@@ -2,6 +2,7 @@
 
     freetx run --nproc-per-node 2 ad_ddp --config ad/darkroom_tiny
     freetx run --nproc-per-node 2 ad_ddp --config ad/darkroom_ed      # the ED control
+    freetx run --nproc-per-node 2 ad_ddp --config ad/darkroom_compressed
 
 Setup makes (or reuses) the learning histories: Q-learning on every training
 goal, generation split across ranks, one safetensors shard per rank. The loop
@@ -10,7 +11,11 @@ predicted at every position, accumulation with gradient sync on the last
 micro-batch, clip, step, schedule, log, checkpoint. Evaluation runs the frozen
 model on held-out goals for `eval.episodes` episodes, its own transitions
 filling a sliding context, the goals split across ranks and the returns
-summed over all of them.
+summed over all of them. With a `compress:` section (compressed AD, the seed's
+`ad_dr_compressed`), the context is the last `compress.regions` regions of
+`compress.region_episodes` episodes each, bracketed by learned <compress> / </compress>
+tokens, in training windows and in the evaluation alike: the oldest region is dropped
+whole when a new one opens.
 """
 
 from __future__ import annotations
@@ -28,7 +33,17 @@ from omegaconf import MISSING
 
 from freetx.config import at_least, instantiate
 from freetx.data import build_train_loader, micro_batch_size
-from freetx.data.darkroom import ADWindows, histories_cache, load_histories, subsample_episodes
+from freetx.data.darkroom import (
+    ADWindows,
+    CompressedADWindows,
+    compressed_context,
+    compressed_length,
+    context_tokens,
+    histories_cache,
+    kept_regions,
+    load_histories,
+    subsample_episodes,
+)
 from freetx.distributed import build_groups, init_distributed, parallelize
 from freetx.entry import parse
 from freetx.envs import (
@@ -67,6 +82,15 @@ class InContextEvalConfig:
     temperatures: list[float] = field(default_factory=lambda: [0.5, 1.0])
 
 
+@dataclass
+class CompressConfig:
+    """`compress:` compressed AD: the context keeps the last `regions` regions (rollout
+    batches) of `region_episodes` episodes, each between <compress> and </compress>."""
+
+    region_episodes: int = at_least(1, default=2)
+    regions: int = at_least(2, default=2)  # the one being filled and the ones before it
+
+
 def first2(curve: np.ndarray) -> float:
     return float(np.mean(curve[:2]))
 
@@ -82,7 +106,7 @@ class ADRecipeConfig(TrainingConfig):
     train_batch_size x GPUs x accumulation)."""
 
     fixed_on_resume: ClassVar[tuple[str, ...]] = (
-        *TrainingConfig.fixed_on_resume, "model", "env", "histories",
+        *TrainingConfig.fixed_on_resume, "model", "env", "histories", "compress",
     )  # fmt: skip
 
     data_dir: Optional[str] = written_folder(None)  # histories; null: <output_dir>/data
@@ -90,6 +114,7 @@ class ADRecipeConfig(TrainingConfig):
     histories: HistoryConfig = field(default_factory=HistoryConfig)
     model: Any = MISSING
     eval: InContextEvalConfig = field(default_factory=InContextEvalConfig)
+    compress: Optional[CompressConfig] = None  # null: plain AD, a sliding window
 
     def planned(self) -> PlannedRun:  # windows of the model's context (n_transit)
         return PlannedRun(self.model)
@@ -106,8 +131,17 @@ class ADRecipeConfig(TrainingConfig):
 def check_model_fits(cfg: ADRecipeConfig, model_config) -> None:
     """The model against the environment: a context across episodes, every cell a state,
     Dark Room's actions; the evaluation's temperatures and the goals that choose one."""
-    env, horizon = cfg.env, cfg.env.horizon
-    if model_config.max_seq_len < MIN_EPISODES_IN_CONTEXT * horizon:
+    env, horizon, compress = cfg.env, cfg.env.horizon, cfg.compress
+    if (
+        compress is not None
+        and compress.regions * compress.region_episodes < MIN_EPISODES_IN_CONTEXT
+    ):
+        raise ConfigError(
+            f"compress: {compress.regions} regions of {compress.region_episodes} episodes "
+            f"span fewer than {MIN_EPISODES_IN_CONTEXT} episodes; in-context learning needs a "
+            "context across episodes. Raise compress.region_episodes or compress.regions."
+        )
+    if compress is None and model_config.max_seq_len < MIN_EPISODES_IN_CONTEXT * horizon:
         raise ConfigError(
             f"model.n_transit={model_config.max_seq_len} spans fewer than "
             f"{MIN_EPISODES_IN_CONTEXT} episodes of {horizon} steps; in-context learning needs "
@@ -137,6 +171,26 @@ def check_model_fits(cfg: ADRecipeConfig, model_config) -> None:
             f"the xy state encoding reads cells of the environment's grid. Set "
             f"model.grid_size={env.grid_size}."
         )
+    if compress is not None and not model_config.boundary_tokens:
+        raise ConfigError(
+            "compress: lays the context out in regions between <compress> / </compress> "
+            "tokens, which the model embeds only with model.boundary_tokens=true; set it, "
+            "or compress=null for plain AD."
+        )
+    if compress is None and model_config.boundary_tokens:
+        raise ConfigError(
+            "model.boundary_tokens=true embeds compressed AD's <compress> / </compress> "
+            "tokens, but there is no compress: section to lay them out; add one (e.g. "
+            "compress={region_episodes: 2, regions: 2}) or set model.boundary_tokens=false."
+        )
+    need = compressed_length(compress.region_episodes, compress.regions, horizon) if compress else 0
+    if need > model_config.max_seq_len:
+        raise ConfigError(
+            f"compress: {compress.regions} regions of {compress.region_episodes} episodes of "
+            f"{horizon} steps are {need} tokens with their markers, more than "
+            f"model.n_transit={model_config.max_seq_len} holds. Set model.n_transit={need}, "
+            "or keep fewer or shorter regions."
+        )
     if model_config.num_actions != NUM_ACTIONS:
         raise ConfigError(
             f"model.num_actions={model_config.num_actions}, but Dark Room has "
@@ -165,9 +219,17 @@ class ADRecipeDDP:
         self.n_transit = model.config.max_seq_len
         check_model_fits(cfg, model.config)  # as `freetx run` did before launching
         histories = self.make_histories()
-        windows = ADWindows(
-            histories, self.n_transit, cfg.env.horizon, model.no_action, model.no_reward
-        )
+        if cfg.compress is None:
+            windows = ADWindows(
+                histories, self.n_transit, cfg.env.horizon, model.no_action, model.no_reward
+            )
+        else:
+            c = cfg.compress
+            windows = CompressedADWindows(
+                histories, c.region_episodes, c.regions, cfg.env.horizon,
+                model.no_action, model.no_reward,
+            )  # fmt: skip
+        tokens = len(windows[0]["labels"])
         self.plan = parallelize(
             model, self.groups, cfg.distributed, seed=cfg.seed,
             init_weights=not self.run.loads_weights,  # random init unless weights are loaded
@@ -181,8 +243,10 @@ class ADRecipeDDP:
         )  # fmt: skip
         self.run.start(
             self.plan, self.optimizer, self.lr_scheduler, self.train_loader,
-            tokens_per_sample=self.n_transit, n_transit=self.n_transit, windows=len(windows),
+            tokens_per_sample=tokens, n_transit=self.n_transit, windows=len(windows),
             histories="expert (ED)" if cfg.histories.expert else "Q-learning (AD)",
+            context="sliding" if cfg.compress is None else
+            f"compressed: {cfg.compress.regions} regions x {cfg.compress.region_episodes} episodes",
         )  # fmt: skip
 
     def make_histories(self) -> dict[str, np.ndarray]:
@@ -214,7 +278,7 @@ class ADRecipeDDP:
             batches = [next(data) for _ in range(self.accumulation)]
             self.optimizer.zero_grad(set_to_none=True)
             sums, num_predictions = accumulate_gradients(
-                self.plan, batches, self.compute_loss, count=lambda b: b["labels"].numel()
+                self.plan, batches, self.compute_loss, count=lambda b: (b["labels"] >= 0).sum()
             )
             grad_norm = optimizer_step(
                 self.plan, self.optimizer, self.lr_scheduler, cfg.max_grad_norm
@@ -229,14 +293,14 @@ class ADRecipeDDP:
         run.finish(self.evaluate)
 
     def compute_loss(self, batch: dict[str, torch.Tensor]):
-        """One micro-batch: the source's action predicted at every position (summed
-        cross-entropy), and how many of those predictions are right."""
+        """One micro-batch: the source's action predicted at every transition (summed
+        cross-entropy; compressed AD's markers are labelled -100, no prediction), and how
+        many of those predictions are right."""
         batch = {k: v.to(self.device) for k, v in batch.items()}
-        logits = self.model(batch["states"], batch["prev_actions"], batch["prev_rewards"])
-        loss = F.cross_entropy(
-            logits.float().flatten(0, 1), batch["labels"].flatten(), reduction="sum"
-        )
-        correct = (logits.argmax(-1) == batch["labels"]).sum()
+        labels = batch.pop("labels")
+        logits = self.model(**batch)
+        loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="sum")
+        correct = (logits.argmax(-1) == labels).sum()  # never equal at a marker (-100)
         return loss, {"action_accuracy": correct}
 
     @torch.no_grad()
@@ -352,13 +416,15 @@ class ADRecipeDDP:
         key) with a sliding, episode-aligned context. Returns [runs, episodes].
 
         The context holds the last n_transit // horizon - 1 whole episodes and the
-        current one so far, the layout of the training windows. Each run samples its
+        current one so far, the layout of the training windows; compressed AD's, the
+        region being filled and the `compress.regions - 1` whole regions before it. Each run samples its
         actions from its own random stream, keyed by (seed, goal cell, eval seed), so
         results do not depend on how the runs are split across ranks, and runs that
         differ only in temperature share their noise.
         """
         horizon, episodes = self.cfg.env.horizon, self.cfg.eval.episodes
         keep = max(1, self.n_transit // horizon - 1)  # whole past episodes in context
+        compress = self.cfg.compress
         env = DarkRoom(goals, self.cfg.env)
         n = len(goals)
         steps = episodes * horizon
@@ -380,11 +446,23 @@ class ADRecipeDDP:
             done = False
             while not done:
                 states[:, t] = state
-                start = max(0, episode - keep) * horizon
-                prev_actions = torch.cat([no_action, actions[:, start:t]], 1)
-                prev_rewards = torch.cat([no_reward, rewards[:, start:t]], 1)
+                if compress is None:
+                    start = max(0, episode - keep) * horizon
+                    inputs = {
+                        "states": states[:, start : t + 1],
+                        "prev_actions": torch.cat([no_action, actions[:, start:t]], 1),
+                        "prev_rewards": torch.cat([no_reward, rewards[:, start:t]], 1),
+                    }
+                else:
+                    starts = kept_regions(
+                        episode, compress.region_episodes, compress.regions, horizon
+                    )
+                    inputs = context_tokens(
+                        states, actions, rewards, *compressed_context(starts, t + 1),
+                        model.no_action, model.no_reward,
+                    )  # fmt: skip
                 with self.plan.autocast():
-                    logits = model(states[:, start : t + 1], prev_actions, prev_rewards)[:, -1]
+                    logits = model(**inputs)[:, -1]
                 logits = logits.float()
                 # inverse-CDF sampling with this run's own noise; greedy where T = 0
                 cdf = torch.softmax(logits / temperature.masked_fill(greedy, 1.0), -1).cumsum(-1)

@@ -43,7 +43,7 @@ def _all_keys(schema: type, prefix: str = "") -> list[str]:
     for f in dataclasses.fields(schema):
         path = f"{prefix}{f.name}"
         keys.append(path)
-        hint = _resolved_hints(schema).get(f.name)
+        hint = _section(_resolved_hints(schema).get(f.name))
         if dataclasses.is_dataclass(hint):
             keys.extend(_all_keys(hint, path + "."))
     return keys
@@ -142,8 +142,8 @@ def _check_level(
             continue  # `???`: reported below when the key is required
         value = node[key]
         tp = hints[key]
-        if dataclasses.is_dataclass(tp) and isinstance(value, DictConfig):
-            _check_level(value, tp, f"{path}{key}.", root, problems)
+        if dataclasses.is_dataclass(_section(tp)) and isinstance(value, DictConfig):
+            _check_level(value, _section(tp), f"{path}{key}.", root, problems)
         elif not _matches(value, tp):
             shown = (
                 OmegaConf.to_container(value)
@@ -182,7 +182,7 @@ def _plain_values(node: DictConfig, hints: dict[str, Any]) -> dict[str, Any]:
     values = {}
     for key in node.keys():
         key = str(key)
-        if OmegaConf.is_missing(node, key) or dataclasses.is_dataclass(hints.get(key)):
+        if OmegaConf.is_missing(node, key) or dataclasses.is_dataclass(_section(hints.get(key))):
             continue
         try:
             value = node[key]
@@ -253,12 +253,19 @@ def _list_of_dataclass(tp: Any) -> bool:
     )  # noqa: UP006
 
 
+def _section(tp: Any) -> Any:
+    """A section's dataclass, also of an optional section (`X | None`: null when left out)."""
+    present = [arg for arg in typing.get_args(tp) if arg is not type(None)]
+    optional = type(None) in typing.get_args(tp) and len(present) == 1
+    return present[0] if optional and dataclasses.is_dataclass(present[0]) else tp
+
+
 def as_schema_instance(cfg: DictConfig, schema: type) -> Any:
     """The checked config as an instance of `schema` (see the module docstring)."""
     hints = _resolved_hints(schema)
     values = {}
     for f in dataclasses.fields(schema):
-        tp = hints[f.name]
+        tp = _section(hints[f.name])
         if _keeps_node(tp):
             values[f.name] = cfg[f.name]  # a node stays a node; a plain value is resolved
         elif dataclasses.is_dataclass(tp) and isinstance(cfg[f.name], DictConfig):

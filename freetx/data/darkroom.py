@@ -26,6 +26,8 @@ def histories_cache(data_dir: str | Path, env_cfg: Any, cfg: Any) -> ShardCache:
     """Where histories of these settings live (`env_cfg`, `cfg`: the env and histories
     sections as dataclasses); subsampling is applied on load, so it is not part of the key."""
     generation = {k: v for k, v in asdict(cfg).items() if k != "subsample"}
+    if not generation.get("planning_sweeps"):  # histories made before the knob keep their key
+        generation.pop("planning_sweeps", None)
     kind = "ed" if cfg.expert else "ad"
     return ShardCache.for_settings(
         data_dir, f"darkroom_{kind}", {"env": asdict(env_cfg), "histories": generation}
@@ -106,3 +108,115 @@ class ADWindows(Dataset):
             "prev_rewards": torch.cat([torch.tensor([self.no_reward]), rewards[:-1]]),
             "labels": actions,
         }
+
+
+TRANSITION, OPEN, CLOSE = 0, 1, 2  # a compressed context's token kinds: <compress>, </compress>
+
+
+def compressed_context(region_starts: list[int], end: int) -> tuple[np.ndarray, np.ndarray]:
+    """The tokens of a compressed AD context (the seed's `ad_dr_compressed` layout): region
+    i holds the history's transitions [region_starts[i], region_starts[i + 1]) between a
+    <compress> and a </compress> token; the last region, [region_starts[-1], end), is
+    opened only (it is still being filled). Returns (positions, kinds), one per token: the
+    transition's index in the history (-1 at a marker) and its kind (TRANSITION, OPEN,
+    CLOSE). Training windows and the in-context evaluation both lay out their tokens
+    here."""
+    positions, kinds = [], []
+    bounds = [*region_starts, end]
+    for i, (first, last) in enumerate(zip(bounds[:-1], bounds[1:])):
+        positions += [-1, *range(first, last)]
+        kinds += [OPEN] + [TRANSITION] * (last - first)
+        if i < len(region_starts) - 1:
+            positions.append(-1)
+            kinds.append(CLOSE)
+    return np.array(positions, dtype=np.int64), np.array(kinds, dtype=np.int64)
+
+
+def kept_regions(episode: int, region_episodes: int, regions: int, horizon: int) -> list[int]:
+    """Where the regions of an in-context run's compressed context start (transition
+    indices) during `episode`: the region being filled and up to `regions - 1` before it
+    (regions start every `region_episodes` episodes; the oldest is dropped whole)."""
+    current = episode // region_episodes
+    return [
+        k * region_episodes * horizon for k in range(max(0, current - regions + 1), current + 1)
+    ]
+
+
+def compressed_length(region_episodes: int, regions: int, horizon: int) -> int:
+    """The tokens of a full compressed context: `regions` regions, the last one filled."""
+    region = region_episodes * horizon
+    return len(compressed_context([k * region for k in range(regions)], regions * region)[0])
+
+
+def context_tokens(
+    states: torch.Tensor,
+    actions: torch.Tensor,
+    rewards: torch.Tensor,
+    positions: np.ndarray,
+    kinds: np.ndarray,
+    no_action: int,
+    no_reward: int,
+) -> dict[str, torch.Tensor]:
+    """The model's inputs for the tokens at `positions` of histories [..., length]:
+    states, prev_actions, prev_rewards (the transition before in the history; "none" at
+    the history's start and at markers) and markers (the token kinds), each [...,
+    tokens]; a marker's state is 0 (the model reads its own embedding there)."""
+    index = torch.from_numpy(np.maximum(positions, 0)).to(states.device)
+    before = torch.from_numpy(np.maximum(positions - 1, 0)).to(states.device)
+    transition = torch.from_numpy(kinds == TRANSITION).to(states.device)
+    has_previous = transition & torch.from_numpy(positions > 0).to(states.device)
+    picked = states[..., index]
+    return {
+        "states": torch.where(transition, picked, 0),
+        "prev_actions": torch.where(has_previous, actions[..., before], no_action),
+        "prev_rewards": torch.where(has_previous, rewards[..., before], no_reward),
+        "markers": torch.from_numpy(kinds).to(states.device).expand_as(picked),
+    }
+
+
+class CompressedADWindows(Dataset):
+    """Training windows of compressed AD: `regions` regions of `region_episodes` episodes
+    each, consecutive in a history, bracketed by <compress> / </compress> tokens (the
+    last one opened only), starting at every episode. Sample: states, prev_actions,
+    prev_rewards, markers and labels (the action taken at a transition, -100 at a
+    marker), each [regions * region_episodes * horizon + 2 * regions - 1]."""
+
+    def __init__(
+        self,
+        histories: dict[str, np.ndarray],
+        region_episodes: int,
+        regions: int,
+        horizon: int,
+        no_action: int,
+        no_reward: int,
+    ) -> None:
+        length = histories["states"].shape[1]
+        region = region_episodes * horizon
+        if regions * region > length:
+            raise ConfigError(
+                f"compress: {regions} regions of {region_episodes} episodes are longer than a "
+                f"history ({length // horizon} episodes); lower compress.regions or "
+                "compress.region_episodes, or raise histories.episodes."
+            )
+        self.states = torch.from_numpy(histories["states"])
+        self.actions = torch.from_numpy(histories["actions"])
+        self.rewards = torch.from_numpy(histories["rewards"])
+        starts = range(0, length - regions * region + 1, horizon)
+        self.index = [(s, t) for s in range(len(self.states)) for t in starts]
+        self.region, self.regions = region, regions
+        self.no_action, self.no_reward = no_action, no_reward
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        stream, start = self.index[i]
+        region_starts = [start + k * self.region for k in range(self.regions)]
+        positions, kinds = compressed_context(region_starts, start + self.regions * self.region)
+        sample = context_tokens(
+            self.states[stream], self.actions[stream], self.rewards[stream],
+            positions, kinds, self.no_action, self.no_reward,
+        )  # fmt: skip
+        labels = self.actions[stream][np.maximum(positions, 0)]
+        sample["labels"] = torch.where(torch.from_numpy(kinds == TRANSITION), labels, -100)
+        return sample

@@ -35,6 +35,14 @@ class HistoryConfig:
     # the whole path at once, so the learner goes back to a goal the episode after it
     # found it, and its improvement is visible within a few episodes of context
     backward_replay: bool = False
+    # after each episode, this many sweeps of value iteration over every transition seen so
+    # far (Dyna-style planning on the learner's model of the room, which is deterministic):
+    # with optimistic `initial_q` for the actions never tried, the values lead to the
+    # nearest untried action and, once the goal is found, along the shortest known path
+    # (directed exploration, as R-max does), not the first path that happened to reach it;
+    # the planner treats the room as going on (the horizon is a time limit the state does
+    # not show), where the step-by-step update does not bootstrap at an episode's last step
+    planning_sweeps: int = at_least(0, default=0)
     expert: bool = False  # Expert Distillation control: the final policy's episodes only
     subsample: int = at_least(
         1, default=1
@@ -81,9 +89,26 @@ def learning_histories(
                 choices[i] = rng.choice(np.flatnonzero(ties[i]))
         return choices
 
+    # the learner's model: which (state, action) it has tried, where it led, its reward
+    known = np.zeros((n, num_states, NUM_ACTIONS), dtype=bool)
+    model_next = np.zeros((n, num_states, NUM_ACTIONS), dtype=np.int64)
+    model_reward = np.zeros((n, num_states, NUM_ACTIONS), dtype=np.float64)
+
     def learn(states, actions, rewards, next_states, last: bool) -> None:
         target = rewards + (0.0 if last else cfg.discount) * q[rows, next_states].max(-1)
         q[rows, states, actions] += cfg.learning_rate * (target - q[rows, states, actions])
+        known[rows, states, actions] = True
+        model_next[rows, states, actions] = next_states
+        model_reward[rows, states, actions] = rewards
+
+    def plan() -> None:
+        """Value iteration on the transitions seen (`known`); untried actions keep their
+        optimistic value."""
+        for _ in range(cfg.planning_sweeps):
+            values = q.max(-1)  # [n, states]
+            after = np.take_along_axis(values, model_next.reshape(n, -1), axis=1)
+            target = model_reward + cfg.discount * after.reshape(model_next.shape)
+            np.copyto(q, target, where=known)
 
     # learning episodes; for ED, then the final policy acting for as many episodes,
     # written over the learning ones (only the expert's episodes are kept)
@@ -116,6 +141,8 @@ def learning_histories(
                         visited[:, k + 1],
                         last=k == horizon - 1,
                     )
+            if phase == "learn" and cfg.planning_sweeps:
+                plan()
     out["goal_ids"] = np.repeat(goal_ids, streams)
     return out
 

@@ -5,7 +5,9 @@ embedding(previous reward), then causal DecoderBlocks (RoPE, the same blocks
 as the LM decoder), RMSNorm and a head over the actions. The action is
 predicted at every position, so one window of `n_transit` transitions trains
 `n_transit` predictions. Previous action / reward of a window's first token
-are "none" (their own embedding rows).
+are "none" (their own embedding rows). With `boundary_tokens` (compressed AD), a
+`markers` input says which tokens are <compress> / </compress> markers: those are
+their own learned embeddings (`freetx.data.darkroom.compressed_context` lays them out).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ class ADConfig(TransformerConfig):
     # the model can go to (the seed feeds (x, y) coordinates through a Linear)
     state_encoding: Literal["index", "xy"] = "index"
     grid_size: int = 9  # for "xy"
+    boundary_tokens: bool = False  # compressed AD's <compress> / </compress> embeddings
 
     @staticmethod
     def meaningless(values: dict[str, Any]) -> dict[str, str]:
@@ -85,6 +88,8 @@ class ADTransformer(DecoderActivations, nn.Module):
             self.state_embedding = nn.Embedding(cfg.num_states, cfg.hidden_dim)
         self.action_embedding = nn.Embedding(cfg.num_actions + 1, cfg.hidden_dim)  # + none
         self.reward_embedding = nn.Embedding(cfg.num_rewards + 1, cfg.hidden_dim)  # + none
+        if cfg.boundary_tokens:  # rows: (a transition: unused), <compress>, </compress>
+            self.boundary_embedding = nn.Embedding(3, cfg.hidden_dim)
         self.dropout = nn.Dropout(cfg.dropout)
         self.layers = nn.ModuleList(
             DecoderBlock(cfg, i, sliding) for i, sliding in enumerate(cfg.sliding_layers())
@@ -102,14 +107,27 @@ class ADTransformer(DecoderActivations, nn.Module):
         return self.config.num_rewards
 
     def forward(
-        self, states: torch.Tensor, prev_actions: torch.Tensor, prev_rewards: torch.Tensor
+        self,
+        states: torch.Tensor,
+        prev_actions: torch.Tensor,
+        prev_rewards: torch.Tensor,
+        markers: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """[B, T] each -> [B, T, num_actions]; `markers` (boundary_tokens only): 0 at a
+        transition, 1 at <compress>, 2 at </compress>."""
+        if (markers is not None) != self.config.boundary_tokens:
+            raise ValueError(
+                "markers are given if and only if the model has boundary_tokens "
+                f"(boundary_tokens={self.config.boundary_tokens})"
+            )
         cos, sin = self.rope(states.shape[1])
         h = (
             self.embed_states(states)
             + self.action_embedding(prev_actions)
             + self.reward_embedding(prev_rewards)
         )
+        if markers is not None:
+            h = torch.where((markers > 0)[..., None], self.boundary_embedding(markers), h)
         h = self.dropout(h)
         for layer in self.layers:
             h = layer(h, cos, sin)

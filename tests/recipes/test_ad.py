@@ -103,3 +103,34 @@ def test_resume_reproduces_the_uninterrupted_run_exactly(tmp_path):
     assert sorted(resumed) == list(range(1, 7))
     for step in range(4, 7):
         assert straight[step] == resumed[step], (step, straight[step], resumed[step])
+
+
+@pytest.mark.parametrize(
+    "config,override,message",
+    [("ad/darkroom_compressed", "model.n_transit=80", "are 83 tokens with their markers"),
+     ("ad/darkroom_compressed", "model.boundary_tokens=false", "only with model.boundary_tokens=true"),
+     ("ad/darkroom_compressed", "compress.regions=1", "'compress.regions' must be at least 2"),
+     ("ad/darkroom_compressed", "compress.region=1", "unknown key 'compress.region'"),
+     ("ad/darkroom_tiny", "model.boundary_tokens=true", "there is no compress: section")],
+)  # fmt: skip
+def test_a_compressed_context_that_does_not_fit_is_refused_by_validate(config, override, message):
+    result = run_freetx_here("validate", config, override)
+    assert result.returncode == 1 and message in flat(result.stdout + result.stderr), result
+
+
+@pytest.mark.slow  # 15 s: a launch, histories and the in-context evaluation
+def test_compressed_ad_trains_and_evaluates_on_two_processes(tmp_path):
+    """ad/darkroom_compressed: windows of 2 regions of 2 episodes between <compress> /
+    </compress> markers (83 tokens), actions predicted at transitions only, the in-context
+    runs laid out the same way (tests/unit/test_darkroom.py)."""
+    result = run_freetx(
+        "run", "--nproc-per-node", "2", "ad_ddp", "--config", "ad/darkroom_compressed",
+        f"output_dir={tmp_path}", *[o for o in SMALL if not o.startswith("model.n_transit")],
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "context compressed: 2 regions x 2 episodes" in result.stdout
+    records = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    accuracy = [r["action_accuracy"] for r in records if "action_accuracy" in r]
+    assert accuracy and all(0 <= a <= 1 for a in accuracy)
+    evaluation = json.loads((tmp_path / "eval" / "in_context_returns.json").read_text())
+    assert len(evaluation["test"]["returns_per_episode"]) == 4

@@ -4,8 +4,18 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
-from freetx.data.darkroom import ADWindows
+from freetx.data.darkroom import (
+    CLOSE,
+    OPEN,
+    ADWindows,
+    CompressedADWindows,
+    compressed_context,
+    compressed_length,
+    context_tokens,
+    kept_regions,
+)
 from freetx.envs import (
     DarkRoom,
     DarkRoomConfig,
@@ -114,6 +124,91 @@ def test_histories_improve_and_expert_histories_do_not():
         expert_returns[:5].mean() > 10
         and abs(expert_returns[:5].mean() - expert_returns[-5:].mean()) < 2
     )
+
+
+def test_planning_finds_the_shortest_path_not_the_first():
+    """Optimistic untried actions with value iteration over the transitions seen (Dyna
+    sweeps): every stream ends within 1-2 steps of the shortest path to its goal; without
+    the sweeps some streams keep the first path they found, half as good."""
+    env = DarkRoomConfig(split_seed=3)
+    goals = goal_split(env).train[:12]
+    optimal = optimal_return(goals, env)[:, None]
+
+    def last_episode_share(**extra):
+        cfg = HistoryConfig(streams_per_goal=2, episodes=40, learning_rate=1.0, initial_q=5,
+                            epsilon_start=0.0, epsilon_end=0.0, backward_replay=True, seed=3,
+                            **extra)  # fmt: skip
+        returns = learning_histories(np.arange(12), goals, env, cfg)["rewards"]
+        return returns.reshape(12, 2, 40, 20).sum(-1)[:, :, -1] / optimal
+
+    planned, unplanned = last_episode_share(planning_sweeps=20), last_episode_share()
+    assert planned.min() >= 0.85 and (planned == 1).mean() > 0.8
+    assert unplanned.min() < 0.6 and planned.mean() > unplanned.mean()
+
+
+def test_compressed_context_brackets_regions_and_keeps_the_last_ones():
+    positions, kinds = compressed_context([0, 4], 7)
+    assert positions.tolist() == [-1, 0, 1, 2, 3, -1, -1, 4, 5, 6]
+    assert kinds.tolist() == [OPEN, 0, 0, 0, 0, CLOSE, OPEN, 0, 0, 0]
+    assert compressed_length(2, 2, 20) == 83 and compressed_length(4, 2, 20) == 163  # the seed's
+    # an in-context run keeps the region being filled and the one before: the oldest goes
+    assert [kept_regions(e, 2, 2, 20) for e in (0, 1, 2, 3, 4, 7)] == [
+        [0], [0], [0, 40], [0, 40], [40, 80], [80, 120],
+    ]  # fmt: skip
+
+
+def test_compressed_windows_are_what_the_evaluation_reads():
+    """A training window and the in-context run's context at any step of it lay out the
+    same tokens (the run's are a prefix): states, the transition before (across markers
+    and regions), markers; actions are labelled at transitions only."""
+    rng = np.random.default_rng(0)
+    h = {"states": rng.integers(0, 81, (1, 200)), "actions": rng.integers(0, 5, (1, 200)),
+         "rewards": rng.integers(0, 2, (1, 200))}  # fmt: skip
+    windows = CompressedADWindows(h, 2, 2, 20, no_action=5, no_reward=2)
+    assert len(windows) == 7  # windows of 4 episodes start at episodes 0..6 of 10
+    sample = windows[2]  # episodes 2-5: regions at transitions 40 and 80
+    assert {k: v.shape[0] for k, v in sample.items()} == dict.fromkeys(
+        ("states", "prev_actions", "prev_rewards", "markers", "labels"), 83
+    )
+    assert sample["labels"][[0, 41, 42]].tolist() == [-100, -100, -100]
+    assert (
+        sample["labels"][1] == h["actions"][0, 40]
+        and sample["prev_actions"][1] == h["actions"][0, 39]
+    )
+    assert sample["prev_actions"][43] == h["actions"][0, 79]  # across the </c> <c> markers
+    tensors = {k: torch.from_numpy(v) for k, v in h.items() if k != "goal_ids"}
+    for t in (30, 60, 79, 80, 95, 119, 150):  # the run's step: its regions start at 0, 40, ...
+        starts = kept_regions(t // 20, 2, 2, 20)
+        run = context_tokens(tensors["states"], tensors["actions"], tensors["rewards"],
+                             *compressed_context(starts, t + 1), 5, 2)  # fmt: skip
+        window = windows[starts[0] // 20]  # the training window from its first region
+        length = run["states"].shape[-1]
+        assert length == (t - starts[0] + 1) + 2 * len(starts) - 1
+        for key in ("states", "prev_actions", "prev_rewards", "markers"):
+            assert torch.equal(run[key][0], window[key][:length]), (t, key)
+
+
+def test_the_model_reads_markers_only_with_boundary_tokens():
+    from freetx.distributed import materialize
+    from freetx.models.ad import ad_transformer
+
+    with torch.device("meta"):
+        model = ad_transformer(n_transit=83, boundary_tokens=True, dropout=0.0)
+    materialize(model, torch.device("cpu"), seed=0)
+    states = torch.randint(0, 81, (2, 10))
+    actions, rewards = torch.randint(0, 6, (2, 10)), torch.randint(0, 3, (2, 10))
+    markers = torch.zeros(2, 10, dtype=torch.long)
+    plain = model(states, actions, rewards, markers)
+    markers[:, 4] = CLOSE
+    marked = model(states, actions, rewards, markers)
+    assert torch.equal(plain[:, :4], marked[:, :4]) and not torch.allclose(
+        plain[:, 4:], marked[:, 4:]
+    )
+    other_state = states.clone()
+    other_state[:, 4] = (states[:, 4] + 1) % 81  # a marker's state is not read
+    assert torch.equal(model(other_state, actions, rewards, markers), marked)
+    with pytest.raises(ValueError, match="boundary_tokens"):
+        model(states, actions, rewards)
 
 
 def test_windows_start_at_episodes_and_shift_actions():
