@@ -1,0 +1,48 @@
+"""benchmarks/ad_splits.py reads what an ad_ddp run writes (config.yaml, metrics.jsonl,
+eval/in_context_returns.json) into its tables and its verdict against the goal: every
+split's last-5 return >= 80% of its optimum, every test goal's >= 8. The runs themselves
+are ad_ddp's (tests/recipes/test_ad.py)."""
+
+from __future__ import annotations
+
+import json
+
+from omegaconf import OmegaConf
+
+from benchmarks import ad_splits
+
+
+def finished_run(folder, per_goal, compress=None, curve_end=12.0):
+    """A run folder as ad_ddp leaves it: 2 test goals (optima 17 and 13), 30 episodes."""
+    (folder / "eval").mkdir(parents=True)
+    model = {"n_transit": 83 if compress else 100}
+    config = {"env": {"grid_size": 9, "horizon": 20}, "model": model, "compress": compress}
+    (folder / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(config)))
+    records = [{"step": s, "step_time_s": 0.1 * s, "memory/max_rss_gib": 0.5 + s / 100}
+               for s in range(1, 6)]  # fmt: skip
+    (folder / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in records))
+    curve = [0.0] * 25 + [curve_end] * 5
+    test = {"goals": [[4, 5], [8, 8]], "returns_per_episode": curve, "last5_per_goal": per_goal,
+            "optimal_return": 15.0}  # fmt: skip
+    (folder / "eval" / "in_context_returns.json").write_text(
+        json.dumps({"temperature": 0.5, "test": test})
+    )
+    return json.loads((folder / "eval" / "in_context_returns.json").read_text())
+
+
+def test_tables_and_verdict_from_finished_runs(tmp_path):
+    plain = {1: finished_run(tmp_path / "ad_s1", [14.0, 10.0])}
+    compressed = {
+        1: finished_run(tmp_path / "cad_s1", [12.0, 7.5], {"region_episodes": 2, "regions": 2}, 9.0)
+    }
+    (row,) = ad_splits.split_rows("AD", plain, {1: tmp_path / "ad_s1"})
+    assert row[3:] == ["0.00", "12.00", "15.00", "80%", "10.00", "100", "400 ms", "0.55 GiB"]
+    (row,) = ad_splits.split_rows("compressed AD", compressed, {1: tmp_path / "cad_s1"})
+    assert row[-3] == "83"  # the compressed context's tokens at most
+    goals = ad_splits.goal_rows("AD", plain, {1: tmp_path / "ad_s1"})
+    assert [r[2:] for r in goals] == [["(4, 5)", "20", "14.00", "70%"],
+                                      ["(8, 8)", "13", "10.00", "77%"]]  # fmt: skip
+    assert "meets the goal" in ad_splits.verdict("AD", plain)
+    missed = ad_splits.verdict("compressed AD", compressed)
+    assert "misses the goal" in missed and "1 of 2 test goals below 8" in missed
+    assert "60% of the optimum" in missed
