@@ -6,6 +6,9 @@ per split and per goal against the optimum, and the learning curve in context.
     python benchmarks/ad_splits.py --seed-list 0 1 2      # these splits
     python benchmarks/ad_splits.py --splits 3 --ed        # and the ED control on each
     python benchmarks/ad_splits.py --splits 3 --compressed  # and compressed AD on each
+    python benchmarks/ad_splits.py --seed-list 0 -- histories.planning_sweeps=20  # overrides
+    python benchmarks/ad_splits.py --source --seed-list 0 1 -- histories.planning_sweeps=20
+        # no training: the source's histories (ad/darkroom_tiny's, and with the overrides)
 
 Each run is `freetx run --nproc-per-node 2 ad_ddp --config ad/darkroom_tiny
 env.split_seed=S histories.seed=S seed=S output_dir=ROOT/ad_sS` (ad/darkroom_ed for the
@@ -116,6 +119,50 @@ def verdict(name: str, results: dict[int, dict]) -> str:
             f"{SHARE_OF_OPTIMUM:.0%}, every goal >= {GOAL_FLOOR:g})")  # fmt: skip
 
 
+SOURCE_EPISODES = (1, 5, 10, 15, 20, 30, 60)
+
+
+def source_rows(name: str, split: int, overrides: list[str]) -> list[str]:
+    """The source algorithm's learning on a split's training goals, as AD sees it: the
+    streams' mean return per episode as a share of each goal's optimum, the streams whose
+    last episode is below 80% of it (a detour kept, or no goal found), the worst goal."""
+    import numpy as np
+    from omegaconf import OmegaConf
+
+    from freetx.envs import (
+        DarkRoomConfig,
+        HistoryConfig,
+        goal_split,
+        learning_histories,
+        optimal_return,
+    )  # fmt: skip
+    from freetx.registry import config_file
+
+    cfg = OmegaConf.merge(OmegaConf.load(config_file("ad/darkroom_tiny")),
+                          OmegaConf.from_dotlist([f"env.split_seed={split}",
+                                                  f"histories.seed={split}", *overrides]))  # fmt: skip
+    env = DarkRoomConfig(**OmegaConf.to_container(cfg.env))
+    histories = HistoryConfig(**OmegaConf.to_container(cfg.histories))
+    goals = goal_split(env).train
+    made = learning_histories(np.arange(len(goals)), goals, env, histories)
+    returns = made["rewards"].reshape(len(goals), histories.streams_per_goal, -1, env.horizon)
+    share = returns.sum(-1) / optimal_return(goals, env)[:, None, None]  # goal, stream, episode
+    by_episode = share.mean((0, 1))
+    return (
+        [name, str(split)]
+        + [f"{by_episode[e - 1]:.2f}" if e <= len(by_episode) else "" for e in SOURCE_EPISODES]
+        + [f"{(share[:, :, -1] < 0.8).mean():.0%}", f"{share[:, :, -1].mean(1).min():.2f}"]
+    )
+
+
+def sources(splits: list[int], overrides: list[str]) -> None:
+    variants = {"ad/darkroom_tiny": []} | ({" ".join(overrides): overrides} if overrides else {})
+    rows = [source_rows(name, s, extra) for name, extra in variants.items() for s in splits]
+    print("the source's return as a share of the optimum, per episode of its history:")
+    print(table(rows, ["histories", "split", *[f"ep {e}" for e in SOURCE_EPISODES],
+                       "streams < 80% at the end", "worst goal"]))  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--splits", type=int, default=5, help="split seeds drawn at run time")
@@ -124,10 +171,14 @@ def main() -> None:
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--ed", action="store_true", help="the ED control on each split too")
     parser.add_argument("--compressed", action="store_true", help="compressed AD on each too")
-    parser.add_argument("overrides", nargs="*", help="key=value for every run")
+    parser.add_argument("--source", action="store_true", help="the source's histories only")
+    parser.add_argument("overrides", nargs="*", help="key=value for every run (after --)")
     args = parser.parse_args()
     splits = args.seed_list or random.SystemRandom().sample(range(1000), args.splits)
     print(f"split seeds: {' '.join(map(str, splits))}", flush=True)
+    if args.source:
+        sources(splits, args.overrides)
+        return
     root = Path(args.root)
     kinds = [("AD", "ad/darkroom_tiny", "ad")]
     kinds += [("compressed AD", "ad/darkroom_compressed", "cad")] if args.compressed else []
