@@ -13,16 +13,18 @@ per split and per goal against the optimum, and the learning curve in context.
 Each run is `freetx run --nproc-per-node 2 ad_ddp --config ad/darkroom_tiny
 env.split_seed=S histories.seed=S seed=S output_dir=ROOT/ad_sS` (ad/darkroom_ed for the
 control, ad/darkroom_compressed for compressed AD); a finished run is read again, not
-retrained. The temperature is the one chosen on the split's validation goals; the test
+retrained (runs with overrides have folders of their own, named by a hash of the
+overrides). The temperature is the one chosen on the split's validation goals; the test
 goals were evaluated once. Beside the returns, each run's cost: its context (tokens at
-most), median step time and the fullest rank's peak RSS, from its metrics.jsonl. The goal
-(docs/recipes/ad_ddp.md): every split's last-5 return >= 80% of its optimum, every test
-goal's mean >= 8.
+most), median step time and the fullest rank's peak memory, from its metrics.jsonl. The
+goal (docs/recipes/ad_ddp.md): every split's last-5 return >= 80% of its optimum, every
+test goal's mean >= 8.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import random
 import statistics
@@ -127,31 +129,29 @@ def source_rows(name: str, split: int, overrides: list[str]) -> list[str]:
     streams' mean return per episode as a share of each goal's optimum, the streams whose
     last episode is below 80% of it (a detour kept, or no goal found), the worst goal."""
     import numpy as np
-    from omegaconf import OmegaConf
 
-    from freetx.envs import (
-        DarkRoomConfig,
-        HistoryConfig,
-        goal_split,
-        learning_histories,
-        optimal_return,
-    )  # fmt: skip
-    from freetx.registry import config_file
+    from freetx.cli.common import load_recipe
+    from freetx.config.run_config import load_recipe_config
+    from freetx.data.darkroom import subsample_episodes
+    from freetx.envs import goal_split, learning_histories, optimal_return
 
-    cfg = OmegaConf.merge(OmegaConf.load(config_file("ad/darkroom_tiny")),
-                          OmegaConf.from_dotlist([f"env.split_seed={split}",
-                                                  f"histories.seed={split}", *overrides]))  # fmt: skip
-    env = DarkRoomConfig(**OmegaConf.to_container(cfg.env))
-    histories = HistoryConfig(**OmegaConf.to_container(cfg.histories))
+    cfg = load_recipe_config("ad/darkroom_tiny", [f"env.split_seed={split}",
+                             f"histories.seed={split}", *overrides], load_recipe("ad_ddp").schema)  # fmt: skip
+    env, histories = cfg.env, cfg.histories
     goals = goal_split(env).train
     made = learning_histories(np.arange(len(goals)), goals, env, histories)
-    returns = made["rewards"].reshape(len(goals), histories.streams_per_goal, -1, env.horizon)
+    made = subsample_episodes(made, histories.subsample, env.horizon)  # as the recipe loads them
+    length = made["rewards"].shape[1]
+    returns = made["rewards"].reshape(len(goals), -1, length // env.horizon, env.horizon)
     share = returns.sum(-1) / optimal_return(goals, env)[:, None, None]  # goal, stream, episode
     by_episode = share.mean((0, 1))
     return (
         [name, str(split)]
         + [f"{by_episode[e - 1]:.2f}" if e <= len(by_episode) else "" for e in SOURCE_EPISODES]
-        + [f"{(share[:, :, -1] < 0.8).mean():.0%}", f"{share[:, :, -1].mean(1).min():.2f}"]
+        + [
+            f"{(share[:, :, -1] < SHARE_OF_OPTIMUM).mean():.0%}",
+            f"{share[:, :, -1].mean(1).min():.2f}",
+        ]
     )
 
 
@@ -161,6 +161,10 @@ def sources(splits: list[int], overrides: list[str]) -> None:
     print("the source's return as a share of the optimum, per episode of its history:")
     print(table(rows, ["histories", "split", *[f"ep {e}" for e in SOURCE_EPISODES],
                        "streams < 80% at the end", "worst goal"]))  # fmt: skip
+
+
+def first_curve(per_split: dict[int, dict]) -> list[float]:
+    return next(iter(per_split.values()))["test"]["returns_per_episode"]
 
 
 def main() -> None:
@@ -183,7 +187,13 @@ def main() -> None:
     kinds = [("AD", "ad/darkroom_tiny", "ad")]
     kinds += [("compressed AD", "ad/darkroom_compressed", "cad")] if args.compressed else []
     kinds += [("ED", "ad/darkroom_ed", "ed")] if args.ed else []
-    dirs = {name: {s: root / f"{short}_s{s}" for s in splits} for name, _, short in kinds}
+    # runs with overrides get their own folders: a finished run is read again, not retrained
+    tag = (
+        "_" + hashlib.sha1(" ".join(args.overrides).encode()).hexdigest()[:8]
+        if args.overrides
+        else ""
+    )
+    dirs = {name: {s: root / f"{short}_s{s}{tag}" for s in splits} for name, _, short in kinds}
     results = {name: {s: run(cfg, s, dirs[name][s], args.nproc, args.overrides) for s in splits}
                for name, cfg, _ in kinds}  # fmt: skip
     print(table([row for name in results for row in split_rows(name, results[name], dirs[name])],
@@ -194,16 +204,22 @@ def main() -> None:
                 ["run", "split", "test goal", "optimal", "last 5", "/ optimal"]))  # fmt: skip
     print()
     curves = []
+    shown = [e for e in CURVE_EPISODES if e <= len(first_curve(next(iter(results.values()))))]
     for name, per_split in results.items():
         mean = [statistics.mean(r["test"]["returns_per_episode"][e - 1] for r in per_split.values())
-                for e in CURVE_EPISODES]  # fmt: skip
+                for e in shown]  # fmt: skip
         curves.append([name] + [f"{v:.2f}" for v in mean])
     print("return per in-context episode, mean over the splits' test goals x seeds:")
-    print(table(curves, ["run"] + [f"ep {e}" for e in CURVE_EPISODES]))
+    print(table(curves, ["run"] + [f"ep {e}" for e in shown]))
     print()
     for name, per_split in results.items():
         print(verdict(name, per_split))
 
 
 if __name__ == "__main__":
-    main()
+    from freetx.errors import FreetxError
+
+    try:
+        main()
+    except FreetxError as e:  # a bad override: the one-paragraph message, no traceback
+        sys.exit(f"ad_splits: {e}")

@@ -46,3 +46,23 @@ def test_tables_and_verdict_from_finished_runs(tmp_path):
     missed = ad_splits.verdict("compressed AD", compressed)
     assert "misses the goal" in missed and "1 of 2 test goals below 8" in missed
     assert "60% of the optimum" in missed
+
+
+def test_the_source_curve_is_the_shipped_histories_or_the_overridden_ones():
+    """--source: the share of the optimum per episode of the source's histories, from
+    ad/darkroom_tiny's sections checked by the recipe's schema (a mistyped key is an error)."""
+    import pytest
+
+    from freetx.errors import ConfigError
+
+    small = ["histories.episodes=5", "histories.streams_per_goal=1"]
+    row = ad_splits.source_rows("small", 0, small)
+    assert row[:2] == ["small", "0"] and row[-5:-2] == ["", "", ""]  # no episode 20, 30, 60
+    first, fifth = (float(v) for v in row[2:4])  # share of the optimum at episodes 1 and 5
+    assert 0 <= first < fifth <= 1 and row[-2].endswith("%")  # streams left on a detour
+    planned = ad_splits.source_rows("planned", 0, [*small, "histories.planning_sweeps=20",
+                                                   "histories.initial_q=5",
+                                                   "histories.epsilon_start=0"])  # fmt: skip
+    assert float(planned[3]) > fifth  # the override reaches the histories: directed search
+    with pytest.raises(ConfigError, match="did you mean 'histories'"):
+        ad_splits.source_rows("typo", 0, ["history.episodes=5"])

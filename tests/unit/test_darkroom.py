@@ -211,6 +211,28 @@ def test_the_model_reads_markers_only_with_boundary_tokens():
         model(states, actions, rewards)
 
 
+def test_planning_histories_have_their_own_cache_and_the_others_keep_theirs(tmp_path):
+    """The cache's name hashes the histories' settings: planning_sweeps is in it only when
+    set, so histories made before the knob existed are still found."""
+    from dataclasses import asdict
+
+    from freetx.data.darkroom import histories_cache
+    from freetx.data.shard_cache import ShardCache
+
+    plain = histories_cache(tmp_path, ENV, HistoryConfig())
+    planned = histories_cache(tmp_path, ENV, HistoryConfig(planning_sweeps=20))
+    assert plain.folder != planned.folder
+    settings = {
+        k: v
+        for k, v in asdict(HistoryConfig()).items()
+        if k not in ("subsample", "planning_sweeps")
+    }
+    before = ShardCache.for_settings(
+        tmp_path, "darkroom_ad", {"env": asdict(ENV), "histories": settings}
+    )
+    assert plain.folder == before.folder
+
+
 def test_windows_start_at_episodes_and_shift_actions():
     h = {"states": np.arange(200).reshape(1, 200) % 81, "actions": (np.arange(200) % 5).reshape(1, 200),
          "rewards": (np.arange(200) % 2).reshape(1, 200)}  # fmt: skip
