@@ -36,11 +36,9 @@ from freetx.data import build_train_loader, micro_batch_size
 from freetx.data.darkroom import (
     ADWindows,
     CompressedADWindows,
-    compressed_context,
     compressed_length,
-    context_tokens,
+    compressed_run_inputs,
     histories_cache,
-    kept_regions,
     load_histories,
     subsample_episodes,
 )
@@ -417,10 +415,11 @@ class ADRecipeDDP:
 
         The context holds the last n_transit // horizon - 1 whole episodes and the
         current one so far, the layout of the training windows; compressed AD's, the
-        region being filled and the `compress.regions - 1` whole regions before it. Each run samples its
-        actions from its own random stream, keyed by (seed, goal cell, eval seed), so
-        results do not depend on how the runs are split across ranks, and runs that
-        differ only in temperature share their noise.
+        region being filled and the `compress.regions - 1` whole regions before it
+        (`compressed_run_inputs`). Each run samples its actions from its own random
+        stream, keyed by (seed, goal cell, eval seed), so results do not depend on how
+        the runs are split across ranks, and runs that differ only in temperature share
+        their noise.
         """
         horizon, episodes = self.cfg.env.horizon, self.cfg.eval.episodes
         keep = max(1, self.n_transit // horizon - 1)  # whole past episodes in context
@@ -454,12 +453,9 @@ class ADRecipeDDP:
                         "prev_rewards": torch.cat([no_reward, rewards[:, start:t]], 1),
                     }
                 else:
-                    starts = kept_regions(
-                        episode, compress.region_episodes, compress.regions, horizon
-                    )
-                    inputs = context_tokens(
-                        states, actions, rewards, *compressed_context(starts, t + 1),
-                        model.no_action, model.no_reward,
+                    inputs = compressed_run_inputs(
+                        states, actions, rewards, t, horizon, compress.region_episodes,
+                        compress.regions, model.no_action, model.no_reward,
                     )  # fmt: skip
                 with self.plan.autocast():
                     logits = model(**inputs)[:, -1]

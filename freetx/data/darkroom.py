@@ -174,6 +174,25 @@ def context_tokens(
     }
 
 
+def compressed_run_inputs(
+    states: torch.Tensor,
+    actions: torch.Tensor,
+    rewards: torch.Tensor,
+    t: int,
+    horizon: int,
+    region_episodes: int,
+    regions: int,
+    no_action: int,
+    no_reward: int,
+) -> dict[str, torch.Tensor]:
+    """An in-context run's model inputs at its step `t` (its transitions so far [runs,
+    steps]): the region being filled and up to `regions - 1` whole regions before it,
+    laid out as the training windows are."""
+    starts = kept_regions(t // horizon, region_episodes, regions, horizon)
+    positions, kinds = compressed_context(starts, t + 1)
+    return context_tokens(states, actions, rewards, positions, kinds, no_action, no_reward)
+
+
 class CompressedADWindows(Dataset):
     """Training windows of compressed AD: `regions` regions of `region_episodes` episodes
     each, consecutive in a history, bracketed by <compress> / </compress> tokens (the

@@ -13,7 +13,7 @@ from freetx.data.darkroom import (
     CompressedADWindows,
     compressed_context,
     compressed_length,
-    context_tokens,
+    compressed_run_inputs,
     kept_regions,
 )
 from freetx.envs import (
@@ -179,8 +179,8 @@ def test_compressed_windows_are_what_the_evaluation_reads():
     tensors = {k: torch.from_numpy(v) for k, v in h.items() if k != "goal_ids"}
     for t in (30, 60, 79, 80, 95, 119, 150):  # the run's step: its regions start at 0, 40, ...
         starts = kept_regions(t // 20, 2, 2, 20)
-        run = context_tokens(tensors["states"], tensors["actions"], tensors["rewards"],
-                             *compressed_context(starts, t + 1), 5, 2)  # fmt: skip
+        run = compressed_run_inputs(tensors["states"], tensors["actions"], tensors["rewards"],
+                                    t, 20, 2, 2, 5, 2)  # fmt: skip
         window = windows[starts[0] // 20]  # the training window from its first region
         length = run["states"].shape[-1]
         assert length == (t - starts[0] + 1) + 2 * len(starts) - 1
