@@ -189,6 +189,14 @@ def check_model_fits(cfg: ADRecipeConfig, model_config) -> None:
             f"model.n_transit={model_config.max_seq_len} holds. Set model.n_transit={need}, "
             "or keep fewer or shorter regions."
         )
+    history = cfg.histories.episodes // cfg.histories.subsample  # episodes per history
+    window = compress.regions * compress.region_episodes if compress else 0
+    if window > history:
+        raise ConfigError(
+            f"compress: {compress.regions} regions of {compress.region_episodes} episodes are "
+            f"longer than a history ({history} episodes: histories.episodes / subsample); "
+            "lower compress.regions or compress.region_episodes, or raise histories.episodes."
+        )
     if model_config.num_actions != NUM_ACTIONS:
         raise ConfigError(
             f"model.num_actions={model_config.num_actions}, but Dark Room has "

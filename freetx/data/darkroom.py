@@ -209,14 +209,8 @@ class CompressedADWindows(Dataset):
         no_action: int,
         no_reward: int,
     ) -> None:
-        length = histories["states"].shape[1]
+        length = histories["states"].shape[1]  # at least a window: ad_ddp's check_model_fits
         region = region_episodes * horizon
-        if regions * region > length:
-            raise ConfigError(
-                f"compress: {regions} regions of {region_episodes} episodes are longer than a "
-                f"history ({length // horizon} episodes); lower compress.regions or "
-                "compress.region_episodes, or raise histories.episodes."
-            )
         self.states = torch.from_numpy(histories["states"])
         self.actions = torch.from_numpy(histories["actions"])
         self.rewards = torch.from_numpy(histories["rewards"])

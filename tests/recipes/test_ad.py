@@ -111,6 +111,7 @@ def test_resume_reproduces_the_uninterrupted_run_exactly(tmp_path):
      ("ad/darkroom_compressed", "model.boundary_tokens=false", "only with model.boundary_tokens=true"),
      ("ad/darkroom_compressed", "compress.regions=1", "'compress.regions' must be at least 2"),
      ("ad/darkroom_compressed", "compress.region=1", "unknown key 'compress.region'"),
+     ("ad/darkroom_compressed", "histories.episodes=3", "longer than a history (3 episodes"),
      ("ad/darkroom_tiny", "model.boundary_tokens=true", "there is no compress: section")],
 )  # fmt: skip
 def test_a_compressed_context_that_does_not_fit_is_refused_by_validate(config, override, message):
