@@ -21,12 +21,17 @@ $(STAMP): pyproject.toml setup.py
 	$(BIN)/pip install --quiet -e ".[dev]"
 	touch $(STAMP)
 
+# two pytest workers (pytest-xdist), each given whole test files (their module fixtures are
+# built once): the suite's launches leave a core idle about half the time on 2 cores
+WORKERS ?= 2
+PYTEST := $(BIN)/pytest -n $(WORKERS) --dist loadfile --durations=30
+
 test: setup
-	$(BIN)/pytest --durations=30
+	$(PYTEST)
 
 # the slow tier: every PEFT method end to end, long acceptance runs, real SLURM
 test-slow: setup
-	$(BIN)/pytest -m slow --durations=30
+	$(PYTEST) -m slow
 
 lint: setup
 	$(BIN)/ruff check freetx recipes tests benchmarks docs/examples

@@ -43,20 +43,43 @@ def run_freetx_here(*args: str) -> subprocess.CompletedProcess:
     Same result object as `run_freetx`, without paying Python's and torch's start-up
     (about 3 s) per call; `run` and tracebacks are tested through the subprocess.
     """
+    assert args and args[0] != "run" and "--debug" not in args, "use run_freetx"
+    return _main_here(list(args))
+
+
+def _main_here(args: list[str]) -> subprocess.CompletedProcess:
     from freetx.cli.main import main
 
-    assert args and args[0] != "run" and "--debug" not in args, "use run_freetx"
     out, err = io.StringIO(), io.StringIO()
     trust = os.environ.get("FREETX_TRUST")  # `--trust` sets it for the command only
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
-            code = main(list(args))
+            code = main(args)
         except SystemExit as e:  # argparse usage errors
             code = e.code
         finally:
             os.environ.pop("FREETX_TRUST", None)
             os.environ.update({"FREETX_TRUST": trust} if trust is not None else {})
-    return subprocess.CompletedProcess(list(args), code, out.getvalue(), err.getvalue())
+    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
+
+
+def run_refused_here(*args: str) -> subprocess.CompletedProcess:
+    """`freetx run ARGS` in this process, for a run that must be refused before it launches
+    anything (its checks are the CLI's own); launching at all fails the test.
+
+    The refusals of the ranks, of torchrun and of a user's traceback are tested through
+    `run_freetx`, which pays a process's start-up (about 4 s with torch's) per call.
+    """
+    from unittest import mock
+
+    from freetx.cli import run
+
+    def launched(*_args, **_kwargs):
+        raise AssertionError(f"`freetx run {' '.join(args)}` launched instead of refusing")
+
+    with mock.patch.object(run, "_run_in_process", launched), \
+            mock.patch.object(run, "_run_with_torchrun", launched):  # fmt: skip
+        return _main_here(["run", *args])
 
 
 def flat(text: str) -> str:

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from tests.conftest import flat, run_freetx, run_freetx_here
+from tests.conftest import flat, run_freetx, run_freetx_here, run_refused_here
 
 SMALL = [
     "max_steps=6", "log_every_n_steps=3", "batch_size=16", "histories.episodes=8",
@@ -70,8 +70,8 @@ def test_a_model_that_does_not_fit_the_environment_is_refused_by_validate(overri
 
 def test_a_run_whose_model_does_not_fit_is_refused_before_any_history(tmp_path):
     """`freetx run` makes validate's checks before it launches (the recipe again in setup)."""
-    result = run_freetx(
-        "run", "ad_ddp", "--config", "ad/darkroom_tiny", f"output_dir={tmp_path}", *SMALL,
+    result = run_refused_here(
+        "ad_ddp", "--config", "ad/darkroom_tiny", f"output_dir={tmp_path}", *SMALL,
         "model.n_transit=60",
     )  # fmt: skip
     assert result.returncode == 1 and "fewer than 4 episodes" in flat(result.stderr), result.stderr

@@ -13,7 +13,7 @@ import torch
 
 from freetx.data import HFTokenizer, checked_tokenizer, encoded_text
 from freetx.errors import ConfigError, DataError
-from tests.conftest import flat, run_freetx, run_freetx_here
+from tests.conftest import flat, run_freetx, run_freetx_here, run_refused_here
 
 
 def test_run_folder_without_tokenizer_points_to_tokenizer_path_not_sentencepiece(tmp_path):
@@ -48,8 +48,8 @@ def test_model_dir_that_is_a_file_is_reported_as_a_file_not_a_tokenizer(tmp_path
 
 def test_model_dir_that_does_not_exist_is_reported_as_model_dir(tmp_path):
     missing = tmp_path / "nowhere"
-    result = run_freetx(
-        "run", "lora_finetune_fsdp2", "--config", "llm/hf_tiny_lora", f"model_dir={missing}",
+    result = run_refused_here(
+        "lora_finetune_fsdp2", "--config", "llm/hf_tiny_lora", f"model_dir={missing}",
         f"output_dir={tmp_path / 'out'}",
     )  # fmt: skip
     text = flat(result.stderr)

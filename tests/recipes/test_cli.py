@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from tests.conftest import ASSETS, REPO, flat, run_freetx, run_freetx_here
+from tests.conftest import ASSETS, REPO, flat, run_freetx, run_freetx_here, run_refused_here
 
 REPO_CONFIGS = REPO / "recipe_configs"
 
@@ -63,7 +63,7 @@ def test_cat_missing_config_is_one_paragraph(tmp_path):
 
 
 def test_validate_clean_and_with_problems():
-    ok = run_freetx("validate", CONFIG, "--recipe", RECIPE, "steps=4")
+    ok = run_freetx_here("validate", CONFIG, "--recipe", RECIPE, "steps=4")
     assert ok.returncode == 0, ok.stdout + ok.stderr
     bad = run_freetx_here(
         "validate", CONFIG, "steps=abc", "--recipe", RECIPE, "optimizer.lrr=1", "stepz=3"
@@ -143,8 +143,7 @@ def test_debug_shows_the_traceback(tmp_path):
 
 
 def test_run_rejects_a_bad_config_before_launching(tmp_path):
-    result = run_freetx(
-        "run",
+    result = run_refused_here(
         "--nproc-per-node",
         "2",
         RECIPE,
@@ -169,7 +168,7 @@ def test_run_rejects_a_bad_config_before_launching(tmp_path):
     ],
 )
 def test_run_usage_errors(args, fragment, code):
-    result = run_freetx("run", *args)
+    result = run_refused_here(*args)
     assert result.returncode == code, result.stderr
     assert fragment in flat(result.stderr) and "Traceback" not in result.stderr
 
@@ -181,10 +180,10 @@ def test_recipe_without_distributed_refuses_launch_options(tmp_path):
         .read_text()
         .replace("@parse(EchoConfig)", "@parse(EchoConfig, supports_distributed=False)")
     )
-    result = run_freetx(
-        "run", "--nproc-per-node", "2", str(single), "--config", CONFIG, f"output_dir={tmp_path}"
+    result = run_refused_here(
+        "--nproc-per-node", "2", str(single), "--config", CONFIG, f"output_dir={tmp_path}"
     )
-    assert result.returncode == 1 and "one process only" in result.stderr
+    assert result.returncode == 1 and "one process only" in flat(result.stderr)
 
 
 def test_ls_lists_recipes_and_configs():
@@ -200,7 +199,7 @@ def test_cp_recipe_and_config(tmp_path):
     (tmp_path / "tiny.yaml").write_text("# my edits\n")
     for flags in ([], ["--no-clobber"]):  # an existing file is kept unless --overwrite
         again = run_freetx("cp", "llm/tiny", str(tmp_path / "tiny.yaml"), *flags)
-        assert again.returncode == 1 and "already exists" in again.stderr
+        assert again.returncode == 1 and "already exists" in flat(again.stderr)
     assert (tmp_path / "tiny.yaml").read_text() == "# my edits\n"
     assert run_freetx("cp", "llm/tiny", str(tmp_path / "tiny.yaml"), "--overwrite").returncode == 0
     assert "output_dir" in (tmp_path / "tiny.yaml").read_text()

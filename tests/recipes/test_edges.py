@@ -14,7 +14,16 @@ import sys
 
 import pytest
 
-from tests.conftest import ASSETS, REPO, flat, hashes, one_paragraph, run_freetx, run_freetx_here
+from tests.conftest import (
+    ASSETS,
+    REPO,
+    flat,
+    hashes,
+    one_paragraph,
+    run_freetx,
+    run_freetx_here,
+    run_refused_here,
+)
 
 TINY = ["max_steps=2", "batch_size=4", "log_every_n_steps=1", "eval.every_n_steps=0",
         "checkpoint.save_final=false", "metric_loggers=[{_component_: freetx.loggers.JSONLLogger}]"]  # fmt: skip
@@ -116,8 +125,8 @@ def test_validate_refuses_a_folder_under_a_file(a_file, config, key):
 
 def test_run_refuses_an_unwritable_output_dir_before_launch(tmp_path, a_file):
     before = hashes(tmp_path)
-    result = run_freetx("run", "--nproc-per-node", "2", "full_finetune_fsdp2", "--config",
-                        "llm/tiny", f"output_dir={a_file}")  # fmt: skip
+    result = run_refused_here("--nproc-per-node", "2", "full_finetune_fsdp2", "--config",
+                              "llm/tiny", f"output_dir={a_file}")  # fmt: skip
     assert f"output_dir={a_file} is a file, and freetx writes a folder" in one_paragraph(result)
     assert "world size" not in result.stdout  # nothing was launched
     assert hashes(tmp_path) == before
@@ -265,6 +274,6 @@ def test_numbers_out_of_range_are_refused_by_the_parser(args, message):
      (["--max-restarts", "-1"], "--max-restarts/--max_restarts: -1 is less than 0")],
 )  # fmt: skip
 def test_torchrun_numbers_are_refused_before_launch(launch, message):
-    result = run_freetx("run", *launch, "full_finetune_fsdp2", "--config", "llm/tiny")
+    result = run_refused_here(*launch, "full_finetune_fsdp2", "--config", "llm/tiny")
     assert result.returncode == 2 and message in flat(result.stderr), result.stderr
     assert "Traceback" not in result.stderr

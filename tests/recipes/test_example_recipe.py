@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from tests.conftest import REPO, run_freetx
+from tests.conftest import REPO, run_freetx, run_freetx_here
 
 RECIPE = str(REPO / "docs" / "examples" / "two_spirals.py")
 CONFIG = str(REPO / "docs" / "examples" / "two_spirals.yaml")
@@ -15,7 +15,7 @@ CONFIG = str(REPO / "docs" / "examples" / "two_spirals.yaml")
 
 @pytest.mark.slow  # 20 s; make test stays under 12 min
 def test_two_spirals_trains_and_resumes(tmp_path):
-    assert run_freetx("validate", CONFIG, "--recipe", RECIPE).returncode == 0
+    assert run_freetx_here("validate", CONFIG, "--recipe", RECIPE).returncode == 0
     common = ["run", "--nproc-per-node", "2", RECIPE, "--config", CONFIG, f"output_dir={tmp_path}"]
     first = run_freetx(*common, "max_steps=100", "checkpoint.every_n_steps=50")
     assert first.returncode == 0, first.stderr

@@ -15,7 +15,7 @@ import json
 import pytest
 import torch
 
-from tests.conftest import one_paragraph, run_freetx
+from tests.conftest import one_paragraph, run_freetx, run_freetx_here
 from tests.hf_folders import hf_logits, make_folder
 from tests.unit.test_expert_lora import randomize_adapters, save_adapters
 
@@ -184,7 +184,7 @@ def merged_and_peft_logits(tmp_path, folder, straight):
     """(PEFT's model of the final export, `freetx checkpoint merge`'s folder of the last
     checkpoint, the folder itself): their logits."""
     checkpoint = straight / "checkpoints" / "step_000004"
-    merged = run_freetx("checkpoint", "merge", str(checkpoint), "--base", str(folder),
+    merged = run_freetx_here("checkpoint", "merge", str(checkpoint), "--base", str(folder),
                         str(tmp_path / "merged"))  # fmt: skip
     assert merged.returncode == 0, merged.stderr
     auto = transformers.AutoModelForCausalLM

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from tests.conftest import ASSETS, REPO, flat, run_freetx
+from tests.conftest import ASSETS, REPO, flat, run_freetx, run_freetx_here
 
 SMALL = ["max_steps=12", "log_every_n_steps=1", "eval.every_n_steps=0",
          "lr_schedule.decay=constant", "lr_schedule.warmup_steps=0",
@@ -102,7 +102,9 @@ def test_a_nan_is_skipped_or_stops_and_never_reaches_a_checkpoint(tmp_path, poli
         assert "not finite at step 6" in flat(result.stderr) and "Traceback" not in result.stderr
         assert (tmp_path / "checkpoints" / "LATEST").read_text().strip() == "step_000004"
     else:
-        final = run_freetx("checkpoint", "convert", str(tmp_path), str(tmp_path / "m.safetensors"))
+        final = run_freetx_here(
+            "checkpoint", "convert", str(tmp_path), str(tmp_path / "m.safetensors")
+        )
         assert final.returncode == 0
         from safetensors.torch import load_file
 

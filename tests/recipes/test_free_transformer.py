@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from tests.conftest import flat, run_freetx, run_freetx_here
+from tests.conftest import flat, run_freetx, run_freetx_here, run_refused_here
 
 
 @pytest.fixture(scope="module")
@@ -134,8 +134,8 @@ def test_a_64_bit_latent_trains_and_samples(tmp_path):
 @pytest.mark.parametrize("command", ["validate", "run"])
 def test_a_table_above_16_bits_is_refused_before_launch(command, tmp_path):
     out = tmp_path / "run"
-    launch = ("run", "--nproc-per-node", "2", "full_finetune_fsdp2", "--config")
-    run = run_freetx_here if command == "validate" else run_freetx
+    launch = ("--nproc-per-node", "2", "full_finetune_fsdp2", "--config")
+    run = run_freetx_here if command == "validate" else run_refused_here
     args = ("validate",) if command == "validate" else launch
     result = run(*args, "free_transformer/tiny", f"output_dir={out}", "model.latent_dim=20")
     assert result.returncode == 1

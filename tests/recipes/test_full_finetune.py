@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from tests.conftest import flat, run_freetx, run_freetx_here
+from tests.conftest import flat, run_freetx, run_freetx_here, run_refused_here
 
 
 def read_metrics(output_dir):
@@ -57,21 +57,25 @@ def test_float16_with_fsdp_on_two_processes_rides_out_an_overflow(tmp_path):
     assert not math.isfinite(train[1]["grad_norm"]) and train[2]["grad_norm"] < 100
 
 
-BAD_INPUTS = [
+BAD_INPUTS = [  # refused by `freetx run` before it launches: tried in this process
     (["distributed.strategy=hsdp", "distributed.replicate_degree=3"], "does not divide"),
     (["distributed.cpu_offload=true"], "needs an accelerator"),
     (["batch_size=10", "gradient_accumulation_steps=3"], "cannot be split"),
+    (["max_stpes=10"], "did you mean 'max_steps'"),
+]
+BAD_INPUTS_THE_RECIPE_SEES = [  # refused by the recipe's setup, before its first step
     (["dataset.seq_len=512"], "longer than the model's max_seq_len"),
     (["model.vocab_size=100"], "the tokenizer has 259 tokens"),
-    (["max_stpes=10"], "did you mean 'max_steps'"),
 ]
 
 
-@pytest.mark.parametrize("overrides,fragment", BAD_INPUTS)
-def test_bad_input_is_one_paragraph_before_training(tmp_path, overrides, fragment):
-    result = run_freetx(
-        "run", "full_finetune_fsdp2", "--config", "llm/tiny", f"output_dir={tmp_path}", *overrides
-    )
+@pytest.mark.parametrize(
+    "overrides,fragment,refused_by",
+    [(*case, "cli") for case in BAD_INPUTS] + [(*case, "recipe") for case in BAD_INPUTS_THE_RECIPE_SEES],
+)  # fmt: skip
+def test_bad_input_is_one_paragraph_before_training(tmp_path, overrides, fragment, refused_by):
+    args = ["full_finetune_fsdp2", "--config", "llm/tiny", f"output_dir={tmp_path}", *overrides]
+    result = run_refused_here(*args) if refused_by == "cli" else run_freetx("run", *args)
     assert result.returncode == 1, result.stdout + result.stderr
     assert fragment in flat(result.stderr)
     assert "Traceback" not in result.stderr

@@ -12,7 +12,7 @@ import json
 import pytest
 import torch
 
-from tests.conftest import flat, run_freetx
+from tests.conftest import flat, run_freetx, run_freetx_here
 from tests.hf_folders import RANDOM_WEIGHTS_LR, hf_logits, make_folder, make_tokenizer
 
 transformers = pytest.importorskip("transformers")
@@ -85,7 +85,7 @@ def test_finetune_export_and_generate(tmp_path, model_dir):
     assert losses[-1] < losses[0] - 0.5, losses
 
     out = tmp_path / "exported"
-    converted = run_freetx("checkpoint", "convert", str(run / "checkpoints" / "step_000020"),
+    converted = run_freetx_here("checkpoint", "convert", str(run / "checkpoints" / "step_000020"),
                            str(out), "--to", "hf", "--max-shard-size", "50KB")  # fmt: skip
     assert converted.returncode == 0, converted.stderr
     files = sorted(p.name for p in out.iterdir())
@@ -192,7 +192,7 @@ def test_a_folder_of_each_family_finetunes_on_2_processes_and_exports(tmp_path, 
     assert sorted(losses(run)) == [1, 2]
     out = tmp_path / "exported"
     last = run / "checkpoints" / "step_000002"
-    converted = run_freetx("checkpoint", "convert", str(last), str(out), "--to", "hf")
+    converted = run_freetx_here("checkpoint", "convert", str(last), str(out), "--to", "hf")
     assert converted.returncode == 0, converted.stderr
     assert tensor_names(out) == tensor_names(folder)  # HF's names, none more or fewer
     config, source = (json.loads((f / "config.json").read_text()) for f in (out, folder))
@@ -228,7 +228,7 @@ def lora_export_loads_in_peft(tmp_path, folder, *overrides):
     peft = pytest.importorskip("peft")
     run = tmp_path / "run"
     lora_run(folder, run, *overrides)
-    merged = run_freetx("checkpoint", "merge", str(run / "checkpoints" / "step_000002"),
+    merged = run_freetx_here("checkpoint", "merge", str(run / "checkpoints" / "step_000002"),
                         "--base", str(folder), str(tmp_path / "merged"))  # fmt: skip
     assert merged.returncode == 0, merged.stderr
     auto = transformers.AutoModelForCausalLM
@@ -258,7 +258,7 @@ def lora_run(folder, run, *overrides):
 
 
 def test_a_tokenizer_larger_than_the_embedding_is_refused(tmp_path, model_dir):
-    result = run_freetx(
+    result = run_freetx(  # refused by the recipe, which reads the tokenizer
         "run", "full_finetune_fsdp2", "--config", "llm/hf_tiny_full", f"model_dir={model_dir}",
         f"output_dir={tmp_path}", "model.vocab_size=300",
     )  # fmt: skip
@@ -267,7 +267,7 @@ def test_a_tokenizer_larger_than_the_embedding_is_refused(tmp_path, model_dir):
 
 
 def test_model_dir_must_be_given():
-    result = run_freetx("validate", "llm/hf_tiny_full")
+    result = run_freetx_here("validate", "llm/hf_tiny_full")
     assert result.returncode == 1 and "add model_dir=VALUE" in flat(result.stderr)
 
 

@@ -11,7 +11,7 @@ import json
 import pytest
 import torch
 
-from tests.conftest import flat, one_paragraph, run_freetx
+from tests.conftest import flat, one_paragraph, run_freetx, run_freetx_here, run_refused_here
 from tests.hf_folders import RANDOM_WEIGHTS_LR, hf_logits
 from tests.recipes.test_checkpoint_resume import COMMON, losses
 from tests.recipes.test_hf_finetune import (
@@ -51,7 +51,7 @@ def test_a_starcoder2_folder_finetunes_on_2_processes_and_exports(tmp_path, fold
     assert f"initial weights from {folder}" in result.stdout
     checkpoint = run / "checkpoints" / "step_000002"
     out = tmp_path / "exported"
-    converted = run_freetx("checkpoint", "convert", str(checkpoint), str(out), "--to", "hf")
+    converted = run_freetx_here("checkpoint", "convert", str(checkpoint), str(out), "--to", "hf")
     assert converted.returncode == 0, converted.stderr
     assert tensor_names(out) == tensor_names(folder)  # the folder's names, lm_head tied
     ids = torch.randint(0, 384, (2, 64), generator=torch.Generator().manual_seed(2))
@@ -90,9 +90,9 @@ def test_a_decoder_field_on_the_generic_path_is_refused_before_anything_is_built
 ):
     """`freetx validate` and the checks before a run read the folder's model_type alone and
     check the model's keys against what the generic path takes."""
-    recipe = ["full_finetune_fsdp2", "--config"] if command == "run" else []
-    result = run_freetx(
-        command, *recipe, "llm/hf_tiny_full", f"model_dir={folder}",
+    recipe = ["full_finetune_fsdp2", "--config"] if command == "run" else ["validate"]
+    result = (run_refused_here if command == "run" else run_freetx_here)(
+        *recipe, "llm/hf_tiny_full", f"model_dir={folder}",
         f"output_dir={tmp_path / 'run'}", "model.num_layers=2",
     )  # fmt: skip
     message = flat(result.stdout + result.stderr)
@@ -106,6 +106,6 @@ def test_a_decoder_field_on_the_generic_path_is_refused_before_anything_is_built
     if command == "run":
         one_paragraph(result)
     else:  # the field it takes passes
-        fine = run_freetx("validate", "llm/hf_tiny_full", f"model_dir={folder}",
-                          "model.max_seq_len=64")  # fmt: skip
+        fine = run_freetx_here("validate", "llm/hf_tiny_full", f"model_dir={folder}",
+                               "model.max_seq_len=64")  # fmt: skip
         assert fine.returncode == 0, fine.stdout + fine.stderr

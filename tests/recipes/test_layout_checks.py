@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import flat, run_freetx, run_freetx_here
+from tests.conftest import flat, run_freetx_here, run_refused_here
 
 REFUSED = [
     (["distributed.strategy=ddp", "distributed.cpu_offload=true"], "works with fsdp, zero2"),
@@ -28,8 +28,8 @@ def test_validate_and_launch_refuse_what_a_4_process_run_refuses(tmp_path, overr
 
 
 def test_run_refuses_before_it_launches_a_process(tmp_path):
-    result = run_freetx("run", "--nproc-per-node", "3", "full_finetune_fsdp2", "--config",
-                        "llm/tiny", f"output_dir={tmp_path}")  # fmt: skip
+    result = run_refused_here("--nproc-per-node", "3", "full_finetune_fsdp2", "--config",
+                              "llm/tiny", f"output_dir={tmp_path}")  # fmt: skip
     assert result.returncode == 1 and "cannot be split into 3 rank(s)" in flat(result.stderr)
     assert "[rank" not in result.stderr  # said by the launcher, not by launched ranks
     assert not (tmp_path / "config.yaml").exists()
@@ -80,8 +80,8 @@ def test_a_final_export_the_run_cannot_write_is_refused_by_validate(config, over
 
 
 def test_run_refuses_a_final_export_before_it_trains(tmp_path):
-    result = run_freetx("run", "full_finetune_fsdp2", "--config", "llm/tiny",
-                        f"output_dir={tmp_path}", "checkpoint.final_export=peft")  # fmt: skip
+    result = run_refused_here("full_finetune_fsdp2", "--config", "llm/tiny",
+                              f"output_dir={tmp_path}", "checkpoint.final_export=peft")  # fmt: skip
     assert result.returncode == 1 and "Set peft.method=lora" in flat(result.stderr), result.stderr
     assert "Traceback" not in result.stderr
     assert not (tmp_path / "config.yaml").exists() and not (tmp_path / "checkpoints").exists()

@@ -10,7 +10,7 @@ import pytest
 
 from freetx.models.crosscoder import CrosscoderConfig
 from freetx.models.peft import PEFTConfig
-from tests.conftest import flat, run_freetx, run_freetx_here
+from tests.conftest import flat, run_freetx_here, run_refused_here
 
 LORA = "llm/lora_tiny"
 CROSSCODER = "crosscoder/synthetic_tiny"  # dict_size 256
@@ -83,8 +83,8 @@ def test_values_that_still_mean_something_pass(config, overrides, tmp_path):
 
 
 def test_a_run_refuses_before_it_launches(tmp_path):
-    result = run_freetx(
-        "run", "--nproc-per-node", "2", "crosscoder_fsdp2", "--config", CROSSCODER,
+    result = run_refused_here(
+        "--nproc-per-node", "2", "crosscoder_fsdp2", "--config", CROSSCODER,
         f"output_dir={tmp_path / 'run'}", "model.activation=batchtopk", "model.k=256",
     )  # fmt: skip
     assert result.returncode == 1 and "'model.k' is 256" in flat(result.stderr), result.stderr

@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from tests.conftest import one_paragraph, run_freetx
+from tests.conftest import one_paragraph, run_freetx, run_freetx_here
 from tests.hf_folders import RANDOM_WEIGHTS_LR
 from tests.recipes.test_hf_finetune import (
     JSONL,
@@ -56,7 +56,7 @@ def test_a_mixtral_folder_finetunes_resumes_exactly_and_exports(tmp_path):
 
     out = tmp_path / "exported"
     checkpoint = straight / "checkpoints" / "step_000004"
-    converted = run_freetx("checkpoint", "convert", str(checkpoint), str(out), "--to", "hf")
+    converted = run_freetx_here("checkpoint", "convert", str(checkpoint), str(out), "--to", "hf")
     assert converted.returncode == 0, converted.stderr
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == ["MixtralForCausalLM"] and config["num_local_experts"] == 4

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from tests.conftest import flat, one_paragraph, run_freetx, run_freetx_here
+from tests.conftest import flat, one_paragraph, run_freetx, run_freetx_here, run_refused_here
 
 QUIET = ["metric_loggers=[{_component_: freetx.loggers.JSONLLogger}]", "checkpoint.every_n_steps=0"]
 
@@ -28,8 +28,8 @@ def test_a_packed_instruction_run_trains_and_validates_on_two_processes(tmp_path
 
 
 def test_a_packed_dataset_is_refused_for_the_free_transformer(tmp_path):
-    result = run_freetx(
-        "run", "full_finetune_fsdp2", "--config", "free_transformer/text_tiny",
+    result = run_refused_here(
+        "full_finetune_fsdp2", "--config", "free_transformer/text_tiny",
         f"output_dir={tmp_path / 'run'}", "dataset.packed=true", "max_steps=2", *QUIET,
     )  # fmt: skip
     message = one_paragraph(result)

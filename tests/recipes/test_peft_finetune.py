@@ -11,7 +11,7 @@ import json
 import pytest
 import torch
 
-from tests.conftest import flat, run_freetx
+from tests.conftest import flat, run_freetx, run_freetx_here
 
 # ~80 s of 2-process runs: make test-slow (the fast tier keeps LoRA through the DPO and
 # HF fine-tuning tests)
@@ -72,7 +72,7 @@ def test_each_method_lowers_the_validation_loss_of_the_base(tmp_path, base, conf
     assert trains in result.stdout
     final = records(tmp_path)[-1]["val/loss"]
     assert final < start_loss - 0.3, (final, start_loss)
-    saved = run_freetx("checkpoint", "inspect", str(tmp_path / "checkpoints" / "step_000016"))
+    saved = run_freetx_here("checkpoint", "inspect", str(tmp_path / "checkpoints" / "step_000016"))
     tensors = [line.split()[0] for line in saved.stdout.splitlines() if line.startswith("model.")]
     if config == "llm/spectrum_tiny":
         assert len(tensors) == 8 and "model.tok_embeddings.weight" in tensors
@@ -154,7 +154,7 @@ def test_bad_peft_input_is_one_paragraph(tmp_path, base):
         )  # fmt: skip
         assert result.returncode == 1 and message in flat(result.stderr), result.stderr
         assert "Traceback" not in result.stderr
-    no_adapters = run_freetx("checkpoint", "convert", str(base_dir), str(tmp_path / "a"),
+    no_adapters = run_freetx_here("checkpoint", "convert", str(base_dir), str(tmp_path / "a"),
                              "--to", "peft")  # fmt: skip
     assert no_adapters.returncode == 1 and "holds no LoRA adapters" in flat(no_adapters.stderr)
 
@@ -174,7 +174,7 @@ def test_qlora_on_hsdp_and_a_merge_onto_another_base_are_refused(tmp_path, base)
                        f"output_dir={tmp_path / 'other'}", "max_steps=1", "model.hidden_dim=96",
                        "model.num_heads=3", "model.num_kv_heads=1", "eval.every_n_steps=0")  # fmt: skip
     assert other.returncode == 0, other.stderr
-    merged = run_freetx("checkpoint", "merge", str(tmp_path / "run"), "--base",
+    merged = run_freetx_here("checkpoint", "merge", str(tmp_path / "run"), "--base",
                         str(tmp_path / "other"), str(tmp_path / "m"))  # fmt: skip
     assert merged.returncode == 1 and "a base of another shape" in flat(merged.stderr)
     assert not (tmp_path / "m").exists()

@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from tests.conftest import flat, run_freetx
+from tests.conftest import flat, run_freetx, run_freetx_here
 from tests.hf_folders import RANDOM_WEIGHTS_LR, hf_logits
 from tests.recipes.test_hf_finetune import JSONL, load_checkpoint_as, tensor_names, tiny_folder
 
@@ -44,7 +44,7 @@ def test_a_phi3_folder_finetunes_on_2_processes_resumes_exactly_and_exports(tmp_
 
     checkpoint = tmp_path / "resumed" / "checkpoints" / "step_000004"
     out = tmp_path / "exported"
-    converted = run_freetx("checkpoint", "convert", str(checkpoint), str(out), "--to", "hf")
+    converted = run_freetx_here("checkpoint", "convert", str(checkpoint), str(out), "--to", "hf")
     assert converted.returncode == 0, converted.stderr
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == ["Phi3ForCausalLM"] and config["pad_token_id"] == 0
@@ -77,7 +77,7 @@ def test_lora_on_phi3s_fused_projections_exports_adapters_that_peft_loads(tmp_pa
     adapter = run / "export" / "peft"
     targets = json.loads((adapter / "adapter_config.json").read_text())["target_modules"]
     assert targets == ["down_proj", "gate_up_proj", "o_proj", "qkv_proj"]  # PEFT's Phi-3 names
-    merged = run_freetx("checkpoint", "merge", str(run / "checkpoints" / "step_000002"),
+    merged = run_freetx_here("checkpoint", "merge", str(run / "checkpoints" / "step_000002"),
                         "--base", str(folder), str(tmp_path / "merged"))  # fmt: skip
     assert merged.returncode == 0, merged.stderr
     ids = torch.randint(0, 384, (2, 48), generator=torch.Generator().manual_seed(0))

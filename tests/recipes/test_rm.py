@@ -207,7 +207,7 @@ def test_a_reward_model_of_an_hf_folder_with_a_chat_template_exports_its_scores(
         want = pooled_scores(ours(sequences), sequences, 1)
         got = peft_model(input_ids=sequences).logits[:, 0]
     assert (got - want).abs().max().item() <= 1e-5 and ours.score.weight.abs().sum() > 0
-    merged = run_freetx("checkpoint", "merge", str(lora), str(tmp_path / "merged"),
+    merged = run_freetx_here("checkpoint", "merge", str(lora), str(tmp_path / "merged"),
                         "--base", str(folder))  # fmt: skip
     assert "a merge onto it would drop it" in flat(merged.stdout + merged.stderr)
 
@@ -254,7 +254,9 @@ def test_two_processes_resumed_repeat_one_process(tmp_path, peft):
     assert set(resumed) >= {1, 2, 3, 4} and one[4]["loss"] < one[1]["loss"] + 0.5
     for step in (1, 2, 3, 4):
         for key in ("loss", "accuracy", "margin", "grad_norm"):
-            assert abs(resumed[step][key] - one[step][key]) <= 1e-5, (step, key)
+            # fp32 sums in another order (2 ranks vs 1 rank accumulating): grad_norm ~10
+            want = one[step][key]
+            assert abs(resumed[step][key] - want) <= 1e-5 * (1 + abs(want)), (step, key)
     if peft == "lora":  # the LoRA run as GRPO's reward: its adapters over its base, unmerged
         from freetx.checkpoint import load_model
         from freetx.data.preference import builtin_pairs
@@ -274,7 +276,8 @@ def test_two_processes_resumed_repeat_one_process(tmp_path, peft):
                            adapters=recorded_peft(tmp_path / "two"))  # fmt: skip
         with torch.no_grad():
             want = pooled_scores(model(ids), ids, 258)
-        assert torch.tensor(got).sub(want).abs().max().item() <= 1e-5 and want.std() > 0
+        torch.testing.assert_close(torch.tensor(got), want, rtol=1e-5, atol=1e-5)
+        assert want.std() > 0
         # the trained adapters were read (LoRA's B starts at 0)
         trained = [p for n, p in reward.model.named_parameters() if n.endswith("lora_b.weight")]
         assert trained and all(p.abs().sum() > 0 for p in trained)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import flat, hashes, run_freetx, run_freetx_here
+from tests.conftest import flat, hashes, run_freetx, run_freetx_here, run_refused_here
 
 QUIET = [
     "eval.max_batches=1", "log_every_n_steps=1", "checkpoint.every_n_steps=2",
@@ -306,10 +306,9 @@ def test_damaged_metadata_and_hf_config_are_named(base_run, tmp_path):
     ],
 )
 def test_impossible_values_are_one_paragraph(tmp_path, launch, overrides, fragment):
-    result = run_freetx(
-        "run", *launch, "full_finetune_fsdp2", "--config", "llm/tiny",
-        f"output_dir={tmp_path}", *overrides,
-    )  # fmt: skip
+    result = run_refused_here(
+        *launch, "full_finetune_fsdp2", "--config", "llm/tiny", f"output_dir={tmp_path}", *overrides
+    )
     refused(result, fragment)
 
 

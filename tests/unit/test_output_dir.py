@@ -12,7 +12,7 @@ import pytest
 
 from freetx.checkpoint.run_folder import RECIPE_FILE, check_output_dir
 from freetx.errors import CheckpointError
-from tests.conftest import flat, one_paragraph, run_freetx, run_freetx_here
+from tests.conftest import flat, one_paragraph, run_freetx_here, run_refused_here
 
 USERS_CONFIG = "# my own notes\nmax_steps: 3  # keep it short\n"
 
@@ -78,18 +78,13 @@ def test_validate_refuses_output_dir_dot_beside_the_users_config(tmp_path, monke
     assert sorted(p.name for p in tmp_path.iterdir()) == ["config.yaml"]
 
 
-def test_run_writes_nothing_into_a_folder_it_would_take_over(tmp_path):
+def test_run_writes_nothing_into_a_folder_it_would_take_over(tmp_path, monkeypatch):
     (tmp_path / "config.yaml").write_text(USERS_CONFIG)
+    monkeypatch.chdir(tmp_path)
     text = one_paragraph(
-        run_freetx(
-            "run",
-            "full_finetune_fsdp2",
-            "--config",
-            "llm/tiny",
-            "output_dir=.",
-            "max_steps=1",
-            cwd=tmp_path,
-        )  # fmt: skip
+        run_refused_here(
+            "full_finetune_fsdp2", "--config", "llm/tiny", "output_dir=.", "max_steps=1"
+        )
     )
     assert "output_dir=. is a folder holding files that are not a freetx run's" in text
     assert sorted(p.name for p in tmp_path.iterdir()) == ["config.yaml"]

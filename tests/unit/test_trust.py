@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 
 from freetx.config.instantiate import import_component
 from freetx.errors import ConfigError
-from tests.conftest import REPO, flat, one_paragraph, run_freetx, run_freetx_here
+from tests.conftest import REPO, flat, one_paragraph, run_freetx_here, run_refused_here
 
 RECIPE = ("--recipe", "full_finetune_fsdp2")
 
@@ -82,10 +82,11 @@ def test_every_command_refuses_an_escape(tmp_path, monkeypatch, command):
     assert not (tmp_path / "PWNED").exists() and not (tmp_path / "run").exists()
 
 
-def test_run_refuses_an_escape_before_launching(tmp_path):
+def test_run_refuses_an_escape_before_launching(tmp_path, monkeypatch):
     config = hostile(tmp_path, "dataset.cache_dir", TIMEIT)
-    result = run_freetx("run", "--nproc-per-node", "2", "full_finetune_fsdp2", "--config",
-                        str(config), cwd=tmp_path)  # fmt: skip
+    monkeypatch.chdir(tmp_path)
+    result = run_refused_here("--nproc-per-node", "2", "full_finetune_fsdp2", "--config",
+                              str(config))  # fmt: skip
     assert "dataset.cache_dir._component_: 'timeit.timeit' is refused" in one_paragraph(result)
     assert not (tmp_path / "PWNED").exists() and not (tmp_path / "run").exists()
 
