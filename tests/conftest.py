@@ -15,6 +15,13 @@ from pathlib import Path
 
 import pytest
 
+# Under pytest-xdist (`make test`: 2 workers) each worker's processes take their share of the
+# cores: torch's OpenMP threads outnumbering the cores spin against each other's (a 1-process
+# run of 2 threads beside another worker's 2-process run crawls). The processes a test
+# launches inherit it; `freetx run` keeps an OMP_NUM_THREADS it is given.
+WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if WORKERS > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // WORKERS)))
 REPO = Path(__file__).resolve().parents[1]
 ASSETS = REPO / "tests" / "assets"
 # the token cache of the datasets tests build (and of the runs they launch, which inherit
