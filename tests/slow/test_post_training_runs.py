@@ -37,10 +37,12 @@ def sft(tmp_path_factory):
 
 
 def test_kto_raises_the_desirable_reward_above_the_undesirable_one(sft, tmp_path):
+    # the config's own 60 steps: cut to 30 (its cosine squeezed into them) the held-out margin
+    # was -0.008 on one machine kind and above 0.02 on another; at 60, 0.23 (0.08 at step 30)
     rows = run("dpo_fsdp2", "llm/kto_tiny", tmp_path / "kto", f"model_dir={sft}",
-               "max_steps=30", "eval.every_n_steps=30", "checkpoint.every_n_steps=0")  # fmt: skip
+               "eval.every_n_steps=60", "checkpoint.every_n_steps=0")  # fmt: skip
     val = [r for r in rows if "val/loss" in r][-1]
-    assert val["step"] == 30
+    assert val["step"] == 60
     assert val["val/rewards/chosen"] > val["val/rewards/rejected"] + 0.02, val
 
 
