@@ -153,7 +153,7 @@ def test_run_rejects_a_bad_config_before_launching(tmp_path):
         "stpes=3",
     )
     assert result.returncode == 1
-    assert result.stderr.count("did you mean 'steps'") == 1  # once, from the CLI
+    assert result.stderr.count("did you mean 'steps'") == 1  # once
     assert not (tmp_path / "config.yaml").exists()
 
 

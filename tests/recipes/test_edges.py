@@ -128,7 +128,6 @@ def test_run_refuses_an_unwritable_output_dir_before_launch(tmp_path, a_file):
     result = run_refused_here("--nproc-per-node", "2", "full_finetune_fsdp2", "--config",
                               "llm/tiny", f"output_dir={a_file}")  # fmt: skip
     assert f"output_dir={a_file} is a file, and freetx writes a folder" in one_paragraph(result)
-    assert "world size" not in result.stdout  # nothing was launched
     assert hashes(tmp_path) == before
 
 

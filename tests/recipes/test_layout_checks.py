@@ -31,7 +31,6 @@ def test_run_refuses_before_it_launches_a_process(tmp_path):
     result = run_refused_here("--nproc-per-node", "3", "full_finetune_fsdp2", "--config",
                               "llm/tiny", f"output_dir={tmp_path}")  # fmt: skip
     assert result.returncode == 1 and "cannot be split into 3 rank(s)" in flat(result.stderr)
-    assert "[rank" not in result.stderr  # said by the launcher, not by launched ranks
     assert not (tmp_path / "config.yaml").exists()
 
 
