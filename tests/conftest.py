@@ -58,15 +58,17 @@ def _main_here(args: list[str]) -> subprocess.CompletedProcess:
     from freetx.cli.main import main
 
     out, err = io.StringIO(), io.StringIO()
-    trust = os.environ.get("FREETX_TRUST")  # `--trust` sets it for the command only
+    # what a command sets for its own processes (`--trust`, `run`'s deterministic_env) is
+    # the command's only, as it is in a process of its own
+    environment = dict(os.environ)
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
             code = main(args)
         except SystemExit as e:  # argparse usage errors
             code = e.code
         finally:
-            os.environ.pop("FREETX_TRUST", None)
-            os.environ.update({"FREETX_TRUST": trust} if trust is not None else {})
+            os.environ.clear()
+            os.environ.update(environment)
     return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
 
 
