@@ -127,7 +127,9 @@ SOURCE_EPISODES = (1, 5, 10, 15, 20, 30, 60)
 def source_rows(name: str, split: int, overrides: list[str]) -> list[str]:
     """The source algorithm's learning on a split's training goals, as AD sees it: the
     streams' mean return per episode as a share of each goal's optimum, the streams whose
-    last episode is below 80% of it (a detour kept, or no goal found), the worst goal."""
+    last episode is below 80% of it (a detour kept, or no goal found), the worst goal, and
+    of the streams that found their goal before their last episode, those rewarded again
+    the episode after (the source goes back to a goal it found: what AD learns to do)."""
     import numpy as np
 
     from freetx.cli.common import load_recipe
@@ -145,12 +147,17 @@ def source_rows(name: str, split: int, overrides: list[str]) -> list[str]:
     returns = made["rewards"].reshape(len(goals), -1, length // env.horizon, env.horizon)
     share = returns.sum(-1) / optimal_return(goals, env)[:, None, None]  # goal, stream, episode
     by_episode = share.mean((0, 1))
+    rewarded = returns.sum(-1).reshape(-1, share.shape[-1]) > 0  # stream, episode
+    first = rewarded.argmax(-1)
+    found = rewarded.any(-1) & (first < rewarded.shape[1] - 1)
+    back = rewarded[found.nonzero()[0], first[found] + 1]
     return (
         [name, str(split)]
         + [f"{by_episode[e - 1]:.2f}" if e <= len(by_episode) else "" for e in SOURCE_EPISODES]
         + [
             f"{(share[:, :, -1] < SHARE_OF_OPTIMUM).mean():.0%}",
             f"{share[:, :, -1].mean(1).min():.2f}",
+            f"{back.mean():.0%}" if len(back) else "",
         ]
     )
 
@@ -160,7 +167,8 @@ def sources(splits: list[int], overrides: list[str]) -> None:
     rows = [source_rows(name, s, extra) for name, extra in variants.items() for s in splits]
     print("the source's return as a share of the optimum, per episode of its history:")
     print(table(rows, ["histories", "split", *[f"ep {e}" for e in SOURCE_EPISODES],
-                       "streams < 80% at the end", "worst goal"]))  # fmt: skip
+                       "streams < 80% at the end", "worst goal",
+                       "back the episode after finding"]))  # fmt: skip
 
 
 def first_curve(per_split: dict[int, dict]) -> list[float]:

@@ -26,8 +26,10 @@ def histories_cache(data_dir: str | Path, env_cfg: Any, cfg: Any) -> ShardCache:
     """Where histories of these settings live (`env_cfg`, `cfg`: the env and histories
     sections as dataclasses); subsampling is applied on load, so it is not part of the key."""
     generation = {k: v for k, v in asdict(cfg).items() if k != "subsample"}
-    if not generation.get("planning_sweeps"):  # histories made before the knob keep their key
-        generation.pop("planning_sweeps", None)
+    # histories made before the planner's knobs keep their key while the knobs are off
+    for knob in ("planning_sweeps", "memory_episodes", "knows_stay"):
+        if not generation.get(knob):
+            generation.pop(knob, None)
     kind = "ed" if cfg.expert else "ad"
     return ShardCache.for_settings(
         data_dir, f"darkroom_{kind}", {"env": asdict(env_cfg), "histories": generation}

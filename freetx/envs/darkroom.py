@@ -19,6 +19,7 @@ from freetx.fields import at_least
 # action -> (dx, dy)
 MOVES = np.array([[1, 0], [-1, 0], [0, 1], [0, -1], [0, 0]], dtype=np.int64)
 NUM_ACTIONS = 5
+STAY = 4  # the action that keeps the agent where it is
 
 
 @dataclass

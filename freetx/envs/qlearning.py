@@ -11,11 +11,12 @@ stream): any rank can make any history (`history_shard` is one rank's share).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
-from freetx.envs.darkroom import NUM_ACTIONS, DarkRoom, DarkRoomConfig, goal_split
-from freetx.fields import at_least
+from freetx.envs.darkroom import NUM_ACTIONS, STAY, DarkRoom, DarkRoomConfig, goal_split
+from freetx.fields import at_least, refuse_meaningless
 
 
 @dataclass
@@ -43,11 +44,41 @@ class HistoryConfig:
     # the planner treats the room as going on (the horizon is a time limit the state does
     # not show), where the step-by-step update does not bootstrap at an episode's last step
     planning_sweeps: int = at_least(0, default=0)
+    # with planning: the learner remembers only its last `memory_episodes` whole episodes
+    # (and the current one); after each episode its model of the room is rebuilt from them
+    # and its values planned again from the optimistic start. Set to the whole episodes AD's
+    # context holds (model.n_transit // env.horizon - 1), every action of the source is a
+    # function of what AD sees, so the source is one AD can distil; 0: it remembers all
+    memory_episodes: int = at_least(0, default=0)
+    # with planning: the learner knows what staying does (the reward is the cell's: +1 for
+    # every step on the goal). Entering a cell tells it what staying there gives, so a goal
+    # found once is worth its full value (1 / (1 - discount)) at once and the learner goes
+    # back to it the next episode, where without this it often went on exploring (the goal
+    # reached once was worth 1 + discount x initial_q, about as much as an untried action)
+    knows_stay: bool = False
     expert: bool = False  # Expert Distillation control: the final policy's episodes only
     subsample: int = at_least(
         1, default=1
     )  # train on every k-th episode: learning looks k times faster in context
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        refuse_meaningless(self)
+
+    @staticmethod
+    def meaningless(values: dict[str, Any]) -> dict[str, str]:
+        """The planner's knobs without the planner (freetx.fields: checked by `freetx
+        validate`, before a run, and here), by key: why, and the fix."""
+        found = {}
+        if not values.get("planning_sweeps"):
+            for key in ("memory_episodes", "knows_stay"):
+                if values.get(key):
+                    found[key] = (
+                        "it shapes the planner's model of the room, and there is no planner "
+                        "(histories.planning_sweeps=0). Set planning_sweeps (e.g. 20), or "
+                        f"{key}={'0' if key == 'memory_episodes' else 'false'}."
+                    )
+        return found
 
 
 def _epsilon(episode: int, cfg: HistoryConfig) -> float:
@@ -93,13 +124,24 @@ def learning_histories(
     known = np.zeros((n, num_states, NUM_ACTIONS), dtype=bool)
     model_next = np.zeros((n, num_states, NUM_ACTIONS), dtype=np.int64)
     model_reward = np.zeros((n, num_states, NUM_ACTIONS), dtype=np.float64)
+    next_states_seen = np.zeros((n, length), dtype=np.int64)  # for the memory's rebuilds
+
+    def remember(row_index, states, actions, next_states, rewards) -> None:
+        """Into the model: where each action led and what it earned; with knows_stay,
+        also that staying in the cell entered earns what entering it did."""
+        tried = [(row_index, states, actions)]
+        for where in tried + ([(row_index, next_states, STAY)] if cfg.knows_stay else []):
+            known[where] = True
+            model_next[where] = next_states
+            model_reward[where] = rewards
 
     def learn(states, actions, rewards, next_states, last: bool) -> None:
         target = rewards + (0.0 if last else cfg.discount) * q[rows, next_states].max(-1)
         q[rows, states, actions] += cfg.learning_rate * (target - q[rows, states, actions])
-        known[rows, states, actions] = True
-        model_next[rows, states, actions] = next_states
-        model_reward[rows, states, actions] = rewards
+        remember(rows, states, actions, next_states, rewards)
+        if cfg.knows_stay:  # a goal just found is worth staying on
+            stay_value = rewards + cfg.discount * q[rows, next_states].max(-1)
+            q[rows, next_states, STAY] = stay_value
 
     def plan() -> None:
         """Value iteration on the transitions seen (`known`); untried actions keep their
@@ -109,6 +151,15 @@ def learning_histories(
             after = np.take_along_axis(values, model_next.reshape(n, -1), axis=1)
             target = model_reward + cfg.discount * after.reshape(model_next.shape)
             np.copyto(q, target, where=known)
+
+    def remember_last(episodes_done: int) -> None:
+        """The model and values from the last `memory_episodes` episodes only."""
+        start = max(0, episodes_done - cfg.memory_episodes) * horizon
+        known.fill(False)
+        steps = slice(start, episodes_done * horizon)
+        remember(rows[:, None], out["states"][:, steps], out["actions"][:, steps],
+                 next_states_seen[:, steps], out["rewards"][:, steps])  # fmt: skip
+        q.fill(cfg.initial_q)
 
     # learning episodes; for ED, then the final policy acting for as many episodes,
     # written over the learning ones (only the expert's episodes are kept)
@@ -128,6 +179,7 @@ def learning_histories(
                 out["states"][:, t] = states
                 out["actions"][:, t] = actions
                 out["rewards"][:, t] = rewards.astype(np.int64)
+                next_states_seen[:, t] = next_states
                 visited[:, env.t - 1], visited[:, env.t] = states, next_states
                 states = next_states
                 t += 1
@@ -142,6 +194,8 @@ def learning_histories(
                         last=k == horizon - 1,
                     )
             if phase == "learn" and cfg.planning_sweeps:
+                if cfg.memory_episodes:
+                    remember_last(episode + 1)
                 plan()
     out["goal_ids"] = np.repeat(goal_ids, streams)
     return out

@@ -53,6 +53,9 @@ TOPK = ["model.activation=batchtopk", "model.k=8"]
      ("ad/darkroom_tiny", ["model.scale_embeddings=true"],
       "'model.scale_embeddings' is True: AD's transformer does not compute it"),
      ("ad/darkroom_tiny", ["model.pad_token_id=0"], "'model.pad_token_id' is 0: AD's"),
+     ("ad/darkroom_tiny", ["histories.planning_sweeps=0"],
+      "'histories.knows_stay' is True: it shapes the planner's model of the room, and there "
+      "is no planner (histories.planning_sweeps=0)"),
      ("llm/tiny", ["model.pad_token_id=259"], "'model.pad_token_id' is 259: it is the "
       "embedding row that gets no gradient (transformers' padding_idx); set an id below "
       "vocab_size=259, or null for none.")],

@@ -57,12 +57,13 @@ def test_the_source_curve_is_the_shipped_histories_or_the_overridden_ones():
 
     small = ["histories.episodes=5", "histories.streams_per_goal=1"]
     row = ad_splits.source_rows("small", 0, small)
-    assert row[:2] == ["small", "0"] and row[-5:-2] == ["", "", ""]  # no episode 20, 30, 60
+    assert row[:2] == ["small", "0"] and row[-6:-3] == ["", "", ""]  # no episode 20, 30, 60
     first, fifth = (float(v) for v in row[2:4])  # share of the optimum at episodes 1 and 5
-    assert 0 <= first < fifth <= 1 and row[-2].endswith("%")  # streams left on a detour
-    planned = ad_splits.source_rows("planned", 0, [*small, "histories.planning_sweeps=20",
-                                                   "histories.initial_q=5",
-                                                   "histories.epsilon_start=0"])  # fmt: skip
-    assert float(planned[3]) > fifth  # the override reaches the histories: directed search
+    assert 0 <= first < fifth <= 1 and row[-3].endswith("%")  # streams left on a detour
+    assert row[-1].endswith("%")  # back to the goal the episode after finding it
+    unplanned = ad_splits.source_rows("unplanned", 0, [*small, "histories.planning_sweeps=0",
+                                                       "histories.knows_stay=false",
+                                                       "histories.epsilon_start=0.5"])  # fmt: skip
+    assert float(unplanned[3]) < fifth  # the override reaches the histories: no directed search
     with pytest.raises(ConfigError, match="did you mean 'histories'"):
         ad_splits.source_rows("typo", 0, ["history.episodes=5"])

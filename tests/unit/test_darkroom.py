@@ -146,6 +146,55 @@ def test_planning_finds_the_shortest_path_not_the_first():
     assert unplanned.min() < 0.6 and planned.mean() > unplanned.mean()
 
 
+def test_a_planner_that_knows_what_staying_does_goes_back_to_a_goal_it_found():
+    """knows_stay: entering a cell tells the planner what staying there gives, so a goal
+    found once is worth its whole value and every stream goes back to it the episode
+    after; without it, a goal reached once is worth about as much as an untried action,
+    and some streams go on exploring instead (what AD then learns: a reward seen is not a
+    reason to go back)."""
+    env = DarkRoomConfig(split_seed=3)
+    goals = goal_split(env).train[:20]
+
+    def back_the_next_episode(**extra):
+        cfg = HistoryConfig(streams_per_goal=2, episodes=30, learning_rate=1.0, initial_q=5,
+                            epsilon_start=0.0, epsilon_end=0.0, backward_replay=True,
+                            planning_sweeps=20, seed=3, **extra)  # fmt: skip
+        returns = learning_histories(np.arange(20), goals, env, cfg)["rewards"]
+        returns = returns.reshape(40, 30, 20).sum(-1)
+        first = (returns > 0).argmax(-1)  # every stream finds its goal
+        assert (returns > 0).any(-1).all() and (first < 29).all()
+        return returns[np.arange(40), first + 1] > 0
+
+    assert back_the_next_episode(knows_stay=True).all()
+    assert back_the_next_episode().mean() < 0.9
+
+
+def test_a_planner_that_remembers_less_learns_less():
+    """memory_episodes: the planner's model of the room holds only its last K episodes (as
+    AD's context does). Remembering every episode is the planner that keeps everything,
+    action for action; remembering 2 costs: by its last episodes the planner that keeps
+    everything is on the shortest path, the one that keeps 2 is not; before anything is
+    forgotten (its first 3 episodes) it acts the same."""
+    env = DarkRoomConfig(split_seed=3)
+    goals = goal_split(env).train[:12]
+    optimal = optimal_return(goals, env)[:, None, None]
+
+    def histories(**extra):
+        cfg = HistoryConfig(streams_per_goal=2, episodes=30, learning_rate=1.0, initial_q=5,
+                            epsilon_start=0.0, epsilon_end=0.0, backward_replay=True,
+                            planning_sweeps=20, seed=3, **extra)  # fmt: skip
+        return learning_histories(np.arange(12), goals, env, cfg)
+
+    def share(h):
+        return h["rewards"].reshape(12, 2, 30, 20).sum(-1) / optimal
+
+    everything, two = histories(), histories(memory_episodes=2)
+    all_30 = histories(memory_episodes=30)
+    assert np.array_equal(everything["actions"], all_30["actions"])
+    assert np.array_equal(everything["actions"][:, :60], two["actions"][:, :60])
+    assert share(everything)[:, :, -5:].mean() > 0.9 > share(two)[:, :, -5:].mean() + 0.1
+
+
 def test_compressed_context_brackets_regions_and_keeps_the_last_ones():
     positions, kinds = compressed_context([0, 4], 7)
     assert positions.tolist() == [-1, 0, 1, 2, 3, -1, -1, 4, 5, 6]
@@ -212,8 +261,8 @@ def test_the_model_reads_markers_only_with_boundary_tokens():
 
 
 def test_planning_histories_have_their_own_cache_and_the_others_keep_theirs(tmp_path):
-    """The cache's name hashes the histories' settings: planning_sweeps is in it only when
-    set, so histories made before the knob existed are still found."""
+    """The cache's name hashes the histories' settings: the planner's knobs are in it only
+    when set, so histories made before the knobs existed are still found."""
     from dataclasses import asdict
 
     from freetx.data.darkroom import histories_cache
@@ -221,11 +270,14 @@ def test_planning_histories_have_their_own_cache_and_the_others_keep_theirs(tmp_
 
     plain = histories_cache(tmp_path, ENV, HistoryConfig())
     planned = histories_cache(tmp_path, ENV, HistoryConfig(planning_sweeps=20))
-    assert plain.folder != planned.folder
+    remembering = histories_cache(
+        tmp_path, ENV, HistoryConfig(planning_sweeps=20, memory_episodes=4)
+    )
+    assert len({plain.folder, planned.folder, remembering.folder}) == 3
     settings = {
         k: v
         for k, v in asdict(HistoryConfig()).items()
-        if k not in ("subsample", "planning_sweeps")
+        if k not in ("subsample", "planning_sweeps", "memory_episodes", "knows_stay")
     }
     before = ShardCache.for_settings(
         tmp_path, "darkroom_ad", {"env": asdict(ENV), "histories": settings}
