@@ -90,8 +90,10 @@ def split_rows(name: str, results: dict[int, dict], dirs: dict[int, Path]) -> li
 
 
 def goal_rows(name: str, results: dict[int, dict], dirs: dict[int, Path]) -> list[list[str]]:
-    """Per test goal: its cell, optimum (walk straight there, then stay: the run's room)
-    and last-5 return."""
+    """Per test goal: its cell, optimum (walk straight there, then stay: the run's room),
+    last-5 return, and of its runs (seeds), those that reached the goal in some episode
+    and those that reached it but ended below half its optimum (found it, did not stay:
+    from each run's curve, in runs whose report has them)."""
     import numpy as np
     from omegaconf import OmegaConf
 
@@ -102,9 +104,15 @@ def goal_rows(name: str, results: dict[int, dict], dirs: dict[int, Path]) -> lis
         env = OmegaConf.load(dirs[split] / "config.yaml").env
         goals = np.array(r["test"]["goals"])
         optima = optimal_return(goals, DarkRoomConfig(grid_size=env.grid_size, horizon=env.horizon))
-        for (x, y), optimal, value in zip(goals, optima, r["test"]["last5_per_goal"]):
+        runs = np.array(r["test"].get("returns", [[[]]] * len(goals)))  # goal, seed, episode
+        for (x, y), optimal, value, curves in zip(goals, optima, r["test"]["last5_per_goal"], runs):
+            reached = left = ""
+            if curves.size:
+                found = (curves > 0).any(-1)
+                reached = f"{found.sum()}/{len(curves)}"
+                left = str((found & (curves[:, -5:].mean(-1) < optimal / 2)).sum())
             rows.append([name, str(split), f"({x}, {y})", f"{optimal:g}", f"{value:.2f}",
-                         f"{value / optimal:.0%}"])  # fmt: skip
+                         f"{value / optimal:.0%}", reached, left])  # fmt: skip
     return rows
 
 
@@ -209,7 +217,8 @@ def main() -> None:
                  "worst goal", "context", "step", "peak memory"]))  # fmt: skip
     print()
     print(table([row for name in results for row in goal_rows(name, results[name], dirs[name])],
-                ["run", "split", "test goal", "optimal", "last 5", "/ optimal"]))  # fmt: skip
+                ["run", "split", "test goal", "optimal", "last 5", "/ optimal",
+                 "runs that reached it", "reached it, ended below half"]))  # fmt: skip
     print()
     curves = []
     shown = [e for e in CURVE_EPISODES if e <= len(first_curve(next(iter(results.values()))))]

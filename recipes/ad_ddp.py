@@ -365,6 +365,7 @@ class ADRecipeDDP:
             "goals": goals.tolist(),
             "returns_per_episode": curve.tolist(),
             "last5_per_goal": returns[:, :, -5:].mean((1, 2)).tolist(),
+            "returns": returns.tolist(),  # [goal][seed][episode]: each run's curve
             "last5_per_seed": returns[:, :, -5:].mean((0, 2)).tolist(),
             "optimal_return": optimal,
             "random_return": random,

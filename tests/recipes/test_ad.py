@@ -33,6 +33,7 @@ def test_short_run_writes_histories_metrics_and_the_evaluation_file(tmp_path):
     assert len(test["returns_per_episode"]) == 4 and len(test["goals"]) == 8
     assert test["optimal_return"] == 17.0 and 0 < test["random_return"] < 1
     assert len(test["last5_per_goal"]) == 8
+    assert [len(test["returns"]), len(test["returns"][0]), len(test["returns"][0][0])] == [8, 1, 4]
     # the temperature is the validation goals' choice; they are no test goal
     assert sorted(val["returns_per_episode"]) == ["0", "1"] and len(val["goals"]) == 8
     last5 = {t: sum(c[-5:]) / len(c[-5:]) for t, c in val["returns_per_episode"].items()}

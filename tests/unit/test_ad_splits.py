@@ -40,8 +40,14 @@ def test_tables_and_verdict_from_finished_runs(tmp_path):
     (row,) = ad_splits.split_rows("compressed AD", compressed, {1: tmp_path / "cad_s1"})
     assert row[-3] == "83"  # the compressed context's tokens at most
     goals = ad_splits.goal_rows("AD", plain, {1: tmp_path / "ad_s1"})
-    assert [r[2:] for r in goals] == [["(4, 5)", "20", "14.00", "70%"],
-                                      ["(8, 8)", "13", "10.00", "77%"]]  # fmt: skip
+    assert [r[2:] for r in goals] == [["(4, 5)", "20", "14.00", "70%", "", ""],
+                                      ["(8, 8)", "13", "10.00", "77%", "", ""]]  # fmt: skip
+    # with each run's curve (goal, seed, episode): who reached the goal, who did not stay
+    found_and_left = [0.0] * 10 + [1.0] + [0.0] * 19
+    stayed = [0.0] * 10 + [20.0] * 20
+    plain[1]["test"]["returns"] = [[stayed, found_and_left, [0.0] * 30], [stayed] * 3]
+    goals = ad_splits.goal_rows("AD", plain, {1: tmp_path / "ad_s1"})
+    assert [r[-2:] for r in goals] == [["2/3", "1"], ["3/3", "0"]]
     assert "meets the goal" in ad_splits.verdict("AD", plain)
     missed = ad_splits.verdict("compressed AD", compressed)
     assert "misses the goal" in missed and "1 of 2 test goals below 8" in missed
