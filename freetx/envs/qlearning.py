@@ -1,8 +1,10 @@
 """The source algorithm of Algorithm Distillation: tabular Q-learning on Dark Room.
 
 Each training goal is learnt from scratch (optimistic initial values, epsilon
-decaying over episodes), with several independent streams per goal, so a
-history runs from random behaviour to a near-optimal policy. The Expert
+decaying over episodes; or, with `planning_sweeps`, a model of the room planned
+on after every episode, whose optimism explores), with several independent
+streams per goal, so a history runs from random behaviour to a near-optimal
+policy. The Expert
 Distillation (ED) control keeps only the final policy's episodes. Everything
 is numpy, vectorized over environments, and a function of (seed, goal,
 stream): any rank can make any history (`history_shard` is one rank's share).
@@ -46,15 +48,18 @@ class HistoryConfig:
     planning_sweeps: int = at_least(0, default=0)
     # with planning: the learner remembers only its last `memory_episodes` whole episodes
     # (and the current one); after each episode its model of the room is rebuilt from them
-    # and its values planned again from the optimistic start. Set to the whole episodes AD's
-    # context holds (model.n_transit // env.horizon - 1), every action of the source is a
-    # function of what AD sees, so the source is one AD can distil; 0: it remembers all
+    # and its values planned again from the optimistic start (nothing else carries over:
+    # backward replay's values are replanned, and the sweeps must span a path). Set to the
+    # whole episodes plain AD's context holds (model.n_transit // env.horizon - 1, with
+    # subsample 1), every action of the source is a function of what AD sees: the study of
+    # what the context bounds (docs/recipes/ad_ddp.md); 0: it remembers all
     memory_episodes: int = at_least(0, default=0)
     # with planning: the learner knows what staying does (the reward is the cell's: +1 for
-    # every step on the goal). Entering a cell tells it what staying there gives, so a goal
-    # found once is worth its full value (1 / (1 - discount)) at once and the learner goes
-    # back to it the next episode, where without this it often went on exploring (the goal
-    # reached once was worth 1 + discount x initial_q, about as much as an untried action)
+    # every step on the goal). Entering a cell tells it what staying there gives, so after
+    # the episode's planning a goal found once is worth nearly its whole value (up to
+    # 1 / (1 - discount)) and the learner goes back to it the next episode, where without
+    # this it often went on exploring (the goal reached once was worth 1 + discount x
+    # initial_q, about as much as an untried action)
     knows_stay: bool = False
     expert: bool = False  # Expert Distillation control: the final policy's episodes only
     subsample: int = at_least(
