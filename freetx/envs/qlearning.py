@@ -4,10 +4,10 @@ Each training goal is learnt from scratch (optimistic initial values, epsilon
 decaying over episodes; or, with `planning_sweeps`, a model of the room planned
 on after every episode, whose optimism explores), with several independent
 streams per goal, so a history runs from random behaviour to a near-optimal
-policy. The Expert
-Distillation (ED) control keeps only the final policy's episodes. Everything
-is numpy, vectorized over environments, and a function of (seed, goal,
-stream): any rank can make any history (`history_shard` is one rank's share).
+policy. The Expert Distillation (ED) control keeps only the final policy's
+episodes. Everything is numpy, vectorized over environments, and a function of
+(seed, goal, stream): any rank can make any history (`history_shard` is one
+rank's share).
 """
 
 from __future__ import annotations
