@@ -137,13 +137,17 @@ def source_rows(name: str, split: int, overrides: list[str]) -> list[str]:
     streams' mean return per episode as a share of each goal's optimum, the streams whose
     last episode is below 80% of it (a detour kept, or no goal found), the worst goal, and
     of the streams that found their goal before their last episode, those rewarded again
-    the episode after (the source goes back to a goal it found: what AD learns to do)."""
+    the episode after (the source goes back to a goal it found: what AD learns to do); and
+    of the streams whose goal is one of the farthest cells (7 or 8 steps from the start on
+    9x9), those that did not find it within the `eval.episodes` an in-context run has (of
+    the history as AD reads it: with `histories.subsample` k, every k-th episode)."""
     import numpy as np
 
     from freetx.cli.common import load_recipe
     from freetx.config.run_config import load_recipe_config
     from freetx.data.darkroom import subsample_episodes
     from freetx.envs import goal_split, learning_histories, optimal_return
+    from freetx.envs.darkroom import centre
 
     cfg = load_recipe_config("ad/darkroom_tiny", [f"env.split_seed={split}",
                              f"histories.seed={split}", *overrides], load_recipe("ad_ddp").schema)  # fmt: skip
@@ -159,6 +163,10 @@ def source_rows(name: str, split: int, overrides: list[str]) -> list[str]:
     first = rewarded.argmax(-1)
     found = rewarded.any(-1) & (first < rewarded.shape[1] - 1)
     back = rewarded[found.nonzero()[0], first[found] + 1]
+    distance = np.abs(goals - centre(env.grid_size)).sum(-1)
+    farthest = 2 * (env.grid_size // 2)  # a corner's distance from the centre
+    far = np.repeat(distance >= farthest - 1, returns.shape[1])  # per stream
+    missed = ~rewarded[far, : cfg.eval.episodes].any(-1)
     return (
         [name, str(split)]
         + [f"{by_episode[e - 1]:.2f}" if e <= len(by_episode) else "" for e in SOURCE_EPISODES]
@@ -166,6 +174,7 @@ def source_rows(name: str, split: int, overrides: list[str]) -> list[str]:
             f"{(share[:, :, -1] < SHARE_OF_OPTIMUM).mean():.0%}",
             f"{share[:, :, -1].mean(1).min():.2f}",
             f"{back.mean():.0%}" if len(back) else "",
+            f"{missed.mean():.0%} of {len(missed)}" if len(missed) else "none",
         ]
     )
 
@@ -176,7 +185,8 @@ def sources(splits: list[int], overrides: list[str]) -> None:
     print("the source's return as a share of the optimum, per episode of its history:")
     print(table(rows, ["histories", "split", *[f"ep {e}" for e in SOURCE_EPISODES],
                        "streams < 80% at the end", "worst goal",
-                       "back the episode after finding"]))  # fmt: skip
+                       "back the episode after finding",
+                       "far goals not found in the evaluation's episodes"]))  # fmt: skip
 
 
 def first_curve(per_split: dict[int, dict]) -> list[float]:

@@ -40,6 +40,8 @@ from freetx.data.darkroom import (
     compressed_run_inputs,
     histories_cache,
     load_histories,
+    next_transition,
+    run_inputs,
     subsample_episodes,
 )
 from freetx.distributed import build_groups, init_distributed, parallelize
@@ -384,6 +386,7 @@ class ADRecipeDDP:
         metrics.update({f"eval/test_return_episode_{k + 1:02d}": v for k, v in enumerate(curve)})
         return metrics
 
+    @torch.no_grad()
     def in_context_returns(self, goals: np.ndarray, temperatures: list[float]) -> np.ndarray:
         """Returns [temperatures, goals, seeds, episodes] of in-context runs.
 
@@ -425,10 +428,11 @@ class ADRecipeDDP:
         The context holds the last n_transit // horizon - 1 whole episodes and the
         current one so far, the layout of the training windows; compressed AD's, the
         region being filled and the `compress.regions - 1` whole regions before it
-        (`compressed_run_inputs`). Each run samples its actions from its own random
-        stream, keyed by (seed, goal cell, eval seed), so results do not depend on how
-        the runs are split across ranks, and runs that differ only in temperature share
-        their noise.
+        (`compressed_run_inputs`). An episode's context is computed at its first step and
+        kept in a KV cache; each later step computes its one new transition. Each run
+        samples its actions from its own random stream, keyed by (seed, goal cell, eval
+        seed), so results do not depend on how the runs are split across ranks, and runs
+        that differ only in temperature share their noise.
         """
         horizon, episodes = self.cfg.env.horizon, self.cfg.eval.episodes
         keep = max(1, self.n_transit // horizon - 1)  # whole past episodes in context
@@ -446,28 +450,28 @@ class ADRecipeDDP:
         actions = torch.zeros_like(states)
         rewards = torch.zeros_like(states)
         returns = np.zeros((n, episodes))
-        no_action = torch.full((n, 1), model.no_action, device=self.device)
-        no_reward = torch.full((n, 1), model.no_reward, device=self.device)
+        cache = model.new_cache(n, self.device)  # an episode's context, computed once
         t = 0
         for episode in range(episodes):
             state = torch.from_numpy(env.reset()).to(self.device)
+            cache.rewind()  # its buffers kept: the new context is written over the last
             done = False
             while not done:
                 states[:, t] = state
-                if compress is None:
-                    start = max(0, episode - keep) * horizon
-                    inputs = {
-                        "states": states[:, start : t + 1],
-                        "prev_actions": torch.cat([no_action, actions[:, start:t]], 1),
-                        "prev_rewards": torch.cat([no_reward, rewards[:, start:t]], 1),
-                    }
+                if cache.length:  # the transition after the cached ones
+                    inputs = next_transition(states, actions, rewards, t, compress is not None)
+                elif compress is None:  # the episode's first step: its whole context
+                    inputs = run_inputs(
+                        states, actions, rewards, t, horizon, keep, model.no_action,
+                        model.no_reward,
+                    )  # fmt: skip
                 else:
                     inputs = compressed_run_inputs(
                         states, actions, rewards, t, horizon, compress.region_episodes,
                         compress.regions, model.no_action, model.no_reward,
                     )  # fmt: skip
                 with self.plan.autocast():
-                    logits = model(**inputs)[:, -1]
+                    logits = model(**inputs, cache=cache)[:, -1]
                 logits = logits.float()
                 # inverse-CDF sampling with this run's own noise; greedy where T = 0
                 cdf = torch.softmax(logits / temperature.masked_fill(greedy, 1.0), -1).cumsum(-1)

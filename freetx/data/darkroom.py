@@ -176,6 +176,46 @@ def context_tokens(
     }
 
 
+def run_inputs(
+    states: torch.Tensor,
+    actions: torch.Tensor,
+    rewards: torch.Tensor,
+    t: int,
+    horizon: int,
+    keep: int,
+    no_action: int,
+    no_reward: int,
+) -> dict[str, torch.Tensor]:
+    """An in-context run's model inputs at its step `t` (its transitions so far [runs,
+    steps]): the last `keep` whole episodes and the current one so far, laid out as the
+    training windows (`ADWindows`) are: the first token's previous action and reward
+    "none"."""
+    start = max(0, t // horizon - keep) * horizon
+    none = torch.ones_like(states[:, :1])
+    return {
+        "states": states[:, start : t + 1],
+        "prev_actions": torch.cat([none * no_action, actions[:, start:t]], 1),
+        "prev_rewards": torch.cat([none * no_reward, rewards[:, start:t]], 1),
+    }
+
+
+def next_transition(
+    states: torch.Tensor, actions: torch.Tensor, rewards: torch.Tensor, t: int, markers: bool
+) -> dict[str, torch.Tensor]:
+    """Step `t`'s one token, after a KV cache that holds the run's context at an earlier
+    step of the same episode (`run_inputs`, `compressed_run_inputs`: within an episode
+    both grow by a transition a step): its state and the transition before it, and with
+    `markers` (compressed AD) its kind, a transition."""
+    token = {
+        "states": states[:, t : t + 1],
+        "prev_actions": actions[:, t - 1 : t],
+        "prev_rewards": rewards[:, t - 1 : t],
+    }
+    if markers:
+        token["markers"] = torch.full_like(token["states"], TRANSITION)
+    return token
+
+
 def compressed_run_inputs(
     states: torch.Tensor,
     actions: torch.Tensor,

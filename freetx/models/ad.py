@@ -5,7 +5,9 @@ embedding(previous reward), then causal DecoderBlocks (RoPE, the same blocks
 as the LM decoder), RMSNorm and a head over the actions. The action is
 predicted at every position, so one window of `n_transit` transitions trains
 `n_transit` predictions. Previous action / reward of a window's first token
-are "none" (their own embedding rows). With `boundary_tokens` (compressed AD), a
+are "none" (their own embedding rows). With a KV cache (`new_cache`), a forward
+takes the transitions after the cached ones, so an in-context run costs one
+token's forward a step. With `boundary_tokens` (compressed AD), a
 `markers` input says which tokens are <compress> / </compress> markers: those are
 their own learned embeddings (`freetx.data.darkroom.compressed_context` lays them out).
 """
@@ -23,6 +25,7 @@ from freetx.models.decoder.config import TransformerConfig
 from freetx.models.decoder.estimate import DecoderActivations
 from freetx.models.decoder.layers import DecoderBlock, init_decoder_parameter, rms_norm
 from freetx.models.decoder.rope import RotaryTables
+from freetx.models.kv_cache import KVCache
 from freetx.models.protocol import build_config, builds
 
 
@@ -112,15 +115,19 @@ class ADTransformer(DecoderActivations, nn.Module):
         prev_actions: torch.Tensor,
         prev_rewards: torch.Tensor,
         markers: torch.Tensor | None = None,
+        cache: KVCache | None = None,
     ) -> torch.Tensor:
         """[B, T] each -> [B, T, num_actions]; `markers` (boundary_tokens only): 0 at a
-        transition, 1 at <compress>, 2 at </compress>."""
+        transition, 1 at <compress>, 2 at </compress>. With a `cache` (`new_cache`), the
+        inputs are the tokens after the cached ones, and the cache holds them after."""
         if (markers is not None) != self.config.boundary_tokens:
             raise ValueError(
                 "markers are given if and only if the model has boundary_tokens "
                 f"(boundary_tokens={self.config.boundary_tokens})"
             )
-        cos, sin = self.rope(states.shape[1])
+        new = states.shape[1]
+        positions = None if cache is None else cache.positions(new)
+        cos, sin = self.rope(new, positions)
         h = (
             self.embed_states(states)
             + self.action_embedding(prev_actions)
@@ -129,9 +136,17 @@ class ADTransformer(DecoderActivations, nn.Module):
         if markers is not None:
             h = torch.where((markers > 0)[..., None], self.boundary_embedding(markers), h)
         h = self.dropout(h)
-        for layer in self.layers:
-            h = layer(h, cos, sin)
+        for i, layer in enumerate(self.layers):
+            h = layer(h, cos, sin, cache=None if cache is None else cache.layers[i])
+        if cache is not None:
+            cache.advance(states)
         return self.head(self.norm(h))
+
+    def new_cache(self, rows: int, device: torch.device) -> KVCache:
+        """An empty KV cache for `rows` in-context runs of up to the context's tokens
+        (`rewind()` empties it again, its buffers kept for the next context)."""
+        no_padding = torch.zeros(rows, dtype=torch.long, device=device)
+        return KVCache(self.config.num_layers, self.config.max_seq_len, no_padding)
 
     def embed_states(self, states: torch.Tensor) -> torch.Tensor:
         if self.config.state_encoding == "xy":

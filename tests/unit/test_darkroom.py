@@ -15,6 +15,8 @@ from freetx.data.darkroom import (
     compressed_length,
     compressed_run_inputs,
     kept_regions,
+    next_transition,
+    run_inputs,
 )
 from freetx.envs import (
     DarkRoom,
@@ -260,6 +262,74 @@ def test_the_model_reads_markers_only_with_boundary_tokens():
     assert torch.equal(model(other_state, actions, rewards, markers), marked)
     with pytest.raises(ValueError, match="boundary_tokens"):
         model(states, actions, rewards)
+
+
+@pytest.mark.parametrize("compressed", [False, True])
+def test_a_cached_context_and_the_steps_after_it_are_the_whole_context(compressed):
+    """The evaluation computes an episode's context at its first step and then feeds one
+    token a step (`next_transition`): at every step, the tokens fed since the episode
+    began are the whole context the step would have (`run_inputs`, ADWindows' layout:
+    4 past episodes of 20; `compressed_run_inputs`: regions of 2 episodes, 2 kept)."""
+    g = torch.Generator().manual_seed(0)
+    runs = {"states": torch.randint(0, 81, (3, 200), generator=g),
+            "actions": torch.randint(0, 5, (3, 200), generator=g),
+            "rewards": torch.randint(0, 2, (3, 200), generator=g)}  # fmt: skip
+
+    def whole(t):
+        if compressed:
+            return compressed_run_inputs(*runs.values(), t, 20, 2, 2, 5, 2)
+        return run_inputs(*runs.values(), t, 20, 4, 5, 2)
+
+    for t in range(200):
+        first = t - t % 20  # the episode's first step
+        fed = [whole(first)] + [next_transition(*runs.values(), s, compressed)
+                                for s in range(first + 1, t + 1)]  # fmt: skip
+        expected = whole(t)
+        assert sorted(fed[0]) == sorted(expected)
+        for key in expected:
+            assert torch.equal(torch.cat([f[key] for f in fed], 1), expected[key]), (t, key)
+    # the plain layout: 4 whole episodes and the current one, the first token's "none"s
+    late = run_inputs(*runs.values(), 130, 20, 4, 5, 2)
+    assert torch.equal(late["states"], runs["states"][:, 40:131])
+    assert late["prev_actions"][:, 0].tolist() == [5, 5, 5]
+    assert torch.equal(late["prev_rewards"][:, 1:], runs["rewards"][:, 40:130])
+
+
+@pytest.mark.parametrize("boundary_tokens", [False, True])
+def test_a_run_that_caches_its_context_acts_as_one_that_computes_it_every_step(boundary_tokens):
+    """The evaluation's KV cache: a context computed once, then one transition at a time,
+    gives every step the logits of a forward over the whole context (the compressed
+    layout's, markers included: within an episode a run's context grows by its
+    transitions, `test_compressed_windows_are_what_the_evaluation_reads`)."""
+    from freetx.distributed import materialize
+    from freetx.models.ad import ad_transformer
+
+    with torch.device("meta"):
+        model = ad_transformer(n_transit=40, boundary_tokens=boundary_tokens, dropout=0.0)
+    materialize(model, torch.device("cpu"), seed=0)
+    model.eval()
+    g = torch.Generator().manual_seed(0)
+    inputs = {
+        "states": torch.randint(0, 81, (3, 30), generator=g),
+        "prev_actions": torch.randint(0, 6, (3, 30), generator=g),
+        "prev_rewards": torch.randint(0, 3, (3, 30), generator=g),
+    }
+    if boundary_tokens:
+        inputs["markers"] = torch.zeros(3, 30, dtype=torch.long)
+        inputs["markers"][:, [0, 11]] = OPEN
+        inputs["markers"][:, 10] = CLOSE
+    with torch.no_grad():
+        whole = model(**inputs)
+        cache = model.new_cache(3, torch.device("cpu"))
+        steps = [model(**{k: v[:, :12] for k, v in inputs.items()}, cache=cache)]
+        steps += [model(**{k: v[:, t : t + 1] for k, v in inputs.items()}, cache=cache)
+                  for t in range(12, 30)]  # fmt: skip
+    torch.testing.assert_close(torch.cat(steps, 1), whole, rtol=1e-5, atol=1e-5)
+    assert cache.length == 30
+    cache.rewind()  # the next episode's context written over this one's
+    with torch.no_grad():
+        again = model(**{k: v[:, 5:25] for k, v in inputs.items()}, cache=cache)
+    torch.testing.assert_close(again, model(**{k: v[:, 5:25] for k, v in inputs.items()}))
 
 
 def test_planning_histories_have_their_own_cache_and_the_others_keep_theirs(tmp_path):
