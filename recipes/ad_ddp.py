@@ -450,7 +450,7 @@ class ADRecipeDDP:
         actions = torch.zeros_like(states)
         rewards = torch.zeros_like(states)
         returns = np.zeros((n, episodes))
-        cache = model.new_cache(n, self.device)  # an episode's context, computed once
+        cache = model.run_cache(n, self.device)  # an episode's context, computed once
         t = 0
         for episode in range(episodes):
             state = torch.from_numpy(env.reset()).to(self.device)

@@ -5,7 +5,7 @@ embedding(previous reward), then causal DecoderBlocks (RoPE, the same blocks
 as the LM decoder), RMSNorm and a head over the actions. The action is
 predicted at every position, so one window of `n_transit` transitions trains
 `n_transit` predictions. Previous action / reward of a window's first token
-are "none" (their own embedding rows). With a KV cache (`new_cache`), a forward
+are "none" (their own embedding rows). With a KV cache (`run_cache`), a forward
 takes the transitions after the cached ones, so an in-context run costs one
 token's forward a step. With `boundary_tokens` (compressed AD), a
 `markers` input says which tokens are <compress> / </compress> markers: those are
@@ -118,7 +118,7 @@ class ADTransformer(DecoderActivations, nn.Module):
         cache: KVCache | None = None,
     ) -> torch.Tensor:
         """[B, T] each -> [B, T, num_actions]; `markers` (boundary_tokens only): 0 at a
-        transition, 1 at <compress>, 2 at </compress>. With a `cache` (`new_cache`), the
+        transition, 1 at <compress>, 2 at </compress>. With a `cache` (`run_cache`), the
         inputs are the tokens after the cached ones, and the cache holds them after."""
         if (markers is not None) != self.config.boundary_tokens:
             raise ValueError(
@@ -142,9 +142,10 @@ class ADTransformer(DecoderActivations, nn.Module):
             cache.advance(states)
         return self.head(self.norm(h))
 
-    def new_cache(self, rows: int, device: torch.device) -> KVCache:
+    def run_cache(self, rows: int, device: torch.device) -> KVCache:
         """An empty KV cache for `rows` in-context runs of up to the context's tokens
-        (`rewind()` empties it again, its buffers kept for the next context)."""
+        (`rewind()` empties it again, its buffers kept for the next context). Not named
+        `new_cache`: an AD model is no language model to `DecodesIncrementally`'s users."""
         no_padding = torch.zeros(rows, dtype=torch.long, device=device)
         return KVCache(self.config.num_layers, self.config.max_seq_len, no_padding)
 

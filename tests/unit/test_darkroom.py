@@ -303,11 +303,13 @@ def test_a_run_that_caches_its_context_acts_as_one_that_computes_it_every_step(b
     transitions, `test_compressed_windows_are_what_the_evaluation_reads`)."""
     from freetx.distributed import materialize
     from freetx.models.ad import ad_transformer
+    from freetx.models.protocol import DecodesIncrementally
 
     with torch.device("meta"):
         model = ad_transformer(n_transit=40, boundary_tokens=boundary_tokens, dropout=0.0)
     materialize(model, torch.device("cpu"), seed=0)
     model.eval()
+    assert not isinstance(model, DecodesIncrementally)  # the LM generation paths refuse it
     g = torch.Generator().manual_seed(0)
     inputs = {
         "states": torch.randint(0, 81, (3, 30), generator=g),
@@ -320,7 +322,7 @@ def test_a_run_that_caches_its_context_acts_as_one_that_computes_it_every_step(b
         inputs["markers"][:, 10] = CLOSE
     with torch.no_grad():
         whole = model(**inputs)
-        cache = model.new_cache(3, torch.device("cpu"))
+        cache = model.run_cache(3, torch.device("cpu"))
         steps = [model(**{k: v[:, :12] for k, v in inputs.items()}, cache=cache)]
         steps += [model(**{k: v[:, t : t + 1] for k, v in inputs.items()}, cache=cache)
                   for t in range(12, 30)]  # fmt: skip
