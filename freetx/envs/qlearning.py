@@ -17,7 +17,15 @@ from typing import Any
 
 import numpy as np
 
-from freetx.envs.darkroom import NUM_ACTIONS, STAY, DarkRoom, DarkRoomConfig, goal_split
+from freetx.envs.darkroom import (
+    NUM_ACTIONS,
+    STAY,
+    DarkRoom,
+    DarkRoomConfig,
+    centre,
+    goal_split,
+    state_index,
+)
 from freetx.fields import at_least, refuse_meaningless
 
 
@@ -61,6 +69,15 @@ class HistoryConfig:
     # this it often went on exploring (the goal reached once was worth 1 + discount x
     # initial_q, about as much as an untried action)
     knows_stay: bool = False
+    # the cell the learner starts on is the one cell it is in without having entered it: its
+    # reward shows only when a step ends there (a stay, or a way back). With K here, the
+    # learner stays on an episode's first step whenever none of its last K episodes had a
+    # step end on the start cell. At the whole episodes AD's context holds before the current
+    # one (model.n_transit // env.horizon - 1), every window AD trains on shows the start cell
+    # tested, so AD tests it too and a goal there is found at a run's first step (none of the
+    # histories has its goal there when the start cell is held out); 0: only as the learner's
+    # optimism leads it back
+    start_test_episodes: int = at_least(0, default=0)
     expert: bool = False  # Expert Distillation control: the final policy's episodes only
     subsample: int = at_least(
         1, default=1
@@ -169,16 +186,22 @@ def learning_histories(
     # learning episodes; for ED, then the final policy acting for as many episodes,
     # written over the learning ones (only the expert's episodes are kept)
     horizon = env_cfg.horizon
+    start = int(state_index(centre(env_cfg.grid_size), env_cfg.grid_size))
     for phase in ("learn", "expert") if cfg.expert else ("learn",):
         t = 0
+        start_tested = np.full(n, -(10**9))  # the last episode in which a step ended on it
         for episode in range(cfg.episodes):
             epsilon = cfg.epsilon_end if phase == "expert" else _epsilon(episode, cfg)
             states = env.reset()
             visited = np.zeros((n, horizon + 1), dtype=np.int64)
+            retest = episode - start_tested > cfg.start_test_episodes
             done = False
             while not done:
                 actions = act(states, epsilon)
+                if cfg.start_test_episodes and env.t == 0:
+                    actions[retest] = STAY
                 next_states, rewards, done = env.step(actions)
+                start_tested[next_states == start] = episode
                 if phase == "learn":
                     learn(states, actions, rewards, next_states, last=done)
                 out["states"][:, t] = states

@@ -171,6 +171,42 @@ def test_a_planner_that_knows_what_staying_does_goes_back_to_a_goal_it_found():
     assert back_the_next_episode().mean() < 0.9
 
 
+def test_the_learner_tests_the_start_cell_within_every_k_episodes():
+    """start_test_episodes K: an episode starts with a stay exactly when none of the last K
+    episodes had a step end on the start cell (the cell is tested where AD's context shows
+    it); a goal at the start cell is then found at the first step of the first episode. Off,
+    the histories are the learner's own."""
+    env = DarkRoomConfig(split_seed=3)
+    centre_id = 4 * 9 + 4
+    goals = np.concatenate([goal_split(env).train[:6], [[4, 4]]])
+
+    def histories(**extra):
+        cfg = HistoryConfig(streams_per_goal=2, episodes=20, learning_rate=1.0, initial_q=3,
+                            epsilon_start=0.05, epsilon_end=0.05, backward_replay=True,
+                            planning_sweeps=20, knows_stay=True, seed=3, **extra)  # fmt: skip
+        return learning_histories(np.arange(len(goals)), goals, env, cfg)
+
+    k = 3
+    tested = histories(start_test_episodes=k)
+    actions = tested["actions"].reshape(-1, 20, 20)  # stream, episode, step
+    room = DarkRoom(np.repeat(goals, 2, axis=0), env)
+    last = np.full(len(actions), -(10**9))  # per stream: the last episode a step ended on it
+    must = np.zeros(actions.shape[:2], dtype=bool)
+    for episode in range(20):
+        room.reset()
+        must[:, episode] = episode - last > k
+        for step in range(20):
+            ends = room.step(actions[:, episode, step])[0]
+            last[ends == centre_id] = episode
+    assert (actions[must, 0] == 4).all() and must[:, 0].all() and must[:, 1:].any()
+    assert (actions[~must, 0] == 4).mean() < 0.2  # the others: the learner's own choice
+    at_start = tested["rewards"][-2:].reshape(2, 20, 20)
+    assert (at_start[:, 0, 0] == 1).all()  # the goal at the start: found by the first step
+    untested = histories()
+    assert not np.array_equal(untested["actions"], tested["actions"])
+    assert np.array_equal(untested["actions"], histories(start_test_episodes=0)["actions"])
+
+
 def test_a_planner_that_remembers_less_learns_less():
     """memory_episodes: the planner's model of the room holds only its last K episodes (as
     AD's context does), rebuilt after each episode. The shipped learner (knows_stay)
@@ -348,12 +384,11 @@ def test_planning_histories_have_their_own_cache_and_the_others_keep_theirs(tmp_
         tmp_path, ENV, HistoryConfig(planning_sweeps=20, memory_episodes=4)
     )
     staying = histories_cache(tmp_path, ENV, HistoryConfig(planning_sweeps=20, knows_stay=True))
-    assert len({plain.folder, planned.folder, remembering.folder, staying.folder}) == 4
-    settings = {
-        k: v
-        for k, v in asdict(HistoryConfig()).items()
-        if k not in ("subsample", "planning_sweeps", "memory_episodes", "knows_stay")
-    }
+    testing = histories_cache(tmp_path, ENV, HistoryConfig(start_test_episodes=4))
+    folders = {plain.folder, planned.folder, remembering.folder, staying.folder, testing.folder}
+    assert len(folders) == 5
+    knobs = ("subsample", "planning_sweeps", "memory_episodes", "knows_stay", "start_test_episodes")
+    settings = {k: v for k, v in asdict(HistoryConfig()).items() if k not in knobs}
     before = ShardCache.for_settings(
         tmp_path, "darkroom_ad", {"env": asdict(ENV), "histories": settings}
     )
