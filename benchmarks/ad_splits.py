@@ -93,7 +93,8 @@ def goal_rows(name: str, results: dict[int, dict], dirs: dict[int, Path]) -> lis
     """Per test goal: its cell, optimum (walk straight there, then stay: the run's room),
     last-5 return, and of its runs (seeds), those that reached the goal in some episode
     and those that reached it but ended below half its optimum (found it, did not stay:
-    from each run's curve, in runs whose report has them)."""
+    from each run's curve, in runs whose report has them). The start cell is marked: held
+    out, it is the goal no history shows rewarded (docs/recipes/ad_ddp.md)."""
     import numpy as np
     from omegaconf import OmegaConf
 
@@ -111,7 +112,8 @@ def goal_rows(name: str, results: dict[int, dict], dirs: dict[int, Path]) -> lis
                 found = (curves > 0).any(-1)
                 reached = f"{found.sum()}/{len(curves)}"
                 left = str((found & (curves[:, -5:].mean(-1) < optimal / 2)).sum())
-            rows.append([name, str(split), f"({x}, {y})", f"{optimal:g}", f"{value:.2f}",
+            start = " (start)" if x == y == env.grid_size // 2 else ""
+            rows.append([name, str(split), f"({x}, {y}){start}", f"{optimal:g}", f"{value:.2f}",
                          f"{value / optimal:.0%}", reached, left])  # fmt: skip
     return rows
 

@@ -13,7 +13,7 @@ from benchmarks import ad_splits
 from freetx.envs.darkroom import DarkRoomConfig, goal_split
 
 
-def finished_run(folder, per_goal, compress=None, curve_end=12.0):
+def finished_run(folder, per_goal, compress=None, curve_end=12.0, goals=((4, 5), (8, 8))):
     """A run folder as ad_ddp leaves it: 2 test goals (optima 17 and 13), 30 episodes."""
     (folder / "eval").mkdir(parents=True)
     model = {"n_transit": 83 if compress else 100}
@@ -23,7 +23,7 @@ def finished_run(folder, per_goal, compress=None, curve_end=12.0):
                for s in range(1, 6)]  # fmt: skip
     (folder / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in records))
     curve = [0.0] * 25 + [curve_end] * 5
-    test = {"goals": [[4, 5], [8, 8]], "returns_per_episode": curve, "last5_per_goal": per_goal,
+    test = {"goals": [list(g) for g in goals], "returns_per_episode": curve, "last5_per_goal": per_goal,
             "optimal_return": 15.0}  # fmt: skip
     (folder / "eval" / "in_context_returns.json").write_text(
         json.dumps({"temperature": 0.5, "test": test})
@@ -53,6 +53,9 @@ def test_tables_and_verdict_from_finished_runs(tmp_path):
     missed = ad_splits.verdict("compressed AD", compressed)
     assert "misses the goal" in missed and "1 of 2 test goals below 8" in missed
     assert "60% of the optimum" in missed
+    start = {2: finished_run(tmp_path / "ad_s2", [0.0, 10.0], goals=((4, 4), (8, 8)))}
+    goals = ad_splits.goal_rows("AD", start, {2: tmp_path / "ad_s2"})
+    assert [r[2:4] for r in goals] == [["(4, 4) (start)", "20"], ["(8, 8)", "13"]]
 
 
 def test_the_source_curve_is_the_shipped_histories_or_the_overridden_ones():
