@@ -74,9 +74,9 @@ class HistoryConfig:
     # learner stays on an episode's first step whenever none of its last K episodes had a
     # step end on the start cell. At the whole episodes AD's context holds before the current
     # one (model.n_transit // env.horizon - 1), every window AD trains on shows the start cell
-    # tested, so AD tests it too and a goal there is found at a run's first step (none of the
-    # histories has its goal there when the start cell is held out); 0: only as the learner's
-    # optimism leads it back
+    # tested. A study knob: with the start cell held out, AD then tests it and is rewarded,
+    # but does not stay (docs/recipes/ad_ddp.md, "A goal at the start cell"); 0: the learner
+    # comes back to it only as its optimism leads it
     start_test_episodes: int = at_least(0, default=0)
     expert: bool = False  # Expert Distillation control: the final policy's episodes only
     subsample: int = at_least(
