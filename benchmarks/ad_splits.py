@@ -136,12 +136,13 @@ SOURCE_EPISODES = (1, 5, 10, 15, 20, 30, 60)
 
 def source_rows(name: str, split: int, overrides: list[str]) -> list[str]:
     """The source algorithm's learning on a split's training goals, as AD sees it: the
-    streams' mean return per episode as a share of each goal's optimum, the streams whose
+    streams' mean return per episode as a share of each goal's optimum (from the stream's
+    start: the centre, or with `histories.random_start` its own cell), the streams whose
     last episode is below 80% of it (a detour kept, or no goal found), the worst goal, and
     of the streams that found their goal before their last episode, those rewarded again
     the episode after (the source goes back to a goal it found: what AD learns to do); and
-    of the streams whose goal is one of the farthest cells (7 or 8 steps from the start on
-    9x9), those that did not find it within the `eval.episodes` an in-context run has (of
+    of the streams whose goal is one of the farthest cells (7 or more steps from the start:
+    from the centre of 9x9, 7 or 8), those that did not find it within the `eval.episodes` an in-context run has (of
     the history as AD reads it: with `histories.subsample` k, every k-th episode)."""
     import numpy as np
 
@@ -149,7 +150,6 @@ def source_rows(name: str, split: int, overrides: list[str]) -> list[str]:
     from freetx.config.run_config import load_recipe_config
     from freetx.data.darkroom import subsample_episodes
     from freetx.envs import goal_split, learning_histories, optimal_return
-    from freetx.envs.darkroom import centre
 
     cfg = load_recipe_config("ad/darkroom_tiny", [f"env.split_seed={split}",
                              f"histories.seed={split}", *overrides], load_recipe("ad_ddp").schema)  # fmt: skip
@@ -159,15 +159,18 @@ def source_rows(name: str, split: int, overrides: list[str]) -> list[str]:
     made = subsample_episodes(made, histories.subsample, env.horizon)  # as the recipe loads them
     length = made["rewards"].shape[1]
     returns = made["rewards"].reshape(len(goals), -1, length // env.horizon, env.horizon)
-    share = returns.sum(-1) / optimal_return(goals, env)[:, None, None]  # goal, stream, episode
+    first_cells = made["states"][:, 0].reshape(len(goals), -1)  # each stream's start
+    starts = np.stack([first_cells // env.grid_size, first_cells % env.grid_size], -1)
+    optima = optimal_return(goals[:, None], env, starts)  # goal, stream
+    share = returns.sum(-1) / optima[:, :, None]  # goal, stream, episode
     by_episode = share.mean((0, 1))
     rewarded = returns.sum(-1).reshape(-1, share.shape[-1]) > 0  # stream, episode
     first = rewarded.argmax(-1)
     found = rewarded.any(-1) & (first < rewarded.shape[1] - 1)
     back = rewarded[found.nonzero()[0], first[found] + 1]
-    distance = np.abs(goals - centre(env.grid_size)).sum(-1)
+    distance = np.abs(goals[:, None] - starts).sum(-1)  # goal, stream
     farthest = 2 * (env.grid_size // 2)  # a corner's distance from the centre
-    far = np.repeat(distance >= farthest - 1, returns.shape[1])  # per stream
+    far = (distance >= farthest - 1).reshape(-1)  # per stream
     missed = ~rewarded[far, : cfg.eval.episodes].any(-1)
     return (
         [name, str(split)]

@@ -27,7 +27,8 @@ def histories_cache(data_dir: str | Path, env_cfg: Any, cfg: Any) -> ShardCache:
     sections as dataclasses); subsampling is applied on load, so it is not part of the key."""
     generation = {k: v for k, v in asdict(cfg).items() if k != "subsample"}
     # histories made before the planner's knobs keep their key while the knobs are off
-    for knob in ("planning_sweeps", "memory_episodes", "knows_stay", "start_test_episodes"):
+    knobs = ("planning_sweeps", "memory_episodes", "knows_stay", "start_test_episodes")
+    for knob in (*knobs, "random_start"):
         if not generation.get(knob):
             generation.pop(knob, None)
     kind = "ed" if cfg.expert else "ad"

@@ -78,9 +78,12 @@ def goal_split(cfg: DarkRoomConfig) -> GoalSplit:
     return GoalSplit(train, cells[order[cut - cfg.val_goals : cut]], cells[order[cut:]])
 
 
-def optimal_return(goals: np.ndarray, cfg: DarkRoomConfig) -> np.ndarray:
-    """Walk straight to the goal, then stay: one reward per step from arrival on."""
-    distance = np.abs(goals - centre(cfg.grid_size)).sum(-1)
+def optimal_return(
+    goals: np.ndarray, cfg: DarkRoomConfig, starts: np.ndarray | None = None
+) -> np.ndarray:
+    """Walk straight to the goal from the centre (or `starts`, cells like `goals`), then
+    stay: one reward per step from arrival on."""
+    distance = np.abs(goals - (centre(cfg.grid_size) if starts is None else starts)).sum(-1)
     return np.clip(cfg.horizon + 1 - distance, 0, cfg.horizon).astype(np.float64)
 
 
@@ -93,9 +96,12 @@ class DarkRoom:
         self.positions = np.zeros_like(self.goals)
         self.t = 0
 
-    def reset(self) -> np.ndarray:
-        """Every environment back to the centre; returns the state indices."""
-        self.positions = np.tile(centre(self.cfg.grid_size), (len(self.goals), 1))
+    def reset(self, starts: np.ndarray | None = None) -> np.ndarray:
+        """Every environment back to the centre, or to `starts` ([n, 2] cells) where given;
+        returns the state indices."""
+        if starts is None:
+            starts = np.tile(centre(self.cfg.grid_size), (len(self.goals), 1))
+        self.positions = np.array(starts, dtype=np.int64)
         self.t = 0
         return state_index(self.positions, self.cfg.grid_size)
 

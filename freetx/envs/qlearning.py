@@ -78,6 +78,14 @@ class HistoryConfig:
     # but does not stay (docs/recipes/ad_ddp.md, "A goal at the start cell"); 0: the learner
     # comes back to it only as its optimism leads it
     start_test_episodes: int = at_least(0, default=0)
+    # the share of streams (drawn per stream) whose every episode starts on the stream's own
+    # uniformly random cell instead of the centre: the start becomes part of a task, as its
+    # goal is. With the centre held out, no history has its goal there, and every history
+    # shows AD the start cell left; a stream that starts on its goal shows it stayed on,
+    # rewarded, episode after episode, and the others that the cell one starts on is not
+    # always the centre (AD's evaluation still starts at the centre). 0: every episode
+    # starts at the centre
+    random_start: float = 0.0
     expert: bool = False  # Expert Distillation control: the final policy's episodes only
     subsample: int = at_least(
         1, default=1
@@ -89,9 +97,16 @@ class HistoryConfig:
 
     @staticmethod
     def meaningless(values: dict[str, Any]) -> dict[str, str]:
-        """The planner's knobs without the planner (freetx.fields: checked by `freetx
-        validate`, before a run, and here), by key: why, and the fix."""
+        """The planner's knobs without the planner, a random-start share that is no share
+        (freetx.fields: checked by `freetx validate`, before a run, and here), by key: why,
+        and the fix."""
         found = {}
+        share = values.get("random_start", 0.0)
+        if not (isinstance(share, (int, float)) and 0 <= share <= 1):
+            found["random_start"] = (
+                "it is the share of the source's streams that start on a random cell, a "
+                "probability; set it in [0, 1] (0: every episode starts at the centre)."
+            )
         if not values.get("planning_sweeps"):
             for key in ("memory_episodes", "knows_stay"):
                 if values.get(key):
@@ -106,6 +121,17 @@ class HistoryConfig:
 def _epsilon(episode: int, cfg: HistoryConfig) -> float:
     progress = min(1.0, episode / max(1, cfg.epsilon_decay_episodes))
     return cfg.epsilon_start + (cfg.epsilon_end - cfg.epsilon_start) * progress
+
+
+def _starts(rngs: list[np.random.Generator], grid_size: int, share: float) -> np.ndarray:
+    """Each stream's start cell: the centre, or with probability `share` a uniformly random
+    cell (drawn from the stream's own generator, nothing drawn at 0)."""
+    starts = np.tile(centre(grid_size), (len(rngs), 1))
+    if share:
+        for i, rng in enumerate(rngs):
+            if rng.random() < share:
+                starts[i] = rng.integers(grid_size, size=2)
+    return starts
 
 
 def learning_histories(
@@ -186,13 +212,14 @@ def learning_histories(
     # learning episodes; for ED, then the final policy acting for as many episodes,
     # written over the learning ones (only the expert's episodes are kept)
     horizon = env_cfg.horizon
-    start = int(state_index(centre(env_cfg.grid_size), env_cfg.grid_size))
+    starts = _starts(rngs, env_cfg.grid_size, cfg.random_start)  # every episode's, per stream
+    start = state_index(starts, env_cfg.grid_size)
     for phase in ("learn", "expert") if cfg.expert else ("learn",):
         t = 0
         start_tested = np.full(n, -(10**9))  # the last episode in which a step ended on it
         for episode in range(cfg.episodes):
             epsilon = cfg.epsilon_end if phase == "expert" else _epsilon(episode, cfg)
-            states = env.reset()
+            states = env.reset(starts)
             visited = np.zeros((n, horizon + 1), dtype=np.int64)
             retest = episode - start_tested > cfg.start_test_episodes
             done = False

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 from omegaconf import OmegaConf
 
 from benchmarks import ad_splits
+from freetx.envs import HistoryConfig, learning_histories
 from freetx.envs.darkroom import DarkRoomConfig, goal_split
 
 
@@ -80,5 +82,14 @@ def test_the_source_curve_is_the_shipped_histories_or_the_overridden_ones():
                                                        "histories.knows_stay=false",
                                                        "histories.epsilon_start=0.5"])  # fmt: skip
     assert float(unplanned[3]) < fifth  # the override reaches the histories: no directed search
+    # random starts: each stream's optimum and far goals are from its own start
+    moved = ad_splits.source_rows("moved", 0, [*small, "histories.random_start=1.0"])
+    env = DarkRoomConfig(split_seed=0)
+    goals = goal_split(env).train
+    cfg = HistoryConfig(episodes=1, streams_per_goal=1, random_start=1.0, seed=0)
+    starts = learning_histories(np.arange(len(goals)), goals, env, cfg)["states"][:, 0]
+    distance = np.abs(goals - np.stack([starts // 9, starts % 9], -1)).sum(-1)
+    assert moved[-1].endswith(f" of {(distance >= 7).sum()}") and (distance >= 7).sum() > len(far)
+    assert all(0 <= float(v) <= 1 for v in moved[2:4])
     with pytest.raises(ConfigError, match="did you mean 'histories'"):
         ad_splits.source_rows("typo", 0, ["history.episodes=5"])

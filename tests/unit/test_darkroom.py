@@ -207,6 +207,52 @@ def test_the_learner_tests_the_start_cell_within_every_k_episodes():
     assert np.array_equal(untested["actions"], histories(start_test_episodes=0)["actions"])
 
 
+def test_random_starts_are_each_streams_own_and_a_start_on_the_goal_is_stayed_on():
+    """random_start p: each stream starts every episode on its own uniformly random cell with
+    probability p (else the centre); the histories are the room's own from those cells
+    (replayed); a stream's start depends on its (seed, goal id, stream), not on the goals
+    made alongside; streams that start on their goal stay on it, rewarded from the first
+    step; 0 changes nothing."""
+    env = DarkRoomConfig(split_seed=3)
+    goals, all_ids = goal_split(env).train[:20], np.arange(20)
+
+    def histories(ids=all_ids, cells=goals, streams=2, **extra):
+        cfg = HistoryConfig(streams_per_goal=streams, episodes=30, learning_rate=1.0,
+                            initial_q=3, epsilon_start=0.05, epsilon_end=0.05,
+                            backward_replay=True, planning_sweeps=20, knows_stay=True, seed=3,
+                            **extra)  # fmt: skip
+        return learning_histories(ids, cells, env, cfg)
+
+    centre_id = 4 * 9 + 4
+    some = histories(random_start=0.25)
+    firsts = some["states"][:, ::20]  # [stream, episode]: where each episode starts
+    assert (firsts == firsts[:, :1]).all()  # a stream's start is the same every episode
+    assert 0.1 < (firsts[:, 0] != centre_id).mean() < 0.45
+    fewer = histories(ids=np.arange(5), cells=goals[:5], random_start=0.25)
+    assert np.array_equal(fewer["states"], some["states"][:10])
+    room = DarkRoom(np.repeat(goals, 2, axis=0), env)
+    actions = some["actions"].reshape(40, 30, 20)
+    start = np.stack([firsts[:, 0] // 9, firsts[:, 0] % 9], -1)
+    for episode in range(30):
+        states = room.reset(start)
+        for step in range(20):
+            t = episode * 20 + step
+            assert np.array_equal(states, some["states"][:, t])
+            states, rewards, _ = room.step(actions[:, episode, step])
+            assert np.array_equal(rewards, some["rewards"][:, t])
+    # the starts come from the goal ids' random streams: goals put on them are started on
+    starts = histories(streams=1, random_start=1.0)["states"][:, 0]
+    assert len(np.unique(starts)) >= 12 and (starts != centre_id).all()
+    on_goal = histories(cells=np.stack([starts // 9, starts % 9], -1), streams=1, random_start=1.0)
+    assert np.array_equal(on_goal["states"][:, 0], starts)
+    returns = on_goal["rewards"].reshape(20, 30, 20).sum(-1)
+    stays = on_goal["rewards"][:, ::20][:, -10:]  # the first step of the last 10 episodes
+    assert returns[:, 0].mean() > 8 and returns[:, -10:].mean() > 17 and stays.mean() > 0.9
+    plain = histories()
+    assert np.array_equal(plain["actions"], histories(random_start=0.0)["actions"])
+    assert not np.array_equal(plain["actions"], some["actions"])
+
+
 def test_a_planner_that_remembers_less_learns_less():
     """memory_episodes: the planner's model of the room holds only its last K episodes (as
     AD's context does), rebuilt after each episode. The shipped learner (knows_stay)
@@ -385,9 +431,12 @@ def test_planning_histories_have_their_own_cache_and_the_others_keep_theirs(tmp_
     )
     staying = histories_cache(tmp_path, ENV, HistoryConfig(planning_sweeps=20, knows_stay=True))
     testing = histories_cache(tmp_path, ENV, HistoryConfig(start_test_episodes=4))
-    folders = {plain.folder, planned.folder, remembering.folder, staying.folder, testing.folder}
-    assert len(folders) == 5
-    knobs = ("subsample", "planning_sweeps", "memory_episodes", "knows_stay", "start_test_episodes")
+    moving = histories_cache(tmp_path, ENV, HistoryConfig(random_start=0.25))
+    folders = {plain.folder, planned.folder, remembering.folder, staying.folder, testing.folder,
+               moving.folder}  # fmt: skip
+    assert len(folders) == 6
+    knobs = ("subsample", "planning_sweeps", "memory_episodes", "knows_stay",
+             "start_test_episodes", "random_start")  # fmt: skip
     settings = {k: v for k, v in asdict(HistoryConfig()).items() if k not in knobs}
     before = ShardCache.for_settings(
         tmp_path, "darkroom_ad", {"env": asdict(ENV), "histories": settings}
