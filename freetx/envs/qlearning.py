@@ -83,8 +83,9 @@ class HistoryConfig:
     # goal is. With the centre held out, no history has its goal there, and every history
     # shows AD the start cell left; a stream that starts on its goal shows it stayed on,
     # rewarded, episode after episode, and the others that the cell one starts on is not
-    # always the centre (AD's evaluation still starts at the centre). 0: every episode
-    # starts at the centre
+    # always the centre (AD's evaluation still starts at the centre). A study knob: AD kept
+    # a held-out start cell only at 1.0, where the far goals lost (docs/recipes/ad_ddp.md,
+    # "A goal at the start cell"); 0: every episode starts at the centre
     random_start: float = 0.0
     expert: bool = False  # Expert Distillation control: the final policy's episodes only
     subsample: int = at_least(
