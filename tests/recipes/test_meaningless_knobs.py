@@ -57,7 +57,7 @@ TOPK = ["model.activation=batchtopk", "model.k=8"]
       "'histories.knows_stay' is True: it shapes the planner's model of the room, and there "
       "is no planner (histories.planning_sweeps=0)"),
      ("ad/darkroom_tiny", ["histories.random_start=1.5"],
-      "'histories.random_start' is 1.5: it is the share of the source's episodes that start "
+      "'histories.random_start' is 1.5: it is the share of the source's streams that start "
       "on a random cell, a probability; set it in [0, 1]"),
      ("llm/tiny", ["model.pad_token_id=259"], "'model.pad_token_id' is 259: it is the "
       "embedding row that gets no gradient (transformers' padding_idx); set an id below "
