@@ -142,8 +142,9 @@ def source_rows(name: str, split: int, overrides: list[str]) -> list[str]:
     of the streams that found their goal before their last episode, those rewarded again
     the episode after (the source goes back to a goal it found: what AD learns to do); and
     of the streams whose goal is one of the farthest cells (7 or more steps from the start:
-    from the centre of 9x9, 7 or 8), those that did not find it within the `eval.episodes` an in-context run has (of
-    the history as AD reads it: with `histories.subsample` k, every k-th episode)."""
+    from the centre of 9x9, 7 or 8), those that did not find it within the `eval.episodes`
+    an in-context run has (of the history as AD reads it: with `histories.subsample` k,
+    every k-th episode)."""
     import numpy as np
 
     from freetx.cli.common import load_recipe

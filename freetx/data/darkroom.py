@@ -27,8 +27,9 @@ def histories_cache(data_dir: str | Path, env_cfg: Any, cfg: Any) -> ShardCache:
     sections as dataclasses); subsampling is applied on load, so it is not part of the key."""
     generation = {k: v for k, v in asdict(cfg).items() if k != "subsample"}
     # histories made before the planner's knobs keep their key while the knobs are off
-    knobs = ("planning_sweeps", "memory_episodes", "knows_stay", "start_test_episodes")
-    for knob in (*knobs, "random_start"):
+    knobs = ("planning_sweeps", "memory_episodes", "knows_stay", "start_test_episodes",
+             "random_start")  # fmt: skip
+    for knob in knobs:
         if not generation.get(knob):
             generation.pop(knob, None)
     kind = "ed" if cfg.expert else "ad"
