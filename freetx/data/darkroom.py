@@ -28,7 +28,7 @@ def histories_cache(data_dir: str | Path, env_cfg: Any, cfg: Any) -> ShardCache:
     generation = {k: v for k, v in asdict(cfg).items() if k != "subsample"}
     # histories made before the planner's knobs keep their key while the knobs are off
     knobs = ("planning_sweeps", "memory_episodes", "knows_stay", "start_test_episodes",
-             "random_start")  # fmt: skip
+             "random_start", "start_on_goal")  # fmt: skip
     for knob in knobs:
         if not generation.get(knob):
             generation.pop(knob, None)

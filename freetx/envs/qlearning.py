@@ -83,10 +83,17 @@ class HistoryConfig:
     # goal is. With the centre held out, no history has its goal there, and every history
     # shows AD the start cell left; a stream that starts on its goal shows it stayed on,
     # rewarded, episode after episode, and the others that the cell one starts on is not
-    # always the centre (AD's evaluation still starts at the centre). A study knob: AD kept
-    # a held-out start cell only at 1.0, where the far goals lost (docs/recipes/ad_ddp.md,
-    # "A goal at the start cell"); 0: every episode starts at the centre
+    # always the centre (AD's evaluation still starts at the centre). The tiny configs: 1.0
+    # with 12 streams a goal (each stream a (start, goal) task of its own), where AD keeps a
+    # held-out start cell and the far goals (docs/recipes/ad_ddp.md, "A goal at the start
+    # cell"); 0: every episode starts at the centre
     random_start: float = 0.0
+    # the share of streams (drawn per stream, before random_start) whose every episode starts
+    # on the stream's own goal: a goal at the start cell is then a task every split's
+    # histories show, whichever cells it holds out, rewarded only by staying (or coming
+    # back). A study knob: AD found a held-out centre then and did not stay
+    # (docs/recipes/ad_ddp.md, "A goal at the start cell"); 0: none
+    start_on_goal: float = 0.0
     expert: bool = False  # Expert Distillation control: the final policy's episodes only
     subsample: int = at_least(
         1, default=1
@@ -102,12 +109,13 @@ class HistoryConfig:
         (freetx.fields: checked by `freetx validate`, before a run, and here), by key: why,
         and the fix."""
         found = {}
-        share = values.get("random_start", 0.0)
-        if not (isinstance(share, (int, float)) and 0 <= share <= 1):
-            found["random_start"] = (
-                "it is the share of the source's streams that start on a random cell, a "
-                "probability; set it in [0, 1] (0: every episode starts at the centre)."
-            )
+        for key, where in (("random_start", "a random cell"), ("start_on_goal", "their goal")):
+            share = values.get(key, 0.0)
+            if not (isinstance(share, (int, float)) and 0 <= share <= 1):
+                found[key] = (
+                    f"it is the share of the source's streams that start on {where}, a "
+                    "probability; set it in [0, 1] (0: every episode starts at the centre)."
+                )
         if not values.get("planning_sweeps"):
             for key in ("memory_episodes", "knows_stay"):
                 if values.get(key):
@@ -124,14 +132,18 @@ def _epsilon(episode: int, cfg: HistoryConfig) -> float:
     return cfg.epsilon_start + (cfg.epsilon_end - cfg.epsilon_start) * progress
 
 
-def _starts(rngs: list[np.random.Generator], grid_size: int, share: float) -> np.ndarray:
-    """Each stream's start cell: the centre, or with probability `share` a uniformly random
-    cell (drawn from the stream's own generator, nothing drawn at 0)."""
+def _starts(
+    rngs: list[np.random.Generator], goals: np.ndarray, grid_size: int, cfg: HistoryConfig
+) -> np.ndarray:
+    """Each stream's start cell: its goal with probability `start_on_goal`, else a uniformly
+    random cell with probability `random_start`, else the centre (drawn from the stream's own
+    generator, nothing drawn for a share of 0)."""
     starts = np.tile(centre(grid_size), (len(rngs), 1))
-    if share:
-        for i, rng in enumerate(rngs):
-            if rng.random() < share:
-                starts[i] = rng.integers(grid_size, size=2)
+    for i, rng in enumerate(rngs):
+        if cfg.start_on_goal and rng.random() < cfg.start_on_goal:
+            starts[i] = goals[i]
+        elif cfg.random_start and rng.random() < cfg.random_start:
+            starts[i] = rng.integers(grid_size, size=2)
     return starts
 
 
@@ -213,7 +225,7 @@ def learning_histories(
     # learning episodes; for ED, then the final policy acting for as many episodes,
     # written over the learning ones (only the expert's episodes are kept)
     horizon = env_cfg.horizon
-    starts = _starts(rngs, env_cfg.grid_size, cfg.random_start)  # every episode's, per stream
+    starts = _starts(rngs, env_goals, env_cfg.grid_size, cfg)  # every episode's, per stream
     start = state_index(starts, env_cfg.grid_size)
     for phase in ("learn", "expert") if cfg.expert else ("learn",):
         t = 0

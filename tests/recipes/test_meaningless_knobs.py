@@ -59,6 +59,9 @@ TOPK = ["model.activation=batchtopk", "model.k=8"]
      ("ad/darkroom_tiny", ["histories.random_start=1.5"],
       "'histories.random_start' is 1.5: it is the share of the source's streams that start "
       "on a random cell, a probability; set it in [0, 1]"),
+     ("ad/darkroom_tiny", ["histories.start_on_goal=-0.1"],
+      "'histories.start_on_goal' is -0.1: it is the share of the source's streams that start "
+      "on their goal, a probability; set it in [0, 1]"),
      ("llm/tiny", ["model.pad_token_id=259"], "'model.pad_token_id' is 259: it is the "
       "embedding row that gets no gradient (transformers' padding_idx); set an id below "
       "vocab_size=259, or null for none.")],

@@ -253,6 +253,35 @@ def test_random_starts_are_each_streams_own_and_a_start_on_the_goal_is_stayed_on
     assert not np.array_equal(plain["actions"], some["actions"])
 
 
+def test_a_share_of_streams_start_on_their_goal_and_stay_there():
+    """start_on_goal q: each stream starts every episode on its own goal with probability q
+    (drawn from the stream's own generator: the goals made alongside change nothing), and
+    stays there once its first stays are rewarded; the others start at the centre; 0
+    changes nothing."""
+    env = DarkRoomConfig(split_seed=3)
+    goals, ids = goal_split(env).train[:20], np.arange(20)
+
+    def histories(ids=ids, cells=goals, **extra):
+        cfg = HistoryConfig(streams_per_goal=2, episodes=30, learning_rate=1.0, initial_q=3,
+                            epsilon_start=0.05, epsilon_end=0.05, backward_replay=True,
+                            planning_sweeps=20, knows_stay=True, seed=3, **extra)  # fmt: skip
+        return learning_histories(ids, cells, env, cfg)
+
+    some = histories(start_on_goal=0.5)
+    firsts = some["states"][:, ::20]  # [stream, episode]: where each episode starts
+    assert (firsts == firsts[:, :1]).all()
+    goal_cells = np.repeat(goals[:, 0] * 9 + goals[:, 1], 2)
+    on_goal = firsts[:, 0] == goal_cells
+    assert 0.25 < on_goal.mean() < 0.75 and (firsts[~on_goal, 0] == 4 * 9 + 4).all()
+    fewer = histories(ids=ids[:5], cells=goals[:5], start_on_goal=0.5)
+    assert np.array_equal(fewer["states"], some["states"][:10])
+    returns = some["rewards"].reshape(40, 30, 20).sum(-1)
+    assert returns[on_goal, -10:].mean() > 17  # every step on the goal, or nearly
+    plain = histories()
+    assert np.array_equal(plain["actions"], histories(start_on_goal=0.0)["actions"])
+    assert not np.array_equal(plain["actions"], some["actions"])
+
+
 def test_a_planner_that_remembers_less_learns_less():
     """memory_episodes: the planner's model of the room holds only its last K episodes (as
     AD's context does), rebuilt after each episode. The shipped learner (knows_stay)
@@ -432,11 +461,12 @@ def test_planning_histories_have_their_own_cache_and_the_others_keep_theirs(tmp_
     staying = histories_cache(tmp_path, ENV, HistoryConfig(planning_sweeps=20, knows_stay=True))
     testing = histories_cache(tmp_path, ENV, HistoryConfig(start_test_episodes=4))
     moving = histories_cache(tmp_path, ENV, HistoryConfig(random_start=0.25))
+    on_goal = histories_cache(tmp_path, ENV, HistoryConfig(start_on_goal=0.25))
     folders = {plain.folder, planned.folder, remembering.folder, staying.folder, testing.folder,
-               moving.folder}  # fmt: skip
-    assert len(folders) == 6
+               moving.folder, on_goal.folder}  # fmt: skip
+    assert len(folders) == 7
     knobs = ("subsample", "planning_sweeps", "memory_episodes", "knows_stay",
-             "start_test_episodes", "random_start")  # fmt: skip
+             "start_test_episodes", "random_start", "start_on_goal")  # fmt: skip
     settings = {k: v for k, v in asdict(HistoryConfig()).items() if k not in knobs}
     before = ShardCache.for_settings(
         tmp_path, "darkroom_ad", {"env": asdict(ENV), "histories": settings}
