@@ -109,12 +109,14 @@ class HistoryConfig:
         (freetx.fields: checked by `freetx validate`, before a run, and here), by key: why,
         and the fix."""
         found = {}
-        for key, where in (("random_start", "a random cell"), ("start_on_goal", "their goal")):
+        shares = (("random_start", "a random cell", "every episode starts at the centre"),
+                  ("start_on_goal", "their goal", "no stream starts on its goal"))  # fmt: skip
+        for key, where, none in shares:
             share = values.get(key, 0.0)
             if not (isinstance(share, (int, float)) and 0 <= share <= 1):
                 found[key] = (
                     f"it is the share of the source's streams that start on {where}, a "
-                    "probability; set it in [0, 1] (0: every episode starts at the centre)."
+                    f"probability; set it in [0, 1] (0: {none})."
                 )
         if not values.get("planning_sweeps"):
             for key in ("memory_episodes", "knows_stay"):
